@@ -1,0 +1,43 @@
+"""The attention-backend interface every backend (torch_native, triton, flashinfer) implements."""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.layers.radix_attention import RadixAttention
+    from engine.model_executor.forward_batch_info import ForwardBatch
+
+
+class AttentionBackend(ABC):
+    """Shapes: q is [num_tokens, num_heads * head_dim]; k and v are
+    [num_tokens, num_kv_heads * head_dim]; the result is [num_tokens, num_heads * head_dim].
+    With save_kv_cache the backend stores k and v at forward_batch.out_cache_loc first."""
+
+    @abstractmethod
+    def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
+        """Build per-batch metadata once, before the layers run."""
+
+    def forward(
+        self,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        layer: "RadixAttention",
+        forward_batch: "ForwardBatch",
+        save_kv_cache: bool = True,
+    ) -> torch.Tensor:
+        if forward_batch.forward_mode.is_decode():
+            return self.forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+
+    @abstractmethod
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True) -> torch.Tensor:
+        ...
+
+    @abstractmethod
+    def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True) -> torch.Tensor:
+        ...

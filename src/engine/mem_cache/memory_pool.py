@@ -1,0 +1,99 @@
+"""Physical memory: the request-to-token table and the per-layer K/V buffers."""
+
+from __future__ import annotations
+
+from typing import List, Optional, Union
+
+import torch
+
+
+class ReqToTokenPool:
+    """`req_to_token[row, position] = kv slot` for every running request.
+
+    Row 0 is reserved (padding rows of CUDA graphs point at it); rows 1..size are handed out.
+    """
+
+    def __init__(self, size: int, max_context_len: int, device: str = "cpu") -> None:
+        self.size = size
+        self.max_context_len = max_context_len
+        self.device = device
+        self.req_to_token = torch.zeros((size + 1, max_context_len), dtype=torch.int32, device=device)
+        self.free_slots: List[int] = list(range(1, size + 1))
+        self._is_free = [False] + [True] * size
+
+    def available_size(self) -> int:
+        return len(self.free_slots)
+
+    def alloc(self, need_size: int) -> Optional[List[int]]:
+        if need_size > len(self.free_slots):
+            return None
+        rows = self.free_slots[:need_size]
+        self.free_slots = self.free_slots[need_size:]
+        for r in rows:
+            self._is_free[r] = False
+        return rows
+
+    def free(self, rows: Union[int, List[int]]) -> None:
+        if isinstance(rows, int):
+            rows = [rows]
+        for r in rows:
+            if not 1 <= r <= self.size:
+                raise ValueError(f"ReqToTokenPool.free: row {r} is not a row of this pool (1..{self.size})")
+            if self._is_free[r]:
+                raise ValueError(f"ReqToTokenPool.free: row {r} is already free (double free)")
+            self._is_free[r] = True
+            self.free_slots.append(r)
+
+    def write(self, index, values: torch.Tensor) -> None:
+        self.req_to_token[index] = values
+
+    def clear(self) -> None:
+        self.free_slots = list(range(1, self.size + 1))
+        self._is_free = [False] + [True] * self.size
+
+
+class MHATokenToKVPool:
+    """Per-layer K and V buffers `[size + page_size, kv_heads, head_dim]`.
+
+    Slots 0..page_size-1 (page 0) are never handed out: padded tokens write their dummy K/V there.
+    """
+
+    def __init__(
+        self,
+        size: int,
+        page_size: int,
+        dtype: torch.dtype,
+        head_num: int,
+        head_dim: int,
+        layer_num: int,
+        device: str = "cpu",
+    ) -> None:
+        self.size = size
+        self.page_size = page_size
+        self.dtype = dtype
+        self.head_num = head_num
+        self.head_dim = head_dim
+        self.layer_num = layer_num
+        self.device = device
+        shape = (size + page_size, head_num, head_dim)
+        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layer_num)]
+        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layer_num)]
+
+    def get_key_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.k_buffer[layer_id]
+
+    def get_value_buffer(self, layer_id: int) -> torch.Tensor:
+        return self.v_buffer[layer_id]
+
+    def get_kv_buffer(self, layer_id: int):
+        return self.k_buffer[layer_id], self.v_buffer[layer_id]
+
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
+        if cache_k.dtype != self.dtype:
+            cache_k = cache_k.to(self.dtype)
+            cache_v = cache_v.to(self.dtype)
+        self.k_buffer[layer_id][loc] = cache_k
+        self.v_buffer[layer_id][loc] = cache_v
+
+    def bytes_per_token(self) -> int:
+        return 2 * self.layer_num * self.head_num * self.head_dim * torch.tensor([], dtype=self.dtype).element_size()

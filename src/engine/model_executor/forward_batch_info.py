@@ -1,0 +1,161 @@
+"""What one forward needs: the worker batch snapshot and the device-side ForwardBatch.
+
+ScheduleBatch (scheduler, mutable)  ->  ModelWorkerBatch (immutable snapshot, CPU data)
+                                     ->  ForwardBatch (device tensors + attention metadata)
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import IntEnum, auto
+from typing import TYPE_CHECKING, Any, List, Optional
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.layers.attention.base_attn_backend import AttentionBackend
+    from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from engine.sampling.sampling_batch_info import SamplingBatchInfo
+
+
+class ForwardMode(IntEnum):
+    EXTEND = auto()  # prefill, possibly on top of a cached prefix
+    DECODE = auto()  # one new token per request
+    MIXED = auto()  # extend requests followed by decode requests (chunked prefill + decode)
+    IDLE = auto()  # no tokens (a TP/DP rank with nothing to do)
+
+    def is_extend(self) -> bool:
+        """True for modes that attention treats as extend (MIXED included)."""
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+
+    def is_decode(self) -> bool:
+        return self == ForwardMode.DECODE
+
+    def is_mixed(self) -> bool:
+        return self == ForwardMode.MIXED
+
+    def is_idle(self) -> bool:
+        return self == ForwardMode.IDLE
+
+
+@dataclass(frozen=True)
+class ModelWorkerBatch:
+    """An immutable snapshot of what the forward of one batch needs.
+
+    For DECODE and IDLE the `extend_*` lists are None. For MIXED the decode rows appear after the
+    extend rows with `extend_prefix_lens = seq_len - 1` and `extend_seq_lens = 1`.
+    `input_ids` may be None for DECODE when the worker gathers them from the overlap relay.
+    """
+
+    forward_mode: ForwardMode
+    input_ids: Optional[torch.Tensor]  # [num_tokens] int64
+    req_pool_indices: torch.Tensor  # [bs] int64
+    seq_lens: torch.Tensor  # [bs] int64, length after this forward
+    seq_lens_cpu: List[int]
+    out_cache_loc: torch.Tensor  # [num_tokens] int64
+    sampling_info: Optional["SamplingBatchInfo"] = None
+    return_logprob: bool = False
+    top_logprobs_nums: Optional[List[int]] = None
+    extend_num_tokens: Optional[int] = None
+    extend_seq_lens: Optional[List[int]] = None
+    extend_prefix_lens: Optional[List[int]] = None
+    # Per request: the first position (relative to the extend start) whose input logprob is asked.
+    extend_logprob_start_lens: Optional[List[int]] = None
+    # Flat: for every position whose input logprob is computed, the id of the token that follows it.
+    extend_input_logprob_token_ids: Optional[torch.Tensor] = None
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.seq_lens_cpu)
+
+
+@dataclass
+class ForwardBatch:
+    forward_mode: ForwardMode
+    batch_size: int
+    input_ids: torch.Tensor  # [num_tokens] int64
+    positions: torch.Tensor  # [num_tokens] int64
+    req_pool_indices: torch.Tensor  # [bs] int64
+    seq_lens: torch.Tensor  # [bs] int64
+    seq_lens_cpu: List[int]
+    out_cache_loc: torch.Tensor  # [num_tokens] int64
+    seq_lens_sum: int = 0
+
+    # Extend (and MIXED) only
+    extend_num_tokens: Optional[int] = None
+    extend_seq_lens: Optional[torch.Tensor] = None
+    extend_prefix_lens: Optional[torch.Tensor] = None
+    extend_start_loc: Optional[torch.Tensor] = None
+    extend_seq_lens_cpu: Optional[List[int]] = None
+    extend_prefix_lens_cpu: Optional[List[int]] = None
+    extend_logprob_start_lens_cpu: Optional[List[int]] = None
+    extend_input_logprob_token_ids: Optional[torch.Tensor] = None
+
+    # Sampling and logprobs
+    sampling_info: Optional["SamplingBatchInfo"] = None
+    return_logprob: bool = False
+    top_logprobs_nums: Optional[List[int]] = None
+
+    # Memory and attention
+    req_to_token_pool: Optional["ReqToTokenPool"] = None
+    token_to_kv_pool: Optional["MHATokenToKVPool"] = None
+    attn_backend: Optional["AttentionBackend"] = None
+    # Free-form per-backend metadata built by attn_backend.init_forward_metadata.
+    attn_metadata: Any = None
+
+    @classmethod
+    def init_new(cls, batch: ModelWorkerBatch, model_runner: Any) -> "ForwardBatch":
+        device = model_runner.device
+        mode = batch.forward_mode
+        seq_lens = batch.seq_lens.to(device, non_blocking=True)
+        ret = cls(
+            forward_mode=mode,
+            batch_size=batch.batch_size,
+            input_ids=batch.input_ids.to(device, non_blocking=True) if batch.input_ids is not None else None,
+            positions=None,  # type: ignore[arg-type]
+            req_pool_indices=batch.req_pool_indices.to(device, non_blocking=True),
+            seq_lens=seq_lens,
+            seq_lens_cpu=batch.seq_lens_cpu,
+            out_cache_loc=batch.out_cache_loc.to(device, non_blocking=True),
+            seq_lens_sum=sum(batch.seq_lens_cpu),
+            sampling_info=batch.sampling_info,
+            return_logprob=batch.return_logprob,
+            top_logprobs_nums=batch.top_logprobs_nums,
+            req_to_token_pool=model_runner.req_to_token_pool,
+            token_to_kv_pool=model_runner.token_to_kv_pool,
+            attn_backend=model_runner.attn_backend,
+        )
+        if mode.is_extend():
+            ext = batch.extend_seq_lens
+            pre = batch.extend_prefix_lens
+            ret.extend_num_tokens = batch.extend_num_tokens if batch.extend_num_tokens is not None else sum(ext)
+            ret.extend_seq_lens_cpu = list(ext)
+            ret.extend_prefix_lens_cpu = list(pre)
+            ret.extend_seq_lens = torch.tensor(ext, dtype=torch.int64, device=device)
+            ret.extend_prefix_lens = torch.tensor(pre, dtype=torch.int64, device=device)
+            ret.extend_start_loc = torch.cumsum(ret.extend_seq_lens, 0) - ret.extend_seq_lens
+            ret.extend_logprob_start_lens_cpu = (
+                list(batch.extend_logprob_start_lens) if batch.extend_logprob_start_lens is not None else None
+            )
+            if batch.extend_input_logprob_token_ids is not None:
+                ret.extend_input_logprob_token_ids = batch.extend_input_logprob_token_ids.to(device)
+            ret.positions = compute_extend_positions(pre, ext, device)
+        elif mode.is_decode():
+            ret.positions = torch.clamp(seq_lens - 1, min=0)
+        else:
+            ret.positions = torch.empty(0, dtype=torch.int64, device=device)
+        return ret
+
+
+def compute_extend_positions(prefix_lens: List[int], extend_lens: List[int], device) -> torch.Tensor:
+    """Positions prefix_len .. prefix_len + extend_len - 1 of each request, concatenated."""
+    if not extend_lens:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    ext = torch.tensor(extend_lens, dtype=torch.int64)
+    pre = torch.tensor(prefix_lens, dtype=torch.int64)
+    starts = torch.cumsum(ext, 0) - ext
+    total = int(ext.sum())
+    # position = (flat index - start of its request) + prefix of its request
+    owner = torch.repeat_interleave(torch.arange(len(extend_lens)), ext)
+    positions = torch.arange(total, dtype=torch.int64) - starts[owner] + pre[owner]
+    return positions.to(device)
