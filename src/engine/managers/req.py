@@ -1,0 +1,253 @@
+"""`Req`: one generation request as the scheduler sees it, and its finish reasons."""
+
+from __future__ import annotations
+
+import time
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.sampling.sampling_params import SamplingParams
+
+# Only the estimation of future decode room is clipped at this many tokens; stop conditions never are.
+CLIP_MAX_NEW_TOKENS_ESTIMATION = 4096
+_EMPTY_SLOTS = torch.empty((0,), dtype=torch.int64)
+
+
+class BaseFinishReason:
+    def to_json(self) -> Dict[str, Any]:
+        raise NotImplementedError
+
+
+class FINISH_MATCHED_TOKEN(BaseFinishReason):
+    def __init__(self, matched: int) -> None:
+        self.matched = matched
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"type": "stop", "matched": self.matched}
+
+
+class FINISH_MATCHED_STR(BaseFinishReason):
+    def __init__(self, matched: str) -> None:
+        self.matched = matched
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"type": "stop", "matched": self.matched}
+
+
+class FINISH_LENGTH(BaseFinishReason):
+    def __init__(self, length: int) -> None:
+        self.length = length
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"type": "length", "length": self.length}
+
+
+class FINISH_ABORT(BaseFinishReason):
+    def __init__(self, message: str = "Aborted", status_code: Optional[int] = None,
+                 err_type: Optional[str] = None) -> None:
+        self.message = message
+        self.status_code = status_code
+        self.err_type = err_type
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"type": "abort", "message": self.message, "status_code": self.status_code,
+                "err_type": self.err_type}
+
+
+class Req:
+    """A request's inputs, outputs and KV ownership record.
+
+    KV ownership (one row of req_to_token): the tree owns positions [0, cache_protected_len),
+    the request owns [cache_protected_len, kv_allocated_len).
+    """
+
+    def __init__(
+        self,
+        rid: str,
+        origin_input_ids: List[int],
+        sampling_params: "SamplingParams",
+        origin_input_text: Optional[str] = None,
+        return_logprob: bool = False,
+        logprob_start_len: int = -1,
+        top_logprobs_num: int = 0,
+        stream: bool = False,
+        eos_token_ids: Optional[Set[int]] = None,
+        vocab_size: Optional[int] = None,
+    ) -> None:
+        self.rid = rid
+        self.origin_input_text = origin_input_text
+        self.origin_input_ids = list(origin_input_ids)
+        self.sampling_params = sampling_params
+        self.stream = stream
+        self.eos_token_ids: Set[int] = set(eos_token_ids or ())
+        self.vocab_size = vocab_size
+        self.tokenizer: Any = None  # set by the scheduler; decodes tails for stop strings
+
+        self.output_ids: List[int] = []
+        self.fill_ids: List[int] = []  # tokens that will be in the KV cache after this round
+        self.extend_input_len = 0
+
+        # KV ownership
+        self.req_pool_idx: Optional[int] = None
+        self.prefix_indices: torch.Tensor = _EMPTY_SLOTS
+        self.last_node: Any = None
+        self.cache_protected_len = 0
+        self.kv_allocated_len = 0
+
+        # Finish state
+        self.finished_reason: Optional[BaseFinishReason] = None
+        self.to_finish: Optional[BaseFinishReason] = None
+        self.finished_output = False  # the finished output was streamed (exactly once)
+
+        # Streaming offsets: what has been sent to the detokenizer so far
+        self.send_token_offset = 0
+        self.send_output_logprobs_offset = 0
+
+        # Logprobs
+        self.return_logprob = return_logprob
+        self.logprob_start_len = logprob_start_len
+        self.top_logprobs_num = top_logprobs_num
+        self.input_token_logprobs: List[float] = []  # accumulated over chunks
+        self.input_top_logprobs_val_acc: List[List[float]] = []
+        self.input_top_logprobs_idx_acc: List[List[int]] = []
+        self.input_token_logprobs_val: Optional[List[Optional[float]]] = None  # assembled at the last chunk
+        self.input_token_logprobs_idx: Optional[List[int]] = None
+        self.input_top_logprobs_val: Optional[List[Optional[List[float]]]] = None
+        self.input_top_logprobs_idx: Optional[List[Optional[List[int]]]] = None
+        self.input_logprob_sent = False
+        self.output_token_logprobs_val: List[float] = []
+        self.output_token_logprobs_idx: List[int] = []
+        self.output_top_logprobs_val: List[List[float]] = []
+        self.output_top_logprobs_idx: List[List[int]] = []
+
+        # Chunked prefill / retraction
+        self.is_chunked = 0  # non-final chunks in flight
+        self.is_retracted = False
+        self.retraction_count = 0
+        self.cached_tokens = 0
+        self.already_computed = 0
+
+        self.created_time = time.monotonic()
+        self.queue_time = self.created_time
+
+    # ------------------------------------------------------------------ basics
+    def finished(self) -> bool:
+        return self.finished_reason is not None
+
+    @property
+    def seqlen(self) -> int:
+        return len(self.origin_input_ids) + len(self.output_ids)
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.sampling_params.max_new_tokens
+
+    def remaining_new_tokens_estimate(self) -> int:
+        return min(max(self.max_new_tokens - len(self.output_ids), 0), CLIP_MAX_NEW_TOKENS_ESTIMATION)
+
+    # ------------------------------------------------------------------ admission
+    def init_next_round_input(self, tree_cache: Any = None) -> None:
+        """Recompute fill ids and, for a fresh or retracted request, the cached prefix."""
+        self.fill_ids = self.origin_input_ids + self.output_ids
+        if tree_cache is not None and self.req_pool_idx is None:
+            match = tree_cache.match_prefix(self.fill_ids[: self._max_prefix_len()])
+            self.prefix_indices = match.device_indices
+            self.last_node = match.last_device_node
+        # A request that already holds a row (the chunked one) keeps its own prefix.
+        self.extend_input_len = len(self.fill_ids) - len(self.prefix_indices)
+
+    def _max_prefix_len(self) -> int:
+        # Leave at least one token to compute (its logits give the next token), and recompute
+        # prompt positions whose input logprobs were asked for.
+        limit = len(self.fill_ids) - 1
+        if self.needs_input_logprobs():
+            limit = min(limit, self.logprob_start_len)
+        return max(limit, 0)
+
+    def needs_input_logprobs(self) -> bool:
+        return self.return_logprob and self.logprob_start_len >= 0 and self.input_token_logprobs_val is None
+
+    def reset_for_retract(self) -> None:
+        self.prefix_indices = _EMPTY_SLOTS
+        self.last_node = None
+        self.cache_protected_len = 0
+        self.kv_allocated_len = 0
+        self.fill_ids = []
+        self.extend_input_len = 0
+        self.is_chunked = 0
+        self.is_retracted = True
+        self.retraction_count += 1
+        self.already_computed = 0
+        self.input_token_logprobs = []
+        self.input_top_logprobs_val_acc = []
+        self.input_top_logprobs_idx_acc = []
+
+    def set_finish_with_abort(self, message: str, status_code: int = 400,
+                              err_type: str = "BadRequestError") -> None:
+        self.finished_reason = FINISH_ABORT(message, status_code, err_type)
+
+    # ------------------------------------------------------------------ finish checks
+    def check_finished(self) -> None:
+        """Finish test after one token was appended to output_ids (reference order)."""
+        if self.finished():
+            return
+        if self.to_finish is not None:
+            self.finished_reason, self.to_finish = self.to_finish, None
+            return
+        last = self.output_ids[-1]
+        if self.vocab_size is not None and not 0 <= last < self.vocab_size:
+            stop_ids = sorted(self.eos_token_ids) or sorted(self.sampling_params.stop_token_ids or [0])
+            self.output_ids[-1] = stop_ids[0]
+            self.finished_reason = FINISH_MATCHED_STR("NaN happened")
+            return
+        if len(self.output_ids) >= self.sampling_params.min_new_tokens:
+            matched = self._check_stop_strings()
+            if matched is not None:
+                self.finished_reason = FINISH_MATCHED_STR(matched)
+                return
+            if not self.sampling_params.ignore_eos and (
+                last in self.eos_token_ids or last in (self.sampling_params.stop_token_ids or ())
+            ):
+                self.finished_reason = FINISH_MATCHED_TOKEN(last)
+                return
+        if len(self.output_ids) >= self.max_new_tokens:
+            self.finished_reason = FINISH_LENGTH(self.max_new_tokens)
+
+    def tail_str(self) -> str:
+        window = self.sampling_params.stop_str_max_len + 1
+        return self.decode(self.output_ids[-window:])
+
+    def decode(self, ids: List[int]) -> str:
+        if self.tokenizer is None:
+            raise RuntimeError("stop strings need a tokenizer in the scheduler")
+        return self.tokenizer.decode(ids)
+
+    def _check_stop_strings(self) -> Optional[str]:
+        stops = self.sampling_params.stop_strs
+        if not stops:
+            return None
+        tail = self.tail_str()
+        for stop in stops:
+            if stop in tail:
+                return stop
+        return None
+
+    def tail_may_start_stop_str(self) -> bool:
+        """True when the output tail could be the beginning of a stop string (hold back the stream)."""
+        stops = self.sampling_params.stop_strs
+        if not stops or not self.output_ids:
+            return False
+        tail = self.tail_str()
+        for stop in stops:
+            if stop in tail:
+                return True
+            for n in range(1, min(len(stop), len(tail)) + 1):
+                if tail.endswith(stop[:n]):
+                    return True
+        return False
+
+    def __repr__(self) -> str:
+        return (f"Req(rid={self.rid!r}, input_len={len(self.origin_input_ids)}, "
+                f"output_len={len(self.output_ids)}, finished={self.finished()})")

@@ -1,0 +1,342 @@
+"""ScheduleBatch: a batch as the scheduler builds it, and its preparation for a forward.
+
+Data flow: ScheduleBatch (this file, CPU-heavy, mutable) -> ModelWorkerBatch (immutable snapshot)
+-> ForwardBatch (device tensors, built by the model runner).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Tuple
+
+import torch
+
+from engine.managers.req import (  # noqa: F401  (re-exported: the SGLang vocabulary lives here)
+    CLIP_MAX_NEW_TOKENS_ESTIMATION,
+    FINISH_ABORT,
+    FINISH_LENGTH,
+    FINISH_MATCHED_STR,
+    FINISH_MATCHED_TOKEN,
+    Req,
+)
+from engine.model_executor.forward_batch_info import ForwardMode, ModelWorkerBatch
+
+logger = logging.getLogger(__name__)
+
+# After a retraction the new_token_ratio estimate assumes every survivor decodes this many more steps.
+RETRACT_DECODE_STEPS = 20
+
+
+def _i64(values: List[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+@dataclass
+class ScheduleBatch:
+    reqs: List[Req]
+    req_to_token_pool: Any
+    token_to_kv_pool_allocator: Any
+    tree_cache: Any
+    vocab_size: int
+    device: str = "cpu"
+
+    forward_mode: Optional[ForwardMode] = None
+    batch_is_full: bool = False
+
+    # Per-request state for the forward (CPU lists are the source of truth; tensors are views for the worker)
+    input_ids: Optional[torch.Tensor] = None
+    req_pool_indices: Optional[torch.Tensor] = None
+    seq_lens: Optional[torch.Tensor] = None
+    seq_lens_cpu: List[int] = field(default_factory=list)
+    out_cache_loc: Optional[torch.Tensor] = None
+    prefix_lens: List[int] = field(default_factory=list)
+    extend_lens: List[int] = field(default_factory=list)
+    extend_num_tokens: int = 0
+    extend_logprob_start_lens: List[int] = field(default_factory=list)
+    extend_input_logprob_token_ids: Optional[torch.Tensor] = None
+
+    return_logprob: bool = False
+    top_logprobs_nums: List[int] = field(default_factory=list)
+    sampling_info: Any = None
+
+    # The requests of a MIXED batch that ride along as decode rows.
+    decoding_reqs: List[Req] = field(default_factory=list)
+    # Logging of the prefill that built this batch
+    log_input_tokens: int = 0
+    log_hit_tokens: int = 0
+
+    @classmethod
+    def init_new(cls, reqs: List[Req], req_to_token_pool, token_to_kv_pool_allocator, tree_cache,
+                 vocab_size: int, device: str = "cpu") -> "ScheduleBatch":
+        return cls(
+            reqs=reqs,
+            req_to_token_pool=req_to_token_pool,
+            token_to_kv_pool_allocator=token_to_kv_pool_allocator,
+            tree_cache=tree_cache,
+            vocab_size=vocab_size,
+            device=device,
+            return_logprob=any(r.return_logprob for r in reqs),
+        )
+
+    def batch_size(self) -> int:
+        return len(self.reqs)
+
+    def is_empty(self) -> bool:
+        return len(self.reqs) == 0
+
+    @property
+    def page_size(self) -> int:
+        return self.token_to_kv_pool_allocator.page_size
+
+    # ------------------------------------------------------------------ memory helpers
+    def _evict_for(self, num_tokens: int) -> None:
+        available = self.token_to_kv_pool_allocator.available_size()
+        if available < num_tokens and self.tree_cache is not None:
+            self.tree_cache.evict(num_tokens - available)
+
+    def _oom_message(self, what: str, need: int) -> str:
+        evictable = self.tree_cache.evictable_size() if self.tree_cache is not None else 0
+        return (f"{what} out of memory: need {need} tokens, available "
+                f"{self.token_to_kv_pool_allocator.available_size()}, evictable {evictable}")
+
+    def _alloc_req_slots(self) -> None:
+        need = [r for r in self.reqs if r.req_pool_idx is None]
+        if not need:
+            return
+        rows = self.req_to_token_pool.alloc(len(need))
+        if rows is None:
+            raise RuntimeError("alloc_req_slots: no free request slot; max_running_requests is too large "
+                               "for the request-to-token pool")
+        for req, row in zip(need, rows):
+            req.req_pool_idx = row
+
+    def _alloc_extend_slots(self, prefix_lens: List[int], seq_lens: List[int]) -> torch.Tensor:
+        allocator = self.token_to_kv_pool_allocator
+        page = allocator.page_size
+        if page == 1:
+            self._evict_for(self.extend_num_tokens)
+            out = allocator.alloc(self.extend_num_tokens)
+        else:
+            self._evict_for(self.extend_num_tokens + len(self.reqs) * page)
+            last_loc = [
+                int(self.req_to_token_pool.req_to_token[r.req_pool_idx, p - 1]) if p > 0 else -1
+                for r, p in zip(self.reqs, prefix_lens)
+            ]
+            out = allocator.alloc_extend(_i64(prefix_lens), _i64(seq_lens), _i64(last_loc), self.extend_num_tokens)
+        if out is None:
+            raise RuntimeError(self._oom_message("Prefill", self.extend_num_tokens))
+        return out
+
+    # ------------------------------------------------------------------ extend
+    def prepare_for_extend(self) -> None:
+        self.forward_mode = ForwardMode.EXTEND
+        reqs = self.reqs
+        prefix_lens = [len(r.prefix_indices) for r in reqs]
+        seq_lens = [len(r.fill_ids) for r in reqs]
+        extend_lens = [s - p for s, p in zip(seq_lens, prefix_lens)]
+        input_ids: List[int] = []
+        for r, p in zip(reqs, prefix_lens):
+            input_ids.extend(r.fill_ids[p:])
+        self.extend_num_tokens = sum(extend_lens)
+
+        self._alloc_req_slots()
+        out_cache_loc = self._alloc_extend_slots(prefix_lens, seq_lens)
+
+        table = self.req_to_token_pool.req_to_token
+        pt = 0
+        for r, p, s, e in zip(reqs, prefix_lens, seq_lens, extend_lens):
+            if p > 0:
+                table[r.req_pool_idx, :p] = r.prefix_indices.to(table.dtype)
+            table[r.req_pool_idx, p:s] = out_cache_loc[pt:pt + e].to(table.dtype)
+            pt += e
+            r.kv_allocated_len = s
+            if r.retraction_count == 0:  # a re-prefill after retraction is not a cache hit
+                r.cached_tokens += max(p - r.already_computed, 0)
+            r.already_computed = s
+
+        self.input_ids = _i64(input_ids)
+        self.req_pool_indices = _i64([r.req_pool_idx for r in reqs])
+        self.seq_lens_cpu = seq_lens
+        self.seq_lens = _i64(seq_lens)
+        self.out_cache_loc = out_cache_loc
+        self.prefix_lens = prefix_lens
+        self.extend_lens = extend_lens
+        self.top_logprobs_nums = [r.top_logprobs_num for r in reqs]
+        self._prepare_input_logprobs(prefix_lens, extend_lens)
+        for r in reqs:
+            r.is_retracted = False
+        from engine.sampling.sampling_batch_info import SamplingBatchInfo
+
+        self.sampling_info = SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.device)
+
+    def _prepare_input_logprobs(self, prefix_lens: List[int], extend_lens: List[int]) -> None:
+        """Where input logprobs start in each extend, and the target id of every such position."""
+        starts: List[int] = []
+        targets: List[int] = []
+        for r, p, e in zip(self.reqs, prefix_lens, extend_lens):
+            if r.needs_input_logprobs():
+                start = min(max(r.logprob_start_len - p, 0), e)
+                for pos in range(p + start, p + e):
+                    nxt = pos + 1
+                    tok = r.fill_ids[nxt] if nxt < len(r.origin_input_ids) else 0
+                    targets.append(min(max(tok, 0), self.vocab_size - 1))
+            else:
+                start = e
+            starts.append(start)
+        self.extend_logprob_start_lens = starts
+        self.extend_input_logprob_token_ids = _i64(targets) if targets else None
+
+    def mix_with_running(self, running_batch: "ScheduleBatch") -> None:
+        """Append the (already decode-prepared) running requests as 1-token extends: MIXED."""
+        self.forward_mode = ForwardMode.MIXED
+        running_prefix = [s - 1 for s in running_batch.seq_lens_cpu]
+        self.input_ids = torch.cat([self.input_ids, running_batch.input_ids])
+        self.out_cache_loc = torch.cat([self.out_cache_loc, running_batch.out_cache_loc])
+        self.prefix_lens = self.prefix_lens + running_prefix
+        self.extend_lens = self.extend_lens + [1] * running_batch.batch_size()
+        self.extend_num_tokens += running_batch.batch_size()
+        self.extend_logprob_start_lens = self.extend_logprob_start_lens + [1] * running_batch.batch_size()
+        self.decoding_reqs = list(running_batch.reqs)
+        self.sampling_info.merge_batch(running_batch.sampling_info)
+        self.reqs = self.reqs + running_batch.reqs
+        self.req_pool_indices = torch.cat([self.req_pool_indices, running_batch.req_pool_indices])
+        self.seq_lens_cpu = self.seq_lens_cpu + running_batch.seq_lens_cpu
+        self.seq_lens = _i64(self.seq_lens_cpu)
+        self.top_logprobs_nums = self.top_logprobs_nums + [0] * running_batch.batch_size()
+
+    # ------------------------------------------------------------------ decode
+    def new_page_count_for_decode(self, indices: Optional[List[int]] = None) -> int:
+        """Tokens the next decode step needs: one slot each (page 1), or a page for every
+        request whose KV length sits on a page boundary."""
+        lens = self.seq_lens_cpu if indices is None else [self.seq_lens_cpu[i] for i in indices]
+        page = self.page_size
+        if page == 1:
+            return len(lens)
+        return page * sum(1 for n in lens if n % page == 0)
+
+    def check_decode_mem(self, indices: Optional[List[int]] = None) -> bool:
+        need = self.new_page_count_for_decode(indices)
+        self._evict_for(need)
+        return self.token_to_kv_pool_allocator.available_size() >= need
+
+    def prepare_for_decode(self) -> None:
+        self.forward_mode = ForwardMode.DECODE
+        bs = self.batch_size()
+        allocator = self.token_to_kv_pool_allocator
+        table = self.req_to_token_pool.req_to_token
+        old_lens = self.seq_lens_cpu
+        rows = self.req_pool_indices
+        self._evict_for(self.new_page_count_for_decode())
+        if allocator.page_size == 1:
+            out = allocator.alloc(bs)
+        else:
+            last_loc = table[rows, _i64(old_lens) - 1].to(torch.int64)
+            out = allocator.alloc_decode(_i64(old_lens) + 1, last_loc)
+        if out is None:
+            raise RuntimeError(self._oom_message("Decode", bs))
+        table[rows, _i64(old_lens)] = out.to(table.dtype)
+        for r in self.reqs:
+            r.kv_allocated_len += 1
+        self.input_ids = _i64([r.output_ids[-1] for r in self.reqs])
+        self.out_cache_loc = out
+        # New objects, never in-place: a batch snapshot already handed to the worker keeps the old ones.
+        self.seq_lens_cpu = [n + 1 for n in old_lens]
+        self.seq_lens = _i64(self.seq_lens_cpu)
+        self.prefix_lens, self.extend_lens, self.extend_logprob_start_lens = [], [], []
+        self.extend_num_tokens = 0
+        self.extend_input_logprob_token_ids = None
+
+    def retract_decode(self) -> Tuple[List[Req], float, List[Req]]:
+        """Free requests until the next decode step fits.
+
+        Retract first the request with the fewest output tokens (ties: the longest prompt), always
+        at least one, never the last one; if even the last one alone does not fit, abort it.
+        Returns (retracted, new_token_ratio, aborted).
+        """
+        order = sorted(range(self.batch_size()),
+                       key=lambda i: (len(self.reqs[i].output_ids), -len(self.reqs[i].origin_input_ids)),
+                       reverse=True)
+        retracted: List[Req] = []
+        aborted: List[Req] = []
+        first = True
+        while first or not self.check_decode_mem(order):
+            if len(order) == 1:
+                if not self.check_decode_mem(order):
+                    req = self.reqs[order.pop()]
+                    req.finished_reason = FINISH_ABORT(
+                        "Out of memory even after retracting all other requests; "
+                        "increase --max-total-tokens or shorten the request.", 500, "InternalServerError")
+                    self.tree_cache.cache_finished_req(req, is_insert=False)
+                    aborted.append(req)
+                break
+            first = False
+            req = self.reqs[order.pop()]
+            self.tree_cache.cache_finished_req(req, is_insert=False)
+            # Use the freshly unlocked prefix memory at once if needed.
+            self._evict_for(len(order) * RETRACT_DECODE_STEPS)
+            req.reset_for_retract()
+            retracted.append(req)
+        self.filter_batch(keep_indices=sorted(order))
+        survivors = self.reqs
+        new_ratio = min(
+            1.0,
+            (sum(len(r.output_ids) for r in survivors) + RETRACT_DECODE_STEPS * len(survivors))
+            / (sum(r.max_new_tokens for r in survivors) + 1),
+        )
+        return retracted, new_ratio, aborted
+
+    # ------------------------------------------------------------------ filter / merge
+    def filter_batch(self, chunked_req_to_exclude: Optional[Req] = None,
+                     keep_indices: Optional[List[int]] = None) -> None:
+        if keep_indices is None:
+            keep_indices = [i for i, r in enumerate(self.reqs)
+                            if not r.finished() and r is not chunked_req_to_exclude]
+        if len(keep_indices) == len(self.reqs):
+            return
+        if not keep_indices:
+            self.reqs = []
+            self.seq_lens_cpu = []
+            return
+        idx = _i64(keep_indices)
+        self.reqs = [self.reqs[i] for i in keep_indices]
+        self.req_pool_indices = self.req_pool_indices[idx]
+        self.seq_lens_cpu = [self.seq_lens_cpu[i] for i in keep_indices]
+        self.seq_lens = _i64(self.seq_lens_cpu)
+        self.out_cache_loc = None
+        self.top_logprobs_nums = [self.top_logprobs_nums[i] for i in keep_indices]
+        self.return_logprob = any(r.return_logprob for r in self.reqs)
+        self.sampling_info.filter_batch(keep_indices)
+
+    def merge_batch(self, other: "ScheduleBatch") -> None:
+        self.sampling_info.merge_batch(other.sampling_info)
+        self.req_pool_indices = torch.cat([self.req_pool_indices, other.req_pool_indices])
+        self.seq_lens_cpu = self.seq_lens_cpu + other.seq_lens_cpu
+        self.seq_lens = _i64(self.seq_lens_cpu)
+        self.out_cache_loc = None
+        self.top_logprobs_nums = self.top_logprobs_nums + other.top_logprobs_nums
+        self.reqs = self.reqs + other.reqs
+        self.return_logprob = self.return_logprob or other.return_logprob
+
+    # ------------------------------------------------------------------ worker snapshot
+    def get_model_worker_batch(self) -> ModelWorkerBatch:
+        extend = self.forward_mode.is_extend()
+        return ModelWorkerBatch(
+            forward_mode=self.forward_mode,
+            input_ids=self.input_ids,
+            req_pool_indices=self.req_pool_indices,
+            seq_lens=self.seq_lens,
+            seq_lens_cpu=list(self.seq_lens_cpu),
+            out_cache_loc=self.out_cache_loc,
+            sampling_info=self.sampling_info,
+            return_logprob=self.return_logprob,
+            top_logprobs_nums=list(self.top_logprobs_nums) if self.return_logprob else None,
+            extend_num_tokens=self.extend_num_tokens if extend else None,
+            extend_seq_lens=list(self.extend_lens) if extend else None,
+            extend_prefix_lens=list(self.prefix_lens) if extend else None,
+            extend_logprob_start_lens=list(self.extend_logprob_start_lens) if extend else None,
+            extend_input_logprob_token_ids=self.extend_input_logprob_token_ids if extend else None,
+        )
+
+    def __repr__(self) -> str:
+        return f"ScheduleBatch(mode={self.forward_mode}, bs={self.batch_size()})"

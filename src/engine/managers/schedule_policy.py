@@ -1,0 +1,228 @@
+"""Which waiting requests go first (SchedulePolicy) and how many fit (PrefillAdder)."""
+
+from __future__ import annotations
+
+import random
+from collections import defaultdict
+from contextlib import contextmanager
+from enum import Enum, auto
+from typing import Any, Dict, List, Optional
+
+from engine.managers.req import CLIP_MAX_NEW_TOKENS_ESTIMATION, Req
+
+# LPM with in-batch prefix de-duplication: a request whose cached prefix is this short is compared
+# with the other waiting requests, and deprioritised when it shares this many tokens with one of them.
+IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD = 32
+IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD = 32
+# Prefix matching every waiting request is too costly for long queues; fall back to FCFS.
+LPM_MAX_QUEUE_LEN = 128
+
+
+class SchedulePolicy:
+    def __init__(self, policy: str, tree_cache: Any, radix_enabled: bool, seed: int = 0) -> None:
+        if policy not in ("fcfs", "lpm", "dfs-weight", "lof", "random"):
+            raise ValueError(f"unknown schedule policy {policy!r}")
+        # Cache-aware policies are meaningless without a radix tree.
+        if policy in ("lpm", "dfs-weight") and not radix_enabled:
+            policy = "fcfs"
+        self.policy = policy
+        self.tree_cache = tree_cache
+        self.rng = random.Random(seed)
+
+    def calc_priority(self, waiting_queue: List[Req]) -> None:
+        """Sort the waiting queue in place."""
+        policy = self.policy
+        if policy in ("lpm", "dfs-weight") and len(waiting_queue) > LPM_MAX_QUEUE_LEN:
+            policy = "fcfs"
+        if policy == "fcfs":
+            return
+        if policy == "lof":
+            waiting_queue.sort(key=lambda r: -r.max_new_tokens)
+        elif policy == "random":
+            self.rng.shuffle(waiting_queue)
+        elif policy == "lpm":
+            self._compute_prefix_matches(waiting_queue)
+            deprioritized = self._in_batch_duplicates(waiting_queue)
+            waiting_queue.sort(key=lambda r: float("inf") if id(r) in deprioritized else -len(r.prefix_indices))
+        else:
+            self._compute_prefix_matches(waiting_queue)
+            waiting_queue[:] = self._dfs_weight_order(waiting_queue)
+
+    def _compute_prefix_matches(self, waiting_queue: List[Req]) -> None:
+        for req in waiting_queue:
+            req.init_next_round_input(self.tree_cache)
+
+    @staticmethod
+    def _in_batch_duplicates(waiting_queue: List[Req]) -> set:
+        """Requests that share a long uncached prefix with an earlier waiting request.
+
+        Sharing >= THRESHOLD tokens from the start is the same as having equal first THRESHOLD tokens.
+        """
+        seen = set()
+        dup = set()
+        n = IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD
+        for req in waiting_queue:
+            if len(req.prefix_indices) > IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD:
+                continue
+            ids = req.fill_ids
+            if len(ids) < n:
+                continue
+            head = tuple(ids[:n])
+            if head in seen:
+                dup.add(id(req))
+            else:
+                seen.add(head)
+        return dup
+
+    def _dfs_weight_order(self, waiting_queue: List[Req]) -> List[Req]:
+        """Group requests by where their match ends in the tree; visit heavier subtrees first."""
+        by_node: Dict[int, List[Req]] = defaultdict(list)
+        nodes: Dict[int, Any] = {}
+        weight: Dict[int, int] = defaultdict(int)
+        root = getattr(self.tree_cache, "root_node", None)
+        for req in waiting_queue:
+            node = req.last_node if req.last_node is not None else root
+            by_node[id(node)].append(req)
+            while node is not None:
+                nodes[id(node)] = node
+                weight[id(node)] += 1
+                node = node.parent
+        if root is None:
+            return list(waiting_queue)
+        order: List[Req] = []
+        stack = [root]
+        while stack:
+            node = stack.pop()
+            order.extend(by_node.get(id(node), []))
+            children = [c for c in node.children.values() if weight.get(id(c), 0) > 0]
+            # Heaviest child is visited first, so it goes on the stack last.
+            children.sort(key=lambda c: weight[id(c)])
+            stack.extend(children)
+        return order
+
+
+class AddReqResult(Enum):
+    CONTINUE = auto()  # more requests may fit
+    NO_TOKEN = auto()  # the KV budget is exhausted
+    OTHER = auto()  # the input or chunk budget is exhausted
+
+
+class PrefillAdder:
+    """Admits waiting requests into one prefill batch under the token budgets."""
+
+    def __init__(
+        self,
+        page_size: int,
+        tree_cache: Any,
+        token_to_kv_pool_allocator: Any,
+        running_reqs: List[Req],
+        new_token_ratio: float,
+        rem_input_tokens: int,
+        rem_chunk_tokens: Optional[int],
+        mixed_with_decode_tokens: int = 0,
+    ) -> None:
+        self.page_size = page_size
+        self.tree_cache = tree_cache
+        self.allocator = token_to_kv_pool_allocator
+        self.rem_input_tokens = rem_input_tokens - mixed_with_decode_tokens
+        self.rem_chunk_tokens = None if rem_chunk_tokens is None else rem_chunk_tokens - mixed_with_decode_tokens
+        self.rem_total_token_offset = mixed_with_decode_tokens
+        self.cur_rem_token_offset = mixed_with_decode_tokens
+        self.rem_total_token_offset += sum(r.remaining_new_tokens_estimate() for r in running_reqs) * new_token_ratio
+
+        self.can_run_list: List[Req] = []
+        self.new_chunked_req: Optional[Req] = None
+        self.log_input_tokens = 0
+        self.log_hit_tokens = 0
+
+    def _pool_tokens(self) -> int:
+        evictable = self.tree_cache.evictable_size() if self.tree_cache is not None else 0
+        return self.allocator.available_size() + evictable
+
+    @property
+    def rem_total_tokens(self) -> float:
+        return self._pool_tokens() - self.rem_total_token_offset
+
+    @property
+    def cur_rem_tokens(self) -> float:
+        return self._pool_tokens() - self.cur_rem_token_offset
+
+    def _ceil_page(self, n: int) -> int:
+        return -(-n // self.page_size) * self.page_size
+
+    def _floor_page(self, n: int) -> int:
+        return n // self.page_size * self.page_size
+
+    def budget_state(self) -> AddReqResult:
+        if self.rem_total_tokens <= 0 or self.cur_rem_tokens <= 0:
+            return AddReqResult.NO_TOKEN
+        if self.rem_input_tokens <= 0 or (self.rem_chunk_tokens is not None and self.rem_chunk_tokens <= 0):
+            return AddReqResult.OTHER
+        return AddReqResult.CONTINUE
+
+    def _charge(self, prefix_len: int, extend_input_len: int, max_new_tokens: int) -> None:
+        extend_input_len = self._ceil_page(extend_input_len)
+        self.rem_total_token_offset += extend_input_len + max_new_tokens
+        self.cur_rem_token_offset += extend_input_len
+        self.rem_input_tokens -= extend_input_len
+        if self.rem_chunk_tokens is not None:
+            self.rem_chunk_tokens -= extend_input_len
+        self.log_hit_tokens += prefix_len
+        self.log_input_tokens += extend_input_len
+
+    def _truncate(self, req: Req, extend_len: int) -> None:
+        req.extend_input_len = extend_len
+        req.fill_ids = req.fill_ids[: len(req.prefix_indices) + extend_len]
+
+    def add_chunked_req(self, req: Req) -> Optional[Req]:
+        """Admit the next chunk of the chunked request; return it again if more chunks remain."""
+        limit = min(self.rem_chunk_tokens, int(self.rem_total_tokens))
+        truncated = req.extend_input_len > limit
+        if truncated:
+            self._truncate(req, self._floor_page(limit))
+            if req.extend_input_len <= 0:
+                return req  # nothing fits this round; it stays the chunked request
+        self.can_run_list.append(req)
+        self._charge(0, req.extend_input_len, 0 if truncated else req.remaining_new_tokens_estimate())
+        return req if truncated else None
+
+    @contextmanager
+    def _lock_node(self, node: Any):
+        # Locking moves the prefix from evictable to protected, which changes the budget.
+        if self.tree_cache is None or node is None:
+            yield
+            return
+        self.tree_cache.inc_lock_ref(node)
+        try:
+            yield
+        finally:
+            self.tree_cache.dec_lock_ref(node)
+
+    def add_one_req(self, req: Req) -> AddReqResult:
+        total_tokens = req.extend_input_len + req.remaining_new_tokens_estimate()
+        input_tokens = self._ceil_page(req.extend_input_len)
+        prefix_len = len(req.prefix_indices)
+        if total_tokens >= self.rem_total_tokens:
+            return AddReqResult.NO_TOKEN
+        if input_tokens >= self.rem_input_tokens and self.can_run_list:
+            return AddReqResult.OTHER
+
+        with self._lock_node(req.last_node):
+            if total_tokens > self.rem_total_tokens:
+                return AddReqResult.NO_TOKEN
+            if self.rem_chunk_tokens is None or input_tokens <= self.rem_chunk_tokens:
+                self.can_run_list.append(req)
+                self._charge(prefix_len, input_tokens, req.remaining_new_tokens_estimate())
+            else:
+                chunk = self._floor_page(self.rem_chunk_tokens)
+                if chunk <= 0:
+                    return AddReqResult.OTHER
+                self._truncate(req, chunk)
+                self.can_run_list.append(req)
+                self.new_chunked_req = req
+                self._charge(prefix_len, chunk, 0)
+            # The admitted request holds its prefix for its whole life.
+            if self.tree_cache is not None and req.last_node is not None:
+                self.tree_cache.inc_lock_ref(req.last_node)
+                req.cache_protected_len = prefix_len
+        return self.budget_state()

@@ -1,0 +1,589 @@
+"""The scheduler: continuous batching over a radix prefix cache and a paged KV pool.
+
+One Scheduler per tensor-parallel rank. Each iteration of its loop:
+    receive requests -> get_next_batch_to_run -> run_batch -> process_batch_result -> stream_output
+The class is usable in-process (tests, the offline benchmark: `add_request` + `step`) and as the body
+of the scheduler process (`run_scheduler_process`).
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+import traceback
+from typing import Any, Callable, Dict, List, Optional
+
+import torch
+
+from engine.managers.io_struct import (
+    AbortReq,
+    BatchTokenIDOutput,
+    FlushCacheReqInput,
+    FlushCacheReqOutput,
+    GetInternalStateReq,
+    GetInternalStateReqOutput,
+    TokenizedGenerateReqInput,
+)
+from engine.managers.req import FINISH_ABORT, Req
+from engine.managers.schedule_batch import ScheduleBatch
+from engine.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
+from engine.managers.scheduler_output import OutputStreamer, ResultProcessor
+
+logger = logging.getLogger(__name__)
+
+INIT_NEW_TOKEN_RATIO = 0.7
+MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
+NEW_TOKEN_RATIO_DECAY_STEPS = 600
+
+
+class MemoryLeakError(RuntimeError):
+    pass
+
+
+class Scheduler:
+    def __init__(
+        self,
+        server_args: Any,
+        worker: Any = None,
+        tokenizer: Any = None,
+        gpu_id: int = 0,
+        tp_rank: int = 0,
+        send_output: Optional[Callable[[Any], None]] = None,
+    ) -> None:
+        self.server_args = server_args
+        self.tp_rank = tp_rank
+        if worker is None:
+            from engine.managers.tp_worker import TpModelWorker
+
+            worker = TpModelWorker(server_args, gpu_id=gpu_id, tp_rank=tp_rank)
+        self.worker = worker
+        info = worker.get_worker_info()
+        self.max_total_num_tokens: int = info["max_total_num_tokens"]
+        self.max_running_requests: int = min(info["max_running_requests"],
+                                             server_args.max_running_requests or info["max_running_requests"])
+        self.max_req_len: int = info["max_req_len"]
+        self.max_req_input_len: int = info["max_req_input_len"]
+        self.context_len: int = info["context_len"]
+        self.vocab_size: int = info["vocab_size"]
+        self.page_size: int = info["page_size"]
+        self.device: str = info["device"]
+        self.eos_token_ids = set(worker.eos_token_ids)
+        self.tokenizer = tokenizer
+        if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
+            self.eos_token_ids.add(self.tokenizer.eos_token_id)
+
+        self.req_to_token_pool = worker.req_to_token_pool
+        self.token_to_kv_pool_allocator = worker.token_to_kv_pool_allocator
+        if server_args.disable_radix_cache:
+            from engine.mem_cache.chunk_cache import ChunkCache
+
+            self.tree_cache = ChunkCache(self.req_to_token_pool, self.token_to_kv_pool_allocator, self.page_size)
+        else:
+            from engine.mem_cache.radix_cache import RadixCache
+
+            self.tree_cache = RadixCache(self.req_to_token_pool, self.token_to_kv_pool_allocator, self.page_size)
+        self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache,
+                                     radix_enabled=not server_args.disable_radix_cache,
+                                     seed=server_args.random_seed)
+        chunk = server_args.chunked_prefill_size
+        self.chunked_prefill_size: Optional[int] = chunk if chunk is not None and chunk > 0 else None
+
+        self.waiting_queue: List[Req] = []
+        self.running_batch: ScheduleBatch = self._empty_batch()
+        self.last_batch: Optional[ScheduleBatch] = None
+        self.cur_batch: Optional[ScheduleBatch] = None
+        self.chunked_req: Optional[Req] = None
+        self.pending_chunked_abort = False
+
+        self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * server_args.schedule_conservativeness, 1.0)
+        self.min_new_token_ratio = min(self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
+        self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
+        self.new_token_ratio = self.init_new_token_ratio
+
+        self.results = ResultProcessor(self.tree_cache)
+        self.streamer = OutputStreamer(server_args.stream_interval)
+        self._to_stream: List[Req] = []  # requests that may emit at the end of this iteration
+        # Where outputs go: a ZMQ socket in the server, a list in-process.
+        self.outbox: List[Any] = []
+        self.send_output = send_output or self.outbox.append
+        self.inbox: List[Any] = []
+
+        # Seconds a request may wait in the queue (<= 0: no limit), like SGLANG_REQ_WAITING_TIMEOUT.
+        self.waiting_timeout = float(os.environ.get("ENGINE_REQ_WAITING_TIMEOUT", "0"))
+        self.forward_ct = 0
+        self.num_generated_tokens = 0
+        self.decode_batch_ct = 0
+        self.last_decode_log_time = time.monotonic()
+        self.total_prompt_tokens = 0
+        self.total_cached_tokens = 0
+
+    def _empty_batch(self) -> ScheduleBatch:
+        return ScheduleBatch.init_new([], self.req_to_token_pool, self.token_to_kv_pool_allocator,
+                                      getattr(self, "tree_cache", None), self.vocab_size, self.device)
+
+    # ================================================================== input
+    def add_request(self, recv: Any) -> None:
+        """In-process submission (tests, offline benchmark)."""
+        self.inbox.append(recv)
+
+    def recv_requests(self) -> List[Any]:
+        recv, self.inbox = self.inbox, []
+        return recv
+
+    def process_input_requests(self, recv_reqs: List[Any]) -> None:
+        for recv in recv_reqs:
+            if isinstance(recv, TokenizedGenerateReqInput):
+                self.handle_generate_request(recv)
+            elif isinstance(recv, AbortReq):
+                self.abort_request(recv)
+            elif isinstance(recv, FlushCacheReqInput):
+                self.send_output(self.flush_cache())
+            elif isinstance(recv, GetInternalStateReq):
+                self.send_output(GetInternalStateReqOutput(internal_state=self.get_internal_state()))
+            else:
+                logger.error("Scheduler got an unknown message %r", type(recv).__name__)
+
+    def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
+        from engine.sampling.sampling_params import SamplingParams
+
+        req = Req(
+            rid=recv.rid,
+            origin_input_ids=recv.input_ids,
+            sampling_params=None,  # type: ignore[arg-type]
+            origin_input_text=recv.input_text,
+            return_logprob=recv.return_logprob,
+            logprob_start_len=recv.logprob_start_len if recv.return_logprob else -1,
+            top_logprobs_num=recv.top_logprobs_num if recv.return_logprob else 0,
+            stream=recv.stream,
+            eos_token_ids=self.eos_token_ids,
+            vocab_size=self.vocab_size,
+        )
+        req.tokenizer = self.tokenizer
+        try:
+            sp = SamplingParams.from_dict(recv.sampling_params)
+            sp.normalize(self.tokenizer)
+            sp.verify(self.vocab_size)
+        except (ValueError, TypeError) as e:
+            req.sampling_params = SamplingParams()
+            return self._abort_at_admission(req, str(e), 400)
+        req.sampling_params = sp
+        error = self._validate_input(req)
+        if error is not None:
+            return self._abort_at_admission(req, error, 400)
+        self._clamp_max_new_tokens(req)
+        if sp.stop_strs and self.tokenizer is None:
+            return self._abort_at_admission(req, "stop strings need a tokenizer; this scheduler has none", 400)
+        self._add_request_to_queue(req)
+
+    def _validate_input(self, req: Req) -> Optional[str]:
+        ids = req.origin_input_ids
+        n = len(ids)
+        if n == 0:
+            return "The input is empty; give at least one token."
+        if n >= self.max_req_input_len:
+            return (f"Input length ({n} tokens) exceeds the maximum allowed length "
+                    f"({self.max_req_input_len} tokens). Use a shorter input.")
+        if min(ids) < 0 or max(ids) >= self.vocab_size:
+            return f"Input token ids must be in [0, {self.vocab_size}); got an id out of range."
+        if req.return_logprob and req.logprob_start_len >= n:
+            return (f"logprob_start_len ({req.logprob_start_len}) must be smaller than the input length ({n}).")
+        return None
+
+    def _clamp_max_new_tokens(self, req: Req) -> None:
+        n = len(req.origin_input_ids)
+        page = self.page_size
+        requested = req.sampling_params.max_new_tokens
+        cap = min(self.max_req_len - n - 1,
+                  self.max_total_num_tokens - (-(-n // page) * page) - page - 1)
+        req.sampling_params.max_new_tokens = max(0, min(requested if requested is not None else 1 << 30, cap))
+        req.sampling_params.min_new_tokens = min(req.sampling_params.min_new_tokens,
+                                                 req.sampling_params.max_new_tokens)
+
+    def _abort_at_admission(self, req: Req, message: str, status_code: int) -> None:
+        logger.info("Abort request %s: %s", req.rid, message)
+        req.set_finish_with_abort(message, status_code, "BadRequestError" if status_code == 400 else "ServiceUnavailableError")
+        self._to_stream.append(req)
+
+    def _add_request_to_queue(self, req: Req, is_retracted: bool = False) -> None:
+        limit = self.server_args.max_queued_requests
+        if not is_retracted and limit is not None and len(self.waiting_queue) >= limit:
+            return self._abort_at_admission(req, "The request queue is full.", 503)
+        req.queue_time = time.monotonic()
+        self.waiting_queue.append(req)
+
+    def abort_request(self, recv: AbortReq) -> None:
+        def match(req: Req) -> bool:
+            return recv.abort_all or (bool(recv.rid) and req.rid.startswith(recv.rid))
+
+        kept = []
+        for req in self.waiting_queue:
+            if match(req):
+                # Waiting requests hold no KV: answer at once.
+                req.finished_reason = FINISH_ABORT()
+                self._to_stream.append(req)
+            else:
+                kept.append(req)
+        self.waiting_queue = kept
+        if self.chunked_req is not None and match(self.chunked_req):
+            # Tearing down a chunked request mid-iteration is unsafe: do it at the next scheduling step.
+            self.pending_chunked_abort = True
+        running = list(self.running_batch.reqs)
+        if self.last_batch is not None and self.last_batch is not self.running_batch:
+            running += self.last_batch.reqs
+        for req in running:
+            if match(req) and not req.finished() and req is not self.chunked_req:
+                req.to_finish = FINISH_ABORT()
+
+    # ================================================================== control
+    def is_fully_idle(self) -> bool:
+        return (self.running_batch.is_empty() and not self.waiting_queue and self.chunked_req is None
+                and (self.last_batch is None or self.last_batch.is_empty()))
+
+    def flush_cache(self) -> FlushCacheReqOutput:
+        if not self.is_fully_idle():
+            msg = (f"Cache not flushed because there are pending requests. #queue-req: "
+                   f"{len(self.waiting_queue)}, #running-req: {self.running_batch.batch_size()}")
+            logger.warning(msg)
+            return FlushCacheReqOutput(success=False, message=msg)
+        self.last_batch = None
+        self.tree_cache.reset()
+        self.req_to_token_pool.clear()
+        self.token_to_kv_pool_allocator.clear()
+        self.new_token_ratio = self.init_new_token_ratio
+        logger.info("Cache flushed successfully!")
+        return FlushCacheReqOutput(success=True, message="Cache flushed.")
+
+    def get_internal_state(self) -> Dict[str, Any]:
+        return {
+            "max_total_num_tokens": self.max_total_num_tokens,
+            "available_tokens": self.token_to_kv_pool_allocator.available_size(),
+            "evictable_tokens": self.tree_cache.evictable_size(),
+            "protected_tokens": self.tree_cache.protected_size(),
+            "num_running_reqs": self.running_batch.batch_size() + (1 if self.chunked_req is not None else 0),
+            "num_waiting_reqs": len(self.waiting_queue),
+            "max_running_requests": self.max_running_requests,
+            "max_req_input_len": self.max_req_input_len,
+            "context_len": self.context_len,
+            "new_token_ratio": self.new_token_ratio,
+            "page_size": self.page_size,
+        }
+
+    # ================================================================== building batches
+    def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
+        if self.pending_chunked_abort:
+            self._teardown_chunked_req()
+        if self.waiting_timeout > 0:
+            self._abort_on_waiting_timeout()
+        if self.chunked_req is not None:
+            # Make the processed chunks tree-owned and locked; the next chunk extends them.
+            self.tree_cache.cache_unfinished_req(self.chunked_req)
+
+        # Freshly prefilled requests join the decode batch one iteration after their prefill.
+        last = self.last_batch
+        if last is not None and last.forward_mode is not None and last.forward_mode.is_extend():
+            last.filter_batch(chunked_req_to_exclude=self.chunked_req)
+            if not last.is_empty():
+                if self.running_batch.is_empty():
+                    self.running_batch = last
+                else:
+                    self.running_batch.merge_batch(last)
+                self.running_batch.batch_is_full = False
+
+        new_batch = self.get_new_batch_prefill()
+        if new_batch is not None:
+            return new_batch
+        if not self.running_batch.is_empty():
+            self.running_batch = self.update_running_batch(self.running_batch)
+            if not self.running_batch.is_empty():
+                return self.running_batch
+        return None
+
+    def _abort_on_waiting_timeout(self) -> None:
+        deadline = time.monotonic() - self.waiting_timeout
+        expired = [r for r in self.waiting_queue if r.queue_time < deadline]
+        if not expired:
+            return
+        self.waiting_queue = [r for r in self.waiting_queue if r.queue_time >= deadline]
+        for req in expired:
+            self._abort_at_admission(req, "Request waiting timeout reached.", 503)
+
+    def _teardown_chunked_req(self) -> None:
+        self.pending_chunked_abort = False
+        req = self.chunked_req
+        if req is None:
+            return
+        self.chunked_req = None
+        req.finished_reason = FINISH_ABORT()
+        self.tree_cache.cache_finished_req(req, is_insert=False)
+        self._to_stream.append(req)
+
+    def _num_allocatable_reqs(self) -> int:
+        running = self.running_batch.batch_size()
+        return min(self.max_running_requests - running,
+                   self.req_to_token_pool.available_size() + (1 if self.chunked_req is not None else 0))
+
+    def get_new_batch_prefill(self) -> Optional[ScheduleBatch]:
+        if (self.running_batch.batch_is_full or not self.waiting_queue) and self.chunked_req is None:
+            return None
+        allocatable = self._num_allocatable_reqs()
+        if allocatable <= 0 and self.chunked_req is None:
+            self.running_batch.batch_is_full = True
+            return None
+
+        self.policy.calc_priority(self.waiting_queue)
+        mixed = self.server_args.enable_mixed_chunk and not self.running_batch.is_empty()
+        adder = PrefillAdder(
+            self.page_size, self.tree_cache, self.token_to_kv_pool_allocator, self.running_batch.reqs,
+            self.new_token_ratio, self.server_args.max_prefill_tokens, self.chunked_prefill_size,
+            mixed_with_decode_tokens=self.running_batch.batch_size() if mixed else 0,
+        )
+        if self.chunked_req is not None:
+            self.chunked_req.init_next_round_input()
+            self.chunked_req = adder.add_chunked_req(self.chunked_req)
+
+        for req in self.waiting_queue:
+            if len(adder.can_run_list) >= allocatable:
+                self.running_batch.batch_is_full = True
+                break
+            req.init_next_round_input(self.tree_cache)
+            result = adder.add_one_req(req)
+            if result != AddReqResult.CONTINUE:
+                if result == AddReqResult.NO_TOKEN:
+                    self.running_batch.batch_is_full = True
+                break
+
+        can_run = adder.can_run_list
+        if not can_run:
+            return None
+        admitted = {id(r) for r in can_run}
+        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
+        if adder.new_chunked_req is not None:
+            assert self.chunked_req is None, "only one chunked request may exist"
+            self.chunked_req = adder.new_chunked_req
+        if self.chunked_req is not None:
+            self.chunked_req.is_chunked += 1
+
+        batch = ScheduleBatch.init_new(can_run, self.req_to_token_pool, self.token_to_kv_pool_allocator,
+                                       self.tree_cache, self.vocab_size, self.device)
+        batch.prepare_for_extend()
+        batch.log_input_tokens, batch.log_hit_tokens = adder.log_input_tokens, adder.log_hit_tokens
+        self._log_prefill(batch)
+
+        if mixed and not batch.return_logprob and not self.running_batch.return_logprob:
+            running = self.running_batch
+            running.filter_batch()
+            if not running.is_empty() and running.check_decode_mem():
+                running.prepare_for_decode()
+                batch.mix_with_running(running)
+                self.running_batch = self._empty_batch()
+        return batch
+
+    def update_running_batch(self, batch: ScheduleBatch) -> ScheduleBatch:
+        initial_bs = batch.batch_size()
+        batch.filter_batch()
+        if batch.is_empty():
+            batch.batch_is_full = False
+            return batch
+        if not batch.check_decode_mem():
+            old_ratio = self.new_token_ratio
+            retracted, self.new_token_ratio, aborted = batch.retract_decode()
+            logger.warning(
+                "KV cache pool is full. Retract requests. #retracted_reqs: %d, #aborted_reqs: %d, "
+                "#new_token_ratio: %.4f -> %.4f", len(retracted), len(aborted), old_ratio, self.new_token_ratio)
+            for req in retracted:
+                self._add_request_to_queue(req, is_retracted=True)
+            self._to_stream.extend(aborted)
+        else:
+            self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
+        if batch.batch_size() < initial_bs:
+            batch.batch_is_full = False
+        if not batch.is_empty():
+            batch.prepare_for_decode()
+        return batch
+
+    # ================================================================== running
+    def run_batch(self, batch: ScheduleBatch):
+        self.forward_ct += 1
+        return self.worker.forward_batch_generation(batch.get_model_worker_batch())
+
+    def process_batch_result(self, batch: ScheduleBatch, result) -> None:
+        if batch.forward_mode.is_decode():
+            emit = self.results.process_decode(batch, result)
+            self.num_generated_tokens += len(emit)
+            self.decode_batch_ct += 1
+            if self.decode_batch_ct % self.server_args.decode_log_interval == 0:
+                self._log_decode(batch)
+        else:
+            emit = self.results.process_prefill(batch, result)
+            self.num_generated_tokens += len(emit)
+        self._to_stream.extend(emit)
+
+    def flush_outputs(self) -> None:
+        """One message per iteration to the detokenizer."""
+        reqs, self._to_stream = self._to_stream, []
+        out = self.streamer.build(reqs)
+        if out is not None:
+            self.send_output(out)
+
+    # ================================================================== loop
+    def step(self) -> Optional[ScheduleBatch]:
+        """One iteration of the normal (non-overlap) loop."""
+        self.process_input_requests(self.recv_requests())
+        batch = self.get_next_batch_to_run()
+        self.cur_batch = batch
+        if batch is not None:
+            result = self.run_batch(batch)
+            self.process_batch_result(batch, result)
+        else:
+            self.on_idle()
+        self.last_batch = batch
+        self.cur_batch = None
+        self.flush_outputs()
+        return batch
+
+    def has_work(self) -> bool:
+        return bool(self.inbox) or not self.is_fully_idle() or bool(self._to_stream)
+
+    def event_loop_normal(self, wait_for_input: Callable[[], None]) -> None:
+        while True:
+            if not self.has_work():
+                wait_for_input()
+            self.step()
+
+    def on_idle(self) -> None:
+        if not self.is_fully_idle():
+            return
+        self.new_token_ratio = self.init_new_token_ratio
+        self.check_memory()
+
+    def check_memory(self) -> None:
+        available = self.token_to_kv_pool_allocator.available_size()
+        evictable = self.tree_cache.evictable_size()
+        protected = self.tree_cache.protected_size()
+        free_rows = self.req_to_token_pool.available_size()
+        ok_tokens = available + evictable + protected == self.max_total_num_tokens
+        ok_rows = free_rows == self.req_to_token_pool.size
+        if ok_tokens and ok_rows:
+            return
+        msg = (f"Scheduler memory leak detected! available={available}, evictable={evictable}, "
+               f"protected={protected}, total={self.max_total_num_tokens}, free req slots="
+               f"{free_rows}/{self.req_to_token_pool.size}")
+        if self.server_args.strict_memory_check:
+            raise MemoryLeakError(msg)
+        logger.error(msg)
+
+    # ================================================================== logs
+    def _token_usage(self) -> float:
+        free = self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size()
+        return 1.0 - free / self.max_total_num_tokens
+
+    def _log_prefill(self, batch: ScheduleBatch) -> None:
+        self.total_prompt_tokens += batch.log_input_tokens + batch.log_hit_tokens
+        self.total_cached_tokens += batch.log_hit_tokens
+        if self.tp_rank != 0:
+            return
+        logger.info(
+            "Prefill batch, #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
+            "#running-req: %d, #queue-req: %d",
+            batch.batch_size(), batch.log_input_tokens, batch.log_hit_tokens, self._token_usage(),
+            self.running_batch.batch_size(), len(self.waiting_queue))
+
+    def _log_decode(self, batch: ScheduleBatch) -> None:
+        now = time.monotonic()
+        elapsed = max(now - self.last_decode_log_time, 1e-6)
+        throughput = self.num_generated_tokens / elapsed
+        self.last_decode_log_time, self.num_generated_tokens = now, 0
+        if self.tp_rank != 0:
+            return
+        logger.info(
+            "Decode batch, #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
+            "#queue-req: %d", batch.batch_size(), sum(batch.seq_lens_cpu), self._token_usage(), throughput,
+            len(self.waiting_queue))
+
+    def cache_hit_rate(self) -> float:
+        return self.total_cached_tokens / max(self.total_prompt_tokens, 1)
+
+
+# ====================================================================== the process
+def run_scheduler_process(server_args: Any, port_args: Any, gpu_id: int, tp_rank: int,
+                          dp_rank: Optional[int], pipe_writer: Any) -> None:
+    import zmq
+
+    from engine.managers import io_struct
+    from engine.utils.process_utils import set_process_title, watch_parent
+
+    name = f"scheduler_TP{tp_rank}" + (f"_DP{dp_rank}" if dp_rank is not None else "")
+    set_process_title(name)
+    logging.basicConfig(level=getattr(logging, server_args.log_level.upper()),
+                        format=f"[%(asctime)s {name}] %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
+    faulthandler.register(signal.SIGUSR1, all_threads=True)
+    watch_parent()
+    try:
+        tokenizer = None
+        if not server_args.skip_tokenizer_init:
+            from transformers import AutoTokenizer
+
+            tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer_path or server_args.model_path)
+        scheduler = Scheduler(server_args, tokenizer=tokenizer, gpu_id=gpu_id, tp_rank=tp_rank)
+        context = zmq.Context(2)
+        recv_sock = context.socket(zmq.PULL)
+        recv_sock.connect(port_args.scheduler_input_ipc_name)
+        detok_sock = context.socket(zmq.PUSH)
+        detok_sock.connect(port_args.detokenizer_ipc_name)
+        tok_sock = context.socket(zmq.PUSH)
+        tok_sock.connect(port_args.tokenizer_ipc_name)
+    except Exception:
+        msg = traceback.format_exc()
+        logger.error("Scheduler failed to start:\n%s", msg)
+        pipe_writer.send({"status": "error", "message": msg})
+        sys.exit(1)
+
+    def send(msg: Any) -> None:
+        sock = detok_sock if isinstance(msg, BatchTokenIDOutput) else tok_sock
+        sock.send(io_struct.encode(msg))
+
+    def recv() -> List[Any]:
+        msgs = []
+        while True:
+            try:
+                msgs.append(io_struct.decode(recv_sock.recv(zmq.NOBLOCK)))
+            except zmq.Again:
+                return msgs
+
+    def wait_for_input() -> None:
+        recv_sock.poll(timeout=1000)
+
+    scheduler.send_output = send
+    scheduler.recv_requests = recv
+    _start_watchdog(scheduler, server_args.watchdog_timeout)
+    pipe_writer.send({"status": "ready", **scheduler.worker.get_worker_info()})
+    try:
+        scheduler.event_loop_normal(wait_for_input)
+    except Exception:
+        logger.error("Scheduler hit an exception:\n%s", traceback.format_exc())
+        sys.exit(1)
+
+
+def _start_watchdog(scheduler: Scheduler, timeout: float) -> None:
+    """Kill the scheduler when a batch makes no progress for `timeout` seconds."""
+
+    def run() -> None:
+        last_ct, last_change = scheduler.forward_ct, time.monotonic()
+        while True:
+            time.sleep(min(timeout / 2, 5.0))
+            now = time.monotonic()
+            if scheduler.cur_batch is None or scheduler.forward_ct != last_ct:
+                last_ct, last_change = scheduler.forward_ct, now
+                continue
+            if now - last_change > timeout:
+                logger.error("Scheduler watchdog timeout (watchdog_timeout=%.1f s): a forward made no progress; "
+                             "shutting down.", timeout)
+                sys.stderr.flush()
+                os._exit(1)
+
+    threading.Thread(target=run, daemon=True, name="scheduler-watchdog").start()

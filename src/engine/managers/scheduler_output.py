@@ -1,0 +1,225 @@
+"""Turning forward results into request state, and request state into BatchTokenIDOutput.
+
+`ResultProcessor` appends sampled tokens, runs finish checks, releases KV and gathers logprobs.
+`OutputStreamer` decides which requests emit this iteration (stream_interval, hold-back of partial
+stop strings, every 50 tokens for non-streaming requests, finish exactly once) and builds the one
+message per iteration sent to the detokenizer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, List, Optional
+
+from engine.managers.io_struct import BatchTokenIDOutput
+from engine.managers.req import Req
+
+if TYPE_CHECKING:
+    from engine.managers.schedule_batch import ScheduleBatch
+    from engine.managers.tp_worker import GenerationBatchResult
+
+# A non-streaming request still goes to the detokenizer every this many tokens (incremental decode).
+DEFAULT_FORCE_STREAM_INTERVAL = 50
+
+
+class ResultProcessor:
+    def __init__(self, tree_cache: Any) -> None:
+        self.tree_cache = tree_cache
+
+    def process_prefill(self, batch: "ScheduleBatch", result: "GenerationBatchResult") -> List[Req]:
+        """Returns the requests that may emit output (mid-chunk requests are left out)."""
+        next_ids = result.next_token_ids.tolist()
+        lp = _LogprobLists(result.logits_output, batch)
+        decoding = {id(r) for r in batch.decoding_reqs}
+        emit: List[Req] = []
+        for i, req in enumerate(batch.reqs):
+            if id(req) in decoding:
+                self._append_token(req, next_ids[i], lp, i)
+                emit.append(req)
+                continue
+            if req.finished():
+                # Finished while in flight (e.g. aborted at admission with no forward needed).
+                emit.append(req)
+                continue
+            lp.collect_input(req, i)
+            if req.is_chunked > 0:
+                # A middle chunk: its sampled token is meaningless, nothing is streamed.
+                req.is_chunked -= 1
+                continue
+            lp.finalize_input(req)
+            if req.max_new_tokens == 0:
+                from engine.managers.req import FINISH_LENGTH
+
+                req.finished_reason = FINISH_LENGTH(0)
+                self.tree_cache.cache_finished_req(req)
+            else:
+                self._append_token(req, next_ids[i], lp, i)
+                if not req.finished():
+                    # Make the prompt's KV shareable at once; the request keeps a lock on it.
+                    self.tree_cache.cache_unfinished_req(req)
+            emit.append(req)
+        return emit
+
+    def process_decode(self, batch: "ScheduleBatch", result: "GenerationBatchResult") -> List[Req]:
+        next_ids = result.next_token_ids.tolist()
+        lp = _LogprobLists(result.logits_output, batch)
+        emit: List[Req] = []
+        allocator = batch.token_to_kv_pool_allocator
+        allocator.free_group_begin()
+        try:
+            for i, req in enumerate(batch.reqs):
+                if req.finished() or req.is_retracted:
+                    continue
+                self._append_token(req, next_ids[i], lp, i)
+                emit.append(req)
+        finally:
+            allocator.free_group_end()
+        return emit
+
+    def _append_token(self, req: Req, token: int, lp: "_LogprobLists", row: int) -> None:
+        req.output_ids.append(token)
+        if req.return_logprob:
+            lp.collect_output(req, row, token)
+        req.check_finished()
+        if req.finished():
+            self.tree_cache.cache_finished_req(req)
+
+
+class _LogprobLists:
+    """Python lists of one batch's logprob tensors, converted once."""
+
+    def __init__(self, logits_output: Any, batch: "ScheduleBatch") -> None:
+        self.batch = batch
+        self.next_lp: Optional[List[float]] = None
+        self.top_val = self.top_idx = None
+        self.input_lp: Optional[List[float]] = None
+        self.input_offsets: List[int] = []
+        self.input_top_val = self.input_top_idx = None
+        if logits_output is None or not batch.return_logprob:
+            return
+        if logits_output.next_token_logprobs is not None:
+            self.next_lp = logits_output.next_token_logprobs.tolist()
+        self.top_val = logits_output.next_token_top_logprobs_val
+        self.top_idx = logits_output.next_token_top_logprobs_idx
+        if logits_output.input_token_logprobs is not None:
+            self.input_lp = logits_output.input_token_logprobs.tolist()
+            self.input_top_val = logits_output.input_top_logprobs_val
+            self.input_top_idx = logits_output.input_top_logprobs_idx
+            # Start of each request's slice in the flat input-logprob list.
+            pos = 0
+            for ext, start in zip(batch.extend_lens, batch.extend_logprob_start_lens):
+                self.input_offsets.append(pos)
+                pos += ext - start
+
+    def collect_output(self, req: Req, row: int, token: int) -> None:
+        if self.next_lp is None:
+            return
+        req.output_token_logprobs_val.append(self.next_lp[row])
+        req.output_token_logprobs_idx.append(token)
+        if req.top_logprobs_num > 0 and self.top_val is not None:
+            req.output_top_logprobs_val.append(list(self.top_val[row]))
+            req.output_top_logprobs_idx.append(list(self.top_idx[row]))
+
+    def collect_input(self, req: Req, row: int) -> None:
+        if self.input_lp is None or not req.needs_input_logprobs():
+            return
+        count = self.batch.extend_lens[row] - self.batch.extend_logprob_start_lens[row]
+        if count <= 0:
+            return
+        off = self.input_offsets[row]
+        req.input_token_logprobs.extend(self.input_lp[off:off + count])
+        if req.top_logprobs_num > 0 and self.input_top_val is not None:
+            req.input_top_logprobs_val_acc.extend(self.input_top_val[row])
+            req.input_top_logprobs_idx_acc.extend(self.input_top_idx[row])
+
+    @staticmethod
+    def finalize_input(req: Req) -> None:
+        """At the last chunk: entry k is the logprob of origin[start + k]; the first is None."""
+        if not req.needs_input_logprobs():
+            return
+        start = req.logprob_start_len
+        values = req.input_token_logprobs
+        req.input_token_logprobs_val = [None] + values[:-1]
+        req.input_token_logprobs_idx = list(req.origin_input_ids[start:])
+        if req.top_logprobs_num > 0:
+            req.input_top_logprobs_val = [None] + req.input_top_logprobs_val_acc[:-1]
+            req.input_top_logprobs_idx = [None] + req.input_top_logprobs_idx_acc[:-1]
+        req.input_token_logprobs = []
+        req.input_top_logprobs_val_acc = []
+        req.input_top_logprobs_idx_acc = []
+
+
+class OutputStreamer:
+    def __init__(self, stream_interval: int) -> None:
+        self.stream_interval = stream_interval
+
+    def should_output(self, req: Req) -> bool:
+        if req.finished():
+            return not req.finished_output
+        n = len(req.output_ids)
+        if n <= req.send_token_offset:
+            return False
+        if req.stream:
+            k = self.stream_interval
+            due = n % k == 1 if k > 1 else True
+            # Never leak text that may turn out to be the beginning of a stop string.
+            return due and not req.tail_may_start_stop_str()
+        return n % DEFAULT_FORCE_STREAM_INTERVAL == 0
+
+    def build(self, reqs: List[Req]) -> Optional[BatchTokenIDOutput]:
+        out: Dict[str, list] = {name: [] for name in _FIELDS}
+        seen = set()
+        for req in reqs:
+            if id(req) in seen or not self.should_output(req):
+                continue
+            seen.add(id(req))
+            self._append(out, req)
+        if not out["rids"]:
+            return None
+        return BatchTokenIDOutput(**out)
+
+    @staticmethod
+    def _append(out: Dict[str, list], req: Req) -> None:
+        sp = req.sampling_params
+        if req.finished():
+            req.finished_output = True
+        out["rids"].append(req.rid)
+        out["finished_reasons"].append(req.finished_reason.to_json() if req.finished() else None)
+        out["output_ids"].append(req.output_ids[req.send_token_offset:])
+        req.send_token_offset = len(req.output_ids)
+        out["skip_special_tokens"].append(getattr(sp, "skip_special_tokens", True))
+        out["spaces_between_special_tokens"].append(getattr(sp, "spaces_between_special_tokens", True))
+        out["no_stop_trim"].append(getattr(sp, "no_stop_trim", False))
+        out["prompt_tokens"].append(len(req.origin_input_ids))
+        out["completion_tokens"].append(len(req.output_ids))
+        out["cached_tokens"].append(req.cached_tokens)
+        if req.return_logprob and req.input_token_logprobs_val is not None and not req.input_logprob_sent:
+            req.input_logprob_sent = True
+            out["input_token_logprobs_val"].append(req.input_token_logprobs_val)
+            out["input_token_logprobs_idx"].append(req.input_token_logprobs_idx)
+            out["input_top_logprobs_val"].append(req.input_top_logprobs_val)
+            out["input_top_logprobs_idx"].append(req.input_top_logprobs_idx)
+        else:
+            for name in ("input_token_logprobs_val", "input_token_logprobs_idx",
+                         "input_top_logprobs_val", "input_top_logprobs_idx"):
+                out[name].append(None)
+        if req.return_logprob:
+            o = req.send_output_logprobs_offset
+            out["output_token_logprobs_val"].append(req.output_token_logprobs_val[o:])
+            out["output_token_logprobs_idx"].append(req.output_token_logprobs_idx[o:])
+            tops = req.top_logprobs_num > 0
+            out["output_top_logprobs_val"].append(req.output_top_logprobs_val[o:] if tops else None)
+            out["output_top_logprobs_idx"].append(req.output_top_logprobs_idx[o:] if tops else None)
+            req.send_output_logprobs_offset = len(req.output_token_logprobs_val)
+        else:
+            for name in ("output_token_logprobs_val", "output_token_logprobs_idx",
+                         "output_top_logprobs_val", "output_top_logprobs_idx"):
+                out[name].append(None)
+
+
+_FIELDS = (
+    "rids", "finished_reasons", "output_ids", "skip_special_tokens", "spaces_between_special_tokens",
+    "no_stop_trim", "prompt_tokens", "completion_tokens", "cached_tokens",
+    "input_token_logprobs_val", "input_token_logprobs_idx", "input_top_logprobs_val", "input_top_logprobs_idx",
+    "output_token_logprobs_val", "output_token_logprobs_idx", "output_top_logprobs_val",
+    "output_top_logprobs_idx",
+)

@@ -1,0 +1,76 @@
+"""TpModelWorker: the scheduler's handle on the model of one tensor-parallel rank."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Dict, Optional
+
+import torch
+
+from engine.model_executor.forward_batch_info import ForwardBatch, ModelWorkerBatch
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class GenerationBatchResult:
+    logits_output: Any  # LogitsProcessorOutput (or None for a fake worker without logprobs)
+    next_token_ids: torch.Tensor  # [bs] int64
+
+
+def worker_limits(max_total_num_tokens: int, context_len: int, req_pool_size: int,
+                  max_running_requests: Optional[int], vocab_size: int, page_size: int,
+                  device: str) -> Dict[str, Any]:
+    """The limits the scheduler admits requests under (SGLang's rules)."""
+    max_req_len = min(context_len - 1, max_total_num_tokens - 1)
+    return {
+        "max_total_num_tokens": max_total_num_tokens,
+        "max_running_requests": min(max_running_requests or req_pool_size, req_pool_size),
+        "max_req_len": max_req_len,
+        "max_req_input_len": max_req_len - 5,
+        "context_len": context_len,
+        "vocab_size": vocab_size,
+        "page_size": page_size,
+        "device": device,
+    }
+
+
+class TpModelWorker:
+    def __init__(self, server_args: Any, gpu_id: int = 0, tp_rank: int = 0) -> None:
+        from engine.configs.model_config import ModelConfig
+        from engine.model_executor.model_runner import ModelRunner
+
+        self.server_args = server_args
+        self.tp_rank = tp_rank
+        self.model_config = ModelConfig.from_pretrained(
+            server_args.model_path, dtype=server_args.dtype, context_length=server_args.context_length
+        )
+        self.model_runner = ModelRunner(
+            self.model_config, server_args, tp_rank=tp_rank, tp_size=server_args.tp_size, gpu_id=gpu_id
+        )
+        self.device = self.model_runner.device
+        self.req_to_token_pool = self.model_runner.req_to_token_pool
+        self.token_to_kv_pool_allocator = self.model_runner.token_to_kv_pool_allocator
+
+    def get_worker_info(self) -> Dict[str, Any]:
+        mr = self.model_runner
+        return worker_limits(
+            max_total_num_tokens=mr.max_total_num_tokens,
+            context_len=self.model_config.context_len,
+            req_pool_size=self.req_to_token_pool.size,
+            max_running_requests=self.server_args.max_running_requests,
+            vocab_size=self.model_config.vocab_size,
+            page_size=self.server_args.page_size,
+            device=str(self.device),
+        )
+
+    @property
+    def eos_token_ids(self) -> set:
+        return set(self.model_config.eos_token_ids or ())
+
+    def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationBatchResult:
+        forward_batch = ForwardBatch.init_new(batch, self.model_runner)
+        logits_output = self.model_runner.forward(forward_batch)
+        next_token_ids = self.model_runner.sample(logits_output, forward_batch)
+        return GenerationBatchResult(logits_output=logits_output, next_token_ids=next_token_ids)

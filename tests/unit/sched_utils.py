@@ -1,0 +1,149 @@
+"""A deterministic fake model worker and a harness that drives the Scheduler in-process."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from engine.managers.io_struct import AbortReq, BatchTokenIDOutput, TokenizedGenerateReqInput
+from engine.managers.scheduler import Scheduler
+from engine.managers.tp_worker import GenerationBatchResult, worker_limits
+from engine.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+from engine.mem_cache.memory_pool import ReqToTokenPool
+from engine.server_args import ServerArgs
+
+VOCAB = 1000
+EOS = 999
+
+
+class FakeTokenizer:
+    """Token id i decodes to one lowercase letter; EOS decodes to nothing."""
+
+    eos_token_id = EOS
+
+    def decode(self, ids, **kwargs) -> str:
+        return "".join("" if i == EOS else chr(ord("a") + i % 26) for i in ids)
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) - ord("a") for c in text]
+
+
+@dataclass
+class ForwardRecord:
+    mode: str
+    bs: int
+    extend_lens: Optional[List[int]]
+    rows: List[int]
+
+
+class FakeWorker:
+    """next token = (last input token of the request + 1) % (VOCAB - 1), EOS never unless forced."""
+
+    def __init__(self, max_total_tokens: int = 4096, page_size: int = 1, max_running: int = 32,
+                 context_len: int = 2048, next_token: Optional[Callable[[int], int]] = None) -> None:
+        self.req_to_token_pool = ReqToTokenPool(max_running, context_len)
+        if page_size == 1:
+            self.token_to_kv_pool_allocator = TokenToKVPoolAllocator(max_total_tokens, torch.float32, "cpu", None)
+        else:
+            self.token_to_kv_pool_allocator = PagedTokenToKVPoolAllocator(
+                max_total_tokens, page_size, torch.float32, "cpu", None)
+        self.max_total_tokens = max_total_tokens
+        self.page_size = page_size
+        self.max_running = max_running
+        self.context_len = context_len
+        self.eos_token_ids = {EOS}
+        self.next_token = next_token or (lambda last: (last + 1) % (VOCAB - 1))
+        self.records: List[ForwardRecord] = []
+
+    def get_worker_info(self) -> Dict:
+        return worker_limits(self.max_total_tokens, self.context_len, self.req_to_token_pool.size,
+                             None, VOCAB, self.page_size, "cpu")
+
+    def forward_batch_generation(self, batch) -> GenerationBatchResult:
+        ids = batch.input_ids.tolist()
+        if batch.forward_mode.is_extend():
+            ends = torch.cumsum(torch.tensor(batch.extend_seq_lens), 0).tolist()
+            last = [ids[e - 1] for e in ends]
+        else:
+            last = ids
+        self.records.append(ForwardRecord(batch.forward_mode.name, batch.batch_size,
+                                          batch.extend_seq_lens, batch.req_pool_indices.tolist()))
+        nxt = torch.tensor([self.next_token(t) for t in last], dtype=torch.int64)
+        return GenerationBatchResult(logits_output=None, next_token_ids=nxt)
+
+
+@dataclass
+class ReqOutput:
+    output_ids: List[int] = field(default_factory=list)
+    finished_reason: Optional[dict] = None
+    emissions: List[List[int]] = field(default_factory=list)  # output_ids delta of each emission
+    emitted_lengths: List[int] = field(default_factory=list)  # completion_tokens at each emission
+    cached_tokens: int = 0
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+
+class Harness:
+    def __init__(self, worker: Optional[FakeWorker] = None, tokenizer=None, **server_kwargs) -> None:
+        server_kwargs.setdefault("device", "cpu")
+        server_kwargs.setdefault("strict_memory_check", True)
+        server_kwargs.setdefault("chunked_prefill_size", -1)
+        self.args = ServerArgs(**server_kwargs)
+        self.worker = worker or FakeWorker()
+        self.scheduler = Scheduler(self.args, worker=self.worker, tokenizer=tokenizer or FakeTokenizer())
+        self.outputs: Dict[str, ReqOutput] = {}
+        self.counter = 0
+
+    def submit(self, input_ids: List[int], rid: Optional[str] = None, stream: bool = False, **sampling) -> str:
+        if rid is None:
+            rid = f"r{self.counter}"
+            self.counter += 1
+        sampling.setdefault("temperature", 0.0)
+        sampling.setdefault("max_new_tokens", 8)
+        logprob = sampling.pop("return_logprob", False)
+        start = sampling.pop("logprob_start_len", -1)
+        top = sampling.pop("top_logprobs_num", 0)
+        self.scheduler.add_request(TokenizedGenerateReqInput(
+            rid=rid, input_ids=list(input_ids), sampling_params=sampling, stream=stream,
+            return_logprob=logprob, logprob_start_len=start, top_logprobs_num=top))
+        self.outputs.setdefault(rid, ReqOutput())
+        return rid
+
+    def abort(self, rid: str = "", abort_all: bool = False) -> None:
+        self.scheduler.add_request(AbortReq(rid=rid, abort_all=abort_all))
+
+    def step(self):
+        batch = self.scheduler.step()
+        self._collect()
+        return batch
+
+    def _collect(self) -> None:
+        for msg in self.scheduler.outbox:
+            if not isinstance(msg, BatchTokenIDOutput):
+                continue
+            for i, rid in enumerate(msg.rids):
+                out = self.outputs.setdefault(rid, ReqOutput())
+                assert out.finished_reason is None, f"{rid} emitted after it finished"
+                out.output_ids.extend(msg.output_ids[i])
+                out.emissions.append(list(msg.output_ids[i]))
+                out.emitted_lengths.append(msg.completion_tokens[i])
+                out.finished_reason = msg.finished_reasons[i]
+                out.cached_tokens = msg.cached_tokens[i]
+                out.prompt_tokens = msg.prompt_tokens[i]
+                out.completion_tokens = msg.completion_tokens[i]
+        self.scheduler.outbox.clear()
+
+    def run_until_idle(self, max_steps: int = 10_000) -> int:
+        steps = 0
+        while self.scheduler.has_work():
+            self.step()
+            steps += 1
+            assert steps < max_steps, "scheduler did not become idle"
+        # One more idle step runs the memory self-check.
+        self.step()
+        return steps
+
+    def modes(self) -> List[str]:
+        return [r.mode for r in self.worker.records]
