@@ -8,6 +8,7 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from engine.managers.io_struct import AbortReq, BatchTokenIDOutput, TokenizedGenerateReqInput
+from engine.managers.overlap_utils import resolve_relay_input_ids, write_relay
 from engine.managers.scheduler import Scheduler
 from engine.managers.tp_worker import GenerationBatchResult, worker_limits
 from engine.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
@@ -56,13 +57,14 @@ class FakeWorker:
         self.eos_token_ids = {EOS}
         self.next_token = next_token or (lambda last: (last + 1) % (VOCAB - 1))
         self.records: List[ForwardRecord] = []
+        self.output_tokens_buf = torch.zeros(max_running + 1, dtype=torch.int64)
 
     def get_worker_info(self) -> Dict:
         return worker_limits(self.max_total_tokens, self.context_len, self.req_to_token_pool.size,
                              None, VOCAB, self.page_size, "cpu")
 
     def forward_batch_generation(self, batch) -> GenerationBatchResult:
-        ids = batch.input_ids.tolist()
+        ids = resolve_relay_input_ids(batch.input_ids, batch.relay_rows, self.output_tokens_buf).tolist()
         if batch.forward_mode.is_extend():
             ends = torch.cumsum(torch.tensor(batch.extend_seq_lens), 0).tolist()
             last = [ids[e - 1] for e in ends]
@@ -71,6 +73,7 @@ class FakeWorker:
         self.records.append(ForwardRecord(batch.forward_mode.name, batch.batch_size,
                                           batch.extend_seq_lens, batch.req_pool_indices.tolist()))
         nxt = torch.tensor([self.next_token(t) for t in last], dtype=torch.int64)
+        write_relay(self.output_tokens_buf, batch.req_pool_indices, nxt)
         return GenerationBatchResult(logits_output=None, next_token_ids=nxt)
 
 
@@ -83,11 +86,15 @@ class ReqOutput:
     cached_tokens: int = 0
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    logprobs: List[float] = field(default_factory=list)  # output token logprobs, then input ones
 
 
 class Harness:
-    def __init__(self, worker: Optional[FakeWorker] = None, tokenizer=None, **server_kwargs) -> None:
+    def __init__(self, worker: Optional[FakeWorker] = None, tokenizer=None, overlap: bool = False,
+                 **server_kwargs) -> None:
         server_kwargs.setdefault("device", "cpu")
+        server_kwargs["disable_overlap_schedule"] = not overlap
+        self.overlap = overlap
         server_kwargs.setdefault("strict_memory_check", True)
         server_kwargs.setdefault("chunked_prefill_size", -1)
         self.args = ServerArgs(**server_kwargs)
@@ -115,7 +122,7 @@ class Harness:
         self.scheduler.add_request(AbortReq(rid=rid, abort_all=abort_all))
 
     def step(self):
-        batch = self.scheduler.step()
+        batch = self.scheduler.step_overlap() if self.overlap else self.scheduler.step()
         self._collect()
         return batch
 
@@ -133,6 +140,10 @@ class Harness:
                 out.cached_tokens = msg.cached_tokens[i]
                 out.prompt_tokens = msg.prompt_tokens[i]
                 out.completion_tokens = msg.completion_tokens[i]
+                if msg.output_token_logprobs_val and msg.output_token_logprobs_val[i]:
+                    out.logprobs.extend(msg.output_token_logprobs_val[i])
+                if msg.input_token_logprobs_val and msg.input_token_logprobs_val[i]:
+                    out.logprobs.extend(v for v in msg.input_token_logprobs_val[i] if v is not None)
         self.scheduler.outbox.clear()
 
     def run_until_idle(self, max_steps: int = 10_000) -> int:

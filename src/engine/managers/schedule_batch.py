@@ -20,6 +20,7 @@ from engine.managers.req import (  # noqa: F401  (re-exported: the SGLang vocabu
     FINISH_MATCHED_TOKEN,
     Req,
 )
+from engine.managers.overlap_utils import RELAY_PLACEHOLDER
 from engine.model_executor.forward_batch_info import ForwardMode, ModelWorkerBatch
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,7 @@ class ScheduleBatch:
     extend_num_tokens: int = 0
     extend_logprob_start_lens: List[int] = field(default_factory=list)
     extend_input_logprob_token_ids: Optional[torch.Tensor] = None
+    relay_rows: Optional[torch.Tensor] = None  # rows whose placeholder input ids come from the relay
 
     return_logprob: bool = False
     top_logprobs_nums: List[int] = field(default_factory=list)
@@ -156,6 +158,7 @@ class ScheduleBatch:
             r.already_computed = s
 
         self.input_ids = _i64(input_ids)
+        self.relay_rows = None
         self.req_pool_indices = _i64([r.req_pool_idx for r in reqs])
         self.seq_lens_cpu = seq_lens
         self.seq_lens = _i64(seq_lens)
@@ -179,7 +182,7 @@ class ScheduleBatch:
                 start = min(max(r.logprob_start_len - p, 0), e)
                 for pos in range(p + start, p + e):
                     nxt = pos + 1
-                    tok = r.fill_ids[nxt] if nxt < len(r.origin_input_ids) else 0
+                    tok = r.origin_input_ids[nxt] if nxt < len(r.origin_input_ids) else 0
                     targets.append(min(max(tok, 0), self.vocab_size - 1))
             else:
                 start = e
@@ -192,6 +195,7 @@ class ScheduleBatch:
         self.forward_mode = ForwardMode.MIXED
         running_prefix = [s - 1 for s in running_batch.seq_lens_cpu]
         self.input_ids = torch.cat([self.input_ids, running_batch.input_ids])
+        self.relay_rows = running_batch.relay_rows
         self.out_cache_loc = torch.cat([self.out_cache_loc, running_batch.out_cache_loc])
         self.prefix_lens = self.prefix_lens + running_prefix
         self.extend_lens = self.extend_lens + [1] * running_batch.batch_size()
@@ -238,7 +242,9 @@ class ScheduleBatch:
         table[rows, _i64(old_lens)] = out.to(table.dtype)
         for r in self.reqs:
             r.kv_allocated_len += 1
-        self.input_ids = _i64([r.output_ids[-1] for r in self.reqs])
+        # The ids sampled last step may still be in flight (overlap): read them from the relay.
+        self.input_ids = torch.full((bs,), RELAY_PLACEHOLDER, dtype=torch.int64)
+        self.relay_rows = self.req_pool_indices
         self.out_cache_loc = out
         # New objects, never in-place: a batch snapshot already handed to the worker keeps the old ones.
         self.seq_lens_cpu = [n + 1 for n in old_lens]
@@ -297,6 +303,7 @@ class ScheduleBatch:
         if not keep_indices:
             self.reqs = []
             self.seq_lens_cpu = []
+            self.sampling_info.filter_batch([])
             return
         idx = _i64(keep_indices)
         self.reqs = [self.reqs[i] for i in keep_indices]
@@ -328,7 +335,7 @@ class ScheduleBatch:
             seq_lens=self.seq_lens,
             seq_lens_cpu=list(self.seq_lens_cpu),
             out_cache_loc=self.out_cache_loc,
-            sampling_info=self.sampling_info,
+            sampling_info=self.sampling_info.copy_for_forward(),
             return_logprob=self.return_logprob,
             top_logprobs_nums=list(self.top_logprobs_nums) if self.return_logprob else None,
             extend_num_tokens=self.extend_num_tokens if extend else None,
@@ -336,6 +343,30 @@ class ScheduleBatch:
             extend_prefix_lens=list(self.prefix_lens) if extend else None,
             extend_logprob_start_lens=list(self.extend_logprob_start_lens) if extend else None,
             extend_input_logprob_token_ids=self.extend_input_logprob_token_ids if extend else None,
+            relay_rows=self.relay_rows,
+        )
+
+    def copy(self) -> "ScheduleBatch":
+        """What result processing needs, frozen at launch: the scheduler mutates the live batch
+        (filter, merge, prepare_for_decode) while the forward of this one is in flight."""
+        return ScheduleBatch(
+            reqs=list(self.reqs),
+            req_to_token_pool=self.req_to_token_pool,
+            token_to_kv_pool_allocator=self.token_to_kv_pool_allocator,
+            tree_cache=self.tree_cache,
+            vocab_size=self.vocab_size,
+            device=self.device,
+            forward_mode=self.forward_mode,
+            seq_lens_cpu=list(self.seq_lens_cpu),
+            prefix_lens=list(self.prefix_lens),
+            extend_lens=list(self.extend_lens),
+            extend_num_tokens=self.extend_num_tokens,
+            extend_logprob_start_lens=list(self.extend_logprob_start_lens),
+            return_logprob=self.return_logprob,
+            top_logprobs_nums=list(self.top_logprobs_nums),
+            decoding_reqs=list(self.decoding_reqs),
+            log_input_tokens=self.log_input_tokens,
+            log_hit_tokens=self.log_hit_tokens,
         )
 
     def __repr__(self) -> str:

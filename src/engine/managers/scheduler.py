@@ -16,7 +16,8 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Callable, Dict, List, Optional
+from collections import deque
+from typing import Any, Callable, Deque, Dict, List, Optional
 
 import torch
 
@@ -29,6 +30,7 @@ from engine.managers.io_struct import (
     GetInternalStateReqOutput,
     TokenizedGenerateReqInput,
 )
+from engine.managers.overlap_utils import ForwardStream, PendingResult
 from engine.managers.req import FINISH_ABORT, Req
 from engine.managers.schedule_batch import ScheduleBatch
 from engine.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
@@ -115,6 +117,10 @@ class Scheduler:
 
         # Seconds a request may wait in the queue (<= 0: no limit), like SGLANG_REQ_WAITING_TIMEOUT.
         self.waiting_timeout = float(os.environ.get("ENGINE_REQ_WAITING_TIMEOUT", "0"))
+        # Overlap scheduling (the default): forwards run on the forward stream, results lag one step.
+        self.forward_stream: Optional[ForwardStream] = (
+            None if server_args.disable_overlap_schedule else ForwardStream(self.device))
+        self.result_queue: Deque = deque()
         self.forward_ct = 0
         self.num_generated_tokens = 0
         self.decode_batch_ct = 0
@@ -166,8 +172,8 @@ class Scheduler:
         req.tokenizer = self.tokenizer
         try:
             sp = SamplingParams.from_dict(recv.sampling_params)
-            sp.normalize(self.tokenizer)
             sp.verify(self.vocab_size)
+            sp.normalize(self.tokenizer)
         except (ValueError, TypeError) as e:
             req.sampling_params = SamplingParams()
             return self._abort_at_admission(req, str(e), 400)
@@ -242,7 +248,7 @@ class Scheduler:
     # ================================================================== control
     def is_fully_idle(self) -> bool:
         return (self.running_batch.is_empty() and not self.waiting_queue and self.chunked_req is None
-                and (self.last_batch is None or self.last_batch.is_empty()))
+                and (self.last_batch is None or self.last_batch.is_empty()) and not self.result_queue)
 
     def flush_cache(self) -> FlushCacheReqOutput:
         if not self.is_fully_idle():
@@ -408,10 +414,16 @@ class Scheduler:
 
     # ================================================================== running
     def run_batch(self, batch: ScheduleBatch):
+        """Run the forward now (normal loop) or launch it on the forward stream (overlap loop)."""
         self.forward_ct += 1
-        return self.worker.forward_batch_generation(batch.get_model_worker_batch())
+        worker_batch = batch.get_model_worker_batch()
+        if self.forward_stream is None:
+            return self.worker.forward_batch_generation(worker_batch)
+        return self.forward_stream.launch(lambda: self.worker.forward_batch_generation(worker_batch))
 
     def process_batch_result(self, batch: ScheduleBatch, result) -> None:
+        if isinstance(result, PendingResult):
+            result = result.result()  # waits for copy_done only here
         if batch.forward_mode.is_decode():
             emit = self.results.process_decode(batch, result)
             self.num_generated_tokens += len(emit)
@@ -446,14 +458,54 @@ class Scheduler:
         self.flush_outputs()
         return batch
 
-    def has_work(self) -> bool:
-        return bool(self.inbox) or not self.is_fully_idle() or bool(self._to_stream)
+    def step_overlap(self) -> Optional[ScheduleBatch]:
+        """One iteration of the overlap loop: schedule and launch step N+1, then process step N.
 
-    def event_loop_normal(self, wait_for_input: Callable[[], None]) -> None:
+        A request that finished in step N is still part of step N+1 (its result is ignored, its
+        KV, including the slot allocated for that extra step, was released when step N was
+        processed). Two prefills in a row are not overlapped, so the second one sees the first
+        one's prompt in the radix cache.
+        """
+        self.process_input_requests(self.recv_requests())
+        batch = self.get_next_batch_to_run()
+        self.cur_batch = batch
+        disable_overlap = self._is_disable_overlap_for_batch(batch)
+        if disable_overlap:
+            self._pop_and_process()
+        if batch is not None:
+            self.result_queue.append((batch.copy(), self.run_batch(batch)))
+            if disable_overlap:
+                # Launched after the previous result was processed: process it next iteration.
+                pass
+        if not disable_overlap and len(self.result_queue) > (1 if batch is not None else 0):
+            self._pop_and_process()
+        if batch is None and not self.result_queue:
+            self.on_idle()
+        self.last_batch = batch
+        self.cur_batch = None
+        self.flush_outputs()
+        return batch
+
+    def _is_disable_overlap_for_batch(self, batch: Optional[ScheduleBatch]) -> bool:
+        last = self.last_batch
+        return (batch is not None and batch.forward_mode.is_extend() and last is not None
+                and last.forward_mode is not None and last.forward_mode.is_extend())
+
+    def _pop_and_process(self) -> None:
+        if self.result_queue:
+            batch, result = self.result_queue.popleft()
+            self.process_batch_result(batch, result)
+
+    def has_work(self) -> bool:
+        return (bool(self.inbox) or not self.is_fully_idle() or bool(self._to_stream)
+                or bool(self.result_queue))
+
+    def event_loop(self, wait_for_input: Callable[[], None]) -> None:
+        step = self.step if self.forward_stream is None else self.step_overlap
         while True:
             if not self.has_work():
                 wait_for_input()
-            self.step()
+            step()
 
     def on_idle(self) -> None:
         if not self.is_fully_idle():
@@ -563,7 +615,7 @@ def run_scheduler_process(server_args: Any, port_args: Any, gpu_id: int, tp_rank
     _start_watchdog(scheduler, server_args.watchdog_timeout)
     pipe_writer.send({"status": "ready", **scheduler.worker.get_worker_info()})
     try:
-        scheduler.event_loop_normal(wait_for_input)
+        scheduler.event_loop(wait_for_input)
     except Exception:
         logger.error("Scheduler hit an exception:\n%s", traceback.format_exc())
         sys.exit(1)

@@ -37,9 +37,10 @@ class ResultProcessor:
                 emit.append(req)
                 continue
             if req.finished():
-                # Finished while in flight (e.g. aborted at admission with no forward needed).
                 emit.append(req)
                 continue
+            if req.is_retracted:
+                continue  # retracted while its prefill was in flight (overlap): re-prefilled later
             lp.collect_input(req, i)
             if req.is_chunked > 0:
                 # A middle chunk: its sampled token is meaningless, nothing is streamed.

@@ -8,6 +8,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
+from engine.managers.overlap_utils import resolve_relay_input_ids, write_relay
 from engine.model_executor.forward_batch_info import ForwardBatch, ModelWorkerBatch
 
 logger = logging.getLogger(__name__)
@@ -52,6 +53,9 @@ class TpModelWorker:
         self.device = self.model_runner.device
         self.req_to_token_pool = self.model_runner.req_to_token_pool
         self.token_to_kv_pool_allocator = self.model_runner.token_to_kv_pool_allocator
+        # The overlap relay: last sampled token per request-pool row (overlap_utils.py).
+        self.output_tokens_buf = torch.zeros(self.req_to_token_pool.size + 1, dtype=torch.int64,
+                                             device=self.device)
 
     def get_worker_info(self) -> Dict[str, Any]:
         mr = self.model_runner
@@ -71,6 +75,10 @@ class TpModelWorker:
 
     def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationBatchResult:
         forward_batch = ForwardBatch.init_new(batch, self.model_runner)
+        if batch.relay_rows is not None:
+            forward_batch.input_ids = resolve_relay_input_ids(
+                forward_batch.input_ids, batch.relay_rows.to(self.device), self.output_tokens_buf)
         logits_output = self.model_runner.forward(forward_batch)
         next_token_ids = self.model_runner.sample(logits_output, forward_batch)
+        write_relay(self.output_tokens_buf, forward_batch.req_pool_indices, next_token_ids)
         return GenerationBatchResult(logits_output=logits_output, next_token_ids=next_token_ids)

@@ -44,7 +44,8 @@ class ModelWorkerBatch:
 
     For DECODE and IDLE the `extend_*` lists are None. For MIXED the decode rows appear after the
     extend rows with `extend_prefix_lens = seq_len - 1` and `extend_seq_lens = 1`.
-    `input_ids` may be None for DECODE when the worker gathers them from the overlap relay.
+    Decode rows carry the placeholder id -1 and name their request-pool row in `relay_rows`: the
+    worker gathers the real id from the overlap relay (managers/overlap_utils.py).
     """
 
     forward_mode: ForwardMode
@@ -63,6 +64,8 @@ class ModelWorkerBatch:
     extend_logprob_start_lens: Optional[List[int]] = None
     # Flat: for every position whose input logprob is computed, the id of the token that follows it.
     extend_input_logprob_token_ids: Optional[torch.Tensor] = None
+    # Overlap relay: ids equal to -1 in input_ids are read, in order, from output_tokens_buf[relay_rows].
+    relay_rows: Optional[torch.Tensor] = None
 
     @property
     def batch_size(self) -> int:

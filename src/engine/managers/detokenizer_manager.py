@@ -1,0 +1,208 @@
+"""DetokenizerManager: its own process, turning the scheduler's token ids into text deltas.
+
+Loop: receive a BatchTokenIDOutput from the scheduler, decode every request of the batch
+incrementally (one tokenizer.batch_decode call per flag combination), and send a BatchStrOutput
+with the new text of each request to the TokenizerManager.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import traceback
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+import zmq
+
+from engine.managers.io_struct import BatchStrOutput, BatchTokenIDOutput, decode, encode
+from engine.server_args import PortArgs, ServerArgs
+from engine.utils.log_utils import configure_logging
+from engine.utils.process_utils import set_process_title, start_parent_death_watcher
+from engine.utils.tokenizer_utils import load_tokenizer
+from engine.utils.zmq_utils import get_zmq_socket
+
+logger = logging.getLogger(__name__)
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+@dataclass
+class DecodeStatus:
+    """Incremental detokenization state of one request (schedule-batch.md §3.9).
+
+    `decode_ids[surr_offset:read_offset]` is context already committed to `decoded_text`; it is
+    decoded again with the new ids so that tokenizers whose rendering of a token depends on its
+    left neighbour still produce the right text. `sent_offset` counts characters already sent.
+    """
+
+    decode_ids: list[int] = field(default_factory=list)
+    decoded_text: str = ""
+    surr_offset: int = 0
+    read_offset: int = 0
+    sent_offset: int = 0
+
+
+def printable_prefix(text: str) -> str:
+    """The part of pending text that can never change: everything before the first U+FFFD.
+
+    A trailing U+FFFD is the decoder's stand-in for an incomplete UTF-8 sequence; the next token
+    may complete it, so the text from there on is held back.
+    """
+    cut = text.find(REPLACEMENT_CHAR)
+    return text if cut == -1 else text[:cut]
+
+
+def trim_matched_stop(text: str, finished_reason: Optional[dict], no_stop_trim: bool) -> str:
+    """Cut a matched stop string (and what follows it) off the final text."""
+    if not finished_reason or no_stop_trim:
+        return text
+    matched = finished_reason.get("matched")
+    if isinstance(matched, str) and matched:
+        pos = text.find(matched)
+        if pos != -1:
+            return text[:pos]
+    return text
+
+
+class DetokenizerManager:
+    """Keeps one DecodeStatus per running request and turns id deltas into text deltas."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+        self.decode_status: dict[str, DecodeStatus] = {}
+
+    # ------------------------------------------------------------------ decoding
+    def handle_batch_token_id_out(self, recv: BatchTokenIDOutput) -> BatchStrOutput:
+        n = len(recv.rids)
+        end_offsets: list[int] = []
+        states: list[DecodeStatus] = []
+        for i in range(n):
+            state = self.decode_status.get(recv.rids[i])
+            if state is None:
+                state = DecodeStatus()
+                self.decode_status[recv.rids[i]] = state
+            state.decode_ids.extend(recv.output_ids[i])
+            states.append(state)
+            end_offsets.append(self._decode_end(state, recv.finished_reasons[i], recv.no_stop_trim[i]))
+
+        surr_texts, read_texts = self._batch_decode(recv, states, end_offsets)
+
+        output_strs: list[str] = []
+        for i in range(n):
+            state, finished_reason = states[i], recv.finished_reasons[i]
+            new_text = read_texts[i][len(surr_texts[i]):]
+            if finished_reason is None:
+                if new_text and not new_text.endswith(REPLACEMENT_CHAR):
+                    state.decoded_text += new_text
+                    state.surr_offset = state.read_offset
+                    state.read_offset = end_offsets[i]
+                    new_text = ""
+                else:
+                    new_text = printable_prefix(new_text)
+            # At finish the pending text is flushed as is: no later token can complete it.
+            full_text = trim_matched_stop(state.decoded_text + new_text, finished_reason, recv.no_stop_trim[i])
+            output_strs.append(full_text[state.sent_offset:])
+            state.sent_offset = max(state.sent_offset, len(full_text))
+            if finished_reason is not None:
+                del self.decode_status[recv.rids[i]]
+
+        return BatchStrOutput(
+            rids=recv.rids,
+            finished_reasons=recv.finished_reasons,
+            output_strs=output_strs,
+            output_ids=recv.output_ids,
+            prompt_tokens=recv.prompt_tokens,
+            completion_tokens=recv.completion_tokens,
+            cached_tokens=recv.cached_tokens,
+            input_token_logprobs_val=recv.input_token_logprobs_val,
+            input_token_logprobs_idx=recv.input_token_logprobs_idx,
+            input_top_logprobs_val=recv.input_top_logprobs_val,
+            input_top_logprobs_idx=recv.input_top_logprobs_idx,
+            output_token_logprobs_val=recv.output_token_logprobs_val,
+            output_token_logprobs_idx=recv.output_token_logprobs_idx,
+            output_top_logprobs_val=recv.output_top_logprobs_val,
+            output_top_logprobs_idx=recv.output_top_logprobs_idx,
+        )
+
+    @staticmethod
+    def _decode_end(state: DecodeStatus, finished_reason: Optional[dict], no_stop_trim: bool) -> int:
+        """How many ids to decode: all, except a matched stop token at finish (trimmed from text)."""
+        end = len(state.decode_ids)
+        if finished_reason and not no_stop_trim:
+            matched = finished_reason.get("matched")
+            if (isinstance(matched, int) and not isinstance(matched, bool) and end > state.read_offset
+                    and state.decode_ids[-1] == matched):
+                end -= 1
+        return end
+
+    def _batch_decode(
+        self, recv: BatchTokenIDOutput, states: list[DecodeStatus], end_offsets: list[int]
+    ) -> tuple[list[str], list[str]]:
+        """Decode the surrounding and the read windows of every request.
+
+        Requests are grouped by their decode flags so that a batch whose requests agree (the
+        usual case) costs a single batch_decode call.
+        """
+        n = len(states)
+        surr_texts = [""] * n
+        read_texts = [""] * n
+        if self.tokenizer is None or n == 0:
+            return surr_texts, read_texts
+        groups: dict[tuple[bool, bool], list[int]] = {}
+        for i in range(n):
+            key = (bool(recv.skip_special_tokens[i]), bool(recv.spaces_between_special_tokens[i]))
+            groups.setdefault(key, []).append(i)
+        for (skip_special, spaces_between), indices in groups.items():
+            sequences = [states[i].decode_ids[states[i].surr_offset:states[i].read_offset] for i in indices]
+            sequences += [states[i].decode_ids[states[i].surr_offset:end_offsets[i]] for i in indices]
+            # Fast tokenizers ignore spaces_between_special_tokens; slow ones honour it.
+            texts = self.tokenizer.batch_decode(
+                sequences,
+                skip_special_tokens=skip_special,
+                spaces_between_special_tokens=spaces_between,
+            )
+            for j, i in enumerate(indices):
+                surr_texts[i] = texts[j]
+                read_texts[i] = texts[len(indices) + j]
+        return surr_texts, read_texts
+
+    # ------------------------------------------------------------------ event loop
+    def event_loop(self, recv_socket: zmq.Socket, send_socket: zmq.Socket) -> None:
+        while True:
+            msg = decode(recv_socket.recv())
+            if isinstance(msg, BatchTokenIDOutput):
+                send_socket.send(encode(self.handle_batch_token_id_out(msg)))
+            else:
+                logger.warning("Detokenizer ignores unexpected message %s", type(msg).__name__)
+
+
+def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs, pipe_writer) -> None:
+    """Entry point of the detokenizer process (multiprocessing 'spawn' target)."""
+    set_process_title("engine::detokenizer")
+    configure_logging(server_args.log_level, prefix="DETOKENIZER")
+    start_parent_death_watcher()
+    ready = False
+    try:
+        tokenizer = None
+        if not server_args.skip_tokenizer_init:
+            tokenizer = load_tokenizer(server_args.tokenizer_path or server_args.model_path,
+                                       server_args.trust_remote_code)
+        manager = DetokenizerManager(tokenizer)
+        context = zmq.Context(2)
+        recv_socket = get_zmq_socket(context, zmq.PULL, port_args.detokenizer_ipc_name, bind=True)
+        send_socket = get_zmq_socket(context, zmq.PUSH, port_args.tokenizer_ipc_name, bind=False)
+        pipe_writer.send({"status": "ready"})
+        ready = True
+        manager.event_loop(recv_socket, send_socket)
+    except Exception:
+        message = traceback.format_exc()
+        logger.error("Detokenizer hit an exception: %s", message)
+        if not ready:
+            try:
+                pipe_writer.send({"status": "error", "message": message})
+            except OSError:
+                pass
+        sys.stderr.flush()
+        os._exit(1)

@@ -1,0 +1,16 @@
+"""Errors the runtime raises toward the HTTP layer and the offline Engine."""
+
+from __future__ import annotations
+
+
+class EngineRequestError(Exception):
+    """A request the engine refuses: the client's fault (400), overload (503), or a dead server (503)."""
+
+    def __init__(self, message: str, status_code: int = 400, err_type: str = "BadRequestError") -> None:
+        super().__init__(message)
+        self.message = message
+        self.status_code = status_code
+        self.err_type = err_type
+
+    def __repr__(self) -> str:
+        return f"EngineRequestError({self.message!r}, status_code={self.status_code}, err_type={self.err_type!r})"

@@ -1,0 +1,88 @@
+"""Overlap scheduling support: the pool-indexed token relay and the forward stream.
+
+The relay: `output_tokens_buf[req_pool_idx]` holds the last token sampled for the request in that
+request-pool row. A decode row is launched with a placeholder id (-1) and its request's row; the
+worker gathers the real id from the relay at forward entry, and writes the sampled ids back after
+sampling. So the scheduler can launch step N+1 before it has seen the tokens of step N.
+
+The forward stream runs forwards in launch order, off the scheduling thread:
+- CPU: one worker thread (torch releases the GIL, so scheduling really runs in parallel); a job's
+  completion is the `copy_done` signal.
+- CUDA: a forward stream plus a copy stream; `copy_done` is an event recorded after the sampled
+  ids were copied to pinned host memory.
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Callable, Optional
+
+import torch
+
+RELAY_PLACEHOLDER = -1
+
+
+def resolve_relay_input_ids(input_ids: torch.Tensor, relay_rows: Optional[torch.Tensor],
+                            output_tokens_buf: torch.Tensor) -> torch.Tensor:
+    """Fill the placeholder ids (in order) with the relay entries of `relay_rows`."""
+    if relay_rows is None or relay_rows.numel() == 0:
+        return input_ids
+    ids = input_ids.clone()
+    ids[ids == RELAY_PLACEHOLDER] = output_tokens_buf[relay_rows]
+    return ids
+
+
+def write_relay(output_tokens_buf: torch.Tensor, req_pool_indices: torch.Tensor,
+                next_token_ids: torch.Tensor) -> None:
+    output_tokens_buf[req_pool_indices] = next_token_ids
+
+
+class PendingResult:
+    """A launched forward whose result is read only after `copy_done`."""
+
+    def __init__(self, future: Future, copy_done: Any = None) -> None:
+        self._future = future
+        self._copy_done = copy_done
+
+    def result(self) -> Any:
+        out = self._future.result()
+        if self._copy_done is not None:
+            self._copy_done.synchronize()
+        return out
+
+
+class ForwardStream:
+    """Runs forward jobs in launch order, off the scheduling thread."""
+
+    def __init__(self, device: str) -> None:
+        self.device = str(device)
+        self.executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="forward")
+        self.is_cuda = self.device.startswith("cuda")
+        if self.is_cuda:
+            self.forward_stream = torch.cuda.Stream()
+            self.copy_stream = torch.cuda.Stream()
+
+    def launch(self, fn: Callable[[], Any]) -> PendingResult:
+        if not self.is_cuda:
+            return PendingResult(self.executor.submit(_in_inference_mode, fn))
+        copy_done = torch.cuda.Event()
+        return PendingResult(self.executor.submit(self._run_cuda, fn, copy_done), copy_done)
+
+    def _run_cuda(self, fn: Callable[[], Any], copy_done: Any) -> Any:
+        with torch.inference_mode(), torch.cuda.stream(self.forward_stream):
+            result = fn()
+            forward_done = torch.cuda.Event()
+            forward_done.record(self.forward_stream)
+        with torch.cuda.stream(self.copy_stream):
+            self.copy_stream.wait_event(forward_done)
+            result.next_token_ids = result.next_token_ids.to("cpu", non_blocking=True)
+            copy_done.record(self.copy_stream)
+        return result
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=True)
+
+
+def _in_inference_mode(fn: Callable[[], Any]) -> Any:
+    with torch.inference_mode():
+        return fn()
