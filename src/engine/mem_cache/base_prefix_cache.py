@@ -1,0 +1,79 @@
+"""The interface the scheduler uses for prefix caches (RadixCache, ChunkCache)."""
+
+from __future__ import annotations
+
+import abc
+from dataclasses import dataclass
+from typing import Any, List
+
+import torch
+
+
+@dataclass(slots=True)
+class MatchResult:
+    """Result of `match_prefix`.
+
+    `device_indices`: KV slots (int64) of the longest cached prefix of the key.
+    `last_device_node`: the deepest tree node of that prefix; lock it to keep the prefix alive.
+    """
+
+    device_indices: torch.Tensor
+    last_device_node: Any
+
+
+class BasePrefixCache(abc.ABC):
+    """KV prefix cache over `ReqToTokenPool` rows and a token-to-KV allocator.
+
+    Request-level operations read and write these `Req` attributes: `origin_input_ids`,
+    `output_ids`, `fill_ids`, `req_pool_idx`, `prefix_indices`, `last_node`,
+    `cache_protected_len` (row positions owned by the cache) and `kv_allocated_len` (row positions
+    holding slots the request allocated or borrowed).
+    """
+
+    @abc.abstractmethod
+    def reset(self) -> None:
+        """Drop all cached entries (does not free their slots; pair with `allocator.clear()`)."""
+
+    @abc.abstractmethod
+    def match_prefix(self, key: List[int]) -> MatchResult:
+        """Longest cached prefix of `key`."""
+
+    @abc.abstractmethod
+    def insert(self, key: List[int], value: torch.Tensor) -> int:
+        """Cache `value` slots under `key`; returns the prefix length that was already cached."""
+
+    @abc.abstractmethod
+    def evict(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` evictable slots if possible; returns how many were freed."""
+
+    @abc.abstractmethod
+    def inc_lock_ref(self, node: Any) -> int:
+        """Protect `node` and its ancestors from eviction; returns the change in evictable size."""
+
+    @abc.abstractmethod
+    def dec_lock_ref(self, node: Any) -> int:
+        """Undo one `inc_lock_ref(node)`; returns the change in evictable size."""
+
+    @abc.abstractmethod
+    def evictable_size(self) -> int:
+        """Tokens cached in unlocked nodes."""
+
+    @abc.abstractmethod
+    def protected_size(self) -> int:
+        """Tokens cached in locked nodes."""
+
+    @abc.abstractmethod
+    def total_size(self) -> int:
+        """All tokens cached."""
+
+    @abc.abstractmethod
+    def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
+        """Release a finished (or aborted/retracted when `is_insert` is False) request's KV and row."""
+
+    @abc.abstractmethod
+    def cache_unfinished_req(self, req: Any) -> None:
+        """After a prefill chunk: make the processed prefix shareable and keep the row."""
+
+    @abc.abstractmethod
+    def pretty_print(self) -> str:
+        """A human-readable dump for debugging."""
