@@ -1,0 +1,264 @@
+"""SamplingBatchInfo: the sampling parameters of a batch as device tensors, one row per request.
+
+Two kinds of state live here:
+
+- Per-row parameters (temperatures, top_ps, top_ks, min_ps, seeds, logit_bias). They never
+  change in place: `filter_batch` / `merge_batch` build new tensors at once, so a snapshot taken
+  by `copy_for_forward` keeps seeing the rows it was taken with.
+- Accumulated state (penalty counts, tokens generated so far) in the penalizer orchestrator,
+  updated in place by the sampler after every step (`update_after_sample`). With the overlap
+  scheduler that update runs on the forward thread while the scheduler thread filters and merges
+  the same batch for the next step. So the scheduler never touches the orchestrator: its
+  filters and merges are queued as "layout ops" and replayed, in order, by whoever next uses
+  the state (the forward of the next step, which runs after the previous one finished because
+  forwards run in launch order). The state is therefore only ever mutated by one thread at a time,
+  and each step's update lands before the rows are rearranged for the next step.
+
+The state is always touched under `torch.inference_mode()`, whether or not the caller is in it:
+tensors made in that mode may only be updated in place in it, and mixing would fail at random.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from dataclasses import dataclass, field
+from typing import Any, List, Optional, Sequence, Tuple, Union
+
+import torch
+
+from engine.sampling.penaltylib.orchestrator import BatchedPenalizerOrchestrator
+from engine.sampling.sampling_params import SAMPLING_EPS
+
+logger = logging.getLogger(__name__)
+
+# A queued change of row layout: ("filter", keep_indices) or ("merge", other_orchestrator, other_ops).
+LayoutOp = Tuple[Any, ...]
+
+# Columns of `row_kinds`, a small CPU tensor that lets filter/merge recompute the batch flags
+# exactly without a device sync.
+_GREEDY, _TOP_K, _TOP_P, _MIN_P, _SEEDED = range(5)
+
+_INT64_MASK = (1 << 64) - 1
+
+
+def _to_int64(seed: int) -> int:
+    """Fold an arbitrary Python int into the signed int64 range (same bits as seed mod 2**64)."""
+    value = seed & _INT64_MASK
+    return value - (1 << 64) if value >= 1 << 63 else value
+
+
+@dataclass
+class SamplingBatchInfo:
+    temperatures: torch.Tensor  # [bs, 1] float32 (1.0 for greedy rows)
+    top_ps: torch.Tensor  # [bs] float32
+    top_ks: torch.Tensor  # [bs] int64; vocab_size when top-k is off, 1 for greedy rows
+    min_ps: torch.Tensor  # [bs] float32
+    vocab_size: int
+    device: torch.device
+    is_all_greedy: bool
+    need_top_p_sampling: bool
+    need_top_k_sampling: bool
+    need_min_p_sampling: bool
+    row_kinds: torch.Tensor  # [bs, 5] bool on the CPU: greedy, top_k, top_p, min_p, seeded
+    penalizer_orchestrator: BatchedPenalizerOrchestrator
+    # Seeded rows: seeds [bs] int64 and seeded_mask [bs] bool, or both None when no row is seeded.
+    seeds: Optional[torch.Tensor] = None
+    seeded_mask: Optional[torch.Tensor] = None
+    logit_bias: Optional[torch.Tensor] = None  # [bs, vocab] float32, or None
+    pending_layout_ops: List[LayoutOp] = field(default_factory=list)
+
+    # ------------------------------------------------------------------ construction
+
+    @classmethod
+    def from_reqs(
+        cls, reqs: Sequence[Any], vocab_size: int, device: Union[str, torch.device] = "cpu"
+    ) -> "SamplingBatchInfo":
+        """Build from requests exposing `.sampling_params`, `.origin_input_ids`, `.output_ids`
+        and `.eos_token_ids`. Penalty state is reconstructed from the tokens, so a batch rebuilt
+        after retraction continues exactly where it left off."""
+        device = torch.device(device)
+        temps, top_ps, top_ks, min_ps, kinds = [], [], [], [], []
+        seeds, seeded = [], []
+        for req in reqs:
+            params = req.sampling_params
+            greedy = params.top_k == 1 or params.temperature < SAMPLING_EPS
+            top_k = 1 if greedy else (vocab_size if params.top_k < 1 else min(params.top_k, vocab_size))
+            temps.append(1.0 if greedy else float(params.temperature))
+            top_ps.append(float(params.top_p))
+            top_ks.append(top_k)
+            min_ps.append(float(params.min_p))
+            # Greedy rows take the argmax whatever the masks, so they never require one.
+            kinds.append((greedy, not greedy and top_k < vocab_size, not greedy and params.top_p < 1.0,
+                          not greedy and params.min_p > 0.0, params.sampling_seed is not None))
+            seeded.append(params.sampling_seed is not None)
+            seeds.append(_to_int64(params.sampling_seed) if params.sampling_seed is not None else 0)
+        row_kinds = torch.tensor(kinds, dtype=torch.bool).view(-1, 5)
+        info = cls(
+            temperatures=torch.tensor(temps, dtype=torch.float32, device=device).view(-1, 1),
+            top_ps=torch.tensor(top_ps, dtype=torch.float32, device=device),
+            top_ks=torch.tensor(top_ks, dtype=torch.int64, device=device),
+            min_ps=torch.tensor(min_ps, dtype=torch.float32, device=device),
+            vocab_size=vocab_size,
+            device=device,
+            is_all_greedy=True,
+            need_top_p_sampling=False,
+            need_top_k_sampling=False,
+            need_min_p_sampling=False,
+            row_kinds=row_kinds,
+            penalizer_orchestrator=BatchedPenalizerOrchestrator.from_reqs(reqs, vocab_size, device),
+            logit_bias=_build_logit_bias(reqs, vocab_size, device),
+        )
+        if any(seeded):
+            info.seeds = torch.tensor(seeds, dtype=torch.int64, device=device)
+            info.seeded_mask = torch.tensor(seeded, dtype=torch.bool, device=device)
+        info._refresh_flags()
+        return info
+
+    @classmethod
+    def from_schedule_batch(cls, batch: Any, vocab_size: int) -> "SamplingBatchInfo":
+        """SGLang's entry point: the batch's requests on the batch's device."""
+        return cls.from_reqs(batch.reqs, vocab_size, getattr(batch, "device", "cpu"))
+
+    @property
+    def batch_size(self) -> int:
+        return self.temperatures.shape[0]
+
+    def _refresh_flags(self) -> None:
+        any_kind = self.row_kinds.any(dim=0).tolist() if self.row_kinds.numel() else [False] * 5
+        self.is_all_greedy = bool(self.row_kinds[:, _GREEDY].all())
+        self.need_top_k_sampling = any_kind[_TOP_K]
+        self.need_top_p_sampling = any_kind[_TOP_P]
+        self.need_min_p_sampling = any_kind[_MIN_P]
+
+    # ------------------------------------------------------------------ batch layout
+
+    def filter_batch(self, keep_indices: List[int]) -> None:
+        """Keep only the rows in `keep_indices` (in that order)."""
+        keep = torch.tensor(keep_indices, dtype=torch.int64, device=self.device)
+        self.temperatures = self.temperatures[keep]
+        self.top_ps = self.top_ps[keep]
+        self.top_ks = self.top_ks[keep]
+        self.min_ps = self.min_ps[keep]
+        self.row_kinds = self.row_kinds[torch.tensor(keep_indices, dtype=torch.int64)]
+        if self.seeds is not None:
+            self.seeds = self.seeds[keep]
+            self.seeded_mask = self.seeded_mask[keep]
+            # Back to the unseeded fast path once no seeded row is left (decided on the CPU: no sync).
+            if not bool(self.row_kinds[:, _SEEDED].any()):
+                self.seeds = self.seeded_mask = None
+        if self.logit_bias is not None:
+            self.logit_bias = self.logit_bias[keep]
+        self.pending_layout_ops.append(("filter", keep))
+        self._refresh_flags()
+
+    def merge_batch(self, other: "SamplingBatchInfo") -> None:
+        """Append `other`'s rows after this batch's rows. `other` must not be used afterwards."""
+        bs_self, bs_other = self.batch_size, other.batch_size
+        self.temperatures = torch.cat([self.temperatures, other.temperatures])
+        self.top_ps = torch.cat([self.top_ps, other.top_ps])
+        self.top_ks = torch.cat([self.top_ks, other.top_ks])
+        self.min_ps = torch.cat([self.min_ps, other.min_ps])
+        self.row_kinds = torch.cat([self.row_kinds, other.row_kinds])
+        if self.seeds is not None or other.seeds is not None:
+            self.seeds = torch.cat([_or_zeros(self.seeds, bs_self, self.device, torch.int64),
+                                    _or_zeros(other.seeds, bs_other, self.device, torch.int64)])
+            self.seeded_mask = torch.cat([_or_zeros(self.seeded_mask, bs_self, self.device, torch.bool),
+                                          _or_zeros(other.seeded_mask, bs_other, self.device, torch.bool)])
+        if self.logit_bias is not None or other.logit_bias is not None:
+            shape = (self.vocab_size,)
+            self.logit_bias = torch.cat([
+                _or_zeros(self.logit_bias, bs_self, self.device, torch.float32, shape),
+                _or_zeros(other.logit_bias, bs_other, self.device, torch.float32, shape),
+            ])
+        # `other`'s own queued ops belong to its orchestrator; they are replayed before the concat.
+        self.pending_layout_ops.append(("merge", other.penalizer_orchestrator, other.pending_layout_ops))
+        other.pending_layout_ops = []
+        self._refresh_flags()
+
+    def copy_for_forward(self) -> "SamplingBatchInfo":
+        """A snapshot for the forward thread. Per-row tensors are shared (they are never mutated
+        in place); the orchestrator is shared and the queued layout ops move to the snapshot, so
+        the forward thread brings the state to this batch's layout before using it."""
+        snapshot = copy.copy(self)
+        snapshot.pending_layout_ops = self.pending_layout_ops
+        self.pending_layout_ops = []
+        return snapshot
+
+    @torch.inference_mode()
+    def _settle_layout(self) -> BatchedPenalizerOrchestrator:
+        """Replay queued filters/merges on the shared state; returns the orchestrator."""
+        ops, self.pending_layout_ops = self.pending_layout_ops, []
+        _replay(self.penalizer_orchestrator, ops)
+        orchestrator = self.penalizer_orchestrator
+        if orchestrator.batch_size != self.batch_size:
+            raise RuntimeError(
+                f"penalty state has {orchestrator.batch_size} rows but the batch has {self.batch_size}: "
+                "a layout change bypassed filter_batch/merge_batch, or a snapshot was used out of order"
+            )
+        return orchestrator
+
+    # ------------------------------------------------------------------ per step
+
+    @property
+    def output_lens(self) -> torch.Tensor:
+        """Tokens generated so far per row ([bs] int64): the step counter of seeded sampling."""
+        return self._settle_layout().output_lens
+
+    @torch.inference_mode()
+    def apply_logits_bias(self, logits: torch.Tensor) -> None:
+        """Penalties, then min_new_tokens masking, then logit_bias, in place on [bs, >=vocab] logits."""
+        orchestrator = self._settle_layout()
+        if logits.shape[1] > self.vocab_size:
+            # Padded LM-head columns are not tokens; they must never be sampled.
+            logits[:, self.vocab_size:] = float("-inf")
+            logits = logits[:, : self.vocab_size]
+        if orchestrator.is_required:
+            orchestrator.apply(logits)
+        if self.logit_bias is not None:
+            logits.add_(self.logit_bias)
+
+    @torch.inference_mode()
+    def update_after_sample(self, next_token_ids: torch.Tensor) -> None:
+        """Account for the token just sampled for every row (penalty counts, step counters)."""
+        self._settle_layout().cumulate(next_token_ids)
+
+
+def _replay(orchestrator: BatchedPenalizerOrchestrator, ops: List[LayoutOp]) -> None:
+    for op in ops:
+        if op[0] == "filter":
+            orchestrator.filter(op[1])
+        else:
+            _, other, other_ops = op
+            _replay(other, other_ops)
+            orchestrator.merge(other)
+
+
+def _or_zeros(
+    tensor: Optional[torch.Tensor],
+    rows: int,
+    device: torch.device,
+    dtype: torch.dtype,
+    trailing: Tuple[int, ...] = (),
+) -> torch.Tensor:
+    if tensor is not None:
+        return tensor
+    return torch.zeros((rows, *trailing), dtype=dtype, device=device)
+
+
+def _build_logit_bias(reqs: Sequence[Any], vocab_size: int, device: torch.device) -> Optional[torch.Tensor]:
+    if not any(req.sampling_params.logit_bias for req in reqs):
+        return None
+    rows, cols, values = [], [], []
+    for row, req in enumerate(reqs):
+        for key, value in (req.sampling_params.logit_bias or {}).items():
+            token_id = int(key)
+            if 0 <= token_id < vocab_size:
+                rows.append(row)
+                cols.append(token_id)
+                values.append(float(value))
+    bias = torch.zeros(len(reqs), vocab_size, dtype=torch.float32)
+    bias[torch.tensor(rows, dtype=torch.int64), torch.tensor(cols, dtype=torch.int64)] = torch.tensor(
+        values, dtype=torch.float32
+    )
+    return bias.to(device)

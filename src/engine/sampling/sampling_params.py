@@ -1,0 +1,273 @@
+"""SamplingParams: one request's sampling knobs, with SGLang's names, defaults and checks.
+
+Lifecycle: the TokenizerManager builds it from the user's dict (`SamplingParams(**d)`, unknown
+keys raise), calls `verify(vocab_size)` (bad values raise `ValueError`, which the HTTP layer turns
+into a 400), and ships `to_dict()` to the scheduler. The scheduler rebuilds it with `from_dict()`
+and calls `normalize(tokenizer)` before the request is scheduled.
+
+Choices where SGLang is loose:
+- `top_k = 0` is accepted and means "off", exactly like `-1` (clients written for vLLM and HF send 0
+  to disable top-k); the constructor rewrites it to -1 so the rest of the engine sees one spelling.
+- Type errors are `ValueError` too, so one `except ValueError` at the edge answers every bad field.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Set, Union
+
+logger = logging.getLogger(__name__)
+
+# Below this temperature a request is greedy; SGLang uses the same threshold.
+SAMPLING_EPS = 1e-6
+# logit_bias values are clamped to this magnitude by OpenAI; we reject values outside it.
+LOGIT_BIAS_LIMIT = 100.0
+
+_PARAM_NAMES = (
+    "max_new_tokens",
+    "min_new_tokens",
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "frequency_penalty",
+    "presence_penalty",
+    "repetition_penalty",
+    "stop",
+    "stop_token_ids",
+    "ignore_eos",
+    "skip_special_tokens",
+    "spaces_between_special_tokens",
+    "no_stop_trim",
+    "n",
+    "sampling_seed",
+    "logit_bias",
+)
+
+
+def _range_error(name: str, allowed: str, value: Any) -> ValueError:
+    return ValueError(f"{name} must be {allowed}, got {value!r}")
+
+
+def _is_number(value: Any) -> bool:
+    # bool is an int subclass; `temperature: true` is a client bug, not 1.0.
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+@dataclass(init=False, eq=True, repr=True)
+class SamplingParams:
+    max_new_tokens: Optional[int] = 128
+    min_new_tokens: int = 0
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    stop: Optional[Union[str, List[str]]] = None
+    stop_token_ids: Optional[Union[List[int], Set[int]]] = None
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    n: int = 1
+    sampling_seed: Optional[int] = None
+    logit_bias: Optional[Dict[Union[str, int], float]] = None
+    # Derived by normalize(): the longest stop string, in tokens when a tokenizer was given
+    # (else in characters, an over-estimate), so the scheduler knows how much tail to decode.
+    stop_str_max_len: int = field(default=0, compare=False)
+
+    def __init__(
+        self,
+        *,
+        max_new_tokens: Optional[int] = 128,
+        min_new_tokens: int = 0,
+        temperature: float = 1.0,
+        top_p: float = 1.0,
+        top_k: int = -1,
+        min_p: float = 0.0,
+        frequency_penalty: float = 0.0,
+        presence_penalty: float = 0.0,
+        repetition_penalty: float = 1.0,
+        stop: Optional[Union[str, List[str]]] = None,
+        stop_token_ids: Optional[Union[List[int], Set[int]]] = None,
+        ignore_eos: bool = False,
+        skip_special_tokens: bool = True,
+        spaces_between_special_tokens: bool = True,
+        no_stop_trim: bool = False,
+        n: int = 1,
+        sampling_seed: Optional[int] = None,
+        logit_bias: Optional[Dict[Union[str, int], float]] = None,
+        **unknown: Any,
+    ) -> None:
+        if unknown:
+            raise ValueError(f"Unknown sampling parameter(s): {', '.join(sorted(unknown))}")
+        self.max_new_tokens = max_new_tokens
+        self.min_new_tokens = min_new_tokens
+        self.temperature = temperature
+        self.top_p = top_p
+        self.top_k = -1 if (_is_int(top_k) and top_k == 0) else top_k
+        self.min_p = min_p
+        self.frequency_penalty = frequency_penalty
+        self.presence_penalty = presence_penalty
+        self.repetition_penalty = repetition_penalty
+        self.stop = stop
+        self.stop_token_ids = stop_token_ids
+        self.ignore_eos = ignore_eos
+        self.skip_special_tokens = skip_special_tokens
+        self.spaces_between_special_tokens = spaces_between_special_tokens
+        self.no_stop_trim = no_stop_trim
+        self.n = n
+        self.sampling_seed = sampling_seed
+        self.logit_bias = logit_bias
+        self.stop_str_max_len = 0
+
+    # ------------------------------------------------------------------ validation
+
+    def verify(self, vocab_size: Optional[int] = None) -> None:
+        """Raise ValueError naming the first bad field and its allowed range."""
+        self._verify_numbers()
+        self._verify_lengths()
+        self._verify_flags()
+        self._verify_stops(vocab_size)
+        self._verify_logit_bias(vocab_size)
+
+    def _verify_numbers(self) -> None:
+        checks = (
+            ("temperature", lambda v: v >= 0, ">= 0"),
+            ("top_p", lambda v: 0 < v <= 1, "in (0, 1]"),
+            ("min_p", lambda v: 0 <= v <= 1, "in [0, 1]"),
+            ("frequency_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]"),
+            ("presence_penalty", lambda v: -2 <= v <= 2, "in [-2, 2]"),
+            ("repetition_penalty", lambda v: 0 < v <= 2, "in (0, 2]"),
+        )
+        for name, ok, allowed in checks:
+            value = getattr(self, name)
+            # `v == v` rejects NaN, which every range comparison would otherwise let through oddly.
+            if not _is_number(value) or value != value or not ok(value):
+                raise _range_error(name, f"a number {allowed}", value)
+        if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
+            raise _range_error("top_k", "an integer, -1 or 0 (disabled) or >= 1", self.top_k)
+        if not _is_int(self.n) or self.n < 1:
+            raise _range_error("n", "an integer >= 1", self.n)
+        if self.sampling_seed is not None and not _is_int(self.sampling_seed):
+            raise _range_error("sampling_seed", "an integer or null", self.sampling_seed)
+
+    def _verify_lengths(self) -> None:
+        if self.max_new_tokens is not None and (not _is_int(self.max_new_tokens) or self.max_new_tokens < 0):
+            raise _range_error("max_new_tokens", "an integer >= 0 or null", self.max_new_tokens)
+        if not _is_int(self.min_new_tokens) or self.min_new_tokens < 0:
+            raise _range_error("min_new_tokens", "an integer >= 0", self.min_new_tokens)
+        if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
+            raise _range_error(
+                "min_new_tokens", f"<= max_new_tokens ({self.max_new_tokens})", self.min_new_tokens
+            )
+
+    def _verify_flags(self) -> None:
+        for name in ("ignore_eos", "skip_special_tokens", "spaces_between_special_tokens", "no_stop_trim"):
+            if not isinstance(getattr(self, name), bool):
+                raise _range_error(name, "a boolean", getattr(self, name))
+
+    def _verify_stops(self, vocab_size: Optional[int]) -> None:
+        stop = self.stop
+        if stop is not None:
+            strs = [stop] if isinstance(stop, str) else stop
+            if not isinstance(strs, (list, tuple)) or not all(isinstance(s, str) for s in strs):
+                raise _range_error("stop", "a string or a list of strings", stop)
+            if any(len(s) == 0 for s in strs):
+                raise _range_error("stop", "non-empty strings", stop)
+        ids = self.stop_token_ids
+        if ids is not None:
+            upper = f" < vocab_size ({vocab_size})" if vocab_size is not None else ""
+            allowed = f"a list of integer token ids >= 0{upper}"
+            if not isinstance(ids, (list, tuple, set, frozenset)) or not all(_is_int(i) for i in ids):
+                raise _range_error("stop_token_ids", allowed, ids)
+            if any(i < 0 or (vocab_size is not None and i >= vocab_size) for i in ids):
+                raise _range_error("stop_token_ids", allowed, ids)
+
+    def _verify_logit_bias(self, vocab_size: Optional[int]) -> None:
+        bias = self.logit_bias
+        if bias is None:
+            return
+        upper = f" < vocab_size ({vocab_size})" if vocab_size is not None else ""
+        if not isinstance(bias, dict):
+            raise _range_error("logit_bias", "a mapping token id -> bias", bias)
+        for key, value in bias.items():
+            token_id = _parse_token_id(key)
+            if token_id is None or token_id < 0 or (vocab_size is not None and token_id >= vocab_size):
+                raise _range_error("logit_bias key", f"a token id >= 0{upper}", key)
+            if not _is_number(value) or value != value or not -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT:
+                raise _range_error(
+                    f"logit_bias[{key!r}]", f"a number in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]", value
+                )
+
+    # ------------------------------------------------------------------ normalisation
+
+    def normalize(self, tokenizer: Any = None) -> None:
+        """Canonical forms the scheduler relies on. Idempotent; call after verify()."""
+        if self.temperature < SAMPLING_EPS:
+            # Greedy is expressed as top_k 1 so the sampler needs one test (top_k == 1), as in SGLang.
+            self.temperature = 1.0
+            self.top_k = 1
+        if self.stop is None:
+            self.stop = []
+        elif isinstance(self.stop, str):
+            self.stop = [self.stop]
+        else:
+            self.stop = list(self.stop)
+        self.stop_str_max_len = max((_stop_len(s, tokenizer) for s in self.stop), default=0)
+        self.stop_token_ids = set(self.stop_token_ids) if self.stop_token_ids else set()
+        if self.logit_bias:
+            self.logit_bias = {int(_parse_token_id(k)): float(v) for k, v in self.logit_bias.items()}
+
+    @property
+    def stop_strs(self) -> List[str]:
+        """The stop strings as a list, whatever form `stop` has (SGLang's name)."""
+        if self.stop is None:
+            return []
+        return [self.stop] if isinstance(self.stop, str) else list(self.stop)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.top_k == 1 or self.temperature < SAMPLING_EPS
+
+    # ------------------------------------------------------------------ IPC
+
+    def to_dict(self) -> Dict[str, Any]:
+        """Plain builtin types only (msgspec/JSON friendly): sets become sorted lists, and
+        logit_bias keys become strings because JSON objects cannot have integer keys."""
+        out: Dict[str, Any] = {name: getattr(self, name) for name in _PARAM_NAMES}
+        if isinstance(out["stop"], (list, tuple)):
+            out["stop"] = list(out["stop"])
+        if out["stop_token_ids"] is not None:
+            out["stop_token_ids"] = sorted(out["stop_token_ids"])
+        if out["logit_bias"] is not None:
+            out["logit_bias"] = {str(k): float(v) for k, v in out["logit_bias"].items()}
+        return out
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "SamplingParams":
+        return cls(**data)
+
+
+def _parse_token_id(key: Any) -> Optional[int]:
+    if _is_int(key):
+        return key
+    if isinstance(key, str):
+        try:
+            return int(key)
+        except ValueError:
+            return None
+    return None
+
+
+def _stop_len(stop_str: str, tokenizer: Any) -> int:
+    if tokenizer is None:
+        return len(stop_str)
+    return len(tokenizer.encode(stop_str, add_special_tokens=False))

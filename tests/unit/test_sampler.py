@@ -1,0 +1,240 @@
+"""Sampler: greedy, masks, seeded reproducibility, distributions and logprobs."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import List, Optional, Set
+
+import pytest
+import torch
+
+from engine.layers.logits_processor import LogitsProcessorOutput
+from engine.layers.sampler import Sampler, seeded_exponential, top_k_top_p_min_p_renorm
+from engine.sampling.sampling_batch_info import SamplingBatchInfo
+from engine.sampling.sampling_params import SamplingParams
+
+VOCAB = 64
+
+
+@dataclass
+class FakeReq:
+    sampling_params: SamplingParams
+    origin_input_ids: List[int] = field(default_factory=list)
+    output_ids: List[int] = field(default_factory=list)
+    eos_token_ids: Set[int] = field(default_factory=set)
+
+
+def make_req(output=(), **params) -> FakeReq:
+    sp = SamplingParams(**params)
+    sp.verify()
+    sp.normalize()
+    return FakeReq(sp, [1, 2, 3], list(output))
+
+
+def run(
+    reqs: List[FakeReq],
+    logits: torch.Tensor,
+    vocab: int = VOCAB,
+    return_logprob: bool = False,
+    top_logprobs_nums: Optional[List[int]] = None,
+    info: Optional[SamplingBatchInfo] = None,
+):
+    info = info or SamplingBatchInfo.from_reqs(reqs, vocab, "cpu")
+    out = LogitsProcessorOutput(next_token_logits=logits.clone())
+    ids = Sampler()(out, info, return_logprob, top_logprobs_nums)
+    return ids, out, info
+
+
+def fixed_logits(bs: int, vocab: int = VOCAB, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(bs, vocab, generator=gen) * 2
+
+
+def test_greedy_is_argmax_and_uses_fast_path() -> None:
+    logits = fixed_logits(5)
+    reqs = [make_req(temperature=0.0) for _ in range(5)]
+    ids, _, info = run(reqs, logits)
+    assert info.is_all_greedy
+    assert ids.tolist() == logits.argmax(-1).tolist()
+    assert ids.dtype == torch.int64
+
+
+def test_top_k_one_equals_greedy_at_any_temperature() -> None:
+    logits = fixed_logits(4, seed=1)
+    ids, _, _ = run([make_req(top_k=1, temperature=5.0) for _ in range(4)], logits)
+    assert ids.tolist() == logits.argmax(-1).tolist()
+
+
+def test_mixed_batch_greedy_rows_take_argmax() -> None:
+    logits = fixed_logits(6, seed=2)
+    reqs = [make_req(temperature=0.0 if i % 2 == 0 else 1.5) for i in range(6)]
+    for trial in range(5):
+        torch.manual_seed(trial)
+        ids, _, info = run(reqs, logits)
+        assert not info.is_all_greedy
+        assert ids[0::2].tolist() == logits.argmax(-1)[0::2].tolist()
+
+
+PROBS = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+
+
+def masks(top_k: int = 4, top_p: float = 1.0, min_p: float = 0.0, probs: torch.Tensor = PROBS) -> List[float]:
+    bs = probs.shape[0]
+    out = top_k_top_p_min_p_renorm(
+        probs.clone(),
+        torch.full((bs,), top_k, dtype=torch.int64),
+        torch.full((bs,), top_p),
+        torch.full((bs,), min_p),
+    )
+    return [round(v, 6) for v in out[0].tolist()]
+
+
+def test_top_p_mask_exact() -> None:
+    assert masks(top_p=0.8) == [0.625, 0.375, 0.0, 0.0]  # 0.5 + 0.3 reaches 0.8: two tokens
+    assert masks(top_p=0.81) == [round(0.5 / 0.95, 6), round(0.3 / 0.95, 6), round(0.15 / 0.95, 6), 0.0]
+    assert masks(top_p=0.5) == [1.0, 0.0, 0.0, 0.0]
+    assert masks(top_p=0.1) == [1.0, 0.0, 0.0, 0.0]  # the top token always survives
+    assert masks(top_p=1.0) == [0.5, 0.3, 0.15, 0.05]
+
+
+def test_top_k_and_min_p_masks_exact() -> None:
+    assert masks(top_k=2) == [0.625, 0.375, 0.0, 0.0]
+    assert masks(top_k=3) == [round(0.5 / 0.95, 6), round(0.3 / 0.95, 6), round(0.15 / 0.95, 6), 0.0]
+    # min_p 0.2 keeps p >= 0.1; min_p 0.7 keeps p >= 0.35
+    assert masks(min_p=0.2) == [round(0.5 / 0.95, 6), round(0.3 / 0.95, 6), round(0.15 / 0.95, 6), 0.0]
+    assert masks(min_p=0.7) == [1.0, 0.0, 0.0, 0.0]
+
+
+def test_top_p_applies_to_top_k_renormalised_distribution() -> None:
+    # After top-k 2 the mass is [0.625, 0.375]: top_p 0.6 is reached by the first token alone
+    # (on the raw distribution 0.5 < 0.6 would have kept two).
+    assert masks(top_k=2, top_p=0.6) == [1.0, 0.0, 0.0, 0.0]
+    assert masks(top_k=4, top_p=0.6) == [0.625, 0.375, 0.0, 0.0]
+
+
+def test_masks_are_per_row() -> None:
+    probs = PROBS.repeat(3, 1)
+    out = top_k_top_p_min_p_renorm(
+        probs, torch.tensor([1, 4, 4]), torch.tensor([1.0, 0.8, 1.0]), torch.tensor([0.0, 0.0, 0.2])
+    )
+    assert (out > 0).tolist() == [
+        [True, False, False, False],
+        [True, True, False, False],
+        [True, True, True, False],
+    ]
+
+
+def _empirical(ids: torch.Tensor, vocab: int) -> List[float]:
+    return (torch.bincount(ids, minlength=vocab).float() / ids.numel()).tolist()
+
+
+def test_sampling_frequencies_follow_masked_distribution() -> None:
+    n = 10000
+    logits = PROBS.log().repeat(n, 1)
+    torch.manual_seed(0)
+    ids, _, _ = run([make_req(top_p=0.8)] * n, logits, vocab=4)
+    freq = _empirical(ids, 4)
+    assert freq[2] == 0.0 and freq[3] == 0.0
+    assert abs(freq[0] - 0.625) < 0.02 and abs(freq[1] - 0.375) < 0.02
+
+    # temperature 2 flattens: p ~ sqrt(probs)
+    ids, _, _ = run([make_req(temperature=2.0)] * n, logits, vocab=4)
+    expected = PROBS[0].sqrt() / PROBS[0].sqrt().sum()
+    for got, want in zip(_empirical(ids, 4), expected.tolist()):
+        assert abs(got - want) < 0.02
+
+
+def test_seeded_noise_is_unbiased_across_seeds() -> None:
+    n = 10000
+    logits = PROBS.log().repeat(n, 1)
+    reqs = [make_req(sampling_seed=s) for s in range(n)]
+    ids, _, _ = run(reqs, logits, vocab=4)
+    for got, want in zip(_empirical(ids, 4), PROBS[0].tolist()):
+        assert abs(got - want) < 0.02
+    noise = seeded_exponential(torch.arange(4), torch.zeros(4, dtype=torch.int64), 50000)
+    assert abs(noise.mean().item() - 1.0) < 0.02 and (noise > 0).all()
+
+
+def _decode_loop(reqs: List[FakeReq], steps: int, logits_seed: int = 7) -> List[List[int]]:
+    """Sample `steps` tokens per request; the logits depend only on (request, step)."""
+    info = SamplingBatchInfo.from_reqs(reqs, VOCAB, "cpu")
+    out: List[List[int]] = [[] for _ in reqs]
+    for step in range(steps):
+        logits = torch.stack([fixed_logits(1, seed=logits_seed + step)[0] for _ in reqs]) * 0.2
+        ids, _, _ = run(reqs, logits, info=info)
+        for row, token in enumerate(ids.tolist()):
+            out[row].append(token)
+    return out
+
+
+def test_seeded_sampling_reproducible_and_independent_of_batch() -> None:
+    alone = _decode_loop([make_req(sampling_seed=1234, temperature=1.0)], 6)[0]
+    torch.manual_seed(99)  # a different global RNG state must not matter
+    crowd = [make_req(temperature=1.3), make_req(sampling_seed=5), make_req(sampling_seed=1234), make_req(top_k=5)]
+    in_batch = _decode_loop(crowd, 6)
+    assert in_batch[2] == alone
+    other_seed = _decode_loop([make_req(sampling_seed=1235)], 6)[0]
+    assert other_seed != alone  # flat logits over 64 tokens: a 6-token collision is ~impossible
+
+
+def test_seeded_sampling_survives_retraction_rebuild() -> None:
+    full = _decode_loop([make_req(sampling_seed=77, frequency_penalty=0.5)], 5)[0]
+    # Rebuild after 3 tokens (as after retraction) and continue with the same per-step logits.
+    req = make_req(sampling_seed=77, frequency_penalty=0.5, output=full[:3])
+    info = SamplingBatchInfo.from_reqs([req], VOCAB, "cpu")
+    rest = []
+    for step in (3, 4):
+        ids, _, _ = run([req], fixed_logits(1, seed=7 + step) * 0.2, info=info)
+        rest.append(ids.item())
+    assert full[3:] == rest
+
+
+def test_logprobs_are_log_softmax_of_penalised_untempered_logits() -> None:
+    logits = fixed_logits(3, seed=4)
+    reqs = [
+        make_req(temperature=0.0, frequency_penalty=1.0, output=[int(logits[0].argmax())]),
+        make_req(temperature=0.5),
+        make_req(temperature=2.0, logit_bias={"3": 5.0}),
+    ]
+    ids, out, _ = run(reqs, logits, return_logprob=True, top_logprobs_nums=[0, 3, 1])
+    penalised = logits.clone()
+    penalised[0, reqs[0].output_ids[0]] -= 1.0
+    penalised[2, 3] += 5.0
+    reference = torch.log_softmax(penalised, dim=-1)
+    assert ids[0].item() == int(penalised[0].argmax())  # the penalty moved the greedy choice
+    torch.testing.assert_close(out.next_token_logprobs, reference.gather(1, ids.view(-1, 1)).view(-1))
+    assert out.next_token_top_logprobs_val[0] == [] and out.next_token_top_logprobs_idx[0] == []
+    top3 = reference[1].topk(3)
+    assert out.next_token_top_logprobs_idx[1] == top3.indices.tolist()
+    assert out.next_token_top_logprobs_val[1] == pytest.approx(top3.values.tolist())
+    assert out.next_token_top_logprobs_idx[2] == [int(reference[2].argmax())]
+    assert all(math.isfinite(v) for v in out.next_token_top_logprobs_val[1])
+
+
+def test_no_logprobs_leaves_fields_empty() -> None:
+    _, out, _ = run([make_req()], fixed_logits(1))
+    assert out.next_token_logprobs is None and out.next_token_top_logprobs_val is None
+
+
+def test_padded_vocab_columns_are_never_sampled() -> None:
+    logits = torch.zeros(2, VOCAB + 8)
+    logits[:, VOCAB:] = 100.0  # padding of the LM head must not win
+    ids, _, _ = run([make_req(temperature=0.0), make_req()], logits)
+    assert (ids < VOCAB).all()
+
+
+def test_min_new_tokens_blocks_eos_in_sampler() -> None:
+    logits = torch.full((1, VOCAB), -10.0)
+    logits[0, 0] = 10.0  # EOS overwhelmingly likely
+    req = make_req(min_new_tokens=2, temperature=0.0)
+    req.eos_token_ids = {0}
+    info = SamplingBatchInfo.from_reqs([req], VOCAB, "cpu")
+    got = [run([req], logits, info=info)[0].item() for _ in range(3)]
+    assert got[0] != 0 and got[1] != 0 and got[2] == 0
+    assert info.output_lens.tolist() == [3]
+
+
+def test_empty_batch() -> None:
+    ids, out, _ = run([], torch.zeros(0, VOCAB), return_logprob=True, top_logprobs_nums=[])
+    assert ids.shape == (0,) and out.next_token_top_logprobs_val == []
