@@ -1,0 +1,367 @@
+"""The HTTP server: native SGLang endpoints and the OpenAI-compatible API over a TokenizerManager.
+
+The app is a thin layer: it validates the request body (pydantic, at the edge), hands a
+GenerateReqInput to the TokenizerManager and shapes what comes back. Whatever goes wrong, the
+client gets a terminal answer with an OpenAI-style error body, never a hang or a bare 500 for bad
+input.
+"""
+
+from __future__ import annotations
+
+import hmac
+import logging
+import time
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, MutableMapping, Optional
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response, StreamingResponse
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from engine.entrypoints.openai.protocol import (
+    AbortRequestBody,
+    ChatCompletionRequest,
+    CompletionRequest,
+    GenerateRequest,
+    ModelCard,
+    ModelList,
+)
+from engine.entrypoints.openai.serving_chat import OpenAIServingChat
+from engine.entrypoints.openai.serving_completions import OpenAIServingCompletion
+from engine.entrypoints.openai.utils import (
+    SSE_DONE,
+    OrjsonResponse,
+    abort_error,
+    as_output_list,
+    close_stream,
+    create_error_response,
+    error_body,
+    error_response_from_exception,
+    next_output,
+    prime_stream,
+    sse_error_chunk,
+    sse_event,
+)
+from engine.managers.errors import EngineRequestError
+from engine.managers.tokenizer_manager import GenerateReqInput
+from engine.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
+# Routes that answer without a key: load balancers probe liveness without credentials.
+UNAUTHENTICATED_PATHS = frozenset({"/health"})
+
+Scope = MutableMapping[str, Any]
+Message = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[Message]]
+Send = Callable[[Message], Awaitable[None]]
+
+
+def engine_version() -> str:
+    try:
+        return version("engine")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+# ---------------------------------------------------------------------------- middleware
+class GuardMiddleware:
+    """API-key check and request-body limit, before any routing or parsing.
+
+    A pure ASGI middleware rather than BaseHTTPMiddleware: it must not buffer streaming
+    responses, and it must see the body size before FastAPI reads the body into memory.
+    """
+
+    def __init__(self, app: Any, api_key: Optional[str], max_body_bytes: int) -> None:
+        self.app = app
+        self.api_key = api_key
+        self.max_body_bytes = max_body_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
+        if self.api_key and scope["path"] not in UNAUTHENTICATED_PATHS and not self._authorized(headers):
+            message = "Invalid or missing API key: send 'Authorization: Bearer <key>'."
+            await _send_error(scope, receive, send, message, 401)
+            return
+        declared = headers.get("content-length")
+        if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
+            await _send_error(scope, receive, send, self._too_large_message(), 413)
+            return
+        if scope["method"] in ("POST", "PUT", "PATCH") and declared is None:
+            # Chunked upload: its size is known only by reading it, so read it here (bounded).
+            body, too_large = await self._read_bounded(receive)
+            if too_large:
+                await _send_error(scope, receive, send, self._too_large_message(), 413)
+                return
+            receive = _replay(body, receive)
+        await self.app(scope, receive, send)
+
+    def _authorized(self, headers: Dict[str, str]) -> bool:
+        scheme, _, token = headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer":
+            return False
+        return hmac.compare_digest(token.strip().encode(), self.api_key.encode())
+
+    def _too_large_message(self) -> str:
+        return f"The request body is larger than the limit of {self.max_body_bytes} bytes."
+
+    async def _read_bounded(self, receive: Receive) -> tuple[bytes, bool]:
+        chunks: List[bytes] = []
+        size = 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":
+                break
+            chunk = message.get("body", b"")
+            size += len(chunk)
+            if size > self.max_body_bytes:
+                return b"", True
+            chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+        return b"".join(chunks), False
+
+
+def _replay(body: bytes, receive: Receive) -> Receive:
+    """A receive() that hands out the already-read body once, then defers to the real one
+    (so http.disconnect still reaches the app)."""
+    sent = False
+
+    async def replay() -> Message:
+        nonlocal sent
+        if not sent:
+            sent = True
+            return {"type": "http.request", "body": body, "more_body": False}
+        return await receive()
+
+    return replay
+
+
+async def _send_error(scope: Scope, receive: Receive, send: Send, message: str, status_code: int) -> None:
+    response = OrjsonResponse(error_body(message, status_code), status_code=status_code)
+    await response(scope, receive, send)
+
+
+# ---------------------------------------------------------------------------- errors
+def validation_error_message(exc: RequestValidationError) -> str:
+    """FastAPI's 422 details -> one readable sentence that names the offending fields."""
+    parts: List[str] = []
+    for error in exc.errors():
+        kind = error.get("type", "")
+        loc = [str(p) for p in error.get("loc", ()) if p != "body"]
+        message = str(error.get("msg", "invalid value")).removeprefix("Value error, ")
+        if kind == "json_invalid":
+            detail = (error.get("ctx") or {}).get("error", "")
+            return f"The request body is not valid JSON: {detail}".rstrip(": ")
+        if kind == "missing" and not loc:
+            return "The request body is missing: send a JSON object."
+        if kind == "model_attributes_type" and not loc:
+            return "The request body must be a JSON object, sent with 'Content-Type: application/json'."
+        if loc:
+            parts.append(f"{'.'.join(loc)}: {message}")
+        else:
+            parts.append(message)
+        if len(parts) == 3:
+            break
+    return "Invalid request: " + "; ".join(parts) if parts else "Invalid request."
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(RequestValidationError)
+    async def _validation(request: Request, exc: RequestValidationError) -> Response:
+        # OpenAI clients expect 400 for a bad request, not FastAPI's 422.
+        return create_error_response(validation_error_message(exc), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http(request: Request, exc: StarletteHTTPException) -> Response:
+        return create_error_response(str(exc.detail), exc.status_code)
+
+    @app.exception_handler(EngineRequestError)
+    async def _engine(request: Request, exc: EngineRequestError) -> Response:
+        return error_response_from_exception(exc)
+
+    @app.exception_handler(Exception)
+    async def _unexpected(request: Request, exc: Exception) -> Response:
+        logger.exception("Unhandled error on %s %s", request.method, request.url.path)
+        return create_error_response(f"Internal server error: {type(exc).__name__}: {exc}", 500)
+
+
+# ---------------------------------------------------------------------------- native /generate
+async def _generate(tokenizer_manager: Any, body: GenerateRequest, raw_request: Request) -> Response:
+    obj = GenerateReqInput(
+        text=body.text,
+        input_ids=body.input_ids,
+        sampling_params=body.sampling_params,
+        rid=body.rid,
+        stream=body.stream,
+        return_logprob=body.return_logprob,
+        logprob_start_len=body.logprob_start_len,
+        top_logprobs_num=body.top_logprobs_num,
+        return_text_in_logprobs=body.return_text_in_logprobs,
+    )
+    stream = tokenizer_manager.generate_request(obj, raw_request)
+    if body.stream:
+        first, error = await prime_stream(stream)
+        if error is not None:
+            return error
+        return StreamingResponse(_generate_stream_body(first, stream), media_type="text/event-stream")
+    try:
+        result = await next_output(stream, raw_request)
+    except (EngineRequestError, ValueError) as exc:
+        return error_response_from_exception(exc)
+    for output in as_output_list(result):
+        aborted = abort_error(output["meta_info"].get("finish_reason"))
+        if aborted is not None:
+            return create_error_response(*aborted)
+    return OrjsonResponse(result)
+
+
+async def _generate_stream_body(first: Any, stream: AsyncIterator[Any]) -> AsyncIterator[bytes]:
+    """SGLang's stream format: `data: {json}` per update (cumulative text), then `data: [DONE]`."""
+    try:
+        pending: Optional[Any] = first
+        while True:
+            if pending is None:
+                try:
+                    pending = await stream.__anext__()
+                except StopAsyncIteration:
+                    break
+            for output in as_output_list(pending):
+                aborted = abort_error(output["meta_info"].get("finish_reason"))
+                if aborted is not None:
+                    yield sse_error_chunk(*aborted)
+                    yield SSE_DONE
+                    return
+                yield sse_event(output)
+            pending = None
+        yield SSE_DONE
+    except (EngineRequestError, ValueError) as exc:
+        status = exc.status_code if isinstance(exc, EngineRequestError) else 400
+        yield sse_error_chunk(str(getattr(exc, "message", exc)), status)
+        yield SSE_DONE
+    finally:
+        await close_stream(stream)
+
+
+# ---------------------------------------------------------------------------- the app
+def create_app(
+    tokenizer_manager: Any,
+    server_args: ServerArgs,
+    *,
+    max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
+) -> FastAPI:
+    """Build the FastAPI app over `tokenizer_manager` (a TokenizerManager or anything with its API)."""
+    # strict_content_type=False: a body without any Content-Type is parsed as JSON too.
+    app = FastAPI(
+        title="engine",
+        version=engine_version(),
+        default_response_class=OrjsonResponse,
+        strict_content_type=False,
+    )
+    app.add_middleware(GuardMiddleware, api_key=server_args.api_key, max_body_bytes=max_request_body_bytes)
+    _install_error_handlers(app)
+    app.state.tokenizer_manager = tokenizer_manager
+    app.state.server_args = server_args
+    serving_chat = OpenAIServingChat(tokenizer_manager)
+    serving_completion = OpenAIServingCompletion(tokenizer_manager)
+    created = int(time.time())
+
+    # ------------------------------------------------------------------ health and info
+    @app.get("/health")
+    async def health() -> Response:
+        if tokenizer_manager.is_alive():
+            return Response(status_code=200)
+        return create_error_response("The server is not alive.", 503)
+
+    @app.get("/health_generate")
+    async def health_generate() -> Response:
+        if await tokenizer_manager.health_generate():
+            return Response(status_code=200)
+        return create_error_response("The engine did not answer a health-check generation.", 503)
+
+    @app.get("/get_model_info")
+    async def get_model_info() -> Response:
+        info = dict(tokenizer_manager.get_model_info())
+        info.setdefault("model_path", tokenizer_manager.model_path)
+        info.setdefault("tokenizer_path", server_args.tokenizer_path or tokenizer_manager.model_path)
+        info.setdefault("is_generation", True)
+        info.setdefault("served_model_name", tokenizer_manager.served_model_name)
+        return OrjsonResponse(info)
+
+    @app.get("/get_server_info")
+    @app.get("/server_info")
+    async def get_server_info() -> Response:
+        info: Dict[str, Any] = dict(server_args.to_dict())
+        info.pop("api_key", None)  # a secret has no place in a diagnostic dump
+        info["internal_states"] = await tokenizer_manager.get_internal_state()
+        info["version"] = engine_version()
+        return OrjsonResponse(info)
+
+    @app.api_route("/flush_cache", methods=["GET", "POST"])
+    async def flush_cache() -> Response:
+        result = await tokenizer_manager.flush_cache()
+        if result.success:
+            return OrjsonResponse({"success": True, "message": result.message or "Cache flushed."})
+        message = result.message or "Cache not flushed: requests are running or waiting."
+        return create_error_response(message, 400)
+
+    @app.post("/abort_request")
+    async def abort_request(body: AbortRequestBody) -> Response:
+        tokenizer_manager.abort_request(rid=body.rid, abort_all=body.abort_all)
+        return OrjsonResponse({"success": True})
+
+    # ------------------------------------------------------------------ generation
+    @app.post("/generate")
+    async def generate(body: GenerateRequest, raw_request: Request) -> Response:
+        return await _generate(tokenizer_manager, body, raw_request)
+
+    @app.get("/v1/models")
+    async def list_models() -> Response:
+        return OrjsonResponse(ModelList(data=[_model_card(tokenizer_manager, created)]).model_dump())
+
+    @app.get("/v1/models/{model_id:path}")
+    async def retrieve_model(model_id: str) -> Response:
+        if model_id != tokenizer_manager.served_model_name:
+            return create_error_response(f"The model {model_id!r} does not exist.", 404, "model_not_found")
+        return OrjsonResponse(_model_card(tokenizer_manager, created).model_dump())
+
+    @app.post("/v1/completions")
+    async def completions(body: CompletionRequest, raw_request: Request) -> Response:
+        return await serving_completion.handle_request(body, raw_request)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
+        return await serving_chat.handle_request(body, raw_request)
+
+    return app
+
+
+def _model_card(tokenizer_manager: Any, created: int) -> ModelCard:
+    return ModelCard(
+        id=tokenizer_manager.served_model_name,
+        created=created,
+        root=tokenizer_manager.model_path,
+        max_model_len=tokenizer_manager.context_len,
+    )
+
+
+def launch_http_server(server_args: ServerArgs, tokenizer_manager: Any) -> None:
+    """Serve `create_app(...)` with uvicorn on server_args.host:port until shutdown (blocking)."""
+    import uvicorn
+
+    app = create_app(tokenizer_manager, server_args)
+    logger.info("HTTP server listening on %s", server_args.url())
+    uvicorn.run(
+        app,
+        host=server_args.host,
+        port=server_args.port,
+        log_level=server_args.log_level.lower(),
+        # Keep idle client connections around for benchmark clients that reuse them.
+        timeout_keep_alive=5,
+        loop="auto",
+    )

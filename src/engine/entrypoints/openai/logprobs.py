@@ -1,0 +1,95 @@
+"""SGLang logprob lists -> the two OpenAI logprob formats.
+
+The manager reports a token as `[logprob, token_id, text]` and the alternatives at a position as
+a list of such entries. Completions use the legacy columnar format (tokens, token_logprobs,
+top_logprobs dicts, text_offset); chat uses per-token objects with bytes.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, List, Optional, Sequence
+
+from engine.entrypoints.openai.protocol import (
+    ChatCompletionTokenLogprob,
+    CompletionLogProbs,
+    TopLogprob,
+)
+
+# One token: [logprob, token_id, text]. Text is None when the manager was not asked for it.
+TokenEntry = Sequence
+Decode = Callable[[int], str]
+
+# OpenAI reports impossible tokens with this value; JSON has no -inf.
+MIN_LOGPROB = -9999.0
+
+
+def _finite(logprob: Optional[float]) -> Optional[float]:
+    if logprob is None:
+        return None
+    return logprob if math.isfinite(logprob) else MIN_LOGPROB
+
+
+def _text(entry: TokenEntry, decode: Decode) -> str:
+    text = entry[2] if len(entry) > 2 else None
+    return text if text is not None else decode(int(entry[1]))
+
+
+def to_completion_logprobs(
+    token_entries: List[TokenEntry],
+    top_entries: List[Optional[List[TokenEntry]]],
+    decode: Decode,
+    text_offset: int = 0,
+) -> CompletionLogProbs:
+    """Legacy format. `text_offset` is where the first token starts in the returned text.
+
+    Each top_logprobs dict also holds the chosen token, as OpenAI documents ("up to logprobs + 1
+    elements").
+    """
+    result = CompletionLogProbs()
+    offset = text_offset
+    for position, entry in enumerate(token_entries):
+        token = _text(entry, decode)
+        logprob = _finite(entry[0])
+        result.tokens.append(token)
+        result.token_logprobs.append(logprob)
+        result.text_offset.append(offset)
+        offset += len(token)
+        tops = top_entries[position] if position < len(top_entries) else None
+        if logprob is None:
+            # The first prompt token has no logprob, so it has no alternatives either.
+            result.top_logprobs.append(None)
+            continue
+        alternatives = {}
+        for top in tops or []:
+            alternatives.setdefault(_text(top, decode), _finite(top[0]))
+        alternatives.setdefault(token, logprob)
+        result.top_logprobs.append(alternatives)
+    return result
+
+
+def to_chat_logprobs(
+    token_entries: List[TokenEntry],
+    top_entries: List[Optional[List[TokenEntry]]],
+    decode: Decode,
+) -> List[ChatCompletionTokenLogprob]:
+    content = []
+    for position, entry in enumerate(token_entries):
+        token = _text(entry, decode)
+        tops = top_entries[position] if position < len(top_entries) else None
+        content.append(
+            ChatCompletionTokenLogprob(
+                token=token,
+                bytes=list(token.encode("utf-8")),
+                logprob=_finite(entry[0]) if entry[0] is not None else MIN_LOGPROB,
+                top_logprobs=[
+                    TopLogprob(
+                        token=_text(top, decode),
+                        bytes=list(_text(top, decode).encode("utf-8")),
+                        logprob=_finite(top[0]) if top[0] is not None else MIN_LOGPROB,
+                    )
+                    for top in tops or []
+                ],
+            )
+        )
+    return content

@@ -1,0 +1,422 @@
+"""Pydantic models of the HTTP edge: the OpenAI-compatible API and the native /generate body.
+
+Range checks live here so that a bad value is rejected with HTTP 400 before anything reaches the
+TokenizerManager; the limits (n <= 128, <= 32 stop strings, top_logprobs <= 20) bound the work one
+request can ask for.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from typing import Any, Dict, List, Literal, Optional, Union
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+MAX_N = 128
+MAX_STOP_STRINGS = 32
+MAX_TOP_LOGPROBS = 20
+
+
+def random_uuid() -> str:
+    return uuid.uuid4().hex
+
+
+# ---------------------------------------------------------------------------- errors and usage
+class ErrorResponse(BaseModel):
+    object: str = "error"
+    message: str
+    type: str
+    param: Optional[str] = None
+    code: int
+
+
+class PromptTokensDetails(BaseModel):
+    cached_tokens: int = 0
+
+
+class UsageInfo(BaseModel):
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    total_tokens: int = 0
+    prompt_tokens_details: Optional[PromptTokensDetails] = None
+
+
+class StreamOptions(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    include_usage: bool = False
+
+
+# ---------------------------------------------------------------------------- models
+class ModelCard(BaseModel):
+    id: str
+    object: str = "model"
+    created: int = Field(default_factory=lambda: int(time.time()))
+    owned_by: str = "engine"
+    root: Optional[str] = None
+    max_model_len: Optional[int] = None
+
+
+class ModelList(BaseModel):
+    object: str = "list"
+    data: List[ModelCard] = Field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------- sampling fields
+class SamplingFields(BaseModel):
+    """Sampling fields shared by completions and chat (OpenAI names plus SGLang's extras)."""
+
+    # Unknown fields are ignored like OpenAI and SGLang do, so newer clients keep working. Strict
+    # types: `true` or `"2"` where a number belongs is a client bug to report, not to coerce.
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    model: Optional[str] = None
+    n: int = Field(default=1, ge=1, le=MAX_N)
+    stop: Optional[Union[str, List[str]]] = None
+    stop_token_ids: Optional[List[int]] = None
+    temperature: Optional[float] = Field(default=None, ge=0.0)
+    top_p: Optional[float] = Field(default=None, gt=0.0, le=1.0)
+    top_k: Optional[int] = None
+    min_p: Optional[float] = Field(default=None, ge=0.0, le=1.0)
+    frequency_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    presence_penalty: Optional[float] = Field(default=None, ge=-2.0, le=2.0)
+    repetition_penalty: Optional[float] = Field(default=None, gt=0.0, le=2.0)
+    # A torch generator seed is an unsigned 64-bit value; bound it here, not in the scheduler.
+    seed: Optional[int] = Field(default=None, ge=0, lt=2**63)
+    stream: bool = False
+    stream_options: Optional[StreamOptions] = None
+    user: Optional[str] = None
+    logit_bias: Optional[Dict[str, float]] = None
+    # SGLang extras
+    ignore_eos: bool = False
+    min_tokens: int = Field(default=0, ge=0)
+    skip_special_tokens: bool = True
+    spaces_between_special_tokens: bool = True
+    no_stop_trim: bool = False
+    rid: Optional[str] = None
+
+    @field_validator("stop")
+    @classmethod
+    def _check_stop(cls, value: Optional[Union[str, List[str]]]) -> Optional[Union[str, List[str]]]:
+        stops = [value] if isinstance(value, str) else (value or [])
+        if len(stops) > MAX_STOP_STRINGS:
+            raise ValueError(f"at most {MAX_STOP_STRINGS} stop strings are allowed, got {len(stops)}")
+        if any(s == "" for s in stops):
+            raise ValueError("stop strings must not be empty")
+        return value
+
+    @field_validator("stop_token_ids")
+    @classmethod
+    def _check_stop_token_ids(cls, value: Optional[List[int]]) -> Optional[List[int]]:
+        if value is not None and any(t < 0 for t in value):
+            raise ValueError("stop_token_ids must be non-negative token ids")
+        return value
+
+    @field_validator("top_k")
+    @classmethod
+    def _check_top_k(cls, value: Optional[int]) -> Optional[int]:
+        # -1 is SGLang's "no top-k"; 0 means the same for clients written for vLLM and HF.
+        if value is not None and not -1 <= value < 2**31:
+            raise ValueError("top_k must be -1 or 0 (disabled) or a positive 32-bit integer")
+        return value
+
+    @model_validator(mode="after")
+    def _check_stream_options(self) -> "SamplingFields":
+        if self.stream_options is not None and not self.stream:
+            raise ValueError("stream_options is only allowed when stream is true")
+        return self
+
+
+# ---------------------------------------------------------------------------- completions
+class CompletionRequest(SamplingFields):
+    prompt: Union[str, List[str], List[int], List[List[int]]]
+    max_tokens: int = Field(default=16, ge=1)
+    logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    echo: bool = False
+    suffix: Optional[str] = None
+    best_of: Optional[int] = None
+
+    @field_validator("prompt")
+    @classmethod
+    def _check_prompt(cls, value: Any) -> Any:
+        if isinstance(value, list):
+            if not value:
+                raise ValueError("prompt must not be an empty list")
+            if any(isinstance(p, list) and not p for p in value):
+                raise ValueError("a token-id prompt must not be empty")
+            if any(isinstance(t, int) and t < 0 for t in value):
+                raise ValueError("token ids must be non-negative")
+            if any(isinstance(p, list) and any(t < 0 for t in p) for p in value):
+                raise ValueError("token ids must be non-negative")
+        return value
+
+    @field_validator("suffix")
+    @classmethod
+    def _check_suffix(cls, value: Optional[str]) -> Optional[str]:
+        if value:
+            raise ValueError("suffix is not supported")
+        return value
+
+    @model_validator(mode="after")
+    def _check_best_of(self) -> "CompletionRequest":
+        if self.best_of is not None and self.best_of != self.n:
+            raise ValueError("best_of is not supported (it must be unset or equal to n)")
+        return self
+
+
+class CompletionLogProbs(BaseModel):
+    tokens: List[str] = Field(default_factory=list)
+    token_logprobs: List[Optional[float]] = Field(default_factory=list)
+    top_logprobs: List[Optional[Dict[str, float]]] = Field(default_factory=list)
+    text_offset: List[int] = Field(default_factory=list)
+
+
+class CompletionResponseChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    matched_stop: Union[None, int, str] = None
+
+
+class CompletionResponse(BaseModel):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: List[CompletionResponseChoice]
+    usage: UsageInfo
+
+
+class CompletionResponseStreamChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: Optional[CompletionLogProbs] = None
+    finish_reason: Optional[str] = None
+    matched_stop: Union[None, int, str] = None
+
+
+class CompletionStreamResponse(BaseModel):
+    id: str
+    object: str = "text_completion"
+    created: int
+    model: str
+    choices: List[CompletionResponseStreamChoice]
+    usage: Optional[UsageInfo] = None
+
+
+# ---------------------------------------------------------------------------- chat
+class ChatMessageContentTextPart(BaseModel):
+    model_config = ConfigDict(strict=True)
+
+    type: Literal["text"]
+    text: str
+
+
+class ChatCompletionMessageParam(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    role: Literal["system", "user", "assistant", "tool"]
+    content: Optional[Union[str, List[ChatMessageContentTextPart]]] = None
+    name: Optional[str] = None
+    tool_call_id: Optional[str] = None
+    tool_calls: Optional[List[Dict[str, Any]]] = None
+
+    @model_validator(mode="after")
+    def _check_content(self) -> "ChatCompletionMessageParam":
+        # Only an assistant turn that carries tool calls may come without content.
+        if self.content is None and not (self.role == "assistant"):
+            raise ValueError(f"a {self.role} message needs content")
+        return self
+
+    def text(self) -> str:
+        if self.content is None:
+            return ""
+        if isinstance(self.content, str):
+            return self.content
+        return "\n".join(part.text for part in self.content)
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", strict=True)
+
+    type: str
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: List[ChatCompletionMessageParam]
+    max_tokens: Optional[int] = Field(default=None, ge=1)
+    max_completion_tokens: Optional[int] = Field(default=None, ge=1)
+    logprobs: bool = False
+    top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: Optional[ResponseFormat] = None
+    tools: Optional[List[Dict[str, Any]]] = None
+    tool_choice: Optional[Union[str, Dict[str, Any]]] = None
+
+    @field_validator("messages")
+    @classmethod
+    def _check_messages(cls, value: List[ChatCompletionMessageParam]) -> List[ChatCompletionMessageParam]:
+        if not value:
+            raise ValueError("messages must not be empty")
+        return value
+
+    @field_validator("response_format")
+    @classmethod
+    def _check_response_format(cls, value: Optional[ResponseFormat]) -> Optional[ResponseFormat]:
+        if value is not None and value.type != "text":
+            raise ValueError(f"response_format type {value.type!r} is not supported (only 'text')")
+        return value
+
+    @model_validator(mode="after")
+    def _check_chat_fields(self) -> "ChatCompletionRequest":
+        if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
+            raise ValueError("top_logprobs needs logprobs to be true")
+        # Tool calling needs a tool-call parser we do not have; only a request that switches
+        # tools off is harmless.
+        if self.tools and self.tool_choice != "none":
+            raise ValueError("tools are not supported (only with tool_choice 'none')")
+        return self
+
+    def resolved_max_tokens(self) -> Optional[int]:
+        return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+
+class TopLogprob(BaseModel):
+    token: str
+    bytes: Optional[List[int]] = None
+    logprob: float
+
+
+class ChatCompletionTokenLogprob(BaseModel):
+    token: str
+    bytes: Optional[List[int]] = None
+    logprob: float
+    top_logprobs: List[TopLogprob] = Field(default_factory=list)
+
+
+class ChoiceLogprobs(BaseModel):
+    content: List[ChatCompletionTokenLogprob] = Field(default_factory=list)
+
+
+class ChatMessage(BaseModel):
+    role: str = "assistant"
+    content: Optional[str] = None
+
+
+class ChatCompletionResponseChoice(BaseModel):
+    index: int
+    message: ChatMessage
+    logprobs: Optional[ChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+    matched_stop: Union[None, int, str] = None
+
+
+class ChatCompletionResponse(BaseModel):
+    id: str
+    object: str = "chat.completion"
+    created: int
+    model: str
+    choices: List[ChatCompletionResponseChoice]
+    usage: UsageInfo
+
+
+class DeltaMessage(BaseModel):
+    role: Optional[str] = None
+    content: Optional[str] = None
+
+
+class ChatCompletionResponseStreamChoice(BaseModel):
+    index: int
+    delta: DeltaMessage
+    logprobs: Optional[ChoiceLogprobs] = None
+    finish_reason: Optional[str] = None
+    matched_stop: Union[None, int, str] = None
+
+
+class ChatCompletionStreamResponse(BaseModel):
+    id: str
+    object: str = "chat.completion.chunk"
+    created: int
+    model: str
+    choices: List[ChatCompletionResponseStreamChoice]
+    usage: Optional[UsageInfo] = None
+
+
+# ---------------------------------------------------------------------------- native SGLang API
+class GenerateRequest(BaseModel):
+    """Body of the native POST /generate; shapes are checked again by GenerateReqInput.normalize()."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    text: Optional[Union[str, List[str]]] = None
+    input_ids: Optional[Union[List[int], List[List[int]]]] = None
+    sampling_params: Optional[Union[Dict[str, Any], List[Dict[str, Any]]]] = None
+    rid: Optional[Union[str, List[str]]] = None
+    stream: bool = False
+    return_logprob: Union[bool, List[bool]] = False
+    logprob_start_len: Union[int, List[int]] = -1
+    top_logprobs_num: Union[int, List[int]] = 0
+    return_text_in_logprobs: bool = False
+
+    @model_validator(mode="after")
+    def _check_prompt(self) -> "GenerateRequest":
+        if (self.text is None) == (self.input_ids is None):
+            raise ValueError("exactly one of text or input_ids must be given")
+        if isinstance(self.text, list) and not self.text:
+            raise ValueError("text must not be an empty list")
+        if self.input_ids is not None:
+            if not self.input_ids:
+                raise ValueError("input_ids must not be empty")
+            rows = self.input_ids if isinstance(self.input_ids[0], list) else [self.input_ids]
+            if any(not row for row in rows):
+                raise ValueError("input_ids must not contain an empty prompt")
+            if any(t < 0 for row in rows for t in row):
+                raise ValueError("input_ids must be non-negative token ids")
+        params = self.sampling_params if isinstance(self.sampling_params, list) else [self.sampling_params or {}]
+        for one in params:
+            _check_native_sampling_params(one)
+        tops = self.top_logprobs_num if isinstance(self.top_logprobs_num, list) else [self.top_logprobs_num]
+        if any(k < 0 or k > MAX_TOP_LOGPROBS for k in tops):
+            raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]")
+        return self
+
+
+def _check_native_sampling_params(params: Dict[str, Any]) -> None:
+    """Edge limits on a native sampling_params dict; the engine's SamplingParams checks the rest.
+
+    `n` fans out into n sub-requests, so it is bounded like OpenAI's `n`; integers must fit the
+    64-bit fields they travel in, or encoding the request would fail deep in the server.
+    """
+    n = params.get("n", 1)
+    if isinstance(n, int) and not isinstance(n, bool) and n > MAX_N:
+        raise ValueError(f"sampling_params.n must be <= {MAX_N}, got {n}")
+
+    def check(value: Any, name: str) -> None:
+        if isinstance(value, bool):
+            return
+        if isinstance(value, int) and not -(2**63) <= value < 2**63:
+            raise ValueError(f"sampling_params.{name} is out of the 64-bit integer range")
+        if isinstance(value, list):
+            for item in value:
+                check(item, name)
+        if isinstance(value, dict):
+            for key, item in value.items():
+                check(item, f"{name}.{key}")
+
+    for key, value in params.items():
+        check(value, key)
+
+
+class AbortRequestBody(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+
+    rid: str = ""
+    abort_all: bool = False
+
+    @model_validator(mode="after")
+    def _check_target(self) -> "AbortRequestBody":
+        # An empty rid is a prefix of every rid, so it would silently abort everything.
+        if not self.rid and not self.abort_all:
+            raise ValueError("give a rid or set abort_all to true")
+        return self

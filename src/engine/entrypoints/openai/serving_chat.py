@@ -1,0 +1,215 @@
+"""POST /v1/chat/completions: messages -> chat template -> TokenizerManager.generate_request."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, AsyncIterator, Dict, List, Optional
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from engine.entrypoints.openai.logprobs import to_chat_logprobs
+from engine.entrypoints.openai.protocol import (
+    ChatCompletionRequest,
+    ChatCompletionResponse,
+    ChatCompletionResponseChoice,
+    ChatCompletionResponseStreamChoice,
+    ChatCompletionStreamResponse,
+    ChatMessage,
+    ChoiceLogprobs,
+    DeltaMessage,
+    random_uuid,
+)
+from engine.entrypoints.openai.utils import (
+    SSE_DONE,
+    OrjsonResponse,
+    ChoiceCursor,
+    abort_error,
+    as_output_list,
+    build_sampling_params,
+    close_stream,
+    create_error_response,
+    error_response_from_exception,
+    finish_reason_to_openai,
+    make_usage,
+    next_output,
+    prime_stream,
+    sse_error_chunk,
+    sse_event,
+)
+from engine.managers.errors import EngineRequestError
+from engine.managers.tokenizer_manager import GenerateReqInput
+
+logger = logging.getLogger(__name__)
+
+
+class OpenAIServingChat:
+    def __init__(self, tokenizer_manager: Any) -> None:
+        self.tokenizer_manager = tokenizer_manager
+
+    # ------------------------------------------------------------------ entry
+    async def handle_request(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
+        request_id = request.rid or f"chatcmpl-{random_uuid()}"
+        try:
+            prompt_ids = self.tokenizer_manager.apply_chat_template(
+                _template_messages(request), add_generation_prompt=True, tools=None
+            )
+        except EngineRequestError as exc:
+            return error_response_from_exception(exc)
+        except Exception as exc:  # a template that rejects the conversation (jinja raise_exception)
+            logger.info("chat template rejected request %s: %s", request_id, exc)
+            return create_error_response(f"The chat template rejected the messages: {exc}", 400)
+        obj = GenerateReqInput(
+            input_ids=list(prompt_ids),
+            sampling_params=build_sampling_params(request, self._max_new_tokens(request, len(prompt_ids))),
+            rid=request_id,
+            stream=request.stream,
+            return_logprob=request.logprobs,
+            top_logprobs_num=request.top_logprobs or 0,
+            return_text_in_logprobs=True,
+        )
+        stream = self.tokenizer_manager.generate_request(obj, raw_request)
+        if request.stream:
+            first, error = await prime_stream(stream)
+            if error is not None:
+                return error
+            return StreamingResponse(
+                self._stream_body(request, request_id, first, stream), media_type="text/event-stream"
+            )
+        try:
+            result = await next_output(stream, raw_request)
+        except (EngineRequestError, ValueError) as exc:
+            return error_response_from_exception(exc)
+        return self._full_response(request, request_id, as_output_list(result))
+
+    def _max_new_tokens(self, request: ChatCompletionRequest, prompt_len: int) -> int:
+        explicit = request.resolved_max_tokens()
+        if explicit is not None:
+            return explicit
+        # OpenAI's chat default is "as much as fits": the rest of the context window. A prompt
+        # that does not fit at all is rejected by the manager with both lengths in the message.
+        return max(int(self.tokenizer_manager.context_len) - prompt_len, 1)
+
+    def _decode(self, token_id: int) -> str:
+        tokenizer = self.tokenizer_manager.tokenizer
+        return tokenizer.decode([token_id]) if tokenizer is not None else ""
+
+    def _logprobs(self, request: ChatCompletionRequest, tokens: List[Any], tops: List[Any]) -> Optional[ChoiceLogprobs]:
+        if not request.logprobs:
+            return None
+        return ChoiceLogprobs(content=to_chat_logprobs(tokens, tops, self._decode))
+
+    # ------------------------------------------------------------------ non-streaming
+    def _full_response(
+        self, request: ChatCompletionRequest, request_id: str, outputs: List[Dict[str, Any]]
+    ) -> Response:
+        choices = []
+        for index, output in enumerate(outputs):
+            meta = output["meta_info"]
+            aborted = abort_error(meta.get("finish_reason"))
+            if aborted is not None:
+                return create_error_response(*aborted)
+            finish_reason, matched = finish_reason_to_openai(meta.get("finish_reason"))
+            choices.append(
+                ChatCompletionResponseChoice(
+                    index=index,
+                    message=ChatMessage(role="assistant", content=output["text"]),
+                    logprobs=self._logprobs(
+                        request, meta.get("output_token_logprobs") or [], meta.get("output_top_logprobs") or []
+                    ),
+                    finish_reason=finish_reason,
+                    matched_stop=matched,
+                )
+            )
+        response = ChatCompletionResponse(
+            id=request_id,
+            created=int(time.time()),
+            model=self.tokenizer_manager.served_model_name,
+            choices=choices,
+            usage=make_usage(outputs, request.n),
+        )
+        return OrjsonResponse(response.model_dump())
+
+    # ------------------------------------------------------------------ streaming
+    async def _stream_body(
+        self, request: ChatCompletionRequest, request_id: str, first: Any, stream: AsyncIterator[Any]
+    ) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        model = self.tokenizer_manager.served_model_name
+        cursors = [ChoiceCursor() for _ in range(request.n)]
+
+        def chunk(index: int, delta: DeltaMessage, logprobs: Optional[ChoiceLogprobs] = None,
+                  finish_reason: Optional[str] = None, matched: Any = None) -> bytes:
+            body = ChatCompletionStreamResponse(
+                id=request_id,
+                created=created,
+                model=model,
+                choices=[
+                    ChatCompletionResponseStreamChoice(
+                        index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
+                        matched_stop=matched,
+                    )
+                ],
+            ).model_dump()
+            # A delta carries only what it has: {"role": ...}, {"content": ...} or {}.
+            body["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
+            return sse_event(body)
+
+        try:
+            for index in range(request.n):
+                yield chunk(index, DeltaMessage(role="assistant", content=""))
+            pending: Optional[Any] = first
+            while True:
+                if pending is None:
+                    try:
+                        pending = await stream.__anext__()
+                    except StopAsyncIteration:
+                        break
+                for output in as_output_list(pending):
+                    index = int(output.get("index", 0))
+                    finish = output["meta_info"].get("finish_reason")
+                    aborted = abort_error(finish)
+                    if aborted is not None:
+                        yield sse_error_chunk(*aborted)
+                        yield SSE_DONE
+                        return
+                    delta, new_tokens, new_tops = cursors[index].advance(output)
+                    if delta or new_tokens:
+                        yield chunk(index, DeltaMessage(content=delta), self._logprobs(request, new_tokens, new_tops))
+                    if finish is not None:
+                        finish_reason, matched = finish_reason_to_openai(finish)
+                        yield chunk(index, DeltaMessage(), finish_reason=finish_reason, matched=matched)
+                pending = None
+            if request.stream_options is not None and request.stream_options.include_usage:
+                outputs = [c.last_output for c in cursors if c.last_output is not None]
+                usage = make_usage(outputs, request.n) if len(outputs) == request.n else None
+                yield sse_event(
+                    ChatCompletionStreamResponse(
+                        id=request_id, created=created, model=model, choices=[], usage=usage
+                    ).model_dump()
+                )
+            yield SSE_DONE
+        except (EngineRequestError, ValueError) as exc:
+            status = exc.status_code if isinstance(exc, EngineRequestError) else 400
+            yield sse_error_chunk(str(getattr(exc, "message", exc)), status)
+            yield SSE_DONE
+        finally:
+            # On an early exit (client gone, abort, error) closing the manager's generator aborts
+            # every sub-request still running in the scheduler.
+            await close_stream(stream)
+
+
+def _template_messages(request: ChatCompletionRequest) -> List[Dict[str, Any]]:
+    """Pydantic messages -> the plain dicts a Hugging Face chat template expects."""
+    messages = []
+    for message in request.messages:
+        item: Dict[str, Any] = {"role": message.role, "content": message.text()}
+        if message.name is not None:
+            item["name"] = message.name
+        if message.tool_call_id is not None:
+            item["tool_call_id"] = message.tool_call_id
+        if message.tool_calls:
+            item["tool_calls"] = message.tool_calls
+        messages.append(item)
+    return messages

@@ -1,0 +1,229 @@
+"""POST /v1/completions: OpenAI legacy completions over TokenizerManager.generate_request."""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import Any, AsyncIterator, Dict, List, Optional, Union
+
+from fastapi import Request
+from fastapi.responses import Response, StreamingResponse
+
+from engine.entrypoints.openai.logprobs import to_completion_logprobs
+from engine.entrypoints.openai.protocol import (
+    CompletionLogProbs,
+    CompletionRequest,
+    CompletionResponse,
+    CompletionResponseChoice,
+    CompletionResponseStreamChoice,
+    CompletionStreamResponse,
+    random_uuid,
+)
+from engine.entrypoints.openai.utils import (
+    SSE_DONE,
+    OrjsonResponse,
+    ChoiceCursor,
+    abort_error,
+    as_output_list,
+    build_sampling_params,
+    close_stream,
+    create_error_response,
+    error_response_from_exception,
+    finish_reason_to_openai,
+    make_usage,
+    next_output,
+    prime_stream,
+    sse_error_chunk,
+    sse_event,
+)
+from engine.managers.errors import EngineRequestError
+from engine.managers.tokenizer_manager import GenerateReqInput
+
+logger = logging.getLogger(__name__)
+
+
+class OpenAIServingCompletion:
+    def __init__(self, tokenizer_manager: Any) -> None:
+        self.tokenizer_manager = tokenizer_manager
+
+    # ------------------------------------------------------------------ entry
+    async def handle_request(self, request: CompletionRequest, raw_request: Request) -> Response:
+        request_id = request.rid or f"cmpl-{random_uuid()}"
+        prompts = _split_prompts(request.prompt)
+        batched = _is_batch(request.prompt)
+        obj = self._build_generate_input(request, prompts, batched, request_id)
+        stream = self.tokenizer_manager.generate_request(obj, raw_request)
+        if request.stream:
+            first, error = await prime_stream(stream)
+            if error is not None:
+                return error
+            body = self._stream_body(request, prompts, request_id, first, stream)
+            return StreamingResponse(body, media_type="text/event-stream")
+        try:
+            result = await next_output(stream, raw_request)
+        except (EngineRequestError, ValueError) as exc:
+            return error_response_from_exception(exc)
+        return self._full_response(request, prompts, request_id, as_output_list(result))
+
+    def _build_generate_input(
+        self, request: CompletionRequest, prompts: List[Union[str, List[int]]], batched: bool, request_id: str
+    ) -> GenerateReqInput:
+        want_logprobs = request.logprobs is not None
+        text_prompts = isinstance(prompts[0], str)
+        prompt_value: Any = prompts if batched else prompts[0]
+        return GenerateReqInput(
+            text=prompt_value if text_prompts else None,
+            input_ids=None if text_prompts else prompt_value,
+            sampling_params=build_sampling_params(request, request.max_tokens),
+            rid=[f"{request_id}_{i}" for i in range(len(prompts))] if batched else request_id,
+            stream=request.stream,
+            return_logprob=want_logprobs,
+            # echo with logprobs also reports the prompt's logprobs, from its first token.
+            logprob_start_len=0 if (want_logprobs and request.echo) else -1,
+            top_logprobs_num=request.logprobs or 0,
+            return_text_in_logprobs=True,
+        )
+
+    # ------------------------------------------------------------------ helpers
+    def _decode(self, token_id: int) -> str:
+        tokenizer = self.tokenizer_manager.tokenizer
+        return tokenizer.decode([token_id]) if tokenizer is not None else ""
+
+    def _prompt_text(self, prompt: Union[str, List[int]]) -> str:
+        if isinstance(prompt, str):
+            return prompt
+        tokenizer = self.tokenizer_manager.tokenizer
+        return tokenizer.decode(prompt) if tokenizer is not None else ""
+
+    def _logprobs(
+        self, request: CompletionRequest, output: Dict[str, Any], include_prompt: bool, text_offset: int,
+        new_tokens: Optional[List[Any]] = None, new_tops: Optional[List[Any]] = None,
+    ) -> Optional[CompletionLogProbs]:
+        if request.logprobs is None:
+            return None
+        meta = output["meta_info"]
+        tokens = list(meta.get("output_token_logprobs") or []) if new_tokens is None else list(new_tokens)
+        tops = list(meta.get("output_top_logprobs") or []) if new_tops is None else list(new_tops)
+        if include_prompt:
+            tokens = list(meta.get("input_token_logprobs") or []) + tokens
+            input_tops = list(meta.get("input_top_logprobs") or [])
+            input_tops += [None] * (len(meta.get("input_token_logprobs") or []) - len(input_tops))
+            tops = input_tops + tops
+        return to_completion_logprobs(tokens, tops, self._decode, text_offset)
+
+    # ------------------------------------------------------------------ non-streaming
+    def _full_response(
+        self, request: CompletionRequest, prompts: List[Union[str, List[int]]], request_id: str,
+        outputs: List[Dict[str, Any]],
+    ) -> Response:
+        choices = []
+        for index, output in enumerate(outputs):
+            finish = output["meta_info"].get("finish_reason")
+            aborted = abort_error(finish)
+            if aborted is not None:
+                return create_error_response(*aborted)
+            prefix = self._prompt_text(prompts[index // request.n]) if request.echo else ""
+            finish_reason, matched = finish_reason_to_openai(finish)
+            choices.append(
+                CompletionResponseChoice(
+                    index=index,
+                    text=prefix + output["text"],
+                    logprobs=self._logprobs(request, output, request.echo, 0),
+                    finish_reason=finish_reason,
+                    matched_stop=matched,
+                )
+            )
+        response = CompletionResponse(
+            id=request_id,
+            created=int(time.time()),
+            model=self.tokenizer_manager.served_model_name,
+            choices=choices,
+            usage=make_usage(outputs, request.n),
+        )
+        return OrjsonResponse(response.model_dump())
+
+    # ------------------------------------------------------------------ streaming
+    async def _stream_body(
+        self, request: CompletionRequest, prompts: List[Union[str, List[int]]], request_id: str,
+        first: Any, stream: AsyncIterator[Any],
+    ) -> AsyncIterator[bytes]:
+        created = int(time.time())
+        model = self.tokenizer_manager.served_model_name
+        num_choices = len(prompts) * request.n
+        cursors = [ChoiceCursor() for _ in range(num_choices)]
+        echoed = [False] * num_choices
+        chars_sent = [0] * num_choices
+        try:
+            pending: Optional[Any] = first
+            while True:
+                if pending is None:
+                    try:
+                        pending = await stream.__anext__()
+                    except StopAsyncIteration:
+                        break
+                for output in as_output_list(pending):
+                    index = int(output.get("index", 0))
+                    finish = output["meta_info"].get("finish_reason")
+                    aborted = abort_error(finish)
+                    if aborted is not None:
+                        yield sse_error_chunk(*aborted)
+                        yield SSE_DONE
+                        return
+                    delta, new_tokens, new_tops = cursors[index].advance(output)
+                    include_prompt = request.echo and not echoed[index]
+                    if include_prompt:
+                        echoed[index] = True
+                        delta = self._prompt_text(prompts[index // request.n]) + delta
+                    finish_reason, matched = finish_reason_to_openai(finish)
+                    if not delta and finish_reason is None and not new_tokens:
+                        continue
+                    # Offsets are positions in the text this client has seen, echoed prompt included.
+                    logprobs = self._logprobs(
+                        request, output, include_prompt, chars_sent[index], new_tokens, new_tops
+                    )
+                    chars_sent[index] += len(delta)
+                    chunk = CompletionStreamResponse(
+                        id=request_id,
+                        created=created,
+                        model=model,
+                        choices=[
+                            CompletionResponseStreamChoice(
+                                index=index,
+                                text=delta,
+                                logprobs=logprobs,
+                                finish_reason=finish_reason,
+                                matched_stop=matched,
+                            )
+                        ],
+                    )
+                    yield sse_event(chunk.model_dump())
+                pending = None
+            if request.stream_options is not None and request.stream_options.include_usage:
+                outputs = [c.last_output for c in cursors if c.last_output is not None]
+                usage = make_usage(outputs, request.n) if len(outputs) == num_choices else None
+                usage_chunk = CompletionStreamResponse(
+                    id=request_id, created=created, model=model, choices=[], usage=usage
+                )
+                yield sse_event(usage_chunk.model_dump())
+            yield SSE_DONE
+        except (EngineRequestError, ValueError) as exc:
+            status = exc.status_code if isinstance(exc, EngineRequestError) else 400
+            yield sse_error_chunk(str(getattr(exc, "message", exc)), status)
+            yield SSE_DONE
+        finally:
+            # On an early exit (client gone, abort, error) closing the manager's generator aborts
+            # every sub-request still running in the scheduler.
+            await close_stream(stream)
+
+
+def _is_batch(prompt: Any) -> bool:
+    """A list of prompts (texts or token lists), as opposed to one text or one token list."""
+    return isinstance(prompt, list) and isinstance(prompt[0], (str, list))
+
+
+def _split_prompts(prompt: Any) -> List[Union[str, List[int]]]:
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt[0], int):
+        return [prompt]
+    return list(prompt)

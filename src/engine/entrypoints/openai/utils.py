@@ -1,0 +1,258 @@
+"""Helpers shared by the HTTP handlers: error bodies, SSE framing, finish reasons, usage, sampling.
+
+Every rejection goes through `create_error_response` so that all errors have the OpenAI shape
+`{"object": "error", "message", "type", "param", "code"}` whatever layer produced them.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from typing import Any, AsyncIterator, Dict, List, Optional, Tuple, Union
+
+import orjson
+from fastapi.responses import Response
+
+from engine.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
+from engine.managers.errors import EngineRequestError
+
+logger = logging.getLogger(__name__)
+
+_ERROR_TYPES = {
+    400: "BadRequestError",
+    401: "AuthenticationError",
+    403: "PermissionDeniedError",
+    404: "NotFoundError",
+    405: "MethodNotAllowed",
+    413: "RequestEntityTooLarge",
+    422: "UnprocessableEntityError",
+    429: "RateLimitError",
+    500: "InternalServerError",
+    503: "ServiceUnavailableError",
+}
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+class OrjsonResponse(Response):
+    """JSON via orjson: fast, and non-finite floats (a -inf logprob) become null, not invalid JSON."""
+
+    media_type = "application/json"
+
+    def render(self, content: Any) -> bytes:
+        return orjson.dumps(content)
+
+
+# ---------------------------------------------------------------------------- errors
+def error_type_for(status_code: int) -> str:
+    return _ERROR_TYPES.get(status_code, "InternalServerError" if status_code >= 500 else "BadRequestError")
+
+
+def error_body(message: str, status_code: int = 400, err_type: Optional[str] = None) -> Dict[str, Any]:
+    return {
+        "object": "error",
+        "message": message,
+        "type": err_type or error_type_for(status_code),
+        "param": None,
+        "code": status_code,
+    }
+
+
+def create_error_response(
+    message: str, status_code: int = 400, err_type: Optional[str] = None
+) -> OrjsonResponse:
+    return OrjsonResponse(error_body(message, status_code, err_type), status_code=status_code)
+
+
+def error_response_from_exception(exc: Exception) -> OrjsonResponse:
+    """The response for an exception raised by the TokenizerManager while handling a request."""
+    if isinstance(exc, EngineRequestError):
+        return create_error_response(exc.message, exc.status_code, exc.err_type)
+    # SGLang answers ValueError with 400 too: it is how validation deep in the stack reports.
+    return create_error_response(str(exc), 400)
+
+
+def abort_error(finish_reason: Optional[Dict[str, Any]]) -> Optional[Tuple[str, int]]:
+    """(message, status) when the scheduler finished the request with an abort, else None."""
+    if not finish_reason or finish_reason.get("type") != "abort":
+        return None
+    message = finish_reason.get("message") or "The request was aborted."
+    return message, int(finish_reason.get("status_code") or 400)
+
+
+def sse_error_chunk(message: str, status_code: int) -> bytes:
+    return sse_event({"error": error_body(message, status_code)})
+
+
+# ---------------------------------------------------------------------------- SSE
+def sse_event(payload: Union[Dict[str, Any], List[Any]]) -> bytes:
+    return b"data: " + orjson.dumps(payload) + b"\n\n"
+
+
+async def prime_stream(
+    stream: AsyncIterator[Any],
+) -> Tuple[Optional[Any], Optional[OrjsonResponse]]:
+    """Pull the first item before any byte is sent.
+
+    The manager validates before it yields, so a bad request surfaces here and can still get a
+    real HTTP error status instead of an error inside a 200 stream (vllm#16445).
+    Returns (first_item, None) or (None, error_response).
+    """
+    try:
+        first = await stream.__anext__()
+    except (EngineRequestError, ValueError) as exc:
+        return None, error_response_from_exception(exc)
+    except StopAsyncIteration:
+        return None, create_error_response("The engine produced no output.", 500)
+    return first, None
+
+
+# ---------------------------------------------------------------------------- outputs
+def finish_reason_to_openai(finish_reason: Optional[Dict[str, Any]]) -> Tuple[Optional[str], Any]:
+    """SGLang finish reason -> (OpenAI finish_reason, matched stop)."""
+    if not finish_reason:
+        return None, None
+    kind = finish_reason.get("type")
+    if kind == "stop":
+        return "stop", finish_reason.get("matched")
+    if kind == "length":
+        return "length", None
+    return kind, None
+
+
+def make_usage(outputs: List[Dict[str, Any]], n: int) -> UsageInfo:
+    """Usage over request-major outputs where each prompt appears `n` times in a row.
+
+    A prompt is counted once however many choices it has; its cached tokens are the fewest any
+    of its sub-requests saw, since the siblings hit the cache the first one filled (sgl#5525).
+    """
+    prompt_tokens = 0
+    cached_tokens = 0
+    for start in range(0, len(outputs), n):
+        group = [o["meta_info"] for o in outputs[start : start + n]]
+        prompt = int(group[0].get("prompt_tokens", 0))
+        prompt_tokens += prompt
+        cached_tokens += min(prompt, min(int(m.get("cached_tokens", 0) or 0) for m in group))
+    completion_tokens = sum(int(o["meta_info"].get("completion_tokens", 0)) for o in outputs)
+    return UsageInfo(
+        prompt_tokens=prompt_tokens,
+        completion_tokens=completion_tokens,
+        total_tokens=prompt_tokens + completion_tokens,
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached_tokens),
+    )
+
+
+def build_sampling_params(request: SamplingFields, max_new_tokens: Optional[int]) -> Dict[str, Any]:
+    """OpenAI fields -> SGLang sampling_params; unset fields are left to the engine's defaults."""
+    params: Dict[str, Any] = {
+        "max_new_tokens": max_new_tokens,
+        "min_new_tokens": request.min_tokens or None,
+        "temperature": request.temperature,
+        "top_p": request.top_p,
+        "top_k": request.top_k,
+        "min_p": request.min_p,
+        "frequency_penalty": request.frequency_penalty,
+        "presence_penalty": request.presence_penalty,
+        "repetition_penalty": request.repetition_penalty,
+        "stop": request.stop,
+        "stop_token_ids": request.stop_token_ids,
+        "sampling_seed": request.seed,
+        "logit_bias": request.logit_bias or None,
+        "n": request.n if request.n > 1 else None,
+    }
+    params = {key: value for key, value in params.items() if value is not None}
+    # Booleans are always sent: False is a meaningful choice that must override nothing.
+    params["ignore_eos"] = request.ignore_eos
+    params["skip_special_tokens"] = request.skip_special_tokens
+    params["spaces_between_special_tokens"] = request.spaces_between_special_tokens
+    params["no_stop_trim"] = request.no_stop_trim
+    return params
+
+
+def as_output_list(result: Union[Dict[str, Any], List[Dict[str, Any]]]) -> List[Dict[str, Any]]:
+    return result if isinstance(result, list) else [result]
+
+
+class ChoiceCursor:
+    """What has been streamed so far for one choice; turns cumulative outputs into deltas.
+
+    The manager reports text, and logprob lists, cumulatively (like SGLang); a client wants only
+    what is new. Concatenating the deltas gives back exactly the final text.
+    """
+
+    __slots__ = ("text_sent", "logprobs_sent", "finished", "last_output")
+
+    def __init__(self) -> None:
+        self.text_sent = 0
+        self.logprobs_sent = 0
+        self.finished = False
+        self.last_output: Optional[Dict[str, Any]] = None
+
+    def advance(self, output: Dict[str, Any]) -> Tuple[str, List[Any], List[Any]]:
+        """(new text, new output token logprobs, new output top logprobs) since the last call."""
+        text = output.get("text", "")
+        delta = text[self.text_sent :]
+        self.text_sent = len(text)
+        meta = output.get("meta_info", {})
+        tokens = meta.get("output_token_logprobs") or []
+        tops = meta.get("output_top_logprobs") or []
+        new_tokens = tokens[self.logprobs_sent :]
+        new_tops = tops[self.logprobs_sent :]
+        self.logprobs_sent = len(tokens)
+        self.last_output = output
+        if meta.get("finish_reason") is not None:
+            self.finished = True
+        return delta, new_tokens, new_tops
+
+
+async def close_stream(stream: Any) -> None:
+    """Close the manager's async generator now rather than at garbage collection.
+
+    Its cleanup aborts unfinished requests in the scheduler, which must happen as soon as the
+    client is gone, not whenever the generator object happens to be collected (sgl#37833).
+    """
+    aclose = getattr(stream, "aclose", None)
+    if aclose is None:
+        return
+    try:
+        await aclose()
+    except Exception:  # it already failed; the error was reported to the client
+        logger.debug("closing the output stream failed", exc_info=True)
+
+
+# How often a non-streaming handler checks whether its client is still there.
+DISCONNECT_CHECK_INTERVAL_S = 0.5
+CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"
+
+
+async def next_output(stream: Any, raw_request: Any) -> Any:
+    """The next output of `stream`, or EngineRequestError(499) as soon as the client is gone.
+
+    A non-streaming request writes nothing until it finishes, so nothing else would notice a
+    vanished client; cancelling the pending __anext__ runs the manager's cleanup, which aborts
+    the request in the scheduler (no ghost requests decoding to max_tokens, sgl#37833).
+    """
+    if raw_request is None:
+        return await stream.__anext__()
+    output = asyncio.ensure_future(stream.__anext__())
+    watcher = asyncio.ensure_future(_wait_disconnected(raw_request))
+    try:
+        done, _ = await asyncio.wait({output, watcher}, return_when=asyncio.FIRST_COMPLETED)
+        if output in done:
+            return output.result()
+        output.cancel()
+        try:
+            await output
+        except BaseException:  # the cancellation we asked for, or the error it caused
+            pass
+        raise EngineRequestError("The client disconnected; the request was aborted.",
+                                 CLIENT_CLOSED_REQUEST, "ClientDisconnected")
+    finally:
+        watcher.cancel()
+        if not output.done():
+            output.cancel()
+
+
+async def _wait_disconnected(raw_request: Any) -> None:
+    while not await raw_request.is_disconnected():
+        await asyncio.sleep(DISCONNECT_CHECK_INTERVAL_S)
