@@ -46,6 +46,11 @@ _PARAM_NAMES = (
 )
 
 
+# Fan-out limit of one request (n sub-requests share the prompt).
+MAX_N = 128
+_INT32_MAX = (1 << 31) - 1
+
+
 def _range_error(name: str, allowed: str, value: Any) -> ValueError:
     return ValueError(f"{name} must be {allowed}, got {value!r}")
 
@@ -152,18 +157,21 @@ class SamplingParams:
             # `v == v` rejects NaN, which every range comparison would otherwise let through oddly.
             if not _is_number(value) or value != value or not ok(value):
                 raise _range_error(name, f"a number {allowed}", value)
-        if not _is_int(self.top_k) or not (self.top_k == -1 or self.top_k >= 1):
-            raise _range_error("top_k", "an integer, -1 or 0 (disabled) or >= 1", self.top_k)
-        if not _is_int(self.n) or self.n < 1:
-            raise _range_error("n", "an integer >= 1", self.n)
-        if self.sampling_seed is not None and not _is_int(self.sampling_seed):
-            raise _range_error("sampling_seed", "an integer or null", self.sampling_seed)
+        if not _is_int(self.top_k) or not (self.top_k == -1 or 1 <= self.top_k <= _INT32_MAX):
+            raise _range_error("top_k", f"an integer, -1 or 0 (disabled) or in [1, {_INT32_MAX}]", self.top_k)
+        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
+            raise _range_error("n", f"an integer in [1, {MAX_N}]", self.n)
+        # Seeds cross the process boundary as msgpack integers: keep them in the int64 range.
+        if self.sampling_seed is not None and (not _is_int(self.sampling_seed)
+                                               or not -(1 << 63) <= self.sampling_seed < (1 << 63)):
+            raise _range_error("sampling_seed", "a 64-bit integer or null", self.sampling_seed)
 
     def _verify_lengths(self) -> None:
-        if self.max_new_tokens is not None and (not _is_int(self.max_new_tokens) or self.max_new_tokens < 0):
-            raise _range_error("max_new_tokens", "an integer >= 0 or null", self.max_new_tokens)
-        if not _is_int(self.min_new_tokens) or self.min_new_tokens < 0:
-            raise _range_error("min_new_tokens", "an integer >= 0", self.min_new_tokens)
+        if self.max_new_tokens is not None and (not _is_int(self.max_new_tokens)
+                                                or not 0 <= self.max_new_tokens <= _INT32_MAX):
+            raise _range_error("max_new_tokens", f"an integer in [0, {_INT32_MAX}] or null", self.max_new_tokens)
+        if not _is_int(self.min_new_tokens) or not 0 <= self.min_new_tokens <= _INT32_MAX:
+            raise _range_error("min_new_tokens", f"an integer in [0, {_INT32_MAX}]", self.min_new_tokens)
         if self.max_new_tokens is not None and self.min_new_tokens > self.max_new_tokens:
             raise _range_error(
                 "min_new_tokens", f"<= max_new_tokens ({self.max_new_tokens})", self.min_new_tokens
