@@ -162,9 +162,11 @@ class OutputStreamer:
         if req.stream:
             k = self.stream_interval
             due = n % k == 1 if k > 1 else True
-            # Never leak text that may turn out to be the beginning of a stop string.
-            return due and not req.tail_may_start_stop_str()
-        return n % DEFAULT_FORCE_STREAM_INTERVAL == 0
+        else:
+            due = n % DEFAULT_FORCE_STREAM_INTERVAL == 0
+        # Never send text that may turn out to be the beginning of a stop string: sent text is
+        # final, the detokenizer cannot take it back when the stop string completes.
+        return due and not req.tail_may_start_stop_str()
 
     def build(self, reqs: List[Req]) -> Optional[BatchTokenIDOutput]:
         out: Dict[str, list] = {name: [] for name in _FIELDS}

@@ -275,7 +275,7 @@ class TokenizerManager:
         if tokenizer is None and not server_args.skip_tokenizer_init:
             tokenizer = load_tokenizer(self.tokenizer_path, server_args.trust_remote_code)
         self.tokenizer = tokenizer
-        self.chat_template = _load_chat_template(server_args.chat_template)
+        self.chat_template = load_chat_template(server_args.chat_template)
 
         # The PULL socket is asyncio-aware (the receive loop awaits it); the PUSH socket is a
         # plain one so that abort_request can stay a synchronous call.
@@ -466,15 +466,24 @@ class TokenizerManager:
     # ------------------------------------------------------------------ waiting for outputs
     async def _wait_one_response(self, state: ReqState, request: Any = None) -> AsyncIterator[dict]:
         """Yield the outputs of one sub-request; abort it if the consumer or the client goes away."""
+        loop = asyncio.get_running_loop()
+        next_check = loop.time() + DISCONNECT_POLL_INTERVAL_S
         try:
             while True:
                 try:
                     await asyncio.wait_for(state.event.wait(), timeout=DISCONNECT_POLL_INTERVAL_S)
+                    woke = True
                 except asyncio.TimeoutError:
-                    if request is not None and await request.is_disconnected():
+                    woke = False
+                # Check the client at least every poll interval, also while outputs keep arriving
+                # (a non-streaming client that left would otherwise decode to the end).
+                if request is not None and loop.time() >= next_check:
+                    next_check = loop.time() + DISCONNECT_POLL_INTERVAL_S
+                    if await request.is_disconnected():
                         logger.info("Client disconnected; aborting request %s", state.rid)
                         raise EngineRequestError("The client disconnected; the request was aborted.",
                                                  status_code=400, err_type="ClientDisconnected") from None
+                if not woke:
                     continue
                 state.event.clear()
                 out = self._build_output(state)
@@ -791,7 +800,7 @@ class TokenizerManager:
         self._state_waiters.fail_all(error)
 
 
-def _load_chat_template(chat_template: Optional[str]) -> Optional[str]:
+def load_chat_template(chat_template: Optional[str]) -> Optional[str]:
     """`--chat-template` is a path to a Jinja file or the Jinja text itself."""
     if not chat_template:
         return None

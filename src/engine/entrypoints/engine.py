@@ -1,0 +1,298 @@
+"""The offline Engine: the server's subprocesses and TokenizerManager, without HTTP.
+
+`launch_subprocesses` is shared with `launch_server`: it resolves the model path, spawns the
+scheduler ranks and the detokenizer, waits until each is ready and builds the TokenizerManager.
+The Engine runs the TokenizerManager's asyncio loop in a background thread of its own, so its
+synchronous methods work from plain code and its async methods from any other event loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import functools
+import logging
+import threading
+import weakref
+from typing import Any, AsyncIterator, Iterator, Optional, Union
+
+from engine.managers.tokenizer_manager import GenerateReqInput, TokenizerManager, load_chat_template
+from engine.server_args import PortArgs, ServerArgs
+from engine.utils.child_processes import ChildProcesses, LaunchError
+from engine.utils.network_utils import get_free_port
+
+logger = logging.getLogger(__name__)
+
+
+def resolve_model_path(server_args: ServerArgs) -> ServerArgs:
+    """Without --model-path, serve the built-in model; children get the resolved path."""
+    if server_args.model_path is not None:
+        if server_args.tokenizer_path is None:
+            return dataclasses.replace(server_args, tokenizer_path=server_args.model_path)
+        return server_args
+    from engine.builtin_model import ensure_builtin_model
+
+    path = ensure_builtin_model()
+    return dataclasses.replace(server_args, model_path=path, tokenizer_path=server_args.tokenizer_path or path)
+
+
+def launch_subprocesses(server_args: ServerArgs) -> tuple[ServerArgs, ChildProcesses, TokenizerManager]:
+    """Start the schedulers and the detokenizer, wait for them, and build the TokenizerManager.
+
+    On any failure every started child is killed and LaunchError is raised.
+    """
+    from engine.managers.detokenizer_manager import run_detokenizer_process
+    from engine.managers.scheduler import run_scheduler_process
+
+    if server_args.dp_size > 1:
+        raise LaunchError("--dp-size > 1 is not supported yet (the data-parallel controller is missing).")
+    try:
+        load_chat_template(server_args.chat_template)  # fail before anything is started
+    except (OSError, ValueError) as e:
+        raise LaunchError(f"Bad --chat-template: {e}") from None
+    server_args = resolve_model_path(server_args)
+    port_args = PortArgs.init_new(server_args)
+    if port_args.nccl_port == 0:
+        port_args.nccl_port = get_free_port()
+    children = ChildProcesses(port_args.ipc_dir)
+    try:
+        tp_per_node = max(1, server_args.tp_size // server_args.nnodes)
+        first_rank = server_args.node_rank * tp_per_node
+        for tp_rank in range(first_rank, first_rank + tp_per_node):
+            gpu_id = tp_rank - first_rank
+            children.start(f"scheduler_TP{tp_rank}", run_scheduler_process,
+                           (server_args, port_args, gpu_id, tp_rank, None))
+        if server_args.node_rank == 0:
+            children.start("detokenizer", run_detokenizer_process, (server_args, port_args))
+        infos = children.wait_ready()
+        scheduler_info = infos[f"scheduler_TP{first_rank}"]
+        logger.info("All child processes are ready: max_total_num_tokens=%s, context_len=%s, "
+                    "max_req_input_len=%s", scheduler_info.get("max_total_num_tokens"),
+                    scheduler_info.get("context_len"), scheduler_info.get("max_req_input_len"))
+        tokenizer_manager = TokenizerManager(server_args, port_args, scheduler_info,
+                                             child_processes=children.processes())
+    except BaseException:
+        children.shutdown()
+        raise
+    return server_args, children, tokenizer_manager
+
+
+def _report_child_death(tokenizer_manager: TokenizerManager, name: str, pid: int, exitcode: Any) -> None:
+    message = f"Child process {name} ({pid}) died with exit code {exitcode}."
+    logger.error("%s The engine can no longer serve requests.", message)
+    tokenizer_manager.mark_dead(message)
+
+
+class _Runtime:
+    """What an Engine owns; closed by a weakref finalizer so a forgotten Engine leaves no children."""
+
+    def __init__(self, children: ChildProcesses, tokenizer_manager: TokenizerManager) -> None:
+        self.children = children
+        self.tokenizer_manager = tokenizer_manager
+        self.loop = asyncio.new_event_loop()
+        self.thread = threading.Thread(target=self._run_loop, name="engine-event-loop", daemon=True)
+        self.thread.start()
+
+    def _run_loop(self) -> None:
+        asyncio.set_event_loop(self.loop)
+        self.loop.run_forever()
+
+    def close(self) -> None:
+        self.tokenizer_manager.mark_dead("The engine was shut down.")
+        if self.loop.is_running():
+            try:
+                asyncio.run_coroutine_threadsafe(self._drain(), self.loop).result(timeout=5.0)
+            except Exception:  # a stuck loop must not block shutdown; the children still die
+                logger.warning("The engine's event loop did not stop cleanly", exc_info=True)
+            self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(timeout=5.0)
+        self.children.shutdown()
+        self.tokenizer_manager.close()
+        if not self.loop.is_running():
+            self.loop.close()
+
+    async def _drain(self) -> None:
+        """Let failed requests see their error, then stop receiving and finalize generators."""
+        await asyncio.sleep(0)
+        await self.tokenizer_manager.stop_handle_loop()
+        await self.loop.shutdown_asyncgens()
+
+
+class Engine:
+    """Offline inference: `Engine(model_path=None, **server_args)`; see the module docstring."""
+
+    def __init__(self, model_path: Optional[str] = None, **server_args_kwargs: Any) -> None:
+        server_args = ServerArgs(model_path=model_path, **server_args_kwargs)
+        self.server_args, children, tokenizer_manager = launch_subprocesses(server_args)
+        self.tokenizer_manager = tokenizer_manager
+        self._runtime = _Runtime(children, tokenizer_manager)
+        self._finalizer = weakref.finalize(self, self._runtime.close)
+        self._run(self._start_handle_loop())
+        # The watchdog must not hold the Engine itself, or a forgotten Engine would never be freed.
+        children.start_watchdog(functools.partial(_report_child_death, tokenizer_manager))
+
+    async def _start_handle_loop(self) -> None:
+        self.tokenizer_manager.auto_create_handle_loop()
+
+    # ------------------------------------------------------------------ generate
+    def generate(
+        self,
+        prompt: Optional[Union[str, list[str]]] = None,
+        sampling_params: Optional[Union[dict, list[dict]]] = None,
+        input_ids: Optional[Union[list[int], list[list[int]]]] = None,
+        return_logprob: Union[bool, list[bool]] = False,
+        logprob_start_len: Optional[Union[int, list[int]]] = None,
+        top_logprobs_num: Optional[Union[int, list[int]]] = None,
+        return_text_in_logprobs: bool = False,
+        stream: bool = False,
+        rid: Optional[Union[str, list[str]]] = None,
+    ) -> Union[dict, list[dict], Iterator[dict]]:
+        """Generate for one prompt (a dict) or a batch (a list); stream=True gives an iterator."""
+        obj = self._make_request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                                 top_logprobs_num, return_text_in_logprobs, stream, rid)
+        outputs = self.tokenizer_manager.generate_request(obj)
+        if stream:
+            return self._iterate_sync(outputs)
+        return self._run(_last(outputs))
+
+    def async_generate(
+        self,
+        prompt: Optional[Union[str, list[str]]] = None,
+        sampling_params: Optional[Union[dict, list[dict]]] = None,
+        input_ids: Optional[Union[list[int], list[list[int]]]] = None,
+        return_logprob: Union[bool, list[bool]] = False,
+        logprob_start_len: Optional[Union[int, list[int]]] = None,
+        top_logprobs_num: Optional[Union[int, list[int]]] = None,
+        return_text_in_logprobs: bool = False,
+        stream: bool = False,
+        rid: Optional[Union[str, list[str]]] = None,
+    ) -> Any:
+        """A coroutine giving the result, or with stream=True an async iterator of outputs.
+
+        The stream object may also be awaited first (`gen = await engine.async_generate(...,
+        stream=True)`), as SGLang's Engine is used.
+        """
+        obj = self._make_request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                                 top_logprobs_num, return_text_in_logprobs, stream, rid)
+        outputs = self.tokenizer_manager.generate_request(obj)
+        if stream:
+            return _AsyncStream(self, outputs)
+        return self._await_in_engine_loop(_last(outputs))
+
+    @staticmethod
+    def _make_request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
+                      top_logprobs_num, return_text_in_logprobs, stream, rid) -> GenerateReqInput:
+        return GenerateReqInput(
+            text=prompt,
+            input_ids=input_ids,
+            sampling_params=sampling_params,
+            rid=rid,
+            stream=stream,
+            return_logprob=return_logprob,
+            logprob_start_len=-1 if logprob_start_len is None else logprob_start_len,
+            top_logprobs_num=0 if top_logprobs_num is None else top_logprobs_num,
+            return_text_in_logprobs=return_text_in_logprobs,
+        )
+
+    def _iterate_sync(self, outputs: AsyncIterator[dict]) -> Iterator[dict]:
+        try:
+            while True:
+                try:
+                    item = self._run(_next(outputs))
+                except StopAsyncIteration:
+                    return
+                yield item
+        finally:
+            # Closing the generator aborts an unfinished request in the scheduler.
+            if self._runtime.loop.is_running():
+                self._run(_aclose(outputs))
+
+    # ------------------------------------------------------------------ control
+    def flush_cache(self) -> bool:
+        return self._run(self.tokenizer_manager.flush_cache()).success
+
+    def get_internal_state(self) -> list[dict]:
+        return self._run(self.tokenizer_manager.get_internal_state())
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
+        self.tokenizer_manager.abort_request(rid=rid, abort_all=abort_all)
+
+    def get_model_info(self) -> dict:
+        return self.tokenizer_manager.get_model_info()
+
+    def is_alive(self) -> bool:
+        return self.tokenizer_manager.is_alive()
+
+    def shutdown(self) -> None:
+        """Stop the event loop and kill every child process (idempotent)."""
+        finalizer = getattr(self, "_finalizer", None)
+        if finalizer is not None:
+            finalizer()
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.shutdown()
+
+    def __del__(self) -> None:
+        try:
+            self.shutdown()
+        except Exception:  # interpreter teardown: nothing sensible left to do
+            pass
+
+    # ------------------------------------------------------------------ loop bridging
+    def _run(self, coro: Any) -> Any:
+        if not self._runtime.loop.is_running():
+            coro.close()
+            raise RuntimeError("The engine is shut down.")
+        return asyncio.run_coroutine_threadsafe(coro, self._runtime.loop).result()
+
+    async def _await_in_engine_loop(self, coro: Any) -> Any:
+        if not self._runtime.loop.is_running():
+            coro.close()
+            raise RuntimeError("The engine is shut down.")
+        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._runtime.loop))
+
+
+class _AsyncStream:
+    """An async iterator over a stream running in the engine's loop; awaiting it returns itself."""
+
+    def __init__(self, engine: Engine, outputs: AsyncIterator[dict]) -> None:
+        self._engine = engine
+        self._outputs = outputs
+
+    def __await__(self):
+        async def itself() -> "_AsyncStream":
+            return self
+
+        return itself().__await__()
+
+    def __aiter__(self) -> "_AsyncStream":
+        return self
+
+    async def __anext__(self) -> dict:
+        try:
+            return await self._engine._await_in_engine_loop(_next(self._outputs))
+        except BaseException:
+            await self.aclose()
+            raise
+
+    async def aclose(self) -> None:
+        if self._engine._runtime.loop.is_running():
+            await self._engine._await_in_engine_loop(_aclose(self._outputs))
+
+
+async def _next(outputs: AsyncIterator[dict]) -> dict:
+    return await outputs.__anext__()
+
+
+async def _aclose(outputs: Any) -> None:
+    await outputs.aclose()
+
+
+async def _last(outputs: AsyncIterator[Any]) -> Any:
+    result = None
+    async for out in outputs:
+        result = out
+    return result

@@ -1,0 +1,127 @@
+"""`python -m engine.launch_server [flags]`: the HTTP server and its child processes.
+
+Order: parse ServerArgs (bad flags: message, exit 2, nothing started) -> spawn the schedulers and
+the detokenizer and wait for them (a failure: message, exit 1) -> watchdog on the children -> serve
+HTTP with uvicorn. SIGTERM/SIGINT stop uvicorn, kill every child and remove the ipc directory,
+then exit 0. A child that dies makes the server exit non-zero within seconds.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import signal
+import sys
+from typing import Any, Optional, Sequence
+
+from engine.server_args import ServerArgs, ServerArgsError
+from engine.utils.child_processes import ChildProcesses, LaunchError
+from engine.utils.log_utils import configure_logging
+from engine.utils.network_utils import is_port_free
+from engine.utils.process_utils import kill_process_tree, set_process_title
+
+logger = logging.getLogger(__name__)
+
+# Exit codes: bad arguments (argparse's own convention), failure to start, a child died.
+EXIT_BAD_ARGS = 2
+EXIT_LAUNCH_FAILED = 1
+EXIT_CHILD_DIED = 1
+
+
+def parse_server_args(argv: Optional[Sequence[str]] = None) -> ServerArgs:
+    """Parse flags into ServerArgs; on any error print a clear message and exit 2."""
+    parser = argparse.ArgumentParser(prog="python -m engine.launch_server",
+                                     description="Serve an LLM with the engine runtime.")
+    ServerArgs.add_cli_args(parser)
+    args = parser.parse_args(argv)  # unknown flags: argparse prints usage and exits 2
+    try:
+        server_args = ServerArgs.from_cli_args(args)
+        from engine.managers.tokenizer_manager import load_chat_template
+
+        load_chat_template(server_args.chat_template)
+    except (ServerArgsError, ValueError, TypeError, OSError) as e:
+        parser.print_usage(sys.stderr)
+        print(f"{parser.prog}: error: {e}", file=sys.stderr)
+        sys.exit(EXIT_BAD_ARGS)
+    return server_args
+
+
+def _exit_on_signal(signum: int, frame: Any) -> None:
+    # Unwinds through launch_server's `finally`, which stops the children.
+    raise SystemExit(0)
+
+
+def launch_server(server_args: ServerArgs) -> None:
+    """Start the children, then serve HTTP until a signal or a child's death."""
+    configure_logging(server_args.log_level)
+    set_process_title("engine::main")
+    signal.signal(signal.SIGTERM, _exit_on_signal)
+    signal.signal(signal.SIGINT, _exit_on_signal)
+
+    if not is_port_free(server_args.port, server_args.host):
+        print(f"error: port {server_args.port} on {server_args.host} is already in use.", file=sys.stderr)
+        sys.exit(EXIT_LAUNCH_FAILED)
+
+    from engine.entrypoints.engine import launch_subprocesses
+
+    try:
+        server_args, children, tokenizer_manager = launch_subprocesses(server_args)
+    except LaunchError as e:
+        print(f"error: the server failed to start: {e}", file=sys.stderr)
+        _kill_descendants()
+        sys.exit(EXIT_LAUNCH_FAILED)
+
+    try:
+        children.start_watchdog(lambda name, pid, code: _on_child_death(children, tokenizer_manager, name, pid, code))
+        _serve_http(server_args, tokenizer_manager)
+    finally:
+        logger.info("Shutting down: stopping the child processes.")
+        children.shutdown()
+        tokenizer_manager.close()
+        _kill_descendants()
+
+
+def _serve_http(server_args: ServerArgs, tokenizer_manager: Any) -> None:
+    import uvicorn
+
+    from engine.entrypoints.http_server import create_app
+
+    app = create_app(tokenizer_manager, server_args)
+    config = uvicorn.Config(
+        app,
+        host=server_args.host,
+        port=server_args.port,
+        log_level=server_args.log_level.lower(),
+        access_log=server_args.log_level.lower() == "debug",
+        timeout_keep_alive=5,
+        timeout_graceful_shutdown=3,
+    )
+    logger.info("Serving HTTP on %s", server_args.url())
+    uvicorn.Server(config).run()
+
+
+def _on_child_death(children: ChildProcesses, tokenizer_manager: Any, name: str, pid: int, exitcode: Any) -> None:
+    """Watchdog thread: a dead child means the server cannot work; stop everything, non-zero."""
+    logger.error("Child process %s (%d) died with exit code %s; shutting down.", name, pid, exitcode)
+    tokenizer_manager.mark_dead(f"Child process {name} ({pid}) died with exit code {exitcode}.")
+    try:
+        children.shutdown()
+        _kill_descendants()
+    finally:
+        logging.shutdown()
+        os._exit(EXIT_CHILD_DIED)
+
+
+def _kill_descendants() -> None:
+    """Kill anything still below us (grandchildren left by a killed child, helper processes)."""
+    kill_process_tree(os.getpid(), include_parent=False, timeout=2.0)
+
+
+def main(argv: Optional[Sequence[str]] = None) -> None:
+    server_args = parse_server_args(argv)
+    launch_server(server_args)
+
+
+if __name__ == "__main__":
+    main()

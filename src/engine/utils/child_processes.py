@@ -1,0 +1,133 @@
+"""The server's child processes: start with a ready-pipe, wait for readiness, watch, tear down.
+
+Every child (schedulers, detokenizer) gets the write end of a one-way Pipe and reports
+`{"status": "ready", ...}` or `{"status": "error", "message": ...}` on it. A watchdog thread
+reports the first child that dies after startup so the owner can stop the whole server.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any, Callable, Optional
+
+from engine.utils.process_utils import kill_process_tree
+
+logger = logging.getLogger(__name__)
+
+STARTUP_TIMEOUT_S = float(os.environ.get("ENGINE_STARTUP_TIMEOUT", "900"))
+WATCHDOG_INTERVAL_S = 0.2
+
+
+class LaunchError(RuntimeError):
+    """A child failed to start (reported an error, died, or never became ready)."""
+
+
+@dataclass
+class Child:
+    name: str
+    process: BaseProcess
+    reader: Connection
+
+
+class ChildProcesses:
+    def __init__(self, ipc_dir: Optional[str] = None) -> None:
+        self.ctx = multiprocessing.get_context("spawn")
+        self.children: list[Child] = []
+        self.ipc_dir = ipc_dir
+        self._stopping = threading.Event()
+        self._watchdog: Optional[threading.Thread] = None
+        self._shutdown_lock = threading.Lock()
+        self._shut_down = False
+
+    # ------------------------------------------------------------------ start
+    def start(self, name: str, target: Callable, args: tuple) -> BaseProcess:
+        """Start `target(*args, pipe_writer)` in a spawned process named `name`."""
+        reader, writer = self.ctx.Pipe(duplex=False)
+        process = self.ctx.Process(target=target, args=(*args, writer), name=name)
+        process.start()
+        # Drop our copy of the write end, so that a child dying before it reports gives EOF.
+        writer.close()
+        self.children.append(Child(name, process, reader))
+        logger.debug("Started %s (pid %d)", name, process.pid)
+        return process
+
+    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> dict[str, dict]:
+        """Wait for every child's ready message; raise LaunchError on the first failure."""
+        deadline = time.monotonic() + timeout
+        infos: dict[str, dict] = {}
+        pending = list(self.children)
+        while pending:
+            for child in list(pending):
+                info = self._poll_one(child)
+                if info is not None:
+                    infos[child.name] = info
+                    pending.remove(child)
+            if pending and time.monotonic() > deadline:
+                names = ", ".join(c.name for c in pending)
+                raise LaunchError(f"Timed out after {timeout:.0f} s waiting for {names} to become ready.")
+        return infos
+
+    def _poll_one(self, child: Child) -> Optional[dict]:
+        try:
+            if child.reader.poll(0.05):
+                message = child.reader.recv()
+            elif not child.process.is_alive():
+                raise EOFError
+            else:
+                return None
+        except (EOFError, OSError):
+            child.process.join(timeout=1.0)
+            raise LaunchError(f"Child process {child.name} (pid {child.process.pid}) died during startup "
+                              f"with exit code {child.process.exitcode}.") from None
+        if not isinstance(message, dict) or message.get("status") != "ready":
+            detail = message.get("message") if isinstance(message, dict) else repr(message)
+            raise LaunchError(f"Child process {child.name} failed to start:\n{detail}")
+        return message
+
+    # ------------------------------------------------------------------ watch
+    def processes(self) -> list[BaseProcess]:
+        return [c.process for c in self.children]
+
+    def start_watchdog(self, on_death: Callable[[str, int, Any], None]) -> None:
+        """Call `on_death(name, pid, exitcode)` (once, from a thread) when any child dies."""
+
+        def watch() -> None:
+            while not self._stopping.wait(WATCHDOG_INTERVAL_S):
+                for child in self.children:
+                    if not child.process.is_alive() and not self._stopping.is_set():
+                        on_death(child.name, child.process.pid, child.process.exitcode)
+                        return
+
+        self._watchdog = threading.Thread(target=watch, name="child-watchdog", daemon=True)
+        self._watchdog.start()
+
+    # ------------------------------------------------------------------ stop
+    def shutdown(self) -> None:
+        """Kill every child with its descendants and remove the ipc directory (idempotent)."""
+        with self._shutdown_lock:
+            if self._shut_down:
+                return
+            self._shut_down = True
+        self._stopping.set()
+        for child in self.children:
+            if child.process.pid is None:
+                continue
+            # Grandchildren first (psutil), then the child itself through multiprocessing, which
+            # must be the one to reap it: if psutil reaped it, Process.is_alive() would stay True.
+            kill_process_tree(child.process.pid, include_parent=False, timeout=2.0)
+            if child.process.is_alive():
+                child.process.kill()
+        for child in self.children:
+            if child.process.pid is not None:
+                child.process.join(timeout=5.0)
+            child.reader.close()
+        if self.ipc_dir:
+            shutil.rmtree(self.ipc_dir, ignore_errors=True)

@@ -1,0 +1,32 @@
+"""ZMQ socket creation with the options every engine socket wants."""
+
+from __future__ import annotations
+
+import logging
+
+import zmq
+
+logger = logging.getLogger(__name__)
+
+
+def get_zmq_socket(context: zmq.Context, socket_type: int, endpoint: str, bind: bool) -> zmq.Socket:
+    """Create a socket of `socket_type` and bind or connect it to `endpoint`.
+
+    High-water marks are unlimited: a PUSH that blocks because its peer is slow would stall the
+    scheduler loop or the asyncio loop, and our volume (one message per scheduler iteration) is
+    small. Linger is zero so that closing a socket at shutdown never waits for an absent peer.
+    """
+    socket = context.socket(socket_type)
+    socket.setsockopt(zmq.LINGER, 0)
+    if socket_type in (zmq.PUSH, zmq.DEALER, zmq.PUB, zmq.REQ, zmq.REP, zmq.ROUTER):
+        socket.setsockopt(zmq.SNDHWM, 0)
+        socket.setsockopt(zmq.SNDBUF, -1)
+    if socket_type in (zmq.PULL, zmq.DEALER, zmq.SUB, zmq.REQ, zmq.REP, zmq.ROUTER):
+        socket.setsockopt(zmq.RCVHWM, 0)
+        socket.setsockopt(zmq.RCVBUF, -1)
+    if bind:
+        socket.bind(endpoint)
+    else:
+        socket.connect(endpoint)
+    logger.debug("zmq socket type=%s %s %s", socket_type, "bound to" if bind else "connected to", endpoint)
+    return socket

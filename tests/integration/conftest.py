@@ -1,0 +1,144 @@
+"""Real-server fixtures: `python -m engine.launch_server` as a subprocess on a free port.
+
+`server` (module-scoped) starts one server per test module with the built-in model on the CPU;
+a module may set `SERVER_ARGS = [...]` to add flags. `server_url` is its base URL.
+`launch_server` is a factory for tests that need their own server (lifecycle tests); every server
+started through it is stopped at the end of the test, whatever happens.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Optional, Sequence
+
+import httpx
+import psutil
+import pytest
+
+from engine.utils.network_utils import get_free_port
+
+STARTUP_TIMEOUT_S = float(os.environ.get("ENGINE_TEST_STARTUP_TIMEOUT", "240"))
+BASE_ARGS = ["--device", "cpu", "--max-total-tokens", "8192", "--log-level", "warning"]
+
+
+@dataclass
+class ServerProcess:
+    proc: subprocess.Popen
+    port: int
+    log_path: str
+    args: list[str] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def log(self) -> str:
+        try:
+            with open(self.log_path, errors="replace") as f:
+                return f.read()[-8000:]
+        except OSError:
+            return ""
+
+    def descendants(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def find_child(self, title: str) -> Optional[psutil.Process]:
+        """The descendant whose command line (its process title) contains `title`."""
+        for child in self.descendants():
+            try:
+                if title in " ".join(child.cmdline()):
+                    return child
+            except psutil.NoSuchProcess:
+                continue
+        return None
+
+    def wait_healthy(self, timeout: float = STARTUP_TIMEOUT_S) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with code {self.proc.returncode} during startup:\n{self.log()}")
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2.0).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.25)
+        raise RuntimeError(f"server not healthy after {timeout:.0f} s:\n{self.log()}")
+
+    def stop(self) -> None:
+        """SIGTERM, then SIGKILL of the whole tree if it does not exit in time."""
+        if self.proc.poll() is None:
+            leftovers = self.descendants()
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=10)
+            for child in leftovers:
+                try:
+                    child.kill()
+                except psutil.NoSuchProcess:
+                    pass
+
+
+def start_server_process(extra_args: Sequence[str] = (), wait: bool = True) -> ServerProcess:
+    port = get_free_port()
+    fd, log_path = tempfile.mkstemp(prefix="engine-server-", suffix=".log")
+    args = [sys.executable, "-m", "engine.launch_server", "--port", str(port), *BASE_ARGS, *extra_args]
+    with os.fdopen(fd, "w") as log_file:
+        proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT)
+    server = ServerProcess(proc=proc, port=port, log_path=log_path, args=args)
+    if wait:
+        try:
+            server.wait_healthy()
+        except BaseException:
+            server.stop()
+            raise
+    return server
+
+
+@pytest.fixture(scope="module")
+def server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
+    extra = list(getattr(request.module, "SERVER_ARGS", []))
+    proc = start_server_process(extra)
+    try:
+        yield proc
+    finally:
+        proc.stop()
+
+
+@pytest.fixture(scope="module")
+def server_url(server: ServerProcess) -> str:
+    return server.url
+
+
+@pytest.fixture
+def launch_server() -> Iterator[Callable[..., ServerProcess]]:
+    started: list[ServerProcess] = []
+
+    def launch(extra_args: Sequence[str] = (), wait: bool = True) -> ServerProcess:
+        proc = start_server_process(extra_args, wait=False)
+        started.append(proc)
+        if wait:
+            proc.wait_healthy()
+        return proc
+
+    try:
+        yield launch
+    finally:
+        for proc in started:
+            proc.stop()

@@ -1,0 +1,112 @@
+"""The offline Engine (no HTTP) with the built-in model on the CPU."""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import signal
+import time
+
+import psutil
+import pytest
+
+from engine import Engine
+from engine.managers.errors import EngineRequestError
+
+ENGINE_ARGS = dict(device="cpu", max_total_tokens=8192, log_level="warning")
+GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    with Engine(**ENGINE_ARGS) as eng:
+        yield eng
+
+
+def test_generate_single(engine):
+    out = engine.generate("The capital of France is", GREEDY)
+    assert isinstance(out, dict)
+    assert isinstance(out["text"], str)
+    assert len(out["output_ids"]) == 6
+    meta = out["meta_info"]
+    assert meta["completion_tokens"] == 6 and meta["prompt_tokens"] > 0
+    assert meta["finish_reason"]["type"] == "length"
+    # Greedy is deterministic.
+    assert engine.generate("The capital of France is", GREEDY)["output_ids"] == out["output_ids"]
+
+
+def test_generate_batch_in_order(engine):
+    prompts = ["Hello", "A much longer prompt about something else entirely"]
+    outs = engine.generate(prompts, GREEDY)
+    assert isinstance(outs, list) and len(outs) == 2
+    for prompt, out in zip(prompts, outs):
+        assert out["output_ids"] == engine.generate(prompt, GREEDY)["output_ids"]
+
+
+def test_stream_matches_non_stream(engine):
+    full = engine.generate("Once upon a time", GREEDY)
+    chunks = list(engine.generate("Once upon a time", GREEDY, stream=True))
+    assert len(chunks) >= 2
+    assert chunks[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert all(c["meta_info"]["finish_reason"] is None for c in chunks[:-1])
+    assert chunks[-1]["text"] == full["text"]
+    assert chunks[-1]["output_ids"] == full["output_ids"]
+
+
+def test_input_ids_and_logprobs(engine):
+    out = engine.generate(input_ids=[1, 2, 3, 4], sampling_params=GREEDY, return_logprob=True,
+                          top_logprobs_num=2, return_text_in_logprobs=True)
+    meta = out["meta_info"]
+    assert len(meta["output_token_logprobs"]) == 6
+    for (logprob, token_id, text), expected_id in zip(meta["output_token_logprobs"], out["output_ids"]):
+        assert logprob <= 0.0 and token_id == expected_id and isinstance(text, str)
+    assert all(len(top) == 2 for top in meta["output_top_logprobs"])
+
+
+def test_async_generate_and_async_stream(engine):
+    async def run():
+        single = await engine.async_generate("Once upon a time", GREEDY)
+        chunks = [c async for c in engine.async_generate("Once upon a time", GREEDY, stream=True)]
+        awaited_stream = await engine.async_generate("Once upon a time", GREEDY, stream=True)
+        chunks2 = [c async for c in awaited_stream]
+        both = await asyncio.gather(engine.async_generate("Hello", GREEDY), engine.async_generate("World", GREEDY))
+        return single, chunks, chunks2, both
+
+    single, chunks, chunks2, both = asyncio.run(run())
+    assert chunks[-1]["output_ids"] == single["output_ids"] == chunks2[-1]["output_ids"]
+    assert [b["output_ids"] for b in both] == [engine.generate(p, GREEDY)["output_ids"] for p in ("Hello", "World")]
+
+
+def test_invalid_request_raises(engine):
+    with pytest.raises(EngineRequestError) as info:
+        engine.generate("Hello", {"temperature": -1.0})
+    assert info.value.status_code == 400
+    with pytest.raises(EngineRequestError):
+        engine.generate(input_ids=list(range(5000)))
+
+
+def test_control_calls(engine):
+    states = engine.get_internal_state()
+    assert len(states) == 1 and states[0]["max_total_num_tokens"] == 8192
+    assert engine.flush_cache() is True
+    assert engine.get_model_info()["is_generation"] is True
+
+
+def test_dead_child_and_shutdown_leave_no_process():
+    before = {c.pid for c in psutil.Process().children(recursive=True)}
+    with Engine(**ENGINE_ARGS) as eng:
+        pids = [p.pid for p in eng._runtime.children.processes()]
+        assert len(pids) == 2 and all(psutil.pid_exists(p) for p in pids)
+        assert eng.generate("Hi", {"max_new_tokens": 2})["meta_info"]["completion_tokens"] <= 2
+        os.kill(pids[0], signal.SIGKILL)  # the scheduler
+        deadline = time.monotonic() + 10
+        while eng.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not eng.is_alive()
+        with pytest.raises(EngineRequestError) as info:
+            eng.generate("Hi", {"max_new_tokens": 2})
+        assert info.value.status_code == 503
+    new = [c for c in psutil.Process().children(recursive=True) if c.pid not in before]
+    assert not {c.pid for c in new} & set(pids)
+    # Only multiprocessing's shared resource tracker may remain; it is not ours to stop.
+    assert all("resource_tracker" in " ".join(c.cmdline()) for c in new), [c.cmdline() for c in new]

@@ -1,0 +1,219 @@
+"""DetokenizerManager: incremental detokenization, stop trimming, special tokens, batching."""
+
+from __future__ import annotations
+
+import multiprocessing
+import random
+import shutil
+
+import pytest
+import zmq
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from engine.managers.detokenizer_manager import DetokenizerManager, run_detokenizer_process
+from engine.managers.io_struct import BatchStrOutput, BatchTokenIDOutput, decode, encode
+from engine.server_args import PortArgs, ServerArgs
+from engine.utils.zmq_utils import get_zmq_socket
+
+REPLACEMENT = "\ufffd"
+
+
+def build_test_tokenizer():
+    """A tiny byte-level BPE: characters outside its small corpus split into byte tokens."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=400,
+        special_tokens=["<s>", "</s>", "<|eot|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    corpus = ["Hello world, this is a small corpus for the test tokenizer."] * 20
+    corpus += ["The quick brown fox jumps over the lazy dog. STOP here."] * 20
+    tok.train_from_iterator(corpus, trainer)
+    return PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+
+
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_test_tokenizer()
+
+
+def batch(rids, new_ids, finished=None, skip_special=True, no_stop_trim=False):
+    n = len(rids)
+    return BatchTokenIDOutput(
+        rids=list(rids),
+        finished_reasons=list(finished) if finished is not None else [None] * n,
+        output_ids=[list(x) for x in new_ids],
+        skip_special_tokens=[skip_special] * n,
+        spaces_between_special_tokens=[True] * n,
+        no_stop_trim=[no_stop_trim] * n,
+        prompt_tokens=[3] * n,
+        completion_tokens=[len(x) for x in new_ids],
+        cached_tokens=[0] * n,
+    )
+
+
+def stream_ids(manager, rid, chunks, finished_reason, **kw):
+    """Feed `chunks` of ids as successive iterations; return the list of text deltas."""
+    deltas = []
+    for k, chunk in enumerate(chunks):
+        last = k == len(chunks) - 1
+        out = manager.handle_batch_token_id_out(batch([rid], [chunk], [finished_reason if last else None], **kw))
+        deltas.append(out.output_strs[0])
+    return deltas
+
+
+LENGTH = {"type": "length", "length": 100}
+
+
+def test_multibyte_characters_split_over_tokens_never_emit_replacement(tokenizer):
+    text = "héllo 世界 🎉 ok"
+    ids = tokenizer.encode(text)
+    # The tokenizer really splits characters into byte tokens (else the test proves nothing).
+    assert any(REPLACEMENT in tokenizer.decode([i]) for i in ids)
+    manager = DetokenizerManager(tokenizer)
+    deltas = stream_ids(manager, "r", [[i] for i in ids], LENGTH)
+    assert all(REPLACEMENT not in d for d in deltas)
+    assert "".join(deltas) == text
+    # Text is not only flushed at the end: complete characters stream out as they complete.
+    assert sum(1 for d in deltas if d) > 3
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    text=st.text(alphabet=st.sampled_from(list("abc XYZ.,") + ["é", "世", "界", "🎉", "ж", "\n"]), max_size=40),
+    seed=st.integers(0, 2**16),
+)
+def test_deltas_concatenate_to_decoded_text(tokenizer, text, seed):
+    ids = tokenizer.encode(text) + [tokenizer.encode("x")[0]]
+    rng = random.Random(seed)
+    chunks, i = [], 0
+    while i < len(ids):
+        step = rng.randint(1, 4)
+        chunks.append(ids[i:i + step])
+        i += step
+    manager = DetokenizerManager(tokenizer)
+    deltas = stream_ids(manager, "r", chunks, LENGTH)
+    assert "".join(deltas) == tokenizer.decode(ids, skip_special_tokens=True)
+    assert all(REPLACEMENT not in d for d in deltas)
+    assert manager.decode_status == {}
+
+
+def test_invalid_byte_sequences_still_concatenate_to_final_text(tokenizer):
+    # Lone continuation bytes never form a character: the final flush must still be exact.
+    byte_tokens = [i for i in range(len(tokenizer)) if tokenizer.decode([i]) == REPLACEMENT]
+    rng = random.Random(0)
+    ids = [rng.choice(byte_tokens) for _ in range(30)] + tokenizer.encode(" ok")
+    manager = DetokenizerManager(tokenizer)
+    deltas = stream_ids(manager, "r", [[i] for i in ids], LENGTH)
+    assert "".join(deltas) == tokenizer.decode(ids)
+
+
+def test_stop_string_is_trimmed_at_finish(tokenizer):
+    ids = tokenizer.encode("Hello world STOP here")
+    manager = DetokenizerManager(tokenizer)
+    reason = {"type": "stop", "matched": "STOP"}
+    deltas = stream_ids(manager, "r", [ids[:2], ids[2:]], reason)
+    assert "".join(deltas) == "Hello world "
+
+
+def test_stop_string_kept_with_no_stop_trim(tokenizer):
+    ids = tokenizer.encode("Hello world STOP here")
+    manager = DetokenizerManager(tokenizer)
+    reason = {"type": "stop", "matched": "STOP"}
+    deltas = stream_ids(manager, "r", [ids[:2], ids[2:]], reason, no_stop_trim=True)
+    assert "".join(deltas) == "Hello world STOP here"
+
+
+def test_matched_stop_token_is_trimmed_unless_no_stop_trim(tokenizer):
+    eos = tokenizer.eos_token_id
+    ids = tokenizer.encode("Hello world") + [eos]
+    reason = {"type": "stop", "matched": eos}
+    trimmed = stream_ids(DetokenizerManager(tokenizer), "a", [[i] for i in ids], reason, skip_special=False)
+    assert "".join(trimmed) == "Hello world"
+    kept = stream_ids(DetokenizerManager(tokenizer), "b", [[i] for i in ids], reason, skip_special=False,
+                      no_stop_trim=True)
+    assert "".join(kept) == "Hello world</s>"
+
+
+def test_skip_special_tokens(tokenizer):
+    ids = tokenizer.encode("Hello") + [tokenizer.convert_tokens_to_ids("<|eot|>")] + tokenizer.encode(" world")
+    skipped = stream_ids(DetokenizerManager(tokenizer), "a", [ids[:2], ids[2:]], LENGTH, skip_special=True)
+    assert "".join(skipped) == "Hello world"
+    kept = stream_ids(DetokenizerManager(tokenizer), "b", [ids[:2], ids[2:]], LENGTH, skip_special=False)
+    assert "".join(kept) == "Hello<|eot|> world"
+
+
+def test_interleaved_requests_one_batch_decode_per_iteration(tokenizer):
+    calls = []
+    original = tokenizer.batch_decode
+
+    class CountingTokenizer:
+        def batch_decode(self, *args, **kwargs):
+            calls.append(len(args[0]))
+            return original(*args, **kwargs)
+
+    manager = DetokenizerManager(CountingTokenizer())
+    texts = {"a": "Hello 世界", "b": "quick brown fox 🎉", "c": "lazy dog"}
+    ids = {rid: tokenizer.encode(t) for rid, t in texts.items()}
+    got = {rid: "" for rid in texts}
+    step = 0
+    while any(step < len(v) for v in ids.values()):
+        rids = [r for r in texts if step < len(ids[r])]
+        finished = [LENGTH if step == len(ids[r]) - 1 else None for r in rids]
+        out = manager.handle_batch_token_id_out(batch(rids, [[ids[r][step]] for r in rids], finished))
+        assert isinstance(out, BatchStrOutput) and out.rids == rids
+        for r, delta in zip(out.rids, out.output_strs):
+            assert REPLACEMENT not in delta
+            got[r] += delta
+        step += 1
+    assert got == texts
+    assert len(calls) == step  # one batch_decode per iteration, whatever the number of requests
+    assert manager.decode_status == {}
+
+
+def test_abort_of_unknown_request_passes_through(tokenizer):
+    manager = DetokenizerManager(tokenizer)
+    reason = {"type": "abort", "message": "The request queue is full.", "status_code": 503}
+    out = manager.handle_batch_token_id_out(batch(["x"], [[]], [reason]))
+    assert out.output_strs == [""] and out.finished_reasons == [reason]
+    assert manager.decode_status == {}
+
+
+def test_detokenizer_process_over_zmq(tokenizer, tmp_path):
+    tokenizer.save_pretrained(tmp_path)
+    server_args = ServerArgs(model_path=str(tmp_path), device="cpu", log_level="warning")
+    port_args = PortArgs.init_new(server_args)
+    ctx = multiprocessing.get_context("spawn")
+    reader, writer = ctx.Pipe(duplex=False)
+    proc = ctx.Process(target=run_detokenizer_process, args=(server_args, port_args, writer))
+    zctx = zmq.Context()
+    recv = get_zmq_socket(zctx, zmq.PULL, port_args.tokenizer_ipc_name, bind=True)
+    send = get_zmq_socket(zctx, zmq.PUSH, port_args.detokenizer_ipc_name, bind=False)
+    proc.start()
+    try:
+        assert reader.poll(60), "detokenizer did not report"
+        assert reader.recv()["status"] == "ready"
+        ids = tokenizer.encode("Hello 世界")
+        send.send(encode(batch(["r"], [ids[:3]])))
+        send.send(encode(batch(["r"], [ids[3:]], [LENGTH])))
+        texts = []
+        for _ in range(2):
+            assert recv.poll(30_000)
+            msg = decode(recv.recv())
+            assert isinstance(msg, BatchStrOutput)
+            texts.append(msg.output_strs[0])
+        assert "".join(texts) == "Hello 世界"
+    finally:
+        proc.kill()
+        proc.join(10)
+        recv.close()
+        send.close()
+        zctx.term()
+        shutil.rmtree(port_args.ipc_dir, ignore_errors=True)
