@@ -117,6 +117,8 @@ class Scheduler:
 
         # Seconds a request may wait in the queue (<= 0: no limit), like SGLANG_REQ_WAITING_TIMEOUT.
         self.waiting_timeout = float(os.environ.get("ENGINE_REQ_WAITING_TIMEOUT", "0"))
+        # Testing aid (like SGLang's forward_sleep_time): sleep this long in every forward.
+        self.forward_sleep_s = float(os.environ.get("ENGINE_TEST_FORWARD_SLEEP_S", "0"))
         # Overlap scheduling (the default): forwards run on the forward stream, results lag one step.
         self.forward_stream: Optional[ForwardStream] = (
             None if server_args.disable_overlap_schedule else ForwardStream(self.device))
@@ -127,6 +129,7 @@ class Scheduler:
         self.last_decode_log_time = time.monotonic()
         self.total_prompt_tokens = 0
         self.total_cached_tokens = 0
+        self.last_gen_throughput = 0.0
 
     def _empty_batch(self) -> ScheduleBatch:
         return ScheduleBatch.init_new([], self.req_to_token_pool, self.token_to_kv_pool_allocator,
@@ -277,6 +280,10 @@ class Scheduler:
             "context_len": self.context_len,
             "new_token_ratio": self.new_token_ratio,
             "page_size": self.page_size,
+            "token_usage": self._token_usage(),
+            "cache_hit_rate": self.cache_hit_rate(),
+            "gen_throughput": self.last_gen_throughput,
+            "forward_ct": self.forward_ct,
         }
 
     # ================================================================== building batches
@@ -416,6 +423,8 @@ class Scheduler:
     def run_batch(self, batch: ScheduleBatch):
         """Run the forward now (normal loop) or launch it on the forward stream (overlap loop)."""
         self.forward_ct += 1
+        if self.forward_sleep_s > 0:
+            time.sleep(self.forward_sleep_s)
         worker_batch = batch.get_model_worker_batch()
         if self.forward_stream is None:
             return self.worker.forward_batch_generation(worker_batch)
@@ -511,6 +520,7 @@ class Scheduler:
         if not self.is_fully_idle():
             return
         self.new_token_ratio = self.init_new_token_ratio
+        self.last_gen_throughput = 0.0
         self.check_memory()
 
     def check_memory(self) -> None:
@@ -549,6 +559,7 @@ class Scheduler:
         now = time.monotonic()
         elapsed = max(now - self.last_decode_log_time, 1e-6)
         throughput = self.num_generated_tokens / elapsed
+        self.last_gen_throughput = throughput
         self.last_decode_log_time, self.num_generated_tokens = now, 0
         if self.tp_rank != 0:
             return
