@@ -1,0 +1,157 @@
+"""The Triton attention backend (the default on CUDA): paged-KV kernels from triton_ops.
+
+Decode uses split-K flash-decoding; extend (and MIXED, whose decode rows are one-token extends)
+reads the cached prefix through req_to_token and the new tokens from this forward's k/v. Both
+kernels read the pool through req_to_token, so any page size works unchanged.
+
+Per-batch metadata is built once in `init_forward_metadata`; the decode scratch buffers
+(partial outputs and their log-sum-exps) are allocated on the first layer and reused by the rest.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+
+import torch
+
+from engine.layers.attention.base_attn_backend import AttentionBackend
+from engine.layers.attention.triton_ops import compute_num_kv_splits, decode_attention_fwd, extend_attention_fwd
+
+if TYPE_CHECKING:
+    from engine.layers.radix_attention import RadixAttention
+    from engine.model_executor.forward_batch_info import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_MAX_KV_SPLITS = 8
+
+
+@dataclass
+class _DecodeMetadata:
+    num_kv_splits: torch.Tensor  # [bs] int32, chunks each request's keys are split into
+    # (q_heads, v_head_dim) -> (mid_o [bs, H, S, DV], mid_lse [bs, H, S]); shared by the layers.
+    scratch: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict)
+
+
+@dataclass
+class _ExtendMetadata:
+    max_extend_len: int
+
+
+def extend_block_sizes(head_dim: int, dtype: torch.dtype) -> Tuple[int, int]:
+    """(BLOCK_M, BLOCK_N) that keep the q, k, v tiles of one program within shared memory."""
+    if head_dim > 128 or dtype == torch.float32:
+        return 32, 32
+    return 64, 64
+
+
+def kernels_interpreted() -> bool:
+    """Whether our kernels were decorated under TRITON_INTERPRET=1 (they then run on CPU tensors)."""
+    from engine.layers.attention.triton_ops import decode_attention
+
+    return type(decode_attention._decode_stage1_kernel).__name__ == "InterpretedFunction"
+
+
+class TritonAttnBackend(AttentionBackend):
+    def __init__(
+        self,
+        model_runner: Any,
+        max_kv_splits: int = DEFAULT_MAX_KV_SPLITS,
+        decode_block_n: int = 64,
+        extend_blocks: Optional[Tuple[int, int]] = None,
+    ) -> None:
+        """extend_blocks overrides extend_block_sizes (tests use tiny blocks to cross block edges)."""
+        self.device = model_runner.device
+        if not str(self.device).startswith("cuda") and not kernels_interpreted():
+            raise RuntimeError(
+                "the triton attention backend runs on CUDA (or on the CPU only under TRITON_INTERPRET=1, "
+                "set before triton is imported); use --attention-backend torch_native on the CPU"
+            )
+        self.max_kv_splits = max_kv_splits
+        self.decode_block_n = decode_block_n
+        self.extend_blocks = extend_blocks
+
+    # ------------------------------------------------------------------ metadata
+    def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
+        fb = forward_batch
+        if fb.forward_mode.is_decode():
+            fb.attn_metadata = _DecodeMetadata(num_kv_splits=compute_num_kv_splits(fb.seq_lens, self.max_kv_splits))
+        elif fb.forward_mode.is_extend():
+            fb.attn_metadata = _ExtendMetadata(max_extend_len=max(fb.extend_seq_lens_cpu, default=0))
+        else:
+            fb.attn_metadata = None
+
+    # ------------------------------------------------------------------ forward
+    def forward_extend(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch", save_kv_cache: bool = True):
+        fb = forward_batch
+        pool = fb.token_to_kv_pool
+        if save_kv_cache and k is not None:
+            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        if k is None:
+            # Nothing new was computed (K/V shared from another layer): the new tokens' K/V are in the pool.
+            k, v = k_buf[fb.out_cache_loc], v_buf[fb.out_cache_loc]
+
+        num_heads, head_dim = layer.tp_q_head_num, layer.head_dim
+        # Views, not copies: the kernel follows strides and only needs a contiguous last dim.
+        q3 = q.reshape(-1, num_heads, head_dim)
+        k3 = k.reshape(-1, layer.tp_k_head_num, head_dim)
+        v3 = v.reshape(-1, layer.tp_v_head_num, v_buf.shape[-1])
+        out = torch.empty(q3.shape[0], num_heads, v3.shape[-1], dtype=q.dtype, device=q.device)
+        block_m, block_n = self.extend_blocks or extend_block_sizes(head_dim, q.dtype)
+        extend_attention_fwd(
+            q3,
+            k3,
+            v3,
+            out,
+            k_buf,
+            v_buf,
+            fb.req_to_token_pool.req_to_token,
+            fb.req_pool_indices,
+            fb.extend_start_loc,
+            fb.extend_seq_lens,
+            fb.extend_prefix_lens,
+            fb.attn_metadata.max_extend_len,
+            layer.scaling,
+            block_m=block_m,
+            block_n=block_n,
+        )
+        return out.view(-1, num_heads * out.shape[-1])
+
+    def forward_decode(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch", save_kv_cache: bool = True):
+        fb = forward_batch
+        pool = fb.token_to_kv_pool
+        if save_kv_cache and k is not None:
+            pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
+        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+
+        meta: _DecodeMetadata = fb.attn_metadata
+        num_heads, head_dim = layer.tp_q_head_num, layer.head_dim
+        v_head_dim = v_buf.shape[-1]
+        q3 = q.reshape(-1, num_heads, head_dim)
+        bs = q3.shape[0]
+        key = (num_heads, v_head_dim)
+        if key not in meta.scratch:
+            meta.scratch[key] = (
+                torch.empty(bs, num_heads, self.max_kv_splits, v_head_dim, dtype=torch.float32, device=q.device),
+                torch.empty(bs, num_heads, self.max_kv_splits, dtype=torch.float32, device=q.device),
+            )
+        mid_o, mid_lse = meta.scratch[key]
+        out = torch.empty(bs, num_heads, v_head_dim, dtype=q.dtype, device=q.device)
+        decode_attention_fwd(
+            q3,
+            k_buf,
+            v_buf,
+            out,
+            fb.req_to_token_pool.req_to_token,
+            fb.req_pool_indices,
+            fb.seq_lens,
+            meta.num_kv_splits,
+            mid_o,
+            mid_lse,
+            layer.scaling,
+            block_n=self.decode_block_n,
+        )
+        return out.view(bs, num_heads * v_head_dim)

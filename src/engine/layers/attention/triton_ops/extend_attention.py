@@ -1,0 +1,212 @@
+"""Extend (prefill) attention: new tokens against their cached prefix plus, causally, each other.
+
+A program owns one request, one query head and BLOCK_M of that request's new tokens. It runs one
+online softmax over two key ranges:
+  1. the prefix (positions 0 .. prefix_len - 1), read from the paged pool through
+     `req_to_token[req_pool_index, position]`: every new token sees all of it;
+  2. the new tokens themselves, read from the contiguous k/v of this forward (so the kernel does
+     not depend on them having been written to the pool), under the causal mask.
+Page size never appears: a page only constrains which slots req_to_token holds.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from engine.layers.attention.triton_ops.decode_attention import dot_precision, mma, upcast_dot
+
+
+@triton.jit
+def _extend_kernel(
+    Q,
+    K_Extend,
+    V_Extend,
+    O,
+    K_Buffer,
+    V_Buffer,
+    Req_to_token,
+    Req_pool_indices,
+    Extend_start_loc,
+    Extend_seq_lens,
+    Prefix_lens,
+    sm_scale,
+    stride_req_to_token,
+    stride_q_token,
+    stride_q_head,
+    stride_ke_token,
+    stride_ke_head,
+    stride_ve_token,
+    stride_ve_head,
+    stride_o_token,
+    stride_o_head,
+    stride_k_slot,
+    stride_k_head,
+    stride_v_slot,
+    stride_v_head,
+    kv_group_num: tl.constexpr,
+    head_dim: tl.constexpr,
+    v_head_dim: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    BLOCK_DV: tl.constexpr,
+    BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
+):
+    cur_req = tl.program_id(0)
+    cur_head = tl.program_id(1)
+    block_m = tl.program_id(2)
+    cur_kv_head = cur_head // kv_group_num
+
+    extend_len = tl.load(Extend_seq_lens + cur_req)
+    if block_m * BLOCK_M < extend_len:
+        q_start = tl.load(Extend_start_loc + cur_req)
+        prefix_len = tl.load(Prefix_lens + cur_req)
+        pool_row = tl.load(Req_pool_indices + cur_req)
+
+        offs_m = block_m * BLOCK_M + tl.arange(0, BLOCK_M)  # index among this request's new tokens
+        mask_m = offs_m < extend_len
+        offs_d = tl.arange(0, BLOCK_D)
+        offs_dv = tl.arange(0, BLOCK_DV)
+        mask_d = offs_d < head_dim
+        mask_dv = offs_dv < v_head_dim
+        offs_n0 = tl.arange(0, BLOCK_N)
+
+        q_ptrs = Q + (q_start + offs_m[:, None]) * stride_q_token + cur_head * stride_q_head + offs_d[None, :]
+        q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
+
+        e_max = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
+        e_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
+        acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
+
+        # 1. The cached prefix: no mask beyond its length. Every row has a valid key in every
+        #    block (the block's first key), so the running max stays finite.
+        for start_n in range(0, prefix_len, BLOCK_N):
+            offs_n = start_n + offs_n0
+            mask_n = offs_n < prefix_len
+            kv_loc = tl.load(Req_to_token + pool_row * stride_req_to_token + offs_n, mask=mask_n, other=0).to(tl.int64)
+            k = tl.load(
+                K_Buffer + kv_loc[None, :] * stride_k_slot + cur_kv_head * stride_k_head + offs_d[:, None],
+                mask=mask_n[None, :] & mask_d[:, None],
+                other=0.0,
+            )
+            qk = mma(q, k.to(q.dtype), DOT_PRECISION, UPCAST_DOT) * sm_scale
+            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+            v = tl.load(
+                V_Buffer + kv_loc[:, None] * stride_v_slot + cur_kv_head * stride_v_head + offs_dv[None, :],
+                mask=mask_n[:, None] & mask_dv[None, :],
+                other=0.0,
+            )
+            new_max = tl.maximum(tl.max(qk, 1), e_max)
+            rescale = tl.exp(e_max - new_max)
+            p = tl.exp(qk - new_max[:, None])
+            acc = acc * rescale[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
+            e_sum = e_sum * rescale + tl.sum(p, 1)
+            e_max = new_max
+
+        # 2. The new tokens, causally: keys past this block's last query are never needed.
+        end_n = tl.minimum((block_m + 1) * BLOCK_M, extend_len)
+        for start_n in range(0, end_n, BLOCK_N):
+            offs_n = start_n + offs_n0
+            mask_n = offs_n < end_n
+            k = tl.load(
+                K_Extend + (q_start + offs_n[None, :]) * stride_ke_token + cur_kv_head * stride_ke_head + offs_d[:, None],
+                mask=mask_n[None, :] & mask_d[:, None],
+                other=0.0,
+            )
+            qk = mma(q, k.to(q.dtype), DOT_PRECISION, UPCAST_DOT) * sm_scale
+            causal = (offs_m[:, None] >= offs_n[None, :]) & mask_n[None, :]
+            qk = tl.where(causal, qk, float("-inf"))
+            v = tl.load(
+                V_Extend + (q_start + offs_n[:, None]) * stride_ve_token + cur_kv_head * stride_ve_head + offs_dv[None, :],
+                mask=mask_n[:, None] & mask_dv[None, :],
+                other=0.0,
+            )
+            # Key 0 is visible to every row, so after the first block no row's max is -inf and
+            # a fully masked later block only rescales by exp(0) = 1.
+            new_max = tl.maximum(tl.max(qk, 1), e_max)
+            rescale = tl.exp(e_max - new_max)
+            p = tl.exp(qk - new_max[:, None])
+            acc = acc * rescale[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
+            e_sum = e_sum * rescale + tl.sum(p, 1)
+            e_max = new_max
+
+        o_ptrs = O + (q_start + offs_m[:, None]) * stride_o_token + cur_head * stride_o_head + offs_dv[None, :]
+        tl.store(o_ptrs, (acc / e_sum[:, None]).to(O.dtype.element_ty), mask=mask_m[:, None] & mask_dv[None, :])
+
+
+def extend_attention_fwd(
+    q: torch.Tensor,
+    k_extend: torch.Tensor,
+    v_extend: torch.Tensor,
+    o: torch.Tensor,
+    k_buffer: torch.Tensor,
+    v_buffer: torch.Tensor,
+    req_to_token: torch.Tensor,
+    req_pool_indices: torch.Tensor,
+    extend_start_loc: torch.Tensor,
+    extend_seq_lens: torch.Tensor,
+    prefix_lens: torch.Tensor,
+    max_extend_len: int,
+    sm_scale: float,
+    block_m: int = 64,
+    block_n: int = 64,
+) -> None:
+    """Write into `o` the attention of every new token (prefix keys from the pool, new keys causal).
+
+    q, o: [num_tokens, q_heads, D] / [num_tokens, q_heads, DV]; k_extend, v_extend: [num_tokens,
+    kv_heads, D]; k_buffer, v_buffer: [slots, kv_heads, D]; the per-request tensors are [bs], and
+    request i owns rows extend_start_loc[i] .. + extend_seq_lens[i] of q/k_extend/v_extend/o.
+    """
+    bs = req_pool_indices.shape[0]
+    q_head_num, head_dim = q.shape[1], q.shape[2]
+    kv_head_num = k_extend.shape[1]
+    v_head_dim = v_extend.shape[-1]
+    if q_head_num % kv_head_num != 0:
+        raise ValueError(f"query heads ({q_head_num}) must be a multiple of KV heads ({kv_head_num})")
+    if bs == 0 or max_extend_len == 0:
+        return
+    for name, t in (("q", q), ("k_extend", k_extend), ("v_extend", v_extend), ("o", o), ("k_buffer", k_buffer), ("v_buffer", v_buffer)):
+        if t.stride(-1) != 1:
+            raise ValueError(f"extend_attention_fwd needs {name} contiguous in its last dim")
+
+    grid = (bs, q_head_num, triton.cdiv(max_extend_len, block_m))
+    _extend_kernel[grid](
+        q,
+        k_extend,
+        v_extend,
+        o,
+        k_buffer,
+        v_buffer,
+        req_to_token,
+        req_pool_indices,
+        extend_start_loc,
+        extend_seq_lens,
+        prefix_lens,
+        sm_scale,
+        req_to_token.stride(0),
+        q.stride(0),
+        q.stride(1),
+        k_extend.stride(0),
+        k_extend.stride(1),
+        v_extend.stride(0),
+        v_extend.stride(1),
+        o.stride(0),
+        o.stride(1),
+        k_buffer.stride(0),
+        k_buffer.stride(1),
+        v_buffer.stride(0),
+        v_buffer.stride(1),
+        kv_group_num=q_head_num // kv_head_num,
+        head_dim=head_dim,
+        v_head_dim=v_head_dim,
+        BLOCK_D=max(16, triton.next_power_of_2(head_dim)),
+        BLOCK_DV=max(16, triton.next_power_of_2(v_head_dim)),
+        BLOCK_M=block_m,
+        BLOCK_N=block_n,
+        DOT_PRECISION=dot_precision(q.dtype),
+        UPCAST_DOT=upcast_dot(q.device),
+    )
+

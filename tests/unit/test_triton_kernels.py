@@ -1,0 +1,348 @@
+"""Triton attention kernels and the triton backend on the CPU, under TRITON_INTERPRET=1.
+
+Triton reads TRITON_INTERPRET when a function is decorated with @triton.jit, and its own standard
+library (tl.max, tl.cdiv, ...) is decorated when triton is first imported. So the interpreter can
+only be switched on for a whole process, before triton is imported. To keep it out of the other
+test files of the same pytest process (tests/gpu on a GPU machine, servers started by integration
+tests), the normal run collects just `test_kernels_under_triton_interpreter`, which runs this file
+again in a subprocess with TRITON_INTERPRET=1; there, the individual cases below are collected.
+
+Every case draws fresh random inputs and compares against a float64 reference (kernels) or the
+torch_native backend (backend level), for GQA ratios 1/4/8, head dims 64/128, ragged lengths
+(1 and longer than a block, with tiny blocks), with and without a prefix, page sizes 1 and 16.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import subprocess
+import sys
+from types import SimpleNamespace
+from typing import Dict, List, Tuple
+
+import pytest
+import torch
+
+from engine.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from engine.layers.radix_attention import RadixAttention
+from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from engine.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+_INTERPRETED = os.environ.get("TRITON_INTERPRET") == "1"
+# A table entry past a request's length must never be read: point it far out of the pool.
+_STALE_SLOT = 1 << 30
+_TOL = {torch.float32: 2e-5, torch.bfloat16: 2e-2}
+_LAYOUTS = [(1, torch.float32), (16, torch.bfloat16), (16, torch.float32), (1, torch.bfloat16)]
+
+
+def checkerboard(cases: list) -> list:
+    """Half of cases x _LAYOUTS: each case gets two layouts, each layout comes with half the cases."""
+    return [(*case, *layout) for i, case in enumerate(cases) for j, layout in enumerate(_LAYOUTS) if (i + j) % 2 == 0]
+
+
+# The number of cases below; the driver checks that the subprocess ran them all.
+_EXPECTED_CASES = 12 + 1 + 8 + 8 + 1 + 1
+
+
+def test_kernels_under_triton_interpreter():
+    pytest.importorskip("triton")
+    env = dict(os.environ, TRITON_INTERPRET="1")
+    cmd = [sys.executable, "-m", "pytest", __file__, "-q", "-p", "no:cacheprovider", "-o", "addopts="]
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    report = proc.stdout[-8000:] + proc.stderr[-2000:]
+    assert proc.returncode == 0, report
+    passed = re.search(r"(\d+) passed", proc.stdout)
+    assert passed is not None and int(passed.group(1)) == _EXPECTED_CASES, report
+    assert "skipped" not in proc.stdout, report
+
+
+def test_triton_backend_on_cpu_needs_the_interpreter():
+    """Outside the interpreter a CPU runner gets a clear error, not a launch failure mid-forward."""
+    pytest.importorskip("triton")
+    from engine.layers.attention import create_attention_backend
+
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET=1"):
+        create_attention_backend("triton", SimpleNamespace(device="cpu"))
+
+
+@pytest.fixture(scope="module")
+def tk():
+    triton = pytest.importorskip("triton")
+    from engine.layers.attention import triton_backend, triton_ops
+
+    assert type(triton_ops.decode_attention._decode_stage1_kernel).__name__ == "InterpretedFunction", triton.__version__
+    return SimpleNamespace(ops=triton_ops, backend=triton_backend)
+
+
+# ---------------------------------------------------------------------------- layouts and references
+def paged_layout(lens: List[int], page_size: int, num_pages: int, gen: torch.Generator) -> Tuple[torch.Tensor, List[torch.Tensor]]:
+    """Random distinct pages (page 0 reserved) per request; slot = page * P + pos % P.
+
+    Returns req_to_token (rows 1..bs used, stale entries past each length) and each request's slots."""
+    pages = (torch.randperm(num_pages - 1, generator=gen) + 1).tolist()
+    width = max(lens) + 2 * page_size
+    table = torch.full((len(lens) + 2, width), _STALE_SLOT, dtype=torch.int32)
+    slots_per_req = []
+    for i, length in enumerate(lens):
+        npages = -(-length // page_size)
+        mine = torch.tensor([pages.pop() for _ in range(npages)], dtype=torch.int64)
+        pos = torch.arange(length)
+        slots = mine[pos // page_size] * page_size + pos % page_size
+        table[i + 1, :length] = slots.to(torch.int32)
+        slots_per_req.append(slots)
+    return table, slots_per_req
+
+
+def reference_attention(q, k, v, scale: float, prefix_len: int) -> torch.Tensor:
+    """q [E, H, D], k/v [S, KH, D]; query i sits at position prefix_len + i (float64)."""
+    heads, kv_heads = q.shape[1], k.shape[1]
+    q, k, v = q.double(), k.double(), v.double()
+    k = k.repeat_interleave(heads // kv_heads, dim=1)
+    v = v.repeat_interleave(heads // kv_heads, dim=1)
+    scores = torch.einsum("ehd,shd->hes", q, k) * scale
+    q_pos = torch.arange(q.shape[0]).unsqueeze(1) + prefix_len
+    visible = torch.arange(k.shape[0]).unsqueeze(0) <= q_pos
+    scores = scores.masked_fill(~visible, float("-inf"))
+    return torch.einsum("hes,shd->ehd", scores.softmax(-1), v)
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref.double()).norm() / ref.double().norm()).item()
+
+
+# ---------------------------------------------------------------------------- decode kernel
+@pytest.mark.parametrize(
+    "gqa,head_dim,page_size,dtype", checkerboard([(1, 64), (4, 128), (8, 64), (1, 128), (4, 64), (8, 128)])
+)
+def test_decode_kernel_matches_reference(tk, gqa, head_dim, page_size, dtype):
+    gen = torch.Generator().manual_seed(gqa * 1000 + head_dim + page_size + (dtype == torch.bfloat16))
+    kv_heads = 2 if gqa == 1 else 1
+    heads = kv_heads * gqa
+    lens = [1, 40, 17, 5]  # 40 > block_n=16; 1 is a lone key
+    num_pages = 16 if page_size == 16 else 128
+    table, slots = paged_layout(lens, page_size, num_pages, gen)
+    pool_slots = num_pages * page_size
+    k_buf = torch.randn(pool_slots, kv_heads, head_dim, generator=gen).to(dtype)
+    v_buf = torch.randn(pool_slots, kv_heads, head_dim, generator=gen).to(dtype)
+    bs = len(lens)
+    q = torch.randn(bs, heads, head_dim, generator=gen).to(dtype)
+    out = torch.empty(bs, heads, head_dim, dtype=dtype)
+    max_splits = 4
+    # Uneven splits on purpose: 3 chunks of 40 keys leave a short last chunk; 4 chunks of 5 leave an empty one.
+    num_splits = torch.tensor([1, 3, 2, 4], dtype=torch.int32)
+    mid_o = torch.full((bs, heads, max_splits, head_dim), float("nan"))
+    mid_lse = torch.full((bs, heads, max_splits), float("nan"))
+    scale = 1.0 / math.sqrt(head_dim)
+    tk.ops.decode_attention_fwd(
+        q, k_buf, v_buf, out, table, torch.arange(1, bs + 1), torch.tensor(lens), num_splits, mid_o, mid_lse, scale, block_n=16
+    )
+    for i, length in enumerate(lens):
+        ref = reference_attention(q[i : i + 1], k_buf[slots[i]], v_buf[slots[i]], scale, prefix_len=length - 1)[0]
+        assert rel_err(out[i], ref) < _TOL[dtype], (i, length, rel_err(out[i], ref))
+
+
+def test_num_kv_splits_grow_with_length_and_are_capped(tk):
+    splits = tk.ops.compute_num_kv_splits(torch.tensor([1, 64, 65, 300, 100000]), max_kv_splits=8)
+    assert splits.tolist() == [1, 1, 2, 5, 8]
+
+
+# ---------------------------------------------------------------------------- extend kernel
+# (prefix_len, extend_len): no prefix / prefix; a single token; spans of several 16-blocks.
+_EXTEND_REQS = [(0, 1), (0, 37), (5, 1), (20, 19), (33, 17)]
+
+
+@pytest.mark.parametrize("gqa,head_dim,page_size,dtype", checkerboard([(1, 64), (4, 128), (8, 64), (1, 128)]))
+def test_extend_kernel_matches_reference(tk, gqa, head_dim, page_size, dtype):
+    gen = torch.Generator().manual_seed(7 * gqa + head_dim + page_size + (dtype == torch.bfloat16))
+    kv_heads = 2 if gqa == 1 else 1
+    heads = kv_heads * gqa
+    prefix_lens = [p for p, _ in _EXTEND_REQS]
+    ext_lens = [e for _, e in _EXTEND_REQS]
+    seq_lens = [p + e for p, e in _EXTEND_REQS]
+    num_pages = 48 if page_size == 16 else 400
+    table, slots = paged_layout(seq_lens, page_size, num_pages, gen)
+    pool_slots = num_pages * page_size
+    k_buf = torch.randn(pool_slots, kv_heads, head_dim, generator=gen).to(dtype)
+    v_buf = torch.randn(pool_slots, kv_heads, head_dim, generator=gen).to(dtype)
+    total = sum(ext_lens)
+    q = torch.randn(total, heads, head_dim, generator=gen).to(dtype)
+    k_new = torch.randn(total, kv_heads, head_dim, generator=gen).to(dtype)
+    v_new = torch.randn(total, kv_heads, head_dim, generator=gen).to(dtype)
+    # The new tokens' pool slots hold garbage: the kernel must take them from k_new / v_new.
+    starts = [sum(ext_lens[:i]) for i in range(len(ext_lens))]
+    for i, (p, e) in enumerate(_EXTEND_REQS):
+        k_buf[slots[i][p:]] = 1e4
+        v_buf[slots[i][p:]] = 1e4
+    out = torch.full((total, heads, head_dim), float("nan"), dtype=dtype)
+    scale = 1.0 / math.sqrt(head_dim)
+    tk.ops.extend_attention_fwd(
+        q, k_new, v_new, out, k_buf, v_buf, table,
+        torch.arange(1, len(_EXTEND_REQS) + 1),
+        torch.tensor(starts), torch.tensor(ext_lens), torch.tensor(prefix_lens),
+        max(ext_lens), scale, block_m=16, block_n=16,
+    )
+    for i, (p, e) in enumerate(_EXTEND_REQS):
+        rows = slice(starts[i], starts[i] + e)
+        k_all = torch.cat([k_buf[slots[i][:p]], k_new[rows]])
+        v_all = torch.cat([v_buf[slots[i][:p]], v_new[rows]])
+        ref = reference_attention(q[rows], k_all, v_all, scale, prefix_len=p)
+        assert rel_err(out[rows], ref) < _TOL[dtype], (p, e, rel_err(out[rows], ref))
+
+
+# ---------------------------------------------------------------------------- backend vs torch_native
+def _make_batch(mode, lens, prefix_lens, page_size, pool, gen, kv_heads, head_dim, dtype):
+    """A ForwardBatch over fresh random K/V for the prefixes, on a paged layout of the pools."""
+    num_pages = pool["kv"].size // page_size
+    table, slots = paged_layout(lens, page_size, num_pages, gen)
+    req_pool = pool["req"]
+    req_pool.req_to_token[: table.shape[0], : table.shape[1]] = table
+    kv = pool["kv"]
+    for s in slots:
+        kv.set_kv_buffer(0, s, torch.randn(len(s), kv_heads, head_dim, generator=gen).to(dtype),
+                         torch.randn(len(s), kv_heads, head_dim, generator=gen).to(dtype))
+    bs = len(lens)
+    ext = [l - p for l, p in zip(lens, prefix_lens)]
+    out_cache_loc = torch.cat([s[p:] for s, p in zip(slots, prefix_lens)])
+    fb = ForwardBatch(
+        forward_mode=mode,
+        batch_size=bs,
+        input_ids=torch.zeros(sum(ext), dtype=torch.int64),
+        positions=torch.zeros(sum(ext), dtype=torch.int64),
+        req_pool_indices=torch.arange(1, bs + 1),
+        seq_lens=torch.tensor(lens),
+        seq_lens_cpu=list(lens),
+        out_cache_loc=out_cache_loc,
+        seq_lens_sum=sum(lens),
+        req_to_token_pool=req_pool,
+        token_to_kv_pool=kv,
+    )
+    if mode.is_extend():
+        fb.extend_num_tokens = sum(ext)
+        fb.extend_seq_lens_cpu = ext
+        fb.extend_prefix_lens_cpu = list(prefix_lens)
+        fb.extend_seq_lens = torch.tensor(ext)
+        fb.extend_prefix_lens = torch.tensor(prefix_lens)
+        fb.extend_start_loc = torch.cumsum(fb.extend_seq_lens, 0) - fb.extend_seq_lens
+    return fb
+
+
+@pytest.mark.parametrize(
+    "mode,lens,prefix_lens,page_size,dtype",
+    checkerboard(
+        [
+            (ForwardMode.EXTEND, [23, 1, 40], [0, 0, 0]),
+            (ForwardMode.EXTEND, [30, 9, 50], [12, 8, 0]),
+            (ForwardMode.MIXED, [30, 25, 41], [10, 24, 40]),  # two decode rows after one extend
+            (ForwardMode.DECODE, [1, 70, 33, 200], None),
+        ]
+    ),
+)
+def test_backend_matches_torch_native(tk, mode, lens, prefix_lens, page_size, dtype):
+    gen = torch.Generator().manual_seed(len(lens) * 31 + page_size)
+    heads, kv_heads, head_dim = 8, 2, 64
+    if prefix_lens is None:  # decode: everything but the new token is cached
+        prefix_lens = [l - 1 for l in lens]
+    pool = {
+        "req": ReqToTokenPool(size=8, max_context_len=256),
+        "kv": MHATokenToKVPool(size=1024, page_size=page_size, dtype=dtype, head_num=kv_heads,
+                               head_dim=head_dim, layer_num=1),
+    }
+    fb = _make_batch(mode, lens, prefix_lens, page_size, pool, gen, kv_heads, head_dim, dtype)
+    layer = RadixAttention(heads, head_dim, scaling=head_dim**-0.5, num_kv_heads=kv_heads, layer_id=0)
+    n = fb.out_cache_loc.shape[0]
+    q = torch.randn(n, heads * head_dim, generator=gen).to(dtype)
+    k = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
+    runner = SimpleNamespace(device="cpu")
+
+    outs: Dict[str, torch.Tensor] = {}
+    # MIN_KEYS_PER_SPLIT=64 splits the 200-key request in 4 (the cap) and the 70-key one in 2.
+    backends = {
+        "triton": tk.backend.TritonAttnBackend(runner, max_kv_splits=4, decode_block_n=32, extend_blocks=(16, 16)),
+        "torch_native": TorchNativeAttnBackend(runner),
+    }
+    k_buf, v_buf = pool["kv"].get_kv_buffer(0)
+    for name, backend in backends.items():
+        fb.attn_backend = backend
+        backend.init_forward_metadata(fb)
+        outs[name] = backend.forward(q, k, v, layer, fb, save_kv_cache=True)
+        if name == "triton":  # it ran first: the new K/V must be where out_cache_loc says
+            assert torch.equal(k_buf[fb.out_cache_loc], k) and torch.equal(v_buf[fb.out_cache_loc], v)
+    assert outs["triton"].shape == (n, heads * head_dim)
+    assert outs["triton"].dtype == dtype
+    assert rel_err(outs["triton"], outs["torch_native"]) < _TOL[dtype]
+
+
+def test_decode_two_layers_share_one_scratch_and_match_torch_native(tk):
+    """Decode scratch is allocated once per batch and reused by every layer (they run in turn)."""
+    gen = torch.Generator().manual_seed(3)
+    heads, kv_heads, head_dim, lens = 4, 1, 64, [90, 3]
+    kv = MHATokenToKVPool(size=256, page_size=1, dtype=torch.float32, head_num=kv_heads, head_dim=head_dim, layer_num=2)
+    req = ReqToTokenPool(size=4, max_context_len=128)
+    table, slots = paged_layout(lens, 1, 256, gen)
+    req.req_to_token[: table.shape[0], : table.shape[1]] = table
+    for layer_id in range(2):
+        for s in slots:
+            kv.set_kv_buffer(layer_id, s, torch.randn(len(s), kv_heads, head_dim, generator=gen),
+                             torch.randn(len(s), kv_heads, head_dim, generator=gen))
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.DECODE, batch_size=2, input_ids=torch.zeros(2, dtype=torch.int64),
+        positions=torch.tensor(lens) - 1, req_pool_indices=torch.tensor([1, 2]), seq_lens=torch.tensor(lens),
+        seq_lens_cpu=lens, out_cache_loc=torch.stack([s[-1] for s in slots]), seq_lens_sum=sum(lens),
+        req_to_token_pool=req, token_to_kv_pool=kv,
+    )
+    runner = SimpleNamespace(device="cpu")
+    triton_backend = tk.backend.TritonAttnBackend(runner, max_kv_splits=2, decode_block_n=16)
+    native = TorchNativeAttnBackend(runner)
+    layers = [RadixAttention(heads, head_dim, head_dim**-0.5, kv_heads, layer_id=i) for i in range(2)]
+    q = torch.randn(2, heads * head_dim, generator=gen)
+    triton_backend.init_forward_metadata(fb)
+    meta = fb.attn_metadata
+    assert meta.num_kv_splits.tolist() == [2, 1]
+    got = [triton_backend.forward(q, None, None, layer, fb) for layer in layers]
+    assert len(meta.scratch) == 1
+    native.init_forward_metadata(fb)
+    for layer, out in zip(layers, got):
+        want = native.forward(q, None, None, layer, fb)
+        assert rel_err(out, want) < _TOL[torch.float32]
+    assert rel_err(got[0], got[1]) > 0.1  # the layers did read their own buffers
+
+
+
+def test_model_greedy_with_triton_backend_matches_transformers(tk, tmp_path):
+    """The tiny Llama through ModelRunner with --attention-backend triton, on scrambled 16-token
+    pages and cached prefixes (one crossing a page, one absent): greedy == transformers."""
+    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+    from utils_models import BatchDriver, ExtendReq, build_tiny_model, hf_greedy, make_runner
+
+    steps, page_size, prefix = 4, 16, [4, 18, 0, 33]
+    gen = torch.Generator().manual_seed(11)
+    prompts = [[int(x) for x in torch.randint(0, 512, (n,), generator=gen)] for n in (5, 23, 17, 40)]
+    hf = build_tiny_model(str(tmp_path), "llama")
+    expected = [hf_greedy(hf, p, steps + 1) for p in prompts]
+
+    runner = make_runner(str(tmp_path), page_size=page_size, attention_backend="triton")
+    assert type(runner.attn_backend).__name__ == "TritonAttnBackend"
+    runner.attn_backend.max_kv_splits = 2  # fewer (interpreted) programs; 40+ keys still split in two
+    driver = BatchDriver(runner, seed=3, scramble=True)
+    rows = [driver.new_row() for _ in prompts]
+    driver.run(driver.extend_batch([ExtendReq(r, p[:k]) for r, p, k in zip(rows, prompts, prefix) if k > 0]))
+    _, tokens = driver.run(driver.extend_batch([ExtendReq(r, p[k:], prefix_len=k) for r, p, k in zip(rows, prompts, prefix)]))
+    outputs = [[int(t)] for t in tokens]
+    seq_lens = [len(p) for p in prompts]
+    for _ in range(steps):
+        _, tokens = driver.run(driver.decode_batch(rows, [o[-1] for o in outputs], seq_lens))
+        seq_lens = [n + 1 for n in seq_lens]
+        for o, t in zip(outputs, tokens):
+            o.append(int(t))
+    assert outputs == expected
+
+if not _INTERPRETED:
+    # The cases run in the driver's TRITON_INTERPRET=1 subprocess, not in this process.
+    _OUTER_TESTS = ("test_kernels_under_triton_interpreter", "test_triton_backend_on_cpu_needs_the_interpreter")
+    for _name in [n for n in list(globals()) if n.startswith("test_") and n not in _OUTER_TESTS]:
+        del globals()[_name]
+else:
+    del test_kernels_under_triton_interpreter, test_triton_backend_on_cpu_needs_the_interpreter
