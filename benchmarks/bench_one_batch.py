@@ -1,0 +1,273 @@
+"""Latency of one static batch through ModelRunner (no scheduler, no server), like SGLang's
+bench_one_batch: one prefill of `batch_size` prompts of `input_len` tokens, then `output_len`
+greedy decode steps. With --compare-hf, transformers' greedy `generate` runs on the same model
+and batch in the same process and the table shows the ratios.
+
+    python benchmarks/bench_one_batch.py --random-llama 100m --batch-size 16 \\
+        --input-len 128 --output-len 128 --dtype bfloat16 --compare-hf --result-file out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import statistics
+import sys
+import tempfile
+import time
+from typing import Dict, List, Optional
+
+import torch
+
+from engine.configs.model_config import ModelConfig
+from engine.model_executor.forward_batch_info import ForwardBatch, ForwardMode, ModelWorkerBatch
+from engine.model_executor.model_runner import ModelRunner
+from engine.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+RANDOM_LLAMAS = {
+    "tiny": dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, vocab_size=512),
+    # ~110M parameters with untied embeddings (about 125M counting the LM head).
+    "100m": dict(hidden_size=768, intermediate_size=2048, num_hidden_layers=12, num_attention_heads=12,
+                 num_key_value_heads=4, vocab_size=32000),
+}
+
+
+def build_random_llama(size: str, out_dir: str, seed: int = 0) -> str:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(**RANDOM_LLAMAS[size], max_position_embeddings=4096, tie_word_embeddings=False,
+                         bos_token_id=None, eos_token_id=None, pad_token_id=None)
+    torch.manual_seed(seed)
+    LlamaForCausalLM(config).save_pretrained(out_dir)
+    return out_dir
+
+
+def _sync(device: str) -> None:
+    if device.startswith("cuda"):
+        torch.cuda.synchronize()
+
+
+class OneBatch:
+    """Drives ModelRunner through prefill + decode the way the scheduler would."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        self.runner = runner
+        self.allocator = runner.token_to_kv_pool_allocator
+        self.table = runner.req_to_token_pool.req_to_token
+
+    def prefill(self, input_ids: torch.Tensor):
+        bs, input_len = input_ids.shape
+        self.rows = torch.tensor(self.runner.req_to_token_pool.alloc(bs), dtype=torch.int64)
+        self.seq_lens = torch.full((bs,), input_len, dtype=torch.int64)
+        out_loc = self.allocator.alloc_extend(
+            torch.zeros(bs, dtype=torch.int64), self.seq_lens, torch.full((bs,), -1, dtype=torch.int64), bs * input_len
+        )
+        self.table[self.rows.to(self.table.device), :input_len] = out_loc.view(bs, input_len).to(self.table)
+        batch = ModelWorkerBatch(
+            forward_mode=ForwardMode.EXTEND,
+            input_ids=input_ids.reshape(-1),
+            req_pool_indices=self.rows,
+            seq_lens=self.seq_lens,
+            seq_lens_cpu=self.seq_lens.tolist(),
+            out_cache_loc=out_loc,
+            extend_num_tokens=bs * input_len,
+            extend_seq_lens=[input_len] * bs,
+            extend_prefix_lens=[0] * bs,
+        )
+        return self._run(batch)
+
+    def decode(self, tokens: torch.Tensor):
+        last_loc = self.table[self.rows.to(self.table.device), (self.seq_lens - 1).to(self.table.device)]
+        self.seq_lens = self.seq_lens + 1
+        out_loc = self.allocator.alloc_decode(self.seq_lens, last_loc)
+        self.table[self.rows.to(self.table.device), (self.seq_lens - 1).to(self.table.device)] = out_loc.to(self.table)
+        batch = ModelWorkerBatch(
+            forward_mode=ForwardMode.DECODE,
+            input_ids=tokens,
+            req_pool_indices=self.rows,
+            seq_lens=self.seq_lens,
+            seq_lens_cpu=self.seq_lens.tolist(),
+            out_cache_loc=out_loc,
+        )
+        return self._run(batch)
+
+    def _run(self, batch: ModelWorkerBatch) -> torch.Tensor:
+        fb = ForwardBatch.init_new(batch, self.runner)
+        return self.runner.sample(self.runner.forward(fb), fb)
+
+    def release(self) -> None:
+        bs = len(self.rows)
+        slots = self.table[self.rows.to(self.table.device)][:, : int(self.seq_lens.max())].reshape(-1)
+        self.allocator.free(torch.unique(slots.long()))
+        self.runner.req_to_token_pool.free(self.rows.tolist())
+        del bs
+
+
+def run_engine(runner: ModelRunner, input_ids: torch.Tensor, output_len: int) -> Dict:
+    device = runner.device
+    driver = OneBatch(runner)
+    _sync(device)
+    t0 = time.perf_counter()
+    tokens = driver.prefill(input_ids.to(device))
+    _sync(device)
+    prefill_latency = time.perf_counter() - t0
+    outputs = [tokens.cpu()]
+    decode_latencies: List[float] = []
+    for _ in range(output_len - 1):
+        t = time.perf_counter()
+        tokens = driver.decode(tokens)
+        _sync(device)
+        decode_latencies.append(time.perf_counter() - t)
+        outputs.append(tokens.cpu())
+    total = time.perf_counter() - t0
+    driver.release()
+    bs, input_len = input_ids.shape
+    med = statistics.median(decode_latencies) if decode_latencies else float("nan")
+    return dict(
+        prefill_latency=prefill_latency,
+        prefill_throughput=bs * input_len / prefill_latency,
+        median_decode_latency=med,
+        median_decode_throughput=bs / med,
+        decode_throughput=bs * len(decode_latencies) / sum(decode_latencies) if decode_latencies else float("nan"),
+        total_latency=total,
+        output_ids=torch.stack(outputs, 1).tolist(),
+    )
+
+
+def run_hf(model_path: str, dtype: torch.dtype, device: str, input_ids: torch.Tensor, output_len: int) -> Dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype).to(device).eval()
+    ids = input_ids.to(device)
+    mask = torch.ones_like(ids)
+
+    def generate(n: int) -> torch.Tensor:
+        with torch.inference_mode():
+            return model.generate(ids, attention_mask=mask, do_sample=False, max_new_tokens=n, min_new_tokens=n,
+                                  pad_token_id=0)
+
+    generate(2)  # warm-up
+    _sync(device)
+    t = time.perf_counter()
+    generate(1)
+    _sync(device)
+    prefill = time.perf_counter() - t
+    t = time.perf_counter()
+    out = generate(output_len)
+    _sync(device)
+    total = time.perf_counter() - t
+    bs, input_len = input_ids.shape
+    decode_time = max(total - prefill, 1e-9)
+    return dict(
+        prefill_latency=prefill,
+        prefill_throughput=bs * input_len / prefill,
+        # generate() gives no per-step times: the decode rate is the mean over the decode steps.
+        decode_throughput=bs * (output_len - 1) / decode_time,
+        median_decode_latency=decode_time / max(output_len - 1, 1),
+        total_latency=total,
+        output_ids=out[:, input_len:].tolist(),
+    )
+
+
+def main(argv: Optional[List[str]] = None) -> Dict:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model-path", default=None, help="HF model directory (default: the built-in model)")
+    p.add_argument("--random-llama", choices=sorted(RANDOM_LLAMAS), default=None,
+                   help="build a random Llama of this size in a temporary directory")
+    p.add_argument("--batch-size", type=int, default=16)
+    p.add_argument("--input-len", type=int, default=128)
+    p.add_argument("--output-len", type=int, default=128)
+    p.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    p.add_argument("--device", default="auto", choices=["auto", "cpu", "cuda"])
+    p.add_argument("--attention-backend", default=None)
+    p.add_argument("--page-size", type=int, default=1)
+    p.add_argument("--compare-hf", action="store_true", help="also run transformers' generate and print ratios")
+    p.add_argument("--result-file", default=None, help="write the results as JSON here")
+    p.add_argument("--seed", type=int, default=0)
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+
+    tmp = None
+    if args.random_llama:
+        tmp = tempfile.TemporaryDirectory(prefix="bench-llama-")
+        model_path = build_random_llama(args.random_llama, tmp.name, args.seed)
+    elif args.model_path:
+        model_path = args.model_path
+    else:
+        from engine.builtin_model import ensure_builtin_model
+
+        model_path = ensure_builtin_model()
+
+    bs, input_len, output_len = args.batch_size, args.input_len, args.output_len
+    server_args = ServerArgs(
+        model_path=model_path, dtype=args.dtype, device=args.device, attention_backend=args.attention_backend,
+        page_size=args.page_size, max_running_requests=bs, random_seed=args.seed,
+        max_total_tokens=((bs * (input_len + output_len) + bs * args.page_size) // args.page_size + 2) * args.page_size,
+    )
+    config = ModelConfig.from_pretrained(model_path, dtype=args.dtype, context_length=input_len + output_len + 8,
+                                         device=server_args.device)
+    runner = ModelRunner(config, server_args)
+    gen = torch.Generator().manual_seed(args.seed)
+    input_ids = torch.randint(0, config.vocab_size, (bs, input_len), generator=gen)
+
+    # Warm-up at full size (first touches of the KV pool and kernel set-up are not steady state).
+    run_engine(runner, input_ids, min(output_len, 4))
+    engine = run_engine(runner, input_ids, output_len)
+    result: Dict = dict(
+        model_path=model_path if not tmp else f"random-llama-{args.random_llama}",
+        batch_size=bs, input_len=input_len, output_len=output_len, dtype=str(config.dtype).replace("torch.", ""),
+        device=runner.device, torch_threads=torch.get_num_threads(),
+        engine={k: v for k, v in engine.items() if k != "output_ids"},
+    )
+    if args.compare_hf:
+        del runner
+        hf = run_hf(model_path, config.dtype, server_args.device, input_ids, output_len)
+        result["hf"] = {k: v for k, v in hf.items() if k != "output_ids"}
+        result["ratio"] = {
+            "prefill_throughput": engine["prefill_throughput"] / hf["prefill_throughput"],
+            "decode_throughput": engine["decode_throughput"] / hf["decode_throughput"],
+            "total_latency": hf["total_latency"] / engine["total_latency"],
+        }
+        same = sum(a == b for a, b in zip(engine["output_ids"], hf["output_ids"]))
+        result["greedy_outputs_identical"] = f"{same}/{bs}"
+
+    _print_table(result)
+    if args.result_file:
+        with open(args.result_file, "w", encoding="utf-8") as f:
+            json.dump(result, f, indent=2)
+    if tmp is not None:
+        tmp.cleanup()
+    return result
+
+
+def _print_table(r: Dict) -> None:
+    print(f"\nbench_one_batch: {r['model_path']}  bs={r['batch_size']} in={r['input_len']} out={r['output_len']} "
+          f"dtype={r['dtype']} device={r['device']} threads={r['torch_threads']}")
+    rows = [
+        ("prefill latency (s)", "prefill_latency"),
+        ("prefill throughput (tok/s)", "prefill_throughput"),
+        ("median decode latency (s)", "median_decode_latency"),
+        ("decode throughput (tok/s)", "decode_throughput"),
+        ("total latency (s)", "total_latency"),
+    ]
+    has_hf = "hf" in r
+    print(f"{'metric':<30}{'engine':>14}" + (f"{'transformers':>14}{'ratio':>10}" if has_hf else ""))
+    for label, key in rows:
+        line = f"{label:<30}{r['engine'][key]:>14.4f}"
+        if has_hf:
+            e, h = r["engine"][key], r["hf"][key]
+            ratio = h / e if "latency" in key else e / h
+            line += f"{h:>14.4f}{ratio:>9.2f}x"
+        print(line)
+    if has_hf:
+        print(f"greedy outputs identical to transformers: {r['greedy_outputs_identical']} "
+              "(ratios > 1 mean the engine is faster)")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])

@@ -1,0 +1,187 @@
+"""ModelConfig: the few facts about a Hugging Face model directory that the engine needs.
+
+We read `config.json` ourselves (and keep transformers' config object as `hf_config` when it can be
+built) so that the engine does not depend on how a given transformers release names things: v4
+writes `rope_theta` + `rope_scaling`, v5 writes `rope_parameters`.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Set
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+_DTYPE_NAMES: Dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
+
+
+@dataclass
+class ModelConfig:
+    model_path: str
+    architectures: List[str]
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    intermediate_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    rope_scaling: Optional[Dict[str, Any]]
+    context_len: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    dtype: torch.dtype
+    eos_token_ids: Set[int] = field(default_factory=set)
+    hidden_act: str = "silu"
+    model_type: str = ""
+    hf_config: Any = None
+    raw_config: Dict[str, Any] = field(default_factory=dict)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_path: str,
+        dtype: str = "auto",
+        context_length: Optional[int] = None,
+        device: Optional[str] = None,
+    ) -> "ModelConfig":
+        """Parse `model_path/config.json` (+ `generation_config.json`).
+
+        `device` only matters for dtype resolution (float16 is turned into bfloat16 on the CPU);
+        None means "cuda if available else cpu".
+        """
+        raw = _read_json(os.path.join(model_path, "config.json"))
+        if raw is None:
+            raise FileNotFoundError(f"no config.json in model directory {model_path!r}")
+        # Checked here so that a bad model directory fails before any weight is read.
+        from engine.models.registry import resolve_model_class
+
+        architectures = list(raw.get("architectures") or [])
+        resolve_model_class(architectures)
+
+        hidden_size = int(raw["hidden_size"])
+        num_heads = int(raw["num_attention_heads"])
+        head_dim = raw.get("head_dim") or hidden_size // num_heads
+        rope_theta, rope_scaling = _parse_rope(raw)
+        max_pos = int(raw.get("max_position_embeddings") or 2048)
+        if device is None:
+            device = "cuda" if torch.cuda.is_available() else "cpu"
+
+        config = cls(
+            model_path=model_path,
+            architectures=architectures,
+            vocab_size=int(raw["vocab_size"]),
+            hidden_size=hidden_size,
+            num_hidden_layers=int(raw["num_hidden_layers"]),
+            num_attention_heads=num_heads,
+            num_key_value_heads=int(raw.get("num_key_value_heads") or num_heads),
+            head_dim=int(head_dim),
+            intermediate_size=int(raw["intermediate_size"]),
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            rope_scaling=rope_scaling,
+            context_len=int(context_length) if context_length is not None else max_pos,
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            attention_bias=bool(raw.get("attention_bias", False)),
+            dtype=resolve_dtype(dtype, raw, device),
+            hidden_act=str(raw.get("hidden_act", "silu")),
+            model_type=str(raw.get("model_type", "")),
+            raw_config=raw,
+        )
+        if context_length is not None and context_length > max_pos:
+            logger.warning(
+                "context_length %d exceeds the model's max_position_embeddings %d", context_length, max_pos
+            )
+        config.eos_token_ids = _collect_eos_ids(raw, _read_json(os.path.join(model_path, "generation_config.json")))
+        config.hf_config = _try_hf_config(model_path)
+        return config
+
+    def get_num_kv_heads(self, tp_size: int) -> int:
+        """KV heads held by one TP rank (replicated when there are fewer KV heads than ranks)."""
+        return max(1, self.num_key_value_heads // tp_size)
+
+    def get_num_attention_heads(self, tp_size: int) -> int:
+        return max(1, self.num_attention_heads // tp_size)
+
+
+def resolve_dtype(dtype: str, raw_config: Dict[str, Any], device: str = "cpu") -> torch.dtype:
+    """"auto" takes the checkpoint's dtype (float32 when it names none)."""
+    if dtype == "auto":
+        name = raw_config.get("torch_dtype") or raw_config.get("dtype") or "float32"
+        if name not in _DTYPE_NAMES:
+            logger.warning("unknown checkpoint dtype %r; using float32", name)
+            name = "float32"
+        resolved = _DTYPE_NAMES[name]
+    elif dtype in _DTYPE_NAMES:
+        resolved = _DTYPE_NAMES[dtype]
+    else:
+        raise ValueError(f"dtype must be one of auto, float32, bfloat16, float16; got {dtype!r}")
+    if resolved == torch.float16 and device == "cpu":
+        # CPU kernels for float16 are slow or missing; bfloat16 has the same size and wider range.
+        logger.warning("float16 is not well supported on the CPU; using bfloat16 instead")
+        resolved = torch.bfloat16
+    return resolved
+
+
+def _parse_rope(raw: Dict[str, Any]):
+    """Return (rope_theta, rope_scaling or None) from either the v4 or the v5 config layout."""
+    params = raw.get("rope_parameters")
+    scaling = raw.get("rope_scaling")
+    theta = raw.get("rope_theta")
+    if isinstance(params, dict):
+        theta = params.get("rope_theta", theta)
+        if scaling is None:
+            scaling = params
+    if isinstance(scaling, dict):
+        scaling = dict(scaling)
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        scaling["rope_type"] = rope_type
+        if rope_type == "default":
+            scaling = None
+    else:
+        scaling = None
+    return float(theta if theta is not None else 10000.0), scaling
+
+
+def _collect_eos_ids(raw: Dict[str, Any], gen: Optional[Dict[str, Any]]) -> Set[int]:
+    ids: Set[int] = set()
+    for source in (raw, gen or {}):
+        eos = source.get("eos_token_id")
+        if eos is None:
+            continue
+        if isinstance(eos, int):
+            ids.add(eos)
+        else:
+            ids.update(int(e) for e in eos)
+    return ids
+
+
+def _read_json(path: str) -> Optional[Dict[str, Any]]:
+    if not os.path.exists(path):
+        return None
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def _try_hf_config(model_path: str):
+    # Only kept for callers that want extra fields; the engine itself reads raw_config.
+    try:
+        from transformers import AutoConfig
+
+        return AutoConfig.from_pretrained(model_path)
+    except Exception as e:  # an unknown model_type must not stop us: we parse config.json ourselves
+        logger.debug("transformers could not parse %s: %s", model_path, e)
+        return None

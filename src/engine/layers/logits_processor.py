@@ -1,0 +1,124 @@
+"""LogitsProcessor: hidden states -> next-token logits (and input logprobs when asked)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, List, Optional
+
+import torch
+from torch import nn
+
+from engine.distributed.parallel_state import tensor_model_parallel_all_gather
+
+if TYPE_CHECKING:
+    from engine.model_executor.forward_batch_info import ForwardBatch
+
+
+@dataclass
+class LogitsProcessorOutput:
+    # [bs, vocab] float32: logits of the last position of each request (extend) or of each token (decode)
+    next_token_logits: torch.Tensor
+    # Filled by the Sampler when logprobs are asked for:
+    next_token_logprobs: Optional[torch.Tensor] = None  # [bs] logprob of the chosen token
+    next_token_top_logprobs_val: Optional[List[List[float]]] = None  # per request, top_logprobs_nums[i] values
+    next_token_top_logprobs_idx: Optional[List[List[int]]] = None
+    # Extend with input logprobs: flat over requests, one entry per position whose logprob was asked
+    # (positions extend_logprob_start_len .. extend_len-1 of each request): the logprob of the
+    # token that follows the position (ForwardBatch.extend_input_logprob_token_ids).
+    input_token_logprobs: Optional[torch.Tensor] = None
+    input_top_logprobs_val: Optional[List[List[List[float]]]] = None  # per request, per position
+    input_top_logprobs_idx: Optional[List[List[List[int]]]] = None
+
+
+class LogitsProcessor(nn.Module):
+    """Projects hidden states to float32 logits over the real vocabulary.
+
+    Only the rows that are needed are projected: the last position of each request for extend
+    (and MIXED), every row for decode, plus the positions whose input logprobs were asked for.
+    """
+
+    def __init__(self, config: Any) -> None:
+        super().__init__()
+        self.vocab_size = int(config.vocab_size)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        hidden_states: torch.Tensor,
+        lm_head: nn.Module,
+        forward_batch: "ForwardBatch",
+    ) -> LogitsProcessorOutput:
+        mode = forward_batch.forward_mode
+        if mode.is_extend():
+            last_index = forward_batch.extend_start_loc + forward_batch.extend_seq_lens - 1
+            pruned = hidden_states.index_select(0, last_index)
+        else:
+            pruned = hidden_states
+        output = LogitsProcessorOutput(next_token_logits=self.compute_logits(pruned, lm_head))
+        if mode.is_extend() and forward_batch.return_logprob and _wants_input_logprobs(forward_batch):
+            self._add_input_logprobs(output, hidden_states, lm_head, forward_batch)
+        return output
+
+    def compute_logits(self, hidden_states: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+        """[n, hidden] -> [n, vocab_size] float32 (all-gathered across TP ranks)."""
+        from engine.layers.linear import linear_forward
+
+        weight = lm_head.weight
+        hidden_states = hidden_states.to(weight.dtype)
+        logits = linear_forward(hidden_states, weight, None, getattr(lm_head, "packed_weight", None))
+        logits = tensor_model_parallel_all_gather(logits, dim=-1)
+        return logits[:, : self.vocab_size].float()
+
+    def _add_input_logprobs(
+        self,
+        output: LogitsProcessorOutput,
+        hidden_states: torch.Tensor,
+        lm_head: nn.Module,
+        forward_batch: "ForwardBatch",
+    ) -> None:
+        ext_lens = forward_batch.extend_seq_lens_cpu
+        start_lens = forward_batch.extend_logprob_start_lens_cpu
+        starts = forward_batch.extend_start_loc.tolist()
+        index_parts: List[torch.Tensor] = []
+        counts: List[int] = []
+        for i, ext_len in enumerate(ext_lens):
+            start = min(max(start_lens[i], 0), ext_len)
+            counts.append(ext_len - start)
+            if ext_len > start:
+                index_parts.append(torch.arange(starts[i] + start, starts[i] + ext_len))
+        index = torch.cat(index_parts).to(hidden_states.device)
+        logprobs = torch.log_softmax(self.compute_logits(hidden_states.index_select(0, index), lm_head), dim=-1)
+        token_ids = forward_batch.extend_input_logprob_token_ids
+        if token_ids is None or token_ids.numel() != index.numel():
+            raise ValueError(
+                "extend_input_logprob_token_ids must hold one id per input-logprob position "
+                f"({index.numel()}), got {None if token_ids is None else token_ids.numel()}"
+            )
+        # The id after a prompt's last position is not known yet and arrives as a placeholder;
+        # clamping keeps any placeholder in bounds (the caller ignores that entry).
+        token_ids = token_ids.to(logprobs.device).long().clamp(0, self.vocab_size - 1)
+        output.input_token_logprobs = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
+
+        top_nums = forward_batch.top_logprobs_nums or [0] * len(ext_lens)
+        if not any(n > 0 for n in top_nums):
+            return
+        max_k = max(top_nums)
+        values, indices = logprobs.topk(max_k, dim=-1)
+        values, indices = values.tolist(), indices.tolist()
+        output.input_top_logprobs_val, output.input_top_logprobs_idx = [], []
+        row = 0
+        for count, k in zip(counts, top_nums):
+            if k > 0:
+                output.input_top_logprobs_val.append([v[:k] for v in values[row : row + count]])
+                output.input_top_logprobs_idx.append([x[:k] for x in indices[row : row + count]])
+            else:
+                output.input_top_logprobs_val.append([])
+                output.input_top_logprobs_idx.append([])
+            row += count
+
+
+def _wants_input_logprobs(forward_batch: "ForwardBatch") -> bool:
+    start_lens = forward_batch.extend_logprob_start_lens_cpu
+    if start_lens is None:
+        return False
+    return any(s < e for s, e in zip(start_lens, forward_batch.extend_seq_lens_cpu))

@@ -1,0 +1,74 @@
+"""Vocabulary-parallel embedding and LM head.
+
+The vocabulary is padded to a multiple of `tp_size * 64` and split into equal contiguous ranges;
+rank r owns ids [r * per_rank, (r + 1) * per_rank). Padding rows are zero and their logits are
+sliced away by the LogitsProcessor.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+
+DEFAULT_VOCAB_PADDING_SIZE = 64
+
+
+def pad_vocab_size(vocab_size: int, pad_to: int) -> int:
+    return ((vocab_size + pad_to - 1) // pad_to) * pad_to
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_size: int = DEFAULT_VOCAB_PADDING_SIZE) -> None:
+        super().__init__()
+        self.tp_rank = get_tp_rank()
+        self.tp_size = get_tp_size()
+        self.num_embeddings = num_embeddings  # the real vocabulary size
+        self.embedding_dim = embedding_dim
+        self.num_embeddings_padded = pad_vocab_size(num_embeddings, padding_size * self.tp_size)
+        self.num_embeddings_per_partition = self.num_embeddings_padded // self.tp_size
+        self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
+        self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
+        self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False)
+        self.weight.weight_loader = self.weight_loader
+
+    def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
+        if loaded_weight.shape[0] != self.num_embeddings or loaded_weight.shape[1] != self.embedding_dim:
+            raise ValueError(
+                f"embedding shape mismatch: checkpoint {tuple(loaded_weight.shape)}, "
+                f"expected ({self.num_embeddings}, {self.embedding_dim})"
+            )
+        start = self.vocab_start_index
+        end = min(self.vocab_end_index, self.num_embeddings)
+        rows = max(0, end - start)
+        param.data.zero_()
+        if rows:
+            param.data[:rows].copy_(loaded_weight[start:end])
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.tp_size == 1:
+            return F.embedding(input_ids, self.weight)
+        # Ids owned by other ranks look up row 0 and are zeroed; the all-reduce fills them in.
+        mask = (input_ids >= self.vocab_start_index) & (input_ids < self.vocab_end_index)
+        local_ids = (input_ids - self.vocab_start_index) * mask
+        out = F.embedding(local_ids, self.weight)
+        out = out * mask.unsqueeze(-1).to(out.dtype)
+        return tensor_model_parallel_all_reduce(out)
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """The output projection; holds this rank's vocabulary rows. The LogitsProcessor does the
+    matmul, the all-gather and the slice to the real vocabulary size."""
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, padding_size: int = DEFAULT_VOCAB_PADDING_SIZE) -> None:
+        super().__init__(num_embeddings, embedding_dim, padding_size)
+        self.packed_weight = None  # see engine.layers.linear.prepack_linear_weights
+
+    def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> None:
+        """Share the embedding matrix (tie_word_embeddings)."""
+        self.weight = embed_tokens.weight
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # pragma: no cover - misuse guard
+        raise RuntimeError("ParallelLMHead is applied by LogitsProcessor, not called directly")

@@ -1,0 +1,158 @@
+"""ModelRunner: owns the model, the KV memory pools and the attention backend of one TP rank."""
+
+from __future__ import annotations
+
+import logging
+from typing import Optional
+
+import torch
+
+from engine.configs.model_config import ModelConfig
+from engine.distributed.parallel_state import get_tp_size
+from engine.layers.attention import create_attention_backend
+from engine.layers.logits_processor import LogitsProcessorOutput
+from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from engine.model_executor.forward_batch_info import ForwardBatch, ModelWorkerBatch
+from engine.model_loader.loader import get_model
+from engine.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+# On the CPU a bigger pool only costs RAM that the rest of the machine wants back.
+CPU_MAX_TOTAL_TOKENS = 1 << 18
+CPU_MAX_RUNNING_REQUESTS = 1024
+
+
+class ModelRunner:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        server_args: ServerArgs,
+        tp_rank: int = 0,
+        tp_size: int = 1,
+        gpu_id: int = 0,
+    ) -> None:
+        self.model_config = model_config
+        self.server_args = server_args
+        self.tp_rank = tp_rank
+        self.tp_size = tp_size
+        self.gpu_id = gpu_id
+        self.page_size = server_args.page_size
+        if get_tp_size() != tp_size:
+            raise RuntimeError(
+                f"ModelRunner built for tp_size {tp_size} but the TP group has size {get_tp_size()}; "
+                "call engine.distributed.parallel_state.init_tp_group first"
+            )
+
+        if server_args.device == "cuda":
+            torch.cuda.set_device(gpu_id)
+            self.device = f"cuda:{gpu_id}"
+        else:
+            self.device = "cpu"
+        self.dtype = model_config.dtype
+        torch.manual_seed(server_args.random_seed)
+
+        self.model = get_model(model_config, self.device, self.dtype)
+        if self.device == "cpu":
+            from engine.layers.linear import prepack_linear_weights
+
+            packed = prepack_linear_weights(self.model)
+            logger.info("Packed %d linear weights for oneDNN", packed)
+        self.sliding_window_size = None
+        self._sampler = None
+        self.init_memory_pool()
+        self.attn_backend = create_attention_backend(server_args.attention_backend, self)
+
+    # ------------------------------------------------------------------ memory
+    def kv_bytes_per_token(self) -> int:
+        kv_heads = self.model_config.get_num_kv_heads(self.tp_size)
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        return 2 * self.model_config.num_hidden_layers * kv_heads * self.model_config.head_dim * element
+
+    def profile_max_num_token(self) -> int:
+        """How many tokens of KV fit in the memory budget of this rank."""
+        per_token = self.kv_bytes_per_token()
+        fraction = self.server_args.mem_fraction_static
+        if self.device.startswith("cuda"):
+            free_bytes, _ = torch.cuda.mem_get_info(self.gpu_id)  # measured after the weights are loaded
+            return int(free_bytes * fraction // per_token)
+        import psutil
+
+        tokens = int(psutil.virtual_memory().available * fraction // per_token)
+        return min(tokens, CPU_MAX_TOTAL_TOKENS)
+
+    def init_memory_pool(self) -> None:
+        args = self.server_args
+        total = args.max_total_tokens if args.max_total_tokens is not None else self.profile_max_num_token()
+        total = (total // self.page_size) * self.page_size
+        if total < 2 * self.page_size:
+            raise RuntimeError(f"not enough memory for the KV cache: {total} tokens (page size {self.page_size})")
+        self.max_total_num_tokens = total
+
+        context_len = self.model_config.context_len
+        if args.max_running_requests is not None:
+            max_num_reqs = args.max_running_requests
+        else:
+            max_num_reqs = min(max(total // context_len * 512, 2048), 4096)
+            if self.device == "cpu":
+                max_num_reqs = min(max_num_reqs, CPU_MAX_RUNNING_REQUESTS)
+        self.max_running_requests = max_num_reqs
+
+        self.req_to_token_pool = ReqToTokenPool(max_num_reqs, context_len, self.device)
+        self.token_to_kv_pool = MHATokenToKVPool(
+            size=total,
+            page_size=self.page_size,
+            dtype=self.dtype,
+            head_num=self.model_config.get_num_kv_heads(self.tp_size),
+            head_dim=self.model_config.head_dim,
+            layer_num=self.model_config.num_hidden_layers,
+            device=self.device,
+        )
+        self.token_to_kv_pool_allocator = self._make_allocator(total)
+        logger.info(
+            "KV cache pool: %d tokens (%.2f GB, page size %d), %d request slots, context length %d",
+            total,
+            total * self.kv_bytes_per_token() / 1e9,
+            self.page_size,
+            max_num_reqs,
+            context_len,
+        )
+
+    def _make_allocator(self, total: int):
+        try:
+            from engine.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
+        except ImportError as e:  # written in parallel by another engineer; the runner works without it
+            logger.warning("KV slot allocator unavailable (%s); token_to_kv_pool_allocator is None", e)
+            return None
+
+        if self.page_size == 1:
+            return TokenToKVPoolAllocator(total, self.dtype, self.device, self.token_to_kv_pool)
+        return PagedTokenToKVPoolAllocator(total, self.page_size, self.dtype, self.device, self.token_to_kv_pool)
+
+    # ------------------------------------------------------------------ forward
+    def forward_batch_from(self, batch: ModelWorkerBatch) -> ForwardBatch:
+        return ForwardBatch.init_new(batch, self)
+
+    def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        with torch.inference_mode():
+            if forward_batch.forward_mode.is_idle():
+                vocab = self.model_config.vocab_size
+                return LogitsProcessorOutput(next_token_logits=torch.empty((0, vocab), device=self.device))
+            self.attn_backend.init_forward_metadata(forward_batch)
+            return self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+    def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> torch.Tensor:
+        """Next token per request: the Sampler with the batch's sampling info, argmax without one."""
+        with torch.inference_mode():
+            if forward_batch.sampling_info is None:
+                return torch.argmax(logits_output.next_token_logits, dim=-1)
+            if self._sampler is None:
+                from engine.layers.sampler import Sampler
+
+                self._sampler = Sampler()
+            return self._sampler.forward(
+                logits_output,
+                forward_batch.sampling_info,
+                forward_batch.return_logprob,
+                forward_batch.top_logprobs_nums,
+            )

@@ -1,0 +1,50 @@
+"""Build a model from its config and fill it from the checkpoint, on the target device and dtype."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from typing import Iterator
+
+import torch
+from torch import nn
+
+from engine.configs.model_config import ModelConfig
+from engine.model_loader.weight_utils import safetensors_weights_iterator
+from engine.models.registry import resolve_model_class
+
+logger = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
+    old = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        yield
+    finally:
+        torch.set_default_dtype(old)
+
+
+def get_model(model_config: ModelConfig, device: str, dtype: torch.dtype) -> nn.Module:
+    """Construct the registered model class directly on `device` in `dtype` and load its weights.
+
+    The rotary cos/sin cache is created in float32 on purpose and stays float32.
+    """
+    start = time.perf_counter()
+    model_class = resolve_model_class(model_config.architectures)
+    with _default_dtype(dtype), torch.device(device):
+        model = model_class(model_config)
+    # Buffers built with an explicit float32 dtype are left as they are.
+    model.load_weights(safetensors_weights_iterator(model_config.model_path))
+    model.eval()
+    logger.info(
+        "Loaded %s (%s, %.1fM params) from %s in %.2fs",
+        model_class.__name__,
+        str(dtype).replace("torch.", ""),
+        sum(p.numel() for p in model.parameters()) / 1e6,
+        model_config.model_path,
+        time.perf_counter() - start,
+    )
+    return model

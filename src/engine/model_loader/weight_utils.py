@@ -1,0 +1,104 @@
+"""Reading checkpoint tensors and routing them into (tensor-parallel, fused) parameters."""
+
+from __future__ import annotations
+
+import glob
+import json
+import logging
+import os
+from typing import Dict, Iterable, Iterator, List, Sequence, Set, Tuple, Union
+
+import torch
+from torch import nn
+
+logger = logging.getLogger(__name__)
+
+ShardId = Union[str, int, None]
+
+
+def safetensors_weights_iterator(model_path: str) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from `model.safetensors` or the shards named by its index file."""
+    from safetensors import safe_open
+
+    index_path = os.path.join(model_path, "model.safetensors.index.json")
+    if os.path.exists(index_path):
+        with open(index_path, encoding="utf-8") as f:
+            weight_map: Dict[str, str] = json.load(f)["weight_map"]
+        files = [os.path.join(model_path, name) for name in sorted(set(weight_map.values()))]
+    else:
+        files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
+    if not files:
+        raise FileNotFoundError(f"no *.safetensors weights in {model_path!r}")
+    for path in files:
+        with safe_open(path, framework="pt", device="cpu") as f:
+            for name in f.keys():
+                yield name, f.get_tensor(name)
+
+
+def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+    """A replicated parameter: the checkpoint tensor as is."""
+    if param.shape != loaded_weight.shape:
+        raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded_weight.shape)}")
+    param.data.copy_(loaded_weight)
+
+
+def load_weights_into(
+    model: nn.Module,
+    weights: Iterable[Tuple[str, torch.Tensor]],
+    stacked_params: Sequence[Tuple[str, str, ShardId]],
+    skip_substrings: Sequence[str] = (),
+) -> None:
+    """Load checkpoint weights into `model`, each parameter (or fused shard) exactly once.
+
+    `stacked_params` maps a checkpoint name piece to our fused parameter's piece and shard id
+    (e.g. ("q_proj", "qkv_proj", "q")). Raises ValueError on a weight loaded twice and on a
+    parameter (or shard) the checkpoint does not provide.
+    """
+    from engine.layers.linear import clear_packed_weights
+
+    clear_packed_weights(model)  # packed copies of the old weights would be stale
+    params = dict(model.named_parameters())  # tied parameters appear once, under their first name
+    shards_of: Dict[str, Set[ShardId]] = {}
+    for _, fused, shard_id in stacked_params:
+        shards_of.setdefault(fused, set()).add(shard_id)
+    loaded: Set[Tuple[str, ShardId]] = set()
+
+    for name, tensor in weights:
+        if any(s in name for s in skip_substrings):
+            continue
+        target, shard_id = _route(name, stacked_params, params)
+        if target is None:
+            logger.warning("checkpoint weight %s has no matching parameter; ignored", name)
+            continue
+        key = (target, shard_id)
+        if key in loaded:
+            raise ValueError(f"weight {name} loaded twice (parameter {target}, shard {shard_id})")
+        param = params[target]
+        loader = getattr(param, "weight_loader", default_weight_loader)
+        with torch.no_grad():
+            if shard_id is None:
+                loader(param, tensor)
+            else:
+                loader(param, tensor, shard_id)
+        loaded.add(key)
+
+    missing: List[str] = []
+    for pname in params:
+        fused = next((f for f in shards_of if f"{f}." in pname), None)
+        expected = shards_of[fused] if fused else {None}
+        missing += [f"{pname}[{s}]" if s is not None else pname for s in expected if (pname, s) not in loaded]
+    if missing:
+        raise ValueError(f"checkpoint is missing {len(missing)} weight(s): {', '.join(sorted(missing)[:20])}")
+
+
+def _route(
+    name: str, stacked_params: Sequence[Tuple[str, str, ShardId]], params: Dict[str, nn.Parameter]
+) -> Tuple[Union[str, None], ShardId]:
+    for ckpt_piece, fused_piece, shard_id in stacked_params:
+        if f".{ckpt_piece}." in name:
+            fused_name = name.replace(f".{ckpt_piece}.", f".{fused_piece}.")
+            if fused_name in params:
+                return fused_name, shard_id
+    if name in params:
+        return name, None
+    return None, None

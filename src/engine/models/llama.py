@@ -1,0 +1,170 @@
+"""Llama decoder (also the base of Mistral, Qwen2 and Qwen3), written for the paged KV pool.
+
+A forward takes the flat token batch `input_ids [T]`, `positions [T]` and the ForwardBatch that
+tells RadixAttention where each token's K/V live. Subclasses only flip a few switches: bias on
+the QKV projection (Qwen2) and per-head RMSNorm of q and k before rotary (Qwen3).
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Iterable, Optional, Tuple
+
+import torch
+from torch import nn
+
+from engine.distributed.parallel_state import get_tp_size
+from engine.layers.activation import SiluAndMul
+from engine.layers.layernorm import RMSNorm
+from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from engine.layers.radix_attention import RadixAttention
+from engine.layers.rotary_embedding import get_rope
+from engine.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.model_loader.weight_utils import load_weights_into
+
+if TYPE_CHECKING:
+    from engine.configs.model_config import ModelConfig
+    from engine.model_executor.forward_batch_info import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+# checkpoint name piece -> (our fused parameter name piece, shard id)
+STACKED_PARAMS = (
+    ("q_proj", "qkv_proj", "q"),
+    ("k_proj", "qkv_proj", "k"),
+    ("v_proj", "qkv_proj", "v"),
+    ("gate_proj", "gate_up_proj", 0),
+    ("up_proj", "gate_up_proj", 1),
+)
+
+
+class LlamaMLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, hidden_act: str = "silu", bias: bool = False) -> None:
+        super().__init__()
+        if hidden_act != "silu":
+            raise ValueError(f"unsupported hidden_act {hidden_act!r}; only silu is supported")
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2, bias=bias)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, bias=bias)
+        self.act_fn = SiluAndMul()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(self.act_fn(self.gate_up_proj(x)))
+
+
+class LlamaAttention(nn.Module):
+    def __init__(
+        self,
+        config: "ModelConfig",
+        layer_id: int,
+        qkv_bias: bool,
+        o_bias: bool,
+        qk_norm: bool,
+    ) -> None:
+        super().__init__()
+        tp_size = get_tp_size()
+        self.head_dim = config.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            config.hidden_size, self.head_dim, config.num_attention_heads, config.num_key_value_heads, bias=qkv_bias
+        )
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.q_size = self.qkv_proj.q_size
+        self.kv_size = self.qkv_proj.kv_size
+        self.o_proj = RowParallelLinear(config.num_attention_heads * self.head_dim, config.hidden_size, bias=o_bias)
+        assert self.num_heads == config.num_attention_heads // tp_size
+        self.rotary_emb = get_rope(
+            self.head_dim, self.head_dim, config.context_len, config.rope_theta, config.rope_scaling
+        )
+        self.q_norm: Optional[RMSNorm] = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.k_norm: Optional[RMSNorm] = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
+        self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id)
+
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: "ForwardBatch") -> torch.Tensor:
+        qkv = self.qkv_proj(hidden_states)
+        q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        if self.q_norm is not None:
+            # Qwen3: RMSNorm over each head's vector, before rotary.
+            q = self.q_norm(q.reshape(-1, self.head_dim)).view(-1, self.q_size)
+            k = self.k_norm(k.reshape(-1, self.head_dim)).view(-1, self.kv_size)
+        q, k = self.rotary_emb(positions, q, k)
+        attn_output = self.attn(q, k, v, forward_batch)
+        return self.o_proj(attn_output)
+
+
+class LlamaDecoderLayer(nn.Module):
+    def __init__(self, config: "ModelConfig", layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.self_attn = LlamaAttention(config, layer_id, qkv_bias, o_bias, qk_norm)
+        mlp_bias = bool(config.raw_config.get("mlp_bias", False))
+        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=mlp_bias)
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        hidden_states: torch.Tensor,
+        forward_batch: "ForwardBatch",
+        residual: Optional[torch.Tensor],
+    ) -> Tuple[torch.Tensor, torch.Tensor]:
+        # The residual stream is carried separately so each norm can fuse the add.
+        if residual is None:
+            residual = hidden_states
+            hidden_states = self.input_layernorm(hidden_states)
+        else:
+            hidden_states, residual = self.input_layernorm(hidden_states, residual)
+        hidden_states = self.self_attn(positions, hidden_states, forward_batch)
+        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
+        return self.mlp(hidden_states), residual
+
+
+class LlamaModel(nn.Module):
+    def __init__(self, config: "ModelConfig", qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
+        self.layers = nn.ModuleList(
+            LlamaDecoderLayer(config, i, qkv_bias, o_bias, qk_norm) for i in range(config.num_hidden_layers)
+        )
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: "ForwardBatch") -> torch.Tensor:
+        hidden_states = self.embed_tokens(input_ids)
+        residual = None
+        for layer in self.layers:
+            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
+        if residual is None:  # no layers
+            return self.norm(hidden_states)
+        hidden_states, _ = self.norm(hidden_states, residual)
+        return hidden_states
+
+
+class LlamaForCausalLM(nn.Module):
+    # Switches that the Qwen subclasses change; None means "ask config.attention_bias".
+    qkv_bias: Optional[bool] = None
+    o_bias: Optional[bool] = None
+    qk_norm: bool = False
+
+    def __init__(self, config: "ModelConfig") -> None:
+        super().__init__()
+        self.config = config
+        qkv_bias = config.attention_bias if self.qkv_bias is None else self.qkv_bias
+        o_bias = config.attention_bias if self.o_bias is None else self.o_bias
+        self.model = LlamaModel(config, qkv_bias, o_bias, self.qk_norm)
+        self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
+        if config.tie_word_embeddings:
+            self.lm_head.tie_weights(self.model.embed_tokens)
+        self.logits_processor = LogitsProcessor(config)
+
+    def forward(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: "ForwardBatch"
+    ) -> LogitsProcessorOutput:
+        hidden_states = self.model(input_ids, positions, forward_batch)
+        return self.logits_processor(input_ids, hidden_states, self.lm_head, forward_batch)
+
+    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> None:
+        skip = ["rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached"]
+        if self.config.tie_word_embeddings:
+            # The head is the embedding; a checkpoint may still carry a copy of it.
+            skip.append("lm_head.weight")
+        load_weights_into(self, weights, STACKED_PARAMS, skip_substrings=skip)

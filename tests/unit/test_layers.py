@@ -1,0 +1,325 @@
+"""Layers against plain-torch / transformers references, including simulated tensor parallelism."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import engine.layers.linear as linear_mod
+import engine.layers.vocab_parallel_embedding as vocab_mod
+from engine.layers.activation import SiluAndMul
+from engine.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from engine.layers.layernorm import RMSNorm
+from engine.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from engine.layers.logits_processor import LogitsProcessor
+from engine.layers.radix_attention import RadixAttention
+from engine.layers.rotary_embedding import get_rope
+from engine.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
+from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from engine.model_executor.forward_batch_info import ForwardBatch, ForwardMode, ModelWorkerBatch
+
+
+def _set_tp(monkeypatch, module, rank: int, size: int) -> None:
+    monkeypatch.setattr(module, "get_tp_rank", lambda: rank)
+    monkeypatch.setattr(module, "get_tp_size", lambda: size)
+
+
+# ---------------------------------------------------------------------------- norm, act, rope
+def test_rmsnorm_plain_and_fused_residual():
+    torch.manual_seed(0)
+    norm = RMSNorm(32, eps=1e-5)
+    norm.weight.data = torch.randn(32)
+    x, res = torch.randn(5, 32), torch.randn(5, 32)
+    ref = x / torch.sqrt(x.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight
+    assert torch.allclose(norm(x), ref, atol=1e-6)
+    out, new_res = norm(x, res)
+    s = x + res
+    assert torch.allclose(new_res, s)
+    assert torch.allclose(out, s / torch.sqrt(s.pow(2).mean(-1, keepdim=True) + 1e-5) * norm.weight, atol=1e-6)
+
+
+def test_silu_and_mul():
+    x = torch.randn(3, 8)
+    assert torch.allclose(SiluAndMul()(x), F.silu(x[:, :4]) * x[:, 4:])
+
+
+@pytest.mark.parametrize(
+    "scaling",
+    [
+        None,
+        {"rope_type": "linear", "factor": 4.0},
+        {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+         "original_max_position_embeddings": 32},
+    ],
+)
+def test_rotary_matches_transformers(scaling):
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
+
+    head_dim, heads, kv_heads, theta = 16, 4, 2, 10000.0
+    cfg = dict(hidden_size=head_dim * heads, num_attention_heads=heads, max_position_embeddings=128)
+    if scaling is not None:
+        cfg["rope_scaling"] = dict(scaling, rope_theta=theta)
+    else:
+        cfg["rope_theta"] = theta
+    hf_rope = LlamaRotaryEmbedding(LlamaConfig(**cfg))
+    rope = get_rope(head_dim, head_dim, 128, theta, scaling)
+    positions = torch.tensor([0, 1, 5, 77, 127, 3])
+    q, k = torch.randn(6, heads * head_dim), torch.randn(6, kv_heads * head_dim)
+    cos, sin = hf_rope(q, positions.unsqueeze(0))
+    ref_q, ref_k = apply_rotary_pos_emb(
+        q.view(1, 6, heads, head_dim).transpose(1, 2), k.view(1, 6, kv_heads, head_dim).transpose(1, 2), cos, sin
+    )
+    out_q, out_k = rope(positions, q, k)
+    assert torch.allclose(out_q, ref_q.transpose(1, 2).reshape(6, -1), atol=1e-5)
+    assert torch.allclose(out_k, ref_k.transpose(1, 2).reshape(6, -1), atol=1e-5)
+
+
+def test_unknown_rope_type_is_rejected():
+    with pytest.raises(ValueError, match="unsupported rope_scaling"):
+        get_rope(16, 16, 64, 10000.0, {"rope_type": "yarn", "factor": 2.0})
+
+
+# ---------------------------------------------------------------------------- tensor parallel linears
+def test_column_and_row_parallel_shards_recompose(monkeypatch):
+    torch.manual_seed(0)
+    full_w, full_b = torch.randn(12, 8), torch.randn(12)
+    row_w, row_b = torch.randn(8, 12), torch.randn(8)
+    x = torch.randn(3, 8)
+    tp = 3
+    col_parts, row_sum = [], 0
+    for rank in range(tp):
+        _set_tp(monkeypatch, linear_mod, rank, tp)
+        col = ColumnParallelLinear(8, 12, bias=True)
+        col.weight.weight_loader(col.weight, full_w)
+        col.bias.weight_loader(col.bias, full_b)
+        part = col(x)
+        col_parts.append(part)
+        row = RowParallelLinear(12, 8, bias=True, reduce_results=False)
+        row.weight.weight_loader(row.weight, row_w)
+        row.bias.weight_loader(row.bias, row_b)
+        row_sum = row_sum + F.linear(part, row.weight)  # what the all-reduce adds up
+    assert torch.allclose(torch.cat(col_parts, -1), F.linear(x, full_w, full_b), atol=1e-5)
+    ref = F.linear(F.linear(x, full_w, full_b), row_w, row_b)
+    assert torch.allclose(row_sum + row_b, ref, atol=1e-5)
+
+
+@pytest.mark.parametrize("tp,kv_heads", [(1, 2), (2, 2), (4, 2)])
+def test_qkv_parallel_sharding_and_kv_replication(monkeypatch, tp, kv_heads):
+    heads, head_dim, hidden = 4, 3, 6
+    wq = torch.arange(heads * head_dim * hidden, dtype=torch.float32).view(heads * head_dim, hidden)
+    wk = -torch.arange(kv_heads * head_dim * hidden, dtype=torch.float32).view(kv_heads * head_dim, hidden) - 1
+    wv = wk - 1000
+    for rank in range(tp):
+        _set_tp(monkeypatch, linear_mod, rank, tp)
+        layer = QKVParallelLinear(hidden, head_dim, heads, kv_heads, bias=False)
+        for shard, w in (("q", wq), ("k", wk), ("v", wv)):
+            layer.weight.weight_loader(layer.weight, w, shard)
+        q, k, v = layer.weight.split([layer.q_size, layer.kv_size, layer.kv_size])
+        q_per = heads // tp * head_dim
+        assert torch.equal(q, wq[rank * q_per : (rank + 1) * q_per])
+        kv_head = rank // max(1, tp // kv_heads) if tp >= kv_heads else None
+        if kv_head is not None:  # one (possibly replicated) KV head per rank
+            assert layer.num_kv_heads == 1
+            assert torch.equal(k, wk[kv_head * head_dim : (kv_head + 1) * head_dim])
+            assert torch.equal(v, wv[kv_head * head_dim : (kv_head + 1) * head_dim])
+        else:
+            per = kv_heads // tp * head_dim
+            assert torch.equal(k, wk[rank * per : (rank + 1) * per])
+
+
+def test_merged_column_gate_up(monkeypatch):
+    gate, up = torch.randn(8, 4), torch.randn(8, 4)
+    for rank in range(2):
+        _set_tp(monkeypatch, linear_mod, rank, 2)
+        layer = MergedColumnParallelLinear(4, [8, 8], bias=False)
+        layer.weight.weight_loader(layer.weight, gate, 0)
+        layer.weight.weight_loader(layer.weight, up, 1)
+        assert torch.equal(layer.weight, torch.cat([gate[rank * 4 : rank * 4 + 4], up[rank * 4 : rank * 4 + 4]]))
+
+
+def test_vocab_parallel_embedding_and_lm_head(monkeypatch):
+    vocab, dim, tp = 200, 8, 2
+    table = torch.randn(vocab, dim)
+    hidden = torch.randn(3, dim)
+    ids = torch.tensor([0, 5, 127, 128, 199])
+    total, logits_parts = 0, []
+    for rank in range(tp):
+        _set_tp(monkeypatch, vocab_mod, rank, tp)
+        emb = VocabParallelEmbedding(vocab, dim)
+        assert emb.num_embeddings_padded % (64 * tp) == 0 and emb.num_embeddings_padded >= vocab
+        emb.weight.weight_loader(emb.weight, table)
+        monkeypatch.setattr(vocab_mod, "tensor_model_parallel_all_reduce", lambda x: x)
+        total = total + emb(ids)
+        head = ParallelLMHead(vocab, dim)
+        head.weight.weight_loader(head.weight, table)
+        logits_parts.append(hidden @ head.weight.t())
+    assert torch.allclose(total, table[ids])
+    gathered = torch.cat(logits_parts, -1)  # what the all-gather builds
+    assert torch.allclose(gathered[:, :vocab], hidden @ table.t(), atol=1e-5)
+    assert torch.all(gathered[:, vocab:] == 0)  # padding rows are zero
+
+
+# ---------------------------------------------------------------------------- attention backend
+class _Runner:
+    device = "cpu"
+
+
+def _make_pool(num_slots=64, kv_heads=2, head_dim=8):
+    pool = MHATokenToKVPool(num_slots, 1, torch.float32, kv_heads, head_dim, layer_num=1)
+    table = ReqToTokenPool(4, 32)
+    return pool, table
+
+
+def _reference_attention(q, k, v, scaling, causal_offset):
+    """q [ext, H, D]; k, v [seq, KH, D]; query i sees keys <= causal_offset + i."""
+    group = q.shape[1] // k.shape[1]
+    k = k.repeat_interleave(group, dim=1)
+    v = v.repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) * scaling
+    mask = torch.arange(k.shape[0])[None, :] <= (torch.arange(q.shape[0])[:, None] + causal_offset)
+    scores = scores.masked_fill(~mask, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def _batch(mode, rows, seq_lens, out_loc, pool, table, prefix_lens=None, ext_lens=None):
+    mwb = ModelWorkerBatch(
+        forward_mode=mode,
+        input_ids=torch.zeros(len(out_loc), dtype=torch.int64),
+        req_pool_indices=torch.tensor(rows),
+        seq_lens=torch.tensor(seq_lens),
+        seq_lens_cpu=list(seq_lens),
+        out_cache_loc=torch.tensor(out_loc),
+        extend_seq_lens=ext_lens,
+        extend_prefix_lens=prefix_lens,
+    )
+    runner = _Runner()
+    runner.req_to_token_pool, runner.token_to_kv_pool = table, pool
+    runner.attn_backend = TorchNativeAttnBackend(runner)
+    fb = ForwardBatch.init_new(mwb, runner)
+    runner.attn_backend.init_forward_metadata(fb)
+    return fb
+
+
+def test_torch_native_extend_with_prefix_and_decode_match_reference():
+    torch.manual_seed(0)
+    heads, kv_heads, d = 4, 2, 8
+    pool, table = _make_pool(kv_heads=kv_heads, head_dim=d)
+    layer = RadixAttention(heads, d, 1 / math.sqrt(d), kv_heads, layer_id=0)
+    # Two requests whose prefixes (3 and 0 tokens) are already in the pool at scattered slots.
+    slots = {1: [40, 7, 22, 9, 30, 11], 2: [5, 6, 50, 51]}
+    for row, s in slots.items():
+        table.req_to_token[row, : len(s)] = torch.tensor(s, dtype=torch.int32)
+    all_k = {row: torch.randn(len(s), kv_heads, d) for row, s in slots.items()}
+    all_v = {row: torch.randn(len(s), kv_heads, d) for row, s in slots.items()}
+    pool.set_kv_buffer(0, torch.tensor(slots[1][:3]), all_k[1][:3], all_v[1][:3])
+    prefix = {1: 3, 2: 0}
+    q = {row: torch.randn(len(s) - prefix[row], heads, d) for row, s in slots.items()}
+
+    fb = _batch(ForwardMode.EXTEND, [1, 2], [6, 4], slots[1][3:] + slots[2], pool, table, [3, 0], [3, 4])
+    k_new = torch.cat([all_k[1][3:], all_k[2]]).reshape(7, -1)
+    v_new = torch.cat([all_v[1][3:], all_v[2]]).reshape(7, -1)
+    out = layer(torch.cat([q[1], q[2]]).reshape(7, -1), k_new, v_new, fb).view(7, heads, d)
+    ref1 = _reference_attention(q[1], all_k[1], all_v[1], layer.scaling, 3)
+    ref2 = _reference_attention(q[2], all_k[2], all_v[2], layer.scaling, 0)
+    assert torch.allclose(out, torch.cat([ref1, ref2]), atol=1e-5)
+
+    # Decode one more token for both requests in one batched op (different lengths -> padding).
+    table.req_to_token[1, 6] = 60
+    table.req_to_token[2, 4] = 61
+    kd, vd, qd = torch.randn(2, kv_heads, d), torch.randn(2, kv_heads, d), torch.randn(2, heads, d)
+    fb = _batch(ForwardMode.DECODE, [1, 2], [7, 5], [60, 61], pool, table)
+    out = layer(qd.reshape(2, -1), kd.reshape(2, -1), vd.reshape(2, -1), fb).view(2, heads, d)
+    for i, row in enumerate([1, 2]):
+        k_all = torch.cat([all_k[row], kd[i : i + 1]])
+        v_all = torch.cat([all_v[row], vd[i : i + 1]])
+        ref = _reference_attention(qd[i : i + 1], k_all, v_all, layer.scaling, k_all.shape[0] - 1)
+        assert torch.allclose(out[i], ref[0], atol=1e-5)
+    assert torch.equal(pool.k_buffer[0][60], kd[0])  # the new K/V were stored
+
+
+# ---------------------------------------------------------------------------- logits processor
+class _Cfg:
+    vocab_size = 10
+
+
+def test_logits_processor_extend_decode_and_input_logprobs():
+    torch.manual_seed(0)
+    head = torch.nn.Module()
+    head.weight = torch.nn.Parameter(torch.randn(64, 4))  # padded vocab 64, real 10
+    lp = LogitsProcessor(_Cfg())
+    hidden = torch.randn(7, 4)
+    full = (hidden @ head.weight.t())[:, :10]
+
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.EXTEND, batch_size=2, input_ids=torch.zeros(7, dtype=torch.long),
+        positions=torch.zeros(7, dtype=torch.long), req_pool_indices=torch.tensor([1, 2]),
+        seq_lens=torch.tensor([3, 4]), seq_lens_cpu=[3, 4], out_cache_loc=torch.arange(7),
+        extend_seq_lens=torch.tensor([3, 4]), extend_start_loc=torch.tensor([0, 3]),
+        extend_seq_lens_cpu=[3, 4], extend_prefix_lens_cpu=[0, 0],
+    )
+    out = lp(fb.input_ids, hidden, head, fb)
+    assert torch.allclose(out.next_token_logits, full[[2, 6]])
+    assert out.input_token_logprobs is None
+
+    fb.return_logprob = True
+    fb.extend_logprob_start_lens_cpu = [1, 4]  # request 1 asks none
+    fb.extend_input_logprob_token_ids = torch.tensor([7, 3])
+    fb.top_logprobs_nums = [2, 0]
+    out = lp(fb.input_ids, hidden, head, fb)
+    logprobs = full.log_softmax(-1)
+    assert torch.allclose(out.input_token_logprobs, torch.stack([logprobs[1, 7], logprobs[2, 3]]), atol=1e-6)
+    assert out.input_top_logprobs_idx[0] == logprobs[1:3].topk(2).indices.tolist()
+    assert out.input_top_logprobs_val[1] == []
+
+    fb.forward_mode = ForwardMode.DECODE
+    out = lp(fb.input_ids, hidden, head, fb)
+    assert out.next_token_logits.shape == (7, 10) and out.next_token_logits.dtype == torch.float32
+
+
+def test_prepacked_linear_matches_plain_linear():
+    from engine.layers.linear import clear_packed_weights, prepack_linear_weights
+
+    if not torch.backends.mkldnn.is_available():
+        pytest.skip("no oneDNN in this torch build")
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(ColumnParallelLinear(32, 48, bias=True), RowParallelLinear(48, 16, bias=False))
+    for p in model.parameters():
+        p.data.normal_()
+    x = torch.randn(5, 32)
+    ref = model(x)
+    assert prepack_linear_weights(model) == 2
+    assert model[0].packed_weight is not None
+    assert torch.allclose(model(x), ref, atol=1e-4)
+    big = torch.randn(600, 32)  # above PACKED_MAX_ROWS: the plain path
+    assert torch.allclose(model(torch.cat([x, big]))[:5], ref, atol=1e-4)
+    clear_packed_weights(model)
+    assert model[0].packed_weight is None
+
+
+def test_torch_native_padded_extend_batch_matches_reference():
+    import engine.layers.attention.torch_native_backend as backend_mod
+
+    torch.manual_seed(1)
+    heads, kv_heads, d = 4, 2, 8
+    pool, table = _make_pool(kv_heads=kv_heads, head_dim=d)
+    layer = RadixAttention(heads, d, 1 / math.sqrt(d), kv_heads, layer_id=0)
+    lens = [5, 6, 4]  # similar lengths, no prefixes: the batched padded path
+    slots = [list(range(1, 6)), list(range(10, 16)), list(range(20, 24))]
+    for row, s in enumerate(slots, start=1):
+        table.req_to_token[row, : len(s)] = torch.tensor(s, dtype=torch.int32)
+    fb = _batch(ForwardMode.EXTEND, [1, 2, 3], lens, sum(slots, []), pool, table, [0, 0, 0], lens)
+    assert isinstance(fb.attn_metadata, backend_mod._PaddedExtend)
+    q, k, v = torch.randn(15, heads, d), torch.randn(15, kv_heads, d), torch.randn(15, kv_heads, d)
+    out = layer(q.reshape(15, -1), k.reshape(15, -1), v.reshape(15, -1), fb).view(15, heads, d)
+    start = 0
+    for n in lens:
+        ref = _reference_attention(q[start : start + n], k[start : start + n], v[start : start + n], layer.scaling, 0)
+        assert torch.allclose(out[start : start + n], ref, atol=1e-5)
+        start += n
+    # Very uneven lengths fall back to one SDPA per request.
+    fb = _batch(ForwardMode.EXTEND, [1, 2], [1, 6], [1, 10, 11, 12, 13, 14, 15], pool, table, [0, 0], [1, 6])
+    assert isinstance(fb.attn_metadata, list)

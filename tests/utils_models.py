@@ -1,0 +1,238 @@
+"""Test helpers: tiny random Hugging Face model directories and a hand-driven ModelRunner.
+
+`build_tiny_model` writes a real model directory (config.json + safetensors) with transformers,
+so the engine loads it through its normal loading code, and returns transformers' model as the
+oracle. `BatchDriver` builds ModelWorkerBatch / ForwardBatch objects by hand (what the scheduler
+does), with KV slots handed out page by page in a scrambled order so that paging bugs show.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+from engine.model_executor.forward_batch_info import ForwardBatch, ForwardMode, ModelWorkerBatch
+
+ARCHS = {
+    "llama": ("LlamaConfig", "LlamaForCausalLM"),
+    "mistral": ("MistralConfig", "MistralForCausalLM"),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
+    "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+}
+
+TINY = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=512,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+)
+
+
+def build_tiny_model(
+    path: str,
+    arch: str = "llama",
+    seed: int = 0,
+    max_shard_size: Optional[str] = None,
+    dtype: torch.dtype = torch.float32,
+    **overrides,
+):
+    """Write a random model of architecture `arch` to `path`; return transformers' model (eval)."""
+    import transformers
+
+    config_cls = getattr(transformers, ARCHS[arch][0])
+    model_cls = getattr(transformers, ARCHS[arch][1])
+    kwargs = dict(TINY)
+    kwargs.update(overrides)
+    kwargs.setdefault("tie_word_embeddings", False)
+    # No EOS: the oracle's greedy loop and the engine both run a fixed number of steps.
+    kwargs.setdefault("eos_token_id", None)
+    kwargs.setdefault("bos_token_id", None)
+    kwargs.setdefault("pad_token_id", None)
+    config = config_cls(**kwargs)
+    torch.manual_seed(seed)
+    model = model_cls(config).to(torch.float32)
+    _randomize(model, seed)
+    model.eval()
+    save_kwargs = {}
+    if max_shard_size is not None:
+        save_kwargs["max_shard_size"] = max_shard_size
+    model.to(dtype).save_pretrained(path, **save_kwargs)
+    return model.to(torch.float32)
+
+
+def _randomize(model: torch.nn.Module, seed: int) -> None:
+    # transformers' init (std 0.02) gives near-uniform logits; larger weights give distinct
+    # greedy tokens, so a wrong kernel changes the generated text.
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if p.dim() == 2:
+                p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]) * 1.5)
+            elif "norm" in name:
+                p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
+            else:  # biases
+                p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+
+
+@torch.no_grad()
+def hf_logits(model, token_ids: Sequence[int]) -> torch.Tensor:
+    """[len, vocab] float32 logits at every position."""
+    return model(torch.tensor([list(token_ids)])).logits[0].float()
+
+
+@torch.no_grad()
+def hf_greedy(model, token_ids: Sequence[int], steps: int) -> List[int]:
+    """transformers' greedy generate (the models are built without EOS, so it runs all steps)."""
+    ids = torch.tensor([list(token_ids)])
+    # An explicit mask: otherwise a prompt token equal to pad_token_id would be masked out.
+    out = model.generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=steps,
+        min_new_tokens=steps,
+        pad_token_id=0,
+    )
+    return out[0, len(token_ids) :].tolist()
+
+
+@dataclass
+class ExtendReq:
+    row: int  # ReqToTokenPool row
+    new_ids: List[int]  # tokens computed in this extend
+    prefix_len: int = 0  # tokens of this request already in the pool
+    logprob_start: Optional[int] = None  # relative to the extend start; None: no input logprobs
+    top_logprobs: int = 0
+
+
+class BatchDriver:
+    """Drives a ModelRunner like a scheduler would, for tests and benchmarks."""
+
+    def __init__(self, runner, seed: int = 0, scramble: bool = False) -> None:
+        """Slots come from the runner's allocator, or with `scramble` (or no allocator) from a
+        private shuffled page list, so pages of one request are far apart in the pool."""
+        self.runner = runner
+        self.page_size = runner.page_size
+        self.allocator = None if scramble else runner.token_to_kv_pool_allocator
+        num_pages = runner.max_total_num_tokens // self.page_size
+        self.free_pages = list(range(1, num_pages + 1))  # page 0 is the padding page
+        random.Random(seed).shuffle(self.free_pages)
+        self.pages: Dict[int, List[int]] = {}
+        self.free_rows = list(range(1, runner.req_to_token_pool.size + 1))
+
+    def new_row(self) -> int:
+        row = self.free_rows.pop(0)
+        self.pages[row] = []
+        return row
+
+    def _last_loc(self, row: int, seq_len: int) -> int:
+        return int(self.runner.req_to_token_pool.req_to_token[row, seq_len - 1]) if seq_len > 0 else -1
+
+    def slots(self, row: int, start: int, end: int) -> torch.Tensor:
+        """Slots for positions [start, end) of a request; records them in its req_to_token row."""
+        if self.allocator is not None:
+            slots = self.allocator.alloc_extend(
+                torch.tensor([start]), torch.tensor([end]), torch.tensor([self._last_loc(row, start)]), end - start
+            )
+            assert slots is not None, "KV pool exhausted"
+        else:
+            pages = self.pages[row]
+            out = []
+            for pos in range(start, end):
+                while pos // self.page_size >= len(pages):
+                    pages.append(self.free_pages.pop())
+                out.append(pages[pos // self.page_size] * self.page_size + pos % self.page_size)
+            slots = torch.tensor(out, dtype=torch.int64)
+        self.runner.req_to_token_pool.req_to_token[row, start:end] = slots.to(torch.int32)
+        return slots
+
+    def extend_batch(self, reqs: Sequence[ExtendReq], decode_rows: Sequence[Tuple[int, int, int]] = ()) -> ForwardBatch:
+        """EXTEND batch, or MIXED when decode rows (row, token, seq_len_before) follow."""
+        input_ids, out_loc, seq_lens, ext_lens, pre_lens, starts, lp_ids = [], [], [], [], [], [], []
+        top = []
+        for r in reqs:
+            input_ids += r.new_ids
+            out_loc.append(self.slots(r.row, r.prefix_len, r.prefix_len + len(r.new_ids)))
+            seq_lens.append(r.prefix_len + len(r.new_ids))
+            ext_lens.append(len(r.new_ids))
+            pre_lens.append(r.prefix_len)
+            start = len(r.new_ids) if r.logprob_start is None else r.logprob_start
+            starts.append(start)
+            # The token after each logprob position; the last one is not known yet (placeholder 0).
+            lp_ids += (r.new_ids + [0])[start + 1 : len(r.new_ids) + 1]
+            top.append(r.top_logprobs)
+        for row, token, seq_len in decode_rows:
+            input_ids.append(token)
+            out_loc.append(self.slots(row, seq_len, seq_len + 1))
+            seq_lens.append(seq_len + 1)
+            ext_lens.append(1)
+            pre_lens.append(seq_len)
+            starts.append(1)
+            top.append(0)
+        want_lp = any(r.logprob_start is not None for r in reqs)
+        batch = ModelWorkerBatch(
+            forward_mode=ForwardMode.MIXED if decode_rows else ForwardMode.EXTEND,
+            input_ids=torch.tensor(input_ids, dtype=torch.int64),
+            req_pool_indices=torch.tensor([r.row for r in reqs] + [d[0] for d in decode_rows], dtype=torch.int64),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+            seq_lens_cpu=seq_lens,
+            out_cache_loc=torch.cat(out_loc),
+            return_logprob=want_lp,
+            top_logprobs_nums=top if want_lp else None,
+            extend_num_tokens=len(input_ids),
+            extend_seq_lens=ext_lens,
+            extend_prefix_lens=pre_lens,
+            extend_logprob_start_lens=starts if want_lp else None,
+            extend_input_logprob_token_ids=torch.tensor(lp_ids, dtype=torch.int64) if want_lp else None,
+        )
+        return ForwardBatch.init_new(batch, self.runner)
+
+    def decode_batch(self, rows: Sequence[int], tokens: Sequence[int], seq_lens_before: Sequence[int]) -> ForwardBatch:
+        seq_lens = [n + 1 for n in seq_lens_before]
+        if self.allocator is not None:
+            last_loc = torch.tensor([self._last_loc(row, n) for row, n in zip(rows, seq_lens_before)])
+            out_loc = self.allocator.alloc_decode(torch.tensor(seq_lens), last_loc)
+            assert out_loc is not None, "KV pool exhausted"
+            for row, n, slot in zip(rows, seq_lens_before, out_loc.tolist()):
+                self.runner.req_to_token_pool.req_to_token[row, n] = slot
+        else:
+            out_loc = torch.cat([self.slots(row, n, n + 1) for row, n in zip(rows, seq_lens_before)])
+        batch = ModelWorkerBatch(
+            forward_mode=ForwardMode.DECODE,
+            input_ids=torch.tensor(list(tokens), dtype=torch.int64),
+            req_pool_indices=torch.tensor(list(rows), dtype=torch.int64),
+            seq_lens=torch.tensor(seq_lens, dtype=torch.int64),
+            seq_lens_cpu=seq_lens,
+            out_cache_loc=out_loc,
+        )
+        return ForwardBatch.init_new(batch, self.runner)
+
+    def run(self, forward_batch: ForwardBatch):
+        out = self.runner.forward(forward_batch)
+        return out, self.runner.sample(out, forward_batch)
+
+
+def make_runner(model_dir: str, page_size: int = 1, dtype: str = "float32", max_total_tokens: int = 4096, **args):
+    from engine.configs.model_config import ModelConfig
+    from engine.model_executor.model_runner import ModelRunner
+    from engine.server_args import ServerArgs
+
+    server_args = ServerArgs(
+        model_path=model_dir,
+        dtype=dtype,
+        device="cpu",
+        page_size=page_size,
+        max_total_tokens=max_total_tokens,
+        max_running_requests=args.pop("max_running_requests", 16),
+        **args,
+    )
+    config = ModelConfig.from_pretrained(model_dir, dtype=dtype, device="cpu")
+    return ModelRunner(config, server_args)
