@@ -203,7 +203,7 @@ def main() -> None:
                                     args.shared_output_len, vocab, args.seed)
     kwargs = dict(dtype=args.dtype, max_total_tokens=args.max_total_tokens,
                   max_running_requests=args.max_running_requests, chunked_prefill_size=args.chunked_prefill_size,
-                  max_prefill_tokens=args.max_prefill_tokens, context_length=4096)
+                  max_prefill_tokens=args.max_prefill_tokens)
     results = [run_engine("engine", model_path, wl, kwargs)]
     if args.compare_no_radix:
         results.append(run_engine("engine-no-radix", model_path, wl, dict(kwargs, disable_radix_cache=True)))

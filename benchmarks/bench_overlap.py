@@ -1,0 +1,135 @@
+"""Overlap scheduling against the normal loop, side by side in one process.
+
+For each configuration the same request set (N decoding requests, fixed input and output
+lengths, ignore_eos) runs through the in-process Scheduler with the real model, once with
+`event_loop_overlap` and once with the normal loop, alternating, best of --repeats. Reported:
+output throughput of each loop and their ratio, and for the normal loop the scheduler's CPU time
+per step (everything but the forward) as a share of the step.
+
+  python benchmarks/bench_overlap.py --model builtin --num-reqs 64 256
+  python benchmarks/bench_overlap.py --model 100m --num-reqs 64 --profile overlap.txt
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import sys
+import time
+from typing import Dict, List
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_models import resolve_model  # noqa: E402
+from engine.managers.io_struct import TokenizedGenerateReqInput  # noqa: E402
+from engine.managers.scheduler import Scheduler  # noqa: E402
+from engine.server_args import ServerArgs  # noqa: E402
+
+
+def make_scheduler(model_path: str, overlap: bool, num_reqs: int, dtype: str) -> Scheduler:
+    args = ServerArgs(model_path=model_path, device="cpu", dtype=dtype, log_level="warning",
+                      max_total_tokens=max(8192, num_reqs * 400), max_running_requests=num_reqs,
+                      disable_overlap_schedule=not overlap, chunked_prefill_size=4096, max_prefill_tokens=8192)
+    return Scheduler(args)
+
+
+def submit(s: Scheduler, num_reqs: int, input_len: int, output_len: int, vocab: int, seed: int) -> None:
+    rng = random.Random(seed)
+    for i in range(num_reqs):
+        s.add_request(TokenizedGenerateReqInput(
+            rid=f"{seed}-{i}", input_ids=[rng.randrange(10, vocab - 10) for _ in range(input_len)],
+            sampling_params={"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}))
+
+
+class TimedScheduler:
+    """Wraps run_batch to split each normal-loop step into forward time and scheduler time."""
+
+    def __init__(self, s: Scheduler) -> None:
+        self.forward_s = 0.0
+        self.decode_steps = 0
+        orig = s.run_batch
+
+        def run_batch(batch):
+            t = time.perf_counter()
+            out = orig(batch)
+            self.forward_s += time.perf_counter() - t
+            self.decode_steps += batch.forward_mode.is_decode()
+            return out
+
+        s.run_batch = run_batch
+
+
+def run_once(s: Scheduler, num_reqs: int, input_len: int, output_len: int, vocab: int, seed: int) -> Dict:
+    submit(s, num_reqs, input_len, output_len, vocab, seed)
+    # Prefill everything first so the timed part is the decode phase with all requests running.
+    step = s.step_overlap if s.forward_stream is not None else s.step
+    while s.waiting_queue or s.inbox or s.chunked_req is not None:
+        step()
+    timer = TimedScheduler(s) if s.forward_stream is None else None
+    tokens_before = sum(len(r.output_ids) for r in s.running_batch.reqs)
+    steps = 0
+    t0 = time.perf_counter()
+    while s.has_work():
+        step()
+        steps += 1
+    elapsed = time.perf_counter() - t0
+    s.outbox.clear()
+    out = {"decode_tokens": num_reqs * output_len - tokens_before, "elapsed_s": elapsed, "steps": steps}
+    out["throughput"] = out["decode_tokens"] / elapsed
+    if timer is not None:
+        out["forward_s"] = timer.forward_s
+        out["sched_share"] = 1 - timer.forward_s / elapsed
+        out["sched_ms_per_step"] = 1000 * (elapsed - timer.forward_s) / max(steps, 1)
+        out["step_ms"] = 1000 * elapsed / max(steps, 1)
+    s.flush_cache()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="builtin")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    ap.add_argument("--num-reqs", type=int, nargs="+", default=[64, 256])
+    ap.add_argument("--input-len", type=int, default=64)
+    ap.add_argument("--output-len", type=int, default=128)
+    ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--profile", default=None, help="write a pyinstrument profile of one normal-loop run here")
+    ap.add_argument("--result-file", default=None)
+    args = ap.parse_args()
+
+    model_path, vocab = resolve_model(args.model, args.dtype)
+    results: List[Dict] = []
+    for n in args.num_reqs:
+        scheds = {mode: make_scheduler(model_path, mode == "overlap", n, args.dtype) for mode in ("normal", "overlap")}
+        best: Dict[str, Dict] = {}
+        for rep in range(args.repeats):
+            for mode in ("normal", "overlap") if rep % 2 == 0 else ("overlap", "normal"):
+                r = run_once(scheds[mode], n, args.input_len, args.output_len, vocab, seed=rep)
+                if mode not in best or r["throughput"] > best[mode]["throughput"]:
+                    best[mode] = r
+        row = {"num_reqs": n, "normal": best["normal"], "overlap": best["overlap"],
+               "ratio": best["overlap"]["throughput"] / best["normal"]["throughput"]}
+        results.append(row)
+        nb = best["normal"]
+        print(f"model={args.model} dtype={args.dtype} reqs={n} in={args.input_len} out={args.output_len}: "
+              f"normal {nb['throughput']:.1f} tok/s (step {nb['step_ms']:.1f} ms, scheduler "
+              f"{nb['sched_ms_per_step']:.1f} ms = {100 * nb['sched_share']:.0f}%), "
+              f"overlap {best['overlap']['throughput']:.1f} tok/s, ratio {row['ratio']:.2f}x", flush=True)
+        if args.profile:
+            from pyinstrument import Profiler
+
+            prof = Profiler(interval=0.001)
+            prof.start()
+            run_once(scheds["normal"], n, args.input_len, args.output_len, vocab, seed=99)
+            prof.stop()
+            with open(f"{args.profile}.{n}.txt", "w") as f:
+                f.write(prof.output_text(unicode=False, color=False, show_all=False))
+    if args.result_file:
+        with open(args.result_file, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=2)
+
+
+if __name__ == "__main__":
+    main()
