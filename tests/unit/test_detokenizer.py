@@ -217,3 +217,31 @@ def test_detokenizer_process_over_zmq(tokenizer, tmp_path):
         send.close()
         zctx.term()
         shutil.rmtree(port_args.ipc_dir, ignore_errors=True)
+
+
+def test_first_output_tokens_keep_their_leading_space_with_prompt_context():
+    """SentencePiece-style tokenizers drop the leading space of the first token decoded alone; the
+    scheduler sends the prompt's last ids as left context with the first emission."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    vocab = {"<unk>": 0, "▁Hello": 1, "▁world": 2, "▁again": 3}
+    tok = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.Metaspace()
+    tok.decoder = decoders.Metaspace()
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok)
+    assert hf.decode([2]) == "world"  # the problem: decoded alone, the space is gone
+
+    from engine.managers.detokenizer_manager import DetokenizerManager
+    from engine.managers.io_struct import BatchTokenIDOutput
+
+    def msg(ids, tail, finished=None):
+        return BatchTokenIDOutput(rids=["a"], finished_reasons=[finished], output_ids=[ids],
+                                  skip_special_tokens=[True], spaces_between_special_tokens=[True],
+                                  no_stop_trim=[False], prompt_tokens=[1], completion_tokens=[len(ids)],
+                                  cached_tokens=[0], prompt_tail_ids=[tail])
+
+    detok = DetokenizerManager(hf)
+    first = detok.handle_batch_token_id_out(msg([2], [1])).output_strs[0]
+    second = detok.handle_batch_token_id_out(msg([3], None, {"type": "length", "length": 2})).output_strs[0]
+    assert first + second == " world again"

@@ -81,7 +81,9 @@ class DetokenizerManager:
         for i in range(n):
             state = self.decode_status.get(recv.rids[i])
             if state is None:
-                state = DecodeStatus()
+                # The prompt's last ids are left context only: decoded with the output, never sent.
+                context = (recv.prompt_tail_ids[i] if recv.prompt_tail_ids else None) or []
+                state = DecodeStatus(decode_ids=list(context), read_offset=len(context))
                 self.decode_status[recv.rids[i]] = state
             state.decode_ids.extend(recv.output_ids[i])
             states.append(state)

@@ -62,6 +62,10 @@ class BatchTokenIDOutput(msgspec.Struct, tag=True):
     prompt_tokens: List[int]
     completion_tokens: List[int]
     cached_tokens: List[int]
+    # With a request's first emission, its last few prompt ids: decoding output ids together with
+    # this left context keeps tokenizers that render a token by its neighbour (SentencePiece's
+    # leading space) right. None on later emissions.
+    prompt_tail_ids: List[Optional[List[int]]] = []
     # Logprobs: per request a list (delta since the previous emission), or None when not asked.
     # Input logprobs are sent once, with the first emission; the first entry of each is None.
     input_token_logprobs_val: List[Optional[List[Optional[float]]]] = []

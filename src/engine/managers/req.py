@@ -104,6 +104,7 @@ class Req:
         # Streaming offsets: what has been sent to the detokenizer so far
         self.send_token_offset = 0
         self.send_output_logprobs_offset = 0
+        self.sent_prompt_tail = False
 
         # Logprobs
         self.return_logprob = return_logprob

@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
 # A non-streaming request still goes to the detokenizer every this many tokens (incremental decode).
 DEFAULT_FORCE_STREAM_INTERVAL = 50
+# Prompt ids sent as left context for detokenizing a request's first output ids.
+DETOKENIZE_CONTEXT_TOKENS = 5
 
 
 class ResultProcessor:
@@ -187,6 +189,9 @@ class OutputStreamer:
             req.finished_output = True
         out["rids"].append(req.rid)
         out["finished_reasons"].append(req.finished_reason.to_json() if req.finished() else None)
+        first = req.send_token_offset == 0 and not req.sent_prompt_tail
+        req.sent_prompt_tail = True
+        out["prompt_tail_ids"].append(req.origin_input_ids[-DETOKENIZE_CONTEXT_TOKENS:] if first else None)
         out["output_ids"].append(req.output_ids[req.send_token_offset:])
         req.send_token_offset = len(req.output_ids)
         out["skip_special_tokens"].append(getattr(sp, "skip_special_tokens", True))
@@ -221,7 +226,7 @@ class OutputStreamer:
 
 _FIELDS = (
     "rids", "finished_reasons", "output_ids", "skip_special_tokens", "spaces_between_special_tokens",
-    "no_stop_trim", "prompt_tokens", "completion_tokens", "cached_tokens",
+    "no_stop_trim", "prompt_tokens", "completion_tokens", "cached_tokens", "prompt_tail_ids",
     "input_token_logprobs_val", "input_token_logprobs_idx", "input_top_logprobs_val", "input_top_logprobs_idx",
     "output_token_logprobs_val", "output_token_logprobs_idx", "output_top_logprobs_val",
     "output_top_logprobs_idx",
