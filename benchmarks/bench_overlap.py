@@ -64,10 +64,10 @@ class TimedScheduler:
 def run_once(s: Scheduler, num_reqs: int, input_len: int, output_len: int, vocab: int, seed: int) -> Dict:
     submit(s, num_reqs, input_len, output_len, vocab, seed)
     # Prefill everything first so the timed part is the decode phase with all requests running.
-    step = s.step_overlap if s.forward_stream is not None else s.step
+    step = s.step_overlap if s.enable_overlap else s.step
     while s.waiting_queue or s.inbox or s.chunked_req is not None:
         step()
-    timer = TimedScheduler(s) if s.forward_stream is None else None
+    timer = None if s.enable_overlap else TimedScheduler(s)
     tokens_before = sum(len(r.output_ids) for r in s.running_batch.reqs)
     steps = 0
     t0 = time.perf_counter()

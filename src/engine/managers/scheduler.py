@@ -119,9 +119,10 @@ class Scheduler:
         self.waiting_timeout = float(os.environ.get("ENGINE_REQ_WAITING_TIMEOUT", "0"))
         # Testing aid (like SGLang's forward_sleep_time): sleep this long in every forward.
         self.forward_sleep_s = float(os.environ.get("ENGINE_TEST_FORWARD_SLEEP_S", "0"))
-        # Overlap scheduling (the default): forwards run on the forward stream, results lag one step.
-        self.forward_stream: Optional[ForwardStream] = (
-            None if server_args.disable_overlap_schedule else ForwardStream(self.device))
+        # Forwards run on the forward stream. Overlap scheduling (the default) processes each result
+        # one step later; the normal loop waits for it at once.
+        self.enable_overlap = not server_args.disable_overlap_schedule
+        self.forward_stream = ForwardStream(self.device)
         self.result_queue: Deque = deque()
         self.forward_ct = 0
         self.num_generated_tokens = 0
@@ -426,9 +427,8 @@ class Scheduler:
         if self.forward_sleep_s > 0:
             time.sleep(self.forward_sleep_s)
         worker_batch = batch.get_model_worker_batch()
-        if self.forward_stream is None:
-            return self.worker.forward_batch_generation(worker_batch)
-        return self.forward_stream.launch(lambda: self.worker.forward_batch_generation(worker_batch))
+        pending = self.forward_stream.launch(lambda: self.worker.forward_batch_generation(worker_batch))
+        return pending if self.enable_overlap else pending.result()
 
     def process_batch_result(self, batch: ScheduleBatch, result) -> None:
         if isinstance(result, PendingResult):
@@ -510,7 +510,7 @@ class Scheduler:
                 or bool(self.result_queue))
 
     def event_loop(self, wait_for_input: Callable[[], None]) -> None:
-        step = self.step if self.forward_stream is None else self.step_overlap
+        step = self.step_overlap if self.enable_overlap else self.step
         while True:
             if not self.has_work():
                 wait_for_input()
@@ -575,9 +575,15 @@ class Scheduler:
 # ====================================================================== the process
 def run_scheduler_process(server_args: Any, port_args: Any, gpu_id: int, tp_rank: int,
                           dp_rank: Optional[int], pipe_writer: Any) -> None:
+    """Body of one scheduler rank.
+
+    With --tp-size N every rank runs the same Scheduler steps on the same requests: rank 0 drains
+    the ZMQ input and broadcasts what it received to the other ranks over the gloo CPU group, and
+    only rank 0 sends outputs (ranks > 0 never touch ZMQ).
+    """
     import zmq
 
-    from engine.managers import io_struct
+    from engine.distributed.parallel_state import init_distributed_environment
     from engine.utils.process_utils import set_process_title, watch_parent
 
     name = f"scheduler_TP{tp_rank}" + (f"_DP{dp_rank}" if dp_rank is not None else "")
@@ -587,39 +593,25 @@ def run_scheduler_process(server_args: Any, port_args: Any, gpu_id: int, tp_rank
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     watch_parent()
     try:
+        _set_cpu_threads(server_args)
+        init_distributed_environment(tp_rank, server_args.tp_size, dist_init_method(server_args, port_args),
+                                     server_args.device)
         tokenizer = None
         if not server_args.skip_tokenizer_init:
             from transformers import AutoTokenizer
 
+            # Every rank needs it: stop strings decide when a request finishes.
             tokenizer = AutoTokenizer.from_pretrained(server_args.tokenizer_path or server_args.model_path)
         scheduler = Scheduler(server_args, tokenizer=tokenizer, gpu_id=gpu_id, tp_rank=tp_rank)
-        context = zmq.Context(2)
-        recv_sock = context.socket(zmq.PULL)
-        recv_sock.connect(port_args.scheduler_input_ipc_name)
-        detok_sock = context.socket(zmq.PUSH)
-        detok_sock.connect(port_args.detokenizer_ipc_name)
-        tok_sock = context.socket(zmq.PUSH)
-        tok_sock.connect(port_args.tokenizer_ipc_name)
+        if tp_rank == 0:
+            recv, send, wait_for_input = _rank0_channels(zmq.Context(2), port_args, server_args.tp_size, dp_rank)
+        else:
+            recv, send, wait_for_input = _follower_channels()
     except Exception:
         msg = traceback.format_exc()
         logger.error("Scheduler failed to start:\n%s", msg)
         pipe_writer.send({"status": "error", "message": msg})
         sys.exit(1)
-
-    def send(msg: Any) -> None:
-        sock = detok_sock if isinstance(msg, BatchTokenIDOutput) else tok_sock
-        sock.send(io_struct.encode(msg))
-
-    def recv() -> List[Any]:
-        msgs = []
-        while True:
-            try:
-                msgs.append(io_struct.decode(recv_sock.recv(zmq.NOBLOCK)))
-            except zmq.Again:
-                return msgs
-
-    def wait_for_input() -> None:
-        recv_sock.poll(timeout=1000)
 
     scheduler.send_output = send
     scheduler.recv_requests = recv
@@ -628,8 +620,109 @@ def run_scheduler_process(server_args: Any, port_args: Any, gpu_id: int, tp_rank
     try:
         scheduler.event_loop(wait_for_input)
     except Exception:
-        logger.error("Scheduler hit an exception:\n%s", traceback.format_exc())
+        logger.error("Scheduler TP rank %d hit an exception (a dead peer rank shows up here as a failed "
+                     "collective):\n%s", tp_rank, traceback.format_exc())
         sys.exit(1)
+
+
+def dist_init_method(server_args: Any, port_args: Any) -> str:
+    """Rendezvous of a TP group: --dist-init-addr across nodes, else a local port of this launch."""
+    if server_args.dist_init_addr:
+        return f"tcp://{server_args.dist_init_addr}"
+    return f"tcp://127.0.0.1:{port_args.nccl_port}"
+
+
+def num_local_scheduler_processes(server_args: Any) -> int:
+    return max(1, server_args.tp_size // server_args.nnodes) * server_args.dp_size
+
+
+def _set_cpu_threads(server_args: Any) -> None:
+    """On the CPU the scheduler ranks of a node share its cores: give each an equal share.
+
+    Without this every rank starts one intra-op thread per core and N ranks oversubscribe the
+    machine N-fold (on 2 cores, tp=2 runs 1 thread per rank). ENGINE_THREADS_PER_RANK overrides.
+    """
+    if server_args.device != "cpu":
+        return
+    override = os.environ.get("ENGINE_THREADS_PER_RANK")
+    if override:
+        threads = int(override)
+    else:
+        try:
+            cores = len(os.sched_getaffinity(0))
+        except AttributeError:  # not Linux
+            cores = os.cpu_count() or 1
+        threads = max(1, cores // num_local_scheduler_processes(server_args))
+    torch.set_num_threads(threads)
+    logger.info("Using %d CPU thread(s) for this rank", threads)
+
+
+def _rank0_channels(context: Any, port_args: Any, tp_size: int, dp_rank: Optional[int]):
+    """recv / send / wait functions of TP rank 0: ZMQ in, broadcast to the followers, ZMQ out."""
+    import zmq
+
+    from engine.distributed.parallel_state import broadcast_bytes_list
+    from engine.managers import io_struct
+
+    recv_sock = context.socket(zmq.PULL)
+    recv_sock.connect(port_args.scheduler_input_ipc_name)
+    detok_sock = context.socket(zmq.PUSH)
+    detok_sock.connect(port_args.detokenizer_ipc_name)
+    tok_sock = context.socket(zmq.PUSH)
+    tok_sock.connect(port_args.tokenizer_ipc_name)
+
+    def recv() -> List[Any]:
+        raw: List[bytes] = []
+        while True:
+            try:
+                raw.append(recv_sock.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                break
+        if tp_size > 1:
+            broadcast_bytes_list(raw)  # every iteration, even empty: the followers' step clock
+        return [io_struct.decode(b) for b in raw]
+
+    def send(msg: Any) -> None:
+        if isinstance(msg, GetInternalStateReqOutput):
+            msg = GetInternalStateReqOutput(internal_state=_with_rank_states(msg.internal_state, tp_size, dp_rank))
+        sock = detok_sock if isinstance(msg, BatchTokenIDOutput) else tok_sock
+        sock.send(io_struct.encode(msg))
+
+    def wait_for_input() -> None:
+        recv_sock.poll(timeout=1000)
+
+    return recv, send, wait_for_input
+
+
+def _with_rank_states(state: Dict[str, Any], tp_size: int, dp_rank: Optional[int]) -> Dict[str, Any]:
+    """Rank 0's state, plus every TP rank's own state under "tp_rank_states" (collective)."""
+    from engine.distributed.parallel_state import gather_objects_to_rank0
+
+    out = dict(state)
+    if dp_rank is not None:
+        out["dp_rank"] = dp_rank
+    if tp_size > 1:
+        states = gather_objects_to_rank0(state) or []
+        out["tp_rank_states"] = [{**s, "tp_rank": r} for r, s in enumerate(states)]
+    return out
+
+
+def _follower_channels():
+    """recv / send / wait functions of TP ranks > 0: rank 0's broadcast in, nothing out."""
+    from engine.distributed.parallel_state import broadcast_bytes_list, gather_objects_to_rank0
+    from engine.managers import io_struct
+
+    def recv() -> List[Any]:
+        return [io_struct.decode(b) for b in broadcast_bytes_list(None)]
+
+    def send(msg: Any) -> None:
+        if isinstance(msg, GetInternalStateReqOutput):
+            gather_objects_to_rank0(msg.internal_state)  # rank 0 reports it
+
+    def wait_for_input() -> None:
+        pass  # the broadcast in recv() blocks until rank 0 steps
+
+    return recv, send, wait_for_input
 
 
 def _start_watchdog(scheduler: Scheduler, timeout: float) -> None:
