@@ -8,12 +8,14 @@ input.
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import logging
 import time
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, MutableMapping, Optional
 
+import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
@@ -44,6 +46,7 @@ from engine.entrypoints.openai.utils import (
     sse_event,
 )
 from engine.managers.errors import EngineRequestError
+from engine.managers.metrics import METRICS_CONTENT_TYPE, TokenizerMetricsCollector
 from engine.managers.tokenizer_manager import GenerateReqInput
 from engine.server_args import ServerArgs
 
@@ -52,6 +55,8 @@ logger = logging.getLogger(__name__)
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
 # Routes that answer without a key: load balancers probe liveness without credentials.
 UNAUTHENTICATED_PATHS = frozenset({"/health"})
+# How long a /metrics scrape waits for the schedulers' state before answering without gauges.
+METRICS_STATE_TIMEOUT_S = 5.0
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -315,6 +320,9 @@ def create_app(
         tokenizer_manager.abort_request(rid=body.rid, abort_all=body.abort_all)
         return OrjsonResponse({"success": True})
 
+    if server_args.enable_metrics:
+        _add_metrics_route(app, tokenizer_manager)
+
     # ------------------------------------------------------------------ generation
     @app.post("/generate")
     async def generate(body: GenerateRequest, raw_request: Request) -> Response:
@@ -341,6 +349,26 @@ def create_app(
     return app
 
 
+def _add_metrics_route(app: FastAPI, tokenizer_manager: Any) -> None:
+    """GET /metrics (only with --enable-metrics; otherwise the route does not exist: 404)."""
+    collector = getattr(tokenizer_manager, "metrics_collector", None)
+    if collector is None:
+        collector = TokenizerMetricsCollector(tokenizer_manager.served_model_name)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        states: Optional[List[dict]] = None
+        try:
+            states = await asyncio.wait_for(tokenizer_manager.get_internal_state(), METRICS_STATE_TIMEOUT_S)
+        except (asyncio.TimeoutError, EngineRequestError) as exc:
+            # Counters and histograms are still worth serving; the gauges are left out.
+            logger.warning("/metrics: no scheduler state (%s); gauges omitted.",
+                           getattr(exc, "message", None) or type(exc).__name__)
+        # Set and render with no await in between, so concurrent scrapes cannot mix states.
+        collector.set_scheduler_states(states)
+        return Response(collector.render(), media_type=METRICS_CONTENT_TYPE)
+
+
 def _model_card(tokenizer_manager: Any, created: int) -> ModelCard:
     return ModelCard(
         id=tokenizer_manager.served_model_name,
@@ -350,18 +378,43 @@ def _model_card(tokenizer_manager: Any, created: int) -> ModelCard:
     )
 
 
-def launch_http_server(server_args: ServerArgs, tokenizer_manager: Any) -> None:
-    """Serve `create_app(...)` with uvicorn on server_args.host:port until shutdown (blocking)."""
-    import uvicorn
+class GracefulServer(uvicorn.Server):
+    """uvicorn's server, but requests in flight are ended before connections are closed.
 
+    On SIGTERM uvicorn stops accepting connections and waits (a bounded time) for the open ones;
+    a long stream would be cut at that deadline without a final chunk. Ending every request
+    first gives each stream its final error event and `[DONE]`, and lets the wait end at once.
+    """
+
+    def __init__(self, config: uvicorn.Config, tokenizer_manager: Any) -> None:
+        super().__init__(config)
+        self.tokenizer_manager = tokenizer_manager
+
+    async def shutdown(self, sockets: Optional[list] = None) -> None:
+        begin_shutdown = getattr(self.tokenizer_manager, "begin_shutdown", None)
+        if begin_shutdown is not None:
+            begin_shutdown()
+        await super().shutdown(sockets=sockets)
+
+
+def build_http_server(server_args: ServerArgs, tokenizer_manager: Any) -> GracefulServer:
+    """The uvicorn server for `create_app(...)` on server_args.host:port (call .run() to serve)."""
     app = create_app(tokenizer_manager, server_args)
-    logger.info("HTTP server listening on %s", server_args.url())
-    uvicorn.run(
+    config = uvicorn.Config(
         app,
         host=server_args.host,
         port=server_args.port,
         log_level=server_args.log_level.lower(),
+        access_log=server_args.log_level.lower() == "debug",
         # Keep idle client connections around for benchmark clients that reuse them.
         timeout_keep_alive=5,
-        loop="auto",
+        # Streams were already ended by begin_shutdown; this only bounds a stuck handler.
+        timeout_graceful_shutdown=3,
     )
+    return GracefulServer(config, tokenizer_manager)
+
+
+def launch_http_server(server_args: ServerArgs, tokenizer_manager: Any) -> None:
+    """Serve the HTTP API until SIGTERM/SIGINT (blocking)."""
+    logger.info("HTTP server listening on %s", server_args.url())
+    build_http_server(server_args, tokenizer_manager).run()

@@ -35,6 +35,7 @@ from engine.managers.io_struct import (
     decode,
     encode,
 )
+from engine.managers.metrics import RequestTimer, TokenizerMetricsCollector
 from engine.server_args import PortArgs, ServerArgs
 from engine.utils.tokenizer_utils import load_tokenizer
 from engine.utils.zmq_utils import get_zmq_socket
@@ -48,6 +49,9 @@ SEND_TIMEOUT_S = 5.0
 CONTROL_TIMEOUT_S = float(os.environ.get("ENGINE_CONTROL_TIMEOUT", "60"))
 HEALTH_CHECK_TIMEOUT_S = float(os.environ.get("ENGINE_HEALTH_CHECK_TIMEOUT", "20"))
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
+# How often a health probe on a busy server asks the scheduler whether forwards advance.
+HEALTH_CHECK_PROGRESS_POLL_S = 0.25
+SHUTDOWN_MESSAGE = "The server is shutting down."
 
 
 @dataclass
@@ -209,6 +213,8 @@ class ReqState:
     input_top_logprobs: list = field(default_factory=list)
     output_token_logprobs: list = field(default_factory=list)
     output_top_logprobs: list = field(default_factory=list)
+    # Set when metrics are enabled and the request is not a health probe.
+    timer: Optional[RequestTimer] = None
 
 
 class _ReplyWaiters:
@@ -293,7 +299,14 @@ class TokenizerManager:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._handle_task: Optional[asyncio.Task] = None
         self._dead_message: Optional[str] = None
+        self._shutting_down = False
         self.last_receive_tstamp = 0.0
+        # Last arrival of generated output (not of control replies): a sign that batches finish.
+        self.last_output_tstamp = 0.0
+        # Concurrent /health_generate calls share this one in-flight probe.
+        self._health_probe: Optional[asyncio.Future] = None
+        self.metrics_collector: Optional[TokenizerMetricsCollector] = (
+            TokenizerMetricsCollector(self.served_model_name) if server_args.enable_metrics else None)
 
     # ------------------------------------------------------------------ lifecycle
     def auto_create_handle_loop(self) -> None:
@@ -314,8 +327,22 @@ class TokenizerManager:
                 logger.exception("Failed to handle a message from the scheduler/detokenizer")
 
     def is_alive(self) -> bool:
-        """True while every child process is alive and no fatal error was reported."""
+        """True while every child process is alive, no fatal error was reported and no shutdown began."""
         return self._dead_message is None and all(p.is_alive() for p in self.child_processes)
+
+    def begin_shutdown(self) -> None:
+        """Graceful shutdown (run in the loop thread): end every request now, refuse new ones.
+
+        Streams in flight get their final error chunk instead of being cut when the HTTP server
+        closes their connections; the scheduler is told to drop its work.
+        """
+        if self._dead_message is not None:
+            return
+        logger.info("Shutting down: ending %d request(s) in flight.", len(self.rid_to_state))
+        self._shutting_down = True
+        self._dead_message = SHUTDOWN_MESSAGE
+        self._fail_all(SHUTDOWN_MESSAGE)
+        self._send_now(AbortReq(abort_all=True), timeout_ms=0)
 
     def mark_dead(self, message: str) -> None:
         """A child died: fail every pending request and control call (callable from any thread)."""
@@ -369,6 +396,8 @@ class TokenizerManager:
                 return_text_in_logprobs=obj.return_text_in_logprobs,
                 created_time=time.time(),
             )
+            if self.metrics_collector is not None and not req.rid.startswith(HEALTH_CHECK_RID_PREFIX):
+                state.timer = RequestTimer(created=time.monotonic())
             self.rid_to_state[req.rid] = state
             states.append(state)
         sent: list[str] = []
@@ -577,6 +606,8 @@ class TokenizerManager:
             logger.warning("TokenizerManager ignores unexpected message %s", type(msg).__name__)
 
     def _handle_batch_str_output(self, batch: BatchStrOutput) -> None:
+        now = time.monotonic()
+        self.last_output_tstamp = now
         for i, rid in enumerate(batch.rids):
             state = self.rid_to_state.get(rid)
             if state is None:
@@ -591,6 +622,9 @@ class TokenizerManager:
             if batch.finished_reasons[i] is not None:
                 state.finished = True
                 state.finished_reason = dict(batch.finished_reasons[i])
+            if state.timer is not None and self.metrics_collector is not None:
+                self.metrics_collector.observe_output(
+                    state.timer, state.prompt_tokens, state.completion_tokens, state.finished, now)
             state.event.set()
 
     def _handle_abort_notice(self, msg: AbortReq) -> None:
@@ -667,7 +701,10 @@ class TokenizerManager:
     def _check_alive(self) -> None:
         if not self.is_alive():
             message = self._dead_message or "A child process of the server died."
-            raise EngineRequestError(f"The server is not alive: {message}", 503, "ServiceUnavailableError")
+            raise EngineRequestError(self._not_alive_message(message), 503, "ServiceUnavailableError")
+
+    def _not_alive_message(self, message: str) -> str:
+        return message if self._shutting_down else f"The server is not alive: {message}"
 
     # ------------------------------------------------------------------ control
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
@@ -711,48 +748,89 @@ class TokenizerManager:
                                      503, "ServiceUnavailableError") from None
 
     async def health_generate(self, timeout: float = HEALTH_CHECK_TIMEOUT_S) -> bool:
-        """Run a 1-token request through the whole pipeline; True if the engine answers in time.
+        """True if the engine shows it can make progress within `timeout` seconds.
 
-        While the scheduler is busy the probe may wait in the queue, so any output from the
-        scheduler during the wait also counts as a sign of life. On timeout the probe is aborted.
+        Concurrent callers share one in-flight probe, so a flood of health checks on a slow or
+        stuck server never piles probe requests into the scheduler's queue.
         """
         if not self.is_alive():
             return False
+        self.auto_create_handle_loop()
+        probe = self._health_probe
+        if probe is None or probe.done() or probe.get_loop() is not asyncio.get_running_loop():
+            probe = self._health_probe = asyncio.ensure_future(self._run_health_probe(timeout))
+        # Shielded: a caller that goes away must not cancel the probe the others wait on.
+        return await asyncio.shield(probe)
+
+    async def _run_health_probe(self, timeout: float) -> bool:
+        """Send a 1-token request and wait for a sign of progress; abort the probe in any case.
+
+        Idle, the probe itself is the sign. Busy, the probe may wait behind other work, so the
+        server counts as healthy as soon as the next batch completes: any generated output
+        arrives, or a scheduler's forward_ct advances. A rejected probe (queue full) is no verdict
+        either way: the other signs decide. No sign within `timeout`, or a dead child: unhealthy.
+        """
+        start = time.monotonic()
+        deadline = start + timeout
         obj = GenerateReqInput(
             input_ids=[0],
             sampling_params={"max_new_tokens": 1, "temperature": 0.0},
             rid=f"{HEALTH_CHECK_RID_PREFIX}_{uuid.uuid4().hex}",
         )
-        start = time.monotonic()
 
-        async def run() -> dict:
+        async def run_probe() -> bool:
             result: dict = {}
             async for out in self.generate_request(obj):
                 result = out
-            return result
+            reason = result.get("meta_info", {}).get("finish_reason") or {}
+            return reason.get("type") != "abort"
 
-        task = asyncio.ensure_future(run())
+        probe = asyncio.ensure_future(run_probe())
+        progress = asyncio.ensure_future(self._wait_forward_progress(deadline))
         try:
             while True:
-                done, _ = await asyncio.wait({task}, timeout=0.1)
-                if done:
-                    try:
-                        result = task.result()
-                    except EngineRequestError as e:
-                        logger.warning("Health check failed: %s", e.message)
-                        return False
-                    reason = result.get("meta_info", {}).get("finish_reason") or {}
-                    return reason.get("type") != "abort" or reason.get("status_code", 400) < 500
+                if probe.done() and _probe_succeeded(probe):
+                    return True
+                if progress.done() and not progress.cancelled() and progress.exception() is None \
+                        and progress.result():
+                    return True
+                if self.last_output_tstamp > start:
+                    return True
                 if not self.is_alive():
                     return False
-                if self.last_receive_tstamp > start:
-                    return True
-                if time.monotonic() - start > timeout:
-                    logger.warning("Health check timed out after %.1f s", timeout)
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    logger.warning("Health check timed out after %.1f s: no batch completed.", timeout)
                     return False
+                # Wake on either task, or at least every 100 ms for the output and liveness checks.
+                pending = {t for t in (probe, progress) if not t.done()}
+                if pending:
+                    await asyncio.wait(pending, timeout=min(remaining, 0.1), return_when=asyncio.FIRST_COMPLETED)
+                else:
+                    await asyncio.sleep(min(remaining, 0.1))
         finally:
-            if not task.done():
-                task.cancel()  # its generator aborts the probe in the scheduler
+            # Cancelling the probe's generator aborts the request in the scheduler if it still runs.
+            for task in (probe, progress):
+                if not task.done():
+                    task.cancel()
+            await asyncio.gather(probe, progress, return_exceptions=True)
+
+    async def _wait_forward_progress(self, deadline: float) -> bool:
+        """True once any scheduler's forward_ct is above what it was at the first reply."""
+        baseline: Optional[list[int]] = None
+        while time.monotonic() < deadline:
+            try:
+                states = await asyncio.wait_for(self.get_internal_state(),
+                                                timeout=max(0.0, deadline - time.monotonic()))
+            except (asyncio.TimeoutError, EngineRequestError):
+                return False
+            counts = [int(s.get("forward_ct", 0)) for s in states]
+            if baseline is None:
+                baseline = counts
+            elif any(c > b for c, b in zip(counts, baseline)):
+                return True
+            await asyncio.sleep(HEALTH_CHECK_PROGRESS_POLL_S)
+        return False
 
     # ------------------------------------------------------------------ chat and info
     def apply_chat_template(
@@ -792,10 +870,10 @@ class TokenizerManager:
         for state in list(self.rid_to_state.values()):
             if not state.finished:
                 state.finished = True
-                state.finished_reason = {"type": "abort", "message": f"The server is not alive: {message}",
+                state.finished_reason = {"type": "abort", "message": self._not_alive_message(message),
                                          "status_code": 503}
                 state.event.set()
-        error = EngineRequestError(f"The server is not alive: {message}", 503, "ServiceUnavailableError")
+        error = EngineRequestError(self._not_alive_message(message), 503, "ServiceUnavailableError")
         self._flush_waiters.fail_all(error)
         self._state_waiters.fail_all(error)
 
@@ -810,6 +888,17 @@ def load_chat_template(chat_template: Optional[str]) -> Optional[str]:
     if "{" not in chat_template:
         raise ValueError(f"--chat-template {chat_template!r} is neither a file nor a Jinja template")
     return chat_template
+
+
+def _probe_succeeded(probe: asyncio.Future) -> bool:
+    if probe.cancelled():
+        return False
+    error = probe.exception()
+    if error is not None:
+        if not isinstance(error, EngineRequestError):
+            logger.warning("Health check probe failed: %r", error)
+        return False
+    return bool(probe.result())
 
 
 def _in_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:

@@ -95,7 +95,8 @@ async def prime_stream(
     """Pull the first item before any byte is sent.
 
     The manager validates before it yields, so a bad request surfaces here and can still get a
-    real HTTP error status instead of an error inside a 200 stream (vllm#16445).
+    real HTTP error status instead of an error inside a 200 stream (vllm#16445). So does a
+    request the scheduler refused before generating anything (a full queue: 503).
     Returns (first_item, None) or (None, error_response).
     """
     try:
@@ -104,6 +105,12 @@ async def prime_stream(
         return None, error_response_from_exception(exc)
     except StopAsyncIteration:
         return None, create_error_response("The engine produced no output.", 500)
+    # Rejected before any token (queue full, shutting down): still time for a real status.
+    for output in as_output_list(first):
+        aborted = abort_error(output.get("meta_info", {}).get("finish_reason"))
+        if aborted is not None and not output.get("output_ids"):
+            await close_stream(stream)
+            return None, create_error_response(*aborted)
     return first, None
 
 

@@ -1,0 +1,149 @@
+"""Prometheus metrics of the serving front end, with SGLang's metric names (`sglang:...`).
+
+Two sources feed one registry per TokenizerManager (so several servers, or tests, can live in
+one process without clashing in prometheus_client's global registry):
+
+- counters and histograms, observed by the TokenizerManager as outputs arrive
+  (`RequestTimer` tracks one request's timestamps; `observe_output` turns them into TTFT,
+  inter-token latency, e2e latency and token counts);
+- gauges of the scheduler (running/queued requests, token usage, cache hit rate, generation
+  throughput), taken from its internal state at scrape time and set with `set_scheduler_states`.
+  A scrape that could not reach the scheduler exposes no gauge rather than a stale value.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Any, Iterator, Optional, Sequence
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
+
+logger = logging.getLogger(__name__)
+
+METRIC_PREFIX = "sglang:"
+METRICS_CONTENT_TYPE = CONTENT_TYPE_LATEST
+
+# Bucket edges in seconds. They start lower than SGLang's because a small model on a CPU
+# answers in milliseconds, and they reach minutes for long generations on big models.
+TTFT_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0)
+ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0)
+E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
+
+
+@dataclass(slots=True)
+class RequestTimer:
+    """Timestamps of one request, in the clock the caller uses for `now` (seconds)."""
+
+    created: float
+    first_token_time: Optional[float] = None
+    last_output_time: Optional[float] = None
+    completion_tokens: int = 0
+
+
+class TokenizerMetricsCollector:
+    """The metrics of one server: request counters, latency histograms and scheduler gauges."""
+
+    def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None) -> None:
+        self.model_name = model_name
+        self.registry = registry if registry is not None else CollectorRegistry()
+        labels = ("model_name",)
+
+        def counter(name: str, doc: str) -> Any:
+            return Counter(METRIC_PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+
+        def histogram(name: str, doc: str, buckets: Sequence[float]) -> Any:
+            return Histogram(METRIC_PREFIX + name, doc, labels, buckets=buckets,
+                             registry=self.registry).labels(model_name)
+
+        # prometheus_client appends `_total` to counter names.
+        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
+        self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")
+        self.num_requests = counter("num_requests", "Finished requests (any finish reason).")
+        self.time_to_first_token = histogram(
+            "time_to_first_token_seconds", "Time from arrival to the first output token.", TTFT_BUCKETS)
+        self.inter_token_latency = histogram(
+            "inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS)
+        self.e2e_request_latency = histogram(
+            "e2e_request_latency_seconds", "Time from arrival to the last output token.", E2E_BUCKETS)
+        self.scheduler_gauges = SchedulerStateCollector(model_name)
+        self.registry.register(self.scheduler_gauges)
+
+    # ------------------------------------------------------------------ observing
+    def observe_output(self, timer: RequestTimer, prompt_tokens: int, completion_tokens: int,
+                       finished: bool, now: float) -> None:
+        """One output of a request arrived with `completion_tokens` tokens generated so far."""
+        new_tokens = completion_tokens - timer.completion_tokens
+        if new_tokens > 0:
+            if timer.first_token_time is None:
+                timer.first_token_time = now
+                self.time_to_first_token.observe(max(0.0, now - timer.created))
+                new_tokens -= 1  # the first token has no predecessor to measure against
+            if new_tokens > 0 and timer.last_output_time is not None:
+                self.observe_inter_token_latency(now - timer.last_output_time, new_tokens)
+            timer.completion_tokens = completion_tokens
+            timer.last_output_time = now
+        if finished:
+            self.observe_one_finished_request(prompt_tokens, completion_tokens, now - timer.created)
+
+    def observe_inter_token_latency(self, interval: float, num_new_tokens: int) -> None:
+        """`num_new_tokens` arrived together after `interval` s: each took interval / n on average."""
+        per_token = max(0.0, interval) / num_new_tokens
+        for _ in range(num_new_tokens):
+            self.inter_token_latency.observe(per_token)
+
+    def observe_one_finished_request(self, prompt_tokens: int, generation_tokens: int,
+                                     e2e_latency: float) -> None:
+        self.prompt_tokens.inc(max(0, prompt_tokens))
+        self.generation_tokens.inc(max(0, generation_tokens))
+        self.num_requests.inc()
+        self.e2e_request_latency.observe(max(0.0, e2e_latency))
+
+    # ------------------------------------------------------------------ scraping
+    def set_scheduler_states(self, states: Optional[Sequence[dict]]) -> None:
+        """The schedulers' internal states for this scrape (one per DP replica), or None."""
+        self.scheduler_gauges.states = list(states) if states is not None else None
+
+    def render(self) -> bytes:
+        """The Prometheus text exposition of everything in this collector's registry."""
+        return generate_latest(self.registry)
+
+
+class SchedulerStateCollector:
+    """Custom collector: gauges computed from the last internal states handed to it.
+
+    Counts (requests, throughput) are summed over DP replicas; ratios are averaged.
+    """
+
+    # (metric name, internal state key, documentation, how replicas combine)
+    GAUGES = (
+        ("num_running_reqs", "num_running_reqs", "Requests running in the scheduler.", "sum"),
+        ("num_queue_reqs", "num_waiting_reqs", "Requests waiting in the scheduler's queue.", "sum"),
+        ("token_usage", "token_usage", "Fraction of the KV cache pool in use.", "mean"),
+        ("cache_hit_rate", "cache_hit_rate", "Fraction of prompt tokens served from the prefix cache.", "mean"),
+        ("gen_throughput", "gen_throughput", "Generation throughput (tokens/s) of recent decode batches.", "sum"),
+    )
+
+    def __init__(self, model_name: str) -> None:
+        self.model_name = model_name
+        self.states: Optional[list[dict]] = None
+
+    def describe(self) -> Iterator[Metric]:
+        # Lets the registry check names at registration without touching the scheduler.
+        for name, _, doc, _ in self.GAUGES:
+            yield GaugeMetricFamily(METRIC_PREFIX + name, doc, labels=["model_name"])
+
+    def collect(self) -> Iterator[Metric]:
+        states = self.states
+        if not states:
+            return
+        for name, key, doc, combine in self.GAUGES:
+            values = [float(s[key]) for s in states if isinstance(s.get(key), (int, float))]
+            if not values:
+                continue
+            value = sum(values) if combine == "sum" else sum(values) / len(values)
+            family = GaugeMetricFamily(METRIC_PREFIX + name, doc, labels=["model_name"])
+            family.add_metric([self.model_name], value)
+            yield family
