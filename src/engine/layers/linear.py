@@ -9,13 +9,18 @@ rank's piece out of the full checkpoint tensor.
 from __future__ import annotations
 
 import logging
-from typing import List, Optional, Union
+from typing import List, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_gather, tensor_model_parallel_all_reduce
+from engine.distributed.parallel_state import (
+    get_tp_rank,
+    get_tp_size,
+    tensor_model_parallel_all_gather,
+    tensor_model_parallel_all_reduce,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -217,5 +222,3 @@ class RowParallelLinear(nn.Module):
             out = out + self.bias
         return out
 
-
-LinearLayer = Union[ColumnParallelLinear, RowParallelLinear]

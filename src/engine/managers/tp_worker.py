@@ -45,7 +45,8 @@ class TpModelWorker:
         self.server_args = server_args
         self.tp_rank = tp_rank
         self.model_config = ModelConfig.from_pretrained(
-            server_args.model_path, dtype=server_args.dtype, context_length=server_args.context_length
+            server_args.model_path, dtype=server_args.dtype, context_length=server_args.context_length,
+            device=server_args.device,
         )
         self.model_runner = ModelRunner(
             self.model_config, server_args, tp_rank=tp_rank, tp_size=server_args.tp_size, gpu_id=gpu_id

@@ -92,8 +92,9 @@ class MHATokenToKVPool:
         if cache_k.dtype != self.dtype:
             cache_k = cache_k.to(self.dtype)
             cache_v = cache_v.to(self.dtype)
-        self.k_buffer[layer_id][loc] = cache_k
-        self.v_buffer[layer_id][loc] = cache_v
+        # index_copy_ is several times faster than indexed assignment on the CPU.
+        self.k_buffer[layer_id].index_copy_(0, loc, cache_k)
+        self.v_buffer[layer_id].index_copy_(0, loc, cache_v)
 
     def bytes_per_token(self) -> int:
         return 2 * self.layer_num * self.head_num * self.head_dim * torch.tensor([], dtype=self.dtype).element_size()

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import logging
-from typing import Optional
+import os
 
 import torch
 
 from engine.configs.model_config import ModelConfig
-from engine.distributed.parallel_state import get_tp_size
+from engine.distributed.parallel_state import all_reduce_min_int, assert_same_across_tp, get_tp_size
 from engine.layers.attention import create_attention_backend
 from engine.layers.logits_processor import LogitsProcessorOutput
 from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -21,6 +21,20 @@ logger = logging.getLogger(__name__)
 # On the CPU a bigger pool only costs RAM that the rest of the machine wants back.
 CPU_MAX_TOTAL_TOKENS = 1 << 18
 CPU_MAX_RUNNING_REQUESTS = 1024
+# Debug aid (tests): all-gather the sampled ids of every step and fail if TP ranks disagree.
+CHECK_TP_SAMPLING = os.environ.get("ENGINE_CHECK_TP_SAMPLING", "0") == "1"
+
+
+# KV pool sizing on CUDA: room kept for the logits of this many decode rows (when
+# --max-running-requests is not given), and a fixed slack for the CUDA context's own growth.
+RESERVE_LOGIT_ROWS = 512
+RESERVE_SLACK_BYTES = 512 << 20
+
+
+def kv_cache_budget_bytes(free_bytes: int, mem_fraction_static: float, reserve_bytes: int) -> int:
+    """Bytes for the KV pool: the --mem-fraction-static share of the memory free after the
+    weights, but never so much that less than `reserve_bytes` stays free for the forward."""
+    return max(0, min(int(free_bytes * mem_fraction_static), free_bytes - reserve_bytes))
 
 
 class ModelRunner:
@@ -62,6 +76,10 @@ class ModelRunner:
         self._sampler = None
         self.init_memory_pool()
         self.attn_backend = create_attention_backend(server_args.attention_backend, self)
+        # After the backend (graphs capture through it) and after the KV pool (they index it).
+        from engine.model_executor.cuda_graph_runner import maybe_create_cuda_graph_runner
+
+        self.cuda_graph_runner = maybe_create_cuda_graph_runner(self)
 
     # ------------------------------------------------------------------ memory
     def kv_bytes_per_token(self) -> int:
@@ -74,16 +92,36 @@ class ModelRunner:
         per_token = self.kv_bytes_per_token()
         fraction = self.server_args.mem_fraction_static
         if self.device.startswith("cuda"):
-            free_bytes, _ = torch.cuda.mem_get_info(self.gpu_id)  # measured after the weights are loaded
-            return int(free_bytes * fraction // per_token)
+            # Measured after the weights are loaded; blocks the loader freed count as free.
+            torch.cuda.empty_cache()
+            free_bytes, _ = torch.cuda.mem_get_info(self.gpu_id)
+            budget = kv_cache_budget_bytes(free_bytes, fraction, self.activation_reserve_bytes())
+            return int(budget // per_token)
         import psutil
 
         tokens = int(psutil.virtual_memory().available * fraction // per_token)
         return min(tokens, CPU_MAX_TOTAL_TOKENS)
 
+    def activation_reserve_bytes(self) -> int:
+        """GPU memory the KV pool must leave for activations, logits and CUDA graphs (an estimate)."""
+        cfg, args = self.model_config, self.server_args
+        element = torch.tensor([], dtype=self.dtype).element_size()
+        prefill_tokens = args.chunked_prefill_size if args.chunked_prefill_size and args.chunked_prefill_size > 0 \
+            else args.max_prefill_tokens
+        # Live at once in a layer: residual, normed input, qkv, attention output, gate_up and its
+        # activation; doubled for the allocator's rounding and the temporaries of each op.
+        per_token = (4 * cfg.hidden_size + 3 * cfg.intermediate_size // self.tp_size) * element * 2
+        # float32 logits of a decode batch, plus the sampler's probabilities and a sorted copy.
+        logit_rows = args.max_running_requests or RESERVE_LOGIT_ROWS
+        logits = logit_rows * cfg.vocab_size * 4 * 3
+        graphs = 0 if args.disable_cuda_graph else args.cuda_graph_max_bs * cfg.vocab_size * 4 * 2
+        return prefill_tokens * per_token + logits + graphs + RESERVE_SLACK_BYTES
+
     def init_memory_pool(self) -> None:
         args = self.server_args
         total = args.max_total_tokens if args.max_total_tokens is not None else self.profile_max_num_token()
+        # Every TP rank must schedule against the same pool, or their decisions would diverge.
+        total = all_reduce_min_int(total)
         total = (total // self.page_size) * self.page_size
         if total < 2 * self.page_size:
             raise RuntimeError(f"not enough memory for the KV cache: {total} tokens (page size {self.page_size})")
@@ -138,6 +176,8 @@ class ModelRunner:
             if forward_batch.forward_mode.is_idle():
                 vocab = self.model_config.vocab_size
                 return LogitsProcessorOutput(next_token_logits=torch.empty((0, vocab), device=self.device))
+            if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
+                return self.cuda_graph_runner.replay(forward_batch)
             self.attn_backend.init_forward_metadata(forward_batch)
             return self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
 
@@ -145,14 +185,19 @@ class ModelRunner:
         """Next token per request: the Sampler with the batch's sampling info, argmax without one."""
         with torch.inference_mode():
             if forward_batch.sampling_info is None:
-                return torch.argmax(logits_output.next_token_logits, dim=-1)
-            if self._sampler is None:
-                from engine.layers.sampler import Sampler
+                next_ids = torch.argmax(logits_output.next_token_logits, dim=-1)
+            else:
+                if self._sampler is None:
+                    from engine.layers.sampler import Sampler
 
-                self._sampler = Sampler()
-            return self._sampler.forward(
-                logits_output,
-                forward_batch.sampling_info,
-                forward_batch.return_logprob,
-                forward_batch.top_logprobs_nums,
-            )
+                    self._sampler = Sampler()
+                next_ids = self._sampler.forward(
+                    logits_output,
+                    forward_batch.sampling_info,
+                    forward_batch.return_logprob,
+                    forward_batch.top_logprobs_nums,
+                )
+            if CHECK_TP_SAMPLING and self.tp_size > 1:
+                # Ranks sample independently from identical logits and seeds; prove they agree.
+                assert_same_across_tp(next_ids, "sampled token ids")
+            return next_ids

@@ -29,7 +29,13 @@ def safetensors_weights_iterator(model_path: str) -> Iterator[Tuple[str, torch.T
         files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
     if not files:
         raise FileNotFoundError(f"no *.safetensors weights in {model_path!r}")
-    for path in files:
+    from tqdm import tqdm
+
+    from engine.distributed.parallel_state import get_tp_rank
+
+    # A progress bar a person can follow on big checkpoints; one per server (TP rank 0).
+    shards = tqdm(files, desc="Loading safetensors shards", unit="shard", disable=get_tp_rank() != 0 or len(files) < 2)
+    for path in shards:
         with safe_open(path, framework="pt", device="cpu") as f:
             for name in f.keys():
                 yield name, f.get_tensor(name)

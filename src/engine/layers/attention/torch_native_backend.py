@@ -60,6 +60,9 @@ class _DecodeMetadata:
 
 
 class TorchNativeAttnBackend(AttentionBackend):
+    # Its decode metadata is shaped by the longest sequence of each batch, so it cannot be static.
+    supports_cuda_graph = False
+
     def __init__(self, model_runner: Any) -> None:
         self.device = model_runner.device
 

@@ -55,6 +55,10 @@ def kernels_interpreted() -> bool:
 
 
 class TritonAttnBackend(AttentionBackend):
+    # Decode needs no host-side data: the grid depends on the batch size only, and the per-request
+    # split counts are computed on the device from seq_lens (cuda_graph_runner.py).
+    supports_cuda_graph = True
+
     def __init__(
         self,
         model_runner: Any,
@@ -72,6 +76,15 @@ class TritonAttnBackend(AttentionBackend):
         self.max_kv_splits = max_kv_splits
         self.decode_block_n = decode_block_n
         self.extend_blocks = extend_blocks
+        # (q heads, v head dim) of this rank's layers, known up front only with a real ModelRunner;
+        # the CUDA-graph scratch is pre-sized for it (other shapes fall back to lazy allocation).
+        config = getattr(model_runner, "model_config", None)
+        tp_size = getattr(model_runner, "tp_size", 1)
+        self.layer_heads: Optional[Tuple[int, int]] = (
+            (config.get_num_attention_heads(tp_size), config.head_dim) if config is not None else None
+        )
+        self.cuda_graph_num_kv_splits: Optional[torch.Tensor] = None
+        self.cuda_graph_scratch: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor]] = {}
 
     # ------------------------------------------------------------------ metadata
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
@@ -82,6 +95,32 @@ class TritonAttnBackend(AttentionBackend):
             fb.attn_metadata = _ExtendMetadata(max_extend_len=max(fb.extend_seq_lens_cpu, default=0))
         else:
             fb.attn_metadata = None
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        """Static decode metadata for batches of up to max_bs rows, shared by every captured size."""
+        self.cuda_graph_num_kv_splits = torch.ones(max_bs, dtype=torch.int32, device=self.device)
+        self.cuda_graph_scratch = {}
+        if self.layer_heads is not None:
+            num_heads, v_head_dim = self.layer_heads
+            self.cuda_graph_scratch[self.layer_heads] = (
+                torch.empty(max_bs, num_heads, self.max_kv_splits, v_head_dim, dtype=torch.float32, device=self.device),
+                torch.empty(max_bs, num_heads, self.max_kv_splits, dtype=torch.float32, device=self.device),
+            )
+
+    def init_forward_metadata_capture_cuda_graph(self, forward_batch: "ForwardBatch") -> None:
+        bs = forward_batch.batch_size
+        if self.cuda_graph_num_kv_splits is None or bs > self.cuda_graph_num_kv_splits.shape[0]:
+            raise RuntimeError(f"init_cuda_graph_state(max_bs >= {bs}) must run before capturing batch size {bs}")
+        # Views of the shared static buffers; a layer shape not pre-sized gets its own scratch on
+        # the first (warm-up) run, kept by this metadata object for the graph's lifetime.
+        scratch = {key: (mid_o[:bs], mid_lse[:bs]) for key, (mid_o, mid_lse) in self.cuda_graph_scratch.items()}
+        forward_batch.attn_metadata = _DecodeMetadata(num_kv_splits=self.cuda_graph_num_kv_splits[:bs], scratch=scratch)
+
+    def init_forward_metadata_replay_cuda_graph(self, forward_batch: "ForwardBatch") -> None:
+        """forward_batch is the captured one: its seq_lens already hold this replay's values."""
+        meta: _DecodeMetadata = forward_batch.attn_metadata
+        meta.num_kv_splits.copy_(compute_num_kv_splits(forward_batch.seq_lens, self.max_kv_splits))
 
     # ------------------------------------------------------------------ forward
     def forward_extend(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch", save_kv_cache: bool = True):
