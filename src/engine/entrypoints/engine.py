@@ -20,6 +20,7 @@ from engine.managers.tokenizer_manager import GenerateReqInput, TokenizerManager
 from engine.server_args import PortArgs, ServerArgs
 from engine.utils.child_processes import ChildProcesses, LaunchError
 from engine.utils.network_utils import get_free_port
+from engine.utils.tokenizer_utils import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +42,9 @@ def launch_subprocesses(server_args: ServerArgs) -> tuple[ServerArgs, ChildProce
 
     On any failure every started child is killed and LaunchError is raised.
     """
+    from engine.managers.data_parallel_controller import start_scheduler_processes
     from engine.managers.detokenizer_manager import run_detokenizer_process
-    from engine.managers.scheduler import run_scheduler_process
 
-    if server_args.dp_size > 1:
-        raise LaunchError("--dp-size > 1 is not supported yet (the data-parallel controller is missing).")
     try:
         load_chat_template(server_args.chat_template)  # fail before anything is started
     except (OSError, ValueError) as e:
@@ -56,21 +55,20 @@ def launch_subprocesses(server_args: ServerArgs) -> tuple[ServerArgs, ChildProce
         port_args.nccl_port = get_free_port()
     children = ChildProcesses(port_args.ipc_dir)
     try:
-        tp_per_node = max(1, server_args.tp_size // server_args.nnodes)
-        first_rank = server_args.node_rank * tp_per_node
-        for tp_rank in range(first_rank, first_rank + tp_per_node):
-            gpu_id = tp_rank - first_rank
-            children.start(f"scheduler_TP{tp_rank}", run_scheduler_process,
-                           (server_args, port_args, gpu_id, tp_rank, None))
+        # Schedulers of this node (dp_size 1) or the data-parallel controller that starts them.
+        info_child = start_scheduler_processes(children, server_args, port_args)
         if server_args.node_rank == 0:
             children.start("detokenizer", run_detokenizer_process, (server_args, port_args))
+        # Load the tokenizer while the children load the model, not after.
+        tokenizer = None if server_args.skip_tokenizer_init else load_tokenizer(
+            server_args.tokenizer_path or server_args.model_path, server_args.trust_remote_code)
         infos = children.wait_ready()
-        scheduler_info = infos[f"scheduler_TP{first_rank}"]
+        scheduler_info = infos[info_child]
         logger.info("All child processes are ready: max_total_num_tokens=%s, context_len=%s, "
                     "max_req_input_len=%s", scheduler_info.get("max_total_num_tokens"),
                     scheduler_info.get("context_len"), scheduler_info.get("max_req_input_len"))
         tokenizer_manager = TokenizerManager(server_args, port_args, scheduler_info,
-                                             child_processes=children.processes())
+                                             child_processes=children.processes(), tokenizer=tokenizer)
     except BaseException:
         children.shutdown()
         raise
