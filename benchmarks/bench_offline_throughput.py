@@ -90,7 +90,8 @@ class RunResult:
 
 
 def run_engine(name: str, model_path: str, workload: Workload, server_kwargs: Dict) -> RunResult:
-    args = ServerArgs(model_path=model_path, device="cpu", log_level="warning", **server_kwargs)
+    server_kwargs.setdefault("device", "cpu")
+    args = ServerArgs(model_path=model_path, log_level="warning", **server_kwargs)
     scheduler = Scheduler(args)
     # Warm-up: one short request through prefill and decode.
     scheduler.add_request(TokenizedGenerateReqInput(

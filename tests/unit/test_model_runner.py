@@ -192,3 +192,14 @@ def test_missing_and_duplicate_weights_raise(tiny_llama):
     with pytest.raises(ValueError, match="loaded twice"):
         runner.model.load_weights(weights + weights[:1])
     runner.model.load_weights(weights)  # and the complete checkpoint loads cleanly
+
+
+def test_auto_dtype_is_bfloat16_on_cuda_for_a_float32_checkpoint():
+    import torch
+
+    from engine.configs.model_config import resolve_dtype
+
+    assert resolve_dtype("auto", {"torch_dtype": "float32"}, "cuda") == torch.bfloat16
+    assert resolve_dtype("auto", {"torch_dtype": "float32"}, "cpu") == torch.float32
+    assert resolve_dtype("float32", {"torch_dtype": "float32"}, "cuda") == torch.float32
+    assert resolve_dtype("auto", {"torch_dtype": "float16"}, "cpu") == torch.bfloat16

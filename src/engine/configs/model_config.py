@@ -118,13 +118,16 @@ class ModelConfig:
 
 
 def resolve_dtype(dtype: str, raw_config: Dict[str, Any], device: str = "cpu") -> torch.dtype:
-    """"auto" takes the checkpoint's dtype (float32 when it names none)."""
+    """"auto" takes the checkpoint's dtype (float32 when it names none), except that a float32
+    checkpoint runs in bfloat16 on CUDA (as SGLang does: half the memory, tensor-core matmuls)."""
     if dtype == "auto":
         name = raw_config.get("torch_dtype") or raw_config.get("dtype") or "float32"
         if name not in _DTYPE_NAMES:
             logger.warning("unknown checkpoint dtype %r; using float32", name)
             name = "float32"
         resolved = _DTYPE_NAMES[name]
+        if resolved == torch.float32 and str(device).startswith("cuda"):
+            resolved = torch.bfloat16
     elif dtype in _DTYPE_NAMES:
         resolved = _DTYPE_NAMES[dtype]
     else:
