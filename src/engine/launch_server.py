@@ -59,6 +59,11 @@ def launch_server(server_args: ServerArgs) -> None:
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, _exit_on_signal)
 
+    if server_args.node_rank > 0:
+        # Multi-node TP: the other nodes run their scheduler ranks only; node 0 serves HTTP.
+        _run_worker_node(server_args)
+        return
+
     if not is_port_free(server_args.port, server_args.host):
         print(f"error: port {server_args.port} on {server_args.host} is already in use.", file=sys.stderr)
         sys.exit(EXIT_LAUNCH_FAILED)
@@ -82,23 +87,50 @@ def launch_server(server_args: ServerArgs) -> None:
         _kill_descendants()
 
 
+def _run_worker_node(server_args: ServerArgs) -> None:
+    """Node rank > 0: start this node's TP ranks, then wait for a signal or a rank's death."""
+    from engine.entrypoints.engine import resolve_model_path
+    from engine.managers.data_parallel_controller import start_scheduler_processes
+    from engine.server_args import PortArgs
+
+    server_args = resolve_model_path(server_args)
+    # Ranks > 0 never touch ZMQ: the endpoints only exist to fill PortArgs.
+    port_args = PortArgs.init_new(server_args)
+    children = ChildProcesses(port_args.ipc_dir)
+    try:
+        try:
+            start_scheduler_processes(children, server_args, port_args)
+            children.wait_ready()
+        except LaunchError as e:
+            print(f"error: node {server_args.node_rank} failed to start: {e}", file=sys.stderr)
+            children.shutdown()
+            sys.exit(EXIT_LAUNCH_FAILED)
+        logger.info("Node %d: scheduler ranks ready (rendezvous at %s); no HTTP server on this node.",
+                    server_args.node_rank, server_args.dist_init_addr)
+        children.start_watchdog(lambda name, pid, code: _on_worker_rank_death(children, name, pid, code))
+        while True:
+            signal.pause()  # SIGTERM/SIGINT raise SystemExit through _exit_on_signal
+    finally:
+        children.shutdown()
+        _kill_descendants()
+
+
+def _on_worker_rank_death(children: ChildProcesses, name: str, pid: int, exitcode: Any) -> None:
+    logger.error("Child process %s (%d) died with exit code %s; shutting down this node.", name, pid, exitcode)
+    try:
+        children.shutdown()
+        _kill_descendants()
+    finally:
+        logging.shutdown()
+        os._exit(EXIT_CHILD_DIED)
+
+
 def _serve_http(server_args: ServerArgs, tokenizer_manager: Any) -> None:
-    import uvicorn
+    from engine.entrypoints.http_server import build_http_server
 
-    from engine.entrypoints.http_server import create_app
-
-    app = create_app(tokenizer_manager, server_args)
-    config = uvicorn.Config(
-        app,
-        host=server_args.host,
-        port=server_args.port,
-        log_level=server_args.log_level.lower(),
-        access_log=server_args.log_level.lower() == "debug",
-        timeout_keep_alive=5,
-        timeout_graceful_shutdown=3,
-    )
+    server = build_http_server(server_args, tokenizer_manager)
     logger.info("Serving HTTP on %s", server_args.url())
-    uvicorn.Server(config).run()
+    server.run()
 
 
 def _on_child_death(children: ChildProcesses, tokenizer_manager: Any, name: str, pid: int, exitcode: Any) -> None:

@@ -1,16 +1,31 @@
 """Process-group state for tensor parallelism.
 
-The scheduler process calls `init_tp_group` once; layers ask `get_tp_rank()` / `get_tp_size()`.
-Without initialisation (tests, tp_size 1) rank is 0, size is 1 and collectives are identities.
+The scheduler process calls `init_distributed_environment` once (or a test calls `init_tp_group`
+with groups it made); layers ask `get_tp_rank()` / `get_tp_size()`. Without initialisation
+(tests, tp_size 1) rank is 0, size is 1 and collectives are identities.
+
+Two groups per TP group: `group` carries the model's collectives (NCCL on CUDA, gloo on the CPU)
+and `cpu_group` (always gloo) carries the scheduler's per-iteration broadcast of received
+messages. They are separate so that the overlap loop's forward thread (all-reduces) and the
+scheduling thread (broadcasts) never share a communicator.
 """
 
 from __future__ import annotations
 
+import logging
+import os
+import time
 from dataclasses import dataclass
-from typing import Optional
+from datetime import timedelta
+from typing import Any, List, Optional
 
 import torch
 import torch.distributed as dist
+
+logger = logging.getLogger(__name__)
+
+# How long a rank waits for its peers at start-up and in a collective before giving up.
+DIST_TIMEOUT_S = float(os.environ.get("ENGINE_DIST_TIMEOUT", "600"))
 
 
 @dataclass
@@ -21,12 +36,50 @@ class _TpGroup:
     cpu_group: Optional[dist.ProcessGroup]  # gloo, for broadcasting Python objects
 
 
+@dataclass
+class CommStats:
+    """Seconds spent inside the model's collectives (all-reduce, all-gather) since the last reset."""
+
+    seconds: float = 0.0
+    calls: int = 0
+
+    def reset(self) -> None:
+        self.seconds, self.calls = 0.0, 0
+
+
 _TP = _TpGroup(rank=0, size=1, group=None, cpu_group=None)
+comm_stats = CommStats()
 
 
 def init_tp_group(rank: int, size: int, group, cpu_group) -> None:
     global _TP
     _TP = _TpGroup(rank=rank, size=size, group=group, cpu_group=cpu_group)
+
+
+def init_distributed_environment(tp_rank: int, tp_size: int, init_method: str, device: str) -> None:
+    """Join the TP group of `tp_size` ranks rendezvousing at `init_method` (tcp://host:port).
+
+    At tp_size 1 nothing is created: the collectives stay identities.
+    """
+    if tp_size == 1:
+        init_tp_group(0, 1, None, None)
+        return
+    backend = "nccl" if device.startswith("cuda") else "gloo"
+    timeout = timedelta(seconds=DIST_TIMEOUT_S)
+    start = time.perf_counter()
+    dist.init_process_group(backend=backend, init_method=init_method, world_size=tp_size, rank=tp_rank,
+                            timeout=timeout)
+    cpu_group = dist.new_group(ranks=list(range(tp_size)), backend="gloo", timeout=timeout)
+    init_tp_group(tp_rank, tp_size, dist.group.WORLD, cpu_group)
+    logger.info("TP rank %d/%d joined the %s group at %s in %.2fs", tp_rank, tp_size, backend, init_method,
+                time.perf_counter() - start)
+
+
+def destroy_distributed_environment() -> None:
+    global _TP
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    _TP = _TpGroup(rank=0, size=1, group=None, cpu_group=None)
 
 
 def get_tp_rank() -> int:
@@ -37,20 +90,102 @@ def get_tp_size() -> int:
     return _TP.size
 
 
+def get_tp_group():
+    return _TP.group
+
+
 def get_tp_cpu_group():
     return _TP.cpu_group
 
 
+# ---------------------------------------------------------------------- model collectives
 def tensor_model_parallel_all_reduce(x: torch.Tensor) -> torch.Tensor:
     if _TP.size == 1:
         return x
+    start = time.perf_counter()
     dist.all_reduce(x, group=_TP.group)
+    comm_stats.seconds += time.perf_counter() - start
+    comm_stats.calls += 1
     return x
 
 
 def tensor_model_parallel_all_gather(x: torch.Tensor, dim: int = -1) -> torch.Tensor:
     if _TP.size == 1:
         return x
+    start = time.perf_counter()
     parts = [torch.empty_like(x) for _ in range(_TP.size)]
     dist.all_gather(parts, x.contiguous(), group=_TP.group)
-    return torch.cat(parts, dim=dim)
+    out = torch.cat(parts, dim=dim)
+    comm_stats.seconds += time.perf_counter() - start
+    comm_stats.calls += 1
+    return out
+
+
+def assert_same_across_tp(x: torch.Tensor, what: str) -> None:
+    """Debug check: every rank holds the same tensor (e.g. the sampled token ids)."""
+    if _TP.size == 1:
+        return
+    gathered = [torch.empty_like(x) for _ in range(_TP.size)]
+    dist.all_gather(gathered, x.contiguous(), group=_TP.group)
+    for rank, other in enumerate(gathered):
+        if not torch.equal(other, gathered[0]):
+            raise AssertionError(f"{what} differ between TP rank 0 and rank {rank}: "
+                                 f"{gathered[0].tolist()} vs {other.tolist()}")
+
+
+# ---------------------------------------------------------------------- scheduler collectives (CPU)
+def all_reduce_min_int(value: int) -> int:
+    """The minimum of an integer over the TP group (the KV pool size every rank can hold)."""
+    if _TP.size == 1:
+        return value
+    t = torch.tensor([value], dtype=torch.int64)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_TP.cpu_group)
+    return int(t.item())
+
+
+def broadcast_bytes_list(items: Optional[List[bytes]]) -> List[bytes]:
+    """Rank 0's list of byte strings, on every rank (others pass None).
+
+    One length header then one payload broadcast: two gloo calls per scheduler iteration.
+    """
+    if _TP.size == 1:
+        return list(items or [])
+    group = _TP.cpu_group
+    if _TP.rank == 0:
+        items = list(items or [])
+        header = torch.tensor([len(items)] + [len(b) for b in items], dtype=torch.int64)
+        count = torch.tensor([header.numel()], dtype=torch.int64)
+    else:
+        count = torch.zeros(1, dtype=torch.int64)
+    src = dist.get_global_rank(group, 0) if group is not None else 0
+    dist.broadcast(count, src=src, group=group)
+    if _TP.rank != 0:
+        header = torch.zeros(int(count.item()), dtype=torch.int64)
+    dist.broadcast(header, src=src, group=group)
+    lengths = header[1:].tolist()
+    total = sum(lengths)
+    if total == 0:
+        return [b"" for _ in lengths] if _TP.rank != 0 else items
+    if _TP.rank == 0:
+        payload = torch.frombuffer(bytearray(b"".join(items)), dtype=torch.uint8)
+    else:
+        payload = torch.empty(total, dtype=torch.uint8)
+    dist.broadcast(payload, src=src, group=group)
+    if _TP.rank == 0:
+        return items
+    data = payload.numpy().tobytes()
+    out, offset = [], 0
+    for n in lengths:
+        out.append(data[offset:offset + n])
+        offset += n
+    return out
+
+
+def gather_objects_to_rank0(obj: Any) -> Optional[List[Any]]:
+    """Every rank's `obj` on rank 0 (a list by rank), None elsewhere."""
+    if _TP.size == 1:
+        return [obj]
+    group = _TP.cpu_group
+    out: Optional[List[Any]] = [None] * _TP.size if _TP.rank == 0 else None
+    dist.gather_object(obj, out, dst=dist.get_global_rank(group, 0), group=group)
+    return out
