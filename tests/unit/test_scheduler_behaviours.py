@@ -366,3 +366,38 @@ def test_mixed_chunk_gives_same_outputs(page_size):
     mixed, modes = run(True)
     assert "MIXED" in modes
     assert plain == mixed
+
+
+def test_admission_resumes_when_a_whole_prefill_batch_finishes_at_prefill():
+    # Regression: batch_is_full stayed set on an empty running batch, the third request starved.
+    for overlap in (False, True):
+        h = Harness(worker=FakeWorker(max_running=2), overlap=overlap)
+        rids = [h.submit([i + 1, i + 2, i + 3], max_new_tokens=1) for i in range(3)]
+        h.run_until_idle(max_steps=50)
+        assert all(h.outputs[r].finished_reason is not None for r in rids)
+
+
+def test_chunked_request_survives_a_negative_token_budget_with_mixed_chunk():
+    # Regression: the chunk was truncated below the computed prefix when the budget went negative.
+    for overlap in (False, True):
+        h = Harness(worker=FakeWorker(max_total_tokens=260), chunked_prefill_size=32, enable_mixed_chunk=True,
+                    overlap=overlap)
+        for i in range(4):
+            h.submit(prompt(20, 100 * i), max_new_tokens=40, ignore_eos=True)
+        for _ in range(3):
+            h.step()
+        rid = h.submit(prompt(200, 500), max_new_tokens=2, ignore_eos=True)
+        h.run_until_idle()
+        assert h.outputs[rid].finished_reason is not None
+
+
+def test_stop_string_spelled_in_more_tokens_than_it_encodes_to():
+    # " world" produced letter by letter must still stop (the tail window covers its characters).
+    class Spelling(FakeTokenizer):
+        def encode(self, text, add_special_tokens=False):
+            return [0]  # the stop string encodes to a single token
+
+    h = Harness(tokenizer=Spelling())
+    rid = h.submit([2], max_new_tokens=30, stop=["defghi"])
+    h.run_until_idle()
+    assert h.outputs[rid].finished_reason == {"type": "stop", "matched": "defghi"}

@@ -65,11 +65,16 @@ class ForwardStream:
     def launch(self, fn: Callable[[], Any]) -> PendingResult:
         if not self.is_cuda:
             return PendingResult(self.executor.submit(_in_inference_mode, fn))
+        # The forward must see everything the scheduler queued on its own stream (req_to_token
+        # writes, H2D copies) before launching.
+        scheduled = torch.cuda.Event()
+        scheduled.record(torch.cuda.current_stream())
         copy_done = torch.cuda.Event()
-        return PendingResult(self.executor.submit(self._run_cuda, fn, copy_done), copy_done)
+        return PendingResult(self.executor.submit(self._run_cuda, fn, scheduled, copy_done), copy_done)
 
-    def _run_cuda(self, fn: Callable[[], Any], copy_done: Any) -> Any:
+    def _run_cuda(self, fn: Callable[[], Any], scheduled: Any, copy_done: Any) -> Any:
         with torch.inference_mode(), torch.cuda.stream(self.forward_stream):
+            self.forward_stream.wait_event(scheduled)
             result = fn()
             forward_done = torch.cuda.Event()
             forward_done.record(self.forward_stream)

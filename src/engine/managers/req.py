@@ -217,7 +217,10 @@ class Req:
             self.finished_reason = FINISH_LENGTH(self.max_new_tokens)
 
     def tail_str(self) -> str:
-        window = self.sampling_params.stop_str_max_len + 1
+        # A stop string may be produced in more tokens than it encodes to (" world" spelled letter
+        # by letter), so the window also covers one token per character.
+        sp = self.sampling_params
+        window = max(sp.stop_str_max_len, max((len(s) for s in sp.stop_strs), default=0)) + 1
         return self.decode(self.output_ids[-window:])
 
     def decode(self, ids: List[int]) -> str:

@@ -179,7 +179,9 @@ class PrefillAdder:
         limit = min(self.rem_chunk_tokens, int(self.rem_total_tokens))
         truncated = req.extend_input_len > limit
         if truncated:
-            self._truncate(req, self._floor_page(limit))
+            # The budget can be negative (reserved decode room exceeds the pool): never cut
+            # below the part already computed.
+            self._truncate(req, max(self._floor_page(limit), 0))
             if req.extend_input_len <= 0:
                 return req  # nothing fits this round; it stays the chunked request
         self.can_run_list.append(req)

@@ -300,7 +300,11 @@ class Scheduler:
         # Freshly prefilled requests join the decode batch one iteration after their prefill.
         last = self.last_batch
         if last is not None and last.forward_mode is not None and last.forward_mode.is_extend():
+            before = last.batch_size()
             last.filter_batch(chunked_req_to_exclude=self.chunked_req)
+            if last.batch_size() < before:
+                # Requests finished at their prefill freed their slots: admission may resume.
+                self.running_batch.batch_is_full = False
             if not last.is_empty():
                 if self.running_batch.is_empty():
                     self.running_batch = last
@@ -472,8 +476,9 @@ class Scheduler:
 
         A request that finished in step N is still part of step N+1 (its result is ignored, its
         KV, including the slot allocated for that extra step, was released when step N was
-        processed). Two prefills in a row are not overlapped, so the second one sees the first
-        one's prompt in the radix cache.
+        processed). Two prefills in a row are not overlapped: the first one's result is processed
+        before the second is launched (as in SGLang; the second was already scheduled, so it does
+        not see the first one's prompt in the radix cache).
         """
         self.process_input_requests(self.recv_requests())
         batch = self.get_next_batch_to_run()

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from engine.managers.io_struct import BatchTokenIDOutput
-from engine.managers.req import Req
+from engine.managers.req import FINISH_LENGTH, Req
 
 if TYPE_CHECKING:
     from engine.managers.schedule_batch import ScheduleBatch
@@ -35,6 +35,8 @@ class ResultProcessor:
         emit: List[Req] = []
         for i, req in enumerate(batch.reqs):
             if id(req) in decoding:
+                if req.finished() or req.is_retracted:
+                    continue  # finished or retracted while this batch was in flight (overlap)
                 self._append_token(req, next_ids[i], lp, i)
                 emit.append(req)
                 continue
@@ -50,9 +52,7 @@ class ResultProcessor:
                 continue
             lp.finalize_input(req)
             if req.max_new_tokens == 0:
-                from engine.managers.req import FINISH_LENGTH
-
-                req.finished_reason = FINISH_LENGTH(0)
+                req.finished_reason = req.to_finish or FINISH_LENGTH(0)
                 self.tree_cache.cache_finished_req(req)
             else:
                 self._append_token(req, next_ids[i], lp, i)
