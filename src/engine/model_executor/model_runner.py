@@ -8,6 +8,7 @@ import os
 import torch
 
 from engine.configs.model_config import ModelConfig
+from engine.utils.malloc_tuning import keep_large_allocations_in_heap
 from engine.distributed.parallel_state import all_reduce_min_int, assert_same_across_tp, get_tp_size
 from engine.layers.attention import create_attention_backend
 from engine.layers.logits_processor import LogitsProcessorOutput
@@ -63,6 +64,7 @@ class ModelRunner:
             self.device = f"cuda:{gpu_id}"
         else:
             self.device = "cpu"
+            keep_large_allocations_in_heap()  # CPU forwards churn through multi-MB temporaries
         self.dtype = model_config.dtype
         torch.manual_seed(server_args.random_seed)
 

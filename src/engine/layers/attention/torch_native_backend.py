@@ -65,6 +65,19 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def __init__(self, model_runner: Any) -> None:
         self.device = model_runner.device
+        # Two growing scratch buffers (K and V) for the decode gathers, reused by every layer and
+        # step. Only the forward thread uses them, one forward at a time.
+        self._scratch: List[Optional[torch.Tensor]] = [None, None]
+
+    def _gather(self, buf: torch.Tensor, flat: torch.Tensor, which: int) -> torch.Tensor:
+        rows = buf.view(buf.shape[0], -1)
+        need = flat.numel() * rows.shape[1]
+        scratch = self._scratch[which]
+        if scratch is None or scratch.numel() < need or scratch.dtype != buf.dtype:
+            scratch = torch.empty(need, dtype=buf.dtype, device=buf.device)
+            self._scratch[which] = scratch
+        out = scratch[:need].view(flat.numel(), rows.shape[1])
+        return torch.index_select(rows, 0, flat, out=out)
 
     # ------------------------------------------------------------------ metadata
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
@@ -194,9 +207,10 @@ class TorchNativeAttnBackend(AttentionBackend):
         # become `group` query rows of that head (one decode token needs no causal mask).
         q4 = q.view(bs, kv_heads, group, head_dim)
         # index_select over the flat slot list is several times faster on the CPU than advanced
-        # indexing with the 2-D index.
+        # indexing with the 2-D index, and gathering into reused scratch memory is ~5x faster
+        # again than into a fresh tensor (a fresh multi-MB tensor is page-faulted in every time).
         flat = meta.kv_indices.view(-1)
-        k4 = k_buf.index_select(0, flat).view(bs, -1, kv_heads, head_dim).transpose(1, 2).to(q.dtype)  # [bs, KH, L, D]
-        v4 = v_buf.index_select(0, flat).view(bs, -1, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+        k4 = self._gather(k_buf, flat, 0).view(bs, -1, kv_heads, head_dim).transpose(1, 2).to(q.dtype)  # [bs, KH, L, D]
+        v4 = self._gather(v_buf, flat, 1).view(bs, -1, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
         o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=meta.mask, scale=layer.scaling)
         return o.reshape(bs, num_heads * head_dim)
