@@ -19,6 +19,7 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional, Sequence, Union
 
+import psutil
 import zmq
 import zmq.asyncio
 
@@ -328,7 +329,7 @@ class TokenizerManager:
 
     def is_alive(self) -> bool:
         """True while every child process is alive, no fatal error was reported and no shutdown began."""
-        return self._dead_message is None and all(p.is_alive() for p in self.child_processes)
+        return self._dead_message is None and all(_child_alive(p) for p in self.child_processes)
 
     def begin_shutdown(self) -> None:
         """Graceful shutdown (run in the loop thread): end every request now, refuse new ones.
@@ -916,3 +917,13 @@ def _clip(text: Optional[str], limit: int = 200) -> Optional[str]:
     if text is None or len(text) <= limit:
         return text
     return text[:limit] + "..."
+
+
+def _child_alive(process: Any) -> bool:
+    """A killed child can be a zombie for a moment before its parent reaps it: count that as dead."""
+    if not process.is_alive():
+        return False
+    try:
+        return psutil.Process(process.pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
