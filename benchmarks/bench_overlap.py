@@ -35,11 +35,12 @@ def make_scheduler(model_path: str, overlap: bool, num_reqs: int, dtype: str) ->
     return Scheduler(args)
 
 
-def submit(s: Scheduler, num_reqs: int, input_len: int, output_len: int, vocab: int, seed: int) -> None:
+def submit(s: Scheduler, num_reqs: int, input_len: int, output_len: int, vocab: int, seed: int,
+           stream: bool = False) -> None:
     rng = random.Random(seed)
     for i in range(num_reqs):
         s.add_request(TokenizedGenerateReqInput(
-            rid=f"{seed}-{i}", input_ids=[rng.randrange(10, vocab - 10) for _ in range(input_len)],
+            rid=f"{seed}-{i}", input_ids=[rng.randrange(10, vocab - 10) for _ in range(input_len)], stream=stream,
             sampling_params={"max_new_tokens": output_len, "temperature": 0.0, "ignore_eos": True}))
 
 
@@ -61,8 +62,9 @@ class TimedScheduler:
         s.run_batch = run_batch
 
 
-def run_once(s: Scheduler, num_reqs: int, input_len: int, output_len: int, vocab: int, seed: int) -> Dict:
-    submit(s, num_reqs, input_len, output_len, vocab, seed)
+def run_once(s: Scheduler, num_reqs: int, input_len: int, output_len: int, vocab: int, seed: int,
+             stream: bool = False) -> Dict:
+    submit(s, num_reqs, input_len, output_len, vocab, seed, stream)
     # Prefill everything first so the timed part is the decode phase with all requests running.
     step = s.step_overlap if s.enable_overlap else s.step
     while s.waiting_queue or s.inbox or s.chunked_req is not None:
@@ -95,6 +97,8 @@ def main() -> None:
     ap.add_argument("--input-len", type=int, default=64)
     ap.add_argument("--output-len", type=int, default=128)
     ap.add_argument("--repeats", type=int, default=2)
+    ap.add_argument("--stream", action="store_true",
+                    help="streaming requests: every step emits every request's token, as a server does")
     ap.add_argument("--profile", default=None, help="write a pyinstrument profile of one normal-loop run here")
     ap.add_argument("--result-file", default=None)
     args = ap.parse_args()
@@ -106,14 +110,15 @@ def main() -> None:
         best: Dict[str, Dict] = {}
         for rep in range(args.repeats):
             for mode in ("normal", "overlap") if rep % 2 == 0 else ("overlap", "normal"):
-                r = run_once(scheds[mode], n, args.input_len, args.output_len, vocab, seed=rep)
+                r = run_once(scheds[mode], n, args.input_len, args.output_len, vocab, seed=rep, stream=args.stream)
                 if mode not in best or r["throughput"] > best[mode]["throughput"]:
                     best[mode] = r
         row = {"num_reqs": n, "normal": best["normal"], "overlap": best["overlap"],
                "ratio": best["overlap"]["throughput"] / best["normal"]["throughput"]}
         results.append(row)
         nb = best["normal"]
-        print(f"model={args.model} dtype={args.dtype} reqs={n} in={args.input_len} out={args.output_len}: "
+        print(f"model={args.model} dtype={args.dtype} reqs={n} in={args.input_len} out={args.output_len} "
+              f"stream={args.stream}: "
               f"normal {nb['throughput']:.1f} tok/s (step {nb['step_ms']:.1f} ms, scheduler "
               f"{nb['sched_ms_per_step']:.1f} ms = {100 * nb['sched_share']:.0f}%), "
               f"overlap {best['overlap']['throughput']:.1f} tok/s, ratio {row['ratio']:.2f}x", flush=True)

@@ -1,0 +1,23 @@
+#!/usr/bin/env bash
+# Every CPU figure of docs/benchmarks.md, one after the other (they must not overlap on 2 cores).
+# Results: bench_results/*.json and *.log. Takes about 40 minutes on a quiet 2-core machine.
+set -u
+cd "$(dirname "$0")/.."
+mkdir -p bench_results
+SMALL=$(python -c "import sys; sys.path.insert(0, 'benchmarks'); from bench_models import resolve_model; print(resolve_model('small', 'bfloat16')[0])")
+M100=$(python -c "import sys; sys.path.insert(0, 'benchmarks'); from bench_models import resolve_model; print(resolve_model('100m', 'bfloat16')[0])")
+run() { local name=$1; shift; echo "== $name: $*"; "$@" > "bench_results/$name.log" 2>&1; tail -n 25 "bench_results/$name.log"; }
+
+# Issue 2: one static batch against transformers' generate.
+run one_batch_100m_bf16 python benchmarks/bench_one_batch.py --model-path "$M100" --batch-size 16 --input-len 128 --output-len 128 --dtype bfloat16 --compare-hf --repeats 2 --result-file bench_results/one_batch_100m_bf16.json
+run one_batch_100m_fp32 python benchmarks/bench_one_batch.py --model-path "$M100" --batch-size 16 --input-len 128 --output-len 128 --dtype float32 --compare-hf --repeats 2 --result-file bench_results/one_batch_100m_fp32.json
+run one_batch_small_bf16 python benchmarks/bench_one_batch.py --model-path "$SMALL" --batch-size 16 --input-len 128 --output-len 128 --dtype bfloat16 --compare-hf --repeats 2 --result-file bench_results/one_batch_small_bf16.json
+run one_batch_builtin python benchmarks/bench_one_batch.py --batch-size 16 --input-len 128 --output-len 128 --dtype float32 --compare-hf --repeats 2 --result-file bench_results/one_batch_builtin.json
+# Issue 3: continuous batching against static batching; radix cache on a shared-prefix workload.
+run offline_random_100m python benchmarks/bench_offline_throughput.py --model 100m --dtype bfloat16 --dataset random --num-prompts 64 --compare-hf --result-file bench_results/offline_random_100m.json
+run offline_random_builtin python benchmarks/bench_offline_throughput.py --model builtin --dtype float32 --dataset random --num-prompts 64 --compare-hf --result-file bench_results/offline_random_builtin.json
+run offline_shared_100m python benchmarks/bench_offline_throughput.py --model 100m --dtype bfloat16 --dataset shared-prefix --compare-no-radix --result-file bench_results/offline_shared_100m.json
+run offline_shared_builtin python benchmarks/bench_offline_throughput.py --model builtin --dtype float32 --dataset shared-prefix --compare-no-radix --result-file bench_results/offline_shared_builtin.json
+# Issue 5: overlap against the normal loop.
+run overlap_builtin python benchmarks/bench_overlap.py --model builtin --num-reqs 64 256 --repeats 2 --profile bench_results/overlap_profile_builtin --result-file bench_results/overlap_builtin.json
+run overlap_100m python benchmarks/bench_overlap.py --model 100m --dtype bfloat16 --num-reqs 64 --repeats 2 --result-file bench_results/overlap_100m.json
