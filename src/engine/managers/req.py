@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set
 
 import torch
@@ -15,9 +16,10 @@ CLIP_MAX_NEW_TOKENS_ESTIMATION = 4096
 _EMPTY_SLOTS = torch.empty((0,), dtype=torch.int64)
 
 
-class BaseFinishReason:
+class BaseFinishReason(ABC):
+    @abstractmethod
     def to_json(self) -> Dict[str, Any]:
-        raise NotImplementedError
+        """The finish reason as sent to the client (SGLang's JSON shape)."""
 
 
 class FINISH_MATCHED_TOKEN(BaseFinishReason):
