@@ -36,6 +36,7 @@ from engine.entrypoints.openai.utils import (
     OrjsonResponse,
     abort_error,
     as_output_list,
+    iter_outputs,
     close_stream,
     create_error_response,
     error_body,
@@ -229,21 +230,13 @@ async def _generate(tokenizer_manager: Any, body: GenerateRequest, raw_request: 
 async def _generate_stream_body(first: Any, stream: AsyncIterator[Any]) -> AsyncIterator[bytes]:
     """SGLang's stream format: `data: {json}` per update (cumulative text), then `data: [DONE]`."""
     try:
-        pending: Optional[Any] = first
-        while True:
-            if pending is None:
-                try:
-                    pending = await stream.__anext__()
-                except StopAsyncIteration:
-                    break
-            for output in as_output_list(pending):
-                aborted = abort_error(output["meta_info"].get("finish_reason"))
-                if aborted is not None:
-                    yield sse_error_chunk(*aborted)
-                    yield SSE_DONE
-                    return
-                yield sse_event(output)
-            pending = None
+        async for output in iter_outputs(first, stream):
+            aborted = abort_error(output["meta_info"].get("finish_reason"))
+            if aborted is not None:
+                yield sse_error_chunk(*aborted)
+                yield SSE_DONE
+                return
+            yield sse_event(output)
         yield SSE_DONE
     except (EngineRequestError, ValueError) as exc:
         status = exc.status_code if isinstance(exc, EngineRequestError) else 400

@@ -27,6 +27,7 @@ from engine.entrypoints.openai.utils import (
     ChoiceCursor,
     abort_error,
     as_output_list,
+    iter_outputs,
     build_sampling_params,
     close_stream,
     create_error_response,
@@ -159,28 +160,20 @@ class OpenAIServingChat:
         try:
             for index in range(request.n):
                 yield chunk(index, DeltaMessage(role="assistant", content=""))
-            pending: Optional[Any] = first
-            while True:
-                if pending is None:
-                    try:
-                        pending = await stream.__anext__()
-                    except StopAsyncIteration:
-                        break
-                for output in as_output_list(pending):
-                    index = int(output.get("index", 0))
-                    finish = output["meta_info"].get("finish_reason")
-                    aborted = abort_error(finish)
-                    if aborted is not None:
-                        yield sse_error_chunk(*aborted)
-                        yield SSE_DONE
-                        return
-                    delta, new_tokens, new_tops = cursors[index].advance(output)
-                    if delta or new_tokens:
-                        yield chunk(index, DeltaMessage(content=delta), self._logprobs(request, new_tokens, new_tops))
-                    if finish is not None:
-                        finish_reason, matched = finish_reason_to_openai(finish)
-                        yield chunk(index, DeltaMessage(), finish_reason=finish_reason, matched=matched)
-                pending = None
+            async for output in iter_outputs(first, stream):
+                index = int(output.get("index", 0))
+                finish = output["meta_info"].get("finish_reason")
+                aborted = abort_error(finish)
+                if aborted is not None:
+                    yield sse_error_chunk(*aborted)
+                    yield SSE_DONE
+                    return
+                delta, new_tokens, new_tops = cursors[index].advance(output)
+                if delta or new_tokens:
+                    yield chunk(index, DeltaMessage(content=delta), self._logprobs(request, new_tokens, new_tops))
+                if finish is not None:
+                    finish_reason, matched = finish_reason_to_openai(finish)
+                    yield chunk(index, DeltaMessage(), finish_reason=finish_reason, matched=matched)
             if request.stream_options is not None and request.stream_options.include_usage:
                 outputs = [c.last_output for c in cursors if c.last_output is not None]
                 usage = make_usage(outputs, request.n) if len(outputs) == request.n else None

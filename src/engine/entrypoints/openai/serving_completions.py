@@ -25,6 +25,7 @@ from engine.entrypoints.openai.utils import (
     ChoiceCursor,
     abort_error,
     as_output_list,
+    iter_outputs,
     build_sampling_params,
     close_stream,
     create_error_response,
@@ -154,50 +155,42 @@ class OpenAIServingCompletion:
         echoed = [False] * num_choices
         chars_sent = [0] * num_choices
         try:
-            pending: Optional[Any] = first
-            while True:
-                if pending is None:
-                    try:
-                        pending = await stream.__anext__()
-                    except StopAsyncIteration:
-                        break
-                for output in as_output_list(pending):
-                    index = int(output.get("index", 0))
-                    finish = output["meta_info"].get("finish_reason")
-                    aborted = abort_error(finish)
-                    if aborted is not None:
-                        yield sse_error_chunk(*aborted)
-                        yield SSE_DONE
-                        return
-                    delta, new_tokens, new_tops = cursors[index].advance(output)
-                    include_prompt = request.echo and not echoed[index]
-                    if include_prompt:
-                        echoed[index] = True
-                        delta = self._prompt_text(prompts[index // request.n]) + delta
-                    finish_reason, matched = finish_reason_to_openai(finish)
-                    if not delta and finish_reason is None and not new_tokens:
-                        continue
-                    # Offsets are positions in the text this client has seen, echoed prompt included.
-                    logprobs = self._logprobs(
-                        request, output, include_prompt, chars_sent[index], new_tokens, new_tops
-                    )
-                    chars_sent[index] += len(delta)
-                    chunk = CompletionStreamResponse(
-                        id=request_id,
-                        created=created,
-                        model=model,
-                        choices=[
-                            CompletionResponseStreamChoice(
-                                index=index,
-                                text=delta,
-                                logprobs=logprobs,
-                                finish_reason=finish_reason,
-                                matched_stop=matched,
-                            )
-                        ],
-                    )
-                    yield sse_event(chunk.model_dump())
-                pending = None
+            async for output in iter_outputs(first, stream):
+                index = int(output.get("index", 0))
+                finish = output["meta_info"].get("finish_reason")
+                aborted = abort_error(finish)
+                if aborted is not None:
+                    yield sse_error_chunk(*aborted)
+                    yield SSE_DONE
+                    return
+                delta, new_tokens, new_tops = cursors[index].advance(output)
+                include_prompt = request.echo and not echoed[index]
+                if include_prompt:
+                    echoed[index] = True
+                    delta = self._prompt_text(prompts[index // request.n]) + delta
+                finish_reason, matched = finish_reason_to_openai(finish)
+                if not delta and finish_reason is None and not new_tokens:
+                    continue
+                # Offsets are positions in the text this client has seen, echoed prompt included.
+                logprobs = self._logprobs(
+                    request, output, include_prompt, chars_sent[index], new_tokens, new_tops
+                )
+                chars_sent[index] += len(delta)
+                chunk = CompletionStreamResponse(
+                    id=request_id,
+                    created=created,
+                    model=model,
+                    choices=[
+                        CompletionResponseStreamChoice(
+                            index=index,
+                            text=delta,
+                            logprobs=logprobs,
+                            finish_reason=finish_reason,
+                            matched_stop=matched,
+                        )
+                    ],
+                )
+                yield sse_event(chunk.model_dump())
             if request.stream_options is not None and request.stream_options.include_usage:
                 outputs = [c.last_output for c in cursors if c.last_output is not None]
                 usage = make_usage(outputs, request.n) if len(outputs) == num_choices else None

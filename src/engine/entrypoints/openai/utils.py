@@ -180,6 +180,16 @@ def as_output_list(result: Union[Dict[str, Any], List[Dict[str, Any]]]) -> List[
     return result if isinstance(result, list) else [result]
 
 
+async def iter_outputs(first: Any, stream: AsyncIterator[Any]) -> AsyncIterator[Dict[str, Any]]:
+    """Every output dict of a generate stream, starting with the already received `first`."""
+    if first is not None:
+        for output in as_output_list(first):
+            yield output
+    async for result in stream:
+        for output in as_output_list(result):
+            yield output
+
+
 class ChoiceCursor:
     """What has been streamed so far for one choice; turns cumulative outputs into deltas.
 
