@@ -33,12 +33,16 @@ def safetensors_weights_iterator(model_path: str) -> Iterator[Tuple[str, torch.T
 
     from engine.distributed.parallel_state import get_tp_rank
 
-    # A progress bar a person can follow on big checkpoints; one per server (TP rank 0).
-    shards = tqdm(files, desc="Loading safetensors shards", unit="shard", disable=get_tp_rank() != 0 or len(files) < 2)
-    for path in shards:
-        with safe_open(path, framework="pt", device="cpu") as f:
-            for name in f.keys():
-                yield name, f.get_tensor(name)
+    # A progress bar a person can follow, over the tensors of all shards; one per server (TP rank 0).
+    with tqdm(desc="Loading weights", unit="tensor", disable=get_tp_rank() != 0) as bar:
+        for path in files:
+            with safe_open(path, framework="pt", device="cpu") as f:
+                names = list(f.keys())
+                bar.total = (bar.total or 0) + len(names)
+                bar.refresh()
+                for name in names:
+                    yield name, f.get_tensor(name)
+                    bar.update(1)
 
 
 def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
