@@ -219,7 +219,7 @@ class DataParallelController:
 
 def _run_scheduler(*args: Any) -> None:
     # A light trampoline: pickling it for spawn does not import the scheduler (and torch) here.
-    from engine.managers.scheduler import run_scheduler_process
+    from engine.managers.scheduler_process import run_scheduler_process
 
     run_scheduler_process(*args)
 
