@@ -323,3 +323,57 @@ def test_torch_native_padded_extend_batch_matches_reference():
     # Very uneven lengths fall back to one SDPA per request.
     fb = _batch(ForwardMode.EXTEND, [1, 2], [1, 6], [1, 10, 11, 12, 13, 14, 15], pool, table, [0, 0], [1, 6])
     assert isinstance(fb.attn_metadata, list)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_torch_native_decode_cascade_over_shared_prefixes_matches_reference(monkeypatch, dtype):
+    """Requests whose KV starts with the same pool slots (a radix-shared prefix) decode as a
+    cascade: the prefix is read once per group and merged with each request's suffix by LSE."""
+    import engine.layers.attention.torch_native_backend as backend_mod
+
+    torch.manual_seed(2)
+    heads, kv_heads, d = 6, 2, 16
+    pool = MHATokenToKVPool(1024, 1, dtype, kv_heads, d, layer_num=1)
+    table = ReqToTokenPool(8, 256)
+    layer = RadixAttention(heads, d, 1 / math.sqrt(d), kv_heads, layer_id=0)
+    pool.set_kv_buffer(0, torch.arange(1024), torch.randn(1024, kv_heads, d).to(dtype),
+                       torch.randn(1024, kv_heads, d).to(dtype))
+    shared_a = list(range(100, 180))  # 80 slots shared by rows 1-3
+    shared_b = list(range(300, 370))  # 70 slots shared by rows 4-5, which then share 5 more
+    rows = {
+        1: shared_a + [500, 501],
+        2: shared_a + list(range(600, 620)),
+        3: shared_a + [700],
+        4: shared_b + [800, 801, 802, 803, 804, 810],
+        5: shared_b + [800, 801, 802, 803, 804, 820, 821],
+        6: list(range(900, 990)),  # shares nothing
+        7: shared_a[:10] + list(range(940, 1010)),  # begins like rows 1-3, shares only 10 slots
+    }
+    for row, slots in rows.items():
+        table.req_to_token[row, : len(slots)] = torch.tensor(slots, dtype=torch.int32)
+        table.req_to_token[row, len(slots):] = 1000 + row  # stale entries past the length
+    order = [3, 6, 1, 4, 7, 2, 5]
+    seq_lens = [len(rows[r]) for r in order]
+    out_loc = [rows[r][-1] for r in order]
+    bs = len(order)
+    q = torch.randn(bs, heads * d).to(dtype)
+    k_new = pool.k_buffer[0][torch.tensor(out_loc)].reshape(bs, -1)
+    v_new = pool.v_buffer[0][torch.tensor(out_loc)].reshape(bs, -1)
+
+    def decode():
+        fb = _batch(ForwardMode.DECODE, order, seq_lens, out_loc, pool, table)
+        return fb.attn_metadata, layer(q, k_new, v_new, fb).view(bs, heads, d).float()
+
+    meta, out = decode()
+    groups = sorted((sorted(order[i] for i in g.members.tolist()), g.kv_indices.numel()) for g in meta.shared)
+    assert groups == [([1, 2, 3], 80), ([4, 5], 75)]
+    monkeypatch.setattr(backend_mod, "MIN_SHARED_PREFIX", 10**6)
+    plain_meta, plain = decode()
+    assert plain_meta.shared == []
+    tol = 1e-5 if dtype == torch.float32 else 3e-2
+    for i, row in enumerate(order):
+        slots = torch.tensor(rows[row])
+        ref = _reference_attention(q[i : i + 1].view(1, heads, d).float(), pool.k_buffer[0][slots].float(),
+                                   pool.v_buffer[0][slots].float(), layer.scaling, len(rows[row]) - 1)
+        assert torch.allclose(out[i], ref[0], atol=tol), row
+        assert torch.allclose(out[i], plain[i], atol=tol), row

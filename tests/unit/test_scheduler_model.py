@@ -120,3 +120,35 @@ def test_logprobs_equal_transformers(model):
     want_out = [logp[n - 1 + k, out_ids[k]].item() for k in range(len(out_ids))]
     assert out_val == pytest.approx(want_out, abs=1e-4)
     assert out_top == [logp[n - 1 + k].topk(3).indices.tolist() for k in range(len(out_ids))]
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_shared_prefix_cascade_decode_equals_transformers(model, monkeypatch, overlap):
+    """Requests decoding over a long radix-shared prefix take the cascade decode path (prefix read
+    once per group) and still give transformers' greedy tokens."""
+    import engine.layers.attention.torch_native_backend as backend_mod
+    from engine.managers.tp_worker import TpModelWorker
+    from engine.server_args import ServerArgs
+
+    path, tok, hf, prompts, _ = model
+    system = sum((p[1:] for p in prompts[:6]), prompts[0][:1])
+    assert len(system) > backend_mod.MIN_SHARED_PREFIX
+    questions = [system + tok(q).input_ids[1:] for q in ["What is it?", "Who", "Tell me more about the fox"]]
+    expected = []
+    with torch.inference_mode():
+        for p in questions:
+            out = hf.generate(torch.tensor([p]), max_new_tokens=N_NEW, min_new_tokens=N_NEW, do_sample=False)
+            expected.append(out[0, len(p):].tolist())
+
+    groups = []
+    real = backend_mod._shared_prefixes
+    monkeypatch.setattr(backend_mod, "_shared_prefixes", lambda *a: groups.append(real(*a)) or groups[-1])
+    args = ServerArgs(model_path=path, device="cpu", max_total_tokens=4096, max_running_requests=16)
+    h = Harness(worker=TpModelWorker(args), tokenizer=tok, max_total_tokens=4096, overlap=overlap)
+    first = h.submit(questions[0], stream=True, max_new_tokens=N_NEW, ignore_eos=True)
+    while not h.outputs.get(first) or not h.outputs[first].output_ids:
+        h.step()  # the first prompt is in the radix tree before the others arrive
+    rids = [first] + [h.submit(p, max_new_tokens=N_NEW, ignore_eos=True) for p in questions[1:]]
+    h.run_until_idle()
+    assert [h.outputs[r].output_ids for r in rids] == expected
+    assert any(g and g[0].members.numel() == 3 for g in groups)

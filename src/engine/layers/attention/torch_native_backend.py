@@ -2,8 +2,11 @@
 
 Extend runs one SDPA per request (its new tokens attend to prefix + new tokens, causally).
 Decode runs ONE batched SDPA for the whole batch: every request's K/V are gathered into a
-[bs, max_seq_len] block with a padding mask. All index tensors are built once per batch in
-`init_forward_metadata` and shared by every layer.
+[bs, max_seq_len] block with a padding mask. Requests whose KV starts with the same pool slots
+(a prefix the radix cache shares) are decoded as a cascade: the shared prefix is read once per
+group, all the group's queries attend to it in one SDPA, each request's own suffix goes through
+the batched SDPA, and the two halves are merged by their log-sum-exp. All index tensors are built
+once per batch in `init_forward_metadata` and shared by every layer.
 """
 
 from __future__ import annotations
@@ -53,10 +56,26 @@ class _PaddedExtend:
 MAX_PADDING_RATIO = 1.5
 
 
+# A group of decoding requests is given a cascade only when they share at least this many
+# leading KV slots: below it, reading the prefix per request costs less than the extra SDPA.
+MIN_SHARED_PREFIX = 64
+
+
+@dataclass
+class _SharedPrefix:
+    """Decoding requests whose KV begins with the same pool slots."""
+
+    members: torch.Tensor  # [g] their rows in the batch
+    kv_indices: torch.Tensor  # [prefix_len] the shared pool slots
+
+
 @dataclass
 class _DecodeMetadata:
-    kv_indices: torch.Tensor  # [bs, max_seq_len] pool slots (slot 0 where padded)
-    mask: Optional[torch.Tensor]  # [bs, 1, 1, max_seq_len] bool; None when no row is padded
+    # Per request: the pool slots of its KV past its group's shared prefix (all of it when it
+    # shares none), slot 0 where padded.
+    kv_indices: torch.Tensor  # [bs, max_len]
+    mask: Optional[torch.Tensor]  # [bs, 1, 1, max_len] bool; None when no row is padded
+    shared: List[_SharedPrefix]
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -92,12 +111,23 @@ class TorchNativeAttnBackend(AttentionBackend):
         max_len = max(fb.seq_lens_cpu)
         # Slice the columns first: the table is context_len wide and only max_len columns matter.
         rows = fb.req_to_token_pool.req_to_token[:, :max_len].index_select(0, fb.req_pool_indices)
-        if min(fb.seq_lens_cpu) == max_len:
-            return _DecodeMetadata(kv_indices=rows.long(), mask=None)
-        valid = torch.arange(max_len, device=rows.device).unsqueeze(0) < fb.seq_lens.unsqueeze(1)
+        shared = _shared_prefixes(rows, fb.seq_lens_cpu)
+        if shared:
+            starts = torch.zeros(len(fb.seq_lens_cpu), dtype=torch.long, device=rows.device)
+            for group in shared:
+                starts[group.members] = group.kv_indices.numel()
+            lens = fb.seq_lens - starts
+            max_len = int(lens.max())
+            cols = (starts.unsqueeze(1) + torch.arange(max_len, device=rows.device)).clamp_(max=rows.shape[1] - 1)
+            rows = rows.gather(1, cols)
+        else:
+            lens = fb.seq_lens
+        if int(lens.min()) == max_len:
+            return _DecodeMetadata(kv_indices=rows.long(), mask=None, shared=shared)
+        valid = torch.arange(max_len, device=rows.device).unsqueeze(0) < lens.unsqueeze(1)
         # Stale table entries past a request's length may point anywhere; send them to slot 0.
         kv_indices = torch.where(valid, rows.long(), torch.zeros((), dtype=torch.long, device=rows.device))
-        return _DecodeMetadata(kv_indices=kv_indices, mask=valid[:, None, None, :])
+        return _DecodeMetadata(kv_indices=kv_indices, mask=valid[:, None, None, :], shared=shared)
 
     def _extend_metadata(self, fb: "ForwardBatch"):
         padded = self._padded_extend_metadata(fb)
@@ -212,5 +242,77 @@ class TorchNativeAttnBackend(AttentionBackend):
         flat = meta.kv_indices.view(-1)
         k4 = self._gather(k_buf, flat, 0).view(bs, -1, kv_heads, head_dim).transpose(1, 2).to(q.dtype)  # [bs, KH, L, D]
         v4 = self._gather(v_buf, flat, 1).view(bs, -1, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
-        o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=meta.mask, scale=layer.scaling)
+        if not meta.shared:
+            o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=meta.mask, scale=layer.scaling)
+            return o.reshape(bs, num_heads * head_dim)
+        o, lse = _sdpa_with_lse(q4, k4, v4, meta.mask, layer.scaling)  # the suffixes
+        for prefix in meta.shared:
+            g = prefix.members.numel()
+            # The group's queries become one request of g * group query rows per KV head.
+            qg = q4.index_select(0, prefix.members).transpose(0, 1).reshape(1, kv_heads, g * group, head_dim)
+            kp = k_buf.index_select(0, prefix.kv_indices).view(1, -1, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+            vp = v_buf.index_select(0, prefix.kv_indices).view(1, -1, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+            op, lsep = _sdpa_with_lse(qg, kp, vp, None, layer.scaling)
+            op = op.view(kv_heads, g, group, head_dim).transpose(0, 1)
+            lsep = lsep.view(kv_heads, g, group).transpose(0, 1)
+            o[prefix.members] = _merge_attention(op, lsep, o[prefix.members], lse[prefix.members])
         return o.reshape(bs, num_heads * head_dim)
+
+
+def _shared_prefixes(rows: torch.Tensor, seq_lens: List[int]) -> List[_SharedPrefix]:
+    """Groups of requests whose KV starts with the same >= MIN_SHARED_PREFIX pool slots.
+
+    `rows` [bs, max_len] are the requests' req_to_token rows. Only the radix cache hands one slot
+    to several requests, and a slot sits at one depth of one tree path: requests with the same
+    slot at position MIN_SHARED_PREFIX - 1 share everything before it. Grouping by that slot (not
+    the first one) keeps long shared prompts apart when they begin with a common short header.
+    A group's prefix runs to where its rows first differ, and stops before its shortest member's
+    newest token, which is always the request's own.
+    """
+    pos = MIN_SHARED_PREFIX - 1
+    eligible = [i for i, n in enumerate(seq_lens) if n - 1 > pos]
+    if len(eligible) < 2:
+        return []
+    eligible_t = torch.tensor(eligible, device=rows.device)
+    keys, order = torch.sort(rows[eligible_t, pos])
+    _, counts = torch.unique_consecutive(keys, return_counts=True)
+    if int(counts.max()) < 2:
+        return []
+    groups: List[_SharedPrefix] = []
+    end = 0
+    for count in counts.tolist():
+        start, end = end, end + count
+        if count < 2:
+            continue
+        members = eligible_t[order[start:end]]
+        limit = min(seq_lens[i] for i in members.tolist()) - 1
+        block = rows.index_select(0, members)[:, :limit]
+        differs = (block != block[:1]).any(0).nonzero()
+        prefix_len = int(differs[0]) if differs.numel() else limit
+        if prefix_len >= MIN_SHARED_PREFIX:  # always, when slots come from the radix cache
+            groups.append(_SharedPrefix(members, block[0, :prefix_len].long()))
+    return groups
+
+
+def _sdpa_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],
+                   scale: float):
+    """Attention output and its log-sum-exp (float32) per query row; q/k/v have equal head counts."""
+    if q.is_cpu:
+        bias = None
+        if mask is not None:  # the CPU kernel takes an additive mask of the query's dtype
+            bias = torch.zeros(mask.shape, dtype=q.dtype).masked_fill_(~mask, float("-inf"))
+        return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, False, attn_mask=bias,
+                                                                          scale=scale)
+    scores = torch.matmul(q, k.transpose(-1, -2)).float() * scale
+    if mask is not None:
+        scores = scores.masked_fill(~mask, float("-inf"))
+    lse = torch.logsumexp(scores, -1)
+    return torch.matmul(torch.exp(scores - lse.unsqueeze(-1)).to(v.dtype), v), lse
+
+
+def _merge_attention(o1: torch.Tensor, lse1: torch.Tensor, o2: torch.Tensor, lse2: torch.Tensor) -> torch.Tensor:
+    """Attention over the union of two disjoint key sets from the attention over each."""
+    lse = torch.logaddexp(lse1, lse2)
+    w1 = torch.exp(lse1 - lse).unsqueeze(-1)
+    w2 = torch.exp(lse2 - lse).unsqueeze(-1)
+    return (o1.float() * w1 + o2.float() * w2).to(o1.dtype)
