@@ -77,10 +77,12 @@ class StaticTorchBackend(TorchNativeAttnBackend):
     def init_cuda_graph_state(self, max_bs: int) -> None:
         self.kv_indices = torch.zeros(max_bs, self.width, dtype=torch.int64)
         self.valid = torch.zeros(max_bs, self.width, dtype=torch.bool)
+        self.lens = torch.zeros(max_bs, dtype=torch.int64)
 
     def init_forward_metadata_capture_cuda_graph(self, fb) -> None:
         bs = fb.batch_size
-        fb.attn_metadata = _DecodeMetadata(kv_indices=self.kv_indices[:bs], mask=self.valid[:bs, None, None, :])
+        fb.attn_metadata = _DecodeMetadata(kv_indices=self.kv_indices[:bs], lens=self.lens[:bs],
+                                           mask=self.valid[:bs, None, None, :], shared=[])
 
     def init_forward_metadata_replay_cuda_graph(self, fb) -> None:
         bs = fb.batch_size
@@ -88,6 +90,7 @@ class StaticTorchBackend(TorchNativeAttnBackend):
         valid = torch.arange(self.width).unsqueeze(0) < fb.seq_lens.unsqueeze(1)
         self.kv_indices[:bs].copy_(torch.where(valid, rows, torch.zeros_like(rows)))
         self.valid[:bs].copy_(valid)
+        self.lens[:bs].copy_(fb.seq_lens)
 
 
 # ---------------------------------------------------------------------------- pure logic

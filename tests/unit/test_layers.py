@@ -204,7 +204,7 @@ def _batch(mode, rows, seq_lens, out_loc, pool, table, prefix_lens=None, ext_len
     return fb
 
 
-def test_torch_native_extend_with_prefix_and_decode_match_reference():
+def test_torch_native_extend_with_prefix_and_decode_match_reference(decode_path):
     torch.manual_seed(0)
     heads, kv_heads, d = 4, 2, 8
     pool, table = _make_pool(kv_heads=kv_heads, head_dim=d)
@@ -325,8 +325,20 @@ def test_torch_native_padded_extend_batch_matches_reference():
     assert isinstance(fb.attn_metadata, list)
 
 
+@pytest.fixture(params=["native-kernel", "torch-gather"])
+def decode_path(request, monkeypatch):
+    """Run a decode test through the native CPU kernel and through the pure-torch gather path."""
+    from engine.layers.attention import cpu_kernels
+
+    if request.param == "native-kernel":
+        assert cpu_kernels.decode_kernel() is not None, "the CPU decode kernel did not build"
+    else:
+        monkeypatch.setattr(cpu_kernels, "supports", lambda q, k_buf: False)
+    return request.param
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_torch_native_decode_cascade_over_shared_prefixes_matches_reference(monkeypatch, dtype):
+def test_torch_native_decode_cascade_over_shared_prefixes_matches_reference(monkeypatch, dtype, decode_path):
     """Requests whose KV starts with the same pool slots (a radix-shared prefix) decode as a
     cascade: the prefix is read once per group and merged with each request's suffix by LSE."""
     import engine.layers.attention.torch_native_backend as backend_mod
@@ -377,3 +389,34 @@ def test_torch_native_decode_cascade_over_shared_prefixes_matches_reference(monk
                                    pool.v_buffer[0][slots].float(), layer.scaling, len(rows[row]) - 1)
         assert torch.allclose(out[i], ref[0], atol=tol), row
         assert torch.allclose(out[i], plain[i], atol=tol), row
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 32), (8, 2, 64), (12, 4, 128)])
+@pytest.mark.parametrize("bs", [1, 3, 9])  # fewer / more requests than 2x threads: per-head or per-request tasks
+def test_cpu_decode_kernel_matches_reference(dtype, heads, kv_heads, dim, bs):
+    from engine.layers.attention import cpu_kernels
+
+    assert cpu_kernels.decode_kernel() is not None, "the CPU decode kernel did not build"
+    torch.manual_seed(bs + heads + dim)
+    slots = 400
+    k_buf = torch.randn(slots, kv_heads, dim).to(dtype)
+    v_buf = torch.randn(slots, kv_heads, dim).to(dtype)
+    lens = torch.randint(1, 60, (bs,))
+    lens[0] = 1
+    kv_indices = torch.randint(0, slots, (bs, int(lens.max())))
+    q = torch.randn(bs, heads * dim).to(dtype)
+    scale = 1 / math.sqrt(dim)
+    out, lse = cpu_kernels.decode_attention(q, k_buf, v_buf, kv_indices, lens, heads, kv_heads, dim, scale,
+                                            with_lse=True)
+    assert out.dtype == dtype and out.shape == q.shape
+    group = heads // kv_heads
+    for b in range(bs):
+        idx = kv_indices[b, : lens[b]]
+        k = k_buf[idx].double().repeat_interleave(group, 1)
+        v = v_buf[idx].double().repeat_interleave(group, 1)
+        scores = torch.einsum("hd,nhd->hn", q[b].view(heads, dim).double(), k) * scale
+        ref = torch.einsum("hn,nhd->hd", scores.softmax(-1), v)
+        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        assert torch.allclose(out[b].view(heads, dim).double(), ref, atol=tol)
+        assert torch.allclose(lse[b].double(), torch.logsumexp(scores, -1), atol=1e-4)

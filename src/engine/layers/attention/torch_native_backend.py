@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, List, Optional
 import torch
 import torch.nn.functional as F
 
+from engine.layers.attention import cpu_kernels
 from engine.layers.attention.base_attn_backend import AttentionBackend
 
 if TYPE_CHECKING:
@@ -74,6 +75,7 @@ class _DecodeMetadata:
     # Per request: the pool slots of its KV past its group's shared prefix (all of it when it
     # shares none), slot 0 where padded.
     kv_indices: torch.Tensor  # [bs, max_len]
+    lens: torch.Tensor  # [bs] how many of each row's slots are real
     mask: Optional[torch.Tensor]  # [bs, 1, 1, max_len] bool; None when no row is padded
     shared: List[_SharedPrefix]
 
@@ -87,6 +89,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         # Two growing scratch buffers (K and V) for the decode gathers, reused by every layer and
         # step. Only the forward thread uses them, one forward at a time.
         self._scratch: List[Optional[torch.Tensor]] = [None, None]
+        if str(self.device) == "cpu":
+            cpu_kernels.decode_kernel()  # build/load it now, not in the first decode
 
     def _gather(self, buf: torch.Tensor, flat: torch.Tensor, which: int) -> torch.Tensor:
         rows = buf.view(buf.shape[0], -1)
@@ -123,11 +127,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         else:
             lens = fb.seq_lens
         if int(lens.min()) == max_len:
-            return _DecodeMetadata(kv_indices=rows.long(), mask=None, shared=shared)
+            return _DecodeMetadata(kv_indices=rows.long(), lens=lens, mask=None, shared=shared)
         valid = torch.arange(max_len, device=rows.device).unsqueeze(0) < lens.unsqueeze(1)
         # Stale table entries past a request's length may point anywhere; send them to slot 0.
         kv_indices = torch.where(valid, rows.long(), torch.zeros((), dtype=torch.long, device=rows.device))
-        return _DecodeMetadata(kv_indices=kv_indices, mask=valid[:, None, None, :], shared=shared)
+        return _DecodeMetadata(kv_indices=kv_indices, lens=lens, mask=valid[:, None, None, :], shared=shared)
 
     def _extend_metadata(self, fb: "ForwardBatch"):
         padded = self._padded_extend_metadata(fb)
@@ -236,16 +240,26 @@ class TorchNativeAttnBackend(AttentionBackend):
         # GQA without copying K/V per query head: the `group` query heads sharing one KV head
         # become `group` query rows of that head (one decode token needs no causal mask).
         q4 = q.view(bs, kv_heads, group, head_dim)
-        # index_select over the flat slot list is several times faster on the CPU than advanced
-        # indexing with the 2-D index, and gathering into reused scratch memory is ~5x faster
-        # again than into a fresh tensor (a fresh multi-MB tensor is page-faulted in every time).
-        flat = meta.kv_indices.view(-1)
-        k4 = self._gather(k_buf, flat, 0).view(bs, -1, kv_heads, head_dim).transpose(1, 2).to(q.dtype)  # [bs, KH, L, D]
-        v4 = self._gather(v_buf, flat, 1).view(bs, -1, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
-        if not meta.shared:
-            o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=meta.mask, scale=layer.scaling)
-            return o.reshape(bs, num_heads * head_dim)
-        o, lse = _sdpa_with_lse(q4, k4, v4, meta.mask, layer.scaling)  # the suffixes
+        if cpu_kernels.supports(q, k_buf):
+            # The native kernel reads each request's K/V where they lie in the pool.
+            o, lse = cpu_kernels.decode_attention(q.reshape(bs, -1), k_buf, v_buf, meta.kv_indices, meta.lens,
+                                                  num_heads, kv_heads, head_dim, layer.scaling,
+                                                  with_lse=bool(meta.shared))
+            if not meta.shared:
+                return o
+            o, lse = o.view(bs, kv_heads, group, head_dim), lse.view(bs, kv_heads, group)
+        else:
+            # index_select over the flat slot list is several times faster on the CPU than
+            # advanced indexing with the 2-D index, and gathering into reused scratch memory is ~5x
+            # faster again than into a fresh tensor (a fresh multi-MB tensor is page-faulted in
+            # every time).
+            flat = meta.kv_indices.view(-1)
+            k4 = self._gather(k_buf, flat, 0).view(bs, -1, kv_heads, head_dim).transpose(1, 2).to(q.dtype)  # [bs, KH, L, D]
+            v4 = self._gather(v_buf, flat, 1).view(bs, -1, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+            if not meta.shared:
+                o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=meta.mask, scale=layer.scaling)
+                return o.reshape(bs, num_heads * head_dim)
+            o, lse = _sdpa_with_lse(q4, k4, v4, meta.mask, layer.scaling)  # the suffixes
         for prefix in meta.shared:
             g = prefix.members.numel()
             # The group's queries become one request of g * group query rows per KV head.
