@@ -31,6 +31,7 @@ import torch  # noqa: E402
 
 from bench_models import resolve_model  # noqa: E402
 from engine.managers.io_struct import BatchTokenIDOutput, TokenizedGenerateReqInput  # noqa: E402
+from engine.managers.overlap_utils import scheduling_thread  # noqa: E402
 from engine.managers.scheduler import Scheduler  # noqa: E402
 from engine.server_args import ServerArgs  # noqa: E402
 
@@ -90,6 +91,11 @@ class RunResult:
 
 
 def run_engine(name: str, model_path: str, workload: Workload, server_kwargs: Dict) -> RunResult:
+    with scheduling_thread():  # as in the scheduler process
+        return _run_engine(name, model_path, workload, server_kwargs)
+
+
+def _run_engine(name: str, model_path: str, workload: Workload, server_kwargs: Dict) -> RunResult:
     server_kwargs.setdefault("device", "cpu")
     args = ServerArgs(model_path=model_path, log_level="warning", **server_kwargs)
     scheduler = Scheduler(args)
@@ -132,6 +138,8 @@ def run_engine(name: str, model_path: str, workload: Workload, server_kwargs: Di
                     e2e.append(now - start)
         scheduler.outbox.clear()
     duration = time.perf_counter() - start
+    # Its forward thread's OpenMP team would otherwise stay and slow whatever runs next.
+    scheduler.shutdown()
     return RunResult(name, duration, sum(map(len, workload.prompts)), out_tokens,
                      ttft=list(first.values()), e2e=e2e, itl=itl, cache_hit_rate=scheduler.cache_hit_rate())
 

@@ -33,7 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_models import resolve_model  # noqa: E402
 from engine.managers.io_struct import TokenizedGenerateReqInput  # noqa: E402
-from engine.managers.overlap_utils import write_relay  # noqa: E402
+from engine.managers.overlap_utils import scheduling_thread, write_relay  # noqa: E402
 from engine.managers.scheduler import Scheduler  # noqa: E402
 from engine.managers.tp_worker import GenerationBatchResult  # noqa: E402
 from engine.server_args import ServerArgs  # noqa: E402
@@ -84,6 +84,10 @@ class TimedScheduler:
             return out
 
         s.run_batch = run_batch
+        self.s = s
+
+    def close(self) -> None:
+        del self.s.run_batch  # back to the class's method
 
 
 def run_once(s: Scheduler, num_reqs: int, input_len: int, output_len: int, vocab: int, seed: int,
@@ -105,6 +109,8 @@ def run_once(s: Scheduler, num_reqs: int, input_len: int, output_len: int, vocab
         step()
         steps += 1
     elapsed = time.perf_counter() - t0
+    if timer is not None:
+        timer.close()
     s.outbox.clear()
     out = {"decode_tokens": num_reqs * output_len - tokens_before, "elapsed_s": elapsed, "steps": steps}
     out["throughput"] = out["decode_tokens"] / elapsed
@@ -118,6 +124,11 @@ def run_once(s: Scheduler, num_reqs: int, input_len: int, output_len: int, vocab
 
 
 def main() -> None:
+    with scheduling_thread():  # as in the scheduler process
+        _main()
+
+
+def _main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="builtin")
     ap.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -136,14 +147,15 @@ def main() -> None:
     model_path, vocab = resolve_model(args.model, args.dtype)
     results: List[Dict] = []
     for n in args.num_reqs:
-        scheds = {mode: make_scheduler(model_path, mode == "overlap", n, args.dtype) for mode in ("normal", "overlap")}
+        # One scheduler (one model, one forward thread, as in a scheduler process) runs both loops.
+        sched = make_scheduler(model_path, True, n, args.dtype)
         if args.device_forward_ms > 0:
-            for sched in scheds.values():
-                use_device_like_forward(sched, args.device_forward_ms)
+            use_device_like_forward(sched, args.device_forward_ms)
         runs: Dict[str, List[Dict]] = {"normal": [], "overlap": []}
         for rep in range(args.repeats):
             for mode in ("normal", "overlap") if rep % 2 == 0 else ("overlap", "normal"):
-                runs[mode].append(run_once(scheds[mode], n, args.input_len, args.output_len, vocab, seed=rep,
+                sched.enable_overlap = mode == "overlap"
+                runs[mode].append(run_once(sched, n, args.input_len, args.output_len, vocab, seed=rep,
                                            stream=args.stream))
         best = {mode: max(rs, key=lambda r: r["throughput"]) for mode, rs in runs.items()}
         # Noise: how far a loop's own repeats fall below its best.
@@ -164,10 +176,12 @@ def main() -> None:
 
             prof = Profiler(interval=0.001)
             prof.start()
-            run_once(scheds["normal"], n, args.input_len, args.output_len, vocab, seed=99)
+            sched.enable_overlap = False
+            run_once(sched, n, args.input_len, args.output_len, vocab, seed=99)
             prof.stop()
             with open(f"{args.profile}.{n}.txt", "w") as f:
                 f.write(prof.output_text(unicode=False, color=False, show_all=False))
+        sched.shutdown()
     if args.result_file:
         with open(args.result_file, "w") as f:
             json.dump({"args": vars(args), "results": results}, f, indent=2)

@@ -7,15 +7,22 @@ sampling. So the scheduler can launch step N+1 before it has seen the tokens of 
 
 The forward stream runs forwards in launch order, off the scheduling thread:
 - CPU: one worker thread (torch releases the GIL, so scheduling really runs in parallel); a job's
-  completion is the `copy_done` signal.
+  completion is the `copy_done` signal. The model is built on this thread too (`call`), and the
+  scheduler process keeps its own thread to one OpenMP thread (`limit_omp_threads_of_this_thread`),
+  so the process has a single OpenMP team: each thread that runs a parallel region gets its own
+  team of workers, and once libgomp manages more threads than there are cores it stops spinning
+  between parallel regions, so every region pays a futex wake-up (measured: a 2-core decode step
+  1.4x slower with a second, idle team).
 - CUDA: a forward stream plus a copy stream; `copy_done` is an event recorded after the sampled
   ids were copied to pinned host memory.
 """
 
 from __future__ import annotations
 
+import ctypes
+from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 import torch
 
@@ -62,6 +69,10 @@ class ForwardStream:
             self.forward_stream = torch.cuda.Stream()
             self.copy_stream = torch.cuda.Stream()
 
+    def call(self, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the forward thread now and return its result (e.g. building the model)."""
+        return self.executor.submit(fn).result()
+
     def launch(self, fn: Callable[[], Any]) -> PendingResult:
         if not self.is_cuda:
             return PendingResult(self.executor.submit(_in_inference_mode, fn))
@@ -91,3 +102,28 @@ class ForwardStream:
 def _in_inference_mode(fn: Callable[[], Any]) -> Any:
     with torch.inference_mode():
         return fn()
+
+
+def limit_omp_threads_of_this_thread(n: int = 1) -> bool:
+    """Set the calling thread's OpenMP thread count (torch.set_num_threads sets every thread's).
+
+    The scheduling thread runs only small tensor ops; with one OpenMP thread it never starts a
+    team of its own next to the forward thread's. A no-op where torch does not use libgomp.
+    """
+    try:
+        ctypes.CDLL("libgomp.so.1").omp_set_num_threads(n)
+    except (OSError, AttributeError):
+        return False
+    return True
+
+
+@contextmanager
+def scheduling_thread() -> Iterator[None]:
+    """In-process use (benchmarks): run an in-process Scheduler from this thread as the scheduler
+    process runs it, with one OpenMP thread here, restoring the count afterwards."""
+    before = torch.get_num_threads()
+    limit_omp_threads_of_this_thread(1)
+    try:
+        yield
+    finally:
+        limit_omp_threads_of_this_thread(before)

@@ -52,10 +52,17 @@ class Scheduler:
     ) -> None:
         self.server_args = server_args
         self.tp_rank = tp_rank
+        # Forwards run on the forward stream. On the CPU the model is built there as well: that
+        # thread is the only one that runs multi-threaded torch ops (see overlap_utils).
+        self.forward_stream = ForwardStream(server_args.device if worker is None
+                                            else worker.get_worker_info()["device"])
         if worker is None:
             from engine.managers.tp_worker import TpModelWorker
 
-            worker = TpModelWorker(server_args, gpu_id=gpu_id, tp_rank=tp_rank)
+            def build() -> Any:
+                return TpModelWorker(server_args, gpu_id=gpu_id, tp_rank=tp_rank)
+
+            worker = build() if self.forward_stream.is_cuda else self.forward_stream.call(build)
         self.worker = worker
         info = worker.get_worker_info()
         self.max_total_num_tokens: int = info["max_total_num_tokens"]
@@ -112,10 +119,9 @@ class Scheduler:
         self.waiting_timeout = float(os.environ.get("ENGINE_REQ_WAITING_TIMEOUT", "0"))
         # Testing aid (like SGLang's forward_sleep_time): sleep this long in every forward.
         self.forward_sleep_s = float(os.environ.get("ENGINE_TEST_FORWARD_SLEEP_S", "0"))
-        # Forwards run on the forward stream. Overlap scheduling (the default) processes each result
-        # one step later; the normal loop waits for it at once.
+        # Overlap scheduling (the default) processes each forward's result one step later; the
+        # normal loop waits for it at once.
         self.enable_overlap = not server_args.disable_overlap_schedule
-        self.forward_stream = ForwardStream(self.device)
         self.result_queue: Deque = deque()
         self.forward_ct = 0
         self.num_generated_tokens = 0
@@ -513,6 +519,10 @@ class Scheduler:
             if not self.has_work():
                 wait_for_input()
             step()
+
+    def shutdown(self) -> None:
+        """Stop the forward thread (in-process use; the scheduler process just exits)."""
+        self.forward_stream.shutdown()
 
     def on_idle(self) -> None:
         if not self.is_fully_idle():

@@ -19,6 +19,7 @@ from typing import Any, Dict, List, Optional
 import torch
 
 from engine.managers.io_struct import BatchTokenIDOutput, GetInternalStateReqOutput
+from engine.managers.overlap_utils import limit_omp_threads_of_this_thread
 from engine.managers.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -105,7 +106,9 @@ def _set_cpu_threads(server_args: Any) -> None:
         except AttributeError:  # not Linux
             cores = os.cpu_count() or 1
         threads = max(1, cores // num_local_scheduler_processes(server_args))
-    torch.set_num_threads(threads)
+    torch.set_num_threads(threads)  # the forward thread's count
+    # This (scheduling) thread stays at one: the forward thread's OpenMP team is the only one.
+    limit_omp_threads_of_this_thread(1)
     logger.info("Using %d CPU thread(s) for this rank", threads)
 
 
