@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+import shutil
 
 import pytest
 import torch
@@ -325,13 +327,23 @@ def test_torch_native_padded_extend_batch_matches_reference():
     assert isinstance(fb.attn_metadata, list)
 
 
+def _require_cpu_kernel() -> None:
+    """The native kernel must build wherever a C compiler is (it is optional without one)."""
+    from engine.layers.attention import cpu_kernels
+
+    if cpu_kernels.decode_kernel() is None:
+        if os.environ.get("ENGINE_CPU_DECODE_KERNEL") == "0" or not (shutil.which("gcc") or shutil.which("cc")):
+            pytest.skip("the native CPU kernel is off or there is no C compiler")
+        pytest.fail("a C compiler is present but the CPU decode kernel did not build (see the log)")
+
+
 @pytest.fixture(params=["native-kernel", "torch-gather"])
 def decode_path(request, monkeypatch):
     """Run a decode test through the native CPU kernel and through the pure-torch gather path."""
     from engine.layers.attention import cpu_kernels
 
     if request.param == "native-kernel":
-        assert cpu_kernels.decode_kernel() is not None, "the CPU decode kernel did not build"
+        _require_cpu_kernel()
     else:
         monkeypatch.setattr(cpu_kernels, "supports", lambda q, k_buf: False)
     return request.param
@@ -397,7 +409,7 @@ def test_torch_native_decode_cascade_over_shared_prefixes_matches_reference(monk
 def test_cpu_decode_kernel_matches_reference(dtype, heads, kv_heads, dim, bs):
     from engine.layers.attention import cpu_kernels
 
-    assert cpu_kernels.decode_kernel() is not None, "the CPU decode kernel did not build"
+    _require_cpu_kernel()
     torch.manual_seed(bs + heads + dim)
     slots = 400
     k_buf = torch.randn(slots, kv_heads, dim).to(dtype)
