@@ -19,5 +19,15 @@ run offline_random_builtin python benchmarks/bench_offline_throughput.py --model
 run offline_shared_100m python benchmarks/bench_offline_throughput.py --model 100m --dtype bfloat16 --dataset shared-prefix --compare-no-radix --result-file bench_results/offline_shared_100m.json
 run offline_shared_builtin python benchmarks/bench_offline_throughput.py --model builtin --dtype float32 --dataset shared-prefix --compare-no-radix --result-file bench_results/offline_shared_builtin.json
 # Issue 5: overlap against the normal loop.
-run overlap_builtin python benchmarks/bench_overlap.py --model builtin --num-reqs 64 256 --repeats 2 --profile bench_results/overlap_profile_builtin --result-file bench_results/overlap_builtin.json
-run overlap_100m python benchmarks/bench_overlap.py --model 100m --dtype bfloat16 --num-reqs 64 --repeats 2 --result-file bench_results/overlap_100m.json
+run overlap_builtin python benchmarks/bench_overlap.py --model builtin --num-reqs 64 256 --repeats 4 --profile bench_results/overlap_profile_builtin --result-file bench_results/overlap_builtin.json
+run overlap_builtin_stream python benchmarks/bench_overlap.py --model builtin --num-reqs 256 --stream --repeats 4 --result-file bench_results/overlap_builtin_stream.json
+run overlap_100m python benchmarks/bench_overlap.py --model 100m --dtype bfloat16 --num-reqs 64 --repeats 4 --result-file bench_results/overlap_100m.json
+run overlap_devicelike python benchmarks/bench_overlap.py --num-reqs 64 256 --stream --device-forward-ms 5 --repeats 4 --result-file bench_results/overlap_devicelike.json
+# Overlap through the server: the same streaming workload with the default loop and the normal one.
+SERVE="--dtype bfloat16 --max-total-tokens 200000 --max-running-requests 256 --chunked-prefill-size 2048 --max-prefill-tokens 4096"
+for loop in overlap normal; do
+  extra=""; [ "$loop" = normal ] && extra=" --disable-overlap-schedule"
+  run serving_$loop python benchmarks/bench_serving.py --launch-server --server-args "$SERVE$extra" --backend engine \
+      --dataset random --num-prompts 64 --random-input-len 512 --random-output-len 256 --random-range-ratio 0.0625 \
+      --seed 0 --request-rate inf --output-file bench_results/serving_$loop.json
+done
