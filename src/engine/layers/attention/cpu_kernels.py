@@ -50,9 +50,13 @@ def _build() -> Optional[ctypes.CDLL]:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256("\0".join([_SRC.read_text(), " ".join(_FLAGS), version, _cpu_signature()]).encode())
     cache = Path(os.environ.get("ENGINE_CACHE_DIR") or Path.home() / ".cache" / "engine") / "kernels"
+    try:
+        cache.mkdir(parents=True, exist_ok=True)
+    except OSError:  # a read-only home: build under the temp directory instead
+        cache = Path(tempfile.gettempdir()) / f"engine-kernels-{os.getuid()}"
+        cache.mkdir(parents=True, exist_ok=True)
     lib_path = cache / f"decode_attention-{key.hexdigest()[:16]}.so"
     if not lib_path.exists():
-        cache.mkdir(parents=True, exist_ok=True)
         # Build under a private name, then rename: concurrent processes never see half a file.
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
         os.close(fd)
