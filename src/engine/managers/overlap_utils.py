@@ -12,7 +12,7 @@ The forward stream runs forwards in launch order, off the scheduling thread:
   so the process has a single OpenMP team: each thread that runs a parallel region gets its own
   team of workers, and once libgomp manages more threads than there are cores it stops spinning
   between parallel regions, so every region pays a futex wake-up (measured: a 2-core decode step
-  1.4x slower with a second, idle team).
+  1.5x slower with a second, idle team).
 - CUDA: a forward stream plus a copy stream; `copy_done` is an event recorded after the sampled
   ids were copied to pinned host memory.
 """

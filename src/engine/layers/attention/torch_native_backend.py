@@ -1,11 +1,12 @@
 """The reference attention backend: plain torch SDPA over K/V gathered from the paged pool.
 
 Extend runs one SDPA per request (its new tokens attend to prefix + new tokens, causally).
-Decode runs ONE batched SDPA for the whole batch: every request's K/V are gathered into a
-[bs, max_seq_len] block with a padding mask. Requests whose KV starts with the same pool slots
+Decode on the CPU runs the native kernel of `cpu_kernels`, which reads every request's K/V in place
+from the pool; elsewhere (or without a C compiler) ONE batched SDPA runs for the whole batch, over
+K/V gathered into a [bs, max_seq_len] block with a padding mask. Requests whose KV starts with the same pool slots
 (a prefix the radix cache shares) are decoded as a cascade: the shared prefix is read once per
 group, all the group's queries attend to it in one SDPA, each request's own suffix goes through
-the batched SDPA, and the two halves are merged by their log-sum-exp. All index tensors are built
+the per-request path above, and the two halves are merged by their log-sum-exp. All index tensors are built
 once per batch in `init_forward_metadata` and shared by every layer.
 """
 
