@@ -39,10 +39,11 @@ from engine.managers.tp_worker import GenerationBatchResult  # noqa: E402
 from engine.server_args import ServerArgs  # noqa: E402
 
 
-def make_scheduler(model_path: str, overlap: bool, num_reqs: int, dtype: str) -> Scheduler:
+def make_scheduler(model_path: str, num_reqs: int, dtype: str) -> Scheduler:
+    """One scheduler for both loops: run_once picks the loop from `enable_overlap`."""
     args = ServerArgs(model_path=model_path, device="cpu", dtype=dtype, log_level="warning",
                       max_total_tokens=max(8192, num_reqs * 400), max_running_requests=num_reqs,
-                      disable_overlap_schedule=not overlap, chunked_prefill_size=4096, max_prefill_tokens=8192)
+                      chunked_prefill_size=4096, max_prefill_tokens=8192)
     return Scheduler(args)
 
 
@@ -148,7 +149,7 @@ def _main() -> None:
     results: List[Dict] = []
     for n in args.num_reqs:
         # One scheduler (one model, one forward thread, as in a scheduler process) runs both loops.
-        sched = make_scheduler(model_path, True, n, args.dtype)
+        sched = make_scheduler(model_path, n, args.dtype)
         if args.device_forward_ms > 0:
             use_device_like_forward(sched, args.device_forward_ms)
         runs: Dict[str, List[Dict]] = {"normal": [], "overlap": []}

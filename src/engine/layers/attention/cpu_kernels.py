@@ -111,7 +111,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     lse = torch.empty(bs, num_heads, dtype=torch.float32) if with_lse else None
     k_stride = k_buf.stride(0)
     v_stride = v_buf.stride(0)
-    assert k_buf.stride(-1) == 1 and v_buf.stride(-1) == 1 and k_buf[0].is_contiguous() and v_buf[0].is_contiguous()
+    # Within a slot the kernel reads kv_heads * head_dim consecutive elements.
+    assert k_buf.stride()[1:] == (head_dim, 1) and v_buf.stride()[1:] == (head_dim, 1)
     lib.decode_attention(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), kv_indices.data_ptr(), lens.data_ptr(),
                          bs, num_heads, kv_heads, head_dim, kv_indices.shape[1], k_stride, v_stride, scale,
                          _DTYPES[q.dtype], out.data_ptr(), lse.data_ptr() if lse is not None else None,
