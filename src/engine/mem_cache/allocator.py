@@ -25,108 +25,12 @@ def _as_index(indices: torch.Tensor) -> torch.Tensor:
     return indices.reshape(-1).to(torch.int64)
 
 
-class _FreeGroupBase:
-    """Shared bookkeeping for `free_group_begin` / `free_group_end` (batching many frees)."""
-
-    def __init__(self) -> None:
-        self._in_free_group = False
-        self._free_group: List[torch.Tensor] = []
-
-    def free_group_begin(self) -> None:
-        self._in_free_group = True
-        self._free_group = []
-
-    def free_group_end(self) -> None:
-        self._in_free_group = False
-        group, self._free_group = self._free_group, []
-        if group:
-            # One validated release for the whole group: duplicates across the group's calls are
-            # caught here as double frees.
-            self._release(torch.cat(group))
-
-    def _release(self, units: torch.Tensor) -> None:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-
-class TokenToKVPoolAllocator(_FreeGroupBase):
-    """Page-size-1 allocator: free slots are 1..size."""
-
-    page_size = 1
-
-    def __init__(
-        self,
-        size: int,
-        dtype: torch.dtype,
-        device: str,
-        kvcache: Optional[MHATokenToKVPool] = None,
-    ) -> None:
-        super().__init__()
-        if size < 1:
-            raise ValueError(f"TokenToKVPoolAllocator: size must be >= 1, got {size}")
-        self.size = size
-        self.dtype = dtype
-        self.device = device
-        self._kvcache = kvcache
-        self.clear()
-
-    def get_kvcache(self) -> Optional[MHATokenToKVPool]:
-        return self._kvcache
-
-    def clear(self) -> None:
-        self.free_slots = torch.arange(1, self.size + 1, dtype=torch.int64, device=self.device)
-        # is_free[s] mirrors membership of s in free_slots; slot 0 is never free (reserved).
-        self._is_free = torch.ones(self.size + 1, dtype=torch.bool, device=self.device)
-        self._is_free[0] = False
-        self._in_free_group = False
-        self._free_group = []
-
-    def available_size(self) -> int:
-        return int(self.free_slots.numel())
-
-    def alloc(self, need: int) -> Optional[torch.Tensor]:
-        if need < 0:
-            raise ValueError(f"alloc: need must be >= 0, got {need}")
-        if need > self.free_slots.numel():
-            return None
-        out = self.free_slots[:need]
-        self.free_slots = self.free_slots[need:]
-        self._is_free[out] = False
-        return out
-
-    def alloc_extend(
-        self,
-        prefix_lens: torch.Tensor,
-        seq_lens: torch.Tensor,
-        last_loc: torch.Tensor,
-        extend_num_tokens: int,
-    ) -> Optional[torch.Tensor]:
-        # With one-token pages any slot fits any position; same signature as the paged allocator
-        # so callers need not branch on page size.
-        return self.alloc(extend_num_tokens)
-
-    def alloc_decode(self, seq_lens: torch.Tensor, last_loc: torch.Tensor) -> Optional[torch.Tensor]:
-        return self.alloc(int(seq_lens.numel()))
-
-    def free(self, indices: torch.Tensor) -> None:
-        if indices.numel() == 0:
-            return
-        slots = _as_index(indices)
-        if self._in_free_group:
-            self._free_group.append(slots)
-            return
-        self._release(slots)
-
-    def _release(self, slots: torch.Tensor) -> None:
-        _check_releasable(slots, self._is_free, unit="slot", describe=lambda s: f"slot {s}")
-        self._is_free[slots] = True
-        self.free_slots = torch.cat((self.free_slots, slots))
-
-
-class PagedTokenToKVPoolAllocator(_FreeGroupBase):
+class PagedTokenToKVPoolAllocator:
     """Allocator over whole pages of `page_size` slots; free pages are 1..size // page_size.
 
     Page p covers slots p*P .. p*P+P-1. Everything returned keeps `slot % P == position % P`, so
     the positions of one logical page of a request always share one physical page.
+    `free_group_begin` / `free_group_end` batch many frees into one validated release.
     """
 
     def __init__(
@@ -137,7 +41,6 @@ class PagedTokenToKVPoolAllocator(_FreeGroupBase):
         device: str,
         kvcache: Optional[MHATokenToKVPool] = None,
     ) -> None:
-        super().__init__()
         if page_size < 1 or page_size & (page_size - 1):
             raise ValueError(f"PagedTokenToKVPoolAllocator: page_size must be a power of two, got {page_size}")
         if size < page_size:
@@ -161,10 +64,11 @@ class PagedTokenToKVPoolAllocator(_FreeGroupBase):
 
     def clear(self) -> None:
         self.free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device)
+        # is_free[p] mirrors membership of p in free_pages; page 0 is never free (reserved).
         self._is_free = torch.ones(self.num_pages + 1, dtype=torch.bool, device=self.device)
         self._is_free[0] = False
         self._in_free_group = False
-        self._free_group = []
+        self._free_group: List[torch.Tensor] = []
 
     def available_size(self) -> int:
         return int(self.free_pages.numel()) * self.page_size
@@ -253,24 +157,83 @@ class PagedTokenToKVPoolAllocator(_FreeGroupBase):
         """Free the pages holding `indices` (each page once, however many of its slots are given)."""
         if indices.numel() == 0:
             return
-        slots = _as_index(indices)
-        foreign = (slots < self.page_size) | (slots >= (self.num_pages + 1) * self.page_size)
-        if bool(foreign.any()):
-            bad = int(slots[foreign][0].item())
-            raise ValueError(f"free: slot {bad} (page {bad // self.page_size}) is not a slot of this pool "
-                             f"(pages 1..{self.num_pages}, page size {self.page_size})")
-        pages = torch.unique(slots // self.page_size)
+        pages = self._pages_of(_as_index(indices))
         if self._in_free_group:
             self._free_group.append(pages)
             return
         self._release(pages)
 
+    def free_group_begin(self) -> None:
+        self._in_free_group = True
+        self._free_group = []
+
+    def free_group_end(self) -> None:
+        self._in_free_group = False
+        group, self._free_group = self._free_group, []
+        if group:
+            # One validated release for the whole group: duplicates across the group's calls are
+            # caught here as double frees.
+            self._release(torch.cat(group))
+
+    def _pages_of(self, slots: torch.Tensor) -> torch.Tensor:
+        foreign = (slots < self.page_size) | (slots >= (self.num_pages + 1) * self.page_size)
+        if bool(foreign.any()):
+            bad = int(slots[foreign][0].item())
+            raise ValueError(f"free: slot {bad} (page {bad // self.page_size}) is not a slot of this pool "
+                             f"(pages 1..{self.num_pages}, page size {self.page_size})")
+        return torch.unique(slots // self.page_size)
+
+    def _describe(self, page: int) -> str:
+        return f"page {page} (slots {page * self.page_size}..{page * self.page_size + self.page_size - 1})"
+
     def _release(self, pages: torch.Tensor) -> None:
-        page = self.page_size
-        _check_releasable(pages, self._is_free, unit="page",
-                          describe=lambda p: f"page {p} (slots {p * page}..{p * page + page - 1})")
+        _check_releasable(pages, self._is_free, unit="page" if self.page_size > 1 else "slot",
+                          describe=self._describe)
         self._is_free[pages] = True
         self.free_pages = torch.cat((self.free_pages, pages))
+
+
+class TokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):
+    """Page size 1: a page is a slot (free slots are 1..size).
+
+    Any slot fits any position, so extend and decode take slots straight off the free list, and
+    a slot given twice in one free is a double free (with bigger pages it is just two slots of
+    one page).
+    """
+
+    def __init__(
+        self,
+        size: int,
+        dtype: torch.dtype,
+        device: str,
+        kvcache: Optional[MHATokenToKVPool] = None,
+    ) -> None:
+        if size < 1:
+            raise ValueError(f"TokenToKVPoolAllocator: size must be >= 1, got {size}")
+        super().__init__(size, 1, dtype, device, kvcache)
+
+    def alloc(self, need: int) -> Optional[torch.Tensor]:
+        if need < 0:
+            raise ValueError(f"alloc: need must be >= 0, got {need}")
+        return self._take_pages(need)
+
+    def alloc_extend(
+        self,
+        prefix_lens: torch.Tensor,
+        seq_lens: torch.Tensor,
+        last_loc: torch.Tensor,
+        extend_num_tokens: int,
+    ) -> Optional[torch.Tensor]:
+        return self.alloc(extend_num_tokens)
+
+    def alloc_decode(self, seq_lens: torch.Tensor, last_loc: torch.Tensor) -> Optional[torch.Tensor]:
+        return self.alloc(int(seq_lens.numel()))
+
+    def _pages_of(self, slots: torch.Tensor) -> torch.Tensor:
+        return slots  # range, reserved-slot and duplicate checks happen in _release
+
+    def _describe(self, slot: int) -> str:
+        return f"slot {slot}"
 
 
 def _check_releasable(
