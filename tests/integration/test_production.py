@@ -10,14 +10,17 @@ import asyncio
 import json
 import os
 import signal
+import sys
 import threading
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 import httpx
-import psutil
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from utils_process import running, wait_until  # noqa: E402
 
 API_KEY = "sekret-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -26,15 +29,6 @@ SERVER_ARGS = ["--enable-metrics", "--api-key", API_KEY, "--log-requests", "--lo
 
 
 # ---------------------------------------------------------------------------- helpers
-def wait_until(predicate: Callable[[], bool], timeout: float, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
-
-
 def internal_state(url: str, headers: Optional[dict] = None) -> dict:
     response = httpx.get(f"{url}/get_server_info", headers=headers or {}, timeout=30)
     assert response.status_code == 200, response.text
@@ -74,13 +68,6 @@ def sse_payloads(raw: str) -> List[Any]:
             data = block[len("data: "):]
             payloads.append(data if data == "[DONE]" else json.loads(data))
     return payloads
-
-
-def running(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 # ---------------------------------------------------------------------------- auth and limits

@@ -12,15 +12,9 @@ import httpx
 import psutil
 import pytest
 
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from utils_process import running, wait_until  # noqa: E402
 
-
-def wait_until(predicate, timeout: float, interval: float = 0.05) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(interval)
-    return predicate()
 
 
 def ipc_dirs_of(pid: int) -> set[str]:
@@ -30,13 +24,6 @@ def ipc_dirs_of(pid: int) -> set[str]:
         if conn.laddr and "engine-ipc-" in conn.laddr:
             dirs.add(os.path.dirname(conn.laddr))
     return dirs
-
-
-def _running(proc: psutil.Process) -> bool:
-    try:
-        return proc.is_running() and proc.status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
 
 
 @pytest.mark.parametrize("flags, needle", [
@@ -87,7 +74,7 @@ def test_serve_then_sigterm_stops_everything_and_exits_0(launch_server):
 
     server.proc.send_signal(signal.SIGTERM)
     assert server.proc.wait(timeout=30) == 0, server.log()
-    assert wait_until(lambda: not any(_running(c) for c in children), 10)
+    assert wait_until(lambda: not any(running(c) for c in children), 10)
     assert not any(os.path.exists(d) for d in ipc_dirs)
 
 
@@ -105,5 +92,5 @@ def test_killed_scheduler_makes_server_exit_nonzero_within_10s(launch_server):
     assert code != 0
     assert elapsed < 10
     assert "Child process scheduler_TP0" in server.log() and "died with exit code" in server.log()
-    assert wait_until(lambda: not any(_running(c) for c in others), 10)
+    assert wait_until(lambda: not any(running(c) for c in others), 10)
     assert not any(os.path.exists(d) for d in ipc_dirs)

@@ -10,22 +10,24 @@
 from __future__ import annotations
 
 import asyncio
-import shutil
-import time
+import os
+import sys
 from typing import Any, Dict, List
 
 import pytest
 from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
-import engine.managers.tokenizer_manager as tm_module
 from engine.entrypoints.http_server import create_app
 from engine.managers.io_struct import AbortReq, TokenizedGenerateReqInput
 from engine.managers.metrics import RequestTimer, TokenizerMetricsCollector
-from engine.managers.tokenizer_manager import GenerateReqInput, TokenizerManager
-from engine.server_args import PortArgs, ServerArgs
+from engine.managers.tokenizer_manager import GenerateReqInput
+from engine.server_args import ServerArgs
 
-from test_tokenizer_manager import CONTEXT_LEN, REPLY_TEXT, FakeScheduler, build_test_tokenizer
+from test_tokenizer_manager import build_test_tokenizer, run_manager_with_fake_scheduler
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from utils_process import wait_until  # noqa: E402
 
 MODEL = "test-model"
 
@@ -128,28 +130,7 @@ def tokenizer():
 
 @pytest.fixture
 def runtime(tokenizer, monkeypatch):
-    monkeypatch.setattr(tm_module, "DISCONNECT_POLL_INTERVAL_S", 0.05)
-    server_args = ServerArgs(model_path="unused", served_model_name=MODEL, device="cpu", log_level="warning",
-                             enable_metrics=True)
-    port_args = PortArgs.init_new(server_args)
-    info = {"context_len": CONTEXT_LEN, "max_req_input_len": CONTEXT_LEN - 6, "vocab_size": len(tokenizer),
-            "max_total_num_tokens": 1000}
-    manager = TokenizerManager(server_args, port_args, info, tokenizer=tokenizer)
-    fake = FakeScheduler(port_args, tokenizer)
-    fake.start()
-    yield manager, fake
-    manager.close()
-    fake.stop()
-    shutil.rmtree(port_args.ipc_dir, ignore_errors=True)
-
-
-def wait_until(predicate: Any, timeout: float = 5.0) -> bool:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return True
-        time.sleep(0.01)
-    return predicate()
+    yield from run_manager_with_fake_scheduler(tokenizer, monkeypatch, served_model_name=MODEL, enable_metrics=True)
 
 
 def run(coro: Any, timeout: float = 30) -> Any:

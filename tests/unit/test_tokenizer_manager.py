@@ -194,8 +194,13 @@ class FakeScheduler:
 
 @pytest.fixture
 def runtime(tokenizer, monkeypatch):
+    yield from run_manager_with_fake_scheduler(tokenizer, monkeypatch)
+
+
+def run_manager_with_fake_scheduler(tokenizer, monkeypatch, **server_kwargs):
+    """A TokenizerManager wired over real ZMQ sockets to a FakeScheduler thread (fixture body)."""
     monkeypatch.setattr(tm_module, "DISCONNECT_POLL_INTERVAL_S", 0.05)
-    server_args = ServerArgs(model_path="unused", device="cpu", log_level="warning")
+    server_args = ServerArgs(model_path="unused", device="cpu", log_level="warning", **server_kwargs)
     port_args = PortArgs.init_new(server_args)
     info = {"context_len": CONTEXT_LEN, "max_req_input_len": CONTEXT_LEN - 6, "vocab_size": len(tokenizer),
             "max_total_num_tokens": 1000}
