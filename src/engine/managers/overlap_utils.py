@@ -9,10 +9,10 @@ The forward stream runs forwards in launch order, off the scheduling thread:
 - CPU: one worker thread (torch releases the GIL, so scheduling really runs in parallel); a job's
   completion is the `copy_done` signal. The model is built on this thread too (`call`), and the
   scheduler process keeps its own thread to one OpenMP thread (`limit_omp_threads_of_this_thread`),
-  so the process has a single OpenMP team: each thread that runs a parallel region gets its own
-  team of workers, and once libgomp manages more threads than there are cores it stops spinning
-  between parallel regions, so every region pays a futex wake-up (measured: a 2-core decode step
-  1.5x slower with a second, idle team).
+  so the process has a single OpenMP team (each thread that runs a parallel region gets its own).
+  Measured: a 2-core decode step 1.5x slower with a second, idle team; the likely mechanism is
+  libgomp cutting its spin-waits short once it manages more threads than there are cores, so
+  every parallel region pays a futex wake-up.
 - CUDA: a forward stream plus a copy stream; `copy_done` is an event recorded after the sampled
   ids were copied to pinned host memory.
 """
