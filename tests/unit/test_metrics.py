@@ -10,8 +10,6 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import sys
 from typing import Any, Dict, List
 
 import pytest
@@ -26,8 +24,7 @@ from engine.server_args import ServerArgs
 
 from test_tokenizer_manager import build_test_tokenizer, run_manager_with_fake_scheduler
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from utils_process import wait_until  # noqa: E402
+from utils_process import wait_until
 
 MODEL = "test-model"
 

@@ -611,8 +611,10 @@ class TokenizerManager:
         self.last_output_tstamp = now
         for i, rid in enumerate(batch.rids):
             state = self.rid_to_state.get(rid)
-            if state is None:
-                continue  # aborted on our side already; its last outputs are of no use
+            if state is None or state.finished:
+                # Aborted on our side already, or ended here (shutdown, a dead child): its last
+                # outputs are of no use and must not replace the terminal reason it was given.
+                continue
             state.text += batch.output_strs[i]
             state.output_ids.extend(batch.output_ids[i])
             state.prompt_tokens = batch.prompt_tokens[i]
