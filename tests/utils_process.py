@@ -8,8 +8,11 @@ from typing import Callable
 import psutil
 
 
-def wait_until(predicate: Callable[[], bool], timeout: float = 5.0, interval: float = 0.05) -> bool:
-    """Poll `predicate` until it holds or `timeout` seconds pass; its last value either way."""
+def wait_until(predicate: Callable[[], bool], timeout: float = 30.0, interval: float = 0.05) -> bool:
+    """Poll `predicate` until it holds or `timeout` seconds pass; its last value either way.
+
+    The deadline only bounds a failing test, so it is generous: a loaded or slow machine must not
+    turn a correct engine into a failure."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if predicate():

@@ -4,18 +4,15 @@ driver, and transformers' greedy / teacher-forced references on CUDA."""
 from __future__ import annotations
 
 import gc
-import os
-import sys
 from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Sequence
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from utils_models import build_tiny_model  # noqa: E402
+from utils_models import build_tiny_model
 
-from engine.managers.io_struct import BatchTokenIDOutput, TokenizedGenerateReqInput  # noqa: E402
-from engine.server_args import ServerArgs  # noqa: E402
+from engine.managers.io_struct import BatchTokenIDOutput, TokenizedGenerateReqInput
+from engine.server_args import ServerArgs
 
 DEV = "cuda"
 # Head dim 64 (a size the kernels meet in real models), GQA 2, three layers.

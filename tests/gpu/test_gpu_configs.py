@@ -8,15 +8,12 @@ requests finish at different steps, so decode batches shrink through sizes that 
 
 from __future__ import annotations
 
-import os
-import sys
 from typing import Dict, List, Tuple
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from gpu_helpers import (  # noqa: E402
+from gpu_helpers import (
     ReplayCounter,
     SchedulerDriver,
     build_gpu_tiny_model,

@@ -9,14 +9,11 @@ also reproduce transformers' own greedy generation token for token.
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
-from gpu_helpers import (  # noqa: E402
+from gpu_helpers import (
     ReplayCounter,
     SchedulerDriver,
     build_gpu_tiny_model,

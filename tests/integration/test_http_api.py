@@ -176,51 +176,44 @@ def test_64_concurrent_streams_then_idle(http: httpx.Client, base_url: str) -> N
     assert is_idle(state), state
 
 
-LONG = 2000  # output tokens: minutes of decoding unless the request is aborted
+LONG = 2000  # output tokens: thousands of decode steps unless the request is aborted
 
 
-def stream_and_hang_up(base_url: str, text: str, events_to_read: int) -> float:
-    """Stream a long request, read some events, hang up. Returns the seconds per output token."""
+def stream_and_hang_up(base_url: str, text: str, events_to_read: int) -> None:
+    """Stream a long request, read some events, hang up."""
     body = {"text": text, "stream": True, "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}}
-    stamps: List[float] = []
+    events = 0
     with httpx.Client(base_url=base_url, timeout=60.0) as client:
         with client.stream("POST", "/generate", json=body) as response:
             assert response.status_code == 200
             for line in response.iter_lines():
-                if line.startswith("data: "):
-                    stamps.append(time.monotonic())
-                if len(stamps) == events_to_read:
+                events += line.startswith("data: ")
+                if events == events_to_read:
                     break
-    tokens = max(events_to_read - 2, 1)
-    return (stamps[-1] - stamps[1]) / tokens
 
 
-def assert_aborted_soon(http: httpx.Client, seconds_per_token: float, tokens_done: int) -> None:
-    """Idle again much sooner than decoding the rest would take: the request was aborted."""
-    start = time.monotonic()
-    state = wait_idle(http, 30)
-    elapsed = time.monotonic() - start
+def assert_aborted(http: httpx.Client, forwards_before: int) -> None:
+    """Idle again after far fewer forwards than decoding the whole request takes: it was aborted.
+    Counting forwards (not seconds) keeps this independent of the machine's speed."""
+    state = wait_idle(http, 120)
     assert is_idle(state), state
-    natural = seconds_per_token * (LONG - tokens_done)
-    assert elapsed < 0.5 * natural, (elapsed, natural)
+    assert state["forward_ct"] - forwards_before < LONG // 2, state
 
 
 def test_client_disconnect_mid_stream_aborts(http: httpx.Client, base_url: str) -> None:
-    wait_idle(http, 30)
-    per_token = stream_and_hang_up(base_url, "Tell me a long story", events_to_read=12)
-    assert_aborted_soon(http, per_token, 12)
+    before = wait_idle(http, 30)["forward_ct"]
+    stream_and_hang_up(base_url, "Tell me a long story", events_to_read=12)
+    assert_aborted(http, before)
 
 
 def test_client_disconnect_non_streaming_aborts(http: httpx.Client, base_url: str) -> None:
-    wait_idle(http, 30)
-    per_token = stream_and_hang_up(base_url, "Measure the speed", events_to_read=12)
-    wait_idle(http, 30)
+    before = wait_idle(http, 30)["forward_ct"]
     body = {"text": "Another long story", "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True}}
     with httpx.Client(base_url=base_url, timeout=1.5) as client:
         with pytest.raises(httpx.ReadTimeout):
             client.post("/generate", json=body)
-    # The server notices a vanished non-streaming client by polling, at most a second late.
-    assert_aborted_soon(http, per_token, int(1.5 / max(per_token, 1e-3)))
+    # The server notices a vanished non-streaming client by polling.
+    assert_aborted(http, before)
 
 
 def test_abort_request_endpoint(http: httpx.Client, base_url: str) -> None:

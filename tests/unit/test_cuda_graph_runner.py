@@ -24,7 +24,6 @@ from typing import Callable, List, Sequence, Tuple
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from utils_models import BatchDriver, ExtendReq, build_tiny_model, make_runner  # noqa: E402
 
 from engine.layers.attention.torch_native_backend import TorchNativeAttnBackend, _DecodeMetadata  # noqa: E402
@@ -295,6 +294,9 @@ def test_triton_backend_graph_hooks_interpreted(tiny_llama):
         "mod = importlib.util.module_from_spec(spec); spec.loader.exec_module(mod)\n"
         f"mod.check_triton_graph_hooks({tiny_llama!r})\n"
     )
-    env = dict(os.environ, TRITON_INTERPRET="1")
+    # The child imports the shared test helpers (utils_models) as pytest's `pythonpath` lets us.
+    tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, TRITON_INTERPRET="1",
+               PYTHONPATH=os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")])))
     proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0 and "TRITON_GRAPH_HOOKS_OK" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-4000:]

@@ -2,14 +2,11 @@
 
 from __future__ import annotations
 
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from utils_models import BatchDriver, ExtendReq, build_tiny_model, hf_logits, make_runner  # noqa: E402
+from utils_models import BatchDriver, ExtendReq, build_tiny_model, hf_logits, make_runner
 
 LLAMA3_SCALING = {
     "rope_type": "llama3",

@@ -4,14 +4,11 @@ cached prefixes, MIXED batches, and KV pool sizing."""
 from __future__ import annotations
 
 import logging
-import os
-import sys
 
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from utils_models import BatchDriver, ExtendReq, build_tiny_model, hf_greedy, make_runner  # noqa: E402
+from utils_models import BatchDriver, ExtendReq, build_tiny_model, hf_greedy, make_runner
 
 DECODE_STEPS = 32
 

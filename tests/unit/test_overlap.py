@@ -94,11 +94,14 @@ def test_overlap_processes_batches_in_launch_order():
     assert processed == [r.mode for r in h.worker.records]
 
 
-def test_overlap_with_retraction_matches_normal():
+def test_overlap_with_retraction_matches_normal(caplog):
     def run(overlap):
-        h = Harness(worker=FakeWorker(max_total_tokens=200), overlap=overlap)
-        rids = [h.submit([i + 1] * (10 + i), max_new_tokens=100, ignore_eos=True) for i in range(4)]
-        h.run_until_idle()
+        caplog.clear()
+        with caplog.at_level("WARNING"):
+            h = Harness(worker=FakeWorker(max_total_tokens=200), overlap=overlap)
+            rids = [h.submit([i + 1] * (10 + i), max_new_tokens=100, ignore_eos=True) for i in range(4)]
+            h.run_until_idle()
+        assert "Retract requests" in caplog.text, "the pool was meant to run short"
         return [h.outputs[r].output_ids for r in rids], h
 
     normal, _ = run(False)

@@ -32,6 +32,7 @@ from engine.managers.io_struct import (
 from engine.managers.tokenizer_manager import GenerateReqInput, TokenizerManager
 from engine.server_args import PortArgs, ServerArgs
 from engine.utils.zmq_utils import get_zmq_socket
+from utils_process import wait_until
 
 CONTEXT_LEN = 64
 REPLY_TEXT = " quick brown fox 🎉 jumps"
@@ -393,7 +394,7 @@ def test_client_disconnect_aborts_request(runtime):
     with pytest.raises(EngineRequestError) as info:
         collect(manager, GenerateReqInput(text="Hello", rid="gone"), request=FakeRequest())
     assert "disconnected" in info.value.message
-    wait_for(lambda: [m.rid for m in fake.messages(AbortReq)] == ["gone"])
+    assert wait_until(lambda: [m.rid for m in fake.messages(AbortReq)] == ["gone"])
     assert manager.rid_to_state == {}
 
 
@@ -410,7 +411,7 @@ def test_closing_a_stream_early_aborts_request(runtime):
 
     first = asyncio.run(asyncio.wait_for(run(), 30))
     assert first["meta_info"]["finish_reason"] is None
-    wait_for(lambda: [m.rid for m in fake.messages(AbortReq)] == ["early"])
+    assert wait_until(lambda: [m.rid for m in fake.messages(AbortReq)] == ["early"])
 
 
 def test_abort_request_by_rid(runtime):
@@ -451,7 +452,7 @@ def test_health_generate(runtime, monkeypatch):
     assert asyncio.run(manager.health_generate(timeout=10)) is True
     fake.paused.set()
     assert asyncio.run(manager.health_generate(timeout=0.3)) is False
-    wait_for(lambda: any(m.rid.startswith("HEALTH_CHECK") for m in fake.messages(AbortReq)))
+    assert wait_until(lambda: any(m.rid.startswith("HEALTH_CHECK") for m in fake.messages(AbortReq)))
 
 
 class DeadProcess:
@@ -524,15 +525,3 @@ async def _last(gen):
     async for out in gen:
         result = out
     return result
-
-
-def wait_for(predicate, timeout=5.0):
-    """Poll with a deadline (the fake scheduler runs in another thread)."""
-    import time
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if predicate():
-            return
-        time.sleep(0.01)
-    assert predicate()

@@ -8,18 +8,15 @@ the per-iteration message broadcast and the KV pool min-reduction, which need no
 
 from __future__ import annotations
 
-import os
-import sys
 import traceback
 
 import pytest
 import torch
 import torch.multiprocessing as mp
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from utils_models import BatchDriver, ExtendReq, build_tiny_model, hf_greedy, make_runner  # noqa: E402
+from utils_models import BatchDriver, ExtendReq, build_tiny_model, hf_greedy, make_runner
 
-from engine.utils.network_utils import get_free_port  # noqa: E402
+from engine.utils.network_utils import get_free_port
 
 TP = 2
 DECODE_STEPS = 12

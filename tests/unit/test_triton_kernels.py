@@ -314,7 +314,6 @@ def test_decode_two_layers_share_one_scratch_and_match_torch_native(tk):
 def test_model_greedy_with_triton_backend_matches_transformers(tk, tmp_path):
     """The tiny Llama through ModelRunner with --attention-backend triton, on scrambled 16-token
     pages and cached prefixes (one crossing a page, one absent): greedy == transformers."""
-    sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
     from utils_models import BatchDriver, ExtendReq, build_tiny_model, hf_greedy, make_runner
 
     steps, page_size, prefix = 4, 16, [4, 18, 0, 33]
