@@ -145,6 +145,8 @@ class ServerArgs:
         need(self.schedule_conservativeness > 0,
              f"--schedule-conservativeness must be > 0, got {self.schedule_conservativeness}")
         need(self.stream_interval >= 1, f"--stream-interval must be >= 1, got {self.stream_interval}")
+        need(self.decode_log_interval >= 1,
+             f"--decode-log-interval must be >= 1, got {self.decode_log_interval}")
         need(self.watchdog_timeout > 0, f"--watchdog-timeout must be > 0, got {self.watchdog_timeout}")
         need(self.log_level.lower() in ("debug", "info", "warning", "error", "critical"),
              f"--log-level must be debug|info|warning|error|critical, got {self.log_level!r}")

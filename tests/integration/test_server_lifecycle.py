@@ -29,6 +29,7 @@ def ipc_dirs_of(pid: int) -> set[str]:
     (["--page-size", "3"], "--page-size must be a power of two"),
     (["--port", "not-a-number"], "--port"),
     (["--schedule-policy", "bogus"], "--schedule-policy"),
+    (["--decode-log-interval", "0"], "--decode-log-interval must be >= 1"),
     (["--chat-template", "no-such-template"], "--chat-template"),
 ])
 def test_bad_flags_exit_2_with_a_message(flags, needle):
