@@ -200,3 +200,29 @@ def test_auto_dtype_is_bfloat16_on_cuda_for_a_float32_checkpoint():
     assert resolve_dtype("auto", {"torch_dtype": "float32"}, "cpu") == torch.float32
     assert resolve_dtype("float32", {"torch_dtype": "float32"}, "cuda") == torch.float32
     assert resolve_dtype("auto", {"torch_dtype": "float16"}, "cpu") == torch.bfloat16
+
+
+def test_a_broken_allocator_import_fails_loudly(tiny_llama):
+    """A runner without its KV slot allocator cannot serve: an ImportError must surface, not turn
+    into a None allocator that fails later and far away."""
+    import subprocess
+    import textwrap
+
+    code = textwrap.dedent(f"""
+        import sys
+        sys.path.insert(0, {os.path.join(os.path.dirname(__file__), "..")!r})
+
+        class Block:
+            def find_spec(self, name, path=None, target=None):
+                if name == "engine.mem_cache.allocator":
+                    raise ImportError("blocked by the test: " + name)
+                return None
+
+        sys.meta_path.insert(0, Block())
+        from utils_models import make_runner
+        runner = make_runner({tiny_llama[0]!r})
+        print("allocator:", runner.token_to_kv_pool_allocator)
+    """)
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert result.returncode != 0, result.stdout
+    assert "ImportError: blocked by the test: engine.mem_cache.allocator" in result.stderr, result.stderr[-2000:]

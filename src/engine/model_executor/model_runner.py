@@ -12,6 +12,7 @@ from engine.utils.malloc_tuning import keep_large_allocations_in_heap
 from engine.distributed.parallel_state import all_reduce_min_int, assert_same_across_tp, get_tp_size
 from engine.layers.attention import create_attention_backend
 from engine.layers.logits_processor import LogitsProcessorOutput
+from engine.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from engine.model_executor.forward_batch_info import ForwardBatch, ModelWorkerBatch
 from engine.model_loader.loader import get_model
@@ -158,13 +159,7 @@ class ModelRunner:
             context_len,
         )
 
-    def _make_allocator(self, total: int):
-        try:
-            from engine.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
-        except ImportError as e:  # written in parallel by another engineer; the runner works without it
-            logger.warning("KV slot allocator unavailable (%s); token_to_kv_pool_allocator is None", e)
-            return None
-
+    def _make_allocator(self, total: int) -> PagedTokenToKVPoolAllocator:
         if self.page_size == 1:
             return TokenToKVPoolAllocator(total, self.dtype, self.device, self.token_to_kv_pool)
         return PagedTokenToKVPoolAllocator(total, self.page_size, self.dtype, self.device, self.token_to_kv_pool)
