@@ -118,13 +118,13 @@ def _rank0_channels(context: Any, port_args: Any, tp_size: int, dp_rank: Optiona
 
     from engine.distributed.parallel_state import broadcast_bytes_list
     from engine.managers import io_struct
+    from engine.utils.zmq_utils import get_zmq_socket
 
-    recv_sock = context.socket(zmq.PULL)
-    recv_sock.connect(port_args.scheduler_input_ipc_name)
-    detok_sock = context.socket(zmq.PUSH)
-    detok_sock.connect(port_args.detokenizer_ipc_name)
-    tok_sock = context.socket(zmq.PUSH)
-    tok_sock.connect(port_args.tokenizer_ipc_name)
+    # Through the one helper: with ZMQ's default high-water mark a slow detokenizer would block
+    # `send` below, and with it the whole scheduling loop.
+    recv_sock = get_zmq_socket(context, zmq.PULL, port_args.scheduler_input_ipc_name, bind=False)
+    detok_sock = get_zmq_socket(context, zmq.PUSH, port_args.detokenizer_ipc_name, bind=False)
+    tok_sock = get_zmq_socket(context, zmq.PUSH, port_args.tokenizer_ipc_name, bind=False)
 
     def recv() -> List[Any]:
         raw: List[bytes] = []
