@@ -6,6 +6,12 @@ paged pool instead of gathering them first. It is built once per machine into
 the compiler and the CPU's instruction set. Without a C compiler (or with
 `ENGINE_CPU_DECODE_KERNEL=0`) `decode_kernel()` returns None and the attention backend keeps its
 pure-torch path; both give the same results.
+
+Loading a shared library runs its code in the server, so only a library nobody else can have
+written is loaded: the cache directory must be a real directory (not a symbolic link) owned by
+this user and not writable by group or others (it is created 0700), and so must the library file.
+Otherwise the cache is refused with a warning and the kernel is built in a fresh private temporary
+directory for this process. The compiler runs under a timeout (COMPILE_TIMEOUT_S).
 """
 
 from __future__ import annotations
@@ -15,6 +21,7 @@ import hashlib
 import logging
 import os
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -27,8 +34,14 @@ logger = logging.getLogger(__name__)
 _SRC = Path(__file__).with_name("csrc") / "decode_attention.c"
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# A build takes about a second; a compiler stuck for this long costs the kernel, not the server.
+COMPILE_TIMEOUT_S = 120.0
 _UNSET = object()
 _kernel = _UNSET
+
+
+class _UntrustedPath(Exception):
+    """A cache directory or library file that someone other than this user could have written."""
 
 
 def _cpu_signature() -> str:
@@ -42,32 +55,110 @@ def _cpu_signature() -> str:
     return ""
 
 
+def _check_owned(path: Path, st: os.stat_result) -> None:
+    if st.st_uid != os.getuid():
+        raise _UntrustedPath(f"{path} is owned by uid {st.st_uid}, not by this user (uid {os.getuid()})")
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH):
+        raise _UntrustedPath(f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})")
+
+
+def _check_private_dir(path: Path) -> None:
+    st = os.lstat(path)  # lstat: a symbolic link is judged itself, not followed
+    if stat.S_ISLNK(st.st_mode):
+        raise _UntrustedPath(f"{path} is a symbolic link")
+    if not stat.S_ISDIR(st.st_mode):
+        raise _UntrustedPath(f"{path} is not a directory")
+    _check_owned(path, st)
+
+
+def _check_library(path: Path) -> None:
+    st = os.lstat(path)
+    if not stat.S_ISREG(st.st_mode):
+        raise _UntrustedPath(f"{path} is not a regular file")
+    _check_owned(path, st)
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("ENGINE_CACHE_DIR") or Path.home() / ".cache" / "engine") / "kernels"
+
+
+def _compile(compiler: str, out: Path) -> bool:
+    try:
+        proc = subprocess.run([compiler, *_FLAGS, str(_SRC), "-o", str(out), "-lm"], capture_output=True,
+                              text=True, timeout=COMPILE_TIMEOUT_S)
+    except subprocess.TimeoutExpired:
+        logger.warning("Building the CPU decode attention kernel timed out after %.0f s; using the torch "
+                       "gather path.", COMPILE_TIMEOUT_S)
+        return False
+    if proc.returncode != 0:
+        logger.warning("Building the CPU decode attention kernel failed; using the torch gather path.\n%s",
+                       proc.stderr[-2000:])
+        return False
+    os.chmod(out, 0o700)  # whatever the umask: never group- or world-writable
+    return True
+
+
+def _load_from_cache(cache: Path, name: str, compiler: str) -> Optional[ctypes.CDLL]:
+    """Load (building it first if missing) `cache/name`; raises _UntrustedPath for a foreign cache."""
+    try:
+        cache.mkdir(mode=0o700, parents=True)
+    except FileExistsError:
+        pass
+    _check_private_dir(cache)
+    lib_path = cache / name
+    if not os.path.lexists(lib_path):
+        # Build under a private name, then rename: concurrent processes never see half a file.
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
+        os.close(fd)
+        if not _compile(compiler, Path(tmp)):
+            os.unlink(tmp)
+            return None
+        os.replace(tmp, lib_path)
+    _check_library(lib_path)
+    return ctypes.CDLL(str(lib_path))
+
+
+def _load_private_build(name: str, compiler: str) -> Optional[ctypes.CDLL]:
+    """Build into a fresh temporary directory only this process knows, load, then remove it."""
+    private = Path(tempfile.mkdtemp(prefix="engine-kernels-"))  # mode 0700, unpredictable name
+    try:
+        lib_path = private / name
+        if not _compile(compiler, lib_path):
+            return None
+        return ctypes.CDLL(str(lib_path))  # the mapping outlives the file
+    finally:
+        shutil.rmtree(private, ignore_errors=True)
+
+
 def _build() -> Optional[ctypes.CDLL]:
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         logger.info("No C compiler found: CPU decode attention uses the torch gather path.")
         return None
-    version = subprocess.run([compiler, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256("\0".join([_SRC.read_text(), " ".join(_FLAGS), version, _cpu_signature()]).encode())
-    cache = Path(os.environ.get("ENGINE_CACHE_DIR") or Path.home() / ".cache" / "engine") / "kernels"
     try:
-        cache.mkdir(parents=True, exist_ok=True)
-    except OSError:  # a read-only home: build under the temp directory instead
-        cache = Path(tempfile.gettempdir()) / f"engine-kernels-{os.getuid()}"
-        cache.mkdir(parents=True, exist_ok=True)
-    lib_path = cache / f"decode_attention-{key.hexdigest()[:16]}.so"
-    if not lib_path.exists():
-        # Build under a private name, then rename: concurrent processes never see half a file.
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-        os.close(fd)
-        proc = subprocess.run([compiler, *_FLAGS, str(_SRC), "-o", tmp, "-lm"], capture_output=True, text=True)
-        if proc.returncode != 0:
-            os.unlink(tmp)
-            logger.warning("Building the CPU decode attention kernel failed; using the torch gather path.\n%s",
-                           proc.stderr[-2000:])
-            return None
-        os.replace(tmp, lib_path)
-    lib = ctypes.CDLL(str(lib_path))
+        version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
+                                 timeout=COMPILE_TIMEOUT_S).stdout
+    except subprocess.TimeoutExpired:
+        logger.warning("`%s --version` timed out after %.0f s; using the torch gather path.", compiler,
+                       COMPILE_TIMEOUT_S)
+        return None
+    key = hashlib.sha256("\0".join([_SRC.read_text(), " ".join(_FLAGS), version, _cpu_signature()]).encode())
+    name = f"decode_attention-{key.hexdigest()[:16]}.so"
+    cache = _cache_dir()
+    try:
+        lib = _load_from_cache(cache, name, compiler)
+    except _UntrustedPath as e:
+        logger.warning("Not using the CPU kernel cache: %s (make it private to this user, or remove it). "
+                       "Building the kernel in a private temporary directory instead.", e)
+    except OSError as e:  # a read-only home, say
+        logger.info("The CPU kernel cache %s is unusable (%s); building in a private temporary directory.",
+                    cache, e)
+    else:
+        return lib
+    return _load_private_build(name, compiler)
+
+
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     fn = lib.decode_attention
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int,
@@ -83,7 +174,8 @@ def decode_kernel() -> Optional[ctypes.CDLL]:
         _kernel = None
         if os.environ.get("ENGINE_CPU_DECODE_KERNEL", "1") != "0":
             try:
-                _kernel = _build()
+                lib = _build()
+                _kernel = _declare(lib) if lib is not None else None
             except Exception:  # a broken toolchain must not take the engine down: fall back
                 logger.exception("Loading the CPU decode attention kernel failed; using the torch gather path.")
     return _kernel

@@ -1,0 +1,117 @@
+"""Where the native CPU kernel is built and loaded from: only a private directory and a library
+file of our own are trusted. Another local user must not be able to plant a library we load."""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
+from engine.layers.attention import cpu_kernels
+
+pytestmark = pytest.mark.skipif(not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")),
+                                reason="no C compiler: the kernel is never built")
+
+PLANTED_SRC = "int planted_by_someone_else = 1;\nvoid decode_attention(void) {}\n"
+
+
+def _compiler() -> str:
+    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+
+def _load_fresh(monkeypatch, cache_root: Path):
+    """decode_kernel() as a new process would run it, with ENGINE_CACHE_DIR=cache_root."""
+    monkeypatch.setenv("ENGINE_CACHE_DIR", str(cache_root))
+    monkeypatch.delenv("ENGINE_CPU_DECODE_KERNEL", raising=False)
+    monkeypatch.setattr(cpu_kernels, "_kernel", cpu_kernels._UNSET)
+    return cpu_kernels.decode_kernel()
+
+
+def _is_planted(lib: ctypes.CDLL) -> bool:
+    return hasattr(lib, "planted_by_someone_else")
+
+
+@pytest.fixture(scope="module")
+def library_name(tmp_path_factory) -> str:
+    """The file name a build gets (keyed by source, flags, compiler and CPU)."""
+    root = tmp_path_factory.mktemp("reference-cache")
+    with pytest.MonkeyPatch.context() as mp:
+        lib = _load_fresh(mp, root)
+    assert lib is not None
+    names = [p.name for p in (root / "kernels").iterdir()]
+    assert len(names) == 1 and names[0].endswith(".so"), names
+    return names[0]
+
+
+def _plant(path: Path, tmp_path: Path) -> None:
+    src = tmp_path / "planted.c"
+    src.write_text(PLANTED_SRC)
+    subprocess.run([_compiler(), "-shared", "-fPIC", str(src), "-o", str(path)], check=True, timeout=120)
+
+
+def test_a_fresh_cache_directory_is_private(monkeypatch, tmp_path, library_name):
+    lib = _load_fresh(monkeypatch, tmp_path / "cache")
+    assert lib is not None and not _is_planted(lib)
+    kernels = tmp_path / "cache" / "kernels"
+    assert (kernels.stat().st_mode & 0o777) == 0o700
+    so = kernels / library_name
+    assert so.stat().st_uid == os.getuid() and (so.stat().st_mode & 0o022) == 0
+
+
+def test_a_world_writable_cache_directory_is_refused(monkeypatch, tmp_path, library_name, caplog):
+    kernels = tmp_path / "cache" / "kernels"
+    kernels.mkdir(parents=True)
+    kernels.chmod(0o777)
+    _plant(kernels / library_name, tmp_path)
+    lib = _load_fresh(monkeypatch, tmp_path / "cache")
+    assert lib is not None, "refusing the directory must build elsewhere, not lose the kernel"
+    assert not _is_planted(lib)
+    assert "writable by group or others" in caplog.text
+
+
+def test_a_symlinked_cache_directory_is_refused(monkeypatch, tmp_path, library_name, caplog):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir(mode=0o700)
+    _plant(elsewhere / library_name, tmp_path)
+    (tmp_path / "cache").mkdir()
+    (tmp_path / "cache" / "kernels").symlink_to(elsewhere)
+    lib = _load_fresh(monkeypatch, tmp_path / "cache")
+    assert lib is not None and not _is_planted(lib)
+    assert "symbolic link" in caplog.text
+
+
+def test_a_group_writable_library_in_a_private_directory_is_refused(monkeypatch, tmp_path, library_name, caplog):
+    kernels = tmp_path / "cache" / "kernels"
+    kernels.mkdir(parents=True, mode=0o700)
+    _plant(kernels / library_name, tmp_path)
+    (kernels / library_name).chmod(0o775)
+    lib = _load_fresh(monkeypatch, tmp_path / "cache")
+    assert lib is not None and not _is_planted(lib)
+    assert "writable by group or others" in caplog.text
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="giving a file to another user needs root")
+def test_a_library_owned_by_another_user_is_refused(monkeypatch, tmp_path, library_name, caplog):
+    kernels = tmp_path / "cache" / "kernels"
+    kernels.mkdir(parents=True, mode=0o700)
+    _plant(kernels / library_name, tmp_path)
+    os.chown(kernels / library_name, 65534, 65534)
+    lib = _load_fresh(monkeypatch, tmp_path / "cache")
+    assert lib is not None and not _is_planted(lib)
+    assert "owned by uid 65534" in caplog.text
+
+
+def test_a_compiler_that_hangs_is_stopped(monkeypatch, tmp_path, caplog):
+    """The build runs under a timeout: a stuck compiler costs the kernel, not the server start."""
+    fake = tmp_path / "hanging-cc"
+    fake.write_text('#!/bin/sh\nif [ "$1" = "--version" ]; then echo fake-cc 1.0; exit 0; fi\nexec sleep 600\n')
+    fake.chmod(0o700)
+    monkeypatch.setenv("CC", str(fake))
+    monkeypatch.setattr(cpu_kernels, "COMPILE_TIMEOUT_S", 0.5)
+    assert _load_fresh(monkeypatch, tmp_path / "cache") is None
+    assert "Building the CPU decode attention kernel timed out" in caplog.text
+    assert not list((tmp_path / "cache" / "kernels").iterdir())  # no half-built file left behind
