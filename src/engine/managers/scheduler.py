@@ -117,13 +117,14 @@ class Scheduler:
 
         # Seconds a request may wait in the queue (<= 0: no limit), like SGLANG_REQ_WAITING_TIMEOUT.
         self.waiting_timeout = float(os.environ.get("ENGINE_REQ_WAITING_TIMEOUT", "0"))
-        # Testing aid (like SGLang's forward_sleep_time): sleep this long in every forward.
+        # Testing aid (like SGLang's forward_sleep_time): every forward sleeps this long first.
         self.forward_sleep_s = float(os.environ.get("ENGINE_TEST_FORWARD_SLEEP_S", "0"))
         # Overlap scheduling (the default) processes each forward's result one step later; the
         # normal loop waits for it at once.
         self.enable_overlap = not server_args.disable_overlap_schedule
         self.result_queue: Deque = deque()
-        self.forward_ct = 0
+        self.forward_ct = 0  # forwards launched
+        self.forward_done_ct = 0  # forwards whose result was processed (the watchdog compares both)
         self.num_generated_tokens = 0
         self.decode_batch_ct = 0
         self.last_decode_log_time = time.monotonic()
@@ -427,10 +428,15 @@ class Scheduler:
     def run_batch(self, batch: ScheduleBatch):
         """Run the forward now (normal loop) or launch it on the forward stream (overlap loop)."""
         self.forward_ct += 1
-        if self.forward_sleep_s > 0:
-            time.sleep(self.forward_sleep_s)
         worker_batch = batch.get_model_worker_batch()
-        pending = self.forward_stream.launch(lambda: self.worker.forward_batch_generation(worker_batch))
+        sleep_s = self.forward_sleep_s
+
+        def forward():
+            if sleep_s > 0:  # the testing aid: a slow (or hung) forward, on the forward thread
+                time.sleep(sleep_s)
+            return self.worker.forward_batch_generation(worker_batch)
+
+        pending = self.forward_stream.launch(forward)
         return pending if self.enable_overlap else pending.result()
 
     def process_batch_result(self, batch: ScheduleBatch, result) -> None:
@@ -446,6 +452,7 @@ class Scheduler:
             emit = self.results.process_prefill(batch, result)
             self.num_generated_tokens += len(emit)
         self._to_stream.extend(emit)
+        self.forward_done_ct += 1
 
     def flush_outputs(self) -> None:
         """One message per iteration to the detokenizer."""

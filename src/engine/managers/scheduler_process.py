@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -180,18 +180,42 @@ def _follower_channels():
     return recv, send, wait_for_input
 
 
+class SchedulerWatchdog:
+    """Decides when a forward has made no progress for `timeout` seconds.
+
+    A forward counts from its launch until its result is processed, so the overlap loop's last
+    forward of a burst is watched too: the loop waits on it with no batch of its own scheduled
+    (`cur_batch` is None). Progress is any forward launched or completed.
+    """
+
+    def __init__(self, scheduler: Scheduler, timeout: float) -> None:
+        self.scheduler = scheduler
+        self.timeout = timeout
+        self._last_progress: Optional[Tuple[int, int]] = None
+        self._last_change = 0.0
+
+    def busy(self) -> bool:
+        s = self.scheduler
+        return s.cur_batch is not None or s.forward_done_ct < s.forward_ct
+
+    def check(self, now: float) -> bool:
+        """True when the watched scheduler is stuck (call with a monotonic clock)."""
+        progress = (self.scheduler.forward_ct, self.scheduler.forward_done_ct)
+        if not self.busy() or progress != self._last_progress:
+            self._last_progress, self._last_change = progress, now
+            return False
+        return now - self._last_change > self.timeout
+
+
 def _start_watchdog(scheduler: Scheduler, timeout: float) -> None:
-    """Kill the scheduler when a batch makes no progress for `timeout` seconds."""
+    """Kill the scheduler when a forward makes no progress for `timeout` seconds."""
+    watchdog = SchedulerWatchdog(scheduler, timeout)
 
     def run() -> None:
-        last_ct, last_change = scheduler.forward_ct, time.monotonic()
+        watchdog.check(time.monotonic())
         while True:
             time.sleep(min(timeout / 2, 5.0))
-            now = time.monotonic()
-            if scheduler.cur_batch is None or scheduler.forward_ct != last_ct:
-                last_ct, last_change = scheduler.forward_ct, now
-                continue
-            if now - last_change > timeout:
+            if watchdog.check(time.monotonic()):
                 logger.error("Scheduler watchdog timeout (watchdog_timeout=%.1f s): a forward made no progress; "
                              "shutting down.", timeout)
                 sys.stderr.flush()
