@@ -85,6 +85,17 @@ def test_invalid_request_raises(engine):
         engine.generate(input_ids=list(range(5000)))
 
 
+def test_n_is_bounded_in_the_offline_engine_too(engine):
+    """The fan-out limit is the engine's, not only the HTTP layer's: the offline Engine refuses
+    n over 128 before building a single sub-request."""
+    with pytest.raises(EngineRequestError) as info:
+        engine.generate("Hello", {"n": 129, "max_new_tokens": 1})
+    assert info.value.status_code == 400
+    assert "n must be an integer in [1, 128], got 129" in info.value.message
+    outs = engine.generate("Hello", {"n": 2, **GREEDY})
+    assert len(outs) == 2 and outs[0]["output_ids"] == outs[1]["output_ids"]
+
+
 def test_control_calls(engine):
     states = engine.get_internal_state()
     assert len(states) == 1 and states[0]["max_total_num_tokens"] == 8192

@@ -243,7 +243,10 @@ def test_normalize_expands_n_request_major():
     (dict(text="a", input_ids=[1]), "Exactly one of text or input_ids"),
     (dict(text=["a", "b"], sampling_params=[{}]), "sampling_params has 1 entries"),
     (dict(input_ids=[[1], []]), "input_ids must be"),
-    (dict(text="a", sampling_params={"n": 0}), "n must be an integer >= 1"),
+    (dict(text="a", sampling_params={"n": 0}), "n must be an integer in [1, 128], got 0"),
+    (dict(text="a", sampling_params={"n": 129}), "n must be an integer in [1, 128], got 129"),
+    (dict(text=["a", "b"], sampling_params=[{}, {"n": 129}]), "n must be an integer in [1, 128], got 129"),
+    (dict(text="a", sampling_params={"n": 2.0}), "n must be an integer in [1, 128], got 2.0"),
     (dict(text=["a", "b"], rid="same"), "rid must be a list"),
     (dict(text="a", return_logprob=[True, False]), "return_logprob has 2 entries"),
 ])
@@ -318,6 +321,34 @@ def test_parallel_sampling_n_fans_out(runtime):
     sent = fake.messages(TokenizedGenerateReqInput)
     assert sorted(m.rid for m in sent) == ["p-0", "p-1", "p-2"]
     assert all(m.sampling_params["n"] == 1 for m in sent)
+
+
+class CountingTokenizer:
+    """Forwards to a real tokenizer and counts encode() calls."""
+
+    def __init__(self, inner) -> None:
+        self.inner = inner
+        self.encoded: list[str] = []
+
+    def encode(self, text, *args, **kwargs):
+        self.encoded.append(text)
+        return self.inner.encode(text, *args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+
+def test_parallel_sampling_tokenizes_each_prompt_once(runtime, tokenizer):
+    manager, fake = runtime
+    counting = CountingTokenizer(tokenizer)
+    manager.tokenizer = counting
+    obj = GenerateReqInput(text=["Hello", "world fox"], rid=["p", "q"], sampling_params={"n": 3, "max_new_tokens": 2})
+    results = collect(manager, obj)[0]
+    assert [r["meta_info"]["id"] for r in results] == ["p-0", "p-1", "p-2", "q-0", "q-1", "q-2"]
+    assert counting.encoded == ["Hello", "world fox"]
+    sent = {m.rid: m.input_ids for m in fake.messages(TokenizedGenerateReqInput)}
+    assert all(sent[f"p-{j}"] == tokenizer.encode("Hello") for j in range(3))
+    assert all(sent[f"q-{j}"] == tokenizer.encode("world fox") for j in range(3))
 
 
 def test_batch_stream_carries_index(runtime):

@@ -37,6 +37,7 @@ from engine.managers.io_struct import (
     encode,
 )
 from engine.managers.metrics import RequestTimer, TokenizerMetricsCollector
+from engine.sampling.sampling_params import check_parallel_sample_num
 from engine.server_args import PortArgs, ServerArgs
 from engine.utils.tokenizer_utils import load_tokenizer
 from engine.utils.zmq_utils import get_zmq_socket
@@ -70,6 +71,8 @@ class GenerateReqInput:
     # Filled by normalize(): one entry per sub-request.
     is_single: bool = field(default=True, init=False)
     batch_size: int = field(default=1, init=False)
+    # The prompt each sub-request samples from: the n copies of a prompt share its tokenization.
+    prompt_index: list[int] = field(default_factory=list, init=False)
     _normalized: bool = field(default=False, init=False, repr=False)
 
     def normalize(self) -> None:
@@ -95,10 +98,13 @@ class GenerateReqInput:
         out_lp: list[bool] = []
         out_start: list[int] = []
         out_top: list[int] = []
-        for i in range(num_prompts):
-            n = _parallel_sample_num(sampling_params[i])
+        out_prompt: list[int] = []
+        # Every n is checked before any fan-out: a huge n must not build a huge list first.
+        fan_outs = [_parallel_sample_num(sp) for sp in sampling_params]
+        for i, n in enumerate(fan_outs):
             sub_params = {k: v for k, v in sampling_params[i].items() if k != "n"}
             for j in range(n):
+                out_prompt.append(i)
                 if prompts_text is not None:
                     out_text.append(prompts_text[i])
                 else:
@@ -116,6 +122,7 @@ class GenerateReqInput:
         self.return_logprob = out_lp
         self.logprob_start_len = out_start
         self.top_logprobs_num = out_top
+        self.prompt_index = out_prompt
         self.batch_size = len(out_rid)
         self.is_single = not is_batch and self.batch_size == 1
         self._normalized = True
@@ -183,9 +190,10 @@ def _parallel_sample_num(sampling_params: dict) -> int:
     n = sampling_params.get("n", 1)
     if n is None:
         return 1
-    if not isinstance(n, int) or isinstance(n, bool) or n < 1:
-        raise EngineRequestError(f"n must be an integer >= 1, got {n!r}.")
-    return n
+    try:
+        return check_parallel_sample_num(n)
+    except ValueError as e:
+        raise EngineRequestError(f"{e}.") from None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,7 +392,14 @@ class TokenizerManager:
         self._check_alive()
         obj.normalize()
         # Validate every sub-request before sending any, so a bad batch has no side effects.
-        tokenized = [self._tokenize_one(obj, i) for i in range(obj.batch_size)]
+        # Each prompt is tokenized and checked once, however many samples (n) it fans out into.
+        prompt_ids: dict[int, list[int]] = {}
+        tokenized = []
+        for i in range(obj.batch_size):
+            prompt = obj.prompt_index[i]
+            if prompt not in prompt_ids:
+                prompt_ids[prompt] = self._prompt_input_ids(obj, i)
+            tokenized.append(self._tokenize_one(obj, i, prompt_ids[prompt]))
         states: list[ReqState] = []
         for req in tokenized:
             if req.rid in self.rid_to_state:
@@ -425,14 +440,14 @@ class TokenizerManager:
         else:
             yield await self._gather_batch(states, request)
 
-    def _tokenize_one(self, obj: GenerateReqInput, i: int) -> TokenizedGenerateReqInput:
-        input_text = obj.text[i] if obj.text is not None else None
+    def _prompt_input_ids(self, obj: GenerateReqInput, i: int) -> list[int]:
+        """The token ids of sub-request i's prompt, checked against the vocabulary and context."""
         if obj.input_ids is not None:
-            input_ids = obj.input_ids[i]
+            input_ids = list(obj.input_ids[i])
         else:
             if self.tokenizer is None:
                 raise EngineRequestError("This server has no tokenizer (--skip-tokenizer-init): send input_ids.")
-            input_ids = self.tokenizer.encode(input_text)
+            input_ids = list(self.tokenizer.encode(obj.text[i]))
         input_len = len(input_ids)
         if input_len == 0:
             raise EngineRequestError("The input is empty.")
@@ -445,7 +460,11 @@ class TokenizerManager:
             raise EngineRequestError(
                 f"The input ({input_len} tokens) is longer than the model's context length "
                 f"({self.context_len} tokens).")
+        return input_ids
 
+    def _tokenize_one(self, obj: GenerateReqInput, i: int, input_ids: list[int]) -> TokenizedGenerateReqInput:
+        input_text = obj.text[i] if obj.text is not None else None
+        input_len = len(input_ids)
         sampling_params = self._verify_sampling_params(obj.sampling_params[i])
         # Only a budget the client asked for is checked: the default (SamplingParams') would
         # reject every long prompt, and the scheduler clamps it to the context anyway.
@@ -469,7 +488,7 @@ class TokenizerManager:
                 f"logprob_start_len ({logprob_start_len}) must be smaller than the input length ({input_len}).")
         return TokenizedGenerateReqInput(
             rid=obj.rid[i],
-            input_ids=list(input_ids),
+            input_ids=input_ids,  # shared by the n samples of a prompt: encoded, never mutated
             sampling_params=sampling_params,
             input_text=input_text,
             return_logprob=return_logprob,

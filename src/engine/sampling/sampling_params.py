@@ -55,6 +55,14 @@ def _range_error(name: str, allowed: str, value: Any) -> ValueError:
     return ValueError(f"{name} must be {allowed}, got {value!r}")
 
 
+def check_parallel_sample_num(n: Any) -> int:
+    """`n` (the sub-requests one request fans out into), bounded: the one check of the HTTP and
+    the offline paths, made before any fan-out (ValueError otherwise)."""
+    if not _is_int(n) or not 1 <= n <= MAX_N:
+        raise _range_error("n", f"an integer in [1, {MAX_N}]", n)
+    return n
+
+
 def _is_number(value: Any) -> bool:
     # bool is an int subclass; `temperature: true` is a client bug, not 1.0.
     return isinstance(value, (int, float)) and not isinstance(value, bool)
@@ -159,8 +167,7 @@ class SamplingParams:
                 raise _range_error(name, f"a number {allowed}", value)
         if not _is_int(self.top_k) or not (self.top_k == -1 or 1 <= self.top_k <= _INT32_MAX):
             raise _range_error("top_k", f"an integer, -1 or 0 (disabled) or in [1, {_INT32_MAX}]", self.top_k)
-        if not _is_int(self.n) or not 1 <= self.n <= MAX_N:
-            raise _range_error("n", f"an integer in [1, {MAX_N}]", self.n)
+        check_parallel_sample_num(self.n)
         # Seeds cross the process boundary as msgpack integers: keep them in the int64 range.
         if self.sampling_seed is not None and (not _is_int(self.sampling_seed)
                                                or not -(1 << 63) <= self.sampling_seed < (1 << 63)):

@@ -13,7 +13,8 @@ from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
-MAX_N = 128
+from engine.sampling.sampling_params import MAX_N  # the engine's one fan-out bound (n)
+
 MAX_STOP_STRINGS = 32
 MAX_TOP_LOGPROBS = 20
 
@@ -383,14 +384,10 @@ class GenerateRequest(BaseModel):
 
 
 def _check_native_sampling_params(params: Dict[str, Any]) -> None:
-    """Edge limits on a native sampling_params dict; the engine's SamplingParams checks the rest.
-
-    `n` fans out into n sub-requests, so it is bounded like OpenAI's `n`; integers must fit the
-    64-bit fields they travel in, or encoding the request would fail deep in the server.
+    """Edge limits on a native sampling_params dict; the engine checks the rest (`n` included,
+    before fanning out, for the offline Engine too): integers must fit the 64-bit fields they
+    travel in, or encoding the request would fail deep in the server.
     """
-    n = params.get("n", 1)
-    if isinstance(n, int) and not isinstance(n, bool) and n > MAX_N:
-        raise ValueError(f"sampling_params.n must be <= {MAX_N}, got {n}")
 
     def check(value: Any, name: str) -> None:
         if isinstance(value, bool):
