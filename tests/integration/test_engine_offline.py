@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
+import sys
+import threading
 import time
 
 import psutil
@@ -12,6 +14,9 @@ import pytest
 
 from engine import Engine
 from engine.managers.errors import EngineRequestError
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from utils_process import wait_until  # noqa: E402
 
 ENGINE_ARGS = dict(device="cpu", max_total_tokens=8192, log_level="warning")
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
@@ -101,6 +106,60 @@ def test_control_calls(engine):
     assert len(states) == 1 and states[0]["max_total_num_tokens"] == 8192
     assert engine.flush_cache() is True
     assert engine.get_model_info()["is_generation"] is True
+
+
+class _DeadProcess:
+    pid = -1
+
+    def is_alive(self) -> bool:
+        return False
+
+
+def _call_in_thread(fn):
+    """Run fn() in a thread; the returned dict gets "result" or "error" when it returns."""
+    outcome: dict = {}
+
+    def run():
+        try:
+            outcome["result"] = fn()
+        except BaseException as e:  # noqa: BLE001 - handed to the test
+            outcome["error"] = e
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    return thread, outcome
+
+
+def test_engine_calls_fail_instead_of_hanging_when_nothing_can_answer_them():
+    """A call waiting on the server side ends with a clear error when that side is gone without
+    the call being told (a child found dead, the engine's event loop stopped)."""
+    with Engine(**ENGINE_ARGS) as eng:
+        scheduler_pid = eng._runtime.children.processes()[0].pid
+        manager = eng.tokenizer_manager
+        assert eng.generate("Hi", {"max_new_tokens": 1})["meta_info"]["completion_tokens"] == 1  # connected
+        os.kill(scheduler_pid, signal.SIGSTOP)  # nothing is answered from now on
+        try:
+            # 1. The children are found dead, but nothing failed the waiting request.
+            thread, outcome = _call_in_thread(lambda: eng.generate("Hi", {"max_new_tokens": 2}))
+            assert wait_until(lambda: bool(manager.rid_to_state), 30)
+            children = manager.child_processes
+            manager.child_processes = [_DeadProcess()]
+            thread.join(60)
+            assert not thread.is_alive(), "the call hangs although the engine is dead"
+            assert isinstance(outcome.get("error"), EngineRequestError), outcome
+            assert outcome["error"].status_code == 503
+            manager.child_processes = children
+
+            # 2. The engine's event loop stops while a call waits on it.
+            thread, outcome = _call_in_thread(eng.get_internal_state)
+            assert wait_until(lambda: bool(manager._state_waiters.waiters), 30)
+            eng._runtime.loop.call_soon_threadsafe(eng._runtime.loop.stop)
+            thread.join(60)
+            assert not thread.is_alive(), "the call hangs although the event loop stopped"
+            assert isinstance(outcome.get("error"), RuntimeError), outcome
+            assert "event loop" in str(outcome["error"])
+        finally:
+            os.kill(scheduler_pid, signal.SIGCONT)
 
 
 def test_dead_child_and_shutdown_leave_no_process():

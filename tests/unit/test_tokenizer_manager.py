@@ -8,7 +8,9 @@ in-thread and pushes BatchStrOutput (and control replies) to the tokenizer socke
 from __future__ import annotations
 
 import asyncio
+import os
 import shutil
+import sys
 import threading
 from dataclasses import dataclass, field
 
@@ -33,6 +35,9 @@ from engine.managers.tokenizer_manager import GenerateReqInput, TokenizerManager
 from engine.server_args import PortArgs, ServerArgs
 from engine.utils.zmq_utils import get_zmq_socket
 from utils_process import wait_until
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+from utils_process import wait_until  # noqa: E402
 
 CONTEXT_LEN = 64
 REPLY_TEXT = " quick brown fox 🎉 jumps"
@@ -501,21 +506,88 @@ def test_dead_child_makes_requests_fail_with_503(runtime):
     assert info.value.status_code == 503
 
 
-def test_mark_dead_fails_pending_requests(runtime):
-    manager, fake = runtime
+def final_output_after(manager, fake, action) -> dict:
+    """Send one request, hold it in the (paused) fake scheduler, run `action()`, return its final output."""
     fake.paused.set()
 
     async def run():
         task = asyncio.ensure_future(_last(manager.generate_request(GenerateReqInput(text="Hello"))))
         while not fake.messages(TokenizedGenerateReqInput):
             await asyncio.sleep(0.01)
-        manager.mark_dead("scheduler_TP0 died")
+        action()
         return await task
 
-    out = asyncio.run(asyncio.wait_for(run(), 30))
+    return asyncio.run(asyncio.wait_for(run(), 30))
+
+
+def test_mark_dead_fails_pending_requests(runtime):
+    manager, fake = runtime
+    out = final_output_after(manager, fake, lambda: manager.mark_dead("scheduler_TP0 died"))
     reason = out["meta_info"]["finish_reason"]
     assert reason["type"] == "abort" and reason["status_code"] == 503 and "scheduler_TP0 died" in reason["message"]
     assert not manager.is_alive()
+
+
+def test_a_failure_on_one_output_of_a_batch_fails_that_request_and_serves_the_others(runtime, tokenizer):
+    """Handling one request's output raises halfway through a BatchStrOutput: that request gets a
+    terminal error (and is aborted in the scheduler), the others of the batch carry on."""
+    manager, fake = runtime
+    append_logprobs = manager._append_logprobs
+
+    def flaky(state, batch, i):
+        if state.rid == "bad":
+            raise RuntimeError("boom")
+        append_logprobs(state, batch, i)
+
+    manager._append_logprobs = flaky
+    obj = GenerateReqInput(text=["Hello", "world"], rid=["bad", "good"], sampling_params={"max_new_tokens": 4},
+                           return_logprob=True)
+    bad, good = collect(manager, obj)[0]
+    reason = bad["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and reason["status_code"] == 500 and "boom" in reason["message"]
+    assert good["meta_info"]["finish_reason"] == {"type": "length", "length": 4}
+    assert good["text"] == expected_text(tokenizer, 4)
+    assert manager.rid_to_state == {}
+    assert wait_until(lambda: any(m.rid == "bad" for m in fake.messages(AbortReq)), 10)
+
+
+def test_an_undecodable_message_fails_the_requests_in_flight(runtime):
+    """Whose output a garbled message carried is unknown: every waiter gets a terminal error
+    rather than waiting forever for output that was lost."""
+    manager, fake = runtime
+    out = final_output_after(manager, fake, lambda: fake._send.send(b"\xc1 not msgpack"))
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and reason["status_code"] == 500
+    assert manager.is_alive()  # later requests are served
+    fake.paused.clear()
+    assert collect(manager, GenerateReqInput(text="Hi", sampling_params={"max_new_tokens": 2}))[-1][
+        "meta_info"]["finish_reason"] == {"type": "length", "length": 2}
+
+
+class BrokenSocket:
+    """The receive side of a socket whose context was torn down under the manager."""
+
+    def __init__(self, real) -> None:
+        self.real = real
+
+    async def recv(self):
+        raise zmq.ZMQError(zmq.ETERM, "Context was terminated")
+
+    def close(self, linger=None):
+        self.real.close(linger=linger)
+
+
+def test_a_dead_receive_loop_fails_every_waiter_and_later_requests(runtime):
+    manager, fake = runtime
+    manager.recv_from_detokenizer = BrokenSocket(manager.recv_from_detokenizer)
+    out = collect(manager, GenerateReqInput(text="Hello"))[-1]
+    reason = out["meta_info"]["finish_reason"]
+    assert reason["type"] == "abort" and reason["status_code"] == 503
+    assert "receive loop" in reason["message"]
+    assert not manager.is_alive()
+    with pytest.raises(EngineRequestError) as info:
+        collect(manager, GenerateReqInput(text="Hello"))
+    assert info.value.status_code == 503
 
 
 def test_chat_template_and_override(runtime, tokenizer, tmp_path):

@@ -9,13 +9,16 @@ synchronous methods work from plain code and its async methods from any other ev
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import functools
 import logging
 import threading
+import time
 import weakref
 from typing import Any, AsyncIterator, Iterator, Optional, Union
 
+from engine.managers.errors import EngineRequestError
 from engine.managers.tokenizer_manager import GenerateReqInput, TokenizerManager, load_chat_template
 from engine.server_args import PortArgs, ServerArgs
 from engine.utils.child_processes import ChildProcesses, LaunchError
@@ -23,6 +26,12 @@ from engine.utils.network_utils import get_free_port
 from engine.utils.tokenizer_utils import load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+# How often a blocked Engine call checks that something can still answer it.
+LIVENESS_POLL_S = 0.5
+# A call still pending this long after the engine was found dead is ended here: the death should
+# have ended it with its own error first.
+DEAD_GRACE_S = 5.0
 
 
 def resolve_model_path(server_args: ServerArgs) -> ServerArgs:
@@ -108,6 +117,13 @@ class _Runtime:
         self.tokenizer_manager.close()
         if not self.loop.is_running():
             self.loop.close()
+
+    def unavailable(self) -> Optional[Exception]:
+        """Why a pending call can never be answered, or None while it still can be."""
+        if not self.thread.is_alive() or not self.loop.is_running():
+            return RuntimeError("The engine's event loop stopped, so this call cannot be answered; "
+                                "shut the engine down and start a new one.")
+        return self.tokenizer_manager.unavailable_error()
 
     async def _drain(self) -> None:
         """Let failed requests see their error, then stop receiving and finalize generators."""
@@ -240,17 +256,58 @@ class Engine:
             pass
 
     # ------------------------------------------------------------------ loop bridging
+    # A call runs in the engine's loop; the caller waits for it, but never forever: every
+    # LIVENESS_POLL_S it checks that the loop still runs and the engine is alive (_Waiter).
     def _run(self, coro: Any) -> Any:
-        if not self._runtime.loop.is_running():
-            coro.close()
-            raise RuntimeError("The engine is shut down.")
-        return asyncio.run_coroutine_threadsafe(coro, self._runtime.loop).result()
+        future = self._submit(coro)
+        waiter = _Waiter(self._runtime)
+        while True:
+            try:
+                return future.result(timeout=LIVENESS_POLL_S)
+            except concurrent.futures.TimeoutError:
+                waiter.check(future)
 
     async def _await_in_engine_loop(self, coro: Any) -> Any:
+        wrapped = asyncio.wrap_future(self._submit(coro))
+        waiter = _Waiter(self._runtime)
+        try:
+            while True:
+                done, _ = await asyncio.wait({wrapped}, timeout=LIVENESS_POLL_S)
+                if done:
+                    return wrapped.result()
+                waiter.check(wrapped)
+        except asyncio.CancelledError:
+            wrapped.cancel()  # the caller gave up: so does the call in the engine's loop (an abort)
+            raise
+
+    def _submit(self, coro: Any) -> concurrent.futures.Future:
         if not self._runtime.loop.is_running():
             coro.close()
             raise RuntimeError("The engine is shut down.")
-        return await asyncio.wrap_future(asyncio.run_coroutine_threadsafe(coro, self._runtime.loop))
+        return asyncio.run_coroutine_threadsafe(coro, self._runtime.loop)
+
+
+class _Waiter:
+    """Ends a wait on the engine's loop with a clear error once nothing can answer it."""
+
+    def __init__(self, runtime: _Runtime) -> None:
+        self.runtime = runtime
+        self.dead_since: Optional[float] = None
+
+    def check(self, future: Any) -> None:
+        error = self.runtime.unavailable()
+        if error is None:
+            self.dead_since = None
+            return
+        now = time.monotonic()
+        if isinstance(error, EngineRequestError):
+            # Dead children: the engine fails its own requests at once; give that a moment.
+            if self.dead_since is None:
+                self.dead_since = now
+            if now - self.dead_since < DEAD_GRACE_S:
+                return
+        future.cancel()
+        raise error
 
 
 class _AsyncStream:

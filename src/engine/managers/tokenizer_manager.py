@@ -327,13 +327,30 @@ class TokenizerManager:
         self._handle_task = loop.create_task(self.handle_loop(), name="tokenizer-manager-recv")
 
     async def handle_loop(self) -> None:
-        while True:
-            data = await self.recv_from_detokenizer.recv()
-            self.last_receive_tstamp = time.monotonic()
-            try:
-                self._dispatch(decode(data))
-            except Exception:  # one bad message must not stop every request's output
-                logger.exception("Failed to handle a message from the scheduler/detokenizer")
+        try:
+            while True:
+                data = await self.recv_from_detokenizer.recv()
+                self.last_receive_tstamp = time.monotonic()
+                self._handle_message(data)
+        except asyncio.CancelledError:
+            raise
+        except Exception as e:  # noqa: BLE001 - nothing would ever be received again: say so to all
+            logger.exception("The TokenizerManager's receive loop stopped")
+            self.mark_dead(f"The receive loop of the TokenizerManager stopped: {e!r}")
+
+    def _handle_message(self, data: bytes) -> None:
+        """Dispatch one message; a failure never stops the loop and never leaves a waiter hanging."""
+        try:
+            msg = decode(data)
+        except Exception as e:  # noqa: BLE001
+            # Whose output it carried is unknown, and lost: end every request in flight.
+            logger.exception("Undecodable message from the scheduler/detokenizer")
+            self._fail_requests(f"Internal error: an output message could not be decoded ({e!r}).", 500)
+            return
+        try:
+            self._dispatch(msg)
+        except Exception:  # noqa: BLE001 - per-request failures are handled inside; this is the rest
+            logger.exception("Failed to handle a %s from the scheduler/detokenizer", type(msg).__name__)
 
     def is_alive(self) -> bool:
         """True while every child process is alive, no fatal error was reported and no shutdown began."""
@@ -634,20 +651,28 @@ class TokenizerManager:
                 # Aborted on our side already, or ended here (shutdown, a dead child): its last
                 # outputs are of no use and must not replace the terminal reason it was given.
                 continue
-            state.text += batch.output_strs[i]
-            state.output_ids.extend(batch.output_ids[i])
-            state.prompt_tokens = batch.prompt_tokens[i]
-            state.completion_tokens = batch.completion_tokens[i]
-            state.cached_tokens = batch.cached_tokens[i]
-            if state.return_logprob:
-                self._append_logprobs(state, batch, i)
-            if batch.finished_reasons[i] is not None:
-                state.finished = True
-                state.finished_reason = dict(batch.finished_reasons[i])
-            if state.timer is not None and self.metrics_collector is not None:
-                self.metrics_collector.observe_output(
-                    state.timer, state.prompt_tokens, state.completion_tokens, state.finished, now)
-            state.event.set()
+            try:
+                self._handle_one_output(state, batch, i, now)
+            except Exception as e:  # noqa: BLE001 - this request fails; the batch's others go on
+                logger.exception("Failed to handle the output of request %s", rid)
+                self._fail_request(state, f"Internal error while handling the output: {e!r}", 500)
+                self.abort_request(rid)
+
+    def _handle_one_output(self, state: ReqState, batch: BatchStrOutput, i: int, now: float) -> None:
+        state.text += batch.output_strs[i]
+        state.output_ids.extend(batch.output_ids[i])
+        state.prompt_tokens = batch.prompt_tokens[i]
+        state.completion_tokens = batch.completion_tokens[i]
+        state.cached_tokens = batch.cached_tokens[i]
+        if state.return_logprob:
+            self._append_logprobs(state, batch, i)
+        if batch.finished_reasons[i] is not None:
+            state.finished = True
+            state.finished_reason = dict(batch.finished_reasons[i])
+        if state.timer is not None and self.metrics_collector is not None:
+            self.metrics_collector.observe_output(
+                state.timer, state.prompt_tokens, state.completion_tokens, state.finished, now)
+        state.event.set()
 
     def _handle_abort_notice(self, msg: AbortReq) -> None:
         """The scheduler dropped a queued request without output: finish it as aborted."""
@@ -720,10 +745,17 @@ class TokenizerManager:
         logger.warning("Could not send %s: the scheduler is not reachable", type(msg).__name__)
         return False
 
+    def unavailable_error(self) -> Optional[EngineRequestError]:
+        """The 503 a request gets while the server is not alive (None while it is)."""
+        if self.is_alive():
+            return None
+        message = self._dead_message or "A child process of the server died."
+        return EngineRequestError(self._not_alive_message(message), 503, "ServiceUnavailableError")
+
     def _check_alive(self) -> None:
-        if not self.is_alive():
-            message = self._dead_message or "A child process of the server died."
-            raise EngineRequestError(self._not_alive_message(message), 503, "ServiceUnavailableError")
+        error = self.unavailable_error()
+        if error is not None:
+            raise error
 
     def _not_alive_message(self, message: str) -> str:
         return message if self._shutting_down else f"The server is not alive: {message}"
@@ -888,13 +920,23 @@ class TokenizerManager:
             "vocab_size": self.vocab_size,
         }
 
-    def _fail_all(self, message: str) -> None:
+    def _fail_request(self, state: ReqState, message: str, status_code: int) -> None:
+        """End one waiting request with a terminal error (its waiter wakes and returns it).
+
+        A request that already finished keeps its outcome, but its waiter is woken all the same:
+        a failure after `finished` was set may have skipped the wake-up.
+        """
+        if not state.finished:
+            state.finished = True
+            state.finished_reason = {"type": "abort", "message": message, "status_code": status_code}
+        state.event.set()
+
+    def _fail_requests(self, message: str, status_code: int) -> None:
         for state in list(self.rid_to_state.values()):
-            if not state.finished:
-                state.finished = True
-                state.finished_reason = {"type": "abort", "message": self._not_alive_message(message),
-                                         "status_code": 503}
-                state.event.set()
+            self._fail_request(state, message, status_code)
+
+    def _fail_all(self, message: str) -> None:
+        self._fail_requests(self._not_alive_message(message), 503)
         error = EngineRequestError(self._not_alive_message(message), 503, "ServiceUnavailableError")
         self._flush_waiters.fail_all(error)
         self._state_waiters.fail_all(error)
