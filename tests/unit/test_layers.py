@@ -282,6 +282,65 @@ def test_logits_processor_extend_decode_and_input_logprobs():
     assert out.next_token_logits.shape == (7, 10) and out.next_token_logits.dtype == torch.float32
 
 
+def test_input_logprobs_are_computed_in_bounded_chunks_with_the_same_results(monkeypatch):
+    """A long prompt asking for input logprobs from position 0 must not materialise one
+    [positions, vocab] float32 matrix: the logits are built a fixed number of positions at a time,
+    and the results equal the one-shot computation."""
+    torch.manual_seed(1)
+    vocab, hidden_size, lens, starts = 50, 8, [61, 40], [0, 5]
+    head = torch.nn.Module()
+    head.weight = torch.nn.Parameter(torch.randn(vocab, hidden_size))
+    cfg = type("Cfg", (), {"vocab_size": vocab})()
+    total = sum(lens)
+    hidden = torch.randn(total, hidden_size)
+    locs = [0, lens[0]]
+    targets = torch.randint(0, vocab, (sum(n - s for n, s in zip(lens, starts)),))
+
+    def batch():
+        return ForwardBatch(
+            forward_mode=ForwardMode.EXTEND, batch_size=2, input_ids=torch.zeros(total, dtype=torch.long),
+            positions=torch.zeros(total, dtype=torch.long), req_pool_indices=torch.tensor([1, 2]),
+            seq_lens=torch.tensor(lens), seq_lens_cpu=lens, out_cache_loc=torch.arange(total),
+            extend_seq_lens=torch.tensor(lens), extend_start_loc=torch.tensor(locs),
+            extend_seq_lens_cpu=lens, extend_prefix_lens_cpu=[0, 0], return_logprob=True,
+            extend_logprob_start_lens_cpu=starts, extend_input_logprob_token_ids=targets,
+            top_logprobs_nums=[3, 2])
+
+    # The oracle: every position at once, straight from the definition.
+    logprobs = (hidden @ head.weight.t()).float().log_softmax(-1)
+    rows = torch.cat([torch.arange(loc + s, loc + n) for loc, s, n in zip(locs, starts, lens)])
+    expected = logprobs[rows].gather(1, targets.unsqueeze(1)).squeeze(1)
+
+    chunk = 16
+    lp = LogitsProcessor(cfg)
+    monkeypatch.setattr(lp, "input_logprob_chunk_size", chunk, raising=False)
+    projected_rows = []
+    compute_logits = lp.compute_logits
+
+    def recording(hidden_states, lm_head):
+        projected_rows.append(hidden_states.shape[0])
+        return compute_logits(hidden_states, lm_head)
+
+    monkeypatch.setattr(lp, "compute_logits", recording)
+    out = lp(batch().input_ids, hidden, head, batch())
+    input_positions = rows.numel()
+    assert max(projected_rows) <= chunk  # never the whole [positions, vocab] matrix
+    assert sum(projected_rows) == input_positions + 2  # + the last position of each request
+    assert torch.allclose(out.input_token_logprobs, expected, atol=1e-5)
+    offset = 0
+    for i, (s, n, k) in enumerate(zip(starts, lens, [3, 2])):
+        top = logprobs[rows[offset : offset + n - s]].topk(k)
+        assert out.input_top_logprobs_idx[i] == top.indices.tolist()
+        assert torch.allclose(torch.tensor(out.input_top_logprobs_val[i]), top.values, atol=1e-5)
+        offset += n - s
+
+    one_shot = LogitsProcessor(cfg)
+    monkeypatch.setattr(one_shot, "input_logprob_chunk_size", 10 ** 6, raising=False)
+    whole = one_shot(batch().input_ids, hidden, head, batch())
+    assert torch.allclose(whole.input_token_logprobs, out.input_token_logprobs, atol=1e-6)
+    assert whole.input_top_logprobs_idx == out.input_top_logprobs_idx
+
+
 def test_prepacked_linear_matches_plain_linear():
     from engine.layers.linear import clear_packed_weights, prepack_linear_weights
 

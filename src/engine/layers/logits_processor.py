@@ -30,16 +30,24 @@ class LogitsProcessorOutput:
     input_top_logprobs_idx: Optional[List[List[List[int]]]] = None
 
 
+# Input logprobs are computed this many positions at a time: one [positions, vocab] float32
+# matrix for a long prompt would be gigabytes (8192 positions x 152k vocab = 5 GB, twice over
+# with the log-softmax); a chunk of 1024 bounds it to about 0.6 GB per matrix.
+INPUT_LOGPROB_CHUNK_SIZE = 1024
+
+
 class LogitsProcessor(nn.Module):
     """Projects hidden states to float32 logits over the real vocabulary.
 
     Only the rows that are needed are projected: the last position of each request for extend
-    (and MIXED), every row for decode, plus the positions whose input logprobs were asked for.
+    (and MIXED), every row for decode, plus the positions whose input logprobs were asked for
+    (in chunks of `input_logprob_chunk_size` positions).
     """
 
     def __init__(self, config: Any) -> None:
         super().__init__()
         self.vocab_size = int(config.vocab_size)
+        self.input_logprob_chunk_size = INPUT_LOGPROB_CHUNK_SIZE
 
     def forward(
         self,
@@ -87,7 +95,6 @@ class LogitsProcessor(nn.Module):
             if ext_len > start:
                 index_parts.append(torch.arange(starts[i] + start, starts[i] + ext_len))
         index = torch.cat(index_parts).to(hidden_states.device)
-        logprobs = torch.log_softmax(self.compute_logits(hidden_states.index_select(0, index), lm_head), dim=-1)
         token_ids = forward_batch.extend_input_logprob_token_ids
         if token_ids is None or token_ids.numel() != index.numel():
             raise ValueError(
@@ -96,15 +103,25 @@ class LogitsProcessor(nn.Module):
             )
         # The id after a prompt's last position is not known yet and arrives as a placeholder;
         # clamping keeps any placeholder in bounds (the caller ignores that entry).
-        token_ids = token_ids.to(logprobs.device).long().clamp(0, self.vocab_size - 1)
-        output.input_token_logprobs = logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1)
-
+        token_ids = token_ids.to(hidden_states.device).long().clamp(0, self.vocab_size - 1)
         top_nums = forward_batch.top_logprobs_nums or [0] * len(ext_lens)
-        if not any(n > 0 for n in top_nums):
+        max_k = max(top_nums, default=0)
+
+        chosen: List[torch.Tensor] = []
+        values: List[List[float]] = []
+        indices: List[List[int]] = []
+        chunk = max(1, self.input_logprob_chunk_size)
+        for start in range(0, index.numel(), chunk):
+            rows = index[start : start + chunk]
+            logprobs = torch.log_softmax(self.compute_logits(hidden_states.index_select(0, rows), lm_head), dim=-1)
+            chosen.append(logprobs.gather(1, token_ids[start : start + chunk].unsqueeze(1)).squeeze(1))
+            if max_k > 0:
+                top = logprobs.topk(max_k, dim=-1)
+                values.extend(top.values.tolist())
+                indices.extend(top.indices.tolist())
+        output.input_token_logprobs = torch.cat(chosen)
+        if max_k == 0:
             return
-        max_k = max(top_nums)
-        values, indices = logprobs.topk(max_k, dim=-1)
-        values, indices = values.tolist(), indices.tolist()
         output.input_top_logprobs_val, output.input_top_logprobs_idx = [], []
         row = 0
         for count, k in zip(counts, top_nums):
