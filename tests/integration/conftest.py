@@ -95,12 +95,16 @@ class ServerProcess:
                     pass
 
 
-def start_server_process(extra_args: Sequence[str] = (), wait: bool = True) -> ServerProcess:
+def start_server_process(extra_args: Sequence[str] = (), wait: bool = True,
+                         own_process_group: bool = False) -> ServerProcess:
+    """`own_process_group`: start the server as the leader of a new process group (as a shell
+    starts a foreground job), so a test can signal the whole group the way Ctrl-C does."""
     port = get_free_port()
     fd, log_path = tempfile.mkstemp(prefix="engine-server-", suffix=".log")
     args = [sys.executable, "-m", "engine.launch_server", "--port", str(port), *BASE_ARGS, *extra_args]
     with os.fdopen(fd, "w") as log_file:
-        proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT)
+        proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT,
+                                start_new_session=own_process_group)
     server = ServerProcess(proc=proc, port=port, log_path=log_path, args=args)
     if wait:
         try:
@@ -130,8 +134,8 @@ def server_url(server: ServerProcess) -> str:
 def launch_server() -> Iterator[Callable[..., ServerProcess]]:
     started: list[ServerProcess] = []
 
-    def launch(extra_args: Sequence[str] = (), wait: bool = True) -> ServerProcess:
-        proc = start_server_process(extra_args, wait=False)
+    def launch(extra_args: Sequence[str] = (), wait: bool = True, own_process_group: bool = False) -> ServerProcess:
+        proc = start_server_process(extra_args, wait=False, own_process_group=own_process_group)
         started.append(proc)
         if wait:
             proc.wait_healthy()

@@ -77,6 +77,26 @@ def test_serve_then_sigterm_stops_everything_and_exits_0(launch_server):
     assert not any(os.path.exists(d) for d in ipc_dirs)
 
 
+def test_ctrl_c_on_a_terminal_is_the_graceful_exit(launch_server):
+    """Ctrl-C sends SIGINT to the whole foreground process group, children included. The result
+    must be the documented graceful stop (exit 0, nothing left behind), not a child dying of
+    KeyboardInterrupt and the server exiting 1 for a dead child."""
+    server = launch_server(own_process_group=True)
+    assert os.getpgid(server.pid) == server.pid
+    children = server.descendants()
+    assert len(children) >= 2 and all(os.getpgid(c.pid) == server.pid for c in children)
+    ipc_dirs = ipc_dirs_of(server.pid)
+
+    os.killpg(server.pid, signal.SIGINT)
+    code = server.proc.wait(timeout=60)
+    log = server.log()
+    assert code == 0, log
+    assert wait_until(lambda: not any(running(c) for c in children), 30)
+    assert "Traceback" not in log and "KeyboardInterrupt" not in log, log
+    assert "died with exit code" not in log, log
+    assert not any(os.path.exists(d) for d in ipc_dirs)
+
+
 def test_killed_scheduler_makes_server_exit_nonzero(launch_server):
     server = launch_server()
     scheduler = server.find_child("engine::scheduler_TP0")

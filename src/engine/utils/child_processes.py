@@ -7,16 +7,18 @@ reports the first child that dies after startup so the owner can stop the whole 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import multiprocessing
 import os
 import shutil
+import signal
 import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Iterator, Optional
 
 from engine.utils.process_utils import kill_process_tree
 
@@ -49,10 +51,18 @@ class ChildProcesses:
 
     # ------------------------------------------------------------------ start
     def start(self, name: str, target: Callable, args: tuple) -> BaseProcess:
-        """Start `target(*args, pipe_writer)` in a spawned process named `name`."""
+        """Start `target(*args, pipe_writer)` in a spawned process named `name`.
+
+        Children ignore SIGINT: Ctrl-C on a terminal signals the whole foreground process group,
+        and the stop is the owner's to make (it kills the children); a child dying of
+        KeyboardInterrupt would turn the graceful exit into a child-death exit with tracebacks.
+        """
         reader, writer = self.ctx.Pipe(duplex=False)
-        process = self.ctx.Process(target=target, args=(*args, writer), name=name)
-        process.start()
+        process = self.ctx.Process(target=_ignore_sigint_then_run, args=(target, *args, writer), name=name)
+        with _sigint_ignored_if_main_thread():
+            # A spawned interpreter keeps an ignored SIGINT ignored from its first instruction,
+            # so a Ctrl-C while it imports (seconds, for torch) does not interrupt it either.
+            process.start()
         # Drop our copy of the write end, so that a child dying before it reports gives EOF.
         writer.close()
         self.children.append(Child(name, process, reader))
@@ -131,3 +141,21 @@ class ChildProcesses:
             child.reader.close()
         if self.ipc_dir:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+def _ignore_sigint_then_run(target: Callable, *args: Any) -> None:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    target(*args)
+
+
+@contextlib.contextmanager
+def _sigint_ignored_if_main_thread() -> Iterator[None]:
+    if threading.current_thread() is not threading.main_thread():
+        yield  # only the main thread may change handlers; the child then ignores it on entry
+        return
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN)
+    try:
+        yield
+    finally:
+        if previous is not None:  # None: a handler installed outside Python, left as it is
+            signal.signal(signal.SIGINT, previous)
