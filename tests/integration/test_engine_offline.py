@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import sys
 import threading
 import time
 
@@ -15,8 +14,7 @@ import pytest
 from engine import Engine
 from engine.managers.errors import EngineRequestError
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from utils_process import wait_until  # noqa: E402
+from utils_process import wait_until
 
 ENGINE_ARGS = dict(device="cpu", max_total_tokens=8192, log_level="warning")
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}

@@ -3,18 +3,14 @@ burst, which the overlap loop waits on with no batch of its own scheduled (`cur_
 
 from __future__ import annotations
 
-import os
-import sys
 import threading
 
 import pytest
 
 from engine.managers.scheduler_process import SchedulerWatchdog
 
-sys.path.insert(0, os.path.dirname(__file__))
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from sched_utils import FakeWorker, Harness  # noqa: E402
-from utils_process import wait_until  # noqa: E402
+from sched_utils import FakeWorker, Harness
+from utils_process import wait_until
 
 TIMEOUT_S = 5.0
 

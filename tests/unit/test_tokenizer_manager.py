@@ -8,9 +8,7 @@ in-thread and pushes BatchStrOutput (and control replies) to the tokenizer socke
 from __future__ import annotations
 
 import asyncio
-import os
 import shutil
-import sys
 import threading
 from dataclasses import dataclass, field
 
@@ -36,8 +34,6 @@ from engine.server_args import PortArgs, ServerArgs
 from engine.utils.zmq_utils import get_zmq_socket
 from utils_process import wait_until
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from utils_process import wait_until  # noqa: E402
 
 CONTEXT_LEN = 64
 REPLY_TEXT = " quick brown fox 🎉 jumps"
