@@ -4,6 +4,8 @@ cached prefixes, MIXED batches, and KV pool sizing."""
 from __future__ import annotations
 
 import logging
+import os
+import sys
 
 import pytest
 import torch
@@ -210,7 +212,6 @@ def test_a_broken_allocator_import_fails_loudly(tiny_llama):
 
     code = textwrap.dedent(f"""
         import sys
-        sys.path.insert(0, {os.path.join(os.path.dirname(__file__), "..")!r})
 
         class Block:
             def find_spec(self, name, path=None, target=None):
@@ -223,6 +224,8 @@ def test_a_broken_allocator_import_fails_loudly(tiny_llama):
         runner = make_runner({tiny_llama[0]!r})
         print("allocator:", runner.token_to_kv_pool_allocator)
     """)
-    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    tests_dir = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # utils_models
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [tests_dir, os.environ.get("PYTHONPATH")])))
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300, env=env)
     assert result.returncode != 0, result.stdout
     assert "ImportError: blocked by the test: engine.mem_cache.allocator" in result.stderr, result.stderr[-2000:]
