@@ -55,6 +55,9 @@ def test_silu_and_mul():
         {"rope_type": "linear", "factor": 4.0},
         {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
          "original_max_position_embeddings": 32},
+        {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 32},
+        {"rope_type": "yarn", "factor": 2.0, "original_max_position_embeddings": 64, "beta_fast": 16,
+         "beta_slow": 2, "mscale": 0.7, "mscale_all_dim": 0.5},
     ],
 )
 def test_rotary_matches_transformers(scaling):
@@ -82,7 +85,7 @@ def test_rotary_matches_transformers(scaling):
 
 def test_unknown_rope_type_is_rejected():
     with pytest.raises(ValueError, match="unsupported rope_scaling"):
-        get_rope(16, 16, 64, 10000.0, {"rope_type": "yarn", "factor": 2.0})
+        get_rope(16, 16, 64, 10000.0, {"rope_type": "longrope", "factor": 2.0})
 
 
 # ---------------------------------------------------------------------------- tensor parallel linears

@@ -24,6 +24,8 @@ CASES = {
     "llama_linear_rope": dict(arch="llama", rope_scaling={"rope_type": "linear", "factor": 2.0}),
     "mistral": dict(arch="mistral"),
     "qwen2_qkv_bias": dict(arch="qwen2"),
+    "qwen2_yarn_rope": dict(arch="qwen2", rope_scaling={"rope_type": "yarn", "factor": 4.0,
+                                                        "original_max_position_embeddings": 16}),
     "qwen3_qk_norm": dict(arch="qwen3", head_dim=32),
     "llama_sharded": dict(arch="llama", max_shard_size="60KB"),
 }

@@ -147,6 +147,28 @@ def _write_config(path, **fields):
     return str(path)
 
 
+def test_sliding_window_limits_the_context_length(tmp_path, caplog):
+    """Sliding-window attention is not implemented: a model with a window shorter than its
+    positions serves at most the window (exact), and asking for more is refused."""
+    from engine.configs.model_config import ModelConfig
+
+    mistral = _write_config(tmp_path / "mistral", architectures=["MistralForCausalLM"], model_type="mistral",
+                            sliding_window=64)
+    with caplog.at_level("WARNING"):
+        assert ModelConfig.from_pretrained(mistral, device="cpu").context_len == 64
+    assert "sliding-window attention (window 64)" in caplog.text
+    assert ModelConfig.from_pretrained(mistral, context_length=48, device="cpu").context_len == 48
+    with pytest.raises(ValueError, match="exceeds the model's sliding_window 64"):
+        ModelConfig.from_pretrained(mistral, context_length=128, device="cpu")
+    # Qwen2/Qwen3 carry a window that applies only with use_sliding_window.
+    qwen = _write_config(tmp_path / "qwen", architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                         sliding_window=32, use_sliding_window=False)
+    assert ModelConfig.from_pretrained(qwen, device="cpu").context_len == 256
+    qwen_swa = _write_config(tmp_path / "qwen_swa", architectures=["Qwen2ForCausalLM"], model_type="qwen2",
+                             sliding_window=32, use_sliding_window=True)
+    assert ModelConfig.from_pretrained(qwen_swa, device="cpu").context_len == 32
+
+
 def test_unknown_architecture_lists_supported_ones(tmp_path):
     from engine.configs.model_config import ModelConfig
 

@@ -93,7 +93,7 @@ class ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            context_len=int(context_length) if context_length is not None else max_pos,
+            context_len=_context_len(raw, context_length, max_pos),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", False)),
             dtype=resolve_dtype(dtype, raw, device),
@@ -137,6 +137,32 @@ def resolve_dtype(dtype: str, raw_config: Dict[str, Any], device: str = "cpu") -
         logger.warning("float16 is not well supported on the CPU; using bfloat16 instead")
         resolved = torch.bfloat16
     return resolved
+
+
+def sliding_window_of(raw: Dict[str, Any]) -> Optional[int]:
+    """The attention window of a config, or None for full attention. Qwen2/Qwen3 configs carry a
+    `sliding_window` that only applies when `use_sliding_window` is true; Mistral's always does."""
+    if "use_sliding_window" in raw and not raw["use_sliding_window"]:
+        return None
+    window = raw.get("sliding_window")
+    return int(window) if window else None
+
+
+def _context_len(raw: Dict[str, Any], context_length: Optional[int], max_pos: int) -> int:
+    """The context length to serve. Sliding-window attention is not implemented, so a model with a
+    window serves at most `window` tokens: no sequence is longer than the window, and full
+    attention is then exactly the model's attention."""
+    wanted = int(context_length) if context_length is not None else max_pos
+    window = sliding_window_of(raw)
+    if window is None or wanted <= window:
+        return wanted
+    if context_length is not None:
+        raise ValueError(
+            f"--context-length {context_length} exceeds the model's sliding_window {window}: sliding-window "
+            f"attention is not implemented, so sequences are limited to the window")
+    logger.warning("The model uses sliding-window attention (window %d), which is not implemented: the "
+                   "context length is limited to the window (max_position_embeddings is %d)", window, max_pos)
+    return window
 
 
 def _parse_rope(raw: Dict[str, Any]):

@@ -1,6 +1,6 @@
 """Rotary position embedding (GPT-NeoX layout, as Hugging Face Llama/Qwen use) with a cos/sin cache.
 
-Supported `rope_scaling` types: none/"default", "linear", "llama3".
+Supported `rope_scaling` types: none/"default", "linear", "llama3", "yarn".
 """
 
 from __future__ import annotations
@@ -33,6 +33,44 @@ def _llama3_inv_freq(inv_freq: torch.Tensor, scaling: Dict[str, Any]) -> torch.T
     return torch.where(is_medium, smoothed, scaled)
 
 
+def _yarn_mscale(factor: float, mscale: float = 1.0) -> float:
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def _yarn_inv_freq(inv_freq: torch.Tensor, rotary_dim: int, base: float, max_position_embeddings: int,
+                   scaling: Dict[str, Any]) -> Tuple[torch.Tensor, float]:
+    """YaRN (arXiv 2309.00071): dimensions that turn fewer than `beta_slow` times over the original
+    context are interpolated by `factor`, those that turn more than `beta_fast` times are kept, a
+    linear ramp blends the ones between; cos/sin are scaled by the attention factor. Returns
+    (inv_freq, attention factor)."""
+    original = float(scaling["original_max_position_embeddings"])
+    factor = scaling.get("factor")
+    factor = float(factor) if factor is not None else max_position_embeddings / original
+    attention_factor = scaling.get("attention_factor")
+    if attention_factor is None:
+        mscale, mscale_all_dim = scaling.get("mscale"), scaling.get("mscale_all_dim")
+        if mscale and mscale_all_dim:
+            attention_factor = _yarn_mscale(factor, float(mscale)) / _yarn_mscale(factor, float(mscale_all_dim))
+        else:
+            attention_factor = _yarn_mscale(factor)
+    beta_fast = float(scaling.get("beta_fast") or 32)
+    beta_slow = float(scaling.get("beta_slow") or 1)
+
+    def dim_of(rotations: float) -> float:
+        # The dimension whose wavelength fits `rotations` times into the original context.
+        return rotary_dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(base))
+
+    low, high = dim_of(beta_fast), dim_of(beta_slow)
+    if scaling.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, rotary_dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(rotary_dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    keep = 1 - ramp  # 1: extrapolate (keep the frequency), 0: interpolate (divide by factor)
+    return inv_freq / factor * (1 - keep) + inv_freq * keep, float(attention_factor)
+
+
 class RotaryEmbedding(nn.Module):
     def __init__(
         self,
@@ -48,17 +86,21 @@ class RotaryEmbedding(nn.Module):
         self.max_position_embeddings = max_position_embeddings
         inv_freq = _base_inv_freq(rotary_dim, base)
         rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+        magnitude = 1.0
         if rope_type == "llama3":
             inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
         elif rope_type == "linear":
             inv_freq = inv_freq / float(rope_scaling["factor"])
+        elif rope_type == "yarn":
+            inv_freq, magnitude = _yarn_inv_freq(inv_freq, rotary_dim, base, max_position_embeddings, rope_scaling)
         elif rope_type != "default":
-            raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: default, linear, llama3)")
+            raise ValueError(
+                f"unsupported rope_scaling type {rope_type!r} (supported: default, linear, llama3, yarn)")
         t = torch.arange(max_position_embeddings, dtype=torch.float32)
         freqs = torch.outer(t, inv_freq)
         # [max_pos, rotary_dim]: cos of the half-dims then sin; kept in float32 (not a weight,
         # so it is not saved or loaded) and cast per call to the activations' dtype.
-        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1)
+        cache = torch.cat([freqs.cos(), freqs.sin()], dim=-1) * magnitude
         self.register_buffer("cos_sin_cache", cache, persistent=False)
         self._cast_cache: Optional[torch.Tensor] = None
 

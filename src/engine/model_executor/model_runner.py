@@ -75,7 +75,6 @@ class ModelRunner:
 
             packed = prepack_linear_weights(self.model)
             logger.info("Packed %d linear weights for oneDNN", packed)
-        self.sliding_window_size = None
         self._sampler = None
         self.init_memory_pool()
         self.attn_backend = create_attention_backend(server_args.attention_backend, self)
