@@ -239,6 +239,12 @@ def test_normalize_expands_n_request_major():
     assert not obj.is_single and obj.batch_size == 4
 
 
+def test_one_rid_for_a_batch_is_a_prefix_like_sglang():
+    obj = GenerateReqInput(text=["a", "b"], rid="job", sampling_params={"n": 2})
+    obj.normalize()
+    assert obj.rid == ["job_0-0", "job_0-1", "job_1-0", "job_1-1"]
+
+
 @pytest.mark.parametrize("kwargs, message", [
     (dict(), "Exactly one of text or input_ids"),
     (dict(text="a", input_ids=[1]), "Exactly one of text or input_ids"),
@@ -248,7 +254,7 @@ def test_normalize_expands_n_request_major():
     (dict(text="a", sampling_params={"n": 129}), "n must be an integer in [1, 128], got 129"),
     (dict(text=["a", "b"], sampling_params=[{}, {"n": 129}]), "n must be an integer in [1, 128], got 129"),
     (dict(text="a", sampling_params={"n": 2.0}), "n must be an integer in [1, 128], got 2.0"),
-    (dict(text=["a", "b"], rid="same"), "rid must be a list"),
+    (dict(text=["a", "b"], rid=["same"]), "rid must be a list of 2"),
     (dict(text="a", return_logprob=[True, False]), "return_logprob has 2 entries"),
 ])
 def test_normalize_rejects_bad_shapes(kwargs, message):

@@ -67,6 +67,9 @@ class GenerateReqInput:
     logprob_start_len: Union[int, list[int]] = -1  # -1: no input logprobs
     top_logprobs_num: Union[int, list[int]] = 0
     return_text_in_logprobs: bool = False
+    # False: not counted in /metrics (health probes). True no_logs: --log-requests skips its text.
+    log_metrics: bool = True
+    no_logs: bool = False
 
     # Filled by normalize(): one entry per sub-request.
     is_single: bool = field(default=True, init=False)
@@ -150,11 +153,10 @@ class GenerateReqInput:
         if self.rid is None:
             return [uuid.uuid4().hex for _ in range(num_prompts)]
         if isinstance(self.rid, str):
-            if is_batch:
-                raise EngineRequestError("rid must be a list of strings for a batch request.")
             if not self.rid:
                 raise EngineRequestError("rid must not be empty.")
-            return [self.rid]
+            # One rid for a batch is a prefix, as in SGLang: "{rid}_{i}" for prompt i.
+            return [f"{self.rid}_{i}" for i in range(num_prompts)] if is_batch else [self.rid]
         if isinstance(self.rid, list) and len(self.rid) == num_prompts and all(
             isinstance(r, str) and r for r in self.rid
         ):
@@ -210,6 +212,7 @@ class ReqState:
     return_logprob: bool
     return_text_in_logprobs: bool
     created_time: float
+    no_logs: bool = False
     event: asyncio.Event = field(default_factory=asyncio.Event)
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
@@ -428,8 +431,10 @@ class TokenizerManager:
                 return_logprob=obj.return_logprob[i],
                 return_text_in_logprobs=obj.return_text_in_logprobs,
                 created_time=time.time(),
+                no_logs=obj.no_logs,
             )
-            if self.metrics_collector is not None and not req.rid.startswith(HEALTH_CHECK_RID_PREFIX):
+            if self.metrics_collector is not None and obj.log_metrics \
+                    and not req.rid.startswith(HEALTH_CHECK_RID_PREFIX):
                 state.timer = RequestTimer(created=time.monotonic())
             self.rid_to_state[req.rid] = state
             states.append(state)
@@ -438,7 +443,7 @@ class TokenizerManager:
             for req in tokenized:
                 await self._send_async(req)
                 sent.append(req.rid)
-                if self.server_args.log_requests:
+                if self.server_args.log_requests and not obj.no_logs:
                     logger.info("Receive: rid=%s, prompt_tokens=%d, sampling_params=%s, text=%r",
                                 req.rid, len(req.input_ids), req.sampling_params, _clip(req.input_text))
         except BaseException:
@@ -555,7 +560,7 @@ class TokenizerManager:
                 out = self._build_output(state)
                 if state.finished:
                     self.rid_to_state.pop(state.rid, None)
-                    if self.server_args.log_requests:
+                    if self.server_args.log_requests and not state.no_logs:
                         logger.info("Finish: rid=%s, finish_reason=%s, completion_tokens=%d, text=%r",
                                     state.rid, state.finished_reason, state.completion_tokens, _clip(state.text))
                     yield out

@@ -1,7 +1,8 @@
 """SamplingParams: one request's sampling knobs, with SGLang's names, defaults and checks.
 
-Lifecycle: the TokenizerManager builds it from the user's dict (`SamplingParams(**d)`, unknown
-keys raise), calls `verify(vocab_size)` (bad values raise `ValueError`, which the HTTP layer turns
+Lifecycle: the TokenizerManager builds it from the user's dict (`SamplingParams(**d)`: null means
+the default, SGLang's parameters this engine lacks (`regex`, ...) pass only when null, any other
+key raises), calls `verify(vocab_size)` (bad values raise `ValueError`, which the HTTP layer turns
 into a 400), and ships `to_dict()` to the scheduler. The scheduler rebuilds it with `from_dict()`
 and calls `normalize(tokenizer)` before the request is scheduled.
 
@@ -46,9 +47,37 @@ _PARAM_NAMES = (
 )
 
 
+# SGLang sampling parameters this engine does not implement, with what they would need. A client
+# that sends one as null (or empty) gets the default behaviour; a real value is a clear 400 rather
+# than a silently different generation.
+UNSUPPORTED_PARAMS: Dict[str, str] = {
+    "json_schema": "constrained decoding is not implemented",
+    "regex": "constrained decoding is not implemented",
+    "ebnf": "constrained decoding is not implemented",
+    "structural_tag": "constrained decoding is not implemented",
+    "stop_regex": "regex stop conditions are not implemented",
+    "custom_params": "custom logit processors are not implemented",
+    "stream_interval": "the stream interval is per server: --stream-interval",
+}
+
 # Fan-out limit of one request (n sub-requests share the prompt).
 MAX_N = 128
 _INT32_MAX = (1 << 31) - 1
+
+
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
+
+
+def _check_others(others: Dict[str, Any]) -> None:
+    """Keys beyond the implemented ones: SGLang's unimplemented parameters pass only when unset."""
+    unknown = sorted(k for k in others if k not in UNSUPPORTED_PARAMS)
+    if unknown:
+        raise ValueError(f"Unknown sampling parameter(s): {', '.join(unknown)}")
+    for name, value in others.items():
+        if value is not None and value != [] and value != {}:
+            raise ValueError(f"sampling_params.{name} is not supported by this server "
+                             f"({UNSUPPORTED_PARAMS[name]}); leave it out or send null")
 
 
 def _range_error(name: str, allowed: str, value: Any) -> ValueError:
@@ -100,43 +129,45 @@ class SamplingParams:
         self,
         *,
         max_new_tokens: Optional[int] = 128,
-        min_new_tokens: int = 0,
-        temperature: float = 1.0,
-        top_p: float = 1.0,
-        top_k: int = -1,
-        min_p: float = 0.0,
-        frequency_penalty: float = 0.0,
-        presence_penalty: float = 0.0,
-        repetition_penalty: float = 1.0,
+        min_new_tokens: Optional[int] = None,
+        temperature: Optional[float] = None,
+        top_p: Optional[float] = None,
+        top_k: Optional[int] = None,
+        min_p: Optional[float] = None,
+        frequency_penalty: Optional[float] = None,
+        presence_penalty: Optional[float] = None,
+        repetition_penalty: Optional[float] = None,
         stop: Optional[Union[str, List[str]]] = None,
         stop_token_ids: Optional[Union[List[int], Set[int]]] = None,
-        ignore_eos: bool = False,
-        skip_special_tokens: bool = True,
-        spaces_between_special_tokens: bool = True,
-        no_stop_trim: bool = False,
-        n: int = 1,
+        ignore_eos: Optional[bool] = None,
+        skip_special_tokens: Optional[bool] = None,
+        spaces_between_special_tokens: Optional[bool] = None,
+        no_stop_trim: Optional[bool] = None,
+        n: Optional[int] = None,
         sampling_seed: Optional[int] = None,
         logit_bias: Optional[Dict[Union[str, int], float]] = None,
-        **unknown: Any,
+        **others: Any,
     ) -> None:
-        if unknown:
-            raise ValueError(f"Unknown sampling parameter(s): {', '.join(sorted(unknown))}")
+        # null means "the default" for every parameter, as in SGLang: its clients (the router,
+        # sglang.RuntimeEndpoint) send unset knobs as null. max_new_tokens is the exception:
+        # null there is a real value, "up to the context length".
+        _check_others(others)
         self.max_new_tokens = max_new_tokens
-        self.min_new_tokens = min_new_tokens
-        self.temperature = temperature
-        self.top_p = top_p
-        self.top_k = -1 if (_is_int(top_k) and top_k == 0) else top_k
-        self.min_p = min_p
-        self.frequency_penalty = frequency_penalty
-        self.presence_penalty = presence_penalty
-        self.repetition_penalty = repetition_penalty
+        self.min_new_tokens = _or(min_new_tokens, 0)
+        self.temperature = _or(temperature, 1.0)
+        self.top_p = _or(top_p, 1.0)
+        self.top_k = -1 if top_k is None or (_is_int(top_k) and top_k == 0) else top_k
+        self.min_p = _or(min_p, 0.0)
+        self.frequency_penalty = _or(frequency_penalty, 0.0)
+        self.presence_penalty = _or(presence_penalty, 0.0)
+        self.repetition_penalty = _or(repetition_penalty, 1.0)
         self.stop = stop
         self.stop_token_ids = stop_token_ids
-        self.ignore_eos = ignore_eos
-        self.skip_special_tokens = skip_special_tokens
-        self.spaces_between_special_tokens = spaces_between_special_tokens
-        self.no_stop_trim = no_stop_trim
-        self.n = n
+        self.ignore_eos = _or(ignore_eos, False)
+        self.skip_special_tokens = _or(skip_special_tokens, True)
+        self.spaces_between_special_tokens = _or(spaces_between_special_tokens, True)
+        self.no_stop_trim = _or(no_stop_trim, False)
+        self.n = _or(n, 1)
         self.sampling_seed = sampling_seed
         self.logit_bias = logit_bias
         self.stop_str_max_len = 0

@@ -13,6 +13,7 @@ from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from engine.entrypoints.openai.sglang_fields import NATIVE_UNSUPPORTED, OPENAI_UNSUPPORTED, refuse_unsupported
 from engine.sampling.sampling_params import MAX_N  # the engine's one fan-out bound (n)
 
 MAX_STOP_STRINGS = 32
@@ -96,6 +97,11 @@ class SamplingFields(BaseModel):
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     rid: Optional[str] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        return refuse_unsupported(data, OPENAI_UNSUPPORTED)
 
     @field_validator("stop")
     @classmethod
@@ -346,7 +352,13 @@ class ChatCompletionStreamResponse(BaseModel):
 
 # ---------------------------------------------------------------------------- native SGLang API
 class GenerateRequest(BaseModel):
-    """Body of the native POST /generate; shapes are checked again by GenerateReqInput.normalize()."""
+    """Body of the native POST /generate; shapes are checked again by GenerateReqInput.normalize().
+
+    Every field of SGLang's GenerateReqInput is accepted: the ones below are implemented or only
+    informational; the others (sglang_fields.NATIVE_UNSUPPORTED) pass when unset and are a 400
+    naming the field when used. A name SGLang does not know either is a 400 (a typo must not be
+    ignored), except `model`, which SGLang's router adds to every request it forwards.
+    """
 
     model_config = ConfigDict(extra="forbid", strict=True)
 
@@ -355,10 +367,34 @@ class GenerateRequest(BaseModel):
     sampling_params: Optional[Union[Dict[str, Any], List[Dict[str, Any]]]] = None
     rid: Optional[Union[str, List[str]]] = None
     stream: bool = False
-    return_logprob: Union[bool, List[bool]] = False
-    logprob_start_len: Union[int, List[int]] = -1
-    top_logprobs_num: Union[int, List[int]] = 0
+    return_logprob: Optional[Union[bool, List[bool]]] = None
+    logprob_start_len: Optional[Union[int, List[int]]] = None
+    top_logprobs_num: Optional[Union[int, List[int]]] = None
     return_text_in_logprobs: bool = False
+    # false: the request is left out of /metrics (SGLang's health probes send it).
+    log_metrics: bool = True
+    # true: --log-requests does not log this request's text (zero data retention).
+    no_logs: bool = False
+    # Informational: they label or route a request but do not change what is generated.
+    model: Optional[str] = None
+    session_id: Optional[str] = None
+    conversation_id: Optional[str] = None
+    routing_key: Optional[str] = None
+    custom_labels: Optional[Dict[str, str]] = None
+    external_trace_header: Optional[Dict[str, Any]] = None
+    kv_router_hint: Optional[Dict[str, Any]] = None
+    received_time: Optional[float] = None
+    http_worker_ipc: Optional[str] = None
+
+    @model_validator(mode="before")
+    @classmethod
+    def _refuse_unsupported(cls, data: Any) -> Any:
+        data = refuse_unsupported(data, NATIVE_UNSUPPORTED)
+        if not isinstance(data, dict):
+            return data
+        # null means "the default" for every field (SGLang's clients send unset fields as null).
+        fields = cls.model_fields
+        return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].default is None}
 
     @model_validator(mode="after")
     def _check_prompt(self) -> "GenerateRequest":
@@ -378,7 +414,7 @@ class GenerateRequest(BaseModel):
         for one in params:
             _check_native_sampling_params(one)
         tops = self.top_logprobs_num if isinstance(self.top_logprobs_num, list) else [self.top_logprobs_num]
-        if any(k < 0 or k > MAX_TOP_LOGPROBS for k in tops):
+        if any(k is not None and (k < 0 or k > MAX_TOP_LOGPROBS) for k in tops):
             raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]")
         return self
 

@@ -1,0 +1,121 @@
+"""SGLang request fields this engine does not implement: accepted when unset, a 400 when used.
+
+SGLang's clients (its router, `sglang.RuntimeEndpoint`, scripts written against SGLang) send many
+fields of `GenerateReqInput`, most of them as null or at their default. Such a request must work
+here exactly as on SGLang; a request that really asks for a feature we lack (an image, a LoRA
+adapter, a regex) must get a clear 400 that names the field, never a silently different answer.
+
+Each table maps a field to the values that mean "not used" and to what the field would need.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict, Mapping, Tuple
+
+# Values that mean "feature not used": null, and the field's SGLang default.
+_NULL: Tuple[Any, ...] = (None,)
+_FALSE: Tuple[Any, ...] = (None, False)
+_ZERO: Tuple[Any, ...] = (None, 0)
+_EMPTY_STR: Tuple[Any, ...] = (None, "")
+
+_MULTIMODAL = "multimodal input is not implemented"
+_DISAGG = "prefill/decode disaggregation is not implemented"
+_MOE = "MoE routing data is not implemented"
+
+# Top-level fields of SGLang's GenerateReqInput (python/sglang/srt/managers/io_struct.py).
+NATIVE_UNSUPPORTED: Dict[str, Tuple[Tuple[Any, ...], str]] = {
+    "input_embeds": (_NULL, "input embeddings are not implemented: send text or input_ids"),
+    "image_data": (_NULL, _MULTIMODAL),
+    "video_data": (_NULL, _MULTIMODAL),
+    "audio_data": (_NULL, _MULTIMODAL),
+    "mm_hashes": (_NULL, _MULTIMODAL),
+    "mm_content_hashes": (_NULL, _MULTIMODAL),
+    "use_audio_in_video": (_FALSE, _MULTIMODAL),
+    "video_config": (_NULL, _MULTIMODAL),
+    "modalities": (_NULL, _MULTIMODAL),
+    "max_dynamic_patch": (_NULL, _MULTIMODAL),
+    "min_dynamic_patch": (_NULL, _MULTIMODAL),
+    "image_max_dynamic_patch": (_NULL, _MULTIMODAL),
+    "video_max_dynamic_patch": (_NULL, _MULTIMODAL),
+    "images_config": (_NULL, _MULTIMODAL),
+    "need_wait_for_mm_inputs": (_FALSE, _MULTIMODAL),
+    "num_items_assigned": (_NULL, _MULTIMODAL),
+    "encoder_urls": (_NULL, _MULTIMODAL),
+    "token_ids_logprob": (_NULL, "logprobs of chosen token ids are not implemented"),
+    "return_sampling_mask": (_FALSE, "sampling masks are not implemented"),
+    "return_flat_raw_top_logprobs": (_FALSE, "flat top-logprob arrays are not implemented"),
+    "return_flat_raw_top_logprobs_b64": (_FALSE, "flat top-logprob arrays are not implemented"),
+    "return_hidden_states": (_FALSE, "returning hidden states is not implemented"),
+    "return_routed_experts": (_FALSE, _MOE),
+    "routed_experts_start_len": (_ZERO, _MOE),
+    "return_indexer_topk": (_FALSE, _MOE),
+    "session_params": (_NULL, "sessions are not implemented"),
+    "lora_path": (_NULL, "LoRA adapters are not implemented"),
+    "lora_id": (_NULL, "LoRA adapters are not implemented"),
+    "custom_logit_processor": (_NULL, "custom logit processors are not implemented"),
+    "positional_embed_overrides": (_NULL, "embedding overrides are not implemented"),
+    "bootstrap_host": (_NULL, _DISAGG),
+    "bootstrap_port": (_NULL, _DISAGG),
+    "bootstrap_room": (_NULL, _DISAGG),
+    "bootstrap_pair_key": (_NULL, _DISAGG),
+    "decode_tp_size": (_NULL, _DISAGG),
+    "disagg_prefill_dp_rank": (_NULL, _DISAGG),
+    "routed_dp_rank": (_NULL, "routing to a data-parallel rank is not implemented (the server picks one)"),
+    "data_parallel_rank": (_NULL, "routing to a data-parallel rank is not implemented (the server picks one)"),
+    "background": (_FALSE, "background requests are not implemented"),
+    "require_reasoning": (_FALSE, "reasoning control is not implemented"),
+    "max_thinking_tokens": (_NULL, "reasoning control is not implemented"),
+    "priority": (_NULL, "priority scheduling is not implemented"),
+    "extra_key": (_EMPTY_STR, "cache namespaces are not implemented"),
+    "cache_salt": (_EMPTY_STR, "cache namespaces are not implemented"),
+    "return_bytes": (_FALSE, "image generation is not implemented"),
+    "return_entropy": (_FALSE, "returning the entropy is not implemented"),
+    "return_prompt_token_ids": (_FALSE, "returning the prompt token ids is not implemented"),
+    "multi_item_delimiter_indices": (_NULL, "multi-item scoring is not implemented"),
+}
+
+# SGLang's extra fields of the OpenAI requests (python/sglang/srt/entrypoints/openai/protocol.py)
+# that change what is generated. Its other extras (separate_reasoning, stream_reasoning, ...)
+# have no effect without a reasoning parser and stay ignored like any unknown field.
+OPENAI_UNSUPPORTED: Dict[str, Tuple[Tuple[Any, ...], str]] = {
+    "regex": (_NULL, "constrained decoding is not implemented"),
+    "ebnf": (_NULL, "constrained decoding is not implemented"),
+    "json_schema": (_NULL, "constrained decoding is not implemented"),
+    "structural_tag": (_NULL, "constrained decoding is not implemented"),
+    "stop_regex": (_NULL, "regex stop conditions are not implemented"),
+    "continue_final_message": (_FALSE, "continuing the final message is not implemented"),
+    **{name: NATIVE_UNSUPPORTED[name] for name in (
+        "lora_path", "session_params", "return_hidden_states", "return_routed_experts",
+        "custom_logit_processor", "bootstrap_host", "bootstrap_port", "bootstrap_room",
+        "routed_dp_rank", "data_parallel_rank", "priority", "cache_salt", "extra_key",
+    )},
+}
+
+
+def is_unset(value: Any, unset_values: Tuple[Any, ...]) -> bool:
+    """True when `value` (or, for a per-prompt list, each of its items) asks for nothing."""
+    if isinstance(value, list):
+        return all(is_unset(item, unset_values) for item in value)
+    # Compared with the type: `0` must not pass for `false`, nor `false` for `0`.
+    return any(value is None if u is None else (type(value) is type(u) and value == u) for u in unset_values)
+
+
+def refuse_unsupported(data: Any, table: Mapping[str, Tuple[Tuple[Any, ...], str]]) -> Any:
+    """`data` without the table's fields; ValueError naming the first one that is really used."""
+    if not isinstance(data, dict):
+        return data  # pydantic reports the wrong body type itself
+    kept = dict(data)
+    for name, (unset_values, reason) in table.items():
+        if name not in kept:
+            continue
+        value = kept.pop(name)
+        if not is_unset(value, unset_values):
+            raise ValueError(f"{name} is not supported by this server ({reason}); leave it out or send "
+                             f"{_spell(unset_values[-1])}")
+    return kept
+
+
+def _spell(value: Any) -> str:
+    if isinstance(value, bool):
+        return "false"
+    return "0" if isinstance(value, int) else "null"

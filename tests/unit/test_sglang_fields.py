@@ -1,0 +1,139 @@
+"""Every field of SGLang's GenerateReqInput and SamplingParams is accepted when null or default.
+
+The field lists below are written out from SGLang's python/sglang/srt/managers/io_struct.py
+(GenerateReqInput) and python/sglang/srt/sampling/sampling_params.py (SamplingParams), with
+SGLang's defaults. A client of SGLang (its router, sglang.RuntimeEndpoint) that sends them unset
+must be served; one that really uses a field we do not implement gets a 400 naming it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Dict
+
+import pytest
+from pydantic import ValidationError
+
+from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
+from engine.entrypoints.openai.sglang_fields import NATIVE_UNSUPPORTED, is_unset
+from engine.managers.tokenizer_manager import GenerateReqInput
+from engine.sampling.sampling_params import SamplingParams
+
+# GenerateReqInput: field -> SGLang's default. `text` (the prompt) is given by every case.
+GENERATE_REQ_INPUT_FIELDS: Dict[str, Any] = {
+    "rid": None, "session_id": None, "input_ids": None, "input_embeds": None, "image_data": None,
+    "video_data": None, "audio_data": None, "mm_hashes": None, "mm_content_hashes": None,
+    "use_audio_in_video": False, "video_config": None, "sampling_params": None, "return_logprob": None,
+    "logprob_start_len": None, "top_logprobs_num": None, "token_ids_logprob": None,
+    "return_sampling_mask": None, "return_text_in_logprobs": False, "return_flat_raw_top_logprobs": False,
+    "return_flat_raw_top_logprobs_b64": False, "stream": False, "log_metrics": True,
+    "return_hidden_states": False, "return_routed_experts": False, "routed_experts_start_len": 0,
+    "return_indexer_topk": False, "modalities": None, "session_params": None, "lora_path": None,
+    "lora_id": None, "custom_logit_processor": None, "positional_embed_overrides": None,
+    "bootstrap_host": None, "bootstrap_port": None, "bootstrap_room": None, "bootstrap_pair_key": None,
+    "decode_tp_size": None, "routed_dp_rank": None, "data_parallel_rank": None,
+    "disagg_prefill_dp_rank": None, "kv_router_hint": None, "routing_key": None, "conversation_id": None,
+    "http_worker_ipc": None, "background": False, "require_reasoning": False, "max_thinking_tokens": None,
+    "priority": None, "extra_key": None, "no_logs": False, "custom_labels": None, "return_bytes": False,
+    "return_entropy": False, "return_prompt_token_ids": False, "external_trace_header": None,
+    "received_time": None, "need_wait_for_mm_inputs": None, "num_items_assigned": None,
+    "encoder_urls": None, "max_dynamic_patch": None, "min_dynamic_patch": None,
+    "image_max_dynamic_patch": None, "video_max_dynamic_patch": None, "images_config": None,
+    "multi_item_delimiter_indices": None, "cache_salt": None,
+}
+
+# SamplingParams' API fields -> SGLang's default (top_k: SGLang's "whole vocabulary" value).
+SAMPLING_PARAMS_FIELDS: Dict[str, Any] = {
+    "max_new_tokens": 128, "stop": None, "stop_token_ids": None, "stop_regex": None, "temperature": 1.0,
+    "top_p": 1.0, "top_k": 1 << 30, "min_p": 0.0, "frequency_penalty": 0.0, "presence_penalty": 0.0,
+    "repetition_penalty": 1.0, "min_new_tokens": 0, "n": 1, "json_schema": None, "regex": None,
+    "ebnf": None, "structural_tag": None, "ignore_eos": False, "skip_special_tokens": True,
+    "spaces_between_special_tokens": True, "no_stop_trim": False, "custom_params": None,
+    "stream_interval": None, "logit_bias": None, "sampling_seed": None,
+}
+
+# The body sglang-router 0.3 forwards for {"text": ..., "sampling_params": {...}}.
+ROUTER_BODY = {"text": "Hello", "model": None, "sampling_params": {"temperature": 0.0, "max_new_tokens": 4},
+               "return_text_in_logprobs": False, "stream": False, "log_metrics": True,
+               "return_hidden_states": False, "background": False, "no_logs": False, "return_bytes": False,
+               "return_entropy": False}
+
+
+@pytest.mark.parametrize("name", sorted(GENERATE_REQ_INPUT_FIELDS))
+@pytest.mark.parametrize("value_kind", ["null", "default"])
+def test_every_generate_field_is_accepted_null_or_default(name: str, value_kind: str) -> None:
+    value = None if value_kind == "null" else GENERATE_REQ_INPUT_FIELDS[name]
+    request = GenerateRequest.model_validate({"text": "a", name: value})
+    assert request.text == "a"
+
+
+def test_every_sampling_param_is_accepted_null_or_default() -> None:
+    for name, default in SAMPLING_PARAMS_FIELDS.items():
+        for value in (None, default):
+            params = SamplingParams(**{name: value})
+            params.verify(vocab_size=100)
+    # null means the default, as in SGLang (max_new_tokens: null is "up to the context").
+    assert SamplingParams(temperature=None, top_k=None, n=None, ignore_eos=None) == SamplingParams()
+    assert SamplingParams(max_new_tokens=None).max_new_tokens is None
+
+
+def test_the_router_body_is_accepted_and_means_the_plain_request() -> None:
+    request = GenerateRequest.model_validate(ROUTER_BODY)
+    assert (request.text, request.sampling_params, request.stream, request.log_metrics) == (
+        "Hello", {"temperature": 0.0, "max_new_tokens": 4}, False, True)
+    assert request.return_logprob is None and request.logprob_start_len is None
+    obj = GenerateReqInput(text=request.text, sampling_params=request.sampling_params,
+                           return_logprob=request.return_logprob, logprob_start_len=request.logprob_start_len,
+                           top_logprobs_num=request.top_logprobs_num)
+    obj.normalize()
+    assert (obj.return_logprob, obj.logprob_start_len, obj.top_logprobs_num) == ([False], [-1], [0])
+
+
+@pytest.mark.parametrize("name, value", [
+    ("image_data", "http://x/cat.png"), ("input_embeds", [[0.1, 0.2]]), ("lora_path", "adapter"),
+    ("lora_path", ["adapter", None]), ("return_hidden_states", True), ("priority", 1),
+    ("bootstrap_room", 5), ("session_params", {"id": "s"}), ("extra_key", "tenant"), ("routed_dp_rank", 0),
+    ("token_ids_logprob", [3]), ("custom_logit_processor", "{}"), ("background", True),
+    ("routed_experts_start_len", 2), ("return_hidden_states", 0),
+])
+def test_an_unimplemented_field_in_use_is_refused_by_name(name: str, value: Any) -> None:
+    with pytest.raises(ValidationError) as info:
+        GenerateRequest.model_validate({"text": "a", name: value})
+    assert f"{name} is not supported" in str(info.value)
+
+
+@pytest.mark.parametrize("name, value", [
+    ("regex", "a+"), ("json_schema", "{}"), ("ebnf", "root ::= 'a'"), ("structural_tag", "{}"),
+    ("stop_regex", ["x"]), ("custom_params", {"k": 1}), ("stream_interval", 2),
+])
+def test_an_unimplemented_sampling_param_in_use_is_refused_by_name(name: str, value: Any) -> None:
+    with pytest.raises(ValueError, match=f"sampling_params.{name} is not supported"):
+        SamplingParams(**{name: value})
+
+
+@pytest.mark.parametrize("body", [
+    {"text": "a", "model": 5}, {"text": "a", "custom_labels": {"k": 1}}, {"text": "a", "log_metrics": "yes"},
+    {"text": "a", "received_time": "now"}, {"text": "a", "stream": 1}, {"text": "a", "unknown_field": 1},
+    {"text": "a", "top_logprobs_num": 21}, {"input_ids": None},
+])
+def test_bad_values_are_still_refused(body: Dict[str, Any]) -> None:
+    with pytest.raises(ValidationError):
+        GenerateRequest.model_validate(body)
+
+
+def test_unset_means_nothing_asked() -> None:
+    for name, (unset_values, _) in NATIVE_UNSUPPORTED.items():
+        for value in unset_values:
+            assert is_unset(value, unset_values) and is_unset([value, value], unset_values), name
+    assert not is_unset(0, (None, False)) and not is_unset(False, (None, 0))
+
+
+def test_openai_requests_refuse_sglang_extras_in_use() -> None:
+    ok = CompletionRequest(prompt="x", regex=None, lora_path=None, continue_final_message=False, priority=None)
+    assert ok.prompt == "x"
+    chat = {"messages": [{"role": "user", "content": "hi"}], "separate_reasoning": True, "stream_reasoning": True,
+            "continue_final_message": False, "return_hidden_states": False}
+    assert ChatCompletionRequest(**chat).messages[0].text() == "hi"
+    for extra in ({"regex": "a+"}, {"continue_final_message": True}, {"lora_path": "adapter"}):
+        with pytest.raises(ValidationError) as info:
+            ChatCompletionRequest(**{**chat, **extra})
+        assert f"{next(iter(extra))} is not supported" in str(info.value)
