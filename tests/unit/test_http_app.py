@@ -43,6 +43,7 @@ class FakeTokenizerManager:
         self.served_model_name = "fake-model"
         self.context_len = CONTEXT_LEN
         self.max_req_input_len = CONTEXT_LEN - 1
+        self.max_total_num_tokens = 4096
         self.server_args = None
         self.alive = True
         self.healthy = True

@@ -9,8 +9,11 @@ input.
 from __future__ import annotations
 
 import asyncio
+import functools
 import hmac
+import json
 import logging
+import os
 import time
 from importlib.metadata import PackageNotFoundError, version
 from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, MutableMapping, Optional
@@ -209,6 +212,8 @@ async def _generate(tokenizer_manager: Any, body: GenerateRequest, raw_request: 
         logprob_start_len=body.logprob_start_len,
         top_logprobs_num=body.top_logprobs_num,
         return_text_in_logprobs=body.return_text_in_logprobs,
+        log_metrics=body.log_metrics,
+        no_logs=body.no_logs,
     )
     stream = tokenizer_manager.generate_request(obj, raw_request)
     if body.stream:
@@ -282,13 +287,17 @@ def create_app(
             return Response(status_code=200)
         return create_error_response("The engine did not answer a health-check generation.", 503)
 
+    # /model_info is the name SGLang's router asks for first; /get_model_info the older one.
     @app.get("/get_model_info")
+    @app.get("/model_info")
     async def get_model_info() -> Response:
         info = dict(tokenizer_manager.get_model_info())
         info.setdefault("model_path", tokenizer_manager.model_path)
         info.setdefault("tokenizer_path", server_args.tokenizer_path or tokenizer_manager.model_path)
         info.setdefault("is_generation", True)
         info.setdefault("served_model_name", tokenizer_manager.served_model_name)
+        for key, value in _model_facts(info["model_path"]).items():
+            info.setdefault(key, value)
         return OrjsonResponse(info)
 
     @app.get("/get_server_info")
@@ -296,9 +305,16 @@ def create_app(
     async def get_server_info() -> Response:
         info: Dict[str, Any] = dict(server_args.to_dict())
         info.pop("api_key", None)  # a secret has no place in a diagnostic dump
+        # What the schedulers chose, at the top level as in SGLang (the router reads it there).
+        info["max_total_num_tokens"] = tokenizer_manager.max_total_num_tokens
+        info["max_req_input_len"] = tokenizer_manager.max_req_input_len
         info["internal_states"] = await tokenizer_manager.get_internal_state()
         info["version"] = engine_version()
         return OrjsonResponse(info)
+
+    @app.get("/get_load")
+    async def get_load() -> Response:
+        return OrjsonResponse(load_report(await tokenizer_manager.get_internal_state()))
 
     @app.api_route("/flush_cache", methods=["GET", "POST"])
     async def flush_cache() -> Response:
@@ -360,6 +376,40 @@ def _add_metrics_route(app: FastAPI, tokenizer_manager: Any) -> None:
         # Set and render with no await in between, so concurrent scrapes cannot mix states.
         collector.set_scheduler_states(states)
         return Response(collector.render(), media_type=METRICS_CONTENT_TYPE)
+
+
+def load_report(internal_states: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
+    """SGLang's /get_load: per DP replica, requests and the KV tokens they hold or will need.
+
+    SGLang's router polls it for `power_of_two` and sums `num_tokens`: the tokens held by running
+    requests (the pool minus what is free or only cached) plus the prompts still waiting.
+    """
+    loads = []
+    for dp_rank, state in enumerate(internal_states):
+        running = int(state.get("num_running_reqs", 0))
+        waiting = int(state.get("num_waiting_reqs", 0))
+        held = int(state.get("max_total_num_tokens", 0)) - int(state.get("available_tokens", 0)) \
+            - int(state.get("evictable_tokens", 0))
+        loads.append({
+            "dp_rank": dp_rank,
+            "num_reqs": running + waiting,
+            "num_waiting_reqs": waiting,
+            "num_tokens": max(0, held) + int(state.get("waiting_tokens", 0)),
+        })
+    return loads
+
+
+@functools.lru_cache(maxsize=4)
+def _model_facts(model_path: Optional[str]) -> Dict[str, Any]:
+    """`model_type` and `architectures` from config.json, which SGLang's router labels workers with."""
+    if not model_path:
+        return {}
+    try:
+        with open(os.path.join(model_path, "config.json"), encoding="utf-8") as f:
+            config = json.load(f)
+    except (OSError, ValueError):
+        return {}
+    return {"model_type": config.get("model_type"), "architectures": config.get("architectures")}
 
 
 def _model_card(tokenizer_manager: Any, created: int) -> ModelCard:

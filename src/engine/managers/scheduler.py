@@ -276,6 +276,8 @@ class Scheduler:
             "protected_tokens": self.tree_cache.protected_size(),
             "num_running_reqs": self.running_batch.batch_size() + (1 if self.chunked_req is not None else 0),
             "num_waiting_reqs": len(self.waiting_queue),
+            # Prompt tokens queued but not yet admitted: the load SGLang's router balances on.
+            "waiting_tokens": sum(len(req.origin_input_ids) for req in self.waiting_queue),
             "max_running_requests": self.max_running_requests,
             "max_req_input_len": self.max_req_input_len,
             "context_len": self.context_len,
