@@ -10,13 +10,13 @@ serving from the other. The module shares one router and two workers; the kill t
 from __future__ import annotations
 
 import asyncio
+import importlib.util
 import json
 import os
 import signal
 import subprocess
 import sys
 import tempfile
-import time
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -27,7 +27,17 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 from conftest import ServerProcess, start_server_process  # noqa: E402
 from utils_process import running, wait_until  # noqa: E402
 
-from engine.utils.network_utils import get_free_port  # noqa: E402
+
+def _load_bench_router() -> Any:
+    """benchmarks/bench_router.py: it starts the router and waits for it the same way."""
+    bench_dir = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
+    spec = importlib.util.spec_from_file_location("bench_router", os.path.join(bench_dir, "bench_router.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+bench_router = _load_bench_router()
 
 try:
     import sglang_router  # noqa: F401
@@ -44,79 +54,46 @@ WORKER_ARGS = ["--enable-metrics"]
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 LONG = {"max_new_tokens": 1900, "ignore_eos": True}  # far longer than any test waits for
 TIMEOUT = httpx.Timeout(120.0)
+# Fast health checks, so that a killed worker is taken out within seconds.
+ROUTER_ARGS = ["--health-check-interval-secs", "1", "--health-failure-threshold", "2",
+               "--health-check-timeout-secs", "5"]
 
 
 @dataclass
 class Cluster:
-    router: subprocess.Popen
     router_url: str
-    router_log: str
     workers: List[ServerProcess]
 
     @property
     def worker_urls(self) -> List[str]:
         return [w.url for w in self.workers]
 
-    def log(self) -> str:
-        with open(self.router_log, errors="replace") as f:
-            return f.read()[-4000:]
-
 
 def _router_workers(url: str) -> List[Dict[str, Any]]:
-    return httpx.get(f"{url}/workers", timeout=10).json()["workers"]
-
-
-def _start_router(worker_urls: List[str]) -> Tuple[subprocess.Popen, str, str]:
-    port = get_free_port()
-    fd, log_path = tempfile.mkstemp(prefix="engine-router-", suffix=".log")
-    args = [sys.executable, "-m", "sglang_router.launch_router", "--host", "127.0.0.1", "--port", str(port),
-            "--prometheus-port", str(get_free_port()), "--worker-urls", *worker_urls,
-            "--policy", "cache_aware", "--log-level", "warn",
-            # Fast health checks so that a killed worker is taken out within seconds.
-            "--health-check-interval-secs", "1", "--health-failure-threshold", "2",
-            "--health-check-timeout-secs", "5"]
-    with os.fdopen(fd, "w") as log_file:
-        proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT)
-    return proc, f"http://127.0.0.1:{port}", log_path
-
-
-def _stop(proc: subprocess.Popen) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=15)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)
+    return bench_router.router_workers(url)
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     workers: List[ServerProcess] = []
     router: Optional[subprocess.Popen] = None
-    try:
-        workers = [start_server_process(WORKER_ARGS, wait=False) for _ in range(2)]
-        for worker in workers:
-            worker.wait_healthy()
-        router, url, log_path = _start_router([w.url for w in workers])
-        cluster = Cluster(router, url, log_path, workers)
-
-        def both_registered() -> bool:
-            if router.poll() is not None:
-                raise RuntimeError(f"the router exited:\n{cluster.log()}")
+    with tempfile.TemporaryFile() as router_log:
+        try:
+            workers = [start_server_process(WORKER_ARGS, wait=False) for _ in range(2)]
+            for worker in workers:
+                worker.wait_healthy()
+            router, url = bench_router.start_router([w.url for w in workers], "cache_aware", router_log, ROUTER_ARGS)
             try:
-                listed = _router_workers(url)
-            except (httpx.HTTPError, ValueError, KeyError):
-                return False
-            return len(listed) == 2 and all(w["is_healthy"] for w in listed)
-
-        assert wait_until(both_registered, 60, interval=0.25), cluster.log()
-        yield cluster
-    finally:
-        if router is not None:
-            _stop(router)
-        for worker in workers:
-            worker.stop()
+                bench_router.wait_router_ready(router, url, num_workers=2)
+            except (RuntimeError, TimeoutError):
+                router_log.seek(0)
+                raise RuntimeError(router_log.read().decode(errors="replace")[-4000:]) from None
+            yield Cluster(url, workers)
+        finally:
+            if router is not None:
+                bench_router.stop_process(router)
+            for worker in workers:
+                worker.stop()
 
 
 # ---------------------------------------------------------------------------- helpers
