@@ -253,7 +253,7 @@ BAD_GENERATE = [
     ({"text": "a", "sampling_params": {"no_such_param": 1}}, "no_such_param"),
     ({"text": "a", "sampling_params": {"n": 0}}, "n"),
     ({"text": "hello " * 2100}, "context length"),
-    ({"text": ["a", "b"], "rid": "same"}, "rid"),
+    ({"text": ["a", "b"], "rid": ["same"]}, "rid"),
     ({"text": "a", "sampling_params": {"sampling_seed": 2 ** 80}}, "sampling_seed"),
     ({"text": "a", "sampling_params": {"n": 10 ** 6}}, "n must be"),
 ]
