@@ -156,7 +156,8 @@ class FakeTokenizerManager:
         return FlushCacheReqOutput(success=False, message="Cache not flushed: 1 request running.")
 
     async def get_internal_state(self) -> List[dict]:
-        return [{"num_running_reqs": 0, "available_size": 100, "evictable_size": 0, "total_size": 100}]
+        return [{"num_running_reqs": 2, "num_waiting_reqs": 1, "waiting_tokens": 30, "max_total_num_tokens": 100,
+                 "available_tokens": 60, "evictable_tokens": 10}]
 
     async def health_generate(self) -> bool:
         return self.healthy
@@ -233,8 +234,17 @@ def test_model_and_server_info(client: TestClient) -> None:
     assert "tokenizer_path" in info
     server = client.get("/get_server_info").json()
     assert server["port"] == 30000 and server["tp_size"] == 1
-    assert server["internal_states"][0]["total_size"] == 100
+    assert server["internal_states"][0]["max_total_num_tokens"] == 100
+    assert server["max_total_num_tokens"] == 4096 and server["max_req_input_len"] == CONTEXT_LEN - 1
     assert isinstance(server["version"], str)
+    assert client.get("/server_info").json()["port"] == 30000
+
+
+def test_model_info_alias_and_load_have_the_shapes_sglang_router_reads(client: TestClient) -> None:
+    assert client.get("/model_info").json() == client.get("/get_model_info").json()
+    # 100 slots, 60 free, 10 only cached: running requests hold 30; 30 prompt tokens wait.
+    assert client.get("/get_load").json() == [
+        {"dp_rank": 0, "num_reqs": 3, "num_waiting_reqs": 1, "num_tokens": 60}]
 
 
 def test_server_info_hides_api_key(manager: FakeTokenizerManager) -> None:

@@ -386,15 +386,13 @@ def load_report(internal_states: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     """
     loads = []
     for dp_rank, state in enumerate(internal_states):
-        running = int(state.get("num_running_reqs", 0))
-        waiting = int(state.get("num_waiting_reqs", 0))
-        held = int(state.get("max_total_num_tokens", 0)) - int(state.get("available_tokens", 0)) \
-            - int(state.get("evictable_tokens", 0))
+        waiting = int(state["num_waiting_reqs"])
+        held = state["max_total_num_tokens"] - state["available_tokens"] - state["evictable_tokens"]
         loads.append({
             "dp_rank": dp_rank,
-            "num_reqs": running + waiting,
+            "num_reqs": int(state["num_running_reqs"]) + waiting,
             "num_waiting_reqs": waiting,
-            "num_tokens": max(0, held) + int(state.get("waiting_tokens", 0)),
+            "num_tokens": int(held) + int(state["waiting_tokens"]),
         })
     return loads
 
