@@ -385,11 +385,12 @@ def load_report(internal_states: List[Dict[str, Any]]) -> List[Dict[str, Any]]:
     requests (the pool minus what is free or only cached) plus the prompts still waiting.
     """
     loads = []
-    for dp_rank, state in enumerate(internal_states):
+    for index, state in enumerate(internal_states):
         waiting = int(state["num_waiting_reqs"])
         held = state["max_total_num_tokens"] - state["available_tokens"] - state["evictable_tokens"]
         loads.append({
-            "dp_rank": dp_rank,
+            # Replicas of --dp-size > 1 say which they are; the replies may come in any order.
+            "dp_rank": int(state.get("dp_rank", index)),
             "num_reqs": int(state["num_running_reqs"]) + waiting,
             "num_waiting_reqs": waiting,
             "num_tokens": int(held) + int(state["waiting_tokens"]),
