@@ -31,3 +31,5 @@ for loop in overlap normal; do
       --dataset random --num-prompts 64 --random-input-len 512 --random-output-len 256 --random-range-ratio 0.0625 \
       --seed 0 --request-rate inf --output-file bench_results/serving_$loop.json
 done
+# Issue 15: two workers behind sglang-router, cache_aware against round_robin, and the router's overhead.
+run router python benchmarks/bench_router.py --server-args "--device cpu --max-total-tokens 6144" --output-file bench_results/router.json
