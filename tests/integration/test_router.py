@@ -23,9 +23,8 @@ from typing import Any, Dict, Iterator, List, Optional, Tuple
 import httpx
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
-from conftest import ServerProcess, start_server_process  # noqa: E402
-from utils_process import running, wait_until  # noqa: E402
+from conftest import ServerProcess, start_server_process
+from utils_process import running, wait_until
 
 
 def _load_bench_router() -> Any:
