@@ -6,24 +6,29 @@ import random
 from collections import defaultdict
 from contextlib import contextmanager
 from enum import Enum, auto
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 from engine.managers.req import CLIP_MAX_NEW_TOKENS_ESTIMATION, Req
+from engine.mem_cache.base_prefix_cache import BasePrefixCache
+from engine.mem_cache.radix_cache import RadixCache, TreeNode
 
 # LPM with in-batch prefix de-duplication: a request whose cached prefix is this short is compared
 # with the other waiting requests, and deprioritised when it shares this many tokens with one of them.
 IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD = 32
 IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD = 32
-# Prefix matching every waiting request is too costly for long queues; fall back to FCFS.
+# LPM: prefix matching every waiting request is too costly for long queues; fall back to FCFS
+# (as SGLang, which does not cap dfs-weight).
 LPM_MAX_QUEUE_LEN = 128
 
 
 class SchedulePolicy:
-    def __init__(self, policy: str, tree_cache: Any, radix_enabled: bool, seed: int = 0) -> None:
+    def __init__(self, policy: str, tree_cache: BasePrefixCache, radix_enabled: bool, seed: int = 0) -> None:
         if policy not in ("fcfs", "lpm", "dfs-weight", "lof", "random"):
             raise ValueError(f"unknown schedule policy {policy!r}")
         # Cache-aware policies are meaningless without a radix tree.
-        if policy in ("lpm", "dfs-weight") and not radix_enabled:
+        self.radix: Optional[RadixCache] = (
+            tree_cache if radix_enabled and isinstance(tree_cache, RadixCache) else None)
+        if policy in ("lpm", "dfs-weight") and self.radix is None:
             policy = "fcfs"
         self.policy = policy
         self.tree_cache = tree_cache
@@ -32,7 +37,7 @@ class SchedulePolicy:
     def calc_priority(self, waiting_queue: List[Req]) -> None:
         """Sort the waiting queue in place."""
         policy = self.policy
-        if policy in ("lpm", "dfs-weight") and len(waiting_queue) > LPM_MAX_QUEUE_LEN:
+        if policy == "lpm" and len(waiting_queue) > LPM_MAX_QUEUE_LEN:
             policy = "fcfs"
         if policy == "fcfs":
             return
@@ -75,29 +80,33 @@ class SchedulePolicy:
         return dup
 
     def _dfs_weight_order(self, waiting_queue: List[Req]) -> List[Req]:
-        """Group requests by where their match ends in the tree; visit heavier subtrees first."""
-        by_node: Dict[int, List[Req]] = defaultdict(list)
-        nodes: Dict[int, Any] = {}
+        """SGLang's `_sort_by_dfs_weight`: group requests by the tree node where their match ends,
+        weigh every node by the requests in its subtree, and emit a depth-first walk that visits
+        heavier children first and a node's own requests after all of its children's."""
+        assert self.radix is not None, "dfs-weight needs the radix cache"
+        root = self.radix.root
+        reqs_at: Dict[int, List[Req]] = defaultdict(list)
         weight: Dict[int, int] = defaultdict(int)
-        root = getattr(self.tree_cache, "root_node", None)
         for req in waiting_queue:
             node = req.last_node if req.last_node is not None else root
-            by_node[id(node)].append(req)
+            reqs_at[id(node)].append(req)
             while node is not None:
-                nodes[id(node)] = node
                 weight[id(node)] += 1
                 node = node.parent
-        if root is None:
-            return list(waiting_queue)
         order: List[Req] = []
-        stack = [root]
+        # Iterative post-order (a deep tree must not hit the recursion limit): a node is expanded
+        # once, pushing itself back as "done" below its children.
+        stack: List[Tuple[TreeNode, bool]] = [(root, False)]
         while stack:
-            node = stack.pop()
-            order.extend(by_node.get(id(node), []))
+            node, expanded = stack.pop()
+            if expanded:
+                order.extend(reqs_at.get(id(node), ()))
+                continue
+            stack.append((node, True))
             children = [c for c in node.children.values() if weight.get(id(c), 0) > 0]
-            # Heaviest child is visited first, so it goes on the stack last.
-            children.sort(key=lambda c: weight[id(c)])
-            stack.extend(children)
+            # Heaviest first (stable on ties, as SGLang's sort): pushed in reverse.
+            children.sort(key=lambda c: -weight[id(c)])
+            stack.extend((c, False) for c in reversed(children))
         return order
 
 
