@@ -7,6 +7,7 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
+from engine.managers.detokenizer_manager import DetokenizerManager
 from engine.managers.io_struct import AbortReq, BatchTokenIDOutput, TokenizedGenerateReqInput
 from engine.managers.overlap_utils import resolve_relay_input_ids, write_relay
 from engine.managers.scheduler import Scheduler
@@ -29,6 +30,9 @@ class FakeTokenizer:
 
     def encode(self, text, add_special_tokens=False):
         return [ord(c) - ord("a") for c in text]
+
+    def batch_decode(self, sequences, **kwargs):
+        return [self.decode(ids) for ids in sequences]
 
 
 @dataclass
@@ -87,11 +91,12 @@ class ReqOutput:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     logprobs: List[float] = field(default_factory=list)  # output token logprobs, then input ones
+    text: str = ""  # the detokenizer's deltas, concatenated (Harness(detokenize=True))
 
 
 class Harness:
     def __init__(self, worker: Optional[FakeWorker] = None, tokenizer=None, overlap: bool = False,
-                 **server_kwargs) -> None:
+                 detokenize: bool = False, **server_kwargs) -> None:
         server_kwargs.setdefault("device", "cpu")
         server_kwargs["disable_overlap_schedule"] = not overlap
         self.overlap = overlap
@@ -99,7 +104,10 @@ class Harness:
         server_kwargs.setdefault("chunked_prefill_size", -1)
         self.args = ServerArgs(**server_kwargs)
         self.worker = worker or FakeWorker()
-        self.scheduler = Scheduler(self.args, worker=self.worker, tokenizer=tokenizer or FakeTokenizer())
+        tokenizer = tokenizer or FakeTokenizer()
+        self.scheduler = Scheduler(self.args, worker=self.worker, tokenizer=tokenizer)
+        # The scheduler's messages also go through a real DetokenizerManager, as in the server.
+        self.detokenizer = DetokenizerManager(tokenizer) if detokenize else None
         self.outputs: Dict[str, ReqOutput] = {}
         self.counter = 0
 
@@ -130,10 +138,13 @@ class Harness:
         for msg in self.scheduler.outbox:
             if not isinstance(msg, BatchTokenIDOutput):
                 continue
+            texts = self.detokenizer.handle_batch_token_id_out(msg).output_strs if self.detokenizer else None
             for i, rid in enumerate(msg.rids):
                 out = self.outputs.setdefault(rid, ReqOutput())
                 assert out.finished_reason is None, f"{rid} emitted after it finished"
                 out.output_ids.extend(msg.output_ids[i])
+                if texts is not None:
+                    out.text += texts[i]
                 out.emissions.append(list(msg.output_ids[i]))
                 out.emitted_lengths.append(msg.completion_tokens[i])
                 out.finished_reason = msg.finished_reasons[i]

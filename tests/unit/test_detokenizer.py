@@ -123,6 +123,17 @@ def test_stop_string_is_trimmed_at_finish(tokenizer):
     assert "".join(deltas) == "Hello world "
 
 
+@pytest.mark.parametrize("chunks", [[[316, 322, 330, 322]], [[316, 322], [330], [322]], [[316], [322], [330, 322]]])
+def test_stop_string_is_cut_where_it_ended_the_request_not_at_an_earlier_ignored_one(tokenizer, chunks):
+    # With min_new_tokens a stop string may occur before the one that ends the request; that
+    # earlier one was ignored and stays in the text, streamed or not.
+    ids = [i for chunk in chunks for i in chunk]
+    assert tokenizer.decode(ids) == "Hello STOP world STOP"
+    manager = DetokenizerManager(tokenizer)
+    deltas = stream_ids(manager, "r", chunks, {"type": "stop", "matched": "STOP"})
+    assert "".join(deltas) == "Hello STOP world "
+
+
 def test_stop_string_kept_with_no_stop_trim(tokenizer):
     ids = tokenizer.encode("Hello world STOP here")
     manager = DetokenizerManager(tokenizer)

@@ -54,13 +54,30 @@ def printable_prefix(text: str) -> str:
     return text if cut == -1 else text[:cut]
 
 
-def trim_matched_stop(text: str, finished_reason: Optional[dict], no_stop_trim: bool) -> str:
-    """Cut a matched stop string (and what follows it) off the final text."""
+def stop_cut_position(text: str, stop: str, text_before_last_token: Optional[int]) -> int:
+    """Where the occurrence of `stop` that ended the request starts in `text` (-1: none).
+
+    The scheduler ends a request on the token that completes a stop string, and ignores
+    occurrences completed earlier (before min_new_tokens), so the ending occurrence is the first
+    one that ends inside the last token's text (after `text_before_last_token` characters).
+    Without that length, or when no occurrence ends there (output sent past the stop string by
+    another producer), the last occurrence.
+    """
+    if text_before_last_token is not None:
+        pos = text.find(stop, max(text_before_last_token - len(stop) + 1, 0))
+        if pos != -1:
+            return pos
+    return text.rfind(stop)
+
+
+def trim_matched_stop(text: str, finished_reason: Optional[dict], no_stop_trim: bool,
+                      text_before_last_token: Optional[int] = None) -> str:
+    """Cut the matched stop string (and what follows it) off the final text."""
     if not finished_reason or no_stop_trim:
         return text
     matched = finished_reason.get("matched")
     if isinstance(matched, str) and matched:
-        pos = text.find(matched)
+        pos = stop_cut_position(text, matched, text_before_last_token)
         if pos != -1:
             return text[:pos]
     return text
@@ -104,7 +121,11 @@ class DetokenizerManager:
                 else:
                     new_text = printable_prefix(new_text)
             # At finish the pending text is flushed as is: no later token can complete it.
-            full_text = trim_matched_stop(state.decoded_text + new_text, finished_reason, recv.no_stop_trim[i])
+            before_last = None
+            if self._matched_stop_str(finished_reason, recv.no_stop_trim[i]):
+                before_last = self._text_len_before_last_token(state, end_offsets[i], surr_texts[i], recv, i)
+            full_text = trim_matched_stop(state.decoded_text + new_text, finished_reason, recv.no_stop_trim[i],
+                                          before_last)
             output_strs.append(full_text[state.sent_offset:])
             state.sent_offset = max(state.sent_offset, len(full_text))
             if finished_reason is not None:
@@ -138,6 +159,26 @@ class DetokenizerManager:
                     and state.decode_ids[-1] == matched):
                 end -= 1
         return end
+
+    @staticmethod
+    def _matched_stop_str(finished_reason: Optional[dict], no_stop_trim: bool) -> bool:
+        return bool(finished_reason) and not no_stop_trim and isinstance(finished_reason.get("matched"), str)
+
+    def _text_len_before_last_token(self, state: DecodeStatus, end: int, surr_text: str,
+                                    recv: BatchTokenIDOutput, i: int) -> Optional[int]:
+        """Length of the request's text without its last token (None if that token is not new).
+
+        One extra decode per request that ends on a stop string: the window that was just decoded,
+        less its last id.
+        """
+        if self.tokenizer is None or end - 1 < state.read_offset:
+            return None
+        before = self.tokenizer.decode(
+            state.decode_ids[state.surr_offset:end - 1],
+            skip_special_tokens=bool(recv.skip_special_tokens[i]),
+            spaces_between_special_tokens=bool(recv.spaces_between_special_tokens[i]),
+        )
+        return len(state.decoded_text) + len(printable_prefix(before[len(surr_text):]))
 
     def _batch_decode(
         self, recv: BatchTokenIDOutput, states: list[DecodeStatus], end_offsets: list[int]

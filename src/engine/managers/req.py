@@ -218,12 +218,14 @@ class Req:
         if len(self.output_ids) >= self.max_new_tokens:
             self.finished_reason = FINISH_LENGTH(self.max_new_tokens)
 
-    def tail_str(self) -> str:
+    def _stop_window(self) -> int:
         # A stop string may be produced in more tokens than it encodes to (" world" spelled letter
         # by letter), so the window also covers one token per character.
         sp = self.sampling_params
-        window = max(sp.stop_str_max_len, max((len(s) for s in sp.stop_strs), default=0)) + 1
-        return self.decode(self.output_ids[-window:])
+        return max(sp.stop_str_max_len, max((len(s) for s in sp.stop_strs), default=0)) + 1
+
+    def tail_str(self) -> str:
+        return self.decode(self.output_ids[-self._stop_window():])
 
     def decode(self, ids: List[int]) -> str:
         if self.tokenizer is None:
@@ -231,12 +233,25 @@ class Req:
         return self.tokenizer.decode(ids)
 
     def _check_stop_strings(self) -> Optional[str]:
+        """The stop string that the newest token completes, if any.
+
+        Only an occurrence that ends in the newest token's text counts: one completed earlier was
+        either seen then (and ended the request) or came before min_new_tokens and is ignored for
+        good, even while it is still inside the window. The detokenizer cuts the text at the same
+        occurrence (`detokenizer_manager.stop_cut_position`).
+        """
         stops = self.sampling_params.stop_strs
         if not stops:
             return None
-        tail = self.tail_str()
+        window = self.output_ids[-self._stop_window():]
+        tail = self.decode(window)
+        before: Optional[int] = None  # length of the window's text without the newest token
         for stop in stops:
-            if stop in tail:
+            if stop not in tail:
+                continue
+            if before is None:
+                before = len(self.decode(window[:-1]))
+            if tail.rfind(stop) + len(stop) > before:
                 return stop
         return None
 
