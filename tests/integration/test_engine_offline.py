@@ -80,6 +80,21 @@ def test_async_generate_and_async_stream(engine):
     assert [b["output_ids"] for b in both] == [engine.generate(p, GREEDY)["output_ids"] for p in ("Hello", "World")]
 
 
+def test_abort_request_returns_the_partial_output(engine):
+    # As SGLang's Engine: an aborted running request ends with its output so far and an abort reason.
+    params = {"temperature": 0.0, "max_new_tokens": 500, "ignore_eos": True}
+    chunks = []
+    for chunk in engine.generate("Abort me offline", params, stream=True, rid="engine-abort"):
+        chunks.append(chunk)
+        if len(chunks) == 3:
+            engine.abort_request("engine-abort")
+    last = chunks[-1]
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    assert 3 <= len(last["output_ids"]) < 500
+    ref = engine.generate("Abort me offline", {**params, "max_new_tokens": len(last["output_ids"])})
+    assert ref["output_ids"] == last["output_ids"] and ref["text"] == last["text"]
+
+
 def test_invalid_request_raises(engine):
     with pytest.raises(EngineRequestError) as info:
         engine.generate("Hello", {"temperature": -1.0})

@@ -253,7 +253,9 @@ def test_client_disconnect_non_streaming_aborts(http: httpx.Client, base_url: st
     assert_aborted(http, before)
 
 
-def test_abort_request_endpoint(http: httpx.Client, base_url: str) -> None:
+def test_abort_request_endpoint(http: httpx.Client, base_url: str, tokenizer) -> None:
+    # As SGLang: a request aborted through /abort_request is answered 200 with its partial output
+    # and finish_reason abort (no status code: a graceful abort, not an error).
     wait_idle(http, 30)
 
     async def run() -> httpx.Response:
@@ -272,8 +274,36 @@ def test_abort_request_endpoint(http: httpx.Client, base_url: str) -> None:
             return await asyncio.wait_for(task, 30)
 
     response = asyncio.run(run())
-    assert response.status_code >= 400
-    assert response.json()["object"] == "error"
+    assert response.status_code == 200, response.text
+    out = response.json()
+    assert out["meta_info"]["finish_reason"]["type"] == "abort"
+    assert out["meta_info"]["finish_reason"]["status_code"] is None
+    assert len(out["output_ids"]) == out["meta_info"]["completion_tokens"] < LONG
+    assert out["text"] == tokenizer.decode(out["output_ids"], skip_special_tokens=True)
+    assert is_idle(wait_idle(http, 20))
+
+
+def test_abort_request_mid_stream_ends_the_stream_with_the_partial_output(http: httpx.Client) -> None:
+    wait_idle(http, 30)
+    body = {"text": "Abort me while streaming", "rid": "abort-stream", "stream": True,
+            "sampling_params": {"max_new_tokens": LONG, "ignore_eos": True, **GREEDY}}
+    lines: List[str] = []
+    with http.stream("POST", "/generate", json=body) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines():
+            lines.append(line)
+            if line.startswith("data: {") and sum(x.startswith("data: {") for x in lines) == 3:
+                assert http.post("/abort_request", json={"rid": "abort-stream"}).status_code == 200
+    events = sse_payloads(lines)
+    last = events[-1]
+    assert "error" not in last
+    assert last["meta_info"]["finish_reason"]["type"] == "abort"
+    partial = last["output_ids"]
+    assert 3 <= len(partial) < LONG
+    # The partial output is the greedy output so far.
+    ref = http.post("/generate", json={"text": body["text"], "sampling_params": {
+        **body["sampling_params"], "max_new_tokens": len(partial)}}).json()
+    assert ref["output_ids"] == partial and ref["text"] == last["text"]
     assert is_idle(wait_idle(http, 20))
 
 

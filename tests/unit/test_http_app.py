@@ -108,6 +108,9 @@ class FakeTokenizerManager:
             output_ids.append(token)
             if "zz" in prompt_text:
                 finish = {"type": "abort", "message": "aborted by the scheduler", "status_code": 503}
+            elif "yy" in prompt_text and k == 1:
+                # Aborted by a client (/abort_request) while running: no status code.
+                finish = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
             elif token in (params.get("stop_token_ids") or []):
                 finish = {"type": "stop", "matched": token}
             elif k == max_new - 1:
@@ -340,6 +343,40 @@ def test_generate_abort_finish_is_an_error(client: TestClient, manager: FakeToke
     assert events[-1]["error"]["code"] == 503
     # The stream ended early, so the manager's generator was closed (which aborts the rest).
     assert manager.closed_early
+
+
+GRACEFUL_ABORT = {"type": "abort", "message": "Aborted", "status_code": None, "err_type": None}
+
+
+def test_generate_aborted_by_a_client_returns_its_partial_output(client: TestClient) -> None:
+    # As SGLang: a request aborted through /abort_request answers 200 with what it generated.
+    out = client.post("/generate", json={"text": "yy", "sampling_params": {"max_new_tokens": 6}})
+    assert out.status_code == 200, out.text
+    assert out.json()["text"] == "za" and out.json()["meta_info"]["finish_reason"] == GRACEFUL_ABORT
+    events = sse_events(client.post("/generate", json={"text": "yy", "stream": True,
+                                                       "sampling_params": {"max_new_tokens": 6}}))
+    assert [e["text"] for e in events] == ["z", "za"]
+    assert events[-1]["meta_info"]["finish_reason"] == GRACEFUL_ABORT
+
+
+def test_openai_routes_aborted_by_a_client_return_finish_reason_abort(client: TestClient) -> None:
+    # SGLang's OpenAI layer: a graceful abort (no status code) is a normal answer, finish_reason "abort".
+    out = client.post("/v1/completions", json={"prompt": "yy", "max_tokens": 6})
+    assert out.status_code == 200, out.text
+    choice = out.json()["choices"][0]
+    assert choice["text"] == "za" and choice["finish_reason"] == "abort"
+    events = sse_events(client.post("/v1/completions", json={"prompt": "yy", "max_tokens": 6, "stream": True}))
+    assert "".join(e["choices"][0]["text"] for e in events) == "za"
+    assert events[-1]["choices"][0]["finish_reason"] == "abort"
+    messages = [{"role": "user", "content": "yy"}]
+    out = client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 6})
+    assert out.status_code == 200, out.text
+    assert out.json()["choices"][0]["finish_reason"] == "abort"
+    assert out.json()["choices"][0]["message"]["content"] == "za"
+    events = sse_events(client.post("/v1/chat/completions", json={"messages": messages, "max_tokens": 6,
+                                                                  "stream": True}))
+    finishes = [c["finish_reason"] for e in events for c in e["choices"]]
+    assert finishes[-1] == "abort" and "error" not in events[-1]
 
 
 # ---------------------------------------------------------------------------- completions

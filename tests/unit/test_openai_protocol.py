@@ -115,7 +115,9 @@ def test_finish_reason_mapping() -> None:
     assert finish_reason_to_openai({"type": "length", "length": 4}) == ("length", None)
     assert abort_error({"type": "stop"}) is None
     assert abort_error({"type": "abort", "message": "gone", "status_code": 503}) == ("gone", 503)
-    assert abort_error({"type": "abort"})[1] == 400
+    # No status code: a client's abort, answered normally with finish_reason "abort" (SGLang).
+    assert abort_error({"type": "abort", "message": "Aborted", "status_code": None}) is None
+    assert finish_reason_to_openai({"type": "abort", "message": "Aborted", "status_code": None}) == ("abort", None)
 
 
 def _out(prompt: int, completion: int, cached: int) -> dict:

@@ -151,7 +151,8 @@ def test_12_abort_while_queued():
     rid = h.submit(prompt(5))
     h.abort(rid)
     h.run_until_idle()
-    assert h.outputs[rid].finished_reason["type"] == "abort"
+    assert h.outputs[rid].finished_reason == {"type": "abort", "message": "Abort before prefill",
+                                              "status_code": None, "err_type": None}
     assert h.worker.records == []
 
 

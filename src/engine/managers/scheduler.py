@@ -233,8 +233,9 @@ class Scheduler:
         kept = []
         for req in self.waiting_queue:
             if match(req):
-                # Waiting requests hold no KV: answer at once.
-                req.finished_reason = FINISH_ABORT()
+                # Waiting requests hold no KV: answer at once (SGLang's message for a request
+                # that was never prefilled; a retracted one keeps its output).
+                req.finished_reason = FINISH_ABORT("Aborted" if req.output_ids else "Abort before prefill")
                 self._to_stream.append(req)
             else:
                 kept.append(req)

@@ -73,11 +73,18 @@ def error_response_from_exception(exc: Exception) -> OrjsonResponse:
 
 
 def abort_error(finish_reason: Optional[Dict[str, Any]]) -> Optional[Tuple[str, int]]:
-    """(message, status) when the scheduler finished the request with an abort, else None."""
+    """(message, status) when the server aborted the request with an error status, else None.
+
+    An abort without a status code was asked for by a client (`/abort_request`, the Engine's
+    `abort_request`): as in SGLang it is a normal answer carrying the partial output and
+    finish_reason abort, not an error.
+    """
     if not finish_reason or finish_reason.get("type") != "abort":
         return None
-    message = finish_reason.get("message") or "The request was aborted."
-    return message, int(finish_reason.get("status_code") or 400)
+    status = finish_reason.get("status_code")
+    if status is None:
+        return None
+    return finish_reason.get("message") or "The request was aborted.", int(status)
 
 
 def sse_error_chunk(message: str, status_code: int) -> bytes:
