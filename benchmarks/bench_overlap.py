@@ -15,6 +15,13 @@ setting overlap scheduling is for; on this CPU the real forward needs every core
   python benchmarks/bench_overlap.py --model builtin --num-reqs 64 256
   python benchmarks/bench_overlap.py --model 100m --num-reqs 64 --profile overlap.txt
   python benchmarks/bench_overlap.py --num-reqs 64 256 --stream --device-forward-ms 5
+
+--phase prefill times a burst of prefills instead (requests with one output token, chunked, so
+prefill batches follow each other) in the overlap loop with consecutive prefills overlapped (the
+default) and with --disable-consecutive-prefill-overlap: wall time of the burst and mean time to
+first token.
+
+  python benchmarks/bench_overlap.py --phase prefill --num-reqs 32 --input-len 256 --device-forward-ms 5
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_models import resolve_model  # noqa: E402
-from engine.managers.io_struct import TokenizedGenerateReqInput  # noqa: E402
+from engine.managers.io_struct import BatchTokenIDOutput, TokenizedGenerateReqInput  # noqa: E402
 from engine.managers.overlap_utils import scheduling_thread, write_relay  # noqa: E402
 from engine.managers.scheduler import Scheduler  # noqa: E402
 from engine.managers.tp_worker import GenerationBatchResult  # noqa: E402
@@ -124,6 +131,49 @@ def run_once(s: Scheduler, num_reqs: int, input_len: int, output_len: int, vocab
     return out
 
 
+def run_prefill_burst(s: Scheduler, num_reqs: int, input_len: int, vocab: int, seed: int) -> Dict:
+    """Overlap loop over `num_reqs` one-token requests: burst wall time and mean time to first token."""
+    submit(s, num_reqs, input_len, 1, vocab, seed)
+    first_token: Dict[str, float] = {}
+    t0 = time.perf_counter()
+    while s.has_work():
+        s.step_overlap()
+        now = time.perf_counter() - t0
+        for msg in s.outbox:
+            if isinstance(msg, BatchTokenIDOutput):
+                for rid in msg.rids:
+                    first_token.setdefault(rid, now)
+        s.outbox.clear()
+    elapsed = time.perf_counter() - t0
+    s.flush_cache()
+    return {"elapsed_s": elapsed, "mean_ttft_s": sum(first_token.values()) / max(len(first_token), 1),
+            "throughput": num_reqs * input_len / elapsed}
+
+
+def prefill_phase(args, model_path: str, vocab: int) -> List[Dict]:
+    results: List[Dict] = []
+    for n in args.num_reqs:
+        sched = make_scheduler(model_path, n, args.dtype)
+        sched.chunked_prefill_size = args.input_len * 2  # two requests per prefill batch
+        if args.device_forward_ms > 0:
+            use_device_like_forward(sched, args.device_forward_ms)
+        runs: Dict[str, List[Dict]] = {"overlapped": [], "disabled": []}
+        for rep in range(args.repeats):
+            for mode in ("overlapped", "disabled") if rep % 2 == 0 else ("disabled", "overlapped"):
+                sched.server_args.disable_consecutive_prefill_overlap = mode == "disabled"
+                runs[mode].append(run_prefill_burst(sched, n, args.input_len, vocab, seed=rep))
+        best = {mode: min(rs, key=lambda r: r["elapsed_s"]) for mode, rs in runs.items()}
+        o, d = best["overlapped"], best["disabled"]
+        print(f"prefill burst model={args.model} reqs={n} in={args.input_len} forward="
+              f"{f'device-like {args.device_forward_ms:g} ms' if args.device_forward_ms else 'real'}: "
+              f"overlapped {o['elapsed_s']:.3f} s (mean TTFT {1000 * o['mean_ttft_s']:.1f} ms), "
+              f"disabled {d['elapsed_s']:.3f} s (mean TTFT {1000 * d['mean_ttft_s']:.1f} ms), "
+              f"burst time ratio disabled/overlapped {d['elapsed_s'] / o['elapsed_s']:.3f}", flush=True)
+        results.append({"num_reqs": n, "best": best, "runs": runs})
+        sched.shutdown()
+    return results
+
+
 def main() -> None:
     with scheduling_thread():  # as in the scheduler process
         _main()
@@ -142,10 +192,18 @@ def _main() -> None:
     ap.add_argument("--device-forward-ms", type=float, default=0.0,
                     help="replace the forward by a T ms sleep (an accelerator as the host sees it)")
     ap.add_argument("--profile", default=None, help="write a pyinstrument profile of one normal-loop run here")
+    ap.add_argument("--phase", default="decode", choices=["decode", "prefill"],
+                    help="decode: overlap vs normal loop; prefill: consecutive prefills overlapped or not")
     ap.add_argument("--result-file", default=None)
     args = ap.parse_args()
 
     model_path, vocab = resolve_model(args.model, args.dtype)
+    if args.phase == "prefill":
+        results = prefill_phase(args, model_path, vocab)
+        if args.result_file:
+            with open(args.result_file, "w") as f:
+                json.dump({"args": vars(args), "results": results}, f, indent=2)
+        return
     results: List[Dict] = []
     for n in args.num_reqs:
         # One scheduler (one model, one forward thread, as in a scheduler process) runs both loops.

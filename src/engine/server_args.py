@@ -52,6 +52,11 @@ class ServerArgs:
     schedule_conservativeness: float = 1.0
     disable_radix_cache: bool = False
     disable_overlap_schedule: bool = False
+    # SGLang's SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP (default off: prefills in a row overlap).
+    disable_consecutive_prefill_overlap: bool = field(default=False, metadata={"help": (
+        "With the overlap scheduler, process a prefill's result before launching the next prefill "
+        "instead of during it: better time to first token for back-to-back prefills, slightly less "
+        "throughput (SGLang's SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP).")})
     enable_mixed_chunk: bool = False
     stream_interval: int = 1
 

@@ -14,12 +14,12 @@ class RecordingWorker(FakeWorker):
 
 
 def run_workload(overlap: bool, seed: int, n: int = 200, total: int = 1500, chunk: int = 48, page_size: int = 1,
-                 mixed: bool = False, model_worker=None, tokenizer=None, logprobs=False):
+                 mixed: bool = False, model_worker=None, tokenizer=None, logprobs=False, **server_kwargs):
     rng = random.Random(seed)
     worker = model_worker or FakeWorker(max_total_tokens=total, page_size=page_size,
                                         next_token=lambda t: EOS if t % 97 == 0 else (t * 7 + 3) % 900)
     h = Harness(worker=worker, overlap=overlap, chunked_prefill_size=chunk, page_size=page_size,
-                enable_mixed_chunk=mixed, tokenizer=tokenizer)
+                enable_mixed_chunk=mixed, tokenizer=tokenizer, **server_kwargs)
     vocab = 900 if model_worker is None else 2000
     arrivals = []
     for i in range(n):
@@ -63,6 +63,48 @@ def test_overlap_equals_normal_on_200_requests(page_size, mixed):
         assert o.output_ids == out.output_ids, rid
         assert o.finished_reason == out.finished_reason, rid
     assert any("MIXED" == r.mode for r in overlap.worker.records) == mixed
+
+
+@pytest.mark.parametrize("disable_consecutive", [False, True])
+def test_consecutive_prefill_overlap_switch_keeps_outputs(disable_consecutive):
+    # Both settings of --disable-consecutive-prefill-overlap give the normal loop's outputs.
+    normal = run_workload(False, seed=7)
+    overlap = run_workload(True, seed=7, disable_consecutive_prefill_overlap=disable_consecutive)
+    launches = [r.mode for r in overlap.worker.records]
+    assert any(a != "DECODE" and b != "DECODE" for a, b in zip(launches, launches[1:])), "no consecutive prefills"
+    for rid, out in normal.outputs.items():
+        o = overlap.outputs[rid]
+        if out.finished_reason["type"] == "abort" or o.finished_reason["type"] == "abort":
+            continue
+        assert (o.output_ids, o.finished_reason) == (out.output_ids, out.finished_reason), rid
+
+
+@pytest.mark.parametrize("disable_consecutive", [False, True])
+def test_consecutive_prefills_overlap_unless_disabled(disable_consecutive):
+    # SGLang overlaps two prefills in a row by default; SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP
+    # (here --disable-consecutive-prefill-overlap) processes the first one's result before the
+    # second is launched, for the first one's TTFT.
+    h = Harness(overlap=True, chunked_prefill_size=16, disable_consecutive_prefill_overlap=disable_consecutive)
+    s = h.scheduler
+    processed, launches = [], []
+    run_batch, process = s.run_batch, s.process_batch_result
+
+    def spy_run(batch):
+        launches.append((batch.forward_mode.name, len(processed)))
+        return run_batch(batch)
+
+    def spy_process(batch, result):
+        processed.append(batch.forward_mode.name)
+        process(batch, result)
+
+    s.run_batch, s.process_batch_result = spy_run, spy_process
+    h.submit(list(range(1, 60)), max_new_tokens=2)  # four chunks: four prefills in a row
+    h.run_until_idle()
+    assert [mode for mode, _ in launches[:4]] == ["EXTEND"] * 4
+    # processed-before-launch of prefills 2..4: all earlier ones (disabled) or all but the last.
+    lag = 0 if disable_consecutive else 1
+    assert [done for _, done in launches[1:4]] == [k - lag for k in (1, 2, 3)]
+    assert processed == [mode for mode, _ in launches]
 
 
 def test_overlap_finished_request_rides_one_extra_step_without_leak():

@@ -485,9 +485,11 @@ class Scheduler:
 
         A request that finished in step N is still part of step N+1 (its result is ignored, its
         KV, including the slot allocated for that extra step, was released when step N was
-        processed). Two prefills in a row are not overlapped: the first one's result is processed
-        before the second is launched (as in SGLang; the second was already scheduled, so it does
-        not see the first one's prompt in the radix cache).
+        processed). With --disable-consecutive-prefill-overlap (SGLang's
+        SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP, off by default) a prefill that follows a
+        prefill waits for the first one's result to be processed before it is launched, so the
+        first one's tokens go out without waiting behind the second forward; it was scheduled
+        before that, as every overlapped batch is.
         """
         self.process_input_requests(self.recv_requests())
         batch = self.get_next_batch_to_run()
@@ -497,9 +499,6 @@ class Scheduler:
             self._pop_and_process()
         if batch is not None:
             self.result_queue.append((batch.copy(), self.run_batch(batch)))
-            if disable_overlap:
-                # Launched after the previous result was processed: process it next iteration.
-                pass
         if not disable_overlap and len(self.result_queue) > (1 if batch is not None else 0):
             self._pop_and_process()
         if batch is None and not self.result_queue:
@@ -511,8 +510,9 @@ class Scheduler:
 
     def _is_disable_overlap_for_batch(self, batch: Optional[ScheduleBatch]) -> bool:
         last = self.last_batch
-        return (batch is not None and batch.forward_mode.is_extend() and last is not None
-                and last.forward_mode is not None and last.forward_mode.is_extend())
+        return (self.server_args.disable_consecutive_prefill_overlap
+                and batch is not None and batch.forward_mode.is_extend()
+                and last is not None and last.forward_mode is not None and last.forward_mode.is_extend())
 
     def _pop_and_process(self) -> None:
         if self.result_queue:
