@@ -109,6 +109,21 @@ def test_generate_batch_and_logprobs(http: httpx.Client) -> None:
         assert meta["input_token_logprobs"][0][0] is None
 
 
+def test_logprob_start_len_at_the_prompt_length_gives_no_input_logprobs(http: httpx.Client) -> None:
+    params = {"max_new_tokens": 3, "ignore_eos": True, **GREEDY}
+    plain = http.post("/generate", json={"text": "The sky", "sampling_params": params}).json()
+    n = plain["meta_info"]["prompt_tokens"]
+    out = http.post("/generate", json={"text": "The sky", "sampling_params": params, "return_logprob": True,
+                                       "top_logprobs_num": 2, "logprob_start_len": n})
+    assert out.status_code == 200, out.text
+    meta = out.json()["meta_info"]
+    assert meta["input_token_logprobs"] == [] and meta["input_top_logprobs"] == []
+    assert [e[1] for e in meta["output_token_logprobs"]] == out.json()["output_ids"] == plain["output_ids"]
+    too_far = http.post("/generate", json={"text": "The sky", "sampling_params": params, "return_logprob": True,
+                                           "logprob_start_len": n + 1})
+    assert_error(too_far, 400, "logprob_start_len")
+
+
 # ---------------------------------------------------------------------------- streaming
 def test_generate_stream_deltas_equal_final_text(http: httpx.Client, tokenizer) -> None:
     body = {"text": "Once upon a time", "stream": True,

@@ -117,6 +117,15 @@ def test_09_logprob_start_len_beyond_prompt_aborts():
     assert h.worker.records == []
 
 
+def test_09b_logprob_start_len_equal_to_prompt_length_runs():
+    h = Harness()
+    plain = h.submit(prompt(10), max_new_tokens=4)
+    rid = h.submit(prompt(10), return_logprob=True, logprob_start_len=10, max_new_tokens=4)
+    h.run_until_idle()
+    assert h.outputs[rid].finished_reason == {"type": "length", "length": 4}
+    assert h.outputs[rid].output_ids == h.outputs[plain].output_ids
+
+
 def test_10_queue_limit():
     h = Harness(max_running_requests=1, max_queued_requests=2)
     h.submit(prompt(5), max_new_tokens=50)

@@ -390,6 +390,7 @@ def test_logprobs_with_text(runtime, tokenizer):
     (GenerateReqInput(input_ids=[1, 2], sampling_params={"max_new_tokens": CONTEXT_LEN}),
      "exceeds the model's maximum context length"),
     (GenerateReqInput(input_ids=[1, 2], return_logprob=True, logprob_start_len=5), "logprob_start_len"),
+    (GenerateReqInput(input_ids=[1, 2], return_logprob=True, logprob_start_len=3), "logprob_start_len"),
 ])
 def test_invalid_requests_raise_400_before_sending(runtime, obj, message):
     manager, fake = runtime
@@ -398,6 +399,14 @@ def test_invalid_requests_raise_400_before_sending(runtime, obj, message):
     assert message in info.value.message
     assert info.value.status_code == 400
     assert fake.messages(TokenizedGenerateReqInput) == []
+
+
+def test_logprob_start_len_equal_to_the_prompt_length_is_accepted(runtime):
+    # SGLang refuses only a start beyond the prompt (`>`): at the prompt length no input logprobs.
+    manager, fake = runtime
+    collect(manager, GenerateReqInput(input_ids=[1, 2, 3], return_logprob=True, logprob_start_len=3))
+    [sent] = fake.messages(TokenizedGenerateReqInput)
+    assert sent.logprob_start_len == 3
 
 
 def test_bad_entry_in_batch_sends_nothing(runtime):

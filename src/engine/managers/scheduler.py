@@ -200,8 +200,8 @@ class Scheduler:
                     f"({self.max_req_input_len} tokens). Use a shorter input.")
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             return f"Input token ids must be in [0, {self.vocab_size}); got an id out of range."
-        if req.return_logprob and req.logprob_start_len >= n:
-            return (f"logprob_start_len ({req.logprob_start_len}) must be smaller than the input length ({n}).")
+        if req.return_logprob and req.logprob_start_len > n:
+            return f"logprob_start_len ({req.logprob_start_len}) must not exceed the input length ({n})."
         return None
 
     def _clamp_max_new_tokens(self, req: Req) -> None:

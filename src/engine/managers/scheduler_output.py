@@ -141,11 +141,17 @@ class _LogprobLists:
             return
         start = req.logprob_start_len
         values = req.input_token_logprobs
-        req.input_token_logprobs_val = [None] + values[:-1]
-        req.input_token_logprobs_idx = list(req.origin_input_ids[start:])
-        if req.top_logprobs_num > 0:
-            req.input_top_logprobs_val = [None] + req.input_top_logprobs_val_acc[:-1]
-            req.input_top_logprobs_idx = [None] + req.input_top_logprobs_idx_acc[:-1]
+        if start >= len(req.origin_input_ids):
+            # A start at the prompt length asks for no input position at all.
+            req.input_token_logprobs_val, req.input_token_logprobs_idx = [], []
+            if req.top_logprobs_num > 0:
+                req.input_top_logprobs_val, req.input_top_logprobs_idx = [], []
+        else:
+            req.input_token_logprobs_val = [None] + values[:-1]
+            req.input_token_logprobs_idx = list(req.origin_input_ids[start:])
+            if req.top_logprobs_num > 0:
+                req.input_top_logprobs_val = [None] + req.input_top_logprobs_val_acc[:-1]
+                req.input_top_logprobs_idx = [None] + req.input_top_logprobs_idx_acc[:-1]
         req.input_token_logprobs = []
         req.input_top_logprobs_val_acc = []
         req.input_top_logprobs_idx_acc = []

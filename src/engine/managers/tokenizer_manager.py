@@ -505,9 +505,10 @@ class TokenizerManager:
             raise EngineRequestError(f"top_logprobs_num must be >= 0, got {top_logprobs_num}.")
         if logprob_start_len < -1:
             raise EngineRequestError(f"logprob_start_len must be >= -1, got {logprob_start_len}.")
-        if return_logprob and logprob_start_len >= input_len:
+        # As SGLang: a start at the prompt length is allowed (no input logprobs), beyond it is not.
+        if return_logprob and logprob_start_len > input_len:
             raise EngineRequestError(
-                f"logprob_start_len ({logprob_start_len}) must be smaller than the input length ({input_len}).")
+                f"logprob_start_len ({logprob_start_len}) must not exceed the input length ({input_len}).")
         return TokenizedGenerateReqInput(
             rid=obj.rid[i],
             input_ids=input_ids,  # shared by the n samples of a prompt: encoded, never mutated
