@@ -386,7 +386,9 @@ class Scheduler:
         if adder.new_chunked_req is not None:
             assert self.chunked_req is None, "only one chunked request may exist"
             self.chunked_req = adder.new_chunked_req
-        if self.chunked_req is not None:
+        if self.chunked_req is not None and id(self.chunked_req) in admitted:
+            # Counts its chunks in flight; a round in which it got no chunk (less than a page of
+            # budget left) must not count, or its last chunk would be taken for a middle one.
             self.chunked_req.is_chunked += 1
 
         batch = ScheduleBatch.init_new(can_run, self.req_to_token_pool, self.token_to_kv_pool_allocator,
