@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import bisect
 import random
 from collections import defaultdict
 from contextlib import contextmanager
@@ -16,6 +17,8 @@ from engine.mem_cache.radix_cache import RadixCache, TreeNode
 # with the other waiting requests, and deprioritised when it shares this many tokens with one of them.
 IN_BATCH_PREFIX_CACHING_CHECK_THRESHOLD = 32
 IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD = 32
+# The ignore_eos admission path keeps this many free slots per running request in its simulation.
+IGNORE_EOS_RESERVE_TOKENS = 1
 # LPM: prefix matching every waiting request is too costly for long queues; fall back to FCFS
 # (as SGLang, which does not cap dfs-weight).
 LPM_MAX_QUEUE_LEN = 128
@@ -116,13 +119,24 @@ class AddReqResult(Enum):
     OTHER = auto()  # the input or chunk budget is exhausted
 
 
+def max_new_tokens_charge(req: Req) -> int:
+    """What admitting `req` reserves for its decoding: all of max_new_tokens, clipped (SGLang),
+    even for a retracted request that generated part of it already, so it is not re-admitted
+    more eagerly than a fresh one."""
+    return min(req.max_new_tokens, CLIP_MAX_NEW_TOKENS_ESTIMATION)
+
+
 class PrefillAdder:
-    """Admits waiting requests into one prefill batch under the token budgets."""
+    """Admits waiting requests into one prefill batch under the token budgets (SGLang's rules).
+
+    Running requests reserve what they may still generate (clipped) times new_token_ratio; an
+    admitted request is charged its page-rounded extend plus `max_new_tokens_charge`.
+    """
 
     def __init__(
         self,
         page_size: int,
-        tree_cache: Any,
+        tree_cache: Optional[BasePrefixCache],
         token_to_kv_pool_allocator: Any,
         running_reqs: List[Req],
         new_token_ratio: float,
@@ -133,11 +147,16 @@ class PrefillAdder:
         self.page_size = page_size
         self.tree_cache = tree_cache
         self.allocator = token_to_kv_pool_allocator
+        self.running_reqs = running_reqs
+        self.new_token_ratio = new_token_ratio
         self.rem_input_tokens = rem_input_tokens - mixed_with_decode_tokens
         self.rem_chunk_tokens = None if rem_chunk_tokens is None else rem_chunk_tokens - mixed_with_decode_tokens
         self.rem_total_token_offset = mixed_with_decode_tokens
         self.cur_rem_token_offset = mixed_with_decode_tokens
         self.rem_total_token_offset += sum(r.remaining_new_tokens_estimate() for r in running_reqs) * new_token_ratio
+        # Without prefix sharing, ignore_eos requests go through the stricter simulation.
+        self.no_prefix_sharing = tree_cache is None or tree_cache.disable
+        self._decode_states: Optional[List[Tuple[float, int]]] = None
 
         self.can_run_list: List[Req] = []
         self.new_chunked_req: Optional[Req] = None
@@ -194,7 +213,7 @@ class PrefillAdder:
             if req.extend_input_len <= 0:
                 return req  # nothing fits this round; it stays the chunked request
         self.can_run_list.append(req)
-        self._charge(0, req.extend_input_len, 0 if truncated else req.remaining_new_tokens_estimate())
+        self._charge(0, req.extend_input_len, 0 if truncated else max_new_tokens_charge(req))
         return req if truncated else None
 
     @contextmanager
@@ -210,6 +229,9 @@ class PrefillAdder:
             self.tree_cache.dec_lock_ref(node)
 
     def add_one_req(self, req: Req) -> AddReqResult:
+        if req.sampling_params.ignore_eos and self.no_prefix_sharing:
+            return self._add_one_req_ignore_eos(req)
+        # The fit test is on what the request may still generate; the charge is max_new_tokens.
         total_tokens = req.extend_input_len + req.remaining_new_tokens_estimate()
         input_tokens = self._ceil_page(req.extend_input_len)
         prefix_len = len(req.prefix_indices)
@@ -219,21 +241,63 @@ class PrefillAdder:
             return AddReqResult.OTHER
 
         with self._lock_node(req.last_node):
-            if total_tokens > self.rem_total_tokens:
+            if total_tokens >= self.rem_total_tokens:
                 return AddReqResult.NO_TOKEN
-            if self.rem_chunk_tokens is None or input_tokens <= self.rem_chunk_tokens:
-                self.can_run_list.append(req)
-                self._charge(prefix_len, input_tokens, req.remaining_new_tokens_estimate())
-            else:
-                chunk = self._floor_page(self.rem_chunk_tokens)
-                if chunk <= 0:
-                    return AddReqResult.OTHER
-                self._truncate(req, chunk)
-                self.can_run_list.append(req)
-                self.new_chunked_req = req
-                self._charge(prefix_len, chunk, 0)
+            result = self._admit(req, prefix_len, input_tokens)
+            if result is not None:
+                return result
             # The admitted request holds its prefix for its whole life.
             if self.tree_cache is not None and req.last_node is not None:
                 self.tree_cache.inc_lock_ref(req.last_node)
                 req.cache_protected_len = prefix_len
         return self.budget_state()
+
+    def _admit(self, req: Req, prefix_len: int, input_tokens: int) -> Optional[AddReqResult]:
+        """Admit whole, or its first chunk; OTHER when not even one page of chunk budget is left."""
+        if self.rem_chunk_tokens is None or input_tokens <= self.rem_chunk_tokens:
+            self.can_run_list.append(req)
+            self._charge(prefix_len, input_tokens, max_new_tokens_charge(req))
+            return None
+        chunk = self._floor_page(self.rem_chunk_tokens)
+        if chunk <= 0:
+            return AddReqResult.OTHER
+        self._truncate(req, chunk)
+        self.can_run_list.append(req)
+        self.new_chunked_req = req
+        self._charge(prefix_len, chunk, 0)
+        return None
+
+    def _decode_state(self, req: Req) -> Optional[Tuple[float, int]]:
+        """(tokens it may still generate, tokens it holds) in the ignore_eos simulation."""
+        ratio = 1.0 if req.sampling_params.ignore_eos else self.new_token_ratio
+        left = req.max_new_tokens * ratio - len(req.output_ids)
+        if left <= 0:
+            return None
+        return left, len(req.origin_input_ids) + len(req.output_ids)
+
+    def _add_one_req_ignore_eos(self, req: Req) -> AddReqResult:
+        """SGLang's add_one_req_ignore_eos (no radix cache): an ignore_eos request generates all of
+        its max_new_tokens, so the ratio estimate would under-reserve. Play the running and the
+        admitted requests to their end, shortest first, each freeing what it holds when it
+        finishes; admit only if the pool never runs dry meanwhile."""
+        input_tokens = self._ceil_page(req.extend_input_len)
+        if input_tokens > min(self.cur_rem_tokens, self.rem_total_tokens):
+            return AddReqResult.NO_TOKEN
+        if input_tokens >= self.rem_input_tokens and self.can_run_list:
+            return AddReqResult.OTHER
+        if self._decode_states is None:
+            candidates = [req, *self.running_reqs, *self.can_run_list]
+            self._decode_states = sorted(s for s in map(self._decode_state, candidates) if s is not None)
+        else:
+            state = self._decode_state(req)
+            if state is not None:
+                bisect.insort(self._decode_states, state)
+        free = self.cur_rem_tokens - input_tokens
+        freed = 0
+        for i, (left, held) in enumerate(self._decode_states):
+            live = len(self._decode_states) - i
+            if free + freed - left * live <= IGNORE_EOS_RESERVE_TOKENS * live:
+                return AddReqResult.NO_TOKEN
+            freed += held
+        result = self._admit(req, len(req.prefix_indices), input_tokens)
+        return result if result is not None else self.budget_state()

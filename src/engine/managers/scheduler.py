@@ -220,6 +220,9 @@ class Scheduler:
         self._to_stream.append(req)
 
     def _add_request_to_queue(self, req: Req, is_retracted: bool = False) -> None:
+        # The queue limit is backpressure on new arrivals (which count the retracted requests).
+        # A retracted request is never refused: it was admitted and may have streamed output
+        # (SGLang aborts it with 503 here; docs/architecture.md).
         limit = self.server_args.max_queued_requests
         if not is_retracted and limit is not None and len(self.waiting_queue) >= limit:
             return self._abort_at_admission(req, "The request queue is full.", 503)

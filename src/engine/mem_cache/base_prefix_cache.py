@@ -30,6 +30,9 @@ class BasePrefixCache(abc.ABC):
     holding slots the request allocated or borrowed).
     """
 
+    # True when requests never share prefixes (ChunkCache, or a disabled RadixCache).
+    disable: bool = False
+
     @abc.abstractmethod
     def reset(self) -> None:
         """Drop all cached entries (does not free their slots; pair with `allocator.clear()`)."""
