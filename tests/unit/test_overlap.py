@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import gc
 import random
+import weakref
 
 import pytest
 
@@ -105,6 +107,45 @@ def test_consecutive_prefills_overlap_unless_disabled(disable_consecutive):
     lag = 0 if disable_consecutive else 1
     assert [done for _, done in launches[1:4]] == [k - lag for k in (1, 2, 3)]
     assert processed == [mode for mode, _ in launches]
+
+
+def test_launched_batch_stays_referenced_until_its_result_is_processed():
+    # On CUDA the caching allocator hands a freed block to the next allocation of the stream that
+    # allocated it at once: the worker batch's tensors (out_cache_loc, sampling tensors, built on
+    # the scheduling stream) must live until the forward that reads them is done. By
+    # construction the launched forward's PendingResult keeps them until the scheduler drops it,
+    # after processing its result (which waits for copy_done). Checked here on the CPU path,
+    # which runs the same code.
+    h = Harness(overlap=True, chunked_prefill_size=16)
+    s = h.scheduler
+    launched = []  # per launch, in order: weak references to the worker batch and its tensors
+    forward = h.worker.forward_batch_generation
+
+    def spy_forward(batch):
+        launched.append([weakref.ref(batch), weakref.ref(batch.out_cache_loc),
+                         weakref.ref(batch.sampling_info.temperatures)])
+        return forward(batch)
+
+    h.worker.forward_batch_generation = spy_forward
+    process = s.process_batch_result
+    checked = []
+
+    def spy_process(batch, result):
+        result.result()  # the forward has run ...
+        s.forward_stream.call(lambda: None)  # ... and the forward thread has dropped its job
+        gc.collect()
+        # Batches are processed in launch order: this is launch number len(checked).
+        assert all(ref() is not None for ref in launched[len(checked)]), "launched batch released early"
+        checked.append(batch.forward_mode.name)
+        process(batch, result)
+
+    s.process_batch_result = spy_process
+    for i in range(4):
+        h.submit(list(range(1, 30 + i)), max_new_tokens=5)
+    h.run_until_idle()
+    assert len(checked) == len(launched) and {"EXTEND", "DECODE"} <= set(checked)
+    gc.collect()
+    assert all(refs[0]() is None for refs in launched), "processed batches must be released"
 
 
 def test_overlap_finished_request_rides_one_extra_step_without_leak():

@@ -22,7 +22,7 @@ from __future__ import annotations
 import ctypes
 from contextlib import contextmanager
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, List, Optional
 
 import torch
 
@@ -45,11 +45,24 @@ def write_relay(output_tokens_buf: torch.Tensor, req_pool_indices: torch.Tensor,
 
 
 class PendingResult:
-    """A launched forward whose result is read only after `copy_done`."""
+    """A launched forward whose result is read only after `copy_done`.
 
-    def __init__(self, future: Future, copy_done: Any = None) -> None:
+    It also keeps what the forward reads and writes on the device referenced until the scheduler
+    drops it, after processing its result: `inputs` (the worker batch: out_cache_loc, input ids,
+    sampling tensors...) and, on CUDA, the device tensor of the sampled ids that the copy stream
+    reads. The CUDA caching allocator hands a freed block at once to the next allocation of the
+    stream that allocated it; without these references the next batch, prepared on the
+    scheduling stream while this forward runs, could be given memory the forward stream or the
+    copy stream still reads (SGLang keeps launched batches alive in `batch_record_buf` for the
+    same reason). On the CPU the references are harmless and make the mechanism testable.
+    """
+
+    def __init__(self, future: Future, copy_done: Any = None, inputs: Any = None,
+                 device_outputs: Optional[List[Any]] = None) -> None:
         self._future = future
         self._copy_done = copy_done
+        self.inputs = inputs
+        self.device_outputs: List[Any] = device_outputs if device_outputs is not None else []
 
     def result(self) -> Any:
         out = self._future.result()
@@ -73,17 +86,20 @@ class ForwardStream:
         """Run `fn` on the forward thread now and return its result (e.g. building the model)."""
         return self.executor.submit(fn).result()
 
-    def launch(self, fn: Callable[[], Any]) -> PendingResult:
+    def launch(self, fn: Callable[[], Any], inputs: Any = None) -> PendingResult:
+        """Queue `fn` (a forward over `inputs`, kept alive by the returned PendingResult)."""
         if not self.is_cuda:
-            return PendingResult(self.executor.submit(_in_inference_mode, fn))
+            return PendingResult(self.executor.submit(_in_inference_mode, fn), inputs=inputs)
         # The forward must see everything the scheduler queued on its own stream (req_to_token
         # writes, H2D copies) before launching.
         scheduled = torch.cuda.Event()
         scheduled.record(torch.cuda.current_stream())
         copy_done = torch.cuda.Event()
-        return PendingResult(self.executor.submit(self._run_cuda, fn, scheduled, copy_done), copy_done)
+        device_outputs: List[Any] = []
+        future = self.executor.submit(self._run_cuda, fn, scheduled, copy_done, device_outputs)
+        return PendingResult(future, copy_done, inputs=inputs, device_outputs=device_outputs)
 
-    def _run_cuda(self, fn: Callable[[], Any], scheduled: Any, copy_done: Any) -> Any:
+    def _run_cuda(self, fn: Callable[[], Any], scheduled: Any, copy_done: Any, device_outputs: List[Any]) -> Any:
         with torch.inference_mode(), torch.cuda.stream(self.forward_stream):
             self.forward_stream.wait_event(scheduled)
             result = fn()
@@ -91,6 +107,8 @@ class ForwardStream:
             forward_done.record(self.forward_stream)
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(forward_done)
+            # The copy stream reads this tensor after the forward thread moves on: keep it.
+            device_outputs.append(result.next_token_ids)
             result.next_token_ids = result.next_token_ids.to("cpu", non_blocking=True)
             copy_done.record(self.copy_stream)
         return result

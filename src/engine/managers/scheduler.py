@@ -444,7 +444,9 @@ class Scheduler:
                 time.sleep(sleep_s)
             return self.worker.forward_batch_generation(worker_batch)
 
-        pending = self.forward_stream.launch(forward)
+        # The pending result keeps worker_batch's tensors alive until it is processed (the CUDA
+        # caching allocator must not hand them out while the forward still reads them).
+        pending = self.forward_stream.launch(forward, inputs=worker_batch)
         return pending if self.enable_overlap else pending.result()
 
     def process_batch_result(self, batch: ScheduleBatch, result) -> None:
