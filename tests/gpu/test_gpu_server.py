@@ -31,7 +31,7 @@ class Server:
         self.port = get_free_port()
         fd, self.log_path = tempfile.mkstemp(prefix="engine-gpu-server-", suffix=".log")
         cmd = [sys.executable, "-m", "engine.launch_server", "--port", str(self.port), "--device", "cuda",
-               "--log-level", "info", *extra_args]
+               "--log-level", "info", "--strict-memory-check", *extra_args]
         with os.fdopen(fd, "w") as log:
             self.proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         self.url = f"http://127.0.0.1:{self.port}"

@@ -24,7 +24,8 @@ import pytest
 from engine.utils.network_utils import get_free_port
 
 STARTUP_TIMEOUT_S = float(os.environ.get("ENGINE_TEST_STARTUP_TIMEOUT", "240"))
-BASE_ARGS = ["--device", "cpu", "--max-total-tokens", "8192", "--log-level", "warning"]
+# Every test server runs the idle memory self-check strictly: a leak kills it (non-zero exit).
+BASE_ARGS = ["--device", "cpu", "--max-total-tokens", "8192", "--log-level", "warning", "--strict-memory-check"]
 
 
 @dataclass

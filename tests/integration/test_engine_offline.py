@@ -16,7 +16,7 @@ from engine.managers.errors import EngineRequestError
 
 from utils_process import wait_until
 
-ENGINE_ARGS = dict(device="cpu", max_total_tokens=8192, log_level="warning")
+ENGINE_ARGS = dict(device="cpu", max_total_tokens=8192, log_level="warning", strict_memory_check=True)
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
 
 

@@ -85,6 +85,11 @@ def test_health_and_info(http: httpx.Client) -> None:
     assert models["data"][0]["id"] == info["served_model_name"]
 
 
+def test_test_servers_run_the_strict_memory_check(http: httpx.Client) -> None:
+    # A leak in any integration test kills its server instead of scrolling past in a log.
+    assert http.get("/get_server_info").json()["strict_memory_check"] is True
+
+
 def test_flush_cache_when_idle(http: httpx.Client) -> None:
     wait_idle(http, 30)
     response = http.post("/flush_cache")

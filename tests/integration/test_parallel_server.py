@@ -94,7 +94,7 @@ def _wait_exit(server, timeout: float) -> int:
 
 def test_tp2_server_outputs_aborts_and_rank_death(launch_server, oracle, monkeypatch) -> None:
     monkeypatch.setenv("ENGINE_CHECK_TP_SAMPLING", "1")  # ranks fail if their sampled ids ever differ
-    server = launch_server(["--tp-size", "2", "--strict-memory-check"])
+    server = launch_server(["--tp-size", "2"])  # strict memory check: conftest.BASE_ARGS
     url = server.url
     for prompt in PROMPTS:
         assert _generate(url, prompt)["output_ids"] == oracle(prompt), prompt

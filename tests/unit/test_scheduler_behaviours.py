@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from engine.managers.scheduler import MemoryLeakError
 from sched_utils import EOS, FakeTokenizer, FakeWorker, Harness
@@ -346,6 +347,46 @@ def test_23_idle_leak_invariant_and_injected_leak():
     s.token_to_kv_pool_allocator.alloc(3)  # leak three slots
     with pytest.raises(MemoryLeakError):
         h.step()
+
+
+def test_23b_without_strict_check_a_leak_is_logged_once_per_distinct_leak(caplog):
+    # Production: loud once (an ERROR per distinct leak), not once per idle second forever.
+    h = Harness(strict_memory_check=False)
+    s = h.scheduler
+    h.submit(prompt(10), max_new_tokens=3)
+    h.run_until_idle()
+
+    def leak_errors() -> int:
+        return sum(1 for r in caplog.records if r.levelname == "ERROR" and "memory leak" in r.getMessage())
+
+    with caplog.at_level("ERROR"):
+        leaked = s.token_to_kv_pool_allocator.alloc(3)
+        for _ in range(5):
+            h.step()  # idle: the self-check runs every time
+        assert leak_errors() == 1
+        more = s.token_to_kv_pool_allocator.alloc(2)  # a different leak is reported again
+        for _ in range(5):
+            h.step()
+        assert leak_errors() == 2
+        s.token_to_kv_pool_allocator.free(torch.cat([leaked, more]))
+        h.step()
+        # The server kept serving all along, and a later leak is reported again.
+        rid = h.submit(prompt(10, 50), max_new_tokens=3)
+        h.run_until_idle()
+        assert h.outputs[rid].finished_reason == {"type": "length", "length": 3}
+        s.token_to_kv_pool_allocator.alloc(3)
+        h.step()
+        h.step()
+        assert leak_errors() == 3
+
+
+def test_23c_strict_check_stops_the_event_loop_with_a_clear_message():
+    h = Harness()
+    h.submit(prompt(10), max_new_tokens=3)
+    h.run_until_idle()
+    h.scheduler.token_to_kv_pool_allocator.alloc(3)
+    with pytest.raises(MemoryLeakError, match=r"memory leak detected.*available=.*total="):
+        h.scheduler.event_loop(wait_for_input=lambda: None)
 
 
 def test_25_flush_cache_only_when_idle():

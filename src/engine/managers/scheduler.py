@@ -131,6 +131,7 @@ class Scheduler:
         self.total_prompt_tokens = 0
         self.total_cached_tokens = 0
         self.last_gen_throughput = 0.0
+        self._reported_leak: Optional[tuple] = None  # the last leak logged by check_memory
 
     def _empty_batch(self) -> ScheduleBatch:
         return ScheduleBatch.init_new([], self.req_to_token_pool, self.token_to_kv_pool_allocator,
@@ -556,13 +557,18 @@ class Scheduler:
         ok_tokens = available + evictable + protected == self.max_total_num_tokens
         ok_rows = free_rows == self.req_to_token_pool.size
         if ok_tokens and ok_rows:
+            self._reported_leak = None
             return
         msg = (f"Scheduler memory leak detected! available={available}, evictable={evictable}, "
                f"protected={protected}, total={self.max_total_num_tokens}, free req slots="
                f"{free_rows}/{self.req_to_token_pool.size}")
         if self.server_args.strict_memory_check:
             raise MemoryLeakError(msg)
-        logger.error(msg)
+        # The check runs every idle second: report each distinct leak once, not forever.
+        leak = (available, evictable, protected, free_rows)
+        if leak != self._reported_leak:
+            self._reported_leak = leak
+            logger.error("%s. The server keeps serving; --strict-memory-check makes this fatal.", msg)
 
     # ================================================================== logs
     def _token_usage(self) -> float:
