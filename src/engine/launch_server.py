@@ -100,7 +100,7 @@ def _run_worker_node(server_args: ServerArgs) -> None:
     try:
         try:
             start_scheduler_processes(children, server_args, port_args)
-            children.wait_ready()
+            children.wait_ready(server_args.startup_timeout)
         except LaunchError as e:
             print(f"error: node {server_args.node_rank} failed to start: {e}", file=sys.stderr)
             children.shutdown()

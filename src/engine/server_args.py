@@ -8,7 +8,7 @@ import logging
 import os
 import tempfile
 from dataclasses import dataclass, field
-from typing import Optional
+from typing import Any, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -23,68 +23,99 @@ class ServerArgsError(ValueError):
     """An inconsistent or out-of-range server argument."""
 
 
+def arg(default: Any, help: str) -> Any:
+    """A ServerArgs field with its --help text (every flag has one: tests/unit/test_server_args.py)."""
+    return field(default=default, metadata={"help": help})
+
+
 @dataclass
 class ServerArgs:
     # Model and tokenizer
-    model_path: Optional[str] = None  # None: the built-in tiny model
-    tokenizer_path: Optional[str] = None
-    served_model_name: Optional[str] = None
-    chat_template: Optional[str] = None
-    dtype: str = "auto"
-    context_length: Optional[int] = None
-    trust_remote_code: bool = False
-    skip_tokenizer_init: bool = False
+    model_path: Optional[str] = arg(None, "Hugging Face model directory (config.json, *.safetensors, tokenizer "
+                                          "files). Default: the built-in tiny model, written to the cache on first use.")
+    tokenizer_path: Optional[str] = arg(None, "Tokenizer directory, when it is not the model's.")
+    served_model_name: Optional[str] = arg(None, "The model name the OpenAI API reports and accepts. Default: the "
+                                                 "model path (engine-builtin for the built-in model).")
+    chat_template: Optional[str] = arg(None, "A Jinja chat template (a file or the template text) instead of the "
+                                             "tokenizer's.")
+    dtype: str = arg("auto", "Weights and activations: auto (the checkpoint's; bfloat16 for a float32 checkpoint "
+                             "on CUDA), float32, bfloat16 or float16 (bfloat16 on the CPU).")
+    context_length: Optional[int] = arg(None, "The longest sequence (prompt + output). Default: the model's "
+                                              "max_position_embeddings (its sliding window, if shorter).")
+    trust_remote_code: bool = arg(False, "Let the tokenizer run code shipped with the model.")
+    skip_tokenizer_init: bool = arg(False, "Serve without a tokenizer: requests give input_ids and get output_ids.")
 
     # HTTP
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: Optional[str] = None
+    host: str = arg("127.0.0.1", "The address to serve HTTP on.")
+    port: int = arg(30000, "The port to serve HTTP on.")
+    api_key: Optional[str] = arg(None, "Require 'Authorization: Bearer <key>' on every route but /health.")
 
     # Memory and scheduling
-    mem_fraction_static: Optional[float] = None
-    max_total_tokens: Optional[int] = None
-    max_running_requests: Optional[int] = None
-    max_queued_requests: Optional[int] = None
-    max_prefill_tokens: int = 16384
-    chunked_prefill_size: Optional[int] = None
-    page_size: int = 1
-    schedule_policy: str = "fcfs"
-    schedule_conservativeness: float = 1.0
-    disable_radix_cache: bool = False
-    disable_overlap_schedule: bool = False
+    mem_fraction_static: Optional[float] = arg(None, "Share of the free memory (GPU memory after the weights, "
+                                                     "or RAM on the CPU) for the KV cache when "
+                                                     "--max-total-tokens is not given. Default 0.88 on CUDA, "
+                                                     "0.3 on the CPU.")
+    max_total_tokens: Optional[int] = arg(None, "The KV cache size in tokens (overrides --mem-fraction-static).")
+    max_running_requests: Optional[int] = arg(None, "Requests decoded together. Default: derived from the KV "
+                                                    "cache size.")
+    max_queued_requests: Optional[int] = arg(None, "Waiting requests beyond which new ones get HTTP 503. "
+                                                   "Default: no limit.")
+    max_prefill_tokens: int = arg(16384, "Prompt tokens admitted into one prefill batch.")
+    chunked_prefill_size: Optional[int] = arg(None, "Prompt tokens per prefill chunk; -1 disables chunking. "
+                                                    "Default 8192 on CUDA, 2048 on the CPU.")
+    page_size: int = arg(1, "Tokens per KV page (a power of two); prefixes are shared page by page.")
+    schedule_policy: str = arg("fcfs", "Order of the waiting queue: fcfs, lpm (longest cached prefix first), "
+                                       "dfs-weight (radix-tree order), lof (longest output first), random.")
+    schedule_conservativeness: float = arg(1.0, "Scales the decode-token reservation of running requests: "
+                                                "higher admits fewer new requests (fewer retractions).")
+    disable_radix_cache: bool = arg(False, "No prefix sharing between requests.")
+    disable_overlap_schedule: bool = arg(False, "Schedule the next batch after the forward instead of during it.")
     # SGLang's SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP (default off: prefills in a row overlap).
-    disable_consecutive_prefill_overlap: bool = field(default=False, metadata={"help": (
+    disable_consecutive_prefill_overlap: bool = arg(False, (
         "With the overlap scheduler, process a prefill's result before launching the next prefill "
         "instead of during it: better time to first token for back-to-back prefills, slightly less "
-        "throughput (SGLang's SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP).")})
-    enable_mixed_chunk: bool = False
-    stream_interval: int = 1
+        "throughput (SGLang's SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP)."))
+    enable_mixed_chunk: bool = arg(False, "Running decode requests ride along with prefill chunks.")
+    stream_interval: int = arg(1, "Stream every N-th token (larger: fewer, bigger chunks).")
+    req_waiting_timeout: float = arg(0.0, "Seconds a request may wait in the queue before it is aborted with "
+                                          "HTTP 503; 0: no limit. Not synchronised across TP ranks: leave it "
+                                          "at 0 with --tp-size > 1.")
 
     # Execution
-    device: str = "auto"
-    attention_backend: Optional[str] = None
-    random_seed: int = 0
-    disable_cuda_graph: bool = False
-    cuda_graph_max_bs: int = 160
+    device: str = arg("auto", "auto (cuda when available), cpu or cuda.")
+    attention_backend: Optional[str] = arg(None, "torch_native (default on the CPU), triton (default on CUDA) "
+                                                 "or flashinfer (CUDA, when installed).")
+    random_seed: int = arg(0, "Seed of the model's initialisation and of unseeded sampling.")
+    disable_cuda_graph: bool = arg(False, "Run decode batches without CUDA graphs.")
+    cuda_graph_max_bs: int = arg(160, "The largest decode batch captured in a CUDA graph.")
+    threads_per_rank: Optional[int] = arg(None, "CPU only: intra-op threads of each scheduler rank. Default: "
+                                                "the cores of this machine shared equally by its ranks.")
 
     # Parallelism
-    tp_size: int = 1
-    dp_size: int = 1
-    load_balance_method: str = "round_robin"
-    nnodes: int = 1
-    node_rank: int = 0
-    dist_init_addr: Optional[str] = None
+    tp_size: int = arg(1, "Tensor parallelism: scheduler ranks that shard the model.")
+    dp_size: int = arg(1, "Data parallelism: model replicas behind one endpoint.")
+    load_balance_method: str = arg("round_robin", "How --dp-size replicas share requests: round_robin or "
+                                                  "shortest_queue.")
+    nnodes: int = arg(1, "Machines that tensor parallelism spans.")
+    node_rank: int = arg(0, "This machine's index among --nnodes (node 0 serves HTTP).")
+    dist_init_addr: Optional[str] = arg(None, "host:port of node 0 for the multi-node rendezvous.")
+    dist_timeout: float = arg(600.0, "Seconds a rank waits for its peers at start-up and in a collective.")
 
     # Observability and robustness
-    log_level: str = "info"
-    log_requests: bool = False
-    enable_metrics: bool = False
-    decode_log_interval: int = 40
-    watchdog_timeout: float = 300.0
-    strict_memory_check: bool = field(default=False, metadata={"help": (
+    log_level: str = arg("info", "debug, info, warning, error or critical.")
+    log_requests: bool = arg(False, "Log each request's arrival and finish (rid, reason, tokens, text).")
+    enable_metrics: bool = arg(False, "Serve Prometheus metrics on /metrics.")
+    decode_log_interval: int = arg(40, "Log one decode-batch line every N decode steps.")
+    watchdog_timeout: float = arg(300.0, "Seconds a forward may make no progress before the server is "
+                                         "taken down.")
+    health_check_timeout: float = arg(20.0, "Seconds /health_generate waits for its probe to make progress.")
+    control_timeout: float = arg(60.0, "Seconds a control call (/flush_cache, /get_server_info, ...) waits "
+                                       "for the scheduler's reply.")
+    startup_timeout: float = arg(900.0, "Seconds the launcher waits for its processes to load the model.")
+    strict_memory_check: bool = arg(False, (
         "Make the idle memory self-check fatal: a KV or request-slot leak stops the scheduler and "
         "the server exits non-zero with the leak in its log (the tests run this way). Without it "
-        "each distinct leak is logged once as an ERROR and the server keeps serving.")})
+        "each distinct leak is logged once as an ERROR and the server keeps serving."))
 
     def __post_init__(self) -> None:
         self.resolve_defaults()
@@ -155,6 +186,12 @@ class ServerArgs:
         need(self.decode_log_interval >= 1,
              f"--decode-log-interval must be >= 1, got {self.decode_log_interval}")
         need(self.watchdog_timeout > 0, f"--watchdog-timeout must be > 0, got {self.watchdog_timeout}")
+        for name in ("health_check_timeout", "control_timeout", "startup_timeout", "dist_timeout"):
+            need(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        need(self.req_waiting_timeout >= 0,
+             f"--req-waiting-timeout must be >= 0 (0: no limit), got {self.req_waiting_timeout}")
+        need(self.threads_per_rank is None or self.threads_per_rank >= 1,
+             f"--threads-per-rank must be >= 1, got {self.threads_per_rank}")
         need(self.log_level.lower() in ("debug", "info", "warning", "error", "critical"),
              f"--log-level must be debug|info|warning|error|critical, got {self.log_level!r}")
         need(not (self.enable_mixed_chunk and self.chunked_prefill_size == -1),
@@ -216,6 +253,12 @@ _ARG_TYPES = {
     "node_rank": int,
     "decode_log_interval": int,
     "watchdog_timeout": float,
+    "req_waiting_timeout": float,
+    "threads_per_rank": int,
+    "dist_timeout": float,
+    "health_check_timeout": float,
+    "control_timeout": float,
+    "startup_timeout": float,
 }
 
 _CHOICES = {

@@ -366,8 +366,8 @@ def test_stuck_forward_fails_health_generate_with_one_probe_then_watchdog(launch
     then the 12 s watchdog takes the whole server down with a log line that says so. The margins
     are wide so that a slow or loaded machine cannot reorder the three events."""
     monkeypatch.setenv("ENGINE_TEST_FORWARD_SLEEP_S", "60")
-    monkeypatch.setenv("ENGINE_HEALTH_CHECK_TIMEOUT", "2")
-    server = launch_server(["--watchdog-timeout", "12", "--log-requests", "--log-level", "info"])
+    server = launch_server(["--watchdog-timeout", "12", "--health-check-timeout", "2", "--log-requests",
+                            "--log-level", "info"])
 
     async def probes() -> List[int]:
         async with httpx.AsyncClient(base_url=server.url, timeout=30) as client:

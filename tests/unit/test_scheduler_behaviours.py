@@ -139,9 +139,8 @@ def test_10_queue_limit():
     h.run_until_idle()
 
 
-def test_11_waiting_timeout(monkeypatch):
-    monkeypatch.setenv("ENGINE_REQ_WAITING_TIMEOUT", "0.001")
-    h = Harness(max_running_requests=1)
+def test_11_waiting_timeout():
+    h = Harness(max_running_requests=1, req_waiting_timeout=0.001)
     h.submit(prompt(5), max_new_tokens=30)
     h.step()
     rid = h.submit(prompt(5, 10))

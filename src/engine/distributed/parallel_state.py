@@ -13,7 +13,6 @@ scheduling thread (broadcasts) never share a communicator.
 from __future__ import annotations
 
 import logging
-import os
 import time
 from dataclasses import dataclass
 from datetime import timedelta
@@ -24,8 +23,9 @@ import torch.distributed as dist
 
 logger = logging.getLogger(__name__)
 
-# How long a rank waits for its peers at start-up and in a collective before giving up.
-DIST_TIMEOUT_S = float(os.environ.get("ENGINE_DIST_TIMEOUT", "600"))
+# How long a rank waits for its peers at start-up and in a collective before giving up (the
+# default of --dist-timeout).
+DIST_TIMEOUT_S = 600.0
 
 
 @dataclass
@@ -56,7 +56,8 @@ def init_tp_group(rank: int, size: int, group, cpu_group) -> None:
     _TP = _TpGroup(rank=rank, size=size, group=group, cpu_group=cpu_group)
 
 
-def init_distributed_environment(tp_rank: int, tp_size: int, init_method: str, device: str) -> None:
+def init_distributed_environment(tp_rank: int, tp_size: int, init_method: str, device: str,
+                                 timeout_s: float = DIST_TIMEOUT_S) -> None:
     """Join the TP group of `tp_size` ranks rendezvousing at `init_method` (tcp://host:port).
 
     At tp_size 1 nothing is created: the collectives stay identities.
@@ -65,7 +66,7 @@ def init_distributed_environment(tp_rank: int, tp_size: int, init_method: str, d
         init_tp_group(0, 1, None, None)
         return
     backend = "nccl" if device.startswith("cuda") else "gloo"
-    timeout = timedelta(seconds=DIST_TIMEOUT_S)
+    timeout = timedelta(seconds=timeout_s)
     start = time.perf_counter()
     dist.init_process_group(backend=backend, init_method=init_method, world_size=tp_size, rank=tp_rank,
                             timeout=timeout)

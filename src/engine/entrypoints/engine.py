@@ -71,7 +71,7 @@ def launch_subprocesses(server_args: ServerArgs) -> tuple[ServerArgs, ChildProce
         # Load the tokenizer while the children load the model, not after.
         tokenizer = None if server_args.skip_tokenizer_init else load_tokenizer(
             server_args.tokenizer_path or server_args.model_path, server_args.trust_remote_code)
-        infos = children.wait_ready()
+        infos = children.wait_ready(server_args.startup_timeout)
         scheduler_info = infos[info_child]
         logger.info("All child processes are ready: max_total_num_tokens=%s, context_len=%s, "
                     "max_req_input_len=%s", scheduler_info.get("max_total_num_tokens"),

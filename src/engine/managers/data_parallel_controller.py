@@ -252,7 +252,7 @@ def run_data_parallel_controller_process(server_args: Any, port_args: Any, pipe_
         controller = DataParallelController(server_args, port_args, zmq.Context(2))
         first_names = [launch_tp_group(children, server_args, ports, dp_rank=d, gpu_offset=d * server_args.tp_size)
                        for d, ports in enumerate(controller.replica_ports)]
-        infos = children.wait_ready()
+        infos = children.wait_ready(server_args.startup_timeout)
     except Exception as e:  # a LaunchError carries its own message; anything else its traceback
         msg = str(e) if isinstance(e, LaunchError) else traceback.format_exc()
         logger.error("Data parallel controller failed to start:\n%s", msg)

@@ -116,7 +116,7 @@ class Scheduler:
         self.inbox: List[Any] = []
 
         # Seconds a request may wait in the queue (<= 0: no limit), like SGLANG_REQ_WAITING_TIMEOUT.
-        self.waiting_timeout = float(os.environ.get("ENGINE_REQ_WAITING_TIMEOUT", "0"))
+        self.waiting_timeout = server_args.req_waiting_timeout
         # Testing aid (like SGLang's forward_sleep_time): every forward sleeps this long first.
         self.forward_sleep_s = float(os.environ.get("ENGINE_TEST_FORWARD_SLEEP_S", "0"))
         # Overlap scheduling (the default) processes each forward's result one step later; the

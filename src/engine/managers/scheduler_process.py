@@ -48,7 +48,7 @@ def run_scheduler_process(server_args: Any, port_args: Any, gpu_id: int, tp_rank
     try:
         _set_cpu_threads(server_args)
         init_distributed_environment(tp_rank, server_args.tp_size, dist_init_method(server_args, port_args),
-                                     server_args.device)
+                                     server_args.device, server_args.dist_timeout)
         tokenizer = None
         if not server_args.skip_tokenizer_init:
             from transformers import AutoTokenizer
@@ -93,13 +93,12 @@ def _set_cpu_threads(server_args: Any) -> None:
     """On the CPU the scheduler ranks of a node share its cores: give each an equal share.
 
     Without this every rank starts one intra-op thread per core and N ranks oversubscribe the
-    machine N-fold (on 2 cores, tp=2 runs 1 thread per rank). ENGINE_THREADS_PER_RANK overrides.
+    machine N-fold (on 2 cores, tp=2 runs 1 thread per rank). --threads-per-rank overrides.
     """
     if server_args.device != "cpu":
         return
-    override = os.environ.get("ENGINE_THREADS_PER_RANK")
-    if override:
-        threads = int(override)
+    if server_args.threads_per_rank is not None:
+        threads = server_args.threads_per_rank
     else:
         try:
             cores = len(os.sched_getaffinity(0))

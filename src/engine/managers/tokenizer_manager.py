@@ -48,8 +48,6 @@ logger = logging.getLogger(__name__)
 DISCONNECT_POLL_INTERVAL_S = 1.0
 # How long a send may wait for the scheduler's socket to accept a message before giving up.
 SEND_TIMEOUT_S = 5.0
-CONTROL_TIMEOUT_S = float(os.environ.get("ENGINE_CONTROL_TIMEOUT", "60"))
-HEALTH_CHECK_TIMEOUT_S = float(os.environ.get("ENGINE_HEALTH_CHECK_TIMEOUT", "20"))
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
 # How often a health probe on a busy server asks the scheduler whether forwards advance.
 HEALTH_CHECK_PROGRESS_POLL_S = 0.25
@@ -802,13 +800,15 @@ class TokenizerManager:
                     break
             raise
         try:
-            return await asyncio.wait_for(asyncio.shield(future), timeout=CONTROL_TIMEOUT_S)
+            return await asyncio.wait_for(asyncio.shield(future), timeout=self.server_args.control_timeout)
         except asyncio.TimeoutError:
-            raise EngineRequestError(f"{type(msg).__name__} got no reply within {CONTROL_TIMEOUT_S:.0f} s.",
+            raise EngineRequestError(f"{type(msg).__name__} got no reply within "
+                                     f"{self.server_args.control_timeout:.0f} s.",
                                      503, "ServiceUnavailableError") from None
 
-    async def health_generate(self, timeout: float = HEALTH_CHECK_TIMEOUT_S) -> bool:
-        """True if the engine shows it can make progress within `timeout` seconds.
+    async def health_generate(self, timeout: Optional[float] = None) -> bool:
+        """True if the engine shows it can make progress within `timeout` seconds
+        (--health-check-timeout by default).
 
         Concurrent callers share one in-flight probe, so a flood of health checks on a slow or
         stuck server never piles probe requests into the scheduler's queue.
@@ -818,6 +818,8 @@ class TokenizerManager:
         self.auto_create_handle_loop()
         probe = self._health_probe
         if probe is None or probe.done() or probe.get_loop() is not asyncio.get_running_loop():
+            if timeout is None:
+                timeout = self.server_args.health_check_timeout
             probe = self._health_probe = asyncio.ensure_future(self._run_health_probe(timeout))
         # Shielded: a caller that goes away must not cancel the probe the others wait on.
         return await asyncio.shield(probe)

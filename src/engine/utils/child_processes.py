@@ -10,7 +10,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import multiprocessing
-import os
 import shutil
 import signal
 import threading
@@ -24,7 +23,6 @@ from engine.utils.process_utils import kill_process_tree
 
 logger = logging.getLogger(__name__)
 
-STARTUP_TIMEOUT_S = float(os.environ.get("ENGINE_STARTUP_TIMEOUT", "900"))
 WATCHDOG_INTERVAL_S = 0.2
 
 
@@ -69,7 +67,7 @@ class ChildProcesses:
         logger.debug("Started %s (pid %d)", name, process.pid)
         return process
 
-    def wait_ready(self, timeout: float = STARTUP_TIMEOUT_S) -> dict[str, dict]:
+    def wait_ready(self, timeout: float) -> dict[str, dict]:
         """Wait for every child's ready message; raise LaunchError on the first failure."""
         deadline = time.monotonic() + timeout
         infos: dict[str, dict] = {}
