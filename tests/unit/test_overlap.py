@@ -57,7 +57,6 @@ def test_overlap_equals_normal_on_200_requests(page_size, mixed):
     normal = run_workload(False, seed=page_size, page_size=page_size, mixed=mixed)
     overlap = run_workload(True, seed=page_size, page_size=page_size, mixed=mixed)
     assert normal.outputs.keys() == overlap.outputs.keys()
-    retracted = False
     for rid, out in normal.outputs.items():
         o = overlap.outputs[rid]
         if out.finished_reason["type"] == "abort" or o.finished_reason["type"] == "abort":

@@ -454,9 +454,3 @@ def build_http_server(server_args: ServerArgs, tokenizer_manager: Any) -> Gracef
         timeout_graceful_shutdown=3,
     )
     return GracefulServer(config, tokenizer_manager)
-
-
-def launch_http_server(server_args: ServerArgs, tokenizer_manager: Any) -> None:
-    """Serve the HTTP API until SIGTERM/SIGINT (blocking)."""
-    logger.info("HTTP server listening on %s", server_args.url())
-    build_http_server(server_args, tokenizer_manager).run()

@@ -174,8 +174,9 @@ class DataParallelController:
             for group in self.replies.pop_complete():
                 for reply in group:
                     self.send_to_tokenizer.send(encode(reply))
-        else:  # e.g. a scheduler's abort notice: meant for the TokenizerManager
-            self.send_to_tokenizer.send(encode(msg))
+        else:
+            logger.error("Data parallel controller got an unexpected reply %r from replica %d",
+                         type(msg).__name__, dp_rank)
 
     def maybe_poll_loads(self) -> None:
         if self.balancer.method != "shortest_queue":

@@ -6,7 +6,7 @@ ScheduleBatch (scheduler, mutable)  ->  ModelWorkerBatch (immutable snapshot, CP
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from enum import IntEnum, auto
 from typing import TYPE_CHECKING, Any, List, Optional
 
@@ -22,7 +22,6 @@ class ForwardMode(IntEnum):
     EXTEND = auto()  # prefill, possibly on top of a cached prefix
     DECODE = auto()  # one new token per request
     MIXED = auto()  # extend requests followed by decode requests (chunked prefill + decode)
-    IDLE = auto()  # no tokens (a TP/DP rank with nothing to do)
 
     def is_extend(self) -> bool:
         """True for modes that attention treats as extend (MIXED included)."""
@@ -34,15 +33,12 @@ class ForwardMode(IntEnum):
     def is_mixed(self) -> bool:
         return self == ForwardMode.MIXED
 
-    def is_idle(self) -> bool:
-        return self == ForwardMode.IDLE
-
 
 @dataclass(frozen=True)
 class ModelWorkerBatch:
     """An immutable snapshot of what the forward of one batch needs.
 
-    For DECODE and IDLE the `extend_*` lists are None. For MIXED the decode rows appear after the
+    For DECODE the `extend_*` lists are None. For MIXED the decode rows appear after the
     extend rows with `extend_prefix_lens = seq_len - 1` and `extend_seq_lens = 1`.
     Decode rows carry the placeholder id -1 and name their request-pool row in `relay_rows`: the
     worker gathers the real id from the overlap relay (managers/overlap_utils.py).

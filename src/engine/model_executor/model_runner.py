@@ -14,7 +14,7 @@ from engine.layers.attention import create_attention_backend
 from engine.layers.logits_processor import LogitsProcessorOutput
 from engine.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-from engine.model_executor.forward_batch_info import ForwardBatch, ModelWorkerBatch
+from engine.model_executor.forward_batch_info import ForwardBatch
 from engine.model_loader.loader import get_model
 from engine.server_args import ServerArgs
 
@@ -164,14 +164,8 @@ class ModelRunner:
         return PagedTokenToKVPoolAllocator(total, self.page_size, self.dtype, self.device, self.token_to_kv_pool)
 
     # ------------------------------------------------------------------ forward
-    def forward_batch_from(self, batch: ModelWorkerBatch) -> ForwardBatch:
-        return ForwardBatch.init_new(batch, self)
-
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         with torch.inference_mode():
-            if forward_batch.forward_mode.is_idle():
-                vocab = self.model_config.vocab_size
-                return LogitsProcessorOutput(next_token_logits=torch.empty((0, vocab), device=self.device))
             if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
                 return self.cuda_graph_runner.replay(forward_batch)
             self.attn_backend.init_forward_metadata(forward_batch)
