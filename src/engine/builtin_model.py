@@ -438,7 +438,9 @@ def main(argv: Optional[list[str]] = None) -> int:
         help="parent directory (default: $ENGINE_CACHE_DIR, else ~/.cache/engine)",
     )
     args = parser.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(levelname)s %(message)s")
+    from engine.utils.log_utils import configure_logging
+
+    configure_logging("info")
     path = ensure_builtin_model(args.cache_dir)
     print(path, flush=True)
     return 0

@@ -242,11 +242,11 @@ def run_data_parallel_controller_process(server_args: Any, port_args: Any, pipe_
     import zmq
 
     from engine.utils.child_processes import ChildProcesses, LaunchError
+    from engine.utils.log_utils import configure_logging
     from engine.utils.process_utils import set_process_title, watch_parent
 
     set_process_title(CONTROLLER_CHILD_NAME)
-    logging.basicConfig(level=getattr(logging, server_args.log_level.upper()),
-                        format="[%(asctime)s dp_controller] %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
+    configure_logging(server_args.log_level, prefix="dp_controller")
     watch_parent()
     children = ChildProcesses()
     try:

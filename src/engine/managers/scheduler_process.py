@@ -37,12 +37,12 @@ def run_scheduler_process(server_args: Any, port_args: Any, gpu_id: int, tp_rank
     import zmq
 
     from engine.distributed.parallel_state import init_distributed_environment
+    from engine.utils.log_utils import configure_logging
     from engine.utils.process_utils import set_process_title, watch_parent
 
     name = f"scheduler_TP{tp_rank}" + (f"_DP{dp_rank}" if dp_rank is not None else "")
     set_process_title(name)
-    logging.basicConfig(level=getattr(logging, server_args.log_level.upper()),
-                        format=f"[%(asctime)s {name}] %(message)s", datefmt="%Y-%m-%d %H:%M:%S")
+    configure_logging(server_args.log_level, prefix=name)
     faulthandler.register(signal.SIGUSR1, all_threads=True)
     watch_parent()
     try:
