@@ -1,7 +1,7 @@
 """Models for benchmarks: the built-in model, or random-weight Llamas written once into a cache dir.
 
-`small` is the 141M model of ../shared/reference/cpu-peers.md (the one vLLM's CPU build and
-transformers were measured on), so figures compare directly.
+`small` is the 141M Llama (hidden 1024, 8 layers, 16 heads, 8 KV heads, intermediate 2048, vocab
+32000) that vLLM's CPU build and transformers were measured on, so figures compare directly.
 """
 
 from __future__ import annotations

@@ -147,7 +147,8 @@ def all_reduce_min_int(value: int) -> int:
 def broadcast_bytes_list(items: Optional[List[bytes]]) -> List[bytes]:
     """Rank 0's list of byte strings, on every rank (others pass None).
 
-    One length header then one payload broadcast: two gloo calls per scheduler iteration.
+    The header's size, the header (count and lengths), then one payload of all the bytes: three
+    gloo broadcasts per scheduler iteration, two when the list is empty.
     """
     if _TP.size == 1:
         return list(items or [])
