@@ -169,6 +169,8 @@ class ServerArgs:
              "--dist-init-addr is required when --nnodes > 1")
         need(self.context_length is None or self.context_length > 0,
              f"--context-length must be > 0, got {self.context_length}")
+        # resolve_defaults() filled these in.
+        assert self.mem_fraction_static is not None and self.chunked_prefill_size is not None
         need(0.0 < self.mem_fraction_static < 1.0,
              f"--mem-fraction-static must be in (0, 1), got {self.mem_fraction_static}")
         need(self.max_total_tokens is None or self.max_total_tokens >= 2 * self.page_size,
@@ -206,11 +208,8 @@ class ServerArgs:
             if f.type in ("bool", bool):
                 parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
                 continue
-            kind = _ARG_TYPES.get(f.name, str)
-            kwargs = dict(type=kind, default=f.default, help=help_text)
-            if f.name in _CHOICES:
-                kwargs["choices"] = _CHOICES[f.name]
-            parser.add_argument(flag, **kwargs)
+            parser.add_argument(flag, type=_ARG_TYPES.get(f.name, str), default=f.default, help=help_text,
+                                choices=_CHOICES.get(f.name))
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":

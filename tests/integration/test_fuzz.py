@@ -173,18 +173,19 @@ VALID_CHAT = st.fixed_dictionaries(
 ).map(lambda body: {**body, "top_logprobs": 2} if body.get("logprobs") else body)
 
 
-def _stream_payloads(text: str) -> List[str]:
-    return [line[len("data: "):] for line in text.splitlines() if line.startswith("data: ")]
+def stream_chunks(response: httpx.Response) -> List[Dict[str, Any]]:
+    """The JSON chunks of a complete SSE stream: it ends with [DONE] and carries no error chunk."""
+    payloads = [line[len("data: "):] for line in response.text.splitlines() if line.startswith("data: ")]
+    assert payloads[-1] == "[DONE]", response.text[-300:]
+    chunks = [json.loads(p) for p in payloads[:-1]]
+    assert chunks and all("error" not in chunk for chunk in chunks), response.text[-300:]
+    return chunks
 
 
 def check_native(body: Dict[str, Any], response: httpx.Response) -> None:
     assert response.status_code == 200, (body, response.text[:300])
     if body.get("stream"):
-        payloads = _stream_payloads(response.text)
-        assert payloads[-1] == "[DONE]", response.text[-300:]
-        chunks = [json.loads(p) for p in payloads[:-1]]
-        assert chunks and all("error" not in chunk for chunk in chunks), response.text[-300:]
-        last = {chunk.get("index", 0): chunk for chunk in chunks}  # cumulative: the last one counts
+        last = {chunk.get("index", 0): chunk for chunk in stream_chunks(response)}  # cumulative: last counts
         outputs = list(last.values())
     else:
         result = response.json()
@@ -200,10 +201,7 @@ def check_native(body: Dict[str, Any], response: httpx.Response) -> None:
 def check_openai(body: Dict[str, Any], response: httpx.Response) -> None:
     assert response.status_code == 200, (body, response.text[:300])
     if body.get("stream"):
-        payloads = _stream_payloads(response.text)
-        assert payloads[-1] == "[DONE]", response.text[-300:]
-        chunks = [json.loads(p) for p in payloads[:-1]]
-        assert chunks and all("error" not in chunk for chunk in chunks), response.text[-300:]
+        chunks = stream_chunks(response)
         finished = {c["index"] for chunk in chunks for c in chunk["choices"] if c.get("finish_reason")}
         assert finished == set(range(body.get("n", 1))), chunks[-1]
     else:
