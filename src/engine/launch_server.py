@@ -37,7 +37,7 @@ def parse_server_args(argv: Optional[Sequence[str]] = None) -> ServerArgs:
     args = parser.parse_args(argv)  # unknown flags: argparse prints usage and exits 2
     try:
         server_args = ServerArgs.from_cli_args(args)
-        from engine.managers.tokenizer_manager import load_chat_template
+        from engine.managers.request_normalizer import load_chat_template
 
         load_chat_template(server_args.chat_template)
     except (ServerArgsError, ValueError, TypeError, OSError) as e:

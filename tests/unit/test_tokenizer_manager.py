@@ -543,14 +543,14 @@ def test_a_failure_on_one_output_of_a_batch_fails_that_request_and_serves_the_ot
     """Handling one request's output raises halfway through a BatchStrOutput: that request gets a
     terminal error (and is aborted in the scheduler), the others of the batch carry on."""
     manager, fake = runtime
-    append_logprobs = manager._append_logprobs
+    append_logprobs = manager.output_assembler._append_logprobs
 
     def flaky(state, batch, i):
         if state.rid == "bad":
             raise RuntimeError("boom")
         append_logprobs(state, batch, i)
 
-    manager._append_logprobs = flaky
+    manager.output_assembler._append_logprobs = flaky
     obj = GenerateReqInput(text=["Hello", "world"], rid=["bad", "good"], sampling_params={"max_new_tokens": 4},
                            return_logprob=True)
     bad, good = collect(manager, obj)[0]

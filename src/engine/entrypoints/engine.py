@@ -19,7 +19,8 @@ import weakref
 from typing import Any, AsyncIterator, Iterator, Optional, Union
 
 from engine.managers.errors import EngineRequestError
-from engine.managers.tokenizer_manager import GenerateReqInput, TokenizerManager, load_chat_template
+from engine.managers.request_normalizer import GenerateReqInput, load_chat_template
+from engine.managers.tokenizer_manager import TokenizerManager
 from engine.server_args import PortArgs, ServerArgs
 from engine.utils.child_processes import ChildProcesses, LaunchError
 from engine.utils.network_utils import get_free_port

@@ -51,7 +51,7 @@ from engine.entrypoints.openai.utils import (
 )
 from engine.managers.errors import EngineRequestError
 from engine.managers.metrics import METRICS_CONTENT_TYPE, TokenizerMetricsCollector
-from engine.managers.tokenizer_manager import GenerateReqInput
+from engine.managers.request_normalizer import GenerateReqInput
 from engine.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)

@@ -5,39 +5,34 @@ outputs as the detokenizer's BatchStrOutput messages arrive. One background task
 the tokenizer socket and dispatches: text deltas go to the per-request state (an asyncio.Event
 plus the accumulated output), control replies (flush_cache, get_internal_state) to their
 waiters in FIFO order.
+
+Collaborators: `RequestNormalizer` (request_normalizer.py: validation and tokenization),
+`OutputAssembler` (output_assembly.py: folding detokenizer output into request state) and
+`ControlCalls` (control_calls.py: flush_cache, get_internal_state, health_generate).
 """
 
 from __future__ import annotations
 
 import asyncio
-import collections
-import copy
 import logging
-import os
 import time
-import uuid
-from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Optional, Sequence, Union
 
 import psutil
 import zmq
 import zmq.asyncio
 
+from engine.managers.control_calls import HEALTH_CHECK_RID_PREFIX, ControlCalls
 from engine.managers.errors import EngineRequestError
-from engine.managers.io_struct import (
-    AbortReq,
-    BatchStrOutput,
-    FlushCacheReqInput,
-    FlushCacheReqOutput,
-    GetInternalStateReq,
-    GetInternalStateReqOutput,
-    Message,
-    TokenizedGenerateReqInput,
-    decode,
-    encode,
-)
+from engine.managers.io_struct import AbortReq, BatchStrOutput, FlushCacheReqOutput, Message, decode, encode
 from engine.managers.metrics import RequestTimer, TokenizerMetricsCollector
-from engine.sampling.sampling_params import check_parallel_sample_num
+from engine.managers.output_assembly import OutputAssembler, ReqState, build_output
+from engine.managers.request_normalizer import (
+    GenerateReqInput,
+    RequestNormalizer,
+    apply_chat_template,
+    load_chat_template,
+)
 from engine.server_args import PortArgs, ServerArgs
 from engine.utils.tokenizer_utils import load_tokenizer
 from engine.utils.zmq_utils import get_zmq_socket
@@ -48,223 +43,8 @@ logger = logging.getLogger(__name__)
 DISCONNECT_POLL_INTERVAL_S = 1.0
 # How long a send may wait for the scheduler's socket to accept a message before giving up.
 SEND_TIMEOUT_S = 5.0
-HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
-# How often a health probe on a busy server asks the scheduler whether forwards advance.
-HEALTH_CHECK_PROGRESS_POLL_S = 0.25
 SHUTDOWN_MESSAGE = "The server is shutting down."
 
-
-@dataclass
-class GenerateReqInput:
-    text: Optional[Union[str, list[str]]] = None
-    input_ids: Optional[Union[list[int], list[list[int]]]] = None
-    sampling_params: Optional[Union[dict, list[dict]]] = None
-    rid: Optional[Union[str, list[str]]] = None
-    stream: bool = False
-    return_logprob: Union[bool, list[bool]] = False
-    logprob_start_len: Union[int, list[int]] = -1  # -1: no input logprobs
-    top_logprobs_num: Union[int, list[int]] = 0
-    return_text_in_logprobs: bool = False
-    # False: not counted in /metrics (health probes). True no_logs: --log-requests skips its text.
-    log_metrics: bool = True
-    no_logs: bool = False
-
-    # Filled by normalize(): one entry per sub-request.
-    is_single: bool = field(default=True, init=False)
-    batch_size: int = field(default=1, init=False)
-    # The prompt each sub-request samples from: the n copies of a prompt share its tokenization.
-    prompt_index: list[int] = field(default_factory=list, init=False)
-    _normalized: bool = field(default=False, init=False, repr=False)
-
-    def normalize(self) -> None:
-        """Validate shapes and turn every field into a list with one entry per sub-request."""
-        if self._normalized:
-            return
-        prompts_text, prompts_ids, is_batch = self._split_prompts()
-        num_prompts = len(prompts_text) if prompts_text is not None else len(prompts_ids)
-        if num_prompts == 0:
-            raise EngineRequestError("The batch of prompts is empty.")
-
-        sampling_params = self._per_prompt(self.sampling_params, num_prompts, "sampling_params", dict, None)
-        sampling_params = [dict(sp) if sp is not None else {} for sp in sampling_params]
-        rids = self._normalize_rids(num_prompts, is_batch)
-        return_logprob = self._per_prompt(self.return_logprob, num_prompts, "return_logprob", bool, False)
-        start_lens = self._per_prompt(self.logprob_start_len, num_prompts, "logprob_start_len", int, -1)
-        top_nums = self._per_prompt(self.top_logprobs_num, num_prompts, "top_logprobs_num", int, 0)
-
-        out_text: list[str] = []
-        out_ids: list[list[int]] = []
-        out_sp: list[dict] = []
-        out_rid: list[str] = []
-        out_lp: list[bool] = []
-        out_start: list[int] = []
-        out_top: list[int] = []
-        out_prompt: list[int] = []
-        # Every n is checked before any fan-out: a huge n must not build a huge list first.
-        fan_outs = [_parallel_sample_num(sp) for sp in sampling_params]
-        for i, n in enumerate(fan_outs):
-            sub_params = {k: v for k, v in sampling_params[i].items() if k != "n"}
-            for j in range(n):
-                out_prompt.append(i)
-                if prompts_text is not None:
-                    out_text.append(prompts_text[i])
-                else:
-                    out_ids.append(prompts_ids[i])
-                out_sp.append(dict(sub_params))
-                out_rid.append(f"{rids[i]}-{j}" if n > 1 else rids[i])
-                out_lp.append(bool(return_logprob[i]))
-                out_start.append(int(start_lens[i]))
-                out_top.append(int(top_nums[i]))
-
-        self.text = out_text if prompts_text is not None else None
-        self.input_ids = out_ids if prompts_ids is not None else None
-        self.sampling_params = out_sp
-        self.rid = out_rid
-        self.return_logprob = out_lp
-        self.logprob_start_len = out_start
-        self.top_logprobs_num = out_top
-        self.prompt_index = out_prompt
-        self.batch_size = len(out_rid)
-        self.is_single = not is_batch and self.batch_size == 1
-        self._normalized = True
-
-    # ------------------------------------------------------------------ helpers
-    def _split_prompts(self) -> tuple[Optional[list[str]], Optional[list[list[int]]], bool]:
-        if (self.text is None) == (self.input_ids is None):
-            raise EngineRequestError("Exactly one of text or input_ids must be provided.")
-        if self.text is not None:
-            if isinstance(self.text, str):
-                return [self.text], None, False
-            if isinstance(self.text, list) and all(isinstance(t, str) for t in self.text):
-                return list(self.text), None, True
-            raise EngineRequestError("text must be a string or a list of strings.")
-        ids = self.input_ids
-        if not isinstance(ids, list) or not ids:
-            raise EngineRequestError("input_ids must be a non-empty list of token ids or a list of such lists.")
-        if all(_is_token_id(t) for t in ids):
-            return None, [list(ids)], False
-        if all(isinstance(seq, list) and seq and all(_is_token_id(t) for t in seq) for seq in ids):
-            return None, [list(seq) for seq in ids], True
-        raise EngineRequestError("input_ids must be a non-empty list of non-negative integers or a list of such lists.")
-
-    def _normalize_rids(self, num_prompts: int, is_batch: bool) -> list[str]:
-        if self.rid is None:
-            return [uuid.uuid4().hex for _ in range(num_prompts)]
-        if isinstance(self.rid, str):
-            if not self.rid:
-                raise EngineRequestError("rid must not be empty.")
-            # One rid for a batch is a prefix, as in SGLang: "{rid}_{i}" for prompt i.
-            return [f"{self.rid}_{i}" for i in range(num_prompts)] if is_batch else [self.rid]
-        if isinstance(self.rid, list) and len(self.rid) == num_prompts and all(
-            isinstance(r, str) and r for r in self.rid
-        ):
-            if len(set(self.rid)) != len(self.rid):
-                raise EngineRequestError("rid values must be unique within a batch.")
-            return list(self.rid)
-        raise EngineRequestError(f"rid must be a list of {num_prompts} non-empty strings.")
-
-    @staticmethod
-    def _per_prompt(value: Any, num_prompts: int, name: str, kind: type, default: Any) -> list:
-        """Broadcast a scalar over the prompts, or check a list has one entry per prompt."""
-        if value is None:
-            return [default] * num_prompts
-        if isinstance(value, list):
-            if len(value) != num_prompts:
-                raise EngineRequestError(f"{name} has {len(value)} entries but there are {num_prompts} prompts.")
-            items = value
-        else:
-            items = [value] * num_prompts
-        for item in items:
-            # bool is a subclass of int: an int option must not silently accept True.
-            wrong_type = not isinstance(item, kind) or (kind is int and isinstance(item, bool))
-            if item is not None and wrong_type:
-                raise EngineRequestError(f"{name} must be of type {kind.__name__} (or a list of them), got {item!r}.")
-        return [default if item is None else item for item in items]
-
-
-def _is_token_id(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _parallel_sample_num(sampling_params: dict) -> int:
-    n = sampling_params.get("n", 1)
-    if n is None:
-        return 1
-    try:
-        return check_parallel_sample_num(n)
-    except ValueError as e:
-        raise EngineRequestError(f"{e}.") from None
-
-
-# ---------------------------------------------------------------------------------------------
-# Per-request state
-# ---------------------------------------------------------------------------------------------
-
-
-@dataclass
-class ReqState:
-    """What the TokenizerManager knows about one in-flight (sub-)request."""
-
-    rid: str
-    stream: bool
-    return_logprob: bool
-    return_text_in_logprobs: bool
-    created_time: float
-    no_logs: bool = False
-    event: asyncio.Event = field(default_factory=asyncio.Event)
-    text: str = ""
-    output_ids: list[int] = field(default_factory=list)
-    finished: bool = False
-    finished_reason: Optional[dict] = None
-    prompt_tokens: int = 0
-    completion_tokens: int = 0
-    cached_tokens: int = 0
-    input_token_logprobs: list = field(default_factory=list)
-    input_top_logprobs: list = field(default_factory=list)
-    output_token_logprobs: list = field(default_factory=list)
-    output_top_logprobs: list = field(default_factory=list)
-    # Set when metrics are enabled and the request is not a health probe.
-    timer: Optional[RequestTimer] = None
-
-
-class _ReplyWaiters:
-    """Callers waiting for one kind of control reply, answered in FIFO order.
-
-    The scheduler answers control requests in the order it receives them, and each request
-    gets `fan_out` replies (one per DP replica). A caller that timed out stays queued so that its
-    late reply is consumed by it rather than handed to the next caller.
-    """
-
-    def __init__(self, fan_out: int) -> None:
-        self.fan_out = fan_out
-        self.waiters: collections.deque[tuple[asyncio.Future, list]] = collections.deque()
-
-    def add(self) -> asyncio.Future:
-        future = asyncio.get_running_loop().create_future()
-        self.waiters.append((future, []))
-        return future
-
-    def on_reply(self, reply: Message) -> None:
-        if not self.waiters:
-            logger.warning("Unexpected control reply %s with no waiter", type(reply).__name__)
-            return
-        future, replies = self.waiters[0]
-        replies.append(reply)
-        if len(replies) >= self.fan_out:
-            self.waiters.popleft()
-            if not future.done():
-                future.set_result(replies)
-
-    def fail_all(self, error: Exception) -> None:
-        while self.waiters:
-            future, _ = self.waiters.popleft()
-            if not future.done():
-                future.set_exception(error)
-
-
-# ---------------------------------------------------------------------------------------------
-# TokenizerManager
-# ---------------------------------------------------------------------------------------------
 
 
 class TokenizerManager:
@@ -290,6 +70,8 @@ class TokenizerManager:
 
         if tokenizer is None and not server_args.skip_tokenizer_init:
             tokenizer = load_tokenizer(self.tokenizer_path, server_args.trust_remote_code)
+        self.normalizer = RequestNormalizer(tokenizer, self.vocab_size, self.context_len)
+        self.output_assembler = OutputAssembler(tokenizer)
         self.tokenizer = tokenizer
         self.chat_template = load_chat_template(server_args.chat_template)
 
@@ -303,9 +85,7 @@ class TokenizerManager:
             self._sync_context, zmq.PUSH, port_args.scheduler_input_ipc_name, bind=True)
 
         self.rid_to_state: dict[str, ReqState] = {}
-        fan_out = max(1, server_args.dp_size)
-        self._flush_waiters = _ReplyWaiters(fan_out)
-        self._state_waiters = _ReplyWaiters(fan_out)
+        self.control = ControlCalls(self, fan_out=max(1, server_args.dp_size))
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._handle_task: Optional[asyncio.Task] = None
         self._dead_message: Optional[str] = None
@@ -313,10 +93,19 @@ class TokenizerManager:
         self.last_receive_tstamp = 0.0
         # Last arrival of generated output (not of control replies): a sign that batches finish.
         self.last_output_tstamp = 0.0
-        # Concurrent /health_generate calls share this one in-flight probe.
-        self._health_probe: Optional[asyncio.Future] = None
         self.metrics_collector: Optional[TokenizerMetricsCollector] = (
             TokenizerMetricsCollector(self.served_model_name) if server_args.enable_metrics else None)
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer: Any) -> None:
+        # The collaborators tokenize and detokenize with the same tokenizer.
+        self._tokenizer = tokenizer
+        self.normalizer.tokenizer = tokenizer
+        self.output_assembler.tokenizer = tokenizer
 
     # ------------------------------------------------------------------ lifecycle
     def auto_create_handle_loop(self) -> None:
@@ -416,8 +205,8 @@ class TokenizerManager:
         for i in range(obj.batch_size):
             prompt = obj.prompt_index[i]
             if prompt not in prompt_ids:
-                prompt_ids[prompt] = self._prompt_input_ids(obj, i)
-            tokenized.append(self._tokenize_one(obj, i, prompt_ids[prompt]))
+                prompt_ids[prompt] = self.normalizer.prompt_input_ids(obj, i)
+            tokenized.append(self.normalizer.tokenize_one(obj, i, prompt_ids[prompt]))
         states: list[ReqState] = []
         for req in tokenized:
             if req.rid in self.rid_to_state:
@@ -460,79 +249,6 @@ class TokenizerManager:
         else:
             yield await self._gather_batch(states, request)
 
-    def _prompt_input_ids(self, obj: GenerateReqInput, i: int) -> list[int]:
-        """The token ids of sub-request i's prompt, checked against the vocabulary and context."""
-        if obj.input_ids is not None:
-            input_ids = list(obj.input_ids[i])
-        else:
-            if self.tokenizer is None:
-                raise EngineRequestError("This server has no tokenizer (--skip-tokenizer-init): send input_ids.")
-            input_ids = list(self.tokenizer.encode(obj.text[i]))
-        input_len = len(input_ids)
-        if input_len == 0:
-            raise EngineRequestError("The input is empty.")
-        if self.vocab_size is not None:
-            bad = [t for t in input_ids if t >= self.vocab_size]
-            if bad:
-                raise EngineRequestError(
-                    f"Token id {bad[0]} in input_ids is out of range for the vocabulary of size {self.vocab_size}.")
-        if input_len >= self.context_len:
-            raise EngineRequestError(
-                f"The input ({input_len} tokens) is longer than the model's context length "
-                f"({self.context_len} tokens).")
-        return input_ids
-
-    def _tokenize_one(self, obj: GenerateReqInput, i: int, input_ids: list[int]) -> TokenizedGenerateReqInput:
-        input_text = obj.text[i] if obj.text is not None else None
-        input_len = len(input_ids)
-        sampling_params = self._verify_sampling_params(obj.sampling_params[i])
-        # Only a budget the client asked for is checked: the default (SamplingParams') would
-        # reject every long prompt, and the scheduler clamps it to the context anyway.
-        max_new_tokens = obj.sampling_params[i].get("max_new_tokens")
-        if isinstance(max_new_tokens, int) and input_len + max_new_tokens > self.context_len:
-            raise EngineRequestError(
-                f"Requested token count exceeds the model's maximum context length of {self.context_len} "
-                f"tokens. You requested a total of {input_len + max_new_tokens} tokens: {input_len} tokens "
-                f"from the input messages and {max_new_tokens} tokens for the completion. Please reduce the "
-                f"number of tokens in the input messages or the completion to fit within the limit.")
-
-        return_logprob = obj.return_logprob[i]
-        logprob_start_len = obj.logprob_start_len[i]
-        top_logprobs_num = obj.top_logprobs_num[i]
-        if top_logprobs_num < 0:
-            raise EngineRequestError(f"top_logprobs_num must be >= 0, got {top_logprobs_num}.")
-        if logprob_start_len < -1:
-            raise EngineRequestError(f"logprob_start_len must be >= -1, got {logprob_start_len}.")
-        # As SGLang: a start at the prompt length is allowed (no input logprobs), beyond it is not.
-        if return_logprob and logprob_start_len > input_len:
-            raise EngineRequestError(
-                f"logprob_start_len ({logprob_start_len}) must not exceed the input length ({input_len}).")
-        return TokenizedGenerateReqInput(
-            rid=obj.rid[i],
-            input_ids=input_ids,  # shared by the n samples of a prompt: encoded, never mutated
-            sampling_params=sampling_params,
-            input_text=input_text,
-            return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len if return_logprob else -1,
-            top_logprobs_num=top_logprobs_num if return_logprob else 0,
-            stream=obj.stream,
-        )
-
-    def _verify_sampling_params(self, params: dict) -> dict:
-        from engine.sampling.sampling_params import SamplingParams
-
-        try:
-            sampling_params = SamplingParams(**params)
-        except TypeError as e:
-            raise EngineRequestError(f"Invalid sampling_params: {e}") from None
-        except ValueError as e:
-            raise EngineRequestError(str(e)) from None
-        try:
-            sampling_params.verify(self.vocab_size)
-        except ValueError as e:
-            raise EngineRequestError(str(e)) from None
-        return sampling_params.to_dict()
-
     # ------------------------------------------------------------------ waiting for outputs
     async def _wait_one_response(self, state: ReqState, request: Any = None) -> AsyncIterator[dict]:
         """Yield the outputs of one sub-request; abort it if the consumer or the client goes away."""
@@ -556,7 +272,7 @@ class TokenizerManager:
                 if not woke:
                     continue
                 state.event.clear()
-                out = self._build_output(state)
+                out = build_output(state)
                 if state.finished:
                     self.rid_to_state.pop(state.rid, None)
                     if self.server_args.log_requests and not state.no_logs:
@@ -617,33 +333,12 @@ class TokenizerManager:
             for task in tasks:
                 task.cancel()
 
-    def _build_output(self, state: ReqState) -> dict:
-        meta: dict[str, Any] = {
-            "id": state.rid,
-            "prompt_tokens": state.prompt_tokens,
-            "completion_tokens": state.completion_tokens,
-            "cached_tokens": state.cached_tokens,
-            "finish_reason": copy.deepcopy(state.finished_reason),
-            "e2e_latency": time.time() - state.created_time,
-        }
-        if state.return_logprob:
-            meta["input_token_logprobs"] = list(state.input_token_logprobs)
-            meta["input_top_logprobs"] = list(state.input_top_logprobs)
-            meta["output_token_logprobs"] = list(state.output_token_logprobs)
-            meta["output_top_logprobs"] = list(state.output_top_logprobs)
-        return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
-
-    # ------------------------------------------------------------------ receiving
     def _dispatch(self, msg: Message) -> None:
         if isinstance(msg, BatchStrOutput):
             self._handle_batch_str_output(msg)
-        elif isinstance(msg, FlushCacheReqOutput):
-            self._flush_waiters.on_reply(msg)
-        elif isinstance(msg, GetInternalStateReqOutput):
-            self._state_waiters.on_reply(msg)
         elif isinstance(msg, AbortReq):
             self._handle_abort_notice(msg)
-        else:
+        elif not self.control.on_reply(msg):
             logger.warning("TokenizerManager ignores unexpected message %s", type(msg).__name__)
 
     def _handle_batch_str_output(self, batch: BatchStrOutput) -> None:
@@ -663,16 +358,7 @@ class TokenizerManager:
                 self.abort_request(rid)
 
     def _handle_one_output(self, state: ReqState, batch: BatchStrOutput, i: int, now: float) -> None:
-        state.text += batch.output_strs[i]
-        state.output_ids.extend(batch.output_ids[i])
-        state.prompt_tokens = batch.prompt_tokens[i]
-        state.completion_tokens = batch.completion_tokens[i]
-        state.cached_tokens = batch.cached_tokens[i]
-        if state.return_logprob:
-            self._append_logprobs(state, batch, i)
-        if batch.finished_reasons[i] is not None:
-            state.finished = True
-            state.finished_reason = dict(batch.finished_reasons[i])
+        self.output_assembler.apply(state, batch, i)
         if state.timer is not None and self.metrics_collector is not None:
             self.metrics_collector.observe_output(
                 state.timer, state.prompt_tokens, state.completion_tokens, state.finished, now)
@@ -686,41 +372,6 @@ class TokenizerManager:
         state.finished = True
         state.finished_reason = {"type": "abort", "message": "Aborted", "status_code": 400}
         state.event.set()
-
-    def _append_logprobs(self, state: ReqState, batch: BatchStrOutput, i: int) -> None:
-        text = state.return_text_in_logprobs
-        vals = _at(batch.input_token_logprobs_val, i)
-        if vals is not None:
-            state.input_token_logprobs.extend(self._token_logprobs(vals, _at(batch.input_token_logprobs_idx, i), text))
-        vals = _at(batch.input_top_logprobs_val, i)
-        if vals is not None:
-            state.input_top_logprobs.extend(self._top_logprobs(vals, _at(batch.input_top_logprobs_idx, i), text))
-        vals = _at(batch.output_token_logprobs_val, i)
-        if vals is not None:
-            state.output_token_logprobs.extend(
-                self._token_logprobs(vals, _at(batch.output_token_logprobs_idx, i), text))
-        vals = _at(batch.output_top_logprobs_val, i)
-        if vals is not None:
-            state.output_top_logprobs.extend(self._top_logprobs(vals, _at(batch.output_top_logprobs_idx, i), text))
-
-    def _token_logprobs(self, vals: list, ids: Optional[list], with_text: bool) -> list[list]:
-        ids = ids or []
-        texts = self._token_texts(ids) if with_text else [None] * len(ids)
-        return [[v, t, s] for v, t, s in zip(vals, ids, texts)]
-
-    def _top_logprobs(self, vals: list, ids: Optional[list], with_text: bool) -> list:
-        out: list = []
-        for pos_vals, pos_ids in zip(vals, ids or []):
-            if pos_vals is None or pos_ids is None:
-                out.append(None)
-            else:
-                out.append(self._token_logprobs(pos_vals, pos_ids, with_text))
-        return out
-
-    def _token_texts(self, ids: list[int]) -> list[Optional[str]]:
-        if self.tokenizer is None or not ids:
-            return [None] * len(ids)
-        return self.tokenizer.batch_decode([[t] for t in ids])
 
     # ------------------------------------------------------------------ sending
     async def _send_async(self, msg: Message) -> None:
@@ -776,143 +427,21 @@ class TokenizerManager:
             return
         self._send_now(AbortReq(rid=rid, abort_all=abort_all))
 
+    # ------------------------------------------------------------------ control calls
     async def flush_cache(self) -> FlushCacheReqOutput:
-        replies = await self._control_call(FlushCacheReqInput(), self._flush_waiters)
-        success = all(r.success for r in replies)
-        message = "; ".join(r.message for r in replies if r.message)
-        return FlushCacheReqOutput(success=success, message=message)
+        return await self.control.flush_cache()
 
     async def get_internal_state(self) -> list[dict]:
-        replies = await self._control_call(GetInternalStateReq(), self._state_waiters)
-        return [dict(r.internal_state) for r in replies]
-
-    async def _control_call(self, msg: Message, waiters: _ReplyWaiters) -> list:
-        self.auto_create_handle_loop()
-        self._check_alive()
-        future = waiters.add()
-        try:
-            await self._send_async(msg)
-        except BaseException:
-            # Never sent: no reply will come, so this waiter must not consume someone else's.
-            for j, (f, _) in enumerate(waiters.waiters):
-                if f is future:
-                    del waiters.waiters[j]
-                    break
-            raise
-        try:
-            return await asyncio.wait_for(asyncio.shield(future), timeout=self.server_args.control_timeout)
-        except asyncio.TimeoutError:
-            raise EngineRequestError(f"{type(msg).__name__} got no reply within "
-                                     f"{self.server_args.control_timeout:.0f} s.",
-                                     503, "ServiceUnavailableError") from None
+        return await self.control.get_internal_state()
 
     async def health_generate(self, timeout: Optional[float] = None) -> bool:
-        """True if the engine shows it can make progress within `timeout` seconds
-        (--health-check-timeout by default).
-
-        Concurrent callers share one in-flight probe, so a flood of health checks on a slow or
-        stuck server never piles probe requests into the scheduler's queue.
-        """
-        if not self.is_alive():
-            return False
-        self.auto_create_handle_loop()
-        probe = self._health_probe
-        if probe is None or probe.done() or probe.get_loop() is not asyncio.get_running_loop():
-            if timeout is None:
-                timeout = self.server_args.health_check_timeout
-            probe = self._health_probe = asyncio.ensure_future(self._run_health_probe(timeout))
-        # Shielded: a caller that goes away must not cancel the probe the others wait on.
-        return await asyncio.shield(probe)
-
-    async def _run_health_probe(self, timeout: float) -> bool:
-        """Send a 1-token request and wait for a sign of progress; abort the probe in any case.
-
-        Idle, the probe itself is the sign. Busy, the probe may wait behind other work, so the
-        server counts as healthy as soon as the next batch completes: any generated output
-        arrives, or a scheduler's forward_ct advances. A rejected probe (queue full) is no verdict
-        either way: the other signs decide. No sign within `timeout`, or a dead child: unhealthy.
-        """
-        start = time.monotonic()
-        deadline = start + timeout
-        obj = GenerateReqInput(
-            input_ids=[0],
-            sampling_params={"max_new_tokens": 1, "temperature": 0.0},
-            rid=f"{HEALTH_CHECK_RID_PREFIX}_{uuid.uuid4().hex}",
-        )
-
-        async def run_probe() -> bool:
-            result: dict = {}
-            async for out in self.generate_request(obj):
-                result = out
-            reason = result.get("meta_info", {}).get("finish_reason") or {}
-            return reason.get("type") != "abort"
-
-        probe = asyncio.ensure_future(run_probe())
-        progress = asyncio.ensure_future(self._wait_forward_progress(deadline))
-        try:
-            while True:
-                if probe.done() and _probe_succeeded(probe):
-                    return True
-                if progress.done() and not progress.cancelled() and progress.exception() is None \
-                        and progress.result():
-                    return True
-                if self.last_output_tstamp > start:
-                    return True
-                if not self.is_alive():
-                    return False
-                remaining = deadline - time.monotonic()
-                if remaining <= 0:
-                    logger.warning("Health check timed out after %.1f s: no batch completed.", timeout)
-                    return False
-                # Wake on either task, or at least every 100 ms for the output and liveness checks.
-                pending = {t for t in (probe, progress) if not t.done()}
-                if pending:
-                    await asyncio.wait(pending, timeout=min(remaining, 0.1), return_when=asyncio.FIRST_COMPLETED)
-                else:
-                    await asyncio.sleep(min(remaining, 0.1))
-        finally:
-            # Cancelling the probe's generator aborts the request in the scheduler if it still runs.
-            for task in (probe, progress):
-                if not task.done():
-                    task.cancel()
-            await asyncio.gather(probe, progress, return_exceptions=True)
-
-    async def _wait_forward_progress(self, deadline: float) -> bool:
-        """True once any scheduler's forward_ct is above what it was at the first reply."""
-        baseline: Optional[list[int]] = None
-        while time.monotonic() < deadline:
-            try:
-                states = await asyncio.wait_for(self.get_internal_state(),
-                                                timeout=max(0.0, deadline - time.monotonic()))
-            except (asyncio.TimeoutError, EngineRequestError):
-                return False
-            counts = [int(s.get("forward_ct", 0)) for s in states]
-            if baseline is None:
-                baseline = counts
-            elif any(c > b for c, b in zip(counts, baseline)):
-                return True
-            await asyncio.sleep(HEALTH_CHECK_PROGRESS_POLL_S)
-        return False
+        return await self.control.health_generate(timeout)
 
     # ------------------------------------------------------------------ chat and info
     def apply_chat_template(
         self, messages: list[dict], add_generation_prompt: bool = True, tools: Optional[list] = None
     ) -> list[int]:
-        if self.tokenizer is None:
-            raise EngineRequestError("This server has no tokenizer, so chat templates are unavailable.")
-        kwargs: dict[str, Any] = {}
-        if self.chat_template is not None:
-            kwargs["chat_template"] = self.chat_template
-        if tools:
-            kwargs["tools"] = tools
-        try:
-            # Render to text first: apply_chat_template(tokenize=True) changed its return type
-            # across transformers versions, encode() has not.
-            prompt = self.tokenizer.apply_chat_template(
-                messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
-        except Exception as e:  # jinja errors, a missing template, malformed messages
-            raise EngineRequestError(f"Failed to apply the chat template: {e}") from None
-        return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return apply_chat_template(self.tokenizer, self.chat_template, messages, add_generation_prompt, tools)
 
     def get_model_info(self) -> dict:
         return {
@@ -946,31 +475,8 @@ class TokenizerManager:
     def _fail_all(self, message: str) -> None:
         self._fail_requests(self._not_alive_message(message), 503)
         error = EngineRequestError(self._not_alive_message(message), 503, "ServiceUnavailableError")
-        self._flush_waiters.fail_all(error)
-        self._state_waiters.fail_all(error)
+        self.control.fail_all(error)
 
-
-def load_chat_template(chat_template: Optional[str]) -> Optional[str]:
-    """`--chat-template` is a path to a Jinja file or the Jinja text itself."""
-    if not chat_template:
-        return None
-    if os.path.isfile(chat_template):
-        with open(chat_template, encoding="utf-8") as f:
-            return f.read()
-    if "{" not in chat_template:
-        raise ValueError(f"--chat-template {chat_template!r} is neither a file nor a Jinja template")
-    return chat_template
-
-
-def _probe_succeeded(probe: asyncio.Future) -> bool:
-    if probe.cancelled():
-        return False
-    error = probe.exception()
-    if error is not None:
-        if not isinstance(error, EngineRequestError):
-            logger.warning("Health check probe failed: %r", error)
-        return False
-    return bool(probe.result())
 
 
 def _in_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
@@ -978,10 +484,6 @@ def _in_loop_thread(loop: asyncio.AbstractEventLoop) -> bool:
         return asyncio.get_running_loop() is loop
     except RuntimeError:
         return False
-
-
-def _at(values: list, i: int) -> Any:
-    return values[i] if i < len(values) else None
 
 
 def _clip(text: Optional[str], limit: int = 200) -> Optional[str]:

@@ -38,7 +38,7 @@ from engine.entrypoints.openai.utils import (
     sse_event,
 )
 from engine.managers.errors import EngineRequestError
-from engine.managers.tokenizer_manager import GenerateReqInput
+from engine.managers.request_normalizer import GenerateReqInput
 
 logger = logging.getLogger(__name__)
 

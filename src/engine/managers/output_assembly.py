@@ -1,0 +1,120 @@
+"""Output assembly: the per-request state the TokenizerManager accumulates from BatchStrOutput.
+
+Each detokenizer message carries, per request, a text delta, the new token ids, token counts,
+logprobs and (once) a finish reason. `OutputAssembler.apply` folds one entry into a `ReqState`;
+`build_output` turns the state into the dict that /generate and the Engine return.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import copy
+import time
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from engine.managers.io_struct import BatchStrOutput
+from engine.managers.metrics import RequestTimer
+
+
+@dataclass
+class ReqState:
+    """What the TokenizerManager knows about one in-flight (sub-)request."""
+
+    rid: str
+    stream: bool
+    return_logprob: bool
+    return_text_in_logprobs: bool
+    created_time: float
+    no_logs: bool = False
+    event: asyncio.Event = field(default_factory=asyncio.Event)
+    text: str = ""
+    output_ids: list[int] = field(default_factory=list)
+    finished: bool = False
+    finished_reason: Optional[dict] = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    input_token_logprobs: list = field(default_factory=list)
+    input_top_logprobs: list = field(default_factory=list)
+    output_token_logprobs: list = field(default_factory=list)
+    output_top_logprobs: list = field(default_factory=list)
+    # Set when metrics are enabled and the request is not a health probe.
+    timer: Optional[RequestTimer] = None
+
+
+def build_output(state: ReqState) -> dict:
+    """The SGLang-shaped output dict of a request so far (text, output_ids, meta_info)."""
+    meta: dict[str, Any] = {
+        "id": state.rid,
+        "prompt_tokens": state.prompt_tokens,
+        "completion_tokens": state.completion_tokens,
+        "cached_tokens": state.cached_tokens,
+        "finish_reason": copy.deepcopy(state.finished_reason),
+        "e2e_latency": time.time() - state.created_time,
+    }
+    if state.return_logprob:
+        meta["input_token_logprobs"] = list(state.input_token_logprobs)
+        meta["input_top_logprobs"] = list(state.input_top_logprobs)
+        meta["output_token_logprobs"] = list(state.output_token_logprobs)
+        meta["output_top_logprobs"] = list(state.output_top_logprobs)
+    return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
+
+
+class OutputAssembler:
+    """Folds BatchStrOutput entries into request states (with token texts for logprobs)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        self.tokenizer = tokenizer
+
+    def apply(self, state: ReqState, batch: BatchStrOutput, i: int) -> None:
+        """Add entry `i` of `batch` to `state` (the caller wakes the state's waiter)."""
+        state.text += batch.output_strs[i]
+        state.output_ids.extend(batch.output_ids[i])
+        state.prompt_tokens = batch.prompt_tokens[i]
+        state.completion_tokens = batch.completion_tokens[i]
+        state.cached_tokens = batch.cached_tokens[i]
+        if state.return_logprob:
+            self._append_logprobs(state, batch, i)
+        if batch.finished_reasons[i] is not None:
+            state.finished = True
+            state.finished_reason = dict(batch.finished_reasons[i])
+
+    def _append_logprobs(self, state: ReqState, batch: BatchStrOutput, i: int) -> None:
+        text = state.return_text_in_logprobs
+        vals = _at(batch.input_token_logprobs_val, i)
+        if vals is not None:
+            state.input_token_logprobs.extend(self._token_logprobs(vals, _at(batch.input_token_logprobs_idx, i), text))
+        vals = _at(batch.input_top_logprobs_val, i)
+        if vals is not None:
+            state.input_top_logprobs.extend(self._top_logprobs(vals, _at(batch.input_top_logprobs_idx, i), text))
+        vals = _at(batch.output_token_logprobs_val, i)
+        if vals is not None:
+            state.output_token_logprobs.extend(
+                self._token_logprobs(vals, _at(batch.output_token_logprobs_idx, i), text))
+        vals = _at(batch.output_top_logprobs_val, i)
+        if vals is not None:
+            state.output_top_logprobs.extend(self._top_logprobs(vals, _at(batch.output_top_logprobs_idx, i), text))
+
+    def _token_logprobs(self, vals: list, ids: Optional[list], with_text: bool) -> list[list]:
+        ids = ids or []
+        texts = self._token_texts(ids) if with_text else [None] * len(ids)
+        return [[v, t, s] for v, t, s in zip(vals, ids, texts)]
+
+    def _top_logprobs(self, vals: list, ids: Optional[list], with_text: bool) -> list:
+        out: list = []
+        for pos_vals, pos_ids in zip(vals, ids or []):
+            if pos_vals is None or pos_ids is None:
+                out.append(None)
+            else:
+                out.append(self._token_logprobs(pos_vals, pos_ids, with_text))
+        return out
+
+    def _token_texts(self, ids: list[int]) -> list[Optional[str]]:
+        if self.tokenizer is None or not ids:
+            return [None] * len(ids)
+        return self.tokenizer.batch_decode([[t] for t in ids])
+
+
+def _at(values: list, i: int) -> Any:
+    return values[i] if i < len(values) else None

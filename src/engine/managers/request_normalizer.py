@@ -1,0 +1,275 @@
+"""Request normalisation: what the TokenizerManager does to a request before sending it.
+
+`GenerateReqInput` is the /generate (and offline Engine) request; `normalize()` turns it into one
+entry per sub-request (a batch of prompts, each fanned out into its `n` samples).
+`RequestNormalizer` validates and tokenizes one sub-request against the model's limits, and
+renders chat messages through the chat template.
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from dataclasses import dataclass, field
+from typing import Any, Optional, Union
+
+from engine.managers.errors import EngineRequestError
+from engine.managers.io_struct import TokenizedGenerateReqInput
+from engine.sampling.sampling_params import check_parallel_sample_num
+
+@dataclass
+class GenerateReqInput:
+    text: Optional[Union[str, list[str]]] = None
+    input_ids: Optional[Union[list[int], list[list[int]]]] = None
+    sampling_params: Optional[Union[dict, list[dict]]] = None
+    rid: Optional[Union[str, list[str]]] = None
+    stream: bool = False
+    return_logprob: Union[bool, list[bool]] = False
+    logprob_start_len: Union[int, list[int]] = -1  # -1: no input logprobs
+    top_logprobs_num: Union[int, list[int]] = 0
+    return_text_in_logprobs: bool = False
+    # False: not counted in /metrics (health probes). True no_logs: --log-requests skips its text.
+    log_metrics: bool = True
+    no_logs: bool = False
+
+    # Filled by normalize(): one entry per sub-request.
+    is_single: bool = field(default=True, init=False)
+    batch_size: int = field(default=1, init=False)
+    # The prompt each sub-request samples from: the n copies of a prompt share its tokenization.
+    prompt_index: list[int] = field(default_factory=list, init=False)
+    _normalized: bool = field(default=False, init=False, repr=False)
+
+    def normalize(self) -> None:
+        """Validate shapes and turn every field into a list with one entry per sub-request."""
+        if self._normalized:
+            return
+        prompts_text, prompts_ids, is_batch = self._split_prompts()
+        num_prompts = len(prompts_text) if prompts_text is not None else len(prompts_ids)
+        if num_prompts == 0:
+            raise EngineRequestError("The batch of prompts is empty.")
+
+        sampling_params = self._per_prompt(self.sampling_params, num_prompts, "sampling_params", dict, None)
+        sampling_params = [dict(sp) if sp is not None else {} for sp in sampling_params]
+        rids = self._normalize_rids(num_prompts, is_batch)
+        return_logprob = self._per_prompt(self.return_logprob, num_prompts, "return_logprob", bool, False)
+        start_lens = self._per_prompt(self.logprob_start_len, num_prompts, "logprob_start_len", int, -1)
+        top_nums = self._per_prompt(self.top_logprobs_num, num_prompts, "top_logprobs_num", int, 0)
+
+        out_text: list[str] = []
+        out_ids: list[list[int]] = []
+        out_sp: list[dict] = []
+        out_rid: list[str] = []
+        out_lp: list[bool] = []
+        out_start: list[int] = []
+        out_top: list[int] = []
+        out_prompt: list[int] = []
+        # Every n is checked before any fan-out: a huge n must not build a huge list first.
+        fan_outs = [_parallel_sample_num(sp) for sp in sampling_params]
+        for i, n in enumerate(fan_outs):
+            sub_params = {k: v for k, v in sampling_params[i].items() if k != "n"}
+            for j in range(n):
+                out_prompt.append(i)
+                if prompts_text is not None:
+                    out_text.append(prompts_text[i])
+                else:
+                    out_ids.append(prompts_ids[i])
+                out_sp.append(dict(sub_params))
+                out_rid.append(f"{rids[i]}-{j}" if n > 1 else rids[i])
+                out_lp.append(bool(return_logprob[i]))
+                out_start.append(int(start_lens[i]))
+                out_top.append(int(top_nums[i]))
+
+        self.text = out_text if prompts_text is not None else None
+        self.input_ids = out_ids if prompts_ids is not None else None
+        self.sampling_params = out_sp
+        self.rid = out_rid
+        self.return_logprob = out_lp
+        self.logprob_start_len = out_start
+        self.top_logprobs_num = out_top
+        self.prompt_index = out_prompt
+        self.batch_size = len(out_rid)
+        self.is_single = not is_batch and self.batch_size == 1
+        self._normalized = True
+
+    # ------------------------------------------------------------------ helpers
+    def _split_prompts(self) -> tuple[Optional[list[str]], Optional[list[list[int]]], bool]:
+        if (self.text is None) == (self.input_ids is None):
+            raise EngineRequestError("Exactly one of text or input_ids must be provided.")
+        if self.text is not None:
+            if isinstance(self.text, str):
+                return [self.text], None, False
+            if isinstance(self.text, list) and all(isinstance(t, str) for t in self.text):
+                return list(self.text), None, True
+            raise EngineRequestError("text must be a string or a list of strings.")
+        ids = self.input_ids
+        if not isinstance(ids, list) or not ids:
+            raise EngineRequestError("input_ids must be a non-empty list of token ids or a list of such lists.")
+        if all(_is_token_id(t) for t in ids):
+            return None, [list(ids)], False
+        if all(isinstance(seq, list) and seq and all(_is_token_id(t) for t in seq) for seq in ids):
+            return None, [list(seq) for seq in ids], True
+        raise EngineRequestError("input_ids must be a non-empty list of non-negative integers or a list of such lists.")
+
+    def _normalize_rids(self, num_prompts: int, is_batch: bool) -> list[str]:
+        if self.rid is None:
+            return [uuid.uuid4().hex for _ in range(num_prompts)]
+        if isinstance(self.rid, str):
+            if not self.rid:
+                raise EngineRequestError("rid must not be empty.")
+            # One rid for a batch is a prefix, as in SGLang: "{rid}_{i}" for prompt i.
+            return [f"{self.rid}_{i}" for i in range(num_prompts)] if is_batch else [self.rid]
+        if isinstance(self.rid, list) and len(self.rid) == num_prompts and all(
+            isinstance(r, str) and r for r in self.rid
+        ):
+            if len(set(self.rid)) != len(self.rid):
+                raise EngineRequestError("rid values must be unique within a batch.")
+            return list(self.rid)
+        raise EngineRequestError(f"rid must be a list of {num_prompts} non-empty strings.")
+
+    @staticmethod
+    def _per_prompt(value: Any, num_prompts: int, name: str, kind: type, default: Any) -> list:
+        """Broadcast a scalar over the prompts, or check a list has one entry per prompt."""
+        if value is None:
+            return [default] * num_prompts
+        if isinstance(value, list):
+            if len(value) != num_prompts:
+                raise EngineRequestError(f"{name} has {len(value)} entries but there are {num_prompts} prompts.")
+            items = value
+        else:
+            items = [value] * num_prompts
+        for item in items:
+            # bool is a subclass of int: an int option must not silently accept True.
+            wrong_type = not isinstance(item, kind) or (kind is int and isinstance(item, bool))
+            if item is not None and wrong_type:
+                raise EngineRequestError(f"{name} must be of type {kind.__name__} (or a list of them), got {item!r}.")
+        return [default if item is None else item for item in items]
+
+
+def _is_token_id(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _parallel_sample_num(sampling_params: dict) -> int:
+    n = sampling_params.get("n", 1)
+    if n is None:
+        return 1
+    try:
+        return check_parallel_sample_num(n)
+    except ValueError as e:
+        raise EngineRequestError(f"{e}.") from None
+
+
+class RequestNormalizer:
+    """Checks sub-requests against the tokenizer, the vocabulary and the context length."""
+
+    def __init__(self, tokenizer: Any, vocab_size: Optional[int], context_len: int) -> None:
+        self.tokenizer = tokenizer
+        self.vocab_size = vocab_size
+        self.context_len = context_len
+
+    def prompt_input_ids(self, obj: GenerateReqInput, i: int) -> list[int]:
+        """The token ids of sub-request i's prompt, checked against the vocabulary and context."""
+        if obj.input_ids is not None:
+            input_ids = list(obj.input_ids[i])
+        else:
+            if self.tokenizer is None:
+                raise EngineRequestError("This server has no tokenizer (--skip-tokenizer-init): send input_ids.")
+            input_ids = list(self.tokenizer.encode(obj.text[i]))
+        input_len = len(input_ids)
+        if input_len == 0:
+            raise EngineRequestError("The input is empty.")
+        if self.vocab_size is not None:
+            bad = [t for t in input_ids if t >= self.vocab_size]
+            if bad:
+                raise EngineRequestError(
+                    f"Token id {bad[0]} in input_ids is out of range for the vocabulary of size {self.vocab_size}.")
+        if input_len >= self.context_len:
+            raise EngineRequestError(
+                f"The input ({input_len} tokens) is longer than the model's context length "
+                f"({self.context_len} tokens).")
+        return input_ids
+
+    def tokenize_one(self, obj: GenerateReqInput, i: int, input_ids: list[int]) -> TokenizedGenerateReqInput:
+        input_text = obj.text[i] if obj.text is not None else None
+        input_len = len(input_ids)
+        sampling_params = self.verify_sampling_params(obj.sampling_params[i])
+        # Only a budget the client asked for is checked: the default (SamplingParams') would
+        # reject every long prompt, and the scheduler clamps it to the context anyway.
+        max_new_tokens = obj.sampling_params[i].get("max_new_tokens")
+        if isinstance(max_new_tokens, int) and input_len + max_new_tokens > self.context_len:
+            raise EngineRequestError(
+                f"Requested token count exceeds the model's maximum context length of {self.context_len} "
+                f"tokens. You requested a total of {input_len + max_new_tokens} tokens: {input_len} tokens "
+                f"from the input messages and {max_new_tokens} tokens for the completion. Please reduce the "
+                f"number of tokens in the input messages or the completion to fit within the limit.")
+
+        return_logprob = obj.return_logprob[i]
+        logprob_start_len = obj.logprob_start_len[i]
+        top_logprobs_num = obj.top_logprobs_num[i]
+        if top_logprobs_num < 0:
+            raise EngineRequestError(f"top_logprobs_num must be >= 0, got {top_logprobs_num}.")
+        if logprob_start_len < -1:
+            raise EngineRequestError(f"logprob_start_len must be >= -1, got {logprob_start_len}.")
+        # As SGLang: a start at the prompt length is allowed (no input logprobs), beyond it is not.
+        if return_logprob and logprob_start_len > input_len:
+            raise EngineRequestError(
+                f"logprob_start_len ({logprob_start_len}) must not exceed the input length ({input_len}).")
+        return TokenizedGenerateReqInput(
+            rid=obj.rid[i],
+            input_ids=input_ids,  # shared by the n samples of a prompt: encoded, never mutated
+            sampling_params=sampling_params,
+            input_text=input_text,
+            return_logprob=return_logprob,
+            logprob_start_len=logprob_start_len if return_logprob else -1,
+            top_logprobs_num=top_logprobs_num if return_logprob else 0,
+            stream=obj.stream,
+        )
+
+    def verify_sampling_params(self, params: dict) -> dict:
+        from engine.sampling.sampling_params import SamplingParams
+
+        try:
+            sampling_params = SamplingParams(**params)
+        except TypeError as e:
+            raise EngineRequestError(f"Invalid sampling_params: {e}") from None
+        except ValueError as e:
+            raise EngineRequestError(str(e)) from None
+        try:
+            sampling_params.verify(self.vocab_size)
+        except ValueError as e:
+            raise EngineRequestError(str(e)) from None
+        return sampling_params.to_dict()
+
+
+def load_chat_template(chat_template: Optional[str]) -> Optional[str]:
+    """`--chat-template` is a path to a Jinja file or the Jinja text itself."""
+    if not chat_template:
+        return None
+    if os.path.isfile(chat_template):
+        with open(chat_template, encoding="utf-8") as f:
+            return f.read()
+    if "{" not in chat_template:
+        raise ValueError(f"--chat-template {chat_template!r} is neither a file nor a Jinja template")
+    return chat_template
+
+
+def apply_chat_template(
+    tokenizer: Any, chat_template: Optional[str], messages: list[dict], add_generation_prompt: bool = True,
+    tools: Optional[list] = None,
+) -> list[int]:
+    """Render `messages` with `chat_template` (the tokenizer's own when None) and tokenize them."""
+    if tokenizer is None:
+        raise EngineRequestError("This server has no tokenizer, so chat templates are unavailable.")
+    kwargs: dict[str, Any] = {}
+    if chat_template is not None:
+        kwargs["chat_template"] = chat_template
+    if tools:
+        kwargs["tools"] = tools
+    try:
+        # Render to text first: apply_chat_template(tokenize=True) changed its return type
+        # across transformers versions, encode() has not.
+        prompt = tokenizer.apply_chat_template(
+            messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
+    except Exception as e:  # jinja errors, a missing template, malformed messages
+        raise EngineRequestError(f"Failed to apply the chat template: {e}") from None
+    return tokenizer.encode(prompt, add_special_tokens=False)
