@@ -17,6 +17,10 @@ ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
+GRAMMAR_BACKENDS = ("xgrammar", "none")
+# Output formats of tool calls (constrained/tool_parsers.py) and of reasoning (reasoning_parser.py).
+TOOL_CALL_PARSERS = ("llama3", "qwen25", "qwen", "hermes", "mistral", "pythonic")
+REASONING_PARSERS = ("deepseek-r1", "qwen3")
 
 
 class ServerArgsError(ValueError):
@@ -80,6 +84,14 @@ class ServerArgs:
     req_waiting_timeout: float = arg(0.0, "Seconds a request may wait in the queue before it is aborted with "
                                           "HTTP 503; 0: no limit. Not synchronised across TP ranks: leave it "
                                           "at 0 with --tp-size > 1.")
+
+    # Structured outputs, tool calls and reasoning
+    grammar_backend: str = "xgrammar"
+    # JSON constraints without free whitespace between tokens (compact JSON): a model can no
+    # longer pad its output with endless spaces or newlines.
+    constrained_json_disable_any_whitespace: bool = False
+    tool_call_parser: Optional[str] = None
+    reasoning_parser: Optional[str] = None
 
     # Execution
     device: str = arg("auto", "auto (cuda when available), cpu or cuda.")
@@ -196,6 +208,12 @@ class ServerArgs:
              f"--threads-per-rank must be >= 1, got {self.threads_per_rank}")
         need(self.log_level.lower() in ("debug", "info", "warning", "error", "critical"),
              f"--log-level must be debug|info|warning|error|critical, got {self.log_level!r}")
+        need(self.grammar_backend in GRAMMAR_BACKENDS,
+             f"--grammar-backend must be one of {', '.join(GRAMMAR_BACKENDS)}, got {self.grammar_backend!r}")
+        need(self.tool_call_parser is None or self.tool_call_parser in TOOL_CALL_PARSERS,
+             f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}")
+        need(self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS,
+             f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
         need(not (self.enable_mixed_chunk and self.chunked_prefill_size == -1),
              "--enable-mixed-chunk needs chunked prefill (--chunked-prefill-size > 0)")
 
@@ -266,6 +284,9 @@ _CHOICES = {
     "attention_backend": ATTENTION_BACKENDS,
     "schedule_policy": SCHEDULE_POLICIES,
     "load_balance_method": LOAD_BALANCE_METHODS,
+    "grammar_backend": GRAMMAR_BACKENDS,
+    "tool_call_parser": TOOL_CALL_PARSERS,
+    "reasoning_parser": REASONING_PARSERS,
 }
 
 

@@ -70,6 +70,36 @@ class PendingResult:
             self._copy_done.synchronize()
         return out
 
+    def launched_value(self) -> Any:
+        """The job's return value without waiting for its device work (for a job that runs
+        after it on the forward stream, hence after it on the device too)."""
+        return self._future.result()
+
+
+class DelayedSample:
+    """A launched forward whose sampling waits for its vocabulary mask (constrained decoding).
+
+    The overlap loop launches step N+1 before processing step N; the grammar mask of N+1 needs
+    N's tokens accepted by the matchers, so N+1 samples only when `launch_sample` is called,
+    after N was processed. The sampling job queues behind the forward on the forward stream.
+    """
+
+    def __init__(self, forward: PendingResult, sample: Callable[[Any, Any], Any], stream: "ForwardStream") -> None:
+        self.forward = forward
+        self._sample = sample
+        self._stream = stream
+        self.sampled: Optional[PendingResult] = None
+
+    def launch_sample(self, vocab_mask: Any) -> None:
+        forward = self.forward  # kept by this object, with the forward's inputs, until processed
+        self.sampled = self._stream.launch(lambda: self._sample(forward.launched_value(), vocab_mask),
+                                           inputs=vocab_mask)
+
+    def result(self) -> Any:
+        if self.sampled is None:
+            raise RuntimeError("the result of a delayed-sampling forward was read before its sampling was launched")
+        return self.sampled.result()
+
 
 class ForwardStream:
     """Runs forward jobs in launch order, off the scheduling thread."""
@@ -107,9 +137,10 @@ class ForwardStream:
             forward_done.record(self.forward_stream)
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(forward_done)
-            # The copy stream reads this tensor after the forward thread moves on: keep it.
-            device_outputs.append(result.next_token_ids)
-            result.next_token_ids = result.next_token_ids.to("cpu", non_blocking=True)
+            if result.next_token_ids is not None:  # None: a forward whose sampling is delayed
+                # The copy stream reads this tensor after the forward thread moves on: keep it.
+                device_outputs.append(result.next_token_ids)
+                result.next_token_ids = result.next_token_ids.to("cpu", non_blocking=True)
             copy_done.record(self.copy_stream)
         return result
 

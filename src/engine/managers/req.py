@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set
 import torch
 
 if TYPE_CHECKING:
+    from engine.constrained.base_grammar_backend import BaseGrammarObject
     from engine.sampling.sampling_params import SamplingParams
 
 # Only the estimation of future decode room is clipped at this many tokens; stop conditions never are.
@@ -86,6 +87,8 @@ class Req:
         self.eos_token_ids: Set[int] = set(eos_token_ids or ())
         self.vocab_size = vocab_size
         self.tokenizer: Any = None  # set by the scheduler; decodes tails for stop strings
+        # Constrained decoding: this request's matcher, advanced with every accepted token.
+        self.grammar: Optional["BaseGrammarObject"] = None
 
         self.output_ids: List[int] = []
         self.fill_ids: List[int] = []  # tokens that will be in the KV cache after this round
@@ -217,6 +220,21 @@ class Req:
                 return
         if len(self.output_ids) >= self.max_new_tokens:
             self.finished_reason = FINISH_LENGTH(self.max_new_tokens)
+            return
+        if self.grammar is not None and self.grammar.is_terminated():
+            # The grammar accepted a stop token that ignore_eos kept from finishing the request.
+            self.finished_reason = FINISH_MATCHED_TOKEN(last)
+
+    def accept_grammar_token(self, token: int) -> None:
+        """Advance the matcher by the token just appended; a token the grammar does not allow
+        (no token could continue the output: a dead end) finishes the request with an abort."""
+        if self.grammar is None or self.finished() or self.to_finish is not None:
+            return
+        if not self.grammar.accept_token(token):
+            self.to_finish = FINISH_ABORT(
+                f"Constrained decoding reached a dead end after {len(self.output_ids) - 1} output tokens: "
+                "no token allowed by the grammar can continue the output (check that the constraint, "
+                "min_tokens and the stop settings are compatible).", 400, "BadRequestError")
 
     def _stop_window(self) -> int:
         # A stop string may be produced in more tokens than it encodes to (" world" spelled letter

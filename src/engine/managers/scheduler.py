@@ -14,7 +14,8 @@ import time
 from collections import deque
 from typing import Any, Callable, Deque, Dict, List, Optional
 
-
+from engine.constrained.grammar_manager import GrammarManager
+from engine.constrained.vocab_mask import build_vocab_mask
 from engine.managers.io_struct import (
     AbortReq,
     FlushCacheReqInput,
@@ -23,7 +24,7 @@ from engine.managers.io_struct import (
     GetInternalStateReqOutput,
     TokenizedGenerateReqInput,
 )
-from engine.managers.overlap_utils import ForwardStream, PendingResult
+from engine.managers.overlap_utils import DelayedSample, ForwardStream, PendingResult
 from engine.managers.req import FINISH_ABORT, Req
 from engine.managers.schedule_batch import ScheduleBatch
 from engine.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
@@ -34,6 +35,9 @@ logger = logging.getLogger(__name__)
 INIT_NEW_TOKEN_RATIO = 0.7
 MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
 NEW_TOKEN_RATIO_DECAY_STEPS = 600
+# With only grammar compilations pending, the loop waits this long at most for one to finish
+# (new requests are noticed at the next iteration).
+GRAMMAR_IDLE_WAIT_S = 0.005
 
 
 class MemoryLeakError(RuntimeError):
@@ -107,6 +111,8 @@ class Scheduler:
         self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
         self.new_token_ratio = self.init_new_token_ratio
 
+        # Constrained decoding: the grammar queue and the compiled-grammar cache (constrained/).
+        self.grammar_manager = GrammarManager(self._create_grammar_backend, sync_ready_count=_tp_min_or_none())
         self.results = ResultProcessor(self.tree_cache)
         self.streamer = OutputStreamer(server_args.stream_interval)
         self._to_stream: List[Req] = []  # requests that may emit at the end of this iteration
@@ -132,6 +138,13 @@ class Scheduler:
         self.total_cached_tokens = 0
         self.last_gen_throughput = 0.0
         self._reported_leak: Optional[tuple] = None  # the last leak logged by check_memory
+
+    def _create_grammar_backend(self):
+        from engine.constrained.base_grammar_backend import create_grammar_backend
+
+        return create_grammar_backend(
+            self.server_args.grammar_backend, self.tokenizer, self.vocab_size, sorted(self.eos_token_ids),
+            any_whitespace=not self.server_args.constrained_json_disable_any_whitespace)
 
     def _empty_batch(self) -> ScheduleBatch:
         return ScheduleBatch.init_new([], self.req_to_token_pool, self.token_to_kv_pool_allocator,
@@ -189,7 +202,11 @@ class Scheduler:
         self._clamp_max_new_tokens(req)
         if sp.stop_strs and self.tokenizer is None:
             return self._abort_at_admission(req, "stop strings need a tokenizer; this scheduler has none", 400)
-        self._add_request_to_queue(req)
+        queued, error = self.grammar_manager.process_req_with_grammar(req)
+        if error is not None:
+            return self._abort_at_admission(req, error, 400)
+        if not queued:
+            self._add_request_to_queue(req)
 
     def _validate_input(self, req: Req) -> Optional[str]:
         ids = req.origin_input_ids
@@ -234,6 +251,10 @@ class Scheduler:
         def match(req: Req) -> bool:
             return recv.abort_all or (bool(recv.rid) and req.rid.startswith(recv.rid))
 
+        for req in self.grammar_manager.abort_requests(match):
+            # Waiting for its grammar, it holds no KV either.
+            req.finished_reason = FINISH_ABORT()
+            self._to_stream.append(req)
         kept = []
         for req in self.waiting_queue:
             if match(req):
@@ -257,7 +278,8 @@ class Scheduler:
     # ================================================================== control
     def is_fully_idle(self) -> bool:
         return (self.running_batch.is_empty() and not self.waiting_queue and self.chunked_req is None
-                and (self.last_batch is None or self.last_batch.is_empty()) and not self.result_queue)
+                and (self.last_batch is None or self.last_batch.is_empty()) and not self.result_queue
+                and not len(self.grammar_manager))
 
     def flush_cache(self) -> FlushCacheReqOutput:
         if not self.is_fully_idle():
@@ -269,6 +291,7 @@ class Scheduler:
         self.tree_cache.reset()
         self.req_to_token_pool.clear()
         self.token_to_kv_pool_allocator.clear()
+        self.grammar_manager.reset()
         self.new_token_ratio = self.init_new_token_ratio
         logger.info("Cache flushed successfully!")
         return FlushCacheReqOutput(success=True, message="Cache flushed.")
@@ -283,6 +306,7 @@ class Scheduler:
             "num_waiting_reqs": len(self.waiting_queue),
             # Prompt tokens queued but not yet admitted: the load SGLang's router balances on.
             "waiting_tokens": sum(len(req.origin_input_ids) for req in self.waiting_queue),
+            "num_grammar_queue_reqs": len(self.grammar_manager),
             "max_running_requests": self.max_running_requests,
             "max_req_input_len": self.max_req_input_len,
             "context_len": self.context_len,
@@ -300,6 +324,7 @@ class Scheduler:
             self._teardown_chunked_req()
         if self.waiting_timeout > 0:
             self._abort_on_waiting_timeout()
+        self._move_ready_grammar_requests()
         if self.chunked_req is not None:
             # Make the processed chunks tree-owned and locked; the next chunk extends them.
             self.tree_cache.cache_unfinished_req(self.chunked_req)
@@ -327,6 +352,14 @@ class Scheduler:
             if not self.running_batch.is_empty():
                 return self.running_batch
         return None
+
+    def _move_ready_grammar_requests(self) -> None:
+        """Requests whose grammar finished compiling join the waiting queue (or are refused)."""
+        ready, refused = self.grammar_manager.get_ready_grammar_requests()
+        for req in ready:
+            self._add_request_to_queue(req)
+        for req, error in refused:
+            self._abort_at_admission(req, error, 400)
 
     def _abort_on_waiting_timeout(self) -> None:
         deadline = time.monotonic() - self.waiting_timeout
@@ -423,6 +456,11 @@ class Scheduler:
                 "KV cache pool is full. Retract requests. #retracted_reqs: %d, #aborted_reqs: %d, "
                 "#new_token_ratio: %.4f -> %.4f", len(retracted), len(aborted), old_ratio, self.new_token_ratio)
             for req in retracted:
+                if req.grammar is not None and not req.grammar.sync_with(req.output_ids):
+                    req.set_finish_with_abort("The grammar state could not be restored after retraction.", 500,
+                                              "InternalServerError")
+                    self._to_stream.append(req)
+                    continue
                 self._add_request_to_queue(req, is_retracted=True)
             self._to_stream.extend(aborted)
         else:
@@ -435,23 +473,48 @@ class Scheduler:
 
     # ================================================================== running
     def run_batch(self, batch: ScheduleBatch):
-        """Run the forward now (normal loop) or launch it on the forward stream (overlap loop)."""
+        """Run the forward now (normal loop) or launch it on the forward stream (overlap loop).
+
+        A batch with constrained requests samples under its vocabulary mask, which needs every
+        earlier token accepted by the matchers. When an earlier result is still unprocessed
+        (overlap), the forward is launched at once and its sampling is delayed: the loop calls
+        `launch_batch_sample_if_needed` after processing that result.
+        """
         self.forward_ct += 1
         worker_batch = batch.get_model_worker_batch()
         sleep_s = self.forward_sleep_s
+        delay_sample = False
+        if any(req.grammar is not None for req in batch.reqs):
+            if self.enable_overlap and self.result_queue:
+                delay_sample = True
+            else:
+                worker_batch.sampling_info.vocab_mask = build_vocab_mask(batch.reqs, self.vocab_size)
 
         def forward():
             if sleep_s > 0:  # the testing aid: a slow (or hung) forward, on the forward thread
                 time.sleep(sleep_s)
+            if delay_sample:
+                return self.worker.forward_batch_generation(worker_batch, delay_sample=True)
             return self.worker.forward_batch_generation(worker_batch)
 
         # The pending result keeps worker_batch's tensors alive until it is processed (the CUDA
         # caching allocator must not hand them out while the forward still reads them).
         pending = self.forward_stream.launch(forward, inputs=worker_batch)
+        if delay_sample:
+            return DelayedSample(pending, self.worker.sample_delayed, self.forward_stream)
         return pending if self.enable_overlap else pending.result()
 
+    def launch_batch_sample_if_needed(self) -> None:
+        """Sample the newest launched batch if its sampling waits for a mask: every older result
+        has been processed by now, so its matchers are current."""
+        if not self.result_queue:
+            return
+        batch, result = self.result_queue[-1]
+        if isinstance(result, DelayedSample) and result.sampled is None:
+            result.launch_sample(build_vocab_mask(batch.reqs, self.vocab_size))
+
     def process_batch_result(self, batch: ScheduleBatch, result) -> None:
-        if isinstance(result, PendingResult):
+        if isinstance(result, (PendingResult, DelayedSample)):
             result = result.result()  # waits for copy_done only here
         if batch.forward_mode.is_decode():
             emit = self.results.process_decode(batch, result)
@@ -509,6 +572,7 @@ class Scheduler:
             self.result_queue.append((batch.copy(), self.run_batch(batch)))
         if not disable_overlap and len(self.result_queue) > (1 if batch is not None else 0):
             self._pop_and_process()
+        self.launch_batch_sample_if_needed()
         if batch is None and not self.result_queue:
             self.on_idle()
         self.last_batch = batch
@@ -541,8 +605,12 @@ class Scheduler:
     def shutdown(self) -> None:
         """Stop the forward thread (in-process use; the scheduler process just exits)."""
         self.forward_stream.shutdown()
+        self.grammar_manager.shutdown()
 
     def on_idle(self) -> None:
+        if len(self.grammar_manager) and self.running_batch.is_empty() and not self.waiting_queue:
+            # Only compilations are pending: wait for the first one instead of spinning.
+            self.grammar_manager.wait_for_progress(GRAMMAR_IDLE_WAIT_S)
         if not self.is_fully_idle():
             return
         self.new_token_ratio = self.init_new_token_ratio
@@ -601,3 +669,10 @@ class Scheduler:
 
     def cache_hit_rate(self) -> float:
         return self.total_cached_tokens / max(self.total_prompt_tokens, 1)
+
+
+def _tp_min_or_none() -> Optional[Callable[[int], int]]:
+    """With TP > 1, the collective that makes every rank take the same number of ready grammars."""
+    from engine.distributed.parallel_state import all_reduce_min_int, get_tp_size
+
+    return all_reduce_min_int if get_tp_size() > 1 else None

@@ -82,6 +82,7 @@ class ResultProcessor:
         req.output_ids.append(token)
         if req.return_logprob:
             lp.collect_output(req, row, token)
+        req.accept_grammar_token(token)
         req.check_finished()
         if req.finished():
             self.tree_cache.cache_finished_req(req)

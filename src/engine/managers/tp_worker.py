@@ -17,7 +17,9 @@ logger = logging.getLogger(__name__)
 @dataclass
 class GenerationBatchResult:
     logits_output: Any  # LogitsProcessorOutput (or None for a fake worker without logprobs)
-    next_token_ids: torch.Tensor  # [bs] int64
+    next_token_ids: Optional[torch.Tensor]  # [bs] int64; None until a delayed sampling ran
+    # Kept by a forward whose sampling is delayed (delay_sample=True) for sample_delayed().
+    forward_batch: Optional[ForwardBatch] = None
 
 
 def worker_limits(max_total_num_tokens: int, context_len: int, req_pool_size: int,
@@ -74,12 +76,30 @@ class TpModelWorker:
     def eos_token_ids(self) -> set:
         return set(self.model_config.eos_token_ids or ())
 
-    def forward_batch_generation(self, batch: ModelWorkerBatch) -> GenerationBatchResult:
+    def forward_batch_generation(self, batch: ModelWorkerBatch, delay_sample: bool = False) -> GenerationBatchResult:
+        """Forward and sample. With `delay_sample` only the forward runs: the result carries the
+        logits until `sample_delayed` (the vocabulary mask of a constrained batch is known only
+        after the previous step's tokens were accepted by the matchers)."""
         forward_batch = ForwardBatch.init_new(batch, self.model_runner)
         if batch.relay_rows is not None:
             forward_batch.input_ids = resolve_relay_input_ids(
                 forward_batch.input_ids, batch.relay_rows.to(self.device), self.output_tokens_buf)
         logits_output = self.model_runner.forward(forward_batch)
+        if delay_sample:
+            return GenerationBatchResult(logits_output=logits_output, next_token_ids=None,
+                                         forward_batch=forward_batch)
+        return self._sample(logits_output, forward_batch)
+
+    def sample_delayed(self, result: GenerationBatchResult,
+                       vocab_mask: Optional[torch.Tensor]) -> GenerationBatchResult:
+        """The sampling half of a delayed forward, with this step's vocabulary mask."""
+        forward_batch = result.forward_batch
+        assert forward_batch is not None, "sample_delayed needs a forward run with delay_sample=True"
+        if forward_batch.sampling_info is not None:
+            forward_batch.sampling_info.vocab_mask = vocab_mask
+        return self._sample(result.logits_output, forward_batch)
+
+    def _sample(self, logits_output: Any, forward_batch: ForwardBatch) -> GenerationBatchResult:
         next_token_ids = self.model_runner.sample(logits_output, forward_batch)
         write_relay(self.output_tokens_buf, forward_batch.req_pool_indices, next_token_ids)
         return GenerationBatchResult(logits_output=logits_output, next_token_ids=next_token_ids)

@@ -27,6 +27,7 @@ from typing import Any, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from engine.constrained.vocab_mask import apply_vocab_mask
 from engine.sampling.penaltylib.orchestrator import BatchedPenalizerOrchestrator
 from engine.sampling.sampling_params import SAMPLING_EPS
 
@@ -66,6 +67,9 @@ class SamplingBatchInfo:
     seeds: Optional[torch.Tensor] = None
     seeded_mask: Optional[torch.Tensor] = None
     logit_bias: Optional[torch.Tensor] = None  # [bs, vocab] float32, or None
+    # Constrained decoding: this step's int32 vocabulary bitmask (constrained/vocab_mask.py). Set
+    # only on a forward snapshot, for one step, by whoever knows the matchers' current state.
+    vocab_mask: Optional[torch.Tensor] = None
     pending_layout_ops: List[LayoutOp] = field(default_factory=list)
 
     # ------------------------------------------------------------------ construction
@@ -207,7 +211,9 @@ class SamplingBatchInfo:
 
     @torch.inference_mode()
     def apply_logits_bias(self, logits: torch.Tensor) -> None:
-        """Penalties, then min_new_tokens masking, then logit_bias, in place on [bs, >=vocab] logits."""
+        """Penalties, then min_new_tokens masking, then logit_bias, then the grammar's vocabulary
+        mask, in place on [bs, >=vocab] logits: the mask comes last so that every sampling path,
+        greedy included, picks only a token the grammar allows."""
         orchestrator = self._settle_layout()
         if logits.shape[1] > self.vocab_size:
             # Padded LM-head columns are not tokens; they must never be sampled.
@@ -217,6 +223,8 @@ class SamplingBatchInfo:
             orchestrator.apply(logits)
         if self.logit_bias is not None:
             logits.add_(self.logit_bias)
+        if self.vocab_mask is not None:
+            apply_vocab_mask(logits, self.vocab_mask)
 
     @torch.inference_mode()
     def update_after_sample(self, next_token_ids: torch.Tensor) -> None:

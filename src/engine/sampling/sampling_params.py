@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set, Union
+from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
 logger = logging.getLogger(__name__)
 
@@ -44,17 +44,20 @@ _PARAM_NAMES = (
     "n",
     "sampling_seed",
     "logit_bias",
+    "json_schema",
+    "regex",
+    "ebnf",
 )
+
+# The structured-output constraints (SGLang's names); a request may carry at most one.
+CONSTRAINT_NAMES = ("json_schema", "regex", "ebnf")
 
 
 # SGLang sampling parameters this engine does not implement, with what they would need. A client
 # that sends one as null (or empty) gets the default behaviour; a real value is a clear 400 rather
 # than a silently different generation.
 UNSUPPORTED_PARAMS: Dict[str, str] = {
-    "json_schema": "constrained decoding is not implemented",
-    "regex": "constrained decoding is not implemented",
-    "ebnf": "constrained decoding is not implemented",
-    "structural_tag": "constrained decoding is not implemented",
+    "structural_tag": "structural tags are not implemented; use json_schema, regex or ebnf",
     "stop_regex": "regex stop conditions are not implemented",
     "custom_params": "custom logit processors are not implemented",
     "stream_interval": "the stream interval is per server: --stream-interval",
@@ -121,6 +124,11 @@ class SamplingParams:
     n: int = 1
     sampling_seed: Optional[int] = None
     logit_bias: Optional[Dict[Union[str, int], float]] = None
+    # Constrained decoding: a JSON schema (as JSON text), a regular expression or an EBNF grammar
+    # the output must match. The scheduler compiles it (constrained/) and masks the vocabulary.
+    json_schema: Optional[str] = None
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
     # Derived by normalize(): the longest stop string, in tokens when a tokenizer was given
     # (else in characters, an over-estimate), so the scheduler knows how much tail to decode.
     stop_str_max_len: int = field(default=0, compare=False)
@@ -146,6 +154,9 @@ class SamplingParams:
         n: Optional[int] = None,
         sampling_seed: Optional[int] = None,
         logit_bias: Optional[Dict[Union[str, int], float]] = None,
+        json_schema: Optional[str] = None,
+        regex: Optional[str] = None,
+        ebnf: Optional[str] = None,
         **others: Any,
     ) -> None:
         # null means "the default" for every parameter, as in SGLang: its clients (the router,
@@ -170,6 +181,9 @@ class SamplingParams:
         self.n = _or(n, 1)
         self.sampling_seed = sampling_seed
         self.logit_bias = logit_bias
+        self.json_schema = json_schema
+        self.regex = regex
+        self.ebnf = ebnf
         self.stop_str_max_len = 0
 
     # ------------------------------------------------------------------ validation
@@ -181,6 +195,7 @@ class SamplingParams:
         self._verify_flags()
         self._verify_stops(vocab_size)
         self._verify_logit_bias(vocab_size)
+        self._verify_constraint()
 
     def _verify_numbers(self) -> None:
         checks = (
@@ -252,6 +267,24 @@ class SamplingParams:
                 raise _range_error(
                     f"logit_bias[{key!r}]", f"a number in [-{LOGIT_BIAS_LIMIT:g}, {LOGIT_BIAS_LIMIT:g}]", value
                 )
+
+    def _verify_constraint(self) -> None:
+        given = [name for name in CONSTRAINT_NAMES if getattr(self, name) is not None]
+        if len(given) > 1:
+            raise ValueError(f"Only one of json_schema, regex and ebnf may be given, got {', '.join(given)}")
+        for name in given:
+            value = getattr(self, name)
+            if not isinstance(value, str) or not value.strip():
+                raise _range_error(name, "a non-empty string", value)
+
+    @property
+    def constraint(self) -> Optional[Tuple[str, str]]:
+        """(kind, text) of the output constraint, kind in json_schema | regex | ebnf; or None."""
+        for name in CONSTRAINT_NAMES:
+            value = getattr(self, name)
+            if value is not None:
+                return name, value
+        return None
 
     # ------------------------------------------------------------------ normalisation
 

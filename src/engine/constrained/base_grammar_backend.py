@@ -1,0 +1,200 @@
+"""Grammar backends for constrained decoding: one interface, compiled grammars cached by constraint.
+
+A request's constraint is a `GrammarKey`, (kind, text) with kind in json_schema | regex | ebnf.
+The backend compiles it into a template `BaseGrammarObject` on a thread pool (compilation can take
+from microseconds to seconds, and the scheduling thread must not wait for it); the template is
+cached under its key, and every request gets its own matcher with `copy()`. A constraint that fails
+to compile is cached too, as its error message, so a client that resends it is answered at once.
+
+The vocabulary mask is the format xgrammar and SGLang use: an int32 tensor [batch, ceil(vocab/32)]
+where bit j of word w allows token 32 * w + j. `constrained/vocab_mask.py` builds and applies it.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from abc import ABC, abstractmethod
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any, Dict, List, Optional, Sequence, Tuple
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+GrammarKey = Tuple[str, str]
+
+
+class GrammarCompileError(ValueError):
+    """A constraint that cannot be compiled; the message says what is wrong with it."""
+
+
+class BaseGrammarObject(ABC):
+    """One request's position in its grammar (a matcher over token ids).
+
+    `num_accepted` counts the tokens accepted since the start, so the scheduler can check that the
+    matcher state and the request's output ids agree (after a retraction) and repair it.
+    """
+
+    def __init__(self) -> None:
+        self.num_accepted = 0
+
+    @abstractmethod
+    def _accept(self, token: int) -> bool:
+        """Advance by `token`; False (state unchanged) if the grammar does not allow it."""
+
+    @abstractmethod
+    def _rollback(self, num_tokens: int) -> bool:
+        """Undo the last `num_tokens` accepted tokens; False if the backend cannot go that far back."""
+
+    @abstractmethod
+    def _reset(self) -> None:
+        """Back to the start of the grammar."""
+
+    @abstractmethod
+    def is_terminated(self) -> bool:
+        """The grammar accepted a stop token: the output is complete."""
+
+    @abstractmethod
+    def fill_vocab_mask(self, vocab_mask: torch.Tensor, row: int) -> None:
+        """Write the allowed next tokens into row `row` of an int32 bitmask."""
+
+    @abstractmethod
+    def copy(self) -> "BaseGrammarObject":
+        """A fresh matcher at the start of the same compiled grammar."""
+
+    def accept_token(self, token: int) -> bool:
+        if not self._accept(token):
+            return False
+        self.num_accepted += 1
+        return True
+
+    def sync_with(self, output_ids: Sequence[int]) -> bool:
+        """Bring the matcher to the state after `output_ids` (a retraction may have dropped
+        tokens it had accepted): roll back, or rebuild from the start. False if the output ids
+        themselves do not match the grammar."""
+        n = len(output_ids)
+        if self.num_accepted > n:
+            if self._rollback(self.num_accepted - n):
+                self.num_accepted = n
+            else:
+                self._reset()
+                self.num_accepted = 0
+        for token in output_ids[self.num_accepted:]:
+            if not self.accept_token(token):
+                return False
+        return True
+
+
+@dataclass
+class CacheEntry:
+    """A compiled constraint: its template matcher, or why it could not be compiled."""
+
+    grammar: Optional[BaseGrammarObject] = None
+    error: Optional[str] = None
+
+
+class BaseGrammarBackend(ABC):
+    """Compiles constraints off the scheduling thread and caches them by key.
+
+    Only the scheduling thread calls these methods; the thread pool runs `_compile` only.
+    """
+
+    def __init__(self, num_threads: int = 2) -> None:
+        self.executor = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="grammar-compile")
+        self.cache: Dict[GrammarKey, CacheEntry] = {}
+        # Compilations in flight: requests with the same constraint share one.
+        self.pending: Dict[GrammarKey, Future] = {}
+
+    def get_cached_or_future_value(self, key: GrammarKey) -> Tuple[Optional[CacheEntry], Optional[Future]]:
+        """(entry, None) when the key was compiled before, else (None, future of its entry)."""
+        entry = self.cache.get(key)
+        if entry is not None:
+            return entry, None
+        future = self.pending.get(key)
+        if future is None:
+            future = self.executor.submit(self._compile, key)
+            self.pending[key] = future
+        return None, future
+
+    def set_cache(self, key: GrammarKey, entry: CacheEntry) -> None:
+        self.cache[key] = entry
+        self.pending.pop(key, None)
+
+    def _compile(self, key: GrammarKey) -> CacheEntry:
+        kind, text = key
+        try:
+            if kind == "json_schema":
+                grammar = self.dispatch_json(text)
+            elif kind == "regex":
+                grammar = self.dispatch_regex(text)
+            elif kind == "ebnf":
+                grammar = self.dispatch_ebnf(text)
+            else:
+                raise GrammarCompileError(f"Unknown constraint kind {kind!r}")
+        except GrammarCompileError as e:
+            return CacheEntry(error=str(e))
+        except Exception as e:  # noqa: BLE001 - any backend failure is this request's error
+            logger.exception("Grammar compilation failed for %s", kind)
+            return CacheEntry(error=f"Invalid {kind}: {e}")
+        return CacheEntry(grammar=grammar)
+
+    @abstractmethod
+    def dispatch_json(self, schema: str) -> BaseGrammarObject:
+        """Compile a JSON schema (JSON text); raise GrammarCompileError when it is invalid."""
+
+    @abstractmethod
+    def dispatch_regex(self, regex: str) -> BaseGrammarObject:
+        """Compile a regular expression; raise GrammarCompileError when it is invalid."""
+
+    @abstractmethod
+    def dispatch_ebnf(self, ebnf: str) -> BaseGrammarObject:
+        """Compile an EBNF grammar (GBNF dialect, root rule `root`); raise GrammarCompileError."""
+
+    def reset(self) -> None:
+        """Forget every compiled grammar (flush_cache). In-flight compilations finish unseen."""
+        self.cache.clear()
+        self.pending.clear()
+
+    def shutdown(self) -> None:
+        self.executor.shutdown(wait=False, cancel_futures=True)
+
+
+def create_grammar_backend(
+    name: str, tokenizer: Any, vocab_size: int, stop_token_ids: List[int], any_whitespace: bool = True
+) -> Tuple[Optional[BaseGrammarBackend], Optional[str]]:
+    """(backend, None), or (None, why constrained requests will be refused)."""
+    if name == "none":
+        return None, "Constrained decoding is disabled on this server (--grammar-backend none)."
+    if name != "xgrammar":
+        raise ValueError(f"Unknown grammar backend {name!r}")
+    if tokenizer is None:
+        return None, "Constrained decoding needs the tokenizer, which this server does not load."
+    try:
+        from engine.constrained.xgrammar_backend import XGrammarGrammarBackend
+    except ImportError:
+        logger.warning("xgrammar is not installed: constrained decoding is off (pip install 'engine[grammar]').")
+        return None, "Constrained decoding needs the xgrammar package, which is not installed on this server."
+    threads = max(1, min(4, os.cpu_count() or 1))
+    try:
+        backend = XGrammarGrammarBackend(tokenizer, vocab_size, stop_token_ids, any_whitespace=any_whitespace,
+                                         num_threads=threads)
+    except Exception as e:  # noqa: BLE001 - a tokenizer xgrammar cannot index: refuse, do not crash
+        logger.warning("Constrained decoding is off: xgrammar cannot use this tokenizer (%s)", e)
+        return None, f"Constrained decoding is unavailable: xgrammar cannot use this model's tokenizer ({e})."
+    return backend, None
+
+
+# xgrammar's C++ errors start with a timestamp and a source location; the rest is the message.
+_CPP_PREFIX = re.compile(r"^\[[0-9:]+\]\s+\S+:\d+:\s*")
+_CHECK_PREFIX = re.compile(r"^Check failed: \(.*?\) is false:\s*")
+
+
+def clean_backend_error(error: Exception) -> str:
+    """The user-facing part of a backend error message (one line)."""
+    text = str(error).strip()
+    text = _CPP_PREFIX.sub("", text)
+    text = _CHECK_PREFIX.sub("", text)
+    return " ".join(text.split())

@@ -1,0 +1,149 @@
+"""The scheduler's grammar queue: constrained requests wait here while their grammar compiles.
+
+A constrained request whose grammar is cached gets its matcher at once and goes to the waiting
+queue; otherwise it waits in the grammar queue and the compilation runs on the backend's thread
+pool, so neither the scheduling thread nor the other requests wait for it. Every scheduling step
+moves the requests whose grammar is ready (in arrival order) to the waiting queue. A grammar that
+failed to compile, took longer than the timeout, or a server without a grammar backend, turns the
+request into an abort with a message that says why.
+
+With tensor parallelism every rank compiles on its own: the ranks agree on how many requests
+leave the queue in a step (the minimum over ranks), so they keep making the same decisions.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import os
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
+
+from engine.constrained.base_grammar_backend import BaseGrammarBackend, CacheEntry, GrammarKey
+
+if TYPE_CHECKING:
+    from engine.managers.req import Req
+
+logger = logging.getLogger(__name__)
+
+# Seconds a request may wait for its grammar (SGLANG_GRAMMAR_TIMEOUT's role); then it is aborted
+# and the constraint is remembered as failed.
+GRAMMAR_TIMEOUT_S = float(os.environ.get("ENGINE_GRAMMAR_TIMEOUT", "300"))
+
+
+@dataclass
+class _Waiting:
+    req: "Req"
+    key: GrammarKey
+    future: concurrent.futures.Future
+    since: float
+
+
+BackendFactory = Callable[[], Tuple[Optional[BaseGrammarBackend], Optional[str]]]
+
+
+class GrammarManager:
+    def __init__(self, backend_factory: BackendFactory, sync_ready_count: Optional[Callable[[int], int]] = None,
+                 timeout_s: float = GRAMMAR_TIMEOUT_S) -> None:
+        # The backend is built when the first constrained request arrives: a server that never
+        # sees one never imports xgrammar or indexes its vocabulary.
+        self._backend_factory: Optional[BackendFactory] = backend_factory
+        self.backend: Optional[BaseGrammarBackend] = None
+        self.disabled_reason: Optional[str] = None
+        # TP > 1: reduces a rank's ready count to the minimum over ranks.
+        self.sync_ready_count = sync_ready_count
+        self.timeout_s = timeout_s
+        self.grammar_queue: List[_Waiting] = []
+
+    def __len__(self) -> int:
+        return len(self.grammar_queue)
+
+    # ------------------------------------------------------------------ admission
+    def process_req_with_grammar(self, req: "Req") -> Tuple[bool, Optional[str]]:
+        """Attach a matcher to a constrained request: (queued, error).
+
+        (False, None): the matcher is attached, the request may be scheduled now; (True, None):
+        it waits in the grammar queue; (False, message): refuse the request with that message.
+        """
+        key = req.sampling_params.constraint
+        if key is None:
+            return False, None
+        if self._backend_factory is not None:
+            factory, self._backend_factory = self._backend_factory, None
+            self.backend, self.disabled_reason = factory()
+        if self.backend is None:
+            return False, self.disabled_reason
+        entry, future = self.backend.get_cached_or_future_value(key)
+        if entry is not None:
+            return False, self._attach(req, entry)
+        self.grammar_queue.append(_Waiting(req, key, future, time.monotonic()))
+        return True, None
+
+    @staticmethod
+    def _attach(req: "Req", entry: CacheEntry) -> Optional[str]:
+        if entry.grammar is None:
+            return entry.error
+        req.grammar = entry.grammar.copy()
+        return None
+
+    # ------------------------------------------------------------------ every step
+    def get_ready_grammar_requests(self) -> Tuple[List["Req"], List[Tuple["Req", str]]]:
+        """Requests leaving the queue this step: (ready to schedule, refused with a message)."""
+        if not self.grammar_queue:
+            return [], []
+        now = time.monotonic()
+        count = 0
+        for waiting in self.grammar_queue:
+            if not (waiting.future.done() or now - waiting.since > self.timeout_s):
+                break
+            count += 1
+        if self.sync_ready_count is not None:
+            count = self.sync_ready_count(count)
+        leaving, self.grammar_queue = self.grammar_queue[:count], self.grammar_queue[count:]
+        ready: List["Req"] = []
+        refused: List[Tuple["Req", str]] = []
+        for waiting in leaving:
+            entry = self._resolve(waiting)
+            error = self._attach(waiting.req, entry)
+            if error is None:
+                ready.append(waiting.req)
+            else:
+                refused.append((waiting.req, error))
+        return ready, refused
+
+    def _resolve(self, waiting: _Waiting) -> CacheEntry:
+        assert self.backend is not None
+        entry = self.backend.cache.get(waiting.key)
+        if entry is not None:
+            return entry
+        if waiting.future.done():
+            entry = waiting.future.result()
+        else:
+            entry = CacheEntry(error=f"The grammar did not compile within {self.timeout_s:g} s.")
+            logger.warning("Grammar compilation timed out for request %s", waiting.req.rid)
+        self.backend.set_cache(waiting.key, entry)
+        return entry
+
+    def wait_for_progress(self, timeout_s: float) -> None:
+        """Block until the oldest compilation finishes (or `timeout_s`): used when the scheduler
+        has nothing else to do, so it neither spins nor sleeps longer than needed."""
+        if self.grammar_queue:
+            concurrent.futures.wait([self.grammar_queue[0].future], timeout=timeout_s)
+
+    # ------------------------------------------------------------------ aborts and control
+    def abort_requests(self, match: Callable[["Req"], bool]) -> List["Req"]:
+        """Remove and return the waiting requests `match` selects (their compilations go on and
+        are cached for the next request with the same constraint)."""
+        aborted = [w.req for w in self.grammar_queue if match(w.req)]
+        if aborted:
+            self.grammar_queue = [w for w in self.grammar_queue if not match(w.req)]
+        return aborted
+
+    def reset(self) -> None:
+        if self.backend is not None:
+            self.backend.reset()
+
+    def shutdown(self) -> None:
+        if self.backend is not None:
+            self.backend.shutdown()
