@@ -53,6 +53,7 @@ class FakeTokenizerManager:
         self.raw_requests: List[Any] = []
         self.closed_early: List[str] = []
         self.templates: List[List[dict]] = []
+        self.template_tools: List[Optional[list]] = []
 
     # ------------------------------------------------------------------ generation
     async def generate_request(self, obj: GenerateReqInput, request: Any = None) -> AsyncIterator[Any]:
@@ -171,6 +172,7 @@ class FakeTokenizerManager:
     def apply_chat_template(self, messages: List[dict], add_generation_prompt: bool = True,
                             tools: Optional[list] = None) -> List[int]:
         self.templates.append(messages)
+        self.template_tools.append(tools)
         if any(m["content"] == "bad template" for m in messages):
             raise EngineRequestError("Failed to apply the chat template: roles must alternate")
         return self.tokenizer.encode("".join(m["content"] for m in messages))
@@ -584,7 +586,7 @@ def test_chat_stream_logprobs(client: TestClient) -> None:
     assert tokens == ["b", "c", "d"]
 
 
-def test_chat_errors_then_good_request(client: TestClient) -> None:
+def test_chat_errors_then_good_request(client: TestClient, manager: FakeTokenizerManager) -> None:
     user = [{"role": "user", "content": "a"}]
     bad_bodies = [
         ({}, "messages"),
@@ -600,8 +602,18 @@ def test_chat_errors_then_good_request(client: TestClient) -> None:
         ({"messages": user, "top_logprobs": 21, "logprobs": True}, "top_logprobs"),
         ({"messages": user, "top_logprobs": 2}, "needs logprobs"),
         ({"messages": user, "logprobs": "yes"}, "logprobs"),
-        ({"messages": user, "response_format": {"type": "json_object"}}, "not supported"),
-        ({"messages": user, "tools": [{"type": "function", "function": {"name": "f"}}]}, "not supported"),
+        ({"messages": user, "response_format": {"type": "xml"}}, "response_format"),
+        ({"messages": user, "response_format": {"type": "json_schema"}}, "needs a json_schema"),
+        ({"messages": user, "tools": [{"type": "function", "function": {"name": "f"}}]}, "--tool-call-parser"),
+        ({"messages": user, "tool_choice": "required"}, "needs tools"),
+        ({"messages": user, "tools": [{"type": "function", "function": {"name": "f"}}],
+          "tool_choice": {"type": "function", "function": {"name": "g"}}}, "not among the tools"),
+        ({"messages": user, "tools": [{"type": "function", "function": {"name": "f"}}] * 2,
+          "tool_choice": "required"}, "distinct"),
+        ({"messages": user, "tools": [{"type": "function", "function": {"name": "bad name!"}}],
+          "tool_choice": "none"}, "name"),
+        ({"messages": user, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+          "response_format": {"type": "json_object"}}, "cannot be combined"),
         ({"messages": user, "n": 1000}, "n"),
         ({"messages": user, "temperature": -0.1}, "temperature"),
         ({"messages": user, "stop": ["s"] * 40}, "stop"),
@@ -612,11 +624,40 @@ def test_chat_errors_then_good_request(client: TestClient) -> None:
         assert_error(client.post("/v1/chat/completions", json=body), 400, needle)
     assert_error(client.post("/v1/chat/completions", content=b"nope", headers={"content-type": "application/json"}),
                  400, "json")
-    # Trivial forms of unsupported features are fine.
+    # Tools switched off are neither shown to the model nor parsed.
     ok = client.post("/v1/chat/completions", json={
         "messages": user, "max_tokens": 1, "response_format": {"type": "text"}, "tool_choice": "none",
         "tools": [{"type": "function", "function": {"name": "f"}}]})
     assert ok.status_code == 200 and ok.json()["choices"][0]["message"]["content"] == "b"
+    assert manager.template_tools[-1] is None and "json_schema" not in manager.requests[-1].sampling_params[0]
+
+
+def test_response_format_and_forced_tools_become_json_schema(client: TestClient, manager: FakeTokenizerManager) -> None:
+    """response_format and a forced tool choice travel as the native json_schema constraint; the
+    tools reach the chat template."""
+    user = [{"role": "user", "content": "a"}]
+    schema = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    client.post("/v1/chat/completions", json={"messages": user, "max_tokens": 1,
+                                              "response_format": {"type": "json_object"}})
+    assert json.loads(manager.requests[-1].sampling_params[0]["json_schema"]) == {"type": "object"}
+    client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "response_format": {
+        "type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}})
+    assert json.loads(manager.requests[-1].sampling_params[0]["json_schema"]) == schema
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": schema}},
+             {"type": "function", "function": {"name": "g"}}]
+    client.post("/v1/chat/completions", json={"messages": user, "max_tokens": 1, "tools": tools,
+                                              "tool_choice": {"type": "function", "function": {"name": "f"}},
+                                              "parallel_tool_calls": False})
+    constraint = json.loads(manager.requests[-1].sampling_params[0]["json_schema"])
+    assert constraint["type"] == "array" and constraint["minItems"] == 1 and constraint["maxItems"] == 1
+    assert constraint["items"]["properties"] == {"name": {"type": "string", "enum": ["f"]}, "parameters": schema}
+    assert [t["function"]["name"] for t in manager.template_tools[-1]] == ["f", "g"]
+    client.post("/v1/chat/completions", json={"messages": user, "max_tokens": 1, "tools": tools,
+                                              "tool_choice": "required"})
+    constraint = json.loads(manager.requests[-1].sampling_params[0]["json_schema"])
+    assert "maxItems" not in constraint
+    assert [item["properties"]["name"]["enum"] for item in constraint["items"]["anyOf"]] == [["f"], ["g"]]
 
 
 def test_chat_abort_is_error(client: TestClient) -> None:

@@ -270,7 +270,7 @@ def create_app(
     _install_error_handlers(app)
     app.state.tokenizer_manager = tokenizer_manager
     app.state.server_args = server_args
-    serving_chat = OpenAIServingChat(tokenizer_manager)
+    serving_chat = OpenAIServingChat(tokenizer_manager, server_args.tool_call_parser, server_args.reasoning_parser)
     serving_completion = OpenAIServingCompletion(tokenizer_manager)
     created = int(time.time())
 

@@ -7,6 +7,7 @@ request can ask for.
 
 from __future__ import annotations
 
+import json
 import time
 import uuid
 from typing import Any, Dict, List, Literal, Optional, Union
@@ -65,6 +66,40 @@ class ModelList(BaseModel):
     data: List[ModelCard] = Field(default_factory=list)
 
 
+# ---------------------------------------------------------------------------- structured outputs
+class JsonSchemaFormat(BaseModel):
+    """OpenAI's `response_format.json_schema`: the output must match `schema` (always enforced:
+    constrained decoding makes `strict` true whatever the request says)."""
+
+    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
+
+    name: str = Field(default="response", max_length=64)
+    description: Optional[str] = None
+    schema_: Optional[Dict[str, Any]] = Field(default=None, alias="schema")
+    strict: Optional[bool] = None
+
+
+class ResponseFormat(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: Optional[JsonSchemaFormat] = None
+
+    @model_validator(mode="after")
+    def _check_schema(self) -> "ResponseFormat":
+        if self.type == "json_schema" and self.json_schema is None:
+            raise ValueError("response_format of type 'json_schema' needs a json_schema object")
+        return self
+
+    def to_json_schema(self) -> Optional[str]:
+        """The JSON schema text the output is constrained by (None for plain text)."""
+        if self.type == "json_object" or (self.type == "json_schema" and self.json_schema.schema_ is None):
+            return '{"type": "object"}'
+        if self.type == "json_schema":
+            return json.dumps(self.json_schema.schema_)
+        return None
+
+
 # ---------------------------------------------------------------------------- sampling fields
 class SamplingFields(BaseModel):
     """Sampling fields shared by completions and chat (OpenAI names plus SGLang's extras)."""
@@ -97,6 +132,7 @@ class SamplingFields(BaseModel):
     spaces_between_special_tokens: bool = True
     no_stop_trim: bool = False
     rid: Optional[str] = None
+    response_format: Optional[ResponseFormat] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -245,10 +281,38 @@ class ChatCompletionMessageParam(BaseModel):
         return "\n".join(part.text for part in self.content)
 
 
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="allow", strict=True)
+_FUNCTION_NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
 
-    type: str
+
+class FunctionDefinition(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: str = Field(pattern=_FUNCTION_NAME)
+    description: Optional[str] = None
+    parameters: Optional[Dict[str, Any]] = None
+    strict: Optional[bool] = None
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["function"] = "function"
+    function: FunctionDefinition
+
+
+class ToolChoiceFunction(BaseModel):
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    name: str
+
+
+class ToolChoice(BaseModel):
+    """A named function the model must call."""
+
+    model_config = ConfigDict(extra="ignore", strict=True)
+
+    type: Literal["function"] = "function"
+    function: ToolChoiceFunction
 
 
 class ChatCompletionRequest(SamplingFields):
@@ -257,9 +321,13 @@ class ChatCompletionRequest(SamplingFields):
     max_completion_tokens: Optional[int] = Field(default=None, ge=1)
     logprobs: bool = False
     top_logprobs: Optional[int] = Field(default=None, ge=0, le=MAX_TOP_LOGPROBS)
-    response_format: Optional[ResponseFormat] = None
-    tools: Optional[List[Dict[str, Any]]] = None
-    tool_choice: Optional[Union[str, Dict[str, Any]]] = None
+    tools: Optional[List[Tool]] = None
+    # Default: "auto" when tools are given, else "none" (OpenAI's rule).
+    tool_choice: Optional[Union[Literal["none", "auto", "required"], ToolChoice]] = None
+    parallel_tool_calls: bool = True
+    # SGLang's reasoning fields: return the reasoning apart (reasoning_content), and stream it.
+    separate_reasoning: bool = True
+    stream_reasoning: bool = True
 
     @field_validator("messages")
     @classmethod
@@ -268,22 +336,35 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("messages must not be empty")
         return value
 
-    @field_validator("response_format")
-    @classmethod
-    def _check_response_format(cls, value: Optional[ResponseFormat]) -> Optional[ResponseFormat]:
-        if value is not None and value.type != "text":
-            raise ValueError(f"response_format type {value.type!r} is not supported (only 'text')")
-        return value
-
     @model_validator(mode="after")
     def _check_chat_fields(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
-        # Tool calling needs a tool-call parser we do not have; only a request that switches
-        # tools off is harmless.
-        if self.tools and self.tool_choice != "none":
-            raise ValueError("tools are not supported (only with tool_choice 'none')")
+        self._check_tools()
         return self
+
+    def _check_tools(self) -> None:
+        if self.tool_choice is not None and self.tool_choice != "none" and not self.tools:
+            raise ValueError(f"tool_choice {self.resolved_tool_choice_name()!r} needs tools")
+        names = [tool.function.name for tool in self.tools or []]
+        if len(set(names)) != len(names):
+            raise ValueError("tools must have distinct function names")
+        if isinstance(self.tool_choice, ToolChoice) and self.tool_choice.function.name not in names:
+            raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, which is not "
+                             f"among the tools ({', '.join(names)})")
+        forced = self.tool_choice == "required" or isinstance(self.tool_choice, ToolChoice)
+        if forced and self.response_format is not None and self.response_format.type != "text":
+            raise ValueError("response_format cannot be combined with tool_choice 'required' or a named "
+                             "function: the tools' schemas already constrain the output")
+
+    def resolved_tool_choice(self) -> Union[str, ToolChoice]:
+        if self.tool_choice is not None:
+            return self.tool_choice
+        return "auto" if self.tools else "none"
+
+    def resolved_tool_choice_name(self) -> str:
+        choice = self.tool_choice
+        return choice.function.name if isinstance(choice, ToolChoice) else str(choice)
 
     def resolved_max_tokens(self) -> Optional[int]:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
@@ -306,9 +387,29 @@ class ChoiceLogprobs(BaseModel):
     content: List[ChatCompletionTokenLogprob] = Field(default_factory=list)
 
 
+class FunctionCall(BaseModel):
+    name: Optional[str] = None
+    arguments: Optional[str] = None
+
+
+class ToolCall(BaseModel):
+    id: str
+    type: Literal["function"] = "function"
+    function: FunctionCall
+
+
+class DeltaToolCall(BaseModel):
+    index: int
+    id: Optional[str] = None
+    type: Optional[Literal["function"]] = None
+    function: FunctionCall
+
+
 class ChatMessage(BaseModel):
     role: str = "assistant"
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[List[ToolCall]] = None
 
 
 class ChatCompletionResponseChoice(BaseModel):
@@ -331,6 +432,8 @@ class ChatCompletionResponse(BaseModel):
 class DeltaMessage(BaseModel):
     role: Optional[str] = None
     content: Optional[str] = None
+    reasoning_content: Optional[str] = None
+    tool_calls: Optional[List[DeltaToolCall]] = None
 
 
 class ChatCompletionResponseStreamChoice(BaseModel):

@@ -1,4 +1,8 @@
-"""POST /v1/chat/completions: messages -> chat template -> TokenizerManager.generate_request."""
+"""POST /v1/chat/completions: messages -> chat template -> TokenizerManager.generate_request.
+
+Tools and reasoning are handled by chat_parsing.py: the constraint a forced tool choice implies,
+and the split of each choice's text into reasoning_content, content and tool_calls.
+"""
 
 from __future__ import annotations
 
@@ -9,6 +13,13 @@ from typing import Any, AsyncIterator, Dict, List, Optional
 from fastapi import Request
 from fastapi.responses import Response, StreamingResponse
 
+from engine.entrypoints.openai.chat_parsing import (
+    ChatParsing,
+    ChoiceDelta,
+    ChoiceStreamParser,
+    parse_choice,
+    tools_for_template,
+)
 from engine.entrypoints.openai.logprobs import to_chat_logprobs
 from engine.entrypoints.openai.protocol import (
     ChatCompletionRequest,
@@ -46,24 +57,31 @@ logger = logging.getLogger(__name__)
 
 
 class OpenAIServingChat:
-    def __init__(self, tokenizer_manager: Any) -> None:
+    def __init__(self, tokenizer_manager: Any, tool_call_parser: Optional[str] = None,
+                 reasoning_parser: Optional[str] = None) -> None:
         self.tokenizer_manager = tokenizer_manager
+        self.tool_call_parser = tool_call_parser
+        self.reasoning_parser = reasoning_parser
 
     # ------------------------------------------------------------------ entry
     async def handle_request(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
         request_id = request.rid or f"chatcmpl-{random_uuid()}"
         try:
+            parsing, tool_constraint = ChatParsing.for_request(request, self.tool_call_parser, self.reasoning_parser)
             prompt_ids = self.tokenizer_manager.apply_chat_template(
-                _template_messages(request), add_generation_prompt=True, tools=None
+                _template_messages(request), add_generation_prompt=True, tools=tools_for_template(request)
             )
         except EngineRequestError as exc:
             return error_response_from_exception(exc)
         except Exception as exc:  # a template that rejects the conversation (jinja raise_exception)
             logger.info("chat template rejected request %s: %s", request_id, exc)
             return create_error_response(f"The chat template rejected the messages: {exc}", 400)
+        sampling_params = build_sampling_params(request, self._max_new_tokens(request, len(prompt_ids)))
+        if tool_constraint is not None:
+            sampling_params["json_schema"] = tool_constraint
         obj = GenerateReqInput(
             input_ids=list(prompt_ids),
-            sampling_params=build_sampling_params(request, self._max_new_tokens(request, len(prompt_ids))),
+            sampling_params=sampling_params,
             rid=request_id,
             stream=request.stream,
             return_logprob=request.logprobs,
@@ -76,13 +94,13 @@ class OpenAIServingChat:
             if error is not None:
                 return error
             return StreamingResponse(
-                self._stream_body(request, request_id, first, stream), media_type="text/event-stream"
+                self._stream_body(request, parsing, request_id, first, stream), media_type="text/event-stream"
             )
         try:
             result = await next_output(stream, raw_request)
         except (EngineRequestError, ValueError) as exc:
             return error_response_from_exception(exc)
-        return self._full_response(request, request_id, as_output_list(result))
+        return self._full_response(request, parsing, request_id, as_output_list(result))
 
     def _max_new_tokens(self, request: ChatCompletionRequest, prompt_len: int) -> int:
         explicit = request.resolved_max_tokens()
@@ -103,7 +121,7 @@ class OpenAIServingChat:
 
     # ------------------------------------------------------------------ non-streaming
     def _full_response(
-        self, request: ChatCompletionRequest, request_id: str, outputs: List[Dict[str, Any]]
+        self, request: ChatCompletionRequest, parsing: ChatParsing, request_id: str, outputs: List[Dict[str, Any]]
     ) -> Response:
         choices = []
         for index, output in enumerate(outputs):
@@ -112,10 +130,15 @@ class OpenAIServingChat:
             if aborted is not None:
                 return create_error_response(*aborted)
             finish_reason, matched = finish_reason_to_openai(meta.get("finish_reason"))
+            parsed = parse_choice(parsing, output["text"])
+            if parsed.tool_calls and finish_reason == "stop":
+                finish_reason, matched = "tool_calls", None
+            message = ChatMessage(role="assistant", content=parsed.content, reasoning_content=parsed.reasoning,
+                                  tool_calls=parsed.tool_calls or None)
             choices.append(
                 ChatCompletionResponseChoice(
                     index=index,
-                    message=ChatMessage(role="assistant", content=output["text"]),
+                    message=message,
                     logprobs=self._logprobs(
                         request, meta.get("output_token_logprobs") or [], meta.get("output_top_logprobs") or []
                     ),
@@ -129,16 +152,23 @@ class OpenAIServingChat:
             model=self.tokenizer_manager.served_model_name,
             choices=choices,
             usage=make_usage(outputs, request.n),
-        )
-        return OrjsonResponse(response.model_dump())
+        ).model_dump()
+        for choice in response["choices"]:
+            # Fields a plain answer does not have are left out rather than sent as null.
+            for key in ("reasoning_content", "tool_calls"):
+                if choice["message"][key] is None:
+                    del choice["message"][key]
+        return OrjsonResponse(response)
 
     # ------------------------------------------------------------------ streaming
     async def _stream_body(
-        self, request: ChatCompletionRequest, request_id: str, first: Any, stream: AsyncIterator[Any]
+        self, request: ChatCompletionRequest, parsing: ChatParsing, request_id: str, first: Any,
+        stream: AsyncIterator[Any],
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
         model = self.tokenizer_manager.served_model_name
         cursors = [ChoiceCursor() for _ in range(request.n)]
+        parsers = [ChoiceStreamParser(parsing) for _ in range(request.n)]
 
         def chunk(index: int, delta: DeltaMessage, logprobs: Optional[ChoiceLogprobs] = None,
                   finish_reason: Optional[str] = None, matched: Any = None) -> bytes:
@@ -153,9 +183,22 @@ class OpenAIServingChat:
                     )
                 ],
             ).model_dump()
-            # A delta carries only what it has: {"role": ...}, {"content": ...} or {}.
+            # A delta carries only what it has: {"role": ...}, {"content": ...}, {"tool_calls": ...} or {}.
             body["choices"][0]["delta"] = delta.model_dump(exclude_none=True)
             return sse_event(body)
+
+        def parsed_chunks(index: int, parsed: ChoiceDelta, logprobs: Optional[ChoiceLogprobs]) -> List[bytes]:
+            deltas = []
+            if parsed.reasoning:
+                deltas.append(DeltaMessage(reasoning_content=parsed.reasoning))
+            if parsed.content:
+                deltas.append(DeltaMessage(content=parsed.content))
+            if parsed.tool_calls:
+                deltas.append(DeltaMessage(tool_calls=parsed.tool_calls))
+            if not deltas and logprobs is not None:
+                deltas.append(DeltaMessage(content=""))
+            # The new tokens' logprobs ride on the first chunk they produced.
+            return [chunk(index, d, logprobs if i == 0 else None) for i, d in enumerate(deltas)]
 
         try:
             for index in range(request.n):
@@ -169,10 +212,14 @@ class OpenAIServingChat:
                     yield SSE_DONE
                     return
                 delta, new_tokens, new_tops = cursors[index].advance(output)
-                if delta or new_tokens:
-                    yield chunk(index, DeltaMessage(content=delta), self._logprobs(request, new_tokens, new_tops))
+                parsed = parsers[index].feed(delta, final=finish is not None)
+                logprobs = self._logprobs(request, new_tokens, new_tops) if new_tokens else None
+                for piece in parsed_chunks(index, parsed, logprobs):
+                    yield piece
                 if finish is not None:
                     finish_reason, matched = finish_reason_to_openai(finish)
+                    if parsers[index].has_tool_calls and finish_reason == "stop":
+                        finish_reason, matched = "tool_calls", None
                     yield chunk(index, DeltaMessage(), finish_reason=finish_reason, matched=matched)
             if request.stream_options is not None and request.stream_options.include_usage:
                 outputs = [c.last_output for c in cursors if c.last_output is not None]

@@ -173,6 +173,7 @@ def build_sampling_params(request: SamplingFields, max_new_tokens: Optional[int]
         "sampling_seed": request.seed,
         "logit_bias": request.logit_bias or None,
         "n": request.n if request.n > 1 else None,
+        "json_schema": request.response_format.to_json_schema() if request.response_format is not None else None,
     }
     params = {key: value for key, value in params.items() if value is not None}
     # Booleans are always sent: False is a meaningful choice that must override nothing.
