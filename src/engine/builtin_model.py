@@ -39,7 +39,7 @@ logger = logging.getLogger(__name__)
 
 BUILTIN_MODEL_NAME = "engine-builtin"
 # Bump the suffix whenever any written byte changes, so stale caches are never reused.
-BUILTIN_MODEL_DIRNAME = "builtin-model-v1"
+BUILTIN_MODEL_DIRNAME = "builtin-model-v2"
 
 BOS_TOKEN = "<|begin_of_text|>"
 EOS_TOKEN = "<|end_of_text|>"
@@ -82,13 +82,12 @@ MODEL_FILES: tuple[str, ...] = (
 # Roles render as `<|role|>\n{content}<|eot|>\n`; the rendered text starts with BOS (as Llama 3
 # does), so it must be encoded with add_special_tokens=False. Content may be a string or a list
 # of OpenAI-style parts, of which the text parts are kept.
-CHAT_TEMPLATE = (
-    "{{- bos_token -}}"
-    "{%- for message in messages -%}"
-    "{%- if message['role'] not in ['system', 'user', 'assistant'] -%}"
-    "{{- raise_exception('Unsupported chat role: ' ~ message['role']) -}}"
-    "{%- endif -%}"
-    "{{- '<|' ~ message['role'] ~ '|>\\n' -}}"
+#
+# Tools follow the Hermes / Qwen 2.5 convention (`--tool-call-parser qwen25`): their signatures go
+# into the system turn inside <tools></tools>, an assistant turn's tool calls render as
+# `<tool_call>\n{"name": ..., "arguments": ...}\n</tool_call>`, and a tool result is a user turn
+# wrapped in <tool_response></tool_response>. Without tools the rendering is unchanged.
+_CONTENT = (
     "{%- if message['content'] is string -%}"
     "{{- message['content'] -}}"
     "{%- elif message['content'] is iterable -%}"
@@ -96,7 +95,38 @@ CHAT_TEMPLATE = (
     "{%- if part['type'] == 'text' -%}{{- part['text'] -}}{%- endif -%}"
     "{%- endfor -%}"
     "{%- endif -%}"
+)
+CHAT_TEMPLATE = (
+    "{{- bos_token -}}"
+    "{%- if tools -%}"
+    "{{- '<|system|>\\n' -}}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}"
+    "{%- set message = messages[0] -%}" + _CONTENT + "{{- '\\n\\n' -}}"
+    "{%- endif -%}"
+    "{{- '# Tools\\nYou may call one or more functions. Their signatures:\\n<tools>\\n' -}}"
+    "{%- for tool in tools -%}{{- tool | tojson -}}{{- '\\n' -}}{%- endfor -%}"
+    "{{- '</tools>\\nFor each call, answer <tool_call>\\n{\"name\": <name>, \"arguments\": <JSON object>}"
+    "\\n</tool_call><|eot|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{%- if tools and loop.first and message['role'] == 'system' -%}"
+    "{%- elif message['role'] == 'tool' -%}"
+    "{{- '<|user|>\\n<tool_response>\\n' -}}" + _CONTENT + "{{- '\\n</tool_response><|eot|>\\n' -}}"
+    "{%- elif message['role'] in ['system', 'user', 'assistant'] -%}"
+    "{{- '<|' ~ message['role'] ~ '|>\\n' -}}" + _CONTENT +
+    "{%- if message['role'] == 'assistant' and message['tool_calls'] -%}"
+    "{%- for call in message['tool_calls'] -%}"
+    "{%- set function = call['function'] if call['function'] is defined else call -%}"
+    "{{- '<tool_call>\\n{\"name\": ' ~ (function['name'] | tojson) ~ ', \"arguments\": ' -}}"
+    "{%- if function['arguments'] is string -%}{{- function['arguments'] -}}"
+    "{%- else -%}{{- function['arguments'] | tojson -}}{%- endif -%}"
+    "{{- '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{%- endif -%}"
     "{{- '<|eot|>\\n' -}}"
+    "{%- else -%}"
+    "{{- raise_exception('Unsupported chat role: ' ~ message['role']) -}}"
+    "{%- endif -%}"
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|assistant|>\\n' -}}{%- endif -%}"
 )

@@ -133,10 +133,10 @@ def test_losing_a_publish_race_keeps_the_winner(tmp_path: Path, monkeypatch: pyt
 
 def test_default_location(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(tmp_path))
-    assert bm.builtin_model_dir() == str(tmp_path / "builtin-model-v1")
+    assert bm.builtin_model_dir() == str(tmp_path / "builtin-model-v2")
     monkeypatch.delenv("ENGINE_CACHE_DIR")
     monkeypatch.setenv("HOME", str(tmp_path / "home"))
-    assert bm.builtin_model_dir() == str(tmp_path / "home" / ".cache" / "engine" / "builtin-model-v1")
+    assert bm.builtin_model_dir() == str(tmp_path / "home" / ".cache" / "engine" / "builtin-model-v2")
     assert not (tmp_path / "home").exists()  # computing the path writes nothing
 
 
@@ -216,6 +216,28 @@ def test_chat_template(tokenizer) -> None:
     assert ids.count(bm.EOT_TOKEN_ID) == 4
     with pytest.raises(Exception, match="Unsupported chat role"):
         tokenizer.apply_chat_template([{"role": "robot", "content": "beep"}], tokenize=False)
+
+
+def test_chat_template_with_tools(tokenizer) -> None:
+    """Hermes-style tools: signatures in the system turn, calls in <tool_call>, results as a user
+    turn in <tool_response>; the prompt without tools is unchanged by their support."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+    messages = [
+        {"role": "system", "content": "Be brief."},
+        {"role": "user", "content": "Weather?"},
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "sunny"},
+    ]
+    text = tokenizer.apply_chat_template(messages, tools=tools, tokenize=False, add_generation_prompt=True)
+    assert text.startswith("<|begin_of_text|><|system|>\nBe brief.\n\n# Tools\n")
+    assert '<tools>\n{"type": "function", "function": {"name": "get_weather"' in text
+    assert text.count("<|system|>") == 1
+    assert ('<|assistant|>\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
+            "</tool_call><|eot|>\n") in text
+    assert text.endswith("<|user|>\n<tool_response>\nsunny\n</tool_response><|eot|>\n<|assistant|>\n")
+    plain = tokenizer.apply_chat_template(messages[:2], tokenize=False, add_generation_prompt=True)
+    assert plain == "<|begin_of_text|><|system|>\nBe brief.<|eot|>\n<|user|>\nWeather?<|eot|>\n<|assistant|>\n"
 
 
 # --------------------------------------------------------------------------- round trips
