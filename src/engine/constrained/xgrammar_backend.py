@@ -22,6 +22,16 @@ from engine.constrained.base_grammar_backend import (
 
 logger = logging.getLogger(__name__)
 
+# xgrammar (0.2.x) compiles a string with minLength / maxLength to characters that include raw
+# control characters, which JSON forbids: the output would not parse. Such strings are rewritten
+# to the same length bounds over the characters JSON allows unescaped (a pattern compiles
+# correctly). Long bounds make the pattern's automaton big, so only these are rewritten.
+MAX_REWRITTEN_STRING_LENGTH = 64
+_JSON_SAFE_CHAR = r'[^"\\\x00-\x1f]'
+_SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
+_SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems")
+_SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "contains", "additionalItems")
+
 
 class XGrammarGrammar(BaseGrammarObject):
     def __init__(self, compiled: xgr.CompiledGrammar) -> None:
@@ -70,6 +80,8 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
             raise GrammarCompileError(f"Invalid json_schema: it is not valid JSON ({e}).") from None
         if not isinstance(parsed, (dict, bool)):
             raise GrammarCompileError("Invalid json_schema: a JSON schema must be an object (or a boolean).")
+        if _rewrite_length_bounded_strings(parsed):
+            schema = json.dumps(parsed)
         try:
             compiled = self.compiler.compile_json_schema(schema, any_whitespace=self.any_whitespace)
         except (RuntimeError, ValueError, TypeError) as e:
@@ -93,3 +105,35 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
     def reset(self) -> None:
         super().reset()
         self.compiler.clear_cache()
+
+
+def _rewrite_length_bounded_strings(schema: Any) -> bool:
+    """Rewrite, in place, the length-bounded strings xgrammar would compile wrongly; True if any."""
+    if isinstance(schema, list):
+        return any([_rewrite_length_bounded_strings(item) for item in schema])
+    if not isinstance(schema, dict):
+        return False
+    changed = False
+    if _is_plain_length_bounded_string(schema):
+        low = schema.pop("minLength", 0)
+        high = schema.pop("maxLength", None)
+        schema["pattern"] = f"^{_JSON_SAFE_CHAR}{{{low},{'' if high is None else high}}}$"
+        changed = True
+    for key in _SUBSCHEMA_MAPS:
+        if isinstance(schema.get(key), dict):
+            changed |= any([_rewrite_length_bounded_strings(sub) for sub in schema[key].values()])
+    for key in _SUBSCHEMA_LISTS + _SUBSCHEMAS:
+        if key in schema:
+            changed |= _rewrite_length_bounded_strings(schema[key])
+    return changed
+
+
+def _is_plain_length_bounded_string(schema: dict) -> bool:
+    if schema.get("type") != "string" or not ("minLength" in schema or "maxLength" in schema):
+        return False
+    if any(key in schema for key in ("pattern", "format", "enum", "const")):
+        return False
+    low, high = schema.get("minLength", 0), schema.get("maxLength")
+    if not isinstance(low, int) or (high is not None and not isinstance(high, int)):
+        return False
+    return high is None or (0 <= low <= high <= MAX_REWRITTEN_STRING_LENGTH)
