@@ -238,3 +238,31 @@ def test_min_new_tokens_blocks_eos_in_sampler() -> None:
 def test_empty_batch() -> None:
     ids, out, _ = run([], torch.zeros(0, VOCAB), return_logprob=True, top_logprobs_nums=[])
     assert ids.shape == (0,) and out.next_token_top_logprobs_val == []
+
+
+def test_seeded_noise_is_never_zero_so_masked_tokens_are_never_drawn() -> None:
+    """Seed 388's first-step noise at token 15577 was 0 when the uniform took 24 bits (the top
+    value rounded to 1.0): a token a grammar had masked out (p = 0) gave 0/0 = NaN, which argmax
+    picked; with p > 0 it gave inf and won whatever its probability."""
+    vocab = 16000
+    noise = seeded_exponential(torch.tensor([388]), torch.zeros(1, dtype=torch.int64), vocab)
+    assert (noise > 0).all() and torch.isfinite(noise).all()
+    logits = torch.full((1, vocab), float("-inf"))
+    logits[0, 3] = 0.5  # the only token the mask allows
+    ids, _, _ = run([make_req(sampling_seed=388, temperature=1.0)], logits, vocab=vocab)
+    assert ids.tolist() == [3]
+
+
+def test_vocab_mask_is_respected_by_greedy_and_sampling() -> None:
+    from engine.constrained.vocab_mask import allocate_vocab_mask
+
+    logits = fixed_logits(4, seed=5)
+    reqs = [make_req(temperature=0.0), make_req(temperature=1.3), make_req(sampling_seed=9), make_req(top_p=0.5)]
+    info = SamplingBatchInfo.from_reqs(reqs, VOCAB, "cpu")
+    info.vocab_mask = allocate_vocab_mask(4, VOCAB)
+    info.vocab_mask[:, :] = 0
+    info.vocab_mask[:, 1] = 0b101  # tokens 32 and 34 only
+    for trial in range(20):
+        torch.manual_seed(trial)
+        ids, _, _ = run(reqs, logits, info=info)
+        assert set(ids.tolist()) <= {32, 34}

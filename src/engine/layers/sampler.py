@@ -65,7 +65,9 @@ class Sampler(nn.Module):
             need_top_p=info.need_top_p_sampling,
             need_min_p=info.need_min_p_sampling,
         )
-        noise = torch.empty_like(probs).exponential_()
+        # exponential_ may return exactly 0; p / 0 would be inf (that token wins whatever its
+        # probability) or, for a token a grammar masked out (p = 0), NaN, which argmax picks.
+        noise = torch.empty_like(probs).exponential_().clamp_(min=torch.finfo(probs.dtype).tiny)
         if info.seeds is not None:
             seeded_noise = seeded_exponential(info.seeds, info.output_lens, probs.shape[1])
             noise = torch.where(info.seeded_mask.unsqueeze(1), seeded_noise, noise)
@@ -132,8 +134,9 @@ def seeded_exponential(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int
     row_key = _mix64(_mix64(seeds + _GOLDEN_GAMMA) ^ (steps * _GOLDEN_GAMMA))
     cols = torch.arange(1, vocab_size + 1, dtype=torch.int64, device=seeds.device)
     bits = _mix64(row_key.unsqueeze(1) + cols.unsqueeze(0) * _GOLDEN_GAMMA)
-    # Top 24 bits -> a float32-exact uniform strictly inside (0, 1).
-    uniform = (_shr(bits, 40).to(torch.float32) + 0.5) * (1.0 / (1 << 24))
+    # Top 23 bits -> a float32-exact uniform in [2^-24, 1 - 2^-24], strictly inside (0, 1). (With 24
+    # bits the largest value, 1 - 2^-25, rounded to 1.0: noise 0, so p / noise was inf or NaN.)
+    uniform = (_shr(bits, 41).to(torch.float32) + 0.5) * (1.0 / (1 << 23))
     return -torch.log(uniform)
 
 
