@@ -72,8 +72,9 @@ class Forecast(BaseModel):
 
 
 def test_openai_client_parse_with_a_pydantic_model(client: openai.OpenAI) -> None:
-    completion = client.chat.completions.parse(
-        model="default", messages=USER, response_format=Forecast, max_tokens=200, temperature=0.0)
+    # chat.completions.parse in current clients, beta.chat.completions.parse in older ones.
+    parse = getattr(client.chat.completions, "parse", None) or client.beta.chat.completions.parse
+    completion = parse(model="default", messages=USER, response_format=Forecast, max_tokens=200, temperature=0.0)
     choice = completion.choices[0]
     assert choice.finish_reason == "stop"
     assert isinstance(choice.message.parsed, Forecast)
