@@ -490,3 +490,22 @@ def test_vocab_mask_applies_to_every_sampling_path():
     apply_vocab_mask(logits, mask)
     assert torch.isinf(logits[0]).sum() == vocab - 1 and logits[0, 35] == before[0, 35]
     assert torch.equal(logits[1], before[1])  # an all-ones row changes nothing
+
+
+def test_vocab_mask_numpy_and_torch_paths_agree():
+    """float32 CPU logits take the numpy unpacking, other dtypes the torch shifts: same result,
+    also on a column slice of padded logits."""
+    from engine.constrained.vocab_mask import apply_vocab_mask
+
+    gen = torch.Generator().manual_seed(3)
+    mask = torch.randint(-(2**31), 2**31 - 1, (5, 4), dtype=torch.int32, generator=gen)
+    padded = torch.randn(5, 128, generator=gen)
+    fast = padded.clone()[:, :100]
+    slow = padded.double()[:, :100]
+    apply_vocab_mask(fast, mask)
+    apply_vocab_mask(slow, mask)
+    assert torch.equal(torch.isinf(fast), torch.isinf(slow)) and torch.isinf(fast).any()
+    for row in range(5):
+        for token in range(100):
+            allowed = (int(mask[row, token // 32]) >> (token % 32)) & 1
+            assert bool(torch.isinf(fast[row, token])) == (not allowed)

@@ -7,8 +7,10 @@ batch's mask at no cost.
 
 from __future__ import annotations
 
+import sys
 from typing import TYPE_CHECKING, Optional, Sequence
 
+import numpy as np
 import torch
 
 if TYPE_CHECKING:
@@ -47,6 +49,14 @@ _SHIFTS_CACHE: dict = {}
 def apply_vocab_mask(logits: torch.Tensor, vocab_mask: torch.Tensor) -> None:
     """Set the logits of disallowed tokens to -inf, in place ([bs, vocab] logits)."""
     bs, vocab = logits.shape
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and sys.byteorder == "little":
+        # numpy, in place: unpacking bits with torch's shifts costs ~1000x more on the CPU, and a
+        # torch masked_fill here waits on the forward's OpenMP team (measured 1 ms vs 25 ms for
+        # 64 x 2560 on a busy 2-core box). On a little-endian host bit j of int32 word w is bit
+        # j % 8 of byte 4 * w + j // 8.
+        bits = np.unpackbits(vocab_mask.numpy().view(np.uint8), axis=-1, bitorder="little")[:, :vocab]
+        np.copyto(logits.numpy(), -np.inf, where=bits == 0)
+        return
     device = logits.device
     shifts = _SHIFTS_CACHE.get(device)
     if shifts is None:
