@@ -96,13 +96,14 @@ def test_gauges_come_from_scheduler_states_and_vanish_without_them():
     assert "sglang:num_running_reqs" not in render(collector)
     collector.set_scheduler_states([
         {"num_running_reqs": 3, "num_waiting_reqs": 5, "token_usage": 0.5, "cache_hit_rate": 0.2,
-         "gen_throughput": 100.0},
+         "gen_throughput": 100.0, "num_grammar_queue_reqs": 2},
         {"num_running_reqs": 1, "num_waiting_reqs": 0, "token_usage": 0.1, "cache_hit_rate": 0.4,
-         "gen_throughput": 50.0},
+         "gen_throughput": 50.0, "num_grammar_queue_reqs": 1},
     ])
     parsed = render(collector)
     assert value(parsed, "sglang:num_running_reqs", model_name=MODEL) == 4
     assert value(parsed, "sglang:num_queue_reqs", model_name=MODEL) == 5
+    assert value(parsed, "sglang:num_grammar_queue_reqs", model_name=MODEL) == 3
     assert value(parsed, "sglang:token_usage", model_name=MODEL) == pytest.approx(0.3)
     assert value(parsed, "sglang:cache_hit_rate", model_name=MODEL) == pytest.approx(0.3)
     assert value(parsed, "sglang:gen_throughput", model_name=MODEL) == pytest.approx(150.0)

@@ -121,6 +121,8 @@ class SchedulerStateCollector:
     GAUGES = (
         ("num_running_reqs", "num_running_reqs", "Requests running in the scheduler.", "sum"),
         ("num_queue_reqs", "num_waiting_reqs", "Requests waiting in the scheduler's queue.", "sum"),
+        ("num_grammar_queue_reqs", "num_grammar_queue_reqs", "Requests waiting for their grammar to compile.",
+         "sum"),
         ("token_usage", "token_usage", "Fraction of the KV cache pool in use.", "mean"),
         ("cache_hit_rate", "cache_hit_rate", "Fraction of prompt tokens served from the prefix cache.", "mean"),
         ("gen_throughput", "gen_throughput", "Generation throughput (tokens/s) of recent decode batches.", "sum"),
