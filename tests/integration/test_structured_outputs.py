@@ -5,8 +5,6 @@ scheduler, mask, detokenizer, parsers)."""
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 from typing import Any, Dict, List, Literal
 
 import httpx
@@ -17,7 +15,6 @@ from pydantic import BaseModel, Field
 pytest.importorskip("xgrammar", reason="constrained decoding needs xgrammar (pip install xgrammar)")
 jsonschema = pytest.importorskip("jsonschema", reason="schema validation needs jsonschema")
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from utils_process import wait_until  # noqa: E402
 
 SERVER_ARGS = ["--constrained-json-disable-any-whitespace", "--tool-call-parser", "qwen25"]

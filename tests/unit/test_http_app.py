@@ -614,6 +614,11 @@ def test_chat_errors_then_good_request(client: TestClient, manager: FakeTokenize
           "tool_choice": "none"}, "name"),
         ({"messages": user, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
           "response_format": {"type": "json_object"}}, "cannot be combined"),
+        ({"messages": user, "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required",
+          "regex": "a+"}, "cannot be combined"),
+        ({"messages": user, "regex": "a+", "ebnf": 'root ::= "a"'}, "at most one output constraint"),
+        ({"messages": user, "json_schema": "{}", "response_format": {"type": "json_object"}},
+         "at most one output constraint"),
         ({"messages": user, "n": 1000}, "n"),
         ({"messages": user, "temperature": -0.1}, "temperature"),
         ({"messages": user, "stop": ["s"] * 40}, "stop"),
@@ -643,6 +648,11 @@ def test_response_format_and_forced_tools_become_json_schema(client: TestClient,
     client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "response_format": {
         "type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}})
     assert json.loads(manager.requests[-1].sampling_params[0]["json_schema"]) == schema
+    # SGLang's constraint extras travel as they are.
+    client.post("/v1/completions", json={"prompt": "a", "max_tokens": 1, "regex": "[ab]+"})
+    assert manager.requests[-1].sampling_params[0]["regex"] == "[ab]+"
+    client.post("/v1/chat/completions", json={"messages": user, "max_tokens": 1, "ebnf": 'root ::= "x"'})
+    assert manager.requests[-1].sampling_params[0]["ebnf"] == 'root ::= "x"'
 
     tools = [{"type": "function", "function": {"name": "f", "parameters": schema}},
              {"type": "function", "function": {"name": "g"}}]

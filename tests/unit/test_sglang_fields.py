@@ -132,7 +132,7 @@ def test_openai_requests_refuse_sglang_extras_in_use() -> None:
     chat = {"messages": [{"role": "user", "content": "hi"}], "separate_reasoning": True, "stream_reasoning": True,
             "continue_final_message": False, "return_hidden_states": False}
     assert ChatCompletionRequest(**chat).messages[0].text() == "hi"
-    for extra in ({"regex": "a+"}, {"continue_final_message": True}, {"lora_path": "adapter"}):
+    for extra in ({"stop_regex": "a+"}, {"continue_final_message": True}, {"lora_path": "adapter"}):
         with pytest.raises(ValidationError) as info:
             ChatCompletionRequest(**{**chat, **extra})
         assert f"{next(iter(extra))} is not supported" in str(info.value)

@@ -87,8 +87,7 @@ class ChatParsing:
         elif choice != "none":
             constraint = tool_call_schema(request.tools or [], choice, request.parallel_tool_calls)
             tool_parser = JsonArrayParser
-        constrained = constraint is not None or (
-            request.response_format is not None and request.response_format.type != "text")
+        constrained = constraint is not None or request.has_constraint()
         # A constrained answer starts at once: there is no reasoning to split off.
         reasoning = reasoning_parser if request.separate_reasoning and not constrained else None
         return cls(reasoning, tool_parser, request.stream_reasoning), constraint

@@ -133,6 +133,10 @@ class SamplingFields(BaseModel):
     no_stop_trim: bool = False
     rid: Optional[str] = None
     response_format: Optional[ResponseFormat] = None
+    # SGLang's constraint extras: the output matches the regex / EBNF grammar / JSON schema text.
+    regex: Optional[str] = None
+    ebnf: Optional[str] = None
+    json_schema: Optional[str] = None
 
     @model_validator(mode="before")
     @classmethod
@@ -168,7 +172,16 @@ class SamplingFields(BaseModel):
     def _check_stream_options(self) -> "SamplingFields":
         if self.stream_options is not None and not self.stream:
             raise ValueError("stream_options is only allowed when stream is true")
+        constraints = [name for name in ("regex", "ebnf", "json_schema") if getattr(self, name) is not None]
+        if self.response_format is not None and self.response_format.type != "text":
+            constraints.append("response_format")
+        if len(constraints) > 1:
+            raise ValueError(f"give at most one output constraint, got {', '.join(constraints)}")
         return self
+
+    def has_constraint(self) -> bool:
+        return any(getattr(self, name) is not None for name in ("regex", "ebnf", "json_schema")) or (
+            self.response_format is not None and self.response_format.type != "text")
 
 
 # ---------------------------------------------------------------------------- completions
@@ -353,9 +366,9 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError(f"tool_choice names the function {self.tool_choice.function.name!r}, which is not "
                              f"among the tools ({', '.join(names)})")
         forced = self.tool_choice == "required" or isinstance(self.tool_choice, ToolChoice)
-        if forced and self.response_format is not None and self.response_format.type != "text":
-            raise ValueError("response_format cannot be combined with tool_choice 'required' or a named "
-                             "function: the tools' schemas already constrain the output")
+        if forced and self.has_constraint():
+            raise ValueError("response_format (or regex, ebnf, json_schema) cannot be combined with tool_choice "
+                             "'required' or a named function: the tools' schemas already constrain the output")
 
     def resolved_tool_choice(self) -> Union[str, ToolChoice]:
         if self.tool_choice is not None:

@@ -75,13 +75,10 @@ NATIVE_UNSUPPORTED: Dict[str, Tuple[Tuple[Any, ...], str]] = {
 }
 
 # SGLang's extra fields of the OpenAI requests (python/sglang/srt/entrypoints/openai/protocol.py)
-# that change what is generated. Its other extras (separate_reasoning, stream_reasoning, ...)
-# have no effect without a reasoning parser and stay ignored like any unknown field.
+# that change what is generated. The implemented ones (regex, ebnf, json_schema,
+# separate_reasoning, stream_reasoning) are fields of the request models.
 OPENAI_UNSUPPORTED: Dict[str, Tuple[Tuple[Any, ...], str]] = {
-    "regex": (_NULL, "constrained decoding is not implemented"),
-    "ebnf": (_NULL, "constrained decoding is not implemented"),
-    "json_schema": (_NULL, "constrained decoding is not implemented"),
-    "structural_tag": (_NULL, "constrained decoding is not implemented"),
+    "structural_tag": (_NULL, "structural tags are not implemented; use json_schema, regex or ebnf"),
     "stop_regex": (_NULL, "regex stop conditions are not implemented"),
     "continue_final_message": (_FALSE, "continuing the final message is not implemented"),
     **{name: NATIVE_UNSUPPORTED[name] for name in (

@@ -173,8 +173,13 @@ def build_sampling_params(request: SamplingFields, max_new_tokens: Optional[int]
         "sampling_seed": request.seed,
         "logit_bias": request.logit_bias or None,
         "n": request.n if request.n > 1 else None,
-        "json_schema": request.response_format.to_json_schema() if request.response_format is not None else None,
+        "json_schema": request.json_schema,
+        "regex": request.regex,
+        "ebnf": request.ebnf,
     }
+    from_format = request.response_format.to_json_schema() if request.response_format is not None else None
+    if from_format is not None:  # SamplingFields refuses it together with the json_schema extra
+        params["json_schema"] = from_format
     params = {key: value for key, value in params.items() if value is not None}
     # Booleans are always sent: False is a meaningful choice that must override nothing.
     params["ignore_eos"] = request.ignore_eos
