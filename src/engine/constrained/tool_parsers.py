@@ -153,6 +153,22 @@ def scan_call_object(text: str, pos: int, name_keys: Sequence[str] = ("name",),
         pos = value_end
 
 
+def scan_call_sequence(text: str, pos: int, separator: str,
+                       args_keys: Sequence[str] = ("arguments", "parameters")) -> List[PartialCall]:
+    """Call objects from `pos` on, separated by `separator`, up to the first unfinished one."""
+    calls: List[PartialCall] = []
+    while True:
+        call, pos = scan_call_object(text, pos, args_keys=args_keys)
+        if call is None:
+            return calls
+        calls.append(call)
+        if not call.complete:
+            return calls
+        pos = skip_ws(text, pos)
+        if pos < len(text) and text[pos] == separator:
+            pos += 1
+
+
 def _held_back(text: str, markers: Sequence[str]) -> int:
     """Length of the longest suffix of `text` that could begin one of `markers`."""
     best = 0
@@ -220,19 +236,7 @@ class JsonArrayParser(ToolCallParser):
         pos = skip_ws(text, pos)
         if pos >= len(text) or text[pos] != "[":
             return Scan(normal)
-        pos += 1
-        calls: List[PartialCall] = []
-        while True:
-            call, pos = scan_call_object(text, pos)
-            if call is None:
-                break
-            calls.append(call)
-            if not call.complete:
-                break
-            pos = skip_ws(text, pos)
-            if pos < len(text) and text[pos] == ",":
-                pos += 1
-        return Scan(normal, calls)
+        return Scan(normal, scan_call_sequence(text, pos + 1, ","))
 
 
 class HermesParser(ToolCallParser):
@@ -286,18 +290,7 @@ class Llama3Parser(ToolCallParser):
                 keep = len(text) if final else len(text) - _held_back(text, [self.tag])
                 return Scan(text[:keep])
             normal = ""
-        calls: List[PartialCall] = []
-        while True:
-            call, pos = scan_call_object(text, pos, args_keys=("parameters", "arguments"))
-            if call is None:
-                break
-            calls.append(call)
-            if not call.complete:
-                break
-            pos = skip_ws(text, pos)
-            if pos < len(text) and text[pos] == ";":
-                pos += 1
-        return Scan(normal, calls)
+        return Scan(normal, scan_call_sequence(text, pos, ";", args_keys=("parameters", "arguments")))
 
 
 _PYTHONIC_START = re.compile(r"\[\s*[A-Za-z_][A-Za-z0-9_.]*\s*\(")

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
-from typing import Any, List
+from typing import Any, Callable, List
 
 import torch
 import xgrammar as xgr
@@ -82,29 +82,25 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
             raise GrammarCompileError("Invalid json_schema: a JSON schema must be an object (or a boolean).")
         if _rewrite_length_bounded_strings(parsed):
             schema = json.dumps(parsed)
-        try:
-            compiled = self.compiler.compile_json_schema(schema, any_whitespace=self.any_whitespace)
-        except (RuntimeError, ValueError, TypeError) as e:
-            raise GrammarCompileError(f"Invalid json_schema: {clean_backend_error(e)}") from None
-        return XGrammarGrammar(compiled)
+        return _compile("json_schema", lambda text: self.compiler.compile_json_schema(
+            text, any_whitespace=self.any_whitespace), schema)
 
     def dispatch_regex(self, regex: str) -> XGrammarGrammar:
-        try:
-            compiled = self.compiler.compile_regex(regex)
-        except (RuntimeError, ValueError, TypeError) as e:
-            raise GrammarCompileError(f"Invalid regex: {clean_backend_error(e)}") from None
-        return XGrammarGrammar(compiled)
+        return _compile("regex", self.compiler.compile_regex, regex)
 
     def dispatch_ebnf(self, ebnf: str) -> XGrammarGrammar:
-        try:
-            compiled = self.compiler.compile_grammar(ebnf)
-        except (RuntimeError, ValueError, TypeError) as e:
-            raise GrammarCompileError(f"Invalid ebnf: {clean_backend_error(e)}") from None
-        return XGrammarGrammar(compiled)
+        return _compile("ebnf", self.compiler.compile_grammar, ebnf)
 
     def reset(self) -> None:
         super().reset()
         self.compiler.clear_cache()
+
+
+def _compile(kind: str, compile_fn: Callable[[str], xgr.CompiledGrammar], text: str) -> XGrammarGrammar:
+    try:
+        return XGrammarGrammar(compile_fn(text))
+    except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse and conversion errors
+        raise GrammarCompileError(f"Invalid {kind}: {clean_backend_error(e)}") from None
 
 
 def _rewrite_length_bounded_strings(schema: Any) -> bool:

@@ -24,14 +24,8 @@ from engine.constrained.tool_parsers import (
     create_tool_call_parser,
     new_tool_call_id,
 )
-from engine.entrypoints.openai.protocol import (
-    ChatCompletionRequest,
-    DeltaToolCall,
-    FunctionCall,
-    Tool,
-    ToolCall,
-    ToolChoice,
-)
+from engine.entrypoints.openai.protocol import ChatCompletionRequest
+from engine.entrypoints.openai.protocol_tools import DeltaToolCall, FunctionCall, Tool, ToolCall, ToolChoice
 from engine.managers.errors import EngineRequestError
 
 

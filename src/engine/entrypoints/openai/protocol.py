@@ -7,13 +7,13 @@ request can ask for.
 
 from __future__ import annotations
 
-import json
 import time
 import uuid
 from typing import Any, Dict, List, Literal, Optional, Union
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from engine.entrypoints.openai.protocol_tools import DeltaToolCall, ResponseFormat, Tool, ToolCall, ToolChoice
 from engine.entrypoints.openai.sglang_fields import NATIVE_UNSUPPORTED, OPENAI_UNSUPPORTED, refuse_unsupported
 from engine.sampling.sampling_params import MAX_N  # the engine's one fan-out bound (n)
 
@@ -64,40 +64,6 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: str = "list"
     data: List[ModelCard] = Field(default_factory=list)
-
-
-# ---------------------------------------------------------------------------- structured outputs
-class JsonSchemaFormat(BaseModel):
-    """OpenAI's `response_format.json_schema`: the output must match `schema` (always enforced:
-    constrained decoding makes `strict` true whatever the request says)."""
-
-    model_config = ConfigDict(extra="ignore", strict=True, populate_by_name=True)
-
-    name: str = Field(default="response", max_length=64)
-    description: Optional[str] = None
-    schema_: Optional[Dict[str, Any]] = Field(default=None, alias="schema")
-    strict: Optional[bool] = None
-
-
-class ResponseFormat(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    type: Literal["text", "json_object", "json_schema"]
-    json_schema: Optional[JsonSchemaFormat] = None
-
-    @model_validator(mode="after")
-    def _check_schema(self) -> "ResponseFormat":
-        if self.type == "json_schema" and self.json_schema is None:
-            raise ValueError("response_format of type 'json_schema' needs a json_schema object")
-        return self
-
-    def to_json_schema(self) -> Optional[str]:
-        """The JSON schema text the output is constrained by (None for plain text)."""
-        if self.type == "json_object" or (self.type == "json_schema" and self.json_schema.schema_ is None):
-            return '{"type": "object"}'
-        if self.type == "json_schema":
-            return json.dumps(self.json_schema.schema_)
-        return None
 
 
 # ---------------------------------------------------------------------------- sampling fields
@@ -294,40 +260,6 @@ class ChatCompletionMessageParam(BaseModel):
         return "\n".join(part.text for part in self.content)
 
 
-_FUNCTION_NAME = r"^[A-Za-z0-9_.\-]{1,64}$"
-
-
-class FunctionDefinition(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    name: str = Field(pattern=_FUNCTION_NAME)
-    description: Optional[str] = None
-    parameters: Optional[Dict[str, Any]] = None
-    strict: Optional[bool] = None
-
-
-class Tool(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    type: Literal["function"] = "function"
-    function: FunctionDefinition
-
-
-class ToolChoiceFunction(BaseModel):
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    name: str
-
-
-class ToolChoice(BaseModel):
-    """A named function the model must call."""
-
-    model_config = ConfigDict(extra="ignore", strict=True)
-
-    type: Literal["function"] = "function"
-    function: ToolChoiceFunction
-
-
 class ChatCompletionRequest(SamplingFields):
     messages: List[ChatCompletionMessageParam]
     max_tokens: Optional[int] = Field(default=None, ge=1)
@@ -398,24 +330,6 @@ class ChatCompletionTokenLogprob(BaseModel):
 
 class ChoiceLogprobs(BaseModel):
     content: List[ChatCompletionTokenLogprob] = Field(default_factory=list)
-
-
-class FunctionCall(BaseModel):
-    name: Optional[str] = None
-    arguments: Optional[str] = None
-
-
-class ToolCall(BaseModel):
-    id: str
-    type: Literal["function"] = "function"
-    function: FunctionCall
-
-
-class DeltaToolCall(BaseModel):
-    index: int
-    id: Optional[str] = None
-    type: Optional[Literal["function"]] = None
-    function: FunctionCall
 
 
 class ChatMessage(BaseModel):
