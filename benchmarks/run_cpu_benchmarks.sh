@@ -33,3 +33,6 @@ for loop in overlap normal; do
 done
 # Issue 15: two workers behind sglang-router, cache_aware against round_robin, and the router's overhead.
 run router python benchmarks/bench_router.py --server-args "--device cpu --max-total-tokens 6144" --output-file bench_results/router.json
+# Issue 17: constrained decoding against the same tokens unconstrained; grammar compile times.
+run grammar_overlap python benchmarks/bench_grammar.py --threads 1 --repeats 7 --result-file bench_results/grammar_overlap.json
+run grammar_normal python benchmarks/bench_grammar.py --threads 1 --repeats 7 --disable-overlap-schedule --result-file bench_results/grammar_normal.json

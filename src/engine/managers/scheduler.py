@@ -12,7 +12,7 @@ import logging
 import os
 import time
 from collections import deque
-from typing import Any, Callable, Deque, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Tuple
 
 from engine.constrained.grammar_manager import GrammarManager
 from engine.constrained.vocab_mask import build_vocab_mask
@@ -29,6 +29,9 @@ from engine.managers.req import FINISH_ABORT, Req
 from engine.managers.schedule_batch import ScheduleBatch
 from engine.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
 from engine.managers.scheduler_output import OutputStreamer, ResultProcessor
+
+if TYPE_CHECKING:
+    from engine.constrained.base_grammar_backend import BaseGrammarBackend
 
 logger = logging.getLogger(__name__)
 
@@ -139,7 +142,9 @@ class Scheduler:
         self.last_gen_throughput = 0.0
         self._reported_leak: Optional[tuple] = None  # the last leak logged by check_memory
 
-    def _create_grammar_backend(self):
+    def _create_grammar_backend(self) -> Tuple[Optional[BaseGrammarBackend], Optional[str]]:
+        """The backend of --grammar-backend, or why constrained requests are refused (lazy: the
+        first constrained request builds it, so a server without one never imports xgrammar)."""
         from engine.constrained.base_grammar_backend import create_grammar_backend
 
         return create_grammar_backend(
