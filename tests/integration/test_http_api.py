@@ -369,8 +369,6 @@ def test_bad_openai_inputs_get_400(http: httpx.Client) -> None:
         ("/v1/chat/completions", {"messages": [{"role": "alien", "content": "x"}]}, "role"),
         ("/v1/chat/completions", {"messages": user, "top_logprobs": 30, "logprobs": True}, "top_logprobs"),
         ("/v1/chat/completions", {"messages": user, "response_format": {"type": "json_schema"}}, "json_schema"),
-        ("/v1/chat/completions", {"messages": user, "response_format": {"type": "json_schema", "json_schema": {
-            "name": "x", "schema": {"type": "nonsense"}}}}, "Invalid json_schema"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "hello " * 2100}]}, "context length"),
     ]
     for path, body, needle in cases:
