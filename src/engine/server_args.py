@@ -86,12 +86,17 @@ class ServerArgs:
                                           "at 0 with --tp-size > 1.")
 
     # Structured outputs, tool calls and reasoning
-    grammar_backend: str = "xgrammar"
-    # JSON constraints without free whitespace between tokens (compact JSON): a model can no
-    # longer pad its output with endless spaces or newlines.
-    constrained_json_disable_any_whitespace: bool = False
-    tool_call_parser: Optional[str] = None
-    reasoning_parser: Optional[str] = None
+    grammar_backend: str = arg("xgrammar", "Constrained decoding (json_schema, regex, ebnf, response_format, "
+                                           "forced tool choices): xgrammar, or none to refuse such requests.")
+    constrained_json_disable_any_whitespace: bool = arg(
+        False, "Constrained JSON without free whitespace between tokens (compact JSON): a model can no longer "
+               "pad its output with endless spaces or newlines.")
+    grammar_timeout: float = arg(300.0, "Seconds a request may wait for its grammar to compile; then it is "
+                                        "refused (HTTP 400) and the constraint is remembered as failed.")
+    tool_call_parser: Optional[str] = arg(None, "The format of the model's tool calls, parsed for tool_choice "
+                                                "auto: llama3, qwen25 (qwen, hermes), mistral, pythonic.")
+    reasoning_parser: Optional[str] = arg(None, "Split <think> reasoning into reasoning_content: deepseek-r1 "
+                                                "(the answer starts in reasoning) or qwen3.")
 
     # Execution
     device: str = arg("auto", "auto (cuda when available), cpu or cuda.")
@@ -208,6 +213,7 @@ class ServerArgs:
              f"--threads-per-rank must be >= 1, got {self.threads_per_rank}")
         need(self.log_level.lower() in ("debug", "info", "warning", "error", "critical"),
              f"--log-level must be debug|info|warning|error|critical, got {self.log_level!r}")
+        need(self.grammar_timeout > 0, f"--grammar-timeout must be > 0, got {self.grammar_timeout}")
         need(self.grammar_backend in GRAMMAR_BACKENDS,
              f"--grammar-backend must be one of {', '.join(GRAMMAR_BACKENDS)}, got {self.grammar_backend!r}")
         need(self.tool_call_parser is None or self.tool_call_parser in TOOL_CALL_PARSERS,
@@ -271,6 +277,7 @@ _ARG_TYPES = {
     "decode_log_interval": int,
     "watchdog_timeout": float,
     "req_waiting_timeout": float,
+    "grammar_timeout": float,
     "threads_per_rank": int,
     "dist_timeout": float,
     "health_check_timeout": float,

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import concurrent.futures
 import logging
-import os
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
@@ -27,9 +26,9 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# Seconds a request may wait for its grammar (SGLANG_GRAMMAR_TIMEOUT's role); then it is aborted
-# and the constraint is remembered as failed.
-GRAMMAR_TIMEOUT_S = float(os.environ.get("ENGINE_GRAMMAR_TIMEOUT", "300"))
+# Seconds a request may wait for its grammar (--grammar-timeout; SGLANG_GRAMMAR_TIMEOUT's role);
+# then it is refused and the constraint is remembered as failed.
+GRAMMAR_TIMEOUT_S = 300.0
 
 
 @dataclass

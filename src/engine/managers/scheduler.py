@@ -115,7 +115,8 @@ class Scheduler:
         self.new_token_ratio = self.init_new_token_ratio
 
         # Constrained decoding: the grammar queue and the compiled-grammar cache (constrained/).
-        self.grammar_manager = GrammarManager(self._create_grammar_backend, sync_ready_count=_tp_min_or_none())
+        self.grammar_manager = GrammarManager(self._create_grammar_backend, sync_ready_count=_tp_min_or_none(),
+                                              timeout_s=server_args.grammar_timeout)
         self.results = ResultProcessor(self.tree_cache)
         self.streamer = OutputStreamer(server_args.stream_interval)
         self._to_stream: List[Req] = []  # requests that may emit at the end of this iteration
@@ -257,8 +258,8 @@ class Scheduler:
             return recv.abort_all or (bool(recv.rid) and req.rid.startswith(recv.rid))
 
         for req in self.grammar_manager.abort_requests(match):
-            # Waiting for its grammar, it holds no KV either.
-            req.finished_reason = FINISH_ABORT()
+            # Waiting for its grammar, it holds no KV either (and was never prefilled).
+            req.finished_reason = FINISH_ABORT("Abort before prefill")
             self._to_stream.append(req)
         kept = []
         for req in self.waiting_queue:
