@@ -10,7 +10,11 @@ from hypothesis import given
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from engine.entrypoints.openai.logprobs import MIN_LOGPROB, to_chat_logprobs, to_completion_logprobs
+from engine.entrypoints.openai.logprobs import (
+    MIN_LOGPROB,
+    to_chat_logprobs,
+    to_completion_logprobs,
+)
 from engine.entrypoints.openai.protocol import (
     MAX_N,
     AbortRequestBody,
@@ -19,14 +23,18 @@ from engine.entrypoints.openai.protocol import (
     GenerateRequest,
 )
 from engine.entrypoints.openai.utils import (
+    SSE_DONE,
     ChoiceCursor,
     OrjsonResponse,
     abort_error,
     build_sampling_params,
     error_body,
+    final_output,
     finish_reason_to_openai,
     make_usage,
-    next_output,
+    sse_error_chunk,
+    sse_event,
+    sse_stream,
 )
 from engine.managers.errors import EngineRequestError
 
@@ -181,44 +189,74 @@ def test_min_logprob_is_finite() -> None:
     assert math.isfinite(MIN_LOGPROB)
 
 
-def test_next_output_aborts_when_the_client_vanishes() -> None:
-    cleaned_up = []
-
-    async def never_finishes():
+def _generator(outputs, error=None, closed=None):
+    async def gen():
         try:
-            await asyncio.Event().wait()
-            yield {"text": "never"}
+            for output in outputs:
+                yield output
+            if error is not None:
+                raise error
+            await asyncio.Event().wait()  # never ends by itself, like a request still running
         finally:
-            cleaned_up.append(True)  # where the real manager aborts the request
-
-    class GoneRequest:
-        async def is_disconnected(self) -> bool:
-            return True
-
-    async def run() -> None:
-        with pytest.raises(EngineRequestError) as info:
-            await next_output(never_finishes(), GoneRequest())
-        assert info.value.status_code == 499
-
-    asyncio.run(run())
-    assert cleaned_up == [True]
+            if closed is not None:
+                closed.append(True)  # where the real manager aborts what is still running
+    return gen()
 
 
-def test_next_output_passes_outputs_and_errors_through() -> None:
-    class HereRequest:
-        async def is_disconnected(self) -> bool:
-            return False
-
-    async def one():
-        yield {"text": "ok"}
-
-    async def bad():
-        raise EngineRequestError("nope", 400)
-        yield  # pragma: no cover
+def test_final_output_returns_the_output_and_closes_the_stream() -> None:
+    closed: list = []
 
     async def run() -> None:
-        assert await next_output(one(), HereRequest()) == {"text": "ok"}
+        assert await final_output(_generator([{"text": "ok"}], closed=closed)) == {"text": "ok"}
         with pytest.raises(EngineRequestError, match="nope"):
-            await next_output(bad(), HereRequest())
+            await final_output(_generator([], error=EngineRequestError("nope", 499)))
 
     asyncio.run(run())
+    assert closed == [True]
+
+
+def _update(index: int, text: str, finish=None) -> dict:
+    return {"index": index, "text": text, "meta_info": {"finish_reason": finish}}
+
+
+def _events(first, stream, **kwargs) -> list:
+    async def run() -> list:
+        body = sse_stream(first, stream, lambda o: [sse_event({"t": o["text"]})], **kwargs)
+        return [event async for event in body]
+
+    return asyncio.run(run())
+
+
+def test_sse_stream_frames_prologue_outputs_epilogue_then_done() -> None:
+    closed: list = []
+    stream = _generator([_update(0, "b", {"type": "length"})], error=None, closed=closed)
+
+    async def finite():
+        async for item in stream:
+            yield item
+            return
+
+    events = _events(_update(0, "a"), finite(), prologue=[b"data: start\n\n"],
+                     epilogue=lambda: [b"data: usage\n\n"])
+    assert events == [b"data: start\n\n", sse_event({"t": "a"}), sse_event({"t": "b"}), b"data: usage\n\n",
+                      SSE_DONE]
+
+
+def test_sse_stream_ends_with_an_error_event_on_a_server_abort_or_an_error() -> None:
+    closed: list = []
+    aborted = _update(0, "partial", {"type": "abort", "message": "queue full", "status_code": 503})
+    events = _events(_update(0, "a"), _generator([aborted], closed=closed), epilogue=lambda: [b"never"])
+    assert events[:2] == [sse_event({"t": "a"}), sse_error_chunk("queue full", 503)]
+    assert events[2:] == [SSE_DONE] and closed == [True]  # the rest of the request is aborted
+    events = _events(_update(0, "a"), _generator([], error=EngineRequestError("gone", 499)))
+    assert events[1:] == [sse_error_chunk("gone", 499), SSE_DONE]
+    # A client abort (no status) is a normal end: its partial output, then [DONE].
+    client_abort = _update(0, "part", {"type": "abort", "message": "Aborted"})
+    stream = _generator([client_abort])
+
+    async def finite():
+        async for item in stream:
+            yield item
+            return
+
+    assert _events(_update(0, "a"), finite()) == [sse_event({"t": "a"}), sse_event({"t": "part"}), SSE_DONE]

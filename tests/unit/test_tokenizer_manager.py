@@ -440,7 +440,7 @@ def test_client_disconnect_aborts_request(runtime):
     fake.paused.set()  # the request never progresses, so only the disconnect can end it
     with pytest.raises(EngineRequestError) as info:
         collect(manager, GenerateReqInput(text="Hello", rid="gone"), request=FakeRequest())
-    assert "disconnected" in info.value.message
+    assert "disconnected" in info.value.message and info.value.status_code == 499
     assert wait_until(lambda: [m.rid for m in fake.messages(AbortReq)] == ["gone"])
     assert manager.rid_to_state == {}
 

@@ -16,7 +16,7 @@ import logging
 import os
 import time
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any, AsyncIterator, Awaitable, Callable, Dict, List, MutableMapping, Optional
+from typing import Any, Awaitable, Callable, Dict, List, MutableMapping, Optional
 
 import uvicorn
 from fastapi import FastAPI, Request
@@ -35,19 +35,16 @@ from engine.entrypoints.openai.protocol import (
 from engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from engine.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from engine.entrypoints.openai.utils import (
-    SSE_DONE,
     OrjsonResponse,
     abort_error,
     as_output_list,
-    iter_outputs,
-    close_stream,
     create_error_response,
     error_body,
     error_response_from_exception,
-    next_output,
+    final_output,
     prime_stream,
-    sse_error_chunk,
     sse_event,
+    sse_stream,
 )
 from engine.managers.errors import EngineRequestError
 from engine.managers.metrics import METRICS_CONTENT_TYPE, TokenizerMetricsCollector
@@ -220,9 +217,11 @@ async def _generate(tokenizer_manager: Any, body: GenerateRequest, raw_request: 
         first, error = await prime_stream(stream)
         if error is not None:
             return error
-        return StreamingResponse(_generate_stream_body(first, stream), media_type="text/event-stream")
+        # SGLang's stream format: `data: {json}` per update (cumulative text), then `data: [DONE]`.
+        body = sse_stream(first, stream, lambda output: (sse_event(output),))
+        return StreamingResponse(body, media_type="text/event-stream")
     try:
-        result = await next_output(stream, raw_request)
+        result = await final_output(stream)
     except (EngineRequestError, ValueError) as exc:
         return error_response_from_exception(exc)
     for output in as_output_list(result):
@@ -230,25 +229,6 @@ async def _generate(tokenizer_manager: Any, body: GenerateRequest, raw_request: 
         if aborted is not None:
             return create_error_response(*aborted)
     return OrjsonResponse(result)
-
-
-async def _generate_stream_body(first: Any, stream: AsyncIterator[Any]) -> AsyncIterator[bytes]:
-    """SGLang's stream format: `data: {json}` per update (cumulative text), then `data: [DONE]`."""
-    try:
-        async for output in iter_outputs(first, stream):
-            aborted = abort_error(output["meta_info"].get("finish_reason"))
-            if aborted is not None:
-                yield sse_error_chunk(*aborted)
-                yield SSE_DONE
-                return
-            yield sse_event(output)
-        yield SSE_DONE
-    except (EngineRequestError, ValueError) as exc:
-        status = exc.status_code if isinstance(exc, EngineRequestError) else 400
-        yield sse_error_chunk(str(getattr(exc, "message", exc)), status)
-        yield SSE_DONE
-    finally:
-        await close_stream(stream)
 
 
 # ---------------------------------------------------------------------------- the app

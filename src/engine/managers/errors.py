@@ -3,6 +3,10 @@
 from __future__ import annotations
 
 
+# nginx's status for "the client went away first": the answer to a request whose client left.
+CLIENT_CLOSED_REQUEST = 499
+
+
 class EngineRequestError(Exception):
     """A request the engine refuses: the client's fault (400), overload (503), or a dead server (503)."""
 

@@ -23,7 +23,7 @@ import zmq
 import zmq.asyncio
 
 from engine.managers.control_calls import HEALTH_CHECK_RID_PREFIX, ControlCalls
-from engine.managers.errors import EngineRequestError
+from engine.managers.errors import CLIENT_CLOSED_REQUEST, EngineRequestError
 from engine.managers.io_struct import AbortReq, BatchStrOutput, FlushCacheReqOutput, Message, decode, encode
 from engine.managers.metrics import RequestTimer, TokenizerMetricsCollector
 from engine.managers.output_assembly import OutputAssembler, ReqState, build_output
@@ -268,7 +268,7 @@ class TokenizerManager:
                     if await request.is_disconnected():
                         logger.info("Client disconnected; aborting request %s", state.rid)
                         raise EngineRequestError("The client disconnected; the request was aborted.",
-                                                 status_code=400, err_type="ClientDisconnected") from None
+                                                 CLIENT_CLOSED_REQUEST, "ClientDisconnected") from None
                 if not woke:
                     continue
                 state.event.clear()
@@ -336,8 +336,6 @@ class TokenizerManager:
     def _dispatch(self, msg: Message) -> None:
         if isinstance(msg, BatchStrOutput):
             self._handle_batch_str_output(msg)
-        elif isinstance(msg, AbortReq):
-            self._handle_abort_notice(msg)
         elif not self.control.on_reply(msg):
             logger.warning("TokenizerManager ignores unexpected message %s", type(msg).__name__)
 
@@ -362,15 +360,6 @@ class TokenizerManager:
         if state.timer is not None and self.metrics_collector is not None:
             self.metrics_collector.observe_output(
                 state.timer, state.prompt_tokens, state.completion_tokens, state.finished, now)
-        state.event.set()
-
-    def _handle_abort_notice(self, msg: AbortReq) -> None:
-        """The scheduler dropped a queued request without output: finish it as aborted."""
-        state = self.rid_to_state.get(msg.rid)
-        if state is None or state.finished:
-            return
-        state.finished = True
-        state.finished_reason = {"type": "abort", "message": "Aborted", "status_code": 400}
         state.event.set()
 
     # ------------------------------------------------------------------ sending

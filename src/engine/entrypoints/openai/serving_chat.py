@@ -33,22 +33,19 @@ from engine.entrypoints.openai.protocol import (
     random_uuid,
 )
 from engine.entrypoints.openai.utils import (
-    SSE_DONE,
-    OrjsonResponse,
     ChoiceCursor,
+    OrjsonResponse,
     abort_error,
     as_output_list,
-    iter_outputs,
     build_sampling_params,
-    close_stream,
     create_error_response,
     error_response_from_exception,
+    final_output,
     finish_reason_to_openai,
     make_usage,
-    next_output,
     prime_stream,
-    sse_error_chunk,
     sse_event,
+    sse_stream,
 )
 from engine.managers.errors import EngineRequestError
 from engine.managers.request_normalizer import GenerateReqInput
@@ -97,7 +94,7 @@ class OpenAIServingChat:
                 self._stream_body(request, parsing, request_id, first, stream), media_type="text/event-stream"
             )
         try:
-            result = await next_output(stream, raw_request)
+            result = await final_output(stream)
         except (EngineRequestError, ValueError) as exc:
             return error_response_from_exception(exc)
         return self._full_response(request, parsing, request_id, as_output_list(result))
@@ -161,7 +158,7 @@ class OpenAIServingChat:
         return OrjsonResponse(response)
 
     # ------------------------------------------------------------------ streaming
-    async def _stream_body(
+    def _stream_body(
         self, request: ChatCompletionRequest, parsing: ChatParsing, request_id: str, first: Any,
         stream: AsyncIterator[Any],
     ) -> AsyncIterator[bytes]:
@@ -200,44 +197,30 @@ class OpenAIServingChat:
             # The new tokens' logprobs ride on the first chunk they produced.
             return [chunk(index, d, logprobs if i == 0 else None) for i, d in enumerate(deltas)]
 
-        try:
-            for index in range(request.n):
-                yield chunk(index, DeltaMessage(role="assistant", content=""))
-            async for output in iter_outputs(first, stream):
-                index = int(output.get("index", 0))
-                finish = output["meta_info"].get("finish_reason")
-                aborted = abort_error(finish)
-                if aborted is not None:
-                    yield sse_error_chunk(*aborted)
-                    yield SSE_DONE
-                    return
-                delta, new_tokens, new_tops = cursors[index].advance(output)
-                parsed = parsers[index].feed(delta, final=finish is not None)
-                logprobs = self._logprobs(request, new_tokens, new_tops) if new_tokens else None
-                for piece in parsed_chunks(index, parsed, logprobs):
-                    yield piece
-                if finish is not None:
-                    finish_reason, matched = finish_reason_to_openai(finish)
-                    if parsers[index].has_tool_calls and finish_reason == "stop":
-                        finish_reason, matched = "tool_calls", None
-                    yield chunk(index, DeltaMessage(), finish_reason=finish_reason, matched=matched)
-            if request.stream_options is not None and request.stream_options.include_usage:
-                outputs = [c.last_output for c in cursors if c.last_output is not None]
-                usage = make_usage(outputs, request.n) if len(outputs) == request.n else None
-                yield sse_event(
-                    ChatCompletionStreamResponse(
-                        id=request_id, created=created, model=model, choices=[], usage=usage
-                    ).model_dump()
-                )
-            yield SSE_DONE
-        except (EngineRequestError, ValueError) as exc:
-            status = exc.status_code if isinstance(exc, EngineRequestError) else 400
-            yield sse_error_chunk(str(getattr(exc, "message", exc)), status)
-            yield SSE_DONE
-        finally:
-            # On an early exit (client gone, abort, error) closing the manager's generator aborts
-            # every sub-request still running in the scheduler.
-            await close_stream(stream)
+        def render(output: Dict[str, Any]) -> List[bytes]:
+            index = int(output.get("index", 0))
+            finish = output["meta_info"].get("finish_reason")
+            delta, new_tokens, new_tops = cursors[index].advance(output)
+            parsed = parsers[index].feed(delta, final=finish is not None)
+            logprobs = self._logprobs(request, new_tokens, new_tops) if new_tokens else None
+            events = parsed_chunks(index, parsed, logprobs)
+            if finish is not None:
+                finish_reason, matched = finish_reason_to_openai(finish)
+                if parsers[index].has_tool_calls and finish_reason == "stop":
+                    finish_reason, matched = "tool_calls", None
+                events.append(chunk(index, DeltaMessage(), finish_reason=finish_reason, matched=matched))
+            return events
+
+        def usage() -> List[bytes]:
+            if request.stream_options is None or not request.stream_options.include_usage:
+                return []
+            outputs = [c.last_output for c in cursors if c.last_output is not None]
+            totals = make_usage(outputs, request.n) if len(outputs) == request.n else None
+            return [sse_event(ChatCompletionStreamResponse(
+                id=request_id, created=created, model=model, choices=[], usage=totals).model_dump())]
+
+        roles = [chunk(index, DeltaMessage(role="assistant", content="")) for index in range(request.n)]
+        return sse_stream(first, stream, render, prologue=roles, epilogue=usage)
 
 
 def _template_messages(request: ChatCompletionRequest) -> List[Dict[str, Any]]:

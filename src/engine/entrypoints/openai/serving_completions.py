@@ -20,22 +20,19 @@ from engine.entrypoints.openai.protocol import (
     random_uuid,
 )
 from engine.entrypoints.openai.utils import (
-    SSE_DONE,
-    OrjsonResponse,
     ChoiceCursor,
+    OrjsonResponse,
     abort_error,
     as_output_list,
-    iter_outputs,
     build_sampling_params,
-    close_stream,
     create_error_response,
     error_response_from_exception,
+    final_output,
     finish_reason_to_openai,
     make_usage,
-    next_output,
     prime_stream,
-    sse_error_chunk,
     sse_event,
+    sse_stream,
 )
 from engine.managers.errors import EngineRequestError
 from engine.managers.request_normalizer import GenerateReqInput
@@ -61,7 +58,7 @@ class OpenAIServingCompletion:
             body = self._stream_body(request, prompts, request_id, first, stream)
             return StreamingResponse(body, media_type="text/event-stream")
         try:
-            result = await next_output(stream, raw_request)
+            result = await final_output(stream)
         except (EngineRequestError, ValueError) as exc:
             return error_response_from_exception(exc)
         return self._full_response(request, prompts, request_id, as_output_list(result))
@@ -144,7 +141,7 @@ class OpenAIServingCompletion:
         return OrjsonResponse(response.model_dump())
 
     # ------------------------------------------------------------------ streaming
-    async def _stream_body(
+    def _stream_body(
         self, request: CompletionRequest, prompts: List[Union[str, List[int]]], request_id: str,
         first: Any, stream: AsyncIterator[Any],
     ) -> AsyncIterator[bytes]:
@@ -154,59 +151,33 @@ class OpenAIServingCompletion:
         cursors = [ChoiceCursor() for _ in range(num_choices)]
         echoed = [False] * num_choices
         chars_sent = [0] * num_choices
-        try:
-            async for output in iter_outputs(first, stream):
-                index = int(output.get("index", 0))
-                finish = output["meta_info"].get("finish_reason")
-                aborted = abort_error(finish)
-                if aborted is not None:
-                    yield sse_error_chunk(*aborted)
-                    yield SSE_DONE
-                    return
-                delta, new_tokens, new_tops = cursors[index].advance(output)
-                include_prompt = request.echo and not echoed[index]
-                if include_prompt:
-                    echoed[index] = True
-                    delta = self._prompt_text(prompts[index // request.n]) + delta
-                finish_reason, matched = finish_reason_to_openai(finish)
-                if not delta and finish_reason is None and not new_tokens:
-                    continue
-                # Offsets are positions in the text this client has seen, echoed prompt included.
-                logprobs = self._logprobs(
-                    request, output, include_prompt, chars_sent[index], new_tokens, new_tops
-                )
-                chars_sent[index] += len(delta)
-                chunk = CompletionStreamResponse(
-                    id=request_id,
-                    created=created,
-                    model=model,
-                    choices=[
-                        CompletionResponseStreamChoice(
-                            index=index,
-                            text=delta,
-                            logprobs=logprobs,
-                            finish_reason=finish_reason,
-                            matched_stop=matched,
-                        )
-                    ],
-                )
-                yield sse_event(chunk.model_dump())
-            if request.stream_options is not None and request.stream_options.include_usage:
-                outputs = [c.last_output for c in cursors if c.last_output is not None]
-                usage = make_usage(outputs, request.n) if len(outputs) == num_choices else None
-                usage_chunk = CompletionStreamResponse(
-                    id=request_id, created=created, model=model, choices=[], usage=usage
-                )
-                yield sse_event(usage_chunk.model_dump())
-            yield SSE_DONE
-        except (EngineRequestError, ValueError) as exc:
-            status = exc.status_code if isinstance(exc, EngineRequestError) else 400
-            yield sse_error_chunk(str(getattr(exc, "message", exc)), status)
-            yield SSE_DONE
-        finally:
-            # On an early exit (client gone, abort, error) closing the manager's generator aborts
-            # every sub-request still running in the scheduler.
-            await close_stream(stream)
+        def render(output: Dict[str, Any]) -> List[bytes]:
+            index = int(output.get("index", 0))
+            delta, new_tokens, new_tops = cursors[index].advance(output)
+            include_prompt = request.echo and not echoed[index]
+            if include_prompt:
+                echoed[index] = True
+                delta = self._prompt_text(prompts[index // request.n]) + delta
+            finish_reason, matched = finish_reason_to_openai(output["meta_info"].get("finish_reason"))
+            if not delta and finish_reason is None and not new_tokens:
+                return []
+            # Offsets are positions in the text this client has seen, echoed prompt included.
+            logprobs = self._logprobs(request, output, include_prompt, chars_sent[index], new_tokens, new_tops)
+            chars_sent[index] += len(delta)
+            choice = CompletionResponseStreamChoice(index=index, text=delta, logprobs=logprobs,
+                                                    finish_reason=finish_reason, matched_stop=matched)
+            return [sse_event(CompletionStreamResponse(
+                id=request_id, created=created, model=model, choices=[choice]).model_dump())]
+
+        def usage() -> List[bytes]:
+            if request.stream_options is None or not request.stream_options.include_usage:
+                return []
+            outputs = [c.last_output for c in cursors if c.last_output is not None]
+            totals = make_usage(outputs, request.n) if len(outputs) == num_choices else None
+            return [sse_event(CompletionStreamResponse(
+                id=request_id, created=created, model=model, choices=[], usage=totals).model_dump())]
+
+        return sse_stream(first, stream, render, epilogue=usage)
 
 
 def _is_batch(prompt: Any) -> bool:

@@ -6,9 +6,8 @@ Every rejection goes through `create_error_response` so that all errors have the
 
 from __future__ import annotations
 
-import asyncio
 import logging
-from typing import Any, AsyncIterator, Dict, List, Optional, Tuple, Union
+from typing import Any, AsyncIterator, Callable, Dict, Iterable, List, Optional, Tuple, Union
 
 import orjson
 from fastapi.responses import Response
@@ -27,6 +26,7 @@ _ERROR_TYPES = {
     413: "RequestEntityTooLarge",
     422: "UnprocessableEntityError",
     429: "RateLimitError",
+    499: "ClientDisconnected",
     500: "InternalServerError",
     503: "ServiceUnavailableError",
 }
@@ -250,39 +250,51 @@ async def close_stream(stream: Any) -> None:
         logger.debug("closing the output stream failed", exc_info=True)
 
 
-# How often a non-streaming handler checks whether its client is still there.
-DISCONNECT_CHECK_INTERVAL_S = 0.5
-CLIENT_CLOSED_REQUEST = 499  # nginx's status for "the client went away first"
+async def final_output(stream: AsyncIterator[Any]) -> Any:
+    """The one output of a non-streaming request, which the manager yields when it ends.
 
-
-async def next_output(stream: Any, raw_request: Any) -> Any:
-    """The next output of `stream`, or EngineRequestError(499) as soon as the client is gone.
-
-    A non-streaming request writes nothing until it finishes, so nothing else would notice a
-    vanished client; cancelling the pending __anext__ runs the manager's cleanup, which aborts
-    the request in the scheduler (no ghost requests decoding to max_tokens, sgl#37833).
+    The manager also watches the client: one that leaves gets its request aborted in the
+    scheduler and an EngineRequestError(499) here (no ghost requests decoding to max_tokens,
+    sgl#37833).
     """
-    if raw_request is None:
-        return await stream.__anext__()
-    output = asyncio.ensure_future(stream.__anext__())
-    watcher = asyncio.ensure_future(_wait_disconnected(raw_request))
     try:
-        done, _ = await asyncio.wait({output, watcher}, return_when=asyncio.FIRST_COMPLETED)
-        if output in done:
-            return output.result()
-        output.cancel()
-        try:
-            await output
-        except BaseException:  # the cancellation we asked for, or the error it caused
-            pass
-        raise EngineRequestError("The client disconnected; the request was aborted.",
-                                 CLIENT_CLOSED_REQUEST, "ClientDisconnected")
+        return await stream.__anext__()
     finally:
-        watcher.cancel()
-        if not output.done():
-            output.cancel()
+        await close_stream(stream)
 
 
-async def _wait_disconnected(raw_request: Any) -> None:
-    while not await raw_request.is_disconnected():
-        await asyncio.sleep(DISCONNECT_CHECK_INTERVAL_S)
+async def sse_stream(
+    first: Any,
+    stream: AsyncIterator[Any],
+    render: Callable[[Dict[str, Any]], Iterable[bytes]],
+    prologue: Iterable[bytes] = (),
+    epilogue: Callable[[], Iterable[bytes]] = lambda: (),
+) -> AsyncIterator[bytes]:
+    """The SSE body of every streaming route: `prologue`, then each output (one choice's update,
+    from the primed `first` on) rendered into zero or more events, then `epilogue()` and
+    `data: [DONE]`.
+
+    A request the server aborted with an error status, or an error raised while streaming, ends
+    the stream with an error event and [DONE]. Closing the manager's generator at the end aborts,
+    on an early exit (client gone, abort, error), every sub-request still running.
+    """
+    try:
+        for event in prologue:
+            yield event
+        async for output in iter_outputs(first, stream):
+            aborted = abort_error(output["meta_info"].get("finish_reason"))
+            if aborted is not None:
+                yield sse_error_chunk(*aborted)
+                break
+            for event in render(output):
+                yield event
+        else:
+            for event in epilogue():
+                yield event
+        yield SSE_DONE
+    except (EngineRequestError, ValueError) as exc:
+        status = exc.status_code if isinstance(exc, EngineRequestError) else 400
+        yield sse_error_chunk(str(getattr(exc, "message", exc)), status)
+        yield SSE_DONE
+    finally:
+        await close_stream(stream)
