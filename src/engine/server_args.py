@@ -98,6 +98,29 @@ class ServerArgs:
     reasoning_parser: Optional[str] = arg(None, "Split <think> reasoning into reasoning_content: deepseek-r1 "
                                                 "(the answer starts in reasoning) or qwen3.")
 
+    # Priority scheduling (SGLang's flags)
+    enable_priority_scheduling: bool = arg(False, (
+        "Order the waiting queue by each request's `priority` (higher values first unless "
+        "--schedule-low-priority-values-first), preempt lower-priority running requests, and let a "
+        "full queue (--max-queued-requests) drop its lowest-priority request for a better one."))
+    disable_priority_preemption: bool = arg(False, "With --enable-priority-scheduling: order the queue by priority "
+                                                   "but never preempt running requests.")
+    default_priority_value: Optional[int] = arg(None, "The priority of a request that gives none (default: the "
+                                                      "least urgent value there is).")
+    abort_on_priority_when_disabled: bool = arg(False, "Without --enable-priority-scheduling, refuse (503) a "
+                                                       "request that gives a priority instead of ignoring it.")
+    schedule_low_priority_values_first: bool = arg(False, "With --enable-priority-scheduling: smaller priority "
+                                                          "values are more urgent.")
+    priority_scheduling_preemption_threshold: int = arg(10, "How much more urgent a waiting request must be than "
+                                                            "a running one to preempt it.")
+
+    # Per-request extras
+    allow_auto_truncate: bool = arg(False, "Truncate a prompt longer than the maximum input length (keeping its "
+                                           "first tokens, as SGLang) instead of refusing it with 400.")
+    enable_custom_logit_processor: bool = arg(False, (
+        "Accept requests' `custom_logit_processor` (a serialized Python callable that the scheduler "
+        "deserializes and runs: enable only for trusted clients)."))
+
     # Execution
     device: str = arg("auto", "auto (cuda when available), cpu or cuda.")
     attention_backend: Optional[str] = arg(None, "torch_native (default on the CPU), triton (default on CUDA) "
@@ -220,6 +243,9 @@ class ServerArgs:
              f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}")
         need(self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS,
              f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
+        need(self.priority_scheduling_preemption_threshold >= 0,
+             "--priority-scheduling-preemption-threshold must be >= 0, got "
+             f"{self.priority_scheduling_preemption_threshold}")
         need(not (self.enable_mixed_chunk and self.chunked_prefill_size == -1),
              "--enable-mixed-chunk needs chunked prefill (--chunked-prefill-size > 0)")
 
@@ -283,6 +309,8 @@ _ARG_TYPES = {
     "health_check_timeout": float,
     "control_timeout": float,
     "startup_timeout": float,
+    "default_priority_value": int,
+    "priority_scheduling_preemption_threshold": int,
 }
 
 _CHOICES = {

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Set
+from typing import List, Optional, Set
 
 import torch
 
@@ -21,6 +21,7 @@ class FakeReq:
     origin_input_ids: List[int] = field(default_factory=list)
     output_ids: List[int] = field(default_factory=list)
     eos_token_ids: Set[int] = field(default_factory=set)
+    custom_logit_processor: Optional[str] = None
 
 
 def make_req(prompt=(), output=(), eos=(), **params) -> FakeReq:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Tuple
+from typing import Dict, Hashable, List, Optional, Tuple
 
 import pytest
 import torch
@@ -313,6 +313,7 @@ class FakeReq:
     last_node: Optional[TreeNode] = None
     cache_protected_len: int = 0
     kv_allocated_len: int = 0
+    extra_key: Optional[Hashable] = None  # the cache namespace
 
 
 class MiniScheduler:

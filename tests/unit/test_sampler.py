@@ -23,6 +23,7 @@ class FakeReq:
     origin_input_ids: List[int] = field(default_factory=list)
     output_ids: List[int] = field(default_factory=list)
     eos_token_ids: Set[int] = field(default_factory=set)
+    custom_logit_processor: Optional[str] = None
 
 
 def make_req(output=(), **params) -> FakeReq:

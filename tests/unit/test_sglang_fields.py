@@ -90,10 +90,8 @@ def test_the_router_body_is_accepted_and_means_the_plain_request() -> None:
 
 @pytest.mark.parametrize("name, value", [
     ("image_data", "http://x/cat.png"), ("input_embeds", [[0.1, 0.2]]), ("lora_path", "adapter"),
-    ("lora_path", ["adapter", None]), ("return_hidden_states", True), ("priority", 1),
-    ("bootstrap_room", 5), ("session_params", {"id": "s"}), ("extra_key", "tenant"), ("routed_dp_rank", 0),
-    ("token_ids_logprob", [3]), ("custom_logit_processor", "{}"), ("background", True),
-    ("routed_experts_start_len", 2), ("return_hidden_states", 0),
+    ("lora_path", ["adapter", None]), ("bootstrap_room", 5), ("session_params", {"id": "s"}),
+    ("routed_dp_rank", 0), ("background", True), ("routed_experts_start_len", 2),
 ])
 def test_an_unimplemented_field_in_use_is_refused_by_name(name: str, value: Any) -> None:
     with pytest.raises(ValidationError) as info:
@@ -102,14 +100,32 @@ def test_an_unimplemented_field_in_use_is_refused_by_name(name: str, value: Any)
 
 
 @pytest.mark.parametrize("name, value", [
-    ("structural_tag", "{}"), ("stop_regex", ["x"]), ("custom_params", {"k": 1}), ("stream_interval", 2),
+    ("structural_tag", "{}"),
 ])
 def test_an_unimplemented_sampling_param_in_use_is_refused_by_name(name: str, value: Any) -> None:
     with pytest.raises(ValueError, match=f"sampling_params.{name} is not supported"):
         SamplingParams(**{name: value})
 
 
+@pytest.mark.parametrize("name, value", [
+    ("return_hidden_states", True), ("priority", 1), ("extra_key", "tenant"), ("cache_salt", "s"),
+    ("token_ids_logprob", [3]), ("custom_logit_processor", "{}"), ("return_hidden_states", [True, False]),
+])
+def test_implemented_extras_are_accepted(name: str, value: Any) -> None:
+    request = GenerateRequest.model_validate({"text": ["a", "b"], name: value})
+    assert getattr(request, name) == value
+
+
+def test_implemented_sampling_extras_are_checked() -> None:
+    SamplingParams(stop_regex=["[0-9]+", "x"], stream_interval=2, custom_params={"k": 1}).verify(100)
+    for bad in ({"stop_regex": "("}, {"stop_regex": [""]}, {"stream_interval": 0}, {"custom_params": [1]},
+                {"stop_regex": ["a"] * 33}):
+        with pytest.raises(ValueError):
+            SamplingParams(**bad).verify(100)
+
+
 @pytest.mark.parametrize("body", [
+    {"text": "a", "return_hidden_states": 0}, {"text": "a", "priority": "high"},
     {"text": "a", "model": 5}, {"text": "a", "custom_labels": {"k": 1}}, {"text": "a", "log_metrics": "yes"},
     {"text": "a", "received_time": "now"}, {"text": "a", "stream": 1}, {"text": "a", "unknown_field": 1},
     {"text": "a", "top_logprobs_num": 21}, {"input_ids": None},
@@ -132,7 +148,8 @@ def test_openai_requests_refuse_sglang_extras_in_use() -> None:
     chat = {"messages": [{"role": "user", "content": "hi"}], "separate_reasoning": True, "stream_reasoning": True,
             "continue_final_message": False, "return_hidden_states": False}
     assert ChatCompletionRequest(**chat).messages[0].text() == "hi"
-    for extra in ({"stop_regex": "a+"}, {"continue_final_message": True}, {"lora_path": "adapter"}):
+    assert ChatCompletionRequest(**{**chat, "priority": 3, "cache_salt": "s", "stop_regex": "x"}).priority == 3
+    for extra in ({"structural_tag": "{}"}, {"continue_final_message": True}, {"lora_path": "adapter"}):
         with pytest.raises(ValidationError) as info:
             ChatCompletionRequest(**{**chat, **extra})
         assert f"{next(iter(extra))} is not supported" in str(info.value)

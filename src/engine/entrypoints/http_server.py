@@ -211,6 +211,12 @@ async def _generate(tokenizer_manager: Any, body: GenerateRequest, raw_request: 
         return_text_in_logprobs=body.return_text_in_logprobs,
         log_metrics=body.log_metrics,
         no_logs=body.no_logs,
+        token_ids_logprob=body.token_ids_logprob,
+        return_hidden_states=body.return_hidden_states,
+        custom_logit_processor=body.custom_logit_processor,
+        priority=body.priority,
+        extra_key=body.extra_key,
+        cache_salt=body.cache_salt,
     )
     stream = tokenizer_manager.generate_request(obj, raw_request)
     if body.stream:

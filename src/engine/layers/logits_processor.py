@@ -28,6 +28,13 @@ class LogitsProcessorOutput:
     input_token_logprobs: Optional[torch.Tensor] = None
     input_top_logprobs_val: Optional[List[List[List[float]]]] = None  # per request, per position
     input_top_logprobs_idx: Optional[List[List[List[int]]]] = None
+    # token_ids_logprob: per request the asked ids' logprobs (None for a request that asked none),
+    # at its next token (filled by the Sampler) and, per position, at its input-logprob positions.
+    next_token_token_ids_logprobs_val: Optional[List[Optional[List[float]]]] = None
+    input_token_ids_logprobs_val: Optional[List[Optional[List[List[float]]]]] = None
+    # return_hidden_states: the final (normed) hidden states of every extend position, or of every
+    # decode row, [tokens, hidden]; None when no request of the batch asked for them.
+    hidden_states: Optional[torch.Tensor] = None
 
 
 # Input logprobs are computed this many positions at a time: one [positions, vocab] float32
@@ -63,6 +70,8 @@ class LogitsProcessor(nn.Module):
         else:
             pruned = hidden_states
         output = LogitsProcessorOutput(next_token_logits=self.compute_logits(pruned, lm_head))
+        if forward_batch.capture_hidden_states:
+            output.hidden_states = hidden_states
         if mode.is_extend() and forward_batch.return_logprob and _wants_input_logprobs(forward_batch):
             self._add_input_logprobs(output, hidden_states, lm_head, forward_batch)
         return output
@@ -106,6 +115,9 @@ class LogitsProcessor(nn.Module):
         token_ids = token_ids.to(hidden_states.device).long().clamp(0, self.vocab_size - 1)
         top_nums = forward_batch.top_logprobs_nums or [0] * len(ext_lens)
         max_k = max(top_nums, default=0)
+        asked_ids = forward_batch.token_ids_logprobs or [None] * len(ext_lens)
+        ids_rows: List[Optional[List[List[float]]]] = [[] if ids else None for ids in asked_ids]
+        offsets = [sum(counts[:i]) for i in range(len(counts))]
 
         chosen: List[torch.Tensor] = []
         values: List[List[float]] = []
@@ -115,11 +127,14 @@ class LogitsProcessor(nn.Module):
             rows = index[start : start + chunk]
             logprobs = torch.log_softmax(self.compute_logits(hidden_states.index_select(0, rows), lm_head), dim=-1)
             chosen.append(logprobs.gather(1, token_ids[start : start + chunk].unsqueeze(1)).squeeze(1))
+            _collect_token_ids_logprobs(logprobs, start, asked_ids, offsets, counts, ids_rows)
             if max_k > 0:
                 top = logprobs.topk(max_k, dim=-1)
                 values.extend(top.values.tolist())
                 indices.extend(top.indices.tolist())
         output.input_token_logprobs = torch.cat(chosen)
+        if any(rows is not None for rows in ids_rows):
+            output.input_token_ids_logprobs_val = ids_rows
         if max_k == 0:
             return
         output.input_top_logprobs_val, output.input_top_logprobs_idx = [], []
@@ -132,6 +147,21 @@ class LogitsProcessor(nn.Module):
                 output.input_top_logprobs_val.append([])
                 output.input_top_logprobs_idx.append([])
             row += count
+
+
+def _collect_token_ids_logprobs(logprobs: torch.Tensor, chunk_start: int, asked_ids: List[Optional[List[int]]],
+                                offsets: List[int], counts: List[int],
+                                out: List[Optional[List[List[float]]]]) -> None:
+    """Append, for every request that asked token ids, the logprobs of those ids at its positions
+    that fall in this chunk (rows chunk_start .. chunk_start + len(logprobs) of the flat list)."""
+    chunk_end = chunk_start + logprobs.shape[0]
+    for i, ids in enumerate(asked_ids):
+        if not ids:
+            continue
+        lo, hi = max(offsets[i], chunk_start), min(offsets[i] + counts[i], chunk_end)
+        if lo < hi:
+            index = torch.tensor(ids, dtype=torch.long, device=logprobs.device)
+            out[i].extend(logprobs[lo - chunk_start:hi - chunk_start].index_select(1, index).tolist())
 
 
 def _wants_input_logprobs(forward_batch: "ForwardBatch") -> bool:

@@ -31,6 +31,7 @@ class Sampler(nn.Module):
         sampling_info: SamplingBatchInfo,
         return_logprob: bool,
         top_logprobs_nums: Optional[List[int]],
+        token_ids_logprobs: Optional[List[Optional[List[int]]]] = None,
     ) -> torch.Tensor:
         logits = logits_output.next_token_logits
         if logits.dtype != torch.float32:
@@ -39,6 +40,8 @@ class Sampler(nn.Module):
             # Padded LM-head columns are not tokens: drop them so they can never be sampled.
             logits = logits[:, : sampling_info.vocab_size]
         sampling_info.apply_logits_bias(logits)
+        # After penalties and logit_bias, before sampling, as in SGLang.
+        sampling_info.apply_custom_logit_processors(logits)
 
         if sampling_info.is_all_greedy:
             next_token_ids = torch.argmax(logits, dim=-1)
@@ -49,6 +52,7 @@ class Sampler(nn.Module):
             # Logprobs describe the model's (penalised) distribution, not the tempered one.
             logprobs = torch.log_softmax(logits, dim=-1)
             fill_logprobs(logits_output, logprobs, next_token_ids, top_logprobs_nums)
+            fill_token_ids_logprobs(logits_output, logprobs, token_ids_logprobs)
 
         sampling_info.update_after_sample(next_token_ids)
         return next_token_ids
@@ -158,3 +162,18 @@ def fill_logprobs(
         values_list = indices_list = [[] for _ in range(bs)]
     logits_output.next_token_top_logprobs_val = [values_list[i][: nums[i]] for i in range(bs)]
     logits_output.next_token_top_logprobs_idx = [indices_list[i][: nums[i]] for i in range(bs)]
+
+
+def fill_token_ids_logprobs(logits_output: LogitsProcessorOutput, logprobs: torch.Tensor,
+                            token_ids_logprobs: Optional[List[Optional[List[int]]]]) -> None:
+    """token_ids_logprob: per row, the logprobs of the asked ids (None for rows that asked none)."""
+    if not token_ids_logprobs or not any(token_ids_logprobs):
+        return
+    out: List[Optional[List[float]]] = []
+    for row, ids in enumerate(token_ids_logprobs):
+        if ids:
+            index = torch.tensor(ids, dtype=torch.long, device=logprobs.device)
+            out.append(logprobs[row].index_select(0, index).tolist())
+        else:
+            out.append(None)
+    logits_output.next_token_token_ids_logprobs_val = out

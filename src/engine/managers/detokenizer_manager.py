@@ -147,6 +147,11 @@ class DetokenizerManager:
             output_token_logprobs_idx=recv.output_token_logprobs_idx,
             output_top_logprobs_val=recv.output_top_logprobs_val,
             output_top_logprobs_idx=recv.output_top_logprobs_idx,
+            input_token_ids_logprobs_val=recv.input_token_ids_logprobs_val,
+            input_token_ids_logprobs_idx=recv.input_token_ids_logprobs_idx,
+            output_token_ids_logprobs_val=recv.output_token_ids_logprobs_val,
+            output_token_ids_logprobs_idx=recv.output_token_ids_logprobs_idx,
+            output_hidden_states=recv.output_hidden_states,
         )
 
     @staticmethod

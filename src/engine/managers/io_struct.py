@@ -5,7 +5,11 @@ Channels (PUSH -> PULL over ipc:// files named in PortArgs):
                                          GetInternalStateReq
   scheduler rank 0  -> detokenizer:      BatchTokenIDOutput (one per scheduler iteration)
   detokenizer       -> tokenizer:        BatchStrOutput
-  scheduler rank 0  -> tokenizer:        FlushCacheReqOutput, GetInternalStateReqOutput
+  scheduler rank 0  -> tokenizer:        FlushCacheReqOutput, GetInternalStateReqOutput, and the reply
+                                         of every control request below (CONTROL_REPLIES)
+
+Control requests (weights, memory, pause/continue) carry SGLang's names and fields; each gets
+exactly one reply per DP replica, from TP rank 0, after every rank has done its part.
 """
 
 from __future__ import annotations
@@ -24,6 +28,15 @@ class TokenizedGenerateReqInput(msgspec.Struct, tag=True):
     logprob_start_len: int = -1  # -1: no input logprobs
     top_logprobs_num: int = 0
     stream: bool = False
+    # Logprobs of these token ids at every output (and requested input) position.
+    token_ids_logprob: Optional[List[int]] = None
+    return_hidden_states: bool = False
+    # A CustomLogitProcessor serialized by its to_str() (only with --enable-custom-logit-processor).
+    custom_logit_processor: Optional[str] = None
+    priority: Optional[int] = None
+    # Cache namespace: requests share cached prefixes only when both are equal.
+    extra_key: Optional[str] = None
+    cache_salt: Optional[str] = None
 
 
 class AbortReq(msgspec.Struct, tag=True):
@@ -76,6 +89,14 @@ class BatchTokenIDOutput(msgspec.Struct, tag=True):
     output_token_logprobs_idx: List[Optional[List[int]]] = []
     output_top_logprobs_val: List[Optional[List[List[float]]]] = []
     output_top_logprobs_idx: List[Optional[List[List[int]]]] = []
+    # token_ids_logprob: per request, per position the logprobs of the asked ids (delta).
+    input_token_ids_logprobs_val: List[Optional[List[Optional[List[float]]]]] = []
+    input_token_ids_logprobs_idx: List[Optional[List[Optional[List[int]]]]] = []
+    output_token_ids_logprobs_val: List[Optional[List[List[float]]]] = []
+    output_token_ids_logprobs_idx: List[Optional[List[List[int]]]] = []
+    # return_hidden_states: per request the new entries (the prompt's [len, hidden] block first,
+    # then one [hidden] vector per decode step), or None.
+    output_hidden_states: List[Optional[List[Any]]] = []
 
 
 class BatchStrOutput(msgspec.Struct, tag=True):
@@ -96,6 +117,103 @@ class BatchStrOutput(msgspec.Struct, tag=True):
     output_token_logprobs_idx: List[Optional[List[int]]] = []
     output_top_logprobs_val: List[Optional[List[List[float]]]] = []
     output_top_logprobs_idx: List[Optional[List[List[int]]]] = []
+    input_token_ids_logprobs_val: List[Optional[List[Optional[List[float]]]]] = []
+    input_token_ids_logprobs_idx: List[Optional[List[Optional[List[int]]]]] = []
+    output_token_ids_logprobs_val: List[Optional[List[List[float]]]] = []
+    output_token_ids_logprobs_idx: List[Optional[List[List[int]]]] = []
+    output_hidden_states: List[Optional[List[Any]]] = []
+
+
+# ---------------------------------------------------------------------- control requests
+class UpdateWeightFromDiskReqInput(msgspec.Struct, tag=True):
+    model_path: str
+    load_format: Optional[str] = None
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = None
+    flush_cache: bool = True
+
+
+class UpdateWeightFromDiskReqOutput(msgspec.Struct, tag=True):
+    success: bool
+    message: str = ""
+    num_paused_requests: int = 0
+
+
+class UpdateWeightsFromTensorReqInput(msgspec.Struct, tag=True):
+    # The named tensors as one safetensors file (full, unsharded tensors: every TP rank cuts its
+    # own shard with the model's weight loaders). Never pickle: the scheduler decodes no code.
+    serialized_named_tensors: bytes
+    load_format: Optional[str] = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = None
+
+
+class UpdateWeightsFromTensorReqOutput(msgspec.Struct, tag=True):
+    success: bool
+    message: str = ""
+
+
+class GetWeightsByNameReqInput(msgspec.Struct, tag=True):
+    name: str
+    truncate_size: int = 100
+
+
+class GetWeightsByNameReqOutput(msgspec.Struct, tag=True):
+    # The first truncate_size rows (or values) of the full, unsharded parameter; None: no such
+    # parameter (message says why).
+    parameter: Optional[List[Any]] = None
+    message: str = ""
+
+
+class ReleaseMemoryOccupationReqInput(msgspec.Struct, tag=True):
+    tags: Optional[List[str]] = None  # "weights", "kv_cache"; None: both
+
+
+class ReleaseMemoryOccupationReqOutput(msgspec.Struct, tag=True):
+    success: bool = True
+    message: str = ""
+
+
+class ResumeMemoryOccupationReqInput(msgspec.Struct, tag=True):
+    tags: Optional[List[str]] = None
+
+
+class ResumeMemoryOccupationReqOutput(msgspec.Struct, tag=True):
+    success: bool = True
+    message: str = ""
+
+
+class PauseGenerationReqInput(msgspec.Struct, tag=True):
+    mode: str = "abort"  # "abort" | "retract" | "in_place" (the scheduler sees the last two)
+
+
+class PauseGenerationReqOutput(msgspec.Struct, tag=True):
+    success: bool = True
+    message: str = ""
+    num_paused_requests: int = 0
+
+
+class ContinueGenerationReqInput(msgspec.Struct, tag=True):
+    torch_empty_cache: bool = True
+
+
+class ContinueGenerationReqOutput(msgspec.Struct, tag=True):
+    success: bool = True
+    message: str = ""
+
+
+# Control requests the DP controller fans out to every replica, and their replies.
+CONTROL_REQUESTS = (
+    FlushCacheReqInput, GetInternalStateReq, UpdateWeightFromDiskReqInput, UpdateWeightsFromTensorReqInput,
+    GetWeightsByNameReqInput, ReleaseMemoryOccupationReqInput, ResumeMemoryOccupationReqInput,
+    PauseGenerationReqInput, ContinueGenerationReqInput,
+)
+CONTROL_REPLIES = (
+    FlushCacheReqOutput, GetInternalStateReqOutput, UpdateWeightFromDiskReqOutput, UpdateWeightsFromTensorReqOutput,
+    GetWeightsByNameReqOutput, ReleaseMemoryOccupationReqOutput, ResumeMemoryOccupationReqOutput,
+    PauseGenerationReqOutput, ContinueGenerationReqOutput,
+)
 
 
 Message = Union[
@@ -107,6 +225,20 @@ Message = Union[
     GetInternalStateReqOutput,
     BatchTokenIDOutput,
     BatchStrOutput,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightFromDiskReqOutput,
+    UpdateWeightsFromTensorReqInput,
+    UpdateWeightsFromTensorReqOutput,
+    GetWeightsByNameReqInput,
+    GetWeightsByNameReqOutput,
+    ReleaseMemoryOccupationReqInput,
+    ReleaseMemoryOccupationReqOutput,
+    ResumeMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqOutput,
+    PauseGenerationReqInput,
+    PauseGenerationReqOutput,
+    ContinueGenerationReqInput,
+    ContinueGenerationReqOutput,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -26,6 +26,7 @@ class ReqState:
     return_logprob: bool
     return_text_in_logprobs: bool
     created_time: float
+    return_hidden_states: bool = False
     no_logs: bool = False
     event: asyncio.Event = field(default_factory=asyncio.Event)
     text: str = ""
@@ -39,6 +40,9 @@ class ReqState:
     input_top_logprobs: list = field(default_factory=list)
     output_token_logprobs: list = field(default_factory=list)
     output_top_logprobs: list = field(default_factory=list)
+    input_token_ids_logprobs: list = field(default_factory=list)
+    output_token_ids_logprobs: list = field(default_factory=list)
+    hidden_states: list = field(default_factory=list)
     # Set when metrics are enabled and the request is not a health probe.
     timer: Optional[RequestTimer] = None
 
@@ -58,6 +62,10 @@ def build_output(state: ReqState) -> dict:
         meta["input_top_logprobs"] = list(state.input_top_logprobs)
         meta["output_token_logprobs"] = list(state.output_token_logprobs)
         meta["output_top_logprobs"] = list(state.output_top_logprobs)
+        meta["input_token_ids_logprobs"] = list(state.input_token_ids_logprobs)
+        meta["output_token_ids_logprobs"] = list(state.output_token_ids_logprobs)
+    if state.return_hidden_states:
+        meta["hidden_states"] = list(state.hidden_states)
     return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
 
 
@@ -76,6 +84,9 @@ class OutputAssembler:
         state.cached_tokens = batch.cached_tokens[i]
         if state.return_logprob:
             self._append_logprobs(state, batch, i)
+        hidden = _at(batch.output_hidden_states, i)
+        if hidden is not None:
+            state.hidden_states.extend(hidden)
         if batch.finished_reasons[i] is not None:
             state.finished = True
             state.finished_reason = dict(batch.finished_reasons[i])
@@ -95,6 +106,14 @@ class OutputAssembler:
         vals = _at(batch.output_top_logprobs_val, i)
         if vals is not None:
             state.output_top_logprobs.extend(self._top_logprobs(vals, _at(batch.output_top_logprobs_idx, i), text))
+        vals = _at(batch.input_token_ids_logprobs_val, i)
+        if vals is not None:
+            state.input_token_ids_logprobs.extend(
+                self._top_logprobs(vals, _at(batch.input_token_ids_logprobs_idx, i), text))
+        vals = _at(batch.output_token_ids_logprobs_val, i)
+        if vals is not None:
+            state.output_token_ids_logprobs.extend(
+                self._top_logprobs(vals, _at(batch.output_token_ids_logprobs_idx, i), text))
 
     def _token_logprobs(self, vals: list, ids: Optional[list], with_text: bool) -> list[list]:
         ids = ids or []

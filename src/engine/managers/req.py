@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import re
 import time
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Set
+from typing import TYPE_CHECKING, Any, Dict, Hashable, List, Optional, Set
 
 import torch
 
@@ -39,6 +40,17 @@ class FINISH_MATCHED_STR(BaseFinishReason):
         return {"type": "stop", "matched": self.matched}
 
 
+class FINISH_MATCHED_REGEX(BaseFinishReason):
+    """A stop_regex matched; `matched` is the pattern (SGLang's FINISHED_MATCHED_REGEX). The text
+    is not trimmed at the match, as in SGLang."""
+
+    def __init__(self, matched: str) -> None:
+        self.matched = matched
+
+    def to_json(self) -> Dict[str, Any]:
+        return {"type": "stop", "matched": self.matched}
+
+
 class FINISH_LENGTH(BaseFinishReason):
     def __init__(self, length: int) -> None:
         self.length = length
@@ -57,6 +69,14 @@ class FINISH_ABORT(BaseFinishReason):
     def to_json(self) -> Dict[str, Any]:
         return {"type": "abort", "message": self.message, "status_code": self.status_code,
                 "err_type": self.err_type}
+
+
+def cache_namespace(extra_key: Optional[str], cache_salt: Optional[str]) -> Optional[Hashable]:
+    """The radix-cache namespace of a request: requests share cached prefixes only when both
+    their extra_key and their cache_salt are equal (None: the shared namespace)."""
+    if extra_key is None and cache_salt is None:
+        return None
+    return (extra_key, cache_salt)
 
 
 class Req:
@@ -78,6 +98,11 @@ class Req:
         stream: bool = False,
         eos_token_ids: Optional[Set[int]] = None,
         vocab_size: Optional[int] = None,
+        priority: Optional[int] = None,
+        extra_key: Optional[Hashable] = None,
+        return_hidden_states: bool = False,
+        token_ids_logprob: Optional[List[int]] = None,
+        custom_logit_processor: Optional[str] = None,
     ) -> None:
         self.rid = rid
         self.origin_input_text = origin_input_text
@@ -127,6 +152,21 @@ class Req:
         self.output_token_logprobs_idx: List[int] = []
         self.output_top_logprobs_val: List[List[float]] = []
         self.output_top_logprobs_idx: List[List[int]] = []
+        # token_ids_logprob: the asked ids' logprobs at each output (and asked input) position.
+        self.token_ids_logprob = token_ids_logprob
+        self.input_token_ids_logprobs_acc: List[List[float]] = []  # accumulated over chunks
+        self.input_token_ids_logprobs_val: Optional[List[Optional[List[float]]]] = None
+        self.output_token_ids_logprobs_val: List[List[float]] = []
+
+        # Extras: scheduling priority, cache namespace, hidden states, custom logit processor.
+        self.priority = priority
+        self.extra_key = extra_key
+        self.return_hidden_states = return_hidden_states
+        # The prompt's [len, hidden] block (one entry, once complete), then one vector per decode.
+        self.hidden_states: List[Any] = []
+        self.prompt_hidden_states_acc: List[List[float]] = []  # accumulated over chunks
+        self.send_hidden_states_offset = 0
+        self.custom_logit_processor = custom_logit_processor
 
         # Chunked prefill / retraction
         self.is_chunked = 0  # non-final chunks in flight
@@ -158,7 +198,7 @@ class Req:
         """Recompute fill ids and, for a fresh or retracted request, the cached prefix."""
         self.fill_ids = self.origin_input_ids + self.output_ids
         if tree_cache is not None and self.req_pool_idx is None:
-            match = tree_cache.match_prefix(self.fill_ids[: self._max_prefix_len()])
+            match = tree_cache.match_prefix(self.fill_ids[: self._max_prefix_len()], self.extra_key)
             self.prefix_indices = match.device_indices
             self.last_node = match.last_device_node
         # A request that already holds a row (the chunked one) keeps its own prefix.
@@ -170,6 +210,8 @@ class Req:
         limit = len(self.fill_ids) - 1
         if self.needs_input_logprobs():
             limit = min(limit, self.logprob_start_len)
+        if self.return_hidden_states:
+            limit = 0  # the hidden states of every prompt position are returned: compute them all
         return max(limit, 0)
 
     def needs_input_logprobs(self) -> bool:
@@ -189,6 +231,13 @@ class Req:
         self.input_token_logprobs = []
         self.input_top_logprobs_val_acc = []
         self.input_top_logprobs_idx_acc = []
+        self.input_token_ids_logprobs_acc = []
+        self.prompt_hidden_states_acc = []
+
+    @property
+    def has_prompt_hidden_states(self) -> bool:
+        """True once the prompt's hidden-state block was recorded (a re-prefill adds none)."""
+        return bool(self.hidden_states)
 
     def set_finish_with_abort(self, message: str, status_code: int = 400,
                               err_type: str = "BadRequestError") -> None:
@@ -212,6 +261,10 @@ class Req:
             matched = self._check_stop_strings()
             if matched is not None:
                 self.finished_reason = FINISH_MATCHED_STR(matched)
+                return
+            matched = self._check_stop_regex()
+            if matched is not None:
+                self.finished_reason = FINISH_MATCHED_REGEX(matched)
                 return
             if not self.sampling_params.ignore_eos and (
                 last in self.eos_token_ids or last in (self.sampling_params.stop_token_ids or ())
@@ -271,6 +324,20 @@ class Req:
                 before = len(self.decode(window[:-1]))
             if tail.rfind(stop) + len(stop) > before:
                 return stop
+        return None
+
+    def _check_stop_regex(self) -> Optional[str]:
+        """The stop regex that matches the output's tail, if any (SGLang: re.search on the tail
+        of max(stop_regex_max_len, stop_str_max_len) + 1 tokens, at most the whole output)."""
+        sp = self.sampling_params
+        patterns = sp.stop_regex_strs
+        if not patterns:
+            return None
+        window = max(sp.stop_regex_max_len, sp.stop_str_max_len) + 1
+        tail = self.decode(self.output_ids[-window:])
+        for pattern in patterns:
+            if re.search(pattern, tail):
+                return pattern
         return None
 
     def tail_may_start_stop_str(self) -> bool:

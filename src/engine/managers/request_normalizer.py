@@ -8,6 +8,7 @@ renders chat messages through the chat template.
 
 from __future__ import annotations
 
+import logging
 import os
 import uuid
 from dataclasses import dataclass, field
@@ -16,6 +17,11 @@ from typing import Any, Optional, Union
 from engine.managers.errors import EngineRequestError
 from engine.managers.io_struct import TokenizedGenerateReqInput
 from engine.sampling.sampling_params import check_parallel_sample_num
+
+logger = logging.getLogger(__name__)
+
+# token_ids_logprob: logprobs of at most this many ids per position (bounds the work one request asks).
+MAX_TOKEN_IDS_LOGPROB = 1024
 
 @dataclass
 class GenerateReqInput:
@@ -31,6 +37,13 @@ class GenerateReqInput:
     # False: not counted in /metrics (health probes). True no_logs: --log-requests skips its text.
     log_metrics: bool = True
     no_logs: bool = False
+    # SGLang's per-request extras (docs/api.md): a list gives one value per prompt.
+    token_ids_logprob: Optional[Union[list[int], list[list[int]]]] = None
+    return_hidden_states: Union[bool, list[bool]] = False
+    custom_logit_processor: Optional[Union[str, list[Optional[str]]]] = None
+    priority: Optional[int] = None  # one value for the whole request, as in SGLang
+    extra_key: Optional[Union[str, list[Optional[str]]]] = None
+    cache_salt: Optional[Union[str, list[Optional[str]]]] = None
 
     # Filled by normalize(): one entry per sub-request.
     is_single: bool = field(default=True, init=False)
@@ -54,6 +67,13 @@ class GenerateReqInput:
         return_logprob = self._per_prompt(self.return_logprob, num_prompts, "return_logprob", bool, False)
         start_lens = self._per_prompt(self.logprob_start_len, num_prompts, "logprob_start_len", int, -1)
         top_nums = self._per_prompt(self.top_logprobs_num, num_prompts, "top_logprobs_num", int, 0)
+        token_ids = self._token_ids_per_prompt(num_prompts)
+        hidden = self._per_prompt(self.return_hidden_states, num_prompts, "return_hidden_states", bool, False)
+        processors = self._per_prompt(self.custom_logit_processor, num_prompts, "custom_logit_processor", str, None)
+        extra_keys = self._per_prompt(self.extra_key, num_prompts, "extra_key", str, None)
+        salts = self._per_prompt(self.cache_salt, num_prompts, "cache_salt", str, None)
+        if self.priority is not None and not _is_int64(self.priority):
+            raise EngineRequestError(f"priority must be a 64-bit integer or null, got {self.priority!r}.")
 
         out_text: list[str] = []
         out_ids: list[list[int]] = []
@@ -63,6 +83,8 @@ class GenerateReqInput:
         out_start: list[int] = []
         out_top: list[int] = []
         out_prompt: list[int] = []
+        per_sub: dict[str, list] = {"token_ids_logprob": [], "return_hidden_states": [], "custom_logit_processor": [],
+                                    "extra_key": [], "cache_salt": []}
         # Every n is checked before any fan-out: a huge n must not build a huge list first.
         fan_outs = [_parallel_sample_num(sp) for sp in sampling_params]
         for i, n in enumerate(fan_outs):
@@ -78,6 +100,12 @@ class GenerateReqInput:
                 out_lp.append(bool(return_logprob[i]))
                 out_start.append(int(start_lens[i]))
                 out_top.append(int(top_nums[i]))
+                per_sub["token_ids_logprob"].append(token_ids[i])
+                per_sub["return_hidden_states"].append(bool(hidden[i]))
+                per_sub["custom_logit_processor"].append(processors[i])
+                # "" means no namespace, as in SGLang.
+                per_sub["extra_key"].append(extra_keys[i] or None)
+                per_sub["cache_salt"].append(salts[i] or None)
 
         self.text = out_text if prompts_text is not None else None
         self.input_ids = out_ids if prompts_ids is not None else None
@@ -87,6 +115,11 @@ class GenerateReqInput:
         self.logprob_start_len = out_start
         self.top_logprobs_num = out_top
         self.prompt_index = out_prompt
+        self.token_ids_logprob = per_sub["token_ids_logprob"]
+        self.return_hidden_states = per_sub["return_hidden_states"]
+        self.custom_logit_processor = per_sub["custom_logit_processor"]
+        self.extra_key = per_sub["extra_key"]
+        self.cache_salt = per_sub["cache_salt"]
         self.batch_size = len(out_rid)
         self.is_single = not is_batch and self.batch_size == 1
         self._normalized = True
@@ -126,6 +159,19 @@ class GenerateReqInput:
             return list(self.rid)
         raise EngineRequestError(f"rid must be a list of {num_prompts} non-empty strings.")
 
+    def _token_ids_per_prompt(self, num_prompts: int) -> list[Optional[list[int]]]:
+        """token_ids_logprob: one list of ids for every prompt, or a list of such lists."""
+        value = self.token_ids_logprob
+        if value is None or value == []:
+            return [None] * num_prompts
+        if isinstance(value, list) and all(_is_token_id(t) for t in value):
+            return [list(value)] * num_prompts
+        if (isinstance(value, list) and len(value) == num_prompts
+                and all(v is None or (isinstance(v, list) and all(_is_token_id(t) for t in v)) for v in value)):
+            return [list(v) if v else None for v in value]
+        raise EngineRequestError("token_ids_logprob must be a list of token ids, or one such list per prompt "
+                                 f"({num_prompts}).")
+
     @staticmethod
     def _per_prompt(value: Any, num_prompts: int, name: str, kind: type, default: Any) -> list:
         """Broadcast a scalar over the prompts, or check a list has one entry per prompt."""
@@ -149,6 +195,10 @@ def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
 
 
+def _is_int64(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and -(1 << 63) <= value < (1 << 63)
+
+
 def _parallel_sample_num(sampling_params: dict) -> int:
     n = sampling_params.get("n", 1)
     if n is None:
@@ -162,10 +212,15 @@ def _parallel_sample_num(sampling_params: dict) -> int:
 class RequestNormalizer:
     """Checks sub-requests against the tokenizer, the vocabulary and the context length."""
 
-    def __init__(self, tokenizer: Any, vocab_size: Optional[int], context_len: int) -> None:
+    def __init__(self, tokenizer: Any, vocab_size: Optional[int], context_len: int,
+                 max_req_input_len: Optional[int] = None, allow_auto_truncate: bool = False,
+                 enable_custom_logit_processor: bool = False) -> None:
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.context_len = context_len
+        self.max_req_input_len = max_req_input_len if max_req_input_len is not None else context_len - 1
+        self.allow_auto_truncate = allow_auto_truncate
+        self.enable_custom_logit_processor = enable_custom_logit_processor
 
     def prompt_input_ids(self, obj: GenerateReqInput, i: int) -> list[int]:
         """The token ids of sub-request i's prompt, checked against the vocabulary and context."""
@@ -183,6 +238,11 @@ class RequestNormalizer:
             if bad:
                 raise EngineRequestError(
                     f"Token id {bad[0]} in input_ids is out of range for the vocabulary of size {self.vocab_size}.")
+        if self.allow_auto_truncate and input_len >= self.max_req_input_len:
+            # SGLang's --allow-auto-truncate: keep the first tokens that fit, instead of a 400.
+            logger.warning("The input (%d tokens) is longer than the maximum input length (%d tokens); "
+                           "truncated (--allow-auto-truncate).", input_len, self.max_req_input_len)
+            return input_ids[: self.max_req_input_len]
         if input_len >= self.context_len:
             raise EngineRequestError(
                 f"The input ({input_len} tokens) is longer than the model's context length "
@@ -196,7 +256,9 @@ class RequestNormalizer:
         # Only a budget the client asked for is checked: the default (SamplingParams') would
         # reject every long prompt, and the scheduler clamps it to the context anyway.
         max_new_tokens = obj.sampling_params[i].get("max_new_tokens")
-        if isinstance(max_new_tokens, int) and input_len + max_new_tokens > self.context_len:
+        # With --allow-auto-truncate the scheduler clamps the budget to the context instead.
+        if (isinstance(max_new_tokens, int) and input_len + max_new_tokens > self.context_len
+                and not self.allow_auto_truncate):
             raise EngineRequestError(
                 f"Requested token count exceeds the model's maximum context length of {self.context_len} "
                 f"tokens. You requested a total of {input_len + max_new_tokens} tokens: {input_len} tokens "
@@ -214,6 +276,11 @@ class RequestNormalizer:
         if return_logprob and logprob_start_len > input_len:
             raise EngineRequestError(
                 f"logprob_start_len ({logprob_start_len}) must not exceed the input length ({input_len}).")
+        processor = obj.custom_logit_processor[i]
+        if processor is not None and not self.enable_custom_logit_processor:
+            raise EngineRequestError(
+                "The server is not configured to enable custom logit processor. Please set "
+                "`--enable-custom-logit-processor` to enable this feature.")
         return TokenizedGenerateReqInput(
             rid=obj.rid[i],
             input_ids=input_ids,  # shared by the n samples of a prompt: encoded, never mutated
@@ -223,7 +290,25 @@ class RequestNormalizer:
             logprob_start_len=logprob_start_len if return_logprob else -1,
             top_logprobs_num=top_logprobs_num if return_logprob else 0,
             stream=obj.stream,
+            # Like SGLang, asked-for token ids matter only with return_logprob.
+            token_ids_logprob=self._checked_token_ids(obj.token_ids_logprob[i]) if return_logprob else None,
+            return_hidden_states=obj.return_hidden_states[i],
+            custom_logit_processor=processor,
+            priority=obj.priority,
+            extra_key=obj.extra_key[i],
+            cache_salt=obj.cache_salt[i],
         )
+
+    def _checked_token_ids(self, ids: Optional[list[int]]) -> Optional[list[int]]:
+        if ids is None:
+            return None
+        if len(ids) > MAX_TOKEN_IDS_LOGPROB:
+            raise EngineRequestError(f"token_ids_logprob may name at most {MAX_TOKEN_IDS_LOGPROB} token ids, "
+                                     f"got {len(ids)}.")
+        if self.vocab_size is not None and any(t >= self.vocab_size for t in ids):
+            raise EngineRequestError(
+                f"token_ids_logprob must be token ids in [0, {self.vocab_size}), got {max(ids)}.")
+        return ids
 
     def verify_sampling_params(self, params: dict) -> dict:
         from engine.sampling.sampling_params import SamplingParams

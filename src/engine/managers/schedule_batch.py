@@ -60,6 +60,8 @@ class ScheduleBatch:
 
     return_logprob: bool = False
     top_logprobs_nums: List[int] = field(default_factory=list)
+    token_ids_logprobs: List[Optional[List[int]]] = field(default_factory=list)  # token_ids_logprob per row
+    return_hidden_states: bool = False
     sampling_info: Any = None
 
     # The requests of a MIXED batch that ride along as decode rows.
@@ -79,6 +81,7 @@ class ScheduleBatch:
             vocab_size=vocab_size,
             device=device,
             return_logprob=any(r.return_logprob for r in reqs),
+            return_hidden_states=any(r.return_hidden_states for r in reqs),
         )
 
     def batch_size(self) -> int:
@@ -166,6 +169,7 @@ class ScheduleBatch:
         self.prefix_lens = prefix_lens
         self.extend_lens = extend_lens
         self.top_logprobs_nums = [r.top_logprobs_num for r in reqs]
+        self.token_ids_logprobs = [r.token_ids_logprob for r in reqs]
         self._prepare_input_logprobs(prefix_lens, extend_lens)
         for r in reqs:
             r.is_retracted = False
@@ -208,6 +212,7 @@ class ScheduleBatch:
         self.seq_lens_cpu = self.seq_lens_cpu + running_batch.seq_lens_cpu
         self.seq_lens = _i64(self.seq_lens_cpu)
         self.top_logprobs_nums = self.top_logprobs_nums + [0] * running_batch.batch_size()
+        self.token_ids_logprobs = self.token_ids_logprobs + [None] * running_batch.batch_size()
 
     # ------------------------------------------------------------------ decode
     def new_page_count_for_decode(self, indices: Optional[List[int]] = None) -> int:
@@ -278,10 +283,9 @@ class ScheduleBatch:
                 break
             first = False
             req = self.reqs[order.pop()]
-            self.tree_cache.cache_finished_req(req, is_insert=False)
+            self._release_for_retract(req)
             # Use the freshly unlocked prefix memory at once if needed.
             self._evict_for(len(order) * RETRACT_DECODE_STEPS)
-            req.reset_for_retract()
             retracted.append(req)
         self.filter_batch(keep_indices=sorted(order))
         survivors = self.reqs
@@ -291,6 +295,19 @@ class ScheduleBatch:
             / (sum(r.max_new_tokens for r in survivors) + 1),
         )
         return retracted, new_ratio, aborted
+
+    def _release_for_retract(self, req: Req) -> None:
+        """Free a running request's KV and row (its prefix is not inserted: SGLang's retraction);
+        it keeps its output ids and is prefilled again later."""
+        self.tree_cache.cache_finished_req(req, is_insert=False)
+        req.reset_for_retract()
+
+    def preempt(self, victims: List[Req]) -> None:
+        """Priority preemption: release `victims` (running requests) and drop them from the batch."""
+        chosen = {id(r) for r in victims}
+        for req in victims:
+            self._release_for_retract(req)
+        self.filter_batch(keep_indices=[i for i, r in enumerate(self.reqs) if id(r) not in chosen])
 
     # ------------------------------------------------------------------ filter / merge
     def filter_batch(self, chunked_req_to_exclude: Optional[Req] = None,
@@ -312,7 +329,9 @@ class ScheduleBatch:
         self.seq_lens = _i64(self.seq_lens_cpu)
         self.out_cache_loc = None
         self.top_logprobs_nums = [self.top_logprobs_nums[i] for i in keep_indices]
+        self.token_ids_logprobs = [self.token_ids_logprobs[i] for i in keep_indices]
         self.return_logprob = any(r.return_logprob for r in self.reqs)
+        self.return_hidden_states = any(r.return_hidden_states for r in self.reqs)
         self.sampling_info.filter_batch(keep_indices)
 
     def merge_batch(self, other: "ScheduleBatch") -> None:
@@ -322,8 +341,10 @@ class ScheduleBatch:
         self.seq_lens = _i64(self.seq_lens_cpu)
         self.out_cache_loc = None
         self.top_logprobs_nums = self.top_logprobs_nums + other.top_logprobs_nums
+        self.token_ids_logprobs = self.token_ids_logprobs + other.token_ids_logprobs
         self.reqs = self.reqs + other.reqs
         self.return_logprob = self.return_logprob or other.return_logprob
+        self.return_hidden_states = self.return_hidden_states or other.return_hidden_states
 
     # ------------------------------------------------------------------ worker snapshot
     def get_model_worker_batch(self) -> ModelWorkerBatch:
@@ -338,6 +359,8 @@ class ScheduleBatch:
             sampling_info=self.sampling_info.copy_for_forward(),
             return_logprob=self.return_logprob,
             top_logprobs_nums=list(self.top_logprobs_nums) if self.return_logprob else None,
+            token_ids_logprobs=list(self.token_ids_logprobs) if self.return_logprob else None,
+            capture_hidden_states=self.return_hidden_states,
             extend_num_tokens=self.extend_num_tokens if extend else None,
             extend_seq_lens=list(self.extend_lens) if extend else None,
             extend_prefix_lens=list(self.prefix_lens) if extend else None,
@@ -364,6 +387,8 @@ class ScheduleBatch:
             extend_logprob_start_lens=list(self.extend_logprob_start_lens),
             return_logprob=self.return_logprob,
             top_logprobs_nums=list(self.top_logprobs_nums),
+            token_ids_logprobs=list(self.token_ids_logprobs),
+            return_hidden_states=self.return_hidden_states,
             decoding_reqs=list(self.decoding_reqs),
             log_input_tokens=self.log_input_tokens,
             log_hit_tokens=self.log_hit_tokens,

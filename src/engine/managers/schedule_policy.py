@@ -9,6 +9,7 @@ from contextlib import contextmanager
 from enum import Enum, auto
 from typing import Any, Dict, List, Optional, Tuple
 
+from engine.managers.priority import PriorityPolicy
 from engine.managers.req import CLIP_MAX_NEW_TOKENS_ESTIMATION, Req
 from engine.mem_cache.base_prefix_cache import BasePrefixCache
 from engine.mem_cache.radix_cache import RadixCache, TreeNode
@@ -25,7 +26,8 @@ LPM_MAX_QUEUE_LEN = 128
 
 
 class SchedulePolicy:
-    def __init__(self, policy: str, tree_cache: BasePrefixCache, radix_enabled: bool, seed: int = 0) -> None:
+    def __init__(self, policy: str, tree_cache: BasePrefixCache, radix_enabled: bool, seed: int = 0,
+                 priority: Optional[PriorityPolicy] = None) -> None:
         if policy not in ("fcfs", "lpm", "dfs-weight", "lof", "random"):
             raise ValueError(f"unknown schedule policy {policy!r}")
         # Cache-aware policies are meaningless without a radix tree.
@@ -36,16 +38,25 @@ class SchedulePolicy:
         self.policy = policy
         self.tree_cache = tree_cache
         self.rng = random.Random(seed)
+        # With priority scheduling on, fcfs and lof order by priority first (as SGLang; the
+        # cache-aware policies and random ignore it).
+        self.priority = priority if priority is not None and priority.enabled else None
 
     def calc_priority(self, waiting_queue: List[Req]) -> None:
         """Sort the waiting queue in place."""
         policy = self.policy
         if policy == "lpm" and len(waiting_queue) > LPM_MAX_QUEUE_LEN:
             policy = "fcfs"
+        prio = self.priority
         if policy == "fcfs":
+            if prio is not None:
+                waiting_queue.sort(key=prio.queue_order_key)
             return
         if policy == "lof":
-            waiting_queue.sort(key=lambda r: -r.max_new_tokens)
+            if prio is not None:
+                waiting_queue.sort(key=lambda r: (prio.urgency(r), -r.max_new_tokens))
+            else:
+                waiting_queue.sort(key=lambda r: -r.max_new_tokens)
         elif policy == "random":
             self.rng.shuffle(waiting_queue)
         elif policy == "lpm":
@@ -159,6 +170,8 @@ class PrefillAdder:
         self._decode_states: Optional[List[Tuple[float, int]]] = None
 
         self.can_run_list: List[Req] = []
+        self.preempt_list: List[Req] = []  # running requests preempted for this batch
+        self._preempted: set = set()
         self.new_chunked_req: Optional[Req] = None
         self.log_input_tokens = 0
         self.log_hit_tokens = 0
@@ -266,6 +279,36 @@ class PrefillAdder:
         self.new_chunked_req = req
         self._charge(prefix_len, chunk, 0)
         return None
+
+    def preempt_to_schedule(self, req: Req, priority: PriorityPolicy, running_batch: Any) -> bool:
+        """SGLang's preempt_to_schedule: make room for `req` by preempting running requests it
+        beats by more than the threshold, least urgent (then newest) first, until what they free
+        covers what `req` needs. Nothing is preempted unless it is enough; True when done."""
+        candidates = [r for r in running_batch.reqs if not r.finished() and id(r) not in self._preempted]
+        candidates.sort(key=lambda r: (-priority.urgency(r), -r.queue_time))
+        needed = req.extend_input_len + max_new_tokens_charge(req) - self.rem_total_tokens
+        victims: List[Req] = []
+        for running in candidates:
+            if not priority.can_preempt(req, running):
+                break  # sorted: no later one can be preempted either
+            victims.append(running)
+            # Its reservation goes, and the KV it owns (its cached prefix may stay in the tree).
+            needed -= self._reservation(running) + running.kv_allocated_len - running.cache_protected_len
+            if needed <= 0:
+                break
+        if not victims or needed > 0:
+            return False
+        for victim in victims:
+            self.rem_total_token_offset -= self._reservation(victim)
+            self._preempted.add(id(victim))
+        running_batch.preempt(victims)
+        self.preempt_list.extend(victims)
+        self.running_reqs = [r for r in self.running_reqs if id(r) not in self._preempted]
+        self._decode_states = None  # the ignore_eos simulation must forget them too
+        return True
+
+    def _reservation(self, running: Req) -> float:
+        return running.remaining_new_tokens_estimate() * self.new_token_ratio
 
     def _decode_state(self, req: Req) -> Optional[Tuple[float, int]]:
         """(tokens it may still generate, tokens it holds) in the ignore_eos simulation."""

@@ -25,10 +25,12 @@ from engine.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from engine.managers.overlap_utils import DelayedSample, ForwardStream, PendingResult
-from engine.managers.req import FINISH_ABORT, Req
+from engine.managers.priority import EVICTED_MESSAGE, PriorityPolicy
+from engine.managers.req import FINISH_ABORT, Req, cache_namespace
 from engine.managers.schedule_batch import ScheduleBatch
 from engine.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
 from engine.managers.scheduler_output import OutputStreamer, ResultProcessor
+from engine.sampling.custom_logit_processor import CustomLogitProcessorError, load_custom_logit_processor
 
 if TYPE_CHECKING:
     from engine.constrained.base_grammar_backend import BaseGrammarBackend
@@ -96,9 +98,10 @@ class Scheduler:
             from engine.mem_cache.radix_cache import RadixCache
 
             self.tree_cache = RadixCache(self.req_to_token_pool, self.token_to_kv_pool_allocator, self.page_size)
+        self.priority = PriorityPolicy(server_args)
         self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache,
                                      radix_enabled=not server_args.disable_radix_cache,
-                                     seed=server_args.random_seed)
+                                     seed=server_args.random_seed, priority=self.priority)
         chunk = server_args.chunked_prefill_size
         self.chunked_prefill_size: Optional[int] = chunk if chunk is not None and chunk > 0 else None
 
@@ -192,6 +195,11 @@ class Scheduler:
             stream=recv.stream,
             eos_token_ids=self.eos_token_ids,
             vocab_size=self.vocab_size,
+            priority=recv.priority,
+            extra_key=cache_namespace(recv.extra_key, recv.cache_salt),
+            return_hidden_states=recv.return_hidden_states,
+            token_ids_logprob=recv.token_ids_logprob if recv.return_logprob else None,
+            custom_logit_processor=recv.custom_logit_processor,
         )
         req.tokenizer = self.tokenizer
         try:
@@ -202,12 +210,13 @@ class Scheduler:
             req.sampling_params = SamplingParams()
             return self._abort_at_admission(req, str(e), 400)
         req.sampling_params = sp
-        error = self._validate_input(req)
+        error = self._validate_input(req) or self._validate_extras(req)
         if error is not None:
             return self._abort_at_admission(req, error, 400)
         self._clamp_max_new_tokens(req)
-        if sp.stop_strs and self.tokenizer is None:
-            return self._abort_at_admission(req, "stop strings need a tokenizer; this scheduler has none", 400)
+        refused = self.priority.assign(req)
+        if refused is not None:
+            return self._abort_at_admission(req, refused, 503)
         queued, error = self.grammar_manager.process_req_with_grammar(req)
         if error is not None:
             return self._abort_at_admission(req, error, 400)
@@ -219,13 +228,33 @@ class Scheduler:
         n = len(ids)
         if n == 0:
             return "The input is empty; give at least one token."
-        if n >= self.max_req_input_len:
+        if n > self.max_req_input_len and self.server_args.allow_auto_truncate:
+            # SGLang's --allow-auto-truncate keeps the first max_req_input_len tokens.
+            logger.warning("Request %s: input of %d tokens truncated to %d (--allow-auto-truncate)",
+                           req.rid, n, self.max_req_input_len)
+            req.origin_input_ids = ids = ids[: self.max_req_input_len]
+            n = len(ids)
+        elif n >= self.max_req_input_len and not self.server_args.allow_auto_truncate:
             return (f"Input length ({n} tokens) exceeds the maximum allowed length "
-                    f"({self.max_req_input_len} tokens). Use a shorter input.")
+                    f"({self.max_req_input_len} tokens). Use a shorter input or enable --allow-auto-truncate.")
         if min(ids) < 0 or max(ids) >= self.vocab_size:
             return f"Input token ids must be in [0, {self.vocab_size}); got an id out of range."
         if req.return_logprob and req.logprob_start_len > n:
             return f"logprob_start_len ({req.logprob_start_len}) must not exceed the input length ({n})."
+        return None
+
+    def _validate_extras(self, req: Req) -> Optional[str]:
+        sp = req.sampling_params
+        if (sp.stop_strs or sp.stop_regex_strs) and self.tokenizer is None:
+            return "stop strings and stop_regex need a tokenizer; this scheduler has none"
+        if req.custom_logit_processor is not None:
+            if not self.server_args.enable_custom_logit_processor:
+                return ("The server is not configured to enable custom logit processor. Please set "
+                        "`--enable-custom-logit-processor` to enable this feature.")
+            try:
+                load_custom_logit_processor(req.custom_logit_processor)
+            except CustomLogitProcessorError as e:
+                return str(e)
         return None
 
     def _clamp_max_new_tokens(self, req: Req) -> None:
@@ -248,9 +277,16 @@ class Scheduler:
         # A retracted request is never refused: it was admitted and may have streamed output
         # (SGLang aborts it with 503 here; docs/architecture.md).
         limit = self.server_args.max_queued_requests
-        if not is_retracted and limit is not None and len(self.waiting_queue) >= limit:
-            return self._abort_at_admission(req, "The request queue is full.", 503)
         req.queue_time = time.monotonic()
+        if not is_retracted and limit is not None and len(self.waiting_queue) >= limit:
+            if not self.priority.enabled:
+                return self._abort_at_admission(req, "The request queue is full.", 503)
+            # With priority scheduling the least urgent waiting request (the newest among equals)
+            # makes room for a strictly more urgent newcomer; otherwise the newcomer is refused.
+            worst = self.priority.least_urgent_index(self.waiting_queue)
+            if not self.priority.beats(req, self.waiting_queue[worst]):
+                return self._abort_at_admission(req, "The request queue is full.", 503)
+            self._abort_at_admission(self.waiting_queue.pop(worst), EVICTED_MESSAGE, 503)
         self.waiting_queue.append(req)
 
     def abort_request(self, recv: AbortReq) -> None:
@@ -392,10 +428,13 @@ class Scheduler:
                    self.req_to_token_pool.available_size() + (1 if self.chunked_req is not None else 0))
 
     def get_new_batch_prefill(self) -> Optional[ScheduleBatch]:
+        preemption = self.priority.preemption_enabled
+        if preemption:
+            # A more urgent arrival may preempt its way into a full batch (SGLang).
+            self.running_batch.batch_is_full = False
         if (self.running_batch.batch_is_full or not self.waiting_queue) and self.chunked_req is None:
             return None
-        allocatable = self._num_allocatable_reqs()
-        if allocatable <= 0 and self.chunked_req is None:
+        if self._num_allocatable_reqs() <= 0 and self.chunked_req is None and not preemption:
             self.running_batch.batch_is_full = True
             return None
 
@@ -411,16 +450,25 @@ class Scheduler:
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
 
         for req in self.waiting_queue:
-            if len(adder.can_run_list) >= allocatable:
+            full = len(adder.can_run_list) >= self._num_allocatable_reqs()
+            if full:
                 self.running_batch.batch_is_full = True
-                break
+                if not preemption:
+                    break
             req.init_next_round_input(self.tree_cache)
+            if full and not adder.preempt_to_schedule(req, self.priority, self.running_batch):
+                break
             result = adder.add_one_req(req)
             if result != AddReqResult.CONTINUE:
                 if result == AddReqResult.NO_TOKEN:
                     self.running_batch.batch_is_full = True
                 break
 
+        for victim in adder.preempt_list:
+            # Back to the queue with their output kept, like a retraction.
+            self._add_request_to_queue(victim, is_retracted=True)
+        if adder.preempt_list:
+            logger.info("Priority preemption: %d running request(s) preempted", len(adder.preempt_list))
         can_run = adder.can_run_list
         if not can_run:
             return None
@@ -440,7 +488,9 @@ class Scheduler:
         batch.log_input_tokens, batch.log_hit_tokens = adder.log_input_tokens, adder.log_hit_tokens
         self._log_prefill(batch)
 
-        if mixed and not batch.return_logprob and not self.running_batch.return_logprob:
+        # Mixing needs neither side to return logprobs or hidden states (their rows are per extend).
+        if (mixed and not batch.return_logprob and not self.running_batch.return_logprob
+                and not batch.return_hidden_states and not self.running_batch.return_hidden_states):
             running = self.running_batch
             running.filter_batch()
             if not running.is_empty() and running.check_decode_mem():

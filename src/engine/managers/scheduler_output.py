@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Dict, List, Optional
 
 from engine.managers.io_struct import BatchTokenIDOutput
-from engine.managers.req import FINISH_LENGTH, Req
+from engine.managers.req import FINISH_LENGTH, FINISH_MATCHED_REGEX, Req
 
 if TYPE_CHECKING:
     from engine.managers.schedule_batch import ScheduleBatch
@@ -31,9 +31,12 @@ class ResultProcessor:
         """Returns the requests that may emit output (mid-chunk requests are left out)."""
         next_ids = result.next_token_ids.tolist()
         lp = _LogprobLists(result.logits_output, batch)
+        hidden = _hidden_states(result)
         decoding = {id(r) for r in batch.decoding_reqs}
         emit: List[Req] = []
+        extend_offset = 0
         for i, req in enumerate(batch.reqs):
+            row_start, extend_offset = extend_offset, extend_offset + batch.extend_lens[i]
             if id(req) in decoding:
                 if req.finished() or req.is_retracted:
                     continue  # finished or retracted while this batch was in flight (overlap)
@@ -46,6 +49,8 @@ class ResultProcessor:
             if req.is_retracted:
                 continue  # retracted while its prefill was in flight (overlap): re-prefilled later
             lp.collect_input(req, i)
+            if req.return_hidden_states and hidden is not None:
+                _collect_prompt_hidden_states(req, hidden[row_start:extend_offset], last_chunk=req.is_chunked == 0)
             if req.is_chunked > 0:
                 # A middle chunk: its sampled token is meaningless, nothing is streamed.
                 req.is_chunked -= 1
@@ -65,6 +70,7 @@ class ResultProcessor:
     def process_decode(self, batch: "ScheduleBatch", result: "GenerationBatchResult") -> List[Req]:
         next_ids = result.next_token_ids.tolist()
         lp = _LogprobLists(result.logits_output, batch)
+        hidden = _hidden_states(result)
         emit: List[Req] = []
         allocator = batch.token_to_kv_pool_allocator
         allocator.free_group_begin()
@@ -72,6 +78,9 @@ class ResultProcessor:
             for i, req in enumerate(batch.reqs):
                 if req.finished() or req.is_retracted:
                     continue
+                if req.return_hidden_states and hidden is not None:
+                    # The hidden state of the token fed at this step (the one sampled last step).
+                    req.hidden_states.append(hidden[i].float().tolist())
                 self._append_token(req, next_ids[i], lp, i)
                 emit.append(req)
         finally:
@@ -88,6 +97,23 @@ class ResultProcessor:
             self.tree_cache.cache_finished_req(req)
 
 
+def _hidden_states(result: "GenerationBatchResult") -> Optional[Any]:
+    out = result.logits_output
+    return None if out is None else out.hidden_states
+
+
+def _collect_prompt_hidden_states(req: Req, rows: Any, last_chunk: bool) -> None:
+    """The prompt's hidden states form one entry, gathered over its chunks; a re-prefill after
+    retraction adds only its last position's (the one a decode step would have added)."""
+    if not req.has_prompt_hidden_states:
+        req.prompt_hidden_states_acc.extend(rows.float().tolist())
+        if last_chunk:
+            req.hidden_states.append(req.prompt_hidden_states_acc)
+            req.prompt_hidden_states_acc = []
+    elif last_chunk and rows.shape[0] > 0:
+        req.hidden_states.append(rows[-1].float().tolist())
+
+
 class _LogprobLists:
     """Python lists of one batch's logprob tensors, converted once."""
 
@@ -98,8 +124,12 @@ class _LogprobLists:
         self.input_lp: Optional[List[float]] = None
         self.input_offsets: List[int] = []
         self.input_top_val = self.input_top_idx = None
+        self.next_ids_lp: Optional[List[Optional[List[float]]]] = None
+        self.input_ids_lp: Optional[List[Optional[List[List[float]]]]] = None
         if logits_output is None or not batch.return_logprob:
             return
+        self.next_ids_lp = logits_output.next_token_token_ids_logprobs_val
+        self.input_ids_lp = logits_output.input_token_ids_logprobs_val
         if logits_output.next_token_logprobs is not None:
             self.next_lp = logits_output.next_token_logprobs.tolist()
         self.top_val = logits_output.next_token_top_logprobs_val
@@ -122,6 +152,8 @@ class _LogprobLists:
         if req.top_logprobs_num > 0 and self.top_val is not None:
             req.output_top_logprobs_val.append(list(self.top_val[row]))
             req.output_top_logprobs_idx.append(list(self.top_idx[row]))
+        if req.token_ids_logprob and self.next_ids_lp is not None and self.next_ids_lp[row] is not None:
+            req.output_token_ids_logprobs_val.append(self.next_ids_lp[row])
 
     def collect_input(self, req: Req, row: int) -> None:
         if self.input_lp is None or not req.needs_input_logprobs():
@@ -134,6 +166,8 @@ class _LogprobLists:
         if req.top_logprobs_num > 0 and self.input_top_val is not None:
             req.input_top_logprobs_val_acc.extend(self.input_top_val[row])
             req.input_top_logprobs_idx_acc.extend(self.input_top_idx[row])
+        if req.token_ids_logprob and self.input_ids_lp is not None and self.input_ids_lp[row] is not None:
+            req.input_token_ids_logprobs_acc.extend(self.input_ids_lp[row])
 
     @staticmethod
     def finalize_input(req: Req) -> None:
@@ -147,12 +181,17 @@ class _LogprobLists:
             req.input_token_logprobs_val, req.input_token_logprobs_idx = [], []
             if req.top_logprobs_num > 0:
                 req.input_top_logprobs_val, req.input_top_logprobs_idx = [], []
+            if req.token_ids_logprob:
+                req.input_token_ids_logprobs_val = []
         else:
             req.input_token_logprobs_val = [None] + values[:-1]
             req.input_token_logprobs_idx = list(req.origin_input_ids[start:])
             if req.top_logprobs_num > 0:
                 req.input_top_logprobs_val = [None] + req.input_top_logprobs_val_acc[:-1]
                 req.input_top_logprobs_idx = [None] + req.input_top_logprobs_idx_acc[:-1]
+            if req.token_ids_logprob:
+                req.input_token_ids_logprobs_val = [None] + req.input_token_ids_logprobs_acc[:-1]
+        req.input_token_ids_logprobs_acc = []
         req.input_token_logprobs = []
         req.input_top_logprobs_val_acc = []
         req.input_top_logprobs_idx_acc = []
@@ -169,7 +208,7 @@ class OutputStreamer:
         if n <= req.send_token_offset:
             return False
         if req.stream:
-            k = self.stream_interval
+            k = req.sampling_params.stream_interval or self.stream_interval
             due = n % k == 1 if k > 1 else True
         else:
             due = n % DEFAULT_FORCE_STREAM_INTERVAL == 0
@@ -203,7 +242,8 @@ class OutputStreamer:
         req.send_token_offset = len(req.output_ids)
         out["skip_special_tokens"].append(getattr(sp, "skip_special_tokens", True))
         out["spaces_between_special_tokens"].append(getattr(sp, "spaces_between_special_tokens", True))
-        out["no_stop_trim"].append(getattr(sp, "no_stop_trim", False))
+        # A stop_regex match is not trimmed from the text (SGLang).
+        out["no_stop_trim"].append(sp.no_stop_trim or isinstance(req.finished_reason, FINISH_MATCHED_REGEX))
         out["prompt_tokens"].append(len(req.origin_input_ids))
         out["completion_tokens"].append(len(req.output_ids))
         out["cached_tokens"].append(req.cached_tokens)
@@ -213,9 +253,13 @@ class OutputStreamer:
             out["input_token_logprobs_idx"].append(req.input_token_logprobs_idx)
             out["input_top_logprobs_val"].append(req.input_top_logprobs_val)
             out["input_top_logprobs_idx"].append(req.input_top_logprobs_idx)
+            ids = req.token_ids_logprob
+            vals = req.input_token_ids_logprobs_val if ids else None
+            out["input_token_ids_logprobs_val"].append(vals)
+            out["input_token_ids_logprobs_idx"].append(None if vals is None else [None if v is None else ids for v in vals])
         else:
-            for name in ("input_token_logprobs_val", "input_token_logprobs_idx",
-                         "input_top_logprobs_val", "input_top_logprobs_idx"):
+            for name in ("input_token_logprobs_val", "input_token_logprobs_idx", "input_top_logprobs_val",
+                         "input_top_logprobs_idx", "input_token_ids_logprobs_val", "input_token_ids_logprobs_idx"):
                 out[name].append(None)
         if req.return_logprob:
             o = req.send_output_logprobs_offset
@@ -224,11 +268,20 @@ class OutputStreamer:
             tops = req.top_logprobs_num > 0
             out["output_top_logprobs_val"].append(req.output_top_logprobs_val[o:] if tops else None)
             out["output_top_logprobs_idx"].append(req.output_top_logprobs_idx[o:] if tops else None)
+            ids = req.token_ids_logprob
+            vals = req.output_token_ids_logprobs_val[o:] if ids else None
+            out["output_token_ids_logprobs_val"].append(vals)
+            out["output_token_ids_logprobs_idx"].append(None if vals is None else [ids] * len(vals))
             req.send_output_logprobs_offset = len(req.output_token_logprobs_val)
         else:
-            for name in ("output_token_logprobs_val", "output_token_logprobs_idx",
-                         "output_top_logprobs_val", "output_top_logprobs_idx"):
+            for name in ("output_token_logprobs_val", "output_token_logprobs_idx", "output_top_logprobs_val",
+                         "output_top_logprobs_idx", "output_token_ids_logprobs_val", "output_token_ids_logprobs_idx"):
                 out[name].append(None)
+        if req.return_hidden_states:
+            out["output_hidden_states"].append(req.hidden_states[req.send_hidden_states_offset:])
+            req.send_hidden_states_offset = len(req.hidden_states)
+        else:
+            out["output_hidden_states"].append(None)
 
 
 _FIELDS = (
@@ -236,5 +289,6 @@ _FIELDS = (
     "no_stop_trim", "prompt_tokens", "completion_tokens", "cached_tokens", "prompt_tail_ids",
     "input_token_logprobs_val", "input_token_logprobs_idx", "input_top_logprobs_val", "input_top_logprobs_idx",
     "output_token_logprobs_val", "output_token_logprobs_idx", "output_top_logprobs_val",
-    "output_top_logprobs_idx",
+    "output_top_logprobs_idx", "input_token_ids_logprobs_val", "input_token_ids_logprobs_idx",
+    "output_token_ids_logprobs_val", "output_token_ids_logprobs_idx", "output_hidden_states",
 )

@@ -70,7 +70,10 @@ class TokenizerManager:
 
         if tokenizer is None and not server_args.skip_tokenizer_init:
             tokenizer = load_tokenizer(self.tokenizer_path, server_args.trust_remote_code)
-        self.normalizer = RequestNormalizer(tokenizer, self.vocab_size, self.context_len)
+        self.normalizer = RequestNormalizer(
+            tokenizer, self.vocab_size, self.context_len, max_req_input_len=self.max_req_input_len,
+            allow_auto_truncate=server_args.allow_auto_truncate,
+            enable_custom_logit_processor=server_args.enable_custom_logit_processor)
         self.output_assembler = OutputAssembler(tokenizer)
         self.tokenizer = tokenizer
         self.chat_template = load_chat_template(server_args.chat_template)
@@ -219,6 +222,7 @@ class TokenizerManager:
                 return_text_in_logprobs=obj.return_text_in_logprobs,
                 created_time=time.time(),
                 no_logs=obj.no_logs,
+                return_hidden_states=req.return_hidden_states,
             )
             if self.metrics_collector is not None and obj.log_metrics \
                     and not req.rid.startswith(HEALTH_CHECK_RID_PREFIX):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, List
+from typing import Any, Hashable, List, Optional
 
 import torch
 
@@ -26,8 +26,8 @@ class BasePrefixCache(abc.ABC):
 
     Request-level operations read and write these `Req` attributes: `origin_input_ids`,
     `output_ids`, `fill_ids`, `req_pool_idx`, `prefix_indices`, `last_node`,
-    `cache_protected_len` (row positions owned by the cache) and `kv_allocated_len` (row positions
-    holding slots the request allocated or borrowed).
+    `cache_protected_len` (row positions owned by the cache), `kv_allocated_len` (row positions
+    holding slots the request allocated or borrowed) and `extra_key` (its cache namespace).
     """
 
     # True when requests never share prefixes (ChunkCache, or a disabled RadixCache).
@@ -38,12 +38,13 @@ class BasePrefixCache(abc.ABC):
         """Drop all cached entries (does not free their slots; pair with `allocator.clear()`)."""
 
     @abc.abstractmethod
-    def match_prefix(self, key: List[int]) -> MatchResult:
-        """Longest cached prefix of `key`."""
+    def match_prefix(self, key: List[int], extra_key: Optional[Hashable] = None) -> MatchResult:
+        """Longest cached prefix of `key` in the namespace `extra_key` (None: the shared one)."""
 
     @abc.abstractmethod
-    def insert(self, key: List[int], value: torch.Tensor) -> int:
-        """Cache `value` slots under `key`; returns the prefix length that was already cached."""
+    def insert(self, key: List[int], value: torch.Tensor, extra_key: Optional[Hashable] = None) -> int:
+        """Cache `value` slots under `key` in namespace `extra_key`; returns the prefix length that
+        was already cached."""
 
     @abc.abstractmethod
     def evict(self, num_tokens: int) -> int:

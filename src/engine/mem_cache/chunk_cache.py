@@ -7,7 +7,7 @@ is chunked prefill: between chunks a request keeps its own KV as its "prefix".
 from __future__ import annotations
 
 import logging
-from typing import Any, List
+from typing import Any, Hashable, List, Optional
 
 import torch
 
@@ -34,10 +34,10 @@ class ChunkCache(BasePrefixCache):
     def reset(self) -> None:
         pass  # nothing is cached
 
-    def match_prefix(self, key: List[int]) -> MatchResult:
+    def match_prefix(self, key: List[int], extra_key: Optional[Hashable] = None) -> MatchResult:
         return MatchResult(self._empty(), None)
 
-    def insert(self, key: List[int], value: torch.Tensor) -> int:
+    def insert(self, key: List[int], value: torch.Tensor, extra_key: Optional[Hashable] = None) -> int:
         return 0
 
     def evict(self, num_tokens: int) -> int:

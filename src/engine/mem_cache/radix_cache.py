@@ -8,13 +8,17 @@ runs short.
 With page size P > 1 keys are compared a page at a time and every match/insert length is floored
 to a multiple of P: a physical page is then either wholly owned by the tree or wholly owned by one
 request, so it can be freed as a unit.
+
+Cache namespaces (SGLang's `extra_key` / `cache_salt`): a key may come with an `extra_key`; the
+root's children are indexed by (extra_key, first token or page), so keys of different namespaces
+never share a node, and nothing below the root needs to know.
 """
 
 from __future__ import annotations
 
 import heapq
 import logging
-from typing import Any, Dict, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Hashable, Iterator, List, Optional, Tuple, Union
 
 import torch
 
@@ -23,16 +27,17 @@ from engine.mem_cache.memory_pool import ReqToTokenPool
 
 logger = logging.getLogger(__name__)
 
-ChildKey = Union[int, Tuple[int, ...]]
+ChildKey = Union[int, Tuple[Any, ...]]
 
 
 class TreeNode:
-    """One edge of the tree: `key` tokens stored in `value` slots, below `parent`."""
+    """One edge of the tree: `key` tokens stored in `value` slots, below `parent`, in the cache
+    namespace `extra_key` (None: the shared one)."""
 
-    __slots__ = ("id", "children", "parent", "key", "value", "lock_ref", "last_access_time")
+    __slots__ = ("id", "children", "parent", "key", "value", "lock_ref", "last_access_time", "extra_key")
 
     def __init__(self, node_id: int, key: List[int], value: torch.Tensor,
-                 parent: Optional[TreeNode], last_access_time: int) -> None:
+                 parent: Optional[TreeNode], last_access_time: int, extra_key: Optional[Hashable] = None) -> None:
         self.id = node_id
         self.children: Dict[ChildKey, TreeNode] = {}
         self.parent = parent
@@ -40,6 +45,7 @@ class TreeNode:
         self.value = value
         self.lock_ref = 0
         self.last_access_time = last_access_time
+        self.extra_key = extra_key
 
     def __repr__(self) -> str:
         return f"TreeNode(id={self.id}, len={len(self.key)}, lock_ref={self.lock_ref})"
@@ -72,8 +78,9 @@ class RadixCache(BasePrefixCache):
         self._evictable_size = 0
         self._protected_size = 0
 
-    def _new_node(self, key: List[int], value: torch.Tensor, parent: Optional[TreeNode]) -> TreeNode:
-        node = TreeNode(self._next_id, key, value, parent, self._clock)
+    def _new_node(self, key: List[int], value: torch.Tensor, parent: Optional[TreeNode],
+                  extra_key: Optional[Hashable] = None) -> TreeNode:
+        node = TreeNode(self._next_id, key, value, parent, self._clock, extra_key)
         self._next_id += 1
         return node
 
@@ -86,6 +93,16 @@ class RadixCache(BasePrefixCache):
         if self.page_size == 1:
             return key[start]
         return tuple(key[start: start + self.page_size])
+
+    def _index(self, parent: TreeNode, child_key: ChildKey, extra_key: Optional[Hashable]) -> ChildKey:
+        """How `parent.children` indexes a child: under the root, with the namespace."""
+        if parent is self.root and extra_key is not None:
+            return (extra_key, child_key)
+        return child_key
+
+    def _index_of(self, node: TreeNode) -> ChildKey:
+        assert node.parent is not None
+        return self._index(node.parent, self._child_key(node.key), node.extra_key)
 
     def _match_len(self, node_key: List[int], key: List[int], start: int) -> int:
         """Common prefix length of `node_key` and `key[start:]`, floored to whole pages."""
@@ -103,11 +120,11 @@ class RadixCache(BasePrefixCache):
         """Cut `child` after `split_len` tokens; returns the new upper node."""
         parent = child.parent
         assert parent is not None and 0 < split_len < len(child.key)
-        upper = self._new_node(child.key[:split_len], child.value[:split_len], parent)
+        upper = self._new_node(child.key[:split_len], child.value[:split_len], parent, child.extra_key)
         # The upper part lies on every path through `child`, so it carries the same locks and age.
         upper.lock_ref = child.lock_ref
         upper.last_access_time = child.last_access_time
-        parent.children[self._child_key(upper.key)] = upper
+        parent.children[self._index_of(upper)] = upper
         child.key = child.key[split_len:]
         child.value = child.value[split_len:]
         child.parent = upper
@@ -116,7 +133,7 @@ class RadixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------ public tree API
 
-    def match_prefix(self, key: List[int]) -> MatchResult:
+    def match_prefix(self, key: List[int], extra_key: Optional[Hashable] = None) -> MatchResult:
         if self.disable or len(key) < self.page_size:
             return MatchResult(_empty_slots(self.device), self.root)
         key = list(key[: self._page_floor(len(key))])
@@ -125,7 +142,7 @@ class RadixCache(BasePrefixCache):
         values: List[torch.Tensor] = []
         pos = 0
         while pos < len(key):
-            child = node.children.get(self._child_key(key, pos))
+            child = node.children.get(self._index(node, self._child_key(key, pos), extra_key))
             if child is None:
                 break
             matched = self._match_len(child.key, key, pos)
@@ -142,7 +159,7 @@ class RadixCache(BasePrefixCache):
         indices = torch.cat(values) if values else _empty_slots(self.device)
         return MatchResult(indices, node)
 
-    def insert(self, key: List[int], value: torch.Tensor) -> int:
+    def insert(self, key: List[int], value: torch.Tensor, extra_key: Optional[Hashable] = None) -> int:
         if self.disable:
             return 0
         aligned = self._page_floor(len(key))
@@ -154,10 +171,10 @@ class RadixCache(BasePrefixCache):
         node = self.root
         pos = 0
         while pos < aligned:
-            child_key = self._child_key(key, pos)
+            child_key = self._index(node, self._child_key(key, pos), extra_key)
             child = node.children.get(child_key)
             if child is None:
-                leaf = self._new_node(key[pos:], value[pos:], node)
+                leaf = self._new_node(key[pos:], value[pos:], node, extra_key)
                 leaf.last_access_time = now
                 node.children[child_key] = leaf
                 self._evictable_size += len(leaf.key)
@@ -183,7 +200,7 @@ class RadixCache(BasePrefixCache):
             freed += len(leaf.key)
             parent = leaf.parent
             assert parent is not None
-            del parent.children[self._child_key(leaf.key)]
+            del parent.children[self._index_of(leaf)]
             self._evictable_size -= len(leaf.key)
             leaf.parent = None
             if self._is_evictable_leaf(parent):
@@ -252,7 +269,7 @@ class RadixCache(BasePrefixCache):
                 continue
             assert len(node.key) == len(node.value) > 0, f"{node}: key/value length mismatch"
             assert len(node.key) % self.page_size == 0, f"{node}: key not page aligned"
-            assert node.parent is not None and node.parent.children.get(self._child_key(node.key)) is node
+            assert node.parent is not None and node.parent.children.get(self._index_of(node)) is node
             assert node.lock_ref >= sum(c.lock_ref for c in node.children.values()), f"{node}: lock below children"
             if node.lock_ref:
                 protected += len(node.key)
@@ -288,7 +305,7 @@ class RadixCache(BasePrefixCache):
                 # The last sampled token was never fed to the model, so it has no KV.
                 committed = min(len(token_ids) - 1, req.kv_allocated_len)
                 aligned = self._page_floor(max(committed, 0))
-                new_prefix_len = self.insert(token_ids[:aligned], kv[:aligned].clone())
+                new_prefix_len = self.insert(token_ids[:aligned], kv[:aligned].clone(), req.extra_key)
                 # Duplicates (the tree already had them) and the unaligned/over-allocated tail go
                 # in one call, so a page is never freed twice.
                 to_free = torch.cat((kv[protected:new_prefix_len], kv[max(aligned, protected):]))
@@ -315,10 +332,10 @@ class RadixCache(BasePrefixCache):
         if aligned < protected:
             raise RuntimeError(f"cache_unfinished_req: fill length {fill_len} is below the request's "
                                f"cached prefix {protected}")
-        new_prefix_len = self.insert(list(req.fill_ids[:aligned]), kv[:aligned].clone())
+        new_prefix_len = self.insert(list(req.fill_ids[:aligned]), kv[:aligned].clone(), req.extra_key)
         if new_prefix_len > protected:
             self.token_to_kv_pool_allocator.free(kv[protected:new_prefix_len])
-        match = self.match_prefix(list(req.fill_ids[:aligned]))
+        match = self.match_prefix(list(req.fill_ids[:aligned]), req.extra_key)
         tree_slots = match.device_indices
         assert tree_slots.numel() == aligned, "the prefix just inserted must match in full"
         if aligned > protected:

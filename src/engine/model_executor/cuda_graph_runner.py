@@ -182,7 +182,9 @@ class CudaGraphRunner:
 
     # ------------------------------------------------------------------ replay
     def can_run(self, forward_batch: ForwardBatch) -> bool:
-        return forward_batch.forward_mode.is_decode() and 0 < forward_batch.batch_size <= self.max_bs
+        # The graphs return logits only: a batch that wants hidden states runs eagerly.
+        return (forward_batch.forward_mode.is_decode() and 0 < forward_batch.batch_size <= self.max_bs
+                and not forward_batch.capture_hidden_states)
 
     def replay(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         raw_bs = forward_batch.batch_size

@@ -53,6 +53,10 @@ class ModelWorkerBatch:
     sampling_info: Optional["SamplingBatchInfo"] = None
     return_logprob: bool = False
     top_logprobs_nums: Optional[List[int]] = None
+    # Per row the token ids whose logprobs are asked (token_ids_logprob), or None.
+    token_ids_logprobs: Optional[List[Optional[List[int]]]] = None
+    # Return the final hidden states (every extend position, every decode row) in the output.
+    capture_hidden_states: bool = False
     extend_num_tokens: Optional[int] = None
     extend_seq_lens: Optional[List[int]] = None
     extend_prefix_lens: Optional[List[int]] = None
@@ -94,6 +98,8 @@ class ForwardBatch:
     sampling_info: Optional["SamplingBatchInfo"] = None
     return_logprob: bool = False
     top_logprobs_nums: Optional[List[int]] = None
+    token_ids_logprobs: Optional[List[Optional[List[int]]]] = None
+    capture_hidden_states: bool = False
 
     # Memory and attention
     req_to_token_pool: Optional["ReqToTokenPool"] = None
@@ -120,6 +126,8 @@ class ForwardBatch:
             sampling_info=batch.sampling_info,
             return_logprob=batch.return_logprob,
             top_logprobs_nums=batch.top_logprobs_nums,
+            token_ids_logprobs=batch.token_ids_logprobs,
+            capture_hidden_states=batch.capture_hidden_states,
             req_to_token_pool=model_runner.req_to_token_pool,
             token_to_kv_pool=model_runner.token_to_kv_pool,
             attn_backend=model_runner.attn_backend,

@@ -186,6 +186,7 @@ class ModelRunner:
                     forward_batch.sampling_info,
                     forward_batch.return_logprob,
                     forward_batch.top_logprobs_nums,
+                    forward_batch.token_ids_logprobs,
                 )
             if CHECK_TP_SAMPLING and self.tp_size > 1:
                 # Ranks sample independently from identical logits and seeds; prove they agree.

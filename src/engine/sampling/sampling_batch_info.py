@@ -23,11 +23,12 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from engine.constrained.vocab_mask import apply_vocab_mask
+from engine.sampling.custom_logit_processor import apply_custom_logit_processors
 from engine.sampling.penaltylib.orchestrator import BatchedPenalizerOrchestrator
 from engine.sampling.sampling_params import SAMPLING_EPS
 
@@ -71,6 +72,11 @@ class SamplingBatchInfo:
     # only on a forward snapshot, for one step, by whoever knows the matchers' current state.
     vocab_mask: Optional[torch.Tensor] = None
     pending_layout_ops: List[LayoutOp] = field(default_factory=list)
+    # Custom logit processors: serialized processor -> its rows; per row the serialized processor
+    # and the custom_params it is called with (plus "__req__"). All None when no row uses one.
+    custom_logit_processor: Optional[Dict[str, List[int]]] = None
+    custom_row_processors: Optional[List[Optional[str]]] = None
+    custom_params: Optional[List[Optional[Dict[str, Any]]]] = None
 
     # ------------------------------------------------------------------ construction
 
@@ -78,8 +84,8 @@ class SamplingBatchInfo:
     def from_reqs(
         cls, reqs: Sequence[Any], vocab_size: int, device: Union[str, torch.device] = "cpu"
     ) -> "SamplingBatchInfo":
-        """Build from requests exposing `.sampling_params`, `.origin_input_ids`, `.output_ids`
-        and `.eos_token_ids`. Penalty state is reconstructed from the tokens, so a batch rebuilt
+        """Build from requests exposing `.sampling_params`, `.origin_input_ids`, `.output_ids`,
+        `.eos_token_ids` and `.custom_logit_processor`. Penalty state is reconstructed from the tokens, so a batch rebuilt
         after retraction continues exactly where it left off."""
         device = torch.device(device)
         temps, top_ps, top_ks, min_ps, kinds = [], [], [], [], []
@@ -116,6 +122,8 @@ class SamplingBatchInfo:
         if any(seeded):
             info.seeds = torch.tensor(seeds, dtype=torch.int64, device=device)
             info.seeded_mask = torch.tensor(seeded, dtype=torch.bool, device=device)
+        info._set_custom_rows([req.custom_logit_processor for req in reqs],
+                              [_custom_params(req) for req in reqs])
         info._refresh_flags()
         return info
 
@@ -153,6 +161,9 @@ class SamplingBatchInfo:
                 self.seeds = self.seeded_mask = None
         if self.logit_bias is not None:
             self.logit_bias = self.logit_bias[keep]
+        if self.custom_params is not None:
+            self._set_custom_rows([self.custom_row_processors[i] for i in keep_indices],
+                                  [self.custom_params[i] for i in keep_indices])
         self.pending_layout_ops.append(("filter", keep))
         self._refresh_flags()
 
@@ -175,6 +186,10 @@ class SamplingBatchInfo:
                 _or_zeros(self.logit_bias, bs_self, self.device, torch.float32, shape),
                 _or_zeros(other.logit_bias, bs_other, self.device, torch.float32, shape),
             ])
+        if self.custom_params is not None or other.custom_params is not None:
+            self._set_custom_rows((self.custom_row_processors or [None] * bs_self)
+                                  + (other.custom_row_processors or [None] * bs_other),
+                                  (self.custom_params or [None] * bs_self) + (other.custom_params or [None] * bs_other))
         # `other`'s own queued ops belong to its orchestrator; they are replayed before the concat.
         self.pending_layout_ops.append(("merge", other.penalizer_orchestrator, other.pending_layout_ops))
         other.pending_layout_ops = []
@@ -226,10 +241,33 @@ class SamplingBatchInfo:
         if self.vocab_mask is not None:
             apply_vocab_mask(logits, self.vocab_mask)
 
+    def apply_custom_logit_processors(self, logits: torch.Tensor) -> None:
+        """Run the requests' custom logit processors on their rows (in place)."""
+        if self.custom_logit_processor:
+            apply_custom_logit_processors(logits[:, : self.vocab_size], self.custom_logit_processor,
+                                          self.custom_params)
+
+    def _set_custom_rows(self, processors: List[Optional[str]], params: List[Optional[Dict[str, Any]]]) -> None:
+        """New per-row lists (never mutated in place: snapshots keep the old ones)."""
+        rows: Dict[str, List[int]] = {}
+        for row, processor in enumerate(processors):
+            if processor is not None:
+                rows.setdefault(processor, []).append(row)
+        self.custom_logit_processor = rows or None
+        self.custom_row_processors = processors if rows else None
+        self.custom_params = params if rows else None
+
     @torch.inference_mode()
     def update_after_sample(self, next_token_ids: torch.Tensor) -> None:
         """Account for the token just sampled for every row (penalty counts, step counters)."""
         self._settle_layout().cumulate(next_token_ids)
+
+
+def _custom_params(req: Any) -> Optional[Dict[str, Any]]:
+    """What a request's processor sees, as in SGLang: its custom_params plus "__req__"."""
+    if req.custom_logit_processor is None:
+        return None
+    return {**(req.sampling_params.custom_params or {}), "__req__": req}
 
 
 def _replay(orchestrator: BatchedPenalizerOrchestrator, ops: List[LayoutOp]) -> None:

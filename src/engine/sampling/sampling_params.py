@@ -18,6 +18,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Dict, List, Optional, Set, Tuple, Union
 
+from engine.sampling.stop_regex import MAX_STOP_REGEX, MAX_STOP_REGEX_LEN, compile_stop_regex, max_match_len
+
 logger = logging.getLogger(__name__)
 
 # Below this temperature a request is greedy; SGLang uses the same threshold.
@@ -47,6 +49,9 @@ _PARAM_NAMES = (
     "json_schema",
     "regex",
     "ebnf",
+    "stop_regex",
+    "stream_interval",
+    "custom_params",
 )
 
 # The structured-output constraints (SGLang's names); a request may carry at most one.
@@ -58,9 +63,6 @@ CONSTRAINT_NAMES = ("json_schema", "regex", "ebnf")
 # than a silently different generation.
 UNSUPPORTED_PARAMS: Dict[str, str] = {
     "structural_tag": "structural tags are not implemented; use json_schema, regex or ebnf",
-    "stop_regex": "regex stop conditions are not implemented",
-    "custom_params": "custom logit processors are not implemented",
-    "stream_interval": "the stream interval is per server: --stream-interval",
 }
 
 # Fan-out limit of one request (n sub-requests share the prompt).
@@ -129,9 +131,16 @@ class SamplingParams:
     json_schema: Optional[str] = None
     regex: Optional[str] = None
     ebnf: Optional[str] = None
+    stop_regex: Optional[Union[str, List[str]]] = None
+    # Emit a streaming request's output every this many tokens (None: the server's --stream-interval).
+    stream_interval: Optional[int] = None
+    # Handed to the request's custom logit processor (JSON values only).
+    custom_params: Optional[Dict[str, Any]] = None
     # Derived by normalize(): the longest stop string, in tokens when a tokenizer was given
-    # (else in characters, an over-estimate), so the scheduler knows how much tail to decode.
+    # (else in characters, an over-estimate), so the scheduler knows how much tail to decode;
+    # and the longest text a stop regex can match (stop_regex.UNBOUNDED: the whole output).
     stop_str_max_len: int = field(default=0, compare=False)
+    stop_regex_max_len: int = field(default=0, compare=False)
 
     def __init__(
         self,
@@ -157,6 +166,9 @@ class SamplingParams:
         json_schema: Optional[str] = None,
         regex: Optional[str] = None,
         ebnf: Optional[str] = None,
+        stop_regex: Optional[Union[str, List[str]]] = None,
+        stream_interval: Optional[int] = None,
+        custom_params: Optional[Dict[str, Any]] = None,
         **others: Any,
     ) -> None:
         # null means "the default" for every parameter, as in SGLang: its clients (the router,
@@ -184,7 +196,11 @@ class SamplingParams:
         self.json_schema = json_schema
         self.regex = regex
         self.ebnf = ebnf
+        self.stop_regex = stop_regex
+        self.stream_interval = stream_interval
+        self.custom_params = custom_params
         self.stop_str_max_len = 0
+        self.stop_regex_max_len = 0
 
     # ------------------------------------------------------------------ validation
 
@@ -196,6 +212,7 @@ class SamplingParams:
         self._verify_stops(vocab_size)
         self._verify_logit_bias(vocab_size)
         self._verify_constraint()
+        self._verify_extras()
 
     def _verify_numbers(self) -> None:
         checks = (
@@ -285,6 +302,21 @@ class SamplingParams:
             if value is not None:
                 return name, value
         return None
+    def _verify_extras(self) -> None:
+        if self.stop_regex is not None:
+            patterns = [self.stop_regex] if isinstance(self.stop_regex, str) else self.stop_regex
+            allowed = f"a string or a list of at most {MAX_STOP_REGEX} non-empty strings"
+            if (not isinstance(patterns, (list, tuple)) or len(patterns) > MAX_STOP_REGEX
+                    or not all(isinstance(p, str) and 0 < len(p) <= MAX_STOP_REGEX_LEN for p in patterns)):
+                raise _range_error("stop_regex", allowed + f" of at most {MAX_STOP_REGEX_LEN} characters",
+                                   self.stop_regex)
+            compile_stop_regex(list(patterns))
+        if self.stream_interval is not None and (not _is_int(self.stream_interval)
+                                                 or not 1 <= self.stream_interval <= _INT32_MAX):
+            raise _range_error("stream_interval", "an integer >= 1 or null", self.stream_interval)
+        if self.custom_params is not None and (not isinstance(self.custom_params, dict)
+                                               or not all(isinstance(k, str) for k in self.custom_params)):
+            raise _range_error("custom_params", "an object with string keys or null", self.custom_params)
 
     # ------------------------------------------------------------------ normalisation
 
@@ -302,6 +334,8 @@ class SamplingParams:
             self.stop = list(self.stop)
         self.stop_str_max_len = max((_stop_len(s, tokenizer) for s in self.stop), default=0)
         self.stop_token_ids = set(self.stop_token_ids) if self.stop_token_ids else set()
+        self.stop_regex = self.stop_regex_strs
+        self.stop_regex_max_len = max((max_match_len(p) for p in self.stop_regex), default=0)
         if self.logit_bias:
             self.logit_bias = {int(_parse_token_id(k)): float(v) for k, v in self.logit_bias.items()}
 
@@ -313,6 +347,13 @@ class SamplingParams:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop)
 
     @property
+    def stop_regex_strs(self) -> List[str]:
+        """The stop regexes as a list, whatever form `stop_regex` has (SGLang's name)."""
+        if self.stop_regex is None:
+            return []
+        return [self.stop_regex] if isinstance(self.stop_regex, str) else list(self.stop_regex)
+
+    @property
     def is_greedy(self) -> bool:
         return self.top_k == 1 or self.temperature < SAMPLING_EPS
 
@@ -322,8 +363,9 @@ class SamplingParams:
         """Plain builtin types only (msgspec/JSON friendly): sets become sorted lists, and
         logit_bias keys become strings because JSON objects cannot have integer keys."""
         out: Dict[str, Any] = {name: getattr(self, name) for name in _PARAM_NAMES}
-        if isinstance(out["stop"], (list, tuple)):
-            out["stop"] = list(out["stop"])
+        for name in ("stop", "stop_regex"):
+            if isinstance(out[name], (list, tuple)):
+                out[name] = list(out[name])
         if out["stop_token_ids"] is not None:
             out["stop_token_ids"] = sorted(out["stop_token_ids"])
         if out["logit_bias"] is not None:

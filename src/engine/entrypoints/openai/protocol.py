@@ -11,7 +11,7 @@ import time
 import uuid
 from typing import Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from engine.entrypoints.openai.protocol_tools import DeltaToolCall, ResponseFormat, Tool, ToolCall, ToolChoice
 from engine.entrypoints.openai.sglang_fields import NATIVE_UNSUPPORTED, OPENAI_UNSUPPORTED, refuse_unsupported
@@ -103,11 +103,24 @@ class SamplingFields(BaseModel):
     regex: Optional[str] = None
     ebnf: Optional[str] = None
     json_schema: Optional[str] = None
+    # SGLang's per-request extras (docs/api.md)
+    stop_regex: Optional[Union[str, List[str]]] = None
+    priority: Optional[int] = None
+    return_hidden_states: bool = False
+    custom_logit_processor: Optional[str] = None
+    custom_params: Optional[Dict[str, Any]] = None
+    extra_key: Optional[str] = None
+    cache_salt: Optional[str] = None
 
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
         return refuse_unsupported(data, OPENAI_UNSUPPORTED)
+
+    def generate_extras(self) -> Dict[str, Any]:
+        """The extras that go to GenerateReqInput as they are."""
+        return {"return_hidden_states": self.return_hidden_states, "custom_logit_processor": self.custom_logit_processor,
+                "priority": self.priority, "extra_key": self.extra_key, "cache_salt": self.cache_salt}
 
     @field_validator("stop")
     @classmethod
@@ -194,7 +207,20 @@ class CompletionLogProbs(BaseModel):
     text_offset: List[int] = Field(default_factory=list)
 
 
-class CompletionResponseChoice(BaseModel):
+class _HiddenStatesChoice(BaseModel):
+    """A choice that carries `hidden_states` (SGLang: the last token's) only when asked."""
+
+    hidden_states: Optional[List[float]] = None
+
+    @model_serializer(mode="wrap")
+    def _drop_unset_hidden_states(self, handler: Any) -> Dict[str, Any]:
+        data = handler(self)
+        if self.hidden_states is None:
+            data.pop("hidden_states", None)
+        return data
+
+
+class CompletionResponseChoice(_HiddenStatesChoice):
     index: int
     text: str
     logprobs: Optional[CompletionLogProbs] = None
@@ -211,7 +237,7 @@ class CompletionResponse(BaseModel):
     usage: UsageInfo
 
 
-class CompletionResponseStreamChoice(BaseModel):
+class CompletionResponseStreamChoice(_HiddenStatesChoice):
     index: int
     text: str
     logprobs: Optional[CompletionLogProbs] = None
@@ -339,7 +365,7 @@ class ChatMessage(BaseModel):
     tool_calls: Optional[List[ToolCall]] = None
 
 
-class ChatCompletionResponseChoice(BaseModel):
+class ChatCompletionResponseChoice(_HiddenStatesChoice):
     index: int
     message: ChatMessage
     logprobs: Optional[ChoiceLogprobs] = None
@@ -363,7 +389,7 @@ class DeltaMessage(BaseModel):
     tool_calls: Optional[List[DeltaToolCall]] = None
 
 
-class ChatCompletionResponseStreamChoice(BaseModel):
+class ChatCompletionResponseStreamChoice(_HiddenStatesChoice):
     index: int
     delta: DeltaMessage
     logprobs: Optional[ChoiceLogprobs] = None
@@ -415,6 +441,13 @@ class GenerateRequest(BaseModel):
     kv_router_hint: Optional[Dict[str, Any]] = None
     received_time: Optional[float] = None
     http_worker_ipc: Optional[str] = None
+    # SGLang's per-request extras (docs/api.md); lists give one value per prompt.
+    token_ids_logprob: Optional[Union[List[int], List[List[int]]]] = None
+    return_hidden_states: Union[bool, List[bool]] = False
+    custom_logit_processor: Optional[Union[str, List[Optional[str]]]] = None
+    priority: Optional[int] = None
+    extra_key: Optional[Union[str, List[Optional[str]]]] = None
+    cache_salt: Optional[Union[str, List[Optional[str]]]] = None
 
     @model_validator(mode="before")
     @classmethod

@@ -42,6 +42,7 @@ from engine.entrypoints.openai.utils import (
     error_response_from_exception,
     final_output,
     finish_reason_to_openai,
+    last_hidden_state,
     make_usage,
     prime_stream,
     sse_event,
@@ -84,6 +85,7 @@ class OpenAIServingChat:
             return_logprob=request.logprobs,
             top_logprobs_num=request.top_logprobs or 0,
             return_text_in_logprobs=True,
+            **request.generate_extras(),
         )
         stream = self.tokenizer_manager.generate_request(obj, raw_request)
         if request.stream:
@@ -141,6 +143,7 @@ class OpenAIServingChat:
                     ),
                     finish_reason=finish_reason,
                     matched_stop=matched,
+                    hidden_states=last_hidden_state(meta),
                 )
             )
         response = ChatCompletionResponse(
@@ -168,7 +171,8 @@ class OpenAIServingChat:
         parsers = [ChoiceStreamParser(parsing) for _ in range(request.n)]
 
         def chunk(index: int, delta: DeltaMessage, logprobs: Optional[ChoiceLogprobs] = None,
-                  finish_reason: Optional[str] = None, matched: Any = None) -> bytes:
+                  finish_reason: Optional[str] = None, matched: Any = None,
+                  hidden_states: Optional[List[float]] = None) -> bytes:
             body = ChatCompletionStreamResponse(
                 id=request_id,
                 created=created,
@@ -176,7 +180,7 @@ class OpenAIServingChat:
                 choices=[
                     ChatCompletionResponseStreamChoice(
                         index=index, delta=delta, logprobs=logprobs, finish_reason=finish_reason,
-                        matched_stop=matched,
+                        matched_stop=matched, hidden_states=hidden_states,
                     )
                 ],
             ).model_dump()
@@ -208,7 +212,8 @@ class OpenAIServingChat:
                 finish_reason, matched = finish_reason_to_openai(finish)
                 if parsers[index].has_tool_calls and finish_reason == "stop":
                     finish_reason, matched = "tool_calls", None
-                events.append(chunk(index, DeltaMessage(), finish_reason=finish_reason, matched=matched))
+                events.append(chunk(index, DeltaMessage(), finish_reason=finish_reason, matched=matched,
+                                    hidden_states=last_hidden_state(output["meta_info"])))
             return events
 
         def usage() -> List[bytes]:

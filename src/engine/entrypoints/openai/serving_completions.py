@@ -29,6 +29,7 @@ from engine.entrypoints.openai.utils import (
     error_response_from_exception,
     final_output,
     finish_reason_to_openai,
+    last_hidden_state,
     make_usage,
     prime_stream,
     sse_event,
@@ -80,6 +81,7 @@ class OpenAIServingCompletion:
             logprob_start_len=0 if (want_logprobs and request.echo) else -1,
             top_logprobs_num=request.logprobs or 0,
             return_text_in_logprobs=True,
+            **request.generate_extras(),
         )
 
     # ------------------------------------------------------------------ helpers
@@ -129,6 +131,7 @@ class OpenAIServingCompletion:
                     logprobs=self._logprobs(request, output, request.echo, 0),
                     finish_reason=finish_reason,
                     matched_stop=matched,
+                    hidden_states=last_hidden_state(output["meta_info"]),
                 )
             )
         response = CompletionResponse(
@@ -164,8 +167,10 @@ class OpenAIServingCompletion:
             # Offsets are positions in the text this client has seen, echoed prompt included.
             logprobs = self._logprobs(request, output, include_prompt, chars_sent[index], new_tokens, new_tops)
             chars_sent[index] += len(delta)
+            hidden = last_hidden_state(output["meta_info"]) if finish_reason else None
             choice = CompletionResponseStreamChoice(index=index, text=delta, logprobs=logprobs,
-                                                    finish_reason=finish_reason, matched_stop=matched)
+                                                    finish_reason=finish_reason, matched_stop=matched,
+                                                    hidden_states=hidden)
             return [sse_event(CompletionStreamResponse(
                 id=request_id, created=created, model=model, choices=[choice]).model_dump())]
 

@@ -41,18 +41,15 @@ NATIVE_UNSUPPORTED: Dict[str, Tuple[Tuple[Any, ...], str]] = {
     "need_wait_for_mm_inputs": (_FALSE, _MULTIMODAL),
     "num_items_assigned": (_NULL, _MULTIMODAL),
     "encoder_urls": (_NULL, _MULTIMODAL),
-    "token_ids_logprob": (_NULL, "logprobs of chosen token ids are not implemented"),
     "return_sampling_mask": (_FALSE, "sampling masks are not implemented"),
     "return_flat_raw_top_logprobs": (_FALSE, "flat top-logprob arrays are not implemented"),
     "return_flat_raw_top_logprobs_b64": (_FALSE, "flat top-logprob arrays are not implemented"),
-    "return_hidden_states": (_FALSE, "returning hidden states is not implemented"),
     "return_routed_experts": (_FALSE, _MOE),
     "routed_experts_start_len": (_ZERO, _MOE),
     "return_indexer_topk": (_FALSE, _MOE),
     "session_params": (_NULL, "sessions are not implemented"),
     "lora_path": (_NULL, "LoRA adapters are not implemented"),
     "lora_id": (_NULL, "LoRA adapters are not implemented"),
-    "custom_logit_processor": (_NULL, "custom logit processors are not implemented"),
     "positional_embed_overrides": (_NULL, "embedding overrides are not implemented"),
     "bootstrap_host": (_NULL, _DISAGG),
     "bootstrap_port": (_NULL, _DISAGG),
@@ -65,9 +62,6 @@ NATIVE_UNSUPPORTED: Dict[str, Tuple[Tuple[Any, ...], str]] = {
     "background": (_FALSE, "background requests are not implemented"),
     "require_reasoning": (_FALSE, "reasoning control is not implemented"),
     "max_thinking_tokens": (_NULL, "reasoning control is not implemented"),
-    "priority": (_NULL, "priority scheduling is not implemented"),
-    "extra_key": (_EMPTY_STR, "cache namespaces are not implemented"),
-    "cache_salt": (_EMPTY_STR, "cache namespaces are not implemented"),
     "return_bytes": (_FALSE, "image generation is not implemented"),
     "return_entropy": (_FALSE, "returning the entropy is not implemented"),
     "return_prompt_token_ids": (_FALSE, "returning the prompt token ids is not implemented"),
@@ -79,12 +73,10 @@ NATIVE_UNSUPPORTED: Dict[str, Tuple[Tuple[Any, ...], str]] = {
 # separate_reasoning, stream_reasoning) are fields of the request models.
 OPENAI_UNSUPPORTED: Dict[str, Tuple[Tuple[Any, ...], str]] = {
     "structural_tag": (_NULL, "structural tags are not implemented; use json_schema, regex or ebnf"),
-    "stop_regex": (_NULL, "regex stop conditions are not implemented"),
     "continue_final_message": (_FALSE, "continuing the final message is not implemented"),
     **{name: NATIVE_UNSUPPORTED[name] for name in (
-        "lora_path", "session_params", "return_hidden_states", "return_routed_experts",
-        "custom_logit_processor", "bootstrap_host", "bootstrap_port", "bootstrap_room",
-        "routed_dp_rank", "data_parallel_rank", "priority", "cache_salt", "extra_key",
+        "lora_path", "session_params", "return_routed_experts", "bootstrap_host", "bootstrap_port",
+        "bootstrap_room", "routed_dp_rank", "data_parallel_rank",
     )},
 }
 

@@ -176,6 +176,8 @@ def build_sampling_params(request: SamplingFields, max_new_tokens: Optional[int]
         "json_schema": request.json_schema,
         "regex": request.regex,
         "ebnf": request.ebnf,
+        "stop_regex": request.stop_regex,
+        "custom_params": request.custom_params,
     }
     from_format = request.response_format.to_json_schema() if request.response_format is not None else None
     if from_format is not None:  # SamplingFields refuses it together with the json_schema extra
@@ -187,6 +189,14 @@ def build_sampling_params(request: SamplingFields, max_new_tokens: Optional[int]
     params["spaces_between_special_tokens"] = request.spaces_between_special_tokens
     params["no_stop_trim"] = request.no_stop_trim
     return params
+
+
+def last_hidden_state(meta: Dict[str, Any]) -> Optional[List[float]]:
+    """An OpenAI choice's `hidden_states`: the last generated position's (SGLang), or []."""
+    states = meta.get("hidden_states")
+    if states is None:
+        return None
+    return states[-1] if len(states) > 1 else []
 
 
 def as_output_list(result: Union[Dict[str, Any], List[Dict[str, Any]]]) -> List[Dict[str, Any]]:
