@@ -19,6 +19,7 @@ import weakref
 from typing import Any, AsyncIterator, Iterator, Optional, Union
 
 from engine.managers.errors import EngineRequestError
+from engine.managers.io_struct import UpdateWeightFromDiskReqInput
 from engine.managers.request_normalizer import GenerateReqInput, load_chat_template
 from engine.managers.tokenizer_manager import TokenizerManager
 from engine.server_args import PortArgs, ServerArgs
@@ -28,6 +29,9 @@ from engine.utils.tokenizer_utils import load_tokenizer
 
 logger = logging.getLogger(__name__)
 
+# SGLang's per-request extras that generate() passes on to GenerateReqInput.
+GENERATE_EXTRAS = ("token_ids_logprob", "return_hidden_states", "custom_logit_processor", "priority", "extra_key",
+                   "cache_salt")
 # How often a blocked Engine call checks that something can still answer it.
 LIVENESS_POLL_S = 0.5
 # A call still pending this long after the engine was found dead is ended here: the death should
@@ -161,10 +165,15 @@ class Engine:
         return_text_in_logprobs: bool = False,
         stream: bool = False,
         rid: Optional[Union[str, list[str]]] = None,
+        **extras: Any,
     ) -> Union[dict, list[dict], Iterator[dict]]:
-        """Generate for one prompt (a dict) or a batch (a list); stream=True gives an iterator."""
+        """Generate for one prompt (a dict) or a batch (a list); stream=True gives an iterator.
+
+        `extras`: SGLang's per-request fields token_ids_logprob, return_hidden_states,
+        custom_logit_processor, priority, extra_key and cache_salt (docs/api.md).
+        """
         obj = self._make_request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                 top_logprobs_num, return_text_in_logprobs, stream, rid)
+                                 top_logprobs_num, return_text_in_logprobs, stream, rid, extras)
         outputs = self.tokenizer_manager.generate_request(obj)
         if stream:
             return self._iterate_sync(outputs)
@@ -181,14 +190,15 @@ class Engine:
         return_text_in_logprobs: bool = False,
         stream: bool = False,
         rid: Optional[Union[str, list[str]]] = None,
+        **extras: Any,
     ) -> Any:
         """A coroutine giving the result, or with stream=True an async iterator of outputs.
 
         The stream object may also be awaited first (`gen = await engine.async_generate(...,
-        stream=True)`), as SGLang's Engine is used.
+        stream=True)`), as SGLang's Engine is used. `extras` as for generate().
         """
         obj = self._make_request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                                 top_logprobs_num, return_text_in_logprobs, stream, rid)
+                                 top_logprobs_num, return_text_in_logprobs, stream, rid, extras)
         outputs = self.tokenizer_manager.generate_request(obj)
         if stream:
             return _AsyncStream(self, outputs)
@@ -196,8 +206,12 @@ class Engine:
 
     @staticmethod
     def _make_request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
-                      top_logprobs_num, return_text_in_logprobs, stream, rid) -> GenerateReqInput:
+                      top_logprobs_num, return_text_in_logprobs, stream, rid, extras) -> GenerateReqInput:
+        unknown = sorted(set(extras) - set(GENERATE_EXTRAS))
+        if unknown:
+            raise TypeError(f"generate() got unexpected keyword argument(s) {', '.join(unknown)}")
         return GenerateReqInput(
+            **extras,
             text=prompt,
             input_ids=input_ids,
             sampling_params=sampling_params,
@@ -225,6 +239,46 @@ class Engine:
     # ------------------------------------------------------------------ control
     def flush_cache(self) -> bool:
         return self._run(self.tokenizer_manager.flush_cache()).success
+
+    def update_weights_from_disk(self, model_path: str, load_format: Optional[str] = None,
+                                 abort_all_requests: bool = False, weight_version: Optional[str] = None,
+                                 flush_cache: bool = True) -> tuple[bool, str, int]:
+        """Load a new checkpoint of the same architecture: (success, message, num_paused_requests)."""
+        obj = UpdateWeightFromDiskReqInput(model_path=model_path, load_format=load_format,
+                                           abort_all_requests=abort_all_requests, weight_version=weight_version,
+                                           flush_cache=flush_cache)
+        return self._run(self.tokenizer_manager.control.update_weights_from_disk(obj))
+
+    def update_weights_from_tensor(self, named_tensors: list[tuple[str, Any]], load_format: Optional[str] = None,
+                                   flush_cache: bool = True, abort_all_requests: bool = False,
+                                   weight_version: Optional[str] = None) -> tuple[bool, str]:
+        """Set the named weights (full, unsharded tensors, checkpoint names): (success, message)."""
+        return self._run(self.tokenizer_manager.control.update_weights_from_tensor(
+            named_tensors, load_format=load_format, flush_cache=flush_cache,
+            abort_all_requests=abort_all_requests, weight_version=weight_version))
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """The first `truncate_size` rows of a weight, by its checkpoint name, unsharded."""
+        return self._run(self.tokenizer_manager.control.get_weights_by_name(name, truncate_size))
+
+    def release_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
+        """Free the KV cache and/or the weights ("kv_cache", "weights"; default both)."""
+        self._check_control(self._run(self.tokenizer_manager.control.release_memory_occupation(tags)))
+
+    def resume_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
+        self._check_control(self._run(self.tokenizer_manager.control.resume_memory_occupation(tags)))
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        """Pause ("abort", "retract" or "in_place", as SGLang); new requests wait until continue."""
+        self._check_control(self._run(self.tokenizer_manager.control.pause_generation(mode)))
+
+    def continue_generation(self, torch_empty_cache: bool = True) -> None:
+        self._check_control(self._run(self.tokenizer_manager.control.continue_generation(torch_empty_cache)))
+
+    @staticmethod
+    def _check_control(result: dict) -> None:
+        if not result["success"]:
+            raise EngineRequestError(result["message"])
 
     def get_internal_state(self) -> list[dict]:
         return self._run(self.tokenizer_manager.get_internal_state())

@@ -24,6 +24,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from engine.entrypoints.control_routes import add_control_routes
 from engine.entrypoints.openai.protocol import (
     AbortRequestBody,
     ChatCompletionRequest,
@@ -317,6 +318,8 @@ def create_app(
 
     if server_args.enable_metrics:
         _add_metrics_route(app, tokenizer_manager)
+    # Weights, memory, pause/continue (control_routes.py).
+    add_control_routes(app, tokenizer_manager)
 
     # ------------------------------------------------------------------ generation
     @app.post("/generate")

@@ -1,7 +1,17 @@
 """Control calls of the TokenizerManager: request-reply messages to the scheduler(s).
 
-flush_cache and get_internal_state send one message and wait for one reply per DP replica
-(answered in FIFO order); health_generate probes whether the engine makes progress.
+Each sends one message and waits for one reply per DP replica (answered in FIFO order):
+flush_cache, get_internal_state, and SGLang's RL-facing control plane:
+- update_weights_from_disk / update_weights_from_tensor take the model-update lock as writer
+  (generation_gate.py): the requests in flight finish first (or are aborted, with
+  abort_all_requests), arrivals wait, then the schedulers load the weights and flush the radix
+  cache. While paused the update goes through at once (the schedulers refuse if a paused request
+  still holds KV and a flush is asked).
+- get_weights_by_name: the unsharded parameter's first rows (one list per DP replica with dp > 1).
+- release/resume_memory_occupation: the schedulers refuse while requests run.
+- pause_generation: "abort" aborts every request in flight and returns once all are answered;
+  "retract" and "in_place" pause the schedulers. Arrivals wait until continue_generation.
+health_generate probes whether the engine makes progress.
 """
 
 from __future__ import annotations
@@ -9,17 +19,27 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import os
 import time
 import uuid
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from engine.managers.errors import EngineRequestError
+from engine.managers.generation_gate import GenerationGate
 from engine.managers.io_struct import (
+    CONTROL_REPLIES,
+    CONTROL_REPLY_OF,
+    ContinueGenerationReqInput,
     FlushCacheReqInput,
     FlushCacheReqOutput,
     GetInternalStateReq,
-    GetInternalStateReqOutput,
+    GetWeightsByNameReqInput,
     Message,
+    PauseGenerationReqInput,
+    ReleaseMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqInput,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightsFromTensorReqInput,
 )
 from engine.managers.request_normalizer import GenerateReqInput
 
@@ -29,6 +49,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
+PAUSE_MODES = ("abort", "retract", "in_place")
+# Loading a large checkpoint takes a while: weight and memory calls wait this long for a reply.
+WEIGHT_UPDATE_TIMEOUT_S = float(os.environ.get("ENGINE_WEIGHT_UPDATE_TIMEOUT", "1800"))
 # How often a health probe on a busy server asks the scheduler whether forwards advance.
 HEALTH_CHECK_PROGRESS_POLL_S = 0.25
 
@@ -74,38 +97,44 @@ class ControlCalls:
 
     def __init__(self, manager: TokenizerManager, fan_out: int) -> None:
         self.manager = manager
-        self.flush_waiters = _ReplyWaiters(fan_out)
-        self.state_waiters = _ReplyWaiters(fan_out)
+        # Callers waiting for a control reply, one FIFO per reply type.
+        self._waiters: dict[type, _ReplyWaiters] = {t: _ReplyWaiters(fan_out) for t in CONTROL_REPLIES}
         # Concurrent /health_generate calls share this one in-flight probe.
         self._health_probe: Optional[asyncio.Future] = None
+        # Pause and the model-update lock, passed by every request.
+        self.gate = GenerationGate()
+        self.weight_version = "default"
 
     def on_reply(self, msg: Message) -> bool:
         """Hand a control reply to its waiter; False if `msg` is not a control reply."""
-        if isinstance(msg, FlushCacheReqOutput):
-            self.flush_waiters.on_reply(msg)
-        elif isinstance(msg, GetInternalStateReqOutput):
-            self.state_waiters.on_reply(msg)
-        else:
+        waiters = self._waiters.get(type(msg))
+        if waiters is None:
             return False
+        waiters.on_reply(msg)
         return True
 
     def fail_all(self, error: Exception) -> None:
-        self.flush_waiters.fail_all(error)
-        self.state_waiters.fail_all(error)
+        for waiters in self._waiters.values():
+            waiters.fail_all(error)
 
     async def flush_cache(self) -> FlushCacheReqOutput:
-        replies = await self._control_call(FlushCacheReqInput(), self.flush_waiters)
+        replies = await self.call(FlushCacheReqInput())
         success = all(r.success for r in replies)
         message = "; ".join(r.message for r in replies if r.message)
         return FlushCacheReqOutput(success=success, message=message)
 
     async def get_internal_state(self) -> list[dict]:
-        replies = await self._control_call(GetInternalStateReq(), self.state_waiters)
+        replies = await self.call(GetInternalStateReq())
         return [dict(r.internal_state) for r in replies]
 
-    async def _control_call(self, msg: Message, waiters: _ReplyWaiters) -> list:
+    async def call(self, msg: Message, timeout: Optional[float] = None) -> list:
+        """Send a control request; its replies, one per DP replica (503 on no reply within
+        `timeout`, --control-timeout by default)."""
         self.manager.auto_create_handle_loop()
         self.manager._check_alive()
+        if timeout is None:
+            timeout = self.manager.server_args.control_timeout
+        waiters = self._waiters[CONTROL_REPLY_OF[type(msg)]]
         future = waiters.add()
         try:
             await self.manager._send_async(msg)
@@ -117,10 +146,9 @@ class ControlCalls:
                     break
             raise
         try:
-            return await asyncio.wait_for(asyncio.shield(future), timeout=self.manager.server_args.control_timeout)
+            return await asyncio.wait_for(asyncio.shield(future), timeout=timeout)
         except asyncio.TimeoutError:
-            raise EngineRequestError(f"{type(msg).__name__} got no reply within "
-                                     f"{self.manager.server_args.control_timeout:.0f} s.",
+            raise EngineRequestError(f"{type(msg).__name__} got no reply within {timeout:.0f} s.",
                                      503, "ServiceUnavailableError") from None
 
     async def health_generate(self, timeout: Optional[float] = None) -> bool:
@@ -132,6 +160,9 @@ class ControlCalls:
         """
         if not self.manager.is_alive():
             return False
+        if self.gate.busy_by_design():
+            # Paused or updating weights on purpose: a probe would only wait in line.
+            return True
         self.manager.auto_create_handle_loop()
         probe = self._health_probe
         if probe is None or probe.done() or probe.get_loop() is not asyncio.get_running_loop():
@@ -211,7 +242,104 @@ class ControlCalls:
             await asyncio.sleep(HEALTH_CHECK_PROGRESS_POLL_S)
         return False
 
-    # ------------------------------------------------------------------ chat and info
+    # ------------------------------------------------------------------ pause / continue
+    async def pause_generation(self, mode: str = "abort") -> dict:
+        if mode not in PAUSE_MODES:
+            raise EngineRequestError(f"mode must be one of {', '.join(PAUSE_MODES)}, got {mode!r}.")
+        self.gate.pause()
+        if mode == "abort":
+            # SGLang: abort everything in flight and return once every request is answered.
+            self.manager.abort_request(abort_all=True)
+            await asyncio.wait_for(self.gate.model_update_lock.wait_no_readers(), timeout=WEIGHT_UPDATE_TIMEOUT_S)
+            return {"success": True, "message": "Generation paused (abort).", "num_paused_requests": 0}
+        replies = await self.call(PauseGenerationReqInput(mode=mode), WEIGHT_UPDATE_TIMEOUT_S)
+        return {"success": all(r.success for r in replies), "message": _join(replies),
+                "num_paused_requests": sum(r.num_paused_requests for r in replies)}
+
+    async def continue_generation(self, torch_empty_cache: bool = True) -> dict:
+        replies = await self.call(ContinueGenerationReqInput(torch_empty_cache=torch_empty_cache),
+                                  WEIGHT_UPDATE_TIMEOUT_S)
+        self.gate.resume()
+        return {"success": all(r.success for r in replies), "message": _join(replies)}
+
+    # ------------------------------------------------------------------ weights
+    async def update_weights_from_disk(self, obj: UpdateWeightFromDiskReqInput) -> tuple[bool, str, int]:
+        replies = await self._update_weights(obj, obj.abort_all_requests)
+        success = all(r.success for r in replies)
+        message = _join(replies)
+        if success:
+            self.manager.model_path = obj.model_path
+            message = self._set_weight_version(obj.weight_version, message)
+        return success, message, sum(r.num_paused_requests for r in replies)
+
+    async def update_weights_from_tensor(
+        self, named_tensors: Sequence[tuple[str, Any]], load_format: Optional[str] = None,
+        flush_cache: bool = True, abort_all_requests: bool = False, weight_version: Optional[str] = None,
+    ) -> tuple[bool, str]:
+        obj = UpdateWeightsFromTensorReqInput(serialized_named_tensors=serialize_named_tensors(named_tensors),
+                                              load_format=load_format, flush_cache=flush_cache,
+                                              abort_all_requests=abort_all_requests, weight_version=weight_version)
+        replies = await self._update_weights(obj, abort_all_requests)
+        success = all(r.success for r in replies)
+        message = _join(replies)
+        if success:
+            message = self._set_weight_version(weight_version, message)
+        return success, message
+
+    async def _update_weights(self, obj: Message, abort_all: bool) -> list:
+        if abort_all:
+            self.manager.abort_request(abort_all=True)
+        async with self.gate.weight_update():
+            return await self.call(obj, WEIGHT_UPDATE_TIMEOUT_S)
+
+    def _set_weight_version(self, version: Optional[str], message: str) -> str:
+        if version is None:
+            return message
+        self.weight_version = version
+        return f"{message} Weight version updated to {version}."
+
+    async def get_weights_by_name(self, name: str, truncate_size: int = 100) -> Any:
+        replies = await self.call(GetWeightsByNameReqInput(name=name, truncate_size=truncate_size))
+        failed = [r.message for r in replies if r.parameter is None]
+        if failed:
+            raise EngineRequestError(failed[0] or "Get parameter by name failed")
+        parameters = [r.parameter for r in replies]
+        return parameters[0] if len(parameters) == 1 else parameters
+
+    # ------------------------------------------------------------------ memory
+    async def release_memory_occupation(self, tags: Optional[list[str]] = None) -> dict:
+        return _result(await self.call(ReleaseMemoryOccupationReqInput(tags=tags), WEIGHT_UPDATE_TIMEOUT_S))
+
+    async def resume_memory_occupation(self, tags: Optional[list[str]] = None) -> dict:
+        return _result(await self.call(ResumeMemoryOccupationReqInput(tags=tags), WEIGHT_UPDATE_TIMEOUT_S))
+
+
+def serialize_named_tensors(named_tensors: Sequence[tuple[str, Any]]) -> bytes:
+    """One safetensors payload (no pickle crosses the process boundary)."""
+    import torch
+    from safetensors.torch import save
+
+    tensors = {}
+    for name, tensor in named_tensors:
+        if not isinstance(name, str) or not isinstance(tensor, torch.Tensor):
+            raise EngineRequestError("named_tensors must be (name, torch.Tensor) pairs.")
+        if name in tensors:
+            raise EngineRequestError(f"Weight {name!r} appears twice in named_tensors.")
+        # Own contiguous CPU copies: safetensors refuses views that share memory.
+        tensors[name] = tensor.detach().to("cpu").contiguous().clone()
+    return save(tensors)
+
+
+def _join(replies: list) -> str:
+    messages: list[str] = []
+    for reply in replies:
+        if reply.message and reply.message not in messages:
+            messages.append(reply.message)
+    return " | ".join(messages)
+
+
+def _result(replies: list) -> dict:
+    return {"success": all(r.success for r in replies), "message": _join(replies)}
 
 
 def _probe_succeeded(probe: asyncio.Future) -> bool:

@@ -4,9 +4,10 @@
     replica d --BatchTokenIDOutput--> detokenizer (directly, the controller never sees outputs)
     replica d --control replies--> [controller] --> TokenizerManager
 
-Generate requests go to one replica (`round_robin` or `shortest_queue`); aborts, flush_cache and
-get_internal_state go to every replica. Control replies come back through the controller so that
-the TokenizerManager, which waits for `dp_size` replies per call, always gets them grouped one per
+Generate requests go to one replica (`round_robin` or `shortest_queue`); aborts and every control
+request (io_struct.CONTROL_REQUESTS: flush_cache, get_internal_state, weights, memory, pause)
+go to every replica. Control replies come back through the controller so that the
+TokenizerManager, which waits for `dp_size` replies per call, always gets them grouped one per
 replica and in call order, however the replicas interleave.
 
 `shortest_queue` load of a replica = requests it reported (running + waiting) in the answer to the
@@ -31,11 +32,10 @@ import traceback
 from typing import Any, Deque, Dict, List, Optional
 
 from engine.managers.io_struct import (
+    CONTROL_REPLIES,
+    CONTROL_REQUESTS,
     AbortReq,
-    FlushCacheReqInput,
-    FlushCacheReqOutput,
     GetInternalStateReq,
-    GetInternalStateReqOutput,
     TokenizedGenerateReqInput,
     decode,
     encode,
@@ -155,7 +155,7 @@ class DataParallelController:
     def dispatch(self, msg: Any) -> None:
         if isinstance(msg, TokenizedGenerateReqInput):
             self.send_to_replica[self.balancer.choose()].send(encode(msg))
-        elif isinstance(msg, (FlushCacheReqInput, GetInternalStateReq)):
+        elif isinstance(msg, CONTROL_REQUESTS):
             for d in range(self.dp_size):
                 self.replies.on_request(d, _TOKENIZER)
                 self.send_to_replica[d].send(encode(msg))
@@ -166,7 +166,7 @@ class DataParallelController:
             logger.error("Data parallel controller got an unknown message %r", type(msg).__name__)
 
     def on_replica_message(self, dp_rank: int, msg: Any) -> None:
-        if isinstance(msg, (FlushCacheReqOutput, GetInternalStateReqOutput)):
+        if isinstance(msg, CONTROL_REPLIES):
             asker = self.replies.on_reply(dp_rank, msg)
             if asker == _POLL:
                 self.poll_outstanding[dp_rank] = False

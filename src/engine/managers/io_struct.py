@@ -215,6 +215,9 @@ CONTROL_REPLIES = (
     PauseGenerationReqOutput, ContinueGenerationReqOutput,
 )
 
+# The reply type of each control request.
+CONTROL_REPLY_OF = dict(zip(CONTROL_REQUESTS, CONTROL_REPLIES))
+
 
 Message = Union[
     TokenizedGenerateReqInput,

@@ -29,6 +29,7 @@ from engine.managers.priority import EVICTED_MESSAGE, PriorityPolicy
 from engine.managers.req import FINISH_ABORT, Req, cache_namespace
 from engine.managers.schedule_batch import ScheduleBatch
 from engine.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
+from engine.managers.scheduler_control import SchedulerControl
 from engine.managers.scheduler_output import OutputStreamer, ResultProcessor
 from engine.sampling.custom_logit_processor import CustomLogitProcessorError, load_custom_logit_processor
 
@@ -120,6 +121,8 @@ class Scheduler:
         # Constrained decoding: the grammar queue and the compiled-grammar cache (constrained/).
         self.grammar_manager = GrammarManager(self._create_grammar_backend, sync_ready_count=_tp_min_or_none(),
                                               timeout_s=server_args.grammar_timeout)
+        # Weights, memory, pause/continue (scheduler_control.py).
+        self.control = SchedulerControl(self)
         self.results = ResultProcessor(self.tree_cache)
         self.streamer = OutputStreamer(server_args.stream_interval)
         self._to_stream: List[Req] = []  # requests that may emit at the end of this iteration
@@ -179,7 +182,11 @@ class Scheduler:
             elif isinstance(recv, GetInternalStateReq):
                 self.send_output(GetInternalStateReqOutput(internal_state=self.get_internal_state()))
             else:
-                logger.error("Scheduler got an unknown message %r", type(recv).__name__)
+                handle = self.control.handler(recv)
+                if handle is None:
+                    logger.error("Scheduler got an unknown message %r", type(recv).__name__)
+                else:
+                    self.send_output(handle(recv))
 
     def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
         from engine.sampling.sampling_params import SamplingParams
@@ -371,7 +378,18 @@ class Scheduler:
             # Make the processed chunks tree-owned and locked; the next chunk extends them.
             self.tree_cache.cache_unfinished_req(self.chunked_req)
 
-        # Freshly prefilled requests join the decode batch one iteration after their prefill.
+        self.merge_last_prefill_batch()
+        new_batch = self.get_new_batch_prefill()
+        if new_batch is not None:
+            return new_batch
+        if not self.running_batch.is_empty():
+            self.running_batch = self.update_running_batch(self.running_batch)
+            if not self.running_batch.is_empty():
+                return self.running_batch
+        return None
+
+    def merge_last_prefill_batch(self) -> None:
+        """Freshly prefilled requests join the decode batch one iteration after their prefill."""
         last = self.last_batch
         if last is not None and last.forward_mode is not None and last.forward_mode.is_extend():
             before = last.batch_size()
@@ -385,15 +403,6 @@ class Scheduler:
                 else:
                     self.running_batch.merge_batch(last)
                 self.running_batch.batch_is_full = False
-
-        new_batch = self.get_new_batch_prefill()
-        if new_batch is not None:
-            return new_batch
-        if not self.running_batch.is_empty():
-            self.running_batch = self.update_running_batch(self.running_batch)
-            if not self.running_batch.is_empty():
-                return self.running_batch
-        return None
 
     def _move_ready_grammar_requests(self) -> None:
         """Requests whose grammar finished compiling join the waiting queue (or are refused)."""
@@ -595,6 +604,8 @@ class Scheduler:
     def step(self) -> Optional[ScheduleBatch]:
         """One iteration of the normal (non-overlap) loop."""
         self.process_input_requests(self.recv_requests())
+        if self.control.blocks_scheduling():  # paused, or memory released: only inputs are handled
+            return self._step_blocked()
         batch = self.get_next_batch_to_run()
         self.cur_batch = batch
         if batch is not None:
@@ -619,6 +630,8 @@ class Scheduler:
         before that, as every overlapped batch is.
         """
         self.process_input_requests(self.recv_requests())
+        if self.control.blocks_scheduling():
+            return self._step_blocked()
         batch = self.get_next_batch_to_run()
         self.cur_batch = batch
         disable_overlap = self._is_disable_overlap_for_batch(batch)
@@ -636,6 +649,14 @@ class Scheduler:
         self.flush_outputs()
         return batch
 
+    def _step_blocked(self) -> None:
+        """A step while paused or released: the control handler settled the forward in flight,
+        so there is nothing to run; outputs (aborts, finished retractions) still go out."""
+        while self.result_queue:
+            self._pop_and_process()
+        self.flush_outputs()
+        return None
+
     def _is_disable_overlap_for_batch(self, batch: Optional[ScheduleBatch]) -> bool:
         last = self.last_batch
         return (self.server_args.disable_consecutive_prefill_overlap
@@ -648,6 +669,9 @@ class Scheduler:
             self.process_batch_result(batch, result)
 
     def has_work(self) -> bool:
+        if self.control.blocks_scheduling():
+            # Requests wait without being scheduled: only new input (continue, resume) is work.
+            return bool(self.inbox) or bool(self._to_stream) or bool(self.result_queue)
         return (bool(self.inbox) or not self.is_fully_idle() or bool(self._to_stream)
                 or bool(self.result_queue))
 

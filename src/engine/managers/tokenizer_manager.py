@@ -8,7 +8,8 @@ waiters in FIFO order.
 
 Collaborators: `RequestNormalizer` (request_normalizer.py: validation and tokenization),
 `OutputAssembler` (output_assembly.py: folding detokenizer output into request state) and
-`ControlCalls` (control_calls.py: flush_cache, get_internal_state, health_generate).
+`ControlCalls` (control_calls.py: flush_cache, get_internal_state, health_generate, and the
+control plane: weights, memory, pause/continue, with the gate every request passes).
 """
 
 from __future__ import annotations
@@ -24,7 +25,15 @@ import zmq.asyncio
 
 from engine.managers.control_calls import HEALTH_CHECK_RID_PREFIX, ControlCalls
 from engine.managers.errors import CLIENT_CLOSED_REQUEST, EngineRequestError
-from engine.managers.io_struct import AbortReq, BatchStrOutput, FlushCacheReqOutput, Message, decode, encode
+from engine.managers.io_struct import (
+    AbortReq,
+    BatchStrOutput,
+    FlushCacheReqOutput,
+    Message,
+    TokenizedGenerateReqInput,
+    decode,
+    encode,
+)
 from engine.managers.metrics import RequestTimer, TokenizerMetricsCollector
 from engine.managers.output_assembly import OutputAssembler, ReqState, build_output
 from engine.managers.request_normalizer import (
@@ -210,6 +219,14 @@ class TokenizerManager:
             if prompt not in prompt_ids:
                 prompt_ids[prompt] = self.normalizer.prompt_input_ids(obj, i)
             tokenized.append(self.normalizer.tokenize_one(obj, i, prompt_ids[prompt]))
+        # Waits while generation is paused or a weight update runs; held until the request ends.
+        async with self.control.gate.slot():
+            async for out in self._send_and_wait(obj, tokenized, request):
+                yield out
+
+    async def _send_and_wait(self, obj: GenerateReqInput, tokenized: list[TokenizedGenerateReqInput],
+                             request: Any) -> AsyncIterator[Union[dict, list[dict]]]:
+        self._check_alive()
         states: list[ReqState] = []
         for req in tokenized:
             if req.rid in self.rid_to_state:
@@ -443,7 +460,7 @@ class TokenizerManager:
             "served_model_name": self.served_model_name,
             "is_generation": True,
             "preferred_sampling_params": None,
-            "weight_version": "default",
+            "weight_version": self.control.weight_version,
             "context_len": self.context_len,
             "max_req_input_len": self.max_req_input_len,
             "max_total_num_tokens": self.max_total_num_tokens,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Dict, Optional
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
 
 import torch
 
@@ -103,3 +103,31 @@ class TpModelWorker:
         next_token_ids = self.model_runner.sample(logits_output, forward_batch)
         write_relay(self.output_tokens_buf, forward_batch.req_pool_indices, next_token_ids)
         return GenerationBatchResult(logits_output=logits_output, next_token_ids=next_token_ids)
+
+    # ------------------------------------------------------------------ control plane
+    # Called by the scheduler's SchedulerControl on every TP rank, on the thread that runs the
+    # forwards (never while one runs); see model_executor/weight_update.py and memory_saver.py.
+    def update_weights_from_disk(self, model_path: str, load_format: Optional[str]) -> Tuple[bool, str]:
+        return self.model_runner.weight_updater.update_from_disk(model_path, load_format)
+
+    def update_weights_from_tensor(self, named_tensors: Sequence[Tuple[str, torch.Tensor]]) -> Tuple[bool, str]:
+        return self.model_runner.weight_updater.update_from_tensors(named_tensors)
+
+    def rollback_weights(self) -> str:
+        return self.model_runner.weight_updater.rollback()
+
+    def commit_weights(self) -> None:
+        self.model_runner.weight_updater.commit()
+
+    def get_weights_by_name(self, name: str, truncate_size: int) -> Tuple[Optional[List[Any]], str]:
+        return self.model_runner.weight_updater.full_weight(name, truncate_size)
+
+    def release_memory_occupation(self, tags: Iterable[str]) -> None:
+        self.model_runner.memory_saver.release(tags)
+
+    def resume_memory_occupation(self, tags: Iterable[str]) -> None:
+        self.model_runner.memory_saver.resume(tags)
+
+    @property
+    def released_memory(self) -> Set[str]:
+        return set(self.model_runner.memory_saver.released)

@@ -75,9 +75,22 @@ class MHATokenToKVPool:
         self.head_dim = head_dim
         self.layer_num = layer_num
         self.device = device
-        shape = (size + page_size, head_num, head_dim)
-        self.k_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layer_num)]
-        self.v_buffer = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(layer_num)]
+        self._create_buffers()
+
+    def _create_buffers(self) -> None:
+        shape = (self.size + self.page_size, self.head_num, self.head_dim)
+        self.k_buffer = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layer_num)]
+        self.v_buffer = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layer_num)]
+
+    def release(self) -> None:
+        """Free the buffers (release_memory_occupation); nothing may run until resume()."""
+        empty = torch.empty((0, self.head_num, self.head_dim), dtype=self.dtype, device=self.device)
+        self.k_buffer = [empty] * self.layer_num
+        self.v_buffer = [empty] * self.layer_num
+
+    def resume(self) -> None:
+        """Allocate the buffers again (zeroed: whatever was cached is gone)."""
+        self._create_buffers()
 
     def get_key_buffer(self, layer_id: int) -> torch.Tensor:
         return self.k_buffer[layer_id]

@@ -15,6 +15,8 @@ from engine.layers.logits_processor import LogitsProcessorOutput
 from engine.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from engine.model_executor.forward_batch_info import ForwardBatch
+from engine.model_executor.memory_saver import MemorySaver
+from engine.model_executor.weight_update import WeightUpdater
 from engine.model_loader.loader import get_model
 from engine.server_args import ServerArgs
 
@@ -82,6 +84,18 @@ class ModelRunner:
         from engine.model_executor.cuda_graph_runner import maybe_create_cuda_graph_runner
 
         self.cuda_graph_runner = maybe_create_cuda_graph_runner(self)
+        # The control plane's hands on this rank's model: weight updates and memory release.
+        self.weight_updater = WeightUpdater(self.model, model_config, self.device)
+        self.memory_saver = MemorySaver(self.model, self.token_to_kv_pool, self.device,
+                                        recapture_graphs=self._capture_cuda_graphs, drop_graphs=self._drop_cuda_graphs)
+
+    def _capture_cuda_graphs(self) -> None:
+        from engine.model_executor.cuda_graph_runner import maybe_create_cuda_graph_runner
+
+        self.cuda_graph_runner = maybe_create_cuda_graph_runner(self)
+
+    def _drop_cuda_graphs(self) -> None:
+        self.cuda_graph_runner = None
 
     # ------------------------------------------------------------------ memory
     def kv_bytes_per_token(self) -> int:

@@ -52,17 +52,43 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shar
     param.data.copy_(loaded_weight)
 
 
+def route_weight_names(
+    model: nn.Module,
+    names: Iterable[str],
+    stacked_params: Sequence[Tuple[str, str, ShardId]],
+    skip_substrings: Sequence[str] = (),
+) -> Dict[str, Tuple[str, ShardId]]:
+    """checkpoint name -> (our parameter name, shard id) for every name, skipped ones left out;
+    ValueError naming the names no parameter takes (checked before anything is loaded)."""
+    params = dict(model.named_parameters())
+    routes: Dict[str, Tuple[str, ShardId]] = {}
+    unknown = []
+    for name in names:
+        if any(s in name for s in skip_substrings):
+            continue
+        target, shard_id = _route(name, stacked_params, params)
+        if target is None:
+            unknown.append(name)
+        else:
+            routes[name] = (target, shard_id)
+    if unknown:
+        raise ValueError(f"no parameter of the model takes weight(s) {', '.join(sorted(unknown)[:20])}")
+    return routes
+
+
 def load_weights_into(
     model: nn.Module,
     weights: Iterable[Tuple[str, torch.Tensor]],
     stacked_params: Sequence[Tuple[str, str, ShardId]],
     skip_substrings: Sequence[str] = (),
+    require_all: bool = True,
 ) -> None:
     """Load checkpoint weights into `model`, each parameter (or fused shard) exactly once.
 
     `stacked_params` maps a checkpoint name piece to our fused parameter's piece and shard id
-    (e.g. ("q_proj", "qkv_proj", "q")). Raises ValueError on a weight loaded twice and on a
-    parameter (or shard) the checkpoint does not provide.
+    (e.g. ("q_proj", "qkv_proj", "q")). Raises ValueError on a weight loaded twice and, with
+    `require_all` (a whole checkpoint), on a parameter (or shard) the weights do not provide;
+    without it (an update of some weights) only the given ones change.
     """
     from engine.layers.linear import clear_packed_weights
 
@@ -92,6 +118,8 @@ def load_weights_into(
                 loader(param, tensor, shard_id)
         loaded.add(key)
 
+    if not require_all:
+        return
     missing: List[str] = []
     for pname in params:
         fused = next((f for f in shards_of if f"{f}." in pname), None)

@@ -8,7 +8,7 @@ the QKV projection (Qwen2) and per-head RMSNorm of q and k before rotary (Qwen3)
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Iterable, Optional, Tuple
+from typing import TYPE_CHECKING, Iterable, List, Optional, Tuple
 
 import torch
 from torch import nn
@@ -162,9 +162,16 @@ class LlamaForCausalLM(nn.Module):
         hidden_states = self.model(input_ids, positions, forward_batch)
         return self.logits_processor(input_ids, hidden_states, self.lm_head, forward_batch)
 
-    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> None:
+    # How checkpoint names map onto our fused parameters (weight updates route names with it).
+    stacked_params = STACKED_PARAMS
+
+    def weight_skip_substrings(self) -> List[str]:
         skip = ["rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached"]
         if self.config.tie_word_embeddings:
             # The head is the embedding; a checkpoint may still carry a copy of it.
             skip.append("lm_head.weight")
-        load_weights_into(self, weights, STACKED_PARAMS, skip_substrings=skip)
+        return skip
+
+    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]], require_all: bool = True) -> None:
+        load_weights_into(self, weights, STACKED_PARAMS, skip_substrings=self.weight_skip_substrings(),
+                          require_all=require_all)

@@ -1,0 +1,252 @@
+"""The scheduler's control plane: weights, memory, pause/continue (SGLang's handlers, as one
+collaborator of the Scheduler instead of its mixins).
+
+Every TP rank handles the same control message at the same point of its loop (rank 0 broadcasts
+what it received), so collectives line up; only rank 0's reply is sent. A handler first settles
+the overlap loop: the forward in flight is waited for and its result processed, so nothing reads
+the model or the KV pool while they change. Work on the model runs where the forwards run (the
+forward thread on the CPU).
+
+States:
+- paused (pause_generation in "retract" or "in_place" mode): no batch is scheduled; requests keep
+  arriving and wait. "retract" first moves every running request back to the waiting queue with
+  its output kept (its KV freed); "in_place" leaves them as they are.
+- memory released (any tag): no batch is scheduled either, until every tag is resumed.
+
+A "flush" here resets the radix cache and the pools, which needs only that no request holds KV:
+requests waiting in the queue (fresh or retracted) hold none and are prefilled later.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Set, Tuple
+
+from engine.distributed.parallel_state import all_reduce_min_int
+from engine.managers.io_struct import (
+    ContinueGenerationReqInput,
+    ContinueGenerationReqOutput,
+    GetWeightsByNameReqInput,
+    GetWeightsByNameReqOutput,
+    PauseGenerationReqInput,
+    PauseGenerationReqOutput,
+    ReleaseMemoryOccupationReqInput,
+    ReleaseMemoryOccupationReqOutput,
+    ResumeMemoryOccupationReqInput,
+    ResumeMemoryOccupationReqOutput,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightFromDiskReqOutput,
+    UpdateWeightsFromTensorReqInput,
+    UpdateWeightsFromTensorReqOutput,
+)
+from engine.managers.req import Req
+from engine.model_executor.memory_saver import MEMORY_TAGS, WEIGHTS, check_tags
+
+if TYPE_CHECKING:
+    from engine.managers.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+PAUSE_MODES = ("retract", "in_place")  # "abort" is the TokenizerManager's alone (SGLang)
+
+
+class SchedulerControl:
+    def __init__(self, scheduler: "Scheduler") -> None:
+        self.s = scheduler
+        self.paused = False
+        self.pause_mode: Optional[str] = None
+        self.released: Set[str] = set()
+        self._handlers = {
+            PauseGenerationReqInput: self.pause_generation,
+            ContinueGenerationReqInput: self.continue_generation,
+            UpdateWeightFromDiskReqInput: self.update_weights_from_disk,
+            UpdateWeightsFromTensorReqInput: self.update_weights_from_tensor,
+            GetWeightsByNameReqInput: self.get_weights_by_name,
+            ReleaseMemoryOccupationReqInput: self.release_memory_occupation,
+            ResumeMemoryOccupationReqInput: self.resume_memory_occupation,
+        }
+
+    def handler(self, msg: Any) -> Optional[Callable[[Any], Any]]:
+        return self._handlers.get(type(msg))
+
+    def blocks_scheduling(self) -> bool:
+        return self.paused or bool(self.released)
+
+    # ------------------------------------------------------------------ pause / continue
+    def pause_generation(self, req: PauseGenerationReqInput) -> PauseGenerationReqOutput:
+        if req.mode not in PAUSE_MODES:
+            return PauseGenerationReqOutput(False, f"pause mode {req.mode!r} is not one of {', '.join(PAUSE_MODES)}")
+        self._settle()
+        self.paused, self.pause_mode = True, req.mode
+        num = self.live_requests()
+        if req.mode == "retract":
+            self._retract_all()
+        logger.info("Generation paused (%s): %d running request(s), %d waiting", req.mode, num,
+                    len(self.s.waiting_queue))
+        return PauseGenerationReqOutput(True, f"Generation paused ({req.mode}).", num_paused_requests=num)
+
+    def continue_generation(self, req: ContinueGenerationReqInput) -> ContinueGenerationReqOutput:
+        was_paused, self.paused, self.pause_mode = self.paused, False, None
+        if req.torch_empty_cache:
+            self._empty_device_cache()
+        if was_paused:
+            logger.info("Generation continued")
+        message = "Generation continued." if was_paused else "Generation was not paused."
+        return ContinueGenerationReqOutput(True, message)
+
+    def _retract_all(self) -> None:
+        """Every request holding KV goes back to the waiting queue, output kept, KV freed."""
+        s = self.s
+        s.merge_last_prefill_batch()
+        s.last_batch = None
+        batch = s.running_batch
+        victims: List[Req] = [r for r in batch.reqs if not r.finished()]
+        if victims:
+            batch.preempt(victims)
+        s.running_batch = s._empty_batch()
+        chunked, s.chunked_req = s.chunked_req, None
+        s.pending_chunked_abort = False
+        if chunked is not None and not chunked.finished():
+            s.tree_cache.cache_finished_req(chunked, is_insert=False)
+            chunked.reset_for_retract()
+            victims.insert(0, chunked)
+        for req in victims:
+            s._add_request_to_queue(req, is_retracted=True)
+
+    # ------------------------------------------------------------------ weights
+    def update_weights_from_disk(self, req: UpdateWeightFromDiskReqInput) -> UpdateWeightFromDiskReqOutput:
+        refused = self._refuse_weight_change(req.flush_cache)
+        if refused is not None:
+            return UpdateWeightFromDiskReqOutput(False, refused)
+        ok, message = self._on_model_thread(lambda: self.s.worker.update_weights_from_disk(req.model_path,
+                                                                                            req.load_format))
+        ok, message = self._agree(ok, message)
+        if ok and req.flush_cache:
+            self.flush_kv()
+        return UpdateWeightFromDiskReqOutput(ok, message)
+
+    def update_weights_from_tensor(self, req: UpdateWeightsFromTensorReqInput) -> UpdateWeightsFromTensorReqOutput:
+        refused = self._refuse_weight_change(req.flush_cache)
+        if refused is not None:
+            return UpdateWeightsFromTensorReqOutput(False, refused)
+        if req.load_format not in (None, "direct"):
+            return UpdateWeightsFromTensorReqOutput(False, f"load_format {req.load_format!r} is not supported")
+        try:
+            from safetensors.torch import load as load_safetensors
+
+            named = list(load_safetensors(req.serialized_named_tensors).items())
+        except Exception as e:  # noqa: BLE001 - the payload is the caller's
+            ok, message = False, f"serialized_named_tensors is not a safetensors payload: {e}"
+        else:
+            ok, message = self._on_model_thread(lambda: self.s.worker.update_weights_from_tensor(named))
+        ok, message = self._agree(ok, message)
+        if ok and req.flush_cache:
+            self.flush_kv()
+        return UpdateWeightsFromTensorReqOutput(ok, message)
+
+    def get_weights_by_name(self, req: GetWeightsByNameReqInput) -> GetWeightsByNameReqOutput:
+        if WEIGHTS in self.released:
+            return GetWeightsByNameReqOutput(None, "The weights are released; resume_memory_occupation first.")
+        if req.truncate_size < 0:
+            return GetWeightsByNameReqOutput(None, "truncate_size must be >= 0.")
+        # Reads only (a collective over the TP CPU group): runs on this thread on every rank.
+        parameter, message = self.s.worker.get_weights_by_name(req.name, req.truncate_size)
+        return GetWeightsByNameReqOutput(parameter, message)
+
+    def _refuse_weight_change(self, flush_cache: bool) -> Optional[str]:
+        if WEIGHTS in self.released:
+            return "The weights are released; resume_memory_occupation(tags=['weights']) first."
+        self._settle()
+        live = self.live_requests()
+        if flush_cache and live:
+            return (f"Cannot update the weights while {live} request(s) hold KV cache computed with the current "
+                    "weights: let them finish, abort them (abort_all_requests), pause with mode 'retract', or "
+                    "send flush_cache false.")
+        return None
+
+    def _agree(self, ok: bool, message: str) -> Tuple[bool, str]:
+        """Succeed only if every TP rank did; ranks that loaded roll back otherwise (a rank that
+        failed left its weights as they were)."""
+        all_ok = bool(all_reduce_min_int(int(ok)))
+        if ok and not all_ok:
+            ok = False
+            undone = self._on_model_thread(self.s.worker.rollback_weights)
+            message = f"Another tensor-parallel rank failed to update its weights. {undone}"
+        elif ok:
+            self.s.worker.commit_weights()
+        if not ok:
+            logger.error("Weight update failed: %s", message)
+        return ok, message
+
+    # ------------------------------------------------------------------ memory
+    def release_memory_occupation(self, req: ReleaseMemoryOccupationReqInput) -> ReleaseMemoryOccupationReqOutput:
+        tags, error = self._tags(req.tags)
+        if error is None:
+            self._settle()
+            live = self.live_requests()
+            if live:
+                error = (f"Cannot release memory while {live} request(s) are running: let them finish, abort "
+                         "them, or pause generation with mode 'retract' first.")
+        if error is not None:
+            return ReleaseMemoryOccupationReqOutput(False, error)
+        new = [t for t in tags if t not in self.released]
+        if "kv_cache" in new:
+            self.flush_kv()  # the cached KV is about to be gone
+        self._on_model_thread(lambda: self.s.worker.release_memory_occupation(new))
+        self.released.update(new)
+        done = ", ".join(new) if new else "nothing (already released)"
+        return ReleaseMemoryOccupationReqOutput(True, f"Released {done}.")
+
+    def resume_memory_occupation(self, req: ResumeMemoryOccupationReqInput) -> ResumeMemoryOccupationReqOutput:
+        tags, error = self._tags(req.tags)
+        if error is not None:
+            return ResumeMemoryOccupationReqOutput(False, error)
+        back = [t for t in tags if t in self.released]
+        self._settle()
+        self._on_model_thread(lambda: self.s.worker.resume_memory_occupation(back))
+        self.released.difference_update(back)
+        done = ", ".join(back) if back else "nothing (not released)"
+        return ResumeMemoryOccupationReqOutput(True, f"Resumed {done}.")
+
+    @staticmethod
+    def _tags(tags: Optional[List[str]]) -> tuple:
+        error = check_tags(tags)
+        return (list(tags) if tags else list(MEMORY_TAGS)), error
+
+    # ------------------------------------------------------------------ helpers
+    def live_requests(self) -> int:
+        """Requests that hold KV: running, in the last batch, or being prefilled in chunks."""
+        s = self.s
+        reqs = {id(r): r for r in s.running_batch.reqs}
+        if s.last_batch is not None:
+            reqs.update((id(r), r) for r in s.last_batch.reqs)
+        if s.chunked_req is not None:
+            reqs[id(s.chunked_req)] = s.chunked_req
+        return sum(1 for r in reqs.values() if not r.finished() and not r.is_retracted)
+
+    def flush_kv(self) -> None:
+        """Reset the radix cache and the pools (no request may hold KV; waiting ones hold none)."""
+        s = self.s
+        assert self.live_requests() == 0, "flush_kv with requests holding KV"
+        s.running_batch = s._empty_batch()
+        s.last_batch = None
+        s.tree_cache.reset()
+        s.req_to_token_pool.clear()
+        s.token_to_kv_pool_allocator.clear()
+        s.new_token_ratio = s.init_new_token_ratio
+        logger.info("Cache flushed (control request)")
+
+    def _settle(self) -> None:
+        """Process the result of the forward in flight (overlap loop): nothing runs afterwards."""
+        while self.s.result_queue:
+            self.s._pop_and_process()
+
+    def _on_model_thread(self, fn: Callable[[], Any]) -> Any:
+        stream = self.s.forward_stream
+        return fn() if stream.is_cuda else stream.call(fn)
+
+    def _empty_device_cache(self) -> None:
+        if self.s.forward_stream.is_cuda:
+            import torch
+
+            torch.cuda.empty_cache()

@@ -1,0 +1,98 @@
+"""Releasing and resuming the memory of a rank's model (SGLang's release/resume_memory_occupation).
+
+Tags, as in SGLang: "kv_cache" (the K/V buffers of the pool) and "weights" (the parameters).
+Releasing the KV cache frees its buffers (the scheduler flushes the radix cache first: its
+content is gone); resuming allocates them again, zeroed. Releasing the weights moves every
+parameter to host memory (on the CPU it just keeps the tensor) and leaves an empty tensor in its
+place; resuming puts them back, so generation continues exactly as before. A training loop that
+wants new weights updates them after resuming ("weights"), as with SGLang.
+
+CUDA graphs captured the addresses of both: they are dropped at the first release and captured
+again once nothing is released any more. Each call is idempotent per tag.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any, Callable, Dict, Iterable, Optional, Set
+
+import torch
+from torch import nn
+
+from engine.layers.linear import clear_packed_weights, prepack_linear_weights
+
+logger = logging.getLogger(__name__)
+
+KV_CACHE = "kv_cache"
+WEIGHTS = "weights"
+MEMORY_TAGS = (KV_CACHE, WEIGHTS)
+
+
+class MemorySaver:
+    def __init__(self, model: nn.Module, kv_pool: Any, device: str,
+                 recapture_graphs: Callable[[], None], drop_graphs: Callable[[], None]) -> None:
+        self.model = model
+        self.kv_pool = kv_pool
+        self.device = str(device)
+        self.recapture_graphs = recapture_graphs
+        self.drop_graphs = drop_graphs
+        self.released: Set[str] = set()
+        self._weights_backup: Dict[str, torch.Tensor] = {}
+        self._graphs_dropped = False
+
+    def release(self, tags: Iterable[str]) -> None:
+        tags = [t for t in tags if t not in self.released]
+        if not tags:
+            return
+        if not self._graphs_dropped:
+            self.drop_graphs()
+            self._graphs_dropped = True
+        if KV_CACHE in tags:
+            self.kv_pool.release()
+        if WEIGHTS in tags:
+            self._release_weights()
+        self.released.update(tags)
+        self._empty_device_cache()
+        logger.info("Released memory occupation: %s", ", ".join(sorted(tags)))
+
+    def resume(self, tags: Iterable[str]) -> None:
+        tags = [t for t in tags if t in self.released]
+        if not tags:
+            return
+        if KV_CACHE in tags:
+            self.kv_pool.resume()
+        if WEIGHTS in tags:
+            self._resume_weights()
+        self.released.difference_update(tags)
+        if not self.released and self._graphs_dropped:
+            self.recapture_graphs()
+            self._graphs_dropped = False
+        logger.info("Resumed memory occupation: %s", ", ".join(sorted(tags)))
+
+    def _release_weights(self) -> None:
+        clear_packed_weights(self.model)
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                # Pinned host memory makes the way back to the GPU fast; on the CPU the tensor is kept.
+                host = param.data if param.device.type == "cpu" else param.data.to("cpu").pin_memory()
+                self._weights_backup[name] = host
+                param.data = torch.empty(0, dtype=param.dtype, device=param.device)
+
+    def _resume_weights(self) -> None:
+        with torch.no_grad():
+            for name, param in self.model.named_parameters():
+                param.data = self._weights_backup.pop(name).to(param.device)
+        if self.device == "cpu":
+            prepack_linear_weights(self.model)
+
+    def _empty_device_cache(self) -> None:
+        if self.device.startswith("cuda"):
+            torch.cuda.empty_cache()
+
+
+def check_tags(tags: Optional[Iterable[str]]) -> Optional[str]:
+    """An error message for unknown tags (None: all tags)."""
+    unknown = sorted(set(tags or ()) - set(MEMORY_TAGS))
+    if unknown:
+        return f"Unknown memory tag(s) {', '.join(unknown)}: the tags are {', '.join(MEMORY_TAGS)}."
+    return None
