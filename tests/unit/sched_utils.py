@@ -18,6 +18,9 @@ from engine.server_args import ServerArgs
 
 VOCAB = 1000
 EOS = 999
+# TokenizedGenerateReqInput fields Harness.submit takes next to the sampling params.
+REQUEST_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob",
+                  "return_hidden_states", "custom_logit_processor", "priority", "extra_key", "cache_salt")
 
 
 class FakeTokenizer:
@@ -61,6 +64,7 @@ class FakeWorker:
         self.eos_token_ids = {EOS}
         self.next_token = next_token or (lambda last: (last + 1) % (VOCAB - 1))
         self.records: List[ForwardRecord] = []
+        self.control_calls: List[tuple] = []
         self.output_tokens_buf = torch.zeros(max_running + 1, dtype=torch.int64)
 
     def get_worker_info(self) -> Dict:
@@ -80,6 +84,20 @@ class FakeWorker:
         write_relay(self.output_tokens_buf, batch.req_pool_indices, nxt)
         return GenerationBatchResult(logits_output=None, next_token_ids=nxt)
 
+    # The control plane's calls (SchedulerControl), recorded: there is no model behind them.
+    def release_memory_occupation(self, tags) -> None:
+        self.control_calls.append(("release", sorted(tags)))
+
+    def resume_memory_occupation(self, tags) -> None:
+        self.control_calls.append(("resume", sorted(tags)))
+
+    def update_weights_from_disk(self, model_path, load_format):
+        self.control_calls.append(("update", model_path))
+        return True, "Succeeded to update model weights."
+
+    def commit_weights(self) -> None:
+        pass
+
 
 @dataclass
 class ReqOutput:
@@ -92,6 +110,9 @@ class ReqOutput:
     completion_tokens: int = 0
     logprobs: List[float] = field(default_factory=list)  # output token logprobs, then input ones
     text: str = ""  # the detokenizer's deltas, concatenated (Harness(detokenize=True))
+    hidden_states: List = field(default_factory=list)  # return_hidden_states entries
+    token_ids_logprobs: List = field(default_factory=list)  # token_ids_logprob, output positions
+    input_token_ids_logprobs: List = field(default_factory=list)
 
 
 class Harness:
@@ -110,24 +131,32 @@ class Harness:
         self.detokenizer = DetokenizerManager(tokenizer) if detokenize else None
         self.outputs: Dict[str, ReqOutput] = {}
         self.counter = 0
+        self.finish_order: List[str] = []  # rids in the order they finished
+        self.replies: List = []  # control replies the scheduler sent
 
     def submit(self, input_ids: List[int], rid: Optional[str] = None, stream: bool = False, **sampling) -> str:
+        """Sampling params, plus any TokenizedGenerateReqInput field (return_logprob, priority, ...)."""
         if rid is None:
             rid = f"r{self.counter}"
             self.counter += 1
         sampling.setdefault("temperature", 0.0)
         sampling.setdefault("max_new_tokens", 8)
-        logprob = sampling.pop("return_logprob", False)
-        start = sampling.pop("logprob_start_len", -1)
-        top = sampling.pop("top_logprobs_num", 0)
+        fields = {name: sampling.pop(name) for name in list(sampling) if name in REQUEST_FIELDS}
         self.scheduler.add_request(TokenizedGenerateReqInput(
-            rid=rid, input_ids=list(input_ids), sampling_params=sampling, stream=stream,
-            return_logprob=logprob, logprob_start_len=start, top_logprobs_num=top))
+            rid=rid, input_ids=list(input_ids), sampling_params=sampling, stream=stream, **fields))
         self.outputs.setdefault(rid, ReqOutput())
         return rid
 
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
         self.scheduler.add_request(AbortReq(rid=rid, abort_all=abort_all))
+
+    def control(self, msg):
+        """Send a control request, run one step, return its reply."""
+        self.scheduler.add_request(msg)
+        before = len(self.replies)
+        self.step()
+        assert len(self.replies) == before + 1, "no reply to the control request"
+        return self.replies[-1]
 
     def step(self):
         batch = self.scheduler.step_overlap() if self.overlap else self.scheduler.step()
@@ -137,6 +166,7 @@ class Harness:
     def _collect(self) -> None:
         for msg in self.scheduler.outbox:
             if not isinstance(msg, BatchTokenIDOutput):
+                self.replies.append(msg)  # control replies
                 continue
             texts = self.detokenizer.handle_batch_token_id_out(msg).output_strs if self.detokenizer else None
             for i, rid in enumerate(msg.rids):
@@ -155,6 +185,14 @@ class Harness:
                     out.logprobs.extend(msg.output_token_logprobs_val[i])
                 if msg.input_token_logprobs_val and msg.input_token_logprobs_val[i]:
                     out.logprobs.extend(v for v in msg.input_token_logprobs_val[i] if v is not None)
+                if msg.output_hidden_states and msg.output_hidden_states[i]:
+                    out.hidden_states.extend(msg.output_hidden_states[i])
+                if msg.output_token_ids_logprobs_val and msg.output_token_ids_logprobs_val[i]:
+                    out.token_ids_logprobs.extend(msg.output_token_ids_logprobs_val[i])
+                if msg.input_token_ids_logprobs_val and msg.input_token_ids_logprobs_val[i]:
+                    out.input_token_ids_logprobs.extend(msg.input_token_ids_logprobs_val[i])
+                if out.finished_reason is not None:
+                    self.finish_order.append(rid)
         self.scheduler.outbox.clear()
 
     def run_until_idle(self, max_steps: int = 10_000) -> int:
