@@ -93,27 +93,13 @@ class OutputAssembler:
 
     def _append_logprobs(self, state: ReqState, batch: BatchStrOutput, i: int) -> None:
         text = state.return_text_in_logprobs
-        vals = _at(batch.input_token_logprobs_val, i)
-        if vals is not None:
-            state.input_token_logprobs.extend(self._token_logprobs(vals, _at(batch.input_token_logprobs_idx, i), text))
-        vals = _at(batch.input_top_logprobs_val, i)
-        if vals is not None:
-            state.input_top_logprobs.extend(self._top_logprobs(vals, _at(batch.input_top_logprobs_idx, i), text))
-        vals = _at(batch.output_token_logprobs_val, i)
-        if vals is not None:
-            state.output_token_logprobs.extend(
-                self._token_logprobs(vals, _at(batch.output_token_logprobs_idx, i), text))
-        vals = _at(batch.output_top_logprobs_val, i)
-        if vals is not None:
-            state.output_top_logprobs.extend(self._top_logprobs(vals, _at(batch.output_top_logprobs_idx, i), text))
-        vals = _at(batch.input_token_ids_logprobs_val, i)
-        if vals is not None:
-            state.input_token_ids_logprobs.extend(
-                self._top_logprobs(vals, _at(batch.input_token_ids_logprobs_idx, i), text))
-        vals = _at(batch.output_token_ids_logprobs_val, i)
-        if vals is not None:
-            state.output_token_ids_logprobs.extend(
-                self._top_logprobs(vals, _at(batch.output_token_ids_logprobs_idx, i), text))
+        for target, val_name, idx_name, per_position in _LOGPROB_FIELDS:
+            vals = _at(getattr(batch, val_name), i)
+            if vals is None:
+                continue
+            ids = _at(getattr(batch, idx_name), i)
+            entries = self._top_logprobs(vals, ids, text) if per_position else self._token_logprobs(vals, ids, text)
+            getattr(state, target).extend(entries)
 
     def _token_logprobs(self, vals: list, ids: Optional[list], with_text: bool) -> list[list]:
         ids = ids or []
@@ -133,6 +119,18 @@ class OutputAssembler:
         if self.tokenizer is None or not ids:
             return [None] * len(ids)
         return self.tokenizer.batch_decode([[t] for t in ids])
+
+
+# ReqState list <- BatchStrOutput value and id fields; per_position: one list of entries per
+# position (top logprobs, token_ids_logprob), else one entry per position.
+_LOGPROB_FIELDS = (
+    ("input_token_logprobs", "input_token_logprobs_val", "input_token_logprobs_idx", False),
+    ("input_top_logprobs", "input_top_logprobs_val", "input_top_logprobs_idx", True),
+    ("output_token_logprobs", "output_token_logprobs_val", "output_token_logprobs_idx", False),
+    ("output_top_logprobs", "output_top_logprobs_val", "output_top_logprobs_idx", True),
+    ("input_token_ids_logprobs", "input_token_ids_logprobs_val", "input_token_ids_logprobs_idx", True),
+    ("output_token_ids_logprobs", "output_token_ids_logprobs_val", "output_token_ids_logprobs_idx", True),
+)
 
 
 def _at(values: list, i: int) -> Any:
