@@ -13,6 +13,7 @@ import pytest
 
 from engine import Engine
 from engine.managers.errors import EngineRequestError
+from engine.managers.io_struct import GetInternalStateReqOutput
 
 from utils_process import wait_until
 
@@ -165,7 +166,7 @@ def test_engine_calls_fail_instead_of_hanging_when_nothing_can_answer_them():
 
             # 2. The engine's event loop stops while a call waits on it.
             thread, outcome = _call_in_thread(eng.get_internal_state)
-            assert wait_until(lambda: bool(manager.control.state_waiters.waiters), 30)
+            assert wait_until(lambda: manager.control.waiting_for(GetInternalStateReqOutput) > 0, 30)
             eng._runtime.loop.call_soon_threadsafe(eng._runtime.loop.stop)
             thread.join(60)
             assert not thread.is_alive(), "the call hangs although the event loop stopped"

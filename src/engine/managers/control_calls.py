@@ -117,6 +117,10 @@ class ControlCalls:
         for waiters in self._waiters.values():
             waiters.fail_all(error)
 
+    def waiting_for(self, reply_type: type) -> int:
+        """How many calls wait for a reply of this type."""
+        return len(self._waiters[reply_type].waiters)
+
     async def flush_cache(self) -> FlushCacheReqOutput:
         replies = await self.call(FlushCacheReqInput())
         success = all(r.success for r in replies)
