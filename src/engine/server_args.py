@@ -45,9 +45,15 @@ class ServerArgs:
     dtype: str = arg("auto", "Weights and activations: auto (the checkpoint's; bfloat16 for a float32 checkpoint "
                              "on CUDA), float32, bfloat16 or float16 (bfloat16 on the CPU).")
     context_length: Optional[int] = arg(None, "The longest sequence (prompt + output). Default: the model's "
-                                              "max_position_embeddings (its sliding window, if shorter).")
+                                              "max_position_embeddings (its sliding window, if shorter; a "
+                                              "sentence-transformers model's max_seq_length, if shorter).")
     trust_remote_code: bool = arg(False, "Let the tokenizer run code shipped with the model.")
     skip_tokenizer_init: bool = arg(False, "Serve without a tokenizer: requests give input_ids and get output_ids.")
+    is_embedding: bool = arg(False, "Serve the model as an embedding model (/v1/embeddings, /encode) even when its "
+                                    "architecture is a generative one: last-token pooling, normalised. BertModel, "
+                                    "MistralModel, ... and sentence-transformers directories embed without it.")
+    allow_auto_truncate: bool = arg(False, "Cut embedding inputs longer than the context to it (texts through the "
+                                           "tokenizer, keeping the end token) instead of answering 400.")
 
     # HTTP
     host: str = arg("127.0.0.1", "The address to serve HTTP on.")

@@ -15,6 +15,8 @@ from typing import Any, Dict, List, Optional, Set
 
 import torch
 
+from engine.configs.pooling_config import PoolingConfig, read_sentence_transformers_config, resolve_pooling
+
 logger = logging.getLogger(__name__)
 
 _DTYPE_NAMES: Dict[str, torch.dtype] = {
@@ -49,6 +51,13 @@ class ModelConfig:
     model_type: str = ""
     hf_config: Any = None
     raw_config: Dict[str, Any] = field(default_factory=dict)
+    # Embedding models (is_generation False) return pooled hidden states instead of tokens.
+    is_generation: bool = True
+    is_encoder_only: bool = False  # bidirectional attention over each input (BERT)
+    pooling: Optional[PoolingConfig] = None
+    # Matryoshka models may be truncated to fewer dimensions (the `dimensions` request field).
+    is_matryoshka: bool = False
+    matryoshka_dimensions: Optional[List[int]] = None
 
     @classmethod
     def from_pretrained(
@@ -57,11 +66,13 @@ class ModelConfig:
         dtype: str = "auto",
         context_length: Optional[int] = None,
         device: Optional[str] = None,
+        is_embedding: bool = False,
     ) -> "ModelConfig":
         """Parse `model_path/config.json` (+ `generation_config.json`).
 
         `device` only matters for dtype resolution (float16 is turned into bfloat16 on the CPU);
-        None means "cuda if available else cpu".
+        None means "cuda if available else cpu". `is_embedding` (--is-embedding) serves any
+        architecture as an embedding model (see `embedding_mode`).
         """
         raw = _read_json(os.path.join(model_path, "config.json"))
         if raw is None:
@@ -77,6 +88,12 @@ class ModelConfig:
         head_dim = raw.get("head_dim") or hidden_size // num_heads
         rope_theta, rope_scaling = _parse_rope(raw)
         max_pos = int(raw.get("max_position_embeddings") or 2048)
+        embedding = embedding_mode(model_path, architectures, is_embedding)
+        default_len = max_pos
+        if embedding is not None and embedding.st_max_seq_length is not None:
+            # The longest input the sentence-transformers model was trained for (what its own
+            # encode() truncates to), as vLLM does.
+            default_len = min(max_pos, embedding.st_max_seq_length)
         if device is None:
             device = "cuda" if torch.cuda.is_available() else "cpu"
 
@@ -93,7 +110,7 @@ class ModelConfig:
             rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
             rope_theta=rope_theta,
             rope_scaling=rope_scaling,
-            context_len=_context_len(raw, context_length, max_pos),
+            context_len=_context_len(raw, context_length, default_len),
             tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
             attention_bias=bool(raw.get("attention_bias", False)),
             dtype=resolve_dtype(dtype, raw, device),
@@ -101,6 +118,17 @@ class ModelConfig:
             model_type=str(raw.get("model_type", "")),
             raw_config=raw,
         )
+        if embedding is not None:
+            config.is_generation = False
+            config.is_encoder_only = embedding.is_encoder_only
+            config.pooling = embedding.pooling
+            dims = raw.get("matryoshka_dimensions")
+            config.matryoshka_dimensions = [int(d) for d in dims] if isinstance(dims, list) and dims else None
+            config.is_matryoshka = bool(raw.get("is_matryoshka")) or config.matryoshka_dimensions is not None
+            if config.is_encoder_only and config.context_len > max_pos:
+                # Absolute position embeddings have no row past max_position_embeddings.
+                raise ValueError(f"--context-length {config.context_len} exceeds the encoder's "
+                                 f"max_position_embeddings {max_pos}")
         if context_length is not None and context_length > max_pos:
             logger.warning(
                 "context_length %d exceeds the model's max_position_embeddings %d", context_length, max_pos
@@ -115,6 +143,33 @@ class ModelConfig:
 
     def get_num_attention_heads(self, tp_size: int) -> int:
         return max(1, self.num_attention_heads // tp_size)
+
+
+@dataclass(frozen=True)
+class EmbeddingMode:
+    is_encoder_only: bool
+    pooling: PoolingConfig
+    st_max_seq_length: Optional[int]
+
+
+def embedding_mode(model_path: str, architectures: List[str], is_embedding: bool) -> Optional[EmbeddingMode]:
+    """How the model embeds, or None for a generative model.
+
+    A model embeds when its architecture can only embed (BertModel, MistralModel, ... as in
+    SGLang), when --is-embedding is given, or when its directory is a sentence-transformers model
+    (a Pooling module in modules.json: Qwen3-Embedding ships a Qwen3ForCausalLM config with one).
+    """
+    from engine.models.registry import is_embedding_only, is_encoder_only
+
+    st_config = read_sentence_transformers_config(model_path)
+    has_st_pooling = st_config is not None and st_config.pooling_mode is not None
+    if not (is_embedding or is_embedding_only(architectures) or has_st_pooling):
+        return None
+    if has_st_pooling and not is_embedding and not is_embedding_only(architectures):
+        logger.info("%s is a sentence-transformers model: serving it as an embedding model", model_path)
+    encoder = is_encoder_only(architectures)
+    pooling = resolve_pooling(model_path, is_causal=not encoder, st_config=st_config)
+    return EmbeddingMode(encoder, pooling, st_config.max_seq_length if st_config is not None else None)
 
 
 def resolve_dtype(dtype: str, raw_config: Dict[str, Any], device: str = "cpu") -> torch.dtype:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from enum import Enum
 from typing import TYPE_CHECKING
 
 import torch
@@ -11,9 +12,17 @@ if TYPE_CHECKING:
     from engine.model_executor.forward_batch_info import ForwardBatch
 
 
+class AttentionType(Enum):
+    DECODER = "decoder"  # causal: token i sees tokens 0..i of its request (prefix included)
+    ENCODER_ONLY = "encoder_only"  # bidirectional over the request's own tokens; nothing cached
+
+
 class RadixAttention(nn.Module):
-    def __init__(self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int, layer_id: int) -> None:
+    def __init__(self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int, layer_id: int,
+                 attn_type: AttentionType = AttentionType.DECODER) -> None:
         super().__init__()
+        self.attn_type = attn_type
+        self.is_causal = attn_type == AttentionType.DECODER
         self.tp_q_head_num = num_heads  # heads on this TP rank
         self.tp_k_head_num = num_kv_heads
         self.tp_v_head_num = num_kv_heads

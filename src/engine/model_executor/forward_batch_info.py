@@ -66,6 +66,8 @@ class ModelWorkerBatch:
     extend_input_logprob_token_ids: Optional[torch.Tensor] = None
     # Overlap relay: ids equal to -1 in input_ids are read, in order, from output_tokens_buf[relay_rows].
     relay_rows: Optional[torch.Tensor] = None
+    # Embedding batches: per request the embedding dimensions asked for (None: all of them).
+    dimensions: Optional[List[Optional[int]]] = None
 
     @property
     def batch_size(self) -> int:
@@ -100,6 +102,8 @@ class ForwardBatch:
     top_logprobs_nums: Optional[List[int]] = None
     token_ids_logprobs: Optional[List[Optional[List[int]]]] = None
     capture_hidden_states: bool = False
+    # Embedding batches: per request the Matryoshka dimensions to keep (None: all).
+    dimensions: Optional[List[Optional[int]]] = None
 
     # Memory and attention
     req_to_token_pool: Optional["ReqToTokenPool"] = None
@@ -128,6 +132,7 @@ class ForwardBatch:
             top_logprobs_nums=batch.top_logprobs_nums,
             token_ids_logprobs=batch.token_ids_logprobs,
             capture_hidden_states=batch.capture_hidden_states,
+            dimensions=batch.dimensions,
             req_to_token_pool=model_runner.req_to_token_pool,
             token_to_kv_pool=model_runner.token_to_kv_pool,
             attn_backend=model_runner.attn_backend,

@@ -12,6 +12,7 @@ from engine.utils.malloc_tuning import keep_large_allocations_in_heap
 from engine.distributed.parallel_state import all_reduce_min_int, assert_same_across_tp, get_tp_size
 from engine.layers.attention import create_attention_backend
 from engine.layers.logits_processor import LogitsProcessorOutput
+from engine.layers.pooler import EmbeddingPoolerOutput
 from engine.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from engine.model_executor.forward_batch_info import ForwardBatch
@@ -78,12 +79,16 @@ class ModelRunner:
             packed = prepack_linear_weights(self.model)
             logger.info("Packed %d linear weights for oneDNN", packed)
         self._sampler = None
+        if model_config.is_encoder_only and server_args.attention_backend == "flashinfer":
+            raise ValueError("the flashinfer attention backend has no encoder (non-causal) attention; use "
+                             "--attention-backend triton or torch_native for this model")
         self.init_memory_pool()
         self.attn_backend = create_attention_backend(server_args.attention_backend, self)
         # After the backend (graphs capture through it) and after the KV pool (they index it).
         from engine.model_executor.cuda_graph_runner import maybe_create_cuda_graph_runner
 
-        self.cuda_graph_runner = maybe_create_cuda_graph_runner(self)
+        # An embedding model never decodes, and graphs only capture decode batches.
+        self.cuda_graph_runner = maybe_create_cuda_graph_runner(self) if model_config.is_generation else None
         # The control plane's hands on this rank's model: weight updates and memory release.
         self.weight_updater = WeightUpdater(self.model, model_config, self.device)
         self.memory_saver = MemorySaver(self.model, self.token_to_kv_pool, self.device,
@@ -92,7 +97,8 @@ class ModelRunner:
     def _capture_cuda_graphs(self) -> None:
         from engine.model_executor.cuda_graph_runner import maybe_create_cuda_graph_runner
 
-        self.cuda_graph_runner = maybe_create_cuda_graph_runner(self)
+        if self.model_config.is_generation:
+            self.cuda_graph_runner = maybe_create_cuda_graph_runner(self)
 
     def _drop_cuda_graphs(self) -> None:
         self.cuda_graph_runner = None
@@ -133,9 +139,22 @@ class ModelRunner:
         graphs = 0 if args.disable_cuda_graph else args.cuda_graph_max_bs * cfg.vocab_size * 4 * 2
         return prefill_tokens * per_token + logits + graphs + RESERVE_SLACK_BYTES
 
+    def encoder_token_budget(self) -> int:
+        """Tokens an encoder may have in flight. Its K/V live only during the forward, so the pool
+        is a budget, not memory: two prefill batches (the one running and the next, under the
+        overlap loop), each up to --max-prefill-tokens plus one input that exceeds it."""
+        args = self.server_args
+        if args.max_total_tokens is not None:
+            return args.max_total_tokens
+        return 2 * (args.max_prefill_tokens + self.model_config.context_len)
+
     def init_memory_pool(self) -> None:
         args = self.server_args
-        total = args.max_total_tokens if args.max_total_tokens is not None else self.profile_max_num_token()
+        encoder = self.model_config.is_encoder_only
+        if encoder:
+            total = self.encoder_token_budget()
+        else:
+            total = args.max_total_tokens if args.max_total_tokens is not None else self.profile_max_num_token()
         # Every TP rank must schedule against the same pool, or their decisions would diverge.
         total = all_reduce_min_int(total)
         total = (total // self.page_size) * self.page_size
@@ -154,7 +173,8 @@ class ModelRunner:
 
         self.req_to_token_pool = ReqToTokenPool(max_num_reqs, context_len, self.device)
         self.token_to_kv_pool = MHATokenToKVPool(
-            size=total,
+            # An encoder stores no K/V: only the padding page exists, slots are a token budget.
+            size=0 if encoder else total,
             page_size=self.page_size,
             dtype=self.dtype,
             head_num=self.model_config.get_num_kv_heads(self.tp_size),
@@ -166,7 +186,7 @@ class ModelRunner:
         logger.info(
             "KV cache pool: %d tokens (%.2f GB, page size %d), %d request slots, context length %d",
             total,
-            total * self.kv_bytes_per_token() / 1e9,
+            0.0 if encoder else total * self.kv_bytes_per_token() / 1e9,
             self.page_size,
             max_num_reqs,
             context_len,
@@ -184,6 +204,13 @@ class ModelRunner:
                 return self.cuda_graph_runner.replay(forward_batch)
             self.attn_backend.init_forward_metadata(forward_batch)
             return self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch)
+
+    def forward_embedding(self, forward_batch: ForwardBatch) -> EmbeddingPoolerOutput:
+        """The pooled embedding of every request of an EXTEND batch (embedding models)."""
+        with torch.inference_mode():
+            self.attn_backend.init_forward_metadata(forward_batch)
+            return self.model.forward(forward_batch.input_ids, forward_batch.positions, forward_batch,
+                                      get_embedding=True)
 
     def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> torch.Tensor:
         """Next token per request: the Sampler with the batch's sampling info, argmax without one."""

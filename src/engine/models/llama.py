@@ -8,7 +8,7 @@ the QKV projection (Qwen2) and per-head RMSNorm of q and k before rotary (Qwen3)
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Iterable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Iterable, List, Optional, Tuple, Union
 
 import torch
 from torch import nn
@@ -18,6 +18,7 @@ from engine.layers.activation import SiluAndMul
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from engine.layers.pooler import EmbeddingPoolerOutput, Pooler
 from engine.layers.radix_attention import RadixAttention
 from engine.layers.rotary_embedding import get_rope
 from engine.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
@@ -155,11 +156,18 @@ class LlamaForCausalLM(nn.Module):
         if config.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)
         self.logits_processor = LogitsProcessor(config)
+        # Served as an embedding model (--is-embedding): last-token pooling, as SGLang does.
+        self.pooler = Pooler(config.pooling.pooling_type, config.pooling.normalize) if config.pooling else None
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: "ForwardBatch"
-    ) -> LogitsProcessorOutput:
+        self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: "ForwardBatch",
+        get_embedding: bool = False,
+    ) -> Union[LogitsProcessorOutput, EmbeddingPoolerOutput]:
         hidden_states = self.model(input_ids, positions, forward_batch)
+        if get_embedding:
+            if self.pooler is None:
+                raise ValueError("this model was not loaded as an embedding model (--is-embedding)")
+            return self.pooler(hidden_states, forward_batch)
         return self.logits_processor(input_ids, hidden_states, self.lm_head, forward_batch)
 
     # How checkpoint names map onto our fused parameters (weight updates route names with it).

@@ -1,4 +1,4 @@
-"""Architecture name (config.json "architectures") -> model class."""
+"""Architecture name (config.json "architectures") -> model class, and generation vs embedding."""
 
 from __future__ import annotations
 
@@ -13,7 +13,25 @@ _MODELS: Dict[str, Tuple[str, str]] = {
     "MistralForCausalLM": ("engine.models.mistral", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("engine.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("engine.models.qwen3", "Qwen3ForCausalLM"),
+    # Embedding models: a BERT-style encoder, and decoders saved without their LM head.
+    "BertModel": ("engine.models.bert", "BertModel"),
+    "Contriever": ("engine.models.bert", "BertModel"),
+    "LlamaModel": ("engine.models.decoder_embedding", "LlamaEmbeddingModel"),
+    "LlamaEmbeddingModel": ("engine.models.decoder_embedding", "LlamaEmbeddingModel"),
+    "MistralModel": ("engine.models.decoder_embedding", "LlamaEmbeddingModel"),
+    "Qwen2Model": ("engine.models.decoder_embedding", "Qwen2EmbeddingModel"),
+    "Qwen3Model": ("engine.models.decoder_embedding", "Qwen3EmbeddingModel"),
 }
+
+# Architectures that can only embed (SGLang's list, for those we implement). Any other
+# architecture embeds when the server runs with --is-embedding or the model directory is a
+# sentence-transformers one (model_config.is_generation_model).
+EMBEDDING_ARCHITECTURES = frozenset(
+    {"BertModel", "Contriever", "LlamaModel", "LlamaEmbeddingModel", "MistralModel", "Qwen2Model", "Qwen3Model"})
+# Encoders: every token attends to every other token of its input (no causal mask).
+ENCODER_ONLY_ARCHITECTURES = frozenset({"BertModel", "Contriever"})
+# Heads SGLang serves as scores (classification, reward): recognised, so the error says what is missing.
+_SCORE_HEAD_SUFFIXES = ("ForSequenceClassification", "ForRewardModel", "ForProcessRewardModel")
 
 
 def supported_architectures() -> List[str]:
@@ -26,7 +44,20 @@ def resolve_model_class(architectures: Sequence[str]) -> Type[nn.Module]:
         if arch in _MODELS:
             module_name, class_name = _MODELS[arch]
             return getattr(importlib.import_module(module_name), class_name)
+    heads = [a for a in architectures or [] if a.endswith(_SCORE_HEAD_SUFFIXES)]
+    if heads:
+        raise ValueError(f"model architectures {list(architectures)} carry a classification/reward head, which "
+                         f"is not supported; embedding models supported: {', '.join(sorted(EMBEDDING_ARCHITECTURES))} "
+                         "(or a generative architecture with --is-embedding)")
     raise ValueError(
         f"model architectures {list(architectures or [])} are not supported; "
         f"supported architectures: {', '.join(supported_architectures())}"
     )
+
+
+def is_embedding_only(architectures: Sequence[str]) -> bool:
+    return any(a in EMBEDDING_ARCHITECTURES for a in architectures or [])
+
+
+def is_encoder_only(architectures: Sequence[str]) -> bool:
+    return any(a in ENCODER_ONLY_ARCHITECTURES for a in architectures or [])

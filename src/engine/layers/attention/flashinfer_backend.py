@@ -130,6 +130,10 @@ class FlashInferAttnBackend(AttentionBackend):
         return out.reshape(q3.shape[0], -1)
 
     def forward_extend(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch", save_kv_cache: bool = True):
+        if not layer.is_causal:
+            # Its plan is shared by every layer and fixed to causal; encoders need the other two.
+            raise NotImplementedError("the flashinfer backend has no encoder (non-causal) attention; use "
+                                      "--attention-backend triton or torch_native for encoder models")
         return self._run(q, k, v, layer, forward_batch, save_kv_cache, decode=False)
 
     def forward_decode(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch", save_kv_cache: bool = True):

@@ -1,6 +1,7 @@
 """The reference attention backend: plain torch SDPA over K/V gathered from the paged pool.
 
-Extend runs one SDPA per request (its new tokens attend to prefix + new tokens, causally).
+Extend runs one SDPA per request (its new tokens attend to prefix + new tokens, causally; an
+encoder layer, `RadixAttention.is_causal` False, attends over all of its request's tokens).
 Decode on the CPU runs the native kernel of `cpu_kernels`, which reads every request's K/V in place
 from the pool; elsewhere (or without a C compiler) ONE batched SDPA runs for the whole batch, over
 K/V gathered into a [bs, max_seq_len] block with a padding mask. Requests whose KV starts with the same pool slots
@@ -52,6 +53,9 @@ class _PaddedExtend:
     max_len: int
     gather_rows: torch.Tensor  # [bs * max_len] token rows of q/k/v (padding repeats a real row)
     output_rows: torch.Tensor  # [num_tokens] position of each real token in the padded layout
+    # [bs, 1, 1, max_len] True at real keys: without the causal mask (encoders) padding keys
+    # must be masked explicitly.
+    key_valid: torch.Tensor
 
 
 # Batch prefix-free extends into one padded SDPA only while padding wastes little compute.
@@ -172,7 +176,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         gather_rows = starts + torch.minimum(offsets, fb.extend_seq_lens.unsqueeze(1) - 1)
         owner = torch.repeat_interleave(torch.arange(bs, device=device), fb.extend_seq_lens)
         output_rows = owner * max_len + (torch.arange(total, device=device) - fb.extend_start_loc[owner])
-        return _PaddedExtend(bs, max_len, gather_rows.reshape(-1), output_rows)
+        key_valid = (offsets < fb.extend_seq_lens.unsqueeze(1))[:, None, None, :]
+        return _PaddedExtend(bs, max_len, gather_rows.reshape(-1), output_rows, key_valid)
 
     # ------------------------------------------------------------------ forward
     def forward_extend(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch", save_kv_cache: bool = True):
@@ -201,13 +206,13 @@ class TorchNativeAttnBackend(AttentionBackend):
                 k_seq = k_buf.index_select(0, seq.kv_indices).transpose(0, 1).to(q.dtype)  # [KH, seq, D]
                 v_seq = v_buf.index_select(0, seq.kv_indices).transpose(0, 1).to(q.dtype)
             # With no prefix the mask is the plain (square) causal one; a single new token on top
-            # of a prefix sees everything.
-            is_causal = seq.mask is None and seq.extend_len > 1
+            # of a prefix sees everything, and so does every token of an encoder.
+            is_causal = layer.is_causal and seq.mask is None and seq.extend_len > 1
             o = F.scaled_dot_product_attention(
                 q_seq.unsqueeze(0),
                 k_seq.unsqueeze(0),
                 v_seq.unsqueeze(0),
-                attn_mask=seq.mask,
+                attn_mask=seq.mask if layer.is_causal else None,
                 is_causal=is_causal,
                 scale=layer.scaling,
                 enable_gqa=gqa,
@@ -222,9 +227,11 @@ class TorchNativeAttnBackend(AttentionBackend):
             x = x.reshape(-1, heads * head_dim).index_select(0, meta.gather_rows)
             return x.view(meta.bs, meta.max_len, heads, head_dim).transpose(1, 2)
 
+        # Right padding under a causal mask is never seen by a real query; without one it is masked.
         o = F.scaled_dot_product_attention(
             pad(q, num_heads), pad(k, kv_heads), pad(v, kv_heads),
-            is_causal=True, scale=layer.scaling, enable_gqa=num_heads != kv_heads,
+            attn_mask=None if layer.is_causal else meta.key_valid,
+            is_causal=layer.is_causal, scale=layer.scaling, enable_gqa=num_heads != kv_heads,
         )
         o = o.transpose(1, 2).reshape(meta.bs * meta.max_len, num_heads * head_dim)
         return o.index_select(0, meta.output_rows)

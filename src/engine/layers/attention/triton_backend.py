@@ -156,6 +156,7 @@ class TritonAttnBackend(AttentionBackend):
             layer.scaling,
             block_m=block_m,
             block_n=block_n,
+            is_causal=layer.is_causal,
         )
         return out.view(-1, num_heads * out.shape[-1])
 

@@ -5,7 +5,8 @@ online softmax over two key ranges:
   1. the prefix (positions 0 .. prefix_len - 1), read from the paged pool through
      `req_to_token[req_pool_index, position]`: every new token sees all of it;
   2. the new tokens themselves, read from the contiguous k/v of this forward (so the kernel does
-     not depend on them having been written to the pool), under the causal mask.
+     not depend on them having been written to the pool), under the causal mask (or, for an
+     encoder, IS_CAUSAL False, all of them).
 Page size never appears: a page only constrains which slots req_to_token holds.
 """
 
@@ -54,6 +55,7 @@ def _extend_kernel(
     BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    IS_CAUSAL: tl.constexpr,
 ):
     cur_req = tl.program_id(0)
     cur_head = tl.program_id(1)
@@ -107,7 +109,10 @@ def _extend_kernel(
             e_max = new_max
 
         # 2. The new tokens, causally: keys past this block's last query are never needed.
-        end_n = tl.minimum((block_m + 1) * BLOCK_M, extend_len)
+        if IS_CAUSAL:
+            end_n = tl.minimum((block_m + 1) * BLOCK_M, extend_len)
+        else:
+            end_n = extend_len
         for start_n in range(0, end_n, BLOCK_N):
             offs_n = start_n + offs_n0
             mask_n = offs_n < end_n
@@ -117,8 +122,11 @@ def _extend_kernel(
                 other=0.0,
             )
             qk = mma(q, k.to(q.dtype), DOT_PRECISION, UPCAST_DOT) * sm_scale
-            causal = (offs_m[:, None] >= offs_n[None, :]) & mask_n[None, :]
-            qk = tl.where(causal, qk, float("-inf"))
+            if IS_CAUSAL:
+                visible = (offs_m[:, None] >= offs_n[None, :]) & mask_n[None, :]
+            else:
+                visible = (offs_m[:, None] >= 0) & mask_n[None, :]
+            qk = tl.where(visible, qk, float("-inf"))
             v = tl.load(
                 V_Extend + (q_start + offs_n[:, None]) * stride_ve_token + cur_kv_head * stride_ve_head + offs_dv[None, :],
                 mask=mask_n[:, None] & mask_dv[None, :],
@@ -153,8 +161,10 @@ def extend_attention_fwd(
     sm_scale: float,
     block_m: int = 64,
     block_n: int = 64,
+    is_causal: bool = True,
 ) -> None:
-    """Write into `o` the attention of every new token (prefix keys from the pool, new keys causal).
+    """Write into `o` the attention of every new token (prefix keys from the pool, new keys causal,
+    or all new keys with is_causal False).
 
     q, o: [num_tokens, q_heads, D] / [num_tokens, q_heads, DV]; k_extend, v_extend: [num_tokens,
     kv_heads, D]; k_buffer, v_buffer: [slots, kv_heads, D]; the per-request tensors are [bs], and
@@ -208,5 +218,6 @@ def extend_attention_fwd(
         BLOCK_N=block_n,
         DOT_PRECISION=dot_precision(q.dtype),
         UPCAST_DOT=upcast_dot(q.device),
+        IS_CAUSAL=is_causal,
     )
 
