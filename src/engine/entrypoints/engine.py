@@ -18,6 +18,7 @@ import time
 import weakref
 from typing import Any, AsyncIterator, Iterator, Optional, Union
 
+from engine.managers.embedding_requests import EmbeddingReqInput
 from engine.managers.errors import EngineRequestError
 from engine.managers.io_struct import UpdateWeightFromDiskReqInput
 from engine.managers.request_normalizer import GenerateReqInput, load_chat_template
@@ -236,6 +237,30 @@ class Engine:
             if self._runtime.loop.is_running():
                 self._run(_aclose(outputs))
 
+    # ------------------------------------------------------------------ encode (embedding models)
+    def encode(
+        self,
+        prompt: Optional[Union[str, list[str]]] = None,
+        input_ids: Optional[Union[list[int], list[list[int]]]] = None,
+        dimensions: Optional[int] = None,
+        rid: Optional[Union[str, list[str]]] = None,
+    ) -> Union[dict, list[dict]]:
+        """Embed one input (a dict) or a batch (a list of dicts), as SGLang's Engine.encode:
+        {"embedding": [floats], "meta_info": {"id", "prompt_tokens", "cached_tokens", ...}}."""
+        obj = EmbeddingReqInput(text=prompt, input_ids=input_ids, rid=rid, dimensions=dimensions)
+        return self._run(_encode(self.tokenizer_manager, obj))
+
+    def async_encode(
+        self,
+        prompt: Optional[Union[str, list[str]]] = None,
+        input_ids: Optional[Union[list[int], list[list[int]]]] = None,
+        dimensions: Optional[int] = None,
+        rid: Optional[Union[str, list[str]]] = None,
+    ) -> Any:
+        """A coroutine giving what `encode` returns, awaitable from any event loop."""
+        obj = EmbeddingReqInput(text=prompt, input_ids=input_ids, rid=rid, dimensions=dimensions)
+        return self._await_in_engine_loop(_encode(self.tokenizer_manager, obj))
+
     # ------------------------------------------------------------------ control
     def flush_cache(self) -> bool:
         return self._run(self.tokenizer_manager.flush_cache()).success
@@ -399,6 +424,11 @@ async def _next(outputs: AsyncIterator[dict]) -> dict:
 
 async def _aclose(outputs: Any) -> None:
     await outputs.aclose()
+
+
+async def _encode(tokenizer_manager: TokenizerManager, obj: EmbeddingReqInput) -> Union[dict, list[dict]]:
+    results = [r.to_dict() for r in await tokenizer_manager.encode_request(obj)]
+    return results[0] if obj.is_single else results
 
 
 async def _last(outputs: AsyncIterator[Any]) -> Any:

@@ -33,7 +33,9 @@ from engine.entrypoints.openai.protocol import (
     ModelCard,
     ModelList,
 )
+from engine.entrypoints.openai.embedding_protocol import EmbeddingRequest, EncodeRequest
 from engine.entrypoints.openai.serving_chat import OpenAIServingChat
+from engine.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, handle_encode
 from engine.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from engine.entrypoints.openai.utils import (
     OrjsonResponse,
@@ -259,6 +261,7 @@ def create_app(
     app.state.server_args = server_args
     serving_chat = OpenAIServingChat(tokenizer_manager, server_args.tool_call_parser, server_args.reasoning_parser)
     serving_completion = OpenAIServingCompletion(tokenizer_manager)
+    serving_embedding = OpenAIServingEmbedding(tokenizer_manager)
     created = int(time.time())
 
     # ------------------------------------------------------------------ health and info
@@ -343,6 +346,15 @@ def create_app(
     @app.post("/v1/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, raw_request: Request) -> Response:
         return await serving_chat.handle_request(body, raw_request)
+
+    # ------------------------------------------------------------------ embeddings
+    @app.post("/v1/embeddings")
+    async def embeddings(body: EmbeddingRequest, raw_request: Request) -> Response:
+        return await serving_embedding.handle_request(body, raw_request)
+
+    @app.post("/encode")
+    async def encode(body: EncodeRequest, raw_request: Request) -> Response:
+        return await handle_encode(tokenizer_manager, body, raw_request)
 
     return app
 

@@ -24,6 +24,7 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
+from engine.managers.embedding_requests import EmbeddingReqInput
 from engine.managers.errors import EngineRequestError
 from engine.managers.generation_gate import GenerationGate
 from engine.managers.io_struct import (
@@ -193,6 +194,9 @@ class ControlCalls:
         )
 
         async def run_probe() -> bool:
+            if not self.manager.is_generation:  # an embedding server gets a 1-token embedding probe
+                await self.manager.encode_request(EmbeddingReqInput(input_ids=[0], rid=obj.rid))
+                return True
             result: dict = {}
             async for out in self.manager.generate_request(obj):
                 result = out

@@ -36,6 +36,7 @@ from engine.managers.io_struct import (
     CONTROL_REQUESTS,
     AbortReq,
     GetInternalStateReq,
+    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     decode,
     encode,
@@ -153,7 +154,7 @@ class DataParallelController:
 
     # ------------------------------------------------------------------ requests
     def dispatch(self, msg: Any) -> None:
-        if isinstance(msg, TokenizedGenerateReqInput):
+        if isinstance(msg, (TokenizedGenerateReqInput, TokenizedEmbeddingReqInput)):
             self.send_to_replica[self.balancer.choose()].send(encode(msg))
         elif isinstance(msg, CONTROL_REQUESTS):
             for d in range(self.dp_size):

@@ -18,3 +18,11 @@ class EngineRequestError(Exception):
 
     def __repr__(self) -> str:
         return f"EngineRequestError({self.message!r}, status_code={self.status_code}, err_type={self.err_type!r})"
+
+
+# A server runs either a generative or an embedding model (as in SGLang); a request of the other
+# kind gets a 400 with one of these (the first is SGLang's own wording).
+NOT_AN_EMBEDDING_MODEL = ("This model does not appear to be an embedding model by default. Please add "
+                          "`--is-embedding` when launching the server or try another model.")
+NOT_A_GENERATION_MODEL = ("This server runs an embedding model, which does not generate text: use "
+                          "/v1/embeddings, /encode or Engine.encode.")

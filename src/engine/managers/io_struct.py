@@ -1,12 +1,13 @@
 """Messages between processes: msgspec structs in one tagged union, encoded with msgpack.
 
 Channels (PUSH -> PULL over ipc:// files named in PortArgs):
-  tokenizer manager -> scheduler rank 0: TokenizedGenerateReqInput, AbortReq, FlushCacheReqInput,
-                                         GetInternalStateReq
+  tokenizer manager -> scheduler rank 0: TokenizedGenerateReqInput, TokenizedEmbeddingReqInput,
+                                         AbortReq, FlushCacheReqInput, GetInternalStateReq
   scheduler rank 0  -> detokenizer:      BatchTokenIDOutput (one per scheduler iteration)
   detokenizer       -> tokenizer:        BatchStrOutput
-  scheduler rank 0  -> tokenizer:        FlushCacheReqOutput, GetInternalStateReqOutput, and the reply
-                                         of every control request below (CONTROL_REPLIES)
+  scheduler rank 0  -> tokenizer:        FlushCacheReqOutput, GetInternalStateReqOutput,
+                                         BatchEmbeddingOutput (no text to detokenize), and the
+                                         reply of every control request below (CONTROL_REPLIES)
 
 Control requests (weights, memory, pause/continue) carry SGLang's names and fields; each gets
 exactly one reply per DP replica, from TP rank 0, after every rank has done its part.
@@ -37,6 +38,13 @@ class TokenizedGenerateReqInput(msgspec.Struct, tag=True):
     # Cache namespace: requests share cached prefixes only when both are equal.
     extra_key: Optional[str] = None
     cache_salt: Optional[str] = None
+
+
+class TokenizedEmbeddingReqInput(msgspec.Struct, tag=True):
+    rid: str
+    input_ids: List[int]
+    input_text: Optional[str] = None
+    dimensions: Optional[int] = None  # Matryoshka truncation, already validated; None: all
 
 
 class AbortReq(msgspec.Struct, tag=True):
@@ -219,8 +227,21 @@ CONTROL_REPLIES = (
 CONTROL_REPLY_OF = dict(zip(CONTROL_REQUESTS, CONTROL_REPLIES))
 
 
+class BatchEmbeddingOutput(msgspec.Struct, tag=True):
+    """Scheduler -> tokenizer manager: the finished embedding requests of one iteration."""
+
+    rids: List[str]
+    # {"type": "length", "length": 0} when embedded; an abort reason (as in BatchTokenIDOutput) else.
+    finished_reasons: List[Optional[Dict[str, Any]]]
+    embeddings: List[bytes]  # float32 little-endian, one vector per request (empty when aborted)
+    prompt_tokens: List[int]
+    cached_tokens: List[int]
+
+
 Message = Union[
     TokenizedGenerateReqInput,
+    TokenizedEmbeddingReqInput,
+    BatchEmbeddingOutput,
     AbortReq,
     FlushCacheReqInput,
     FlushCacheReqOutput,

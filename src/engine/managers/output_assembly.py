@@ -45,6 +45,7 @@ class ReqState:
     hidden_states: list = field(default_factory=list)
     # Set when metrics are enabled and the request is not a health probe.
     timer: Optional[RequestTimer] = None
+    embedding: Optional[bytes] = None  # an embedding request's float32 vector
 
 
 def build_output(state: ReqState) -> dict:

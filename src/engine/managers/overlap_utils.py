@@ -137,7 +137,7 @@ class ForwardStream:
             forward_done.record(self.forward_stream)
         with torch.cuda.stream(self.copy_stream):
             self.copy_stream.wait_event(forward_done)
-            if result.next_token_ids is not None:  # None: a forward whose sampling is delayed
+            if result.next_token_ids is not None:  # None: delayed sampling, or an embedding batch
                 # The copy stream reads this tensor after the forward thread moves on: keep it.
                 device_outputs.append(result.next_token_ids)
                 result.next_token_ids = result.next_token_ids.to("cpu", non_blocking=True)

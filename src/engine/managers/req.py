@@ -175,6 +175,14 @@ class Req:
         self.cached_tokens = 0
         self.already_computed = 0
 
+        # Embedding requests: prefill only; the pooled vector replaces output tokens.
+        self.is_embedding = False
+        self.dimensions: Optional[int] = None  # Matryoshka truncation asked for (None: all)
+        self.embedding: Optional[torch.Tensor] = None
+        # False when every token must be computed in one forward (encoder attention, mean
+        # pooling): no cached prefix and no chunked prefill for this request.
+        self.can_reuse_kv = True
+
         self.created_time = time.monotonic()
         self.queue_time = self.created_time
 
@@ -207,6 +215,8 @@ class Req:
     def _max_prefix_len(self) -> int:
         # Leave at least one token to compute (its logits give the next token), and recompute
         # prompt positions whose input logprobs were asked for.
+        if not self.can_reuse_kv:
+            return 0
         limit = len(self.fill_ids) - 1
         if self.needs_input_logprobs():
             limit = min(limit, self.logprob_start_len)

@@ -266,8 +266,15 @@ class PrefillAdder:
         return self.budget_state()
 
     def _admit(self, req: Req, prefix_len: int, input_tokens: int) -> Optional[AddReqResult]:
-        """Admit whole, or its first chunk; OTHER when not even one page of chunk budget is left."""
-        if self.rem_chunk_tokens is None or input_tokens <= self.rem_chunk_tokens:
+        """Admit whole, or its first chunk; OTHER when not even one page of chunk budget is left.
+
+        A request that cannot be chunked (`can_reuse_kv` false: an encoder's input) is admitted
+        whole: past the chunk budget it runs alone, so it waits for the next batch if this one
+        already has requests."""
+        fits = self.rem_chunk_tokens is None or input_tokens <= self.rem_chunk_tokens
+        if not fits and not req.can_reuse_kv and self.can_run_list:
+            return AddReqResult.OTHER
+        if fits or not req.can_reuse_kv:
             self.can_run_list.append(req)
             self._charge(prefix_len, input_tokens, max_new_tokens_charge(req))
             return None

@@ -16,12 +16,14 @@ from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Tu
 
 from engine.constrained.grammar_manager import GrammarManager
 from engine.constrained.vocab_mask import build_vocab_mask
+from engine.managers.errors import NOT_A_GENERATION_MODEL, NOT_AN_EMBEDDING_MODEL
 from engine.managers.io_struct import (
     AbortReq,
     FlushCacheReqInput,
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
 from engine.managers.overlap_utils import DelayedSample, ForwardStream, PendingResult
@@ -30,6 +32,12 @@ from engine.managers.req import FINISH_ABORT, Req, cache_namespace
 from engine.managers.schedule_batch import ScheduleBatch
 from engine.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
 from engine.managers.scheduler_control import SchedulerControl
+from engine.managers.scheduler_embedding import (
+    build_embedding_output,
+    make_embedding_req,
+    process_embedding_result,
+    validate_embedding_input,
+)
 from engine.managers.scheduler_output import OutputStreamer, ResultProcessor
 from engine.sampling.custom_logit_processor import CustomLogitProcessorError, load_custom_logit_processor
 
@@ -89,9 +97,13 @@ class Scheduler:
         if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
             self.eos_token_ids.add(self.tokenizer.eos_token_id)
 
+        # An embedding server (scheduler_embedding.py) runs prefill-only requests.
+        self.is_generation: bool = info.get("is_generation", True)
+        self.embedding_kv_reusable: bool = info.get("embedding_kv_reusable", False)
+
         self.req_to_token_pool = worker.req_to_token_pool
         self.token_to_kv_pool_allocator = worker.token_to_kv_pool_allocator
-        if server_args.disable_radix_cache:
+        if server_args.disable_radix_cache or (not self.is_generation and not self.embedding_kv_reusable):
             from engine.mem_cache.chunk_cache import ChunkCache
 
             self.tree_cache = ChunkCache(self.req_to_token_pool, self.token_to_kv_pool_allocator, self.page_size)
@@ -175,6 +187,8 @@ class Scheduler:
         for recv in recv_reqs:
             if isinstance(recv, TokenizedGenerateReqInput):
                 self.handle_generate_request(recv)
+            elif isinstance(recv, TokenizedEmbeddingReqInput):
+                self.handle_embedding_request(recv)
             elif isinstance(recv, AbortReq):
                 self.abort_request(recv)
             elif isinstance(recv, FlushCacheReqInput):
@@ -217,6 +231,8 @@ class Scheduler:
             req.sampling_params = SamplingParams()
             return self._abort_at_admission(req, str(e), 400)
         req.sampling_params = sp
+        if not self.is_generation:
+            return self._abort_at_admission(req, NOT_A_GENERATION_MODEL, 400)
         error = self._validate_input(req) or self._validate_extras(req)
         if error is not None:
             return self._abort_at_admission(req, error, 400)
@@ -229,6 +245,15 @@ class Scheduler:
             return self._abort_at_admission(req, error, 400)
         if not queued:
             self._add_request_to_queue(req)
+
+    def handle_embedding_request(self, recv: TokenizedEmbeddingReqInput) -> None:
+        req = make_embedding_req(recv, self.vocab_size, self.embedding_kv_reusable)
+        if self.is_generation:
+            return self._abort_at_admission(req, NOT_AN_EMBEDDING_MODEL, 400)
+        error = validate_embedding_input(req, self.max_req_input_len, self.vocab_size)
+        if error is not None:
+            return self._abort_at_admission(req, error, 400)
+        self._add_request_to_queue(req)
 
     def _validate_input(self, req: Req) -> Optional[str]:
         ids = req.origin_input_ids
@@ -397,7 +422,8 @@ class Scheduler:
             if last.batch_size() < before:
                 # Requests finished at their prefill freed their slots: admission may resume.
                 self.running_batch.batch_is_full = False
-            if not last.is_empty():
+            # Embedding requests end with their prefill: they never join the decode batch.
+            if not last.is_empty() and self.is_generation:
                 if self.running_batch.is_empty():
                     self.running_batch = last
                 else:
@@ -558,6 +584,8 @@ class Scheduler:
         def forward():
             if sleep_s > 0:  # the testing aid: a slow (or hung) forward, on the forward thread
                 time.sleep(sleep_s)
+            if not self.is_generation:
+                return self.worker.forward_batch_embedding(worker_batch)
             if delay_sample:
                 return self.worker.forward_batch_generation(worker_batch, delay_sample=True)
             return self.worker.forward_batch_generation(worker_batch)
@@ -581,7 +609,9 @@ class Scheduler:
     def process_batch_result(self, batch: ScheduleBatch, result) -> None:
         if isinstance(result, (PendingResult, DelayedSample)):
             result = result.result()  # waits for copy_done only here
-        if batch.forward_mode.is_decode():
+        if not self.is_generation:
+            emit = process_embedding_result(batch, result, self.tree_cache, self.embedding_kv_reusable)
+        elif batch.forward_mode.is_decode():
             emit = self.results.process_decode(batch, result)
             self.num_generated_tokens += len(emit)
             self.decode_batch_ct += 1
@@ -596,6 +626,11 @@ class Scheduler:
     def flush_outputs(self) -> None:
         """One message per iteration to the detokenizer."""
         reqs, self._to_stream = self._to_stream, []
+        if not self.is_generation:  # every request of an embedding server is an embedding one
+            embedding_out = build_embedding_output(reqs)
+            if embedding_out is not None:
+                self.send_output(embedding_out)
+            return
         out = self.streamer.build(reqs)
         if out is not None:
             self.send_output(out)

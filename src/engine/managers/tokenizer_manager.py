@@ -7,9 +7,11 @@ plus the accumulated output), control replies (flush_cache, get_internal_state) 
 waiters in FIFO order.
 
 Collaborators: `RequestNormalizer` (request_normalizer.py: validation and tokenization),
-`OutputAssembler` (output_assembly.py: folding detokenizer output into request state) and
+`OutputAssembler` (output_assembly.py: folding detokenizer output into request state),
 `ControlCalls` (control_calls.py: flush_cache, get_internal_state, health_generate, and the
-control plane: weights, memory, pause/continue, with the gate every request passes).
+control plane: weights, memory, pause/continue, with the gate every request passes) and, for
+embedding models, `EmbeddingNormalizer` (embedding_requests.py: `encode_request`'s inputs and
+the BatchEmbeddingOutput the scheduler sends straight here).
 """
 
 from __future__ import annotations
@@ -24,9 +26,23 @@ import zmq
 import zmq.asyncio
 
 from engine.managers.control_calls import HEALTH_CHECK_RID_PREFIX, ControlCalls
-from engine.managers.errors import CLIENT_CLOSED_REQUEST, EngineRequestError
+from engine.managers.embedding_requests import (
+    EmbeddingModelInfo,
+    EmbeddingNormalizer,
+    EmbeddingReqInput,
+    EmbeddingResult,
+    apply_embedding_output,
+    embedding_result,
+)
+from engine.managers.errors import (
+    CLIENT_CLOSED_REQUEST,
+    NOT_A_GENERATION_MODEL,
+    NOT_AN_EMBEDDING_MODEL,
+    EngineRequestError,
+)
 from engine.managers.io_struct import (
     AbortReq,
+    BatchEmbeddingOutput,
     BatchStrOutput,
     FlushCacheReqOutput,
     Message,
@@ -84,6 +100,11 @@ class TokenizerManager:
             allow_auto_truncate=server_args.allow_auto_truncate,
             enable_custom_logit_processor=server_args.enable_custom_logit_processor)
         self.output_assembler = OutputAssembler(tokenizer)
+        # An embedding model serves encode_request only (embedding_requests.py).
+        self.embedding_model = EmbeddingModelInfo.from_scheduler_info(scheduler_info, self.served_model_name)
+        self.is_generation = self.embedding_model.is_generation
+        self.embedding_normalizer = EmbeddingNormalizer(tokenizer, self.embedding_model,
+                                                        server_args.allow_auto_truncate)
         self.tokenizer = tokenizer
         self.chat_template = load_chat_template(server_args.chat_template)
 
@@ -118,6 +139,7 @@ class TokenizerManager:
         self._tokenizer = tokenizer
         self.normalizer.tokenizer = tokenizer
         self.output_assembler.tokenizer = tokenizer
+        self.embedding_normalizer.tokenizer = tokenizer
 
     # ------------------------------------------------------------------ lifecycle
     def auto_create_handle_loop(self) -> None:
@@ -209,6 +231,8 @@ class TokenizerManager:
         """Validate, tokenize and send `obj`; yield its outputs (see the module docstring)."""
         self.auto_create_handle_loop()
         self._check_alive()
+        if not self.is_generation:
+            raise EngineRequestError(NOT_A_GENERATION_MODEL)
         obj.normalize()
         # Validate every sub-request before sending any, so a bad batch has no side effects.
         # Each prompt is tokenized and checked once, however many samples (n) it fans out into.
@@ -227,10 +251,8 @@ class TokenizerManager:
     async def _send_and_wait(self, obj: GenerateReqInput, tokenized: list[TokenizedGenerateReqInput],
                              request: Any) -> AsyncIterator[Union[dict, list[dict]]]:
         self._check_alive()
+        self._check_new_rids(tokenized)
         states: list[ReqState] = []
-        for req in tokenized:
-            if req.rid in self.rid_to_state:
-                raise EngineRequestError(f"Duplicate request id {req.rid!r}: a request with this id is running.")
         for i, req in enumerate(tokenized):
             state = ReqState(
                 rid=req.rid,
@@ -246,20 +268,7 @@ class TokenizerManager:
                 state.timer = RequestTimer(created=time.monotonic())
             self.rid_to_state[req.rid] = state
             states.append(state)
-        sent: list[str] = []
-        try:
-            for req in tokenized:
-                await self._send_async(req)
-                sent.append(req.rid)
-                if self.server_args.log_requests and not obj.no_logs:
-                    logger.info("Receive: rid=%s, prompt_tokens=%d, sampling_params=%s, text=%r",
-                                req.rid, len(req.input_ids), req.sampling_params, _clip(req.input_text))
-        except BaseException:
-            for state in states:
-                self.rid_to_state.pop(state.rid, None)
-            for rid in sent:
-                self.abort_request(rid)
-            raise
+        await self._send_requests(tokenized, states, log=not obj.no_logs)
 
         if obj.is_single:
             async for out in self._wait_one_response(states[0], request):
@@ -269,6 +278,47 @@ class TokenizerManager:
                 yield out
         else:
             yield await self._gather_batch(states, request)
+
+    def _check_new_rids(self, reqs: list) -> None:
+        for req in reqs:
+            if req.rid in self.rid_to_state:
+                raise EngineRequestError(f"Duplicate request id {req.rid!r}: a request with this id is running.")
+
+    async def _send_requests(self, reqs: list, states: list[ReqState], log: bool) -> None:
+        """Send registered requests; if any send fails, forget them all and abort those sent."""
+        sent: list[str] = []
+        try:
+            for req in reqs:
+                await self._send_async(req)
+                sent.append(req.rid)
+                if self.server_args.log_requests and log:
+                    logger.info("Receive: rid=%s, prompt_tokens=%d, sampling_params=%s, text=%r",
+                                req.rid, len(req.input_ids), getattr(req, "sampling_params", None),
+                                _clip(req.input_text))
+        except BaseException:
+            for state in states:
+                self.rid_to_state.pop(state.rid, None)
+            for rid in sent:
+                self.abort_request(rid)
+            raise
+
+    # ------------------------------------------------------------------ encode (embeddings)
+    async def encode_request(self, obj: EmbeddingReqInput, request: Any = None) -> list[EmbeddingResult]:
+        """Embed every input of `obj` (one result per input, in order); a failed input fails all."""
+        self.auto_create_handle_loop()
+        self._check_alive()
+        if self.is_generation:
+            raise EngineRequestError(NOT_AN_EMBEDDING_MODEL)
+        tokenized = self.embedding_normalizer.tokenize(obj)
+        self._check_new_rids(tokenized)
+        now = time.time()
+        states = [ReqState(rid=req.rid, stream=False, return_logprob=False, return_text_in_logprobs=False,
+                           created_time=now) for req in tokenized]
+        for state in states:
+            self.rid_to_state[state.rid] = state
+        await self._send_requests(tokenized, states, log=True)
+        await self._gather_batch(states, request)
+        return [embedding_result(state) for state in states]
 
     # ------------------------------------------------------------------ waiting for outputs
     async def _wait_one_response(self, state: ReqState, request: Any = None) -> AsyncIterator[dict]:
@@ -357,6 +407,9 @@ class TokenizerManager:
     def _dispatch(self, msg: Message) -> None:
         if isinstance(msg, BatchStrOutput):
             self._handle_batch_str_output(msg)
+        elif isinstance(msg, BatchEmbeddingOutput):
+            self.last_output_tstamp = time.monotonic()
+            apply_embedding_output(self.rid_to_state, msg)
         elif not self.control.on_reply(msg):
             logger.warning("TokenizerManager ignores unexpected message %s", type(msg).__name__)
 
@@ -458,7 +511,7 @@ class TokenizerManager:
             "model_path": self.model_path,
             "tokenizer_path": self.tokenizer_path,
             "served_model_name": self.served_model_name,
-            "is_generation": True,
+            "is_generation": self.is_generation,
             "preferred_sampling_params": None,
             "weight_version": self.control.weight_version,
             "context_len": self.context_len,

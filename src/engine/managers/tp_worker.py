@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
+
+from engine.configs.pooling_config import PoolingType
 
 from engine.managers.overlap_utils import resolve_relay_input_ids, write_relay
 from engine.model_executor.forward_batch_info import ForwardBatch, ModelWorkerBatch
@@ -20,6 +22,37 @@ class GenerationBatchResult:
     next_token_ids: Optional[torch.Tensor]  # [bs] int64; None until a delayed sampling ran
     # Kept by a forward whose sampling is delayed (delay_sample=True) for sample_delayed().
     forward_batch: Optional[ForwardBatch] = None
+
+
+@dataclass
+class EmbeddingBatchResult:
+    # One float32 vector per request, on the CPU: [bs, dim], or a list when the requests kept
+    # different `dimensions`.
+    embeddings: Union[torch.Tensor, List[torch.Tensor]]
+    # Nothing was sampled: the forward stream copies next_token_ids only when there are some.
+    next_token_ids: Optional[torch.Tensor] = None
+
+
+def embedding_info(model_config: Any, max_total_num_tokens: int) -> Dict[str, Any]:
+    """What the scheduler and the TokenizerManager need to know about an embedding model."""
+    if model_config.is_generation:
+        return {"is_generation": True}
+    pooling = model_config.pooling
+    return {
+        "is_generation": False,
+        # An embedding input needs no room for output tokens: the whole context is usable.
+        "max_req_input_len": min(model_config.context_len, max_total_num_tokens),
+        "embedding_dim": model_config.hidden_size,
+        "is_matryoshka": model_config.is_matryoshka,
+        "matryoshka_dimensions": model_config.matryoshka_dimensions,
+        "pooling": pooling.describe() if pooling is not None else None,
+        # Whether K/V computed by an earlier forward (a cached prefix, an earlier chunk) may stand
+        # in for recomputing them: those tokens are then left out of the pooled forward, which
+        # only last-token pooling of a causal model can afford (an encoder's K/V depend on the
+        # whole input, mean pooling needs every token's hidden state).
+        "embedding_kv_reusable": (not model_config.is_encoder_only and pooling is not None
+                                  and pooling.pooling_type == PoolingType.LAST),
+    }
 
 
 def worker_limits(max_total_num_tokens: int, context_len: int, req_pool_size: int,
@@ -48,7 +81,7 @@ class TpModelWorker:
         self.tp_rank = tp_rank
         self.model_config = ModelConfig.from_pretrained(
             server_args.model_path, dtype=server_args.dtype, context_length=server_args.context_length,
-            device=server_args.device,
+            device=server_args.device, is_embedding=server_args.is_embedding,
         )
         self.model_runner = ModelRunner(
             self.model_config, server_args, tp_rank=tp_rank, tp_size=server_args.tp_size, gpu_id=gpu_id
@@ -62,7 +95,7 @@ class TpModelWorker:
 
     def get_worker_info(self) -> Dict[str, Any]:
         mr = self.model_runner
-        return worker_limits(
+        info = worker_limits(
             max_total_num_tokens=mr.max_total_num_tokens,
             context_len=self.model_config.context_len,
             req_pool_size=self.req_to_token_pool.size,
@@ -71,6 +104,8 @@ class TpModelWorker:
             page_size=self.server_args.page_size,
             device=str(self.device),
         )
+        info.update(embedding_info(self.model_config, mr.max_total_num_tokens))
+        return info
 
     @property
     def eos_token_ids(self) -> set:
@@ -103,6 +138,14 @@ class TpModelWorker:
         next_token_ids = self.model_runner.sample(logits_output, forward_batch)
         write_relay(self.output_tokens_buf, forward_batch.req_pool_indices, next_token_ids)
         return GenerationBatchResult(logits_output=logits_output, next_token_ids=next_token_ids)
+
+    def forward_batch_embedding(self, batch: ModelWorkerBatch) -> EmbeddingBatchResult:
+        forward_batch = ForwardBatch.init_new(batch, self.model_runner)
+        pooled = self.model_runner.forward_embedding(forward_batch).embeddings
+        # Copied here, on the forward thread: the scheduling thread only ever sees host memory.
+        if isinstance(pooled, list):
+            return EmbeddingBatchResult(embeddings=[row.cpu() for row in pooled])
+        return EmbeddingBatchResult(embeddings=pooled.cpu())
 
     # ------------------------------------------------------------------ control plane
     # Called by the scheduler's SchedulerControl on every TP rank, on the thread that runs the
