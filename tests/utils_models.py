@@ -76,10 +76,60 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
         for name, p in model.named_parameters():
             if p.dim() == 2:
                 p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(p.shape[1]) * 1.5)
-            elif "norm" in name:
+            elif "norm" in name.lower():  # RMSNorm, q_norm, BERT's LayerNorm
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
             else:  # biases
                 p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+
+
+TINY_BERT = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    vocab_size=512,
+    max_position_embeddings=128,
+    type_vocab_size=2,
+    layer_norm_eps=1e-12,
+    hidden_act="gelu",
+)
+
+
+def build_tiny_bert(path: str, seed: int = 0, pooling_mode: Optional[str] = None, normalize: bool = True, **overrides):
+    """A random transformers BertModel in `path`; with `pooling_mode` ("mean", "cls", "lasttoken")
+    also sentence-transformers' files (modules.json, 1_Pooling/config.json). Returns the model."""
+    import json
+    import os
+
+    import transformers
+
+    kwargs = dict(TINY_BERT)
+    kwargs.update(overrides)
+    torch.manual_seed(seed)
+    model = transformers.BertModel(transformers.BertConfig(**kwargs), add_pooling_layer=True).to(torch.float32)
+    _randomize(model, seed)
+    model.eval()
+    model.save_pretrained(path)
+    if pooling_mode is not None:
+        modules = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"},
+                   {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+        if normalize:
+            modules.append({"idx": 2, "name": "2", "path": "2_Normalize", "type": "sentence_transformers.models.Normalize"})
+        with open(os.path.join(path, "modules.json"), "w") as f:
+            json.dump(modules, f)
+        os.makedirs(os.path.join(path, "1_Pooling"), exist_ok=True)
+        with open(os.path.join(path, "1_Pooling", "config.json"), "w") as f:
+            json.dump({"word_embedding_dimension": kwargs["hidden_size"], "pooling_mode": pooling_mode}, f)
+    return model
+
+
+@torch.no_grad()
+def hf_hidden_states(model, token_ids: Sequence[int]) -> torch.Tensor:
+    """[len, hidden] float32 final hidden states of a transformers base model (BertModel,
+    LlamaModel, ...) or of the base model inside a *ForCausalLM."""
+    base = getattr(model, "model", model)
+    ids = torch.tensor([list(token_ids)])
+    return base(input_ids=ids, attention_mask=torch.ones_like(ids)).last_hidden_state[0].float()
 
 
 @torch.no_grad()
@@ -234,5 +284,5 @@ def make_runner(model_dir: str, page_size: int = 1, dtype: str = "float32", max_
         max_running_requests=args.pop("max_running_requests", 16),
         **args,
     )
-    config = ModelConfig.from_pretrained(model_dir, dtype=dtype, device="cpu")
+    config = ModelConfig.from_pretrained(model_dir, dtype=dtype, device="cpu", is_embedding=server_args.is_embedding)
     return ModelRunner(config, server_args)

@@ -104,6 +104,11 @@ def test_invalid_request_raises(engine):
         engine.generate(input_ids=list(range(5000)))
 
 
+def test_encode_on_a_generation_engine_raises(engine):
+    with pytest.raises(EngineRequestError, match="--is-embedding"):
+        engine.encode("hello")
+
+
 def test_n_is_bounded_in_the_offline_engine_too(engine):
     """The fan-out limit is the engine's, not only the HTTP layer's: the offline Engine refuses
     n over 128 before building a single sub-request."""

@@ -378,6 +378,16 @@ def test_bad_openai_inputs_get_400(http: httpx.Client) -> None:
     assert ok.status_code == 200 and ok.json()["usage"]["completion_tokens"] >= 1
 
 
+def test_embedding_requests_to_a_generation_server_get_400(http: httpx.Client) -> None:
+    from engine.managers.errors import NOT_AN_EMBEDDING_MODEL
+
+    for path, body in (("/v1/embeddings", {"input": "hello"}), ("/encode", {"text": "hello"})):
+        response = http.post(path, json=body)
+        assert_error(response, 400, "--is-embedding")
+        assert response.json()["message"] == NOT_AN_EMBEDDING_MODEL
+    assert http.get("/get_model_info").json()["is_generation"] is True
+
+
 def test_oversized_body_gets_413(http: httpx.Client) -> None:
     response = http.post("/v1/completions", content=b"x" * (33 * 1024 * 1024),
                          headers={"content-type": "application/json"})

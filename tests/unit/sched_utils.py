@@ -8,7 +8,13 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from engine.managers.detokenizer_manager import DetokenizerManager
-from engine.managers.io_struct import AbortReq, BatchTokenIDOutput, TokenizedGenerateReqInput
+from engine.managers.io_struct import (
+    AbortReq,
+    BatchEmbeddingOutput,
+    BatchTokenIDOutput,
+    TokenizedEmbeddingReqInput,
+    TokenizedGenerateReqInput,
+)
 from engine.managers.overlap_utils import resolve_relay_input_ids, write_relay
 from engine.managers.scheduler import Scheduler
 from engine.managers.tp_worker import GenerationBatchResult, worker_limits
@@ -113,6 +119,7 @@ class ReqOutput:
     hidden_states: List = field(default_factory=list)  # return_hidden_states entries
     token_ids_logprobs: List = field(default_factory=list)  # token_ids_logprob, output positions
     input_token_ids_logprobs: List = field(default_factory=list)
+    embedding: Optional[bytes] = None  # an embedding request's float32 vector
 
 
 class Harness:
@@ -147,6 +154,16 @@ class Harness:
         self.outputs.setdefault(rid, ReqOutput())
         return rid
 
+    def submit_embedding(self, input_ids: List[int], rid: Optional[str] = None,
+                         dimensions: Optional[int] = None) -> str:
+        if rid is None:
+            rid = f"e{self.counter}"
+            self.counter += 1
+        self.scheduler.add_request(TokenizedEmbeddingReqInput(rid=rid, input_ids=list(input_ids),
+                                                              dimensions=dimensions))
+        self.outputs.setdefault(rid, ReqOutput())
+        return rid
+
     def abort(self, rid: str = "", abort_all: bool = False) -> None:
         self.scheduler.add_request(AbortReq(rid=rid, abort_all=abort_all))
 
@@ -165,6 +182,9 @@ class Harness:
 
     def _collect(self) -> None:
         for msg in self.scheduler.outbox:
+            if isinstance(msg, BatchEmbeddingOutput):
+                self._collect_embeddings(msg)
+                continue
             if not isinstance(msg, BatchTokenIDOutput):
                 self.replies.append(msg)  # control replies
                 continue
@@ -194,6 +214,15 @@ class Harness:
                 if out.finished_reason is not None:
                     self.finish_order.append(rid)
         self.scheduler.outbox.clear()
+
+    def _collect_embeddings(self, msg: BatchEmbeddingOutput) -> None:
+        for i, rid in enumerate(msg.rids):
+            out = self.outputs.setdefault(rid, ReqOutput())
+            assert out.finished_reason is None, f"{rid} reported twice"
+            out.finished_reason = msg.finished_reasons[i]
+            out.embedding = msg.embeddings[i]
+            out.prompt_tokens = msg.prompt_tokens[i]
+            out.cached_tokens = msg.cached_tokens[i]
 
     def run_until_idle(self, max_steps: int = 10_000) -> int:
         steps = 0

@@ -43,7 +43,7 @@ def checkerboard(cases: list) -> list:
 
 
 # The number of cases below; the driver checks that the subprocess ran them all.
-_EXPECTED_CASES = 12 + 1 + 8 + 8 + 1 + 1
+_EXPECTED_CASES = 12 + 1 + 8 + 8 + 1 + 1 + 2 + 1
 
 
 def test_kernels_under_triton_interpreter():
@@ -95,8 +95,9 @@ def paged_layout(lens: List[int], page_size: int, num_pages: int, gen: torch.Gen
     return table, slots_per_req
 
 
-def reference_attention(q, k, v, scale: float, prefix_len: int) -> torch.Tensor:
-    """q [E, H, D], k/v [S, KH, D]; query i sits at position prefix_len + i (float64)."""
+def reference_attention(q, k, v, scale: float, prefix_len: int, causal: bool = True) -> torch.Tensor:
+    """q [E, H, D], k/v [S, KH, D]; query i sits at position prefix_len + i (float64); without
+    `causal` every query sees every key (an encoder)."""
     heads, kv_heads = q.shape[1], k.shape[1]
     q, k, v = q.double(), k.double(), v.double()
     k = k.repeat_interleave(heads // kv_heads, dim=1)
@@ -104,7 +105,8 @@ def reference_attention(q, k, v, scale: float, prefix_len: int) -> torch.Tensor:
     scores = torch.einsum("ehd,shd->hes", q, k) * scale
     q_pos = torch.arange(q.shape[0]).unsqueeze(1) + prefix_len
     visible = torch.arange(k.shape[0]).unsqueeze(0) <= q_pos
-    scores = scores.masked_fill(~visible, float("-inf"))
+    if causal:
+        scores = scores.masked_fill(~visible, float("-inf"))
     return torch.einsum("hes,shd->ehd", scores.softmax(-1), v)
 
 
@@ -189,6 +191,50 @@ def test_extend_kernel_matches_reference(tk, gqa, head_dim, page_size, dtype):
         v_all = torch.cat([v_buf[slots[i][:p]], v_new[rows]])
         ref = reference_attention(q[rows], k_all, v_all, scale, prefix_len=p)
         assert rel_err(out[rows], ref) < _TOL[dtype], (p, e, rel_err(out[rows], ref))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_extend_kernel_non_causal_matches_reference(tk, dtype):
+    """Encoder attention (is_causal False): every new token sees all of its request's new tokens,
+    across 16-blocks, with GQA; the pool is never read (no prefix)."""
+    gen = torch.Generator().manual_seed(13)
+    heads, kv_heads, head_dim = 4, 2, 64
+    ext_lens = [1, 37, 16, 5]
+    total = sum(ext_lens)
+    starts = [sum(ext_lens[:i]) for i in range(len(ext_lens))]
+    q = torch.randn(total, heads, head_dim, generator=gen).to(dtype)
+    k_new = torch.randn(total, kv_heads, head_dim, generator=gen).to(dtype)
+    v_new = torch.randn(total, kv_heads, head_dim, generator=gen).to(dtype)
+    pool = torch.full((1, kv_heads, head_dim), float("nan"), dtype=dtype)  # an encoder's empty pool
+    out = torch.full((total, heads, head_dim), float("nan"), dtype=dtype)
+    scale = 1.0 / math.sqrt(head_dim)
+    tk.ops.extend_attention_fwd(
+        q, k_new, v_new, out, pool, pool, torch.zeros(len(ext_lens) + 1, 64, dtype=torch.int32),
+        torch.arange(1, len(ext_lens) + 1), torch.tensor(starts), torch.tensor(ext_lens),
+        torch.zeros(len(ext_lens), dtype=torch.int64), max(ext_lens), scale, block_m=16, block_n=16,
+        is_causal=False,
+    )
+    for start, n in zip(starts, ext_lens):
+        rows = slice(start, start + n)
+        ref = reference_attention(q[rows], k_new[rows], v_new[rows], scale, prefix_len=0, causal=False)
+        assert rel_err(out[rows], ref) < _TOL[dtype], (n, rel_err(out[rows], ref))
+
+
+def test_bert_with_triton_backend_matches_transformers(tk, tmp_path):
+    """The tiny BERT encoder through ModelRunner with --attention-backend triton (mean pooling)."""
+    import torch.nn.functional as F
+
+    from utils_models import BatchDriver, ExtendReq, build_tiny_bert, hf_hidden_states, make_runner
+
+    hf = build_tiny_bert(str(tmp_path), pooling_mode="mean")
+    runner = make_runner(str(tmp_path), attention_backend="triton")
+    gen = torch.Generator().manual_seed(2)
+    prompts = [[int(x) for x in torch.randint(0, 512, (n,), generator=gen)] for n in (1, 19, 40)]
+    driver = BatchDriver(runner)
+    rows = [driver.new_row() for _ in prompts]
+    got = runner.forward_embedding(driver.extend_batch([ExtendReq(r, p) for r, p in zip(rows, prompts)])).embeddings
+    want = torch.stack([F.normalize(hf_hidden_states(hf, p).mean(0), dim=-1) for p in prompts])
+    assert torch.allclose(got, want, atol=2e-5), (got - want).abs().max()
 
 
 # ---------------------------------------------------------------------------- backend vs torch_native
