@@ -6,6 +6,7 @@ no KV left behind after concurrent requests."""
 from __future__ import annotations
 
 import concurrent.futures
+import re
 
 import httpx
 import numpy as np
@@ -16,7 +17,7 @@ import torch
 from engine.managers.errors import NOT_A_GENERATION_MODEL
 from utils_process import wait_until
 
-SERVER_ARGS = ["--is-embedding"]
+SERVER_ARGS = ["--is-embedding", "--enable-metrics"]
 TEXTS = ["Hello world", "The quick brown fox jumps over the lazy dog, again and again.",
          "日本語のテキストと絵文字 🎉", "x", "def f(x):\n    return x * 2  # code"]
 
@@ -132,3 +133,17 @@ def test_health_generate_and_model_info(server_url: str) -> None:
     assert httpx.get(f"{server_url}/health_generate", timeout=60).status_code == 200
     info = httpx.get(f"{server_url}/get_model_info", timeout=30).json()
     assert info["is_generation"] is False and info["max_req_input_len"] == 2048
+
+
+def test_embedding_requests_are_counted_in_metrics(server_url: str) -> None:
+    def counters() -> tuple:
+        text = httpx.get(f"{server_url}/metrics", timeout=30).text
+        requests = re.search(r"^sglang:num_requests_total\{[^}]*\} ([0-9.e+]+)$", text, re.M)
+        prompt = re.search(r"^sglang:prompt_tokens_total\{[^}]*\} ([0-9.e+]+)$", text, re.M)
+        return float(requests.group(1)) if requests else 0.0, float(prompt.group(1)) if prompt else 0.0
+
+    before = counters()
+    body = post(server_url, "/v1/embeddings", {"input": [[5, 6, 7], [8, 9]]}).json()
+    assert body["usage"]["prompt_tokens"] == 5
+    after = counters()
+    assert after[0] - before[0] == 2 and after[1] - before[1] == 5

@@ -19,6 +19,7 @@ import numpy as np
 
 from engine.managers.errors import EngineRequestError
 from engine.managers.io_struct import BatchEmbeddingOutput, TokenizedEmbeddingReqInput
+from engine.managers.output_assembly import ReqState
 from engine.managers.request_normalizer import GenerateReqInput
 
 # One request may carry at most this many inputs (OpenAI's limit for /v1/embeddings).
@@ -175,8 +176,10 @@ class EmbeddingResult:
         return {"embedding": self.embedding.tolist(), "meta_info": self.meta_info()}
 
 
-def apply_embedding_output(states: Dict[str, Any], msg: BatchEmbeddingOutput) -> None:
-    """Finish the waiting states of a BatchEmbeddingOutput (states are the TokenizerManager's)."""
+def apply_embedding_output(states: Dict[str, ReqState], msg: BatchEmbeddingOutput) -> List[ReqState]:
+    """Finish the waiting states of a BatchEmbeddingOutput (states are the TokenizerManager's);
+    returns the states it finished."""
+    finished = []
     for i, rid in enumerate(msg.rids):
         state = states.get(rid)
         if state is None or state.finished:
@@ -187,9 +190,11 @@ def apply_embedding_output(states: Dict[str, Any], msg: BatchEmbeddingOutput) ->
         state.finished_reason = dict(msg.finished_reasons[i]) if msg.finished_reasons[i] is not None else None
         state.finished = True
         state.event.set()
+        finished.append(state)
+    return finished
 
 
-def embedding_result(state: Any) -> EmbeddingResult:
+def embedding_result(state: ReqState) -> EmbeddingResult:
     """The result of a finished state; an abort becomes the error it carries."""
     reason = state.finished_reason or {}
     if reason.get("type") == "abort":

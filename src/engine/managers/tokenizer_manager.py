@@ -292,9 +292,9 @@ class TokenizerManager:
                 await self._send_async(req)
                 sent.append(req.rid)
                 if self.server_args.log_requests and log:
+                    params = req.sampling_params if isinstance(req, TokenizedGenerateReqInput) else None
                     logger.info("Receive: rid=%s, prompt_tokens=%d, sampling_params=%s, text=%r",
-                                req.rid, len(req.input_ids), getattr(req, "sampling_params", None),
-                                _clip(req.input_text))
+                                req.rid, len(req.input_ids), params, _clip(req.input_text))
         except BaseException:
             for state in states:
                 self.rid_to_state.pop(state.rid, None)
@@ -315,6 +315,8 @@ class TokenizerManager:
         states = [ReqState(rid=req.rid, stream=False, return_logprob=False, return_text_in_logprobs=False,
                            created_time=now) for req in tokenized]
         for state in states:
+            if self.metrics_collector is not None and not state.rid.startswith(HEALTH_CHECK_RID_PREFIX):
+                state.timer = RequestTimer(created=time.monotonic())
             self.rid_to_state[state.rid] = state
         await self._send_requests(tokenized, states, log=True)
         await self._gather_batch(states, request)
@@ -408,8 +410,7 @@ class TokenizerManager:
         if isinstance(msg, BatchStrOutput):
             self._handle_batch_str_output(msg)
         elif isinstance(msg, BatchEmbeddingOutput):
-            self.last_output_tstamp = time.monotonic()
-            apply_embedding_output(self.rid_to_state, msg)
+            self._handle_batch_embedding_output(msg)
         elif not self.control.on_reply(msg):
             logger.warning("TokenizerManager ignores unexpected message %s", type(msg).__name__)
 
@@ -428,6 +429,14 @@ class TokenizerManager:
                 logger.exception("Failed to handle the output of request %s", rid)
                 self._fail_request(state, f"Internal error while handling the output: {e!r}", 500)
                 self.abort_request(rid)
+
+    def _handle_batch_embedding_output(self, msg: BatchEmbeddingOutput) -> None:
+        now = time.monotonic()
+        self.last_output_tstamp = now
+        for state in apply_embedding_output(self.rid_to_state, msg):
+            if state.timer is not None and self.metrics_collector is not None:
+                # A finished request with its prompt tokens and no generated ones, as SGLang counts it.
+                self.metrics_collector.observe_one_finished_request(state.prompt_tokens, 0, now - state.timer.created)
 
     def _handle_one_output(self, state: ReqState, batch: BatchStrOutput, i: int, now: float) -> None:
         self.output_assembler.apply(state, batch, i)

@@ -9,7 +9,6 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Un
 import torch
 
 from engine.configs.pooling_config import PoolingType
-
 from engine.managers.overlap_utils import resolve_relay_input_ids, write_relay
 from engine.model_executor.forward_batch_info import ForwardBatch, ModelWorkerBatch
 
