@@ -3,7 +3,8 @@
 - tp=2: greedy output equals transformers; aborts and client disconnects leave both ranks idle
   with no leaked KV; kill -9 of rank 1 takes the server down, non-zero, within 10 s.
 - dp=2 (shortest_queue): 64 concurrent requests, both replicas take work, outputs equal the
-  oracle (which dp=1 is held to as well); flush_cache reaches both replicas.
+  oracle (which dp=1 is held to as well); flush_cache reaches both replicas. dp=2 with
+  --is-embedding: the vectors of both replicas come back and equal transformers'.
 - two "nodes" over loopback: node 0 (HTTP + rank 0) and node 1 (rank 1 only) serve together, and
   stopping node 1 takes node 0 down.
 """
@@ -166,6 +167,33 @@ def test_dp2_server_spreads_64_requests(launch_server, oracle) -> None:
     flushed = httpx.post(f"{server.url}/flush_cache", timeout=30)
     assert flushed.status_code == 200
     assert all(s["evictable_tokens"] == 0 for s in _internal_states(server.url))
+
+
+def test_dp2_embedding_server(launch_server, tokenizer) -> None:
+    """Embedding outputs of both replicas reach the client (they go through the DP controller)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    server = launch_server(["--dp-size", "2", "--is-embedding"])
+    texts = [f"{PROMPTS[i % len(PROMPTS)]} number {i}" for i in range(16)]
+
+    async def run() -> List[List[float]]:
+        async with httpx.AsyncClient(base_url=server.url, timeout=300.0) as client:
+            async def one(text: str) -> List[float]:
+                response = await client.post("/v1/embeddings", json={"input": text})
+                assert response.status_code == 200, response.text
+                return response.json()["data"][0]["embedding"]
+
+            return await asyncio.gather(*(one(t) for t in texts))
+
+    got = torch.tensor(asyncio.run(run()))
+    hf = AutoModelForCausalLM.from_pretrained(ensure_builtin_model(), dtype=torch.float32).eval()
+    with torch.inference_mode():
+        want = torch.stack([torch.nn.functional.normalize(
+            hf.model(torch.tensor([tokenizer(t).input_ids])).last_hidden_state[0, -1], dim=-1) for t in texts])
+    assert torch.allclose(got, want, atol=1e-4)
+    states = _wait_all_ranks_idle(server.url)
+    assert all(s["forward_ct"] > 0 for s in states), states  # both replicas embedded
 
 
 def test_two_nodes_over_loopback(launch_server, oracle) -> None:

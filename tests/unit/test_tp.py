@@ -2,7 +2,7 @@
 
 tp=2 must give the logits of tp=1 (to float tolerance) and transformers' greedy tokens, for Llama,
 Qwen2 (1 KV head, replicated on both ranks, QKV bias, odd vocabulary) and Qwen3 (q/k norm, tied
-embeddings, odd vocabulary). Also the DP controller's bookkeeping (LoadBalancer, ReplyGrouper),
+embeddings, odd vocabulary), and the embeddings of tp=1 and transformers for a BERT encoder. Also the DP controller's bookkeeping (LoadBalancer, ReplyGrouper),
 the per-iteration message broadcast and the KV pool min-reduction, which need no model.
 """
 
@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from utils_models import BatchDriver, ExtendReq, build_tiny_model, hf_greedy, make_runner
+from utils_models import BatchDriver, ExtendReq, build_tiny_bert, build_tiny_model, hf_greedy, hf_hidden_states, make_runner
 
 from engine.utils.network_utils import get_free_port
 
@@ -30,20 +30,31 @@ CONFIGS = {
 }
 
 
-def _run_model(path: str, tp_size: int):
-    """Prefill PROMPTS then greedy-decode; returns (prefill logits, per-prompt tokens)."""
+def _runner(path: str, tp_size: int):
     from engine.configs.model_config import ModelConfig
     from engine.distributed.parallel_state import get_tp_rank
     from engine.model_executor.model_runner import ModelRunner
     from engine.server_args import ServerArgs
 
     if tp_size == 1:
-        runner = make_runner(path)
-    else:
-        args = ServerArgs(model_path=path, dtype="float32", device="cpu", max_total_tokens=4096,
-                          max_running_requests=16, tp_size=tp_size)
-        config = ModelConfig.from_pretrained(path, dtype="float32", device="cpu")
-        runner = ModelRunner(config, args, tp_rank=get_tp_rank(), tp_size=tp_size)
+        return make_runner(path)
+    args = ServerArgs(model_path=path, dtype="float32", device="cpu", max_total_tokens=4096,
+                      max_running_requests=16, tp_size=tp_size)
+    config = ModelConfig.from_pretrained(path, dtype="float32", device="cpu")
+    return ModelRunner(config, args, tp_rank=get_tp_rank(), tp_size=tp_size)
+
+
+def _embed(path: str, tp_size: int) -> torch.Tensor:
+    """The pooled embeddings of PROMPTS in one batch (an embedding model)."""
+    runner = _runner(path, tp_size)
+    driver = BatchDriver(runner)
+    rows = [driver.new_row() for _ in PROMPTS]
+    return runner.forward_embedding(driver.extend_batch([ExtendReq(r, p) for r, p in zip(rows, PROMPTS)])).embeddings
+
+
+def _run_model(path: str, tp_size: int):
+    """Prefill PROMPTS then greedy-decode; returns (prefill logits, per-prompt tokens)."""
+    runner = _runner(path, tp_size)
     driver = BatchDriver(runner)
     rows = [driver.new_row() for _ in PROMPTS]
     out, tokens = driver.run(driver.extend_batch([ExtendReq(r, p) for r, p in zip(rows, PROMPTS)]))
@@ -67,7 +78,8 @@ def _rank_main(rank: int, port: int, paths: dict, queue) -> None:
 
         model_runner.CHECK_TP_SAMPLING = True  # the debug assertion: sampled ids equal on all ranks
         ps.init_distributed_environment(rank, TP, f"tcp://127.0.0.1:{port}", "cpu")
-        results = {name: _run_model(path, TP) for name, path in paths.items()}
+        results = {name: (_embed if name == EMBEDDING_MODEL else _run_model)(path, TP)
+                   for name, path in paths.items()}
         # Collective helpers of the scheduler process.
         msgs = ps.broadcast_bytes_list([b"abc", b"", b"\x00\xff" * 10] if rank == 0 else None)
         empty = ps.broadcast_bytes_list([] if rank == 0 else None)
@@ -80,6 +92,10 @@ def _rank_main(rank: int, port: int, paths: dict, queue) -> None:
         queue.put(("error", rank, traceback.format_exc()))
 
 
+# A BERT encoder (mean pooling): 4 heads and the MLP split over the ranks.
+EMBEDDING_MODEL = "bert"
+
+
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     paths, expected = {}, {}
@@ -88,6 +104,11 @@ def models(tmp_path_factory):
         hf = build_tiny_model(path, arch, **overrides)
         paths[name] = path
         expected[name] = [hf_greedy(hf, p, DECODE_STEPS + 1) for p in PROMPTS]
+    path = str(tmp_path_factory.mktemp(EMBEDDING_MODEL))
+    hf = build_tiny_bert(path, pooling_mode="mean")
+    paths[EMBEDDING_MODEL] = path
+    expected[EMBEDDING_MODEL] = torch.stack(
+        [torch.nn.functional.normalize(hf_hidden_states(hf, p).mean(0), dim=-1) for p in PROMPTS])
     return paths, expected
 
 
@@ -124,6 +145,14 @@ def test_tp2_matches_tp1_and_transformers(models, tp2_results, name):
     assert tokens1 == expected[name]
     assert tokens2 == expected[name]
     assert pool2 == 4096
+
+
+def test_tp2_encoder_embeddings_match_tp1_and_transformers(models, tp2_results):
+    paths, expected = models
+    tp1 = _embed(paths[EMBEDDING_MODEL], 1)
+    tp2 = tp2_results[1][EMBEDDING_MODEL]
+    torch.testing.assert_close(tp2, tp1, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(tp2, expected[EMBEDDING_MODEL], rtol=2e-5, atol=2e-5)
 
 
 def test_tp_collective_helpers(tp2_results):

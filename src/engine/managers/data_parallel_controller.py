@@ -35,6 +35,7 @@ from engine.managers.io_struct import (
     CONTROL_REPLIES,
     CONTROL_REQUESTS,
     AbortReq,
+    BatchEmbeddingOutput,
     GetInternalStateReq,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
@@ -175,6 +176,9 @@ class DataParallelController:
             for group in self.replies.pop_complete():
                 for reply in group:
                     self.send_to_tokenizer.send(encode(reply))
+        elif isinstance(msg, BatchEmbeddingOutput):
+            # Embedding outputs skip the detokenizer: they reach the TokenizerManager through here.
+            self.send_to_tokenizer.send(encode(msg))
         else:
             logger.error("Data parallel controller got an unexpected reply %r from replica %d",
                          type(msg).__name__, dp_rank)
