@@ -13,7 +13,7 @@ Then (unless --skip-prefix-reuse) the case for the radix cache on a decoder embe
 built-in model served with --is-embedding (last-token pooling), inputs that share a ~400-token prefix,
 with the radix cache and with --disable-radix-cache.
 
-  python benchmarks/bench_embeddings.py --num-sentences 512 --batch-sizes 1 8 64
+  python benchmarks/bench_embeddings.py --num-sentences 512 --batch-sizes 1 8 64 [--threads 1]
 """
 
 from __future__ import annotations
@@ -52,8 +52,13 @@ def load_sentences(count: int) -> List[str]:
     return [f"{lines[i % len(lines)]} ({i})" for i in range(count)]
 
 
-def bench_sentence_transformers(model_path: str, sentences: List[str], batch_sizes: List[int]) -> Dict[int, float]:
+def bench_sentence_transformers(model_path: str, sentences: List[str], batch_sizes: List[int],
+                                threads: Optional[int]) -> Dict[int, float]:
+    import torch
     from sentence_transformers import SentenceTransformer
+
+    if threads is not None:
+        torch.set_num_threads(threads)
 
     model = SentenceTransformer(model_path, device="cpu")
     model.encode(sentences[:64], batch_size=64)  # warm-up
@@ -123,6 +128,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     parser.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8, 64])
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight for the second server run")
     parser.add_argument("--server-args", default="--device cpu", help="extra flags of engine.launch_server")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="CPU threads of both sides (sentence-transformers' torch and the server's "
+                             "--threads-per-rank); default: torch's and the server's own defaults (the cores)")
     parser.add_argument("--skip-prefix-reuse", action="store_true", help="skip the radix-cache comparison")
     parser.add_argument("--output-file", default=None)
     args = parser.parse_args(argv)
@@ -132,8 +140,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     model_path = args.model_path or default_model_path()
     sentences = load_sentences(args.num_sentences)
     concurrencies = sorted({1, args.concurrency})
-    st_rates = bench_sentence_transformers(model_path, sentences, args.batch_sizes)
-    server_args = f"--model-path {model_path} {args.server_args} --log-level warning"
+    st_rates = bench_sentence_transformers(model_path, sentences, args.batch_sizes, args.threads)
+    threads = f" --threads-per-rank {args.threads}" if args.threads is not None else ""
+    server_args = f"--model-path {model_path} {args.server_args}{threads} --log-level warning"
     with bench_serving.launched_server(server_args) as server:
         info = httpx.get(server.base_url + "/get_model_info", timeout=10).json()
         if info.get("is_generation", True):
@@ -153,9 +162,9 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
         print(f"{bs:>6} {st_rates[bs]:>22.1f}" + "".join(
             f" {server_rates[bs][c]:>13.1f} {server_rates[bs][c] / st_rates[bs]:>5.2f}x" for c in concurrencies))
     result = {"model_path": model_path, "num_sentences": len(sentences), "server_args": args.server_args,
-              "unit": "sentences/s", "rows": rows}
+              "threads": args.threads, "unit": "sentences/s", "rows": rows}
     if not args.skip_prefix_reuse:
-        reuse = bench_prefix_reuse(args.server_args)
+        reuse = bench_prefix_reuse(args.server_args + threads)
         result["prefix_reuse"] = reuse
         print(f"\nShared ~400-token prefix, built-in model --is-embedding, requests of 8 inputs, 2 in flight:\n"
               f"  radix cache {reuse['radix']:.1f} inputs/s (hit rate {reuse['radix_cache_hit_rate']:.2f}), "

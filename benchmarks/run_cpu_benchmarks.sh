@@ -36,3 +36,6 @@ run router python benchmarks/bench_router.py --server-args "--device cpu --max-t
 # Issue 17: constrained decoding against the same tokens unconstrained; grammar compile times.
 run grammar_overlap python benchmarks/bench_grammar.py --threads 1 --repeats 7 --result-file bench_results/grammar_overlap.json
 run grammar_normal python benchmarks/bench_grammar.py --threads 1 --repeats 7 --disable-overlap-schedule --result-file bench_results/grammar_normal.json
+# Issue 18: all-MiniLM-L6-v2 through the server against sentence-transformers; radix cache on a decoder embedding model.
+run embeddings_t1 python benchmarks/bench_embeddings.py --num-sentences 512 --batch-sizes 1 8 64 --concurrency 4 --threads 1 --skip-prefix-reuse --output-file bench_results/embeddings_t1.json
+run embeddings python benchmarks/bench_embeddings.py --num-sentences 512 --batch-sizes 1 8 64 --concurrency 4 --output-file bench_results/embeddings.json
