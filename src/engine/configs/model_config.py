@@ -165,10 +165,11 @@ def embedding_mode(model_path: str, architectures: List[str], is_embedding: bool
     has_st_pooling = st_config is not None and st_config.pooling_mode is not None
     if not (is_embedding or is_embedding_only(architectures) or has_st_pooling):
         return None
-    if has_st_pooling and not is_embedding and not is_embedding_only(architectures):
-        logger.info("%s is a sentence-transformers model: serving it as an embedding model", model_path)
     encoder = is_encoder_only(architectures)
     pooling = resolve_pooling(model_path, is_causal=not encoder, st_config=st_config)
+    reason = ("--is-embedding" if is_embedding else "its architecture" if is_embedding_only(architectures)
+              else "its sentence-transformers modules.json")
+    logger.info("Serving %s as an embedding model (by %s): %s", model_path, reason, pooling.describe())
     return EmbeddingMode(encoder, pooling, st_config.max_seq_length if st_config is not None else None)
 
 

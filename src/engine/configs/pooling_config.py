@@ -44,7 +44,7 @@ _NEUTRAL_MODULES = {"Transformer"}
 class PoolingConfig:
     pooling_type: PoolingType
     normalize: bool
-    source: str  # where the choice came from, for the log and /get_model_info
+    source: str  # where the choice came from (for the start-up log)
 
     def describe(self) -> str:
         norm = ", L2-normalised" if self.normalize else ""

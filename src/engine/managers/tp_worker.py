@@ -44,7 +44,6 @@ def embedding_info(model_config: Any, max_total_num_tokens: int) -> Dict[str, An
         "embedding_dim": model_config.hidden_size,
         "is_matryoshka": model_config.is_matryoshka,
         "matryoshka_dimensions": model_config.matryoshka_dimensions,
-        "pooling": pooling.describe() if pooling is not None else None,
         # Whether K/V computed by an earlier forward (a cached prefix, an earlier chunk) may stand
         # in for recomputing them: those tokens are then left out of the pooled forward, which
         # only last-token pooling of a causal model can afford (an encoder's K/V depend on the
