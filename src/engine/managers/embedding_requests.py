@@ -20,7 +20,7 @@ import numpy as np
 from engine.managers.errors import EngineRequestError
 from engine.managers.io_struct import BatchEmbeddingOutput, TokenizedEmbeddingReqInput
 from engine.managers.output_assembly import ReqState
-from engine.managers.request_normalizer import GenerateReqInput
+from engine.managers.request_normalizer import normalize_rids, split_prompts
 
 # One request may carry at most this many inputs (OpenAI's limit for /v1/embeddings).
 MAX_EMBEDDING_INPUTS = 2048
@@ -43,8 +43,7 @@ class EmbeddingReqInput:
         if self._normalized:
             return
         # The prompt and rid rules are those of /generate (one rid for a batch is a prefix).
-        shapes = GenerateReqInput(text=self.text, input_ids=self.input_ids, rid=self.rid)
-        texts, ids, is_batch = shapes._split_prompts()
+        texts, ids, is_batch = split_prompts(self.text, self.input_ids)
         count = len(texts) if texts is not None else len(ids)
         if count == 0:
             raise EngineRequestError("The batch of inputs is empty.")
@@ -54,7 +53,7 @@ class EmbeddingReqInput:
             raise EngineRequestError("An input text is empty; every input must contain some text.")
         if self.dimensions is not None and (not isinstance(self.dimensions, int) or isinstance(self.dimensions, bool)):
             raise EngineRequestError(f"dimensions must be an integer, got {self.dimensions!r}.")
-        self.rid = shapes._normalize_rids(count, is_batch)
+        self.rid = normalize_rids(self.rid, count, is_batch)
         self.text, self.input_ids = texts, ids
         self.batch_size = count
         self.is_single = not is_batch

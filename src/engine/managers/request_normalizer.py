@@ -56,14 +56,14 @@ class GenerateReqInput:
         """Validate shapes and turn every field into a list with one entry per sub-request."""
         if self._normalized:
             return
-        prompts_text, prompts_ids, is_batch = self._split_prompts()
+        prompts_text, prompts_ids, is_batch = split_prompts(self.text, self.input_ids)
         num_prompts = len(prompts_text) if prompts_text is not None else len(prompts_ids)
         if num_prompts == 0:
             raise EngineRequestError("The batch of prompts is empty.")
 
         sampling_params = self._per_prompt(self.sampling_params, num_prompts, "sampling_params", dict, None)
         sampling_params = [dict(sp) if sp is not None else {} for sp in sampling_params]
-        rids = self._normalize_rids(num_prompts, is_batch)
+        rids = normalize_rids(self.rid, num_prompts, is_batch)
         return_logprob = self._per_prompt(self.return_logprob, num_prompts, "return_logprob", bool, False)
         start_lens = self._per_prompt(self.logprob_start_len, num_prompts, "logprob_start_len", int, -1)
         top_nums = self._per_prompt(self.top_logprobs_num, num_prompts, "top_logprobs_num", int, 0)
@@ -125,40 +125,6 @@ class GenerateReqInput:
         self._normalized = True
 
     # ------------------------------------------------------------------ helpers
-    def _split_prompts(self) -> tuple[Optional[list[str]], Optional[list[list[int]]], bool]:
-        if (self.text is None) == (self.input_ids is None):
-            raise EngineRequestError("Exactly one of text or input_ids must be provided.")
-        if self.text is not None:
-            if isinstance(self.text, str):
-                return [self.text], None, False
-            if isinstance(self.text, list) and all(isinstance(t, str) for t in self.text):
-                return list(self.text), None, True
-            raise EngineRequestError("text must be a string or a list of strings.")
-        ids = self.input_ids
-        if not isinstance(ids, list) or not ids:
-            raise EngineRequestError("input_ids must be a non-empty list of token ids or a list of such lists.")
-        if all(_is_token_id(t) for t in ids):
-            return None, [list(ids)], False
-        if all(isinstance(seq, list) and seq and all(_is_token_id(t) for t in seq) for seq in ids):
-            return None, [list(seq) for seq in ids], True
-        raise EngineRequestError("input_ids must be a non-empty list of non-negative integers or a list of such lists.")
-
-    def _normalize_rids(self, num_prompts: int, is_batch: bool) -> list[str]:
-        if self.rid is None:
-            return [uuid.uuid4().hex for _ in range(num_prompts)]
-        if isinstance(self.rid, str):
-            if not self.rid:
-                raise EngineRequestError("rid must not be empty.")
-            # One rid for a batch is a prefix, as in SGLang: "{rid}_{i}" for prompt i.
-            return [f"{self.rid}_{i}" for i in range(num_prompts)] if is_batch else [self.rid]
-        if isinstance(self.rid, list) and len(self.rid) == num_prompts and all(
-            isinstance(r, str) and r for r in self.rid
-        ):
-            if len(set(self.rid)) != len(self.rid):
-                raise EngineRequestError("rid values must be unique within a batch.")
-            return list(self.rid)
-        raise EngineRequestError(f"rid must be a list of {num_prompts} non-empty strings.")
-
     def _token_ids_per_prompt(self, num_prompts: int) -> list[Optional[list[int]]]:
         """token_ids_logprob: one list of ids for every prompt, or a list of such lists."""
         value = self.token_ids_logprob
@@ -189,6 +155,41 @@ class GenerateReqInput:
             if item is not None and wrong_type:
                 raise EngineRequestError(f"{name} must be of type {kind.__name__} (or a list of them), got {item!r}.")
         return [default if item is None else item for item in items]
+
+
+def split_prompts(text: Any, input_ids: Any) -> tuple[Optional[list[str]], Optional[list[list[int]]], bool]:
+    """(texts, token-id lists, is_batch) of a request's prompt field(s); shared by /generate and /encode."""
+    if (text is None) == (input_ids is None):
+        raise EngineRequestError("Exactly one of text or input_ids must be provided.")
+    if text is not None:
+        if isinstance(text, str):
+            return [text], None, False
+        if isinstance(text, list) and all(isinstance(t, str) for t in text):
+            return list(text), None, True
+        raise EngineRequestError("text must be a string or a list of strings.")
+    ids = input_ids
+    if not isinstance(ids, list) or not ids:
+        raise EngineRequestError("input_ids must be a non-empty list of token ids or a list of such lists.")
+    if all(_is_token_id(t) for t in ids):
+        return None, [list(ids)], False
+    if all(isinstance(seq, list) and seq and all(_is_token_id(t) for t in seq) for seq in ids):
+        return None, [list(seq) for seq in ids], True
+    raise EngineRequestError("input_ids must be a non-empty list of non-negative integers or a list of such lists.")
+
+
+def normalize_rids(rid: Any, num_prompts: int, is_batch: bool) -> list[str]:
+    """One request id per prompt: random, "{rid}_{i}" for one rid over a batch (SGLang), or the list."""
+    if rid is None:
+        return [uuid.uuid4().hex for _ in range(num_prompts)]
+    if isinstance(rid, str):
+        if not rid:
+            raise EngineRequestError("rid must not be empty.")
+        return [f"{rid}_{i}" for i in range(num_prompts)] if is_batch else [rid]
+    if isinstance(rid, list) and len(rid) == num_prompts and all(isinstance(r, str) and r for r in rid):
+        if len(set(rid)) != len(rid):
+            raise EngineRequestError("rid values must be unique within a batch.")
+        return list(rid)
+    raise EngineRequestError(f"rid must be a list of {num_prompts} non-empty strings.")
 
 
 def _is_token_id(value: Any) -> bool:
