@@ -52,8 +52,6 @@ class ServerArgs:
     is_embedding: bool = arg(False, "Serve the model as an embedding model (/v1/embeddings, /encode) even when its "
                                     "architecture is a generative one: last-token pooling, normalised. BertModel, "
                                     "MistralModel, ... and sentence-transformers directories embed without it.")
-    allow_auto_truncate: bool = arg(False, "Cut embedding inputs longer than the context to it (texts through the "
-                                           "tokenizer, keeping the end token) instead of answering 400.")
 
     # HTTP
     host: str = arg("127.0.0.1", "The address to serve HTTP on.")
@@ -122,7 +120,8 @@ class ServerArgs:
 
     # Per-request extras
     allow_auto_truncate: bool = arg(False, "Truncate a prompt longer than the maximum input length (keeping its "
-                                           "first tokens, as SGLang) instead of refusing it with 400.")
+                                           "first tokens, as SGLang) instead of refusing it with 400; for "
+                                           "embedding inputs, texts keep their end token.")
     enable_custom_logit_processor: bool = arg(False, (
         "Accept requests' `custom_logit_processor` (a serialized Python callable that the scheduler "
         "deserializes and runs: enable only for trusted clients)."))
