@@ -67,6 +67,11 @@ def launch_server(server_args: ServerArgs) -> None:
     if not is_port_free(server_args.port, server_args.host):
         print(f"error: port {server_args.port} on {server_args.host} is already in use.", file=sys.stderr)
         sys.exit(EXIT_LAUNCH_FAILED)
+    if server_args.disaggregation_mode == "prefill" and not is_port_free(
+            server_args.disaggregation_bootstrap_port, server_args.host):
+        print(f"error: the bootstrap port {server_args.disaggregation_bootstrap_port} on {server_args.host} is "
+              "already in use.", file=sys.stderr)
+        sys.exit(EXIT_LAUNCH_FAILED)
 
     from engine.entrypoints.engine import launch_subprocesses
 

@@ -21,6 +21,9 @@ GRAMMAR_BACKENDS = ("xgrammar", "none")
 # Output formats of tool calls (constrained/tool_parsers.py) and of reasoning (reasoning_parser.py).
 TOOL_CALL_PARSERS = ("llama3", "qwen25", "qwen", "hermes", "mistral", "pythonic")
 REASONING_PARSERS = ("deepseek-r1", "qwen3")
+DISAGGREGATION_MODES = ("null", "prefill", "decode")
+# tcp: ZMQ between processes and machines; loopback: in-process (tests); fake: no prefill at all.
+DISAGGREGATION_TRANSFER_BACKENDS = ("tcp", "loopback", "fake")
 
 
 class ServerArgsError(ValueError):
@@ -146,6 +149,39 @@ class ServerArgs:
     dist_init_addr: Optional[str] = arg(None, "host:port of node 0 for the multi-node rendezvous.")
     dist_timeout: float = arg(600.0, "Seconds a rank waits for its peers at start-up and in a collective.")
 
+    # Prefill/decode disaggregation: SGLang's flags; the timeouts and the heartbeat are its
+    # SGLANG_DISAGGREGATION_* environment variables (docs/architecture.md, "PD disaggregation").
+    disaggregation_mode: str = arg("null", "null (a unified server), prefill (runs prompts and sends their KV) or "
+                                           "decode (receives the KV and generates); put sglang-router in "
+                                           "--pd-disaggregation mode in front of both.")
+    disaggregation_transfer_backend: str = arg("tcp", "How KV moves: tcp (ZMQ, between processes and machines), "
+                                                      "fake (no prefill: a synthetic first token; decode-only "
+                                                      "benchmarks) or loopback (in-process tests only).")
+    disaggregation_bootstrap_port: int = arg(8998, "Prefill: the port of its bootstrap server, which decode "
+                                                   "servers ask where to send their destinations (give it to the "
+                                                   "router with --prefill URL PORT).")
+    disaggregation_decode_polling_interval: int = arg(1, "Decode: poll the transfer queues every N scheduler "
+                                                         "iterations.")
+    num_reserved_decode_tokens: int = arg(512, "Decode: KV tokens kept free for every live request when a new "
+                                               "transfer is admitted.")
+    disaggregation_prealloc_reqs: Optional[int] = arg(None, "Decode: request slots for requests that wait for or "
+                                                            "receive their KV, beyond --max-running-requests "
+                                                            "(default: as many).")
+    disaggregation_bootstrap_timeout: float = arg(300.0, "Seconds a prefill waits for the decode side to reserve "
+                                                         "memory for a request (SGLANG_DISAGGREGATION_BOOTSTRAP_"
+                                                         "TIMEOUT).")
+    disaggregation_waiting_timeout: float = arg(300.0, "Seconds a decode waits for a request's KV once its "
+                                                       "memory is reserved (SGLANG_DISAGGREGATION_WAITING_TIMEOUT).")
+    disaggregation_heartbeat_interval: float = arg(5.0, "Decode: seconds between probes of each prefill's "
+                                                        "bootstrap server (SGLANG_DISAGGREGATION_HEARTBEAT_"
+                                                        "INTERVAL).")
+    disaggregation_heartbeat_max_failures: int = arg(2, "Decode: missed probes after which a prefill counts as "
+                                                        "dead and its requests fail (SGLANG_DISAGGREGATION_"
+                                                        "HEARTBEAT_MAX_FAILURE).")
+    disaggregation_host: Optional[str] = arg(None, "The address other servers reach this one's KV transfer "
+                                                   "socket at. Default: --host, or this machine's outbound "
+                                                   "address when --host is a wildcard.")
+
     # Observability and robustness
     log_level: str = arg("info", "debug, info, warning, error or critical.")
     log_requests: bool = arg(False, "Log each request's arrival and finish (rid, reason, tokens, text).")
@@ -178,6 +214,10 @@ class ServerArgs:
             self.mem_fraction_static = 0.88 if self.device == "cuda" else 0.3
         if self.chunked_prefill_size is None:
             self.chunked_prefill_size = 8192 if self.device == "cuda" else 2048
+        if self.disaggregation_mode == "decode" and not self.disable_radix_cache:
+            # As SGLang: the decode side has no prefix sharing (prompts arrive by transfer).
+            logger.info("--disaggregation-mode decode: the KV cache is a chunk cache (no radix cache).")
+            self.disable_radix_cache = True
 
     def check(self) -> None:
         def need(cond: bool, msg: str) -> None:
@@ -253,6 +293,32 @@ class ServerArgs:
              f"{self.priority_scheduling_preemption_threshold}")
         need(not (self.enable_mixed_chunk and self.chunked_prefill_size == -1),
              "--enable-mixed-chunk needs chunked prefill (--chunked-prefill-size > 0)")
+        self._check_disaggregation(need)
+
+    def _check_disaggregation(self, need) -> None:
+        need(self.disaggregation_mode in DISAGGREGATION_MODES,
+             f"--disaggregation-mode must be one of {', '.join(DISAGGREGATION_MODES)}, "
+             f"got {self.disaggregation_mode!r}")
+        need(self.disaggregation_transfer_backend in DISAGGREGATION_TRANSFER_BACKENDS,
+             f"--disaggregation-transfer-backend must be one of {', '.join(DISAGGREGATION_TRANSFER_BACKENDS)}, "
+             f"got {self.disaggregation_transfer_backend!r}")
+        need(1 <= self.disaggregation_bootstrap_port <= 65535,
+             f"--disaggregation-bootstrap-port must be in [1, 65535], got {self.disaggregation_bootstrap_port}")
+        need(self.disaggregation_decode_polling_interval >= 1,
+             f"--disaggregation-decode-polling-interval must be >= 1, got {self.disaggregation_decode_polling_interval}")
+        need(self.num_reserved_decode_tokens >= 0,
+             f"--num-reserved-decode-tokens must be >= 0, got {self.num_reserved_decode_tokens}")
+        need(self.disaggregation_prealloc_reqs is None or self.disaggregation_prealloc_reqs >= 1,
+             f"--disaggregation-prealloc-reqs must be >= 1, got {self.disaggregation_prealloc_reqs}")
+        for name in ("bootstrap_timeout", "waiting_timeout", "heartbeat_interval"):
+            value = getattr(self, "disaggregation_" + name)
+            need(value > 0, f"--disaggregation-{name.replace('_', '-')} must be > 0, got {value}")
+        need(self.disaggregation_heartbeat_max_failures >= 1,
+             f"--disaggregation-heartbeat-max-failures must be >= 1, got {self.disaggregation_heartbeat_max_failures}")
+        if self.disaggregation_mode != "null":
+            need(self.dp_size == 1, "--disaggregation-mode prefill|decode supports --dp-size 1 only")
+            need(not (self.disaggregation_mode == "prefill" and self.port == self.disaggregation_bootstrap_port),
+                 "--disaggregation-bootstrap-port must differ from --port")
 
     # ------------------------------------------------------------------ argparse
     @staticmethod
@@ -316,6 +382,14 @@ _ARG_TYPES = {
     "startup_timeout": float,
     "default_priority_value": int,
     "priority_scheduling_preemption_threshold": int,
+    "disaggregation_bootstrap_port": int,
+    "disaggregation_decode_polling_interval": int,
+    "num_reserved_decode_tokens": int,
+    "disaggregation_prealloc_reqs": int,
+    "disaggregation_bootstrap_timeout": float,
+    "disaggregation_waiting_timeout": float,
+    "disaggregation_heartbeat_interval": float,
+    "disaggregation_heartbeat_max_failures": int,
 }
 
 _CHOICES = {
@@ -327,6 +401,8 @@ _CHOICES = {
     "grammar_backend": GRAMMAR_BACKENDS,
     "tool_call_parser": TOOL_CALL_PARSERS,
     "reasoning_parser": REASONING_PARSERS,
+    "disaggregation_mode": DISAGGREGATION_MODES,
+    "disaggregation_transfer_backend": DISAGGREGATION_TRANSFER_BACKENDS,
 }
 
 

@@ -26,7 +26,8 @@ VOCAB = 1000
 EOS = 999
 # TokenizedGenerateReqInput fields Harness.submit takes next to the sampling params.
 REQUEST_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob",
-                  "return_hidden_states", "custom_logit_processor", "priority", "extra_key", "cache_salt")
+                  "return_hidden_states", "custom_logit_processor", "priority", "extra_key", "cache_salt",
+                  "bootstrap_host", "bootstrap_port", "bootstrap_room")
 
 
 class FakeTokenizer:
@@ -124,7 +125,7 @@ class ReqOutput:
 
 class Harness:
     def __init__(self, worker: Optional[FakeWorker] = None, tokenizer=None, overlap: bool = False,
-                 detokenize: bool = False, **server_kwargs) -> None:
+                 detokenize: bool = False, transfer_network=None, **server_kwargs) -> None:
         server_kwargs.setdefault("device", "cpu")
         server_kwargs["disable_overlap_schedule"] = not overlap
         self.overlap = overlap
@@ -133,7 +134,8 @@ class Harness:
         self.args = ServerArgs(**server_kwargs)
         self.worker = worker or FakeWorker()
         tokenizer = tokenizer or FakeTokenizer()
-        self.scheduler = Scheduler(self.args, worker=self.worker, tokenizer=tokenizer)
+        self.scheduler = Scheduler(self.args, worker=self.worker, tokenizer=tokenizer,
+                                   transfer_network=transfer_network)
         # The scheduler's messages also go through a real DetokenizerManager, as in the server.
         self.detokenizer = DetokenizerManager(tokenizer) if detokenize else None
         self.outputs: Dict[str, ReqOutput] = {}

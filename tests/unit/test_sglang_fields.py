@@ -90,7 +90,7 @@ def test_the_router_body_is_accepted_and_means_the_plain_request() -> None:
 
 @pytest.mark.parametrize("name, value", [
     ("image_data", "http://x/cat.png"), ("input_embeds", [[0.1, 0.2]]), ("lora_path", "adapter"),
-    ("lora_path", ["adapter", None]), ("bootstrap_room", 5), ("session_params", {"id": "s"}),
+    ("lora_path", ["adapter", None]), ("bootstrap_pair_key", "k"), ("session_params", {"id": "s"}),
     ("routed_dp_rank", 0), ("background", True), ("routed_experts_start_len", 2),
 ])
 def test_an_unimplemented_field_in_use_is_refused_by_name(name: str, value: Any) -> None:

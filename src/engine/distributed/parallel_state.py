@@ -144,6 +144,19 @@ def all_reduce_min_int(value: int) -> int:
     return int(t.item())
 
 
+def all_reduce_min_small_ints(values: List[int]) -> List[int]:
+    """Element-wise minimum over the TP group of small non-negative ints (one uint8 gloo call).
+
+    PD disaggregation reduces its per-request transfer polls with it, so every rank moves a
+    request between queues in the same iteration and one failed rank fails it everywhere.
+    """
+    if _TP.size == 1 or not values:
+        return list(values)
+    t = torch.tensor(values, dtype=torch.uint8)
+    dist.all_reduce(t, op=dist.ReduceOp.MIN, group=_TP.cpu_group)
+    return t.tolist()
+
+
 def broadcast_bytes_list(items: Optional[List[bytes]]) -> List[bytes]:
     """Rank 0's list of byte strings, on every rank (others pass None).
 

@@ -69,6 +69,8 @@ def launch_subprocesses(server_args: ServerArgs) -> tuple[ServerArgs, ChildProce
     if port_args.nccl_port == 0:
         port_args.nccl_port = get_free_port()
     children = ChildProcesses(port_args.ipc_dir)
+    # A PD prefill server's bootstrap server runs here, before its ranks start and register.
+    bootstrap_server = start_bootstrap_server(server_args)
     try:
         # Schedulers of this node (dp_size 1) or the data-parallel controller that starts them.
         info_child = start_scheduler_processes(children, server_args, port_args)
@@ -84,10 +86,27 @@ def launch_subprocesses(server_args: ServerArgs) -> tuple[ServerArgs, ChildProce
                     scheduler_info.get("context_len"), scheduler_info.get("max_req_input_len"))
         tokenizer_manager = TokenizerManager(server_args, port_args, scheduler_info,
                                              child_processes=children.processes(), tokenizer=tokenizer)
+        tokenizer_manager.bootstrap_server = bootstrap_server
     except BaseException:
         children.shutdown()
+        if bootstrap_server is not None:
+            bootstrap_server.close()
         raise
     return server_args, children, tokenizer_manager
+
+
+def start_bootstrap_server(server_args: ServerArgs) -> Optional[Any]:
+    """The bootstrap server of a PD prefill server (tcp backend, node 0), else None."""
+    if (server_args.disaggregation_mode != "prefill" or server_args.disaggregation_transfer_backend != "tcp"
+            or server_args.node_rank != 0):
+        return None
+    from engine.disaggregation.bootstrap import BootstrapServer
+
+    try:
+        return BootstrapServer(server_args.host, server_args.disaggregation_bootstrap_port, server_args.tp_size)
+    except OSError as e:
+        raise LaunchError(f"cannot start the bootstrap server on port {server_args.disaggregation_bootstrap_port}: "
+                          f"{e}") from None
 
 
 def _report_child_death(tokenizer_manager: TokenizerManager, name: str, pid: int, exitcode: Any) -> None:

@@ -220,6 +220,9 @@ async def _generate(tokenizer_manager: Any, body: GenerateRequest, raw_request: 
         priority=body.priority,
         extra_key=body.extra_key,
         cache_salt=body.cache_salt,
+        bootstrap_host=body.bootstrap_host,
+        bootstrap_port=body.bootstrap_port,
+        bootstrap_room=body.bootstrap_room,
     )
     stream = tokenizer_manager.generate_request(obj, raw_request)
     if body.stream:

@@ -20,6 +20,7 @@ import asyncio
 import collections
 import logging
 import os
+import random
 import time
 import uuid
 from typing import TYPE_CHECKING, Any, Optional, Sequence
@@ -192,6 +193,13 @@ class ControlCalls:
             sampling_params={"max_new_tokens": 1, "temperature": 0.0},
             rid=f"{HEALTH_CHECK_RID_PREFIX}_{uuid.uuid4().hex}",
         )
+        args = self.manager.server_args
+        if args.disaggregation_mode != "null":
+            # As SGLang: a PD server probes itself through the fake transfer (no peer needed).
+            from engine.disaggregation.base import FAKE_BOOTSTRAP_HOST
+
+            obj.bootstrap_host, obj.bootstrap_port = FAKE_BOOTSTRAP_HOST, args.disaggregation_bootstrap_port
+            obj.bootstrap_room = random.randrange(1, 2**63)
 
         async def run_probe() -> bool:
             if not self.manager.is_generation:  # an embedding server gets a 1-token embedding probe

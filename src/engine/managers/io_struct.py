@@ -38,6 +38,11 @@ class TokenizedGenerateReqInput(msgspec.Struct, tag=True):
     # Cache namespace: requests share cached prefixes only when both are equal.
     extra_key: Optional[str] = None
     cache_salt: Optional[str] = None
+    # PD disaggregation: the prefill's bootstrap server and the room shared by both halves of
+    # the request (SGLang's router adds them); unused by a server in --disaggregation-mode null.
+    bootstrap_host: Optional[str] = None
+    bootstrap_port: Optional[int] = None
+    bootstrap_room: Optional[int] = None
 
 
 class TokenizedEmbeddingReqInput(msgspec.Struct, tag=True):

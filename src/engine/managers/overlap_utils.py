@@ -129,6 +129,30 @@ class ForwardStream:
         future = self.executor.submit(self._run_cuda, fn, scheduled, copy_done, device_outputs)
         return PendingResult(future, copy_done, inputs=inputs, device_outputs=device_outputs)
 
+    def run_in_order(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn` on the forward stream after every forward launched before it (PD decode: KV
+        restores and relay writes for rows and slots an in-flight forward may still touch)."""
+        if not self.is_cuda:
+            return self.executor.submit(_in_inference_mode, fn)
+        scheduled = torch.cuda.Event()
+        scheduled.record(torch.cuda.current_stream())
+
+        def run() -> Any:
+            with torch.inference_mode(), torch.cuda.stream(self.forward_stream):
+                self.forward_stream.wait_event(scheduled)
+                out = fn()
+                done = torch.cuda.Event()
+                done.record(self.forward_stream)
+            done.synchronize()
+            return out
+
+        return self.executor.submit(run)
+
+    def fence(self) -> Callable[[], bool]:
+        """A check that turns true once every forward launched so far has finished."""
+        future = self.run_in_order(lambda: None)
+        return future.done
+
     def _run_cuda(self, fn: Callable[[], Any], scheduled: Any, copy_done: Any, device_outputs: List[Any]) -> Any:
         with torch.inference_mode(), torch.cuda.stream(self.forward_stream):
             self.forward_stream.wait_event(scheduled)

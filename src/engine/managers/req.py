@@ -182,6 +182,12 @@ class Req:
         # False when every token must be computed in one forward (encoder attention, mean
         # pooling): no cached prefix and no chunked prefill for this request.
         self.can_reuse_kv = True
+        # PD disaggregation (set by the scheduler from the request; None in a unified server)
+        self.bootstrap_host: Optional[str] = None
+        self.bootstrap_port: Optional[int] = None
+        self.bootstrap_room: Optional[int] = None
+        # Decode side: the committed KV of a retracted request, kept until it resumes.
+        self.kv_backup: Optional[torch.Tensor] = None
 
         self.created_time = time.monotonic()
         self.queue_time = self.created_time

@@ -44,6 +44,10 @@ class GenerateReqInput:
     priority: Optional[int] = None  # one value for the whole request, as in SGLang
     extra_key: Optional[Union[str, list[Optional[str]]]] = None
     cache_salt: Optional[Union[str, list[Optional[str]]]] = None
+    # PD disaggregation (SGLang's router adds them): one value, or one per prompt of a batch.
+    bootstrap_host: Optional[Union[str, list[Optional[str]]]] = None
+    bootstrap_port: Optional[Union[int, list[Optional[int]]]] = None
+    bootstrap_room: Optional[Union[int, list[Optional[int]]]] = None
 
     # Filled by normalize(): one entry per sub-request.
     is_single: bool = field(default=True, init=False)
@@ -87,6 +91,7 @@ class GenerateReqInput:
                                     "extra_key": [], "cache_salt": []}
         # Every n is checked before any fan-out: a huge n must not build a huge list first.
         fan_outs = [_parallel_sample_num(sp) for sp in sampling_params]
+        bootstrap = self._bootstrap_per_request(num_prompts, fan_outs)
         for i, n in enumerate(fan_outs):
             sub_params = {k: v for k, v in sampling_params[i].items() if k != "n"}
             for j in range(n):
@@ -120,11 +125,35 @@ class GenerateReqInput:
         self.custom_logit_processor = per_sub["custom_logit_processor"]
         self.extra_key = per_sub["extra_key"]
         self.cache_salt = per_sub["cache_salt"]
+        self.bootstrap_host = [b[0] for b in bootstrap]
+        self.bootstrap_port = [b[1] for b in bootstrap]
+        self.bootstrap_room = [b[2] for b in bootstrap]
         self.batch_size = len(out_rid)
         self.is_single = not is_batch and self.batch_size == 1
         self._normalized = True
 
     # ------------------------------------------------------------------ helpers
+    def _bootstrap_per_request(self, num_prompts: int, fan_outs: list[int]
+                               ) -> list[tuple[Optional[str], Optional[int], Optional[int]]]:
+        """(bootstrap_host, bootstrap_port, bootstrap_room) of each sub-request, in fan-out order.
+
+        As SGLang: one room given for several sub-requests becomes room, room + 1, ... (both
+        servers of a PD pair expand it the same way); a list gives each prompt its own room.
+        """
+        hosts = self._per_prompt(self.bootstrap_host, num_prompts, "bootstrap_host", str, None)
+        ports = self._per_prompt(self.bootstrap_port, num_prompts, "bootstrap_port", int, None)
+        rooms = self._per_prompt(self.bootstrap_room, num_prompts, "bootstrap_room", int, None)
+        scalar_room = self.bootstrap_room is not None and not isinstance(self.bootstrap_room, list)
+        out = []
+        for i, n in enumerate(fan_outs):
+            if rooms[i] is not None and n > 1 and not scalar_room:
+                raise EngineRequestError("n > 1 needs a single bootstrap_room (it becomes one room per sample), "
+                                         "not a list of rooms.")
+            for _ in range(n):
+                room = self.bootstrap_room + len(out) if scalar_room else rooms[i]
+                out.append((hosts[i], ports[i], room))
+        return out
+
     def _token_ids_per_prompt(self, num_prompts: int) -> list[Optional[list[int]]]:
         """token_ids_logprob: one list of ids for every prompt, or a list of such lists."""
         value = self.token_ids_logprob
@@ -298,6 +327,9 @@ class RequestNormalizer:
             priority=obj.priority,
             extra_key=obj.extra_key[i],
             cache_salt=obj.cache_salt[i],
+            bootstrap_host=obj.bootstrap_host[i],
+            bootstrap_port=obj.bootstrap_port[i],
+            bootstrap_room=obj.bootstrap_room[i],
         )
 
     def _checked_token_ids(self, ids: Optional[list[int]]) -> Optional[list[int]]:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, List, Optional, Tuple
+from typing import Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -194,6 +194,22 @@ class ScheduleBatch:
         self.extend_logprob_start_lens = starts
         self.extend_input_logprob_token_ids = _i64(targets) if targets else None
 
+    def prepare_for_prebuilt(self) -> None:
+        """PD decode: the requests' KV arrived by transfer (or came back from a retraction backup).
+
+        Fill in what a finished extend leaves behind, run nothing: the rows, the committed KV
+        length of each request (its last output token has no KV yet: the next decode step
+        computes it) and the sampling info. The batch then merges into the running batch.
+        """
+        reqs = self.reqs
+        self.req_pool_indices = _i64([r.req_pool_idx for r in reqs])
+        self.seq_lens_cpu = [r.kv_allocated_len for r in reqs]
+        self.seq_lens = _i64(self.seq_lens_cpu)
+        self.top_logprobs_nums = [r.top_logprobs_num for r in reqs]
+        from engine.sampling.sampling_batch_info import SamplingBatchInfo
+
+        self.sampling_info = SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.device)
+
     def mix_with_running(self, running_batch: "ScheduleBatch") -> None:
         """Append the (already decode-prepared) running requests as 1-token extends: MIXED."""
         self.forward_mode = ForwardMode.MIXED
@@ -258,11 +274,14 @@ class ScheduleBatch:
         self.extend_num_tokens = 0
         self.extend_input_logprob_token_ids = None
 
-    def retract_decode(self) -> Tuple[List[Req], float, List[Req]]:
+    def retract_decode(self, before_release: Optional[Callable[[Req], None]] = None
+                       ) -> Tuple[List[Req], float, List[Req]]:
         """Free requests until the next decode step fits.
 
         Retract first the request with the fewest output tokens (ties: the longest prompt), always
         at least one, never the last one; if even the last one alone does not fit, abort it.
+        `before_release(req)` runs for each retracted request before its KV is freed (a PD decode
+        server backs the KV up: it cannot recompute a prompt it never prefilled).
         Returns (retracted, new_token_ratio, aborted).
         """
         order = sorted(range(self.batch_size()),
@@ -283,6 +302,8 @@ class ScheduleBatch:
                 break
             first = False
             req = self.reqs[order.pop()]
+            if before_release is not None:
+                before_release(req)
             self._release_for_retract(req)
             # Use the freshly unlocked prefix memory at once if needed.
             self._evict_for(len(order) * RETRACT_DECODE_STEPS)

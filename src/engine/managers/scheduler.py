@@ -12,7 +12,8 @@ import logging
 import os
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Tuple, Union
+
 
 from engine.constrained.grammar_manager import GrammarManager
 from engine.constrained.vocab_mask import build_vocab_mask
@@ -43,6 +44,8 @@ from engine.sampling.custom_logit_processor import CustomLogitProcessorError, lo
 
 if TYPE_CHECKING:
     from engine.constrained.base_grammar_backend import BaseGrammarBackend
+    from engine.disaggregation.decode_scheduler import DecodeDisaggregation
+    from engine.disaggregation.prefill import PrefillDisaggregation
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +70,9 @@ class Scheduler:
         gpu_id: int = 0,
         tp_rank: int = 0,
         send_output: Optional[Callable[[Any], None]] = None,
+        transfer_network: Any = None,
     ) -> None:
+        """`transfer_network`: the LoopbackNetwork of an in-process PD pair (tests) or None."""
         self.server_args = server_args
         self.tp_rank = tp_rank
         # Forwards run on the forward stream. On the CPU the model is built there as well: that
@@ -92,6 +97,7 @@ class Scheduler:
         self.vocab_size: int = info["vocab_size"]
         self.page_size: int = info["page_size"]
         self.device: str = info["device"]
+        self.total_kv_heads: int = info.get("total_kv_heads", 0)
         self.eos_token_ids = set(worker.eos_token_ids)
         self.tokenizer = tokenizer
         if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
@@ -135,7 +141,13 @@ class Scheduler:
                                               timeout_s=server_args.grammar_timeout)
         # Weights, memory, pause/continue (scheduler_control.py).
         self.control = SchedulerControl(self)
-        self.results = ResultProcessor(self.tree_cache)
+        # PD disaggregation: the prefill or decode role, a collaborator that owns the transfer
+        # queues (engine/disaggregation/); None in a unified server.
+        self.retraction_backup: Optional[Callable[[Req], None]] = None
+        self.disagg: Optional[Union[PrefillDisaggregation, DecodeDisaggregation]] = _make_disaggregation(
+            self, transfer_network)
+        handoff = self.disagg.handoff if self.disagg is not None and self.disagg.mode == "prefill" else None
+        self.results = ResultProcessor(self.tree_cache, prefill_handoff=handoff)
         self.streamer = OutputStreamer(server_args.stream_interval)
         self._to_stream: List[Req] = []  # requests that may emit at the end of this iteration
         # Where outputs go: a ZMQ socket in the server, a list in-process.
@@ -160,6 +172,9 @@ class Scheduler:
         self.total_cached_tokens = 0
         self.last_gen_throughput = 0.0
         self._reported_leak: Optional[tuple] = None  # the last leak logged by check_memory
+        # Prompt and output positions this rank computed in extend forwards (a PD decode server
+        # computes none: its prompts arrive by transfer).
+        self.num_extend_tokens_computed = 0
 
     def _create_grammar_backend(self) -> Tuple[Optional[BaseGrammarBackend], Optional[str]]:
         """The backend of --grammar-backend, or why constrained requests are refused (lazy: the
@@ -223,6 +238,8 @@ class Scheduler:
             custom_logit_processor=recv.custom_logit_processor,
         )
         req.tokenizer = self.tokenizer
+        req.bootstrap_host, req.bootstrap_port, req.bootstrap_room = (
+            recv.bootstrap_host, recv.bootstrap_port, recv.bootstrap_room)
         try:
             sp = SamplingParams.from_dict(recv.sampling_params)
             sp.verify(self.vocab_size)
@@ -237,6 +254,10 @@ class Scheduler:
         if error is not None:
             return self._abort_at_admission(req, error, 400)
         self._clamp_max_new_tokens(req)
+        if self.disagg is not None:
+            error = self.disagg.validate(req)
+            if error is not None:
+                return self._abort_at_admission(req, error, 400)
         refused = self.priority.assign(req)
         if refused is not None:
             return self._abort_at_admission(req, refused, 503)
@@ -305,6 +326,11 @@ class Scheduler:
         self._to_stream.append(req)
 
     def _add_request_to_queue(self, req: Req, is_retracted: bool = False) -> None:
+        if self.disagg is not None and (self.disagg.mode == "decode" or not is_retracted):
+            # PD: new requests start with their transfer; decode-side retractions wait there too.
+            req.queue_time = time.monotonic()
+            self.disagg.add_request(req, is_retracted)
+            return
         # The queue limit is backpressure on new arrivals (which count the retracted requests).
         # A retracted request is never refused: it was admitted and may have streamed output
         # (SGLang aborts it with 503 here; docs/architecture.md).
@@ -329,6 +355,8 @@ class Scheduler:
             # Waiting for its grammar, it holds no KV either (and was never prefilled).
             req.finished_reason = FINISH_ABORT("Abort before prefill")
             self._to_stream.append(req)
+        if self.disagg is not None:
+            self._to_stream.extend(self.disagg.abort(match))
         kept = []
         for req in self.waiting_queue:
             if match(req):
@@ -353,7 +381,7 @@ class Scheduler:
     def is_fully_idle(self) -> bool:
         return (self.running_batch.is_empty() and not self.waiting_queue and self.chunked_req is None
                 and (self.last_batch is None or self.last_batch.is_empty()) and not self.result_queue
-                and not len(self.grammar_manager))
+                and not len(self.grammar_manager) and (self.disagg is None or self.disagg.is_idle()))
 
     def flush_cache(self) -> FlushCacheReqOutput:
         if not self.is_fully_idle():
@@ -390,10 +418,14 @@ class Scheduler:
             "cache_hit_rate": self.cache_hit_rate(),
             "gen_throughput": self.last_gen_throughput,
             "forward_ct": self.forward_ct,
+            "num_extend_tokens_computed": self.num_extend_tokens_computed,
+            **({"disaggregation": self.disagg.internal_state()} if self.disagg is not None else {}),
         }
 
     # ================================================================== building batches
     def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
+        if self.disagg is not None and self.disagg.mode == "decode":
+            return self.disagg.get_next_batch_to_run()  # prebuilt batches, never a prefill
         if self.pending_chunked_abort:
             self._teardown_chunked_req()
         if self.waiting_timeout > 0:
@@ -416,6 +448,11 @@ class Scheduler:
     def merge_last_prefill_batch(self) -> None:
         """Freshly prefilled requests join the decode batch one iteration after their prefill."""
         last = self.last_batch
+        if self.disagg is not None:
+            # PD prefill: prefilled requests wait for their transfer and never decode here; the
+            # transfers that ended since the last step gave rows and KV back.
+            last = None
+            self.running_batch.batch_is_full = False
         if last is not None and last.forward_mode is not None and last.forward_mode.is_extend():
             before = last.batch_size()
             last.filter_batch(chunked_req_to_exclude=self.chunked_req)
@@ -542,7 +579,7 @@ class Scheduler:
             return batch
         if not batch.check_decode_mem():
             old_ratio = self.new_token_ratio
-            retracted, self.new_token_ratio, aborted = batch.retract_decode()
+            retracted, self.new_token_ratio, aborted = batch.retract_decode(self.retraction_backup)
             logger.warning(
                 "KV cache pool is full. Retract requests. #retracted_reqs: %d, #aborted_reqs: %d, "
                 "#new_token_ratio: %.4f -> %.4f", len(retracted), len(aborted), old_ratio, self.new_token_ratio)
@@ -572,6 +609,8 @@ class Scheduler:
         `launch_batch_sample_if_needed` after processing that result.
         """
         self.forward_ct += 1
+        if batch.forward_mode.is_extend():
+            self.num_extend_tokens_computed += batch.extend_num_tokens
         worker_batch = batch.get_model_worker_batch()
         sleep_s = self.forward_sleep_s
         delay_sample = False
@@ -623,6 +662,26 @@ class Scheduler:
         self._to_stream.extend(emit)
         self.forward_done_ct += 1
 
+    def stream(self, reqs: List[Req]) -> None:
+        """Emit these requests' outputs at the end of this iteration (finished ones once)."""
+        self._to_stream.extend(reqs)
+
+    def enqueue_waiting(self, req: Req) -> None:
+        """PD prefill: a request whose destination is ready joins the waiting queue."""
+        req.queue_time = time.monotonic()
+        self.waiting_queue.append(req)
+
+    def write_relay(self, rows: Any, tokens: Any) -> None:
+        """Seed the overlap relay with these rows' last tokens, after the forwards in flight (one of
+        them may still write a row that just changed hands)."""
+        buf = self.worker.output_tokens_buf
+        rows, tokens = rows.to(buf.device), tokens.to(buf.device)
+
+        def write() -> None:
+            buf[rows] = tokens
+
+        self.forward_stream.run_in_order(write)
+
     def flush_outputs(self) -> None:
         """One message per iteration to the detokenizer."""
         reqs, self._to_stream = self._to_stream, []
@@ -641,6 +700,8 @@ class Scheduler:
         self.process_input_requests(self.recv_requests())
         if self.control.blocks_scheduling():  # paused, or memory released: only inputs are handled
             return self._step_blocked()
+        if self.disagg is not None:
+            self.disagg.process_queues()
         batch = self.get_next_batch_to_run()
         self.cur_batch = batch
         if batch is not None:
@@ -667,6 +728,8 @@ class Scheduler:
         self.process_input_requests(self.recv_requests())
         if self.control.blocks_scheduling():
             return self._step_blocked()
+        if self.disagg is not None:
+            self.disagg.process_queues()
         batch = self.get_next_batch_to_run()
         self.cur_batch = batch
         disable_overlap = self._is_disable_overlap_for_batch(batch)
@@ -719,6 +782,8 @@ class Scheduler:
 
     def shutdown(self) -> None:
         """Stop the forward thread (in-process use; the scheduler process just exits)."""
+        if self.disagg is not None:
+            self.disagg.close()
         self.forward_stream.shutdown()
         self.grammar_manager.shutdown()
 
@@ -739,16 +804,17 @@ class Scheduler:
         free_rows = self.req_to_token_pool.available_size()
         ok_tokens = available + evictable + protected == self.max_total_num_tokens
         ok_rows = free_rows == self.req_to_token_pool.size
-        if ok_tokens and ok_rows:
+        disagg_error = self.disagg.check_memory() if self.disagg is not None else None
+        if ok_tokens and ok_rows and disagg_error is None:
             self._reported_leak = None
             return
         msg = (f"Scheduler memory leak detected! available={available}, evictable={evictable}, "
                f"protected={protected}, total={self.max_total_num_tokens}, free req slots="
-               f"{free_rows}/{self.req_to_token_pool.size}")
+               f"{free_rows}/{self.req_to_token_pool.size}" + (f", PD: {disagg_error}" if disagg_error else ""))
         if self.server_args.strict_memory_check:
             raise MemoryLeakError(msg)
         # The check runs every idle second: report each distinct leak once, not forever.
-        leak = (available, evictable, protected, free_rows)
+        leak = (available, evictable, protected, free_rows, disagg_error)
         if leak != self._reported_leak:
             self._reported_leak = leak
             logger.error("%s. The server keeps serving; --strict-memory-check makes this fatal.", msg)
@@ -765,9 +831,10 @@ class Scheduler:
             return
         logger.info(
             "Prefill batch, #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
-            "#running-req: %d, #queue-req: %d",
+            "#running-req: %d, #queue-req: %d%s",
             batch.batch_size(), batch.log_input_tokens, batch.log_hit_tokens, self._token_usage(),
-            self.running_batch.batch_size(), len(self.waiting_queue))
+            self.running_batch.batch_size(), len(self.waiting_queue),
+            f", {self.disagg.queue_summary()}" if self.disagg is not None else "")
 
     def _log_decode(self, batch: ScheduleBatch) -> None:
         now = time.monotonic()
@@ -779,8 +846,8 @@ class Scheduler:
             return
         logger.info(
             "Decode batch, #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
-            "#queue-req: %d", batch.batch_size(), sum(batch.seq_lens_cpu), self._token_usage(), throughput,
-            len(self.waiting_queue))
+            "#queue-req: %d%s", batch.batch_size(), sum(batch.seq_lens_cpu), self._token_usage(), throughput,
+            len(self.waiting_queue), f", {self.disagg.queue_summary()}" if self.disagg is not None else "")
 
     def cache_hit_rate(self) -> float:
         return self.total_cached_tokens / max(self.total_prompt_tokens, 1)
@@ -791,3 +858,16 @@ def _tp_min_or_none() -> Optional[Callable[[int], int]]:
     from engine.distributed.parallel_state import all_reduce_min_int, get_tp_size
 
     return all_reduce_min_int if get_tp_size() > 1 else None
+def _make_disaggregation(scheduler: Scheduler, network: Any) -> Optional[Union[PrefillDisaggregation,
+                                                                              DecodeDisaggregation]]:
+    """The PD role collaborator for --disaggregation-mode prefill|decode, else None."""
+    mode = scheduler.server_args.disaggregation_mode
+    if mode == "prefill":
+        from engine.disaggregation.prefill import PrefillDisaggregation
+
+        return PrefillDisaggregation(scheduler, network)
+    if mode == "decode":
+        from engine.disaggregation.decode_scheduler import DecodeDisaggregation
+
+        return DecodeDisaggregation(scheduler, network)
+    return None

@@ -8,7 +8,7 @@ message per iteration sent to the detokenizer.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 from engine.managers.io_struct import BatchTokenIDOutput
 from engine.managers.req import FINISH_LENGTH, FINISH_MATCHED_REGEX, Req
@@ -24,8 +24,10 @@ DETOKENIZE_CONTEXT_TOKENS = 5
 
 
 class ResultProcessor:
-    def __init__(self, tree_cache: Any) -> None:
+    def __init__(self, tree_cache: Any, prefill_handoff: Optional[Callable[[Req], None]] = None) -> None:
         self.tree_cache = tree_cache
+        # PD prefill server: a request's first token goes to the transfer instead of decoding here.
+        self.prefill_handoff = prefill_handoff
 
     def process_prefill(self, batch: "ScheduleBatch", result: "GenerationBatchResult") -> List[Req]:
         """Returns the requests that may emit output (mid-chunk requests are left out)."""
@@ -56,6 +58,12 @@ class ResultProcessor:
                 req.is_chunked -= 1
                 continue
             lp.finalize_input(req)
+            if self.prefill_handoff is not None:
+                req.output_ids.append(next_ids[i])
+                if req.return_logprob:
+                    lp.collect_output(req, i, next_ids[i])
+                self.prefill_handoff(req)  # it streams the request when the transfer ends
+                continue
             if req.max_new_tokens == 0:
                 req.finished_reason = req.to_finish or FINISH_LENGTH(0)
                 self.tree_cache.cache_finished_req(req)

@@ -223,6 +223,9 @@ class TokenizerManager:
                 self._loop.call_soon_threadsafe(self._handle_task.cancel)
         self.recv_from_detokenizer.close(linger=0)
         self.send_to_scheduler.close(linger=0)
+        if self.bootstrap_server is not None:
+            self.bootstrap_server.close()
+            self.bootstrap_server = None
 
     # ------------------------------------------------------------------ generate
     async def generate_request(

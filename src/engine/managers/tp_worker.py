@@ -55,7 +55,7 @@ def embedding_info(model_config: Any, max_total_num_tokens: int) -> Dict[str, An
 
 def worker_limits(max_total_num_tokens: int, context_len: int, req_pool_size: int,
                   max_running_requests: Optional[int], vocab_size: int, page_size: int,
-                  device: str) -> Dict[str, Any]:
+                  device: str, total_kv_heads: int = 0) -> Dict[str, Any]:
     """The limits the scheduler admits requests under (SGLang's rules)."""
     max_req_len = min(context_len - 1, max_total_num_tokens - 1)
     return {
@@ -67,6 +67,7 @@ def worker_limits(max_total_num_tokens: int, context_len: int, req_pool_size: in
         "vocab_size": vocab_size,
         "page_size": page_size,
         "device": device,
+        "total_kv_heads": total_kv_heads,  # the model's KV heads over all TP ranks (0: unknown)
     }
 
 
@@ -97,10 +98,11 @@ class TpModelWorker:
             max_total_num_tokens=mr.max_total_num_tokens,
             context_len=self.model_config.context_len,
             req_pool_size=self.req_to_token_pool.size,
-            max_running_requests=self.server_args.max_running_requests,
+            max_running_requests=mr.max_running_requests,
             vocab_size=self.model_config.vocab_size,
             page_size=self.server_args.page_size,
             device=str(self.device),
+            total_kv_heads=self.model_config.num_key_value_heads,
         )
         info.update(embedding_info(self.model_config, mr.max_total_num_tokens))
         return info

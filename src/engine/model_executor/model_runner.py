@@ -170,8 +170,13 @@ class ModelRunner:
             if self.device == "cpu":
                 max_num_reqs = min(max_num_reqs, CPU_MAX_RUNNING_REQUESTS)
         self.max_running_requests = max_num_reqs
+        rows = max_num_reqs
+        if args.disaggregation_mode == "decode":
+            # SGLang's DecodeReqToTokenPool: requests that wait for or receive their KV hold a row
+            # but no compute, so they get rows of their own beyond the running limit.
+            rows += args.disaggregation_prealloc_reqs or max_num_reqs
 
-        self.req_to_token_pool = ReqToTokenPool(max_num_reqs, context_len, self.device)
+        self.req_to_token_pool = ReqToTokenPool(rows, context_len, self.device)
         self.token_to_kv_pool = MHATokenToKVPool(
             # An encoder stores no K/V: only the padding page exists, slots are a token budget.
             size=0 if encoder else total,
@@ -188,7 +193,7 @@ class ModelRunner:
             total,
             0.0 if encoder else total * self.kv_bytes_per_token() / 1e9,
             self.page_size,
-            max_num_reqs,
+            rows,
             context_len,
         )
 

@@ -111,6 +111,15 @@ class SamplingFields(BaseModel):
     custom_params: Optional[Dict[str, Any]] = None
     extra_key: Optional[str] = None
     cache_salt: Optional[str] = None
+    # PD disaggregation: SGLang's router adds these in --pd-disaggregation mode.
+    bootstrap_host: Optional[str] = None
+    bootstrap_port: Optional[int] = None
+    bootstrap_room: Optional[int] = None
+
+    @model_validator(mode="after")
+    def _check_bootstrap(self) -> "SamplingFields":
+        check_bootstrap_fields(self.bootstrap_port, self.bootstrap_room)
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -120,7 +129,9 @@ class SamplingFields(BaseModel):
     def generate_extras(self) -> Dict[str, Any]:
         """The extras that go to GenerateReqInput as they are."""
         return {"return_hidden_states": self.return_hidden_states, "custom_logit_processor": self.custom_logit_processor,
-                "priority": self.priority, "extra_key": self.extra_key, "cache_salt": self.cache_salt}
+                "priority": self.priority, "extra_key": self.extra_key, "cache_salt": self.cache_salt,
+                "bootstrap_host": self.bootstrap_host, "bootstrap_port": self.bootstrap_port,
+                "bootstrap_room": self.bootstrap_room}
 
     @field_validator("stop")
     @classmethod
@@ -459,6 +470,22 @@ class GenerateRequest(BaseModel):
         fields = cls.model_fields
         return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].default is None}
 
+    # PD disaggregation: SGLang's router adds these in --pd-disaggregation mode (one value, or
+    # one per prompt of a batch).
+    bootstrap_host: Optional[Union[str, List[Optional[str]]]] = None
+    bootstrap_port: Optional[Union[int, List[Optional[int]]]] = None
+    bootstrap_room: Optional[Union[int, List[Optional[int]]]] = None
+
+    @model_validator(mode="after")
+    def _check_bootstrap(self) -> "GenerateRequest":
+        ports = self.bootstrap_port if isinstance(self.bootstrap_port, list) else [self.bootstrap_port]
+        rooms = self.bootstrap_room if isinstance(self.bootstrap_room, list) else [self.bootstrap_room]
+        for port in ports:
+            check_bootstrap_fields(port, None)
+        for room in rooms:
+            check_bootstrap_fields(None, room)
+        return self
+
     @model_validator(mode="after")
     def _check_prompt(self) -> "GenerateRequest":
         if (self.text is None) == (self.input_ids is None):
@@ -480,6 +507,14 @@ class GenerateRequest(BaseModel):
         if any(k is not None and (k < 0 or k > MAX_TOP_LOGPROBS) for k in tops):
             raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]")
         return self
+
+
+def check_bootstrap_fields(port: Optional[int], room: Optional[int]) -> None:
+    """Ranges of the PD fields (whether they are required is up to the server's mode)."""
+    if port is not None and not 1 <= port <= 65535:
+        raise ValueError(f"bootstrap_port must be in [1, 65535], got {port}")
+    if room is not None and not 0 <= room < 2**63:
+        raise ValueError(f"bootstrap_room must be in [0, 2^63), got {room}")
 
 
 def _check_native_sampling_params(params: Dict[str, Any]) -> None:

@@ -19,7 +19,8 @@ _ZERO: Tuple[Any, ...] = (None, 0)
 _EMPTY_STR: Tuple[Any, ...] = (None, "")
 
 _MULTIMODAL = "multimodal input is not implemented"
-_DISAGG = "prefill/decode disaggregation is not implemented"
+# bootstrap_host/port/room are implemented (PD disaggregation); these extras are not.
+_DISAGG = "this PD feature is not implemented (a prefill pair key, a prefill DP rank, decode TP hints)"
 _MOE = "MoE routing data is not implemented"
 
 # Top-level fields of SGLang's GenerateReqInput (python/sglang/srt/managers/io_struct.py).
@@ -51,9 +52,6 @@ NATIVE_UNSUPPORTED: Dict[str, Tuple[Tuple[Any, ...], str]] = {
     "lora_path": (_NULL, "LoRA adapters are not implemented"),
     "lora_id": (_NULL, "LoRA adapters are not implemented"),
     "positional_embed_overrides": (_NULL, "embedding overrides are not implemented"),
-    "bootstrap_host": (_NULL, _DISAGG),
-    "bootstrap_port": (_NULL, _DISAGG),
-    "bootstrap_room": (_NULL, _DISAGG),
     "bootstrap_pair_key": (_NULL, _DISAGG),
     "decode_tp_size": (_NULL, _DISAGG),
     "disagg_prefill_dp_rank": (_NULL, _DISAGG),
@@ -75,8 +73,7 @@ OPENAI_UNSUPPORTED: Dict[str, Tuple[Tuple[Any, ...], str]] = {
     "structural_tag": (_NULL, "structural tags are not implemented; use json_schema, regex or ebnf"),
     "continue_final_message": (_FALSE, "continuing the final message is not implemented"),
     **{name: NATIVE_UNSUPPORTED[name] for name in (
-        "lora_path", "session_params", "return_routed_experts", "bootstrap_host", "bootstrap_port",
-        "bootstrap_room", "routed_dp_rank", "data_parallel_rank",
+        "lora_path", "session_params", "return_routed_experts", "routed_dp_rank", "data_parallel_rank",
     )},
 }
 

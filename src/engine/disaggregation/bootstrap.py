@@ -1,0 +1,183 @@
+"""The bootstrap server a prefill server runs, and the clients that talk to it.
+
+The router tells both servers of a request the prefill's `bootstrap_host` and `bootstrap_port`;
+that address is all a decode server knows of the prefill. Each prefill scheduler rank registers
+its transfer endpoint here (SGLang's routes):
+
+  PUT  /route     a rank registers: attn_tp_size, attn_tp_rank, rank_ip, rank_port, page_size,
+                  kv_cache_dtype, plus our `endpoint`, `kv_layout` and `metadata_schema_version`.
+  GET  /route     with every rank parameter -1 (or none): the server-wide information, with all
+                  ranks; 503 until every rank has registered. With target_tp_rank=r: that rank.
+  GET  /health    200 with this server's session id (a restarted prefill gets a new one, so a
+                  decode server notices a restart it did not see as a missed heartbeat).
+
+It runs on a thread of the prefill's main process (a stdlib ThreadingHTTPServer).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+import uuid
+from abc import ABC, abstractmethod
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any, Dict, Optional
+from urllib.parse import parse_qs, urlparse
+
+logger = logging.getLogger(__name__)
+
+HTTP_TIMEOUT_S = 2.0
+REGISTER_RETRIES = 50
+REGISTER_RETRY_S = 0.1
+
+
+class BootstrapUnavailable(RuntimeError):
+    """The bootstrap server cannot be reached (connection refused, timeout, bad answer)."""
+
+
+class BootstrapServer:
+    def __init__(self, host: str, port: int, tp_size: int) -> None:
+        self.tp_size = tp_size
+        self.session_id = uuid.uuid4().hex
+        self.ranks: Dict[int, Dict[str, Any]] = {}
+        self._lock = threading.Lock()
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, fmt: str, *args: Any) -> None:  # quiet: heartbeats every second
+                logger.debug("bootstrap %s", fmt % args)
+
+            def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+                url = urlparse(self.path)
+                if url.path == "/health":
+                    self._reply(200, {"status": "ok", "session_id": server.session_id})
+                elif url.path == "/route":
+                    self._reply(*server.route_info(parse_qs(url.query)))
+                else:
+                    self._reply(404, {"error": f"no route {url.path}"})
+
+            def do_PUT(self) -> None:  # noqa: N802
+                if urlparse(self.path).path != "/route":
+                    self._reply(404, {"error": "no such route"})
+                    return
+                try:
+                    length = int(self.headers.get("Content-Length", "0"))
+                    self._reply(*server.register(json.loads(self.rfile.read(length))))
+                except (ValueError, KeyError, TypeError) as e:
+                    self._reply(400, {"error": f"bad registration: {e}"})
+
+            def _reply(self, status: int, body: Dict[str, Any]) -> None:
+                data = json.dumps(body).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer((host, port), Handler)
+        self.httpd.daemon_threads = True
+        self.port = self.httpd.server_address[1]
+        self._thread = threading.Thread(target=self.httpd.serve_forever, name="bootstrap-server", daemon=True)
+        self._thread.start()
+        logger.info("Bootstrap server listening on %s:%d", host, self.port)
+
+    def register(self, info: Dict[str, Any]) -> tuple[int, Dict[str, Any]]:
+        rank = int(info["attn_tp_rank"])
+        if int(info["attn_tp_size"]) != self.tp_size or not 0 <= rank < self.tp_size:
+            return 400, {"error": f"rank {rank} of TP size {info['attn_tp_size']} does not belong to this "
+                                  f"server (TP size {self.tp_size})"}
+        with self._lock:
+            self.ranks[rank] = dict(info)
+        logger.info("Prefill rank %d registered its KV transfer endpoint %s", rank, info.get("endpoint"))
+        return 200, {"status": "ok"}
+
+    def route_info(self, query: Dict[str, list]) -> tuple[int, Dict[str, Any]]:
+        target = int(query.get("target_tp_rank", ["-1"])[0])
+        with self._lock:
+            ranks = dict(self.ranks)
+        if target >= 0:
+            if target not in ranks:
+                return 404, {"error": f"prefill TP rank {target} is not registered"}
+            info = ranks[target]
+            return 200, {"rank_ip": info["rank_ip"], "rank_port": info["rank_port"], "endpoint": info["endpoint"]}
+        if len(ranks) < self.tp_size:
+            return 503, {"error": f"{len(ranks)} of {self.tp_size} prefill ranks registered"}
+        first = ranks[0]
+        return 200, {
+            "attn_tp_size": self.tp_size, "attn_dp_size": 1, "pp_size": 1,
+            "page_size": first["page_size"], "kv_cache_dtype": first["kv_cache_dtype"],
+            "follow_bootstrap_room": True, "session_id": self.session_id,
+            "metadata_schema_version": first["metadata_schema_version"],
+            "ranks": {str(r): ranks[r] for r in sorted(ranks)},
+        }
+
+    def close(self) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self._thread.join(timeout=2.0)
+
+
+class BootstrapClient(ABC):
+    """What the transfer managers ask of a prefill's bootstrap server."""
+
+    @abstractmethod
+    def register(self, addr: str, info: Dict[str, Any]) -> None:
+        """A prefill rank registers itself (retried until the server answers)."""
+
+    @abstractmethod
+    def fetch(self, addr: str) -> Optional[Dict[str, Any]]:
+        """Server-wide information; None while ranks are missing; BootstrapUnavailable if unreachable."""
+
+    @abstractmethod
+    def session(self, addr: str) -> Optional[str]:
+        """The server's session id (heartbeat), or None when it does not answer."""
+
+
+class HttpBootstrapClient(BootstrapClient):
+    def __init__(self, timeout: float = HTTP_TIMEOUT_S) -> None:
+        self.timeout = timeout
+
+    def _call(self, method: str, url: str, body: Optional[Dict[str, Any]] = None) -> tuple[int, Dict[str, Any]]:
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(url, data=data, method=method,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                return response.status, json.loads(response.read() or b"{}")
+        except urllib.error.HTTPError as e:
+            return e.code, {}
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            raise BootstrapUnavailable(f"bootstrap server {url} unreachable: {e}") from None
+
+    def register(self, addr: str, info: Dict[str, Any]) -> None:
+        last: Optional[Exception] = None
+        for _ in range(REGISTER_RETRIES):
+            try:
+                status, body = self._call("PUT", f"http://{addr}/route", info)
+                if status == 200:
+                    return
+                raise RuntimeError(f"bootstrap server {addr} refused the registration: {status} {body}")
+            except BootstrapUnavailable as e:
+                last = e
+                time.sleep(REGISTER_RETRY_S)
+        raise RuntimeError(f"could not register with the bootstrap server at {addr}: {last}")
+
+    def fetch(self, addr: str) -> Optional[Dict[str, Any]]:
+        status, body = self._call(
+            "GET", f"http://{addr}/route?prefill_dp_rank=-1&prefill_cp_rank=-1&target_tp_rank=-1&target_pp_rank=-1")
+        if status == 503:
+            return None
+        if status != 200:
+            raise BootstrapUnavailable(f"bootstrap server {addr} answered {status}")
+        return body
+
+    def session(self, addr: str) -> Optional[str]:
+        try:
+            status, body = self._call("GET", f"http://{addr}/health")
+        except BootstrapUnavailable:
+            return None
+        return body.get("session_id") if status == 200 else None

@@ -1,0 +1,367 @@
+"""The decode side of a KV transfer: DecodeKVManager (one per scheduler rank) and KVReceiver.
+
+Threads: the transport's listener copies arriving KV frames into the destination slots (receiver-
+side scatter) and the metadata row into its table; the control runner reads prefill bootstrap
+information (never on the scheduler thread); the IO runner sends destinations and aborts; the
+heartbeat (tcp) watches every prefill this server talks to. The scheduler thread creates
+receivers, polls them and publishes destinations, and never waits on the network.
+
+Write fence: a room's frames are copied under the room's lock, and abort/clear take the same lock
+and mark the room dead first. So once a request is aborted or cleared here, no frame can write its
+slots any more, and they can be freed at once (no deferred release, unlike one-sided RDMA).
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+import threading
+from dataclasses import dataclass, field
+from typing import Any, Dict, List, Optional, Tuple
+
+import msgspec
+import torch
+
+from engine.disaggregation import protocol
+from engine.disaggregation.base import FailureCause, KVPoll, StatusTable
+from engine.disaggregation.bootstrap import BootstrapClient, BootstrapUnavailable
+from engine.disaggregation.conn_common import KVArgs, KVReceiver, TransferConfig, TransferTimes, now
+from engine.disaggregation.kv_io import KVLayout, checksum, from_bytes, pair_ranks, scatter_kv
+from engine.disaggregation.metadata import METADATA_SCHEMA_VERSION
+from engine.disaggregation.protocol import AbortMsg, AuxFrame, DstInfo, KVFrame, StatusMsg
+from engine.disaggregation.transport import JobRunner, Transport, TransportError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefillPeer:
+    """What this decode rank knows of one prefill server (by bootstrap address)."""
+
+    addr: str
+    session_id: str
+    endpoint: str  # the prefill rank this decode rank pulls from
+    prefill_rank: int
+    head_start: int
+    num_heads: int
+    required_dst_num: int  # decode ranks served by that prefill rank
+
+
+@dataclass
+class _Room:
+    room: int
+    addr: str
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    alive: bool = True
+    peer: Optional[PrefillPeer] = None
+    slots: Optional[torch.Tensor] = None
+    aux_index: int = -1
+    expected: int = 0
+    received: int = 0
+    received_bytes: int = 0
+    dst_sent: bool = False
+
+
+class DecodeKVManager:
+    def __init__(self, kv_args: KVArgs, transport: Transport, io_runner: JobRunner, control_runner: JobRunner,
+                 bootstrap_client: BootstrapClient, config: TransferConfig) -> None:
+        self.kv_args = kv_args
+        self.transport = transport
+        self.io_runner = io_runner
+        self.control_runner = control_runner
+        self.bootstrap_client = bootstrap_client
+        self.config = config
+        self.status = StatusTable()
+        self._lock = threading.Lock()
+        self._rooms: Dict[int, _Room] = {}
+        self._peers: Dict[str, PrefillPeer] = {}
+        self._peer_errors: Dict[str, Tuple[str, float]] = {}  # addr -> (why given up, when)
+        self._fetching: Dict[str, bool] = {}
+        self._attempts: Dict[str, int] = {}
+        self._last_attempt: Dict[str, float] = {}
+        self._misses: Dict[str, int] = {}
+        self.late_frames = 0  # frames for rooms that were aborted or cleared (dropped)
+        self.transport.start(self._on_message)
+
+    # ------------------------------------------------------------------ prefill discovery
+    def peer(self, addr: str, since: float) -> Optional[PrefillPeer]:
+        """The prefill at `addr` if known; starts (at most once per interval) a lookup if not.
+
+        Raises BootstrapUnavailable for a request created at `since` when the lookups for `addr`
+        gave up after it arrived; a newer request starts a fresh series of attempts (the prefill
+        may be back).
+        """
+        with self._lock:
+            peer = self._peers.get(addr)
+            if peer is not None:
+                return peer
+            error = self._peer_errors.get(addr)
+            if error is not None:
+                if error[1] >= since:
+                    raise BootstrapUnavailable(error[0])
+                del self._peer_errors[addr]
+                self._attempts[addr] = 0
+            due = now() - self._last_attempt.get(addr, -1e9) >= self.config.ensure_info_interval
+            if self._fetching.get(addr) or not due:
+                return None
+            self._fetching[addr] = True
+            self._last_attempt[addr] = now()
+        self.control_runner.submit(lambda: self._fetch(addr))
+        return None
+
+    def _fetch(self, addr: str) -> None:
+        attempts_left = True
+        try:
+            info = self.bootstrap_client.fetch(addr)
+            peer = self._make_peer(addr, info) if info is not None else None
+            error = None if info is not None else "not all prefill ranks registered"
+        except BootstrapUnavailable as e:
+            peer, error = None, str(e)
+        except (ValueError, KeyError) as e:
+            # Two servers that cannot pair will not learn to: no retries.
+            peer, error, attempts_left = None, f"cannot pair with the prefill at {addr}: {e}", False
+            self._fail_addr(addr, error, FailureCause.CONFIG)
+        with self._lock:
+            self._fetching[addr] = False
+            if peer is not None:
+                self._peers[addr] = peer
+                self._attempts[addr] = 0
+                self._misses[addr] = 0
+                self._peer_errors.pop(addr, None)
+                return
+            self._attempts[addr] = self._attempts.get(addr, 0) + 1
+            if not attempts_left or self._attempts[addr] >= self.config.ensure_info_retries:
+                message = error if not attempts_left else (
+                    f"the prefill's bootstrap server at {addr} did not answer after {self._attempts[addr]} "
+                    f"attempts ({error})")
+                self._peer_errors[addr] = (message, now())
+
+    def _make_peer(self, addr: str, info: Dict[str, Any]) -> PrefillPeer:
+        if info.get("metadata_schema_version") != METADATA_SCHEMA_VERSION:
+            raise ValueError(f"metadata schema {info.get('metadata_schema_version')} != ours {METADATA_SCHEMA_VERSION}")
+        ours = self.kv_args.layout
+        theirs = KVLayout.from_dict(info["ranks"]["0"]["kv_layout"])
+        rank, head_start, num_heads = pair_ranks(theirs, ours)
+        served = sum(1 for d in range(ours.tp_size)
+                     if pair_ranks(theirs, KVLayout(**{**ours.to_dict(), "tp_rank": d}))[0] == rank)
+        return PrefillPeer(addr=addr, session_id=info.get("session_id", ""),
+                           endpoint=info["ranks"][str(rank)]["endpoint"], prefill_rank=rank,
+                           head_start=head_start, num_heads=num_heads, required_dst_num=served)
+
+    # ------------------------------------------------------------------ heartbeat
+    def heartbeat_once(self) -> None:
+        """Probe every known prefill; one that misses max_failures probes in a row (or restarted
+        with a new session) fails every room still waiting for it."""
+        with self._lock:
+            peers = list(self._peers.values())
+        for peer in peers:
+            session = self.bootstrap_client.session(peer.addr)
+            if session == peer.session_id:
+                self._misses[peer.addr] = 0
+                continue
+            misses = self._misses.get(peer.addr, 0) + 1
+            self._misses[peer.addr] = misses
+            if session is not None or misses >= self.config.heartbeat_max_failures:
+                what = "restarted" if session is not None else f"missed {misses} heartbeats"
+                self.node_failed(peer.addr, f"the prefill server at {peer.addr} {what}")
+
+    def node_failed(self, addr: str, reason: str) -> None:
+        logger.warning("%s: failing the requests that wait for its KV", reason)
+        with self._lock:
+            peer = self._peers.pop(addr, None)
+        if peer is not None:
+            self.io_runner.submit(lambda: self.transport.forget(peer.endpoint))
+        self._fail_addr(addr, reason, FailureCause.PEER_DEAD)
+
+    def _fail_addr(self, addr: str, reason: str, cause: FailureCause) -> None:
+        with self._lock:
+            rooms = [r for r in self._rooms.values() if r.addr == addr]
+        for room in rooms:
+            if self.status.get(room.room) != KVPoll.Success:
+                self.status.fail(room.room, reason, cause)
+
+    # ------------------------------------------------------------------ scheduler thread
+    def add_room(self, room: int, addr: str) -> _Room:
+        state = _Room(room=room, addr=addr)
+        with self._lock:
+            self._rooms[room] = state
+        self.status.register(room, KVPoll.Bootstrapping)
+        return state
+
+    def send_dst(self, state: _Room, slots: torch.Tensor, aux_index: int) -> None:
+        peer = state.peer
+        assert peer is not None, "destination published before the prefill was found"
+        with state.lock:
+            state.slots = slots.to("cpu", dtype=torch.int64).clone()
+            state.aux_index = aux_index
+            state.expected = len(slots)
+            state.dst_sent = True
+        dst = DstInfo(room=state.room, endpoint=self.transport.endpoint, num_tokens=len(slots), decode_prefix_len=0,
+                      aux_index=aux_index, decode_tp_rank=self.kv_args.layout.tp_rank,
+                      required_dst_num=peer.required_dst_num, head_start=peer.head_start, num_heads=peer.num_heads)
+        self._send(peer.endpoint, protocol.encode(dst), state.room)
+
+    def abort_room(self, state: _Room, reason: str, cause: FailureCause) -> None:
+        with state.lock:  # the fence: no frame writes this room's slots after this
+            state.alive = False
+            notify = state.dst_sent and state.peer is not None
+        self.status.fail(state.room, reason, cause)
+        if notify:
+            self._send(state.peer.endpoint, protocol.encode(AbortMsg(room=state.room, endpoint=self.transport.endpoint,
+                                                                    reason=reason)), None)
+
+    def clear(self, state: _Room) -> None:
+        with state.lock:
+            state.alive = False
+        with self._lock:
+            if self._rooms.get(state.room) is state:
+                del self._rooms[state.room]
+        self.status.clear(state.room)
+
+    def idle_state(self) -> Dict[str, int]:
+        with self._lock:
+            return {"rooms": len(self._rooms), "statuses": len(self.status)}
+
+    def close(self) -> None:
+        self.io_runner.close()
+        self.control_runner.close()
+        self.transport.close()
+
+    def _send(self, endpoint: str, frames: List[Any], room: Optional[int]) -> None:
+        def job() -> None:
+            try:
+                self.transport.send(endpoint, frames)
+            except TransportError as e:
+                if room is not None:
+                    self.status.fail(room, f"cannot reach the prefill server: {e}", FailureCause.PEER_DEAD)
+
+        self.io_runner.submit(job)
+
+    # ------------------------------------------------------------------ listener thread
+    def _on_message(self, frames: List[Any]) -> None:
+        try:
+            header, payload = protocol.decode(frames)
+        except (msgspec.DecodeError, IndexError):
+            logger.warning("Dropped an undecodable KV transfer message")
+            return
+        with self._lock:
+            state = self._rooms.get(header.room)
+        if state is None:
+            self.late_frames += 1
+            return
+        if isinstance(header, KVFrame):
+            self._on_kv(state, header, payload)
+        elif isinstance(header, AuxFrame):
+            self._on_aux(state, header, payload)
+        elif isinstance(header, StatusMsg):
+            self._on_status(state, header)
+        else:
+            logger.warning("Decode got an unexpected %s", type(header).__name__)
+
+    def _on_kv(self, state: _Room, frame: KVFrame, payload: Any) -> None:
+        with state.lock:
+            if not state.alive or state.slots is None:
+                self.late_frames += 1
+                return
+            error = None
+            if frame.token_offset != state.received or frame.token_offset + frame.num_tokens > state.expected:
+                error = (f"KV frame for tokens [{frame.token_offset}, {frame.token_offset + frame.num_tokens}) "
+                         f"after {state.received} of {state.expected} tokens (lost or reordered frame)")
+            elif payload is None or checksum(payload) != frame.crc:
+                error = "KV frame checksum mismatch"
+            if error is None:
+                peer = state.peer
+                data = from_bytes(payload, self.kv_args.layout, frame.num_tokens, peer.num_heads)
+                begin = frame.token_offset
+                scatter_kv(self.kv_args.pool, state.slots[begin:begin + frame.num_tokens], data)
+                state.received += frame.num_tokens
+                state.received_bytes += len(payload)
+                return
+        self.status.fail(state.room, error, FailureCause.CORRUPT)
+
+    def _on_aux(self, state: _Room, frame: AuxFrame, payload: Any) -> None:
+        with state.lock:
+            if not state.alive:
+                self.late_frames += 1
+                return
+            if payload is not None and checksum(payload) == frame.crc and frame.aux_index == state.aux_index:
+                self.kv_args.metadata.write_row_bytes(state.aux_index, bytes(payload))
+                return
+        self.status.fail(state.room, "metadata row checksum or index mismatch", FailureCause.CORRUPT)
+
+    def _on_status(self, state: _Room, msg: StatusMsg) -> None:
+        if not msg.success:
+            cause = FailureCause(msg.cause) if msg.cause in FailureCause._value2member_map_ else \
+                FailureCause.PEER_FAILED
+            self.status.fail(state.room, f"prefill server: {msg.reason}", cause)
+            return
+        with state.lock:
+            complete = state.alive and state.received == state.expected
+            got, want = state.received, state.expected
+        if complete:
+            self.status.update(state.room, KVPoll.Success)
+        else:
+            self.status.fail(state.room, f"transfer ended after {got} of {want} tokens", FailureCause.CORRUPT)
+
+
+class DecodeKVReceiver(KVReceiver):
+    def __init__(self, manager: DecodeKVManager, room: int, addr: str) -> None:
+        self.manager = manager
+        self.room = room
+        self.times = TransferTimes(created=now())
+        self.state = manager.add_room(room, addr)
+
+    def init(self, prefill_dp_rank: int = 0) -> None:
+        """SGLang's signature; the prefill is resolved lazily in poll() (DP rank is always 0)."""
+
+    def poll(self) -> KVPoll:
+        status = self.manager.status.get(self.room)
+        config = self.manager.config
+        if status == KVPoll.Bootstrapping:
+            status = self._try_bootstrap()
+        elif status == KVPoll.WaitingForInput and now() - self.times.bootstrapped > config.bootstrap_timeout:
+            # The prefill gave up on this request by now: decode memory stayed short too long.
+            self.abort(f"no decode memory for this request within {config.bootstrap_timeout:g} s "
+                       "(the prefill's bootstrap timeout)", FailureCause.TIMEOUT)
+            return KVPoll.Failed
+        elif status in (KVPoll.Transferring, KVPoll.WaitingForInput) and self.times.dst_sent is not None \
+                and now() - self.times.dst_sent > config.waiting_timeout:
+            self.abort(f"the KV did not arrive within {config.waiting_timeout:g} s (waiting timeout)",
+                       FailureCause.TIMEOUT)
+            return KVPoll.Failed
+        if status not in (KVPoll.Failed, KVPoll.Success) and config.failure_prob > 0 \
+                and random.random() < config.failure_prob:
+            self.abort("injected transfer failure", FailureCause.INJECTED)
+            return KVPoll.Failed
+        return status
+
+    def _try_bootstrap(self) -> KVPoll:
+        try:
+            peer = self.manager.peer(self.state.addr, self.times.created)
+        except BootstrapUnavailable as e:
+            self.manager.status.fail(self.room, str(e), FailureCause.BOOTSTRAP)
+            return KVPoll.Failed
+        if peer is None:
+            return self.manager.status.get(self.room)
+        self.state.peer = peer
+        self.manager.status.update(self.room, KVPoll.WaitingForInput)
+        self.times.bootstrapped = now()
+        return self.manager.status.get(self.room)
+
+    def send_metadata(self, slots: torch.Tensor, aux_index: int) -> None:
+        self.times.dst_sent = now()
+        self.manager.status.update(self.room, KVPoll.Transferring)
+        self.manager.send_dst(self.state, slots, aux_index)
+
+    def abort(self, reason: str, cause: FailureCause = FailureCause.ABORTED) -> None:
+        self.manager.abort_room(self.state, reason, cause)
+
+    def failure(self) -> Tuple[str, FailureCause]:
+        return self.manager.status.failure(self.room)
+
+    def clear(self) -> None:
+        self.times.done = self.times.done or now()
+        self.manager.clear(self.state)
+
+    def received_bytes(self) -> int:
+        return self.state.received_bytes

@@ -1,0 +1,261 @@
+"""The decode server's transfer queues: PreallocQueue -> TransferQueue -> waiting queue.
+
+A request arrives with its bootstrap address and room. The PreallocQueue creates its receiver,
+waits until the prefill is found (WaitingForInput), then, in FIFO order and only while the memory
+budget allows, reserves a request row, KV slots for the prompt and a metadata row, and publishes
+them to the prefill (`send_metadata`). From then on the TransferQueue polls it until the KV and
+the metadata row have arrived (Success, behind the metadata gate), commits the first token into
+the request and hands it to the waiting queue; the scheduler builds prebuilt batches from there.
+Every poll is reduced with a MIN across TP ranks before any request moves.
+
+Failures anywhere end as an abort with status 500 (400 for a prompt that can never fit), streamed
+to the client, and the queue that holds the request frees exactly what it holds: nothing in the
+PreallocQueue, the row, the slots and the metadata row (stamp reset) in the TransferQueue.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from typing import Callable, List, Optional, Tuple
+
+import torch
+
+from engine.disaggregation.base import FailureCause, KVPoll, poll_and_all_reduce
+from engine.disaggregation.conn_common import KVReceiver, now
+from engine.disaggregation.fake import fake_first_token
+from engine.disaggregation.metadata import MetadataBuffers, ReqToMetadataIdxAllocator
+from engine.disaggregation.metrics import DisaggMetrics
+from engine.managers.req import CLIP_MAX_NEW_TOKENS_ESTIMATION, FINISH_ABORT, FINISH_LENGTH, Req
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DecodeRequest:
+    req: Req
+    kv_receiver: KVReceiver
+    waiting_for_input: bool = False
+    metadata_buffer_index: int = -1
+    # Decode: the destination was reserved but is published only once every forward launched
+    # before the reservation finished (one of them may still write a slot it just got back).
+    publish_after: Optional[Callable[[], bool]] = None
+    slots: Optional[torch.Tensor] = None
+
+
+@dataclass
+class RetractedReq:
+    """A request taken out of the running batch, with its KV backed up until it resumes."""
+
+    req: Req
+    kv_backup: Optional[torch.Tensor]  # [layers, 2, committed, heads, dim] on the CPU
+    committed_len: int
+
+
+@dataclass
+class DecodeMemory:
+    """What the decode queues allocate from."""
+
+    req_to_token_pool: object
+    allocator: object
+    tree_cache: object
+    metadata: MetadataBuffers
+    metadata_allocator: ReqToMetadataIdxAllocator
+    max_total_num_tokens: int
+    num_reserved_decode_tokens: int
+
+    def alloc_prompt(self, req: Req, num_tokens: int) -> torch.Tensor:
+        """A request row and `num_tokens` slots for positions [0, num_tokens) of `req`.
+
+        The budget check makes failure impossible; if it happens anyway that is a bug in it.
+        """
+        rows = self.req_to_token_pool.alloc(1)
+        assert rows is not None, "decode pre-allocation: no free request row despite the budget check"
+        page = self.allocator.page_size
+        if page == 1:
+            slots = self.allocator.alloc(num_tokens)
+        else:
+            slots = self.allocator.alloc_extend(torch.tensor([0]), torch.tensor([num_tokens]), torch.tensor([-1]),
+                                                num_tokens)
+        if slots is None:
+            self.req_to_token_pool.free(rows[0])
+            raise AssertionError(f"decode pre-allocation: {num_tokens} KV slots unavailable despite the budget check")
+        req.req_pool_idx = rows[0]
+        table = self.req_to_token_pool.req_to_token
+        table[req.req_pool_idx, :num_tokens] = slots.to(table.dtype)
+        req.kv_allocated_len = num_tokens
+        req.cache_protected_len = 0
+        return slots
+
+    def release(self, req: Req) -> None:
+        """Free a request's row and slots without inserting anything into the cache."""
+        self.tree_cache.cache_finished_req(req, is_insert=False)
+
+    def release_metadata(self, index: int) -> None:
+        if index >= 0:
+            self.metadata.reset(index)  # before the free: 0 means "not written" to the next owner
+            self.metadata_allocator.free(index)
+
+    def ceil_page(self, n: int) -> int:
+        page = self.allocator.page_size
+        return -(-n // page) * page
+
+
+def abort_req(req: Req, message: str, status_code: int = 500) -> None:
+    req.finished_reason = FINISH_ABORT(message, status_code,
+                                       "InternalServerError" if status_code >= 500 else "BadRequestError")
+
+
+class DecodeTransferQueue:
+    def __init__(self, memory: DecodeMemory, metrics: DisaggMetrics, vocab_size: int) -> None:
+        self.memory = memory
+        self.metrics = metrics
+        self.vocab_size = vocab_size
+        self.queue: List[DecodeRequest] = []
+
+    def extend(self, reqs: List[DecodeRequest]) -> None:
+        self.queue.extend(reqs)
+
+    def _publish_ready(self) -> None:
+        for dreq in self.queue:
+            if dreq.publish_after is not None and dreq.publish_after():
+                dreq.publish_after = None
+                dreq.kv_receiver.send_metadata(dreq.slots, dreq.metadata_buffer_index)
+
+    def _gated_poll(self, dreq: DecodeRequest) -> KVPoll:
+        """The local poll with the metadata gate: Success counts only once the row carries the room."""
+        if dreq.publish_after is not None:
+            return KVPoll.WaitingForInput
+        poll = dreq.kv_receiver.poll()
+        if poll == KVPoll.Success and not dreq.kv_receiver.is_fake \
+                and self.memory.metadata.room(dreq.metadata_buffer_index) == 0:
+            return KVPoll.Transferring
+        return poll
+
+    def pop_transferred(self) -> Tuple[List[Req], List[Req]]:
+        """(requests whose KV arrived, ready for the waiting queue; requests that failed)."""
+        if not self.queue:
+            return [], []
+        self._publish_ready()
+        polls = poll_and_all_reduce(_GatedSource(self, d) for d in self.queue)
+        done: List[Req] = []
+        failed: List[Req] = []
+        kept: List[DecodeRequest] = []
+        for dreq, poll in zip(self.queue, polls):
+            req = dreq.req
+            if poll == KVPoll.Success:
+                if self._commit(dreq):
+                    done.append(req)
+                else:
+                    failed.append(req)
+            elif poll == KVPoll.Failed:
+                reason, cause = dreq.kv_receiver.failure()
+                dreq.kv_receiver.abort(reason, cause)  # fence (and tell the prefill) before freeing
+                abort_req(req, f"KV transfer failed: {reason}")
+                self.metrics.observe_failure(True, cause)
+                self._release(dreq)
+                failed.append(req)
+            else:
+                kept.append(dreq)
+        self.queue = kept
+        return done, failed
+
+    def _commit(self, dreq: DecodeRequest) -> bool:
+        req, receiver, index = dreq.req, dreq.kv_receiver, dreq.metadata_buffer_index
+        if receiver.is_fake:
+            token, logprob, top_val, top_idx, cached = fake_first_token(req.rid, self.vocab_size), 0.0, [], [], 0
+        else:
+            meta = self.memory.metadata.get_buf(index)
+            if meta.room != req.bootstrap_room:
+                # A metadata row with another request's room: an index collision or corruption.
+                # Nothing of it may be used, and its KV never enters a cache.
+                receiver.abort(f"metadata room mismatch (row {index} carries room {meta.room})",
+                               FailureCause.CORRUPT)
+                abort_req(req, f"KV transfer failed: metadata room mismatch (expected {req.bootstrap_room}, "
+                               f"got {meta.room})")
+                self.metrics.observe_failure(True, FailureCause.CORRUPT)
+                self._release(dreq)
+                return False
+            token, logprob, top_val, top_idx, cached = (meta.output_id, meta.logprob, meta.top_val, meta.top_idx,
+                                                        meta.cached_tokens)
+        receiver.times.done = now()
+        self.metrics.observe_received(receiver.times, receiver.received_bytes(),
+                                      0 if receiver.is_fake else len(req.origin_input_ids))
+        receiver.clear()
+        self.memory.release_metadata(index)
+        req.cached_tokens = cached
+        if req.max_new_tokens == 0:
+            req.finished_reason = FINISH_LENGTH(0)  # the unified server returns no token either
+            return True
+        req.output_ids.append(token)
+        if req.return_logprob:
+            req.output_token_logprobs_val.append(logprob)
+            req.output_token_logprobs_idx.append(token)
+            if req.top_logprobs_num > 0:
+                req.output_top_logprobs_val.append(top_val[:req.top_logprobs_num])
+                req.output_top_logprobs_idx.append(top_idx[:req.top_logprobs_num])
+        return True
+
+    def _release(self, dreq: DecodeRequest) -> None:
+        dreq.kv_receiver.clear()
+        self.memory.release(dreq.req)
+        self.memory.release_metadata(dreq.metadata_buffer_index)
+        dreq.metadata_buffer_index = -1
+
+    def abort(self, match: Callable[[Req], bool]) -> List[Req]:
+        """Client aborts: fence, free and answer at once (status None: a client's own abort)."""
+        aborted, kept = [], []
+        for dreq in self.queue:
+            if match(dreq.req):
+                dreq.kv_receiver.abort("aborted by the client")
+                dreq.req.finished_reason = FINISH_ABORT()
+                self._release(dreq)
+                aborted.append(dreq.req)
+            else:
+                kept.append(dreq)
+        self.queue = kept
+        return aborted
+
+
+class _GatedSource:
+    def __init__(self, queue: DecodeTransferQueue, dreq: DecodeRequest) -> None:
+        self.queue, self.dreq = queue, dreq
+
+    def poll(self) -> KVPoll:
+        return self.queue._gated_poll(self.dreq)
+
+
+@dataclass
+class AdmissionState:
+    """What the admission budget reads about the requests that already hold decode memory."""
+
+    running: List[Req] = field(default_factory=list)
+    num_transferring: int = 0
+    num_waiting: int = 0
+
+
+def allocatable_tokens(memory: DecodeMemory, state: AdmissionState, retracted: List[RetractedReq],
+                       admitted_now: int, count_retracted: bool = True) -> int:
+    """SGLang's `_allocatable_token_budgets`: free slots minus what live requests may still need.
+
+    Requests in transfer cannot be retracted (their KV is being written), so a new one is admitted
+    only if it could run to the end even if every running request were retracted (the second rule
+    in `fits`); `reserved` keeps room for every live request to decode a while.
+    """
+    reserve = memory.num_reserved_decode_tokens
+    retractable = sum(len(r.origin_input_ids) + len(r.output_ids) for r in state.running)
+    n_active = len(state.running) + state.num_transferring + state.num_waiting + admitted_now
+    reserved = reserve * n_active
+    worst_single = max((len(r.origin_input_ids) + min(r.max_new_tokens, CLIP_MAX_NEW_TOKENS_ESTIMATION)
+                        - retractable for r in state.running), default=0)
+    available = memory.allocator.available_size()
+    allocatable = available - max(reserved, worst_single)
+    if count_retracted:
+        allocatable -= sum(memory.ceil_page(r.committed_len) + reserve for r in retracted)
+    return allocatable
+
+
+def fits(memory: DecodeMemory, state: AdmissionState, req: Req, required: int, allocatable: int) -> bool:
+    retractable = sum(len(r.origin_input_ids) + len(r.output_ids) for r in state.running)
+    lifetime = len(req.origin_input_ids) + min(req.max_new_tokens, CLIP_MAX_NEW_TOKENS_ESTIMATION) - retractable
+    return required + memory.num_reserved_decode_tokens <= allocatable and lifetime <= allocatable

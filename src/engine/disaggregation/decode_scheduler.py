@@ -1,0 +1,229 @@
+"""The decode role of a scheduler: its transfer queues, prebuilt batches and retraction backups.
+
+The Scheduler keeps its running batch and its loops; in decode mode it hands new requests here,
+calls `process_queues()` once per iteration (prealloc -> transfer -> waiting), and asks
+`get_next_batch_to_run()` instead of building prefill batches:
+
+  waiting queue --(prebuilt batch: the KV is already in the pool, no forward)--> running batch
+  running batch --(update_running_batch: decode memory check, retraction, prepare_for_decode)--> run
+
+A prebuilt batch only fills in what a finished extend would have left: the request rows, the
+sequence lengths (the committed KV) and the sampling info; its "result" is the handoff token the
+prefill sampled, which may already finish the request (EOS, max_new_tokens 1: a quick finish).
+The handoff token reaches the first decode step through the overlap relay, written on the forward
+stream after the forwards in flight (one of them may still write that row for a request that just
+finished). Retracted requests keep a CPU copy of their committed KV and resume from it.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+
+import torch
+
+from engine.disaggregation.base import (
+    FAKE_BOOTSTRAP_HOST,
+    DisaggregationMode,
+    bootstrap_addr,
+    validate_bootstrap_fields,
+)
+from engine.disaggregation.conn_common import KVReceiver, TransferConfig
+from engine.disaggregation.decode import AdmissionState, DecodeMemory, DecodeTransferQueue
+from engine.disaggregation.decode_prealloc import DecodePreallocQueue
+from engine.disaggregation.fake import FakeKVReceiver
+from engine.disaggregation.kv_io import gather_kv, scatter_kv
+from engine.disaggregation.metadata import MetadataBuffers, ReqToMetadataIdxAllocator
+from engine.disaggregation.metrics import DisaggMetrics
+from engine.disaggregation.setup import TransferBackend, build_decode_manager, kv_args_for
+from engine.managers.req import FINISH_ABORT, Req
+from engine.managers.schedule_batch import ScheduleBatch
+
+if TYPE_CHECKING:
+    from engine.disaggregation.loopback import LoopbackNetwork
+    from engine.managers.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeDisaggregation:
+    mode = DisaggregationMode.DECODE
+
+    def __init__(self, scheduler: "Scheduler", network: Optional["LoopbackNetwork"] = None) -> None:
+        self.scheduler = scheduler
+        args = scheduler.server_args
+        self.metrics = DisaggMetrics()
+        self.backend = TransferBackend(args.disaggregation_transfer_backend)
+        rows = scheduler.req_to_token_pool.size  # every row may be in transfer at once
+        metadata = MetadataBuffers(rows)
+        self.memory = DecodeMemory(
+            req_to_token_pool=scheduler.req_to_token_pool, allocator=scheduler.token_to_kv_pool_allocator,
+            tree_cache=scheduler.tree_cache, metadata=metadata, metadata_allocator=ReqToMetadataIdxAllocator(rows),
+            max_total_num_tokens=scheduler.max_total_num_tokens,
+            num_reserved_decode_tokens=args.num_reserved_decode_tokens)
+        self.config = TransferConfig.from_server_args(args)
+        self.manager = None if self.backend == TransferBackend.FAKE else build_decode_manager(
+            args, kv_args_for(scheduler, metadata), self.config, network, scheduler.tp_rank)
+        self.prealloc = DecodePreallocQueue(self.memory, self.metrics, self._make_receiver,
+                                            scheduler.forward_stream.fence, self._restore)
+        self.transfer = DecodeTransferQueue(self.memory, self.metrics, scheduler.vocab_size)
+        self.waiting: List[Req] = []
+        self.polling_interval = args.disaggregation_decode_polling_interval
+        self._iteration = 0
+        # Retraction keeps a copy of the committed KV (the scheduler calls this before the free).
+        scheduler.retraction_backup = self.backup_for_retract
+
+    # ------------------------------------------------------------------ requests in
+    def validate(self, req: Req) -> Optional[str]:
+        if req.bootstrap_host is None and self.backend == TransferBackend.FAKE:
+            return None
+        error = validate_bootstrap_fields(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room)
+        return error or self.prealloc.capacity_error(req)
+
+    def add_request(self, req: Req, is_retracted: bool = False) -> None:
+        if is_retracted:
+            self.prealloc.add_retracted(req)
+        else:
+            self.prealloc.add(req)
+
+    def _make_receiver(self, req: Req) -> KVReceiver:
+        room = req.bootstrap_room or 0
+        if self.manager is None or req.bootstrap_host == FAKE_BOOTSTRAP_HOST or req.bootstrap_host is None:
+            return FakeKVReceiver(room)
+        from engine.disaggregation.conn_decode import DecodeKVReceiver
+
+        return DecodeKVReceiver(self.manager, room, bootstrap_addr(req.bootstrap_host, req.bootstrap_port))
+
+    # ------------------------------------------------------------------ queues
+    def _admission_state(self) -> AdmissionState:
+        return AdmissionState(running=list(self.scheduler.running_batch.reqs),
+                              num_transferring=len(self.transfer.queue), num_waiting=len(self.waiting))
+
+    def process_queues(self) -> None:
+        """prealloc -> transfer -> waiting, retracted requests first (SGLang's process_decode_queue)."""
+        resumed = self.prealloc.resume_retracted(self._admission_state())
+        self.waiting.extend(resumed)
+        self._iteration += 1
+        if self._iteration % self.polling_interval != 0:
+            return
+        failed: List[Req] = []
+        if not self.prealloc.retracted_queue:
+            preallocated, failed = self.prealloc.pop_preallocated(self._admission_state())
+            self.transfer.extend(preallocated)
+        # Polled every tick even while retracted requests wait, so finished transfers and
+        # failures are never left sitting (SGLang skips it then).
+        transferred, failed_transfers = self.transfer.pop_transferred()
+        self.waiting.extend(transferred)
+        for req in failed + failed_transfers:
+            logger.warning("Request %s (room %s) failed: %s", req.rid, req.bootstrap_room,
+                           req.finished_reason.to_json().get("message"))
+        self.scheduler.stream(failed + failed_transfers)
+
+    # ------------------------------------------------------------------ batches
+    def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
+        scheduler = self.scheduler
+        prebuilt = self._get_new_prebuilt_batch()
+        if prebuilt is not None:
+            if scheduler.running_batch.is_empty():
+                scheduler.running_batch = prebuilt
+            else:
+                scheduler.running_batch.merge_batch(prebuilt)
+        if scheduler.running_batch.is_empty():
+            return None
+        scheduler.running_batch = scheduler.update_running_batch(scheduler.running_batch)
+        return None if scheduler.running_batch.is_empty() else scheduler.running_batch
+
+    def _get_new_prebuilt_batch(self) -> Optional[ScheduleBatch]:
+        scheduler = self.scheduler
+        room = scheduler.max_running_requests - scheduler.running_batch.batch_size()
+        if room <= 0 or not self.waiting:
+            return None
+        taken, self.waiting = self.waiting[:room], self.waiting[room:]
+        live: List[Req] = []
+        for req in taken:
+            fresh = not req.is_retracted
+            req.is_retracted = False
+            req.fill_ids = req.origin_input_ids + req.output_ids
+            req.already_computed = req.kv_allocated_len
+            if fresh:
+                # The handoff token is the first output token: it may finish the request already.
+                if not req.finished():
+                    req.check_finished()
+                if req.finished():
+                    scheduler.tree_cache.cache_finished_req(req)
+                scheduler.stream([req])
+            if not req.finished():
+                live.append(req)
+        if not live:
+            return None
+        batch = ScheduleBatch.init_new(live, scheduler.req_to_token_pool, scheduler.token_to_kv_pool_allocator,
+                                       scheduler.tree_cache, scheduler.vocab_size, scheduler.device)
+        batch.prepare_for_prebuilt()
+        rows = batch.req_pool_indices
+        tokens = torch.tensor([r.output_ids[-1] for r in live], dtype=torch.int64)
+        scheduler.write_relay(rows, tokens)
+        return batch
+
+    # ------------------------------------------------------------------ retraction
+    def backup_for_retract(self, req: Req) -> None:
+        """Copy the committed KV (prompt + outputs - 1 positions) before the retraction frees it."""
+        pool = self.memory.allocator.get_kvcache()
+        if pool is None:
+            return  # a test worker without KV data: nothing to keep
+        committed = len(req.origin_input_ids) + len(req.output_ids) - 1
+        row = self.memory.req_to_token_pool.req_to_token[req.req_pool_idx, :committed].to(torch.int64)
+        req.kv_backup = gather_kv(pool, row)
+
+    def _restore(self, req: Req, slots: torch.Tensor, backup: Optional[torch.Tensor]) -> None:
+        if backup is None:
+            return
+        pool = self.memory.allocator.get_kvcache()
+        self.scheduler.forward_stream.run_in_order(lambda: scatter_kv(pool, slots, backup))
+
+    # ------------------------------------------------------------------ aborts and state
+    def abort(self, match: Callable[[Req], bool]) -> List[Req]:
+        aborted = self.prealloc.abort(match) + self.transfer.abort(match)
+        kept = []
+        for req in self.waiting:
+            if match(req):
+                self.memory.release(req)
+                req.finished_reason = req.finished_reason or FINISH_ABORT()
+                aborted.append(req)
+            else:
+                kept.append(req)
+        self.waiting = kept
+        return aborted
+
+    def is_idle(self) -> bool:
+        return not (self.prealloc.queue or self.prealloc.retracted_queue or self.transfer.queue or self.waiting)
+
+    def check_memory(self) -> Optional[str]:
+        memory = self.memory
+        problems = []
+        if memory.metadata_allocator.available_size() != memory.metadata_allocator.size:
+            problems.append(f"metadata rows free {memory.metadata_allocator.available_size()}/"
+                            f"{memory.metadata_allocator.size}")
+        if bool((memory.metadata.rows["room"] != 0).any()):
+            problems.append("a free metadata row still carries a room stamp")
+        if self.manager is not None and self.manager.idle_state()["rooms"]:
+            problems.append(f"transfer rooms left: {self.manager.idle_state()}")
+        return "; ".join(problems) or None
+
+    def internal_state(self) -> Dict[str, Any]:
+        return {
+            "mode": self.mode.value,
+            "num_decode_prealloc_queue_reqs": len(self.prealloc.queue),
+            "num_decode_transfer_queue_reqs": len(self.transfer.queue),
+            "num_decode_retracted_queue_reqs": len(self.prealloc.retracted_queue),
+            "num_decode_waiting_reqs": len(self.waiting),
+            "num_late_kv_frames": self.manager.late_frames if self.manager is not None else 0,
+            "metrics": self.metrics.snapshot(),
+        }
+
+    def queue_summary(self) -> str:
+        return (f"#prealloc-req: {len(self.prealloc.queue)}, #transfer-req: {len(self.transfer.queue)}, "
+                f"#retracted-req: {len(self.prealloc.retracted_queue)}, #waiting-req: {len(self.waiting)}")
+
+    def close(self) -> None:
+        if self.manager is not None:
+            self.manager.close()

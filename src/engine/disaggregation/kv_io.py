@@ -1,0 +1,141 @@
+"""The KV data path: what both sides must agree on, gathering KV into a frame and scattering it.
+
+A KV frame carries tokens [offset, offset + n) of one request, all layers, K then V:
+`[num_layers, 2, n, heads, head_dim]` in the pool's dtype, contiguous. The prefill gathers it from
+its pool slots; the decode side's listener thread copies it into the destination slots it
+reserved (receiver-side scatter: nobody writes into another process's memory, so a frame that
+arrives after an abort is simply dropped). Every frame carries a CRC32 of its payload.
+
+With different TP sizes on the two sides a decode rank receives only the KV heads it holds; the
+prefill rank that holds all of them slices its frames (`head_slice`).
+"""
+
+from __future__ import annotations
+
+import warnings
+import zlib
+from dataclasses import asdict, dataclass
+from typing import Any, Dict, List, Optional, Tuple
+
+import torch
+
+from engine.mem_cache.memory_pool import MHATokenToKVPool
+
+# Tokens per KV frame are chosen so a frame stays around this size: big enough to amortise the
+# per-message cost, small enough that an abort is noticed between frames.
+TARGET_FRAME_BYTES = 4 << 20
+
+
+def kv_heads_of_rank(total_kv_heads: int, tp_size: int, rank: int) -> List[int]:
+    """The global KV head ids a TP rank holds (QKVParallelLinear's sharding and replication)."""
+    if tp_size <= total_kv_heads:
+        per_rank = total_kv_heads // tp_size
+        return list(range(rank * per_rank, (rank + 1) * per_rank))
+    return [rank * total_kv_heads // tp_size]
+
+
+@dataclass(frozen=True)
+class KVLayout:
+    """The KV cache shape of one TP rank of a server."""
+
+    num_layers: int
+    total_kv_heads: int
+    head_dim: int
+    dtype: str
+    tp_size: int
+    tp_rank: int
+
+    @classmethod
+    def of_pool(cls, pool: MHATokenToKVPool, total_kv_heads: int, tp_size: int, tp_rank: int) -> "KVLayout":
+        return cls(num_layers=pool.layer_num, total_kv_heads=total_kv_heads, head_dim=pool.head_dim,
+                   dtype=str(pool.dtype).removeprefix("torch."), tp_size=tp_size, tp_rank=tp_rank)
+
+    def heads(self) -> List[int]:
+        return kv_heads_of_rank(self.total_kv_heads, self.tp_size, self.tp_rank)
+
+    def element_size(self) -> int:
+        return torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
+
+    def bytes_per_token(self, num_heads: Optional[int] = None) -> int:
+        heads = len(self.heads()) if num_heads is None else num_heads
+        return 2 * self.num_layers * heads * self.head_dim * self.element_size()
+
+    def to_dict(self) -> Dict[str, Any]:
+        return asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: Dict[str, Any]) -> "KVLayout":
+        return cls(**{k: data[k] for k in ("num_layers", "total_kv_heads", "head_dim", "dtype", "tp_size",
+                                            "tp_rank")})
+
+
+def pair_ranks(prefill: KVLayout, decode: KVLayout) -> Tuple[int, int, int]:
+    """For a decode rank: (prefill rank to pull from, first head index within that rank, heads).
+
+    Raises ValueError when the layouts cannot be paired (different model shapes, or a decode
+    rank whose heads are not all held by one prefill rank).
+    """
+    for name in ("num_layers", "total_kv_heads", "head_dim", "dtype"):
+        if getattr(prefill, name) != getattr(decode, name):
+            raise ValueError(f"KV layouts differ in {name}: prefill {getattr(prefill, name)}, "
+                             f"decode {getattr(decode, name)} (serve the same model with the same --dtype)")
+    wanted = decode.heads()
+    for rank in range(prefill.tp_size):
+        held = kv_heads_of_rank(prefill.total_kv_heads, prefill.tp_size, rank)
+        if wanted[0] in held:
+            start = held.index(wanted[0])
+            if held[start:start + len(wanted)] != wanted:
+                break
+            return rank, start, len(wanted)
+    raise ValueError(f"decode TP rank {decode.tp_rank}/{decode.tp_size} needs KV heads {wanted}, which no single "
+                     f"prefill rank of TP size {prefill.tp_size} holds")
+
+
+def frame_token_count(bytes_per_token: int) -> int:
+    return max(1, TARGET_FRAME_BYTES // max(bytes_per_token, 1))
+
+
+def gather_kv(pool: MHATokenToKVPool, slots: torch.Tensor, head_start: int = 0,
+              num_heads: Optional[int] = None) -> torch.Tensor:
+    """K and V of `slots` (all layers) as one contiguous CPU tensor [layers, 2, n, heads, dim]."""
+    heads = pool.head_num if num_heads is None else num_heads
+    index = slots.to(device=pool.k_buffer[0].device, dtype=torch.int64)
+    out = torch.empty((pool.layer_num, 2, index.numel(), heads, pool.head_dim), dtype=pool.dtype)
+    for layer in range(pool.layer_num):
+        for kv, buffers in enumerate((pool.k_buffer, pool.v_buffer)):
+            source = buffers[layer]
+            if heads != pool.head_num:
+                source = source[:, head_start:head_start + heads]
+            torch.index_select(source, 0, index, out=out[layer, kv])
+    return out
+
+
+def scatter_kv(pool: MHATokenToKVPool, slots: torch.Tensor, data: torch.Tensor) -> None:
+    """Write a frame gathered by `gather_kv` into `slots` of this pool."""
+    index = slots.to(device=pool.k_buffer[0].device, dtype=torch.int64)
+    data = data.to(pool.k_buffer[0].device)
+    for layer in range(pool.layer_num):
+        pool.k_buffer[layer].index_copy_(0, index, data[layer, 0])
+        pool.v_buffer[layer].index_copy_(0, index, data[layer, 1])
+
+
+def as_bytes(tensor: torch.Tensor) -> memoryview:
+    """A zero-copy byte view of a contiguous CPU tensor (any dtype, bfloat16 included)."""
+    return memoryview(tensor.contiguous().view(torch.uint8).numpy()).cast("B")
+
+
+def from_bytes(buffer: Any, layout: KVLayout, num_tokens: int, num_heads: int) -> torch.Tensor:
+    """The tensor view of a received frame payload (zero-copy when the buffer allows it)."""
+    if not len(buffer):
+        raw = torch.empty(0, dtype=torch.uint8)
+    else:
+        with warnings.catch_warnings():
+            # Received frames are read-only; the tensor is only read (copied into the pool).
+            warnings.simplefilter("ignore", UserWarning)
+            raw = torch.frombuffer(buffer, dtype=torch.uint8)
+    dtype = getattr(torch, layout.dtype)
+    return raw.view(dtype).reshape(layout.num_layers, 2, num_tokens, num_heads, layout.head_dim)
+
+
+def checksum(buffer: Any) -> int:
+    return zlib.crc32(buffer) & 0xFFFFFFFF

@@ -1,0 +1,241 @@
+"""The prefill role of a scheduler: bootstrap queue -> waiting queue -> prefill -> inflight queue.
+
+A request first waits in the bootstrap queue until every decode rank that will hold it reserved
+its memory (its sender reaches WaitingForInput): a decode server that is out of memory slows the
+prefill down instead of overflowing. Then it is an ordinary waiting request (prefix cache, chunked
+prefill, batching). After its last chunk the result processor hands it here (`handoff`): the
+first token goes into a metadata row, the KV of the whole prompt is sent by the transfer
+manager's background thread, and the request waits in the inflight queue, its KV locked, until
+the transfer is done. Then it finishes with length 0 (SGLang's shape; the router only uses this
+response for its input logprobs) and its KV is released into the radix cache.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+
+from engine.disaggregation.base import (
+    FAKE_BOOTSTRAP_HOST,
+    DisaggregationMode,
+    FailureCause,
+    KVPoll,
+    poll_and_all_reduce,
+    validate_bootstrap_fields,
+)
+from engine.disaggregation.conn_common import KVSender, TransferConfig
+from engine.disaggregation.decode import abort_req
+from engine.disaggregation.fake import FakeKVSender
+from engine.disaggregation.metadata import (
+    MAX_TOP_LOGPROBS,
+    FirstTokenMetadata,
+    MetadataBuffers,
+    ReqToMetadataIdxAllocator,
+)
+from engine.disaggregation.metrics import DisaggMetrics
+from engine.disaggregation.setup import TransferBackend, build_prefill_manager, kv_args_for
+from engine.managers.req import FINISH_ABORT, FINISH_LENGTH, Req
+
+if TYPE_CHECKING:
+    from engine.disaggregation.loopback import LoopbackNetwork
+    from engine.managers.scheduler import Scheduler
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PrefillRequest:
+    req: Req
+    sender: KVSender
+    metadata_buffer_index: int = -1
+
+
+class PrefillDisaggregation:
+    mode = DisaggregationMode.PREFILL
+
+    def __init__(self, scheduler: "Scheduler", network: Optional["LoopbackNetwork"] = None) -> None:
+        self.scheduler = scheduler
+        args = scheduler.server_args
+        self.backend = TransferBackend(args.disaggregation_transfer_backend)
+        self.metrics = DisaggMetrics()
+        # Requests past the bootstrap queue hold a request row until their transfer ends, so
+        # there are never more of them than rows.
+        rows = scheduler.req_to_token_pool.size
+        self.metadata = MetadataBuffers(rows)
+        self.metadata_allocator = ReqToMetadataIdxAllocator(rows)
+        self.config = TransferConfig.from_server_args(args)
+        self.manager = None if self.backend == TransferBackend.FAKE else build_prefill_manager(
+            args, kv_args_for(scheduler, self.metadata), self.config, self.metrics, network)
+        self.bootstrap_queue: List[PrefillRequest] = []
+        self.tracked: Dict[int, PrefillRequest] = {}  # waiting or being prefilled, by id(req)
+        self.inflight: List[PrefillRequest] = []
+
+    # ------------------------------------------------------------------ requests in
+    def validate(self, req: Req) -> Optional[str]:
+        if req.bootstrap_host is None and self.backend == TransferBackend.FAKE:
+            return None
+        error = validate_bootstrap_fields(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room)
+        if error is None and req.return_logprob and req.top_logprobs_num > MAX_TOP_LOGPROBS:
+            error = f"top_logprobs_num must be <= {MAX_TOP_LOGPROBS} with PD disaggregation."
+        return error
+
+    def add_request(self, req: Req, is_retracted: bool = False) -> None:
+        # The prefill computes one token; an exact estimate makes its admission exact too.
+        req.sampling_params.max_new_tokens = 1
+        if self.manager is None or req.bootstrap_host in (None, FAKE_BOOTSTRAP_HOST):
+            sender: KVSender = FakeKVSender(req.bootstrap_room or 0)
+        else:
+            from engine.disaggregation.conn_prefill import PrefillKVSender
+
+            sender = PrefillKVSender(self.manager, req.bootstrap_room)
+        self.bootstrap_queue.append(PrefillRequest(req=req, sender=sender))
+
+    # ------------------------------------------------------------------ queues
+    def process_queues(self) -> None:
+        self._pop_bootstrapped()
+        self._process_inflight()
+        self._sweep_finished()
+        if self.manager is not None:
+            self.manager.prune()
+
+    def _pop_bootstrapped(self) -> None:
+        if not self.bootstrap_queue:
+            return
+        polls = poll_and_all_reduce(p.sender for p in self.bootstrap_queue)
+        kept: List[PrefillRequest] = []
+        failed: List[Req] = []
+        for preq, poll in zip(self.bootstrap_queue, polls):
+            if poll == KVPoll.Failed:
+                reason, cause = preq.sender.failure()
+                preq.sender.clear()
+                abort_req(preq.req, f"KV transfer failed before the prefill: {reason}")
+                self.metrics.observe_failure(False, cause)
+                failed.append(preq.req)
+            elif poll >= KVPoll.WaitingForInput:
+                self.metrics.observe_bootstrap(preq.sender.times)
+                self.tracked[id(preq.req)] = preq
+                self.scheduler.enqueue_waiting(preq.req)
+            else:
+                kept.append(preq)
+        self.bootstrap_queue = kept
+        self.scheduler.stream(failed)
+
+    def handoff(self, req: Req) -> None:
+        """The last chunk of `req` was prefilled and its first token appended: send its KV."""
+        preq = self.tracked.pop(id(req))
+        scheduler = self.scheduler
+        if preq.sender.poll() == KVPoll.Failed or req.to_finish is not None:
+            reason, cause = preq.sender.failure()
+            if req.to_finish is not None:  # aborted by the client while it was prefilled
+                preq.sender.abort("aborted by the client")
+                req.finished_reason, req.to_finish = req.to_finish, None
+            else:
+                abort_req(req, f"KV transfer failed: {reason}")
+                self.metrics.observe_failure(True, cause)
+            preq.sender.clear()
+            scheduler.tree_cache.cache_finished_req(req, is_insert=False)
+            scheduler.stream([req])
+            return
+        # Keep the prompt's KV (shareable, locked by this request) until the transfer is done.
+        scheduler.tree_cache.cache_unfinished_req(req)
+        index = self.metadata_allocator.alloc()
+        assert index is not None, "more requests in transfer than request rows"
+        preq.metadata_buffer_index = index
+        self.metadata.set_buf(index, _first_token_metadata(req))
+        row = scheduler.req_to_token_pool.req_to_token[req.req_pool_idx, :len(req.origin_input_ids)]
+        preq.sender.send(row, self.metadata.row_bytes(index))
+        self.inflight.append(preq)
+
+    def _process_inflight(self) -> None:
+        if not self.inflight:
+            return
+        polls = poll_and_all_reduce(p.sender for p in self.inflight)
+        kept: List[PrefillRequest] = []
+        done: List[Req] = []
+        for preq, poll in zip(self.inflight, polls):
+            req = preq.req
+            if poll == KVPoll.Success:
+                req.finished_reason = FINISH_LENGTH(0)
+                self.scheduler.tree_cache.cache_finished_req(req)
+            elif poll == KVPoll.Failed:
+                reason, cause = preq.sender.failure()
+                abort_req(req, f"KV transfer failed: {reason}")
+                self.metrics.observe_failure(True, cause)
+                self.scheduler.tree_cache.cache_finished_req(req, is_insert=False)
+            else:
+                kept.append(preq)
+                continue
+            preq.sender.clear()
+            self.metadata.reset(preq.metadata_buffer_index)
+            self.metadata_allocator.free(preq.metadata_buffer_index)
+            done.append(req)
+        self.inflight = kept
+        self.scheduler.stream(done)
+
+    def _sweep_finished(self) -> None:
+        """Requests that ended while waiting or mid-prefill (client abort, chunk teardown, a
+        waiting timeout): tell the decode side and forget their transfer state."""
+        for key, preq in list(self.tracked.items()):
+            if preq.req.finished():
+                preq.sender.abort("the prefill server dropped the request", FailureCause.ABORTED)
+                preq.sender.clear()
+                del self.tracked[key]
+
+    # ------------------------------------------------------------------ aborts and state
+    def abort(self, match: Callable[[Req], bool]) -> List[Req]:
+        aborted: List[Req] = []
+        kept: List[PrefillRequest] = []
+        for preq in self.bootstrap_queue:
+            if match(preq.req):
+                preq.sender.abort("aborted by the client")
+                preq.sender.clear()
+                preq.req.finished_reason = FINISH_ABORT()
+                aborted.append(preq.req)
+            else:
+                kept.append(preq)
+        self.bootstrap_queue = kept
+        for preq in self.inflight:  # the next poll sees Failed and releases
+            if match(preq.req):
+                preq.sender.abort("aborted by the client")
+        return aborted
+
+    def is_idle(self) -> bool:
+        return not (self.bootstrap_queue or self.tracked or self.inflight)
+
+    def check_memory(self) -> Optional[str]:
+        problems = []
+        if self.metadata_allocator.available_size() != self.metadata_allocator.size:
+            problems.append(f"metadata rows free {self.metadata_allocator.available_size()}/"
+                            f"{self.metadata_allocator.size}")
+        if bool((self.metadata.rows["room"] != 0).any()):
+            problems.append("a free metadata row still carries a room stamp")
+        if self.manager is not None and self.manager.idle_state()["rooms"]:
+            problems.append(f"transfer rooms left: {self.manager.idle_state()}")
+        return "; ".join(problems) or None
+
+    def internal_state(self) -> Dict[str, Any]:
+        return {
+            "mode": self.mode.value,
+            "num_prefill_prealloc_queue_reqs": len(self.bootstrap_queue),
+            "num_prefill_inflight_queue_reqs": len(self.inflight),
+            "metrics": self.metrics.snapshot(),
+        }
+
+    def queue_summary(self) -> str:
+        return f"#bootstrap-req: {len(self.bootstrap_queue)}, #inflight-req: {len(self.inflight)}"
+
+    def close(self) -> None:
+        if self.manager is not None:
+            self.manager.close()
+
+
+def _first_token_metadata(req: Req) -> FirstTokenMetadata:
+    meta = FirstTokenMetadata(room=req.bootstrap_room or 0, output_id=req.output_ids[-1],
+                              cached_tokens=req.cached_tokens)
+    if req.return_logprob and req.output_token_logprobs_val:
+        meta.logprob = req.output_token_logprobs_val[-1]
+        if req.top_logprobs_num > 0 and req.output_top_logprobs_val:
+            meta.top_val = list(req.output_top_logprobs_val[-1])
+            meta.top_idx = list(req.output_top_logprobs_idx[-1])
+    return meta
