@@ -169,6 +169,7 @@ class DecodeKVManager:
         logger.warning("%s: failing the requests that wait for its KV", reason)
         with self._lock:
             peer = self._peers.pop(addr, None)
+            self._last_attempt.pop(addr, None)  # a replacement may be up already: look at once
         if peer is not None:
             self.io_runner.submit(lambda: self.transport.forget(peer.endpoint))
         self._fail_addr(addr, reason, FailureCause.PEER_DEAD)
@@ -204,7 +205,9 @@ class DecodeKVManager:
     def abort_room(self, state: _Room, reason: str, cause: FailureCause) -> None:
         with state.lock:  # the fence: no frame writes this room's slots after this
             state.alive = False
-            notify = state.dst_sent and state.peer is not None
+            # Once the prefill is known it is told, destination sent or not: it drops the
+            # request at once instead of waiting for its bootstrap timeout.
+            notify = state.peer is not None
         self.status.fail(state.room, reason, cause)
         if notify:
             self._send(state.peer.endpoint, protocol.encode(AbortMsg(room=state.room, endpoint=self.transport.endpoint,

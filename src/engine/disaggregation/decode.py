@@ -16,6 +16,7 @@ PreallocQueue, the row, the slots and the metadata row (stamp reset) in the Tran
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable, List, Optional, Tuple
 
@@ -48,7 +49,7 @@ class RetractedReq:
     """A request taken out of the running batch, with its KV backed up until it resumes."""
 
     req: Req
-    kv_backup: Optional[torch.Tensor]  # [layers, 2, committed, heads, dim] on the CPU
+    kv_backup: Optional[Future]  # of a [layers, 2, committed, heads, dim] CPU tensor
     committed_len: int
 
 
@@ -124,9 +125,9 @@ class DecodeTransferQueue:
 
     def _gated_poll(self, dreq: DecodeRequest) -> KVPoll:
         """The local poll with the metadata gate: Success counts only once the row carries the room."""
-        if dreq.publish_after is not None:
-            return KVPoll.WaitingForInput
         poll = dreq.kv_receiver.poll()
+        if dreq.publish_after is not None and poll != KVPoll.Failed:
+            return KVPoll.WaitingForInput
         if poll == KVPoll.Success and not dreq.kv_receiver.is_fake \
                 and self.memory.metadata.room(dreq.metadata_buffer_index) == 0:
             return KVPoll.Transferring

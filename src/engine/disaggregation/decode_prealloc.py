@@ -12,7 +12,8 @@ Retracted requests resume first (their KV comes back from the CPU backup, no tra
 from __future__ import annotations
 
 import logging
-from typing import Callable, List, Tuple
+from concurrent.futures import Future
+from typing import Callable, List, Optional, Tuple
 
 import torch
 
@@ -36,7 +37,7 @@ logger = logging.getLogger(__name__)
 class DecodePreallocQueue:
     def __init__(self, memory: DecodeMemory, metrics: DisaggMetrics,
                  make_receiver: Callable[[Req], KVReceiver], fence: Callable[[], Callable[[], bool]],
-                 restore: Callable[[Req, torch.Tensor, torch.Tensor], None]) -> None:
+                 restore: Callable[[Req, torch.Tensor, Optional[Future]], None]) -> None:
         self.memory = memory
         self.metrics = metrics
         self.make_receiver = make_receiver

@@ -18,6 +18,7 @@ finished). Retracted requests keep a CPU copy of their committed KV and resume f
 from __future__ import annotations
 
 import logging
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 import torch
@@ -64,8 +65,8 @@ class DecodeDisaggregation:
         self.config = TransferConfig.from_server_args(args)
         self.manager = None if self.backend == TransferBackend.FAKE else build_decode_manager(
             args, kv_args_for(scheduler, metadata), self.config, network, scheduler.tp_rank)
-        self.prealloc = DecodePreallocQueue(self.memory, self.metrics, self._make_receiver,
-                                            scheduler.forward_stream.fence, self._restore)
+        self.prealloc = DecodePreallocQueue(self.memory, self.metrics, self._make_receiver, self._fence,
+                                            self._restore)
         self.transfer = DecodeTransferQueue(self.memory, self.metrics, scheduler.vocab_size)
         self.waiting: List[Req] = []
         self.polling_interval = args.disaggregation_decode_polling_interval
@@ -140,6 +141,7 @@ class DecodeDisaggregation:
             return None
         taken, self.waiting = self.waiting[:room], self.waiting[room:]
         live: List[Req] = []
+        fresh_count = 0
         for req in taken:
             fresh = not req.is_retracted
             req.is_retracted = False
@@ -152,8 +154,13 @@ class DecodeDisaggregation:
                 if req.finished():
                     scheduler.tree_cache.cache_finished_req(req)
                 scheduler.stream([req])
+                fresh_count += 1
             if not req.finished():
                 live.append(req)
+        if fresh_count:
+            # The first token goes out now, not after the decode step that is about to run
+            # (SGLang streams the prebuilt result at once too): it is the time to first token.
+            scheduler.flush_outputs()
         if not live:
             return None
         batch = ScheduleBatch.init_new(live, scheduler.req_to_token_pool, scheduler.token_to_kv_pool_allocator,
@@ -166,19 +173,31 @@ class DecodeDisaggregation:
 
     # ------------------------------------------------------------------ retraction
     def backup_for_retract(self, req: Req) -> None:
-        """Copy the committed KV (prompt + outputs - 1 positions) before the retraction frees it."""
+        """Copy the committed KV (prompt + outputs - 1 positions) before the retraction frees it.
+
+        The copy runs on the forward stream, in order: a restore queued there for this request
+        (it may have resumed this very iteration) must land first, and whatever reuses the freed
+        slots (forwards, restores, published transfers) comes after it.
+        """
         pool = self.memory.allocator.get_kvcache()
         if pool is None:
             return  # a test worker without KV data: nothing to keep
         committed = len(req.origin_input_ids) + len(req.output_ids) - 1
-        row = self.memory.req_to_token_pool.req_to_token[req.req_pool_idx, :committed].to(torch.int64)
-        req.kv_backup = gather_kv(pool, row)
+        slots = self.memory.req_to_token_pool.req_to_token[req.req_pool_idx, :committed].to(torch.int64).clone()
+        req.kv_backup = self.scheduler.forward_stream.run_in_order(lambda: gather_kv(pool, slots))
 
-    def _restore(self, req: Req, slots: torch.Tensor, backup: Optional[torch.Tensor]) -> None:
+    def _fence(self) -> Callable[[], bool]:
+        """When slots reserved now may be written by others: after the forwards in flight."""
+        if not self.scheduler.result_queue:
+            return _always  # nothing in flight (always so in the normal loop)
+        return self.scheduler.forward_stream.fence()
+
+    def _restore(self, req: Req, slots: torch.Tensor, backup: Optional[Future]) -> None:
         if backup is None:
             return
         pool = self.memory.allocator.get_kvcache()
-        self.scheduler.forward_stream.run_in_order(lambda: scatter_kv(pool, slots, backup))
+        # Same stream, later job: the backup's copy has run by then, so result() does not wait.
+        self.scheduler.forward_stream.run_in_order(lambda: scatter_kv(pool, slots, backup.result()))
 
     # ------------------------------------------------------------------ aborts and state
     def abort(self, match: Callable[[Req], bool]) -> List[Req]:
@@ -227,3 +246,7 @@ class DecodeDisaggregation:
     def close(self) -> None:
         if self.manager is not None:
             self.manager.close()
+
+
+def _always() -> bool:
+    return True

@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import time
 from abc import ABC, abstractmethod
+from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Dict, Hashable, List, Optional, Set
 
 import torch
@@ -186,8 +187,9 @@ class Req:
         self.bootstrap_host: Optional[str] = None
         self.bootstrap_port: Optional[int] = None
         self.bootstrap_room: Optional[int] = None
-        # Decode side: the committed KV of a retracted request, kept until it resumes.
-        self.kv_backup: Optional[torch.Tensor] = None
+        # Decode side: the committed KV of a retracted request (a Future of a CPU tensor: it is
+        # read on the forward stream, in order), kept until the request resumes.
+        self.kv_backup: Optional[Future] = None
 
         self.created_time = time.monotonic()
         self.queue_time = self.created_time
