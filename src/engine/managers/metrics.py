@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from typing import Any, Iterator, Optional, Sequence
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
 logger = logging.getLogger(__name__)
@@ -70,6 +70,7 @@ class TokenizerMetricsCollector:
             "e2e_request_latency_seconds", "Time from arrival to the last output token.", E2E_BUCKETS)
         self.scheduler_gauges = SchedulerStateCollector(model_name)
         self.registry.register(self.scheduler_gauges)
+        self.registry.register(DisaggregationCollector(self.scheduler_gauges))
 
     # ------------------------------------------------------------------ observing
     def observe_output(self, timer: RequestTimer, prompt_tokens: int, completion_tokens: int,
@@ -148,4 +149,80 @@ class SchedulerStateCollector:
             value = sum(values) if combine == "sum" else sum(values) / len(values)
             family = GaugeMetricFamily(METRIC_PREFIX + name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
+            yield family
+
+
+class DisaggregationCollector:
+    """PD disaggregation metrics (SGLang's names) from the schedulers' internal states.
+
+    The scheduler keeps the counters and histograms (engine/disaggregation/metrics.py); a scrape
+    renders the snapshot it reported. Nothing is exposed by a server without --disaggregation-mode.
+    """
+
+    GAUGES = (
+        ("num_prefill_prealloc_queue_reqs", "Requests waiting for the decode side's destination (prefill)."),
+        ("num_prefill_inflight_queue_reqs", "Requests whose KV is being sent (prefill)."),
+        ("num_decode_prealloc_queue_reqs", "Requests waiting for their prefill or for decode memory (decode)."),
+        ("num_decode_transfer_queue_reqs", "Requests whose KV is being received (decode)."),
+        ("num_decode_retracted_queue_reqs", "Retracted requests waiting to resume (decode)."),
+    )
+    COUNTERS = (
+        ("num_bootstrap_failed_reqs", "Requests that failed before their KV started to move."),
+        ("num_transfer_failed_reqs", "Requests that failed while or after their KV moved."),
+        ("num_transferred_prompt_tokens", "Prompt tokens whose KV arrived by transfer (decode)."),
+    )
+    HISTOGRAMS = (
+        ("kv_transfer_bootstrap_ms", "Request arrival until the other side was found (ms)."),
+        ("kv_transfer_alloc_ms", "Decode: other side found until memory was reserved (ms)."),
+        ("kv_transfer_latency_ms", "KV transfer time of one request (ms)."),
+        ("kv_transfer_total_mb", "KV transferred per request (MB)."),
+        ("kv_transfer_speed_gb_s", "KV transfer speed per request (GB/s)."),
+    )
+
+    def __init__(self, source: SchedulerStateCollector) -> None:
+        self.source = source
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # names vary with the mode; nothing to check at registration
+
+    def collect(self) -> Iterator[Metric]:
+        states = self.source.states or []
+        labels = ["model_name"]
+        model = [self.source.model_name]
+        computed = [s["num_extend_tokens_computed"] for s in states if "num_extend_tokens_computed" in s]
+        if computed:
+            family = CounterMetricFamily(METRIC_PREFIX + "num_prefill_computed_tokens",
+                                         "Tokens this server computed in prefill (extend) forwards.", labels=labels)
+            family.add_metric(model, sum(computed))
+            yield family
+        pd = [s["disaggregation"] for s in states if isinstance(s.get("disaggregation"), dict)]
+        if not pd:
+            return
+        for name, doc in self.GAUGES:
+            values = [d[name] for d in pd if name in d]
+            if values:
+                family = GaugeMetricFamily(METRIC_PREFIX + name, doc, labels=labels)
+                family.add_metric(model, sum(values))
+                yield family
+        snapshots = [d["metrics"] for d in pd]
+        for name, doc in self.COUNTERS:
+            family = CounterMetricFamily(METRIC_PREFIX + name, doc, labels=labels)
+            family.add_metric(model, sum(m[name] for m in snapshots))
+            yield family
+        by_cause = CounterMetricFamily(METRIC_PREFIX + "kv_transfer_failed_reqs",
+                                       "Failed PD requests by cause.", labels=labels + ["cause"])
+        causes: dict = {}
+        for m in snapshots:
+            for cause, count in m["kv_transfer_failed_reqs_by_cause"].items():
+                causes[cause] = causes.get(cause, 0) + count
+        for cause, count in sorted(causes.items()):
+            by_cause.add_metric(model + [cause], count)
+        yield by_cause
+        for name, doc in self.HISTOGRAMS:
+            hists = [m["histograms"][name] for m in snapshots]
+            edges = hists[0]["buckets"]
+            cumulative = [sum(h["cumulative_counts"][i] for h in hists) for i in range(len(edges) + 1)]
+            buckets = [(repr(float(e)), c) for e, c in zip(edges, cumulative)] + [("+Inf", cumulative[-1])]
+            family = HistogramMetricFamily(METRIC_PREFIX + name, doc, labels=labels)
+            family.add_metric(model, buckets, sum(h["sum"] for h in hists))
             yield family
