@@ -24,6 +24,7 @@ import httpx
 import pytest
 
 from conftest import ServerProcess, start_server_process
+from utils_http import TIMEOUT, post, same_generation, server_state, sse_payloads, stream_events, wait_idle
 from utils_process import running, wait_until
 
 
@@ -54,7 +55,6 @@ WORKER_ARGS = ["--enable-metrics"]
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 KILL_TOKENS = 16  # per request of the kill test
 LONG = {"max_new_tokens": 1900, "ignore_eos": True}  # far longer than any test waits for
-TIMEOUT = httpx.Timeout(120.0)
 # Fast health checks, so that a killed worker is taken out within seconds.
 ROUTER_ARGS = ["--health-check-interval-secs", "1", "--health-failure-threshold", "2",
                "--health-check-timeout-secs", "5"]
@@ -97,40 +97,6 @@ def cluster() -> Iterator[Cluster]:
                 worker.stop()
 
 
-# ---------------------------------------------------------------------------- helpers
-def _post(url: str, path: str, body: Dict[str, Any]) -> httpx.Response:
-    return httpx.post(f"{url}{path}", json=body, timeout=TIMEOUT)
-
-
-def _state(url: str) -> Dict[str, Any]:
-    return httpx.get(f"{url}/get_server_info", timeout=30).json()["internal_states"][0]
-
-
-def _same_generation(a: Dict[str, Any], b: Dict[str, Any]) -> None:
-    """Two native /generate outputs of the same greedy request agree token for token."""
-    assert (a["text"], a["output_ids"]) == (b["text"], b["output_ids"])
-    for key in ("prompt_tokens", "completion_tokens", "finish_reason"):
-        assert a["meta_info"][key] == b["meta_info"][key], key
-    for key in ("output_token_logprobs", "input_token_logprobs"):
-        if key in a["meta_info"]:
-            mine, theirs = a["meta_info"][key], b["meta_info"][key]
-            assert [e[1:] for e in mine] == [e[1:] for e in theirs]  # token ids and texts
-            # Values may differ in the last bits: a prefix-cache hit changes the prefill's shape.
-            assert all(x[0] == pytest.approx(y[0], abs=1e-3) for x, y in zip(mine, theirs) if x[0] is not None)
-
-
-def _sse_payloads(response_lines: List[str]) -> List[str]:
-    return [line[len("data:"):].strip() for line in response_lines if line.startswith("data:")]
-
-
-def _stream(url: str, path: str, body: Dict[str, Any]) -> List[Any]:
-    with httpx.stream("POST", f"{url}{path}", json=body, timeout=TIMEOUT) as response:
-        assert response.status_code == 200, response.read()
-        payloads = _sse_payloads(list(response.iter_lines()))
-    assert payloads[-1] == "[DONE]"
-    return [json.loads(p) for p in payloads[:-1]]
-
-
 # ---------------------------------------------------------------------------- native /generate
 NATIVE_BODIES = [
     {"text": "The capital of France is", "sampling_params": GREEDY},
@@ -145,8 +111,8 @@ NATIVE_BODIES = [
 
 @pytest.mark.parametrize("body", NATIVE_BODIES, ids=["text", "ids", "ids-batch", "n2", "logprobs", "rid"])
 def test_generate_through_router_equals_direct(cluster: Cluster, body: Dict[str, Any]) -> None:
-    routed = _post(cluster.router_url, "/generate", body)
-    direct = _post(cluster.worker_urls[0], "/generate", body)
+    routed = post(cluster.router_url, "/generate", body)
+    direct = post(cluster.worker_urls[0], "/generate", body)
     assert routed.status_code == 200, routed.text
     assert direct.status_code == 200, direct.text
     routed_outs, direct_outs = routed.json(), direct.json()
@@ -154,7 +120,7 @@ def test_generate_through_router_equals_direct(cluster: Cluster, body: Dict[str,
         routed_outs, direct_outs = [routed_outs], [direct_outs]
     assert len(routed_outs) == len(direct_outs)
     for a, b in zip(routed_outs, direct_outs):
-        _same_generation(a, b)
+        same_generation(a, b)
     if "rid" in body:
         assert routed_outs[0]["meta_info"]["id"] == body["rid"]
 
@@ -162,9 +128,9 @@ def test_generate_through_router_equals_direct(cluster: Cluster, body: Dict[str,
 def test_generate_stream_through_router_equals_direct(cluster: Cluster) -> None:
     body = {"text": "Streaming through", "stream": True, "return_logprob": True,
             "sampling_params": {**GREEDY, "max_new_tokens": 8}}
-    routed = _stream(cluster.router_url, "/generate", body)
-    direct = _stream(cluster.worker_urls[1], "/generate", body)
-    _same_generation(routed[-1], direct[-1])
+    routed = stream_events(cluster.router_url, "/generate", body)
+    direct = stream_events(cluster.worker_urls[1], "/generate", body)
+    same_generation(routed[-1], direct[-1])
     # Cumulative text, as SGLang streams it: every event extends the one before.
     texts = [event["text"] for event in routed]
     assert all(later.startswith(earlier) for earlier, later in zip(texts, texts[1:]))
@@ -174,8 +140,8 @@ def test_generate_stream_through_router_equals_direct(cluster: Cluster) -> None:
 def test_router_refuses_a_batch_of_texts(cluster: Cluster) -> None:
     """The router's request type has `text: string`: a list of texts never reaches a worker."""
     body = {"text": ["one", "two"], "sampling_params": GREEDY}
-    assert _post(cluster.router_url, "/generate", body).status_code == 422
-    direct = _post(cluster.worker_urls[0], "/generate", body)
+    assert post(cluster.router_url, "/generate", body).status_code == 422
+    direct = post(cluster.worker_urls[0], "/generate", body)
     assert direct.status_code == 200 and len(direct.json()) == 2
 
 
@@ -183,12 +149,12 @@ def test_sglang_fields_pass_when_unset_and_are_refused_when_used(cluster: Cluste
     unset = {"text": "Fields", "sampling_params": {**GREEDY, "regex": None, "json_schema": None},
              "model": MODEL, "image_data": None, "lora_path": None, "return_hidden_states": False,
              "log_metrics": True, "no_logs": False, "session_params": None, "priority": None}
-    routed = _post(cluster.router_url, "/generate", unset)
-    direct = _post(cluster.worker_urls[0], "/generate", unset)
+    routed = post(cluster.router_url, "/generate", unset)
+    direct = post(cluster.worker_urls[0], "/generate", unset)
     assert routed.status_code == 200 and direct.status_code == 200, (routed.text, direct.text)
-    _same_generation(routed.json(), direct.json())
+    same_generation(routed.json(), direct.json())
     for url in (cluster.router_url, cluster.worker_urls[0]):
-        refused = _post(url, "/generate", {"text": "x", "lora_path": "my-adapter"})
+        refused = post(url, "/generate", {"text": "x", "lora_path": "my-adapter"})
         assert refused.status_code == 400
         assert "lora_path" in refused.json()["message"]
 
@@ -210,7 +176,7 @@ def _usage(usage: Dict[str, Any]) -> Tuple[int, int]:
 ], ids=["completions", "chat"])
 def test_openai_through_router_equals_direct(cluster: Cluster, path: str, body: Dict[str, Any]) -> None:
     body = {"model": MODEL, "max_tokens": 5, "temperature": 0, "ignore_eos": True, **body}
-    routed, direct = _post(cluster.router_url, path, body), _post(cluster.worker_urls[1], path, body)
+    routed, direct = post(cluster.router_url, path, body), post(cluster.worker_urls[1], path, body)
     assert routed.status_code == 200 and direct.status_code == 200, (routed.text, direct.text)
     assert _choices(routed.json()) == _choices(direct.json())
     assert _usage(routed.json()["usage"]) == _usage(direct.json()["usage"])
@@ -236,8 +202,8 @@ def test_openai_stream_through_router_equals_direct(cluster: Cluster, path: str,
         assert chunks[-1]["choices"] == []  # the include_usage chunk comes last
         return texts, reasons, _usage(chunks[-1]["usage"])
 
-    routed = assemble(_stream(cluster.router_url, path, body))
-    assert routed == assemble(_stream(cluster.worker_urls[0], path, body))
+    routed = assemble(stream_events(cluster.router_url, path, body))
+    assert routed == assemble(stream_events(cluster.worker_urls[0], path, body))
     assert set(routed[0]) == {0, 1} and routed[1] == {0: "length", 1: "length"}
 
 
@@ -269,16 +235,16 @@ def test_info_routes_and_what_the_router_reads(cluster: Cluster) -> None:
 
 def test_flush_cache_through_router_reaches_both_workers(cluster: Cluster) -> None:
     for url in cluster.worker_urls:  # something cached on each
-        assert _post(url, "/generate", {"text": "fill the cache", "sampling_params": GREEDY}).status_code == 200
-    assert all(_state(url)["evictable_tokens"] > 0 for url in cluster.worker_urls)
+        assert post(url, "/generate", {"text": "fill the cache", "sampling_params": GREEDY}).status_code == 200
+    assert all(server_state(url)["evictable_tokens"] > 0 for url in cluster.worker_urls)
     response = httpx.post(f"{cluster.router_url}/flush_cache", timeout=60)
     assert response.status_code == 200, response.text
-    assert all(_state(url)["evictable_tokens"] == 0 for url in cluster.worker_urls)
+    assert all(server_state(url)["evictable_tokens"] == 0 for url in cluster.worker_urls)
 
 
 def test_engine_metrics_through_router(cluster: Cluster) -> None:
     for url in cluster.worker_urls:  # a finished request on each, so that its counters exist
-        assert _post(url, "/generate", {"text": "count me", "sampling_params": GREEDY}).status_code == 200
+        assert post(url, "/generate", {"text": "count me", "sampling_params": GREEDY}).status_code == 200
     response = httpx.get(f"{cluster.router_url}/engine_metrics", timeout=30)
     assert response.status_code == 200, response.text
     # The router merges the workers' /metrics, one `worker_addr` label per worker (and spells the
@@ -311,27 +277,13 @@ def test_abort_and_load_while_a_stream_runs_through_the_router(cluster: Cluster)
         for url in cluster.worker_urls:
             aborted = httpx.post(f"{url}/abort_request", json={"rid": "router-abort-me"}, timeout=30)
             assert aborted.status_code == 200
-        rest = _sse_payloads(list(lines))
+        rest = sse_payloads(list(lines))
     # A client abort ends the stream as in SGLang: its partial output with finish_reason abort.
     assert rest[-1] == "[DONE]"
     assert json.loads(rest[-2])["meta_info"]["finish_reason"]["type"] == "abort", rest[-2]
 
 
 # ---------------------------------------------------------------------------- disconnects
-def _wait_idle(url: str) -> Dict[str, Any]:
-    last: Dict[str, Any] = {}
-
-    def idle() -> bool:
-        nonlocal last
-        last = _state(url)
-        return last["num_running_reqs"] == 0 and last["num_waiting_reqs"] == 0
-
-    assert wait_until(idle, 60, interval=0.2), last
-    assert last["available_tokens"] + last["evictable_tokens"] == last["max_total_num_tokens"], last
-    assert last["protected_tokens"] == 0, last
-    return last
-
-
 async def _disconnect_storm(router_url: str, worker_urls: List[str], streams: int, plain: int) -> None:
     """Non-streaming requests that are abandoned while they decode, and streams left after one event."""
     async with httpx.AsyncClient(timeout=TIMEOUT) as client:
@@ -346,7 +298,7 @@ async def _disconnect_storm(router_url: str, worker_urls: List[str], streams: in
             await client.post(f"{router_url}/generate", json={"text": f"storm plain {i}", "sampling_params": LONG})
 
         def plain_running() -> bool:  # every non-streaming request has reached a worker
-            return sum(_state(u)["num_running_reqs"] + _state(u)["num_waiting_reqs"] for u in worker_urls) >= plain
+            return sum(server_state(u)["num_running_reqs"] + server_state(u)["num_waiting_reqs"] for u in worker_urls) >= plain
 
         plain_tasks = [asyncio.create_task(wait_forever(i)) for i in range(plain)]
         assert await asyncio.to_thread(wait_until, plain_running, 60, 0.2)
@@ -357,10 +309,10 @@ async def _disconnect_storm(router_url: str, worker_urls: List[str], streams: in
 
 
 def test_disconnect_storm_leaves_both_workers_idle(cluster: Cluster) -> None:
-    before = {url: _state(url)["forward_ct"] for url in cluster.worker_urls}
+    before = {url: server_state(url)["forward_ct"] for url in cluster.worker_urls}
     asyncio.run(_disconnect_storm(cluster.router_url, cluster.worker_urls, streams=3, plain=3))
     for url in cluster.worker_urls:
-        after = _wait_idle(url)
+        after = wait_idle(url)
         # A request that was not aborted would have needed max_new_tokens decode steps.
         assert after["forward_ct"] - before[url] < LONG["max_new_tokens"], (before[url], after)
     # The router's own in-flight counters are back to zero too.
@@ -382,7 +334,7 @@ async def _requests_under_kill(cluster: Cluster, prompts: List[str]) -> Tuple[Li
                     response = await client.post(f"{cluster.router_url}/generate", json=body)
                     return response.status_code, response.json()["text"] if response.status_code == 200 else None
                 async with client.stream("POST", f"{cluster.router_url}/generate", json=body) as response:
-                    payloads = _sse_payloads([line async for line in response.aiter_lines()])
+                    payloads = sse_payloads([line async for line in response.aiter_lines()])
                 return response.status_code, payloads
             except httpx.TransportError as exc:  # the stream was cut: a clean failure
                 return "cut", repr(exc)
@@ -391,7 +343,7 @@ async def _requests_under_kill(cluster: Cluster, prompts: List[str]) -> Tuple[Li
         running_reqs: Dict[str, int] = {}
 
         def some_worker_decodes() -> bool:
-            running_reqs.update({w.url: _state(w.url)["num_running_reqs"] for w in cluster.workers})
+            running_reqs.update({w.url: server_state(w.url)["num_running_reqs"] for w in cluster.workers})
             return any(running_reqs.values())
 
         # cache_aware sends prompts with a shared prefix to one worker: kill that one.
@@ -405,7 +357,7 @@ async def _requests_under_kill(cluster: Cluster, prompts: List[str]) -> Tuple[Li
 def test_kill_one_worker_under_load_router_serves_from_the_other(cluster: Cluster) -> None:
     prompts = [f"Under load, request {i} says" for i in range(8)]
     batch = {"text": prompts, "sampling_params": {**GREEDY, "max_new_tokens": KILL_TOKENS}}
-    expected = _post(cluster.worker_urls[0], "/generate", batch)
+    expected = post(cluster.worker_urls[0], "/generate", batch)
     assert expected.status_code == 200
     expected_texts = [out["text"] for out in expected.json()]
     children: list = []
@@ -420,7 +372,7 @@ def test_kill_one_worker_under_load_router_serves_from_the_other(cluster: Cluste
         assert wait_until(victim_out, 30, interval=0.25), _router_workers(cluster.router_url)
         for prompt, text in zip(prompts[:2], expected_texts):
             body = {"text": prompt, "sampling_params": {**GREEDY, "max_new_tokens": KILL_TOKENS}}
-            response = _post(cluster.router_url, "/generate", body)
+            response = post(cluster.router_url, "/generate", body)
             assert response.status_code == 200 and response.json()["text"] == text
         # The killed server's children follow it (no orphans left behind).
         assert wait_until(lambda: not any(running(c) for c in children), 15)
