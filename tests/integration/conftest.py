@@ -97,15 +97,17 @@ class ServerProcess:
 
 
 def start_server_process(extra_args: Sequence[str] = (), wait: bool = True,
-                         own_process_group: bool = False) -> ServerProcess:
+                         own_process_group: bool = False, port: Optional[int] = None,
+                         env: Optional[dict] = None) -> ServerProcess:
     """`own_process_group`: start the server as the leader of a new process group (as a shell
-    starts a foreground job), so a test can signal the whole group the way Ctrl-C does."""
-    port = get_free_port()
+    starts a foreground job), so a test can signal the whole group the way Ctrl-C does.
+    `port`: a given port (a restart at the same address); `env`: extra environment variables."""
+    port = port or get_free_port()
     fd, log_path = tempfile.mkstemp(prefix="engine-server-", suffix=".log")
     args = [sys.executable, "-m", "engine.launch_server", "--port", str(port), *BASE_ARGS, *extra_args]
     with os.fdopen(fd, "w") as log_file:
         proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT,
-                                start_new_session=own_process_group)
+                                start_new_session=own_process_group, env={**os.environ, **(env or {})})
     server = ServerProcess(proc=proc, port=port, log_path=log_path, args=args)
     if wait:
         try:

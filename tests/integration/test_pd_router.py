@@ -10,9 +10,6 @@ every server is back at its empty-pool baseline with no transfer state left.
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import sys
 import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List
@@ -22,29 +19,10 @@ import pytest
 
 from conftest import ServerProcess, start_server_process
 from utils_http import post, same_generation, server_state, stream_events, wait_idle
+from utils_pd import needs_router, pd_cluster
 from engine.utils.network_utils import get_free_port
 
-try:
-    import sglang_router  # noqa: F401
-
-    HAVE_ROUTER = True
-except ImportError:
-    HAVE_ROUTER = False
-
-pytestmark = pytest.mark.skipif(
-    not HAVE_ROUTER, reason="sglang-router is not installed (pip install -e '.[router]')")
-
-
-def _load_pd_cluster() -> Any:
-    path = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks", "pd_cluster.py")
-    spec = importlib.util.spec_from_file_location("pd_cluster", path)
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["pd_cluster"] = module  # its dataclasses look their module up while it loads
-    spec.loader.exec_module(module)
-    return module
-
-
-pd_cluster = _load_pd_cluster()
+pytestmark = needs_router
 
 POLICIES = ("cache_aware", "round_robin", "power_of_two")
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}

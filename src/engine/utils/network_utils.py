@@ -14,7 +14,10 @@ def get_free_port(host: str = "127.0.0.1") -> int:
 
 
 def is_port_free(port: int, host: str = "127.0.0.1") -> bool:
+    """True when a server can listen on the port now. SO_REUSEADDR, as uvicorn binds: connections
+    of a server that just died (TIME_WAIT) must not keep its replacement from the same port."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))
         except OSError:
