@@ -1,78 +1,101 @@
 """PD disaggregation end to end: prefill and decode servers behind the real sglang-router.
 
-Two prefill servers and two decode servers (tcp backend on 127.0.0.1) behind three routers in
---pd-disaggregation mode, one per policy (cache_aware, round_robin, power_of_two), and one unified
-server as the oracle. Greedy outputs through every router equal the unified server's token for
-token (streaming and not, with logprobs; the router merges the prefill's input logprobs into the
-decode's answer); the decode servers computed no prompt token (they all arrived by transfer); and
-every server is back at its empty-pool baseline with no transfer state left.
+One deployment for the module: two prefill servers (tp=1) and two decode servers (one tp=1, one
+tp=2: each of its ranks pulls half of the KV heads) on the tcp backend over 127.0.0.1, behind
+three routers in --pd-disaggregation mode (cache_aware, round_robin, power_of_two), plus a
+unified server as the oracle.
+
+- Greedy outputs through every router equal the unified server's token for token, streaming and
+  not, with logprobs (the router merges the prefill's input logprobs into the decode's answer),
+  on /generate and the OpenAI routes.
+- The decode servers computed no prompt token (all arrived by transfer); every server ends at its
+  empty-pool baseline with no transfer state left (and --strict-memory-check would have killed a
+  server that leaked).
+- Last: kill -9 of a prefill server while requests wait for their KV: each gets an error answer,
+  the decode servers stay healthy and idle, and a prefill back at the same address serves again.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
+import os
+import signal
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Tuple
 
 import httpx
+import psutil
 import pytest
 
 from conftest import ServerProcess, start_server_process
-from utils_http import post, same_generation, server_state, stream_events, wait_idle
-from utils_pd import needs_router, pd_cluster
 from engine.utils.network_utils import get_free_port
+from utils_http import TIMEOUT, post, same_generation, server_state, stream_events, wait_idle
+from utils_pd import needs_router, pd_cluster
+from utils_process import running, wait_until
 
 pytestmark = needs_router
 
 POLICIES = ("cache_aware", "round_robin", "power_of_two")
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
 WORKER_ARGS = ["--enable-metrics"]
-ROUTER_ARGS = ["--health-check-interval-secs", "1", "--disable-retries"]
+# Fast heartbeats, so a dead prefill is noticed within about a second.
+DECODE_ARGS = ["--disaggregation-heartbeat-interval", "0.5", "--disaggregation-heartbeat-max-failures", "2"]
+ROUTER_ARGS = ["--health-check-interval-secs", "1", "--disable-retries", "--disable-circuit-breaker"]
 
 
 @dataclass
 class PDCluster:
     unified: ServerProcess
     prefills: List[ServerProcess]
+    bootstrap_ports: List[int]
     decodes: List[ServerProcess]
     routers: Dict[str, str] = field(default_factory=dict)
+    router_procs: List[Any] = field(default_factory=list)
+    router_log: Any = None
 
     def servers(self) -> List[ServerProcess]:
         return [self.unified, *self.prefills, *self.decodes]
+
+    def start_router(self, prefills: List[Tuple[str, int]], policy: str) -> str:
+        endpoints = [pd_cluster.PrefillEndpoint(url, port) for url, port in prefills]
+        proc, url = pd_cluster.start_pd_router(endpoints, [d.url for d in self.decodes], policy, self.router_log,
+                                               ROUTER_ARGS)
+        self.router_procs.append(proc)
+        try:
+            pd_cluster.wait_router_ready(proc, url, num_workers=len(prefills) + len(self.decodes))
+        except (RuntimeError, TimeoutError):
+            self.router_log.seek(0)
+            raise RuntimeError(self.router_log.read().decode(errors="replace")[-4000:]) from None
+        return url
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[PDCluster]:
     servers: List[ServerProcess] = []
-    routers = []
+    result = None
     with tempfile.TemporaryFile() as router_log:
         try:
             ports = [get_free_port() for _ in range(2)]
             prefills = [start_server_process(WORKER_ARGS + pd_cluster.prefill_server_args(p), wait=False)
                         for p in ports]
-            decodes = [start_server_process(WORKER_ARGS + pd_cluster.decode_server_args(), wait=False)
-                       for _ in range(2)]
+            decodes = [start_server_process(WORKER_ARGS + pd_cluster.decode_server_args() + DECODE_ARGS, wait=False),
+                       start_server_process(WORKER_ARGS + pd_cluster.decode_server_args() + DECODE_ARGS
+                                            + ["--tp-size", "2"], wait=False,
+                                            env={"ENGINE_CHECK_TP_SAMPLING": "1"})]  # ranks must agree
             unified = start_server_process(WORKER_ARGS, wait=False)
             servers = [unified, *prefills, *decodes]
             for server in servers:
                 server.wait_healthy()
-            result = PDCluster(unified, prefills, decodes)
-            endpoints = [pd_cluster.PrefillEndpoint(s.url, p) for s, p in zip(prefills, ports)]
+            result = PDCluster(unified, prefills, ports, decodes, router_log=router_log)
             for policy in POLICIES:
-                proc, url = pd_cluster.start_pd_router(endpoints, [d.url for d in decodes], policy, router_log,
-                                                       ROUTER_ARGS)
-                routers.append(proc)
-                result.routers[policy] = url
-            for proc, url in zip(routers, result.routers.values()):
-                try:
-                    pd_cluster.wait_router_ready(proc, url, num_workers=4)
-                except (RuntimeError, TimeoutError):
-                    router_log.seek(0)
-                    raise RuntimeError(router_log.read().decode(errors="replace")[-4000:]) from None
+                result.routers[policy] = result.start_router(list(zip([p.url for p in prefills], ports)), policy)
             yield result
         finally:
-            for proc in routers:
-                pd_cluster.stop_process(proc)
+            if result is not None:
+                for proc in result.router_procs:
+                    pd_cluster.stop_process(proc)
+                servers = result.servers()
             for server in servers:
                 server.stop()
 
@@ -81,9 +104,10 @@ PROMPTS = ["The capital of France is", "Disaggregated serving splits prefill fro
            "1 2 3 4 5 6 7 8 9 10 11 12"]
 
 
+# ---------------------------------------------------------------------------- equal to unified
 @pytest.mark.parametrize("policy", POLICIES)
 def test_generate_through_pd_router_equals_unified(cluster: PDCluster, policy: str) -> None:
-    for i, prompt in enumerate(PROMPTS):
+    for prompt in PROMPTS:
         body = {"text": prompt, "sampling_params": GREEDY, "return_logprob": True, "logprob_start_len": 0,
                 "top_logprobs_num": 2, "return_text_in_logprobs": True}
         routed = post(cluster.routers[policy], "/generate", body)
@@ -149,25 +173,97 @@ def test_a_pd_server_needs_the_bootstrap_fields(cluster: PDCluster) -> None:
         assert httpx.get(f"{server.url}/health_generate", timeout=60).status_code == 200
 
 
+def _rank_states(url: str) -> List[Dict[str, Any]]:
+    states = httpx.get(f"{url}/get_server_info", timeout=30).json()["internal_states"]
+    return [r for s in states for r in s.get("tp_rank_states", [s])]
+
+
 def test_decode_servers_computed_no_prompt_and_every_server_is_idle(cluster: PDCluster) -> None:
-    """Runs last in the module: what the requests above left behind."""
-    transferred = 0
     for server in cluster.servers():
         wait_idle(server.url)
     for decode in cluster.decodes:
-        state = server_state(decode.url)
-        pd = state["disaggregation"]
-        assert state["num_extend_tokens_computed"] == 0  # no prefill on a decode server, ever
-        assert (pd["num_decode_prealloc_queue_reqs"], pd["num_decode_transfer_queue_reqs"],
-                pd["num_decode_retracted_queue_reqs"], pd["num_decode_waiting_reqs"]) == (0, 0, 0, 0)
-        assert pd["metrics"]["num_transfer_failed_reqs"] == 0
-        transferred += pd["metrics"]["num_transferred_prompt_tokens"]
+        ranks = _rank_states(decode.url)
+        for rank in ranks:  # both ranks of the tp=2 decode server too
+            pd = rank["disaggregation"]
+            assert rank["num_extend_tokens_computed"] == 0  # no prefill on a decode server, ever
+            assert (pd["num_decode_prealloc_queue_reqs"], pd["num_decode_transfer_queue_reqs"],
+                    pd["num_decode_retracted_queue_reqs"], pd["num_decode_waiting_reqs"]) == (0, 0, 0, 0)
+            assert pd["metrics"]["num_transfer_failed_reqs"] == 0
+            assert pd["metrics"]["num_transferred_prompt_tokens"] > 0
+            assert rank["available_tokens"] == rank["max_total_num_tokens"]
         metrics = httpx.get(f"{decode.url}/metrics", timeout=30).text
         assert "sglang:num_transferred_prompt_tokens_total" in metrics
         assert "sglang:kv_transfer_latency_ms_bucket" in metrics
-    assert transferred > 0
-    assert all(server_state(p.url)["num_extend_tokens_computed"] > 0 for p in cluster.prefills)
+    assert len(_rank_states(cluster.decodes[1].url)) == 2
     for prefill in cluster.prefills:
-        pd = server_state(prefill.url)["disaggregation"]
+        state = server_state(prefill.url)
+        assert state["num_extend_tokens_computed"] > 0
+        pd = state["disaggregation"]
         assert (pd["num_prefill_prealloc_queue_reqs"], pd["num_prefill_inflight_queue_reqs"]) == (0, 0)
-    assert all(s.proc.poll() is None for s in cluster.servers())  # nobody died of a leak (strict check)
+
+
+# ---------------------------------------------------------------------------- prefill death (last)
+def _kill_tree(server: ServerProcess) -> None:
+    """SIGKILL to the server and every process it started, as when its machine dies."""
+    procs = [psutil.Process(server.pid)] + server.descendants()
+    for proc in procs:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    server.proc.wait(timeout=30)
+    assert wait_until(lambda: not any(running(p) for p in procs), 30)
+
+
+def _stream_status(url: str, body: dict) -> Tuple[int, str]:
+    with httpx.stream("POST", f"{url}/generate", json=body, timeout=TIMEOUT) as response:
+        return response.status_code, response.read().decode(errors="replace")
+
+
+def test_kill_prefill_mid_transfer_then_serve_again(cluster: PDCluster) -> None:
+    victim, port = cluster.prefills[1], cluster.bootstrap_ports[1]
+    router = cluster.start_router([(victim.url, port)], "round_robin")  # every request to the victim
+    scheduler = victim.find_child("scheduler")
+    os.kill(scheduler.pid, signal.SIGSTOP)  # frozen: the requests wait for KV that never comes
+    body = {"sampling_params": {**GREEDY, "max_new_tokens": 4}}
+    prompts = [f"request {i} waits for a prefill that dies" for i in range(4)]
+    with concurrent.futures.ThreadPoolExecutor(len(prompts)) as pool:
+        streamed = [pool.submit(_stream_status, router, {**body, "text": p, "stream": True}) for p in prompts[:3]]
+        plain = pool.submit(post, router, "/generate", {**body, "text": prompts[3]})
+
+        def all_waiting_for_kv() -> bool:
+            return sum(s["disaggregation"]["num_decode_transfer_queue_reqs"]
+                       for d in cluster.decodes for s in [server_state(d.url)]) == len(prompts)
+
+        assert wait_until(all_waiting_for_kv, 60, interval=0.1)
+        _kill_tree(victim)
+        results = [f.result(timeout=60) for f in streamed]
+        answer = plain.result(timeout=60)
+    # Every request got a terminal error: none hung, none finished without its prefill.
+    for status, text in results:
+        assert status == 500, text
+        assert "prefill server" in text and "heartbeat" in text
+    assert answer.status_code == 500, answer.text
+    # The decode servers are healthy and lost nothing.
+    failed = 0
+    for decode in cluster.decodes:
+        assert httpx.get(f"{decode.url}/health", timeout=30).status_code == 200
+        assert httpx.get(f"{decode.url}/health_generate", timeout=60).status_code == 200
+        failed += wait_idle(decode.url)["disaggregation"]["metrics"]["kv_transfer_failed_reqs_by_cause"].get(
+            "peer_dead", 0)
+    assert failed == len(prompts)
+
+    # A prefill server comes back at the same address.
+    cluster.prefills[1] = start_server_process(WORKER_ARGS + pd_cluster.prefill_server_args(port),
+                                               port=int(victim.url.rsplit(":", 1)[1]))
+
+    def router_serves() -> bool:
+        return post(router, "/generate", {**body, "text": "after the restart"}).status_code == 200
+
+    assert wait_until(router_serves, 120, interval=0.5)
+    again = post(router, "/generate", {**body, "text": prompts[0]})
+    assert again.status_code == 200, again.text
+    expected = post(cluster.unified.url, "/generate", {**body, "text": prompts[0]}).json()
+    assert again.json()["output_ids"] == expected["output_ids"]
+    for server in cluster.servers():
+        wait_idle(server.url)
