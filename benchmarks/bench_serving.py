@@ -533,10 +533,12 @@ class LaunchedServer:
 
 @contextmanager
 def launched_server(server_args: str, host: str = "127.0.0.1", timeout_s: float = 600.0,
-                    log_file: Optional[str] = None) -> Iterator[LaunchedServer]:
-    """Start `python -m engine.launch_server` on a free port; yield its URL and pid; always stop it."""
+                    log_file: Optional[str] = None, cmd_prefix: Sequence[str] = ()) -> Iterator[LaunchedServer]:
+    """Start `python -m engine.launch_server` on a free port; yield its URL and pid; always stop it.
+
+    `cmd_prefix` runs the server under another command (`taskset -c 0` pins it to a core)."""
     port = find_free_port(host)
-    cmd = [sys.executable, "-m", "engine.launch_server", "--host", host, "--port", str(port),
+    cmd = [*cmd_prefix, sys.executable, "-m", "engine.launch_server", "--host", host, "--port", str(port),
            *shlex.split(server_args)]
     logger.info("Launching: %s", " ".join(shlex.quote(c) for c in cmd))
     # The server's log goes to a file, not our stdout (it would break up the table); a temporary
