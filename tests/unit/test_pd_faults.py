@@ -11,7 +11,7 @@ import pytest
 
 from engine.disaggregation import conn_common, conn_decode, conn_prefill, decode, fake
 from engine.disaggregation.base import KVPoll
-from pd_utils import BOOTSTRAP_HOST, BOOTSTRAP_PORT, PDFakeWorker, PDPair, check_idle, unified
+from pd_utils import BOOTSTRAP_HOST, BOOTSTRAP_PORT, PDFakeWorker, PDPair, unified
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18]
 

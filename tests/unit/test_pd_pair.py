@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import pytest
 
-from engine.disaggregation.base import KVPoll
 from engine.disaggregation.fake import fake_first_token
 from pd_utils import EOS, VOCAB, PDFakeWorker, PDPair, unified
 
