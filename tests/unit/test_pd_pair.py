@@ -126,3 +126,12 @@ def test_fake_backend_decode_alone():
             assert len(h.outputs[rid].output_ids) == 4
     finally:
         h.scheduler.shutdown()
+
+
+def test_constrained_requests_are_refused_with_pd(pair):
+    p = pair()
+    rid = p.submit([1, 2, 3], max_new_tokens=4, regex="a+")
+    p.run_until_idle()
+    for side in (p.prefill, p.decode):
+        reason = side.outputs[rid].finished_reason
+        assert reason["status_code"] == 400 and "not supported with PD" in reason["message"]

@@ -11,9 +11,12 @@ from __future__ import annotations
 
 import threading
 from enum import Enum, IntEnum
-from typing import Dict, Iterable, List, Optional, Protocol, Tuple
+from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Protocol, Tuple
 
 from engine.distributed.parallel_state import all_reduce_min_small_ints
+
+if TYPE_CHECKING:
+    from engine.managers.req import Req
 
 # A request whose bootstrap_host is this address skips the prefill server altogether (SGLang's
 # fake transfer: warm-up, health probes, decode-only benchmarks).
@@ -154,3 +157,16 @@ def validate_bootstrap_fields(host: Optional[str], port: Optional[int], room: Op
         # 0 is reserved: a metadata row whose room stamp is 0 has not been written yet.
         return f"bootstrap_room must be in [1, 2^63), got {room}."
     return None
+
+
+def validate_pd_request(req: "Req", server_is_fake: bool) -> Optional[str]:
+    """Why a PD server cannot take `req` (a 400), or None.
+
+    A server with the fake backend takes requests without bootstrap fields (nothing to pair with).
+    """
+    if req.sampling_params.constraint is not None:
+        return ("Constrained decoding (regex, ebnf, json_schema, response_format) is not supported with PD "
+                "disaggregation: send it to a server with --disaggregation-mode null.")
+    if req.bootstrap_host is None and server_is_fake:
+        return None
+    return validate_bootstrap_fields(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room)

@@ -27,7 +27,7 @@ from engine.disaggregation.base import (
     FAKE_BOOTSTRAP_HOST,
     DisaggregationMode,
     bootstrap_addr,
-    validate_bootstrap_fields,
+    validate_pd_request,
 )
 from engine.disaggregation.conn_common import KVReceiver, TransferConfig
 from engine.disaggregation.decode import AdmissionState, DecodeMemory, DecodeTransferQueue
@@ -76,10 +76,7 @@ class DecodeDisaggregation:
 
     # ------------------------------------------------------------------ requests in
     def validate(self, req: Req) -> Optional[str]:
-        if req.bootstrap_host is None and self.backend == TransferBackend.FAKE:
-            return None
-        error = validate_bootstrap_fields(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room)
-        return error or self.prealloc.capacity_error(req)
+        return validate_pd_request(req, self.backend == TransferBackend.FAKE) or self.prealloc.capacity_error(req)
 
     def add_request(self, req: Req, is_retracted: bool = False) -> None:
         if is_retracted:

@@ -22,7 +22,7 @@ from engine.disaggregation.base import (
     FailureCause,
     KVPoll,
     poll_and_all_reduce,
-    validate_bootstrap_fields,
+    validate_pd_request,
 )
 from engine.disaggregation.conn_common import KVSender, TransferConfig
 from engine.disaggregation.decode import abort_req
@@ -73,9 +73,7 @@ class PrefillDisaggregation:
 
     # ------------------------------------------------------------------ requests in
     def validate(self, req: Req) -> Optional[str]:
-        if req.bootstrap_host is None and self.backend == TransferBackend.FAKE:
-            return None
-        error = validate_bootstrap_fields(req.bootstrap_host, req.bootstrap_port, req.bootstrap_room)
+        error = validate_pd_request(req, self.backend == TransferBackend.FAKE)
         if error is None and req.return_logprob and req.top_logprobs_num > MAX_TOP_LOGPROBS:
             error = f"top_logprobs_num must be <= {MAX_TOP_LOGPROBS} with PD disaggregation."
         return error

@@ -42,6 +42,8 @@ from engine.managers.scheduler_embedding import (
 from engine.managers.scheduler_output import OutputStreamer, ResultProcessor
 from engine.sampling.custom_logit_processor import CustomLogitProcessorError, load_custom_logit_processor
 
+from engine.disaggregation.roles import make_role
+
 if TYPE_CHECKING:
     from engine.constrained.base_grammar_backend import BaseGrammarBackend
     from engine.disaggregation.decode_scheduler import DecodeDisaggregation
@@ -144,8 +146,7 @@ class Scheduler:
         # PD disaggregation: the prefill or decode role, a collaborator that owns the transfer
         # queues (engine/disaggregation/); None in a unified server.
         self.retraction_backup: Optional[Callable[[Req], None]] = None
-        self.disagg: Optional[Union[PrefillDisaggregation, DecodeDisaggregation]] = _make_disaggregation(
-            self, transfer_network)
+        self.disagg: Optional[Union[PrefillDisaggregation, DecodeDisaggregation]] = make_role(self, transfer_network)
         handoff = self.disagg.handoff if self.disagg is not None and self.disagg.mode == "prefill" else None
         self.results = ResultProcessor(self.tree_cache, prefill_handoff=handoff)
         self.streamer = OutputStreamer(server_args.stream_interval)
@@ -858,16 +859,3 @@ def _tp_min_or_none() -> Optional[Callable[[int], int]]:
     from engine.distributed.parallel_state import all_reduce_min_int, get_tp_size
 
     return all_reduce_min_int if get_tp_size() > 1 else None
-def _make_disaggregation(scheduler: Scheduler, network: Any) -> Optional[Union[PrefillDisaggregation,
-                                                                              DecodeDisaggregation]]:
-    """The PD role collaborator for --disaggregation-mode prefill|decode, else None."""
-    mode = scheduler.server_args.disaggregation_mode
-    if mode == "prefill":
-        from engine.disaggregation.prefill import PrefillDisaggregation
-
-        return PrefillDisaggregation(scheduler, network)
-    if mode == "decode":
-        from engine.disaggregation.decode_scheduler import DecodeDisaggregation
-
-        return DecodeDisaggregation(scheduler, network)
-    return None

@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from typing import Any, AsyncIterator, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Sequence, Union
 
 import psutil
 import zmq
@@ -61,6 +61,9 @@ from engine.managers.request_normalizer import (
 from engine.server_args import PortArgs, ServerArgs
 from engine.utils.tokenizer_utils import load_tokenizer
 from engine.utils.zmq_utils import get_zmq_socket
+
+if TYPE_CHECKING:
+    from engine.disaggregation.bootstrap import BootstrapServer
 
 logger = logging.getLogger(__name__)
 
@@ -128,6 +131,8 @@ class TokenizerManager:
         self.last_output_tstamp = 0.0
         self.metrics_collector: Optional[TokenizerMetricsCollector] = (
             TokenizerMetricsCollector(self.served_model_name) if server_args.enable_metrics else None)
+        # A PD prefill server's bootstrap server (started with the children; closed with us).
+        self.bootstrap_server: Optional[BootstrapServer] = None
 
     @property
     def tokenizer(self) -> Any:
