@@ -35,6 +35,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import bench_router  # noqa: E402
 import bench_serving  # noqa: E402
 import pd_cluster  # noqa: E402
 from serving_datasets import SampledRequest  # noqa: E402
@@ -119,11 +120,11 @@ def serve_pd(args: argparse.Namespace, work: List[Arrival]) -> Tuple[Dict[str, A
         router, url = pd_cluster.start_pd_router([pd_cluster.PrefillEndpoint(prefill.base_url, bootstrap_port)],
                                                  [decode.base_url], "round_robin", log)
         try:
-            pd_cluster.wait_router_ready(router, url, num_workers=2)
+            bench_router.wait_router_ready(router, url, num_workers=2)
             outputs, duration = asyncio.run(run_workload(url, work))
             state = httpx.get(f"{decode.base_url}/get_server_info", timeout=30).json()["internal_states"][0]
         finally:
-            pd_cluster.stop_process(router)
+            bench_router.stop_process(router)
     pd = state["disaggregation"]["metrics"]
     latency = pd["histograms"]["kv_transfer_latency_ms"]
     transfers = latency["cumulative_counts"][-1]

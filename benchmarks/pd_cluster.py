@@ -1,33 +1,26 @@
 """Start PD deployments for tests and benchmarks: prefill and decode servers behind sglang-router.
 
 `start_pd_router` runs `python -m sglang_router.launch_router --pd-disaggregation --prefill URL
-BOOTSTRAP_PORT ... --decode URL ... --policy P` on free ports of 127.0.0.1; `wait_router_ready`
-polls GET /workers until every worker is registered and healthy.
+BOOTSTRAP_PORT ... --decode URL ... --policy P` on free ports of 127.0.0.1 (wait for it and stop
+it with bench_router's `wait_router_ready` and `stop_process`).
 """
 
 from __future__ import annotations
 
-import signal
-import socket
+import os
 import subprocess
 import sys
-import time
 from dataclasses import dataclass
-from typing import Any, Dict, List, Sequence, Tuple
+from typing import Any, List, Sequence, Tuple
 
-import httpx
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_serving import find_free_port  # noqa: E402
 
 
 @dataclass(frozen=True)
 class PrefillEndpoint:
     url: str
     bootstrap_port: int
-
-
-def find_free_port(host: str = "127.0.0.1") -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 def prefill_server_args(bootstrap_port: int) -> List[str]:
@@ -51,32 +44,3 @@ def start_pd_router(prefills: Sequence[PrefillEndpoint], decodes: Sequence[str],
         cmd += ["--decode", decode]
     cmd += list(extra_args)
     return subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT), f"http://127.0.0.1:{port}"
-
-
-def router_workers(router_url: str) -> List[Dict[str, Any]]:
-    return httpx.get(f"{router_url}/workers", timeout=10).json()["workers"]
-
-
-def wait_router_ready(proc: subprocess.Popen, router_url: str, num_workers: int, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the router exited with code {proc.returncode}")
-        try:
-            listed = router_workers(router_url)
-            if len(listed) == num_workers and all(w.get("is_healthy", False) for w in listed):
-                return
-        except (httpx.HTTPError, ValueError, KeyError):
-            pass
-        time.sleep(0.25)
-    raise TimeoutError(f"the router did not register {num_workers} healthy workers in {timeout_s:.0f} s")
-
-
-def stop_process(proc: subprocess.Popen, timeout_s: float = 15.0) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait(timeout=10)

@@ -31,9 +31,11 @@ import pytest
 from conftest import ServerProcess, start_server_process
 from engine.utils.network_utils import get_free_port
 from utils_http import TIMEOUT, post, same_generation, server_state, stream_events, wait_idle
-from utils_pd import needs_router, pd_cluster
+from utils_bench import load_benchmark_module, needs_router
 from utils_process import running, wait_until
 
+bench_router = load_benchmark_module("bench_router")
+pd_cluster = load_benchmark_module("pd_cluster")
 pytestmark = needs_router
 
 POLICIES = ("cache_aware", "round_robin", "power_of_two")
@@ -63,7 +65,7 @@ class PDCluster:
                                                ROUTER_ARGS)
         self.router_procs.append(proc)
         try:
-            pd_cluster.wait_router_ready(proc, url, num_workers=len(prefills) + len(self.decodes))
+            bench_router.wait_router_ready(proc, url, num_workers=len(prefills) + len(self.decodes))
         except (RuntimeError, TimeoutError):
             self.router_log.seek(0)
             raise RuntimeError(self.router_log.read().decode(errors="replace")[-4000:]) from None
@@ -94,7 +96,7 @@ def cluster() -> Iterator[PDCluster]:
         finally:
             if result is not None:
                 for proc in result.router_procs:
-                    pd_cluster.stop_process(proc)
+                    bench_router.stop_process(proc)
                 servers = result.servers()
             for server in servers:
                 server.stop()

@@ -10,12 +10,10 @@ serving from the other. The module shares one router and two workers; the kill t
 from __future__ import annotations
 
 import asyncio
-import importlib.util
 import json
 import os
 import signal
 import subprocess
-import sys
 import tempfile
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
@@ -25,30 +23,12 @@ import pytest
 
 from conftest import ServerProcess, start_server_process
 from utils_http import TIMEOUT, post, same_generation, server_state, sse_payloads, stream_events, wait_idle
+from utils_bench import load_benchmark_module, needs_router
 from utils_process import running, wait_until
 
 
-def _load_bench_router() -> Any:
-    """benchmarks/bench_router.py: it starts the router and waits for it the same way."""
-    bench_dir = os.path.join(os.path.dirname(__file__), "..", "..", "benchmarks")
-    spec = importlib.util.spec_from_file_location("bench_router", os.path.join(bench_dir, "bench_router.py"))
-    module = importlib.util.module_from_spec(spec)
-    sys.modules["bench_router"] = module  # its dataclasses look their module up while it loads
-    spec.loader.exec_module(module)
-    return module
-
-
-bench_router = _load_bench_router()
-
-try:
-    import sglang_router  # noqa: F401
-
-    HAVE_ROUTER = True
-except ImportError:
-    HAVE_ROUTER = False
-
-pytestmark = pytest.mark.skipif(
-    not HAVE_ROUTER, reason="sglang-router is not installed (pip install -e '.[router]')")
+bench_router = load_benchmark_module("bench_router")
+pytestmark = needs_router
 
 MODEL = "engine-builtin"
 WORKER_ARGS = ["--enable-metrics"]

@@ -74,8 +74,10 @@ class PDFakeWorker(FakeWorker):
 
 
 def pd_args(mode: str, **kwargs) -> dict:
+    # Timeouts the fault tests step past with a fake clock (pd tests never wait for them).
     args = dict(disaggregation_mode=mode, disaggregation_transfer_backend="loopback",
-                disaggregation_bootstrap_port=BOOTSTRAP_PORT, host=BOOTSTRAP_HOST, num_reserved_decode_tokens=4)
+                disaggregation_bootstrap_port=BOOTSTRAP_PORT, host=BOOTSTRAP_HOST, num_reserved_decode_tokens=4,
+                disaggregation_bootstrap_timeout=30.0, disaggregation_waiting_timeout=30.0)
     args.update(kwargs)
     return args
 

@@ -14,6 +14,7 @@ from engine.disaggregation.base import KVPoll
 from pd_utils import BOOTSTRAP_HOST, BOOTSTRAP_PORT, PDFakeWorker, PDPair, unified
 
 PROMPT = [11, 12, 13, 14, 15, 16, 17, 18]
+PREFILL_TO_DECODE = ("KVFrame", "AuxFrame", "StatusMsg")
 
 
 class Clock:
@@ -33,25 +34,6 @@ def clock(monkeypatch):
     for module in (conn_common, conn_decode, conn_prefill, decode, fake):
         monkeypatch.setattr(module, "now", c)
     return c
-
-
-@pytest.fixture
-def make_pair():
-    pairs = []
-
-    def make(**kwargs):
-        kwargs.setdefault("prefill_kwargs", {})
-        kwargs["prefill_kwargs"].setdefault("disaggregation_bootstrap_timeout", 30.0)
-        kwargs.setdefault("decode_kwargs", {})
-        kwargs["decode_kwargs"].setdefault("disaggregation_waiting_timeout", 30.0)
-        kwargs["decode_kwargs"].setdefault("disaggregation_bootstrap_timeout", 30.0)
-        p = PDPair(**kwargs)
-        pairs.append(p)
-        return p
-
-    yield make
-    for p in pairs:
-        p.close()
 
 
 def expected(prompt, **sampling):
@@ -128,7 +110,7 @@ def test_handshake_failure_bad_bootstrap_port(make_pair, clock):
 
 def test_abort_with_frames_in_flight_drops_them_and_reuses_the_slots(make_pair, clock):
     p = make_pair()
-    for kind in ("KVFrame", "AuxFrame", "StatusMsg"):
+    for kind in PREFILL_TO_DECODE:
         p.net.hold(kind)
     rid = p.submit(PROMPT, max_new_tokens=4)
     step_until(p, lambda: len(p.net.held) == 3)  # the prefill sent everything; nothing arrived yet
@@ -136,7 +118,7 @@ def test_abort_with_frames_in_flight_drops_them_and_reuses_the_slots(make_pair, 
     p.decode.abort(rid)
     p.step()
     assert p.decode.outputs[rid].finished_reason["type"] == "abort"
-    for kind in ("KVFrame", "AuxFrame", "StatusMsg"):
+    for kind in PREFILL_TO_DECODE:
         p.net.release(kind)
     p.net.pump()
     assert p.decode.scheduler.disagg.manager.late_frames == 3  # one KV frame, the aux row, the status
@@ -251,7 +233,7 @@ def test_retraction_resumes_from_the_kv_backup(make_pair, clock, overlap):
 
 def test_waiting_timeout_aborts_and_tells_the_prefill(make_pair, clock):
     p = make_pair()
-    for kind in ("KVFrame", "AuxFrame", "StatusMsg"):
+    for kind in PREFILL_TO_DECODE:
         p.net.drop(kind)  # the KV never arrives
     rid = p.submit(PROMPT, max_new_tokens=4)
     step_until(p, lambda: p.prefill.scheduler.disagg.inflight)

@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 
 from engine.disaggregation.fake import fake_first_token
-from pd_utils import EOS, VOCAB, PDFakeWorker, PDPair, unified
+from pd_utils import EOS, VOCAB, PDFakeWorker, unified
 
 PROMPTS = [[5, 6, 7], [11, 12, 13, 14, 15, 16, 17, 18], [3] * 20, [40, 41], list(range(50, 90)), [7]]
 
@@ -24,23 +24,9 @@ def oracle(prompts, **sampling):
     return [h.outputs[r].output_ids for r in rids]
 
 
-@pytest.fixture
-def pair(request):
-    pairs = []
-
-    def make(**kwargs):
-        p = PDPair(**kwargs)
-        pairs.append(p)
-        return p
-
-    yield make
-    for p in pairs:
-        p.close()
-
-
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
-def test_happy_path_single(pair, overlap):
-    p = pair(overlap_prefill=overlap, overlap_decode=overlap)
+def test_happy_path_single(make_pair, overlap):
+    p = make_pair(overlap_prefill=overlap, overlap_decode=overlap)
     rid = p.submit(PROMPTS[1], max_new_tokens=16)
     p.run_until_idle()
     out = p.decode.outputs[rid]
@@ -54,9 +40,9 @@ def test_happy_path_single(pair, overlap):
 
 
 @pytest.mark.parametrize("page_size", [1, 4])
-def test_happy_path_concurrent_fifo(pair, page_size):
+def test_happy_path_concurrent_fifo(make_pair, page_size):
     prompts = PROMPTS * 3
-    p = pair(prefill_worker=PDFakeWorker(page_size=page_size), decode_worker=PDFakeWorker(page_size=page_size,
+    p = make_pair(prefill_worker=PDFakeWorker(page_size=page_size), decode_worker=PDFakeWorker(page_size=page_size,
                                                                                         extra_rows=32),
              prefill_kwargs=dict(page_size=page_size), decode_kwargs=dict(page_size=page_size))
     rids = [p.submit(pr, max_new_tokens=6 + i % 5) for i, pr in enumerate(prompts)]
@@ -74,8 +60,8 @@ def test_happy_path_concurrent_fifo(pair, page_size):
     assert order == [r for r in rids if r in published]  # FIFO admission
 
 
-def test_streaming_first_chunk_is_the_handoff_token(pair):
-    p = pair()
+def test_streaming_first_chunk_is_the_handoff_token(make_pair):
+    p = make_pair()
     rid = p.submit(PROMPTS[2], max_new_tokens=8, stream=True)
     p.run_until_idle()
     out = p.decode.outputs[rid]
@@ -84,17 +70,17 @@ def test_streaming_first_chunk_is_the_handoff_token(pair):
     assert sum(out.emissions, []) == expected
 
 
-def test_quick_finish_max_new_tokens_one(pair):
-    p = pair()
+def test_quick_finish_max_new_tokens_one(make_pair):
+    p = make_pair()
     rid = p.submit(PROMPTS[0], max_new_tokens=1)
     p.run_until_idle()
     assert p.decode.outputs[rid].output_ids == oracle([PROMPTS[0]], max_new_tokens=1)[0]
     assert p.decode.worker.records == []  # finished at the prebuilt stage: no decode step ran
 
 
-def test_quick_finish_on_eos(pair):
+def test_quick_finish_on_eos(make_pair):
     eos_first = PDFakeWorker(next_token=lambda last: EOS)
-    p = pair(prefill_worker=eos_first, decode_worker=PDFakeWorker(extra_rows=32))
+    p = make_pair(prefill_worker=eos_first, decode_worker=PDFakeWorker(extra_rows=32))
     rid = p.submit(PROMPTS[3], max_new_tokens=10)
     p.run_until_idle()
     assert p.decode.outputs[rid].output_ids == [EOS]
@@ -102,8 +88,8 @@ def test_quick_finish_on_eos(pair):
     assert p.decode.worker.records == []
 
 
-def test_max_new_tokens_zero_returns_no_token(pair):
-    p = pair()
+def test_max_new_tokens_zero_returns_no_token(make_pair):
+    p = make_pair()
     rid = p.submit(PROMPTS[0], max_new_tokens=0)
     p.run_until_idle()
     assert p.decode.outputs[rid].output_ids == []
@@ -128,8 +114,8 @@ def test_fake_backend_decode_alone():
         h.scheduler.shutdown()
 
 
-def test_constrained_requests_are_refused_with_pd(pair):
-    p = pair()
+def test_constrained_requests_are_refused_with_pd(make_pair):
+    p = make_pair()
     rid = p.submit([1, 2, 3], max_new_tokens=4, regex="a+")
     p.run_until_idle()
     for side in (p.prefill, p.decode):

@@ -68,8 +68,8 @@ def count_retractions(monkeypatch) -> List[int]:
     calls: List[int] = []
     orig = ScheduleBatch.retract_decode
 
-    def spy(self):
-        out = orig(self)
+    def spy(self, *args, **kwargs):
+        out = orig(self, *args, **kwargs)
         calls.append(len(out[0]))
         return out
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import threading
 from enum import Enum, IntEnum
-from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Protocol, Tuple
+from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Protocol, Tuple, TypeVar
 
 from engine.distributed.parallel_state import all_reduce_min_small_ints
 
@@ -50,6 +50,18 @@ class FailureCause(str, Enum):
     CORRUPT = "corrupt"  # checksum, byte count or metadata room mismatch
     CONFIG = "config"  # the two sides' KV layouts or TP sizes cannot be paired
     INJECTED = "injected"  # test fault injection
+
+
+T = TypeVar("T")
+
+
+def take_matching(items: List[T], match: Callable[[T], bool]) -> Tuple[List[T], List[T]]:
+    """(the items that match, the others), both in their order (a queue sweep)."""
+    taken: List[T] = []
+    kept: List[T] = []
+    for item in items:
+        (taken if match(item) else kept).append(item)
+    return taken, kept
 
 
 class PollSource(Protocol):

@@ -22,7 +22,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from engine.disaggregation.base import FailureCause, KVPoll, poll_and_all_reduce
+from engine.disaggregation.base import FailureCause, KVPoll, poll_and_all_reduce, take_matching
 from engine.disaggregation.conn_common import KVReceiver, now
 from engine.disaggregation.fake import fake_first_token
 from engine.disaggregation.metadata import MetadataBuffers, ReqToMetadataIdxAllocator
@@ -205,17 +205,12 @@ class DecodeTransferQueue:
 
     def abort(self, match: Callable[[Req], bool]) -> List[Req]:
         """Client aborts: fence, free and answer at once (status None: a client's own abort)."""
-        aborted, kept = [], []
-        for dreq in self.queue:
-            if match(dreq.req):
-                dreq.kv_receiver.abort("aborted by the client")
-                dreq.req.finished_reason = FINISH_ABORT()
-                self._release(dreq)
-                aborted.append(dreq.req)
-            else:
-                kept.append(dreq)
-        self.queue = kept
-        return aborted
+        taken, self.queue = take_matching(self.queue, lambda d: match(d.req))
+        for dreq in taken:
+            dreq.kv_receiver.abort("aborted by the client")
+            dreq.req.finished_reason = FINISH_ABORT()
+            self._release(dreq)
+        return [d.req for d in taken]
 
 
 class _GatedSource:

@@ -17,7 +17,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from engine.disaggregation.base import KVPoll, poll_and_all_reduce
+from engine.disaggregation.base import KVPoll, poll_and_all_reduce, take_matching
 from engine.disaggregation.conn_common import KVReceiver
 from engine.disaggregation.decode import (
     AdmissionState,
@@ -133,23 +133,12 @@ class DecodePreallocQueue:
     # ------------------------------------------------------------------ aborts
     def abort(self, match: Callable[[Req], bool]) -> List[Req]:
         """Client aborts: these requests hold no decode memory yet (a retracted one holds a backup)."""
-        aborted: List[Req] = []
-        kept: List[DecodeRequest] = []
-        for dreq in self.queue:
-            if match(dreq.req):
-                dreq.kv_receiver.abort("aborted by the client")
-                dreq.kv_receiver.clear()
-                dreq.req.finished_reason = FINISH_ABORT()
-                aborted.append(dreq.req)
-            else:
-                kept.append(dreq)
-        self.queue = kept
-        kept_retracted: List[RetractedReq] = []
-        for rreq in self.retracted_queue:
-            if match(rreq.req):
-                rreq.req.finished_reason = FINISH_ABORT()
-                aborted.append(rreq.req)
-            else:
-                kept_retracted.append(rreq)
-        self.retracted_queue = kept_retracted
+        taken, self.queue = take_matching(self.queue, lambda d: match(d.req))
+        for dreq in taken:
+            dreq.kv_receiver.abort("aborted by the client")
+            dreq.kv_receiver.clear()
+        retracted, self.retracted_queue = take_matching(self.retracted_queue, lambda r: match(r.req))
+        aborted = [d.req for d in taken] + [r.req for r in retracted]
+        for req in aborted:
+            req.finished_reason = FINISH_ABORT()
         return aborted

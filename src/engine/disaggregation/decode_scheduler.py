@@ -26,6 +26,7 @@ import torch
 from engine.disaggregation.base import (
     FAKE_BOOTSTRAP_HOST,
     DisaggregationMode,
+    take_matching,
     bootstrap_addr,
     validate_pd_request,
 )
@@ -34,7 +35,7 @@ from engine.disaggregation.decode import AdmissionState, DecodeMemory, DecodeTra
 from engine.disaggregation.decode_prealloc import DecodePreallocQueue
 from engine.disaggregation.fake import FakeKVReceiver
 from engine.disaggregation.kv_io import gather_kv, scatter_kv
-from engine.disaggregation.metadata import MetadataBuffers, ReqToMetadataIdxAllocator
+from engine.disaggregation.metadata import MetadataBuffers, ReqToMetadataIdxAllocator, idle_leaks
 from engine.disaggregation.metrics import DisaggMetrics
 from engine.disaggregation.setup import TransferBackend, build_decode_manager, kv_args_for
 from engine.managers.req import FINISH_ABORT, Req
@@ -198,32 +199,18 @@ class DecodeDisaggregation:
 
     # ------------------------------------------------------------------ aborts and state
     def abort(self, match: Callable[[Req], bool]) -> List[Req]:
-        aborted = self.prealloc.abort(match) + self.transfer.abort(match)
-        kept = []
-        for req in self.waiting:
-            if match(req):
-                self.memory.release(req)
-                req.finished_reason = req.finished_reason or FINISH_ABORT()
-                aborted.append(req)
-            else:
-                kept.append(req)
-        self.waiting = kept
-        return aborted
+        waiting, self.waiting = take_matching(self.waiting, match)
+        for req in waiting:  # transferred: it holds its row and KV
+            self.memory.release(req)
+            req.finished_reason = req.finished_reason or FINISH_ABORT()
+        return self.prealloc.abort(match) + self.transfer.abort(match) + waiting
 
     def is_idle(self) -> bool:
         return not (self.prealloc.queue or self.prealloc.retracted_queue or self.transfer.queue or self.waiting)
 
     def check_memory(self) -> Optional[str]:
         memory = self.memory
-        problems = []
-        if memory.metadata_allocator.available_size() != memory.metadata_allocator.size:
-            problems.append(f"metadata rows free {memory.metadata_allocator.available_size()}/"
-                            f"{memory.metadata_allocator.size}")
-        if bool((memory.metadata.rows["room"] != 0).any()):
-            problems.append("a free metadata row still carries a room stamp")
-        if self.manager is not None and self.manager.idle_state()["rooms"]:
-            problems.append(f"transfer rooms left: {self.manager.idle_state()}")
-        return "; ".join(problems) or None
+        return idle_leaks(memory.metadata, memory.metadata_allocator, self.manager)
 
     def internal_state(self) -> Dict[str, Any]:
         return {

@@ -12,7 +12,7 @@ bootstrap information, so two servers with different layouts refuse to pair).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import Dict, List, Optional, Protocol
 
 import numpy as np
 
@@ -112,3 +112,20 @@ class ReqToMetadataIdxAllocator:
             raise ValueError(f"metadata row {index} is already free (double free)")
         self._is_free[index] = True
         self.free_slots.append(index)
+
+
+class _TransferManager(Protocol):
+    def idle_state(self) -> Dict[str, int]: ...
+
+
+def idle_leaks(metadata: MetadataBuffers, allocator: ReqToMetadataIdxAllocator,
+               manager: Optional[_TransferManager]) -> Optional[str]:
+    """What a PD side still holds when it should hold nothing (the idle memory check), or None."""
+    problems = []
+    if allocator.available_size() != allocator.size:
+        problems.append(f"metadata rows free {allocator.available_size()}/{allocator.size}")
+    if bool((metadata.rows["room"] != 0).any()):
+        problems.append("a free metadata row still carries a room stamp")
+    if manager is not None and manager.idle_state()["rooms"]:
+        problems.append(f"transfer rooms left: {manager.idle_state()}")
+    return "; ".join(problems) or None

@@ -22,6 +22,7 @@ from engine.disaggregation.base import (
     FailureCause,
     KVPoll,
     poll_and_all_reduce,
+    take_matching,
     validate_pd_request,
 )
 from engine.disaggregation.conn_common import KVSender, TransferConfig
@@ -32,6 +33,7 @@ from engine.disaggregation.metadata import (
     FirstTokenMetadata,
     MetadataBuffers,
     ReqToMetadataIdxAllocator,
+    idle_leaks,
 )
 from engine.disaggregation.metrics import DisaggMetrics
 from engine.disaggregation.setup import TransferBackend, build_prefill_manager, kv_args_for
@@ -123,18 +125,15 @@ class PrefillDisaggregation:
         """The last chunk of `req` was prefilled and its first token appended: send its KV."""
         preq = self.tracked.pop(id(req))
         scheduler = self.scheduler
-        if preq.sender.poll() == KVPoll.Failed or req.to_finish is not None:
-            reason, cause = preq.sender.failure()
-            if req.to_finish is not None:  # aborted by the client while it was prefilled
-                preq.sender.abort("aborted by the client")
-                req.finished_reason, req.to_finish = req.to_finish, None
-            else:
-                abort_req(req, f"KV transfer failed: {reason}")
-                self.metrics.observe_failure(True, cause)
+        if req.to_finish is not None:  # aborted by the client while it was prefilled (all ranks)
+            preq.sender.abort("aborted by the client")
+            req.finished_reason, req.to_finish = req.to_finish, None
             preq.sender.clear()
             scheduler.tree_cache.cache_finished_req(req, is_insert=False)
             scheduler.stream([req])
             return
+        # A sender that failed meanwhile is not looked at here: its rank alone may know. The send
+        # stops at once and the inflight queue's reduced poll fails the request on every rank.
         # Keep the prompt's KV (shareable, locked by this request) until the transfer is done.
         scheduler.tree_cache.cache_unfinished_req(req)
         index = self.metadata_allocator.alloc()
@@ -182,35 +181,21 @@ class PrefillDisaggregation:
 
     # ------------------------------------------------------------------ aborts and state
     def abort(self, match: Callable[[Req], bool]) -> List[Req]:
-        aborted: List[Req] = []
-        kept: List[PrefillRequest] = []
-        for preq in self.bootstrap_queue:
-            if match(preq.req):
-                preq.sender.abort("aborted by the client")
-                preq.sender.clear()
-                preq.req.finished_reason = FINISH_ABORT()
-                aborted.append(preq.req)
-            else:
-                kept.append(preq)
-        self.bootstrap_queue = kept
+        taken, self.bootstrap_queue = take_matching(self.bootstrap_queue, lambda p: match(p.req))
+        for preq in taken:
+            preq.sender.abort("aborted by the client")
+            preq.sender.clear()
+            preq.req.finished_reason = FINISH_ABORT()
         for preq in self.inflight:  # the next poll sees Failed and releases
             if match(preq.req):
                 preq.sender.abort("aborted by the client")
-        return aborted
+        return [p.req for p in taken]
 
     def is_idle(self) -> bool:
         return not (self.bootstrap_queue or self.tracked or self.inflight)
 
     def check_memory(self) -> Optional[str]:
-        problems = []
-        if self.metadata_allocator.available_size() != self.metadata_allocator.size:
-            problems.append(f"metadata rows free {self.metadata_allocator.available_size()}/"
-                            f"{self.metadata_allocator.size}")
-        if bool((self.metadata.rows["room"] != 0).any()):
-            problems.append("a free metadata row still carries a room stamp")
-        if self.manager is not None and self.manager.idle_state()["rooms"]:
-            problems.append(f"transfer rooms left: {self.manager.idle_state()}")
-        return "; ".join(problems) or None
+        return idle_leaks(self.metadata, self.metadata_allocator, self.manager)
 
     def internal_state(self) -> Dict[str, Any]:
         return {
