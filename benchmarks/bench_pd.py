@@ -1,9 +1,10 @@
 """PD disaggregation against one unified server, and the KV transfer path against a memory copy.
 
 Part 1, serving (side by side, one run): the same workload through
-  - unified: one server on both cores;
-  - PD: a prefill server pinned to core 0 and a decode server pinned to core 1 (one thread each),
-    behind sglang-router in --pd-disaggregation mode.
+  - unified: one server on cores 0-1, with 2 threads and again with 1 (a 2-thread OpenMP team
+    suffers most from other processes on a shared machine; the PD servers have 1 thread each);
+  - PD: a prefill server pinned to core 0 and a decode server pinned to core 1, behind
+    sglang-router in --pd-disaggregation mode.
 The workload has decode-heavy requests (short prompts, long outputs) that start together, and long
 prompts that arrive one by one while they decode. Reported: TTFT of the long prompts, ITL
 (p50/p99/max) of the decoding requests (what a long prefill disturbs), throughput.
@@ -104,8 +105,9 @@ def summarize(work: Sequence[Arrival], outputs: Sequence[bench_serving.RequestOu
     }
 
 
-def serve_unified(args: argparse.Namespace, work: List[Arrival]) -> Dict[str, Any]:
-    with bench_serving.launched_server(args.server_args, cmd_prefix=["taskset", "-c", "0,1"]) as server:
+def serve_unified(args: argparse.Namespace, work: List[Arrival], threads: int) -> Dict[str, Any]:
+    server_args = f"{args.server_args} --threads-per-rank {threads}"
+    with bench_serving.launched_server(server_args, cmd_prefix=["taskset", "-c", "0,1"]) as server:
         outputs, duration = asyncio.run(run_workload(server.base_url, work))
     return summarize(work, outputs, duration)
 
@@ -239,18 +241,19 @@ def _best(fn, repeats: int) -> float:
 
 # ---------------------------------------------------------------------------- report
 def report(results: Dict[str, Any]) -> str:
-    lines = ["", "Serving: unified (2 cores) vs PD (prefill on core 0, decode on core 1) through sglang-router"]
-    header = f"{'':28s}{'unified':>14s}{'PD':>14s}"
-    lines.append(header)
+    lines = ["", "Serving on cores 0-1: unified (2 threads; 1 thread) vs PD (prefill on core 0, decode on core 1, "
+                 "1 thread each) through sglang-router"]
+    configs = ("unified", "unified_1t", "pd")
+    lines.append(f"{'':28s}{'unified 2t':>14s}{'unified 1t':>14s}{'PD':>14s}")
     rows = [("long-prompt TTFT mean (ms)", "long_ttft_ms", "mean"), ("long-prompt TTFT p99 (ms)", "long_ttft_ms", "p99"),
             ("decode ITL p50 (ms)", "decode_itl_ms", "p50"), ("decode ITL p99 (ms)", "decode_itl_ms", "p99"),
             ("decode ITL max (ms)", "decode_itl_ms", "max"), ("decode TTFT mean (ms)", "decode_ttft_ms", "mean")]
     for label, key, stat in rows:
-        lines.append(f"{label:28s}{results['unified'][key][stat]:14.1f}{results['pd'][key][stat]:14.1f}")
+        lines.append(f"{label:28s}" + "".join(f"{results[c][key][stat]:14.1f}" for c in configs))
     for label, key in (("output throughput (tok/s)", "output_throughput"), ("total throughput (tok/s)",
                                                                             "total_throughput"),
                        ("failed requests", "failed")):
-        lines.append(f"{label:28s}{results['unified'][key]:14.1f}{results['pd'][key]:14.1f}")
+        lines.append(f"{label:28s}" + "".join(f"{results[c][key]:14.1f}" for c in configs))
     served = results["pd_served"]
     lines.append(f"PD decode server: {served['transferred_prompt_tokens']} prompt tokens by transfer, "
                  f"{served['decode_computed_tokens']} computed; mean wait for KV after reserving memory "
@@ -291,7 +294,10 @@ def main(argv: Optional[Sequence[str]] = None) -> Dict[str, Any]:
         from engine.builtin_model import SPEC
 
         work = build_workload(args, SPEC.vocab_size)
-        results["unified"] = serve_unified(args, work)
+        results["unified"] = serve_unified(args, work, threads=2)
+        # One OpenMP thread, as each PD server has: on a shared machine a 2-thread team loses far
+        # more to other processes than two 1-thread processes do (docs/architecture.md).
+        results["unified_1t"] = serve_unified(args, work, threads=1)
         results["pd"], results["pd_served"] = serve_pd(args, work)
     results["transfer"] = [
         asdict(measure_transfer("built-in (4x4x32 fp32)", 4, 4, 32, torch.float32, args.transfer_tokens,

@@ -39,3 +39,6 @@ run grammar_normal python benchmarks/bench_grammar.py --threads 1 --repeats 7 --
 # Issue 18: all-MiniLM-L6-v2 through the server against sentence-transformers; radix cache on a decoder embedding model.
 run embeddings_t1 python benchmarks/bench_embeddings.py --num-sentences 512 --batch-sizes 1 8 64 --concurrency 4 --threads 1 --skip-prefix-reuse --output-file bench_results/embeddings_t1.json
 run embeddings python benchmarks/bench_embeddings.py --num-sentences 512 --batch-sizes 1 8 64 --concurrency 4 --output-file bench_results/embeddings.json
+# Issue 16: PD (prefill and decode on a core each, behind sglang-router) against a unified server;
+# the KV transfer path against a memory copy.
+run pd python benchmarks/bench_pd.py --output-file bench_results/pd.json

@@ -173,8 +173,11 @@ class PrefillKVManager:
         except TransportError as e:
             self.fail_room(room, f"KV transfer to the decode server failed: {e}", FailureCause.PEER_DEAD)
             return
-        self.metrics.observe_sent(sent_bytes, time.perf_counter() - start)
+        seconds = time.perf_counter() - start
+        self.metrics.observe_sent(sent_bytes, seconds)
         self.status.update(room, KVPoll.Success)
+        logger.debug("KV of room %d sent to %d decode rank(s): %d bytes in %.1f ms", room, len(dsts), sent_bytes,
+                     seconds * 1e3)
 
     def _send_to(self, room: int, slots: torch.Tensor, aux: bytes, aux_crc: int, dst: DstInfo) -> int:
         """All frames of `room` for one decode rank (bytes sent); -1 when the room failed meanwhile."""

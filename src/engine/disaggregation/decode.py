@@ -179,9 +179,15 @@ class DecodeTransferQueue:
                 return False
             token, logprob, top_val, top_idx, cached = (meta.output_id, meta.logprob, meta.top_val, meta.top_idx,
                                                         meta.cached_tokens)
-        receiver.times.done = now()
-        self.metrics.observe_received(receiver.times, receiver.received_bytes(),
+        times = receiver.times
+        times.done = now()
+        self.metrics.observe_received(times, receiver.received_bytes(),
                                       0 if receiver.is_fake else len(req.origin_input_ids))
+        if logger.isEnabledFor(logging.DEBUG) and times.bootstrapped is not None and times.dst_sent is not None:
+            logger.debug("KV of %s (room %s) committed: bootstrap %.1f ms, waited for memory %.1f ms, transfer "
+                         "%.1f ms, %d bytes", req.rid, req.bootstrap_room, (times.bootstrapped - times.created) * 1e3,
+                         (times.dst_sent - times.bootstrapped) * 1e3, (times.done - times.dst_sent) * 1e3,
+                         receiver.received_bytes())
         receiver.clear()
         self.memory.release_metadata(index)
         req.cached_tokens = cached

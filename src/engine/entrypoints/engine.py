@@ -16,7 +16,7 @@ import logging
 import threading
 import time
 import weakref
-from typing import Any, AsyncIterator, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Optional, Union
 
 from engine.managers.embedding_requests import EmbeddingReqInput
 from engine.managers.errors import EngineRequestError
@@ -27,6 +27,9 @@ from engine.server_args import PortArgs, ServerArgs
 from engine.utils.child_processes import ChildProcesses, LaunchError
 from engine.utils.network_utils import get_free_port
 from engine.utils.tokenizer_utils import load_tokenizer
+
+if TYPE_CHECKING:
+    from engine.disaggregation.bootstrap import BootstrapServer
 
 logger = logging.getLogger(__name__)
 
@@ -95,7 +98,7 @@ def launch_subprocesses(server_args: ServerArgs) -> tuple[ServerArgs, ChildProce
     return server_args, children, tokenizer_manager
 
 
-def start_bootstrap_server(server_args: ServerArgs) -> Optional[Any]:
+def start_bootstrap_server(server_args: ServerArgs) -> Optional["BootstrapServer"]:
     """The bootstrap server of a PD prefill server (tcp backend, node 0), else None."""
     if (server_args.disaggregation_mode != "prefill" or server_args.disaggregation_transfer_backend != "tcp"
             or server_args.node_rank != 0):
