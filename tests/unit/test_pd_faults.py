@@ -303,3 +303,36 @@ def test_metadata_gate_holds_success_until_the_row_arrives(make_pair, clock):
     p.net.release("AuxFrame")
     p.run_until_idle()
     assert p.decode.outputs[rid].output_ids == expected(PROMPT, max_new_tokens=3)
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_pause_retract_on_decode_resumes_from_the_kv_backup(make_pair, clock, overlap):
+    from engine.managers.io_struct import ContinueGenerationReqInput, PauseGenerationReqInput
+
+    p = make_pair(overlap_decode=overlap)
+    rids = [p.submit([i + 3] * 7, max_new_tokens=12, stream=True) for i in range(2)]
+    step_until(p, lambda: all(len(p.decode.outputs[r].output_ids) >= 3 for r in rids))
+    control = p.decode.scheduler.control
+    assert control.pause_generation(PauseGenerationReqInput(mode="retract")).success
+    assert len(p.decode.scheduler.disagg.prealloc.retracted_queue) == 2  # their KV backed up, freed
+    assert control.continue_generation(ContinueGenerationReqInput(torch_empty_cache=False)).success
+    p.run_until_idle()
+    assert [p.decode.outputs[r].output_ids for r in rids] == [expected([i + 3] * 7, max_new_tokens=12)
+                                                              for i in range(2)]
+    assert p.decode.scheduler.num_extend_tokens_computed == 0
+
+
+def test_memory_release_is_refused_while_kv_is_in_transfer(make_pair, clock):
+    from engine.managers.io_struct import ReleaseMemoryOccupationReqInput
+
+    p = make_pair()
+    for kind in PREFILL_TO_DECODE:
+        p.net.hold(kind)
+    rid = p.submit(PROMPT, max_new_tokens=3)
+    step_until(p, lambda: len(p.net.held) == 3)
+    refused = p.decode.scheduler.control.release_memory_occupation(ReleaseMemoryOccupationReqInput())
+    assert not refused.success and "1 request(s)" in refused.message
+    for kind in PREFILL_TO_DECODE:
+        p.net.release(kind)
+    p.run_until_idle()
+    assert p.decode.outputs[rid].output_ids == expected(PROMPT, max_new_tokens=3)

@@ -205,6 +205,10 @@ class DecodeDisaggregation:
             req.finished_reason = req.finished_reason or FINISH_ABORT()
         return self.prealloc.abort(match) + self.transfer.abort(match) + waiting
 
+    def requests_holding_kv(self) -> int:
+        """Requests that hold decode memory outside the running batch (in transfer or waiting)."""
+        return len(self.transfer.queue) + len(self.waiting)
+
     def is_idle(self) -> bool:
         return not (self.prealloc.queue or self.prealloc.retracted_queue or self.transfer.queue or self.waiting)
 

@@ -191,6 +191,10 @@ class PrefillDisaggregation:
                 preq.sender.abort("aborted by the client")
         return [p.req for p in taken]
 
+    def requests_holding_kv(self) -> int:
+        """Requests whose KV is locked for their transfer (the others are in the scheduler's view)."""
+        return len(self.inflight)
+
     def is_idle(self) -> bool:
         return not (self.bootstrap_queue or self.tracked or self.inflight)
 

@@ -206,6 +206,7 @@ class ScheduleBatch:
         self.seq_lens_cpu = [r.kv_allocated_len for r in reqs]
         self.seq_lens = _i64(self.seq_lens_cpu)
         self.top_logprobs_nums = [r.top_logprobs_num for r in reqs]
+        self.token_ids_logprobs = [r.token_ids_logprob for r in reqs]
         from engine.sampling.sampling_batch_info import SamplingBatchInfo
 
         self.sampling_info = SamplingBatchInfo.from_reqs(reqs, self.vocab_size, self.device)
@@ -323,10 +324,13 @@ class ScheduleBatch:
         self.tree_cache.cache_finished_req(req, is_insert=False)
         req.reset_for_retract()
 
-    def preempt(self, victims: List[Req]) -> None:
-        """Priority preemption: release `victims` (running requests) and drop them from the batch."""
+    def preempt(self, victims: List[Req], before_release: Optional[Callable[[Req], None]] = None) -> None:
+        """Priority preemption: release `victims` (running requests) and drop them from the batch.
+        `before_release` as in retract_decode."""
         chosen = {id(r) for r in victims}
         for req in victims:
+            if before_release is not None:
+                before_release(req)
             self._release_for_retract(req)
         self.filter_batch(keep_indices=[i for i, r in enumerate(self.reqs) if id(r) not in chosen])
 

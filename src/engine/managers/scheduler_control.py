@@ -102,7 +102,7 @@ class SchedulerControl:
         batch = s.running_batch
         victims: List[Req] = [r for r in batch.reqs if not r.finished()]
         if victims:
-            batch.preempt(victims)
+            batch.preempt(victims, s.retraction_backup)  # a PD decode server keeps their KV
         s.running_batch = s._empty_batch()
         chunked, s.chunked_req = s.chunked_req, None
         s.pending_chunked_abort = False
@@ -222,7 +222,8 @@ class SchedulerControl:
             reqs.update((id(r), r) for r in s.last_batch.reqs)
         if s.chunked_req is not None:
             reqs[id(s.chunked_req)] = s.chunked_req
-        return sum(1 for r in reqs.values() if not r.finished() and not r.is_retracted)
+        transferring = s.disagg.requests_holding_kv() if s.disagg is not None else 0  # PD: outside the batches
+        return transferring + sum(1 for r in reqs.values() if not r.finished() and not r.is_retracted)
 
     def flush_kv(self) -> None:
         """Reset the radix cache and the pools (no request may hold KV; waiting ones hold none)."""
