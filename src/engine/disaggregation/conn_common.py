@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import torch
 
@@ -13,8 +13,6 @@ from engine.disaggregation.base import FailureCause, KVPoll
 from engine.disaggregation.kv_io import KVLayout
 from engine.disaggregation.metadata import METADATA_SCHEMA_VERSION, MetadataBuffers
 from engine.mem_cache.memory_pool import MHATokenToKVPool
-
-Clock = Callable[[], float]
 
 
 @dataclass

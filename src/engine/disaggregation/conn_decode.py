@@ -314,9 +314,6 @@ class DecodeKVReceiver(KVReceiver):
         self.times = TransferTimes(created=now())
         self.state = manager.add_room(room, addr)
 
-    def init(self, prefill_dp_rank: int = 0) -> None:
-        """SGLang's signature; the prefill is resolved lazily in poll() (DP rank is always 0)."""
-
     def poll(self) -> KVPoll:
         status = self.manager.status.get(self.room)
         config = self.manager.config
