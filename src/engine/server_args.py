@@ -317,6 +317,8 @@ class ServerArgs:
              f"--disaggregation-heartbeat-max-failures must be >= 1, got {self.disaggregation_heartbeat_max_failures}")
         if self.disaggregation_mode != "null":
             need(self.dp_size == 1, "--disaggregation-mode prefill|decode supports --dp-size 1 only")
+            need(not self.is_embedding, "--disaggregation-mode prefill|decode serves generative models only, "
+                                        "not --is-embedding")
             need(not (self.disaggregation_mode == "prefill" and self.port == self.disaggregation_bootstrap_port),
                  "--disaggregation-bootstrap-port must differ from --port")
 

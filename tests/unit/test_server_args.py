@@ -53,3 +53,8 @@ def test_operational_timeouts_and_threads_are_flags():
 def test_bad_timeouts_and_threads_are_refused(field, value, message):
     with pytest.raises(ServerArgsError, match=message):
         ServerArgs(device="cpu", **{field: value})
+
+
+def test_pd_disaggregation_refuses_an_embedding_model():
+    with pytest.raises(ServerArgsError, match="generative models only"):
+        ServerArgs(device="cpu", is_embedding=True, disaggregation_mode="prefill")

@@ -146,6 +146,8 @@ class Scheduler:
         # PD disaggregation: the prefill or decode role, a collaborator that owns the transfer
         # queues (engine/disaggregation/); None in a unified server.
         self.retraction_backup: Optional[Callable[[Req], None]] = None
+        if server_args.disaggregation_mode != "null" and not self.is_generation:
+            raise ValueError("PD disaggregation serves generative models only; this is an embedding model")
         self.disagg: Optional[Union[PrefillDisaggregation, DecodeDisaggregation]] = make_role(self, transfer_network)
         handoff = self.disagg.handoff if self.disagg is not None and self.disagg.mode == "prefill" else None
         self.results = ResultProcessor(self.tree_cache, prefill_handoff=handoff)
