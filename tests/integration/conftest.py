@@ -118,6 +118,16 @@ def start_server_process(extra_args: Sequence[str] = (), wait: bool = True,
     return server
 
 
+@pytest.fixture(scope="session")
+def tokenizer():
+    """The built-in model's tokenizer, as the servers of these tests load it."""
+    from transformers import AutoTokenizer
+
+    from engine.builtin_model import ensure_builtin_model
+
+    return AutoTokenizer.from_pretrained(ensure_builtin_model())
+
+
 @pytest.fixture(scope="module")
 def server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
     extra = list(getattr(request.module, "SERVER_ARGS", []))

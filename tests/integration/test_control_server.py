@@ -27,13 +27,6 @@ STEPS = 8
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(ensure_builtin_model())
-
-
-@pytest.fixture(scope="module")
 def new_checkpoint(tmp_path_factory) -> str:
     """The built-in model with every matrix scaled: same architecture, other outputs."""
     from safetensors.torch import load_file, save_file

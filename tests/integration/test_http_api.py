@@ -27,13 +27,6 @@ def http(base_url: str):
         yield client
 
 
-@pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(ensure_builtin_model())
-
-
 def internal_state(http: httpx.Client) -> Dict[str, Any]:
     info = http.get("/get_server_info")
     assert info.status_code == 200, info.text

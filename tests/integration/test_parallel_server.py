@@ -28,13 +28,6 @@ STEPS = 6
 
 
 @pytest.fixture(scope="module")
-def tokenizer():
-    from transformers import AutoTokenizer
-
-    return AutoTokenizer.from_pretrained(ensure_builtin_model())
-
-
-@pytest.fixture(scope="module")
 def oracle(tokenizer):
     """transformers' greedy continuation (float32) of a prompt, by text."""
     import torch
