@@ -1,7 +1,8 @@
 """Real-server fixtures: `python -m engine.launch_server` as a subprocess on a free port.
 
 `server` (module-scoped) starts one server per test module with the built-in model on the CPU;
-a module may set `SERVER_ARGS = [...]` to add flags. `server_url` is its base URL.
+a module may set `SERVER_ARGS = [...]` to add flags and `SERVER_ENV = {...}` to add environment
+variables. `server_url` is its base URL.
 `launch_server` is a factory for tests that need their own server (lifecycle tests); every server
 started through it is stopped at the end of the test, whatever happens.
 """
@@ -131,7 +132,7 @@ def tokenizer():
 @pytest.fixture(scope="module")
 def server(request: pytest.FixtureRequest) -> Iterator[ServerProcess]:
     extra = list(getattr(request.module, "SERVER_ARGS", []))
-    proc = start_server_process(extra)
+    proc = start_server_process(extra, env=getattr(request.module, "SERVER_ENV", None))
     try:
         yield proc
     finally:
