@@ -60,7 +60,10 @@ def cluster() -> Iterator[Cluster]:
     router: Optional[subprocess.Popen] = None
     with tempfile.TemporaryFile() as router_log:
         try:
-            workers = [start_server_process(WORKER_ARGS, wait=False) for _ in range(2)]
+            # Every forward takes at least 5 ms (a testing aid), so an abandoned LONG request cannot
+            # decode to its end before the disconnect reaches the worker, however fast the machine.
+            workers = [start_server_process(WORKER_ARGS, wait=False, env={"ENGINE_TEST_FORWARD_SLEEP_S": "0.005"})
+                       for _ in range(2)]
             for worker in workers:
                 worker.wait_healthy()
             router, url = bench_router.start_router([w.url for w in workers], "cache_aware", router_log, ROUTER_ARGS)
