@@ -48,6 +48,9 @@ if TYPE_CHECKING:
     from engine.constrained.base_grammar_backend import BaseGrammarBackend
     from engine.disaggregation.decode_scheduler import DecodeDisaggregation
     from engine.disaggregation.prefill import PrefillDisaggregation
+    from engine.managers.worker_protocol import ModelWorker
+    from engine.mem_cache.base_prefix_cache import BasePrefixCache
+    from engine.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -66,8 +69,8 @@ class MemoryLeakError(RuntimeError):
 class Scheduler:
     def __init__(
         self,
-        server_args: Any,
-        worker: Any = None,
+        server_args: ServerArgs,
+        worker: Optional[ModelWorker] = None,
         tokenizer: Any = None,
         gpu_id: int = 0,
         tp_rank: int = 0,
@@ -111,6 +114,7 @@ class Scheduler:
 
         self.req_to_token_pool = worker.req_to_token_pool
         self.token_to_kv_pool_allocator = worker.token_to_kv_pool_allocator
+        self.tree_cache: BasePrefixCache
         if server_args.disable_radix_cache or (not self.is_generation and not self.embedding_kv_reusable):
             from engine.mem_cache.chunk_cache import ChunkCache
 
@@ -621,6 +625,7 @@ class Scheduler:
             if self.enable_overlap and self.result_queue:
                 delay_sample = True
             else:
+                assert worker_batch.sampling_info is not None  # a generation batch always has one
                 worker_batch.sampling_info.vocab_mask = build_vocab_mask(batch.reqs, self.vocab_size)
 
         def forward():
@@ -651,6 +656,7 @@ class Scheduler:
     def process_batch_result(self, batch: ScheduleBatch, result) -> None:
         if isinstance(result, (PendingResult, DelayedSample)):
             result = result.result()  # waits for copy_done only here
+        assert batch.forward_mode is not None  # set when the batch was built
         if not self.is_generation:
             emit = process_embedding_result(batch, result, self.tree_cache, self.embedding_kv_reusable)
         elif batch.forward_mode.is_decode():
@@ -702,7 +708,8 @@ class Scheduler:
         """One iteration of the normal (non-overlap) loop."""
         self.process_input_requests(self.recv_requests())
         if self.control.blocks_scheduling():  # paused, or memory released: only inputs are handled
-            return self._step_blocked()
+            self._step_blocked()
+            return None
         if self.disagg is not None:
             self.disagg.process_queues()
         batch = self.get_next_batch_to_run()
@@ -730,7 +737,8 @@ class Scheduler:
         """
         self.process_input_requests(self.recv_requests())
         if self.control.blocks_scheduling():
-            return self._step_blocked()
+            self._step_blocked()
+            return None
         if self.disagg is not None:
             self.disagg.process_queues()
         batch = self.get_next_batch_to_run()
@@ -761,7 +769,7 @@ class Scheduler:
     def _is_disable_overlap_for_batch(self, batch: Optional[ScheduleBatch]) -> bool:
         last = self.last_batch
         return (self.server_args.disable_consecutive_prefill_overlap
-                and batch is not None and batch.forward_mode.is_extend()
+                and batch is not None and batch.forward_mode is not None and batch.forward_mode.is_extend()
                 and last is not None and last.forward_mode is not None and last.forward_mode.is_extend())
 
     def _pop_and_process(self) -> None:

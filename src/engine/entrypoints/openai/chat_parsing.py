@@ -38,10 +38,10 @@ def tool_call_schema(tools: List[Tool], tool_choice: Union[str, ToolChoice], par
     items = []
     for tool in chosen:
         parameters = dict(tool.function.parameters or {"type": "object", "properties": {}})
-        for name, schema in (parameters.pop("$defs", None) or {}).items():
-            if name in defs and defs[name] != schema:
+        for name, definition in (parameters.pop("$defs", None) or {}).items():
+            if name in defs and defs[name] != definition:
                 raise EngineRequestError(f"The tools define $defs/{name} twice, differently; give it one schema.")
-            defs[name] = schema
+            defs[name] = definition
         items.append({
             "type": "object",
             "properties": {"name": {"type": "string", "enum": [tool.function.name]}, "parameters": parameters},
@@ -114,9 +114,8 @@ def parse_choice(parsing: ChatParsing, text: str) -> ParsedChoice:
             content = normal
             calls = [ToolCall(id=new_tool_call_id(), function=FunctionCall(name=c.name, arguments=c.arguments))
                      for c in items]
-    if calls and not content.strip():
-        content = None  # OpenAI's shape of an answer that is only tool calls
-    return ParsedChoice(reasoning, content, calls)
+    # OpenAI's shape of an answer that is only tool calls: no content at all.
+    return ParsedChoice(reasoning, None if calls and not content.strip() else content, calls)
 
 
 @dataclass

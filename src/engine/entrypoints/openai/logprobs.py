@@ -8,7 +8,7 @@ top_logprobs dicts, text_offset); chat uses per-token objects with bytes.
 from __future__ import annotations
 
 import math
-from typing import Callable, List, Optional, Sequence
+from typing import Callable, Dict, List, Optional, Sequence
 
 from engine.entrypoints.openai.protocol import (
     ChatCompletionTokenLogprob,
@@ -28,6 +28,11 @@ def _finite(logprob: Optional[float]) -> Optional[float]:
     if logprob is None:
         return None
     return logprob if math.isfinite(logprob) else MIN_LOGPROB
+
+
+def _finite_or_min(logprob: Optional[float]) -> float:
+    """A number the OpenAI chat format can carry: -inf and a missing value become MIN_LOGPROB."""
+    return MIN_LOGPROB if logprob is None or not math.isfinite(logprob) else logprob
 
 
 def _text(entry: TokenEntry, decode: Decode) -> str:
@@ -60,7 +65,7 @@ def to_completion_logprobs(
             # The first prompt token has no logprob, so it has no alternatives either.
             result.top_logprobs.append(None)
             continue
-        alternatives = {}
+        alternatives: Dict[str, Optional[float]] = {}
         for top in tops or []:
             alternatives.setdefault(_text(top, decode), _finite(top[0]))
         alternatives.setdefault(token, logprob)
@@ -81,12 +86,12 @@ def to_chat_logprobs(
             ChatCompletionTokenLogprob(
                 token=token,
                 bytes=list(token.encode("utf-8")),
-                logprob=_finite(entry[0]) if entry[0] is not None else MIN_LOGPROB,
+                logprob=_finite_or_min(entry[0]),
                 top_logprobs=[
                     TopLogprob(
                         token=_text(top, decode),
                         bytes=list(_text(top, decode).encode("utf-8")),
-                        logprob=_finite(top[0]) if top[0] is not None else MIN_LOGPROB,
+                        logprob=_finite_or_min(top[0]),
                     )
                     for top in tops or []
                 ],

@@ -35,10 +35,12 @@ class ResponseFormat(BaseModel):
 
     def to_json_schema(self) -> Optional[str]:
         """The JSON schema text the output is constrained by (None for plain text)."""
-        if self.type == "json_object" or (self.type == "json_schema" and self.json_schema.schema_ is None):
+        if self.type == "json_object":
             return '{"type": "object"}'
         if self.type == "json_schema":
-            return json.dumps(self.json_schema.schema_)
+            assert self.json_schema is not None  # _check_schema
+            schema = self.json_schema.schema_
+            return '{"type": "object"}' if schema is None else json.dumps(schema)
         return None
 
 

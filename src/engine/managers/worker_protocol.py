@@ -1,0 +1,52 @@
+"""The scheduler's view of a model worker: what it calls, typed.
+
+`TpModelWorker` (managers/tp_worker.py) is the implementation that runs a model; tests and
+benchmarks plug in workers of their own (a fake next-token rule, a simulated device). The
+scheduler depends only on this protocol.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Protocol, Sequence, Set, Tuple
+
+import torch
+
+if TYPE_CHECKING:
+    from engine.managers.tp_worker import GenerationBatchResult
+    from engine.mem_cache.allocator import TokenToKVPoolAllocator
+    from engine.mem_cache.memory_pool import ReqToTokenPool
+    from engine.model_executor.forward_batch_info import ModelWorkerBatch
+
+
+class ModelWorker(Protocol):
+    req_to_token_pool: "ReqToTokenPool"
+    token_to_kv_pool_allocator: "TokenToKVPoolAllocator"
+
+    def get_worker_info(self) -> Dict[str, Any]:
+        """The limits the scheduler admits requests under (see tp_worker.worker_limits)."""
+
+    @property
+    def eos_token_ids(self) -> Set[int]: ...
+
+    def forward_batch_generation(self, batch: "ModelWorkerBatch",
+                                 delay_sample: bool = False) -> "GenerationBatchResult":
+        """Run the forward (and sample, unless `delay_sample`) of one batch."""
+
+    def sample_delayed(self, result: "GenerationBatchResult",
+                       vocab_mask: Optional[torch.Tensor]) -> "GenerationBatchResult":
+        """The sampling half of a forward run with `delay_sample=True`."""
+
+    # The control plane (managers/scheduler_control.py).
+    def update_weights_from_disk(self, model_path: str, load_format: Optional[str]) -> Tuple[bool, str]: ...
+
+    def update_weights_from_tensor(self, named_tensors: Sequence[Tuple[str, torch.Tensor]]) -> Tuple[bool, str]: ...
+
+    def rollback_weights(self) -> str: ...
+
+    def commit_weights(self) -> None: ...
+
+    def get_weights_by_name(self, name: str, truncate_size: int) -> Tuple[Optional[List[Any]], str]: ...
+
+    def release_memory_occupation(self, tags: Iterable[str]) -> None: ...
+
+    def resume_memory_occupation(self, tags: Iterable[str]) -> None: ...
