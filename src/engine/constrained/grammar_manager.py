@@ -76,6 +76,7 @@ class GrammarManager:
         entry, future = self.backend.get_cached_or_future_value(key)
         if entry is not None:
             return False, self._attach(req, entry)
+        assert future is not None  # no cached entry: the backend returned the compile's future
         self.grammar_queue.append(_Waiting(req, key, future, time.monotonic()))
         return True, None
 

@@ -163,11 +163,11 @@ def broadcast_bytes_list(items: Optional[List[bytes]]) -> List[bytes]:
     The header's size, the header (count and lengths), then one payload of all the bytes: three
     gloo broadcasts per scheduler iteration, two when the list is empty.
     """
+    items = list(items or [])  # ranks other than 0 pass None and fill theirs below
     if _TP.size == 1:
-        return list(items or [])
+        return items
     group = _TP.cpu_group
     if _TP.rank == 0:
-        items = list(items or [])
         header = torch.tensor([len(items)] + [len(b) for b in items], dtype=torch.int64)
         count = torch.tensor([header.numel()], dtype=torch.int64)
     else:
@@ -201,6 +201,7 @@ def gather_objects_to_rank0(obj: Any) -> Optional[List[Any]]:
     if _TP.size == 1:
         return [obj]
     group = _TP.cpu_group
+    assert group is not None  # init_tp_group sets it whenever size > 1
     out: Optional[List[Any]] = [None] * _TP.size if _TP.rank == 0 else None
     dist.gather_object(obj, out, dst=dist.get_global_rank(group, 0), group=group)
     return out

@@ -122,8 +122,8 @@ def load_weights_into(
         return
     missing: List[str] = []
     for pname in params:
-        fused = next((f for f in shards_of if f"{f}." in pname), None)
-        expected = shards_of[fused] if fused else {None}
+        owner = next((f for f in shards_of if f"{f}." in pname), None)
+        expected = shards_of[owner] if owner else {None}
         missing += [f"{pname}[{s}]" if s is not None else pname for s in expected if (pname, s) not in loaded]
     if missing:
         raise ValueError(f"checkpoint is missing {len(missing)} weight(s): {', '.join(sorted(missing)[:20])}")

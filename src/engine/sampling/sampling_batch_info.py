@@ -154,6 +154,7 @@ class SamplingBatchInfo:
         self.min_ps = self.min_ps[keep]
         self.row_kinds = self.row_kinds[torch.tensor(keep_indices, dtype=torch.int64)]
         if self.seeds is not None:
+            assert self.seeded_mask is not None  # seeds and seeded_mask are set together
             self.seeds = self.seeds[keep]
             self.seeded_mask = self.seeded_mask[keep]
             # Back to the unseeded fast path once no seeded row is left (decided on the CPU: no sync).
@@ -162,6 +163,7 @@ class SamplingBatchInfo:
         if self.logit_bias is not None:
             self.logit_bias = self.logit_bias[keep]
         if self.custom_params is not None:
+            assert self.custom_row_processors is not None  # _set_custom_rows sets both together
             self._set_custom_rows([self.custom_row_processors[i] for i in keep_indices],
                                   [self.custom_params[i] for i in keep_indices])
         self.pending_layout_ops.append(("filter", keep))
@@ -244,6 +246,7 @@ class SamplingBatchInfo:
     def apply_custom_logit_processors(self, logits: torch.Tensor) -> None:
         """Run the requests' custom logit processors on their rows (in place)."""
         if self.custom_logit_processor:
+            assert self.custom_params is not None  # _set_custom_rows sets both together
             apply_custom_logit_processors(logits[:, : self.vocab_size], self.custom_logit_processor,
                                           self.custom_params)
 

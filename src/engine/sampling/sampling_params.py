@@ -337,7 +337,7 @@ class SamplingParams:
         self.stop_regex = self.stop_regex_strs
         self.stop_regex_max_len = max((max_match_len(p) for p in self.stop_regex), default=0)
         if self.logit_bias:
-            self.logit_bias = {int(_parse_token_id(k)): float(v) for k, v in self.logit_bias.items()}
+            self.logit_bias = {_verified_token_id(k): float(v) for k, v in self.logit_bias.items()}
 
     @property
     def stop_strs(self) -> List[str]:
@@ -386,6 +386,12 @@ def _parse_token_id(key: Any) -> Optional[int]:
         except ValueError:
             return None
     return None
+
+
+def _verified_token_id(key: Any) -> int:
+    token_id = _parse_token_id(key)
+    assert token_id is not None  # verify() refused keys that do not parse
+    return int(token_id)
 
 
 def _stop_len(stop_str: str, tokenizer: Any) -> int:

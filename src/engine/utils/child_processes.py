@@ -111,6 +111,7 @@ class ChildProcesses:
             while not self._stopping.wait(WATCHDOG_INTERVAL_S):
                 for child in self.children:
                     if not child.process.is_alive() and not self._stopping.is_set():
+                        assert child.process.pid is not None  # start() adds a child only after starting it
                         on_death(child.name, child.process.pid, child.process.exitcode)
                         return
 
