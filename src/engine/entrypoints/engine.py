@@ -80,8 +80,10 @@ def launch_subprocesses(server_args: ServerArgs) -> tuple[ServerArgs, ChildProce
         if server_args.node_rank == 0:
             children.start("detokenizer", run_detokenizer_process, (server_args, port_args))
         # Load the tokenizer while the children load the model, not after.
+        tokenizer_path = server_args.tokenizer_path or server_args.model_path
+        assert tokenizer_path is not None  # resolve_model_path above filled it in
         tokenizer = None if server_args.skip_tokenizer_init else load_tokenizer(
-            server_args.tokenizer_path or server_args.model_path, server_args.trust_remote_code)
+            tokenizer_path, server_args.trust_remote_code)
         infos = children.wait_ready(server_args.startup_timeout)
         scheduler_info = infos[info_child]
         logger.info("All child processes are ready: max_total_num_tokens=%s, context_len=%s, "
@@ -246,7 +248,7 @@ class Engine:
             return_text_in_logprobs=return_text_in_logprobs,
         )
 
-    def _iterate_sync(self, outputs: AsyncIterator[dict]) -> Iterator[dict]:
+    def _iterate_sync(self, outputs: AsyncIterator[Union[dict, list[dict]]]) -> Iterator[dict]:
         try:
             while True:
                 try:
@@ -415,7 +417,7 @@ class _Waiter:
 class _AsyncStream:
     """An async iterator over a stream running in the engine's loop; awaiting it returns itself."""
 
-    def __init__(self, engine: Engine, outputs: AsyncIterator[dict]) -> None:
+    def __init__(self, engine: Engine, outputs: AsyncIterator[Union[dict, list[dict]]]) -> None:
         self._engine = engine
         self._outputs = outputs
 
@@ -440,8 +442,10 @@ class _AsyncStream:
             await self._engine._await_in_engine_loop(_aclose(self._outputs))
 
 
-async def _next(outputs: AsyncIterator[dict]) -> dict:
-    return await outputs.__anext__()
+async def _next(outputs: AsyncIterator[Union[dict, list[dict]]]) -> dict:
+    out = await outputs.__anext__()
+    assert isinstance(out, dict)  # a stream yields one dict per output; only a whole batch is a list
+    return out
 
 
 async def _aclose(outputs: Any) -> None:

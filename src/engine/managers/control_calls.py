@@ -207,6 +207,7 @@ class ControlCalls:
                 return True
             result: dict = {}
             async for out in self.manager.generate_request(obj):
+                assert isinstance(out, dict)  # one prompt: one dict per output
                 result = out
             reason = result.get("meta_info", {}).get("finish_reason") or {}
             return reason.get("type") != "abort"

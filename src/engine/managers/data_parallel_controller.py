@@ -37,6 +37,7 @@ from engine.managers.io_struct import (
     AbortReq,
     BatchEmbeddingOutput,
     GetInternalStateReq,
+    GetInternalStateReqOutput,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
     decode,
@@ -171,6 +172,7 @@ class DataParallelController:
         if isinstance(msg, CONTROL_REPLIES):
             asker = self.replies.on_reply(dp_rank, msg)
             if asker == _POLL:
+                assert isinstance(msg, GetInternalStateReqOutput)  # the poll is a get_internal_state call
                 self.poll_outstanding[dp_rank] = False
                 self.balancer.on_poll_reply(dp_rank, msg.internal_state)
             for group in self.replies.pop_complete():
@@ -275,7 +277,11 @@ def run_data_parallel_controller_process(server_args: Any, port_args: Any, pipe_
 
     children.start_watchdog(on_replica_death)
     # SIGTERM from the launcher: take the replicas down with us.
-    signal.signal(signal.SIGTERM, lambda *_: (children.shutdown(), os._exit(0)))
+    def on_sigterm(*_: Any) -> None:
+        children.shutdown()
+        os._exit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
     pipe_writer.send({"status": "ready", **infos[first_names[0]], "dp_size": server_args.dp_size})
     try:
         controller.event_loop()

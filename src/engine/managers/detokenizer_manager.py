@@ -167,7 +167,7 @@ class DetokenizerManager:
 
     @staticmethod
     def _matched_stop_str(finished_reason: Optional[dict], no_stop_trim: bool) -> bool:
-        return bool(finished_reason) and not no_stop_trim and isinstance(finished_reason.get("matched"), str)
+        return bool(finished_reason and not no_stop_trim and isinstance(finished_reason.get("matched"), str))
 
     def _text_len_before_last_token(self, state: DecodeStatus, end: int, surr_text: str,
                                     recv: BatchTokenIDOutput, i: int) -> Optional[int]:
@@ -235,8 +235,9 @@ def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs, pipe_w
     try:
         tokenizer = None
         if not server_args.skip_tokenizer_init:
-            tokenizer = load_tokenizer(server_args.tokenizer_path or server_args.model_path,
-                                       server_args.trust_remote_code)
+            path = server_args.tokenizer_path or server_args.model_path
+            assert path is not None  # children get the resolved model path (resolve_model_path)
+            tokenizer = load_tokenizer(path, server_args.trust_remote_code)
         manager = DetokenizerManager(tokenizer)
         context = zmq.Context(2)
         recv_socket = get_zmq_socket(context, zmq.PULL, port_args.detokenizer_ipc_name, bind=True)

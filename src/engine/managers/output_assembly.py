@@ -88,9 +88,10 @@ class OutputAssembler:
         hidden = _at(batch.output_hidden_states, i)
         if hidden is not None:
             state.hidden_states.extend(hidden)
-        if batch.finished_reasons[i] is not None:
+        reason = batch.finished_reasons[i]
+        if reason is not None:
             state.finished = True
-            state.finished_reason = dict(batch.finished_reasons[i])
+            state.finished_reason = dict(reason)
 
     def _append_logprobs(self, state: ReqState, batch: BatchStrOutput, i: int) -> None:
         text = state.return_text_in_logprobs

@@ -204,7 +204,9 @@ class Req:
 
     @property
     def max_new_tokens(self) -> int:
-        return self.sampling_params.max_new_tokens
+        max_new_tokens = self.sampling_params.max_new_tokens
+        assert max_new_tokens is not None  # the scheduler resolves null (up to the context) on arrival
+        return max_new_tokens
 
     def remaining_new_tokens_estimate(self) -> int:
         return min(max(self.max_new_tokens - len(self.output_ids), 0), CLIP_MAX_NEW_TOKENS_ESTIMATION)

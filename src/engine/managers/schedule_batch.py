@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple, TypeVar
 
 import torch
 
@@ -23,6 +23,12 @@ from engine.managers.req import (  # noqa: F401  (re-exported: the SGLang vocabu
 from engine.managers.overlap_utils import RELAY_PLACEHOLDER
 from engine.model_executor.forward_batch_info import ForwardMode, ModelWorkerBatch
 
+if TYPE_CHECKING:
+    from engine.mem_cache.allocator import PagedTokenToKVPoolAllocator
+    from engine.mem_cache.base_prefix_cache import BasePrefixCache
+    from engine.mem_cache.memory_pool import ReqToTokenPool
+    from engine.sampling.sampling_batch_info import SamplingBatchInfo
+
 logger = logging.getLogger(__name__)
 
 # After a retraction the new_token_ratio estimate assumes every survivor decodes this many more steps.
@@ -33,12 +39,25 @@ def _i64(values: List[int]) -> torch.Tensor:
     return torch.tensor(values, dtype=torch.int64)
 
 
+_T = TypeVar("_T")
+
+
+def _prepared(value: Optional[_T]) -> _T:
+    assert value is not None  # prepare_for_extend / prepare_for_decode set it before it is read
+    return value
+
+
+def _row(req: Req) -> int:
+    assert req.req_pool_idx is not None  # _alloc_req_slots gave every request of the batch a row
+    return req.req_pool_idx
+
+
 @dataclass
 class ScheduleBatch:
     reqs: List[Req]
-    req_to_token_pool: Any
-    token_to_kv_pool_allocator: Any
-    tree_cache: Any
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool_allocator: PagedTokenToKVPoolAllocator
+    tree_cache: BasePrefixCache
     vocab_size: int
     device: str = "cpu"
 
@@ -62,7 +81,7 @@ class ScheduleBatch:
     top_logprobs_nums: List[int] = field(default_factory=list)
     token_ids_logprobs: List[Optional[List[int]]] = field(default_factory=list)  # token_ids_logprob per row
     return_hidden_states: bool = False
-    sampling_info: Any = None
+    sampling_info: Optional[SamplingBatchInfo] = None
 
     # The requests of a MIXED batch that ride along as decode rows.
     decoding_reqs: List[Req] = field(default_factory=list)
@@ -71,7 +90,8 @@ class ScheduleBatch:
     log_hit_tokens: int = 0
 
     @classmethod
-    def init_new(cls, reqs: List[Req], req_to_token_pool, token_to_kv_pool_allocator, tree_cache,
+    def init_new(cls, reqs: List[Req], req_to_token_pool: ReqToTokenPool,
+                 token_to_kv_pool_allocator: PagedTokenToKVPoolAllocator, tree_cache: BasePrefixCache,
                  vocab_size: int, device: str = "cpu") -> "ScheduleBatch":
         return cls(
             reqs=reqs,
@@ -162,7 +182,7 @@ class ScheduleBatch:
 
         self.input_ids = _i64(input_ids)
         self.relay_rows = None
-        self.req_pool_indices = _i64([r.req_pool_idx for r in reqs])
+        self.req_pool_indices = _i64([_row(r) for r in reqs])
         self.seq_lens_cpu = seq_lens
         self.seq_lens = _i64(seq_lens)
         self.out_cache_loc = out_cache_loc
@@ -215,17 +235,17 @@ class ScheduleBatch:
         """Append the (already decode-prepared) running requests as 1-token extends: MIXED."""
         self.forward_mode = ForwardMode.MIXED
         running_prefix = [s - 1 for s in running_batch.seq_lens_cpu]
-        self.input_ids = torch.cat([self.input_ids, running_batch.input_ids])
+        self.input_ids = torch.cat([_prepared(self.input_ids), _prepared(running_batch.input_ids)])
         self.relay_rows = running_batch.relay_rows
-        self.out_cache_loc = torch.cat([self.out_cache_loc, running_batch.out_cache_loc])
+        self.out_cache_loc = torch.cat([_prepared(self.out_cache_loc), _prepared(running_batch.out_cache_loc)])
         self.prefix_lens = self.prefix_lens + running_prefix
         self.extend_lens = self.extend_lens + [1] * running_batch.batch_size()
         self.extend_num_tokens += running_batch.batch_size()
         self.extend_logprob_start_lens = self.extend_logprob_start_lens + [1] * running_batch.batch_size()
         self.decoding_reqs = list(running_batch.reqs)
-        self.sampling_info.merge_batch(running_batch.sampling_info)
+        _prepared(self.sampling_info).merge_batch(_prepared(running_batch.sampling_info))
         self.reqs = self.reqs + running_batch.reqs
-        self.req_pool_indices = torch.cat([self.req_pool_indices, running_batch.req_pool_indices])
+        self.req_pool_indices = torch.cat([_prepared(self.req_pool_indices), _prepared(running_batch.req_pool_indices)])
         self.seq_lens_cpu = self.seq_lens_cpu + running_batch.seq_lens_cpu
         self.seq_lens = _i64(self.seq_lens_cpu)
         self.top_logprobs_nums = self.top_logprobs_nums + [0] * running_batch.batch_size()
@@ -345,11 +365,11 @@ class ScheduleBatch:
         if not keep_indices:
             self.reqs = []
             self.seq_lens_cpu = []
-            self.sampling_info.filter_batch([])
+            _prepared(self.sampling_info).filter_batch([])
             return
         idx = _i64(keep_indices)
         self.reqs = [self.reqs[i] for i in keep_indices]
-        self.req_pool_indices = self.req_pool_indices[idx]
+        self.req_pool_indices = _prepared(self.req_pool_indices)[idx]
         self.seq_lens_cpu = [self.seq_lens_cpu[i] for i in keep_indices]
         self.seq_lens = _i64(self.seq_lens_cpu)
         self.out_cache_loc = None
@@ -357,11 +377,11 @@ class ScheduleBatch:
         self.token_ids_logprobs = [self.token_ids_logprobs[i] for i in keep_indices]
         self.return_logprob = any(r.return_logprob for r in self.reqs)
         self.return_hidden_states = any(r.return_hidden_states for r in self.reqs)
-        self.sampling_info.filter_batch(keep_indices)
+        _prepared(self.sampling_info).filter_batch(keep_indices)
 
     def merge_batch(self, other: "ScheduleBatch") -> None:
-        self.sampling_info.merge_batch(other.sampling_info)
-        self.req_pool_indices = torch.cat([self.req_pool_indices, other.req_pool_indices])
+        _prepared(self.sampling_info).merge_batch(_prepared(other.sampling_info))
+        self.req_pool_indices = torch.cat([_prepared(self.req_pool_indices), _prepared(other.req_pool_indices)])
         self.seq_lens_cpu = self.seq_lens_cpu + other.seq_lens_cpu
         self.seq_lens = _i64(self.seq_lens_cpu)
         self.out_cache_loc = None
@@ -373,15 +393,16 @@ class ScheduleBatch:
 
     # ------------------------------------------------------------------ worker snapshot
     def get_model_worker_batch(self) -> ModelWorkerBatch:
-        extend = self.forward_mode.is_extend()
+        forward_mode = _prepared(self.forward_mode)
+        extend = forward_mode.is_extend()
         return ModelWorkerBatch(
-            forward_mode=self.forward_mode,
+            forward_mode=forward_mode,
             input_ids=self.input_ids,
-            req_pool_indices=self.req_pool_indices,
-            seq_lens=self.seq_lens,
+            req_pool_indices=_prepared(self.req_pool_indices),
+            seq_lens=_prepared(self.seq_lens),
             seq_lens_cpu=list(self.seq_lens_cpu),
-            out_cache_loc=self.out_cache_loc,
-            sampling_info=self.sampling_info.copy_for_forward(),
+            out_cache_loc=_prepared(self.out_cache_loc),
+            sampling_info=_prepared(self.sampling_info).copy_for_forward(),
             return_logprob=self.return_logprob,
             top_logprobs_nums=list(self.top_logprobs_nums) if self.return_logprob else None,
             token_ids_logprobs=list(self.token_ids_logprobs) if self.return_logprob else None,

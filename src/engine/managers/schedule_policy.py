@@ -162,7 +162,7 @@ class PrefillAdder:
         self.new_token_ratio = new_token_ratio
         self.rem_input_tokens = rem_input_tokens - mixed_with_decode_tokens
         self.rem_chunk_tokens = None if rem_chunk_tokens is None else rem_chunk_tokens - mixed_with_decode_tokens
-        self.rem_total_token_offset = mixed_with_decode_tokens
+        self.rem_total_token_offset: float = mixed_with_decode_tokens
         self.cur_rem_token_offset = mixed_with_decode_tokens
         self.rem_total_token_offset += sum(r.remaining_new_tokens_estimate() for r in running_reqs) * new_token_ratio
         # Without prefix sharing, ignore_eos requests go through the stricter simulation.
@@ -217,6 +217,7 @@ class PrefillAdder:
 
     def add_chunked_req(self, req: Req) -> Optional[Req]:
         """Admit the next chunk of the chunked request; return it again if more chunks remain."""
+        assert self.rem_chunk_tokens is not None  # a request is chunked only under a chunk budget
         limit = min(self.rem_chunk_tokens, int(self.rem_total_tokens))
         truncated = req.extend_input_len > limit
         if truncated:

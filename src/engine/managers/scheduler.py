@@ -161,6 +161,8 @@ class Scheduler:
         self.outbox: List[Any] = []
         self.send_output = send_output or self.outbox.append
         self.inbox: List[Any] = []
+        # Where inputs come from: the inbox in-process; run_scheduler_process puts ZMQ here.
+        self.recv_requests: Callable[[], List[Any]] = self._take_inbox
 
         # Seconds a request may wait in the queue (<= 0: no limit), like SGLANG_REQ_WAITING_TIMEOUT.
         self.waiting_timeout = server_args.req_waiting_timeout
@@ -194,14 +196,14 @@ class Scheduler:
 
     def _empty_batch(self) -> ScheduleBatch:
         return ScheduleBatch.init_new([], self.req_to_token_pool, self.token_to_kv_pool_allocator,
-                                      getattr(self, "tree_cache", None), self.vocab_size, self.device)
+                                      self.tree_cache, self.vocab_size, self.device)
 
     # ================================================================== input
     def add_request(self, recv: Any) -> None:
         """In-process submission (tests, offline benchmark)."""
         self.inbox.append(recv)
 
-    def recv_requests(self) -> List[Any]:
+    def _take_inbox(self) -> List[Any]:
         recv, self.inbox = self.inbox, []
         return recv
 

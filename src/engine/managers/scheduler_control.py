@@ -20,7 +20,7 @@ requests waiting in the queue (fresh or retracted) hold none and are prefilled l
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
 
 from engine.distributed.parallel_state import all_reduce_min_int
 from engine.managers.io_struct import (
@@ -56,7 +56,7 @@ class SchedulerControl:
         self.paused = False
         self.pause_mode: Optional[str] = None
         self.released: Set[str] = set()
-        self._handlers = {
+        self._handlers: Dict[type, Callable[[Any], Any]] = {
             PauseGenerationReqInput: self.pause_generation,
             ContinueGenerationReqInput: self.continue_generation,
             UpdateWeightFromDiskReqInput: self.update_weights_from_disk,

@@ -89,7 +89,8 @@ class TokenizerManager:
         self.port_args = port_args
         self.model_path = server_args.model_path
         self.tokenizer_path = server_args.tokenizer_path or server_args.model_path
-        self.served_model_name = server_args.served_model_name
+        assert server_args.served_model_name is not None  # ServerArgs.resolve_defaults fills it in
+        self.served_model_name: str = server_args.served_model_name
         self.context_len: int = int(scheduler_info["context_len"])
         self.max_req_input_len: int = int(scheduler_info.get("max_req_input_len", self.context_len - 1))
         self.max_total_num_tokens: Optional[int] = scheduler_info.get("max_total_num_tokens")
@@ -97,6 +98,7 @@ class TokenizerManager:
         self.child_processes = list(child_processes)
 
         if tokenizer is None and not server_args.skip_tokenizer_init:
+            assert self.tokenizer_path is not None  # the launcher resolved the model path (resolve_model_path)
             tokenizer = load_tokenizer(self.tokenizer_path, server_args.trust_remote_code)
         self.normalizer = RequestNormalizer(
             tokenizer, self.vocab_size, self.context_len, max_req_input_len=self.max_req_input_len,

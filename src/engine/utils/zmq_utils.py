@@ -3,13 +3,17 @@
 from __future__ import annotations
 
 import logging
+from typing import TypeVar
 
 import zmq
 
 logger = logging.getLogger(__name__)
 
+# The socket class of the context: a zmq.asyncio context makes sockets whose recv is awaitable.
+_SocketT = TypeVar("_SocketT", bound=zmq.Socket)
 
-def get_zmq_socket(context: zmq.Context, socket_type: int, endpoint: str, bind: bool) -> zmq.Socket:
+
+def get_zmq_socket(context: zmq.Context[_SocketT], socket_type: int, endpoint: str, bind: bool) -> _SocketT:
     """Create a socket of `socket_type` and bind or connect it to `endpoint`.
 
     High-water marks are unlimited: a PUSH that blocks because its peer is slow would stall the
