@@ -13,13 +13,16 @@ import logging
 import os
 import signal
 import sys
-from typing import Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Optional, Sequence
 
 from engine.server_args import ServerArgs, ServerArgsError
 from engine.utils.child_processes import ChildProcesses, LaunchError
 from engine.utils.log_utils import configure_logging
 from engine.utils.network_utils import is_port_free
 from engine.utils.process_utils import kill_process_tree, set_process_title
+
+if TYPE_CHECKING:
+    from engine.managers.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger(__name__)
 
@@ -130,7 +133,7 @@ def _on_worker_rank_death(children: ChildProcesses, name: str, pid: int, exitcod
         os._exit(EXIT_CHILD_DIED)
 
 
-def _serve_http(server_args: ServerArgs, tokenizer_manager: Any) -> None:
+def _serve_http(server_args: ServerArgs, tokenizer_manager: TokenizerManager) -> None:
     from engine.entrypoints.http_server import build_http_server
 
     server = build_http_server(server_args, tokenizer_manager)
@@ -138,7 +141,7 @@ def _serve_http(server_args: ServerArgs, tokenizer_manager: Any) -> None:
     server.run()
 
 
-def _on_child_death(children: ChildProcesses, tokenizer_manager: Any, name: str, pid: int, exitcode: Any) -> None:
+def _on_child_death(children: ChildProcesses, tokenizer_manager: TokenizerManager, name: str, pid: int, exitcode: Any) -> None:
     """Watchdog thread: a dead child means the server cannot work; stop everything, non-zero."""
     logger.error("Child process %s (%d) died with exit code %s; shutting down.", name, pid, exitcode)
     tokenizer_manager.mark_dead(f"Child process {name} ({pid}) died with exit code {exitcode}.")

@@ -16,7 +16,7 @@ carries pickled tensors, which this server never deserializes.
 
 from __future__ import annotations
 
-from typing import Any, List, Literal, Optional
+from typing import List, Literal, Optional
 
 from fastapi import FastAPI
 from fastapi.responses import Response
@@ -25,6 +25,7 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from engine.entrypoints.openai.utils import OrjsonResponse, create_error_response, error_body
 from engine.managers.errors import EngineRequestError
 from engine.managers.io_struct import UpdateWeightFromDiskReqInput
+from engine.managers.tokenizer_manager_protocol import TokenizerManagerProtocol
 
 
 class _Body(BaseModel):
@@ -71,7 +72,7 @@ class ContinueGenerationBody(_Body):
     torch_empty_cache: bool = True
 
 
-def add_control_routes(app: FastAPI, tokenizer_manager: Any) -> None:
+def add_control_routes(app: FastAPI, tokenizer_manager: TokenizerManagerProtocol) -> None:
     """The routes over `tokenizer_manager.control` (ControlCalls), looked up per call."""
 
     @app.post("/update_weights_from_disk")

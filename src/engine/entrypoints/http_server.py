@@ -52,6 +52,7 @@ from engine.entrypoints.openai.utils import (
 from engine.managers.errors import EngineRequestError
 from engine.managers.metrics import METRICS_CONTENT_TYPE, TokenizerMetricsCollector
 from engine.managers.request_normalizer import GenerateReqInput
+from engine.managers.tokenizer_manager_protocol import TokenizerManagerProtocol
 from engine.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -114,6 +115,7 @@ class GuardMiddleware:
         scheme, _, token = headers.get("authorization", "").partition(" ")
         if scheme.lower() != "bearer":
             return False
+        assert self.api_key is not None  # only called when an API key is set
         return hmac.compare_digest(token.strip().encode(), self.api_key.encode())
 
     def _too_large_message(self) -> str:
@@ -201,7 +203,7 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 # ---------------------------------------------------------------------------- native /generate
-async def _generate(tokenizer_manager: Any, body: GenerateRequest, raw_request: Request) -> Response:
+async def _generate(tokenizer_manager: TokenizerManagerProtocol, body: GenerateRequest, raw_request: Request) -> Response:
     obj = GenerateReqInput(
         text=body.text,
         input_ids=body.input_ids,
@@ -230,8 +232,8 @@ async def _generate(tokenizer_manager: Any, body: GenerateRequest, raw_request: 
         if error is not None:
             return error
         # SGLang's stream format: `data: {json}` per update (cumulative text), then `data: [DONE]`.
-        body = sse_stream(first, stream, lambda output: (sse_event(output),))
-        return StreamingResponse(body, media_type="text/event-stream")
+        events = sse_stream(first, stream, lambda output: (sse_event(output),))
+        return StreamingResponse(events, media_type="text/event-stream")
     try:
         result = await final_output(stream)
     except (EngineRequestError, ValueError) as exc:
@@ -245,7 +247,7 @@ async def _generate(tokenizer_manager: Any, body: GenerateRequest, raw_request: 
 
 # ---------------------------------------------------------------------------- the app
 def create_app(
-    tokenizer_manager: Any,
+    tokenizer_manager: TokenizerManagerProtocol,
     server_args: ServerArgs,
     *,
     max_request_body_bytes: int = DEFAULT_MAX_REQUEST_BODY_BYTES,
@@ -362,9 +364,9 @@ def create_app(
     return app
 
 
-def _add_metrics_route(app: FastAPI, tokenizer_manager: Any) -> None:
+def _add_metrics_route(app: FastAPI, tokenizer_manager: TokenizerManagerProtocol) -> None:
     """GET /metrics (only with --enable-metrics; otherwise the route does not exist: 404)."""
-    collector = getattr(tokenizer_manager, "metrics_collector", None)
+    collector = tokenizer_manager.metrics_collector
     if collector is None:
         collector = TokenizerMetricsCollector(tokenizer_manager.served_model_name)
 
@@ -415,7 +417,7 @@ def _model_facts(model_path: Optional[str]) -> Dict[str, Any]:
     return {"model_type": config.get("model_type"), "architectures": config.get("architectures")}
 
 
-def _model_card(tokenizer_manager: Any, created: int) -> ModelCard:
+def _model_card(tokenizer_manager: TokenizerManagerProtocol, created: int) -> ModelCard:
     return ModelCard(
         id=tokenizer_manager.served_model_name,
         created=created,
@@ -432,18 +434,16 @@ class GracefulServer(uvicorn.Server):
     first gives each stream its final error event and `[DONE]`, and lets the wait end at once.
     """
 
-    def __init__(self, config: uvicorn.Config, tokenizer_manager: Any) -> None:
+    def __init__(self, config: uvicorn.Config, tokenizer_manager: TokenizerManagerProtocol) -> None:
         super().__init__(config)
         self.tokenizer_manager = tokenizer_manager
 
     async def shutdown(self, sockets: Optional[list] = None) -> None:
-        begin_shutdown = getattr(self.tokenizer_manager, "begin_shutdown", None)
-        if begin_shutdown is not None:
-            begin_shutdown()
+        self.tokenizer_manager.begin_shutdown()
         await super().shutdown(sockets=sockets)
 
 
-def build_http_server(server_args: ServerArgs, tokenizer_manager: Any) -> GracefulServer:
+def build_http_server(server_args: ServerArgs, tokenizer_manager: TokenizerManagerProtocol) -> GracefulServer:
     """The uvicorn server for `create_app(...)` on server_args.host:port (call .run() to serve)."""
     app = create_app(tokenizer_manager, server_args)
     config = uvicorn.Config(

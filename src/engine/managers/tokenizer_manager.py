@@ -58,6 +58,7 @@ from engine.managers.request_normalizer import (
     apply_chat_template,
     load_chat_template,
 )
+from engine.managers.tokenizer_manager_protocol import GenerateOutputs
 from engine.server_args import PortArgs, ServerArgs
 from engine.utils.tokenizer_utils import load_tokenizer
 from engine.utils.zmq_utils import get_zmq_socket
@@ -237,7 +238,7 @@ class TokenizerManager:
     # ------------------------------------------------------------------ generate
     async def generate_request(
         self, obj: GenerateReqInput, request: Any = None
-    ) -> AsyncIterator[Union[dict, list[dict]]]:
+    ) -> GenerateOutputs:
         """Validate, tokenize and send `obj`; yield its outputs (see the module docstring)."""
         self.auto_create_handle_loop()
         self._check_alive()

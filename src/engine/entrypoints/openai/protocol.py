@@ -214,7 +214,8 @@ class CompletionRequest(SamplingFields):
 class CompletionLogProbs(BaseModel):
     tokens: List[str] = Field(default_factory=list)
     token_logprobs: List[Optional[float]] = Field(default_factory=list)
-    top_logprobs: List[Optional[Dict[str, float]]] = Field(default_factory=list)
+    # A value is null where the alternative's logprob is unknown, as in token_logprobs.
+    top_logprobs: List[Optional[Dict[str, Optional[float]]]] = Field(default_factory=list)
     text_offset: List[int] = Field(default_factory=list)
 
 

@@ -50,12 +50,13 @@ from engine.entrypoints.openai.utils import (
 )
 from engine.managers.errors import EngineRequestError
 from engine.managers.request_normalizer import GenerateReqInput
+from engine.managers.tokenizer_manager_protocol import GenerateOutputs, TokenizerManagerProtocol
 
 logger = logging.getLogger(__name__)
 
 
 class OpenAIServingChat:
-    def __init__(self, tokenizer_manager: Any, tool_call_parser: Optional[str] = None,
+    def __init__(self, tokenizer_manager: TokenizerManagerProtocol, tool_call_parser: Optional[str] = None,
                  reasoning_parser: Optional[str] = None) -> None:
         self.tokenizer_manager = tokenizer_manager
         self.tool_call_parser = tool_call_parser
@@ -163,7 +164,7 @@ class OpenAIServingChat:
     # ------------------------------------------------------------------ streaming
     def _stream_body(
         self, request: ChatCompletionRequest, parsing: ChatParsing, request_id: str, first: Any,
-        stream: AsyncIterator[Any],
+        stream: GenerateOutputs,
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
         model = self.tokenizer_manager.served_model_name

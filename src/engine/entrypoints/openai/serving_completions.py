@@ -37,12 +37,13 @@ from engine.entrypoints.openai.utils import (
 )
 from engine.managers.errors import EngineRequestError
 from engine.managers.request_normalizer import GenerateReqInput
+from engine.managers.tokenizer_manager_protocol import GenerateOutputs, TokenizerManagerProtocol
 
 logger = logging.getLogger(__name__)
 
 
 class OpenAIServingCompletion:
-    def __init__(self, tokenizer_manager: Any) -> None:
+    def __init__(self, tokenizer_manager: TokenizerManagerProtocol) -> None:
         self.tokenizer_manager = tokenizer_manager
 
     # ------------------------------------------------------------------ entry
@@ -146,7 +147,7 @@ class OpenAIServingCompletion:
     # ------------------------------------------------------------------ streaming
     def _stream_body(
         self, request: CompletionRequest, prompts: List[Union[str, List[int]]], request_id: str,
-        first: Any, stream: AsyncIterator[Any],
+        first: Any, stream: GenerateOutputs,
     ) -> AsyncIterator[bytes]:
         created = int(time.time())
         model = self.tokenizer_manager.served_model_name

@@ -14,6 +14,7 @@ from fastapi.responses import Response
 
 from engine.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
 from engine.managers.errors import EngineRequestError
+from engine.managers.tokenizer_manager_protocol import GenerateOutputs
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +98,7 @@ def sse_event(payload: Union[Dict[str, Any], List[Any]]) -> bytes:
 
 
 async def prime_stream(
-    stream: AsyncIterator[Any],
+    stream: GenerateOutputs,
 ) -> Tuple[Optional[Any], Optional[OrjsonResponse]]:
     """Pull the first item before any byte is sent.
 
@@ -245,22 +246,19 @@ class ChoiceCursor:
         return delta, new_tokens, new_tops
 
 
-async def close_stream(stream: Any) -> None:
+async def close_stream(stream: GenerateOutputs) -> None:
     """Close the manager's async generator now rather than at garbage collection.
 
     Its cleanup aborts unfinished requests in the scheduler, which must happen as soon as the
     client is gone, not whenever the generator object happens to be collected (sgl#37833).
     """
-    aclose = getattr(stream, "aclose", None)
-    if aclose is None:
-        return
     try:
-        await aclose()
+        await stream.aclose()
     except Exception:  # it already failed; the error was reported to the client
         logger.debug("closing the output stream failed", exc_info=True)
 
 
-async def final_output(stream: AsyncIterator[Any]) -> Any:
+async def final_output(stream: GenerateOutputs) -> Any:
     """The one output of a non-streaming request, which the manager yields when it ends.
 
     The manager also watches the client: one that leaves gets its request aborted in the
@@ -275,7 +273,7 @@ async def final_output(stream: AsyncIterator[Any]) -> Any:
 
 async def sse_stream(
     first: Any,
-    stream: AsyncIterator[Any],
+    stream: GenerateOutputs,
     render: Callable[[Dict[str, Any]], Iterable[bytes]],
     prologue: Iterable[bytes] = (),
     epilogue: Callable[[], Iterable[bytes]] = lambda: (),
