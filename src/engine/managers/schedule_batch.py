@@ -397,7 +397,7 @@ class ScheduleBatch:
         extend = forward_mode.is_extend()
         return ModelWorkerBatch(
             forward_mode=forward_mode,
-            input_ids=self.input_ids,
+            input_ids=_prepared(self.input_ids),
             req_pool_indices=_prepared(self.req_pool_indices),
             seq_lens=_prepared(self.seq_lens),
             seq_lens_cpu=list(self.seq_lens_cpu),

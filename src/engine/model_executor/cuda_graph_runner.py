@@ -25,12 +25,16 @@ from __future__ import annotations
 import bisect
 import logging
 import time
-from typing import Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 import torch
 
 from engine.layers.logits_processor import LogitsProcessorOutput
 from engine.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+if TYPE_CHECKING:
+    from engine.layers.attention.base_attn_backend import AttentionBackend
+    from engine.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -55,8 +59,8 @@ def padded_batch_size(bs: int, capture_bs: List[int]) -> Optional[int]:
     return capture_bs[i] if i < len(capture_bs) else None
 
 
-def backend_supports_cuda_graph(backend: Any) -> bool:
-    return bool(getattr(backend, "supports_cuda_graph", False))
+def backend_supports_cuda_graph(backend: AttentionBackend) -> bool:
+    return backend.supports_cuda_graph
 
 
 class TorchCudaGraphFactory:
@@ -91,7 +95,7 @@ class TorchCudaGraphFactory:
 class CudaGraphRunner:
     def __init__(
         self,
-        model_runner: Any,
+        model_runner: ModelRunner,
         graph_factory: Any = None,
         batch_sizes: Optional[List[int]] = None,
         warmup_runs: int = DEFAULT_WARMUP_RUNS,
@@ -217,7 +221,7 @@ class CudaGraphRunner:
         self._stale_upto = self._stale_upto if self._stale_upto > bs else raw_bs
 
 
-def maybe_create_cuda_graph_runner(model_runner: Any) -> Optional[CudaGraphRunner]:
+def maybe_create_cuda_graph_runner(model_runner: ModelRunner) -> Optional[CudaGraphRunner]:
     """The runner for a CUDA ModelRunner, or None (logged) when graphs are off or unsupported."""
     args = model_runner.server_args
     if not str(model_runner.device).startswith("cuda") or args.disable_cuda_graph:

@@ -15,6 +15,7 @@ import torch
 if TYPE_CHECKING:
     from engine.layers.attention.base_attn_backend import AttentionBackend
     from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from engine.model_executor.model_runner import ModelRunner
     from engine.sampling.sampling_batch_info import SamplingBatchInfo
 
 
@@ -45,7 +46,7 @@ class ModelWorkerBatch:
     """
 
     forward_mode: ForwardMode
-    input_ids: Optional[torch.Tensor]  # [num_tokens] int64
+    input_ids: torch.Tensor  # [num_tokens] int64
     req_pool_indices: torch.Tensor  # [bs] int64
     seq_lens: torch.Tensor  # [bs] int64, length after this forward
     seq_lens_cpu: List[int]
@@ -113,15 +114,15 @@ class ForwardBatch:
     attn_metadata: Any = None
 
     @classmethod
-    def init_new(cls, batch: ModelWorkerBatch, model_runner: Any) -> "ForwardBatch":
+    def init_new(cls, batch: ModelWorkerBatch, model_runner: ModelRunner) -> "ForwardBatch":
         device = model_runner.device
         mode = batch.forward_mode
         seq_lens = batch.seq_lens.to(device, non_blocking=True)
         ret = cls(
             forward_mode=mode,
             batch_size=batch.batch_size,
-            input_ids=batch.input_ids.to(device, non_blocking=True) if batch.input_ids is not None else None,
-            positions=None,  # type: ignore[arg-type]
+            input_ids=batch.input_ids.to(device, non_blocking=True),
+            positions=_positions(batch, seq_lens, device),
             req_pool_indices=batch.req_pool_indices.to(device, non_blocking=True),
             seq_lens=seq_lens,
             seq_lens_cpu=batch.seq_lens_cpu,
@@ -140,6 +141,7 @@ class ForwardBatch:
         if mode.is_extend():
             ext = batch.extend_seq_lens
             pre = batch.extend_prefix_lens
+            assert ext is not None and pre is not None  # get_model_worker_batch sets them for extends
             ret.extend_num_tokens = batch.extend_num_tokens if batch.extend_num_tokens is not None else sum(ext)
             ret.extend_seq_lens_cpu = list(ext)
             ret.extend_prefix_lens_cpu = list(pre)
@@ -151,12 +153,17 @@ class ForwardBatch:
             )
             if batch.extend_input_logprob_token_ids is not None:
                 ret.extend_input_logprob_token_ids = batch.extend_input_logprob_token_ids.to(device)
-            ret.positions = compute_extend_positions(pre, ext, device)
-        elif mode.is_decode():
-            ret.positions = torch.clamp(seq_lens - 1, min=0)
-        else:
-            ret.positions = torch.empty(0, dtype=torch.int64, device=device)
         return ret
+
+
+def _positions(batch: ModelWorkerBatch, seq_lens: torch.Tensor, device: str) -> torch.Tensor:
+    """Each token's position: after its request's prefix (extend), the last slot (decode)."""
+    if batch.forward_mode.is_extend():
+        assert batch.extend_prefix_lens is not None and batch.extend_seq_lens is not None  # set for extends
+        return compute_extend_positions(batch.extend_prefix_lens, batch.extend_seq_lens, device)
+    if batch.forward_mode.is_decode():
+        return torch.clamp(seq_lens - 1, min=0)
+    return torch.empty(0, dtype=torch.int64, device=device)
 
 
 def compute_extend_positions(prefix_lens: List[int], extend_lens: List[int], device) -> torch.Tensor:

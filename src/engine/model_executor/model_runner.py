@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import TYPE_CHECKING, Optional
 
 import torch
 
@@ -20,6 +21,9 @@ from engine.model_executor.memory_saver import MemorySaver
 from engine.model_executor.weight_update import WeightUpdater
 from engine.model_loader.loader import get_model
 from engine.server_args import ServerArgs
+
+if TYPE_CHECKING:
+    from engine.layers.sampler import Sampler
 
 logger = logging.getLogger(__name__)
 
@@ -78,11 +82,12 @@ class ModelRunner:
 
             packed = prepack_linear_weights(self.model)
             logger.info("Packed %d linear weights for oneDNN", packed)
-        self._sampler = None
+        self._sampler: Optional[Sampler] = None
         if model_config.is_encoder_only and server_args.attention_backend == "flashinfer":
             raise ValueError("the flashinfer attention backend has no encoder (non-causal) attention; use "
                              "--attention-backend triton or torch_native for this model")
         self.init_memory_pool()
+        assert server_args.attention_backend is not None  # ServerArgs.resolve_defaults picks one
         self.attn_backend = create_attention_backend(server_args.attention_backend, self)
         # After the backend (graphs capture through it) and after the KV pool (they index it).
         from engine.model_executor.cuda_graph_runner import maybe_create_cuda_graph_runner
@@ -113,6 +118,7 @@ class ModelRunner:
         """How many tokens of KV fit in the memory budget of this rank."""
         per_token = self.kv_bytes_per_token()
         fraction = self.server_args.mem_fraction_static
+        assert fraction is not None  # ServerArgs.resolve_defaults fills it in
         if self.device.startswith("cuda"):
             # Measured after the weights are loaded; blocks the loader freed count as free.
             torch.cuda.empty_cache()

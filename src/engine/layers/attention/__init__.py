@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any
-
-from engine.layers.attention.base_attn_backend import AttentionBackend
+from engine.layers.attention.base_attn_backend import AttentionBackend, AttentionRunner
 
 
-def create_attention_backend(name: str, model_runner: Any) -> AttentionBackend:
+def create_attention_backend(name: str, model_runner: AttentionRunner) -> AttentionBackend:
     if name == "torch_native":
         from engine.layers.attention.torch_native_backend import TorchNativeAttnBackend
 

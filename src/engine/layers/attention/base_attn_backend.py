@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -12,10 +12,21 @@ if TYPE_CHECKING:
     from engine.model_executor.forward_batch_info import ForwardBatch
 
 
+class AttentionRunner(Protocol):
+    """What a backend reads of the model runner that builds it (tests pass a bare namespace)."""
+
+    @property
+    def device(self) -> str: ...
+
+
 class AttentionBackend(ABC):
     """Shapes: q is [num_tokens, num_heads * head_dim]; k and v are
     [num_tokens, num_kv_heads * head_dim]; the result is [num_tokens, num_heads * head_dim].
     With save_kv_cache the backend stores k and v at forward_batch.out_cache_loc first."""
+
+    # A backend that sets this implements the three CUDA-graph methods below
+    # (model_executor/cuda_graph_runner.py); the others are never captured.
+    supports_cuda_graph: bool = False
 
     @abstractmethod
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
@@ -41,3 +52,16 @@ class AttentionBackend(ABC):
     @abstractmethod
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True) -> torch.Tensor:
         ...
+
+    # ------------------------------------------------------------------ CUDA graphs
+    def init_cuda_graph_state(self, max_bs: int) -> None:
+        """Static metadata buffers for batches of up to max_bs rows, once."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_forward_metadata_capture_cuda_graph(self, forward_batch: "ForwardBatch") -> None:
+        """Point forward_batch.attn_metadata at the static buffers."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def init_forward_metadata_replay_cuda_graph(self, forward_batch: "ForwardBatch") -> None:
+        """Refresh the static buffers from forward_batch's (static) inputs."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")

@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
-from engine.layers.attention.base_attn_backend import AttentionBackend
+from engine.layers.attention.base_attn_backend import AttentionBackend, AttentionRunner
 
 try:
     import flashinfer
@@ -56,7 +56,7 @@ def build_paged_kv_indices(req_to_token: torch.Tensor, req_pool_indices: torch.T
 
 
 class FlashInferAttnBackend(AttentionBackend):
-    def __init__(self, model_runner: Any) -> None:
+    def __init__(self, model_runner: AttentionRunner) -> None:
         if not torch.cuda.is_available() or not str(model_runner.device).startswith("cuda"):
             raise RuntimeError("the flashinfer attention backend needs a CUDA device")
         self.device = model_runner.device
@@ -70,12 +70,14 @@ class FlashInferAttnBackend(AttentionBackend):
         if not (fb.forward_mode.is_decode() or fb.forward_mode.is_extend()):
             fb.attn_metadata = None
             return
+        assert fb.req_to_token_pool is not None  # ForwardBatch.init_new sets it
         kv_indptr, kv_indices = build_paged_kv_indices(
             fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, max(fb.seq_lens_cpu)
         )
         bs = fb.batch_size
         if fb.forward_mode.is_extend():
             qo_indptr = torch.zeros(bs + 1, dtype=torch.int32, device=self.device)
+            assert fb.extend_seq_lens is not None  # ForwardBatch.init_new sets it for extends
             qo_indptr[1:] = torch.cumsum(fb.extend_seq_lens, 0)
         else:
             qo_indptr = torch.arange(bs + 1, dtype=torch.int32, device=self.device)
@@ -116,6 +118,7 @@ class FlashInferAttnBackend(AttentionBackend):
     # ------------------------------------------------------------------ forward
     def _run(self, q, k, v, layer: "RadixAttention", fb: "ForwardBatch", save_kv_cache: bool, decode: bool):
         pool = fb.token_to_kv_pool
+        assert pool is not None  # ForwardBatch.init_new sets it
         if save_kv_cache and k is not None:
             pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)

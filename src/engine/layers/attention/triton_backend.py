@@ -12,11 +12,11 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Dict, Optional, Tuple
 
 import torch
 
-from engine.layers.attention.base_attn_backend import AttentionBackend
+from engine.layers.attention.base_attn_backend import AttentionBackend, AttentionRunner
 from engine.layers.attention.triton_ops import compute_num_kv_splits, decode_attention_fwd, extend_attention_fwd
 
 if TYPE_CHECKING:
@@ -61,7 +61,7 @@ class TritonAttnBackend(AttentionBackend):
 
     def __init__(
         self,
-        model_runner: Any,
+        model_runner: AttentionRunner,
         max_kv_splits: int = DEFAULT_MAX_KV_SPLITS,
         decode_block_n: int = 64,
         extend_blocks: Optional[Tuple[int, int]] = None,
@@ -78,11 +78,12 @@ class TritonAttnBackend(AttentionBackend):
         self.extend_blocks = extend_blocks
         # (q heads, v head dim) of this rank's layers, known up front only with a real ModelRunner;
         # the CUDA-graph scratch is pre-sized for it (other shapes fall back to lazy allocation).
-        config = getattr(model_runner, "model_config", None)
-        tp_size = getattr(model_runner, "tp_size", 1)
-        self.layer_heads: Optional[Tuple[int, int]] = (
-            (config.get_num_attention_heads(tp_size), config.head_dim) if config is not None else None
-        )
+        from engine.model_executor.model_runner import ModelRunner
+
+        self.layer_heads: Optional[Tuple[int, int]] = None
+        if isinstance(model_runner, ModelRunner):
+            config = model_runner.model_config
+            self.layer_heads = (config.get_num_attention_heads(model_runner.tp_size), config.head_dim)
         self.cuda_graph_num_kv_splits: Optional[torch.Tensor] = None
         self.cuda_graph_scratch: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor]] = {}
 
@@ -92,6 +93,7 @@ class TritonAttnBackend(AttentionBackend):
         if fb.forward_mode.is_decode():
             fb.attn_metadata = _DecodeMetadata(num_kv_splits=compute_num_kv_splits(fb.seq_lens, self.max_kv_splits))
         elif fb.forward_mode.is_extend():
+            assert fb.extend_seq_lens_cpu is not None  # ForwardBatch.init_new sets it for extends
             fb.attn_metadata = _ExtendMetadata(max_extend_len=max(fb.extend_seq_lens_cpu, default=0))
         else:
             fb.attn_metadata = None
@@ -126,6 +128,9 @@ class TritonAttnBackend(AttentionBackend):
     def forward_extend(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch", save_kv_cache: bool = True):
         fb = forward_batch
         pool = fb.token_to_kv_pool
+        # ForwardBatch.init_new sets the pools, and the extend fields for extends.
+        assert pool is not None and fb.req_to_token_pool is not None
+        assert fb.extend_start_loc is not None and fb.extend_seq_lens is not None and fb.extend_prefix_lens is not None
         if save_kv_cache and k is not None:
             pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
@@ -163,6 +168,7 @@ class TritonAttnBackend(AttentionBackend):
     def forward_decode(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch", save_kv_cache: bool = True):
         fb = forward_batch
         pool = fb.token_to_kv_pool
+        assert pool is not None and fb.req_to_token_pool is not None  # ForwardBatch.init_new sets them
         if save_kv_cache and k is not None:
             pool.set_kv_buffer(layer.layer_id, fb.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
