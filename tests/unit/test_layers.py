@@ -255,6 +255,7 @@ def test_logits_processor_extend_decode_and_input_logprobs():
     torch.manual_seed(0)
     head = torch.nn.Module()
     head.weight = torch.nn.Parameter(torch.randn(64, 4))  # padded vocab 64, real 10
+    head.packed_weight = None  # an LM head's attributes (ParallelLMHead)
     lp = LogitsProcessor(_Cfg())
     hidden = torch.randn(7, 4)
     full = (hidden @ head.weight.t())[:, :10]
@@ -293,6 +294,7 @@ def test_input_logprobs_are_computed_in_bounded_chunks_with_the_same_results(mon
     vocab, hidden_size, lens, starts = 50, 8, [61, 40], [0, 5]
     head = torch.nn.Module()
     head.weight = torch.nn.Parameter(torch.randn(vocab, hidden_size))
+    head.packed_weight = None  # an LM head's attributes (ParallelLMHead)
     cfg = type("Cfg", (), {"vocab_size": vocab})()
     total = sum(lens)
     hidden = torch.randn(total, hidden_size)

@@ -21,6 +21,7 @@ from engine.distributed.parallel_state import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from engine.model_loader.weight_utils import set_weight_loader
 
 logger = logging.getLogger(__name__)
 
@@ -70,7 +71,8 @@ def prepack_linear_weights(model: nn.Module) -> int:
 def clear_packed_weights(model: nn.Module) -> None:
     for module in model.modules():
         if hasattr(module, "packed_weight"):
-            module.packed_weight = None
+            # torch types Module.__setattr__ for tensors and modules only; None is a valid value.
+            module.packed_weight = None  # type: ignore[assignment]
 
 
 def linear_forward(
@@ -100,10 +102,10 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output = gather_output
         self.packed_weight: Optional[torch.Tensor] = None
         self.weight = _new_param(self.output_size_per_partition, input_size)
-        self.weight.weight_loader = self.weight_loader
+        set_weight_loader(self.weight, self.weight_loader)
         if bias:
             self.bias = _new_param(self.output_size_per_partition)
-            self.bias.weight_loader = self.weight_loader
+            set_weight_loader(self.bias, self.weight_loader)
         else:
             self.register_parameter("bias", None)
 
@@ -198,10 +200,10 @@ class RowParallelLinear(nn.Module):
         self.reduce_results = reduce_results
         self.packed_weight: Optional[torch.Tensor] = None
         self.weight = _new_param(output_size, self.input_size_per_partition)
-        self.weight.weight_loader = self.weight_loader
+        set_weight_loader(self.weight, self.weight_loader)
         if bias:
             self.bias = _new_param(output_size)
-            self.bias.weight_loader = self.weight_loader
+            set_weight_loader(self.bias, self.weight_loader)
         else:
             self.register_parameter("bias", None)
 

@@ -11,6 +11,7 @@ from torch import nn
 from engine.distributed.parallel_state import tensor_model_parallel_all_gather
 
 if TYPE_CHECKING:
+    from engine.layers.vocab_parallel_embedding import ParallelLMHead
     from engine.model_executor.forward_batch_info import ForwardBatch
 
 
@@ -60,11 +61,13 @@ class LogitsProcessor(nn.Module):
         self,
         input_ids: torch.Tensor,
         hidden_states: torch.Tensor,
-        lm_head: nn.Module,
+        lm_head: ParallelLMHead,
         forward_batch: "ForwardBatch",
     ) -> LogitsProcessorOutput:
         mode = forward_batch.forward_mode
         if mode.is_extend():
+            # ForwardBatch.init_new sets the extend fields for extends.
+            assert forward_batch.extend_start_loc is not None and forward_batch.extend_seq_lens is not None
             last_index = forward_batch.extend_start_loc + forward_batch.extend_seq_lens - 1
             pruned = hidden_states.index_select(0, last_index)
         else:
@@ -76,13 +79,13 @@ class LogitsProcessor(nn.Module):
             self._add_input_logprobs(output, hidden_states, lm_head, forward_batch)
         return output
 
-    def compute_logits(self, hidden_states: torch.Tensor, lm_head: nn.Module) -> torch.Tensor:
+    def compute_logits(self, hidden_states: torch.Tensor, lm_head: ParallelLMHead) -> torch.Tensor:
         """[n, hidden] -> [n, vocab_size] float32 (all-gathered across TP ranks)."""
         from engine.layers.linear import linear_forward
 
         weight = lm_head.weight
         hidden_states = hidden_states.to(weight.dtype)
-        logits = linear_forward(hidden_states, weight, None, getattr(lm_head, "packed_weight", None))
+        logits = linear_forward(hidden_states, weight, None, lm_head.packed_weight)
         logits = tensor_model_parallel_all_gather(logits, dim=-1)
         return logits[:, : self.vocab_size].float()
 
@@ -90,11 +93,13 @@ class LogitsProcessor(nn.Module):
         self,
         output: LogitsProcessorOutput,
         hidden_states: torch.Tensor,
-        lm_head: nn.Module,
+        lm_head: ParallelLMHead,
         forward_batch: "ForwardBatch",
     ) -> None:
         ext_lens = forward_batch.extend_seq_lens_cpu
         start_lens = forward_batch.extend_logprob_start_lens_cpu
+        # An extend (init_new sets these) with input logprobs (_wants_input_logprobs saw the starts).
+        assert ext_lens is not None and start_lens is not None and forward_batch.extend_start_loc is not None
         starts = forward_batch.extend_start_loc.tolist()
         index_parts: List[torch.Tensor] = []
         counts: List[int] = []
@@ -161,11 +166,14 @@ def _collect_token_ids_logprobs(logprobs: torch.Tensor, chunk_start: int, asked_
         lo, hi = max(offsets[i], chunk_start), min(offsets[i] + counts[i], chunk_end)
         if lo < hi:
             index = torch.tensor(ids, dtype=torch.long, device=logprobs.device)
-            out[i].extend(logprobs[lo - chunk_start:hi - chunk_start].index_select(1, index).tolist())
+            rows = out[i]
+            assert rows is not None  # a list for every request that asked ids
+            rows.extend(logprobs[lo - chunk_start:hi - chunk_start].index_select(1, index).tolist())
 
 
 def _wants_input_logprobs(forward_batch: "ForwardBatch") -> bool:
     start_lens = forward_batch.extend_logprob_start_lens_cpu
     if start_lens is None:
         return False
+    assert forward_batch.extend_seq_lens_cpu is not None  # set with the start lens (init_new, extends)
     return any(s < e for s, e in zip(start_lens, forward_batch.extend_seq_lens_cpu))

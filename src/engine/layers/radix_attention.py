@@ -41,4 +41,6 @@ class RadixAttention(nn.Module):
         if k is not None:
             k = k.view(-1, self.tp_k_head_num, self.head_dim)
             v = v.view(-1, self.tp_v_head_num, self.head_dim)
-        return forward_batch.attn_backend.forward(q, k, v, self, forward_batch, save_kv_cache)
+        backend = forward_batch.attn_backend
+        assert backend is not None  # ForwardBatch.init_new sets it
+        return backend.forward(q, k, v, self, forward_batch, save_kv_cache)

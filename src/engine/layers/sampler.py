@@ -73,6 +73,7 @@ class Sampler(nn.Module):
         # probability) or, for a token a grammar masked out (p = 0), NaN, which argmax picks.
         noise = torch.empty_like(probs).exponential_().clamp_(min=torch.finfo(probs.dtype).tiny)
         if info.seeds is not None:
+            assert info.seeded_mask is not None  # set together with seeds
             seeded_noise = seeded_exponential(info.seeds, info.output_lens, probs.shape[1])
             noise = torch.where(info.seeded_mask.unsqueeze(1), seeded_noise, noise)
         sampled = torch.argmax(probs / noise, dim=-1)

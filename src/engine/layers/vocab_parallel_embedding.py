@@ -7,11 +7,14 @@ sliced away by the LogitsProcessor.
 
 from __future__ import annotations
 
+from typing import Optional
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+from engine.model_loader.weight_utils import set_weight_loader
 
 DEFAULT_VOCAB_PADDING_SIZE = 64
 
@@ -32,7 +35,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start_index = self.tp_rank * self.num_embeddings_per_partition
         self.vocab_end_index = self.vocab_start_index + self.num_embeddings_per_partition
         self.weight = nn.Parameter(torch.empty(self.num_embeddings_per_partition, embedding_dim), requires_grad=False)
-        self.weight.weight_loader = self.weight_loader
+        set_weight_loader(self.weight, self.weight_loader)
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id=None) -> None:
         if loaded_weight.shape[0] != self.num_embeddings or loaded_weight.shape[1] != self.embedding_dim:
@@ -64,7 +67,7 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_size: int = DEFAULT_VOCAB_PADDING_SIZE) -> None:
         super().__init__(num_embeddings, embedding_dim, padding_size)
-        self.packed_weight = None  # see engine.layers.linear.prepack_linear_weights
+        self.packed_weight: Optional[torch.Tensor] = None  # see engine.layers.linear.prepack_linear_weights
 
     def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> None:
         """Share the embedding matrix (tie_word_embeddings)."""

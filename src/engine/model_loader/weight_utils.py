@@ -6,7 +6,7 @@ import glob
 import json
 import logging
 import os
-from typing import Dict, Iterable, Iterator, List, Sequence, Set, Tuple, Union
+from typing import Callable, Dict, Iterable, Iterator, List, Sequence, Set, Tuple, Union
 
 import torch
 from torch import nn
@@ -14,6 +14,8 @@ from torch import nn
 logger = logging.getLogger(__name__)
 
 ShardId = Union[str, int, None]
+# loader(param, checkpoint_tensor[, shard_id]): copies (this rank's piece of) the tensor into param.
+WeightLoader = Callable[..., None]
 
 
 def safetensors_weights_iterator(model_path: str) -> Iterator[Tuple[str, torch.Tensor]]:
@@ -50,6 +52,16 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shar
     if param.shape != loaded_weight.shape:
         raise ValueError(f"shape mismatch: parameter {tuple(param.shape)} vs checkpoint {tuple(loaded_weight.shape)}")
     param.data.copy_(loaded_weight)
+
+
+def set_weight_loader(param: nn.Parameter, loader: WeightLoader) -> None:
+    """Attach the loader that load_weights_into calls for `param` (torch declares no such attribute)."""
+    setattr(param, "weight_loader", loader)
+
+
+def weight_loader_of(param: nn.Parameter) -> WeightLoader:
+    """The loader set_weight_loader attached, default_weight_loader for a plain parameter."""
+    return getattr(param, "weight_loader", default_weight_loader)
 
 
 def route_weight_names(
@@ -110,7 +122,7 @@ def load_weights_into(
         if key in loaded:
             raise ValueError(f"weight {name} loaded twice (parameter {target}, shard {shard_id})")
         param = params[target]
-        loader = getattr(param, "weight_loader", default_weight_loader)
+        loader = weight_loader_of(param)
         with torch.no_grad():
             if shard_id is None:
                 loader(param, tensor)

@@ -85,6 +85,7 @@ class LlamaAttention(nn.Module):
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
+            assert self.k_norm is not None  # qk_norm builds both
             # Qwen3: RMSNorm over each head's vector, before rotary.
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(-1, self.q_size)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(-1, self.kv_size)
