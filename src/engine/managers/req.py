@@ -12,6 +12,7 @@ import torch
 
 if TYPE_CHECKING:
     from engine.constrained.base_grammar_backend import BaseGrammarObject
+    from engine.mem_cache.base_prefix_cache import BasePrefixCache
     from engine.sampling.sampling_params import SamplingParams
 
 # Only the estimation of future decode room is clipped at this many tokens; stop conditions never are.
@@ -212,7 +213,7 @@ class Req:
         return min(max(self.max_new_tokens - len(self.output_ids), 0), CLIP_MAX_NEW_TOKENS_ESTIMATION)
 
     # ------------------------------------------------------------------ admission
-    def init_next_round_input(self, tree_cache: Any = None) -> None:
+    def init_next_round_input(self, tree_cache: Optional[BasePrefixCache] = None) -> None:
         """Recompute fill ids and, for a fresh or retracted request, the cached prefix."""
         self.fill_ids = self.origin_input_ids + self.output_ids
         if tree_cache is not None and self.req_pool_idx is None:

@@ -15,6 +15,7 @@ from engine.managers.req import FINISH_LENGTH, FINISH_MATCHED_REGEX, Req
 
 if TYPE_CHECKING:
     from engine.managers.schedule_batch import ScheduleBatch
+    from engine.mem_cache.base_prefix_cache import BasePrefixCache
     from engine.managers.tp_worker import GenerationBatchResult
 
 # A non-streaming request still goes to the detokenizer every this many tokens (incremental decode).
@@ -24,7 +25,7 @@ DETOKENIZE_CONTEXT_TOKENS = 5
 
 
 class ResultProcessor:
-    def __init__(self, tree_cache: Any, prefill_handoff: Optional[Callable[[Req], None]] = None) -> None:
+    def __init__(self, tree_cache: BasePrefixCache, prefill_handoff: Optional[Callable[[Req], None]] = None) -> None:
         self.tree_cache = tree_cache
         # PD prefill server: a request's first token goes to the transfer instead of decoding here.
         self.prefill_handoff = prefill_handoff

@@ -4,9 +4,12 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import Any, Hashable, List, Optional
+from typing import TYPE_CHECKING, Any, Hashable, List, Optional
 
 import torch
+
+if TYPE_CHECKING:
+    from engine.managers.req import Req
 
 
 @dataclass(slots=True)
@@ -71,11 +74,11 @@ class BasePrefixCache(abc.ABC):
         """All tokens cached."""
 
     @abc.abstractmethod
-    def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
+    def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
         """Release a finished (or aborted/retracted when `is_insert` is False) request's KV and row."""
 
     @abc.abstractmethod
-    def cache_unfinished_req(self, req: Any) -> None:
+    def cache_unfinished_req(self, req: Req) -> None:
         """After a prefill chunk: make the processed prefix shareable and keep the row."""
 
     @abc.abstractmethod

@@ -7,12 +7,16 @@ is chunked prefill: between chunks a request keeps its own KV as its "prefix".
 from __future__ import annotations
 
 import logging
-from typing import Any, Hashable, List, Optional
+from typing import TYPE_CHECKING, Any, Hashable, List, Optional
 
 import torch
 
+from engine.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from engine.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult
 from engine.mem_cache.memory_pool import ReqToTokenPool
+
+if TYPE_CHECKING:
+    from engine.managers.req import Req
 
 logger = logging.getLogger(__name__)
 
@@ -21,12 +25,12 @@ class ChunkCache(BasePrefixCache):
     # Callers that special-case "no sharing" (e.g. admission policies) check this flag.
     disable = True
 
-    def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool_allocator: Any,
+    def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool_allocator: PagedTokenToKVPoolAllocator,
                  page_size: int) -> None:
         self.req_to_token_pool = req_to_token_pool
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.page_size = page_size
-        self.device = getattr(token_to_kv_pool_allocator, "device", "cpu")
+        self.device = token_to_kv_pool_allocator.device
 
     def _empty(self) -> torch.Tensor:
         return torch.empty(0, dtype=torch.int64, device=self.device)
@@ -61,7 +65,7 @@ class ChunkCache(BasePrefixCache):
     def pretty_print(self) -> str:
         return "ChunkCache (no shared prefixes)"
 
-    def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
+    def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
         # Nothing is shared, so finishing and aborting release the same way: all of the row's KV.
         if req.req_pool_idx is not None:
             row = req.req_pool_idx
@@ -74,6 +78,6 @@ class ChunkCache(BasePrefixCache):
         req.cache_protected_len = 0
         req.kv_allocated_len = 0
 
-    def cache_unfinished_req(self, req: Any) -> None:
+    def cache_unfinished_req(self, req: Req) -> None:
         row = req.req_pool_idx
         req.prefix_indices = self.req_to_token_pool.req_to_token[row, : len(req.fill_ids)].to(torch.int64)

@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import heapq
 import logging
-from typing import Any, Dict, Hashable, Iterator, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Hashable, Iterator, List, Optional, Tuple, Union
 
 import torch
 
+from engine.mem_cache.allocator import PagedTokenToKVPoolAllocator
 from engine.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult
 from engine.mem_cache.memory_pool import ReqToTokenPool
+
+if TYPE_CHECKING:
+    from engine.managers.req import Req
 
 logger = logging.getLogger(__name__)
 
@@ -56,7 +60,7 @@ def _empty_slots(device: Any) -> torch.Tensor:
 
 
 class RadixCache(BasePrefixCache):
-    def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool_allocator: Any,
+    def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool_allocator: PagedTokenToKVPoolAllocator,
                  page_size: int, disable: bool = False) -> None:
         if page_size < 1:
             raise ValueError(f"RadixCache: page_size must be >= 1, got {page_size}")
@@ -64,7 +68,7 @@ class RadixCache(BasePrefixCache):
         self.token_to_kv_pool_allocator = token_to_kv_pool_allocator
         self.page_size = page_size
         self.disable = disable
-        self.device = getattr(token_to_kv_pool_allocator, "device", "cpu")
+        self.device = token_to_kv_pool_allocator.device
         self.reset()
 
     # ------------------------------------------------------------------ tree basics
@@ -295,7 +299,7 @@ class RadixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------ request-level API
 
-    def cache_finished_req(self, req: Any, is_insert: bool = True) -> None:
+    def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
         if req.req_pool_idx is not None:
             row = req.req_pool_idx
             kv = self.req_to_token_pool.req_to_token[row, : req.kv_allocated_len].to(torch.int64)
@@ -320,7 +324,7 @@ class RadixCache(BasePrefixCache):
         req.cache_protected_len = 0
         req.kv_allocated_len = 0
 
-    def cache_unfinished_req(self, req: Any) -> None:
+    def cache_unfinished_req(self, req: Req) -> None:
         row = req.req_pool_idx
         fill_len = len(req.fill_ids)
         kv = self.req_to_token_pool.req_to_token[row, :fill_len].to(torch.int64)

@@ -15,7 +15,7 @@ from engine.sampling.penaltylib.base import BatchedPenalizer, row_token_pairs
 
 def stop_ids_of(req: Any) -> list[int]:
     """EOS ids of the model plus the request's own stop_token_ids."""
-    ids = set(getattr(req, "eos_token_ids", None) or ())
+    ids = set(req.eos_token_ids)
     ids.update(req.sampling_params.stop_token_ids or ())
     return sorted(ids)
 
