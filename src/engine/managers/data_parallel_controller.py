@@ -29,7 +29,7 @@ import signal
 import sys
 import time
 import traceback
-from typing import Any, Deque, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional
 
 from engine.managers.io_struct import (
     CONTROL_REPLIES,
@@ -43,6 +43,14 @@ from engine.managers.io_struct import (
     decode,
     encode,
 )
+
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
+    import zmq
+
+    from engine.server_args import PortArgs, ServerArgs
+    from engine.utils.child_processes import ChildProcesses
 
 logger = logging.getLogger(__name__)
 
@@ -115,7 +123,7 @@ class ReplyGrouper:
         return groups
 
 
-def replica_port_args(port_args: Any, dp_rank: int, nccl_port: int) -> Any:
+def replica_port_args(port_args: PortArgs, dp_rank: int, nccl_port: int) -> PortArgs:
     """Endpoints of one replica: its own input and control-reply sockets (served by the controller)."""
     base = os.path.dirname(port_args.scheduler_input_ipc_name[len("ipc://"):])
     return dataclasses.replace(
@@ -127,7 +135,7 @@ def replica_port_args(port_args: Any, dp_rank: int, nccl_port: int) -> Any:
 
 
 class DataParallelController:
-    def __init__(self, server_args: Any, port_args: Any, context: Any) -> None:
+    def __init__(self, server_args: ServerArgs, port_args: PortArgs, context: zmq.Context) -> None:
         import zmq
 
         from engine.utils.zmq_utils import get_zmq_socket
@@ -232,7 +240,7 @@ def _run_scheduler(*args: Any) -> None:
     run_scheduler_process(*args)
 
 
-def launch_tp_group(children: Any, server_args: Any, port_args: Any, dp_rank: Optional[int] = None,
+def launch_tp_group(children: ChildProcesses, server_args: ServerArgs, port_args: PortArgs, dp_rank: Optional[int] = None,
                     gpu_offset: int = 0) -> str:
     """Start this node's scheduler ranks of one TP group; return the child name of its first rank."""
     tp_per_node = max(1, server_args.tp_size // server_args.nnodes)
@@ -245,7 +253,8 @@ def launch_tp_group(children: Any, server_args: Any, port_args: Any, dp_rank: Op
     return f"scheduler_TP{first_rank}{suffix}"
 
 
-def run_data_parallel_controller_process(server_args: Any, port_args: Any, pipe_writer: Any) -> None:
+def run_data_parallel_controller_process(server_args: ServerArgs, port_args: PortArgs,
+                                         pipe_writer: Connection) -> None:
     import zmq
 
     from engine.utils.child_processes import ChildProcesses, LaunchError
@@ -291,7 +300,7 @@ def run_data_parallel_controller_process(server_args: Any, port_args: Any, pipe_
         sys.exit(1)
 
 
-def start_scheduler_processes(children: Any, server_args: Any, port_args: Any) -> str:
+def start_scheduler_processes(children: ChildProcesses, server_args: ServerArgs, port_args: PortArgs) -> str:
     """Start this node's schedulers (dp_size 1) or the DP controller that starts them.
 
     Returns the child name whose ready message carries the scheduler limits.

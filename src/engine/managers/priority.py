@@ -14,9 +14,12 @@ never needs to know the direction:
 from __future__ import annotations
 
 import sys
-from typing import Any, List, Optional, Tuple
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 from engine.managers.req import Req
+
+if TYPE_CHECKING:
+    from engine.server_args import ServerArgs
 
 # Messages and status codes of SGLang's scheduler.
 PRIORITY_DISABLED_MESSAGE = ("Using priority is disabled for this server. Please send a new request without "
@@ -25,7 +28,7 @@ EVICTED_MESSAGE = "The request is aborted by a higher priority request."
 
 
 class PriorityPolicy:
-    def __init__(self, server_args: Any) -> None:
+    def __init__(self, server_args: ServerArgs) -> None:
         self.enabled: bool = server_args.enable_priority_scheduling
         self.sign = 1 if server_args.schedule_low_priority_values_first else -1
         self.preemption_enabled: bool = self.enabled and not server_args.disable_priority_preemption

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 import traceback
-from typing import Any, Dict, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 
@@ -22,12 +22,19 @@ from engine.managers.io_struct import BatchTokenIDOutput, GetInternalStateReqOut
 from engine.managers.overlap_utils import limit_omp_threads_of_this_thread
 from engine.managers.scheduler import Scheduler
 
+if TYPE_CHECKING:
+    from multiprocessing.connection import Connection
+
+    import zmq
+
+    from engine.server_args import PortArgs, ServerArgs
+
 logger = logging.getLogger(__name__)
 
 
 # ====================================================================== the process
-def run_scheduler_process(server_args: Any, port_args: Any, gpu_id: int, tp_rank: int,
-                          dp_rank: Optional[int], pipe_writer: Any) -> None:
+def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, gpu_id: int, tp_rank: int,
+                          dp_rank: Optional[int], pipe_writer: Connection) -> None:
     """Body of one scheduler rank.
 
     With --tp-size N every rank runs the same Scheduler steps on the same requests: rank 0 drains
@@ -78,18 +85,18 @@ def run_scheduler_process(server_args: Any, port_args: Any, gpu_id: int, tp_rank
         sys.exit(1)
 
 
-def dist_init_method(server_args: Any, port_args: Any) -> str:
+def dist_init_method(server_args: ServerArgs, port_args: PortArgs) -> str:
     """Rendezvous of a TP group: --dist-init-addr across nodes, else a local port of this launch."""
     if server_args.dist_init_addr:
         return f"tcp://{server_args.dist_init_addr}"
     return f"tcp://127.0.0.1:{port_args.nccl_port}"
 
 
-def num_local_scheduler_processes(server_args: Any) -> int:
+def num_local_scheduler_processes(server_args: ServerArgs) -> int:
     return max(1, server_args.tp_size // server_args.nnodes) * server_args.dp_size
 
 
-def _set_cpu_threads(server_args: Any) -> None:
+def _set_cpu_threads(server_args: ServerArgs) -> None:
     """On the CPU the scheduler ranks of a node share its cores: give each an equal share.
 
     Without this every rank starts one intra-op thread per core and N ranks oversubscribe the
@@ -111,7 +118,7 @@ def _set_cpu_threads(server_args: Any) -> None:
     logger.info("Using %d CPU thread(s) for this rank", threads)
 
 
-def _rank0_channels(context: Any, port_args: Any, tp_size: int, dp_rank: Optional[int]):
+def _rank0_channels(context: zmq.Context, port_args: PortArgs, tp_size: int, dp_rank: Optional[int]):
     """recv / send / wait functions of TP rank 0: ZMQ in, broadcast to the followers, ZMQ out."""
     import zmq
 

@@ -4,13 +4,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
+from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
 from engine.configs.pooling_config import PoolingType
 from engine.managers.overlap_utils import resolve_relay_input_ids, write_relay
 from engine.model_executor.forward_batch_info import ForwardBatch, ModelWorkerBatch
+
+if TYPE_CHECKING:
+    from engine.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -72,12 +75,13 @@ def worker_limits(max_total_num_tokens: int, context_len: int, req_pool_size: in
 
 
 class TpModelWorker:
-    def __init__(self, server_args: Any, gpu_id: int = 0, tp_rank: int = 0) -> None:
+    def __init__(self, server_args: ServerArgs, gpu_id: int = 0, tp_rank: int = 0) -> None:
         from engine.configs.model_config import ModelConfig
         from engine.model_executor.model_runner import ModelRunner
 
         self.server_args = server_args
         self.tp_rank = tp_rank
+        assert server_args.model_path is not None  # resolved before any worker is built (resolve_model_path)
         self.model_config = ModelConfig.from_pretrained(
             server_args.model_path, dtype=server_args.dtype, context_length=server_args.context_length,
             device=server_args.device, is_embedding=server_args.is_embedding,
