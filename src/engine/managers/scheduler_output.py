@@ -32,6 +32,7 @@ class ResultProcessor:
 
     def process_prefill(self, batch: "ScheduleBatch", result: "GenerationBatchResult") -> List[Req]:
         """Returns the requests that may emit output (mid-chunk requests are left out)."""
+        assert result.next_token_ids is not None  # a result is processed after its sampling ran
         next_ids = result.next_token_ids.tolist()
         lp = _LogprobLists(result.logits_output, batch)
         hidden = _hidden_states(result)
@@ -77,6 +78,7 @@ class ResultProcessor:
         return emit
 
     def process_decode(self, batch: "ScheduleBatch", result: "GenerationBatchResult") -> List[Req]:
+        assert result.next_token_ids is not None  # a result is processed after its sampling ran
         next_ids = result.next_token_ids.tolist()
         lp = _LogprobLists(result.logits_output, batch)
         hidden = _hidden_states(result)
@@ -159,10 +161,12 @@ class _LogprobLists:
         req.output_token_logprobs_val.append(self.next_lp[row])
         req.output_token_logprobs_idx.append(token)
         if req.top_logprobs_num > 0 and self.top_val is not None:
+            assert self.top_idx is not None  # the sampler fills values and indices together
             req.output_top_logprobs_val.append(list(self.top_val[row]))
             req.output_top_logprobs_idx.append(list(self.top_idx[row]))
-        if req.token_ids_logprob and self.next_ids_lp is not None and self.next_ids_lp[row] is not None:
-            req.output_token_ids_logprobs_val.append(self.next_ids_lp[row])
+        ids_lp = self.next_ids_lp[row] if req.token_ids_logprob and self.next_ids_lp is not None else None
+        if ids_lp is not None:
+            req.output_token_ids_logprobs_val.append(ids_lp)
 
     def collect_input(self, req: Req, row: int) -> None:
         if self.input_lp is None or not req.needs_input_logprobs():
@@ -173,10 +177,12 @@ class _LogprobLists:
         off = self.input_offsets[row]
         req.input_token_logprobs.extend(self.input_lp[off:off + count])
         if req.top_logprobs_num > 0 and self.input_top_val is not None:
+            assert self.input_top_idx is not None  # the logits processor fills values and indices together
             req.input_top_logprobs_val_acc.extend(self.input_top_val[row])
             req.input_top_logprobs_idx_acc.extend(self.input_top_idx[row])
-        if req.token_ids_logprob and self.input_ids_lp is not None and self.input_ids_lp[row] is not None:
-            req.input_token_ids_logprobs_acc.extend(self.input_ids_lp[row])
+        ids_lp = self.input_ids_lp[row] if req.token_ids_logprob and self.input_ids_lp is not None else None
+        if ids_lp is not None:
+            req.input_token_ids_logprobs_acc.extend(ids_lp)
 
     @staticmethod
     def finalize_input(req: Req) -> None:
