@@ -129,6 +129,7 @@ class DecodeKVManager:
                 self._misses[addr] = 0
                 self._peer_errors.pop(addr, None)
                 return
+            assert error is not None  # without a peer, each branch above says why
             self._attempts[addr] = self._attempts.get(addr, 0) + 1
             if not attempts_left or self._attempts[addr] >= self.config.ensure_info_retries:
                 message = error if not attempts_left else (
@@ -207,10 +208,10 @@ class DecodeKVManager:
             state.alive = False
             # Once the prefill is known it is told, destination sent or not: it drops the
             # request at once instead of waiting for its bootstrap timeout.
-            notify = state.peer is not None
+            peer = state.peer  # set once, never unset
         self.status.fail(state.room, reason, cause)
-        if notify:
-            self._send(state.peer.endpoint, protocol.encode(AbortMsg(room=state.room, endpoint=self.transport.endpoint,
+        if peer is not None:
+            self._send(peer.endpoint, protocol.encode(AbortMsg(room=state.room, endpoint=self.transport.endpoint,
                                                                     reason=reason)), None)
 
     def clear(self, state: _Room) -> None:
@@ -274,6 +275,7 @@ class DecodeKVManager:
                 error = "KV frame checksum mismatch"
             if error is None:
                 peer = state.peer
+                assert peer is not None  # KV arrives only after send_dst, which needs the peer
                 data = from_bytes(payload, self.kv_args.layout, frame.num_tokens, peer.num_heads)
                 begin = frame.token_offset
                 scatter_kv(self.kv_args.pool, state.slots[begin:begin + frame.num_tokens], data)
@@ -314,12 +316,16 @@ class DecodeKVReceiver(KVReceiver):
         self.times = TransferTimes(created=now())
         self.state = manager.add_room(room, addr)
 
+    def _since_bootstrapped(self) -> float:
+        assert self.times.bootstrapped is not None  # set when the status became WaitingForInput
+        return now() - self.times.bootstrapped
+
     def poll(self) -> KVPoll:
         status = self.manager.status.get(self.room)
         config = self.manager.config
         if status == KVPoll.Bootstrapping:
             status = self._try_bootstrap()
-        elif status == KVPoll.WaitingForInput and now() - self.times.bootstrapped > config.bootstrap_timeout:
+        elif status == KVPoll.WaitingForInput and self._since_bootstrapped() > config.bootstrap_timeout:
             # The prefill gave up on this request by now: decode memory stayed short too long.
             self.abort(f"no decode memory for this request within {config.bootstrap_timeout:g} s "
                        "(the prefill's bootstrap timeout)", FailureCause.TIMEOUT)

@@ -268,4 +268,4 @@ class PrefillKVSender(KVSender):
 
 def _all_destinations(dsts: Optional[Dict[int, DstInfo]]) -> bool:
     """Every decode rank that needs this prefill rank's KV sent its destination."""
-    return bool(dsts) and len(dsts) >= next(iter(dsts.values())).required_dst_num
+    return bool(dsts and len(dsts) >= next(iter(dsts.values())).required_dst_num)

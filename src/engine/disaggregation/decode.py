@@ -18,7 +18,7 @@ from __future__ import annotations
 import logging
 from concurrent.futures import Future
 from dataclasses import dataclass, field
-from typing import Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
 import torch
 
@@ -28,6 +28,11 @@ from engine.disaggregation.fake import fake_first_token
 from engine.disaggregation.metadata import MetadataBuffers, ReqToMetadataIdxAllocator
 from engine.disaggregation.metrics import DisaggMetrics
 from engine.managers.req import CLIP_MAX_NEW_TOKENS_ESTIMATION, FINISH_ABORT, FINISH_LENGTH, Req
+
+if TYPE_CHECKING:
+    from engine.mem_cache.allocator import PagedTokenToKVPoolAllocator
+    from engine.mem_cache.base_prefix_cache import BasePrefixCache
+    from engine.mem_cache.memory_pool import ReqToTokenPool
 
 logger = logging.getLogger(__name__)
 
@@ -57,9 +62,9 @@ class RetractedReq:
 class DecodeMemory:
     """What the decode queues allocate from."""
 
-    req_to_token_pool: object
-    allocator: object
-    tree_cache: object
+    req_to_token_pool: ReqToTokenPool
+    allocator: PagedTokenToKVPoolAllocator
+    tree_cache: BasePrefixCache
     metadata: MetadataBuffers
     metadata_allocator: ReqToMetadataIdxAllocator
     max_total_num_tokens: int
@@ -121,6 +126,7 @@ class DecodeTransferQueue:
         for dreq in self.queue:
             if dreq.publish_after is not None and dreq.publish_after():
                 dreq.publish_after = None
+                assert dreq.slots is not None  # reserved (alloc_prompt) before publish_after is set
                 dreq.kv_receiver.send_metadata(dreq.slots, dreq.metadata_buffer_index)
 
     def _gated_poll(self, dreq: DecodeRequest) -> KVPoll:

@@ -99,7 +99,9 @@ class DecodePreallocQueue:
             if not fits(memory, state, req, required, allocatable):
                 break
             dreq.slots = memory.alloc_prompt(req, len(req.origin_input_ids))
-            dreq.metadata_buffer_index = memory.metadata_allocator.alloc()
+            index = memory.metadata_allocator.alloc()
+            assert index is not None  # available_size() was checked above
+            dreq.metadata_buffer_index = index
             # Published to the prefill only after the forwards in flight finished: one of them may
             # still write a slot that was freed when its request finished and is reused here.
             dreq.publish_after = self.fence()

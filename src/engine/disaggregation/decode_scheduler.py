@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Literal, Optional
 
 import torch
 
@@ -49,7 +49,8 @@ logger = logging.getLogger(__name__)
 
 
 class DecodeDisaggregation:
-    mode = DisaggregationMode.DECODE
+    # A Literal, so that checking `mode` tells the type checker which role it has.
+    mode: Literal[DisaggregationMode.DECODE] = DisaggregationMode.DECODE
 
     def __init__(self, scheduler: "Scheduler", network: Optional["LoopbackNetwork"] = None) -> None:
         self.scheduler = scheduler
@@ -91,6 +92,7 @@ class DecodeDisaggregation:
             return FakeKVReceiver(room)
         from engine.disaggregation.conn_decode import DecodeKVReceiver
 
+        assert req.bootstrap_port is not None  # validate_pd_request: a bootstrap host comes with a port
         return DecodeKVReceiver(self.manager, room, bootstrap_addr(req.bootstrap_host, req.bootstrap_port))
 
     # ------------------------------------------------------------------ queues
@@ -114,6 +116,7 @@ class DecodeDisaggregation:
         transferred, failed_transfers = self.transfer.pop_transferred()
         self.waiting.extend(transferred)
         for req in failed + failed_transfers:
+            assert req.finished_reason is not None  # abort_req finished them
             logger.warning("Request %s (room %s) failed: %s", req.rid, req.bootstrap_room,
                            req.finished_reason.to_json().get("message"))
         self.scheduler.stream(failed + failed_transfers)
@@ -194,6 +197,7 @@ class DecodeDisaggregation:
         if backup is None:
             return
         pool = self.memory.allocator.get_kvcache()
+        assert pool is not None  # a decode server's allocator owns its KV pool
         # Same stream, later job: the backup's copy has run by then, so result() does not wait.
         self.scheduler.forward_stream.run_in_order(lambda: scatter_kv(pool, slots, backup.result()))
 

@@ -121,7 +121,8 @@ def scatter_kv(pool: MHATokenToKVPool, slots: torch.Tensor, data: torch.Tensor) 
 
 def as_bytes(tensor: torch.Tensor) -> memoryview:
     """A zero-copy byte view of a contiguous CPU tensor (any dtype, bfloat16 included)."""
-    return memoryview(tensor.contiguous().view(torch.uint8).numpy()).cast("B")
+    # numpy's stubs declare ndarray's buffer protocol (__buffer__) only for Python >= 3.12.
+    return memoryview(tensor.contiguous().view(torch.uint8).numpy()).cast("B")  # type: ignore[arg-type]
 
 
 def from_bytes(buffer: Any, layout: KVLayout, num_tokens: int, num_heads: int) -> torch.Tensor:

@@ -34,7 +34,7 @@ class LoopbackNetwork:
     jobs: Deque[Callable[[], None]] = field(default_factory=deque)
     rules: List[_Rule] = field(default_factory=list)
     # Bootstrap servers by addr: (session id, server info or None while ranks are missing).
-    bootstrap: Dict[str, Tuple[str, Optional[Dict[str, Any]]]] = field(default_factory=dict)
+    bootstrap: Dict[str, Tuple[str, Dict[str, Any]]] = field(default_factory=dict)
     down: Set[str] = field(default_factory=set)  # bootstrap addrs whose server is "dead"
     delivered: Dict[str, int] = field(default_factory=dict)
     _names: Any = field(default_factory=itertools.count)

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Literal, Optional
 
 from engine.disaggregation.base import (
     FAKE_BOOTSTRAP_HOST,
@@ -54,7 +54,8 @@ class PrefillRequest:
 
 
 class PrefillDisaggregation:
-    mode = DisaggregationMode.PREFILL
+    # A Literal, so that checking `mode` tells the type checker which role it has.
+    mode: Literal[DisaggregationMode.PREFILL] = DisaggregationMode.PREFILL
 
     def __init__(self, scheduler: "Scheduler", network: Optional["LoopbackNetwork"] = None) -> None:
         self.scheduler = scheduler
@@ -88,6 +89,7 @@ class PrefillDisaggregation:
         else:
             from engine.disaggregation.conn_prefill import PrefillKVSender
 
+            assert req.bootstrap_room is not None  # validate_pd_request: a bootstrap host comes with a room
             sender = PrefillKVSender(self.manager, req.bootstrap_room)
         self.bootstrap_queue.append(PrefillRequest(req=req, sender=sender))
 

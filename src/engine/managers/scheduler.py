@@ -42,6 +42,7 @@ from engine.managers.scheduler_embedding import (
 from engine.managers.scheduler_output import OutputStreamer, ResultProcessor
 from engine.sampling.custom_logit_processor import CustomLogitProcessorError, load_custom_logit_processor
 
+from engine.disaggregation.base import DisaggregationMode
 from engine.disaggregation.roles import make_role
 
 if TYPE_CHECKING:
@@ -153,7 +154,8 @@ class Scheduler:
         if server_args.disaggregation_mode != "null" and not self.is_generation:
             raise ValueError("PD disaggregation serves generative models only; this is an embedding model")
         self.disagg: Optional[Union[PrefillDisaggregation, DecodeDisaggregation]] = make_role(self, transfer_network)
-        handoff = self.disagg.handoff if self.disagg is not None and self.disagg.mode == "prefill" else None
+        handoff = (self.disagg.handoff if self.disagg is not None and self.disagg.mode == DisaggregationMode.PREFILL
+                   else None)
         self.results = ResultProcessor(self.tree_cache, prefill_handoff=handoff)
         self.streamer = OutputStreamer(server_args.stream_interval)
         self._to_stream: List[Req] = []  # requests that may emit at the end of this iteration
@@ -335,7 +337,7 @@ class Scheduler:
         self._to_stream.append(req)
 
     def _add_request_to_queue(self, req: Req, is_retracted: bool = False) -> None:
-        if self.disagg is not None and (self.disagg.mode == "decode" or not is_retracted):
+        if self.disagg is not None and (self.disagg.mode == DisaggregationMode.DECODE or not is_retracted):
             # PD: new requests start with their transfer; decode-side retractions wait there too.
             req.queue_time = time.monotonic()
             self.disagg.add_request(req, is_retracted)
@@ -433,7 +435,7 @@ class Scheduler:
 
     # ================================================================== building batches
     def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
-        if self.disagg is not None and self.disagg.mode == "decode":
+        if self.disagg is not None and self.disagg.mode == DisaggregationMode.DECODE:
             return self.disagg.get_next_batch_to_run()  # prebuilt batches, never a prefill
         if self.pending_chunked_abort:
             self._teardown_chunked_req()
@@ -618,6 +620,7 @@ class Scheduler:
         `launch_batch_sample_if_needed` after processing that result.
         """
         self.forward_ct += 1
+        assert batch.forward_mode is not None  # the batches to run are prepared (prepare_for_*)
         if batch.forward_mode.is_extend():
             self.num_extend_tokens_computed += batch.extend_num_tokens
         worker_batch = batch.get_model_worker_batch()

@@ -13,14 +13,16 @@ import torch
 
 if TYPE_CHECKING:
     from engine.managers.tp_worker import GenerationBatchResult
-    from engine.mem_cache.allocator import TokenToKVPoolAllocator
+    from engine.mem_cache.allocator import PagedTokenToKVPoolAllocator
     from engine.mem_cache.memory_pool import ReqToTokenPool
     from engine.model_executor.forward_batch_info import ModelWorkerBatch
 
 
 class ModelWorker(Protocol):
     req_to_token_pool: "ReqToTokenPool"
-    token_to_kv_pool_allocator: "TokenToKVPoolAllocator"
+    token_to_kv_pool_allocator: "PagedTokenToKVPoolAllocator"
+    # The overlap relay: the last token sampled per request-pool row (managers/overlap_utils.py).
+    output_tokens_buf: torch.Tensor
 
     def get_worker_info(self) -> Dict[str, Any]:
         """The limits the scheduler admits requests under (see tp_worker.worker_limits)."""
