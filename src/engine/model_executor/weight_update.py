@@ -16,7 +16,7 @@ valid after the packed copies are rebuilt.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, Iterable, List, Optional, Protocol, Sequence, Tuple, cast
 
 import torch
 from torch import nn
@@ -37,6 +37,17 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_LOAD_FORMATS = (None, "auto", "safetensors")
 # Config fields a checkpoint must share with the running model to be loaded into it.
+class UpdatableModel(Protocol):
+    """What weight updates use of a model: the generation models (models/llama.py) have it."""
+
+    # (checkpoint piece, our fused parameter's piece, shard id), e.g. ("q_proj", "qkv_proj", "q").
+    stacked_params: Sequence[Tuple[str, str, ShardId]]
+
+    def weight_skip_substrings(self) -> List[str]: ...
+
+    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]], require_all: bool = True) -> None: ...
+
+
 SAME_ARCHITECTURE_FIELDS = (
     "architectures", "vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
     "num_key_value_heads", "head_dim", "intermediate_size", "tie_word_embeddings", "attention_bias",
@@ -47,6 +58,9 @@ SAME_ARCHITECTURE_FIELDS = (
 class WeightUpdater:
     def __init__(self, model: nn.Module, model_config: ModelConfig, device: str) -> None:
         self.model = model
+        # The same object through the protocol above: torch types every other attribute of an
+        # nn.Module as Tensor | Module (its __getattr__), so it cannot say that the model has these.
+        self.loading = cast(UpdatableModel, model)
         self.model_config = model_config
         self.device = device
         # How to undo the last update until the TP ranks agreed on it (commit()): the previous
@@ -115,8 +129,8 @@ class WeightUpdater:
         if len(set(names)) != len(names):
             return False, "Each weight name may appear once in named_tensors."
         try:
-            routes = route_weight_names(self.model, names, self.model.stacked_params,
-                                        self.model.weight_skip_substrings())
+            routes = route_weight_names(self.model, names, self.loading.stacked_params,
+                                        self.loading.weight_skip_substrings())
         except ValueError as e:
             return False, f"Failed to update weights: {e}."
         params = dict(self.model.named_parameters())
@@ -131,7 +145,7 @@ class WeightUpdater:
 
     def _load(self, weights: Any, require_all: bool) -> None:
         try:
-            self.model.load_weights(weights, require_all=require_all)
+            self.loading.load_weights(weights, require_all=require_all)
         finally:
             self._after_load()
 
@@ -159,7 +173,7 @@ class WeightUpdater:
         return full[:truncate_size].float().tolist(), ""
 
     def _route_one(self, name: str) -> Tuple[Optional[str], ShardId, Optional[str]]:
-        stacked, skip = self.model.stacked_params, self.model.weight_skip_substrings()
+        stacked, skip = self.loading.stacked_params, self.loading.weight_skip_substrings()
         if name == "lm_head.weight" and self.model_config.tie_word_embeddings:
             name = "model.embed_tokens.weight"  # tied: the head is the embedding (SGLang answers so too)
         try:
@@ -223,6 +237,7 @@ def assemble(pieces: List[Optional[Dict[str, Any]]]) -> Optional[torch.Tensor]:
         return first["data"]
     parts, seen = [], set()
     for piece in pieces:
+        assert piece is not None  # every rank routes a name alike: all parts exist when the first does
         if piece["key"] not in seen:
             seen.add(piece["key"])
             parts.append(piece["data"])

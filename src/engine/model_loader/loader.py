@@ -5,7 +5,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Iterator
+from typing import Iterable, Iterator, Protocol, Tuple, cast
 
 import torch
 from torch import nn
@@ -15,6 +15,12 @@ from engine.model_loader.weight_utils import safetensors_weights_iterator
 from engine.models.registry import resolve_model_class
 
 logger = logging.getLogger(__name__)
+
+
+class LoadableModel(Protocol):
+    """Every model class of the registry loads its checkpoint itself."""
+
+    def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]]) -> None: ...
 
 
 @contextlib.contextmanager
@@ -36,8 +42,9 @@ def get_model(model_config: ModelConfig, device: str, dtype: torch.dtype) -> nn.
     model_class = resolve_model_class(model_config.architectures)
     with _default_dtype(dtype), torch.device(device):
         model = model_class(model_config)
-    # Buffers built with an explicit float32 dtype are left as they are.
-    model.load_weights(safetensors_weights_iterator(model_config.model_path))
+    # Buffers built with an explicit float32 dtype are left as they are. (The cast: torch types an
+    # nn.Module's other attributes as Tensor | Module, so it cannot say the model has load_weights.)
+    cast(LoadableModel, model).load_weights(safetensors_weights_iterator(model_config.model_path))
     model.eval()
     logger.info(
         "Loaded %s (%s, %.1fM params) from %s in %.2fs",
