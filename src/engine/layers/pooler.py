@@ -33,6 +33,7 @@ def pool_hidden_states(pooling_type: PoolingType, hidden_states: torch.Tensor,
     """[num_tokens, hidden] -> [bs, hidden] float32, one row per request of the batch."""
     starts = forward_batch.extend_start_loc
     lens = forward_batch.extend_seq_lens
+    assert starts is not None and lens is not None  # embeddings pool extends; init_new sets both
     if pooling_type == PoolingType.LAST:
         return hidden_states.index_select(0, starts + lens - 1).float()
     if pooling_type == PoolingType.CLS:

@@ -36,6 +36,10 @@ class EmbeddingReqInput:
     # Filled by normalize(): one entry per input.
     is_single: bool = field(default=True, init=False)
     batch_size: int = field(default=1, init=False)
+    # The same lists, typed: the inputs as texts or as token-id lists (one of the two), and rids.
+    texts: Optional[List[str]] = field(default=None, init=False, repr=False)
+    token_ids: Optional[List[List[int]]] = field(default=None, init=False, repr=False)
+    rids: List[str] = field(default_factory=list, init=False, repr=False)
     _normalized: bool = field(default=False, init=False, repr=False)
 
     def normalize(self) -> None:
@@ -44,7 +48,9 @@ class EmbeddingReqInput:
             return
         # The prompt and rid rules are those of /generate (one rid for a batch is a prefix).
         texts, ids, is_batch = split_prompts(self.text, self.input_ids)
-        count = len(texts) if texts is not None else len(ids)
+        inputs = texts if texts is not None else ids
+        assert inputs is not None  # split_prompts returns one of the two
+        count = len(inputs)
         if count == 0:
             raise EngineRequestError("The batch of inputs is empty.")
         if count > MAX_EMBEDDING_INPUTS:
@@ -53,8 +59,9 @@ class EmbeddingReqInput:
             raise EngineRequestError("An input text is empty; every input must contain some text.")
         if self.dimensions is not None and (not isinstance(self.dimensions, int) or isinstance(self.dimensions, bool)):
             raise EngineRequestError(f"dimensions must be an integer, got {self.dimensions!r}.")
-        self.rid = normalize_rids(self.rid, count, is_batch)
-        self.text, self.input_ids = texts, ids
+        self.rids = normalize_rids(self.rid, count, is_batch)
+        self.texts, self.token_ids = texts, ids
+        self.rid, self.text, self.input_ids = self.rids, texts, ids
         self.batch_size = count
         self.is_single = not is_batch
         self._normalized = True
@@ -96,15 +103,17 @@ class EmbeddingNormalizer:
     def tokenize(self, obj: EmbeddingReqInput) -> List[TokenizedEmbeddingReqInput]:
         obj.normalize()
         self.check_dimensions(obj.dimensions)
-        if obj.input_ids is not None:
-            all_ids = [self._fit(list(ids)) for ids in obj.input_ids]
+        texts = obj.texts
+        if obj.token_ids is not None:
+            all_ids = [self._fit(list(ids)) for ids in obj.token_ids]
         else:
-            all_ids = self._encode(obj.text)
+            assert texts is not None  # normalize() kept one of the two
+            all_ids = self._encode(texts)
         out = []
         for i, ids in enumerate(all_ids):
             self._check_ids(ids)
             out.append(TokenizedEmbeddingReqInput(
-                rid=obj.rid[i], input_ids=ids, input_text=obj.text[i] if obj.text is not None else None,
+                rid=obj.rids[i], input_ids=ids, input_text=texts[i] if texts is not None else None,
                 dimensions=obj.dimensions))
         return out
 
@@ -186,7 +195,8 @@ def apply_embedding_output(states: Dict[str, ReqState], msg: BatchEmbeddingOutpu
         state.embedding = msg.embeddings[i]
         state.prompt_tokens = msg.prompt_tokens[i]
         state.cached_tokens = msg.cached_tokens[i]
-        state.finished_reason = dict(msg.finished_reasons[i]) if msg.finished_reasons[i] is not None else None
+        reason = msg.finished_reasons[i]
+        state.finished_reason = dict(reason) if reason is not None else None
         state.finished = True
         state.event.set()
         finished.append(state)

@@ -201,9 +201,9 @@ class DisaggregationCollector:
         for name, doc in self.GAUGES:
             values = [d[name] for d in pd if name in d]
             if values:
-                family = GaugeMetricFamily(METRIC_PREFIX + name, doc, labels=labels)
-                family.add_metric(model, sum(values))
-                yield family
+                gauge = GaugeMetricFamily(METRIC_PREFIX + name, doc, labels=labels)
+                gauge.add_metric(model, sum(values))
+                yield gauge
         snapshots = [d["metrics"] for d in pd]
         for name, doc in self.COUNTERS:
             family = CounterMetricFamily(METRIC_PREFIX + name, doc, labels=labels)
@@ -223,6 +223,6 @@ class DisaggregationCollector:
             edges = hists[0]["buckets"]
             cumulative = [sum(h["cumulative_counts"][i] for h in hists) for i in range(len(edges) + 1)]
             buckets = [(repr(float(e)), c) for e, c in zip(edges, cumulative)] + [("+Inf", cumulative[-1])]
-            family = HistogramMetricFamily(METRIC_PREFIX + name, doc, labels=labels)
-            family.add_metric(model, buckets, sum(h["sum"] for h in hists))
-            yield family
+            histogram = HistogramMetricFamily(METRIC_PREFIX + name, doc, labels=labels)
+            histogram.add_metric(model, buckets, sum(h["sum"] for h in hists))
+            yield histogram

@@ -23,6 +23,28 @@ logger = logging.getLogger(__name__)
 # token_ids_logprob: logprobs of at most this many ids per position (bounds the work one request asks).
 MAX_TOKEN_IDS_LOGPROB = 1024
 
+
+@dataclass
+class SubRequest:
+    """One sub-request of a normalized GenerateReqInput (a prompt, or one of its n samples), typed."""
+
+    rid: str
+    text: Optional[str]
+    input_ids: Optional[list[int]]
+    sampling_params: dict
+    return_logprob: bool
+    logprob_start_len: int
+    top_logprobs_num: int
+    token_ids_logprob: Optional[list[int]]
+    return_hidden_states: bool
+    custom_logit_processor: Optional[str]
+    extra_key: Optional[str]
+    cache_salt: Optional[str]
+    bootstrap_host: Optional[str]
+    bootstrap_port: Optional[int]
+    bootstrap_room: Optional[int]
+
+
 @dataclass
 class GenerateReqInput:
     text: Optional[Union[str, list[str]]] = None
@@ -30,9 +52,10 @@ class GenerateReqInput:
     sampling_params: Optional[Union[dict, list[dict]]] = None
     rid: Optional[Union[str, list[str]]] = None
     stream: bool = False
-    return_logprob: Union[bool, list[bool]] = False
-    logprob_start_len: Union[int, list[int]] = -1  # -1: no input logprobs
-    top_logprobs_num: Union[int, list[int]] = 0
+    # None (as in SGLang's clients' JSON) means the default, here as in every per-prompt field.
+    return_logprob: Optional[Union[bool, list[bool]]] = False
+    logprob_start_len: Optional[Union[int, list[int]]] = -1  # -1: no input logprobs
+    top_logprobs_num: Optional[Union[int, list[int]]] = 0
     return_text_in_logprobs: bool = False
     # False: not counted in /metrics (health probes). True no_logs: --log-requests skips its text.
     log_metrics: bool = True
@@ -54,6 +77,9 @@ class GenerateReqInput:
     batch_size: int = field(default=1, init=False)
     # The prompt each sub-request samples from: the n copies of a prompt share its tokenization.
     prompt_index: list[int] = field(default_factory=list, init=False)
+    # The same entries per sub-request, typed (the fields above hold them as lists, for callers
+    # that index a field; the fields' types must also admit what a client sends).
+    subs: list[SubRequest] = field(default_factory=list, init=False, repr=False)
     _normalized: bool = field(default=False, init=False, repr=False)
 
     def normalize(self) -> None:
@@ -61,7 +87,9 @@ class GenerateReqInput:
         if self._normalized:
             return
         prompts_text, prompts_ids, is_batch = split_prompts(self.text, self.input_ids)
-        num_prompts = len(prompts_text) if prompts_text is not None else len(prompts_ids)
+        prompts = prompts_text if prompts_text is not None else prompts_ids
+        assert prompts is not None  # split_prompts returns one of the two
+        num_prompts = len(prompts)
         if num_prompts == 0:
             raise EngineRequestError("The batch of prompts is empty.")
 
@@ -99,6 +127,7 @@ class GenerateReqInput:
                 if prompts_text is not None:
                     out_text.append(prompts_text[i])
                 else:
+                    assert prompts_ids is not None  # split_prompts returns one of the two
                     out_ids.append(prompts_ids[i])
                 out_sp.append(dict(sub_params))
                 out_rid.append(f"{rids[i]}-{j}" if n > 1 else rids[i])
@@ -128,6 +157,17 @@ class GenerateReqInput:
         self.bootstrap_host = [b[0] for b in bootstrap]
         self.bootstrap_port = [b[1] for b in bootstrap]
         self.bootstrap_room = [b[2] for b in bootstrap]
+        self.subs = [
+            SubRequest(rid=out_rid[k], text=out_text[k] if prompts_text is not None else None,
+                       input_ids=out_ids[k] if prompts_ids is not None else None, sampling_params=out_sp[k],
+                       return_logprob=out_lp[k], logprob_start_len=out_start[k], top_logprobs_num=out_top[k],
+                       token_ids_logprob=per_sub["token_ids_logprob"][k],
+                       return_hidden_states=per_sub["return_hidden_states"][k],
+                       custom_logit_processor=per_sub["custom_logit_processor"][k],
+                       extra_key=per_sub["extra_key"][k], cache_salt=per_sub["cache_salt"][k],
+                       bootstrap_host=bootstrap[k][0], bootstrap_port=bootstrap[k][1], bootstrap_room=bootstrap[k][2])
+            for k in range(len(out_rid))
+        ]
         self.batch_size = len(out_rid)
         self.is_single = not is_batch and self.batch_size == 1
         self._normalized = True
@@ -143,20 +183,21 @@ class GenerateReqInput:
         hosts = self._per_prompt(self.bootstrap_host, num_prompts, "bootstrap_host", str, None)
         ports = self._per_prompt(self.bootstrap_port, num_prompts, "bootstrap_port", int, None)
         rooms = self._per_prompt(self.bootstrap_room, num_prompts, "bootstrap_room", int, None)
-        scalar_room = self.bootstrap_room is not None and not isinstance(self.bootstrap_room, list)
-        out = []
+        # One room for every sub-request (an int: _per_prompt checked its type), or None.
+        scalar_room = None if isinstance(self.bootstrap_room, list) else self.bootstrap_room
+        out: list[tuple[Optional[str], Optional[int], Optional[int]]] = []
         for i, n in enumerate(fan_outs):
-            if rooms[i] is not None and n > 1 and not scalar_room:
+            if rooms[i] is not None and n > 1 and scalar_room is None:
                 raise EngineRequestError("n > 1 needs a single bootstrap_room (it becomes one room per sample), "
                                          "not a list of rooms.")
             for _ in range(n):
-                room = self.bootstrap_room + len(out) if scalar_room else rooms[i]
+                room = scalar_room + len(out) if scalar_room is not None else rooms[i]
                 out.append((hosts[i], ports[i], room))
         return out
 
     def _token_ids_per_prompt(self, num_prompts: int) -> list[Optional[list[int]]]:
         """token_ids_logprob: one list of ids for every prompt, or a list of such lists."""
-        value = self.token_ids_logprob
+        value: Any = self.token_ids_logprob  # as the client sent it: its shape is checked here
         if value is None or value == []:
             return [None] * num_prompts
         if isinstance(value, list) and all(_is_token_id(t) for t in value):
@@ -254,12 +295,13 @@ class RequestNormalizer:
 
     def prompt_input_ids(self, obj: GenerateReqInput, i: int) -> list[int]:
         """The token ids of sub-request i's prompt, checked against the vocabulary and context."""
-        if obj.input_ids is not None:
-            input_ids = list(obj.input_ids[i])
+        sub = obj.subs[i]
+        if sub.input_ids is not None:
+            input_ids = list(sub.input_ids)
         else:
             if self.tokenizer is None:
                 raise EngineRequestError("This server has no tokenizer (--skip-tokenizer-init): send input_ids.")
-            input_ids = list(self.tokenizer.encode(obj.text[i]))
+            input_ids = list(self.tokenizer.encode(sub.text))
         input_len = len(input_ids)
         if input_len == 0:
             raise EngineRequestError("The input is empty.")
@@ -280,12 +322,13 @@ class RequestNormalizer:
         return input_ids
 
     def tokenize_one(self, obj: GenerateReqInput, i: int, input_ids: list[int]) -> TokenizedGenerateReqInput:
-        input_text = obj.text[i] if obj.text is not None else None
+        sub = obj.subs[i]
+        input_text = sub.text
         input_len = len(input_ids)
-        sampling_params = self.verify_sampling_params(obj.sampling_params[i])
+        sampling_params = self.verify_sampling_params(sub.sampling_params)
         # Only a budget the client asked for is checked: the default (SamplingParams') would
         # reject every long prompt, and the scheduler clamps it to the context anyway.
-        max_new_tokens = obj.sampling_params[i].get("max_new_tokens")
+        max_new_tokens = sub.sampling_params.get("max_new_tokens")
         # With --allow-auto-truncate the scheduler clamps the budget to the context instead.
         if (isinstance(max_new_tokens, int) and input_len + max_new_tokens > self.context_len
                 and not self.allow_auto_truncate):
@@ -295,9 +338,9 @@ class RequestNormalizer:
                 f"from the input messages and {max_new_tokens} tokens for the completion. Please reduce the "
                 f"number of tokens in the input messages or the completion to fit within the limit.")
 
-        return_logprob = obj.return_logprob[i]
-        logprob_start_len = obj.logprob_start_len[i]
-        top_logprobs_num = obj.top_logprobs_num[i]
+        return_logprob = sub.return_logprob
+        logprob_start_len = sub.logprob_start_len
+        top_logprobs_num = sub.top_logprobs_num
         if top_logprobs_num < 0:
             raise EngineRequestError(f"top_logprobs_num must be >= 0, got {top_logprobs_num}.")
         if logprob_start_len < -1:
@@ -306,13 +349,13 @@ class RequestNormalizer:
         if return_logprob and logprob_start_len > input_len:
             raise EngineRequestError(
                 f"logprob_start_len ({logprob_start_len}) must not exceed the input length ({input_len}).")
-        processor = obj.custom_logit_processor[i]
+        processor = sub.custom_logit_processor
         if processor is not None and not self.enable_custom_logit_processor:
             raise EngineRequestError(
                 "The server is not configured to enable custom logit processor. Please set "
                 "`--enable-custom-logit-processor` to enable this feature.")
         return TokenizedGenerateReqInput(
-            rid=obj.rid[i],
+            rid=sub.rid,
             input_ids=input_ids,  # shared by the n samples of a prompt: encoded, never mutated
             sampling_params=sampling_params,
             input_text=input_text,
@@ -321,15 +364,15 @@ class RequestNormalizer:
             top_logprobs_num=top_logprobs_num if return_logprob else 0,
             stream=obj.stream,
             # Like SGLang, asked-for token ids matter only with return_logprob.
-            token_ids_logprob=self._checked_token_ids(obj.token_ids_logprob[i]) if return_logprob else None,
-            return_hidden_states=obj.return_hidden_states[i],
+            token_ids_logprob=self._checked_token_ids(sub.token_ids_logprob) if return_logprob else None,
+            return_hidden_states=sub.return_hidden_states,
             custom_logit_processor=processor,
             priority=obj.priority,
-            extra_key=obj.extra_key[i],
-            cache_salt=obj.cache_salt[i],
-            bootstrap_host=obj.bootstrap_host[i],
-            bootstrap_port=obj.bootstrap_port[i],
-            bootstrap_room=obj.bootstrap_room[i],
+            extra_key=sub.extra_key,
+            cache_salt=sub.cache_salt,
+            bootstrap_host=sub.bootstrap_host,
+            bootstrap_port=sub.bootstrap_port,
+            bootstrap_room=sub.bootstrap_room,
         )
 
     def _checked_token_ids(self, ids: Optional[list[int]]) -> Optional[list[int]]:

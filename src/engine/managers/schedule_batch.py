@@ -48,7 +48,7 @@ def _prepared(value: Optional[_T]) -> _T:
 
 
 def _row(req: Req) -> int:
-    assert req.req_pool_idx is not None  # _alloc_req_slots gave every request of the batch a row
+    assert req.req_pool_idx is not None  # every request of a batch has a row (_alloc_req_slots, PD pre-allocation)
     return req.req_pool_idx
 
 
@@ -222,7 +222,7 @@ class ScheduleBatch:
         computes it) and the sampling info. The batch then merges into the running batch.
         """
         reqs = self.reqs
-        self.req_pool_indices = _i64([r.req_pool_idx for r in reqs])
+        self.req_pool_indices = _i64([_row(r) for r in reqs])
         self.seq_lens_cpu = [r.kv_allocated_len for r in reqs]
         self.seq_lens = _i64(self.seq_lens_cpu)
         self.top_logprobs_nums = [r.top_logprobs_num for r in reqs]

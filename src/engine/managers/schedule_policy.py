@@ -279,6 +279,7 @@ class PrefillAdder:
             self.can_run_list.append(req)
             self._charge(prefix_len, input_tokens, max_new_tokens_charge(req))
             return None
+        assert self.rem_chunk_tokens is not None  # it did not fit: there is a chunk budget
         chunk = self._floor_page(self.rem_chunk_tokens)
         if chunk <= 0:
             return AddReqResult.OTHER

@@ -13,7 +13,7 @@ request never joins the running (decode) batch.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 from engine.managers.io_struct import BatchEmbeddingOutput, TokenizedEmbeddingReqInput
 from engine.managers.req import FINISH_LENGTH, Req
@@ -21,6 +21,7 @@ from engine.managers.req import FINISH_LENGTH, Req
 if TYPE_CHECKING:
     from engine.managers.schedule_batch import ScheduleBatch
     from engine.managers.tp_worker import EmbeddingBatchResult
+    from engine.mem_cache.base_prefix_cache import BasePrefixCache
 
 
 def make_embedding_req(recv: TokenizedEmbeddingReqInput, vocab_size: int, can_reuse_kv: bool) -> Req:
@@ -47,7 +48,7 @@ def validate_embedding_input(req: Req, max_input_len: int, vocab_size: int) -> O
     return None
 
 
-def process_embedding_result(batch: "ScheduleBatch", result: "EmbeddingBatchResult", tree_cache: Any,
+def process_embedding_result(batch: "ScheduleBatch", result: "EmbeddingBatchResult", tree_cache: BasePrefixCache,
                              insert_into_cache: bool) -> List[Req]:
     """Store each finished request's vector and release its KV; returns the requests to report."""
     embeddings = result.embeddings
@@ -75,12 +76,13 @@ def build_embedding_output(reqs: List[Req]) -> Optional[BatchEmbeddingOutput]:
     out = BatchEmbeddingOutput(rids=[], finished_reasons=[], embeddings=[], prompt_tokens=[], cached_tokens=[])
     seen = set()
     for req in reqs:
-        if id(req) in seen or not req.finished() or req.finished_output:
+        reason = req.finished_reason
+        if id(req) in seen or reason is None or req.finished_output:
             continue
         seen.add(id(req))
         req.finished_output = True
         out.rids.append(req.rid)
-        out.finished_reasons.append(req.finished_reason.to_json())
+        out.finished_reasons.append(reason.to_json())
         vector = b"" if req.embedding is None else req.embedding.numpy().astype("<f4", copy=False).tobytes()
         req.embedding = None  # a row view of the batch's tensor: do not keep the batch alive
         out.embeddings.append(vector)

@@ -268,7 +268,7 @@ class TokenizerManager:
             state = ReqState(
                 rid=req.rid,
                 stream=obj.stream,
-                return_logprob=obj.return_logprob[i],
+                return_logprob=obj.subs[i].return_logprob,
                 return_text_in_logprobs=obj.return_text_in_logprobs,
                 created_time=time.time(),
                 no_logs=obj.no_logs,

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, AsyncGenerator, Optional, Protocol, Union
 
 if TYPE_CHECKING:
     from engine.managers.control_calls import ControlCalls
+    from engine.managers.embedding_requests import EmbeddingReqInput, EmbeddingResult
     from engine.managers.io_struct import FlushCacheReqOutput
     from engine.managers.metrics import TokenizerMetricsCollector
     from engine.managers.request_normalizer import GenerateReqInput
@@ -51,6 +52,9 @@ class TokenizerManagerProtocol(Protocol):
 
     def generate_request(self, obj: GenerateReqInput, request: Any = None) -> GenerateOutputs:
         """The outputs of `obj`; `request` (Starlette's) is polled for a client disconnect."""
+
+    async def encode_request(self, obj: EmbeddingReqInput, request: Any = None) -> list[EmbeddingResult]:
+        """One embedding per input of `obj`, in order (embedding models)."""
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None: ...
 

@@ -8,7 +8,7 @@ little-endian bytes, which is what OpenAI's client asks for by default and decod
 from __future__ import annotations
 
 import base64
-from typing import Any, List
+from typing import TYPE_CHECKING, Any, List, Union
 
 import orjson
 from fastapi import Request
@@ -18,6 +18,12 @@ from engine.entrypoints.openai.embedding_protocol import EmbeddingRequest, Encod
 from engine.entrypoints.openai.utils import error_response_from_exception
 from engine.managers.embedding_requests import EmbeddingReqInput, EmbeddingResult
 from engine.managers.errors import EngineRequestError
+from engine.managers.tokenizer_manager_protocol import TokenizerManagerProtocol
+
+if TYPE_CHECKING:
+    from typing_extensions import TypeIs
+
+    from engine.entrypoints.openai.embedding_protocol import EmbeddingInput
 
 
 class NumpyJsonResponse(Response):
@@ -30,14 +36,15 @@ class NumpyJsonResponse(Response):
 
 
 class OpenAIServingEmbedding:
-    def __init__(self, tokenizer_manager: Any) -> None:
+    def __init__(self, tokenizer_manager: TokenizerManagerProtocol) -> None:
         self.tokenizer_manager = tokenizer_manager
 
     async def handle_request(self, body: EmbeddingRequest, raw_request: Request) -> Response:
         value = body.input
-        tokens = isinstance(value, list) and bool(value) and not isinstance(value[0], str)
-        obj = EmbeddingReqInput(text=None if tokens else value, input_ids=value if tokens else None,
-                                rid=body.rid, dimensions=body.dimensions)
+        if _is_token_input(value):
+            obj = EmbeddingReqInput(input_ids=value, rid=body.rid, dimensions=body.dimensions)
+        else:
+            obj = EmbeddingReqInput(text=value, rid=body.rid, dimensions=body.dimensions)
         try:
             results = await self.tokenizer_manager.encode_request(obj, raw_request)
         except (EngineRequestError, ValueError) as exc:
@@ -55,7 +62,7 @@ class OpenAIServingEmbedding:
         })
 
 
-async def handle_encode(tokenizer_manager: Any, body: EncodeRequest, raw_request: Request) -> Response:
+async def handle_encode(tokenizer_manager: TokenizerManagerProtocol, body: EncodeRequest, raw_request: Request) -> Response:
     """SGLang's /encode: {"embedding": [...], "meta_info": {...}}, or a list for a batch."""
     obj = EmbeddingReqInput(text=body.text, input_ids=body.input_ids, rid=body.rid, dimensions=body.dimensions)
     try:
@@ -64,6 +71,11 @@ async def handle_encode(tokenizer_manager: Any, body: EncodeRequest, raw_request
         return error_response_from_exception(exc)
     outputs = [_encode_output(r) for r in results]
     return NumpyJsonResponse(outputs[0] if obj.is_single else outputs)
+
+
+def _is_token_input(value: EmbeddingInput) -> TypeIs[Union[List[int], List[List[int]]]]:
+    """Token ids (a non-empty list whose first entry is not a string), not text."""
+    return isinstance(value, list) and bool(value) and not isinstance(value[0], str)
 
 
 def _encode_output(result: EmbeddingResult) -> dict:
