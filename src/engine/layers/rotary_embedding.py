@@ -72,6 +72,8 @@ def _yarn_inv_freq(inv_freq: torch.Tensor, rotary_dim: int, base: float, max_pos
 
 
 class RotaryEmbedding(nn.Module):
+    cos_sin_cache: torch.Tensor  # a buffer (register_buffer below)
+
     def __init__(
         self,
         head_size: int,
@@ -85,14 +87,15 @@ class RotaryEmbedding(nn.Module):
         self.rotary_dim = rotary_dim
         self.max_position_embeddings = max_position_embeddings
         inv_freq = _base_inv_freq(rotary_dim, base)
-        rope_type = (rope_scaling or {}).get("rope_type", (rope_scaling or {}).get("type", "default"))
+        scaling = rope_scaling or {}
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
         magnitude = 1.0
         if rope_type == "llama3":
-            inv_freq = _llama3_inv_freq(inv_freq, rope_scaling)
+            inv_freq = _llama3_inv_freq(inv_freq, scaling)
         elif rope_type == "linear":
-            inv_freq = inv_freq / float(rope_scaling["factor"])
+            inv_freq = inv_freq / float(scaling["factor"])
         elif rope_type == "yarn":
-            inv_freq, magnitude = _yarn_inv_freq(inv_freq, rotary_dim, base, max_position_embeddings, rope_scaling)
+            inv_freq, magnitude = _yarn_inv_freq(inv_freq, rotary_dim, base, max_position_embeddings, scaling)
         elif rope_type != "default":
             raise ValueError(
                 f"unsupported rope_scaling type {rope_type!r} (supported: default, linear, llama3, yarn)")
