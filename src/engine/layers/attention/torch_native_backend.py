@@ -15,13 +15,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import TYPE_CHECKING, List, Optional
 
 import torch
 import torch.nn.functional as F
 
 from engine.layers.attention import cpu_kernels
-from engine.layers.attention.base_attn_backend import AttentionBackend
+from engine.layers.attention.base_attn_backend import AttentionBackend, AttentionRunner
 
 if TYPE_CHECKING:
     from engine.layers.radix_attention import RadixAttention
@@ -89,7 +89,7 @@ class TorchNativeAttnBackend(AttentionBackend):
     # Its decode metadata is shaped by the longest sequence of each batch, so it cannot be static.
     supports_cuda_graph = False
 
-    def __init__(self, model_runner: Any) -> None:
+    def __init__(self, model_runner: AttentionRunner) -> None:
         self.device = model_runner.device
         # Two growing scratch buffers (K and V) for the decode gathers, reused by every layer and
         # step. Only the forward thread uses them, one forward at a time.
