@@ -29,6 +29,7 @@ import torch
 
 from engine.constrained.vocab_mask import apply_vocab_mask
 from engine.sampling.custom_logit_processor import apply_custom_logit_processors
+from engine.sampling.penaltylib.base import SamplingReq
 from engine.sampling.penaltylib.orchestrator import BatchedPenalizerOrchestrator
 from engine.sampling.sampling_params import SAMPLING_EPS
 
@@ -85,7 +86,7 @@ class SamplingBatchInfo:
 
     @classmethod
     def from_reqs(
-        cls, reqs: Sequence[Any], vocab_size: int, device: Union[str, torch.device] = "cpu"
+        cls, reqs: Sequence[SamplingReq], vocab_size: int, device: Union[str, torch.device] = "cpu"
     ) -> "SamplingBatchInfo":
         """Build from requests exposing `.sampling_params`, `.origin_input_ids`, `.output_ids`,
         `.eos_token_ids` and `.custom_logit_processor`. Penalty state is reconstructed from the tokens, so a batch rebuilt
@@ -269,7 +270,7 @@ class SamplingBatchInfo:
         self._settle_layout().cumulate(next_token_ids)
 
 
-def _custom_params(req: Any) -> Optional[Dict[str, Any]]:
+def _custom_params(req: SamplingReq) -> Optional[Dict[str, Any]]:
     """What a request's processor sees, as in SGLang: its custom_params plus "__req__"."""
     if req.custom_logit_processor is None:
         return None
@@ -298,7 +299,7 @@ def _or_zeros(
     return torch.zeros((rows, *trailing), dtype=dtype, device=device)
 
 
-def _build_logit_bias(reqs: Sequence[Any], vocab_size: int, device: torch.device) -> Optional[torch.Tensor]:
+def _build_logit_bias(reqs: Sequence[SamplingReq], vocab_size: int, device: torch.device) -> Optional[torch.Tensor]:
     if not any(req.sampling_params.logit_bias for req in reqs):
         return None
     rows, cols, values = [], [], []

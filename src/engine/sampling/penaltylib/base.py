@@ -10,12 +10,22 @@ penalties merge with one without.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, Any, ClassVar, Sequence, Tuple
+from typing import TYPE_CHECKING, ClassVar, List, Optional, Protocol, Sequence, Set, Tuple
 
 import torch
 
 if TYPE_CHECKING:
     from engine.sampling.sampling_params import SamplingParams
+
+
+class SamplingReq(Protocol):
+    """What sampling reads of a request: managers/req.py's Req has it (tests use small records)."""
+
+    sampling_params: SamplingParams
+    origin_input_ids: List[int]
+    output_ids: List[int]
+    eos_token_ids: Set[int]
+    custom_logit_processor: Optional[str]
 
 
 class BatchedPenalizer(ABC):
@@ -28,7 +38,7 @@ class BatchedPenalizer(ABC):
 
     @classmethod
     @abstractmethod
-    def build(cls, reqs: Sequence[Any], vocab_size: int, device: torch.device) -> "BatchedPenalizer":
+    def build(cls, reqs: Sequence[SamplingReq], vocab_size: int, device: torch.device) -> "BatchedPenalizer":
         """State for `reqs`, reconstructed from their prompt and output tokens so far."""
 
     @classmethod

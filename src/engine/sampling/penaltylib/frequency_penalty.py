@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 import torch
 
-from engine.sampling.penaltylib.base import BatchedPenalizer, row_params, row_token_pairs
+from engine.sampling.penaltylib.base import BatchedPenalizer, SamplingReq, row_params, row_token_pairs
 
 
 class BatchedFrequencyPenalizer(BatchedPenalizer):
@@ -21,7 +21,7 @@ class BatchedFrequencyPenalizer(BatchedPenalizer):
         return params.frequency_penalty != 0.0
 
     @classmethod
-    def build(cls, reqs: Sequence[Any], vocab_size: int, device: torch.device) -> "BatchedFrequencyPenalizer":
+    def build(cls, reqs: Sequence[SamplingReq], vocab_size: int, device: torch.device) -> "BatchedFrequencyPenalizer":
         penalties = row_params([r.sampling_params.frequency_penalty for r in reqs], device)
         counts = torch.zeros(len(reqs), vocab_size, dtype=torch.float32, device=device)
         rows, cols = row_token_pairs([r.output_ids for r in reqs], vocab_size, device)

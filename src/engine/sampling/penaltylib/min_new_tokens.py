@@ -10,10 +10,10 @@ from typing import Any, Sequence
 
 import torch
 
-from engine.sampling.penaltylib.base import BatchedPenalizer, row_token_pairs
+from engine.sampling.penaltylib.base import BatchedPenalizer, SamplingReq, row_token_pairs
 
 
-def stop_ids_of(req: Any) -> list[int]:
+def stop_ids_of(req: SamplingReq) -> list[int]:
     """EOS ids of the model plus the request's own stop_token_ids."""
     ids = set(req.eos_token_ids)
     ids.update(req.sampling_params.stop_token_ids or ())
@@ -32,7 +32,7 @@ class BatchedMinNewTokensPenalizer(BatchedPenalizer):
         return params.min_new_tokens > 0
 
     @classmethod
-    def build(cls, reqs: Sequence[Any], vocab_size: int, device: torch.device) -> "BatchedMinNewTokensPenalizer":
+    def build(cls, reqs: Sequence[SamplingReq], vocab_size: int, device: torch.device) -> "BatchedMinNewTokensPenalizer":
         min_new = torch.tensor([r.sampling_params.min_new_tokens for r in reqs], dtype=torch.int64, device=device)
         mask = torch.zeros(len(reqs), vocab_size, dtype=torch.bool, device=device)
         rows, cols = row_token_pairs([stop_ids_of(r) for r in reqs], vocab_size, device)

@@ -9,11 +9,11 @@ the batch needs them and dropped when a filter leaves no such request.
 from __future__ import annotations
 
 import logging
-from typing import Any, Dict, Sequence, Type
+from typing import Dict, Sequence, Type
 
 import torch
 
-from engine.sampling.penaltylib.base import BatchedPenalizer
+from engine.sampling.penaltylib.base import BatchedPenalizer, SamplingReq
 from engine.sampling.penaltylib.frequency_penalty import BatchedFrequencyPenalizer
 from engine.sampling.penaltylib.min_new_tokens import BatchedMinNewTokensPenalizer
 from engine.sampling.penaltylib.presence_penalty import BatchedPresencePenalizer
@@ -45,7 +45,7 @@ class BatchedPenalizerOrchestrator:
         self.penalizers = penalizers
 
     @classmethod
-    def from_reqs(cls, reqs: Sequence[Any], vocab_size: int, device: torch.device) -> "BatchedPenalizerOrchestrator":
+    def from_reqs(cls, reqs: Sequence[SamplingReq], vocab_size: int, device: torch.device) -> "BatchedPenalizerOrchestrator":
         output_lens = torch.tensor([len(r.output_ids) for r in reqs], dtype=torch.int64, device=device)
         penalizers = {
             kind: kind.build(reqs, vocab_size, device)

@@ -6,7 +6,7 @@ from typing import Any, Sequence
 
 import torch
 
-from engine.sampling.penaltylib.base import BatchedPenalizer, row_params, row_token_pairs
+from engine.sampling.penaltylib.base import BatchedPenalizer, SamplingReq, row_params, row_token_pairs
 
 
 class BatchedPresencePenalizer(BatchedPenalizer):
@@ -21,7 +21,7 @@ class BatchedPresencePenalizer(BatchedPenalizer):
         return params.presence_penalty != 0.0
 
     @classmethod
-    def build(cls, reqs: Sequence[Any], vocab_size: int, device: torch.device) -> "BatchedPresencePenalizer":
+    def build(cls, reqs: Sequence[SamplingReq], vocab_size: int, device: torch.device) -> "BatchedPresencePenalizer":
         penalties = row_params([r.sampling_params.presence_penalty for r in reqs], device)
         seen = torch.zeros(len(reqs), vocab_size, dtype=torch.bool, device=device)
         rows, cols = row_token_pairs([r.output_ids for r in reqs], vocab_size, device)

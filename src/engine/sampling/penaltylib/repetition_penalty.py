@@ -11,7 +11,7 @@ from typing import Any, Sequence
 
 import torch
 
-from engine.sampling.penaltylib.base import BatchedPenalizer, row_params, row_token_pairs
+from engine.sampling.penaltylib.base import BatchedPenalizer, SamplingReq, row_params, row_token_pairs
 
 
 class BatchedRepetitionPenalizer(BatchedPenalizer):
@@ -26,7 +26,7 @@ class BatchedRepetitionPenalizer(BatchedPenalizer):
         return params.repetition_penalty != 1.0
 
     @classmethod
-    def build(cls, reqs: Sequence[Any], vocab_size: int, device: torch.device) -> "BatchedRepetitionPenalizer":
+    def build(cls, reqs: Sequence[SamplingReq], vocab_size: int, device: torch.device) -> "BatchedRepetitionPenalizer":
         penalties = row_params([r.sampling_params.repetition_penalty for r in reqs], device)
         seen = torch.zeros(len(reqs), vocab_size, dtype=torch.bool, device=device)
         tokens = [list(r.origin_input_ids) + list(r.output_ids) for r in reqs]
