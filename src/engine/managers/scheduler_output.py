@@ -249,7 +249,8 @@ class OutputStreamer:
         if req.finished():
             req.finished_output = True
         out["rids"].append(req.rid)
-        out["finished_reasons"].append(req.finished_reason.to_json() if req.finished() else None)
+        reason = req.finished_reason
+        out["finished_reasons"].append(reason.to_json() if reason is not None else None)
         first = req.send_token_offset == 0 and not req.sent_prompt_tail
         req.sent_prompt_tail = True
         out["prompt_tail_ids"].append(req.origin_input_ids[-DETOKENIZE_CONTEXT_TOKENS:] if first else None)
@@ -284,9 +285,9 @@ class OutputStreamer:
             out["output_top_logprobs_val"].append(req.output_top_logprobs_val[o:] if tops else None)
             out["output_top_logprobs_idx"].append(req.output_top_logprobs_idx[o:] if tops else None)
             ids = req.token_ids_logprob
-            vals = req.output_token_ids_logprobs_val[o:] if ids else None
-            out["output_token_ids_logprobs_val"].append(vals)
-            out["output_token_ids_logprobs_idx"].append(None if vals is None else [ids] * len(vals))
+            out_vals = req.output_token_ids_logprobs_val[o:] if ids else None
+            out["output_token_ids_logprobs_val"].append(out_vals)
+            out["output_token_ids_logprobs_idx"].append(None if out_vals is None else [ids] * len(out_vals))
             req.send_output_logprobs_offset = len(req.output_token_logprobs_val)
         else:
             for name in ("output_token_logprobs_val", "output_token_logprobs_idx", "output_top_logprobs_val",

@@ -25,7 +25,7 @@ import stat
 import subprocess
 import tempfile
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -36,8 +36,14 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # A build takes about a second; a compiler stuck for this long costs the kernel, not the server.
 COMPILE_TIMEOUT_S = 120.0
-_UNSET = object()
-_kernel = _UNSET
+
+
+class _Unset:
+    """The kernel was not looked for yet (None: looked for, not available)."""
+
+
+_UNSET = _Unset()
+_kernel: Union[ctypes.CDLL, None, _Unset] = _UNSET
 
 
 class _UntrustedPath(Exception):
@@ -170,7 +176,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
 def decode_kernel() -> Optional[ctypes.CDLL]:
     """The compiled kernel library, or None where it cannot be used (built once per process)."""
     global _kernel
-    if _kernel is _UNSET:
+    if isinstance(_kernel, _Unset):
         _kernel = None
         if os.environ.get("ENGINE_CPU_DECODE_KERNEL", "1") != "0":
             try:
@@ -195,6 +201,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     the float32 log-sum-exp of the scaled scores, [bs, num_heads].
     """
     lib = decode_kernel()
+    assert lib is not None  # callers check supports() first
     q = q.contiguous()
     kv_indices = kv_indices.contiguous()
     lens = lens.to(torch.int64).contiguous()

@@ -117,6 +117,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             forward_batch.attn_metadata = None
 
     def _decode_metadata(self, fb: "ForwardBatch") -> _DecodeMetadata:
+        assert fb.req_to_token_pool is not None  # ForwardBatch.init_new sets it
         max_len = max(fb.seq_lens_cpu)
         # Slice the columns first: the table is context_len wide and only max_len columns matter.
         rows = fb.req_to_token_pool.req_to_token[:, :max_len].index_select(0, fb.req_pool_indices)
@@ -143,6 +144,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         return padded if padded is not None else self._extend_metadata_per_request(fb)
 
     def _extend_metadata_per_request(self, fb: "ForwardBatch") -> List[_ExtendSeq]:
+        # ForwardBatch.init_new sets the pool, and the extend fields for extends.
+        assert fb.req_to_token_pool is not None
+        assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None
         table = fb.req_to_token_pool.req_to_token
         pool_rows = fb.req_pool_indices.tolist()
         seqs: List[_ExtendSeq] = []
@@ -162,6 +166,9 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def _padded_extend_metadata(self, fb: "ForwardBatch") -> Optional[_PaddedExtend]:
         ext_lens = fb.extend_seq_lens_cpu
+        # ForwardBatch.init_new sets the extend fields for extends.
+        assert ext_lens is not None and fb.extend_prefix_lens_cpu is not None
+        assert fb.extend_seq_lens is not None and fb.extend_start_loc is not None
         bs = len(ext_lens)
         if bs < 2 or any(fb.extend_prefix_lens_cpu) or min(ext_lens) == 0:
             return None
@@ -182,6 +189,7 @@ class TorchNativeAttnBackend(AttentionBackend):
     # ------------------------------------------------------------------ forward
     def forward_extend(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch", save_kv_cache: bool = True):
         pool = forward_batch.token_to_kv_pool
+        assert pool is not None  # ForwardBatch.init_new sets it
         if save_kv_cache and k is not None:
             pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         meta = forward_batch.attn_metadata
@@ -238,6 +246,7 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def forward_decode(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch", save_kv_cache: bool = True):
         pool = forward_batch.token_to_kv_pool
+        assert pool is not None  # ForwardBatch.init_new sets it
         if save_kv_cache and k is not None:
             pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
@@ -255,6 +264,7 @@ class TorchNativeAttnBackend(AttentionBackend):
                                                   with_lse=bool(meta.shared))
             if not meta.shared:
                 return o
+            assert lse is not None  # asked for (with_lse) when prefixes are shared
             o, lse = o.view(bs, kv_heads, group, head_dim), lse.view(bs, kv_heads, group)
         else:
             # index_select over the flat slot list is several times faster on the CPU than
