@@ -7,7 +7,7 @@ from __future__ import annotations
 import json
 import re
 import threading
-from typing import Any, List, Optional
+from typing import Any, List
 
 import pytest
 import torch

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 from types import SimpleNamespace
 
 import pytest
