@@ -106,6 +106,53 @@ class OneBatch:
         self.runner.req_to_token_pool.free(self.rows.tolist())
 
 
+def decode_weight_bytes(model: torch.nn.Module) -> int:
+    """Parameter bytes one decode step reads: all but the embedding table (only bs rows of it are
+    read), unless the LM head is the embedding table."""
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.model.embed_tokens.weight
+    tied = getattr(model.lm_head, "weight", None) is embed
+    return total if tied else total - embed.numel() * embed.element_size()
+
+
+def linear_flops_per_token(model: torch.nn.Module) -> int:
+    """2 x the weights of every matmul a decode token goes through (linear layers and LM head)."""
+    return 2 * sum(m.weight.numel() for name, m in model.named_modules()
+                   if hasattr(m, "packed_weight") and getattr(m, "weight", None) is not None)
+
+
+def measure_machine(device: str, read_bytes: int = 512 << 20, matmul_n: int = 2048) -> Dict[str, float]:
+    """Read bandwidth (a sum over a tensor far larger than the caches) and the bf16 matmul rate at a
+    large shape, in this process, best of several runs: the ceilings a decode step is set against."""
+    x = torch.ones(read_bytes // 4, dtype=torch.float32, device=device)
+    a = torch.randn(matmul_n, matmul_n, device=device).to(torch.bfloat16)
+    b = torch.randn(matmul_n, matmul_n, device=device).to(torch.bfloat16)
+
+    def best(fn, reps: int) -> float:
+        times = []
+        for _ in range(reps):
+            _sync(device)
+            t = time.perf_counter()
+            fn()
+            _sync(device)
+            times.append(time.perf_counter() - t)
+        return min(times[1:])  # the first run warms up
+
+    read_s = best(lambda: x.sum(), 8)
+    mm_s = best(lambda: torch.mm(a, b), 6)
+    return dict(read_bandwidth_Bps=read_bytes / read_s, matmul_flops=2 * matmul_n**3 / mm_s)
+
+
+def decode_floors(runner: ModelRunner, bs: int, context_lens: List[int], machine: Dict[str, float]) -> Dict:
+    """Per decode step: the memory floor (weight bytes + every request's K/V bytes, over the read
+    bandwidth) and the compute floor (matmul FLOPs over the large-shape matmul rate)."""
+    weights = decode_weight_bytes(runner.model)
+    kv_per_token = runner.kv_bytes_per_token()
+    memory = [(weights + bs * n * kv_per_token) / machine["read_bandwidth_Bps"] for n in context_lens]
+    compute = bs * linear_flops_per_token(runner.model) / machine["matmul_flops"]
+    return dict(weight_bytes=weights, memory_floor_s=memory, compute_floor_s=compute)
+
+
 def run_engine(runner: ModelRunner, input_ids: torch.Tensor, output_len: int) -> Dict:
     device = runner.device
     driver = OneBatch(runner)
@@ -129,6 +176,7 @@ def run_engine(runner: ModelRunner, input_ids: torch.Tensor, output_len: int) ->
     return dict(
         prefill_latency=prefill_latency,
         prefill_throughput=bs * input_len / prefill_latency,
+        decode_latencies=decode_latencies,
         median_decode_latency=med,
         median_decode_throughput=bs / med,
         decode_throughput=bs * len(decode_latencies) / sum(decode_latencies) if decode_latencies else float("nan"),
@@ -228,6 +276,11 @@ def main(argv: Optional[List[str]] = None) -> Dict:
         if hf_model is not None:
             hf_runs.append(run_hf(hf_model, server_args.device, input_ids, output_len))
     engine = _best(engine_runs)
+    machine = measure_machine(runner.device)
+    # Step i (0-based) attends over input_len + i + 1 positions per request.
+    floors = decode_floors(runner, bs, [input_len + i + 1 for i in range(output_len - 1)], machine)
+    ratios = sorted(lat / floor for lat, floor in zip(engine.pop("decode_latencies"), floors["memory_floor_s"]))
+    median_floor = statistics.median(floors["memory_floor_s"]) if ratios else float("nan")
     result: Dict = dict(
         model_path=model_path if not tmp else f"random-llama-{args.random_llama}",
         batch_size=bs, input_len=input_len, output_len=output_len, dtype=str(config.dtype).replace("torch.", ""),
@@ -235,6 +288,11 @@ def main(argv: Optional[List[str]] = None) -> Dict:
         engine={k: v for k, v in engine.items() if k != "output_ids"},
     )
     result["repeats"] = max(1, args.repeats)
+    result["machine"] = machine
+    result["decode_floor"] = dict(
+        weight_bytes=floors["weight_bytes"], kv_bytes_per_token=runner.kv_bytes_per_token(),
+        median_memory_floor_s=median_floor, median_ratio_to_memory_floor=statistics.median(ratios) if ratios else None,
+        compute_floor_s=floors["compute_floor_s"])
     if args.compare_hf:
         hf = _best(hf_runs)
         result["hf"] = {k: v for k, v in hf.items() if k != "output_ids"}
@@ -261,6 +319,9 @@ def _best(runs: List[Dict]) -> Dict:
     for key in best:
         if key == "output_ids":
             continue
+        if key == "decode_latencies":  # step by step, the fastest repeat
+            best[key] = [min(steps) for steps in zip(*(run[key] for run in runs))]
+            continue
         values = [run[key] for run in runs]
         best[key] = min(values) if "latency" in key else max(values)
     return best
@@ -285,6 +346,15 @@ def _print_table(r: Dict) -> None:
             ratio = h / e if "latency" in key else e / h
             line += f"{h:>14.4f}{ratio:>9.2f}x"
         print(line)
+    floor = r.get("decode_floor")
+    if floor and floor["median_ratio_to_memory_floor"] is not None:
+        m = r["machine"]
+        print(f"decode step vs the memory floor measured in this run: median step {r['engine']['median_decode_latency'] * 1e3:.2f} ms, "
+              f"floor {floor['median_memory_floor_s'] * 1e3:.2f} ms = ({floor['weight_bytes'] / 1e6:.0f} MB weights + "
+              f"{r['batch_size']} x ~{r['input_len'] + r['output_len'] // 2} tokens x {floor['kv_bytes_per_token']} B of KV) / "
+              f"{m['read_bandwidth_Bps'] / 1e9:.1f} GB/s read; step / floor = {floor['median_ratio_to_memory_floor']:.2f}x "
+              f"(median over steps); compute floor {floor['compute_floor_s'] * 1e3:.2f} ms at "
+              f"{m['matmul_flops'] / 1e9:.0f} GFLOP/s (bf16 matmul 2048^3)")
     if has_hf:
         print(f"greedy outputs identical to transformers: {r['greedy_outputs_identical']} "
               "(ratios > 1 mean the engine is faster)")
