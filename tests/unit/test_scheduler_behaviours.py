@@ -276,6 +276,33 @@ def test_19_lpm_in_batch_dedup():
     assert h.outputs[q].cached_tokens == 64
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_19c_requests_sharing_an_uncached_head_are_not_prefilled_together(overlap):
+    """Under the default policy too: the second request of a group waits one round and reuses the
+    first one's prompt KV instead of computing the shared system prompt again in the same batch."""
+    h = Harness(overlap=overlap)
+    system = prompt(100, 300)
+    a = h.submit(system + [7] * 5, max_new_tokens=3)
+    b = h.submit(system + [8] * 5, max_new_tokens=3)
+    other = h.submit(prompt(20, 700), max_new_tokens=3)
+    first = h.step()
+    assert [r.rid for r in first.reqs] == [a, other]
+    h.run_until_idle()
+    assert h.outputs[b].cached_tokens == 100 and h.outputs[a].cached_tokens == 0
+    alone = Harness()
+    c = alone.submit(system + [8] * 5, max_new_tokens=3)
+    alone.run_until_idle()
+    assert h.outputs[b].output_ids == alone.outputs[c].output_ids
+
+
+def test_19d_without_radix_cache_shared_heads_are_prefilled_together():
+    h = Harness(disable_radix_cache=True)
+    system = prompt(100, 300)
+    rids = [h.submit(system + [t] * 5, max_new_tokens=2) for t in (7, 8)]
+    assert [r.rid for r in h.step().reqs] == rids
+    h.run_until_idle()
+
+
 def test_19b_lpm_prefers_longest_cached_prefix():
     h = Harness(schedule_policy="lpm")
     shared = prompt(100, 500)

@@ -124,6 +124,40 @@ class SchedulePolicy:
         return order
 
 
+class UncachedPrefixDedup:
+    """Keeps two requests that would compute the same uncached tokens out of one prefill.
+
+    Two requests that matched the radix tree at the same node and whose next
+    IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD tokens are equal would both compute that shared
+    stretch (a group's system prompt) in the same forward: the second one waits instead, and one
+    iteration later finds the first one's KV in the tree. The keys of the previous prefill batch are
+    carried over, because with overlap scheduling its KV reaches the tree only after the next batch
+    has been scheduled.
+    """
+
+    def __init__(self, carried_keys: Optional[set] = None) -> None:
+        self.keys: set = set(carried_keys or ())
+        self.admitted_keys: set = set()
+
+    @staticmethod
+    def key(req: Req) -> Optional[tuple]:
+        start = len(req.prefix_indices)
+        n = IN_BATCH_PREFIX_CACHING_DEPRIORITIZE_THRESHOLD
+        if req.extend_input_len < n:
+            return None
+        return (id(req.last_node), start, tuple(req.fill_ids[start:start + n]))
+
+    def is_duplicate(self, req: Req) -> bool:
+        key = self.key(req)
+        return key is not None and key in self.keys
+
+    def admit(self, req: Req) -> None:
+        key = self.key(req)
+        if key is not None:
+            self.keys.add(key)
+            self.admitted_keys.add(key)
+
+
 class AddReqResult(Enum):
     CONTINUE = auto()  # more requests may fit
     NO_TOKEN = auto()  # the KV budget is exhausted

@@ -31,7 +31,7 @@ from engine.managers.overlap_utils import DelayedSample, ForwardStream, PendingR
 from engine.managers.priority import EVICTED_MESSAGE, PriorityPolicy
 from engine.managers.req import FINISH_ABORT, Req, cache_namespace
 from engine.managers.schedule_batch import ScheduleBatch
-from engine.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy
+from engine.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy, UncachedPrefixDedup
 from engine.managers.scheduler_control import SchedulerControl
 from engine.managers.scheduler_embedding import (
     build_embedding_output,
@@ -128,6 +128,9 @@ class Scheduler:
         self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache,
                                      radix_enabled=not server_args.disable_radix_cache,
                                      seed=server_args.random_seed, priority=self.priority)
+        # Keys of the last prefill batch's uncached prompt heads (UncachedPrefixDedup); None when
+        # the radix cache is off (nothing is shared, so waiting would gain nothing).
+        self.last_prefill_keys: Optional[set] = None if server_args.disable_radix_cache else set()
         chunk = server_args.chunked_prefill_size
         self.chunked_prefill_size: Optional[int] = chunk if chunk is not None and chunk > 0 else None
 
@@ -532,6 +535,7 @@ class Scheduler:
             self.chunked_req.init_next_round_input()
             self.chunked_req = adder.add_chunked_req(self.chunked_req)
 
+        dedup = UncachedPrefixDedup(self.last_prefill_keys) if self.last_prefill_keys is not None else None
         for req in self.waiting_queue:
             full = len(adder.can_run_list) >= self._num_allocatable_reqs()
             if full:
@@ -539,9 +543,13 @@ class Scheduler:
                 if not preemption:
                     break
             req.init_next_round_input(self.tree_cache)
+            if dedup is not None and dedup.is_duplicate(req):
+                continue  # its shared head is being computed for another request: reuse it next round
             if full and not adder.preempt_to_schedule(req, self.priority, self.running_batch):
                 break
             result = adder.add_one_req(req)
+            if dedup is not None and adder.can_run_list and adder.can_run_list[-1] is req:
+                dedup.admit(req)
             if result != AddReqResult.CONTINUE:
                 if result == AddReqResult.NO_TOKEN:
                     self.running_batch.batch_is_full = True
@@ -553,6 +561,8 @@ class Scheduler:
         if adder.preempt_list:
             logger.info("Priority preemption: %d running request(s) preempted", len(adder.preempt_list))
         can_run = adder.can_run_list
+        if dedup is not None:
+            self.last_prefill_keys = dedup.admitted_keys
         if not can_run:
             return None
         admitted = {id(r) for r in can_run}
