@@ -467,10 +467,20 @@ def test_torch_native_decode_cascade_over_shared_prefixes_matches_reference(monk
         assert torch.allclose(out[i], plain[i], atol=tol), row
 
 
+def _reference_decode(q_row, k_rows, v_rows, heads, dim, scale):
+    """One request's decode attention in float64; k_rows/v_rows [n, kv_heads, dim]."""
+    group = heads // k_rows.shape[1]
+    k = k_rows.double().repeat_interleave(group, 1)
+    v = v_rows.double().repeat_interleave(group, 1)
+    scores = torch.einsum("hd,nhd->hn", q_row.view(heads, dim).double(), k) * scale
+    return torch.einsum("hn,nhd->hd", scores.softmax(-1), v)
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 32), (8, 2, 64), (12, 4, 128)])
-@pytest.mark.parametrize("bs", [1, 3, 9])  # fewer / more requests than 2x threads: per-head or per-request tasks
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 32), (8, 2, 64), (12, 4, 128), (6, 2, 24)])
+@pytest.mark.parametrize("bs", [1, 3, 9])
 def test_cpu_decode_kernel_matches_reference(dtype, heads, kv_heads, dim, bs):
+    """Lengths from 1 to past two 128-key softmax tiles, and ragged 16-key score blocks."""
     from engine.layers.attention import cpu_kernels
 
     _require_cpu_kernel()
@@ -478,21 +488,46 @@ def test_cpu_decode_kernel_matches_reference(dtype, heads, kv_heads, dim, bs):
     slots = 400
     k_buf = torch.randn(slots, kv_heads, dim).to(dtype)
     v_buf = torch.randn(slots, kv_heads, dim).to(dtype)
-    lens = torch.randint(1, 60, (bs,))
+    lens = torch.randint(1, 300, (bs,))
     lens[0] = 1
     kv_indices = torch.randint(0, slots, (bs, int(lens.max())))
     q = torch.randn(bs, heads * dim).to(dtype)
     scale = 1 / math.sqrt(dim)
-    out, lse = cpu_kernels.decode_attention(q, k_buf, v_buf, kv_indices, lens, heads, kv_heads, dim, scale,
-                                            with_lse=True)
+    out = cpu_kernels.decode_attention(q, k_buf, v_buf, kv_indices, lens, heads, kv_heads, dim, scale)
     assert out.dtype == dtype and out.shape == q.shape
-    group = heads // kv_heads
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
     for b in range(bs):
         idx = kv_indices[b, : lens[b]]
-        k = k_buf[idx].double().repeat_interleave(group, 1)
-        v = v_buf[idx].double().repeat_interleave(group, 1)
-        scores = torch.einsum("hd,nhd->hn", q[b].view(heads, dim).double(), k) * scale
-        ref = torch.einsum("hn,nhd->hd", scores.softmax(-1), v)
-        tol = 1e-5 if dtype == torch.float32 else 2e-2
+        ref = _reference_decode(q[b], k_buf[idx], v_buf[idx], heads, dim, scale)
         assert torch.allclose(out[b].view(heads, dim).double(), ref, atol=tol)
-        assert torch.allclose(lse[b].double(), torch.logsumexp(scores, -1), atol=1e-4)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("heads,kv_heads,dim", [(16, 8, 64), (12, 4, 128)])
+def test_cpu_decode_kernel_cascade_matches_reference(dtype, heads, kv_heads, dim):
+    """Groups read their shared prefix once (phase 1) and each member continues over its own suffix."""
+    from engine.layers.attention import cpu_kernels
+
+    _require_cpu_kernel()
+    torch.manual_seed(heads + dim)
+    slots, bs = 2000, 7
+    k_buf = torch.randn(slots, kv_heads, dim).to(dtype)
+    v_buf = torch.randn(slots, kv_heads, dim).to(dtype)
+    prefixes = [torch.randperm(slots)[:300], torch.randperm(slots)[:77]]
+    group_of = torch.tensor([0, -1, 1, 0, 0, -1, 1])
+    lens = torch.tensor([1, 200, 5, 130, 17, 1, 40])
+    kv_indices = torch.randint(0, slots, (bs, int(lens.max())))
+    cascade = cpu_kernels.CascadeTables(
+        group_offsets=torch.tensor([0, 3, 5]), members=torch.tensor([0, 3, 4, 2, 6]),
+        prefix_indices=torch.stack([prefixes[0], torch.cat([prefixes[1], torch.zeros(223, dtype=torch.long)])]),
+        prefix_lens=torch.tensor([300, 77]), group_of=group_of)
+    q = torch.randn(bs, heads * dim).to(dtype)
+    scale = 1 / math.sqrt(dim)
+    out = cpu_kernels.decode_attention(q, k_buf, v_buf, kv_indices, lens, heads, kv_heads, dim, scale,
+                                       cascade=cascade)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    for b in range(bs):
+        own = kv_indices[b, : lens[b]]
+        idx = own if group_of[b] < 0 else torch.cat([prefixes[int(group_of[b])], own])
+        ref = _reference_decode(q[b], k_buf[idx], v_buf[idx], heads, dim, scale)
+        assert torch.allclose(out[b].view(heads, dim).double(), ref, atol=tol), b

@@ -1,7 +1,8 @@
 """Native CPU kernels, compiled on first use with the system C compiler and loaded with ctypes.
 
 `decode_attention` (csrc/decode_attention.c) reads a decode batch's K/V where they lie in the
-paged pool instead of gathering them first. It is built once per machine into
+paged pool instead of gathering them first, and a cascade group's shared prefix once for the whole
+group. It is built once per machine into
 `$ENGINE_CACHE_DIR/kernels` (default `~/.cache/engine/kernels`), keyed by the source, the flags,
 the compiler and the CPU's instruction set. Without a C compiler (or with
 `ENGINE_CPU_DECODE_KERNEL=0`) `decode_kernel()` returns None and the attention backend keeps its
@@ -24,14 +25,18 @@ import shutil
 import stat
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Tuple, Union
+from typing import Optional, Union
 
 import torch
 
 logger = logging.getLogger(__name__)
 
-_SRC = Path(__file__).with_name("csrc") / "decode_attention.c"
+_CSRC = Path(__file__).with_name("csrc")
+# decode_attention.c: the decode kernel; cpu_common.h: helpers.
+_SOURCES = [_CSRC / "decode_attention.c"]
+_HEADERS = [_CSRC / "cpu_common.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # A build takes about a second; a compiler stuck for this long costs the kernel, not the server.
@@ -90,7 +95,7 @@ def _cache_dir() -> Path:
 
 def _compile(compiler: str, out: Path) -> bool:
     try:
-        proc = subprocess.run([compiler, *_FLAGS, str(_SRC), "-o", str(out), "-lm"], capture_output=True,
+        proc = subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(out), "-lm"], capture_output=True,
                               text=True, timeout=COMPILE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         logger.warning("Building the CPU decode attention kernel timed out after %.0f s; using the torch "
@@ -148,8 +153,9 @@ def _build() -> Optional[ctypes.CDLL]:
         logger.warning("`%s --version` timed out after %.0f s; using the torch gather path.", compiler,
                        COMPILE_TIMEOUT_S)
         return None
-    key = hashlib.sha256("\0".join([_SRC.read_text(), " ".join(_FLAGS), version, _cpu_signature()]).encode())
-    name = f"decode_attention-{key.hexdigest()[:16]}.so"
+    sources = "\0".join(p.read_text() for p in _SOURCES + _HEADERS)
+    key = hashlib.sha256("\0".join([sources, " ".join(_FLAGS), version, _cpu_signature()]).encode())
+    name = f"cpu_kernels-{key.hexdigest()[:16]}.so"
     cache = _cache_dir()
     try:
         lib = _load_from_cache(cache, name, compiler)
@@ -165,11 +171,12 @@ def _build() -> Optional[ctypes.CDLL]:
 
 
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    fn = lib.decode_attention
-    i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    fn.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, ctypes.c_float, ctypes.c_int,
-                   ptr, ptr, ctypes.c_int]
-    fn.restype = None
+    i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
+    lib.decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32, i32, ptr,
+                                     i64, ptr, ptr, ptr, ptr, i64, ptr, i32]
+    names = ["decode_attention"]
+    for name in names:
+        getattr(lib, name).restype = None
     return lib
 
 
@@ -191,14 +198,25 @@ def supports(q: torch.Tensor, k_buf: torch.Tensor) -> bool:
     return (q.is_cpu and q.dtype in _DTYPES and k_buf.dtype == q.dtype and decode_kernel() is not None)
 
 
+@dataclass
+class CascadeTables:
+    """Groups of decoding requests that share a KV prefix, in the kernel's layout (int64 tensors)."""
+
+    group_offsets: torch.Tensor  # [G + 1]: group g's members are members[offsets[g]:offsets[g + 1]]
+    members: torch.Tensor  # rows of the batch
+    prefix_indices: torch.Tensor  # [G, max_prefix] pool slots, the first prefix_lens[g] of row g used
+    prefix_lens: torch.Tensor  # [G]
+    group_of: torch.Tensor  # [bs] the request's group, -1 for none
+
+
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor,
                      lens: torch.Tensor, num_heads: int, kv_heads: int, head_dim: int, scale: float,
-                     with_lse: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
-    """Attention of one query token per request over pool slots `kv_indices[b, :lens[b]]`.
+                     cascade: Optional[CascadeTables] = None) -> torch.Tensor:
+    """Attention of one query token per request over pool slots `kv_indices[b, :lens[b]]`, preceded,
+    for the members of a cascade group, by the group's shared prefix slots (read once per group).
 
     q [bs, num_heads * head_dim]; k_buf, v_buf [num_slots, kv_heads, head_dim]; kv_indices
-    [bs, max_len] int64; lens [bs] int64. Returns the output shaped like q and, with `with_lse`,
-    the float32 log-sum-exp of the scaled scores, [bs, num_heads].
+    [bs, max_len] int64; lens [bs] int64. Returns the output shaped like q.
     """
     lib = decode_kernel()
     assert lib is not None  # callers check supports() first
@@ -207,13 +225,18 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     lens = lens.to(torch.int64).contiguous()
     bs = q.shape[0]
     out = torch.empty_like(q)
-    lse = torch.empty(bs, num_heads, dtype=torch.float32) if with_lse else None
-    k_stride = k_buf.stride(0)
-    v_stride = v_buf.stride(0)
     # Within a slot the kernel reads kv_heads * head_dim consecutive elements.
     assert k_buf.stride()[1:] == (head_dim, 1) and v_buf.stride()[1:] == (head_dim, 1)
+    groups, tables = 0, (None, None, None, None, None)
+    max_prefix = 0
+    if cascade is not None and cascade.prefix_lens.numel():
+        groups = cascade.prefix_lens.numel()
+        max_prefix = cascade.prefix_indices.shape[1]
+        tables = tuple(t.data_ptr() for t in (cascade.group_offsets, cascade.members, cascade.prefix_indices,
+                                              cascade.prefix_lens, cascade.group_of))
+    offsets, members, prefix, prefix_lens, group_of = tables
     lib.decode_attention(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), kv_indices.data_ptr(), lens.data_ptr(),
-                         bs, num_heads, kv_heads, head_dim, kv_indices.shape[1], k_stride, v_stride, scale,
-                         _DTYPES[q.dtype], out.data_ptr(), lse.data_ptr() if lse is not None else None,
-                         torch.get_num_threads())
-    return out, lse
+                         kv_indices.shape[1], bs, num_heads, kv_heads, head_dim, k_buf.stride(0), v_buf.stride(0),
+                         scale, _DTYPES[q.dtype], out.data_ptr(), groups, offsets, members, prefix, prefix_lens,
+                         max_prefix, group_of, torch.get_num_threads())
+    return out

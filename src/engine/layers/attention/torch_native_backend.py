@@ -83,6 +83,7 @@ class _DecodeMetadata:
     lens: torch.Tensor  # [bs] how many of each row's slots are real
     mask: Optional[torch.Tensor]  # [bs, 1, 1, max_len] bool; None when no row is padded
     shared: List[_SharedPrefix]
+    cascade: Optional[cpu_kernels.CascadeTables] = None  # `shared` in the native kernel's layout
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -132,12 +133,14 @@ class TorchNativeAttnBackend(AttentionBackend):
             rows = rows.gather(1, cols)
         else:
             lens = fb.seq_lens
+        cascade = _cascade_tables(shared, len(fb.seq_lens_cpu), rows.device) if shared else None
         if int(lens.min()) == max_len:
-            return _DecodeMetadata(kv_indices=rows.long(), lens=lens, mask=None, shared=shared)
+            return _DecodeMetadata(kv_indices=rows.long(), lens=lens, mask=None, shared=shared, cascade=cascade)
         valid = torch.arange(max_len, device=rows.device).unsqueeze(0) < lens.unsqueeze(1)
         # Stale table entries past a request's length may point anywhere; send them to slot 0.
         kv_indices = torch.where(valid, rows.long(), torch.zeros((), dtype=torch.long, device=rows.device))
-        return _DecodeMetadata(kv_indices=kv_indices, lens=lens, mask=valid[:, None, None, :], shared=shared)
+        return _DecodeMetadata(kv_indices=kv_indices, lens=lens, mask=valid[:, None, None, :], shared=shared,
+                               cascade=cascade)
 
     def _extend_metadata(self, fb: "ForwardBatch"):
         padded = self._padded_extend_metadata(fb)
@@ -258,26 +261,20 @@ class TorchNativeAttnBackend(AttentionBackend):
         # become `group` query rows of that head (one decode token needs no causal mask).
         q4 = q.view(bs, kv_heads, group, head_dim)
         if cpu_kernels.supports(q, k_buf):
-            # The native kernel reads each request's K/V where they lie in the pool.
-            o, lse = cpu_kernels.decode_attention(q.reshape(bs, -1), k_buf, v_buf, meta.kv_indices, meta.lens,
-                                                  num_heads, kv_heads, head_dim, layer.scaling,
-                                                  with_lse=bool(meta.shared))
-            if not meta.shared:
-                return o
-            assert lse is not None  # asked for (with_lse) when prefixes are shared
-            o, lse = o.view(bs, kv_heads, group, head_dim), lse.view(bs, kv_heads, group)
-        else:
-            # index_select over the flat slot list is several times faster on the CPU than
-            # advanced indexing with the 2-D index, and gathering into reused scratch memory is ~5x
-            # faster again than into a fresh tensor (a fresh multi-MB tensor is page-faulted in
-            # every time).
-            flat = meta.kv_indices.view(-1)
-            k4 = self._gather(k_buf, flat, 0).view(bs, -1, kv_heads, head_dim).transpose(1, 2).to(q.dtype)  # [bs, KH, L, D]
-            v4 = self._gather(v_buf, flat, 1).view(bs, -1, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
-            if not meta.shared:
-                o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=meta.mask, scale=layer.scaling)
-                return o.reshape(bs, num_heads * head_dim)
-            o, lse = _sdpa_with_lse(q4, k4, v4, meta.mask, layer.scaling)  # the suffixes
+            # The native kernel reads each request's K/V where they lie in the pool, and a cascade
+            # group's prefix once for all its members, in one call per layer.
+            return cpu_kernels.decode_attention(q.reshape(bs, -1), k_buf, v_buf, meta.kv_indices, meta.lens,
+                                                num_heads, kv_heads, head_dim, layer.scaling, cascade=meta.cascade)
+        # index_select over the flat slot list is several times faster on the CPU than advanced
+        # indexing with the 2-D index, and gathering into reused scratch memory is ~5x faster again
+        # than into a fresh tensor (a fresh multi-MB tensor is page-faulted in every time).
+        flat = meta.kv_indices.view(-1)
+        k4 = self._gather(k_buf, flat, 0).view(bs, -1, kv_heads, head_dim).transpose(1, 2).to(q.dtype)  # [bs, KH, L, D]
+        v4 = self._gather(v_buf, flat, 1).view(bs, -1, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+        if not meta.shared:
+            o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=meta.mask, scale=layer.scaling)
+            return o.reshape(bs, num_heads * head_dim)
+        o, lse = _sdpa_with_lse(q4, k4, v4, meta.mask, layer.scaling)  # the suffixes
         for prefix in meta.shared:
             g = prefix.members.numel()
             # The group's queries become one request of g * group query rows per KV head.
@@ -324,6 +321,19 @@ def _shared_prefixes(rows: torch.Tensor, seq_lens: List[int]) -> List[_SharedPre
         if prefix_len >= MIN_SHARED_PREFIX:  # always, when slots come from the radix cache
             groups.append(_SharedPrefix(members, block[0, :prefix_len].long()))
     return groups
+
+
+def _cascade_tables(shared: List[_SharedPrefix], bs: int, device) -> cpu_kernels.CascadeTables:
+    sizes = torch.tensor([g.members.numel() for g in shared], dtype=torch.long)
+    prefix_lens = torch.tensor([g.kv_indices.numel() for g in shared], dtype=torch.long)
+    prefix = torch.zeros(len(shared), int(prefix_lens.max()), dtype=torch.long, device=device)
+    group_of = torch.full((bs,), -1, dtype=torch.long, device=device)
+    for i, g in enumerate(shared):
+        prefix[i, : g.kv_indices.numel()] = g.kv_indices
+        group_of[g.members] = i
+    offsets = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)]).to(device)
+    members = torch.cat([g.members for g in shared]).long()
+    return cpu_kernels.CascadeTables(offsets, members, prefix, prefix_lens.to(device), group_of)
 
 
 def _sdpa_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],

@@ -1,129 +1,403 @@
-/* Decode attention straight from the paged KV pool, for the CPU.
+/* Decode attention straight from the paged KV pool, for the CPU, with a cascade for shared prefixes.
  *
  * Each request has one new query token; it attends to the pool slots listed in its row of
- * `kv_indices`. The slots are read where they lie: no gathered copy of the K/V is made, so the
- * K/V bytes cross the memory bus once (a gather + SDPA moves them three times).
+ * `kv_indices`. The slots are read where they lie: no gathered copy of the K/V is made, so the K/V
+ * bytes cross the memory bus once (a gather + SDPA moves them three times).
  *
- * Work is split over (request, KV head) pairs; each pair reads its K/V rows once for all the
- * query heads of its GQA group. Scores are kept per pair (two-pass softmax) in float32.
- * Built at run time by engine/layers/attention/cpu_kernels.py (gcc -O3 -fopenmp); called through
- * ctypes, which releases the GIL. The OpenMP runtime is the one torch already loaded.
+ * Cascade: requests whose KV begins with the same slots (a prefix the radix cache shares) form a
+ * group. Phase 1 reads a group's prefix once per KV head for all the group's query rows (a small
+ * matrix product instead of one pass per request); phase 2 continues each request's softmax over
+ * its own suffix. The softmax is online (running max, sum and unnormalised output per query row,
+ * over tiles of TILE keys), so phase 2 simply resumes the state phase 1 left: no merge step.
+ *
+ * A task is a set of query rows, each with the offset of its KV head within a slot: in phase 2 all
+ * heads of one request when there are enough requests to keep every thread busy (a slot's K or V
+ * row for all heads is one contiguous run of memory), one KV head of one request otherwise.
+ * Scores of 16 keys are computed at once and reduced with one transpose-add tree. With AVX512-BF16
+ * and bfloat16 data both products are `vdpbf16ps` (exact bf16 products, float32 sums; P is rounded
+ * to bfloat16 for P.V, as flash attention does) with the output accumulators held in registers.
+ * Built at run time by engine/layers/attention/cpu_kernels.py (gcc -O3 -march=native -fopenmp);
+ * called through ctypes, which releases the GIL. The OpenMP runtime is the one torch already loaded.
  */
-#include <math.h>
-#include <stdint.h>
-#include <stdlib.h>
-#include <string.h>
+#include "cpu_common.h"
 
-enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+#define TILE 128 /* keys per online-softmax step (a multiple of 16) */
 
-static inline float bf16_to_f32(uint16_t x) {
-    union { uint32_t u; float f; } c;
-    c.u = (uint32_t)x << 16;
-    return c.f;
+typedef struct {
+    const void *k, *v;
+    int64_t k_stride, v_stride; /* elements per pool slot */
+    int64_t dim;
+    int dtype;
+    float scale;
+} kv_t;
+
+typedef struct { /* one thread's scratch */
+    float *scores;   /* rows x TILE */
+    uint16_t *pbf;   /* rows x (TILE + 2): P in bfloat16 for the P.V products */
+    float *qf;       /* rows x dim: q as float32, for the generic path */
+    float *vrow;     /* dim */
+    float *m, *l;    /* rows */
+    float *acc;      /* rows x dim */
+    const void **qrows;
+    int64_t *koff;   /* rows: the offset of the row's KV head within a slot, in elements */
+} work_t;
+
+/* Slot rows are read at random places of the pool: each one's cache lines are requested ahead. */
+static inline void prefetch_rows(const void *base, const int64_t *idx, int64_t n, int64_t stride, int64_t off,
+                                 int elem, int64_t bytes) {
+    for (int64_t i = 0; i < n; i++) {
+        const char *row = (const char *)base + (idx[i] * stride + off) * elem;
+        for (int64_t b = 0; b < bytes; b += 64) __builtin_prefetch(row + b);
+    }
 }
 
-static inline uint16_t f32_to_bf16(float f) {
-    union { uint32_t u; float f; } c;
-    c.f = f;
-    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u); /* NaN stays NaN */
-    c.u += 0x7fffu + ((c.u >> 16) & 1u); /* round to nearest even */
-    return (uint16_t)(c.u >> 16);
+#if defined(__AVX512F__)
+/* out lane t = the sum of the 16 lanes of v[t]: a transpose-add tree, 45 instructions for 16 sums. */
+static inline __m512 reduce16(const __m512 v[16]) {
+    __m512 a[8], b[4], c[2];
+    for (int i = 0; i < 8; i++) /* per 128-bit block: v2i[0]+v2i[2], v2i+1[0]+.., v2i[1]+v2i[3], .. */
+        a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+    for (int i = 0; i < 4; i++) /* per block: the 4 partial sums of 4 vectors */
+        b[i] = _mm512_add_ps(_mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0x44),
+                             _mm512_shuffle_ps(a[2 * i], a[2 * i + 1], 0xEE));
+    for (int i = 0; i < 2; i++)
+        c[i] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0x88),
+                             _mm512_shuffle_f32x4(b[2 * i], b[2 * i + 1], 0xDD));
+    return _mm512_add_ps(_mm512_shuffle_f32x4(c[0], c[1], 0x88), _mm512_shuffle_f32x4(c[0], c[1], 0xDD));
+}
+#endif
+
+static inline float max_of(const float *x, int64_t n) {
+    float m = -INFINITY;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    __m512 v = _mm512_set1_ps(-INFINITY);
+    for (; i + 16 <= n; i += 16) v = _mm512_max_ps(v, _mm512_loadu_ps(x + i));
+    m = _mm512_reduce_max_ps(v);
+#endif
+    for (; i < n; i++) m = x[i] > m ? x[i] : m;
+    return m;
 }
 
-/* dim consecutive elements of a float32 or bfloat16 tensor as float32: in place for float32,
- * converted into `tmp` for bfloat16. */
-static inline const float *load_row(const void *base, int64_t offset, int64_t dim, int dtype, float *tmp) {
-    if (dtype == DTYPE_F32) return (const float *)base + offset;
-    const uint16_t *src = (const uint16_t *)base + offset;
+/* x[i] = exp(x[i] - sub) for i < n; returns their sum. */
+static inline float exp_sub_sum(float *x, int64_t n, float sub) {
+    float sum = 0.f;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    __m512 s = _mm512_setzero_ps(), m = _mm512_set1_ps(sub);
+    for (; i + 16 <= n; i += 16) {
+        __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(x + i), m));
+        _mm512_storeu_ps(x + i, e);
+        s = _mm512_add_ps(s, e);
+    }
+    if (i < n) {
+        __mmask16 mask = (__mmask16)((1u << (n - i)) - 1u);
+        __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, x + i), m));
+        _mm512_mask_storeu_ps(x + i, mask, e);
+        s = _mm512_add_ps(s, _mm512_maskz_mov_ps(mask, e));
+        i = n;
+    }
+    sum = _mm512_reduce_add_ps(s);
+#endif
+    for (; i < n; i++) {
+        x[i] = expf(x[i] - sub);
+        sum += x[i];
+    }
+    return sum;
+}
+
+/* scores[r * TILE + i] = scale * q_r . k_i (k_i: slot idx[i], the row's KV head) for n <= TILE keys. */
+static void score_tile(work_t *w, int64_t rows, const int64_t *idx, int64_t n, const kv_t *kv, int64_t row_bytes) {
+    const int64_t dim = kv->dim;
+    const int elem = kv->dtype == DTYPE_F32 ? 4 : 2;
+#if defined(__AVX512F__)
+#if defined(__AVX512BF16__)
+    const int simd_bf16 = kv->dtype == DTYPE_BF16 && dim % 32 == 0;
+#else
+    const int simd_bf16 = 0;
+#endif
+    const int simd_f32 = kv->dtype == DTYPE_F32 && dim % 16 == 0;
+    if (simd_bf16 || simd_f32) {
+        const __m512 scale = _mm512_set1_ps(kv->scale);
+        for (int64_t b0 = 0; b0 < n; b0 += 16) {
+            const char *krow[16];
+            for (int t = 0; t < 16; t++) /* a short last block repeats its first key */
+                krow[t] = (const char *)kv->k + idx[b0 + t < n ? b0 + t : b0] * kv->k_stride * elem;
+            /* The next block's K rows, and this block's V rows for the P.V pass that follows. */
+            if (b0 + 16 < n)
+                prefetch_rows(kv->k, idx + b0 + 16, n - b0 - 16 < 16 ? n - b0 - 16 : 16, kv->k_stride, w->koff[0], elem,
+                              row_bytes);
+            prefetch_rows(kv->v, idx + b0, n - b0 < 16 ? n - b0 : 16, kv->v_stride, w->koff[0], elem, row_bytes);
+            for (int64_t r = 0; r < rows; r++) {
+                const char *qr = (const char *)w->qrows[r];
+                const int64_t off = w->koff[r] * elem;
+                __m512 acc[16];
+                for (int t = 0; t < 16; t++) acc[t] = _mm512_setzero_ps();
+#if defined(__AVX512BF16__)
+                if (simd_bf16) {
+                    for (int64_t d = 0; d < dim; d += 32) {
+                        const __m512bh qv = (__m512bh)_mm512_loadu_si512(qr + d * 2);
+                        for (int t = 0; t < 16; t++)
+                            acc[t] = _mm512_dpbf16_ps(acc[t], qv, (__m512bh)_mm512_loadu_si512(krow[t] + off + d * 2));
+                    }
+                } else
+#endif
+                {
+                    for (int64_t d = 0; d < dim; d += 16) {
+                        const __m512 qv = _mm512_loadu_ps((const float *)qr + d);
+                        for (int t = 0; t < 16; t++)
+                            acc[t] = _mm512_fmadd_ps(qv, _mm512_loadu_ps((const float *)(krow[t] + off) + d), acc[t]);
+                    }
+                }
+                _mm512_storeu_ps(w->scores + r * TILE + b0, _mm512_mul_ps(reduce16(acc), scale));
+            }
+        }
+        return;
+    }
+#endif
+    for (int64_t i = 0; i < n; i++) {
+        for (int64_t r = 0; r < rows; r++) {
+            const float *kr = load_row(kv->k, idx[i] * kv->k_stride + w->koff[r], dim, kv->dtype, w->vrow);
+            const float *qr = w->qf + r * dim;
+            float s = 0.f;
+#pragma omp simd reduction(+ : s)
+            for (int64_t d = 0; d < dim; d++) s += qr[d] * kr[d];
+            w->scores[r * TILE + i] = s * kv->scale;
+        }
+    }
+}
+
+#if defined(__AVX512BF16__)
+/* acc[r] += sum_i P[r][i] * V_i for rows [r0, r0 + RC) that share one KV head (offset off), nt keys;
+ * ND = dim / 16 accumulators per row stay in registers. Keys go in pairs: V_i and V_i+1 are
+ * interleaved element-wise (one permute per 16 dims) so that vdpbf16ps multiplies them by the
+ * (P_i, P_i+1) pair; an odd last key is paired with itself and weight 0. */
+static inline __attribute__((always_inline)) void pv_bf16(work_t *w, int64_t r0, const int RC, const int ND,
+                                                          const int64_t *idx, int64_t nt, const kv_t *kv,
+                                                          int64_t off) {
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                        37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    const int64_t dim = kv->dim;
+    __m512 acc[24];
+    for (int r = 0; r < RC; r++)
+        for (int c = 0; c < ND; c++) acc[r * ND + c] = _mm512_loadu_ps(w->acc + (r0 + r) * dim + c * 16);
+    for (int64_t i = 0; i < nt; i += 2) {
+        const uint16_t *va = (const uint16_t *)kv->v + idx[i] * kv->v_stride + off;
+        const uint16_t *vb = (const uint16_t *)kv->v + idx[i + 1 < nt ? i + 1 : i] * kv->v_stride + off;
+        __m512i vn[8];
+        for (int c = 0; c < ND; c += 2) {
+            const __m512i a = _mm512_loadu_si512(va + c * 16), b = _mm512_loadu_si512(vb + c * 16);
+            vn[c] = _mm512_permutex2var_epi16(a, lo, b);
+            vn[c + 1] = _mm512_permutex2var_epi16(a, hi, b);
+        }
+        for (int r = 0; r < RC; r++) {
+            uint32_t pair;
+            memcpy(&pair, w->pbf + (r0 + r) * (TILE + 2) + i, 4);
+            const __m512bh p = (__m512bh)_mm512_set1_epi32((int)pair);
+            for (int c = 0; c < ND; c++) acc[r * ND + c] = _mm512_dpbf16_ps(acc[r * ND + c], p, (__m512bh)vn[c]);
+        }
+    }
+    for (int r = 0; r < RC; r++)
+        for (int c = 0; c < ND; c++) _mm512_storeu_ps(w->acc + (r0 + r) * dim + c * 16, acc[r * ND + c]);
+}
+
+/* P.V for every row, by runs of rows with the same KV head, RC rows at a time. */
+static void pv_tile_bf16(work_t *w, int64_t rows, const int64_t *idx, int64_t nt, const kv_t *kv) {
+    const int ND = (int)(kv->dim / 16);
+    for (int64_t r = 0; r < rows;) {
+        int64_t end = r + 1;
+        while (end < rows && w->koff[end] == w->koff[r]) end++;
+        for (; r < end;) {
+            const int64_t left = end - r;
+#define PV_CASE(nd, rc)                                                      \
+    if (ND == nd) {                                                          \
+        if (left >= rc) {                                                    \
+            pv_bf16(w, r, rc, nd, idx, nt, kv, w->koff[r]);                  \
+            r += rc;                                                         \
+        } else {                                                             \
+            pv_bf16(w, r, 1, nd, idx, nt, kv, w->koff[r]);                   \
+            r += 1;                                                          \
+        }                                                                    \
+        continue;                                                            \
+    }
+            PV_CASE(2, 8)
+            PV_CASE(4, 5)
+            PV_CASE(8, 2)
+#undef PV_CASE
+        }
+    }
+}
+#endif
+
+/* Online softmax of `rows` query rows over the slots idx[0..n), continuing the state (w->m, w->l,
+ * w->acc) that the caller initialised or a previous call left. */
+static void attend(work_t *w, int64_t rows, const int64_t *idx, int64_t n, const kv_t *kv, int64_t kv_width) {
+    const int64_t dim = kv->dim;
+    const int elem = kv->dtype == DTYPE_F32 ? 4 : 2;
+    /* The rows read kv_width elements of each slot from koff[0] on (one head, or a run of heads). */
+    const int64_t row_bytes = kv_width * elem;
+#if defined(__AVX512BF16__)
+    const int fast_pv = kv->dtype == DTYPE_BF16 && (dim == 32 || dim == 64 || dim == 128);
+#else
+    const int fast_pv = 0;
+#endif
+    for (int64_t r = 0; r < rows; r++) /* the generic score path reads q as float32 */
+        memcpy(w->qf + r * dim, load_row(w->qrows[r], 0, dim, kv->dtype, w->vrow), sizeof(float) * (size_t)dim);
+    for (int64_t i0 = 0; i0 < n; i0 += TILE) {
+        const int64_t nt = n - i0 < TILE ? n - i0 : TILE;
+        score_tile(w, rows, idx + i0, nt, kv, row_bytes);
+        for (int64_t r = 0; r < rows; r++) {
+            float *s = w->scores + r * TILE;
+            const float mt = max_of(s, nt);
+            const float m_new = mt > w->m[r] ? mt : w->m[r];
+            const float corr = w->m[r] == -INFINITY ? 0.f : expf(w->m[r] - m_new);
+            w->l[r] = w->l[r] * corr + exp_sub_sum(s, nt, m_new);
+            w->m[r] = m_new;
+            if (corr != 1.f) {
+                float *a = w->acc + r * dim;
 #pragma omp simd
-    for (int64_t d = 0; d < dim; d++) tmp[d] = bf16_to_f32(src[d]);
-    return tmp;
+                for (int64_t d = 0; d < dim; d++) a[d] *= corr;
+            }
+            if (fast_pv) {
+                uint16_t *p = w->pbf + r * (TILE + 2);
+                int64_t i = 0;
+#if defined(__AVX512BF16__)
+                for (; i + 16 <= nt; i += 16)
+                    _mm256_storeu_si256((__m256i *)(p + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + i)));
+#endif
+                for (; i < nt; i++) p[i] = f32_to_bf16(s[i]);
+                p[nt] = 0; /* the weight of an odd tile's padding key */
+            }
+        }
+        if (i0 + nt < n) /* the first K rows of the next tile */
+            prefetch_rows(kv->k, idx + i0 + nt, n - i0 - nt < 16 ? n - i0 - nt : 16, kv->k_stride, w->koff[0], elem,
+                          row_bytes);
+#if defined(__AVX512BF16__)
+        if (fast_pv) {
+            pv_tile_bf16(w, rows, idx + i0, nt, kv);
+            continue;
+        }
+#endif
+        for (int64_t i = 0; i < nt; i++) {
+            for (int64_t r = 0; r < rows; r++) {
+                const float *vr = load_row(kv->v, idx[i0 + i] * kv->v_stride + w->koff[r], dim, kv->dtype, w->vrow);
+                const float p = w->scores[r * TILE + i];
+                float *a = w->acc + r * dim;
+#pragma omp simd
+                for (int64_t d = 0; d < dim; d++) a[d] += p * vr[d];
+            }
+        }
+    }
+}
+
+static void reset_state(work_t *w, int64_t rows, int64_t dim) {
+    for (int64_t r = 0; r < rows; r++) {
+        w->m[r] = -INFINITY;
+        w->l[r] = 0.f;
+    }
+    memset(w->acc, 0, sizeof(float) * (size_t)(rows * dim));
 }
 
 /* q, out: [bs, heads * dim]; k, v: [num_slots, kv_heads * dim] (slot stride given in elements);
- * kv_indices: [bs, max_len] int64, the first lens[b] entries of row b are used;
- * lse (may be NULL): [bs, heads] float32 log-sum-exp of the scaled scores.
- *
- * A task is one request and a block of its KV heads: all heads when there are enough requests to
- * keep every thread busy (a slot's K/V row for all heads is one contiguous run of memory, read
- * once), one head per task otherwise. */
+ * kv_indices: [bs, max_len] int64, the first lens[b] entries of row b are request b's own slots (past
+ * its group's prefix when it has one).
+ * Cascade (num_groups > 0): group g's members are group_members[group_offsets[g] ..
+ * group_offsets[g + 1]), its prefix the first prefix_lens[g] entries of row g of prefix_indices
+ * [num_groups, max_prefix]; group_of[b] is request b's group or -1. */
 void decode_attention(const void *q, const void *k, const void *v, const int64_t *kv_indices,
-                      const int64_t *lens, int64_t bs, int64_t heads, int64_t kv_heads, int64_t dim,
-                      int64_t max_len, int64_t k_stride, int64_t v_stride, float scale, int dtype,
-                      void *out, float *lse, int num_threads) {
+                      const int64_t *lens, int64_t max_len, int64_t bs, int64_t heads, int64_t kv_heads,
+                      int64_t dim, int64_t k_stride, int64_t v_stride, float scale, int dtype, void *out,
+                      int64_t num_groups, const int64_t *group_offsets, const int64_t *group_members,
+                      const int64_t *prefix_indices, const int64_t *prefix_lens, int64_t max_prefix,
+                      const int64_t *group_of, int num_threads) {
     const int64_t group = heads / kv_heads;
+    const int elem = dtype == DTYPE_F32 ? 4 : 2;
+    const kv_t kv = {k, v, k_stride, v_stride, dim, dtype, scale};
+    /* Phase 2: whole requests when they keep every thread busy, else one KV head of a request. */
     const int64_t block = bs >= 2 * num_threads ? kv_heads : 1; /* KV heads per task */
     const int64_t blocks = kv_heads / block;
-    const int64_t tasks = bs * blocks;
-    const int64_t qh = block * group; /* query heads per task */
-    const int64_t row_len = block * dim;
-    const int64_t cols = max_len > 0 ? max_len : 1;
+    int64_t max_rows = block * group;
+    for (int64_t g = 0; g < num_groups; g++) {
+        const int64_t rows = (group_offsets[g + 1] - group_offsets[g]) * group;
+        max_rows = rows > max_rows ? rows : max_rows;
+    }
+    /* Phase 1's result per (request, head): running max, sum and unnormalised output. */
+    float *pm = NULL, *pl = NULL, *pacc = NULL;
+    if (num_groups > 0) {
+        pm = (float *)malloc(sizeof(float) * (size_t)(bs * heads));
+        pl = (float *)malloc(sizeof(float) * (size_t)(bs * heads));
+        pacc = (float *)malloc(sizeof(float) * (size_t)(bs * heads * dim));
+    }
 #pragma omp parallel num_threads(num_threads)
     {
-        float *scores = (float *)malloc(sizeof(float) * (size_t)(qh * cols));
-        float *qf = (float *)malloc(sizeof(float) * (size_t)(qh * dim));
-        float *acc = (float *)malloc(sizeof(float) * (size_t)(qh * dim));
-        float *tmp = (float *)malloc(sizeof(float) * (size_t)row_len);
-        float *inv_sum = (float *)malloc(sizeof(float) * (size_t)qh);
-        const int elem = dtype == DTYPE_F32 ? 4 : 2;
+        work_t w;
+        w.scores = (float *)malloc(sizeof(float) * (size_t)(max_rows * TILE));
+        w.pbf = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(max_rows * (TILE + 2)));
+        w.qf = (float *)malloc(sizeof(float) * (size_t)(max_rows * dim));
+        w.vrow = (float *)malloc(sizeof(float) * (size_t)dim);
+        w.m = (float *)malloc(sizeof(float) * (size_t)max_rows);
+        w.l = (float *)malloc(sizeof(float) * (size_t)max_rows);
+        w.acc = (float *)malloc(sizeof(float) * (size_t)(max_rows * dim));
+        w.qrows = (const void **)malloc(sizeof(void *) * (size_t)max_rows);
+        w.koff = (int64_t *)malloc(sizeof(int64_t) * (size_t)max_rows);
+        if (num_groups > 0) {
 #pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < tasks; t++) {
-            const int64_t b = t / blocks, h0 = (t % blocks) * block;
-            const int64_t n = lens[b];
-            const int64_t *idx = kv_indices + b * max_len;
-            const int64_t q_off = (b * heads + h0 * group) * dim; /* the task's query heads are contiguous */
-            for (int64_t j = 0; j < qh; j++) {
-                const float *row = load_row(q, q_off + j * dim, dim, dtype, tmp);
-                for (int64_t d = 0; d < dim; d++) qf[j * dim + d] = row[d] * scale;
-            }
-            for (int64_t i = 0; i < n; i++) {
-                if (i + 4 < n) __builtin_prefetch((const char *)k + (idx[i + 4] * k_stride + h0 * dim) * elem);
-                const float *kr = load_row(k, idx[i] * k_stride + h0 * dim, row_len, dtype, tmp);
-                for (int64_t j = 0; j < qh; j++) {
-                    const float *qj = qf + j * dim, *kh = kr + (j / group) * dim;
-                    float s = 0.f;
-#pragma omp simd reduction(+ : s)
-                    for (int64_t d = 0; d < dim; d++) s += qj[d] * kh[d];
-                    scores[j * cols + i] = s;
+            for (int64_t t = 0; t < num_groups * kv_heads; t++) {
+                const int64_t g = t / kv_heads, h = t % kv_heads;
+                const int64_t *members = group_members + group_offsets[g];
+                const int64_t rows = (group_offsets[g + 1] - group_offsets[g]) * group;
+                for (int64_t r = 0; r < rows; r++) {
+                    w.qrows[r] = (const char *)q + ((members[r / group] * heads + h * group + r % group) * dim) * elem;
+                    w.koff[r] = h * dim;
                 }
-            }
-            for (int64_t j = 0; j < qh; j++) {
-                float *sj = scores + j * cols;
-                float m = -INFINITY;
-                for (int64_t i = 0; i < n; i++) m = sj[i] > m ? sj[i] : m;
-                float sum = 0.f;
-                for (int64_t i = 0; i < n; i++) {
-                    sj[i] = expf(sj[i] - m);
-                    sum += sj[i];
-                }
-                inv_sum[j] = sum > 0.f ? 1.f / sum : 0.f; /* no keys: output 0, lse -inf */
-                if (lse) lse[b * heads + h0 * group + j] = m + logf(sum);
-            }
-            memset(acc, 0, sizeof(float) * (size_t)(qh * dim));
-            for (int64_t i = 0; i < n; i++) {
-                if (i + 4 < n) __builtin_prefetch((const char *)v + (idx[i + 4] * v_stride + h0 * dim) * elem);
-                const float *vr = load_row(v, idx[i] * v_stride + h0 * dim, row_len, dtype, tmp);
-                for (int64_t j = 0; j < qh; j++) {
-                    const float p = scores[j * cols + i];
-                    const float *vh = vr + (j / group) * dim;
-                    float *aj = acc + j * dim;
-#pragma omp simd
-                    for (int64_t d = 0; d < dim; d++) aj[d] += p * vh[d];
-                }
-            }
-            for (int64_t j = 0; j < qh; j++) {
-                const int64_t o = q_off + j * dim;
-                for (int64_t d = 0; d < dim; d++) {
-                    const float x = acc[j * dim + d] * inv_sum[j];
-                    if (dtype == DTYPE_F32) ((float *)out)[o + d] = x;
-                    else ((uint16_t *)out)[o + d] = f32_to_bf16(x);
+                reset_state(&w, rows, dim);
+                attend(&w, rows, prefix_indices + g * max_prefix, prefix_lens[g], &kv, dim);
+                for (int64_t r = 0; r < rows; r++) {
+                    const int64_t o = members[r / group] * heads + h * group + r % group;
+                    pm[o] = w.m[r];
+                    pl[o] = w.l[r];
+                    memcpy(pacc + o * dim, w.acc + r * dim, sizeof(float) * (size_t)dim);
                 }
             }
         }
-        free(scores);
-        free(qf);
-        free(acc);
-        free(tmp);
-        free(inv_sum);
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < bs * blocks; t++) {
+            const int64_t b = t / blocks, h0 = (t % blocks) * block, rows = block * group;
+            const int64_t first = b * heads + h0 * group; /* the task's query heads are contiguous */
+            for (int64_t r = 0; r < rows; r++) {
+                w.qrows[r] = (const char *)q + (first + r) * dim * elem;
+                w.koff[r] = (h0 + r / group) * dim;
+            }
+            if (group_of != NULL && group_of[b] >= 0) {
+                memcpy(w.m, pm + first, sizeof(float) * (size_t)rows);
+                memcpy(w.l, pl + first, sizeof(float) * (size_t)rows);
+                memcpy(w.acc, pacc + first * dim, sizeof(float) * (size_t)(rows * dim));
+            } else {
+                reset_state(&w, rows, dim);
+            }
+            attend(&w, rows, kv_indices + b * max_len, lens[b], &kv, block * dim);
+            for (int64_t r = 0; r < rows; r++) {
+                const float inv = w.l[r] > 0.f ? 1.f / w.l[r] : 0.f; /* no keys: output 0 */
+                const float *a = w.acc + r * dim;
+                const int64_t o = (first + r) * dim;
+                for (int64_t d = 0; d < dim; d++) {
+                    if (dtype == DTYPE_F32) ((float *)out)[o + d] = a[d] * inv;
+                    else ((uint16_t *)out)[o + d] = f32_to_bf16(a[d] * inv);
+                }
+            }
+        }
+        free(w.scores);
+        free(w.pbf);
+        free(w.qf);
+        free(w.vrow);
+        free(w.m);
+        free(w.l);
+        free(w.acc);
+        free(w.qrows);
+        free(w.koff);
     }
+    free(pm);
+    free(pl);
+    free(pacc);
 }

@@ -1,0 +1,61 @@
+/* Helpers shared by the native CPU kernels: bfloat16 <-> float32 and a vectorised exp. */
+#ifndef ENGINE_CPU_COMMON_H
+#define ENGINE_CPU_COMMON_H
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+#if defined(__AVX512F__)
+#include <immintrin.h>
+#endif
+
+enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+
+static inline float bf16_to_f32(uint16_t x) {
+    union { uint32_t u; float f; } c;
+    c.u = (uint32_t)x << 16;
+    return c.f;
+}
+
+static inline uint16_t f32_to_bf16(float f) {
+    union { uint32_t u; float f; } c;
+    c.f = f;
+    if ((c.u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((c.u >> 16) | 0x40u); /* NaN stays NaN */
+    c.u += 0x7fffu + ((c.u >> 16) & 1u); /* round to nearest even */
+    return (uint16_t)(c.u >> 16);
+}
+
+/* dim consecutive elements as float32: in place for float32, converted into tmp for bfloat16. */
+static inline const float *load_row(const void *base, int64_t offset, int64_t dim, int dtype, float *tmp) {
+    if (dtype == DTYPE_F32) return (const float *)base + offset;
+    const uint16_t *src = (const uint16_t *)base + offset;
+    int64_t d = 0;
+#if defined(__AVX512F__)
+    for (; d + 16 <= dim; d += 16) {
+        __m512i w = _mm512_cvtepu16_epi32(_mm256_loadu_si256((const __m256i *)(src + d)));
+        _mm512_storeu_ps(tmp + d, _mm512_castsi512_ps(_mm512_slli_epi32(w, 16)));
+    }
+#endif
+    for (; d < dim; d++) tmp[d] = bf16_to_f32(src[d]);
+    return tmp;
+}
+
+#if defined(__AVX512F__)
+/* exp(x), Cephes' single-precision polynomial with the range reduction by ln 2 (about 1 ulp). */
+static inline __m512 exp512(__m512 x) {
+    x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));
+    __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    return _mm512_scalef_ps(p, k);
+}
+#endif
+#endif
