@@ -45,8 +45,12 @@ def _engine_logits_all_positions(runner, driver, forward_batch) -> torch.Tensor:
         return model.logits_processor.compute_logits(hidden, model.lm_head)
 
 
+@pytest.mark.parametrize("fused", [True, False], ids=["fused-cpu-ops", "torch-ops"])
 @pytest.mark.parametrize("case", list(CASES))
-def test_logits_match_transformers(tmp_path, case):
+def test_logits_match_transformers(tmp_path, monkeypatch, case, fused):
+    from engine.layers import cpu_ops
+
+    monkeypatch.setattr(cpu_ops, "ENABLED", fused and cpu_ops.ENABLED)
     kwargs = dict(CASES[case])
     arch = kwargs.pop("arch")
     hf = build_tiny_model(str(tmp_path), arch, **kwargs)

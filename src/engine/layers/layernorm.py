@@ -7,6 +7,8 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import nn
 
+from engine.layers import cpu_ops
+
 
 class RMSNorm(nn.Module):
     def __init__(self, hidden_size: int, eps: float = 1e-6) -> None:
@@ -19,6 +21,9 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
     ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
+        if cpu_ops.usable(x, self.weight, *(() if residual is None else (residual,))):
+            out, new_residual = cpu_ops.rms_norm(x, self.weight, self.variance_epsilon, residual)
+            return out if residual is None else (out, new_residual)
         if residual is not None:
             x = x + residual
             residual = x

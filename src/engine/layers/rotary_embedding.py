@@ -11,6 +11,8 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
+from engine.layers import cpu_ops
+
 
 def _base_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
     return 1.0 / (base ** (torch.arange(0, rotary_dim, 2, dtype=torch.int64).float() / rotary_dim))
@@ -116,9 +118,18 @@ class RotaryEmbedding(nn.Module):
         return c
 
     def forward(
-        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor
+        self, positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, inplace: bool = False
     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """query [T, H*D] (or [T, H, D]), key [T, KH*D]; returns rotated copies of the same shapes."""
+        """query [T, H*D] (or [T, H, D]), key [T, KH*D]; returns rotated copies of the same shapes.
+
+        With `inplace` the caller lets the CPU kernel rotate query and key where they are (slices of
+        its fused qkv output); the torch path always returns new tensors.
+        """
+        if positions.is_cpu and cpu_ops.rope_usable(query, key, self.cos_sin_cache, self.rotary_dim):
+            if not inplace:
+                query, key = query.clone(), key.clone()
+            cpu_ops.rope_neox_(positions, query, key, self.cos_sin_cache, self.head_size, self.rotary_dim)
+            return query, key
         cos_sin = self._cache_for(query.dtype, query.device).index_select(0, positions)
         half = self.rotary_dim // 2
         cos = cos_sin[:, :half].unsqueeze(1)

@@ -89,7 +89,7 @@ class LlamaAttention(nn.Module):
             # Qwen3: RMSNorm over each head's vector, before rotary.
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(-1, self.q_size)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(-1, self.kv_size)
-        q, k = self.rotary_emb(positions, q, k)
+        q, k = self.rotary_emb(positions, q, k, inplace=True)  # q, k are slices of qkv, ours to change
         attn_output = self.attn(q, k, v, forward_batch)
         return self.o_proj(attn_output)
 

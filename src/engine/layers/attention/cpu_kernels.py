@@ -2,11 +2,12 @@
 
 `decode_attention` (csrc/decode_attention.c) reads a decode batch's K/V where they lie in the
 paged pool instead of gathering them first, and a cascade group's shared prefix once for the whole
-group. It is built once per machine into
+group. The same library holds the fused element-wise ops of engine/layers/cpu_ops.py. It is built
+once per machine into
 `$ENGINE_CACHE_DIR/kernels` (default `~/.cache/engine/kernels`), keyed by the source, the flags,
 the compiler and the CPU's instruction set. Without a C compiler (or with
-`ENGINE_CPU_DECODE_KERNEL=0`) `decode_kernel()` returns None and the attention backend keeps its
-pure-torch path; both give the same results.
+`ENGINE_CPU_DECODE_KERNEL=0`) `decode_kernel()` returns None and every layer keeps its pure-torch
+path; both give the same results.
 
 Loading a shared library runs its code in the server, so only a library nobody else can have
 written is loaded: the cache directory must be a real directory (not a symbolic link) owned by
@@ -34,8 +35,9 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-# decode_attention.c: the decode kernel; cpu_common.h: helpers.
-_SOURCES = [_CSRC / "decode_attention.c"]
+# decode_attention.c: the decode kernel; cpu_ops.c: the fused element-wise ops of a decoder layer
+# (engine/layers/cpu_ops.py); cpu_common.h: what they share. One library holds them all.
+_SOURCES = [_CSRC / "decode_attention.c", _CSRC / "cpu_ops.c"]
 _HEADERS = [_CSRC / "cpu_common.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -175,6 +177,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32, i32, ptr,
                                      i64, ptr, ptr, ptr, ptr, i64, ptr, i32]
     names = ["decode_attention"]
+    lib.rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, f32, i32, i32]
+    lib.rope_neox.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i32, i32]
+    lib.silu_and_mul.argtypes = [ptr, ptr, i64, i64, i32, i32]
+    lib.store_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, i32]
+    names += ["rms_norm", "rope_neox", "silu_and_mul", "store_kv"]
     for name in names:
         getattr(lib, name).restype = None
     return lib

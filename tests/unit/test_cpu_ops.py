@@ -1,0 +1,115 @@
+"""The fused CPU element-wise ops (csrc/cpu_ops.c) against the layers' torch code on the same inputs."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from engine.layers import cpu_ops
+from engine.layers.activation import SiluAndMul
+from engine.layers.layernorm import RMSNorm
+from engine.layers.rotary_embedding import get_rope
+from engine.mem_cache.memory_pool import MHATokenToKVPool
+
+
+@pytest.fixture(autouse=True)
+def need_library():
+    from engine.layers.attention import cpu_kernels
+
+    if cpu_kernels.decode_kernel() is None:
+        if os.environ.get("ENGINE_CPU_DECODE_KERNEL") == "0" or not (shutil.which("gcc") or shutil.which("cc")):
+            pytest.skip("the native CPU kernels are off or there is no C compiler")
+        pytest.fail("a C compiler is present but the CPU kernels did not build (see the log)")
+
+
+def both_paths(monkeypatch, fn):
+    """fn() through the fused kernels, then through the torch code."""
+    assert cpu_ops.ENABLED
+    fused = fn()
+    monkeypatch.setattr(cpu_ops, "ENABLED", False)
+    reference = fn()
+    monkeypatch.setattr(cpu_ops, "ENABLED", True)
+    return fused, reference
+
+
+def close(a: torch.Tensor, b: torch.Tensor, dtype: torch.dtype) -> bool:
+    # bfloat16: both paths round at the same points; float32 sums may differ in order.
+    tol = dict(atol=1e-2, rtol=1e-2) if dtype == torch.bfloat16 else dict(atol=1e-5, rtol=1e-5)
+    return a.dtype == b.dtype == dtype and a.shape == b.shape and torch.allclose(a.float(), b.float(), **tol)
+
+
+DTYPES = [torch.float32, torch.bfloat16]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", [1, 5, 300])  # 300 x 1024 runs on the whole thread team
+def test_rmsnorm_with_and_without_residual(monkeypatch, dtype, rows):
+    torch.manual_seed(rows)
+    norm = RMSNorm(1024, eps=1e-6).to(dtype)
+    norm.weight.data = torch.randn(1024).to(dtype)
+    x, res = torch.randn(rows, 1024).to(dtype), torch.randn(rows, 1024).to(dtype)
+    fused, ref = both_paths(monkeypatch, lambda: norm(x))
+    assert close(fused, ref, dtype)
+    (fused_out, fused_res), (ref_out, ref_res) = both_paths(monkeypatch, lambda: norm(x, res))
+    assert close(fused_out, ref_out, dtype) and torch.equal(fused_res, ref_res)
+    # bfloat16: the same roundings, so nearly every element is bit-equal.
+    if dtype == torch.bfloat16:
+        assert (fused_out == ref_out).float().mean() > 0.99
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("tokens", [1, 7, 200])
+def test_silu_and_mul(monkeypatch, dtype, tokens):
+    torch.manual_seed(tokens)
+    x = (torch.randn(tokens, 2 * 2048) * 4).to(dtype)
+    fused, ref = both_paths(monkeypatch, lambda: SiluAndMul()(x))
+    assert close(fused, ref, dtype)
+    assert torch.allclose(fused.float(), (F.silu(x[:, :2048].float()) * x[:, 2048:].float()), atol=0.1, rtol=0.02)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rotary_dim", [64, 32])  # full and partial rotary
+def test_rotary_in_place_on_qkv_slices(monkeypatch, dtype, rotary_dim):
+    """Rotating the q and k slices of a fused qkv output in place leaves v alone and equals the
+    torch path (which returns new tensors)."""
+    torch.manual_seed(rotary_dim)
+    head, heads, kv_heads, tokens = 64, 16, 8, 37
+    rope = get_rope(head, rotary_dim, 4096, 10000.0)
+    positions = torch.randint(0, 4096, (tokens,))
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head).to(dtype)
+    q_size, kv_size = heads * head, kv_heads * head
+
+    def run(inplace: bool):
+        data = qkv.clone()
+        q, k, v = data.split([q_size, kv_size, kv_size], dim=-1)
+        q2, k2 = rope(positions, q, k, inplace=inplace)
+        return q2.clone(), k2.clone(), data
+
+    (fq, fk, fdata), (rq, rk, _) = both_paths(monkeypatch, lambda: run(True))
+    assert close(fq, rq, dtype) and close(fk, rk, dtype)
+    assert torch.equal(fdata[:, :q_size], fq) and torch.equal(fdata[:, q_size + kv_size:], qkv[:, q_size + kv_size:])
+    out_of_place = run(False)
+    assert torch.equal(out_of_place[0], fq) and torch.equal(out_of_place[2], qkv)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_store_kv_from_qkv_slices(monkeypatch, dtype):
+    torch.manual_seed(0)
+    kv_heads, head, tokens = 4, 32, 9
+    qkv = torch.randn(tokens, 3 * kv_heads * head).to(dtype)
+    k = qkv[:, kv_heads * head: 2 * kv_heads * head].view(tokens, kv_heads, head)
+    v = qkv[:, 2 * kv_heads * head:].view(tokens, kv_heads, head)
+    loc = torch.randperm(60)[:tokens] + 1
+
+    def run():
+        pool = MHATokenToKVPool(64, 1, dtype, kv_heads, head, layer_num=2)
+        pool.set_kv_buffer(1, loc, k, v)
+        return pool.k_buffer[1].clone(), pool.v_buffer[1].clone(), pool.k_buffer[0].clone()
+
+    (fk, fv, f0), (rk, rv, r0) = both_paths(monkeypatch, run)
+    assert torch.equal(fk, rk) and torch.equal(fv, rv) and torch.equal(f0, r0)
+    assert torch.equal(fk[loc], k) and torch.equal(fv[loc], v)
