@@ -113,3 +113,44 @@ def test_store_kv_from_qkv_slices(monkeypatch, dtype):
     (fk, fv, f0), (rk, rv, r0) = both_paths(monkeypatch, run)
     assert torch.equal(fk, rk) and torch.equal(fv, rv) and torch.equal(f0, r0)
     assert torch.equal(fk[loc], k) and torch.equal(fv[loc], v)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 600])
+@pytest.mark.parametrize("n,k", [(64, 32), (100, 48), (2048, 1024)])  # 100: a partial last panel
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_bf16_linear_kernel_matches_float_reference(rows, n, k, with_bias):
+    from engine.layers.attention import cpu_kernels
+
+    if not cpu_kernels.decode_kernel().linear_bf16_available():
+        pytest.skip("no AVX512-BF16 on this CPU: bf16 linears stay with oneDNN")
+    torch.manual_seed(rows + n)
+    weight = torch.randn(n, k).to(torch.bfloat16)
+    bias = torch.randn(n).to(torch.bfloat16) if with_bias else None
+    x = torch.randn(rows, k).to(torch.bfloat16)
+    panels = cpu_ops.pack_linear_bf16(weight, bias)
+    out = cpu_ops.linear_bf16(x, panels, add_bias=with_bias)
+    ref = x.float() @ weight.float().t() + (bias.float() if with_bias else 0)
+    assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
+    # float32 sums of exact bf16 products, rounded once: within bf16 rounding of the reference
+    assert torch.allclose(out.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+    # a row-parallel layer adds its bias after the all-reduce: add_bias=False leaves it out
+    assert torch.allclose(cpu_ops.linear_bf16(x, panels, add_bias=False).float(), x.float() @ weight.float().t(),
+                          rtol=1e-2, atol=1e-2 * ref.abs().max().item())
+
+
+def test_bf16_linear_layers_use_the_kernel_and_fall_back(monkeypatch):
+    from engine.layers.linear import ColumnParallelLinear, clear_packed_weights, prepack_linear_weights
+
+    layer = ColumnParallelLinear(64, 96, bias=True).to(torch.bfloat16)
+    torch.manual_seed(0)
+    layer.weight.data.normal_()
+    layer.bias.data.normal_()
+    x = torch.randn(3, 64).to(torch.bfloat16)
+    plain = layer(x)
+    assert prepack_linear_weights(layer) == 1
+    if isinstance(layer.packed_weight, cpu_ops.Bf16Panels):
+        fused, ref = both_paths(monkeypatch, lambda: layer(x))
+        assert torch.equal(ref, plain)  # switched off: F.linear again
+        assert torch.allclose(fused.float(), plain.float(), rtol=2e-2, atol=2e-2)
+    clear_packed_weights(layer)
+    assert layer.packed_weight is None

@@ -9,7 +9,7 @@ rank's piece out of the full checkpoint tensor.
 from __future__ import annotations
 
 import logging
-from typing import List, Optional
+from typing import List, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -21,6 +21,7 @@ from engine.distributed.parallel_state import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
+from engine.layers import cpu_ops
 from engine.model_loader.weight_utils import set_weight_loader
 
 logger = logging.getLogger(__name__)
@@ -43,21 +44,28 @@ def _copy_checked(target: torch.Tensor, source: torch.Tensor, what: str) -> None
 # large row counts (long prefills in float32) plain F.linear is as fast, so it is used there.
 PACKED_MAX_ROWS = 512
 
+PackedWeight = Union[torch.Tensor, cpu_ops.Bf16Panels]
+
 
 def prepack_linear_weights(model: nn.Module) -> int:
-    """Attach a oneDNN-packed copy of the weight to every linear layer and LM head of a CPU model.
+    """Attach a packed copy of the weight to every linear layer and LM head of a CPU model: bf16
+    panels for the native kernel (engine.layers.cpu_ops) where it runs, else oneDNN's layout.
 
-    Returns the number of packed weights (0 when oneDNN is unavailable). Costs one extra copy of
+    Returns the number of packed weights (0 when neither is available). Costs one extra copy of
     the linear weights in memory. Must be redone after weights change (loading clears it).
     """
-    if not torch.backends.mkldnn.is_available():
-        return 0
     count = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if not hasattr(module, "packed_weight") or weight is None:
             continue
         if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
+            continue
+        if cpu_ops.linear_bf16_usable(weight):
+            module.packed_weight = cpu_ops.pack_linear_bf16(weight, getattr(module, "bias", None))
+            count += 1
+            continue
+        if not torch.backends.mkldnn.is_available():
             continue
         try:
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
@@ -76,10 +84,13 @@ def clear_packed_weights(model: nn.Module) -> None:
 
 
 def linear_forward(
-    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[torch.Tensor]
+    x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[PackedWeight]
 ) -> torch.Tensor:
-    """F.linear, through the packed oneDNN weight when there is one and the batch is small."""
-    if packed is not None and x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS and x.dtype == weight.dtype:
+    """F.linear, through the packed weight when there is one and the batch suits it."""
+    if isinstance(packed, cpu_ops.Bf16Panels):
+        if x.dtype == torch.bfloat16 and x.numel() <= cpu_ops.LINEAR_BF16_MAX_ROWS * packed.k and cpu_ops.ENABLED:
+            return cpu_ops.linear_bf16(x, packed, add_bias=bias is not None)
+    elif packed is not None and x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS and x.dtype == weight.dtype:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
 
@@ -100,7 +111,7 @@ class ColumnParallelLinear(nn.Module):
         self.output_size = output_size
         self.output_size_per_partition = _divide(output_size, self.tp_size)
         self.gather_output = gather_output
-        self.packed_weight: Optional[torch.Tensor] = None
+        self.packed_weight: Optional[PackedWeight] = None
         self.weight = _new_param(self.output_size_per_partition, input_size)
         set_weight_loader(self.weight, self.weight_loader)
         if bias:
@@ -198,7 +209,7 @@ class RowParallelLinear(nn.Module):
         self.output_size = output_size
         self.input_size_per_partition = _divide(input_size, self.tp_size)
         self.reduce_results = reduce_results
-        self.packed_weight: Optional[torch.Tensor] = None
+        self.packed_weight: Optional[PackedWeight] = None
         self.weight = _new_param(output_size, self.input_size_per_partition)
         set_weight_loader(self.weight, self.weight_loader)
         if bias:

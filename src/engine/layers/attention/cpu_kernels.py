@@ -36,8 +36,9 @@ logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 # decode_attention.c: the decode kernel; cpu_ops.c: the fused element-wise ops of a decoder layer
-# (engine/layers/cpu_ops.py); cpu_common.h: what they share. One library holds them all.
-_SOURCES = [_CSRC / "decode_attention.c", _CSRC / "cpu_ops.c"]
+# (engine/layers/cpu_ops.py); linear_bf16.c: small-batch bf16 linears (engine/layers/linear.py);
+# cpu_common.h: what they share. One library holds them all.
+_SOURCES = [_CSRC / "decode_attention.c", _CSRC / "cpu_ops.c", _CSRC / "linear_bf16.c"]
 _HEADERS = [_CSRC / "cpu_common.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -182,8 +183,14 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.silu_and_mul.argtypes = [ptr, ptr, i64, i64, i32, i32]
     lib.store_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, i32]
     names += ["rms_norm", "rope_neox", "silu_and_mul", "store_kv"]
+    lib.pack_linear_bf16.argtypes = [ptr, i64, i64, ptr, i32]
+    lib.linear_bf16.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i32]
+    names += ["pack_linear_bf16", "linear_bf16"]
     for name in names:
         getattr(lib, name).restype = None
+    for name in ("linear_bf16_available",):  # 0 where the CPU lacks AVX512-BF16
+        getattr(lib, name).argtypes = []
+        getattr(lib, name).restype = ctypes.c_int
     return lib
 
 
