@@ -531,3 +531,53 @@ def test_cpu_decode_kernel_cascade_matches_reference(dtype, heads, kv_heads, dim
         idx = own if group_of[b] < 0 else torch.cat([prefixes[int(group_of[b])], own])
         ref = _reference_decode(q[b], k_buf[idx], v_buf[idx], heads, dim, scale)
         assert torch.allclose(out[b].view(heads, dim).double(), ref, atol=tol), b
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(16, 8, 64), (4, 4, 32), (12, 4, 128), (6, 2, 24)])
+def test_native_bf16_extend_kernel_matches_reference(monkeypatch, heads, kv_heads, dim):
+    """bf16 prefills through the native kernel: requests with and without a cached prefix, long
+    enough for several key panels and query-row blocks, a decode-like row (one new token), and the
+    same batch through the torch path."""
+    from engine.layers.attention import cpu_kernels
+
+    _require_cpu_kernel()
+    if not cpu_kernels.extend_supported():
+        pytest.skip("no AVX512-BF16 on this CPU: bf16 prefills keep the torch path")
+    torch.manual_seed(heads + dim)
+    slots = 1200
+    pool = MHATokenToKVPool(slots, 1, torch.bfloat16, kv_heads, dim, layer_num=1)
+    table = ReqToTokenPool(4, 512)
+    layer = RadixAttention(heads, dim, 1 / math.sqrt(dim), kv_heads, layer_id=0)
+    pool.set_kv_buffer(0, torch.arange(slots), torch.randn(slots, kv_heads, dim).to(torch.bfloat16),
+                       torch.randn(slots, kv_heads, dim).to(torch.bfloat16))
+    prefix_lens, ext_lens = [0, 150, 300], [133, 70, 1]
+    perm = torch.randperm(slots - 1) + 1
+    req_slots, out_loc, start = [], [], 0
+    for row, (p, e) in enumerate(zip(prefix_lens, ext_lens), start=1):
+        s = perm[start:start + p + e]
+        start += p + e
+        table.req_to_token[row, : p + e] = s.int()
+        req_slots.append(s)
+        out_loc += s[p:].tolist()
+    total = sum(ext_lens)
+    q = torch.randn(total, heads * dim).to(torch.bfloat16)
+    k_new = pool.k_buffer[0][torch.tensor(out_loc)].reshape(total, -1)
+    v_new = pool.v_buffer[0][torch.tensor(out_loc)].reshape(total, -1)
+    seq_lens = [p + e for p, e in zip(prefix_lens, ext_lens)]
+
+    def run():
+        fb = _batch(ForwardMode.EXTEND, [1, 2, 3], seq_lens, out_loc, pool, table, prefix_lens, ext_lens)
+        return fb.attn_metadata, layer(q, k_new, v_new, fb).view(total, heads, dim).float()
+
+    meta, out = run()
+    assert isinstance(meta, cpu_kernels.ExtendTables)
+    monkeypatch.setattr(cpu_kernels, "extend_supported", lambda: False)
+    torch_meta, torch_out = run()
+    assert not isinstance(torch_meta, cpu_kernels.ExtendTables)
+    row0 = 0
+    for s, p, e in zip(req_slots, prefix_lens, ext_lens):
+        ref = _reference_attention(q[row0:row0 + e].view(e, heads, dim).double(), pool.k_buffer[0][s].double(),
+                                   pool.v_buffer[0][s].double(), layer.scaling, p)
+        assert torch.allclose(out[row0:row0 + e].double(), ref, atol=2e-2)
+        assert torch.allclose(out[row0:row0 + e], torch_out[row0:row0 + e], atol=3e-2)
+        row0 += e

@@ -2,8 +2,9 @@
 
 `decode_attention` (csrc/decode_attention.c) reads a decode batch's K/V where they lie in the
 paged pool instead of gathering them first, and a cascade group's shared prefix once for the whole
-group. The same library holds the fused element-wise ops of engine/layers/cpu_ops.py. It is built
-once per machine into
+group; `extend_attention` (csrc/extend_attention.c) does the same for bf16 prefills. The same library
+holds the fused element-wise ops and bf16 linears of engine/layers/cpu_ops.py. It is built once
+per machine into
 `$ENGINE_CACHE_DIR/kernels` (default `~/.cache/engine/kernels`), keyed by the source, the flags,
 the compiler and the CPU's instruction set. Without a C compiler (or with
 `ENGINE_CPU_DECODE_KERNEL=0`) `decode_kernel()` returns None and every layer keeps its pure-torch
@@ -35,10 +36,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-# decode_attention.c: the decode kernel; cpu_ops.c: the fused element-wise ops of a decoder layer
-# (engine/layers/cpu_ops.py); linear_bf16.c: small-batch bf16 linears (engine/layers/linear.py);
-# cpu_common.h: what they share. One library holds them all.
-_SOURCES = [_CSRC / "decode_attention.c", _CSRC / "cpu_ops.c", _CSRC / "linear_bf16.c"]
+# decode_attention.c: the decode kernel; extend_attention.c: prefill attention (bf16); cpu_ops.c:
+# the fused element-wise ops of a decoder layer (engine/layers/cpu_ops.py); linear_bf16.c: bf16
+# linears (engine/layers/linear.py); cpu_common.h: what they share. One library holds them all.
+_SOURCES = [_CSRC / "decode_attention.c", _CSRC / "extend_attention.c", _CSRC / "cpu_ops.c", _CSRC / "linear_bf16.c"]
 _HEADERS = [_CSRC / "cpu_common.h"]
 _FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -186,9 +187,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.pack_linear_bf16.argtypes = [ptr, i64, i64, ptr, i32]
     lib.linear_bf16.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i32]
     names += ["pack_linear_bf16", "linear_bf16"]
+    lib.extend_attention.argtypes = [ptr, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, f32, ptr,
+                                     i64, i32]
+    names += ["extend_attention"]
     for name in names:
         getattr(lib, name).restype = None
-    for name in ("linear_bf16_available",):  # 0 where the CPU lacks AVX512-BF16
+    for name in ("linear_bf16_available", "extend_attention_available"):  # 0 where the CPU lacks AVX512-BF16
         getattr(lib, name).argtypes = []
         getattr(lib, name).restype = ctypes.c_int
     return lib
@@ -221,6 +225,35 @@ class CascadeTables:
     prefix_indices: torch.Tensor  # [G, max_prefix] pool slots, the first prefix_lens[g] of row g used
     prefix_lens: torch.Tensor  # [G]
     group_of: torch.Tensor  # [bs] the request's group, -1 for none
+
+
+@dataclass
+class ExtendTables:
+    """An extend batch in the prefill kernel's layout (int64 CPU tensors)."""
+
+    kv_indices: torch.Tensor  # [bs, max_seq] each request's slots, prefix then new tokens
+    q_starts: torch.Tensor  # [bs] the request's first row in q
+    ext_lens: torch.Tensor  # [bs]
+    prefix_lens: torch.Tensor  # [bs]
+
+
+def extend_supported() -> bool:
+    lib = decode_kernel()
+    return lib is not None and bool(lib.extend_attention_available())
+
+
+def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, tables: ExtendTables,
+                     num_heads: int, kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
+    """Causal attention of every new token over its request's prefix and new tokens, all read from
+    the pool (the new K/V are stored first). q [T, num_heads * head_dim] bf16, rows may be strided."""
+    out = torch.empty(q.shape[0], num_heads * head_dim, dtype=q.dtype)
+    assert q.stride(1) == 1 and k_buf.stride()[1:] == (head_dim, 1) and v_buf.stride()[1:] == (head_dim, 1)
+    decode_kernel().extend_attention(
+        q.data_ptr(), q.stride(0), k_buf.data_ptr(), v_buf.data_ptr(), k_buf.stride(0), v_buf.stride(0),
+        tables.kv_indices.data_ptr(), tables.kv_indices.shape[1], tables.q_starts.data_ptr(),
+        tables.ext_lens.data_ptr(), tables.prefix_lens.data_ptr(), tables.ext_lens.numel(), num_heads, kv_heads,
+        head_dim, scale, out.data_ptr(), out.stride(0), torch.get_num_threads())
+    return out
 
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor,

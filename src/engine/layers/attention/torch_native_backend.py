@@ -1,7 +1,10 @@
 """The reference attention backend: plain torch SDPA over K/V gathered from the paged pool.
 
 Extend runs one SDPA per request (its new tokens attend to prefix + new tokens, causally; an
-encoder layer, `RadixAttention.is_causal` False, attends over all of its request's tokens).
+encoder layer, `RadixAttention.is_causal` False, attends over all of its request's tokens), or one
+batched SDPA for prefix-free requests of similar lengths; causal bf16 prefills on a CPU with
+AVX512-BF16 run the native extend kernel of `cpu_kernels` instead (one call per layer, K/V read from
+the pool).
 Decode on the CPU runs the native kernel of `cpu_kernels`, which reads every request's K/V in place
 from the pool; elsewhere (or without a C compiler) ONE batched SDPA runs for the whole batch, over
 K/V gathered into a [bs, max_seq_len] block with a padding mask. Requests whose KV starts with the same pool slots
@@ -95,8 +98,13 @@ class TorchNativeAttnBackend(AttentionBackend):
         # Two growing scratch buffers (K and V) for the decode gathers, reused by every layer and
         # step. Only the forward thread uses them, one forward at a time.
         self._scratch: List[Optional[torch.Tensor]] = [None, None]
+        self.native_extend = False
         if str(self.device) == "cpu":
             cpu_kernels.decode_kernel()  # build/load it now, not in the first decode
+            # bf16 prefills go through the native extend kernel (K/V read from the pool).
+            pool = model_runner.token_to_kv_pool
+            self.native_extend = (pool.dtype == torch.bfloat16 and pool.head_dim % 2 == 0
+                                  and cpu_kernels.extend_supported())
 
     def _gather(self, buf: torch.Tensor, flat: torch.Tensor, which: int) -> torch.Tensor:
         rows = buf.view(buf.shape[0], -1)
@@ -143,6 +151,11 @@ class TorchNativeAttnBackend(AttentionBackend):
                                cascade=cascade)
 
     def _extend_metadata(self, fb: "ForwardBatch"):
+        if self.native_extend:
+            max_seq = max(fb.seq_lens_cpu)
+            rows = fb.req_to_token_pool.req_to_token[:, :max_seq].index_select(0, fb.req_pool_indices)
+            return cpu_kernels.ExtendTables(rows.long(), fb.extend_start_loc.long(), fb.extend_seq_lens.long(),
+                                            fb.extend_prefix_lens.long())
         padded = self._padded_extend_metadata(fb)
         return padded if padded is not None else self._extend_metadata_per_request(fb)
 
@@ -199,6 +212,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         if isinstance(meta, _PaddedExtend) and k is not None:
             return self._forward_padded_extend(q, k, v, layer, meta)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        if isinstance(meta, cpu_kernels.ExtendTables) and not layer.is_causal:
+            meta = self._extend_metadata_per_request(forward_batch)  # the native kernel is causal only
+        if isinstance(meta, cpu_kernels.ExtendTables):
+            return cpu_kernels.extend_attention(q.view(q.shape[0], -1), k_buf, v_buf, meta, layer.tp_q_head_num,
+                                                layer.tp_k_head_num, layer.head_dim, layer.scaling)
         num_heads, head_dim = layer.tp_q_head_num, layer.head_dim
         q = q.view(-1, num_heads, head_dim)
         out = torch.empty_like(q)

@@ -40,6 +40,19 @@ static inline const float *load_row(const void *base, int64_t offset, int64_t di
     return tmp;
 }
 
+/* The largest of x[0..n) (-inf for n = 0). */
+static inline float max_of(const float *x, int64_t n) {
+    float m = -INFINITY;
+    int64_t i = 0;
+#if defined(__AVX512F__)
+    __m512 v = _mm512_set1_ps(-INFINITY);
+    for (; i + 16 <= n; i += 16) v = _mm512_max_ps(v, _mm512_loadu_ps(x + i));
+    m = _mm512_reduce_max_ps(v);
+#endif
+    for (; i < n; i++) m = x[i] > m ? x[i] : m;
+    return m;
+}
+
 #if defined(__AVX512F__)
 /* exp(x), Cephes' single-precision polynomial with the range reduction by ln 2 (about 1 ulp). */
 static inline __m512 exp512(__m512 x) {

@@ -67,18 +67,6 @@ static inline __m512 reduce16(const __m512 v[16]) {
 }
 #endif
 
-static inline float max_of(const float *x, int64_t n) {
-    float m = -INFINITY;
-    int64_t i = 0;
-#if defined(__AVX512F__)
-    __m512 v = _mm512_set1_ps(-INFINITY);
-    for (; i + 16 <= n; i += 16) v = _mm512_max_ps(v, _mm512_loadu_ps(x + i));
-    m = _mm512_reduce_max_ps(v);
-#endif
-    for (; i < n; i++) m = x[i] > m ? x[i] : m;
-    return m;
-}
-
 /* x[i] = exp(x[i] - sub) for i < n; returns their sum. */
 static inline float exp_sub_sum(float *x, int64_t n, float sub) {
     float sum = 0.f;

@@ -1,0 +1,204 @@
+/* Prefill (extend) attention for the CPU with bfloat16 data and AVX512-BF16, read from the paged pool.
+ *
+ * Every new token of a request attends causally to the request's cached prefix and to the new tokens
+ * up to itself. For one (request, KV head) the query rows are the new tokens x the query heads of that
+ * KV head, so both products are small matrix multiplications: S = Q K^T over the request's keys and
+ * O = P V. Torch's CPU SDPA ran these at ~70 GFLOP/s per core with a mask or GQA on this kind of CPU;
+ * here K and V are packed once per task into the vdpbf16ps operand layout (panels of 64 keys for
+ * Q K^T, panels of 64 head dimensions for P V) and multiplied with the register-tiled micro-kernel of
+ * linear_bf16.c, query rows in blocks. S is float32; the softmax is float32 per row over the keys the
+ * row may see (the causal limit); P is rounded to bfloat16 for P V, as flash attention does. Key
+ * panels past a row block's last visible key are skipped, so a prompt without prefix costs about
+ * half of the square.
+ */
+#include "cpu_common.h"
+
+#if defined(__AVX512BF16__)
+#define PANEL 64
+#define RT 6     /* rows per register tile */
+#define RBLOCK 96 /* query rows per block (a multiple of RT) */
+
+/* c[r][0..ncols) (float32, row stride c_stride) = sum over pairs kk of a[r][2kk..2kk+1] . panel[kk][col][0..1]
+ * for R rows of a (bf16, row stride a_stride); a panel holds 64 columns x pairs, vdpbf16ps layout. */
+static inline __attribute__((always_inline)) void micro(const uint16_t *a, int64_t a_stride, int64_t pairs,
+                                                        const uint16_t *panel, const int R, float *c,
+                                                        int64_t c_stride, int64_t ncols, float scale) {
+    __m512 acc[RT * 4];
+    for (int i = 0; i < R * 4; i++) acc[i] = _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < pairs; kk++) {
+        const __m512i *wv = (const __m512i *)(panel + kk * PANEL * 2);
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wv), w1 = (__m512bh)_mm512_loadu_si512(wv + 1);
+        const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wv + 2), w3 = (__m512bh)_mm512_loadu_si512(wv + 3);
+        for (int r = 0; r < R; r++) {
+            uint32_t pair;
+            memcpy(&pair, a + r * a_stride + 2 * kk, 4);
+            const __m512bh x = (__m512bh)_mm512_set1_epi32((int)pair);
+            acc[r * 4] = _mm512_dpbf16_ps(acc[r * 4], x, w0);
+            acc[r * 4 + 1] = _mm512_dpbf16_ps(acc[r * 4 + 1], x, w1);
+            acc[r * 4 + 2] = _mm512_dpbf16_ps(acc[r * 4 + 2], x, w2);
+            acc[r * 4 + 3] = _mm512_dpbf16_ps(acc[r * 4 + 3], x, w3);
+        }
+    }
+    const __m512 s = _mm512_set1_ps(scale);
+    for (int q = 0; q < 4 && q * 16 < ncols; q++) {
+        const __mmask16 mask = ncols - q * 16 >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (ncols - q * 16)) - 1u);
+        for (int r = 0; r < R; r++) _mm512_mask_storeu_ps(c + r * c_stride + q * 16, mask, _mm512_mul_ps(acc[r * 4 + q], s));
+    }
+}
+
+static void matmul_rows(const uint16_t *a, int64_t a_stride, int64_t rows, int64_t pairs, const uint16_t *panel,
+                        float *c, int64_t c_stride, int64_t ncols, float scale) {
+    int64_t r = 0;
+    for (; r + RT <= rows; r += RT) micro(a + r * a_stride, a_stride, pairs, panel, RT, c + r * c_stride, c_stride, ncols, scale);
+    switch (rows - r) {
+    case 1: micro(a + r * a_stride, a_stride, pairs, panel, 1, c + r * c_stride, c_stride, ncols, scale); break;
+    case 2: micro(a + r * a_stride, a_stride, pairs, panel, 2, c + r * c_stride, c_stride, ncols, scale); break;
+    case 3: micro(a + r * a_stride, a_stride, pairs, panel, 3, c + r * c_stride, c_stride, ncols, scale); break;
+    case 4: micro(a + r * a_stride, a_stride, pairs, panel, 4, c + r * c_stride, c_stride, ncols, scale); break;
+    case 5: micro(a + r * a_stride, a_stride, pairs, panel, 5, c + r * c_stride, c_stride, ncols, scale); break;
+    default: break;
+    }
+}
+
+/* q: token rows of q_stride elements, head hq at hq * dim; out likewise (out_stride); k, v: the pool;
+ * kv_indices [bs, max_seq]: request b's slots, prefix then new tokens; its new tokens are q rows
+ * q_starts[b] .. + ext_lens[b] at positions prefix_lens[b] ... dim must be even and <= 256. */
+void extend_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v, int64_t k_stride,
+                      int64_t v_stride, const int64_t *kv_indices, int64_t max_seq, const int64_t *q_starts,
+                      const int64_t *ext_lens, const int64_t *prefix_lens, int64_t bs, int64_t heads,
+                      int64_t kv_heads, int64_t dim, float scale, uint16_t *out, int64_t out_stride, int num_threads) {
+    const int64_t group = heads / kv_heads, pairs = dim / 2;
+    const int64_t dpanels = (dim + PANEL - 1) / PANEL;
+#pragma omp parallel num_threads(num_threads)
+    {
+        int64_t cap_seq = 0; /* scratch grown on demand */
+        uint16_t *kp = NULL, *vp = NULL, *pb = NULL, *qa = NULL;
+        float *s = NULL, *o = NULL;
+#pragma omp for schedule(dynamic, 1)
+        for (int64_t t = 0; t < bs * kv_heads; t++) {
+            const int64_t b = t / kv_heads, h = t % kv_heads;
+            const int64_t ext = ext_lens[b], prefix = prefix_lens[b], seq = prefix + ext;
+            if (ext == 0) continue;
+            const int64_t kpanels = (seq + PANEL - 1) / PANEL, seq_pad = kpanels * PANEL;
+            if (seq_pad > cap_seq) {
+                cap_seq = seq_pad;
+                free(kp); free(vp); free(pb); free(s);
+                kp = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(seq_pad * dim));
+                vp = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(dpanels * PANEL * (seq_pad + 2)));
+                pb = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(RBLOCK * (seq_pad + 2)));
+                s = (float *)malloc(sizeof(float) * (size_t)(RBLOCK * seq_pad));
+            }
+            if (qa == NULL) {
+                qa = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(RBLOCK * dim));
+                o = (float *)malloc(sizeof(float) * (size_t)(RBLOCK * dpanels * PANEL));
+            }
+            const int64_t *slots = kv_indices + b * max_seq;
+            /* K panels: kp[p][kk][c][2] = K[key 64p + c][2kk .. 2kk + 1], zero past seq; 16 keys' pair kk
+             * at a time with one gather (dword offsets of their rows; the pool fits 32-bit offsets). */
+            for (int64_t p = 0; p < kpanels; p++)
+                for (int64_t c0 = 0; c0 < PANEL; c0 += 16) {
+                    int32_t offs[16];
+                    __mmask16 live = 0;
+                    for (int c = 0; c < 16; c++) {
+                        const int64_t key = p * PANEL + c0 + c;
+                        offs[c] = key < seq ? (int32_t)((slots[key] * k_stride + h * dim) / 2) : 0;
+                        live |= key < seq ? (__mmask16)(1u << c) : 0;
+                    }
+                    const __m512i vo = _mm512_loadu_si512(offs);
+                    uint32_t *dst = (uint32_t *)(kp + p * pairs * PANEL * 2) + c0;
+                    for (int64_t kk = 0; kk < pairs; kk++) {
+                        const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live,
+                                                                      _mm512_add_epi32(vo, _mm512_set1_epi32((int)kk)),
+                                                                      (const int *)k, 4);
+                        _mm512_storeu_si512(dst + kk * PANEL, g);
+                    }
+                }
+            /* V^T panels: vp[dp][kp][c][2] = V[key 2kp .. 2kp + 1][64 dp + c], zero past seq / dim: two
+             * rows interleaved element-wise by one permute per 16 dimensions. */
+            const int64_t kpairs = (seq + 1) / 2;
+            const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
+                                                6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+            const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+            for (int64_t dp = 0; dp < dpanels; dp++) {
+                uint16_t *panel = vp + dp * kpairs * PANEL * 2;
+                const int64_t d0 = dp * PANEL, nd = dim - d0 < PANEL ? dim - d0 : PANEL;
+                for (int64_t kp2 = 0; kp2 < kpairs; kp2++) {
+                    const int64_t k1 = 2 * kp2 + 1;
+                    const uint16_t *v0 = v + slots[2 * kp2] * v_stride + h * dim + d0;
+                    const uint16_t *v1 = k1 < seq ? v + slots[k1] * v_stride + h * dim + d0 : NULL;
+                    uint16_t *dst = panel + kp2 * PANEL * 2;
+                    for (int64_t c = 0; c < PANEL; c += 32) { /* 32 dimensions -> two interleaved vectors */
+                        const __mmask32 m = c >= nd ? 0 : nd - c >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << (nd - c)) - 1u);
+                        const __m512i a = _mm512_maskz_loadu_epi16(m, v0 + c);
+                        const __m512i b = v1 != NULL ? _mm512_maskz_loadu_epi16(m, v1 + c) : _mm512_setzero_si512();
+                        _mm512_storeu_si512(dst + 2 * c, _mm512_permutex2var_epi16(a, lo, b));
+                        _mm512_storeu_si512(dst + 2 * c + 32, _mm512_permutex2var_epi16(a, hi, b));
+                    }
+                }
+            }
+            /* Query rows r = i * group + j (token i, query head h * group + j), in blocks. */
+            const int64_t rows = ext * group;
+            for (int64_t r0 = 0; r0 < rows; r0 += RBLOCK) {
+                const int64_t nr = rows - r0 < RBLOCK ? rows - r0 : RBLOCK;
+                for (int64_t r = 0; r < nr; r++) {
+                    const int64_t i = (r0 + r) / group, j = (r0 + r) % group;
+                    memcpy(qa + r * dim, q + (q_starts[b] + i) * q_stride + (h * group + j) * dim, sizeof(uint16_t) * (size_t)dim);
+                }
+                /* Keys visible to the block's last row: prefix + its token index + 1. */
+                const int64_t last_i = (r0 + nr - 1) / group;
+                const int64_t visible = prefix + last_i + 1;
+                const int64_t np = (visible + PANEL - 1) / PANEL;
+                for (int64_t p = 0; p < np; p++)
+                    matmul_rows(qa, dim, nr, pairs, kp + p * pairs * PANEL * 2, s + p * PANEL, seq_pad, PANEL, scale);
+                const int64_t vis_pad = (visible + 1) / 2 * 2;
+                float inv[RBLOCK];
+                for (int64_t r = 0; r < nr; r++) {
+                    const int64_t n = prefix + (r0 + r) / group + 1; /* this row's causal limit */
+                    float *sr = s + r * seq_pad;
+                    const float m = max_of(sr, n);
+                    float sum = 0.f;
+                    int64_t c = 0;
+                    const __m512 mv = _mm512_set1_ps(m);
+                    __m512 acc = _mm512_setzero_ps();
+                    for (; c + 16 <= n; c += 16) {
+                        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + c), mv));
+                        acc = _mm512_add_ps(acc, e);
+                        _mm256_storeu_si256((__m256i *)(pb + r * (seq_pad + 2) + c), (__m256i)_mm512_cvtneps_pbh(e));
+                    }
+                    sum = _mm512_reduce_add_ps(acc);
+                    for (; c < n; c++) {
+                        const float e = expf(sr[c] - m);
+                        sum += e;
+                        pb[r * (seq_pad + 2) + c] = f32_to_bf16(e);
+                    }
+                    for (; c < vis_pad; c++) pb[r * (seq_pad + 2) + c] = 0; /* masked keys weigh 0 */
+                    inv[r] = 1.f / sum;
+                }
+                /* O = P V over the visible key pairs, 64 head dimensions per panel. */
+                for (int64_t dp = 0; dp < dpanels; dp++)
+                    matmul_rows(pb, seq_pad + 2, nr, vis_pad / 2, vp + dp * kpairs * PANEL * 2, o + dp * PANEL,
+                                dpanels * PANEL, PANEL, 1.f);
+                for (int64_t r = 0; r < nr; r++) {
+                    const int64_t i = (r0 + r) / group, j = (r0 + r) % group;
+                    uint16_t *dst = out + (q_starts[b] + i) * out_stride + (h * group + j) * dim;
+                    for (int64_t d = 0; d < dim; d++) dst[d] = f32_to_bf16(o[r * dpanels * PANEL + d] * inv[r]);
+                }
+            }
+        }
+        free(kp); free(vp); free(pb); free(s); free(qa); free(o);
+    }
+}
+
+int extend_attention_available(void) { return 1; }
+#else
+void extend_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v, int64_t k_stride,
+                      int64_t v_stride, const int64_t *kv_indices, int64_t max_seq, const int64_t *q_starts,
+                      const int64_t *ext_lens, const int64_t *prefix_lens, int64_t bs, int64_t heads,
+                      int64_t kv_heads, int64_t dim, float scale, uint16_t *out, int64_t out_stride, int num_threads) {
+    (void)q; (void)q_stride; (void)k; (void)v; (void)k_stride; (void)v_stride; (void)kv_indices; (void)max_seq;
+    (void)q_starts; (void)ext_lens; (void)prefix_lens; (void)bs; (void)heads; (void)kv_heads; (void)dim;
+    (void)scale; (void)out; (void)out_stride; (void)num_threads;
+}
+
+int extend_attention_available(void) { return 0; }
+#endif
