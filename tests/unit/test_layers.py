@@ -535,9 +535,9 @@ def test_cpu_decode_kernel_cascade_matches_reference(dtype, heads, kv_heads, dim
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(16, 8, 64), (4, 4, 32), (12, 4, 128), (6, 2, 24)])
 def test_native_bf16_extend_kernel_matches_reference(monkeypatch, heads, kv_heads, dim):
-    """bf16 prefills through the native kernel: requests with and without a cached prefix, long
-    enough for several key panels and query-row blocks, a decode-like row (one new token), and the
-    same batch through the torch path."""
+    """bf16 prefills through the native kernels: requests with and without a cached prefix, long
+    enough for several key panels and query-row blocks, a one-token row (as the decode rows of a
+    MIXED batch), and the same batch through the torch path."""
     from engine.layers.attention import cpu_kernels
 
     _require_cpu_kernel()
@@ -546,16 +546,18 @@ def test_native_bf16_extend_kernel_matches_reference(monkeypatch, heads, kv_head
     torch.manual_seed(heads + dim)
     slots = 1200
     pool = MHATokenToKVPool(slots, 1, torch.bfloat16, kv_heads, dim, layer_num=1)
-    table = ReqToTokenPool(4, 512)
+    table = ReqToTokenPool(5, 512)
     layer = RadixAttention(heads, dim, 1 / math.sqrt(dim), kv_heads, layer_id=0)
     pool.set_kv_buffer(0, torch.arange(slots), torch.randn(slots, kv_heads, dim).to(torch.bfloat16),
                        torch.randn(slots, kv_heads, dim).to(torch.bfloat16))
-    prefix_lens, ext_lens = [0, 150, 300], [133, 70, 1]
+    prefix_lens, ext_lens = [0, 150, 300, 300], [133, 70, 1, 1]
     perm = torch.randperm(slots - 1) + 1
     req_slots, out_loc, start = [], [], 0
     for row, (p, e) in enumerate(zip(prefix_lens, ext_lens), start=1):
         s = perm[start:start + p + e]
         start += p + e
+        if row == 4:  # shares request 3's 300 cached slots: a cascade group in the decode kernel
+            s = torch.cat([req_slots[2][:300], s[300:]])
         table.req_to_token[row, : p + e] = s.int()
         req_slots.append(s)
         out_loc += s[p:].tolist()
@@ -566,14 +568,18 @@ def test_native_bf16_extend_kernel_matches_reference(monkeypatch, heads, kv_head
     seq_lens = [p + e for p, e in zip(prefix_lens, ext_lens)]
 
     def run():
-        fb = _batch(ForwardMode.EXTEND, [1, 2, 3], seq_lens, out_loc, pool, table, prefix_lens, ext_lens)
+        fb = _batch(ForwardMode.EXTEND, [1, 2, 3, 4], seq_lens, out_loc, pool, table, prefix_lens, ext_lens)
         return fb.attn_metadata, layer(q, k_new, v_new, fb).view(total, heads, dim).float()
 
+    import engine.layers.attention.torch_native_backend as backend_mod
+
     meta, out = run()
-    assert isinstance(meta, cpu_kernels.ExtendTables)
+    # the two multi-token requests through the extend kernel, the one-token one through the decode kernel
+    assert isinstance(meta, backend_mod._NativeExtend) and meta.extend.ext_lens.tolist() == [133, 70]
+    assert meta.decode_rows.tolist() == [203, 204] and len(meta.decode.shared) == 1
     monkeypatch.setattr(cpu_kernels, "extend_supported", lambda: False)
     torch_meta, torch_out = run()
-    assert not isinstance(torch_meta, cpu_kernels.ExtendTables)
+    assert not isinstance(torch_meta, backend_mod._NativeExtend)
     row0 = 0
     for s, p, e in zip(req_slots, prefix_lens, ext_lens):
         ref = _reference_attention(q[row0:row0 + e].view(e, heads, dim).double(), pool.k_buffer[0][s].double(),

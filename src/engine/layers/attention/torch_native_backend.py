@@ -127,35 +127,11 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def _decode_metadata(self, fb: "ForwardBatch") -> _DecodeMetadata:
         assert fb.req_to_token_pool is not None  # ForwardBatch.init_new sets it
-        max_len = max(fb.seq_lens_cpu)
-        # Slice the columns first: the table is context_len wide and only max_len columns matter.
-        rows = fb.req_to_token_pool.req_to_token[:, :max_len].index_select(0, fb.req_pool_indices)
-        shared = _shared_prefixes(rows, fb.seq_lens_cpu)
-        if shared:
-            starts = torch.zeros(len(fb.seq_lens_cpu), dtype=torch.long, device=rows.device)
-            for group in shared:
-                starts[group.members] = group.kv_indices.numel()
-            lens = fb.seq_lens - starts
-            max_len = int(lens.max())
-            cols = (starts.unsqueeze(1) + torch.arange(max_len, device=rows.device)).clamp_(max=rows.shape[1] - 1)
-            rows = rows.gather(1, cols)
-        else:
-            lens = fb.seq_lens
-        cascade = _cascade_tables(shared, len(fb.seq_lens_cpu), rows.device) if shared else None
-        if int(lens.min()) == max_len:
-            return _DecodeMetadata(kv_indices=rows.long(), lens=lens, mask=None, shared=shared, cascade=cascade)
-        valid = torch.arange(max_len, device=rows.device).unsqueeze(0) < lens.unsqueeze(1)
-        # Stale table entries past a request's length may point anywhere; send them to slot 0.
-        kv_indices = torch.where(valid, rows.long(), torch.zeros((), dtype=torch.long, device=rows.device))
-        return _DecodeMetadata(kv_indices=kv_indices, lens=lens, mask=valid[:, None, None, :], shared=shared,
-                               cascade=cascade)
+        return _decode_tables(fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, fb.seq_lens_cpu)
 
     def _extend_metadata(self, fb: "ForwardBatch"):
         if self.native_extend:
-            max_seq = max(fb.seq_lens_cpu)
-            rows = fb.req_to_token_pool.req_to_token[:, :max_seq].index_select(0, fb.req_pool_indices)
-            return cpu_kernels.ExtendTables(rows.long(), fb.extend_start_loc.long(), fb.extend_seq_lens.long(),
-                                            fb.extend_prefix_lens.long())
+            return _native_extend_tables(fb)
         padded = self._padded_extend_metadata(fb)
         return padded if padded is not None else self._extend_metadata_per_request(fb)
 
@@ -212,11 +188,10 @@ class TorchNativeAttnBackend(AttentionBackend):
         if isinstance(meta, _PaddedExtend) and k is not None:
             return self._forward_padded_extend(q, k, v, layer, meta)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
-        if isinstance(meta, cpu_kernels.ExtendTables) and not layer.is_causal:
-            meta = self._extend_metadata_per_request(forward_batch)  # the native kernel is causal only
-        if isinstance(meta, cpu_kernels.ExtendTables):
-            return cpu_kernels.extend_attention(q.view(q.shape[0], -1), k_buf, v_buf, meta, layer.tp_q_head_num,
-                                                layer.tp_k_head_num, layer.head_dim, layer.scaling)
+        if isinstance(meta, _NativeExtend) and not layer.is_causal:
+            meta = self._extend_metadata_per_request(forward_batch)  # the native kernels are causal only
+        if isinstance(meta, _NativeExtend):
+            return self._forward_native_extend(q.view(q.shape[0], -1), k_buf, v_buf, layer, meta)
         num_heads, head_dim = layer.tp_q_head_num, layer.head_dim
         q = q.view(-1, num_heads, head_dim)
         out = torch.empty_like(q)
@@ -248,6 +223,20 @@ class TorchNativeAttnBackend(AttentionBackend):
             )
             out[seq.q_start : seq.q_start + seq.extend_len] = o.squeeze(0).transpose(0, 1)
         return out.view(-1, num_heads * head_dim)
+
+    def _forward_native_extend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
+                               layer: "RadixAttention", meta: _NativeExtend) -> torch.Tensor:
+        heads, kv_heads, dim = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
+        if meta.decode is None:
+            return cpu_kernels.extend_attention(q, k_buf, v_buf, meta.extend, heads, kv_heads, dim, layer.scaling)
+        out = torch.empty(q.shape[0], heads * dim, dtype=q.dtype)
+        if meta.extend is not None:
+            # Rows of single-token requests come out of the decode kernel below; these are overwritten.
+            out = cpu_kernels.extend_attention(q, k_buf, v_buf, meta.extend, heads, kv_heads, dim, layer.scaling)
+        decoded = cpu_kernels.decode_attention(q.index_select(0, meta.decode_rows), k_buf, v_buf,
+                                               meta.decode.kv_indices, meta.decode.lens, heads, kv_heads, dim,
+                                               layer.scaling, cascade=meta.decode.cascade)
+        return out.index_copy_(0, meta.decode_rows, decoded)
 
     def _forward_padded_extend(self, q, k, v, layer: "RadixAttention", meta: _PaddedExtend) -> torch.Tensor:
         num_heads, kv_heads, head_dim = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
@@ -304,6 +293,68 @@ class TorchNativeAttnBackend(AttentionBackend):
             lsep = lsep.view(kv_heads, g, group).transpose(0, 1)
             o[prefix.members] = _merge_attention(op, lsep, o[prefix.members], lse[prefix.members])
         return o.reshape(bs, num_heads * head_dim)
+
+
+def _decode_tables(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq_lens: torch.Tensor,
+                   seq_lens_cpu: List[int]) -> _DecodeMetadata:
+    """Each request's KV slots past its cascade group's shared prefix (all of them without one)."""
+    max_len = max(seq_lens_cpu)
+    # Slice the columns first: the table is context_len wide and only max_len columns matter.
+    rows = req_to_token[:, :max_len].index_select(0, req_pool_indices)
+    shared = _shared_prefixes(rows, seq_lens_cpu)
+    if shared:
+        starts = torch.zeros(len(seq_lens_cpu), dtype=torch.long, device=rows.device)
+        for group in shared:
+            starts[group.members] = group.kv_indices.numel()
+        lens = seq_lens - starts
+        max_len = int(lens.max())
+        cols = (starts.unsqueeze(1) + torch.arange(max_len, device=rows.device)).clamp_(max=rows.shape[1] - 1)
+        rows = rows.gather(1, cols)
+    else:
+        lens = seq_lens
+    cascade = _cascade_tables(shared, len(seq_lens_cpu), rows.device) if shared else None
+    if int(lens.min()) == max_len:
+        return _DecodeMetadata(kv_indices=rows.long(), lens=lens, mask=None, shared=shared, cascade=cascade)
+    valid = torch.arange(max_len, device=rows.device).unsqueeze(0) < lens.unsqueeze(1)
+    # Stale table entries past a request's length may point anywhere; send them to slot 0.
+    kv_indices = torch.where(valid, rows.long(), torch.zeros((), dtype=torch.long, device=rows.device))
+    return _DecodeMetadata(kv_indices=kv_indices, lens=lens, mask=valid[:, None, None, :], shared=shared,
+                           cascade=cascade)
+
+
+@dataclass
+class _NativeExtend:
+    """A bf16 extend batch for the native kernels: requests with several new tokens go through the
+    extend kernel; those with one (the decode rows of a MIXED batch, a fully cached prompt) through the
+    decode kernel, whose cascade reads a shared prefix once per group."""
+
+    extend: Optional[cpu_kernels.ExtendTables]
+    decode: Optional[_DecodeMetadata]
+    decode_rows: Optional[torch.Tensor]  # [n] the single-token requests' rows in q
+
+
+def _native_extend_tables(fb: "ForwardBatch") -> _NativeExtend:
+    table = fb.req_to_token_pool.req_to_token
+    single = [i for i, n in enumerate(fb.extend_seq_lens_cpu) if n == 1]
+    multi = [i for i, n in enumerate(fb.extend_seq_lens_cpu) if n > 1]
+    extend = decode = decode_rows = None
+    if multi:
+        pick = torch.tensor(multi) if single else None
+        lens = [fb.seq_lens_cpu[i] for i in multi]
+        pool_rows = fb.req_pool_indices if pick is None else fb.req_pool_indices.index_select(0, pick)
+        kv = table[:, :max(lens)].index_select(0, pool_rows).long()
+
+        def sub(t: torch.Tensor) -> torch.Tensor:
+            return (t if pick is None else t.index_select(0, pick)).long()
+
+        extend = cpu_kernels.ExtendTables(kv, sub(fb.extend_start_loc), sub(fb.extend_seq_lens),
+                                          sub(fb.extend_prefix_lens))
+    if single:
+        pick = torch.tensor(single)
+        decode = _decode_tables(table, fb.req_pool_indices.index_select(0, pick), fb.seq_lens.index_select(0, pick),
+                                [fb.seq_lens_cpu[i] for i in single])
+        decode_rows = fb.extend_start_loc.index_select(0, pick)
+    return _NativeExtend(extend, decode, decode_rows)
 
 
 def _shared_prefixes(rows: torch.Tensor, seq_lens: List[int]) -> List[_SharedPrefix]:
