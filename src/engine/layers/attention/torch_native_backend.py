@@ -98,13 +98,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         # Two growing scratch buffers (K and V) for the decode gathers, reused by every layer and
         # step. Only the forward thread uses them, one forward at a time.
         self._scratch: List[Optional[torch.Tensor]] = [None, None]
-        self.native_extend = False
         if str(self.device) == "cpu":
             cpu_kernels.decode_kernel()  # build/load it now, not in the first decode
-            # bf16 prefills go through the native extend kernel (K/V read from the pool).
-            pool = model_runner.token_to_kv_pool
-            self.native_extend = (pool.dtype == torch.bfloat16 and pool.head_dim % 2 == 0
-                                  and cpu_kernels.extend_supported())
 
     def _gather(self, buf: torch.Tensor, flat: torch.Tensor, which: int) -> torch.Tensor:
         rows = buf.view(buf.shape[0], -1)
@@ -130,7 +125,10 @@ class TorchNativeAttnBackend(AttentionBackend):
         return _decode_tables(fb.req_to_token_pool.req_to_token, fb.req_pool_indices, fb.seq_lens, fb.seq_lens_cpu)
 
     def _extend_metadata(self, fb: "ForwardBatch"):
-        if self.native_extend:
+        pool = fb.token_to_kv_pool
+        # bf16 prefills on the CPU go through the native kernels (K/V read from the pool).
+        if (pool.k_buffer[0].is_cpu and pool.dtype == torch.bfloat16 and pool.head_dim % 2 == 0
+                and cpu_kernels.extend_supported()):
             return _native_extend_tables(fb)
         padded = self._padded_extend_metadata(fb)
         return padded if padded is not None else self._extend_metadata_per_request(fb)
