@@ -28,6 +28,7 @@ import json
 import logging
 import os
 import platform
+import shlex
 import shutil
 import subprocess
 import sys
@@ -151,6 +152,8 @@ def run_offline(system: str, args: argparse.Namespace, model: str, workloads: Li
     env = vllm_env(args.work_dir, system) if kind == "vllm" else engine_env()
     cmd = [python, os.path.join(BENCH_DIR, "peer_offline.py"), "--system", kind, "--model", model,
            "--workloads", ",".join(names), "--reps", str(args.reps), "--kv-tokens", str(args.kv_tokens)]
+    if kind == "engine" and args.engine_args:
+        cmd.append(f"--engine-args={args.engine_args}")  # "=": the value starts with --
     logger.info("%s offline: %s", system, " ".join(names))
     log_path = os.path.join(args.work_dir, "logs", f"{system}-offline.log")
     proc = launch(cmd, env, log_path)
@@ -173,7 +176,7 @@ def server_command(system: str, args: argparse.Namespace, model: str, port: int)
     if system == "engine":
         return [sys.executable, "-m", "engine.launch_server", "--model-path", model, "--dtype", "bfloat16",
                 "--host", "127.0.0.1", "--port", str(port), "--served-model-name", SERVED_NAME,
-                "--max-total-tokens", str(args.kv_tokens), "--log-level", "warning"]
+                "--max-total-tokens", str(args.kv_tokens), "--log-level", "warning", *shlex.split(args.engine_args)]
     return [os.path.join(args.vllm_venv, "bin", "python"), "-m", "vllm.entrypoints.openai.api_server",
             "--model", model, "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
             "--dtype", "bfloat16", "--max-model-len", "2048", "--max-num-seqs", "128",
@@ -306,6 +309,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--rounds", type=int, default=1, help="repeat everything, alternating system order")
     ap.add_argument("--kv-tokens", type=int, default=131072, help="KV size of vLLM and the engine, in tokens")
     ap.add_argument("--server-timeout", type=float, default=600.0)
+    ap.add_argument("--engine-args", default="", help="extra flags for the engine's server and offline Engine, "
+                    "e.g. '--enable-mixed-chunk' (offline: only flags of the form --name value or --name)")
     ap.add_argument("--result-file", default=None, help="JSON results (the table goes next to it as .md)")
     ap.add_argument("--plot", default=None, help="PNG: throughput against batch size and shared-prefix length")
     args = ap.parse_args(argv)

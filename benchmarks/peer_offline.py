@@ -21,11 +21,34 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from peer_workloads import OfflineWorkload, offline_workload  # noqa: E402
 
 
+def engine_kwargs(flags: str) -> Dict[str, Any]:
+    """`--enable-mixed-chunk --chunked-prefill-size 512` -> Engine keyword arguments (typed by ServerArgs)."""
+    import dataclasses
+    import shlex
+
+    from engine.server_args import ServerArgs
+
+    types = {f.name: f.type for f in dataclasses.fields(ServerArgs)}
+    words, kwargs = shlex.split(flags), {}
+    i = 0
+    while i < len(words):
+        name = words[i].lstrip("-").replace("-", "_")
+        if types.get(name) in (bool, "bool"):
+            kwargs[name], i = True, i + 1
+            continue
+        value = words[i + 1]
+        kind = types.get(name, "str")
+        kwargs[name] = int(value) if "int" in str(kind) else float(value) if "float" in str(kind) else value
+        i += 2
+    return kwargs
+
+
 class EngineSystem:
-    def __init__(self, model: str, kv_tokens: int, max_seqs: int) -> None:
+    def __init__(self, model: str, kv_tokens: int, max_seqs: int, flags: str = "") -> None:
         from engine import Engine
 
-        self.llm = Engine(model_path=model, dtype="bfloat16", max_total_tokens=kv_tokens, log_level="warning")
+        self.llm = Engine(model_path=model, dtype="bfloat16", max_total_tokens=kv_tokens, log_level="warning",
+                          **engine_kwargs(flags))
 
     def generate(self, prompts: List[List[int]], output_len: int) -> List[List[int]]:
         sp = dict(temperature=0.0, max_new_tokens=output_len, ignore_eos=True)
@@ -127,10 +150,12 @@ def main() -> None:
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--kv-tokens", type=int, default=131072, help="KV pool size in tokens (engine and vLLM)")
     ap.add_argument("--max-seqs", type=int, default=128, help="vLLM max_num_seqs; HF's largest batch")
+    ap.add_argument("--engine-args", default="", help="extra engine server flags (engine only)")
     args = ap.parse_args()
     workloads = [offline_workload(name) for name in args.workloads.split(",") if name]
     t0 = time.perf_counter()
-    system = SYSTEMS[args.system](args.model, args.kv_tokens, args.max_seqs)
+    extra = (args.engine_args,) if args.system == "engine" and args.engine_args else ()
+    system = SYSTEMS[args.system](args.model, args.kv_tokens, args.max_seqs, *extra)
     print("PEER_READY", json.dumps(dict(system=args.system, init_s=round(time.perf_counter() - t0, 1))), flush=True)
     try:
         for workload in workloads:
