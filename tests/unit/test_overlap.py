@@ -21,7 +21,7 @@ def run_workload(overlap: bool, seed: int, n: int = 200, total: int = 1500, chun
     worker = model_worker or FakeWorker(max_total_tokens=total, page_size=page_size,
                                         next_token=lambda t: EOS if t % 97 == 0 else (t * 7 + 3) % 900)
     h = Harness(worker=worker, overlap=overlap, chunked_prefill_size=chunk, page_size=page_size,
-                enable_mixed_chunk=mixed, tokenizer=tokenizer, **server_kwargs)
+                enable_mixed_chunk=mixed, disable_mixed_chunk=not mixed, tokenizer=tokenizer, **server_kwargs)
     vocab = 900 if model_worker is None else 2000
     arrivals = []
     for i in range(n):

@@ -75,7 +75,7 @@ def workload(seed: int, n: int = 24):
 def run(reqs, total=4096, page_size=1, chunk=-1, radix=True, mixed=False, aborts=(), check=True, seed=0):
     worker = CheckingWorker(max_total_tokens=total, page_size=page_size)
     h = Harness(worker=worker, page_size=page_size, chunked_prefill_size=chunk, disable_radix_cache=not radix,
-                enable_mixed_chunk=mixed)
+                enable_mixed_chunk=mixed, disable_mixed_chunk=not mixed)
     rng = random.Random(seed)
     pending = list(enumerate(reqs))
     rids = {}
