@@ -42,7 +42,7 @@ BENCH_DIR = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, BENCH_DIR)
 import bench_serving  # noqa: E402
 import peer_report  # noqa: E402
-from peer_procs import TreeMemory, launch, stop, wait_healthy  # noqa: E402
+from peer_procs import TreeMemory, launch  # noqa: E402
 from peer_workloads import (  # noqa: E402
     POISSON_INPUT_LEN,
     POISSON_OUTPUT_LEN,
@@ -250,7 +250,7 @@ def run_server(system: str, args: argparse.Namespace, model: str, workloads: Lis
     try:
         with TreeMemory(proc.pid) as memory:
             t0 = time.perf_counter()
-            wait_healthy(base_url, proc, args.server_timeout)
+            bench_serving.wait_for_health(base_url, proc, args.server_timeout)
             results["server_start_s"] = round(time.perf_counter() - t0, 1)
             for name in names:
                 results[name] = _server_row(base_url, name, args.reps)
@@ -258,7 +258,7 @@ def run_server(system: str, args: argparse.Namespace, model: str, workloads: Lis
     except Exception as exc:  # one system failing must not lose the others' figures
         logger.exception("%s server run failed (%s); see %s", system, exc, log_path)
     finally:
-        stop(proc)
+        bench_serving._stop_server(proc)  # SIGTERM, then the whole process group
     return results
 
 

@@ -1,15 +1,12 @@
-"""Processes of the peer benchmark: start one in its own session, watch its memory, stop it whole."""
+"""Processes of the peer benchmark: start one in its own session and watch its memory (waiting for
+health and stopping are bench_serving's)."""
 
 from __future__ import annotations
 
-import os
-import signal
 import subprocess
 import threading
-import time
 from typing import Dict, List, Optional
 
-import httpx
 import psutil
 
 MEMORY_SAMPLE_S = 0.25
@@ -22,36 +19,6 @@ def launch(cmd: List[str], env: Dict[str, str], log_path: str) -> subprocess.Pop
         return subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
     finally:
         log.close()  # the child holds its own descriptor
-
-
-def stop(proc: subprocess.Popen, timeout_s: float = 30.0) -> None:
-    """SIGTERM, then SIGKILL to whatever is left of the process group."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            pass
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    proc.wait()
-
-
-def wait_healthy(base_url: str, proc: subprocess.Popen, timeout_s: float) -> None:
-    """Poll GET /health (both servers have it) until 200; fail at once if the server exits."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the server exited with code {proc.returncode} before it was healthy")
-        try:
-            if httpx.get(base_url + "/health", timeout=2.0).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.5)
-    raise TimeoutError(f"{base_url} was not healthy within {timeout_s:.0f} s")
 
 
 def tree_rss(pid: int) -> int:

@@ -40,6 +40,21 @@ static inline const float *load_row(const void *base, int64_t offset, int64_t di
     return tmp;
 }
 
+/* n float32 values written as the tensor dtype (bfloat16: rounded to nearest even). */
+static inline void store_row(void *base, int64_t offset, const float *src, int64_t n, int dtype) {
+    if (dtype == DTYPE_F32) {
+        memcpy((float *)base + offset, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    uint16_t *dst = (uint16_t *)base + offset;
+    int64_t i = 0;
+#if defined(__AVX512BF16__)
+    for (; i + 16 <= n; i += 16)
+        _mm256_storeu_si256((__m256i *)(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
+#endif
+    for (; i < n; i++) dst[i] = f32_to_bf16(src[i]);
+}
+
 /* The largest of x[0..n) (-inf for n = 0). */
 static inline float max_of(const float *x, int64_t n) {
     float m = -INFINITY;

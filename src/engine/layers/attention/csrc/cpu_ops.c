@@ -13,20 +13,6 @@
 
 static inline float round_to(float x, int dtype) { return dtype == DTYPE_BF16 ? bf16_to_f32(f32_to_bf16(x)) : x; }
 
-static inline void store_row(void *base, int64_t offset, const float *src, int64_t n, int dtype) {
-    if (dtype == DTYPE_F32) {
-        memcpy((float *)base + offset, src, sizeof(float) * (size_t)n);
-        return;
-    }
-    uint16_t *dst = (uint16_t *)base + offset;
-    int64_t i = 0;
-#if defined(__AVX512BF16__)
-    for (; i + 16 <= n; i += 16)
-        _mm256_storeu_si256((__m256i *)(dst + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(src + i)));
-#endif
-    for (; i < n; i++) dst[i] = f32_to_bf16(src[i]);
-}
-
 /* out = weight * norm(h) with h = x (+ residual); with a residual, res_out = h. Rows of n elements,
  * contiguous; the statistics in float32, as Hugging Face computes them. */
 void rms_norm(const void *x, const void *residual, const void *weight, void *out, void *res_out, int64_t rows,

@@ -248,14 +248,8 @@ static void attend(work_t *w, int64_t rows, const int64_t *idx, int64_t n, const
                 for (int64_t d = 0; d < dim; d++) a[d] *= corr;
             }
             if (fast_pv) {
-                uint16_t *p = w->pbf + r * (TILE + 2);
-                int64_t i = 0;
-#if defined(__AVX512BF16__)
-                for (; i + 16 <= nt; i += 16)
-                    _mm256_storeu_si256((__m256i *)(p + i), (__m256i)_mm512_cvtneps_pbh(_mm512_loadu_ps(s + i)));
-#endif
-                for (; i < nt; i++) p[i] = f32_to_bf16(s[i]);
-                p[nt] = 0; /* the weight of an odd tile's padding key */
+                store_row(w->pbf, r * (TILE + 2), s, nt, DTYPE_BF16);
+                w->pbf[r * (TILE + 2) + nt] = 0; /* the weight of an odd tile's padding key */
             }
         }
         if (i0 + nt < n) /* the first K rows of the next tile */
