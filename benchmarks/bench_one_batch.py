@@ -12,18 +12,23 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import os
 import statistics
 import sys
 import tempfile
 import time
 from typing import Dict, List, Optional
 
-import torch
+# The engine's scheduler processes run with passive OpenMP waits (engine.utils.child_processes);
+# so does this in-process ModelRunner, before libgomp starts with torch.
+os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from engine.configs.model_config import ModelConfig
-from engine.model_executor.forward_batch_info import ForwardBatch, ForwardMode, ModelWorkerBatch
-from engine.model_executor.model_runner import ModelRunner
-from engine.server_args import ServerArgs
+import torch  # noqa: E402
+
+from engine.configs.model_config import ModelConfig  # noqa: E402
+from engine.model_executor.forward_batch_info import ForwardBatch, ForwardMode, ModelWorkerBatch  # noqa: E402
+from engine.model_executor.model_runner import ModelRunner  # noqa: E402
+from engine.server_args import ServerArgs  # noqa: E402
 
 logger = logging.getLogger(__name__)
 
