@@ -43,7 +43,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         residual = residual.contiguous()
         res_out = torch.empty_like(x)
         res_ptr, res_out_ptr = residual.data_ptr(), res_out.data_ptr()
-    cpu_kernels.decode_kernel().rms_norm(x.data_ptr(), res_ptr, weight.contiguous().data_ptr(), out.data_ptr(),
+    cpu_kernels.loaded_kernel().rms_norm(x.data_ptr(), res_ptr, weight.contiguous().data_ptr(), out.data_ptr(),
                                          res_out_ptr, x.numel() // n, n, eps, _DTYPES[x.dtype],
                                          torch.get_num_threads())
     return out, res_out
@@ -54,7 +54,7 @@ def rope_neox_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_si
     """Rotate q [T, Hq * D] and k [T, Hk * D] in place (rows may be strided, elements contiguous)."""
     positions = positions.to(torch.int64).contiguous()
     tokens = q.shape[0]
-    cpu_kernels.decode_kernel().rope_neox(
+    cpu_kernels.loaded_kernel().rope_neox(
         positions.data_ptr(), q.data_ptr(), q.stride(0), q.shape[1] // head_size, k.data_ptr(), k.stride(0),
         k.shape[1] // head_size, cos_sin.data_ptr(), head_size, rotary_dim, tokens, _DTYPES[q.dtype],
         torch.get_num_threads())
@@ -70,7 +70,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     d = x.shape[-1] // 2
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
-    cpu_kernels.decode_kernel().silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // (2 * d), d,
+    cpu_kernels.loaded_kernel().silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // (2 * d), d,
                                              _DTYPES[x.dtype], torch.get_num_threads())
     return out
 
@@ -80,7 +80,7 @@ def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, loc: torch.Tensor, k: t
     whose (heads, dim) part is contiguous (rows may be slices of a fused qkv output)."""
     loc = loc.to(torch.int64).contiguous()
     width = k.shape[1] * k.shape[2]
-    cpu_kernels.decode_kernel().store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_pool.data_ptr(),
+    cpu_kernels.loaded_kernel().store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_pool.data_ptr(),
                                          v_pool.data_ptr(), k_pool.stride(0), loc.data_ptr(), loc.numel(), width,
                                          k.element_size(), torch.get_num_threads())
 
@@ -119,7 +119,7 @@ def pack_linear_bf16(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Bf16
     n, k = weight.shape
     weight = weight.detach().contiguous()
     data = torch.empty(-(-n // 64) * 64 * k, dtype=torch.bfloat16)
-    cpu_kernels.decode_kernel().pack_linear_bf16(weight.data_ptr(), n, k, data.data_ptr(), torch.get_num_threads())
+    cpu_kernels.loaded_kernel().pack_linear_bf16(weight.data_ptr(), n, k, data.data_ptr(), torch.get_num_threads())
     return Bf16Panels(data, n, k, None if bias is None else bias.detach().float().contiguous())
 
 
@@ -129,6 +129,6 @@ def linear_bf16(x: torch.Tensor, panels: Bf16Panels, add_bias: bool) -> torch.Te
     rows = x.reshape(-1, panels.k).contiguous()
     out = torch.empty(rows.shape[0], panels.n, dtype=torch.bfloat16)
     bias = panels.bias.data_ptr() if add_bias and panels.bias is not None else None
-    cpu_kernels.decode_kernel().linear_bf16(rows.data_ptr(), rows.shape[0], panels.k, panels.data.data_ptr(),
+    cpu_kernels.loaded_kernel().linear_bf16(rows.data_ptr(), rows.shape[0], panels.k, panels.data.data_ptr(),
                                             panels.n, bias, out.data_ptr(), torch.get_num_threads())
     return out.view(*x.shape[:-1], panels.n)

@@ -23,7 +23,10 @@ class RMSNorm(nn.Module):
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
         if cpu_ops.usable(x, self.weight, *(() if residual is None else (residual,))):
             out, new_residual = cpu_ops.rms_norm(x, self.weight, self.variance_epsilon, residual)
-            return out if residual is None else (out, new_residual)
+            if residual is None:
+                return out
+            assert new_residual is not None  # rms_norm returns x + residual when given one
+            return out, new_residual
         if residual is not None:
             x = x + residual
             residual = x

@@ -62,7 +62,8 @@ def prepack_linear_weights(model: nn.Module) -> int:
         if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
             continue
         if cpu_ops.linear_bf16_usable(weight):
-            module.packed_weight = cpu_ops.pack_linear_bf16(weight, getattr(module, "bias", None))
+            # The linears and the LM head declare packed_weight; torch types module attributes narrowly.
+            setattr(module, "packed_weight", cpu_ops.pack_linear_bf16(weight, getattr(module, "bias", None)))
             count += 1
             continue
         if not torch.backends.mkldnn.is_available():

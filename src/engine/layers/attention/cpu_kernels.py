@@ -29,7 +29,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -212,6 +212,13 @@ def decode_kernel() -> Optional[ctypes.CDLL]:
     return _kernel
 
 
+def loaded_kernel() -> ctypes.CDLL:
+    """The kernel library for callers that checked it is usable (supports(), cpu_ops.usable())."""
+    lib = decode_kernel()
+    assert lib is not None, "the CPU kernel library is not loaded; check supports() first"
+    return lib
+
+
 def supports(q: torch.Tensor, k_buf: torch.Tensor) -> bool:
     return (q.is_cpu and q.dtype in _DTYPES and k_buf.dtype == q.dtype and decode_kernel() is not None)
 
@@ -248,7 +255,7 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     the pool (the new K/V are stored first). q [T, num_heads * head_dim] bf16, rows may be strided."""
     out = torch.empty(q.shape[0], num_heads * head_dim, dtype=q.dtype)
     assert q.stride(1) == 1 and k_buf.stride()[1:] == (head_dim, 1) and v_buf.stride()[1:] == (head_dim, 1)
-    decode_kernel().extend_attention(
+    loaded_kernel().extend_attention(
         q.data_ptr(), q.stride(0), k_buf.data_ptr(), v_buf.data_ptr(), k_buf.stride(0), v_buf.stride(0),
         tables.kv_indices.data_ptr(), tables.kv_indices.shape[1], tables.q_starts.data_ptr(),
         tables.ext_lens.data_ptr(), tables.prefix_lens.data_ptr(), tables.ext_lens.numel(), num_heads, kv_heads,
@@ -265,8 +272,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     q [bs, num_heads * head_dim]; k_buf, v_buf [num_slots, kv_heads, head_dim]; kv_indices
     [bs, max_len] int64; lens [bs] int64. Returns the output shaped like q.
     """
-    lib = decode_kernel()
-    assert lib is not None  # callers check supports() first
+    lib = loaded_kernel()
     q = q.contiguous()
     kv_indices = kv_indices.contiguous()
     lens = lens.to(torch.int64).contiguous()
@@ -274,7 +280,8 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     out = torch.empty_like(q)
     # Within a slot the kernel reads kv_heads * head_dim consecutive elements.
     assert k_buf.stride()[1:] == (head_dim, 1) and v_buf.stride()[1:] == (head_dim, 1)
-    groups, tables = 0, (None, None, None, None, None)
+    groups = 0
+    tables: Tuple[Optional[int], ...] = (None, None, None, None, None)
     max_prefix = 0
     if cascade is not None and cascade.prefix_lens.numel():
         groups = cascade.prefix_lens.numel()

@@ -126,6 +126,7 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     def _extend_metadata(self, fb: "ForwardBatch"):
         pool = fb.token_to_kv_pool
+        assert pool is not None  # ForwardBatch.init_new sets it
         # bf16 prefills on the CPU go through the native kernels (K/V read from the pool).
         if (pool.k_buffer[0].is_cpu and pool.dtype == torch.bfloat16 and pool.head_dim % 2 == 0
                 and cpu_kernels.extend_supported()):
@@ -226,7 +227,9 @@ class TorchNativeAttnBackend(AttentionBackend):
                                layer: "RadixAttention", meta: _NativeExtend) -> torch.Tensor:
         heads, kv_heads, dim = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
         if meta.decode is None:
+            assert meta.extend is not None  # a batch has single-token requests, others, or both
             return cpu_kernels.extend_attention(q, k_buf, v_buf, meta.extend, heads, kv_heads, dim, layer.scaling)
+        assert meta.decode_rows is not None  # set with meta.decode
         out = torch.empty(q.shape[0], heads * dim, dtype=q.dtype)
         if meta.extend is not None:
             # Rows of single-token requests come out of the decode kernel below; these are overwritten.
@@ -332,6 +335,9 @@ class _NativeExtend:
 
 
 def _native_extend_tables(fb: "ForwardBatch") -> _NativeExtend:
+    # ForwardBatch.init_new sets these for an extend batch.
+    assert fb.req_to_token_pool is not None and fb.extend_seq_lens_cpu is not None
+    assert fb.extend_start_loc is not None and fb.extend_seq_lens is not None and fb.extend_prefix_lens is not None
     table = fb.req_to_token_pool.req_to_token
     single = [i for i, n in enumerate(fb.extend_seq_lens_cpu) if n == 1]
     multi = [i for i, n in enumerate(fb.extend_seq_lens_cpu) if n > 1]
