@@ -221,8 +221,9 @@ class ServerArgs:
         # first and a steady stream of arrivals, running requests otherwise stop for whole chunks
         # (measured on the Poisson workload of docs/benchmarks.md: ITL max 23 s without, 2 s with).
         # CUDA keeps SGLang's default (off).
+        # A PD server has nothing to mix (no decoding on a prefill server, no prefill on a decode one).
         if (self.device == "cpu" and not self.disable_mixed_chunk and self.chunked_prefill_size is not None
-                and self.chunked_prefill_size > 0):
+                and self.chunked_prefill_size > 0 and self.disaggregation_mode == "null"):
             self.enable_mixed_chunk = True
         if self.disaggregation_mode == "decode" and not self.disable_radix_cache:
             # As SGLang: the decode side has no prefix sharing (prompts arrive by transfer).
@@ -329,6 +330,8 @@ class ServerArgs:
              f"--disaggregation-heartbeat-max-failures must be >= 1, got {self.disaggregation_heartbeat_max_failures}")
         if self.disaggregation_mode != "null":
             need(self.dp_size == 1, "--disaggregation-mode prefill|decode supports --dp-size 1 only")
+            need(not self.enable_mixed_chunk, "--enable-mixed-chunk is for unified servers: a prefill server has "
+                                              "no decoding to mix in, a decode server no prefill")
             need(not self.is_embedding, "--disaggregation-mode prefill|decode serves generative models only, "
                                         "not --is-embedding")
             need(not (self.disaggregation_mode == "prefill" and self.port == self.disaggregation_bootstrap_port),

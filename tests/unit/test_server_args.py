@@ -58,3 +58,16 @@ def test_bad_timeouts_and_threads_are_refused(field, value, message):
 def test_pd_disaggregation_refuses_an_embedding_model():
     with pytest.raises(ServerArgsError, match="generative models only"):
         ServerArgs(device="cpu", is_embedding=True, disaggregation_mode="prefill")
+
+
+def test_mixed_chunk_is_the_cpu_default_of_unified_servers_only():
+    assert ServerArgs(model_path="m", device="cpu").enable_mixed_chunk
+    assert not ServerArgs(model_path="m", device="cpu", disable_mixed_chunk=True).enable_mixed_chunk
+    for mode in ("prefill", "decode"):
+        assert not ServerArgs(model_path="m", device="cpu", disaggregation_mode=mode).enable_mixed_chunk
+
+
+@pytest.mark.parametrize("mode", ["prefill", "decode"])
+def test_mixed_chunk_is_refused_on_pd_servers(mode):
+    with pytest.raises(ServerArgsError, match="--enable-mixed-chunk is for unified servers"):
+        ServerArgs(model_path="m", device="cpu", disaggregation_mode=mode, enable_mixed_chunk=True)
