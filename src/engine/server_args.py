@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import math
 import os
 import tempfile
 from dataclasses import dataclass, field
@@ -141,6 +142,12 @@ class ServerArgs:
     cuda_graph_max_bs: int = arg(160, "The largest decode batch captured in a CUDA graph.")
     threads_per_rank: Optional[int] = arg(None, "CPU only: intra-op threads of each scheduler rank. Default: "
                                                 "the cores of this machine shared equally by its ranks.")
+    simulated_device_forward_ms: Optional[str] = arg(None, (
+        "Benchmarks and tests only: 'A' or 'A,B' replaces the model by a simulated accelerator whose "
+        "forward takes A + B x (tokens in the batch) ms of wall time without using the CPU and samples "
+        "deterministic tokens (never EOS); scheduling, radix cache, KV accounting, detokenizer and HTTP "
+        "run for real. Reads only config.json and the tokenizer of the model; runs on --device cpu with "
+        "--tp-size 1."))
 
     # Parallelism
     tp_size: int = arg(1, "Tensor parallelism: scheduler ranks that shard the model.")
@@ -208,7 +215,8 @@ class ServerArgs:
     # ------------------------------------------------------------------ defaults
     def resolve_defaults(self) -> None:
         if self.device == "auto":
-            self.device = _default_device()
+            # The simulated accelerator keeps its (index-only) pools in host memory.
+            self.device = "cpu" if self.simulated_device_forward_ms is not None else _default_device()
         if self.attention_backend is None:
             self.attention_backend = "triton" if self.device == "cuda" else "torch_native"
         if self.served_model_name is None:
@@ -307,6 +315,7 @@ class ServerArgs:
         need(not (self.enable_mixed_chunk and self.disable_mixed_chunk),
              "--enable-mixed-chunk and --disable-mixed-chunk contradict each other")
         self._check_disaggregation(need)
+        self._check_simulated_device(need)
 
     def _check_disaggregation(self, need) -> None:
         need(self.disaggregation_mode in DISAGGREGATION_MODES,
@@ -336,6 +345,38 @@ class ServerArgs:
                                         "not --is-embedding")
             need(not (self.disaggregation_mode == "prefill" and self.port == self.disaggregation_bootstrap_port),
                  "--disaggregation-bootstrap-port must differ from --port")
+
+    def _check_simulated_device(self, need: Any) -> None:
+        if self.simulated_device_forward_ms is None:
+            return
+        cost = self.simulated_device_cost()  # raises on a malformed value
+        assert cost is not None
+        # It replaces the accelerator: there is no device memory, no CUDA graph and no collective
+        # to simulate. TP ranks would each sleep for a share of one forward that does not exist.
+        need(self.device == "cpu", "--simulated-device-forward-ms replaces the accelerator: it runs with "
+                                   f"--device cpu (or auto), got --device {self.device}")
+        need(self.tp_size == 1 and self.nnodes == 1,
+             "--simulated-device-forward-ms simulates one device: use --tp-size 1 and --nnodes 1 "
+             "(--dp-size N runs N simulated replicas)")
+        # It samples tokens and holds no K/V: nothing to pool into embeddings or to transfer.
+        need(not self.is_embedding and self.disaggregation_mode == "null",
+             "--simulated-device-forward-ms serves generation on a unified server: not with --is-embedding "
+             "or --disaggregation-mode prefill|decode")
+
+    def simulated_device_cost(self) -> Optional[tuple[float, float]]:
+        """(ms per forward, ms per token) of --simulated-device-forward-ms, or None when it is off."""
+        value = self.simulated_device_forward_ms
+        if value is None:
+            return None
+        parts = [p.strip() for p in str(value).split(",")]
+        try:
+            numbers = [float(p) for p in parts]
+        except ValueError:
+            numbers = []
+        if len(numbers) not in (1, 2) or not all(math.isfinite(x) and x >= 0 for x in numbers):
+            raise ServerArgsError("--simulated-device-forward-ms must be 'A' or 'A,B' with finite numbers >= 0 "
+                                  f"(A ms per forward, B ms per token), got {value!r}")
+        return numbers[0], numbers[1] if len(numbers) == 2 else 0.0
 
     # ------------------------------------------------------------------ argparse
     @staticmethod

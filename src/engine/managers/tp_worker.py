@@ -13,6 +13,8 @@ from engine.managers.overlap_utils import resolve_relay_input_ids, write_relay
 from engine.model_executor.forward_batch_info import ForwardBatch, ModelWorkerBatch
 
 if TYPE_CHECKING:
+    from engine.model_executor.model_runner import ModelRunner
+    from engine.model_executor.simulated_device import SimulatedModelRunner
     from engine.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -77,7 +79,6 @@ def worker_limits(max_total_num_tokens: int, context_len: int, req_pool_size: in
 class TpModelWorker:
     def __init__(self, server_args: ServerArgs, gpu_id: int = 0, tp_rank: int = 0) -> None:
         from engine.configs.model_config import ModelConfig
-        from engine.model_executor.model_runner import ModelRunner
 
         self.server_args = server_args
         self.tp_rank = tp_rank
@@ -86,9 +87,18 @@ class TpModelWorker:
             server_args.model_path, dtype=server_args.dtype, context_length=server_args.context_length,
             device=server_args.device, is_embedding=server_args.is_embedding,
         )
-        self.model_runner = ModelRunner(
-            self.model_config, server_args, tp_rank=tp_rank, tp_size=server_args.tp_size, gpu_id=gpu_id
-        )
+        if server_args.simulated_device_cost() is not None:
+            # Benchmarks and tests of the host side: a forward that sleeps and deterministic tokens.
+            from engine.model_executor.simulated_device import SimulatedModelRunner
+
+            self.model_runner: Union[ModelRunner, SimulatedModelRunner] = SimulatedModelRunner(
+                self.model_config, server_args)
+        else:
+            from engine.model_executor.model_runner import ModelRunner
+
+            self.model_runner = ModelRunner(
+                self.model_config, server_args, tp_rank=tp_rank, tp_size=server_args.tp_size, gpu_id=gpu_id
+            )
         self.device = self.model_runner.device
         self.req_to_token_pool = self.model_runner.req_to_token_pool
         self.token_to_kv_pool_allocator = self.model_runner.token_to_kv_pool_allocator
