@@ -53,7 +53,8 @@ def prompts_for(n: int, input_len: int, seed: int, vocab: int = 2560) -> List[Li
     return [[rng.randrange(10, vocab - 10) for _ in range(input_len)] for _ in range(n)]
 
 
-def inproc_run(s: Any, prompts: List[List[int]], output_len: int, stream: bool, tag: str) -> Dict[str, Any]:
+def inproc_run(s: Any, prompts: List[List[int]], output_len: int, stream: bool, tag: str,
+               on_decode_start: Optional[Any] = None) -> Dict[str, Any]:
     from engine.managers.io_struct import TokenizedGenerateReqInput
 
     for i, p in enumerate(prompts):
@@ -67,6 +68,8 @@ def inproc_run(s: Any, prompts: List[List[int]], output_len: int, stream: bool, 
         s._pop_and_process()
     s.flush_outputs()
     tokens_before = sum(len(r.output_ids) for r in s.running_batch.reqs)
+    if on_decode_start is not None:
+        on_decode_start()
     steps, cpu0, t0 = 0, time.process_time(), time.perf_counter()
     while s.has_work():
         step()
@@ -105,8 +108,8 @@ def inproc_phase(args: argparse.Namespace, n: int, results: List[Dict]) -> None:
                 if args.profile_dir and n in args.profile_at and loop == "overlap":
                     prof = Profiler(args.profile_dir, {"inproc": os.getpid()}, best["wall_s"],
                                     f"inproc.n{n}.{'stream' if stream else 'nostream'}")
-                    prof.start()
-                    inproc_run(s, prompts_for(n, args.input_len, 99), args.output_len, stream, "prof")
+                    inproc_run(s, prompts_for(n, args.input_len, 99), args.output_len, stream, "prof",
+                               on_decode_start=prof.start)
                     for name, summary in prof.finish().items():
                         row.setdefault("profile", {})[name] = summary
                         print(format_summary(name, summary), flush=True)

@@ -1,7 +1,7 @@
 """Profiles and CPU accounting for bench_host: py-spy on the server's processes, CPU by title.
 
-`Profiler` runs `py-spy record --format raw` on each process for the measured window (py-spy
-leaves out idle threads, so counts follow CPU time) and `summarize` turns the collapsed
+`Profiler` runs `py-spy record --format raw --gil` on each process for the measured window (the
+thread holding the GIL, so counts follow Python CPU time) and `summarize` turns the collapsed
 stacks into the top functions by self and by inclusive samples.
 """
 
@@ -18,6 +18,10 @@ import psutil
 # Blocking samples (py-spy pauses the process for each): --nonblocking misattributes frames of a
 # process that runs while it is read. At 100 Hz the pauses cost well under 1% of the process.
 PY_SPY_RATE_HZ = 100
+# Only the thread that holds the GIL is sampled: in this container py-spy's idle detection counts
+# threads blocked in sleep/poll/wait as running, and the GIL holder is the one doing Python work
+# (C code that releases the GIL, such as a ZMQ send, is missed).
+PY_SPY_FLAGS = ("--gil",)
 
 
 def process_titles(root_pid: int) -> Dict[str, int]:
@@ -65,7 +69,7 @@ class Profiler:
         for name, pid in self.pids.items():
             path = os.path.join(self.out_dir, f"{self.tag}.{name.replace('::', '_')}.raw.txt")
             cmd = ["py-spy", "record", "--pid", str(pid), "--format", "raw", "-o", path, "-r",
-                   str(PY_SPY_RATE_HZ), "-d", str(self.duration_s)]
+                   str(PY_SPY_RATE_HZ), "-d", str(self.duration_s), *PY_SPY_FLAGS]
             self.procs.append((name, path, subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
                                                             stderr=subprocess.DEVNULL)))
 
@@ -117,7 +121,7 @@ def _short(frame: str) -> str:
 
 
 def format_summary(name: str, summary: Dict) -> str:
-    lines = [f"{name}: {summary['samples']} on-CPU samples at {PY_SPY_RATE_HZ} Hz", "  self:"]
+    lines = [f"{name}: {summary['samples']} samples of the GIL holder at {PY_SPY_RATE_HZ} Hz", "  self:"]
     lines += [f"    {100 * share:5.1f}%  {fr}" for fr, share in summary["self"]]
     lines.append("  inclusive:")
     lines += [f"    {100 * share:5.1f}%  {fr}" for fr, share in summary["inclusive"]]

@@ -18,6 +18,7 @@ if TYPE_CHECKING:
 # Only the estimation of future decode room is clipped at this many tokens; stop conditions never are.
 CLIP_MAX_NEW_TOKENS_ESTIMATION = 4096
 _EMPTY_SLOTS = torch.empty((0,), dtype=torch.int64)
+FAST_FINISH_UNKNOWN: Any = object()  # Req.fast_finish_ids() not computed yet
 
 
 class BaseFinishReason(ABC):
@@ -194,6 +195,8 @@ class Req:
 
         self.created_time = time.monotonic()
         self.queue_time = self.created_time
+        # Cache of fast_finish_ids() (computed at the first decode, when everything it reads is final).
+        self.fast_finish_ids_cache: Optional[frozenset] = FAST_FINISH_UNKNOWN
 
     # ------------------------------------------------------------------ basics
     def finished(self) -> bool:
@@ -298,6 +301,31 @@ class Req:
         if self.grammar is not None and self.grammar.is_terminated():
             # The grammar accepted a stop token that ignore_eos kept from finishing the request.
             self.finished_reason = FINISH_MATCHED_TOKEN(last)
+
+    def fast_finish_ids(self) -> Optional[frozenset]:
+        """For batched result processing: the token ids on which `check_finished` may end this
+        request when nothing but such a token, the length, an out-of-vocabulary id or `to_finish`
+        can end it; None when the full check must run after every token (stop strings or regexes,
+        a grammar, logprobs or hidden states to collect).
+
+        The caller runs `check_finished` when `to_finish` is set, the token is in this set or out
+        of the vocabulary, or the output reached max_new_tokens; otherwise check_finished would
+        change nothing (min_new_tokens only delays what this set already covers). A new finish condition in check_finished must make this None for the
+        requests it concerns.
+        """
+        cached = self.fast_finish_ids_cache
+        if cached is not FAST_FINISH_UNKNOWN:
+            return cached
+        sp = self.sampling_params
+        if (self.grammar is not None or self.return_logprob or self.return_hidden_states or sp.stop_strs
+                or sp.stop_regex_strs):
+            ids: Optional[frozenset] = None
+        elif sp.ignore_eos:
+            ids = frozenset()
+        else:
+            ids = frozenset(self.eos_token_ids) | frozenset(sp.stop_token_ids or ())
+        self.fast_finish_ids_cache = ids
+        return ids
 
     def accept_grammar_token(self, token: int) -> None:
         """Advance the matcher by the token just appended; a token the grammar does not allow

@@ -271,17 +271,17 @@ class ScheduleBatch:
         bs = self.batch_size()
         allocator = self.token_to_kv_pool_allocator
         table = self.req_to_token_pool.req_to_token
-        old_lens = self.seq_lens_cpu
+        old_lens = self.seq_lens  # the tensor of seq_lens_cpu (every writer sets both)
         rows = self.req_pool_indices
         self._evict_for(self.new_page_count_for_decode())
         if allocator.page_size == 1:
             out = allocator.alloc(bs)
         else:
-            last_loc = table[rows, _i64(old_lens) - 1].to(torch.int64)
-            out = allocator.alloc_decode(_i64(old_lens) + 1, last_loc)
+            last_loc = table[rows, old_lens - 1].to(torch.int64)
+            out = allocator.alloc_decode(old_lens + 1, last_loc)
         if out is None:
             raise RuntimeError(self._oom_message("Decode", bs))
-        table[rows, _i64(old_lens)] = out.to(table.dtype)
+        table[rows, old_lens] = out.to(table.dtype)
         for r in self.reqs:
             r.kv_allocated_len += 1
         # The ids sampled last step may still be in flight (overlap): read them from the relay.
@@ -289,8 +289,8 @@ class ScheduleBatch:
         self.relay_rows = self.req_pool_indices
         self.out_cache_loc = out
         # New objects, never in-place: a batch snapshot already handed to the worker keeps the old ones.
-        self.seq_lens_cpu = [n + 1 for n in old_lens]
-        self.seq_lens = _i64(self.seq_lens_cpu)
+        self.seq_lens = old_lens + 1
+        self.seq_lens_cpu = self.seq_lens.tolist()
         self.prefix_lens, self.extend_lens, self.extend_logprob_start_lens = [], [], []
         self.extend_num_tokens = 0
         self.extend_input_logprob_token_ids = None
@@ -359,12 +359,13 @@ class ScheduleBatch:
                      keep_indices: Optional[List[int]] = None) -> None:
         if keep_indices is None:
             keep_indices = [i for i, r in enumerate(self.reqs)
-                            if not r.finished() and r is not chunked_req_to_exclude]
+                            if r.finished_reason is None and r is not chunked_req_to_exclude]
         if len(keep_indices) == len(self.reqs):
             return
         if not keep_indices:
             self.reqs = []
             self.seq_lens_cpu = []
+            self.seq_lens = _i64([])
             _prepared(self.sampling_info).filter_batch([])
             return
         idx = _i64(keep_indices)

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 from engine.managers.io_struct import BatchTokenIDOutput
-from engine.managers.req import FINISH_LENGTH, FINISH_MATCHED_REGEX, Req
+from engine.managers.req import FAST_FINISH_UNKNOWN, FINISH_LENGTH, FINISH_MATCHED_REGEX, Req
 
 if TYPE_CHECKING:
     from engine.managers.schedule_batch import ScheduleBatch
@@ -82,18 +82,31 @@ class ResultProcessor:
         next_ids = result.next_token_ids.tolist()
         lp = _LogprobLists(result.logits_output, batch)
         hidden = _hidden_states(result)
+        # An id outside the vocabulary (NaN logits) takes the full check of every request.
+        fast = not next_ids or (min(next_ids) >= 0 and max(next_ids) < batch.vocab_size)
         emit: List[Req] = []
         allocator = batch.token_to_kv_pool_allocator
         allocator.free_group_begin()
         try:
-            for i, req in enumerate(batch.reqs):
-                if req.finished() or req.is_retracted:
+            for i, (req, token) in enumerate(zip(batch.reqs, next_ids)):
+                if req.finished_reason is not None or req.is_retracted:
                     continue
+                emit.append(req)
+                stop_ids = req.fast_finish_ids_cache
+                if fast and stop_ids is not None and req.to_finish is None:
+                    if stop_ids is FAST_FINISH_UNKNOWN:
+                        stop_ids = req.fast_finish_ids()
+                    if stop_ids is not None:
+                        # Batched path: only a token that may end the request runs the full check.
+                        out = req.output_ids
+                        out.append(token)
+                        if token in stop_ids or len(out) >= req.sampling_params.max_new_tokens:
+                            self._check_finished(req)
+                        continue
                 if req.return_hidden_states and hidden is not None:
                     # The hidden state of the token fed at this step (the one sampled last step).
                     req.hidden_states.append(hidden[i].float().tolist())
-                self._append_token(req, next_ids[i], lp, i)
-                emit.append(req)
+                self._append_token(req, token, lp, i)
         finally:
             allocator.free_group_end()
         return emit
@@ -103,6 +116,9 @@ class ResultProcessor:
         if req.return_logprob:
             lp.collect_output(req, row, token)
         req.accept_grammar_token(token)
+        self._check_finished(req)
+
+    def _check_finished(self, req: Req) -> None:
         req.check_finished()
         if req.finished():
             self.tree_cache.cache_finished_req(req)
@@ -217,52 +233,86 @@ class OutputStreamer:
         self.stream_interval = stream_interval
 
     def should_output(self, req: Req) -> bool:
-        if req.finished():
+        if req.finished_reason is not None:
             return not req.finished_output
         n = len(req.output_ids)
         if n <= req.send_token_offset:
             return False
+        sp = req.sampling_params
         if req.stream:
-            k = req.sampling_params.stream_interval or self.stream_interval
+            k = sp.stream_interval or self.stream_interval
             due = n % k == 1 if k > 1 else True
         else:
             due = n % DEFAULT_FORCE_STREAM_INTERVAL == 0
         # Never send text that may turn out to be the beginning of a stop string: sent text is
         # final, the detokenizer cannot take it back when the stop string completes.
-        return due and not req.tail_may_start_stop_str()
+        return due and not (sp.stop and req.tail_may_start_stop_str())
 
     def build(self, reqs: List[Req]) -> Optional[BatchTokenIDOutput]:
-        out: Dict[str, list] = {name: [] for name in _FIELDS}
-        seen = set()
-        for req in reqs:
-            if id(req) in seen or not self.should_output(req):
-                continue
-            seen.add(id(req))
-            self._append(out, req)
-        if not out["rids"]:
-            return None
-        return BatchTokenIDOutput(**out)
+        """One message with every request of `reqs` (each once) that is due to emit.
 
-    @staticmethod
-    def _append(out: Dict[str, list], req: Req) -> None:
-        sp = req.sampling_params
-        if req.finished():
-            req.finished_output = True
-        out["rids"].append(req.rid)
-        reason = req.finished_reason
-        out["finished_reasons"].append(reason.to_json() if reason is not None else None)
-        first = req.send_token_offset == 0 and not req.sent_prompt_tail
-        req.sent_prompt_tail = True
-        out["prompt_tail_ids"].append(req.origin_input_ids[-DETOKENIZE_CONTEXT_TOKENS:] if first else None)
-        out["output_ids"].append(req.output_ids[req.send_token_offset:])
-        req.send_token_offset = len(req.output_ids)
-        out["skip_special_tokens"].append(getattr(sp, "skip_special_tokens", True))
-        out["spaces_between_special_tokens"].append(getattr(sp, "spaces_between_special_tokens", True))
-        # A stop_regex match is not trimmed from the text (SGLang).
-        out["no_stop_trim"].append(sp.no_stop_trim or isinstance(req.finished_reason, FINISH_MATCHED_REGEX))
-        out["prompt_tokens"].append(len(req.origin_input_ids))
-        out["completion_tokens"].append(len(req.output_ids))
-        out["cached_tokens"].append(req.cached_tokens)
+        The common columns are built one list comprehension (or one pass) each. Optional columns
+        stay empty when no request of the message needs them (the receivers read a missing entry
+        as None): the prompt tails when none emits for the first time, the logprob columns when
+        none asked for logprobs, the hidden states when none asked for them.
+        """
+        should_output = self.should_output
+        sel = [req for req in dict.fromkeys(reqs) if should_output(req)]  # dict: dedupe, keep order
+        if not sel:
+            return None
+        output_ids: List[List[int]] = []
+        finished_reasons: List[Optional[Dict[str, Any]]] = []
+        firsts: List[Req] = []
+        for req in sel:
+            reason = req.finished_reason
+            if reason is not None:
+                req.finished_output = True
+                finished_reasons.append(reason.to_json())
+            else:
+                finished_reasons.append(None)
+            if not req.sent_prompt_tail:
+                req.sent_prompt_tail = True
+                if req.send_token_offset == 0:
+                    firsts.append(req)
+            out = req.output_ids
+            output_ids.append(out[req.send_token_offset:])
+            req.send_token_offset = len(out)
+        params = [req.sampling_params for req in sel]
+        msg = BatchTokenIDOutput(
+            rids=[req.rid for req in sel],
+            finished_reasons=finished_reasons,
+            output_ids=output_ids,
+            skip_special_tokens=[sp.skip_special_tokens for sp in params],
+            spaces_between_special_tokens=[sp.spaces_between_special_tokens for sp in params],
+            # A stop_regex match is not trimmed from the text (SGLang).
+            no_stop_trim=[sp.no_stop_trim or isinstance(req.finished_reason, FINISH_MATCHED_REGEX)
+                          for sp, req in zip(params, sel)],
+            prompt_tokens=[len(req.origin_input_ids) for req in sel],
+            completion_tokens=[len(req.output_ids) for req in sel],
+            cached_tokens=[req.cached_tokens for req in sel],
+        )
+        if firsts:
+            tails = {id(req): req.origin_input_ids[-DETOKENIZE_CONTEXT_TOKENS:] for req in firsts}
+            msg.prompt_tail_ids = [tails.get(id(req)) for req in sel]
+        if any(req.return_logprob for req in sel):
+            _add_logprobs(msg, sel)
+        if any(req.return_hidden_states for req in sel):
+            msg.output_hidden_states = [_hidden_states_delta(req) for req in sel]
+        return msg
+
+
+def _hidden_states_delta(req: Req) -> Optional[List[Any]]:
+    if not req.return_hidden_states:
+        return None
+    delta = req.hidden_states[req.send_hidden_states_offset:]
+    req.send_hidden_states_offset = len(req.hidden_states)
+    return delta
+
+
+def _add_logprobs(msg: BatchTokenIDOutput, sel: List[Req]) -> None:
+    """The logprob columns of a message (deltas since each request's previous emission)."""
+    out: Dict[str, list] = {name: [] for name in _INPUT_LOGPROB_FIELDS + _OUTPUT_LOGPROB_FIELDS}
+    for req in sel:
         if req.return_logprob and req.input_token_logprobs_val is not None and not req.input_logprob_sent:
             req.input_logprob_sent = True
             out["input_token_logprobs_val"].append(req.input_token_logprobs_val)
@@ -274,8 +324,7 @@ class OutputStreamer:
             out["input_token_ids_logprobs_val"].append(vals)
             out["input_token_ids_logprobs_idx"].append(None if vals is None else [None if v is None else ids for v in vals])
         else:
-            for name in ("input_token_logprobs_val", "input_token_logprobs_idx", "input_top_logprobs_val",
-                         "input_top_logprobs_idx", "input_token_ids_logprobs_val", "input_token_ids_logprobs_idx"):
+            for name in _INPUT_LOGPROB_FIELDS:
                 out[name].append(None)
         if req.return_logprob:
             o = req.send_output_logprobs_offset
@@ -290,21 +339,17 @@ class OutputStreamer:
             out["output_token_ids_logprobs_idx"].append(None if out_vals is None else [ids] * len(out_vals))
             req.send_output_logprobs_offset = len(req.output_token_logprobs_val)
         else:
-            for name in ("output_token_logprobs_val", "output_token_logprobs_idx", "output_top_logprobs_val",
-                         "output_top_logprobs_idx", "output_token_ids_logprobs_val", "output_token_ids_logprobs_idx"):
+            for name in _OUTPUT_LOGPROB_FIELDS:
                 out[name].append(None)
-        if req.return_hidden_states:
-            out["output_hidden_states"].append(req.hidden_states[req.send_hidden_states_offset:])
-            req.send_hidden_states_offset = len(req.hidden_states)
-        else:
-            out["output_hidden_states"].append(None)
+    for name, values in out.items():
+        setattr(msg, name, values)
 
 
-_FIELDS = (
-    "rids", "finished_reasons", "output_ids", "skip_special_tokens", "spaces_between_special_tokens",
-    "no_stop_trim", "prompt_tokens", "completion_tokens", "cached_tokens", "prompt_tail_ids",
+_INPUT_LOGPROB_FIELDS = (
     "input_token_logprobs_val", "input_token_logprobs_idx", "input_top_logprobs_val", "input_top_logprobs_idx",
-    "output_token_logprobs_val", "output_token_logprobs_idx", "output_top_logprobs_val",
-    "output_top_logprobs_idx", "input_token_ids_logprobs_val", "input_token_ids_logprobs_idx",
-    "output_token_ids_logprobs_val", "output_token_ids_logprobs_idx", "output_hidden_states",
+    "input_token_ids_logprobs_val", "input_token_ids_logprobs_idx",
+)
+_OUTPUT_LOGPROB_FIELDS = (
+    "output_token_logprobs_val", "output_token_logprobs_idx", "output_top_logprobs_val", "output_top_logprobs_idx",
+    "output_token_ids_logprobs_val", "output_token_ids_logprobs_idx",
 )
