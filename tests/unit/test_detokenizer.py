@@ -256,3 +256,33 @@ def test_first_output_tokens_keep_their_leading_space_with_prompt_context():
     first = detok.handle_batch_token_id_out(msg([2], [1])).output_strs[0]
     second = detok.handle_batch_token_id_out(msg([3], None, {"type": "length", "length": 2})).output_strs[0]
     assert first + second == " world again"
+
+
+# ---------------------------------------------------------------------------- the batch decoder
+@pytest.mark.parametrize("which", ["test", "builtin"])
+def test_direct_batch_decoder_equals_batch_decode(tokenizer, which):
+    from transformers import AutoTokenizer
+
+    from engine.builtin_model import ensure_builtin_model
+    from engine.utils.tokenizer_utils import make_batch_decoder
+
+    tok = tokenizer if which == "test" else AutoTokenizer.from_pretrained(ensure_builtin_model())
+    decode = make_batch_decoder(tok)
+    assert decode.__name__ == "fast"  # the direct path is taken for a plain fast tokenizer
+    rng = random.Random(7)
+    vocab = len(tok)
+    sequences = [[rng.randrange(vocab) for _ in range(rng.randint(0, 12))] for _ in range(300)]
+    for skip in (True, False):
+        assert decode(sequences, skip, True) == tok.batch_decode(sequences, skip_special_tokens=skip)
+
+
+def test_batch_decoder_keeps_an_overridden_decode(tokenizer):
+    from engine.utils.tokenizer_utils import make_batch_decoder
+
+    class Custom(type(tokenizer)):
+        def _decode(self, token_ids, skip_special_tokens=False, **kwargs):
+            return "<" + super()._decode(token_ids, skip_special_tokens=skip_special_tokens, **kwargs) + ">"
+
+    custom = Custom(tokenizer_object=tokenizer.backend_tokenizer)
+    assert make_batch_decoder(custom)([[5, 6], [7]], True, True) == custom.batch_decode([[5, 6], [7]],
+                                                                                       skip_special_tokens=True)

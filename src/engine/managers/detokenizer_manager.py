@@ -20,7 +20,7 @@ from engine.managers.io_struct import BatchStrOutput, BatchTokenIDOutput, decode
 from engine.server_args import PortArgs, ServerArgs
 from engine.utils.log_utils import configure_logging
 from engine.utils.process_utils import set_process_title, start_parent_death_watcher
-from engine.utils.tokenizer_utils import load_tokenizer
+from engine.utils.tokenizer_utils import BatchDecode, load_tokenizer, make_batch_decoder
 from engine.utils.zmq_utils import get_zmq_socket
 
 logger = logging.getLogger(__name__)
@@ -90,45 +90,27 @@ class DetokenizerManager:
         self.tokenizer = tokenizer
         self.decode_status: dict[str, DecodeStatus] = {}
 
+    @property
+    def tokenizer(self) -> Any:
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, tokenizer: Any) -> None:
+        self._tokenizer = tokenizer
+        self._decode_batch: Optional[BatchDecode] = make_batch_decoder(tokenizer) if tokenizer is not None else None
+
     # ------------------------------------------------------------------ decoding
     def handle_batch_token_id_out(self, recv: BatchTokenIDOutput) -> BatchStrOutput:
-        n = len(recv.rids)
-        end_offsets: list[int] = []
-        states: list[DecodeStatus] = []
-        for i in range(n):
-            state = self.decode_status.get(recv.rids[i])
-            if state is None:
-                # The prompt's last ids are left context only: decoded with the output, never sent.
-                context = (recv.prompt_tail_ids[i] if recv.prompt_tail_ids else None) or []
-                state = DecodeStatus(decode_ids=list(context), read_offset=len(context))
-                self.decode_status[recv.rids[i]] = state
-            state.decode_ids.extend(recv.output_ids[i])
-            states.append(state)
-            end_offsets.append(self._decode_end(state, recv.finished_reasons[i], recv.no_stop_trim[i]))
-
+        states, end_offsets = self._extend_states(recv)
         surr_texts, read_texts = self._batch_decode(recv, states, end_offsets)
-
+        finished_reasons = recv.finished_reasons
         output_strs: list[str] = []
-        for i in range(n):
-            state, finished_reason = states[i], recv.finished_reasons[i]
+        for i, state in enumerate(states):
             new_text = read_texts[i][len(surr_texts[i]):]
-            if finished_reason is None:
-                if new_text and not new_text.endswith(REPLACEMENT_CHAR):
-                    state.decoded_text += new_text
-                    state.surr_offset = state.read_offset
-                    state.read_offset = end_offsets[i]
-                    new_text = ""
-                else:
-                    new_text = printable_prefix(new_text)
-            # At finish the pending text is flushed as is: no later token can complete it.
-            before_last = None
-            if self._matched_stop_str(finished_reason, recv.no_stop_trim[i]):
-                before_last = self._text_len_before_last_token(state, end_offsets[i], surr_texts[i], recv, i)
-            full_text = trim_matched_stop(state.decoded_text + new_text, finished_reason, recv.no_stop_trim[i],
-                                          before_last)
-            output_strs.append(full_text[state.sent_offset:])
-            state.sent_offset = max(state.sent_offset, len(full_text))
-            if finished_reason is not None:
+            if finished_reasons[i] is None:
+                output_strs.append(self._running_delta(state, new_text, end_offsets[i]))
+            else:
+                output_strs.append(self._final_delta(state, new_text, recv, i, end_offsets[i], surr_texts[i]))
                 del self.decode_status[recv.rids[i]]
 
         return BatchStrOutput(
@@ -153,6 +135,55 @@ class DetokenizerManager:
             output_token_ids_logprobs_idx=recv.output_token_ids_logprobs_idx,
             output_hidden_states=recv.output_hidden_states,
         )
+
+    def _extend_states(self, recv: BatchTokenIDOutput) -> tuple[list[DecodeStatus], list[int]]:
+        """Each request's state with its new ids appended, and how many of its ids to decode."""
+        statuses = self.decode_status
+        tails = recv.prompt_tail_ids
+        states: list[DecodeStatus] = []
+        end_offsets: list[int] = []
+        for i, (rid, ids, reason) in enumerate(zip(recv.rids, recv.output_ids, recv.finished_reasons)):
+            state = statuses.get(rid)
+            if state is None:
+                # The prompt's last ids are left context only: decoded with the output, never sent.
+                context = (tails[i] if tails else None) or []
+                state = DecodeStatus(decode_ids=list(context), read_offset=len(context))
+                statuses[rid] = state
+            state.decode_ids.extend(ids)
+            states.append(state)
+            end_offsets.append(len(state.decode_ids) if reason is None
+                               else self._decode_end(state, reason, recv.no_stop_trim[i]))
+        return states, end_offsets
+
+    @staticmethod
+    def _running_delta(state: DecodeStatus, new_text: str, end: int) -> str:
+        """The text of a running request to send now: committed text and the printable part of
+        the pending text (held back from the first U+FFFD) not sent yet."""
+        if new_text and not new_text.endswith(REPLACEMENT_CHAR):
+            state.decoded_text += new_text
+            state.surr_offset = state.read_offset
+            state.read_offset = end
+            new_text = ""
+        else:
+            new_text = printable_prefix(new_text)
+        # (decoded_text + new_text)[sent_offset:] without building the whole text.
+        decoded, sent = state.decoded_text, state.sent_offset
+        delta = new_text[sent - len(decoded):] if sent >= len(decoded) else decoded[sent:] + new_text
+        state.sent_offset = max(sent, len(decoded) + len(new_text))
+        return delta
+
+    def _final_delta(self, state: DecodeStatus, new_text: str, recv: BatchTokenIDOutput, i: int, end: int,
+                     surr_text: str) -> str:
+        """The rest of a finished request's text: pending text flushed as is (no later token can
+        complete it), a matched stop string trimmed."""
+        finished_reason, no_stop_trim = recv.finished_reasons[i], recv.no_stop_trim[i]
+        before_last = None
+        if self._matched_stop_str(finished_reason, no_stop_trim):
+            before_last = self._text_len_before_last_token(state, end, surr_text, recv, i)
+        full_text = trim_matched_stop(state.decoded_text + new_text, finished_reason, no_stop_trim, before_last)
+        delta = full_text[state.sent_offset:]
+        state.sent_offset = max(state.sent_offset, len(full_text))
+        return delta
 
     @staticmethod
     def _decode_end(state: DecodeStatus, finished_reason: Optional[dict], no_stop_trim: bool) -> int:
@@ -194,23 +225,27 @@ class DetokenizerManager:
         usual case) costs a single batch_decode call.
         """
         n = len(states)
+        decode = self._decode_batch
+        if decode is None or n == 0:
+            return [""] * n, [""] * n
+        skips, spaces = recv.skip_special_tokens, recv.spaces_between_special_tokens
+        if len(set(skips)) == 1 and len(set(spaces)) == 1:
+            # The usual case: one call for the whole batch, no per-request grouping.
+            groups = {(bool(skips[0]), bool(spaces[0])): list(range(n))}
+        else:
+            groups = {}
+            for i in range(n):
+                groups.setdefault((bool(skips[i]), bool(spaces[i])), []).append(i)
         surr_texts = [""] * n
         read_texts = [""] * n
-        if self.tokenizer is None or n == 0:
-            return surr_texts, read_texts
-        groups: dict[tuple[bool, bool], list[int]] = {}
-        for i in range(n):
-            key = (bool(recv.skip_special_tokens[i]), bool(recv.spaces_between_special_tokens[i]))
-            groups.setdefault(key, []).append(i)
         for (skip_special, spaces_between), indices in groups.items():
-            sequences = [states[i].decode_ids[states[i].surr_offset:states[i].read_offset] for i in indices]
-            sequences += [states[i].decode_ids[states[i].surr_offset:end_offsets[i]] for i in indices]
+            picked = [states[i] for i in indices]
+            sequences = [s.decode_ids[s.surr_offset:s.read_offset] for s in picked]
+            sequences += [s.decode_ids[s.surr_offset:end_offsets[i]] for s, i in zip(picked, indices)]
             # Fast tokenizers ignore spaces_between_special_tokens; slow ones honour it.
-            texts = self.tokenizer.batch_decode(
-                sequences,
-                skip_special_tokens=skip_special,
-                spaces_between_special_tokens=spaces_between,
-            )
+            texts = decode(sequences, skip_special, spaces_between)
+            if len(indices) == n:
+                return texts[:n], texts[n:]
             for j, i in enumerate(indices):
                 surr_texts[i] = texts[j]
                 read_texts[i] = texts[len(indices) + j]
