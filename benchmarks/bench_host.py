@@ -90,11 +90,13 @@ def inproc_phase(args: argparse.Namespace, n: int, results: List[Dict]) -> None:
     from engine.managers.overlap_utils import scheduling_thread
     from engine.managers.scheduler import Scheduler
     from engine.server_args import ServerArgs
+    from engine.utils.process_utils import freeze_startup_objects
 
     path = ensure_builtin_model()
     with scheduling_thread():
         s = Scheduler(ServerArgs(model_path=path, **server_flags(args, n)), tokenizer=AutoTokenizer.from_pretrained(path))
         s.send_output = lambda msg: encode(msg)  # the server's serialisation, without a socket
+        freeze_startup_objects()  # as the scheduler process does once it is ready
         for stream in args.stream_modes:
             for loop in args.loops:
                 s.enable_overlap = loop == "overlap"
@@ -170,7 +172,8 @@ def http_row(args: argparse.Namespace, n: int, stream: bool, records: List[Any],
     if errors:
         raise RuntimeError(f"{len(errors)} request(s) failed, e.g. {errors[0]}")
     tokens = sum(r.completion_tokens for r in records)
-    window = steady_window(records) if stream else None
+    # At least 30 forwards long (an ideal 0.3 s at 10 ms), so chunking errors stay small.
+    window = steady_window(records, 30 * args.forward_ms / 1000) if stream else None
     steady = window[2] / (window[1] - window[0]) if window else None
     steps = max(args.output_len, 1)  # decode steps per request: the per-step CPU unit
     row: Dict[str, Any] = {
@@ -270,7 +273,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-reqs", type=int, nargs="+", default=[256, 1024, 4096])
     ap.add_argument("--input-len", type=int, default=64)
-    ap.add_argument("--output-len", type=int, default=128)
+    # Long enough that the streams still run together after the last one was admitted over HTTP.
+    ap.add_argument("--output-len", type=int, default=256)
     ap.add_argument("--forward-ms", type=float, default=10.0, help="A: simulated ms per forward")
     ap.add_argument("--per-token-ms", type=float, default=0.0, help="B: simulated ms per token of the batch")
     ap.add_argument("--modes", nargs="+", default=["inproc", "http"], choices=["inproc", "http"])

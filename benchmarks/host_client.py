@@ -93,14 +93,15 @@ async def run_clients(host: str, port: int, prompts: Sequence[List[int]], output
     return list(records), start, time.perf_counter() - start
 
 
-def steady_window(records: Sequence[StreamRecord]) -> Optional[Tuple[float, float, int]]:
+def steady_window(records: Sequence[StreamRecord], min_window_s: float) -> Optional[Tuple[float, float, int]]:
     """(t0, t1, tokens): from the moment every stream has its first token to the first stream's
-    last token, the tokens all streams received in between. None when there is no such window."""
+    last token, the tokens all streams received in between. None when there is no such window
+    of at least `min_window_s`: counts arrive in chunks, so a short window is mostly error."""
     if not records or any(r.first is None or not r.samples for r in records):
         return None
     t0 = max(r.first for r in records)
     t1 = min(r.samples[-1][0] for r in records)
-    if t1 <= t0:
+    if t1 - t0 < min_window_s:
         return None
     tokens = sum(_count_at(r, t1) - _count_at(r, t0) for r in records)
     return t0, t1, tokens

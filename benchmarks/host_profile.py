@@ -70,8 +70,8 @@ class Profiler:
             path = os.path.join(self.out_dir, f"{self.tag}.{name.replace('::', '_')}.raw.txt")
             cmd = ["py-spy", "record", "--pid", str(pid), "--format", "raw", "-o", path, "-r",
                    str(PY_SPY_RATE_HZ), "-d", str(self.duration_s), *PY_SPY_FLAGS]
-            self.procs.append((name, path, subprocess.Popen(cmd, stdout=subprocess.DEVNULL,
-                                                            stderr=subprocess.DEVNULL)))
+            with open(path.replace(".raw.txt", ".log"), "w") as log:  # py-spy's own messages
+                self.procs.append((name, path, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)))
 
     def finish(self) -> Dict[str, Dict]:
         """Wait for the recorders; {process: summary} (see `summarize`)."""

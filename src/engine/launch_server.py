@@ -19,7 +19,7 @@ from engine.server_args import ServerArgs, ServerArgsError
 from engine.utils.child_processes import ChildProcesses, LaunchError
 from engine.utils.log_utils import configure_logging
 from engine.utils.network_utils import is_port_free
-from engine.utils.process_utils import kill_process_tree, set_process_title
+from engine.utils.process_utils import freeze_startup_objects, kill_process_tree, set_process_title
 
 if TYPE_CHECKING:
     from engine.managers.tokenizer_manager import TokenizerManager
@@ -137,6 +137,7 @@ def _serve_http(server_args: ServerArgs, tokenizer_manager: TokenizerManager) ->
     from engine.entrypoints.http_server import build_http_server
 
     server = build_http_server(server_args, tokenizer_manager)
+    freeze_startup_objects()
     logger.info("Serving HTTP on %s", server_args.url())
     server.run()
 

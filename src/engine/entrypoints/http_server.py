@@ -38,6 +38,7 @@ from engine.entrypoints.openai.serving_chat import OpenAIServingChat
 from engine.entrypoints.openai.serving_embedding import OpenAIServingEmbedding, handle_encode
 from engine.entrypoints.openai.serving_completions import OpenAIServingCompletion
 from engine.entrypoints.openai.utils import (
+    ClientConnection,
     OrjsonResponse,
     abort_error,
     as_output_list,
@@ -226,7 +227,7 @@ async def _generate(tokenizer_manager: TokenizerManagerProtocol, body: GenerateR
         bootstrap_port=body.bootstrap_port,
         bootstrap_room=body.bootstrap_room,
     )
-    stream = tokenizer_manager.generate_request(obj, raw_request)
+    stream = tokenizer_manager.generate_request(obj, ClientConnection(raw_request))
     if body.stream:
         first, error = await prime_stream(stream)
         if error is not None:

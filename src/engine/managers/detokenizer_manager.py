@@ -19,7 +19,7 @@ import zmq
 from engine.managers.io_struct import BatchStrOutput, BatchTokenIDOutput, decode, encode
 from engine.server_args import PortArgs, ServerArgs
 from engine.utils.log_utils import configure_logging
-from engine.utils.process_utils import set_process_title, start_parent_death_watcher
+from engine.utils.process_utils import freeze_startup_objects, set_process_title, start_parent_death_watcher
 from engine.utils.tokenizer_utils import BatchDecode, load_tokenizer, make_batch_decoder
 from engine.utils.zmq_utils import get_zmq_socket
 
@@ -277,6 +277,7 @@ def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs, pipe_w
         context = zmq.Context(2)
         recv_socket = get_zmq_socket(context, zmq.PULL, port_args.detokenizer_ipc_name, bind=True)
         send_socket = get_zmq_socket(context, zmq.PUSH, port_args.tokenizer_ipc_name, bind=False)
+        freeze_startup_objects()
         pipe_writer.send({"status": "ready"})
         ready = True
         manager.event_loop(recv_socket, send_socket)

@@ -198,7 +198,7 @@ def apply_embedding_output(states: Dict[str, ReqState], msg: BatchEmbeddingOutpu
         reason = msg.finished_reasons[i]
         state.finished_reason = dict(reason) if reason is not None else None
         state.finished = True
-        state.event.set()
+        state.notify_update()
         finished.append(state)
     return finished
 

@@ -11,10 +11,16 @@ import asyncio
 import copy
 import time
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, Optional, Protocol
 
 from engine.managers.io_struct import BatchStrOutput
 from engine.managers.metrics import RequestTimer
+
+
+class ClientProbe(Protocol):
+    """Whoever sent a request, as far as the TokenizerManager cares: is it still there?"""
+
+    async def is_disconnected(self) -> bool: ...
 
 
 @dataclass
@@ -46,6 +52,16 @@ class ReqState:
     # Set when metrics are enabled and the request is not a health probe.
     timer: Optional[RequestTimer] = None
     embedding: Optional[bytes] = None  # an embedding request's float32 vector
+    # Waking the waiter (event): new output to yield, or the disconnect sweeper's turn to have
+    # the client checked (`client`: what the waiter polls, while it waits).
+    has_update: bool = False
+    check_client: bool = False
+    client: Optional[ClientProbe] = None
+
+    def notify_update(self) -> None:
+        """Wake the waiter for new output (or a terminal state) to hand out."""
+        self.has_update = True
+        self.event.set()
 
 
 def build_output(state: ReqState) -> dict:

@@ -45,7 +45,7 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, gpu_id: 
 
     from engine.distributed.parallel_state import init_distributed_environment
     from engine.utils.log_utils import configure_logging
-    from engine.utils.process_utils import set_process_title, watch_parent
+    from engine.utils.process_utils import freeze_startup_objects, set_process_title, watch_parent
 
     name = f"scheduler_TP{tp_rank}" + (f"_DP{dp_rank}" if dp_rank is not None else "")
     set_process_title(name)
@@ -76,6 +76,7 @@ def run_scheduler_process(server_args: ServerArgs, port_args: PortArgs, gpu_id: 
     scheduler.send_output = send
     scheduler.recv_requests = recv
     _start_watchdog(scheduler, server_args.watchdog_timeout)
+    freeze_startup_objects()
     pipe_writer.send({"status": "ready", **scheduler.worker.get_worker_info()})
     try:
         scheduler.event_loop(wait_for_input)

@@ -127,6 +127,7 @@ class TokenizerManager:
         self.control = ControlCalls(self, fan_out=max(1, server_args.dp_size))
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._handle_task: Optional[asyncio.Task] = None
+        self._sweep_task: Optional[asyncio.Task] = None
         self._dead_message: Optional[str] = None
         self._shutting_down = False
         self.last_receive_tstamp = 0.0
@@ -157,6 +158,21 @@ class TokenizerManager:
             return
         self._loop = loop
         self._handle_task = loop.create_task(self.handle_loop(), name="tokenizer-manager-recv")
+        self._sweep_task = loop.create_task(self._disconnect_sweeper(), name="tokenizer-manager-disconnects")
+
+    async def _disconnect_sweeper(self) -> None:
+        """Every poll interval, wake each request that has an HTTP client to check on.
+
+        One task for all requests: a waiter otherwise needs a timeout on every wait (a task and
+        a timer per output with asyncio.wait_for), which at thousands of streams cost more than
+        the outputs themselves.
+        """
+        while True:
+            await asyncio.sleep(DISCONNECT_POLL_INTERVAL_S)
+            for state in list(self.rid_to_state.values()):
+                if state.client is not None:
+                    state.check_client = True
+                    state.event.set()
 
     async def handle_loop(self) -> None:
         try:
@@ -215,20 +231,22 @@ class TokenizerManager:
 
     async def stop_handle_loop(self) -> None:
         """Cancel the receive task and wait for it (run inside its loop before stopping the loop)."""
-        task, self._handle_task = self._handle_task, None
-        if task is not None and not task.done():
-            task.cancel()
-            try:
-                await task
-            except asyncio.CancelledError:
-                pass
+        for task in (self._handle_task, self._sweep_task):
+            if task is not None and not task.done():
+                task.cancel()
+                try:
+                    await task
+                except asyncio.CancelledError:
+                    pass
+        self._handle_task = self._sweep_task = None
 
     def close(self) -> None:
-        if self._handle_task is not None and self._loop is not None and not self._loop.is_closed():
-            if _in_loop_thread(self._loop):
-                self._handle_task.cancel()
-            else:
-                self._loop.call_soon_threadsafe(self._handle_task.cancel)
+        for task in (self._handle_task, self._sweep_task):
+            if task is not None and self._loop is not None and not self._loop.is_closed():
+                if _in_loop_thread(self._loop):
+                    task.cancel()
+                else:
+                    self._loop.call_soon_threadsafe(task.cancel)
         self.recv_from_detokenizer.close(linger=0)
         self.send_to_scheduler.close(linger=0)
         if self.bootstrap_server is not None:
@@ -335,27 +353,27 @@ class TokenizerManager:
 
     # ------------------------------------------------------------------ waiting for outputs
     async def _wait_one_response(self, state: ReqState, request: Any = None) -> AsyncIterator[dict]:
-        """Yield the outputs of one sub-request; abort it if the consumer or the client goes away."""
-        loop = asyncio.get_running_loop()
-        next_check = loop.time() + DISCONNECT_POLL_INTERVAL_S
+        """Yield the outputs of one sub-request; abort it if the consumer or the client goes away.
+
+        The waiter wakes for new output (`has_update`) and, about once per
+        DISCONNECT_POLL_INTERVAL_S, for the disconnect sweeper (`check_client`): the client is
+        checked at least that often, also while outputs keep arriving (a non-streaming client
+        that left would otherwise decode to the end).
+        """
+        state.client = request
         try:
             while True:
-                try:
-                    await asyncio.wait_for(state.event.wait(), timeout=DISCONNECT_POLL_INTERVAL_S)
-                    woke = True
-                except asyncio.TimeoutError:
-                    woke = False
-                # Check the client at least every poll interval, also while outputs keep arriving
-                # (a non-streaming client that left would otherwise decode to the end).
-                if request is not None and loop.time() >= next_check:
-                    next_check = loop.time() + DISCONNECT_POLL_INTERVAL_S
-                    if await request.is_disconnected():
+                await state.event.wait()
+                state.event.clear()
+                if state.check_client:
+                    state.check_client = False
+                    if request is not None and await request.is_disconnected():
                         logger.info("Client disconnected; aborting request %s", state.rid)
                         raise EngineRequestError("The client disconnected; the request was aborted.",
                                                  CLIENT_CLOSED_REQUEST, "ClientDisconnected") from None
-                if not woke:
+                if not state.has_update:
                     continue
-                state.event.clear()
+                state.has_update = False
                 out = build_output(state)
                 if state.finished:
                     self.rid_to_state.pop(state.rid, None)
@@ -367,6 +385,7 @@ class TokenizerManager:
                 if state.stream:
                     yield out
         finally:
+            state.client = None
             if not state.finished:
                 # The consumer stopped listening (disconnect, cancellation, error): free the
                 # scheduler's work for this request instead of leaving a ghost running.
@@ -454,7 +473,7 @@ class TokenizerManager:
         if state.timer is not None and self.metrics_collector is not None:
             self.metrics_collector.observe_output(
                 state.timer, state.prompt_tokens, state.completion_tokens, state.finished, now)
-        state.event.set()
+        state.notify_update()
 
     # ------------------------------------------------------------------ sending
     async def _send_async(self, msg: Message) -> None:
@@ -549,7 +568,7 @@ class TokenizerManager:
         if not state.finished:
             state.finished = True
             state.finished_reason = {"type": "abort", "message": message, "status_code": status_code}
-        state.event.set()
+        state.notify_update()
 
     def _fail_requests(self, message: str, status_code: int) -> None:
         for state in list(self.rid_to_state.values()):

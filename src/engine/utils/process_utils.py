@@ -1,7 +1,9 @@
-"""Process lifecycle helpers: killing process trees, process titles, parent-death watching."""
+"""Process lifecycle helpers: killing process trees, process titles, parent-death watching,
+freezing start-up objects out of the garbage collector's reach."""
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import signal
@@ -11,6 +13,22 @@ import time
 import psutil
 
 logger = logging.getLogger(__name__)
+
+
+def freeze_startup_objects() -> None:
+    """Move every object alive now (modules, the model config, the tokenizer, torch's and
+    transformers' globals: hundreds of thousands) into the collector's permanent generation.
+
+    Call once a process has finished starting and is about to serve. The serving loop allocates
+    many short-lived objects (messages, per-request lists); each full collection would otherwise
+    walk the whole start-up heap again. Measured with the simulated device (bench_host, 1024
+    streams over HTTP): the time until every stream had its first token went from 4.6 s to 2.2 s,
+    and py-spy no longer shows collections charged to whatever allocated (Req.__init__, msgpack
+    decode, asyncio.Event). Nothing is leaked: frozen objects were alive anyway, and cycles
+    created later are collected as before.
+    """
+    gc.collect()
+    gc.freeze()
 
 
 def kill_process_tree(pid: int, include_parent: bool = True, timeout: float = 5.0) -> None:

@@ -33,6 +33,7 @@ from engine.entrypoints.openai.protocol import (
     random_uuid,
 )
 from engine.entrypoints.openai.utils import (
+    ClientConnection,
     ChoiceCursor,
     OrjsonResponse,
     abort_error,
@@ -88,7 +89,7 @@ class OpenAIServingChat:
             return_text_in_logprobs=True,
             **request.generate_extras(),
         )
-        stream = self.tokenizer_manager.generate_request(obj, raw_request)
+        stream = self.tokenizer_manager.generate_request(obj, ClientConnection(raw_request))
         if request.stream:
             first, error = await prime_stream(stream)
             if error is not None:

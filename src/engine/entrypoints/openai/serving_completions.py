@@ -20,6 +20,7 @@ from engine.entrypoints.openai.protocol import (
     random_uuid,
 )
 from engine.entrypoints.openai.utils import (
+    ClientConnection,
     ChoiceCursor,
     OrjsonResponse,
     abort_error,
@@ -52,7 +53,7 @@ class OpenAIServingCompletion:
         prompts = _split_prompts(request.prompt)
         batched = _is_batch(request.prompt)
         obj = self._build_generate_input(request, prompts, batched, request_id)
-        stream = self.tokenizer_manager.generate_request(obj, raw_request)
+        stream = self.tokenizer_manager.generate_request(obj, ClientConnection(raw_request))
         if request.stream:
             first, error = await prime_stream(stream)
             if error is not None:

@@ -15,7 +15,7 @@ from fastapi import Request
 from fastapi.responses import Response
 
 from engine.entrypoints.openai.embedding_protocol import EmbeddingRequest, EncodeRequest
-from engine.entrypoints.openai.utils import error_response_from_exception
+from engine.entrypoints.openai.utils import ClientConnection, error_response_from_exception
 from engine.managers.embedding_requests import EmbeddingReqInput, EmbeddingResult
 from engine.managers.errors import EngineRequestError
 from engine.managers.tokenizer_manager_protocol import TokenizerManagerProtocol
@@ -46,7 +46,7 @@ class OpenAIServingEmbedding:
         else:
             obj = EmbeddingReqInput(text=value, rid=body.rid, dimensions=body.dimensions)
         try:
-            results = await self.tokenizer_manager.encode_request(obj, raw_request)
+            results = await self.tokenizer_manager.encode_request(obj, ClientConnection(raw_request))
         except (EngineRequestError, ValueError) as exc:
             return error_response_from_exception(exc)
         as_base64 = body.encoding_format == "base64"
@@ -66,7 +66,7 @@ async def handle_encode(tokenizer_manager: TokenizerManagerProtocol, body: Encod
     """SGLang's /encode: {"embedding": [...], "meta_info": {...}}, or a list for a batch."""
     obj = EmbeddingReqInput(text=body.text, input_ids=body.input_ids, rid=body.rid, dimensions=body.dimensions)
     try:
-        results: List[EmbeddingResult] = await tokenizer_manager.encode_request(obj, raw_request)
+        results: List[EmbeddingResult] = await tokenizer_manager.encode_request(obj, ClientConnection(raw_request))
     except (EngineRequestError, ValueError) as exc:
         return error_response_from_exception(exc)
     outputs = [_encode_output(r) for r in results]
