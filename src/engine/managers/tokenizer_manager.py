@@ -73,6 +73,8 @@ DISCONNECT_POLL_INTERVAL_S = 1.0
 # How long a send may wait for the scheduler's socket to accept a message before giving up.
 SEND_TIMEOUT_S = 5.0
 SHUTDOWN_MESSAGE = "The server is shutting down."
+# How often the admission check also looks for zombie children in /proc (_alive_for_admission).
+ZOMBIE_CHECK_INTERVAL_S = 0.25
 
 
 
@@ -128,6 +130,7 @@ class TokenizerManager:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._handle_task: Optional[asyncio.Task] = None
         self._sweep_task: Optional[asyncio.Task] = None
+        self._zombie_checked_at = float("-inf")
         self._dead_message: Optional[str] = None
         self._shutting_down = False
         self.last_receive_tstamp = 0.0
@@ -203,6 +206,22 @@ class TokenizerManager:
     def is_alive(self) -> bool:
         """True while every child process is alive, no fatal error was reported and no shutdown began."""
         return self._dead_message is None and all(_child_alive(p) for p in self.child_processes)
+
+    def _alive_for_admission(self) -> bool:
+        """is_alive() for the check before each request is sent: the zombie check through /proc
+        (~0.1 ms per child here; per request it was 12% of the main process's samples while a
+        thousand streams arrived) runs at most every ZOMBIE_CHECK_INTERVAL_S. A request that
+        slips through in that window waits on a dead child and is failed with 503 when the child
+        watchdog reports the death, as one already running would be."""
+        if self._dead_message is not None or not all(p.is_alive() for p in self.child_processes):
+            return False
+        now = time.monotonic()
+        if now - self._zombie_checked_at < ZOMBIE_CHECK_INTERVAL_S:
+            return True
+        alive = self.is_alive()
+        if alive:
+            self._zombie_checked_at = now
+        return alive
 
     def begin_shutdown(self) -> None:
         """Graceful shutdown (run in the loop thread): end every request now, refuse new ones.
@@ -510,6 +529,8 @@ class TokenizerManager:
         return EngineRequestError(self._not_alive_message(message), 503, "ServiceUnavailableError")
 
     def _check_alive(self) -> None:
+        if self._alive_for_admission():
+            return
         error = self.unavailable_error()
         if error is not None:
             raise error
