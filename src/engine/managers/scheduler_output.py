@@ -232,51 +232,57 @@ class OutputStreamer:
     def __init__(self, stream_interval: int) -> None:
         self.stream_interval = stream_interval
 
-    def should_output(self, req: Req) -> bool:
-        if req.finished_reason is not None:
-            return not req.finished_output
-        n = len(req.output_ids)
-        if n <= req.send_token_offset:
-            return False
-        sp = req.sampling_params
-        if req.stream:
-            k = sp.stream_interval or self.stream_interval
-            due = n % k == 1 if k > 1 else True
-        else:
-            due = n % DEFAULT_FORCE_STREAM_INTERVAL == 0
-        # Never send text that may turn out to be the beginning of a stop string: sent text is
-        # final, the detokenizer cannot take it back when the stop string completes.
-        return due and not (sp.stop and req.tail_may_start_stop_str())
-
     def build(self, reqs: List[Req]) -> Optional[BatchTokenIDOutput]:
         """One message with every request of `reqs` (each once) that is due to emit.
 
-        The common columns are built one list comprehension (or one pass) each. Optional columns
-        stay empty when no request of the message needs them (the receivers read a missing entry
-        as None): the prompt tails when none emits for the first time, the logprob columns when
-        none asked for logprobs, the hidden states when none asked for them.
+        Due: a finished request once; a streaming one every stream_interval tokens (its own or the
+        server's), a non-streaming one every DEFAULT_FORCE_STREAM_INTERVAL tokens, and never while
+        its tail may be the beginning of a stop string (sent text is final: the detokenizer cannot
+        take it back when the stop string completes).
+
+        One pass decides and takes each request's new ids; the other common columns are one list
+        comprehension each. Optional columns stay empty when no request of the message needs them
+        (the receivers read a missing entry as None): the prompt tails when none emits for the
+        first time, the logprob columns when none asked for logprobs, the hidden states when none
+        asked for them.
         """
-        should_output = self.should_output
-        sel = [req for req in dict.fromkeys(reqs) if should_output(req)]  # dict: dedupe, keep order
-        if not sel:
-            return None
+        interval = self.stream_interval
+        sel: List[Req] = []
         output_ids: List[List[int]] = []
         finished_reasons: List[Optional[Dict[str, Any]]] = []
         firsts: List[Req] = []
-        for req in sel:
+        for req in dict.fromkeys(reqs):  # dedupe, keep order
             reason = req.finished_reason
-            if reason is not None:
+            out = req.output_ids
+            offset = req.send_token_offset
+            if reason is None:
+                n = len(out)
+                if n <= offset:
+                    continue
+                sp = req.sampling_params
+                if req.stream:
+                    k = sp.stream_interval or interval
+                    if k > 1 and n % k != 1:
+                        continue
+                elif n % DEFAULT_FORCE_STREAM_INTERVAL:
+                    continue
+                if sp.stop and req.tail_may_start_stop_str():
+                    continue
+                finished_reasons.append(None)
+            else:
+                if req.finished_output:
+                    continue
                 req.finished_output = True
                 finished_reasons.append(reason.to_json())
-            else:
-                finished_reasons.append(None)
+            sel.append(req)
             if not req.sent_prompt_tail:
                 req.sent_prompt_tail = True
-                if req.send_token_offset == 0:
+                if offset == 0:
                     firsts.append(req)
-            out = req.output_ids
-            output_ids.append(out[req.send_token_offset:])
+            output_ids.append(out[offset:])
             req.send_token_offset = len(out)
+        if not sel:
+            return None
         params = [req.sampling_params for req in sel]
         msg = BatchTokenIDOutput(
             rids=[req.rid for req in sel],
