@@ -119,7 +119,8 @@ def inproc_phase(args: argparse.Namespace, n: int, results: List[Dict]) -> None:
 
 
 def ideal_throughput(args: argparse.Namespace, n: int) -> float:
-    return n / ((args.forward_ms + args.per_token_ms * n) / 1000)
+    step_ms = args.forward_ms + args.per_token_ms * n
+    return n / (step_ms / 1000) if step_ms > 0 else float("inf")  # 0: a host-only measurement
 
 
 # ---------------------------------------------------------------------------- through HTTP
