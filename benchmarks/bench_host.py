@@ -90,7 +90,12 @@ def inproc_phase(args: argparse.Namespace, n: int, results: List[Dict]) -> None:
     from engine.managers.overlap_utils import scheduling_thread
     from engine.managers.scheduler import Scheduler
     from engine.server_args import ServerArgs
-    from engine.utils.process_utils import freeze_startup_objects
+
+    try:
+        from engine.utils.process_utils import freeze_startup_objects
+    except ImportError:  # a tree from before it existed (a --baseline run)
+        def freeze_startup_objects() -> None:
+            pass
 
     path = ensure_builtin_model()
     with scheduling_thread():
@@ -239,37 +244,6 @@ def _fmt(value: Optional[float], spec: str, suffix: str = "") -> str:
     return "-" if value is None else f"{value:{spec}}{suffix}"
 
 
-def plot(results: List[Dict[str, Any]], path: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(12, 4.5))
-    series: Dict[str, List] = {}
-    for r in results:
-        label = f"{r['mode']} {r['loop'] if r['mode'] == 'inproc' else 'server'} {'stream' if r['stream'] else 'no stream'}"
-        series.setdefault(label, []).append(r)
-    for label, rows in series.items():
-        rows = sorted(rows, key=lambda r: r["num_reqs"])
-        xs = [r["num_reqs"] for r in rows]
-        ax1.plot(xs, [100 * r["throughput"] / r["ideal"] for r in rows], marker="o", label=label)
-        procs = ("scheduler", "detokenizer", "main") if rows[0]["mode"] == "http" else ("scheduler",)
-        for proc, style in zip(procs, ("-", "--", ":")):
-            ax2.plot(xs, [r.get(f"{proc}_cpu_us_per_token", 0) for r in rows], marker="o", linestyle=style,
-                     label=f"{label}: {proc}")
-    ax1.axhline(90, color="grey", linestyle=":", linewidth=1)
-    ax1.set(xscale="log", xlabel="running requests", ylabel="% of the forward-bound ideal",
-            title="decode throughput vs a 10 ms simulated forward")
-    ax2.set(xscale="log", xlabel="running requests", ylabel="CPU us per output token",
-            title="host CPU per output token, by process")
-    for ax in (ax1, ax2):
-        ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-
-
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--num-reqs", type=int, nargs="+", default=[256, 1024, 4096])
@@ -286,7 +260,8 @@ def main() -> None:
     ap.add_argument("--profile-dir", default=None, help="py-spy profiles of each process go here")
     ap.add_argument("--profile-at", type=int, nargs="*", default=[1024], help="sizes to profile")
     ap.add_argument("--result-file", default=None)
-    ap.add_argument("--plot", default=None, help="PNG of %% of ideal and CPU per request against N")
+    ap.add_argument("--plot", default=None, help="PNG of %% of ideal and CPU per token against N")
+    ap.add_argument("--baseline", default=None, help="a --result-file of an earlier run, drawn dashed in the plot")
     args = ap.parse_args()
     args.stream_modes = [s == "on" for s in args.stream]
     if args.profile_dir and not Profiler.available():
@@ -308,7 +283,13 @@ def main() -> None:
             json.dump({"args": {k: v for k, v in vars(args).items()}, "load_before": load, "load_after": load_after,
                        "results": results}, f, indent=2, default=str)
     if args.plot:
-        plot(results, args.plot)
+        from host_plot import plot
+
+        baseline = None
+        if args.baseline:
+            with open(args.baseline) as f:
+                baseline = json.load(f)["results"]
+        plot(results, args.plot, baseline)
 
 
 if __name__ == "__main__":

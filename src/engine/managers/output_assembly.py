@@ -71,7 +71,8 @@ def build_output(state: ReqState) -> dict:
         "prompt_tokens": state.prompt_tokens,
         "completion_tokens": state.completion_tokens,
         "cached_tokens": state.cached_tokens,
-        "finish_reason": copy.deepcopy(state.finished_reason),
+        # Copied so a consumer cannot alter the state (deepcopy of None costs as much as a small dict).
+        "finish_reason": None if state.finished_reason is None else copy.deepcopy(state.finished_reason),
         "e2e_latency": time.time() - state.created_time,
     }
     if state.return_logprob:
