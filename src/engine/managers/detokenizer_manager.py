@@ -89,14 +89,6 @@ class DetokenizerManager:
     def __init__(self, tokenizer: Any) -> None:
         self.tokenizer = tokenizer
         self.decode_status: dict[str, DecodeStatus] = {}
-
-    @property
-    def tokenizer(self) -> Any:
-        return self._tokenizer
-
-    @tokenizer.setter
-    def tokenizer(self, tokenizer: Any) -> None:
-        self._tokenizer = tokenizer
         self._decode_batch: Optional[BatchDecode] = make_batch_decoder(tokenizer) if tokenizer is not None else None
 
     # ------------------------------------------------------------------ decoding
