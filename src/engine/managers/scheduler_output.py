@@ -240,26 +240,36 @@ class OutputStreamer:
         its tail may be the beginning of a stop string (sent text is final: the detokenizer cannot
         take it back when the stop string completes).
 
-        One pass decides and takes each request's new ids; the other common columns are one list
-        comprehension each. Optional columns stay empty when no request of the message needs them
-        (the receivers read a missing entry as None): the prompt tails when none emits for the
-        first time, the logprob columns when none asked for logprobs, the hidden states when none
-        asked for them.
+        One pass over the requests decides and fills every common column: with thousands of
+        requests their objects do not stay in the CPU caches, and a pass per column (list
+        comprehensions) fetched each of them again (4096 streaming requests, host alone: 10.4 ->
+        2.7 us per request and step). Optional columns stay empty when no request of the message
+        needs them (the receivers read a missing entry as None): the prompt tails when none emits
+        for the first time, the logprob columns when none asked for logprobs, the hidden states
+        when none asked for them.
         """
         interval = self.stream_interval
         sel: List[Req] = []
-        output_ids: List[List[int]] = []
+        rids: List[str] = []
         finished_reasons: List[Optional[Dict[str, Any]]] = []
+        output_ids: List[List[int]] = []
+        skips: List[bool] = []
+        spaces: List[bool] = []
+        no_stop_trim: List[bool] = []
+        prompt_tokens: List[int] = []
+        completion_tokens: List[int] = []
+        cached_tokens: List[int] = []
         firsts: List[Req] = []
+        want_logprobs = want_hidden = False
         for req in dict.fromkeys(reqs):  # dedupe, keep order
             reason = req.finished_reason
             out = req.output_ids
             offset = req.send_token_offset
+            sp = req.sampling_params
             if reason is None:
                 n = len(out)
                 if n <= offset:
                     continue
-                sp = req.sampling_params
                 if req.stream:
                     k = sp.stream_interval or interval
                     if k > 1 and n % k != 1:
@@ -269,40 +279,50 @@ class OutputStreamer:
                 if sp.stop and req.tail_may_start_stop_str():
                     continue
                 finished_reasons.append(None)
+                no_stop_trim.append(sp.no_stop_trim)
             else:
                 if req.finished_output:
                     continue
                 req.finished_output = True
                 finished_reasons.append(reason.to_json())
+                # A stop_regex match is not trimmed from the text (SGLang).
+                no_stop_trim.append(sp.no_stop_trim or isinstance(reason, FINISH_MATCHED_REGEX))
             sel.append(req)
             if not req.sent_prompt_tail:
                 req.sent_prompt_tail = True
                 if offset == 0:
                     firsts.append(req)
+            rids.append(req.rid)
             output_ids.append(out[offset:])
-            req.send_token_offset = len(out)
+            n = req.send_token_offset = len(out)
+            completion_tokens.append(n)
+            skips.append(sp.skip_special_tokens)
+            spaces.append(sp.spaces_between_special_tokens)
+            prompt_tokens.append(len(req.origin_input_ids))
+            cached_tokens.append(req.cached_tokens)
+            if req.return_logprob:
+                want_logprobs = True
+            if req.return_hidden_states:
+                want_hidden = True
         if not sel:
             return None
-        params = [req.sampling_params for req in sel]
         msg = BatchTokenIDOutput(
-            rids=[req.rid for req in sel],
+            rids=rids,
             finished_reasons=finished_reasons,
             output_ids=output_ids,
-            skip_special_tokens=[sp.skip_special_tokens for sp in params],
-            spaces_between_special_tokens=[sp.spaces_between_special_tokens for sp in params],
-            # A stop_regex match is not trimmed from the text (SGLang).
-            no_stop_trim=[sp.no_stop_trim or isinstance(req.finished_reason, FINISH_MATCHED_REGEX)
-                          for sp, req in zip(params, sel)],
-            prompt_tokens=[len(req.origin_input_ids) for req in sel],
-            completion_tokens=[len(req.output_ids) for req in sel],
-            cached_tokens=[req.cached_tokens for req in sel],
+            skip_special_tokens=skips,
+            spaces_between_special_tokens=spaces,
+            no_stop_trim=no_stop_trim,
+            prompt_tokens=prompt_tokens,
+            completion_tokens=completion_tokens,
+            cached_tokens=cached_tokens,
         )
         if firsts:
             tails = {id(req): req.origin_input_ids[-DETOKENIZE_CONTEXT_TOKENS:] for req in firsts}
             msg.prompt_tail_ids = [tails.get(id(req)) for req in sel]
-        if any(req.return_logprob for req in sel):
+        if want_logprobs:
             _add_logprobs(msg, sel)
-        if any(req.return_hidden_states for req in sel):
+        if want_hidden:
             msg.output_hidden_states = [_hidden_states_delta(req) for req in sel]
         return msg
 
