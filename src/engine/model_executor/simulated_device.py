@@ -101,6 +101,10 @@ class SimulatedModelRunner:
         excluded = set(model_config.eos_token_ids or ()) | special_token_ids(model_config.model_path)
         self.allowed_ids = ordinary_token_ids(model_config.vocab_size, excluded)
         self.num_forwards = 0
+        # Simulated time asked for and wall time spent in forward(): the difference is how late the
+        # forward thread woke up (a loaded host), which a real device would not add.
+        self.requested_s = 0.0
+        self.elapsed_s = 0.0
         self._init_memory_pool()
 
     def _init_memory_pool(self) -> None:
@@ -139,9 +143,12 @@ class SimulatedModelRunner:
         if mode.is_extend() and forward_batch.extend_input_logprob_token_ids is not None:
             self._fill_input_logprobs(output, forward_batch)
         self.num_forwards += 1
-        remaining = (self.base_ms + self.per_token_ms * num_tokens) / 1000 - (time.perf_counter() - start)
+        duration = (self.base_ms + self.per_token_ms * num_tokens) / 1000
+        remaining = duration - (time.perf_counter() - start)
         if remaining > 0:
             time.sleep(remaining)
+        self.requested_s += duration
+        self.elapsed_s += time.perf_counter() - start
         return output
 
     def sample(self, logits_output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> torch.Tensor:
