@@ -21,7 +21,7 @@
 # Making the wheels (on a machine with network; Python 3.12, x86-64), from the repo root:
 #   pip download -d wheels --only-binary=:all: --python-version 3.12 --implementation cp \
 #     --platform manylinux2014_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux_2_28_x86_64 \
-#     pyzmq msgspec fastapi uvicorn uvloop orjson psutil setproctitle prometheus-client tqdm pydantic \
+#     pyzmq msgspec fastapi uvicorn httptools uvloop orjson psutil setproctitle prometheus-client tqdm pydantic \
 #     requests numpy safetensors tokenizers httpx pytest pytest-timeout hypothesis
 #   echo /wheels/ >> .git/info/exclude
 # (torch, triton and transformers are the machine's own and are not downloaded; pip also fetches
@@ -56,7 +56,7 @@ log() { echo "[gpu_check +$(( $(date +%s) - START ))s] $*"; }
 
 # ------------------------------------------------------------------ 1. dependencies
 # pip name -> import name, for what the machine may lack.
-DEPS="pyzmq:zmq msgspec:msgspec fastapi:fastapi uvicorn:uvicorn uvloop:uvloop orjson:orjson psutil:psutil
+DEPS="pyzmq:zmq msgspec:msgspec fastapi:fastapi uvicorn:uvicorn httptools:httptools uvloop:uvloop orjson:orjson psutil:psutil
 setproctitle:setproctitle prometheus-client:prometheus_client tqdm:tqdm pydantic:pydantic requests:requests
 numpy:numpy safetensors:safetensors tokenizers:tokenizers httpx:httpx pytest:pytest pytest-timeout:pytest_timeout
 hypothesis:hypothesis"
