@@ -272,6 +272,7 @@ class ScheduleBatch:
         allocator = self.token_to_kv_pool_allocator
         table = self.req_to_token_pool.req_to_token
         old_lens = self.seq_lens  # the tensor of seq_lens_cpu (every writer sets both)
+        assert old_lens is not None  # a decode batch was prepared before
         rows = self.req_pool_indices
         self._evict_for(self.new_page_count_for_decode())
         if allocator.page_size == 1:

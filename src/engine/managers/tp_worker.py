@@ -19,6 +19,8 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
+_SIMULATED_NO_WEIGHTS = "the simulated device (--simulated-device-forward-ms) has no model weights"
+
 
 @dataclass
 class GenerationBatchResult:
@@ -93,10 +95,12 @@ class TpModelWorker:
 
             self.model_runner: Union[ModelRunner, SimulatedModelRunner] = SimulatedModelRunner(
                 self.model_config, server_args)
+            # No model: the embedding forward and the control plane's weight and memory calls refuse.
+            self.real_runner: Optional[ModelRunner] = None
         else:
             from engine.model_executor.model_runner import ModelRunner
 
-            self.model_runner = ModelRunner(
+            self.model_runner = self.real_runner = ModelRunner(
                 self.model_config, server_args, tp_rank=tp_rank, tp_size=server_args.tp_size, gpu_id=gpu_id
             )
         self.device = self.model_runner.device
@@ -155,7 +159,8 @@ class TpModelWorker:
 
     def forward_batch_embedding(self, batch: ModelWorkerBatch) -> EmbeddingBatchResult:
         forward_batch = ForwardBatch.init_new(batch, self.model_runner)
-        pooled = self.model_runner.forward_embedding(forward_batch).embeddings
+        assert self.real_runner is not None  # ServerArgs refuses the simulated device for embedding models
+        pooled = self.real_runner.forward_embedding(forward_batch).embeddings
         # Copied here, on the forward thread: the scheduling thread only ever sees host memory.
         if isinstance(pooled, list):
             return EmbeddingBatchResult(embeddings=[row.cpu() for row in pooled])
@@ -164,27 +169,38 @@ class TpModelWorker:
     # ------------------------------------------------------------------ control plane
     # Called by the scheduler's SchedulerControl on every TP rank, on the thread that runs the
     # forwards (never while one runs); see model_executor/weight_update.py and memory_saver.py.
+    # The simulated device (--simulated-device-forward-ms) has no weights to update or read, and
+    # holds no device memory: the weight calls fail with a message, the memory calls are no-ops.
     def update_weights_from_disk(self, model_path: str, load_format: Optional[str]) -> Tuple[bool, str]:
-        return self.model_runner.weight_updater.update_from_disk(model_path, load_format)
+        if self.real_runner is None:
+            return False, _SIMULATED_NO_WEIGHTS
+        return self.real_runner.weight_updater.update_from_disk(model_path, load_format)
 
     def update_weights_from_tensor(self, named_tensors: Sequence[Tuple[str, torch.Tensor]]) -> Tuple[bool, str]:
-        return self.model_runner.weight_updater.update_from_tensors(named_tensors)
+        if self.real_runner is None:
+            return False, _SIMULATED_NO_WEIGHTS
+        return self.real_runner.weight_updater.update_from_tensors(named_tensors)
 
     def rollback_weights(self) -> str:
-        return self.model_runner.weight_updater.rollback()
+        return _SIMULATED_NO_WEIGHTS if self.real_runner is None else self.real_runner.weight_updater.rollback()
 
     def commit_weights(self) -> None:
-        self.model_runner.weight_updater.commit()
+        if self.real_runner is not None:
+            self.real_runner.weight_updater.commit()
 
     def get_weights_by_name(self, name: str, truncate_size: int) -> Tuple[Optional[List[Any]], str]:
-        return self.model_runner.weight_updater.full_weight(name, truncate_size)
+        if self.real_runner is None:
+            return None, _SIMULATED_NO_WEIGHTS
+        return self.real_runner.weight_updater.full_weight(name, truncate_size)
 
     def release_memory_occupation(self, tags: Iterable[str]) -> None:
-        self.model_runner.memory_saver.release(tags)
+        if self.real_runner is not None:
+            self.real_runner.memory_saver.release(tags)
 
     def resume_memory_occupation(self, tags: Iterable[str]) -> None:
-        self.model_runner.memory_saver.resume(tags)
+        if self.real_runner is not None:
+            self.real_runner.memory_saver.resume(tags)
 
     @property
     def released_memory(self) -> Set[str]:
-        return set(self.model_runner.memory_saver.released)
+        return set() if self.real_runner is None else set(self.real_runner.memory_saver.released)

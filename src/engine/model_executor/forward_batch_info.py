@@ -8,15 +8,28 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import IntEnum, auto
-from typing import TYPE_CHECKING, Any, List, Optional
+from typing import TYPE_CHECKING, Any, List, Optional, Protocol
 
 import torch
 
 if TYPE_CHECKING:
     from engine.layers.attention.base_attn_backend import AttentionBackend
     from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
-    from engine.model_executor.model_runner import ModelRunner
     from engine.sampling.sampling_batch_info import SamplingBatchInfo
+
+
+class ForwardRunner(Protocol):
+    """What ForwardBatch.init_new reads of the runner it forwards on (ModelRunner, or the
+    SimulatedModelRunner of --simulated-device-forward-ms, which holds no K/V and no backend)."""
+
+    @property
+    def device(self) -> str: ...
+    @property
+    def req_to_token_pool(self) -> ReqToTokenPool: ...
+    @property
+    def token_to_kv_pool(self) -> Optional[MHATokenToKVPool]: ...
+    @property
+    def attn_backend(self) -> Optional[AttentionBackend]: ...
 
 
 class ForwardMode(IntEnum):
@@ -114,7 +127,7 @@ class ForwardBatch:
     attn_metadata: Any = None
 
     @classmethod
-    def init_new(cls, batch: ModelWorkerBatch, model_runner: ModelRunner) -> "ForwardBatch":
+    def init_new(cls, batch: ModelWorkerBatch, model_runner: ForwardRunner) -> "ForwardBatch":
         device = model_runner.device
         mode = batch.forward_mode
         seq_lens = batch.seq_lens.to(device, non_blocking=True)

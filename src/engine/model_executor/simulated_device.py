@@ -131,6 +131,7 @@ class SimulatedModelRunner:
         start = time.perf_counter()
         mode = forward_batch.forward_mode
         if mode.is_extend():
+            assert forward_batch.extend_start_loc is not None and forward_batch.extend_seq_lens is not None
             ends = forward_batch.extend_start_loc + forward_batch.extend_seq_lens - 1
             last_ids = forward_batch.input_ids[ends]
             positions = forward_batch.positions[ends]
@@ -186,6 +187,7 @@ class SimulatedModelRunner:
 
     def _fill_input_logprobs(self, output: LogitsProcessorOutput, forward_batch: ForwardBatch) -> None:
         targets = forward_batch.extend_input_logprob_token_ids
+        assert targets is not None  # forward() calls this only when they were asked for
         output.input_token_logprobs = torch.zeros(targets.numel(), dtype=torch.float32)
         nums = forward_batch.top_logprobs_nums or []
         if max(nums, default=0) == 0:
@@ -193,7 +195,9 @@ class SimulatedModelRunner:
         output.input_top_logprobs_val, output.input_top_logprobs_idx = [], []
         flat = targets.tolist()
         row = 0
-        for ext, start, k in zip(forward_batch.extend_seq_lens_cpu, forward_batch.extend_logprob_start_lens_cpu,
+        ext_lens, start_lens = forward_batch.extend_seq_lens_cpu, forward_batch.extend_logprob_start_lens_cpu
+        assert ext_lens is not None and start_lens is not None  # set for every extend batch
+        for ext, start, k in zip(ext_lens, start_lens,
                                  nums):
             count = max(ext - start, 0)
             entries = [self._top_entries(t, k) for t in flat[row:row + count]] if k > 0 else []
