@@ -10,10 +10,13 @@ import pytest
 import torch
 
 from engine.disaggregation import protocol
+from engine.disaggregation import base
 from engine.disaggregation.base import (
+    UNKNOWN_FAILURE,
     FailureCause,
     KVPoll,
     StatusTable,
+    agreed_failures,
     poll_and_all_reduce,
     validate_bootstrap_fields,
 )
@@ -54,6 +57,40 @@ def test_status_moves_forward_only_and_failed_is_sticky():
     assert table.fail(7, "second", FailureCause.CORRUPT)  # still live, but the first reason stays
     assert not table.update(7, KVPoll.Success)
     assert table.get(7) == KVPoll.Failed and table.failure(7) == ("first", FailureCause.TIMEOUT)
+
+
+class _Failure:
+    def __init__(self, failure):
+        self._failure = failure
+
+    def failure(self):
+        return self._failure
+
+
+def test_failure_reason_is_none_until_recorded():
+    table = StatusTable()
+    table.register(3)
+    assert table.failure(3) is None
+    table.fail(3, "lost", FailureCause.PEER_DEAD)
+    assert table.failure(3) == ("lost", FailureCause.PEER_DEAD)
+
+
+def test_agreed_failures_take_the_reason_another_rank_recorded(monkeypatch):
+    # The polls are reduced: rank 0 fails a request that only rank 1 saw fail (its heartbeat fired
+    # first). Rank 0's client must still get rank 1's reason, not "the state was cleared".
+    heartbeat = ("the prefill server at h:1 missed 2 heartbeats", FailureCause.PEER_DEAD)
+    timeout = ("waiting timeout", FailureCause.TIMEOUT)
+    rank1 = [heartbeat, None]
+    monkeypatch.setattr(base, "all_gather_objects", lambda local: [local, rank1])
+    reasons = agreed_failures([_Failure(None), _Failure(timeout)])
+    assert reasons == [heartbeat, timeout]  # the lowest rank with a reason wins
+    monkeypatch.setattr(base, "all_gather_objects", lambda local: [local, [None]])
+    assert agreed_failures([_Failure(None)]) == [UNKNOWN_FAILURE]
+
+
+def test_agreed_failures_on_one_rank_make_no_collective_for_nothing():
+    assert agreed_failures([]) == []
+    assert agreed_failures([_Failure(("x", FailureCause.CORRUPT))]) == [("x", FailureCause.CORRUPT)]
 
 
 def test_cleared_room_is_never_resurrected():

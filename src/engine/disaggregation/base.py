@@ -13,7 +13,7 @@ import threading
 from enum import Enum, IntEnum
 from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Protocol, Tuple, TypeVar
 
-from engine.distributed.parallel_state import all_reduce_min_small_ints
+from engine.distributed.parallel_state import all_gather_objects, all_reduce_min_small_ints
 
 if TYPE_CHECKING:
     from engine.managers.req import Req
@@ -68,6 +68,14 @@ class PollSource(Protocol):
     def poll(self) -> KVPoll: ...
 
 
+class FailureSource(Protocol):
+    def failure(self) -> Optional[Tuple[str, FailureCause]]: ...
+
+
+# A reduced poll says Failed, but no rank recorded why: the room's state was already gone.
+UNKNOWN_FAILURE = ("the transfer state was cleared", FailureCause.ABORTED)
+
+
 class StatusTable:
     """room -> KVPoll, with SGLang's rules, safe to update from any thread.
 
@@ -114,9 +122,10 @@ class StatusTable:
         with self._lock:
             return self._status.get(room, KVPoll.Failed)
 
-    def failure(self, room: int) -> Tuple[str, FailureCause]:
+    def failure(self, room: int) -> Optional[Tuple[str, FailureCause]]:
+        """Why `room` failed, or None when this table recorded no failure for it."""
         with self._lock:
-            return self._failures.get(room, ("the transfer state was cleared", FailureCause.ABORTED))
+            return self._failures.get(room)
 
     def clear(self, room: int) -> None:
         with self._lock:
@@ -145,6 +154,22 @@ def poll_and_all_reduce(sources: Iterable[PollSource]) -> List[KVPoll]:
     """
     local = [int(s.poll()) for s in sources]
     return [KVPoll(v) for v in all_reduce_min_small_ints(local)]
+
+
+def agreed_failures(failed: Iterable[FailureSource]) -> List[Tuple[str, FailureCause]]:
+    """Why each of `failed` failed, the same answer on every TP rank.
+
+    The polls are reduced, so a rank moves a request to failed when any rank saw it fail: the
+    rank that lost the prefill's heartbeat first may not be the one whose message reaches the
+    client. Each failure takes the reason of the lowest rank that recorded one. Call it on every
+    rank with the same requests (the reduced polls' failed entries); it costs one collective
+    when the list is not empty and none otherwise.
+    """
+    local = [source.failure() for source in failed]
+    if not local:
+        return []
+    per_rank = all_gather_objects(local)
+    return [next((rank[i] for rank in per_rank if rank[i] is not None), UNKNOWN_FAILURE) for i in range(len(local))]
 
 
 def bootstrap_addr(host: str, port: int) -> str:

@@ -362,7 +362,7 @@ class DecodeKVReceiver(KVReceiver):
     def abort(self, reason: str, cause: FailureCause = FailureCause.ABORTED) -> None:
         self.manager.abort_room(self.state, reason, cause)
 
-    def failure(self) -> Tuple[str, FailureCause]:
+    def failure(self) -> Optional[Tuple[str, FailureCause]]:
         return self.manager.status.failure(self.room)
 
     def clear(self) -> None:

@@ -259,7 +259,7 @@ class PrefillKVSender(KVSender):
     def abort(self, reason: str, cause: FailureCause = FailureCause.ABORTED) -> None:
         self.manager.fail_room(self.room, reason, cause)
 
-    def failure(self) -> Tuple[str, FailureCause]:
+    def failure(self) -> Optional[Tuple[str, FailureCause]]:
         return self.manager.status.failure(self.room)
 
     def clear(self) -> None:

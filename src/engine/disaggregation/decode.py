@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
 import torch
 
-from engine.disaggregation.base import FailureCause, KVPoll, poll_and_all_reduce, take_matching
+from engine.disaggregation.base import FailureCause, KVPoll, agreed_failures, poll_and_all_reduce, take_matching
 from engine.disaggregation.conn_common import KVReceiver, now
 from engine.disaggregation.fake import fake_first_token
 from engine.disaggregation.metadata import MetadataBuffers, ReqToMetadataIdxAllocator
@@ -148,6 +148,7 @@ class DecodeTransferQueue:
         done: List[Req] = []
         failed: List[Req] = []
         kept: List[DecodeRequest] = []
+        reasons = iter(agreed_failures(d.kv_receiver for d, p in zip(self.queue, polls) if p == KVPoll.Failed))
         for dreq, poll in zip(self.queue, polls):
             req = dreq.req
             if poll == KVPoll.Success:
@@ -156,7 +157,7 @@ class DecodeTransferQueue:
                 else:
                     failed.append(req)
             elif poll == KVPoll.Failed:
-                reason, cause = dreq.kv_receiver.failure()
+                reason, cause = next(reasons)
                 dreq.kv_receiver.abort(reason, cause)  # fence (and tell the prefill) before freeing
                 abort_req(req, f"KV transfer failed: {reason}")
                 self.metrics.observe_failure(True, cause)

@@ -17,7 +17,7 @@ from typing import Callable, List, Optional, Tuple
 
 import torch
 
-from engine.disaggregation.base import KVPoll, poll_and_all_reduce, take_matching
+from engine.disaggregation.base import KVPoll, agreed_failures, poll_and_all_reduce, take_matching
 from engine.disaggregation.conn_common import KVReceiver
 from engine.disaggregation.decode import (
     AdmissionState,
@@ -117,9 +117,10 @@ class DecodePreallocQueue:
         polls = poll_and_all_reduce(d.kv_receiver for d in self.queue)
         failed: List[Req] = []
         kept: List[DecodeRequest] = []
+        reasons = iter(agreed_failures(d.kv_receiver for d, p in zip(self.queue, polls) if p == KVPoll.Failed))
         for dreq, poll in zip(self.queue, polls):
             if poll == KVPoll.Failed:
-                reason, cause = dreq.kv_receiver.failure()
+                reason, cause = next(reasons)
                 dreq.kv_receiver.abort(reason, cause)
                 dreq.kv_receiver.clear()
                 abort_req(dreq.req, f"KV transfer failed before it started: {reason}")

@@ -10,7 +10,7 @@ output is garbage with realistic timing. A fake sender is ready at once and done
 from __future__ import annotations
 
 import zlib
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
@@ -29,7 +29,7 @@ class _FakeHandle:
     def __init__(self, room: int) -> None:
         self.room = room
         self.status = KVPoll.WaitingForInput
-        self.reason: Tuple[str, FailureCause] = ("", FailureCause.ABORTED)
+        self.reason: Optional[Tuple[str, FailureCause]] = None
         self.times = TransferTimes(created=now(), bootstrapped=now())
 
     def poll(self) -> KVPoll:
@@ -40,7 +40,7 @@ class _FakeHandle:
             self.status = KVPoll.Failed
             self.reason = (reason, cause)
 
-    def failure(self) -> Tuple[str, FailureCause]:
+    def failure(self) -> Optional[Tuple[str, FailureCause]]:
         return self.reason
 
     def clear(self) -> None:

@@ -21,6 +21,7 @@ from engine.disaggregation.base import (
     DisaggregationMode,
     FailureCause,
     KVPoll,
+    agreed_failures,
     poll_and_all_reduce,
     take_matching,
     validate_pd_request,
@@ -107,9 +108,11 @@ class PrefillDisaggregation:
         polls = poll_and_all_reduce(p.sender for p in self.bootstrap_queue)
         kept: List[PrefillRequest] = []
         failed: List[Req] = []
+        reasons = iter(agreed_failures(p.sender for p, poll in zip(self.bootstrap_queue, polls)
+                                       if poll == KVPoll.Failed))
         for preq, poll in zip(self.bootstrap_queue, polls):
             if poll == KVPoll.Failed:
-                reason, cause = preq.sender.failure()
+                reason, cause = next(reasons)
                 preq.sender.clear()
                 abort_req(preq.req, f"KV transfer failed before the prefill: {reason}")
                 self.metrics.observe_failure(False, cause)
@@ -152,13 +155,14 @@ class PrefillDisaggregation:
         polls = poll_and_all_reduce(p.sender for p in self.inflight)
         kept: List[PrefillRequest] = []
         done: List[Req] = []
+        reasons = iter(agreed_failures(p.sender for p, poll in zip(self.inflight, polls) if poll == KVPoll.Failed))
         for preq, poll in zip(self.inflight, polls):
             req = preq.req
             if poll == KVPoll.Success:
                 req.finished_reason = FINISH_LENGTH(0)
                 self.scheduler.tree_cache.cache_finished_req(req)
             elif poll == KVPoll.Failed:
-                reason, cause = preq.sender.failure()
+                reason, cause = next(reasons)
                 abort_req(req, f"KV transfer failed: {reason}")
                 self.metrics.observe_failure(True, cause)
                 self.scheduler.tree_cache.cache_finished_req(req, is_insert=False)

@@ -157,6 +157,15 @@ def all_reduce_min_small_ints(values: List[int]) -> List[int]:
     return t.tolist()
 
 
+def all_gather_objects(value: Any) -> List[Any]:
+    """Every rank's picklable `value`, in rank order (one gloo all_gather_object; rare paths only)."""
+    if _TP.size == 1:
+        return [value]
+    out: List[Any] = [None] * _TP.size
+    dist.all_gather_object(out, value, group=_TP.cpu_group)
+    return out
+
+
 def broadcast_bytes_list(items: Optional[List[bytes]]) -> List[bytes]:
     """Rank 0's list of byte strings, on every rank (others pass None).
 
