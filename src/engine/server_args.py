@@ -339,8 +339,6 @@ class ServerArgs:
              f"--disaggregation-heartbeat-max-failures must be >= 1, got {self.disaggregation_heartbeat_max_failures}")
         if self.disaggregation_mode != "null":
             need(self.dp_size == 1, "--disaggregation-mode prefill|decode supports --dp-size 1 only")
-            need(not self.enable_mixed_chunk, "--enable-mixed-chunk is for unified servers: a prefill server has "
-                                              "no decoding to mix in, a decode server no prefill")
             need(not self.is_embedding, "--disaggregation-mode prefill|decode serves generative models only, "
                                         "not --is-embedding")
             need(not (self.disaggregation_mode == "prefill" and self.port == self.disaggregation_bootstrap_port),

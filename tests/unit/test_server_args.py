@@ -66,8 +66,3 @@ def test_mixed_chunk_is_the_cpu_default_of_unified_servers_only():
     for mode in ("prefill", "decode"):
         assert not ServerArgs(model_path="m", device="cpu", disaggregation_mode=mode).enable_mixed_chunk
 
-
-@pytest.mark.parametrize("mode", ["prefill", "decode"])
-def test_mixed_chunk_is_refused_on_pd_servers(mode):
-    with pytest.raises(ServerArgsError, match="--enable-mixed-chunk is for unified servers"):
-        ServerArgs(model_path="m", device="cpu", disaggregation_mode=mode, enable_mixed_chunk=True)
