@@ -202,6 +202,8 @@ class ServerArgs:
     health_check_timeout: float = arg(20.0, "Seconds /health_generate waits for its probe to make progress.")
     control_timeout: float = arg(60.0, "Seconds a control call (/flush_cache, /get_server_info, ...) waits "
                                        "for the scheduler's reply.")
+    weight_update_timeout: float = arg(1800.0, "Seconds a weight update or a memory release / resume waits for "
+                                               "the scheduler's reply (loading a large checkpoint takes a while).")
     startup_timeout: float = arg(900.0, "Seconds the launcher waits for its processes to load the model.")
     strict_memory_check: bool = arg(False, (
         "Make the idle memory self-check fatal: a KV or request-slot leak stops the scheduler and "
@@ -292,7 +294,8 @@ class ServerArgs:
         need(self.decode_log_interval >= 1,
              f"--decode-log-interval must be >= 1, got {self.decode_log_interval}")
         need(self.watchdog_timeout > 0, f"--watchdog-timeout must be > 0, got {self.watchdog_timeout}")
-        for name in ("health_check_timeout", "control_timeout", "startup_timeout", "dist_timeout"):
+        for name in ("health_check_timeout", "control_timeout", "weight_update_timeout", "startup_timeout",
+                     "dist_timeout"):
             need(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
         need(self.req_waiting_timeout >= 0,
              f"--req-waiting-timeout must be >= 0 (0: no limit), got {self.req_waiting_timeout}")
@@ -435,6 +438,7 @@ _ARG_TYPES = {
     "dist_timeout": float,
     "health_check_timeout": float,
     "control_timeout": float,
+    "weight_update_timeout": float,
     "startup_timeout": float,
     "default_priority_value": int,
     "priority_scheduling_preemption_threshold": int,

@@ -19,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
-import os
 import random
 import time
 import uuid
@@ -52,8 +51,6 @@ logger = logging.getLogger(__name__)
 
 HEALTH_CHECK_RID_PREFIX = "HEALTH_CHECK"
 PAUSE_MODES = ("abort", "retract", "in_place")
-# Loading a large checkpoint takes a while: weight and memory calls wait this long for a reply.
-WEIGHT_UPDATE_TIMEOUT_S = float(os.environ.get("ENGINE_WEIGHT_UPDATE_TIMEOUT", "1800"))
 # How often a health probe on a busy server asks the scheduler whether forwards advance.
 HEALTH_CHECK_PROGRESS_POLL_S = 0.25
 
@@ -132,6 +129,11 @@ class ControlCalls:
     async def get_internal_state(self) -> list[dict]:
         replies = await self.call(GetInternalStateReq())
         return [dict(r.internal_state) for r in replies]
+
+    @property
+    def _weight_timeout(self) -> float:
+        """How long weight and memory calls wait for a reply (--weight-update-timeout)."""
+        return self.manager.server_args.weight_update_timeout
 
     async def call(self, msg: Message, timeout: Optional[float] = None) -> list:
         """Send a control request; its replies, one per DP replica (503 on no reply within
@@ -267,15 +269,15 @@ class ControlCalls:
         if mode == "abort":
             # SGLang: abort everything in flight and return once every request is answered.
             self.manager.abort_request(abort_all=True)
-            await asyncio.wait_for(self.gate.model_update_lock.wait_no_readers(), timeout=WEIGHT_UPDATE_TIMEOUT_S)
+            await asyncio.wait_for(self.gate.model_update_lock.wait_no_readers(), timeout=self._weight_timeout)
             return {"success": True, "message": "Generation paused (abort).", "num_paused_requests": 0}
-        replies = await self.call(PauseGenerationReqInput(mode=mode), WEIGHT_UPDATE_TIMEOUT_S)
+        replies = await self.call(PauseGenerationReqInput(mode=mode), self._weight_timeout)
         return {"success": all(r.success for r in replies), "message": _join(replies),
                 "num_paused_requests": sum(r.num_paused_requests for r in replies)}
 
     async def continue_generation(self, torch_empty_cache: bool = True) -> dict:
         replies = await self.call(ContinueGenerationReqInput(torch_empty_cache=torch_empty_cache),
-                                  WEIGHT_UPDATE_TIMEOUT_S)
+                                  self._weight_timeout)
         self.gate.resume()
         return {"success": all(r.success for r in replies), "message": _join(replies)}
 
@@ -307,7 +309,7 @@ class ControlCalls:
         if abort_all:
             self.manager.abort_request(abort_all=True)
         async with self.gate.weight_update():
-            return await self.call(obj, WEIGHT_UPDATE_TIMEOUT_S)
+            return await self.call(obj, self._weight_timeout)
 
     def _set_weight_version(self, version: Optional[str], message: str) -> str:
         if version is None:
@@ -325,10 +327,10 @@ class ControlCalls:
 
     # ------------------------------------------------------------------ memory
     async def release_memory_occupation(self, tags: Optional[list[str]] = None) -> dict:
-        return _result(await self.call(ReleaseMemoryOccupationReqInput(tags=tags), WEIGHT_UPDATE_TIMEOUT_S))
+        return _result(await self.call(ReleaseMemoryOccupationReqInput(tags=tags), self._weight_timeout))
 
     async def resume_memory_occupation(self, tags: Optional[list[str]] = None) -> dict:
-        return _result(await self.call(ResumeMemoryOccupationReqInput(tags=tags), WEIGHT_UPDATE_TIMEOUT_S))
+        return _result(await self.call(ResumeMemoryOccupationReqInput(tags=tags), self._weight_timeout))
 
 
 def serialize_named_tensors(named_tensors: Sequence[tuple[str, Any]]) -> bytes:
