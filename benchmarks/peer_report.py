@@ -151,7 +151,8 @@ def plot(report: Dict[str, Any], path: str) -> None:
 
     results = report["results"]
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for system, label in COLUMNS:
+    for i, (system, label) in enumerate(COLUMNS):
+        color = f"C{i}"  # one color per system in both panels
         r = results.get(system, {})
         batch = sorted((int(k.split("_")[1]), v["out_tok_per_s"]) for k, v in r.items()
                        if k.startswith("offline_") and isinstance(v, dict) and "out_tok_per_s" in v)
@@ -159,12 +160,12 @@ def plot(report: Dict[str, Any], path: str) -> None:
                         for k, v in r.items()
                         if (k == "shared_prefix" or k.startswith("prefix_")) and isinstance(v, dict))
         if batch:
-            ax1.plot(*zip(*batch), marker="o", label=label)
+            ax1.plot(*zip(*batch), marker="o", label=label, color=color)
         if prefix:
-            ax2.plot(*zip(*prefix), marker="o", label=label)
+            ax2.plot(*zip(*prefix), marker="o", label=label, color=color)
     ax1.set_xscale("log", base=2)
     ax1.set_xlabel("batch size (128 in / 128 out)")
-    ax2.set_xlabel("shared system prompt length (8 groups x 16, + 64-token question, 64 out)")
+    ax2.set_xlabel("shared system prompt tokens (8 groups x 16 prompts)")
     for ax in (ax1, ax2):
         ax.set_ylabel("output tokens/s")
         ax.grid(alpha=0.3)
