@@ -35,7 +35,8 @@ class ScriptedManager:
         self.template_tools: List[Optional[list]] = []
 
     def apply_chat_template(self, messages: List[dict], add_generation_prompt: bool = True,
-                            tools: Optional[list] = None) -> List[int]:
+                            tools: Optional[list] = None, continue_final_message: bool = False,
+                            template_kwargs: Optional[dict] = None) -> List[int]:
         self.template_tools.append(tools)
         return [1, 2, 3]
 

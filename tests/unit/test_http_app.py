@@ -54,6 +54,7 @@ class FakeTokenizerManager:
         self.closed_early: List[str] = []
         self.templates: List[List[dict]] = []
         self.template_tools: List[Optional[list]] = []
+        self.template_options: List[tuple] = []
 
     # ------------------------------------------------------------------ generation
     async def generate_request(self, obj: GenerateReqInput, request: Any = None) -> AsyncIterator[Any]:
@@ -170,9 +171,11 @@ class FakeTokenizerManager:
         return self.alive
 
     def apply_chat_template(self, messages: List[dict], add_generation_prompt: bool = True,
-                            tools: Optional[list] = None) -> List[int]:
+                            tools: Optional[list] = None, continue_final_message: bool = False,
+                            template_kwargs: Optional[dict] = None) -> List[int]:
         self.templates.append(messages)
         self.template_tools.append(tools)
+        self.template_options.append((continue_final_message, template_kwargs))
         if any(m["content"] == "bad template" for m in messages):
             raise EngineRequestError("Failed to apply the chat template: roles must alternate")
         return self.tokenizer.encode("".join(m["content"] for m in messages))
@@ -541,6 +544,18 @@ def test_chat_basic(client: TestClient, manager: FakeTokenizerManager) -> None:
     assert messages[2]["tool_calls"] == [{"id": "t"}] and messages[3]["tool_call_id"] == "t"
 
 
+def test_chat_template_kwargs_and_continue_final_message_reach_the_template(
+        client: TestClient, manager: FakeTokenizerManager) -> None:
+    messages = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"}]
+    response = client.post("/v1/chat/completions", json={
+        "model": "m", "max_tokens": 2, "messages": messages, "continue_final_message": True,
+        "chat_template_kwargs": {"enable_thinking": False}})
+    assert response.status_code == 200, response.text
+    assert manager.template_options[-1] == (True, {"enable_thinking": False})
+    client.post("/v1/chat/completions", json={"model": "m", "max_tokens": 2, "messages": messages[:1]})
+    assert manager.template_options[-1] == (False, None)
+
+
 def test_chat_default_max_tokens_fills_context(client: TestClient, manager: FakeTokenizerManager) -> None:
     client.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "abcd"}]})
     assert manager.requests[-1].sampling_params[0]["max_new_tokens"] == CONTEXT_LEN - 4
@@ -620,6 +635,9 @@ def test_chat_errors_then_good_request(client: TestClient, manager: FakeTokenize
         ({"messages": user, "json_schema": "{}", "response_format": {"type": "json_object"}},
          "at most one output constraint"),
         ({"messages": user, "n": 1000}, "n"),
+        ({"messages": user, "continue_final_message": True}, "last message to be an assistant"),
+        ({"messages": user, "chat_template_kwargs": {"tokenize": True}}, "may not set tokenize"),
+        ({"messages": user, "chat_template_kwargs": ["enable_thinking"]}, "chat_template_kwargs"),
         ({"messages": user, "temperature": -0.1}, "temperature"),
         ({"messages": user, "stop": ["s"] * 40}, "stop"),
         ({"messages": [{"role": "user", "content": "bad template"}]}, "chat template"),

@@ -149,7 +149,7 @@ def test_openai_requests_refuse_sglang_extras_in_use() -> None:
             "continue_final_message": False, "return_hidden_states": False}
     assert ChatCompletionRequest(**chat).messages[0].text() == "hi"
     assert ChatCompletionRequest(**{**chat, "priority": 3, "cache_salt": "s", "stop_regex": "x"}).priority == 3
-    for extra in ({"structural_tag": "{}"}, {"continue_final_message": True}, {"lora_path": "adapter"}):
+    for extra in ({"structural_tag": "{}"}, {"lora_path": "adapter"}):
         with pytest.raises(ValidationError) as info:
             ChatCompletionRequest(**{**chat, **extra})
         assert f"{next(iter(extra))} is not supported" in str(info.value)

@@ -624,6 +624,18 @@ def test_chat_template_and_override(runtime, tokenizer, tmp_path):
         manager.apply_chat_template(messages)
 
 
+def test_chat_template_kwargs_and_continue_final_message(runtime, tokenizer):
+    manager, _ = runtime
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Hel"}]
+    closed = tokenizer.decode(manager.apply_chat_template(messages, add_generation_prompt=False))
+    continued = tokenizer.decode(manager.apply_chat_template(messages, continue_final_message=True))
+    # The final message stays open: the same text up to its content, nothing after it.
+    assert continued.endswith("Hel") and closed.startswith(continued) and closed != continued
+    manager.chat_template = "{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    ids = manager.apply_chat_template(messages[:1], template_kwargs={"greeting": "yo "})
+    assert tokenizer.decode(ids) == "yo hi"
+
+
 def test_log_requests(runtime, caplog):
     manager, _ = runtime
     manager.server_args.log_requests = True

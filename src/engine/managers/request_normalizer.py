@@ -416,16 +416,24 @@ def load_chat_template(chat_template: Optional[str]) -> Optional[str]:
 
 def apply_chat_template(
     tokenizer: Any, chat_template: Optional[str], messages: list[dict], add_generation_prompt: bool = True,
-    tools: Optional[list] = None,
+    tools: Optional[list] = None, continue_final_message: bool = False,
+    template_kwargs: Optional[dict[str, Any]] = None,
 ) -> list[int]:
-    """Render `messages` with `chat_template` (the tokenizer's own when None) and tokenize them."""
+    """Render `messages` with `chat_template` (the tokenizer's own when None) and tokenize them.
+
+    `continue_final_message` leaves the last message open (no end-of-turn after it, no new turn);
+    `template_kwargs` are extra variables of the template (a request's chat_template_kwargs).
+    """
     if tokenizer is None:
         raise EngineRequestError("This server has no tokenizer, so chat templates are unavailable.")
-    kwargs: dict[str, Any] = {}
+    kwargs: dict[str, Any] = dict(template_kwargs or {})
     if chat_template is not None:
         kwargs["chat_template"] = chat_template
     if tools:
         kwargs["tools"] = tools
+    if continue_final_message:
+        kwargs["continue_final_message"] = True
+        add_generation_prompt = False
     try:
         # Render to text first: apply_chat_template(tokenize=True) changed its return type
         # across transformers versions, encode() has not.

@@ -562,9 +562,11 @@ class TokenizerManager:
 
     # ------------------------------------------------------------------ chat and info
     def apply_chat_template(
-        self, messages: list[dict], add_generation_prompt: bool = True, tools: Optional[list] = None
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: Optional[list] = None,
+        continue_final_message: bool = False, template_kwargs: Optional[dict] = None,
     ) -> list[int]:
-        return apply_chat_template(self.tokenizer, self.chat_template, messages, add_generation_prompt, tools)
+        return apply_chat_template(self.tokenizer, self.chat_template, messages, add_generation_prompt, tools,
+                                   continue_final_message, template_kwargs)
 
     def get_model_info(self) -> dict:
         return {

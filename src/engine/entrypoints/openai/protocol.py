@@ -298,6 +298,11 @@ class ChatCompletionMessageParam(BaseModel):
         return "\n".join(part.text for part in self.content)
 
 
+# Arguments of the chat template call that the request itself decides.
+RESERVED_TEMPLATE_KWARGS = frozenset({"messages", "conversation", "tools", "documents", "chat_template", "tokenize",
+                                      "add_generation_prompt", "continue_final_message", "return_dict"})
+
+
 class ChatCompletionRequest(SamplingFields):
     messages: List[ChatCompletionMessageParam]
     max_tokens: Optional[int] = Field(default=None, ge=1)
@@ -311,6 +316,10 @@ class ChatCompletionRequest(SamplingFields):
     # SGLang's reasoning fields: return the reasoning apart (reasoning_content), and stream it.
     separate_reasoning: bool = True
     stream_reasoning: bool = True
+    # Extra variables for the chat template (e.g. {"enable_thinking": false}), and SGLang's / vLLM's
+    # continue_final_message: the last (assistant) message is continued instead of a new turn begun.
+    chat_template_kwargs: Optional[Dict[str, Any]] = None
+    continue_final_message: bool = False
 
     @field_validator("messages")
     @classmethod
@@ -323,6 +332,11 @@ class ChatCompletionRequest(SamplingFields):
     def _check_chat_fields(self) -> "ChatCompletionRequest":
         if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
             raise ValueError("top_logprobs needs logprobs to be true")
+        if self.continue_final_message and self.messages[-1].role != "assistant":
+            raise ValueError("continue_final_message needs the last message to be an assistant message")
+        reserved = sorted(set(self.chat_template_kwargs or ()) & RESERVED_TEMPLATE_KWARGS)
+        if reserved:
+            raise ValueError(f"chat_template_kwargs may not set {', '.join(reserved)} (fields of the request)")
         self._check_tools()
         return self
 

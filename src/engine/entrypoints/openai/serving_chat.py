@@ -69,7 +69,9 @@ class OpenAIServingChat:
         try:
             parsing, tool_constraint = ChatParsing.for_request(request, self.tool_call_parser, self.reasoning_parser)
             prompt_ids = self.tokenizer_manager.apply_chat_template(
-                _template_messages(request), add_generation_prompt=True, tools=tools_for_template(request)
+                _template_messages(request), add_generation_prompt=True, tools=tools_for_template(request),
+                continue_final_message=request.continue_final_message,
+                template_kwargs=request.chat_template_kwargs,
             )
         except EngineRequestError as exc:
             return error_response_from_exception(exc)

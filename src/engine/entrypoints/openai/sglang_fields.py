@@ -68,10 +68,10 @@ NATIVE_UNSUPPORTED: Dict[str, Tuple[Tuple[Any, ...], str]] = {
 
 # SGLang's extra fields of the OpenAI requests (python/sglang/srt/entrypoints/openai/protocol.py)
 # that change what is generated. The implemented ones (regex, ebnf, json_schema,
-# separate_reasoning, stream_reasoning) are fields of the request models.
+# separate_reasoning, stream_reasoning, chat_template_kwargs, continue_final_message) are fields of
+# the request models.
 OPENAI_UNSUPPORTED: Dict[str, Tuple[Tuple[Any, ...], str]] = {
     "structural_tag": (_NULL, "structural tags are not implemented; use json_schema, regex or ebnf"),
-    "continue_final_message": (_FALSE, "continuing the final message is not implemented"),
     **{name: NATIVE_UNSUPPORTED[name] for name in (
         "lora_path", "session_params", "return_routed_experts", "routed_dp_rank", "data_parallel_rank",
     )},
