@@ -282,6 +282,22 @@ def test_stop_regex_ends_the_request_and_keeps_the_match():
     assert out.output_ids == [1, 2, 3, 4, 5] and out.text == "bcdef"
 
 
+def test_a_stop_regex_that_backtracks_catastrophically_ends_only_its_request():
+    # "^(\w|\w\w)*\d" never matches "bcde...": a search over k letters tries every split of
+    # them into ones and twos (Fibonacci(k) of them: ~30 ms at 24 letters, minutes at 48).
+    # Every search runs under a time budget; the one past it ends its request with a 400 and the
+    # server goes on (the other request finishes normally).
+    h = Harness(detokenize=True)
+    slow = h.submit([0], max_new_tokens=48, stop_regex=[r"^(\w|\w\w)*\d"])
+    other = h.submit([5], max_new_tokens=6)
+    h.run_until_idle()
+    reason = h.outputs[slow].finished_reason
+    assert reason["type"] == "abort" and reason["status_code"] == 400, reason
+    assert "catastrophic backtracking" in reason["message"]
+    assert len(h.outputs[slow].output_ids) < 48
+    assert h.outputs[other].finished_reason["type"] == "length"
+
+
 def test_per_request_stream_interval():
     h = Harness(stream_interval=1)
     every3 = h.submit([1], stream=True, max_new_tokens=10, stream_interval=3)

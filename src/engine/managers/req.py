@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
-import re
 import time
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
 from typing import TYPE_CHECKING, Any, Dict, Hashable, List, Optional, Set
 
 import torch
+
+from engine.sampling import stop_regex
 
 if TYPE_CHECKING:
     from engine.constrained.base_grammar_backend import BaseGrammarObject
@@ -286,7 +287,11 @@ class Req:
             if matched is not None:
                 self.finished_reason = FINISH_MATCHED_STR(matched)
                 return
-            matched = self._check_stop_regex()
+            try:
+                matched = self._check_stop_regex()
+            except stop_regex.StopRegexTimeout as e:
+                self.finished_reason = FINISH_ABORT(str(e), 400, "BadRequestError")
+                return
             if matched is not None:
                 self.finished_reason = FINISH_MATCHED_REGEX(matched)
                 return
@@ -385,7 +390,7 @@ class Req:
         window = max(sp.stop_regex_max_len, sp.stop_str_max_len) + 1
         tail = self.decode(self.output_ids[-window:])
         for pattern in patterns:
-            if re.search(pattern, tail):
+            if stop_regex.search(pattern, tail):
                 return pattern
         return None
 

@@ -5,12 +5,20 @@ The scheduler decodes only a window of the last tokens per step, so it needs the
 pattern can match, counted as tokens: one character can take a token of its own, so the bound in
 characters is a bound in tokens. A pattern with an unbounded repeat (`a+`, `.*`) gets UNBOUNDED,
 i.e. the whole output is searched (SGLang's get_max_seq_length does the same).
+
+The search runs on the scheduler thread at every step, so a pattern that backtracks
+catastrophically (`(a+)+$`) would stall every request of the server: it runs under a time budget
+(the `regex` module's timeout, same syntax as `re` for what `re` accepts), and a search over budget
+ends its request instead.
 """
 
 from __future__ import annotations
 
+import functools
 import re
-from typing import Any, List
+from typing import Any, List, Optional
+
+import regex
 
 try:  # Python 3.11+
     import re._parser as _sre_parse  # type: ignore[import-not-found]
@@ -20,6 +28,12 @@ except ImportError:  # pragma: no cover - Python 3.10
 UNBOUNDED = 1 << 30
 MAX_STOP_REGEX = 32
 MAX_STOP_REGEX_LEN = 1024
+# The time one stop_regex search of one request may take at one step.
+SEARCH_BUDGET_S = 0.05
+
+
+class StopRegexTimeout(Exception):
+    """A stop_regex search ran over SEARCH_BUDGET_S."""
 
 
 def compile_stop_regex(patterns: List[str]) -> List["re.Pattern[str]"]:
@@ -28,9 +42,24 @@ def compile_stop_regex(patterns: List[str]) -> List["re.Pattern[str]"]:
     for pattern in patterns:
         try:
             compiled.append(re.compile(pattern))
-        except re.error as e:
+            _searcher(pattern)  # the engine that runs it must accept it too
+        except (re.error, regex.error) as e:
             raise ValueError(f"stop_regex {pattern!r} is not a valid regular expression: {e}") from None
     return compiled
+
+
+@functools.lru_cache(maxsize=1024)
+def _searcher(pattern: str) -> "regex.Pattern[str]":
+    return regex.compile(pattern)
+
+
+def search(pattern: str, text: str) -> Optional[bool]:
+    """Whether `pattern` matches somewhere in `text`; StopRegexTimeout past SEARCH_BUDGET_S."""
+    try:
+        return _searcher(pattern).search(text, timeout=SEARCH_BUDGET_S) is not None
+    except TimeoutError:
+        raise StopRegexTimeout(f"stop_regex {pattern!r} took over {SEARCH_BUDGET_S * 1000:g} ms to search "
+                               f"{len(text)} characters of output (catastrophic backtracking?)") from None
 
 
 def max_match_len(pattern: str) -> int:
