@@ -155,7 +155,10 @@ def test_openai_routes_through_pd_router_equal_unified(cluster: PDCluster, path:
     assert routed.status_code == 200, routed.text
     key = "text" if path == "/v1/completions" else "message"
     assert routed.json()["choices"][0][key] == direct.json()["choices"][0][key]
-    assert routed.json()["usage"] == direct.json()["usage"]
+    # cached_tokens depends on what earlier requests left in each server's radix cache (the router
+    # spreads them over two prefill servers); the token counts do not.
+    usage = [{k: v for k, v in r.json()["usage"].items() if k != "prompt_tokens_details"} for r in (routed, direct)]
+    assert usage[0] == usage[1]
     streamed = stream_events(cluster.routers["round_robin"], path, {**body, "stream": True})
     text = "".join((c["choices"][0].get("text") or c["choices"][0].get("delta", {}).get("content") or "")
                    for c in streamed if c.get("choices"))

@@ -205,7 +205,12 @@ class TokenizerManager:
 
     def is_alive(self) -> bool:
         """True while every child process is alive, no fatal error was reported and no shutdown began."""
-        return self._dead_message is None and all(_child_alive(p) for p in self.child_processes)
+        alive = self._dead_message is None and all(_child_alive(p) for p in self.child_processes)
+        if not alive:
+            # A death seen here (a zombie child the watchdog has not reported yet) is seen by the
+            # next admission check too: it must not answer from its cached "alive".
+            self._zombie_checked_at = float("-inf")
+        return alive
 
     def _alive_for_admission(self) -> bool:
         """is_alive() for the check before each request is sent: the zombie check through /proc
