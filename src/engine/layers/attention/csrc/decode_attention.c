@@ -198,11 +198,16 @@ static void pv_tile_bf16(work_t *w, int64_t rows, const int64_t *idx, int64_t nt
         while (end < rows && w->koff[end] == w->koff[r]) end++;
         for (; r < end;) {
             const int64_t left = end - r;
+/* RC rows per pass when that many share the head, else 2 (a GQA group of 2), else 1: each pass
+ * reads and interleaves the V rows once for all its rows. */
 #define PV_CASE(nd, rc)                                                      \
     if (ND == nd) {                                                          \
         if (left >= rc) {                                                    \
             pv_bf16(w, r, rc, nd, idx, nt, kv, w->koff[r]);                  \
             r += rc;                                                         \
+        } else if (left >= 2) {                                              \
+            pv_bf16(w, r, 2, nd, idx, nt, kv, w->koff[r]);                   \
+            r += 2;                                                          \
         } else {                                                             \
             pv_bf16(w, r, 1, nd, idx, nt, kv, w->koff[r]);                   \
             r += 1;                                                          \
