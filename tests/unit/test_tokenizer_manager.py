@@ -233,7 +233,7 @@ def expected_text(tokenizer, n_tokens):
 def test_normalize_expands_n_request_major():
     obj = GenerateReqInput(text=["a", "b"], sampling_params={"n": 2, "max_new_tokens": 3}, rid=["x", "y"])
     obj.normalize()
-    assert obj.rid == ["x-0", "x-1", "y-0", "y-1"]
+    assert obj.rid == ["x_0", "x_1", "y_0", "y_1"]
     assert obj.text == ["a", "a", "b", "b"]
     assert all("n" not in sp and sp["max_new_tokens"] == 3 for sp in obj.sampling_params)
     assert not obj.is_single and obj.batch_size == 4
@@ -242,7 +242,8 @@ def test_normalize_expands_n_request_major():
 def test_one_rid_for_a_batch_is_a_prefix_like_sglang():
     obj = GenerateReqInput(text=["a", "b"], rid="job", sampling_params={"n": 2})
     obj.normalize()
-    assert obj.rid == ["job_0-0", "job_0-1", "job_1-0", "job_1-1"]
+    # SGLang numbers every sub-request of a string rid: "{rid}_{k}".
+    assert obj.rid == ["job_0", "job_1", "job_2", "job_3"]
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -326,9 +327,9 @@ def test_parallel_sampling_n_fans_out(runtime):
     manager, fake = runtime
     outs = collect(manager, GenerateReqInput(text="Hello", rid="p", sampling_params={"n": 3, "max_new_tokens": 2}))
     results = outs[0]
-    assert isinstance(results, list) and [r["meta_info"]["id"] for r in results] == ["p-0", "p-1", "p-2"]
+    assert isinstance(results, list) and [r["meta_info"]["id"] for r in results] == ["p_0", "p_1", "p_2"]
     sent = fake.messages(TokenizedGenerateReqInput)
-    assert sorted(m.rid for m in sent) == ["p-0", "p-1", "p-2"]
+    assert sorted(m.rid for m in sent) == ["p_0", "p_1", "p_2"]
     assert all(m.sampling_params["n"] == 1 for m in sent)
 
 
@@ -353,11 +354,11 @@ def test_parallel_sampling_tokenizes_each_prompt_once(runtime, tokenizer):
     manager.tokenizer = counting
     obj = GenerateReqInput(text=["Hello", "world fox"], rid=["p", "q"], sampling_params={"n": 3, "max_new_tokens": 2})
     results = collect(manager, obj)[0]
-    assert [r["meta_info"]["id"] for r in results] == ["p-0", "p-1", "p-2", "q-0", "q-1", "q-2"]
+    assert [r["meta_info"]["id"] for r in results] == ["p_0", "p_1", "p_2", "q_0", "q_1", "q_2"]
     assert counting.encoded == ["Hello", "world fox"]
     sent = {m.rid: m.input_ids for m in fake.messages(TokenizedGenerateReqInput)}
-    assert all(sent[f"p-{j}"] == tokenizer.encode("Hello") for j in range(3))
-    assert all(sent[f"q-{j}"] == tokenizer.encode("world fox") for j in range(3))
+    assert all(sent[f"p_{j}"] == tokenizer.encode("Hello") for j in range(3))
+    assert all(sent[f"q_{j}"] == tokenizer.encode("world fox") for j in range(3))
 
 
 def test_batch_stream_carries_index(runtime):

@@ -130,7 +130,7 @@ class GenerateReqInput:
                     assert prompts_ids is not None  # split_prompts returns one of the two
                     out_ids.append(prompts_ids[i])
                 out_sp.append(dict(sub_params))
-                out_rid.append(f"{rids[i]}-{j}" if n > 1 else rids[i])
+                out_rid.append(sub_rid(self.rid, rids[i], len(out_rid), j, n))
                 out_lp.append(bool(return_logprob[i]))
                 out_start.append(int(start_lens[i]))
                 out_top.append(int(top_nums[i]))
@@ -245,6 +245,18 @@ def split_prompts(text: Any, input_ids: Any) -> tuple[Optional[list[str]], Optio
     if all(isinstance(seq, list) and seq and all(_is_token_id(t) for t in seq) for seq in ids):
         return None, [list(seq) for seq in ids], True
     raise EngineRequestError("input_ids must be a non-empty list of non-negative integers or a list of such lists.")
+
+
+def sub_rid(rid: Any, prompt_rid: str, k: int, j: int, n: int) -> str:
+    """The id of sample j (of n) of a prompt, sub-request k of the whole request. As SGLang names
+    them: one string rid over a request that fans out becomes "{rid}_{k}" for each sub-request k
+    (prompts and samples counted together); a prompt's own rid (a list entry, or a random one) with
+    n > 1 becomes "{rid}_{j}"."""
+    if n == 1:
+        return prompt_rid
+    if isinstance(rid, str):
+        return f"{rid}_{k}"
+    return f"{prompt_rid}_{j}"
 
 
 def normalize_rids(rid: Any, num_prompts: int, is_batch: bool) -> list[str]:
