@@ -45,7 +45,8 @@ def server_flags(args: argparse.Namespace, n: int) -> Dict[str, Any]:
     """The ServerArgs both modes run with (the CUDA defaults for prefill: we simulate a GPU)."""
     return {"simulated_device_forward_ms": f"{args.forward_ms},{args.per_token_ms}", "device": "cpu",
             "max_running_requests": n, "max_total_tokens": n * (args.input_len + args.output_len + 8) + 4096,
-            "chunked_prefill_size": 8192, "max_prefill_tokens": 16384, "log_level": "warning"}
+            "chunked_prefill_size": 8192, "max_prefill_tokens": 16384, "log_level": "warning",
+            "incremental_streaming_output": args.incremental_streaming_output}
 
 
 def prompts_for(n: int, input_len: int, seed: int, vocab: int = 2560) -> List[List[int]]:
@@ -141,7 +142,8 @@ def http_phase(args: argparse.Namespace, n: int, results: List[Dict]) -> None:
     from bench_serving import launched_server
 
     flags = server_flags(args, n)
-    cli = " ".join(f"--{k.replace('_', '-')} {v}" for k, v in flags.items())
+    cli = " ".join(f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')} {v}"
+                   for k, v in flags.items() if v is not False)
     with launched_server(cli, timeout_s=600) as srv:
         host, port = "127.0.0.1", int(srv.base_url.rsplit(":", 1)[1])
         pids = {k: v for k, v in process_titles(srv.pid).items() if k in PROCESS_NAMES}
@@ -265,6 +267,8 @@ def main() -> None:
     ap.add_argument("--loops", nargs="+", default=["overlap", "normal"], choices=["overlap", "normal"],
                     help="in-process loops")
     ap.add_argument("--stream", nargs="+", default=["on", "off"], choices=["on", "off"])
+    ap.add_argument("--incremental-streaming-output", action="store_true",
+                    help="serve with --incremental-streaming-output (streamed chunks carry only what is new)")
     ap.add_argument("--repeats", type=int, default=1, help="runs per configuration (the best is kept)")
     ap.add_argument("--profile-dir", default=None, help="py-spy profiles of each process go here")
     ap.add_argument("--profile-at", type=int, nargs="*", default=[1024], help="sizes to profile")

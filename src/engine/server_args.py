@@ -92,6 +92,10 @@ class ServerArgs:
     disable_mixed_chunk: bool = arg(False, "On the CPU: decoding stops while a prefill chunk runs (SGLang's "
                                            "default) instead of riding along with it.")
     stream_interval: int = arg(1, "Stream every N-th token (larger: fewer, bigger chunks).")
+    incremental_streaming_output: bool = arg(
+        False, "Streamed /generate (and Engine) chunks carry only what is new: the text, output_ids and output "
+               "logprobs since the previous chunk, instead of everything so far (SGLang's flag). The OpenAI routes "
+               "stream deltas either way.")
     req_waiting_timeout: float = arg(0.0, "Seconds a request may wait in the queue before it is aborted with "
                                           "HTTP 503; 0: no limit. Not synchronised across TP ranks: leave it "
                                           "at 0 with --tp-size > 1.")

@@ -199,3 +199,17 @@ def test_dead_child_and_shutdown_leave_no_process():
     assert not {c.pid for c in new} & set(pids)
     # Only multiprocessing's shared resource tracker may remain; it is not ours to stop.
     assert all("resource_tracker" in " ".join(c.cmdline()) for c in new), [c.cmdline() for c in new]
+
+
+def test_incremental_streaming_output_pieces_join_into_the_whole_output():
+    """--incremental-streaming-output (SGLang's flag): each streamed chunk carries the text, ids and
+    output logprobs new since the previous one; joined, they equal the non-streamed result."""
+    with Engine(**ENGINE_ARGS, incremental_streaming_output=True) as eng:
+        params = {**GREEDY, "max_new_tokens": 12}
+        whole = eng.generate("The sky is", params, return_logprob=True)
+        chunks = list(eng.generate("The sky is", params, return_logprob=True, stream=True))
+    assert "".join(c["text"] for c in chunks) == whole["text"]
+    assert [i for c in chunks for i in c["output_ids"]] == whole["output_ids"]
+    streamed = [lp for c in chunks for lp in c["meta_info"]["output_token_logprobs"]]
+    assert [lp[1] for lp in streamed] == [lp[1] for lp in whole["meta_info"]["output_token_logprobs"]]
+    assert all(c["output_ids"] for c in chunks)  # no chunk repeats what an earlier one carried

@@ -51,7 +51,8 @@ class ScriptedManager:
                 "finish_reason": dict(self.finish) if last else None}})
         return outs
 
-    async def generate_request(self, obj: GenerateReqInput, request: Any = None) -> AsyncIterator[Any]:
+    async def generate_request(self, obj: GenerateReqInput, request: Any = None,
+                               incremental: bool = False) -> AsyncIterator[Any]:
         obj.normalize()
         self.requests.append(obj)
         runs = [self._outputs(obj, i) for i in range(obj.batch_size)]

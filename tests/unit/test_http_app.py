@@ -51,16 +51,19 @@ class FakeTokenizerManager:
         self.aborts: List[Dict[str, Any]] = []
         self.requests: List[GenerateReqInput] = []
         self.raw_requests: List[Any] = []
+        self.incrementals: List[bool] = []
         self.closed_early: List[str] = []
         self.templates: List[List[dict]] = []
         self.template_tools: List[Optional[list]] = []
         self.template_options: List[tuple] = []
 
     # ------------------------------------------------------------------ generation
-    async def generate_request(self, obj: GenerateReqInput, request: Any = None) -> AsyncIterator[Any]:
+    async def generate_request(self, obj: GenerateReqInput, request: Any = None,
+                               incremental: bool = False) -> AsyncIterator[Any]:
         obj.normalize()
         self.requests.append(obj)
         self.raw_requests.append(request)
+        self.incrementals.append(incremental)
         prompts = obj.input_ids if obj.input_ids is not None else [self.tokenizer.encode(t) for t in obj.text]
         for ids in prompts:
             if len(ids) >= self.context_len:
@@ -728,3 +731,16 @@ def test_api_key(manager: FakeTokenizerManager) -> None:
         good = c.post("/v1/completions", json={"prompt": "a", "max_tokens": 1},
                       headers={"Authorization": "Bearer sekret"})
         assert good.status_code == 200
+
+
+def test_only_the_native_route_streams_incrementally_with_the_flag(manager: FakeTokenizerManager) -> None:
+    """--incremental-streaming-output reaches the manager from /generate; the OpenAI routes compute
+    their own deltas from cumulative outputs whatever the flag says."""
+    app = create_app(manager, ServerArgs(device="cpu", incremental_streaming_output=True))
+    with TestClient(app) as flagged:
+        assert flagged.post("/generate", json={"text": "hi", "stream": True}).status_code == 200
+        assert flagged.post("/v1/completions", json={"model": "fake-model", "prompt": "hi",
+                                                     "stream": True}).status_code == 200
+    with TestClient(create_app(manager, ServerArgs(device="cpu"))) as plain:
+        assert plain.post("/generate", json={"text": "hi", "stream": True}).status_code == 200
+    assert manager.incrementals == [True, False, False]

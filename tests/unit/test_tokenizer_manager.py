@@ -304,6 +304,31 @@ def test_stream_yields_cumulative_updates_and_trims_stop_token(runtime, tokenize
     assert all("\ufffd" not in o["text"] for o in outs)
 
 
+def test_incremental_stream_hands_out_each_piece_once(runtime, tokenizer):
+    """--incremental-streaming-output: every update carries only the text and ids new since the
+    previous one; joined, they are the cumulative stream's final output."""
+    manager, _ = runtime
+
+    async def run(incremental):
+        obj = GenerateReqInput(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 50}, stream=True)
+        return [out async for out in manager.generate_request(obj, incremental=incremental)]
+
+    deltas = asyncio.run(asyncio.wait_for(run(True), 30))
+    whole = asyncio.run(asyncio.wait_for(run(False), 30))[-1]
+    assert "".join(o["text"] for o in deltas) == whole["text"] == REPLY_TEXT
+    assert [i for o in deltas for i in o["output_ids"]] == whole["output_ids"]
+    assert all(o["output_ids"] for o in deltas)  # no update repeats or carries nothing
+    assert deltas[-1]["meta_info"]["finish_reason"] == whole["meta_info"]["finish_reason"]
+    # Not streamed, the flag changes nothing: the one output is the whole one.
+    obj = GenerateReqInput(input_ids=[5, 6, 7], sampling_params={"max_new_tokens": 50})
+    plain = asyncio.run(asyncio.wait_for(_outputs(manager, obj, incremental=True), 30))
+    assert len(plain) == 1 and plain[0]["text"] == REPLY_TEXT
+
+
+async def _outputs(manager, obj, **kwargs):
+    return [out async for out in manager.generate_request(obj, **kwargs)]
+
+
 def test_max_new_tokens_none_is_sent_to_scheduler(runtime):
     manager, fake = runtime
     outs = collect(manager, GenerateReqInput(text="Hello", sampling_params={"max_new_tokens": None}))

@@ -199,7 +199,8 @@ class Engine:
         """
         obj = self._make_request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                  top_logprobs_num, return_text_in_logprobs, stream, rid, extras)
-        outputs = self.tokenizer_manager.generate_request(obj)
+        outputs = self.tokenizer_manager.generate_request(
+            obj, incremental=self.tokenizer_manager.server_args.incremental_streaming_output)
         if stream:
             return self._iterate_sync(outputs)
         return self._run(_last(outputs))
@@ -224,7 +225,8 @@ class Engine:
         """
         obj = self._make_request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                  top_logprobs_num, return_text_in_logprobs, stream, rid, extras)
-        outputs = self.tokenizer_manager.generate_request(obj)
+        outputs = self.tokenizer_manager.generate_request(
+            obj, incremental=self.tokenizer_manager.server_args.incremental_streaming_output)
         if stream:
             return _AsyncStream(self, outputs)
         return self._await_in_engine_loop(_last(outputs))

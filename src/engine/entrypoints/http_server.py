@@ -227,7 +227,8 @@ async def _generate(tokenizer_manager: TokenizerManagerProtocol, body: GenerateR
         bootstrap_port=body.bootstrap_port,
         bootstrap_room=body.bootstrap_room,
     )
-    stream = tokenizer_manager.generate_request(obj, ClientConnection(raw_request))
+    incremental = raw_request.app.state.server_args.incremental_streaming_output
+    stream = tokenizer_manager.generate_request(obj, ClientConnection(raw_request), incremental=incremental)
     if body.stream:
         first, error = await prime_stream(stream)
         if error is not None:

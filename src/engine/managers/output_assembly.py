@@ -52,6 +52,11 @@ class ReqState:
     # Set when metrics are enabled and the request is not a health probe.
     timer: Optional[RequestTimer] = None
     embedding: Optional[bytes] = None  # an embedding request's float32 vector
+    # --incremental-streaming-output on a stream: each output carries only what is new since the
+    # previous one; these count what was handed out (text characters, output tokens).
+    incremental: bool = False
+    sent_text: int = 0
+    sent_ids: int = 0
     # Waking the waiter (event): new output to yield, or the disconnect sweeper's turn to have
     # the client checked (`client`: what the waiter polls, while it waits).
     has_update: bool = False
@@ -65,7 +70,8 @@ class ReqState:
 
 
 def build_output(state: ReqState) -> dict:
-    """The SGLang-shaped output dict of a request so far (text, output_ids, meta_info)."""
+    """The SGLang-shaped output dict of a request so far (text, output_ids, meta_info); for an
+    incremental stream, only the text, output ids and output logprobs since the previous call."""
     meta: dict[str, Any] = {
         "id": state.rid,
         "prompt_tokens": state.prompt_tokens,
@@ -75,16 +81,21 @@ def build_output(state: ReqState) -> dict:
         "finish_reason": None if state.finished_reason is None else copy.deepcopy(state.finished_reason),
         "e2e_latency": time.time() - state.created_time,
     }
+    text, ids = state.text, list(state.output_ids)
+    done = 0  # output positions already handed out (output logprobs are per output position)
+    if state.incremental:
+        text, ids, done = text[state.sent_text:], ids[state.sent_ids:], state.sent_ids
+        state.sent_text, state.sent_ids = len(state.text), len(state.output_ids)
     if state.return_logprob:
         meta["input_token_logprobs"] = list(state.input_token_logprobs)
         meta["input_top_logprobs"] = list(state.input_top_logprobs)
-        meta["output_token_logprobs"] = list(state.output_token_logprobs)
-        meta["output_top_logprobs"] = list(state.output_top_logprobs)
+        meta["output_token_logprobs"] = state.output_token_logprobs[done:]
+        meta["output_top_logprobs"] = state.output_top_logprobs[done:]
         meta["input_token_ids_logprobs"] = list(state.input_token_ids_logprobs)
-        meta["output_token_ids_logprobs"] = list(state.output_token_ids_logprobs)
+        meta["output_token_ids_logprobs"] = state.output_token_ids_logprobs[done:]
     if state.return_hidden_states:
         meta["hidden_states"] = list(state.hidden_states)
-    return {"text": state.text, "output_ids": list(state.output_ids), "meta_info": meta}
+    return {"text": text, "output_ids": ids, "meta_info": meta}
 
 
 class OutputAssembler:

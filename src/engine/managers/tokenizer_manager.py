@@ -279,9 +279,13 @@ class TokenizerManager:
 
     # ------------------------------------------------------------------ generate
     async def generate_request(
-        self, obj: GenerateReqInput, request: Any = None
+        self, obj: GenerateReqInput, request: Any = None, incremental: bool = False
     ) -> GenerateOutputs:
-        """Validate, tokenize and send `obj`; yield its outputs (see the module docstring)."""
+        """Validate, tokenize and send `obj`; yield its outputs (see the module docstring).
+
+        `incremental`: a stream's outputs carry only what is new since the previous one
+        (--incremental-streaming-output, for the native route and the Engine).
+        """
         self.auto_create_handle_loop()
         self._check_alive()
         if not self.is_generation:
@@ -298,11 +302,11 @@ class TokenizerManager:
             tokenized.append(self.normalizer.tokenize_one(obj, i, prompt_ids[prompt]))
         # Waits while generation is paused or a weight update runs; held until the request ends.
         async with self.control.gate.slot():
-            async for out in self._send_and_wait(obj, tokenized, request):
+            async for out in self._send_and_wait(obj, tokenized, request, incremental):
                 yield out
 
     async def _send_and_wait(self, obj: GenerateReqInput, tokenized: list[TokenizedGenerateReqInput],
-                             request: Any) -> AsyncIterator[Union[dict, list[dict]]]:
+                             request: Any, incremental: bool) -> AsyncIterator[Union[dict, list[dict]]]:
         self._check_alive()
         self._check_new_rids(tokenized)
         states: list[ReqState] = []
@@ -315,6 +319,7 @@ class TokenizerManager:
                 created_time=time.time(),
                 no_logs=obj.no_logs,
                 return_hidden_states=req.return_hidden_states,
+                incremental=incremental and obj.stream,
             )
             if self.metrics_collector is not None and obj.log_metrics \
                     and not req.rid.startswith(HEALTH_CHECK_RID_PREFIX):

@@ -50,8 +50,9 @@ class TokenizerManagerProtocol(Protocol):
     def metrics_collector(self) -> Optional[TokenizerMetricsCollector]:
         """The request metrics observed as outputs arrive (None without --enable-metrics)."""
 
-    def generate_request(self, obj: GenerateReqInput, request: Any = None) -> GenerateOutputs:
-        """The outputs of `obj`; `request` (Starlette's) is polled for a client disconnect."""
+    def generate_request(self, obj: GenerateReqInput, request: Any = None, incremental: bool = False) -> GenerateOutputs:
+        """The outputs of `obj`; `request` (Starlette's) is polled for a client disconnect; with
+        `incremental`, a stream's outputs carry only what is new."""
 
     async def encode_request(self, obj: EmbeddingReqInput, request: Any = None) -> list[EmbeddingResult]:
         """One embedding per input of `obj`, in order (embedding models)."""
