@@ -267,3 +267,56 @@ def test_vocab_mask_is_respected_by_greedy_and_sampling() -> None:
         torch.manual_seed(trial)
         ids, _, _ = run(reqs, logits, info=info)
         assert set(ids.tolist()) <= {32, 34}
+
+
+BIG_VOCAB = 4000  # past TOP_CANDIDATES: top-k / top-p rows can be settled among their candidates
+
+
+def _peaky_logits(bs: int, seed: int) -> torch.Tensor:
+    """Language-model-like rows: a few dozen likely tokens over a long flat tail (so the nucleus of
+    top_p 0.9 lies within the candidates), and two flat rows (it does not)."""
+    gen = torch.Generator().manual_seed(seed)
+    logits = torch.randn(bs, BIG_VOCAB, generator=gen)
+    head = torch.randint(0, BIG_VOCAB, (bs, 40), generator=gen)
+    logits.scatter_add_(1, head, torch.rand(bs, 40, generator=gen) * 8 + 4)
+    logits[-2:] = torch.randn(2, BIG_VOCAB, generator=gen) * 0.1
+    return logits
+
+
+@pytest.mark.parametrize("params", [
+    dict(top_p=0.9), dict(top_k=50), dict(top_k=50, top_p=0.8), dict(top_p=0.95, min_p=0.05),
+    dict(top_k=300), dict(top_p=1.0), dict(top_k=BIG_VOCAB - 1, top_p=0.9),
+])
+def test_candidate_sampling_draws_what_the_full_sort_draws(monkeypatch, params) -> None:
+    """The partial-sort path keeps the same tokens with the same probabilities as sorting the whole
+    vocabulary, and a seeded row's noise depends only on (seed, step, token): so every seeded row
+    draws the very same token on both paths (rows the candidates cannot settle take the full path)."""
+    import engine.layers.sampler as sampler_module
+
+    bs = 48
+    # Each batch mixes the case under test with rows that need the full path (no filter at all).
+    reqs = [make_req(sampling_seed=1000 + i, temperature=0.8, **(params if i % 4 else {}))
+            for i in range(bs)]
+    for step in range(3):
+        logits = _peaky_logits(bs, seed=step)
+        info = SamplingBatchInfo.from_reqs(reqs, BIG_VOCAB, "cpu")
+        fast, _, _ = run(reqs, logits, vocab=BIG_VOCAB, info=info)
+        monkeypatch.setattr(sampler_module, "TOP_CANDIDATES", BIG_VOCAB)  # the full sort for every row
+        full, _, _ = run(reqs, logits, vocab=BIG_VOCAB, info=SamplingBatchInfo.from_reqs(reqs, BIG_VOCAB, "cpu"))
+        monkeypatch.undo()
+        assert fast.tolist() == full.tolist()
+        for r in reqs:
+            r.output_ids.append(0)  # the next step draws new noise
+
+
+def test_candidate_sampling_frequencies_follow_the_nucleus() -> None:
+    """Unseeded rows on the candidate path: only nucleus tokens are drawn, in proportion."""
+    logits = torch.full((1, BIG_VOCAB), -10.0)
+    logits[0, [7, 300, 2500]] = torch.tensor([2.0, 1.0, 0.0])
+    n = 6000
+    torch.manual_seed(0)
+    ids, _, _ = run([make_req(top_p=0.7)] * n, logits.repeat(n, 1), vocab=BIG_VOCAB)
+    counts = torch.bincount(ids, minlength=BIG_VOCAB)
+    p = torch.softmax(torch.tensor([2.0, 1.0]), 0)  # 0.73 + 0.27: token 2500 is outside top_p 0.7
+    assert set(ids.unique().tolist()) == {7, 300}
+    assert abs(counts[7].item() / n - p[0].item()) < 0.02
