@@ -62,6 +62,24 @@ def test_repetition_penalty_hf_semantics_over_prompt_and_output() -> None:
     torch.testing.assert_close(logits, expected)
 
 
+def test_repetition_penalty_sparse_and_dense_forms_agree() -> None:
+    """The CPU touches only the seen tokens; accelerators apply the dense form: same logits."""
+    from engine.sampling.penaltylib.repetition_penalty import BatchedRepetitionPenalizer
+
+    gen = torch.Generator().manual_seed(3)
+    vocab = 500
+    reqs = [make_req(prompt=torch.randint(0, vocab, (40,), generator=gen).tolist(),
+                     output=torch.randint(0, vocab, (9,), generator=gen).tolist(), repetition_penalty=p)
+            for p in (1.3, 0.8, 1.0, 2.0)]
+    penalizer = BatchedRepetitionPenalizer.build(reqs, vocab, torch.device("cpu"))
+    logits = torch.randn(len(reqs), vocab, generator=gen)
+    sparse, dense = logits.clone(), logits.clone()
+    penalizer.apply_sparse(sparse)
+    penalizer.apply_dense(dense)
+    torch.testing.assert_close(sparse, dense, rtol=0, atol=0)
+    assert not torch.equal(sparse, logits)
+
+
 def test_penalties_combine_in_order_with_logit_bias() -> None:
     req = make_req(prompt=[3], output=[3, 1], repetition_penalty=1.5, frequency_penalty=1.0,
                    presence_penalty=0.5, logit_bias={"5": 10.0})

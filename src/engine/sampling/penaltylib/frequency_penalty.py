@@ -41,7 +41,7 @@ class BatchedFrequencyPenalizer(BatchedPenalizer):
         self.output_counts[rows, token_ids] += 1.0
 
     def apply(self, logits: torch.Tensor, output_lens: torch.Tensor) -> None:
-        logits.sub_(self.output_counts * self.penalties)
+        logits.addcmul_(self.output_counts, self.penalties, value=-1.0)  # one pass, no [bs, vocab] temporary
 
     def still_required(self) -> bool:
         return bool((self.penalties != 0).any())

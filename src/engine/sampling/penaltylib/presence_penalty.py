@@ -40,7 +40,8 @@ class BatchedPresencePenalizer(BatchedPenalizer):
         self.output_seen[rows, token_ids] = True
 
     def apply(self, logits: torch.Tensor, output_lens: torch.Tensor) -> None:
-        logits.sub_(self.output_seen * self.penalties)
+        # bool * float builds the temporary on a slow promotion path: convert, then one fused pass.
+        logits.addcmul_(self.output_seen.to(logits.dtype), self.penalties, value=-1.0)
 
     def still_required(self) -> bool:
         return bool((self.penalties != 0).any())
