@@ -38,6 +38,12 @@ from host_client import run_clients, steady_window  # noqa: E402
 from host_profile import Profiler, cpu_seconds, format_summary, process_titles  # noqa: E402
 
 PROCESS_NAMES = ("engine::scheduler_TP0", "engine::detokenizer", "engine::main")
+WORKER_PREFIX = "engine::http_worker_"  # --tokenizer-worker-num > 1: the HTTP processes
+
+
+def short_name(title: str) -> str:
+    """scheduler, detokenizer, main, or worker (every HTTP worker)."""
+    return "worker" if title.startswith(WORKER_PREFIX) else title.split("::")[1].split("_")[0]
 
 
 # ---------------------------------------------------------------------------- in process
@@ -142,11 +148,14 @@ def http_phase(args: argparse.Namespace, n: int, results: List[Dict]) -> None:
     from bench_serving import launched_server
 
     flags = server_flags(args, n)
+    if args.tokenizer_worker_num > 1:
+        flags["tokenizer_worker_num"] = args.tokenizer_worker_num
     cli = " ".join(f"--{k.replace('_', '-')}" if v is True else f"--{k.replace('_', '-')} {v}"
                    for k, v in flags.items() if v is not False)
     with launched_server(cli, timeout_s=600) as srv:
         host, port = "127.0.0.1", int(srv.base_url.rsplit(":", 1)[1])
-        pids = {k: v for k, v in process_titles(srv.pid).items() if k in PROCESS_NAMES}
+        pids = {k: v for k, v in process_titles(srv.pid).items()
+                if k in PROCESS_NAMES or k.startswith(WORKER_PREFIX)}
 
         def forward_ct() -> int:
             info = httpx.get(srv.base_url + "/get_server_info", timeout=60).json()
@@ -200,11 +209,16 @@ def http_row(args: argparse.Namespace, n: int, stream: bool, records: List[Any],
         # How long until every stream had its first token: admission through HTTP and prefill.
         "all_started_s": max(r.first for r in records) - min(r.sent for r in records) if stream else None,
     }
+    grouped: Dict[str, List[float]] = {}
     for name, seconds in cpu.items():
-        short = name.split("::")[1].split("_")[0]
+        grouped.setdefault(short_name(name), []).append(seconds)
+    for short, times in grouped.items():  # the HTTP workers together; the busiest one apart
+        seconds = sum(times)
         row[f"{short}_cpu_share"] = seconds / wall
         row[f"{short}_cpu_ms_per_step"] = 1000 * seconds / steps
         row[f"{short}_cpu_us_per_token"] = 1e6 * seconds / max(tokens, 1)
+        row[f"{short}_max_cpu_share"] = max(times) / wall
+    row["http_workers"] = len(grouped.get("worker", []))
     row["cpu_ms_per_step"] = row.get("scheduler_cpu_ms_per_step")
     row["cpu_share"] = row.get("scheduler_cpu_share")
     return row
@@ -227,7 +241,7 @@ def format_row(r: Dict[str, Any]) -> str:
         extra = (f" | whole run {r['whole_run_throughput']:,.0f} tok/s{started}, device busy "
                  f"{100 * r['device_busy_share']:.0f}% | CPU share of a core: scheduler "
                  f"{100 * r.get('scheduler_cpu_share', 0):.0f}%, detokenizer {100 * r.get('detokenizer_cpu_share', 0):.0f}%, "
-                 f"main {100 * r.get('main_cpu_share', 0):.0f}%, client {100 * r['client_cpu_share']:.0f}%")
+                 f"main {100 * r.get('main_cpu_share', 0):.0f}%{_workers(r)}, client {100 * r['client_cpu_share']:.0f}%")
     if r["mode"] == "inproc":
         extra = f" | forward sleep overshoot {r['forward_overshoot_ms']:.2f} ms/step"
     return (f"{r['mode']:<6} N={r['num_reqs']:<5} stream={str(r['stream']):<5} {r['loop']:<7} "
@@ -236,18 +250,28 @@ def format_row(r: Dict[str, Any]) -> str:
             f"({1000 * (r['cpu_ms_per_step'] or 0) / r['num_reqs']:.2f} us/req){extra}")
 
 
+def _workers(r: Dict[str, Any]) -> str:
+    if not r.get("http_workers"):
+        return ""
+    return (f", {r['http_workers']} HTTP workers {100 * r['worker_cpu_share']:.0f}% "
+            f"(busiest {100 * r['worker_max_cpu_share']:.0f}%)")
+
+
 def markdown_table(results: List[Dict[str, Any]]) -> str:
     lines = ["| mode | running | stream | loop | tok/s | % of ideal | scheduler CPU ms/step | "
              "CPU us/token: scheduler / detokenizer / main | % of a core: scheduler / detokenizer / main / client "
-             "| forward sleep overshoot ms/step |", "|---|---|---|---|---|---|---|---|---|---|"]
+             "| HTTP workers: % of a core, all (busiest) | forward sleep overshoot ms/step |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         per_token = " / ".join(_fmt(r.get(f"{p}_cpu_us_per_token"), ".2f") for p in ("scheduler", "detokenizer", "main"))
         shares = " / ".join(_fmt(None if r.get(k) is None else 100 * r[k], ".0f", "%")
                             for k in ("scheduler_cpu_share", "detokenizer_cpu_share", "main_cpu_share", "client_cpu_share"))
+        workers = (f"{r['http_workers']}: {100 * r['worker_cpu_share']:.0f}% ({100 * r['worker_max_cpu_share']:.0f}%)"
+                   if r.get("http_workers") else "-")
         lines.append(f"| {r['mode']} | {r['num_reqs']} | {'yes' if r['stream'] else 'no'} | {r['loop']} | "
                      f"{r['throughput']:,.0f}{'' if r.get('steady', True) else ' (whole run)'} | "
                      f"{100 * r['throughput'] / r['ideal']:.0f}% | {r['cpu_ms_per_step'] or 0:.2f} | {per_token} | "
-                     f"{shares} | {_fmt(r.get('forward_overshoot_ms'), '.2f')} |")
+                     f"{shares} | {workers} | {_fmt(r.get('forward_overshoot_ms'), '.2f')} |")
     return "\n".join(lines)
 
 
@@ -269,6 +293,8 @@ def main() -> None:
     ap.add_argument("--stream", nargs="+", default=["on", "off"], choices=["on", "off"])
     ap.add_argument("--incremental-streaming-output", action="store_true",
                     help="serve with --incremental-streaming-output (streamed chunks carry only what is new)")
+    ap.add_argument("--tokenizer-worker-num", type=int, default=1,
+                    help="HTTP worker processes of the http mode's server (the server's flag)")
     ap.add_argument("--repeats", type=int, default=1, help="runs per configuration (the best is kept)")
     ap.add_argument("--profile-dir", default=None, help="py-spy profiles of each process go here")
     ap.add_argument("--profile-at", type=int, nargs="*", default=[1024], help="sizes to profile")

@@ -13,7 +13,7 @@ import logging
 import os
 import signal
 import sys
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from engine.server_args import ServerArgs, ServerArgsError
 from engine.utils.child_processes import ChildProcesses, LaunchError
@@ -76,6 +76,10 @@ def launch_server(server_args: ServerArgs) -> None:
               "already in use.", file=sys.stderr)
         sys.exit(EXIT_LAUNCH_FAILED)
 
+    if server_args.tokenizer_worker_num > 1:
+        _serve_with_http_workers(server_args)
+        return
+
     from engine.entrypoints.engine import launch_subprocesses
 
     try:
@@ -86,12 +90,56 @@ def launch_server(server_args: ServerArgs) -> None:
         sys.exit(EXIT_LAUNCH_FAILED)
 
     try:
-        children.start_watchdog(lambda name, pid, code: _on_child_death(children, tokenizer_manager, name, pid, code))
+        children.start_watchdog(lambda name, pid, code: _on_child_death(
+            children, tokenizer_manager.mark_dead, name, pid, code))
         _serve_http(server_args, tokenizer_manager)
     finally:
         logger.info("Shutting down: stopping the child processes.")
         children.shutdown()
         tokenizer_manager.close()
+        _kill_descendants()
+
+
+def _serve_with_http_workers(server_args: ServerArgs) -> None:
+    """--tokenizer-worker-num > 1: this process supervises the children and the HTTP workers
+    (entrypoints/http_workers.py) until a signal or a death."""
+    from engine.entrypoints.engine import LaunchedChildren, launch_children
+    from engine.entrypoints.http_workers import bind_listen_sockets, start_http_workers, stop_http_workers
+
+    try:
+        sockets = bind_listen_sockets(server_args.host, server_args.port, server_args.tokenizer_worker_num)
+    except OSError as e:
+        print(f"error: cannot listen on {server_args.host}:{server_args.port}: {e}", file=sys.stderr)
+        sys.exit(EXIT_LAUNCH_FAILED)
+    launched: Optional[LaunchedChildren] = None
+    workers: list = []
+    # One try for everything after the sockets: a signal at any point (SystemExit) stops whatever
+    # was started, the workers first, so that their streams end before the schedulers go.
+    try:
+        launched = launch_children(server_args, load_tokenizer_too=False)
+        children = launched.children
+        workers = start_http_workers(children, launched.server_args, launched.port_args,
+                                     launched.scheduler_info, sockets)
+        children.wait_ready(server_args.startup_timeout)
+        for sock in sockets:
+            sock.close()  # the workers hold their own
+        children.start_watchdog(lambda name, pid, code: _on_child_death(
+            children, lambda message: stop_http_workers(workers), name, pid, code))
+        logger.info("Serving HTTP on %s with %d workers", server_args.url(), len(workers))
+        freeze_startup_objects()
+        while True:
+            signal.pause()  # SIGTERM/SIGINT raise SystemExit through _exit_on_signal
+    except LaunchError as e:
+        print(f"error: the server failed to start: {e}", file=sys.stderr)
+        sys.exit(EXIT_LAUNCH_FAILED)
+    finally:
+        for sock in sockets:
+            sock.close()
+        if launched is not None:
+            logger.info("Shutting down: stopping the HTTP workers, then the child processes.")
+            launched.children.stop_watching()
+            stop_http_workers(workers)
+            launched.close()
         _kill_descendants()
 
 
@@ -142,10 +190,13 @@ def _serve_http(server_args: ServerArgs, tokenizer_manager: TokenizerManager) ->
     server.run()
 
 
-def _on_child_death(children: ChildProcesses, tokenizer_manager: TokenizerManager, name: str, pid: int, exitcode: Any) -> None:
-    """Watchdog thread: a dead child means the server cannot work; stop everything, non-zero."""
+def _on_child_death(children: ChildProcesses, mark_dead: Callable[[str], None], name: str, pid: int,
+                    exitcode: Any) -> None:
+    """Watchdog thread: a dead child means the server cannot work; stop everything, non-zero.
+
+    `mark_dead` ends the requests in flight first (the TokenizerManager's, or the HTTP workers')."""
     logger.error("Child process %s (%d) died with exit code %s; shutting down.", name, pid, exitcode)
-    tokenizer_manager.mark_dead(f"Child process {name} ({pid}) died with exit code {exitcode}.")
+    mark_dead(f"Child process {name} ({pid}) died with exit code {exitcode}.")
     try:
         children.shutdown()
         _kill_descendants()

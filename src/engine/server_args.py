@@ -9,7 +9,7 @@ import math
 import os
 import tempfile
 from dataclasses import dataclass, field
-from typing import Any, Optional
+from typing import Any, List, Optional
 
 logger = logging.getLogger(__name__)
 
@@ -61,6 +61,10 @@ class ServerArgs:
     host: str = arg("127.0.0.1", "The address to serve HTTP on.")
     port: int = arg(30000, "The port to serve HTTP on.")
     api_key: Optional[str] = arg(None, "Require 'Authorization: Bearer <key>' on every route but /health.")
+    tokenizer_worker_num: int = arg(1, (
+        "HTTP worker processes, each with its own TokenizerManager, sharing the port (SGLang's flag): for "
+        "thousands of concurrent streams, whose HTTP and output handling one process cannot keep up with. "
+        "The offline Engine has none."))
 
     # Memory and scheduling
     mem_fraction_static: Optional[float] = arg(None, "Share of the free memory (GPU memory after the weights, "
@@ -295,6 +299,9 @@ class ServerArgs:
         need(self.schedule_conservativeness > 0,
              f"--schedule-conservativeness must be > 0, got {self.schedule_conservativeness}")
         need(self.stream_interval >= 1, f"--stream-interval must be >= 1, got {self.stream_interval}")
+        need(self.tokenizer_worker_num >= 1, f"--tokenizer-worker-num must be >= 1, got {self.tokenizer_worker_num}")
+        need(self.tokenizer_worker_num == 1 or not self.enable_metrics,
+             "--enable-metrics serves one process's counters: it cannot be combined with --tokenizer-worker-num > 1")
         need(self.decode_log_interval >= 1,
              f"--decode-log-interval must be >= 1, got {self.decode_log_interval}")
         need(self.watchdog_timeout > 0, f"--watchdog-timeout must be > 0, got {self.watchdog_timeout}")
@@ -428,6 +435,7 @@ _ARG_TYPES = {
     "page_size": int,
     "schedule_conservativeness": float,
     "stream_interval": int,
+    "tokenizer_worker_num": int,
     "random_seed": int,
     "cuda_graph_max_bs": int,
     "tp_size": int,
@@ -480,6 +488,16 @@ class PortArgs:
     detokenizer_ipc_name: str  # scheduler -> detokenizer
     rpc_ipc_name: str  # tokenizer manager <-> scheduler control calls
     nccl_port: int = 0
+    # HTTP workers (--tokenizer-worker-num), each with a TokenizerManager and its own two sockets.
+    tokenizer_worker_num: int = 1
+
+    def tokenizer_ipc_names(self) -> List[str]:
+        """Where each HTTP worker's TokenizerManager receives (index: its `http_worker`)."""
+        return _per_worker(self.tokenizer_ipc_name, self.tokenizer_worker_num)
+
+    def scheduler_input_ipc_names(self) -> List[str]:
+        """Where each HTTP worker's TokenizerManager sends to scheduler rank 0 (or the DP controller)."""
+        return _per_worker(self.scheduler_input_ipc_name, self.tokenizer_worker_num)
 
     @staticmethod
     def init_new(server_args: ServerArgs, dp_rank: Optional[int] = None) -> "PortArgs":
@@ -495,4 +513,9 @@ class PortArgs:
             scheduler_input_ipc_name=ep("scheduler"),
             detokenizer_ipc_name=ep("detokenizer"),
             rpc_ipc_name=ep("rpc"),
+            tokenizer_worker_num=server_args.tokenizer_worker_num,
         )
+
+
+def _per_worker(endpoint: str, num_workers: int) -> List[str]:
+    return [endpoint] if num_workers == 1 else [f"{endpoint}_{k}" for k in range(num_workers)]

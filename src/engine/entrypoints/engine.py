@@ -23,7 +23,7 @@ from engine.managers.errors import EngineRequestError
 from engine.managers.io_struct import UpdateWeightFromDiskReqInput
 from engine.managers.request_normalizer import GenerateReqInput, load_chat_template
 from engine.managers.tokenizer_manager import TokenizerManager
-from engine.server_args import PortArgs, ServerArgs
+from engine.server_args import PortArgs, ServerArgs, ServerArgsError
 from engine.utils.child_processes import ChildProcesses, LaunchError
 from engine.utils.network_utils import get_free_port
 from engine.utils.tokenizer_utils import load_tokenizer
@@ -55,8 +55,25 @@ def resolve_model_path(server_args: ServerArgs) -> ServerArgs:
     return dataclasses.replace(server_args, model_path=path, tokenizer_path=server_args.tokenizer_path or path)
 
 
-def launch_subprocesses(server_args: ServerArgs) -> tuple[ServerArgs, ChildProcesses, TokenizerManager]:
-    """Start the schedulers and the detokenizer, wait for them, and build the TokenizerManager.
+@dataclasses.dataclass
+class LaunchedChildren:
+    """The started, ready children of a server and what its TokenizerManager(s) need of them."""
+
+    server_args: ServerArgs  # with the model path resolved
+    port_args: PortArgs
+    children: ChildProcesses
+    scheduler_info: dict  # scheduler rank 0's ready message
+    tokenizer: Any  # loaded while the children started (None when not asked for)
+    bootstrap_server: Optional["BootstrapServer"]  # a PD prefill server's, else None
+
+    def close(self) -> None:
+        self.children.shutdown()
+        if self.bootstrap_server is not None:
+            self.bootstrap_server.close()
+
+
+def launch_children(server_args: ServerArgs, load_tokenizer_too: bool = True) -> LaunchedChildren:
+    """Start the schedulers and the detokenizer and wait for them.
 
     On any failure every started child is killed and LaunchError is raised.
     """
@@ -80,24 +97,39 @@ def launch_subprocesses(server_args: ServerArgs) -> tuple[ServerArgs, ChildProce
         if server_args.node_rank == 0:
             children.start("detokenizer", run_detokenizer_process, (server_args, port_args))
         # Load the tokenizer while the children load the model, not after.
-        tokenizer_path = server_args.tokenizer_path or server_args.model_path
-        assert tokenizer_path is not None  # resolve_model_path above filled it in
-        tokenizer = None if server_args.skip_tokenizer_init else load_tokenizer(
-            tokenizer_path, server_args.trust_remote_code)
+        tokenizer = load_server_tokenizer(server_args) if load_tokenizer_too else None
         infos = children.wait_ready(server_args.startup_timeout)
         scheduler_info = infos[info_child]
         logger.info("All child processes are ready: max_total_num_tokens=%s, context_len=%s, "
                     "max_req_input_len=%s", scheduler_info.get("max_total_num_tokens"),
                     scheduler_info.get("context_len"), scheduler_info.get("max_req_input_len"))
-        tokenizer_manager = TokenizerManager(server_args, port_args, scheduler_info,
-                                             child_processes=children.processes(), tokenizer=tokenizer)
-        tokenizer_manager.bootstrap_server = bootstrap_server
     except BaseException:
         children.shutdown()
         if bootstrap_server is not None:
             bootstrap_server.close()
         raise
-    return server_args, children, tokenizer_manager
+    return LaunchedChildren(server_args, port_args, children, scheduler_info, tokenizer, bootstrap_server)
+
+
+def load_server_tokenizer(server_args: ServerArgs) -> Any:
+    """The tokenizer of a server whose model path is resolved (None with --skip-tokenizer-init)."""
+    tokenizer_path = server_args.tokenizer_path or server_args.model_path
+    assert tokenizer_path is not None  # resolve_model_path filled it in
+    return None if server_args.skip_tokenizer_init else load_tokenizer(tokenizer_path, server_args.trust_remote_code)
+
+
+def launch_subprocesses(server_args: ServerArgs) -> tuple[ServerArgs, ChildProcesses, TokenizerManager]:
+    """launch_children, then the TokenizerManager of this process (which closes the bootstrap server)."""
+    launched = launch_children(server_args)
+    try:
+        tokenizer_manager = TokenizerManager(launched.server_args, launched.port_args, launched.scheduler_info,
+                                             child_processes=launched.children.processes(),
+                                             tokenizer=launched.tokenizer)
+    except BaseException:
+        launched.close()
+        raise
+    tokenizer_manager.bootstrap_server = launched.bootstrap_server
+    return launched.server_args, launched.children, tokenizer_manager
 
 
 def start_bootstrap_server(server_args: ServerArgs) -> Optional["BootstrapServer"]:
@@ -167,6 +199,8 @@ class Engine:
 
     def __init__(self, model_path: Optional[str] = None, **server_args_kwargs: Any) -> None:
         server_args = ServerArgs(model_path=model_path, **server_args_kwargs)
+        if server_args.tokenizer_worker_num != 1:
+            raise ServerArgsError("tokenizer_worker_num: the offline Engine has no HTTP workers; leave it at 1.")
         self.server_args, children, tokenizer_manager = launch_subprocesses(server_args)
         self.tokenizer_manager = tokenizer_manager
         self._runtime = _Runtime(children, tokenizer_manager)

@@ -36,6 +36,7 @@ from engine.managers.io_struct import (
     GetInternalStateReq,
     GetWeightsByNameReqInput,
     Message,
+    Routed,
     PauseGenerationReqInput,
     ReleaseMemoryOccupationReqInput,
     ResumeMemoryOccupationReqInput,
@@ -135,7 +136,7 @@ class ControlCalls:
         """How long weight and memory calls wait for a reply (--weight-update-timeout)."""
         return self.manager.server_args.weight_update_timeout
 
-    async def call(self, msg: Message, timeout: Optional[float] = None) -> list:
+    async def call(self, msg: Routed, timeout: Optional[float] = None) -> list:
         """Send a control request; its replies, one per DP replica (503 on no reply within
         `timeout`, --control-timeout by default)."""
         self.manager.auto_create_handle_loop()
@@ -305,7 +306,7 @@ class ControlCalls:
             message = self._set_weight_version(weight_version, message)
         return success, message
 
-    async def _update_weights(self, obj: Message, abort_all: bool) -> list:
+    async def _update_weights(self, obj: Routed, abort_all: bool) -> list:
         if abort_all:
             self.manager.abort_request(abort_all=True)
         async with self.gate.weight_update():

@@ -42,6 +42,7 @@ from engine.managers.io_struct import (
     TokenizedGenerateReqInput,
     decode,
     encode,
+    route_to_workers,
 )
 
 if TYPE_CHECKING:
@@ -131,6 +132,7 @@ def replica_port_args(port_args: PortArgs, dp_rank: int, nccl_port: int) -> Port
         scheduler_input_ipc_name=f"ipc://{os.path.join(base, f'scheduler_dp{dp_rank}')}",
         tokenizer_ipc_name=f"ipc://{os.path.join(base, f'dp_control_{dp_rank}')}",
         nccl_port=nccl_port,
+        tokenizer_worker_num=1,  # the controller is the replica's one "tokenizer"
     )
 
 
@@ -143,8 +145,10 @@ class DataParallelController:
         self.dp_size = server_args.dp_size
         self.balancer = LoadBalancer(self.dp_size, server_args.load_balance_method)
         self.replies = ReplyGrouper(self.dp_size)
-        self.recv_from_tokenizer = get_zmq_socket(context, zmq.PULL, port_args.scheduler_input_ipc_name, bind=False)
-        self.send_to_tokenizer = get_zmq_socket(context, zmq.PUSH, port_args.tokenizer_ipc_name, bind=False)
+        self.recv_from_tokenizer = get_zmq_socket(context, zmq.PULL, port_args.scheduler_input_ipc_names(),
+                                                  bind=False)
+        self.send_to_tokenizer = [get_zmq_socket(context, zmq.PUSH, endpoint, bind=False)
+                                  for endpoint in port_args.tokenizer_ipc_names()]
         self.replica_ports: List[Any] = []
         self.send_to_replica: List[Any] = []
         self.recv_from_replica: List[Any] = []
@@ -185,13 +189,17 @@ class DataParallelController:
                 self.balancer.on_poll_reply(dp_rank, msg.internal_state)
             for group in self.replies.pop_complete():
                 for reply in group:
-                    self.send_to_tokenizer.send(encode(reply))
+                    self.send_to_tokenizers(reply)
         elif isinstance(msg, BatchEmbeddingOutput):
             # Embedding outputs skip the detokenizer: they reach the TokenizerManager through here.
-            self.send_to_tokenizer.send(encode(msg))
+            self.send_to_tokenizers(msg)
         else:
             logger.error("Data parallel controller got an unexpected reply %r from replica %d",
                          type(msg).__name__, dp_rank)
+
+    def send_to_tokenizers(self, msg: Any) -> None:
+        for worker, part in route_to_workers(msg, len(self.send_to_tokenizer)):
+            self.send_to_tokenizer[worker].send(encode(part))
 
     def maybe_poll_loads(self) -> None:
         if self.balancer.method != "shortest_queue":

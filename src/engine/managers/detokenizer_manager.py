@@ -2,7 +2,8 @@
 
 Loop: receive a BatchTokenIDOutput from the scheduler, decode every request of the batch
 incrementally (one tokenizer.batch_decode call per flag combination), and send a BatchStrOutput
-with the new text of each request to the TokenizerManager.
+with the new text of each request to the TokenizerManager (with several HTTP workers, to each
+worker the rows of its own requests).
 """
 
 from __future__ import annotations
@@ -16,8 +17,9 @@ from typing import Any, Optional
 
 import zmq
 
-from engine.managers.io_struct import BatchStrOutput, BatchTokenIDOutput, decode, encode
+from engine.managers.io_struct import BatchStrOutput, BatchTokenIDOutput, decode, encode, route_to_workers
 from engine.server_args import PortArgs, ServerArgs
+from engine.utils.child_processes import exit_before_ready
 from engine.utils.log_utils import configure_logging
 from engine.utils.process_utils import freeze_startup_objects, set_process_title, start_parent_death_watcher
 from engine.utils.tokenizer_utils import BatchDecode, load_tokenizer, make_batch_decoder
@@ -126,6 +128,7 @@ class DetokenizerManager:
             output_token_ids_logprobs_val=recv.output_token_ids_logprobs_val,
             output_token_ids_logprobs_idx=recv.output_token_ids_logprobs_idx,
             output_hidden_states=recv.output_hidden_states,
+            http_workers=recv.http_workers,
         )
 
     def _extend_states(self, recv: BatchTokenIDOutput) -> tuple[list[DecodeStatus], list[int]]:
@@ -244,11 +247,14 @@ class DetokenizerManager:
         return surr_texts, read_texts
 
     # ------------------------------------------------------------------ event loop
-    def event_loop(self, recv_socket: zmq.Socket, send_socket: zmq.Socket) -> None:
+    def event_loop(self, recv_socket: zmq.Socket, send_sockets: list[zmq.Socket]) -> None:
+        """`send_sockets`: one per HTTP worker; each gets the rows of its own requests."""
         while True:
             msg = decode(recv_socket.recv())
             if isinstance(msg, BatchTokenIDOutput):
-                send_socket.send(encode(self.handle_batch_token_id_out(msg)))
+                out = self.handle_batch_token_id_out(msg)
+                for worker, part in route_to_workers(out, len(send_sockets)):
+                    send_sockets[worker].send(encode(part))
             else:
                 logger.warning("Detokenizer ignores unexpected message %s", type(msg).__name__)
 
@@ -268,18 +274,16 @@ def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs, pipe_w
         manager = DetokenizerManager(tokenizer)
         context = zmq.Context(2)
         recv_socket = get_zmq_socket(context, zmq.PULL, port_args.detokenizer_ipc_name, bind=True)
-        send_socket = get_zmq_socket(context, zmq.PUSH, port_args.tokenizer_ipc_name, bind=False)
+        send_sockets = [get_zmq_socket(context, zmq.PUSH, endpoint, bind=False)
+                        for endpoint in port_args.tokenizer_ipc_names()]
         freeze_startup_objects()
         pipe_writer.send({"status": "ready"})
         ready = True
-        manager.event_loop(recv_socket, send_socket)
+        manager.event_loop(recv_socket, send_sockets)
     except Exception:
         message = traceback.format_exc()
         logger.error("Detokenizer hit an exception: %s", message)
         if not ready:
-            try:
-                pipe_writer.send({"status": "error", "message": message})
-            except OSError:
-                pass
+            exit_before_ready(pipe_writer, message)
         sys.stderr.flush()
         os._exit(1)

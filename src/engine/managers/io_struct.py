@@ -11,16 +11,28 @@ Channels (PUSH -> PULL over ipc:// files named in PortArgs):
 
 Control requests (weights, memory, pause/continue) carry SGLang's names and fields; each gets
 exactly one reply per DP replica, from TP rank 0, after every rank has done its part.
+
+With several HTTP workers (--tokenizer-worker-num), each has its own TokenizerManager and its
+own pair of sockets; every message a TokenizerManager sends names its worker (`http_worker`), a
+control reply carries the asker's worker back, and the batch outputs carry one worker per row
+(`http_workers`), so that each row and each reply reaches the worker that waits for it
+(`route_to_workers`).
 """
 
 from __future__ import annotations
 
-from typing import Any, Dict, List, Optional, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import msgspec
 
 
-class TokenizedGenerateReqInput(msgspec.Struct, tag=True):
+class Routed(msgspec.Struct, kw_only=True):
+    """A message to or from one TokenizerManager: `http_worker` is its HTTP worker's index."""
+
+    http_worker: int = 0
+
+
+class TokenizedGenerateReqInput(Routed, tag=True):
     rid: str
     input_ids: List[int]
     sampling_params: Dict[str, Any]  # SamplingParams fields by SGLang name, already validated
@@ -45,32 +57,34 @@ class TokenizedGenerateReqInput(msgspec.Struct, tag=True):
     bootstrap_room: Optional[int] = None
 
 
-class TokenizedEmbeddingReqInput(msgspec.Struct, tag=True):
+class TokenizedEmbeddingReqInput(Routed, tag=True):
     rid: str
     input_ids: List[int]
     input_text: Optional[str] = None
     dimensions: Optional[int] = None  # Matryoshka truncation, already validated; None: all
 
 
-class AbortReq(msgspec.Struct, tag=True):
+class AbortReq(Routed, tag=True):
     rid: str = ""  # aborts every request whose rid starts with this (when not abort_all)
     abort_all: bool = False
+    # With abort_all: only the requests of the sending HTTP worker (its shutdown), not every one.
+    worker_only: bool = False
 
 
-class FlushCacheReqInput(msgspec.Struct, tag=True):
+class FlushCacheReqInput(Routed, tag=True):
     pass
 
 
-class FlushCacheReqOutput(msgspec.Struct, tag=True):
+class FlushCacheReqOutput(Routed, tag=True):
     success: bool
     message: str = ""
 
 
-class GetInternalStateReq(msgspec.Struct, tag=True):
+class GetInternalStateReq(Routed, tag=True):
     pass
 
 
-class GetInternalStateReqOutput(msgspec.Struct, tag=True):
+class GetInternalStateReqOutput(Routed, tag=True):
     internal_state: Dict[str, Any]
 
 
@@ -110,6 +124,8 @@ class BatchTokenIDOutput(msgspec.Struct, tag=True):
     # return_hidden_states: per request the new entries (the prompt's [len, hidden] block first,
     # then one [hidden] vector per decode step), or None.
     output_hidden_states: List[Optional[List[Any]]] = []
+    # The HTTP worker of each request (empty: all of worker 0).
+    http_workers: List[int] = []
 
 
 class BatchStrOutput(msgspec.Struct, tag=True):
@@ -135,10 +151,11 @@ class BatchStrOutput(msgspec.Struct, tag=True):
     output_token_ids_logprobs_val: List[Optional[List[List[float]]]] = []
     output_token_ids_logprobs_idx: List[Optional[List[List[int]]]] = []
     output_hidden_states: List[Optional[List[Any]]] = []
+    http_workers: List[int] = []  # as in BatchTokenIDOutput
 
 
 # ---------------------------------------------------------------------- control requests
-class UpdateWeightFromDiskReqInput(msgspec.Struct, tag=True):
+class UpdateWeightFromDiskReqInput(Routed, tag=True):
     model_path: str
     load_format: Optional[str] = None
     abort_all_requests: bool = False
@@ -146,13 +163,13 @@ class UpdateWeightFromDiskReqInput(msgspec.Struct, tag=True):
     flush_cache: bool = True
 
 
-class UpdateWeightFromDiskReqOutput(msgspec.Struct, tag=True):
+class UpdateWeightFromDiskReqOutput(Routed, tag=True):
     success: bool
     message: str = ""
     num_paused_requests: int = 0
 
 
-class UpdateWeightsFromTensorReqInput(msgspec.Struct, tag=True):
+class UpdateWeightsFromTensorReqInput(Routed, tag=True):
     # The named tensors as one safetensors file (full, unsharded tensors: every TP rank cuts its
     # own shard with the model's weight loaders). Never pickle: the scheduler decodes no code.
     serialized_named_tensors: bytes
@@ -162,56 +179,56 @@ class UpdateWeightsFromTensorReqInput(msgspec.Struct, tag=True):
     weight_version: Optional[str] = None
 
 
-class UpdateWeightsFromTensorReqOutput(msgspec.Struct, tag=True):
+class UpdateWeightsFromTensorReqOutput(Routed, tag=True):
     success: bool
     message: str = ""
 
 
-class GetWeightsByNameReqInput(msgspec.Struct, tag=True):
+class GetWeightsByNameReqInput(Routed, tag=True):
     name: str
     truncate_size: int = 100
 
 
-class GetWeightsByNameReqOutput(msgspec.Struct, tag=True):
+class GetWeightsByNameReqOutput(Routed, tag=True):
     # The first truncate_size rows (or values) of the full, unsharded parameter; None: no such
     # parameter (message says why).
     parameter: Optional[List[Any]] = None
     message: str = ""
 
 
-class ReleaseMemoryOccupationReqInput(msgspec.Struct, tag=True):
+class ReleaseMemoryOccupationReqInput(Routed, tag=True):
     tags: Optional[List[str]] = None  # "weights", "kv_cache"; None: both
 
 
-class ReleaseMemoryOccupationReqOutput(msgspec.Struct, tag=True):
+class ReleaseMemoryOccupationReqOutput(Routed, tag=True):
     success: bool = True
     message: str = ""
 
 
-class ResumeMemoryOccupationReqInput(msgspec.Struct, tag=True):
+class ResumeMemoryOccupationReqInput(Routed, tag=True):
     tags: Optional[List[str]] = None
 
 
-class ResumeMemoryOccupationReqOutput(msgspec.Struct, tag=True):
+class ResumeMemoryOccupationReqOutput(Routed, tag=True):
     success: bool = True
     message: str = ""
 
 
-class PauseGenerationReqInput(msgspec.Struct, tag=True):
+class PauseGenerationReqInput(Routed, tag=True):
     mode: str = "abort"  # "abort" | "retract" | "in_place" (the scheduler sees the last two)
 
 
-class PauseGenerationReqOutput(msgspec.Struct, tag=True):
+class PauseGenerationReqOutput(Routed, tag=True):
     success: bool = True
     message: str = ""
     num_paused_requests: int = 0
 
 
-class ContinueGenerationReqInput(msgspec.Struct, tag=True):
+class ContinueGenerationReqInput(Routed, tag=True):
     torch_empty_cache: bool = True
 
 
-class ContinueGenerationReqOutput(msgspec.Struct, tag=True):
+class ContinueGenerationReqOutput(Routed, tag=True):
     success: bool = True
     message: str = ""
 
@@ -241,6 +258,7 @@ class BatchEmbeddingOutput(msgspec.Struct, tag=True):
     embeddings: List[bytes]  # float32 little-endian, one vector per request (empty when aborted)
     prompt_tokens: List[int]
     cached_tokens: List[int]
+    http_workers: List[int] = []  # as in BatchTokenIDOutput
 
 
 Message = Union[
@@ -274,7 +292,33 @@ _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)
 
 
-def encode(msg: Message) -> bytes:
+def route_to_workers(msg: Message, num_workers: int) -> List[Tuple[int, Message]]:
+    """(HTTP worker, message) pairs for a message bound for the TokenizerManagers.
+
+    A batch output is split into one message per worker holding that worker's rows (every
+    per-row column is cut; columns left empty stay empty); anything else goes whole to its
+    `http_worker`.
+    """
+    if num_workers == 1:
+        return [(0, msg)]
+    if isinstance(msg, (BatchStrOutput, BatchEmbeddingOutput)):
+        rows: Dict[int, List[int]] = {}
+        for i, worker in enumerate(msg.http_workers):
+            rows.setdefault(worker, []).append(i)
+        if len(rows) <= 1:
+            return [(next(iter(rows), 0), msg)]
+        n = len(msg.rids)
+        parts: List[Tuple[int, Message]] = []
+        for worker, picked in rows.items():
+            columns = {name: [value[i] for i in picked] for name in msg.__struct_fields__
+                       if isinstance(value := getattr(msg, name), list) and len(value) == n}
+            parts.append((worker, msgspec.structs.replace(msg, **columns)))
+        return parts
+    assert isinstance(msg, Routed), f"{type(msg).__name__} is not for a TokenizerManager"
+    return [(msg.http_worker, msg)]
+
+
+def encode(msg: Union[Message, Routed]) -> bytes:
     return _encoder.encode(msg)
 
 

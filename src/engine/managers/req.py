@@ -186,6 +186,8 @@ class Req:
         # False when every token must be computed in one forward (encoder attention, mean
         # pooling): no cached prefix and no chunked prefill for this request.
         self.can_reuse_kv = True
+        # The HTTP worker whose TokenizerManager waits for this request's outputs.
+        self.http_worker = 0
         # PD disaggregation (set by the scheduler from the request; None in a unified server)
         self.bootstrap_host: Optional[str] = None
         self.bootstrap_port: Optional[int] = None

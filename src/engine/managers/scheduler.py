@@ -24,6 +24,7 @@ from engine.managers.io_struct import (
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetInternalStateReqOutput,
+    Routed,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
@@ -221,15 +222,20 @@ class Scheduler:
             elif isinstance(recv, AbortReq):
                 self.abort_request(recv)
             elif isinstance(recv, FlushCacheReqInput):
-                self.send_output(self.flush_cache())
+                self.send_reply(recv, self.flush_cache())
             elif isinstance(recv, GetInternalStateReq):
-                self.send_output(GetInternalStateReqOutput(internal_state=self.get_internal_state()))
+                self.send_reply(recv, GetInternalStateReqOutput(internal_state=self.get_internal_state()))
             else:
                 handle = self.control.handler(recv)
                 if handle is None:
                     logger.error("Scheduler got an unknown message %r", type(recv).__name__)
                 else:
-                    self.send_output(handle(recv))
+                    self.send_reply(recv, handle(recv))
+
+    def send_reply(self, request: Routed, reply: Routed) -> None:
+        """A control reply goes back to the HTTP worker that asked."""
+        reply.http_worker = request.http_worker
+        self.send_output(reply)
 
     def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
         from engine.sampling.sampling_params import SamplingParams
@@ -252,6 +258,7 @@ class Scheduler:
             custom_logit_processor=recv.custom_logit_processor,
         )
         req.tokenizer = self.tokenizer
+        req.http_worker = recv.http_worker
         req.bootstrap_host, req.bootstrap_port, req.bootstrap_room = (
             recv.bootstrap_host, recv.bootstrap_port, recv.bootstrap_room)
         try:
@@ -363,7 +370,9 @@ class Scheduler:
 
     def abort_request(self, recv: AbortReq) -> None:
         def match(req: Req) -> bool:
-            return recv.abort_all or (bool(recv.rid) and req.rid.startswith(recv.rid))
+            if recv.abort_all:
+                return not recv.worker_only or req.http_worker == recv.http_worker
+            return bool(recv.rid) and req.rid.startswith(recv.rid)
 
         for req in self.grammar_manager.abort_requests(match):
             # Waiting for its grammar, it holds no KV either (and was never prefilled).

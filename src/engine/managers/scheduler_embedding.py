@@ -30,6 +30,7 @@ def make_embedding_req(recv: TokenizedEmbeddingReqInput, vocab_size: int, can_re
     req = Req(rid=recv.rid, origin_input_ids=recv.input_ids, sampling_params=SamplingParams(max_new_tokens=0),
               origin_input_text=recv.input_text, vocab_size=vocab_size)
     req.is_embedding = True
+    req.http_worker = recv.http_worker
     req.dimensions = recv.dimensions
     req.can_reuse_kv = can_reuse_kv
     return req
@@ -73,7 +74,8 @@ def process_embedding_result(batch: "ScheduleBatch", result: "EmbeddingBatchResu
 
 def build_embedding_output(reqs: List[Req]) -> Optional[BatchEmbeddingOutput]:
     """One message for the finished embedding requests of an iteration (each reported once)."""
-    out = BatchEmbeddingOutput(rids=[], finished_reasons=[], embeddings=[], prompt_tokens=[], cached_tokens=[])
+    out = BatchEmbeddingOutput(rids=[], finished_reasons=[], embeddings=[], prompt_tokens=[], cached_tokens=[],
+                               http_workers=[])
     seen = set()
     for req in reqs:
         reason = req.finished_reason
@@ -88,5 +90,6 @@ def build_embedding_output(reqs: List[Req]) -> Optional[BatchEmbeddingOutput]:
         out.embeddings.append(vector)
         out.prompt_tokens.append(len(req.origin_input_ids))
         out.cached_tokens.append(req.cached_tokens)
+        out.http_workers.append(req.http_worker)
     return out if out.rids else None
 

@@ -260,6 +260,7 @@ class OutputStreamer:
         prompt_tokens: List[int] = []
         completion_tokens: List[int] = []
         cached_tokens: List[int] = []
+        http_workers: List[int] = []
         firsts: List[Req] = []
         want_logprobs = want_hidden = False
         for req in dict.fromkeys(reqs):  # dedupe, keep order
@@ -301,6 +302,7 @@ class OutputStreamer:
             spaces.append(sp.spaces_between_special_tokens)
             prompt_tokens.append(len(req.origin_input_ids))
             cached_tokens.append(req.cached_tokens)
+            http_workers.append(req.http_worker)
             if req.return_logprob:
                 want_logprobs = True
             if req.return_hidden_states:
@@ -317,6 +319,7 @@ class OutputStreamer:
             prompt_tokens=prompt_tokens,
             completion_tokens=completion_tokens,
             cached_tokens=cached_tokens,
+            http_workers=http_workers,
         )
         if firsts:
             tails = {id(req): req.origin_input_ids[-DETOKENIZE_CONTEXT_TOKENS:] for req in firsts}

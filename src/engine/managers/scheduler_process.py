@@ -129,9 +129,11 @@ def _rank0_channels(context: zmq.Context, port_args: PortArgs, tp_size: int, dp_
 
     # Through the one helper: with ZMQ's default high-water mark a slow detokenizer would block
     # `send` below, and with it the whole scheduling loop.
-    recv_sock = get_zmq_socket(context, zmq.PULL, port_args.scheduler_input_ipc_name, bind=False)
+    # One PULL fair-queues the requests of every HTTP worker; one PUSH per worker for its replies.
+    recv_sock = get_zmq_socket(context, zmq.PULL, port_args.scheduler_input_ipc_names(), bind=False)
     detok_sock = get_zmq_socket(context, zmq.PUSH, port_args.detokenizer_ipc_name, bind=False)
-    tok_sock = get_zmq_socket(context, zmq.PUSH, port_args.tokenizer_ipc_name, bind=False)
+    tok_socks = [get_zmq_socket(context, zmq.PUSH, endpoint, bind=False)
+                 for endpoint in port_args.tokenizer_ipc_names()]
 
     def recv() -> List[Any]:
         raw: List[bytes] = []
@@ -146,9 +148,13 @@ def _rank0_channels(context: zmq.Context, port_args: PortArgs, tp_size: int, dp_
 
     def send(msg: Any) -> None:
         if isinstance(msg, GetInternalStateReqOutput):
-            msg = GetInternalStateReqOutput(internal_state=_with_rank_states(msg.internal_state, tp_size, dp_rank))
-        sock = detok_sock if isinstance(msg, BatchTokenIDOutput) else tok_sock
-        sock.send(io_struct.encode(msg))
+            msg = GetInternalStateReqOutput(internal_state=_with_rank_states(msg.internal_state, tp_size, dp_rank),
+                                            http_worker=msg.http_worker)
+        if isinstance(msg, BatchTokenIDOutput):
+            detok_sock.send(io_struct.encode(msg))
+            return
+        for worker, part in io_struct.route_to_workers(msg, len(tok_socks)):
+            tok_socks[worker].send(io_struct.encode(part))
 
     def wait_for_input() -> None:
         recv_sock.poll(timeout=1000)

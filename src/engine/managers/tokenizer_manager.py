@@ -46,6 +46,7 @@ from engine.managers.io_struct import (
     BatchStrOutput,
     FlushCacheReqOutput,
     Message,
+    Routed,
     TokenizedGenerateReqInput,
     decode,
     encode,
@@ -86,9 +87,14 @@ class TokenizerManager:
         scheduler_info: dict,
         child_processes: Sequence[Any] = (),
         tokenizer: Any = None,
+        worker_id: int = 0,
     ) -> None:
-        """`scheduler_info` is the "ready" message of scheduler rank 0 (context_len, vocab_size, ...)."""
+        """`scheduler_info` is the "ready" message of scheduler rank 0 (context_len, vocab_size, ...).
+
+        `worker_id`: this HTTP worker's index (--tokenizer-worker-num); its sockets are its own.
+        """
         self.server_args = server_args
+        self.worker_id = worker_id
         self.port_args = port_args
         self.model_path = server_args.model_path
         self.tokenizer_path = server_args.tokenizer_path or server_args.model_path
@@ -121,9 +127,9 @@ class TokenizerManager:
         self._async_context = zmq.asyncio.Context()
         self._sync_context = zmq.Context()
         self.recv_from_detokenizer = get_zmq_socket(
-            self._async_context, zmq.PULL, port_args.tokenizer_ipc_name, bind=True)
+            self._async_context, zmq.PULL, port_args.tokenizer_ipc_names()[worker_id], bind=True)
         self.send_to_scheduler = get_zmq_socket(
-            self._sync_context, zmq.PUSH, port_args.scheduler_input_ipc_name, bind=True)
+            self._sync_context, zmq.PUSH, port_args.scheduler_input_ipc_names()[worker_id], bind=True)
 
         self.rid_to_state: dict[str, ReqState] = {}
         self.control = ControlCalls(self, fan_out=max(1, server_args.dp_size))
@@ -240,7 +246,8 @@ class TokenizerManager:
         self._shutting_down = True
         self._dead_message = SHUTDOWN_MESSAGE
         self._fail_all(SHUTDOWN_MESSAGE)
-        self._send_now(AbortReq(abort_all=True), timeout_ms=0)
+        # Only this worker's requests: the other HTTP workers end their own streams themselves.
+        self._send_now(AbortReq(abort_all=True, worker_only=True), timeout_ms=0)
 
     def mark_dead(self, message: str) -> None:
         """A child died: fail every pending request and control call (callable from any thread)."""
@@ -505,8 +512,12 @@ class TokenizerManager:
         state.notify_update()
 
     # ------------------------------------------------------------------ sending
-    async def _send_async(self, msg: Message) -> None:
-        data = encode(msg)
+    def _encode(self, msg: Routed) -> bytes:
+        msg.http_worker = self.worker_id  # where the scheduler sends what answers it
+        return encode(msg)
+
+    async def _send_async(self, msg: Routed) -> None:
+        data = self._encode(msg)
         deadline = time.monotonic() + SEND_TIMEOUT_S
         while True:
             try:
@@ -519,8 +530,8 @@ class TokenizerManager:
                     raise EngineRequestError("The scheduler is not reachable.", 503, "ServiceUnavailableError")
                 await asyncio.sleep(0.005)
 
-    def _send_now(self, msg: Message, timeout_ms: int = 100) -> bool:
-        data = encode(msg)
+    def _send_now(self, msg: Routed, timeout_ms: int = 100) -> bool:
+        data = self._encode(msg)
         try:
             self.send_to_scheduler.send(data, flags=zmq.NOBLOCK)
             return True

@@ -13,12 +13,13 @@ import multiprocessing
 import os
 import shutil
 import signal
+import sys
 import threading
 import time
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
-from typing import Any, Callable, Iterator, Optional
+from typing import Any, Callable, Iterator, NoReturn, Optional
 
 from engine.utils.process_utils import kill_process_tree
 
@@ -36,6 +37,7 @@ class Child:
     name: str
     process: BaseProcess
     reader: Connection
+    ready: bool = False
 
 
 class ChildProcesses:
@@ -69,15 +71,17 @@ class ChildProcesses:
         return process
 
     def wait_ready(self, timeout: float) -> dict[str, dict]:
-        """Wait for every child's ready message; raise LaunchError on the first failure."""
+        """Wait for the ready message of every child not yet ready; raise LaunchError on the first
+        failure. Returns the messages of the children that became ready."""
         deadline = time.monotonic() + timeout
         infos: dict[str, dict] = {}
-        pending = list(self.children)
+        pending = [c for c in self.children if not c.ready]
         while pending:
             for child in list(pending):
                 info = self._poll_one(child)
                 if info is not None:
                     infos[child.name] = info
+                    child.ready = True
                     pending.remove(child)
             if pending and time.monotonic() > deadline:
                 names = ", ".join(c.name for c in pending)
@@ -119,6 +123,10 @@ class ChildProcesses:
         self._watchdog = threading.Thread(target=watch, name="child-watchdog", daemon=True)
         self._watchdog.start()
 
+    def stop_watching(self) -> None:
+        """The owner is stopping children itself: the watchdog must not report them as deaths."""
+        self._stopping.set()
+
     # ------------------------------------------------------------------ stop
     def shutdown(self) -> None:
         """Kill every child with its descendants and remove the ipc directory (idempotent)."""
@@ -141,6 +149,34 @@ class ChildProcesses:
             child.reader.close()
         if self.ipc_dir:
             shutil.rmtree(self.ipc_dir, ignore_errors=True)
+
+
+class ProcessHandle:
+    """A process this process did not start (an HTTP worker's view of the server's children):
+    `is_alive()` as multiprocessing's, from its pid (a zombie counts as alive, as there)."""
+
+    def __init__(self, pid: int) -> None:
+        self.pid = pid
+
+    def is_alive(self) -> bool:
+        try:
+            os.kill(self.pid, 0)
+        except ProcessLookupError:
+            return False
+        except PermissionError:
+            return True
+        return True
+
+
+def exit_before_ready(pipe_writer: Connection, message: str) -> NoReturn:
+    """A child that failed to start: report `message` on its ready pipe (the launcher prints it),
+    then exit 1 at once."""
+    try:
+        pipe_writer.send({"status": "error", "message": message})
+    except OSError:  # the launcher is gone already
+        pass
+    sys.stderr.flush()
+    os._exit(1)
 
 
 def _ignore_sigint_then_run(target: Callable, *args: Any) -> None:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import logging
-from typing import TypeVar
+from typing import Sequence, TypeVar, Union
 
 import zmq
 
@@ -13,8 +13,10 @@ logger = logging.getLogger(__name__)
 _SocketT = TypeVar("_SocketT", bound=zmq.Socket)
 
 
-def get_zmq_socket(context: zmq.Context[_SocketT], socket_type: int, endpoint: str, bind: bool) -> _SocketT:
-    """Create a socket of `socket_type` and bind or connect it to `endpoint`.
+def get_zmq_socket(context: zmq.Context[_SocketT], socket_type: int, endpoint: Union[str, Sequence[str]],
+                   bind: bool) -> _SocketT:
+    """Create a socket of `socket_type` and bind or connect it to `endpoint` (connect: or to each
+    of several endpoints; a PULL then fair-queues their messages).
 
     High-water marks are unlimited: a PUSH that blocks because its peer is slow would stall the
     scheduler loop or the asyncio loop, and our volume (one message per scheduler iteration) is
@@ -28,9 +30,12 @@ def get_zmq_socket(context: zmq.Context[_SocketT], socket_type: int, endpoint: s
     if socket_type in (zmq.PULL, zmq.DEALER, zmq.SUB, zmq.REQ, zmq.REP, zmq.ROUTER):
         socket.setsockopt(zmq.RCVHWM, 0)
         socket.setsockopt(zmq.RCVBUF, -1)
+    endpoints = [endpoint] if isinstance(endpoint, str) else list(endpoint)
     if bind:
-        socket.bind(endpoint)
+        (only,) = endpoints
+        socket.bind(only)
     else:
-        socket.connect(endpoint)
+        for one in endpoints:
+            socket.connect(one)
     logger.debug("zmq socket type=%s %s %s", socket_type, "bound to" if bind else "connected to", endpoint)
     return socket
