@@ -301,6 +301,7 @@ def main() -> None:
     ap.add_argument("--result-file", default=None)
     ap.add_argument("--plot", default=None, help="PNG of %% of ideal and CPU per token against N")
     ap.add_argument("--baseline", default=None, help="a --result-file of an earlier run, drawn dashed in the plot")
+    ap.add_argument("--baseline-label", default="before", help="what the baseline is, in the plot's legend")
     args = ap.parse_args()
     args.stream_modes = [s == "on" for s in args.stream]
     if args.profile_dir and not Profiler.available():
@@ -328,7 +329,7 @@ def main() -> None:
         if args.baseline:
             with open(args.baseline) as f:
                 baseline = json.load(f)["results"]
-        plot(results, args.plot, baseline)
+        plot(results, args.plot, baseline, args.baseline_label)
 
 
 if __name__ == "__main__":

@@ -2,7 +2,8 @@
 
 Left: decode throughput as a share of the forward-bound ideal. Middle: the scheduler's CPU time
 per decode step. Right: CPU time per output token of each server process (streaming over HTTP).
-An earlier run (--baseline) is drawn dashed.
+An earlier run (--baseline) is drawn dashed; with --tokenizer-worker-num the HTTP workers' CPU
+is one line (all of them together).
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ def _series(results: List[Dict[str, Any]], mode: str, stream: bool, loop: str = 
     return sorted(rows, key=lambda r: r["num_reqs"])
 
 
-def plot(results: List[Dict[str, Any]], path: str, baseline: Optional[List[Dict[str, Any]]] = None) -> None:
+def plot(results: List[Dict[str, Any]], path: str, baseline: Optional[List[Dict[str, Any]]] = None,
+         baseline_label: str = "before") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -26,7 +28,7 @@ def plot(results: List[Dict[str, Any]], path: str, baseline: Optional[List[Dict[
     import matplotlib.ticker
 
     fig, (ax1, ax2, ax3) = plt.subplots(1, 3, figsize=(16, 4.6))
-    runs = [("", "-", results)] + ([(" (before)", "--", baseline)] if baseline else [])
+    runs = [("", "-", results)] + ([(f" ({baseline_label})", "--", baseline)] if baseline else [])
     for suffix, style, rows in runs:
         for mode, stream, loop, color in (("inproc", True, "overlap", "C0"), ("inproc", False, "overlap", "C1"),
                                           ("inproc", True, "normal", "C4"), ("http", True, "overlap", "C2"),
@@ -42,10 +44,11 @@ def plot(results: List[Dict[str, Any]], path: str, baseline: Optional[List[Dict[
             ax2.plot(xs, [r["cpu_ms_per_step"] or 0 for r in series], marker="o", linestyle=style, color=color,
                      label=label)
         http = _series(rows, "http", True)
-        for proc, color in (("scheduler", "C0"), ("detokenizer", "C1"), ("main", "C2")):
-            if http:
+        for proc, color in (("scheduler", "C0"), ("detokenizer", "C1"), ("main", "C2"), ("worker", "C3")):
+            if any(r.get(f"{proc}_cpu_us_per_token") for r in http):  # (main is idle beside HTTP workers)
                 ax3.plot([r["num_reqs"] for r in http], [r.get(f"{proc}_cpu_us_per_token", 0) for r in http],
-                         marker="o", linestyle=style, color=color, label=f"{proc}{suffix}")
+                         marker="o", linestyle=style, color=color,
+                         label=f"{'HTTP workers' if proc == 'worker' else proc}{suffix}")
     ax1.axhline(TARGET_SHARE, color="grey", linestyle=":", linewidth=1)
     ax2.axhline(TARGET_SCHEDULER_MS, color="grey", linestyle=":", linewidth=1)
     ax1.set(xscale="log", xlabel="running requests", ylabel="% of the forward-bound ideal",

@@ -21,6 +21,7 @@ control reply carries the asker's worker back, and the batch outputs carry one w
 
 from __future__ import annotations
 
+import operator
 from typing import Any, Dict, List, Optional, Tuple, Union
 
 import msgspec
@@ -302,16 +303,18 @@ def route_to_workers(msg: Message, num_workers: int) -> List[Tuple[int, Message]
     if num_workers == 1:
         return [(0, msg)]
     if isinstance(msg, (BatchStrOutput, BatchEmbeddingOutput)):
-        rows: Dict[int, List[int]] = {}
-        for i, worker in enumerate(msg.http_workers):
-            rows.setdefault(worker, []).append(i)
-        if len(rows) <= 1:
-            return [(next(iter(rows), 0), msg)]
+        workers = sorted(set(msg.http_workers))
+        if len(workers) <= 1:
+            return [(workers[0] if workers else 0, msg)]
+        rows = {w: [i for i, x in enumerate(msg.http_workers) if x == w] for w in workers}
         n = len(msg.rids)
+        full = [(name, value) for name in msg.__struct_fields__
+                if isinstance(value := getattr(msg, name), list) and len(value) == n]
         parts: List[Tuple[int, Message]] = []
         for worker, picked in rows.items():
-            columns = {name: [value[i] for i in picked] for name in msg.__struct_fields__
-                       if isinstance(value := getattr(msg, name), list) and len(value) == n}
+            # itemgetter picks in C; one row gives a bare item, not a tuple.
+            pick = operator.itemgetter(*picked)
+            columns = {name: list(pick(value)) if len(picked) > 1 else [value[picked[0]]] for name, value in full}
             parts.append((worker, msgspec.structs.replace(msg, **columns)))
         return parts
     assert isinstance(msg, Routed), f"{type(msg).__name__} is not for a TokenizerManager"
