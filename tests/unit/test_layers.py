@@ -533,6 +533,36 @@ def test_cpu_decode_kernel_cascade_matches_reference(dtype, heads, kv_heads, dim
         assert torch.allclose(out[b].view(heads, dim).double(), ref, atol=tol), b
 
 
+@pytest.mark.parametrize("heads,kv_heads,dim,members,prefix_len", [(16, 8, 64, 20, 601), (12, 4, 128, 11, 256),
+                                                                    (8, 8, 32, 40, 13)])
+def test_cpu_decode_kernel_cascade_large_groups(heads, kv_heads, dim, members, prefix_len):
+    """bf16 phase 1 with more than 32 query rows per KV head (several row blocks), prefixes across
+    softmax tiles and ragged key blocks, beside a request outside any group."""
+    from engine.layers.attention import cpu_kernels
+
+    _require_cpu_kernel()
+    torch.manual_seed(members + dim)
+    slots, bs = 4000, members + 1
+    k_buf = torch.randn(slots, kv_heads, dim).to(torch.bfloat16)
+    v_buf = torch.randn(slots, kv_heads, dim).to(torch.bfloat16)
+    prefix = torch.randperm(slots)[:prefix_len]
+    group_of = torch.tensor([0] * members + [-1])
+    lens = torch.randint(1, 40, (bs,))
+    kv_indices = torch.randint(0, slots, (bs, int(lens.max())))
+    cascade = cpu_kernels.CascadeTables(
+        group_offsets=torch.tensor([0, members]), members=torch.arange(members), prefix_indices=prefix[None],
+        prefix_lens=torch.tensor([prefix_len]), group_of=group_of)
+    q = torch.randn(bs, heads * dim).to(torch.bfloat16)
+    scale = 1 / math.sqrt(dim)
+    out = cpu_kernels.decode_attention(q, k_buf, v_buf, kv_indices, lens, heads, kv_heads, dim, scale,
+                                       cascade=cascade)
+    for b in range(bs):
+        own = kv_indices[b, : lens[b]]
+        idx = own if group_of[b] < 0 else torch.cat([prefix, own])
+        ref = _reference_decode(q[b], k_buf[idx], v_buf[idx], heads, dim, scale)
+        assert torch.allclose(out[b].view(heads, dim).double(), ref, atol=2e-2), b
+
+
 @pytest.mark.parametrize("heads,kv_heads,dim", [(16, 8, 64), (4, 4, 32), (12, 4, 128), (6, 2, 24)])
 def test_native_bf16_extend_kernel_matches_reference(monkeypatch, heads, kv_heads, dim):
     """bf16 prefills through the native kernels: requests with and without a cached prefix, long

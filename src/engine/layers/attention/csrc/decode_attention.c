@@ -6,7 +6,8 @@
  *
  * Cascade: requests whose KV begins with the same slots (a prefix the radix cache shares) form a
  * group. Phase 1 reads a group's prefix once per KV head for all the group's query rows (a small
- * matrix product instead of one pass per request); phase 2 continues each request's softmax over
+ * matrix product instead of one pass per request; with bfloat16 data a register-tiled one with the
+ * query rows along the vector lanes, prefix_attend); phase 2 continues each request's softmax over
  * its own suffix. The softmax is online (running max, sum and unnormalised output per query row,
  * over tiles of TILE keys), so phase 2 simply resumes the state phase 1 left: no merge step.
  *
@@ -278,6 +279,176 @@ static void attend(work_t *w, int64_t rows, const int64_t *idx, int64_t n, const
     }
 }
 
+#if defined(__AVX512BF16__)
+/* Phase 1 with bfloat16 data (dim a multiple of 32, at most PF_MAX_DIM): up to 32 query rows of one
+ * KV head against a group's prefix, both products as register-tiled matrix products with the query
+ * rows along the vector lanes, so that K and V are read straight from the pool, row by row:
+ *   S^T [key][row] = K Q^T: a key's (d, d+1) pair broadcast against the rows' pairs (Q^T packed once);
+ *   O^T [dim][row] += V^T P^T: a key pair's (V_2j[d], V_2j+1[d]) broadcast against the rows' P pairs.
+ * The online softmax runs over tiles of PF_TILE keys with the running max and sum as two vectors of
+ * 16 rows. The state left (max, sum, unnormalised output per row) is what phase 2 resumes. */
+#define PF_TILE 256 /* keys per softmax step */
+#define PF_KT 12    /* keys per register tile of S^T */
+#define PF_DT 8     /* head dimensions per register tile of O^T */
+#define PF_MAX_DIM 256
+
+typedef struct {
+    uint32_t *qp;  /* [dim / 2][32]: (q[r][2kk], q[r][2kk + 1]) */
+    float *st;     /* [PF_TILE][32] */
+    uint32_t *pp;  /* [PF_TILE / 2][32]: (P[r][2j], P[r][2j + 1]) as bfloat16 */
+    uint32_t *vp;  /* [PF_TILE / 2][dim]: (V_2j[d], V_2j+1[d]) */
+    float *acct;   /* [dim][32] */
+} pf_work_t;
+
+static int prefix_fast(const kv_t *kv) { return kv->dtype == DTYPE_BF16 && kv->dim % 32 == 0 && kv->dim <= PF_MAX_DIM; }
+
+static void pf_alloc(pf_work_t *p, int64_t dim) {
+    p->qp = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * (size_t)(dim / 2 * 32));
+    p->st = (float *)aligned_alloc(64, sizeof(float) * (size_t)(PF_TILE * 32));
+    p->pp = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * (size_t)(PF_TILE / 2 * 32));
+    p->vp = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * (size_t)(PF_TILE / 2 * dim));
+    p->acct = (float *)aligned_alloc(64, sizeof(float) * (size_t)(dim * 32));
+}
+
+static void pf_free(pf_work_t *p) {
+    free(p->qp);
+    free(p->st);
+    free(p->pp);
+    free(p->vp);
+    free(p->acct);
+}
+
+/* st[t][0..32) = scale * K_t . q_r for KT keys (pointers to their head's row); nk <= KT are kept. */
+static inline __attribute__((always_inline)) void pf_scores(const pf_work_t *p, const uint16_t *const *krow,
+                                                            const int KT, int64_t pairs, float *st, int nk,
+                                                            __m512 scale) {
+    __m512 acc[2 * PF_KT];
+    for (int t = 0; t < 2 * KT; t++) acc[t] = _mm512_setzero_ps();
+    for (int64_t kk = 0; kk < pairs; kk++) {
+        const __m512bh q0 = (__m512bh)_mm512_load_si512(p->qp + kk * 32);
+        const __m512bh q1 = (__m512bh)_mm512_load_si512(p->qp + kk * 32 + 16);
+        for (int t = 0; t < KT; t++) {
+            const __m512bh b = (__m512bh)_mm512_set1_epi32(((const int32_t *)krow[t])[kk]);
+            acc[2 * t] = _mm512_dpbf16_ps(acc[2 * t], b, q0);
+            acc[2 * t + 1] = _mm512_dpbf16_ps(acc[2 * t + 1], b, q1);
+        }
+    }
+    for (int t = 0; t < nk; t++) {
+        _mm512_store_ps(st + t * 32, _mm512_mul_ps(acc[2 * t], scale));
+        _mm512_store_ps(st + t * 32 + 16, _mm512_mul_ps(acc[2 * t + 1], scale));
+    }
+}
+
+/* Prefix attention of nr <= 32 rows (q row pointers, bf16) over slots idx[0..n) of one KV head
+ * (offset koff in a slot); the resulting state goes to m[r], l[r], acc[r * dim ..] (unnormalised). */
+static void prefix_attend(pf_work_t *p, const uint16_t *const *qrows, int64_t nr, int64_t koff, const int64_t *idx,
+                          int64_t n, const kv_t *kv, float *m_out, float *l_out, float *const *acc_out) {
+    const int64_t dim = kv->dim, pairs = dim / 2;
+    const uint16_t *kb = (const uint16_t *)kv->k, *vb = (const uint16_t *)kv->v;
+    for (int64_t kk = 0; kk < pairs; kk++)
+        for (int64_t r = 0; r < 32; r++) p->qp[kk * 32 + r] = r < nr ? ((const uint32_t *)qrows[r])[kk] : 0u;
+    memset(p->acct, 0, sizeof(float) * (size_t)(dim * 32));
+    __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0, l0 = _mm512_setzero_ps(), l1 = l0;
+    const __m512 scale = _mm512_set1_ps(kv->scale);
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                        37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int64_t i0 = 0; i0 < n; i0 += PF_TILE) {
+        const int64_t nt = n - i0 < PF_TILE ? n - i0 : PF_TILE;
+        const int64_t *ti = idx + i0;
+        /* S^T for the tile, PF_KT keys at a time (a short last block repeats its last key). */
+        for (int64_t t0 = 0; t0 < nt; t0 += PF_KT) {
+            const int nk = nt - t0 < PF_KT ? (int)(nt - t0) : PF_KT;
+            const uint16_t *krow[PF_KT];
+            for (int t = 0; t < PF_KT; t++) krow[t] = kb + ti[t0 + (t < nk ? t : nk - 1)] * kv->k_stride + koff;
+            if (t0 + PF_KT < nt)
+                prefetch_rows(kv->k, ti + t0 + PF_KT, nt - t0 - PF_KT < PF_KT ? nt - t0 - PF_KT : PF_KT, kv->k_stride,
+                              koff, 2, dim * 2);
+            pf_scores(p, krow, PF_KT, pairs, p->st + t0 * 32, nk, scale);
+        }
+        /* The tile's max per row, the correction of the state so far, P and its sums. */
+        __m512 t0max = m0, t1max = m1;
+        for (int64_t t = 0; t < nt; t++) {
+            t0max = _mm512_max_ps(t0max, _mm512_load_ps(p->st + t * 32));
+            t1max = _mm512_max_ps(t1max, _mm512_load_ps(p->st + t * 32 + 16));
+        }
+        const __m512 c0 = exp512(_mm512_sub_ps(m0, t0max)), c1 = exp512(_mm512_sub_ps(m1, t1max));
+        m0 = t0max;
+        m1 = t1max;
+        __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
+        for (int64_t j = 0; j < (nt + 1) / 2; j++) {
+            const int64_t ta = 2 * j, tb = 2 * j + 1;
+            const __m512 ea0 = exp512(_mm512_sub_ps(_mm512_load_ps(p->st + ta * 32), m0));
+            const __m512 ea1 = exp512(_mm512_sub_ps(_mm512_load_ps(p->st + ta * 32 + 16), m1));
+            __m512 eb0 = _mm512_setzero_ps(), eb1 = eb0;
+            if (tb < nt) {
+                eb0 = exp512(_mm512_sub_ps(_mm512_load_ps(p->st + tb * 32), m0));
+                eb1 = exp512(_mm512_sub_ps(_mm512_load_ps(p->st + tb * 32 + 16), m1));
+            }
+            s0 = _mm512_add_ps(s0, _mm512_add_ps(ea0, eb0));
+            s1 = _mm512_add_ps(s1, _mm512_add_ps(ea1, eb1));
+            /* (P[r][2j], P[r][2j + 1]) per row r: the two keys' rows interleaved element-wise. */
+            const __m512i a = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(ea0));
+            const __m512i a2 = _mm512_inserti64x4(a, (__m256i)_mm512_cvtneps_pbh(ea1), 1);
+            const __m512i b = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(eb0));
+            const __m512i b2 = _mm512_inserti64x4(b, (__m256i)_mm512_cvtneps_pbh(eb1), 1);
+            _mm512_store_si512(p->pp + j * 32, _mm512_permutex2var_epi16(a2, lo, b2));
+            _mm512_store_si512(p->pp + j * 32 + 16, _mm512_permutex2var_epi16(a2, hi, b2));
+        }
+        l0 = _mm512_fmadd_ps(l0, c0, s0);
+        l1 = _mm512_fmadd_ps(l1, c1, s1);
+        /* V pairs of the tile: (V_2j[d], V_2j+1[d]), an odd last key paired with zeros. */
+        const int64_t np = (nt + 1) / 2;
+        for (int64_t j = 0; j < np; j++) {
+            const uint16_t *va = vb + ti[2 * j] * kv->v_stride + koff;
+            const uint16_t *vbr = 2 * j + 1 < nt ? vb + ti[2 * j + 1] * kv->v_stride + koff : NULL;
+            if (2 * j + 8 < nt) {
+                __builtin_prefetch(vb + ti[2 * j + 8] * kv->v_stride + koff);
+                if (2 * j + 9 < nt) __builtin_prefetch(vb + ti[2 * j + 9] * kv->v_stride + koff);
+            }
+            for (int64_t c = 0; c < dim; c += 32) {
+                const __m512i x = _mm512_loadu_si512(va + c);
+                const __m512i y = vbr != NULL ? _mm512_loadu_si512(vbr + c) : _mm512_setzero_si512();
+                _mm512_store_si512(p->vp + j * dim + c, _mm512_permutex2var_epi16(x, lo, y));
+                _mm512_store_si512(p->vp + j * dim + c + 16, _mm512_permutex2var_epi16(x, hi, y));
+            }
+        }
+        /* O^T: PF_DT dimensions at a time, corrected by the new max first. */
+        for (int64_t d0 = 0; d0 < dim; d0 += PF_DT) {
+            __m512 acc[2 * PF_DT];
+            for (int u = 0; u < PF_DT; u++) {
+                acc[2 * u] = _mm512_mul_ps(_mm512_load_ps(p->acct + (d0 + u) * 32), c0);
+                acc[2 * u + 1] = _mm512_mul_ps(_mm512_load_ps(p->acct + (d0 + u) * 32 + 16), c1);
+            }
+            for (int64_t j = 0; j < np; j++) {
+                const __m512bh p0 = (__m512bh)_mm512_load_si512(p->pp + j * 32);
+                const __m512bh p1 = (__m512bh)_mm512_load_si512(p->pp + j * 32 + 16);
+                const int32_t *vrow = (const int32_t *)(p->vp + j * dim + d0);
+                for (int u = 0; u < PF_DT; u++) {
+                    const __m512bh b = (__m512bh)_mm512_set1_epi32(vrow[u]);
+                    acc[2 * u] = _mm512_dpbf16_ps(acc[2 * u], b, p0);
+                    acc[2 * u + 1] = _mm512_dpbf16_ps(acc[2 * u + 1], b, p1);
+                }
+            }
+            for (int u = 0; u < PF_DT; u++) {
+                _mm512_store_ps(p->acct + (d0 + u) * 32, acc[2 * u]);
+                _mm512_store_ps(p->acct + (d0 + u) * 32 + 16, acc[2 * u + 1]);
+            }
+        }
+    }
+    float mv[32], lv[32];
+    _mm512_storeu_ps(mv, m0);
+    _mm512_storeu_ps(mv + 16, m1);
+    _mm512_storeu_ps(lv, l0);
+    _mm512_storeu_ps(lv + 16, l1);
+    for (int64_t r = 0; r < nr; r++) {
+        m_out[r] = mv[r];
+        l_out[r] = lv[r];
+        for (int64_t d = 0; d < dim; d++) acc_out[r][d] = p->acct[d * 32 + r];
+    }
+}
+#endif
+
 static void reset_state(work_t *w, int64_t rows, int64_t dim) {
     for (int64_t r = 0; r < rows; r++) {
         w->m[r] = -INFINITY;
@@ -305,10 +476,13 @@ void decode_attention(const void *q, const void *k, const void *v, const int64_t
     const int64_t block = bs >= 2 * num_threads ? kv_heads : 1; /* KV heads per task */
     const int64_t blocks = kv_heads / block;
     int64_t max_rows = block * group;
+    int64_t pf_blocks = 1; /* blocks of 32 query rows per (group, KV head) in the bf16 phase 1 */
     for (int64_t g = 0; g < num_groups; g++) {
         const int64_t rows = (group_offsets[g + 1] - group_offsets[g]) * group;
         max_rows = rows > max_rows ? rows : max_rows;
+        pf_blocks = (rows + 31) / 32 > pf_blocks ? (rows + 31) / 32 : pf_blocks;
     }
+    (void)pf_blocks; /* unused without AVX512-BF16 */
     /* Phase 1's result per (request, head): running max, sum and unnormalised output. */
     float *pm = NULL, *pl = NULL, *pacc = NULL;
     if (num_groups > 0) {
@@ -328,6 +502,37 @@ void decode_attention(const void *q, const void *k, const void *v, const int64_t
         w.acc = (float *)malloc(sizeof(float) * (size_t)(max_rows * dim));
         w.qrows = (const void **)malloc(sizeof(void *) * (size_t)max_rows);
         w.koff = (int64_t *)malloc(sizeof(int64_t) * (size_t)max_rows);
+#if defined(__AVX512BF16__)
+        if (num_groups > 0 && prefix_fast(&kv)) {
+            /* Tasks: (group, KV head, block of 32 query rows). */
+            pf_work_t pw;
+            pf_alloc(&pw, dim);
+            const uint16_t *qr[32];
+            float *accs[32];
+#pragma omp for schedule(dynamic, 1)
+            for (int64_t t = 0; t < num_groups * kv_heads * pf_blocks; t++) {
+                const int64_t g = t / (kv_heads * pf_blocks), h = (t / pf_blocks) % kv_heads, blk = t % pf_blocks;
+                const int64_t *members = group_members + group_offsets[g];
+                const int64_t rows = (group_offsets[g + 1] - group_offsets[g]) * group;
+                const int64_t r0 = blk * 32, nr = rows - r0 < 32 ? rows - r0 : 32;
+                if (nr <= 0) continue;
+                int64_t outs[32];
+                for (int64_t r = 0; r < nr; r++) {
+                    const int64_t rr = r0 + r;
+                    outs[r] = members[rr / group] * heads + h * group + rr % group;
+                    qr[r] = (const uint16_t *)q + outs[r] * dim;
+                    accs[r] = pacc + outs[r] * dim;
+                }
+                float mr[32], lr[32];
+                prefix_attend(&pw, qr, nr, h * dim, prefix_indices + g * max_prefix, prefix_lens[g], &kv, mr, lr, accs);
+                for (int64_t r = 0; r < nr; r++) {
+                    pm[outs[r]] = mr[r];
+                    pl[outs[r]] = lr[r];
+                }
+            }
+            pf_free(&pw);
+        } else
+#endif
         if (num_groups > 0) {
 #pragma omp for schedule(dynamic, 1)
             for (int64_t t = 0; t < num_groups * kv_heads; t++) {
