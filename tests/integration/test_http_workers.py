@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 from typing import Any, Dict, List, Optional
@@ -200,7 +201,9 @@ def test_a_dead_worker_stops_the_server(launch_server):
     others = [c for c in server.descendants() if c.pid != victim.pid]
     os.kill(victim.pid, signal.SIGKILL)
     assert server.proc.wait(timeout=60) == 1
-    assert "Child process http_worker_1" in server.log() and "died with exit code" in server.log()
+    # /health answers once one worker serves: the other may still be starting (its death is then
+    # reported as a failed start, also exit 1).
+    assert re.search(r"Child process http_worker_1 \(\d+\) died (during startup )?with exit code", server.log())
     assert wait_until(lambda: not any(running(c) for c in others), 30)
 
 

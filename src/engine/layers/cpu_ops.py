@@ -5,8 +5,8 @@ Also the bf16 linear kernel (csrc/linear_bf16.c, weights packed once at load).
 
 A decode step of a small model is dozens of tiny torch ops per layer: RMSNorm alone is nine
 (add, cast, pow, mean, add, rsqrt, mul, cast, mul), rotary another dozen. Each is a dispatch, a
-pass over the activations and, for larger batches, an OpenMP fork/join that stalls whenever a
-core is busy with anything else. These kernels do each group in one call. The layers call them
+pass over the activations and, for larger batches, a fork/join of the thread team. These kernels
+do each group in one call. The layers call them
 when `usable(...)` holds (CPU tensors of float32 / bfloat16, the library built, no autograd) and
 keep their torch code otherwise; `ENGINE_CPU_FUSED_OPS=0` switches them off.
 """

@@ -38,10 +38,13 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 # decode_attention.c: the decode kernel; extend_attention.c: prefill attention (bf16); cpu_ops.c:
 # the fused element-wise ops of a decoder layer (engine/layers/cpu_ops.py); linear_bf16.c: bf16
-# linears (engine/layers/linear.py); cpu_common.h: what they share. One library holds them all.
-_SOURCES = [_CSRC / "decode_attention.c", _CSRC / "extend_attention.c", _CSRC / "cpu_ops.c", _CSRC / "linear_bf16.c"]
+# linears (engine/layers/linear.py); thread_pool.c: the threads they run on; cpu_common.h: what they
+# share. One library holds them all.
+_SOURCES = [_CSRC / "decode_attention.c", _CSRC / "extend_attention.c", _CSRC / "cpu_ops.c", _CSRC / "linear_bf16.c",
+            _CSRC / "thread_pool.c"]
 _HEADERS = [_CSRC / "cpu_common.h"]
-_FLAGS = ["-O3", "-march=native", "-fopenmp", "-fPIC", "-shared", "-std=c11"]
+# -fopenmp-simd: the `omp simd` hints only; the threads are the library's own (csrc/thread_pool.c).
+_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11", "-pthread"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # A build takes about a second; a compiler stuck for this long costs the kernel, not the server.
 COMPILE_TIMEOUT_S = 120.0

@@ -2,6 +2,7 @@
 #ifndef ENGINE_CPU_COMMON_H
 #define ENGINE_CPU_COMMON_H
 #include <math.h>
+#include <stdatomic.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -10,6 +11,15 @@
 #endif
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
+
+/* thread_pool.c: run fn(ctx, tid, nthreads) on nthreads threads (the caller is tid 0). */
+typedef void (*pool_fn)(void *ctx, int tid, int nthreads);
+void pool_run(pool_fn fn, void *ctx, int nthreads);
+void pool_barrier(int nthreads);
+void pool_range(int64_t n, int tid, int nt, int64_t *lo, int64_t *hi);
+/* A loop whose iterations the job's threads take one at a time (OpenMP's schedule(dynamic, 1)). */
+#define DYNAMIC_FOR(t, n, counter) \
+    for (int64_t t = atomic_fetch_add((counter), 1); t < (n); t = atomic_fetch_add((counter), 1))
 
 static inline float bf16_to_f32(uint16_t x) {
     union { uint32_t u; float f; } c;

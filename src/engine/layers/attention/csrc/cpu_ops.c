@@ -2,10 +2,10 @@
  * embedding of q and k in place, SiLU-and-mul, and the store of new K/V into the paged pool.
  *
  * Each replaces several torch ops (and as many passes over the activations, and on a busy machine
- * as many OpenMP barriers) by one. In bfloat16 they round where the torch ops of the reference
+ * as many thread-team barriers) by one. In bfloat16 they round where the torch ops of the reference
  * path round (after the residual add, after the normalisation, after each rotary product, after
  * SiLU), so the two paths agree up to the order of float32 sums.
- * Work is split over rows only when there is enough of it to pay for waking the thread team.
+ * Work is split over rows (thread_pool.c) only when there is enough of it to pay for the split.
  */
 #include "cpu_common.h"
 
@@ -13,35 +13,94 @@
 
 static inline float round_to(float x, int dtype) { return dtype == DTYPE_BF16 ? bf16_to_f32(f32_to_bf16(x)) : x; }
 
+typedef struct {
+    const void *x, *residual, *weight;
+    void *out, *res_out;
+    int64_t rows, n;
+    float eps;
+    int dtype;
+} rms_job_t;
+
+static void rms_part(void *arg, int tid, int nt) {
+    const rms_job_t *J = (const rms_job_t *)arg;
+    const int64_t n = J->n;
+    const int dtype = J->dtype;
+    float *h = (float *)malloc(sizeof(float) * (size_t)n);
+    float *tmp = (float *)malloc(sizeof(float) * (size_t)n);
+    float *w = (float *)malloc(sizeof(float) * (size_t)n);
+    memcpy(w, load_row(J->weight, 0, n, dtype, tmp), sizeof(float) * (size_t)n);
+    int64_t lo, hi;
+    pool_range(J->rows, tid, nt, &lo, &hi);
+    for (int64_t r = lo; r < hi; r++) {
+        memcpy(h, load_row(J->x, r * n, n, dtype, tmp), sizeof(float) * (size_t)n);
+        if (J->residual != NULL) {
+            const float *res = load_row(J->residual, r * n, n, dtype, tmp);
+            for (int64_t i = 0; i < n; i++) h[i] = round_to(h[i] + res[i], dtype);
+            store_row(J->res_out, r * n, h, n, dtype);
+        }
+        float ss = 0.f;
+#pragma omp simd reduction(+ : ss)
+        for (int64_t i = 0; i < n; i++) ss += h[i] * h[i];
+        const float inv = 1.f / sqrtf(ss / (float)n + J->eps);
+        for (int64_t i = 0; i < n; i++) h[i] = w[i] * round_to(h[i] * inv, dtype);
+        store_row(J->out, r * n, h, n, dtype);
+    }
+    free(h);
+    free(tmp);
+    free(w);
+}
+
 /* out = weight * norm(h) with h = x (+ residual); with a residual, res_out = h. Rows of n elements,
  * contiguous; the statistics in float32, as Hugging Face computes them. */
 void rms_norm(const void *x, const void *residual, const void *weight, void *out, void *res_out, int64_t rows,
               int64_t n, float eps, int dtype, int num_threads) {
-#pragma omp parallel num_threads(num_threads) if (rows * n >= PARALLEL_MIN_ELEMS)
-    {
-        float *h = (float *)malloc(sizeof(float) * (size_t)n);
-        float *tmp = (float *)malloc(sizeof(float) * (size_t)n);
-        float *w = (float *)malloc(sizeof(float) * (size_t)n);
-        memcpy(w, load_row(weight, 0, n, dtype, tmp), sizeof(float) * (size_t)n);
-#pragma omp for schedule(static)
-        for (int64_t r = 0; r < rows; r++) {
-            memcpy(h, load_row(x, r * n, n, dtype, tmp), sizeof(float) * (size_t)n);
-            if (residual != NULL) {
-                const float *res = load_row(residual, r * n, n, dtype, tmp);
-                for (int64_t i = 0; i < n; i++) h[i] = round_to(h[i] + res[i], dtype);
-                store_row(res_out, r * n, h, n, dtype);
+    rms_job_t job = {x, residual, weight, out, res_out, rows, n, eps, dtype};
+    pool_run(rms_part, &job, rows * n >= PARALLEL_MIN_ELEMS ? num_threads : 1);
+}
+
+/* Rotary embedding, GPT-NeoX layout, in place on the first `rot` dims of every head of q and k.
+ * q: tokens rows of q_heads * head_size (row stride q_stride elements), likewise k;
+ * cos_sin: float32 [max_pos, rot], cos of the rot/2 frequencies then their sin. */
+typedef struct {
+    const int64_t *positions;
+    void *q, *k;
+    int64_t q_stride, q_heads, k_stride, k_heads;
+    const float *cos_sin;
+    int64_t head_size, rot, tokens;
+    int dtype;
+} rope_job_t;
+
+static void rope_part(void *arg, int tid, int nt) {
+    const rope_job_t *J = (const rope_job_t *)arg;
+    const int64_t rot = J->rot, half = rot / 2, head_size = J->head_size;
+    const int dtype = J->dtype;
+    float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * rot + head_size));
+    float *cs = buf, *x = buf + rot, *sn = cs + half;
+    int64_t lo, hi;
+    pool_range(J->tokens, tid, nt, &lo, &hi);
+    for (int64_t t = lo; t < hi; t++) {
+        const float *c = J->cos_sin + J->positions[t] * rot;
+        /* The reference path multiplies by the cache cast to the activations' dtype. */
+        for (int64_t i = 0; i < rot; i++) cs[i] = round_to(c[i], dtype);
+        for (int pass = 0; pass < 2; pass++) {
+            void *base = pass == 0 ? J->q : J->k;
+            const int64_t heads = pass == 0 ? J->q_heads : J->k_heads, stride = pass == 0 ? J->q_stride : J->k_stride;
+            for (int64_t hd = 0; hd < heads; hd++) {
+                const int64_t off = t * stride + hd * head_size;
+                const float *src = load_row(base, off, rot, dtype, x);
+                float out[512]; /* the caller checks rot <= 512 */
+                for (int64_t i = 0; i < half; i++) {
+                    const float x1 = src[i], x2 = src[i + half];
+                    const float a = round_to(x1 * cs[i], dtype), b = round_to(x2 * sn[i], dtype);
+                    const float e = round_to(x2 * cs[i], dtype), f = round_to(x1 * sn[i], dtype);
+                    out[i] = a - b;
+                    out[i + half] = e + f;
+                }
+                store_row(base, off, out, rot, dtype);
             }
-            float ss = 0.f;
-#pragma omp simd reduction(+ : ss)
-            for (int64_t i = 0; i < n; i++) ss += h[i] * h[i];
-            const float inv = 1.f / sqrtf(ss / (float)n + eps);
-            for (int64_t i = 0; i < n; i++) h[i] = w[i] * round_to(h[i] * inv, dtype);
-            store_row(out, r * n, h, n, dtype);
         }
-        free(h);
-        free(tmp);
-        free(w);
     }
+    free(buf);
 }
 
 /* Rotary embedding, GPT-NeoX layout, in place on the first `rot` dims of every head of q and k.
@@ -50,74 +109,77 @@ void rms_norm(const void *x, const void *residual, const void *weight, void *out
 void rope_neox(const int64_t *positions, void *q, int64_t q_stride, int64_t q_heads, void *k, int64_t k_stride,
                int64_t k_heads, const float *cos_sin, int64_t head_size, int64_t rot, int64_t tokens, int dtype,
                int num_threads) {
-    const int64_t half = rot / 2;
-#pragma omp parallel num_threads(num_threads) if (tokens * (q_heads + k_heads) * rot >= PARALLEL_MIN_ELEMS)
-    {
-        float *buf = (float *)malloc(sizeof(float) * (size_t)(2 * rot + head_size));
-        float *cs = buf, *x = buf + rot, *sn = cs + half;
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tokens; t++) {
-            const float *c = cos_sin + positions[t] * rot;
-            /* The reference path multiplies by the cache cast to the activations' dtype. */
-            for (int64_t i = 0; i < rot; i++) cs[i] = round_to(c[i], dtype);
-            for (int pass = 0; pass < 2; pass++) {
-                void *base = pass == 0 ? q : k;
-                const int64_t heads = pass == 0 ? q_heads : k_heads, stride = pass == 0 ? q_stride : k_stride;
-                for (int64_t hd = 0; hd < heads; hd++) {
-                    const int64_t off = t * stride + hd * head_size;
-                    const float *src = load_row(base, off, rot, dtype, x);
-                    float out[512]; /* the caller checks rot <= 512 */
-                    for (int64_t i = 0; i < half; i++) {
-                        const float x1 = src[i], x2 = src[i + half];
-                        const float a = round_to(x1 * cs[i], dtype), b = round_to(x2 * sn[i], dtype);
-                        const float e = round_to(x2 * cs[i], dtype), f = round_to(x1 * sn[i], dtype);
-                        out[i] = a - b;
-                        out[i + half] = e + f;
-                    }
-                    store_row(base, off, out, rot, dtype);
-                }
-            }
+    rope_job_t job = {positions, q, k, q_stride, q_heads, k_stride, k_heads, cos_sin, head_size, rot, tokens, dtype};
+    pool_run(rope_part, &job, tokens * (q_heads + k_heads) * rot >= PARALLEL_MIN_ELEMS ? num_threads : 1);
+}
+
+/* out[t] = silu(x[t, :d]) * x[t, d:], x rows of 2d contiguous elements, out rows of d. */
+typedef struct {
+    const void *x;
+    void *out;
+    int64_t tokens, d;
+    int dtype;
+} silu_job_t;
+
+static void silu_part(void *arg, int tid, int nt) {
+    const silu_job_t *J = (const silu_job_t *)arg;
+    const int64_t d = J->d;
+    const int dtype = J->dtype;
+    float *g = (float *)malloc(sizeof(float) * (size_t)d);
+    float *u = (float *)malloc(sizeof(float) * (size_t)d);
+    int64_t lo, hi;
+    pool_range(J->tokens, tid, nt, &lo, &hi);
+    for (int64_t t = lo; t < hi; t++) {
+        memcpy(g, load_row(J->x, t * 2 * d, d, dtype, u), sizeof(float) * (size_t)d);
+        int64_t i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= d; i += 16) {
+            const __m512 v = _mm512_loadu_ps(g + i);
+            const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), v));
+            _mm512_storeu_ps(g + i, _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
         }
-        free(buf);
+#endif
+        for (; i < d; i++) g[i] = g[i] / (1.f + expf(-g[i]));
+        const float *up = load_row(J->x, t * 2 * d + d, d, dtype, u);
+        for (i = 0; i < d; i++) g[i] = round_to(g[i], dtype) * up[i];
+        store_row(J->out, t * d, g, d, dtype);
     }
+    free(g);
+    free(u);
 }
 
 /* out[t] = silu(x[t, :d]) * x[t, d:], x rows of 2d contiguous elements, out rows of d. */
 void silu_and_mul(const void *x, void *out, int64_t tokens, int64_t d, int dtype, int num_threads) {
-#pragma omp parallel num_threads(num_threads) if (tokens * d >= PARALLEL_MIN_ELEMS)
-    {
-        float *g = (float *)malloc(sizeof(float) * (size_t)d);
-        float *u = (float *)malloc(sizeof(float) * (size_t)d);
-#pragma omp for schedule(static)
-        for (int64_t t = 0; t < tokens; t++) {
-            memcpy(g, load_row(x, t * 2 * d, d, dtype, u), sizeof(float) * (size_t)d);
-            int64_t i = 0;
-#if defined(__AVX512F__)
-            for (; i + 16 <= d; i += 16) {
-                const __m512 v = _mm512_loadu_ps(g + i);
-                const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), v));
-                _mm512_storeu_ps(g + i, _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-            }
-#endif
-            for (; i < d; i++) g[i] = g[i] / (1.f + expf(-g[i]));
-            const float *up = load_row(x, t * 2 * d + d, d, dtype, u);
-            for (i = 0; i < d; i++) g[i] = round_to(g[i], dtype) * up[i];
-            store_row(out, t * d, g, d, dtype);
-        }
-        free(g);
-        free(u);
-    }
+    silu_job_t job = {x, out, tokens, d, dtype};
+    pool_run(silu_part, &job, tokens * d >= PARALLEL_MIN_ELEMS ? num_threads : 1);
 }
 
 /* k_pool[loc[t]] = k[t] and v_pool[loc[t]] = v[t]: rows of `width` elements of elem_size bytes; k/v
  * rows are src_stride elements apart (slices of the fused qkv output), pool slots slot_stride. */
+typedef struct {
+    const void *k, *v;
+    int64_t k_stride, v_stride;
+    void *k_pool, *v_pool;
+    int64_t slot_stride;
+    const int64_t *loc;
+    int64_t tokens, width, elem_size;
+} store_job_t;
+
+static void store_part(void *arg, int tid, int nt) {
+    const store_job_t *J = (const store_job_t *)arg;
+    const int64_t es = J->elem_size;
+    const size_t bytes = (size_t)(J->width * es);
+    int64_t lo, hi;
+    pool_range(J->tokens, tid, nt, &lo, &hi);
+    for (int64_t t = lo; t < hi; t++) {
+        memcpy((char *)J->k_pool + J->loc[t] * J->slot_stride * es, (const char *)J->k + t * J->k_stride * es, bytes);
+        memcpy((char *)J->v_pool + J->loc[t] * J->slot_stride * es, (const char *)J->v + t * J->v_stride * es, bytes);
+    }
+}
+
 void store_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride, void *k_pool, void *v_pool,
               int64_t slot_stride, const int64_t *loc, int64_t tokens, int64_t width, int64_t elem_size,
               int num_threads) {
-    const size_t bytes = (size_t)(width * elem_size);
-#pragma omp parallel for num_threads(num_threads) schedule(static) if (tokens * width >= PARALLEL_MIN_ELEMS)
-    for (int64_t t = 0; t < tokens; t++) {
-        memcpy((char *)k_pool + loc[t] * slot_stride * elem_size, (const char *)k + t * k_stride * elem_size, bytes);
-        memcpy((char *)v_pool + loc[t] * slot_stride * elem_size, (const char *)v + t * v_stride * elem_size, bytes);
-    }
+    store_job_t job = {k, v, k_stride, v_stride, k_pool, v_pool, slot_stride, loc, tokens, width, elem_size};
+    pool_run(store_part, &job, tokens * width >= PARALLEL_MIN_ELEMS ? num_threads : 1);
 }

@@ -17,8 +17,8 @@
  * Scores of 16 keys are computed at once and reduced with one transpose-add tree. With AVX512-BF16
  * and bfloat16 data both products are `vdpbf16ps` (exact bf16 products, float32 sums; P is rounded
  * to bfloat16 for P.V, as flash attention does) with the output accumulators held in registers.
- * Built at run time by engine/layers/attention/cpu_kernels.py (gcc -O3 -march=native -fopenmp);
- * called through ctypes, which releases the GIL. The OpenMP runtime is the one torch already loaded.
+ * Built at run time by engine/layers/attention/cpu_kernels.py (gcc -O3 -march=native); called through
+ * ctypes, which releases the GIL; the threads are thread_pool.c's.
  */
 #include "cpu_common.h"
 
@@ -463,6 +463,135 @@ static void reset_state(work_t *w, int64_t rows, int64_t dim) {
  * Cascade (num_groups > 0): group g's members are group_members[group_offsets[g] ..
  * group_offsets[g + 1]), its prefix the first prefix_lens[g] entries of row g of prefix_indices
  * [num_groups, max_prefix]; group_of[b] is request b's group or -1. */
+typedef struct {
+    const void *q;
+    const int64_t *kv_indices, *lens;
+    int64_t max_len, bs, heads, kv_heads, dim;
+    int dtype;
+    void *out;
+    int64_t num_groups;
+    const int64_t *group_offsets, *group_members, *prefix_indices, *prefix_lens;
+    int64_t max_prefix;
+    const int64_t *group_of;
+    kv_t kv;
+    int64_t group, block, blocks, max_rows, pf_blocks;
+    float *pm, *pl, *pacc;
+    _Atomic int64_t next_prefix, next_request; /* the next task of each phase */
+} decode_job_t;
+
+static void decode_part(void *arg, int tid, int nthreads) {
+    decode_job_t *J = (decode_job_t *)arg;
+    (void)tid;
+    const void *q = J->q;
+    const int64_t *kv_indices = J->kv_indices, *lens = J->lens;
+    const int64_t max_len = J->max_len, bs = J->bs, heads = J->heads, kv_heads = J->kv_heads, dim = J->dim;
+    const int dtype = J->dtype;
+    void *out = J->out;
+    const int64_t num_groups = J->num_groups, max_prefix = J->max_prefix;
+    const int64_t *group_offsets = J->group_offsets, *group_members = J->group_members;
+    const int64_t *prefix_indices = J->prefix_indices, *prefix_lens = J->prefix_lens, *group_of = J->group_of;
+    const kv_t kv = J->kv;
+    const int64_t group = J->group, block = J->block, blocks = J->blocks, max_rows = J->max_rows;
+    const int64_t pf_blocks = J->pf_blocks;
+    (void)pf_blocks;
+    const int elem = dtype == DTYPE_F32 ? 4 : 2;
+    float *pm = J->pm, *pl = J->pl, *pacc = J->pacc;
+    work_t w;
+    w.scores = (float *)malloc(sizeof(float) * (size_t)(max_rows * TILE));
+    w.pbf = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(max_rows * (TILE + 2)));
+    w.qf = (float *)malloc(sizeof(float) * (size_t)(max_rows * dim));
+    w.vrow = (float *)malloc(sizeof(float) * (size_t)dim);
+    w.m = (float *)malloc(sizeof(float) * (size_t)max_rows);
+    w.l = (float *)malloc(sizeof(float) * (size_t)max_rows);
+    w.acc = (float *)malloc(sizeof(float) * (size_t)(max_rows * dim));
+    w.qrows = (const void **)malloc(sizeof(void *) * (size_t)max_rows);
+    w.koff = (int64_t *)malloc(sizeof(int64_t) * (size_t)max_rows);
+#if defined(__AVX512BF16__)
+    if (num_groups > 0 && prefix_fast(&kv)) {
+        /* Tasks: (group, KV head, block of 32 query rows). */
+        pf_work_t pw;
+        pf_alloc(&pw, dim);
+        const uint16_t *qr[32];
+        float *accs[32];
+        DYNAMIC_FOR(t, num_groups * kv_heads * pf_blocks, &J->next_prefix) {
+            const int64_t g = t / (kv_heads * pf_blocks), h = (t / pf_blocks) % kv_heads, blk = t % pf_blocks;
+            const int64_t *members = group_members + group_offsets[g];
+            const int64_t rows = (group_offsets[g + 1] - group_offsets[g]) * group;
+            const int64_t r0 = blk * 32, nr = rows - r0 < 32 ? rows - r0 : 32;
+            if (nr <= 0) continue;
+            int64_t outs[32];
+            for (int64_t r = 0; r < nr; r++) {
+                const int64_t rr = r0 + r;
+                outs[r] = members[rr / group] * heads + h * group + rr % group;
+                qr[r] = (const uint16_t *)q + outs[r] * dim;
+                accs[r] = pacc + outs[r] * dim;
+            }
+            float mr[32], lr[32];
+            prefix_attend(&pw, qr, nr, h * dim, prefix_indices + g * max_prefix, prefix_lens[g], &kv, mr, lr, accs);
+            for (int64_t r = 0; r < nr; r++) {
+                pm[outs[r]] = mr[r];
+                pl[outs[r]] = lr[r];
+            }
+        }
+        pf_free(&pw);
+    } else
+#endif
+    if (num_groups > 0) {
+        DYNAMIC_FOR(t, num_groups * kv_heads, &J->next_prefix) {
+            const int64_t g = t / kv_heads, h = t % kv_heads;
+            const int64_t *members = group_members + group_offsets[g];
+            const int64_t rows = (group_offsets[g + 1] - group_offsets[g]) * group;
+            for (int64_t r = 0; r < rows; r++) {
+                w.qrows[r] = (const char *)q + ((members[r / group] * heads + h * group + r % group) * dim) * elem;
+                w.koff[r] = h * dim;
+            }
+            reset_state(&w, rows, dim);
+            attend(&w, rows, prefix_indices + g * max_prefix, prefix_lens[g], &kv, dim);
+            for (int64_t r = 0; r < rows; r++) {
+                const int64_t o = members[r / group] * heads + h * group + r % group;
+                pm[o] = w.m[r];
+                pl[o] = w.l[r];
+                memcpy(pacc + o * dim, w.acc + r * dim, sizeof(float) * (size_t)dim);
+            }
+        }
+    }
+    pool_barrier(nthreads); /* phase 2 resumes what phase 1 left */
+    DYNAMIC_FOR(t, bs * blocks, &J->next_request) {
+        const int64_t b = t / blocks, h0 = (t % blocks) * block, rows = block * group;
+        const int64_t first = b * heads + h0 * group; /* the task's query heads are contiguous */
+        for (int64_t r = 0; r < rows; r++) {
+            w.qrows[r] = (const char *)q + (first + r) * dim * elem;
+            w.koff[r] = (h0 + r / group) * dim;
+        }
+        if (group_of != NULL && group_of[b] >= 0) {
+            memcpy(w.m, pm + first, sizeof(float) * (size_t)rows);
+            memcpy(w.l, pl + first, sizeof(float) * (size_t)rows);
+            memcpy(w.acc, pacc + first * dim, sizeof(float) * (size_t)(rows * dim));
+        } else {
+            reset_state(&w, rows, dim);
+        }
+        attend(&w, rows, kv_indices + b * max_len, lens[b], &kv, block * dim);
+        for (int64_t r = 0; r < rows; r++) {
+            const float inv = w.l[r] > 0.f ? 1.f / w.l[r] : 0.f; /* no keys: output 0 */
+            const float *a = w.acc + r * dim;
+            const int64_t o = (first + r) * dim;
+            for (int64_t d = 0; d < dim; d++) {
+                if (dtype == DTYPE_F32) ((float *)out)[o + d] = a[d] * inv;
+                else ((uint16_t *)out)[o + d] = f32_to_bf16(a[d] * inv);
+            }
+        }
+    }
+    free(w.scores);
+    free(w.pbf);
+    free(w.qf);
+    free(w.vrow);
+    free(w.m);
+    free(w.l);
+    free(w.acc);
+    free(w.qrows);
+    free(w.koff);
+}
+
 void decode_attention(const void *q, const void *k, const void *v, const int64_t *kv_indices,
                       const int64_t *lens, int64_t max_len, int64_t bs, int64_t heads, int64_t kv_heads,
                       int64_t dim, int64_t k_stride, int64_t v_stride, float scale, int dtype, void *out,
@@ -470,7 +599,6 @@ void decode_attention(const void *q, const void *k, const void *v, const int64_t
                       const int64_t *prefix_indices, const int64_t *prefix_lens, int64_t max_prefix,
                       const int64_t *group_of, int num_threads) {
     const int64_t group = heads / kv_heads;
-    const int elem = dtype == DTYPE_F32 ? 4 : 2;
     const kv_t kv = {k, v, k_stride, v_stride, dim, dtype, scale};
     /* Phase 2: whole requests when they keep every thread busy, else one KV head of a request. */
     const int64_t block = bs >= 2 * num_threads ? kv_heads : 1; /* KV heads per task */
@@ -482,7 +610,6 @@ void decode_attention(const void *q, const void *k, const void *v, const int64_t
         max_rows = rows > max_rows ? rows : max_rows;
         pf_blocks = (rows + 31) / 32 > pf_blocks ? (rows + 31) / 32 : pf_blocks;
     }
-    (void)pf_blocks; /* unused without AVX512-BF16 */
     /* Phase 1's result per (request, head): running max, sum and unnormalised output. */
     float *pm = NULL, *pl = NULL, *pacc = NULL;
     if (num_groups > 0) {
@@ -490,105 +617,10 @@ void decode_attention(const void *q, const void *k, const void *v, const int64_t
         pl = (float *)malloc(sizeof(float) * (size_t)(bs * heads));
         pacc = (float *)malloc(sizeof(float) * (size_t)(bs * heads * dim));
     }
-#pragma omp parallel num_threads(num_threads)
-    {
-        work_t w;
-        w.scores = (float *)malloc(sizeof(float) * (size_t)(max_rows * TILE));
-        w.pbf = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(max_rows * (TILE + 2)));
-        w.qf = (float *)malloc(sizeof(float) * (size_t)(max_rows * dim));
-        w.vrow = (float *)malloc(sizeof(float) * (size_t)dim);
-        w.m = (float *)malloc(sizeof(float) * (size_t)max_rows);
-        w.l = (float *)malloc(sizeof(float) * (size_t)max_rows);
-        w.acc = (float *)malloc(sizeof(float) * (size_t)(max_rows * dim));
-        w.qrows = (const void **)malloc(sizeof(void *) * (size_t)max_rows);
-        w.koff = (int64_t *)malloc(sizeof(int64_t) * (size_t)max_rows);
-#if defined(__AVX512BF16__)
-        if (num_groups > 0 && prefix_fast(&kv)) {
-            /* Tasks: (group, KV head, block of 32 query rows). */
-            pf_work_t pw;
-            pf_alloc(&pw, dim);
-            const uint16_t *qr[32];
-            float *accs[32];
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t t = 0; t < num_groups * kv_heads * pf_blocks; t++) {
-                const int64_t g = t / (kv_heads * pf_blocks), h = (t / pf_blocks) % kv_heads, blk = t % pf_blocks;
-                const int64_t *members = group_members + group_offsets[g];
-                const int64_t rows = (group_offsets[g + 1] - group_offsets[g]) * group;
-                const int64_t r0 = blk * 32, nr = rows - r0 < 32 ? rows - r0 : 32;
-                if (nr <= 0) continue;
-                int64_t outs[32];
-                for (int64_t r = 0; r < nr; r++) {
-                    const int64_t rr = r0 + r;
-                    outs[r] = members[rr / group] * heads + h * group + rr % group;
-                    qr[r] = (const uint16_t *)q + outs[r] * dim;
-                    accs[r] = pacc + outs[r] * dim;
-                }
-                float mr[32], lr[32];
-                prefix_attend(&pw, qr, nr, h * dim, prefix_indices + g * max_prefix, prefix_lens[g], &kv, mr, lr, accs);
-                for (int64_t r = 0; r < nr; r++) {
-                    pm[outs[r]] = mr[r];
-                    pl[outs[r]] = lr[r];
-                }
-            }
-            pf_free(&pw);
-        } else
-#endif
-        if (num_groups > 0) {
-#pragma omp for schedule(dynamic, 1)
-            for (int64_t t = 0; t < num_groups * kv_heads; t++) {
-                const int64_t g = t / kv_heads, h = t % kv_heads;
-                const int64_t *members = group_members + group_offsets[g];
-                const int64_t rows = (group_offsets[g + 1] - group_offsets[g]) * group;
-                for (int64_t r = 0; r < rows; r++) {
-                    w.qrows[r] = (const char *)q + ((members[r / group] * heads + h * group + r % group) * dim) * elem;
-                    w.koff[r] = h * dim;
-                }
-                reset_state(&w, rows, dim);
-                attend(&w, rows, prefix_indices + g * max_prefix, prefix_lens[g], &kv, dim);
-                for (int64_t r = 0; r < rows; r++) {
-                    const int64_t o = members[r / group] * heads + h * group + r % group;
-                    pm[o] = w.m[r];
-                    pl[o] = w.l[r];
-                    memcpy(pacc + o * dim, w.acc + r * dim, sizeof(float) * (size_t)dim);
-                }
-            }
-        }
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < bs * blocks; t++) {
-            const int64_t b = t / blocks, h0 = (t % blocks) * block, rows = block * group;
-            const int64_t first = b * heads + h0 * group; /* the task's query heads are contiguous */
-            for (int64_t r = 0; r < rows; r++) {
-                w.qrows[r] = (const char *)q + (first + r) * dim * elem;
-                w.koff[r] = (h0 + r / group) * dim;
-            }
-            if (group_of != NULL && group_of[b] >= 0) {
-                memcpy(w.m, pm + first, sizeof(float) * (size_t)rows);
-                memcpy(w.l, pl + first, sizeof(float) * (size_t)rows);
-                memcpy(w.acc, pacc + first * dim, sizeof(float) * (size_t)(rows * dim));
-            } else {
-                reset_state(&w, rows, dim);
-            }
-            attend(&w, rows, kv_indices + b * max_len, lens[b], &kv, block * dim);
-            for (int64_t r = 0; r < rows; r++) {
-                const float inv = w.l[r] > 0.f ? 1.f / w.l[r] : 0.f; /* no keys: output 0 */
-                const float *a = w.acc + r * dim;
-                const int64_t o = (first + r) * dim;
-                for (int64_t d = 0; d < dim; d++) {
-                    if (dtype == DTYPE_F32) ((float *)out)[o + d] = a[d] * inv;
-                    else ((uint16_t *)out)[o + d] = f32_to_bf16(a[d] * inv);
-                }
-            }
-        }
-        free(w.scores);
-        free(w.pbf);
-        free(w.qf);
-        free(w.vrow);
-        free(w.m);
-        free(w.l);
-        free(w.acc);
-        free(w.qrows);
-        free(w.koff);
-    }
+    decode_job_t job = {q, kv_indices, lens, max_len, bs, heads, kv_heads, dim, dtype, out, num_groups, group_offsets,
+                        group_members, prefix_indices, prefix_lens, max_prefix, group_of, kv, group, block, blocks,
+                        max_rows, pf_blocks, pm, pl, pacc, 0, 0};
+    pool_run(decode_part, &job, num_threads);
     free(pm);
     free(pl);
     free(pacc);

@@ -63,130 +63,155 @@ static void matmul_rows(const uint16_t *a, int64_t a_stride, int64_t rows, int64
 /* q: token rows of q_stride elements, head hq at hq * dim; out likewise (out_stride); k, v: the pool;
  * kv_indices [bs, max_seq]: request b's slots, prefix then new tokens; its new tokens are q rows
  * q_starts[b] .. + ext_lens[b] at positions prefix_lens[b] ... dim must be even and <= 256. */
+typedef struct {
+    const uint16_t *q, *k, *v;
+    int64_t q_stride, k_stride, v_stride;
+    const int64_t *kv_indices;
+    int64_t max_seq;
+    const int64_t *q_starts, *ext_lens, *prefix_lens;
+    int64_t bs, heads, kv_heads, dim;
+    float scale;
+    uint16_t *out;
+    int64_t out_stride;
+    _Atomic int64_t next; /* the next (request, KV head) task */
+} extend_job_t;
+
+static void extend_part(void *arg, int tid, int nthreads) {
+    extend_job_t *J = (extend_job_t *)arg;
+    (void)tid;
+    (void)nthreads;
+    const uint16_t *q = J->q, *k = J->k, *v = J->v;
+    const int64_t q_stride = J->q_stride, k_stride = J->k_stride, v_stride = J->v_stride, max_seq = J->max_seq;
+    const int64_t *kv_indices = J->kv_indices, *q_starts = J->q_starts, *ext_lens = J->ext_lens;
+    const int64_t *prefix_lens = J->prefix_lens;
+    const int64_t bs = J->bs, heads = J->heads, kv_heads = J->kv_heads, dim = J->dim, out_stride = J->out_stride;
+    const float scale = J->scale;
+    uint16_t *out = J->out;
+    const int64_t group = heads / kv_heads, pairs = dim / 2;
+    const int64_t dpanels = (dim + PANEL - 1) / PANEL;
+    int64_t cap_seq = 0; /* scratch grown on demand */
+    uint16_t *kp = NULL, *vp = NULL, *pb = NULL, *qa = NULL;
+    float *s = NULL, *o = NULL;
+    DYNAMIC_FOR(t, bs * kv_heads, &J->next) {
+        const int64_t b = t / kv_heads, h = t % kv_heads;
+        const int64_t ext = ext_lens[b], prefix = prefix_lens[b], seq = prefix + ext;
+        if (ext == 0) continue;
+        const int64_t kpanels = (seq + PANEL - 1) / PANEL, seq_pad = kpanels * PANEL;
+        if (seq_pad > cap_seq) {
+            cap_seq = seq_pad;
+            free(kp); free(vp); free(pb); free(s);
+            kp = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(seq_pad * dim));
+            vp = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(dpanels * PANEL * (seq_pad + 2)));
+            pb = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(RBLOCK * (seq_pad + 2)));
+            s = (float *)malloc(sizeof(float) * (size_t)(RBLOCK * seq_pad));
+        }
+        if (qa == NULL) {
+            qa = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(RBLOCK * dim));
+            o = (float *)malloc(sizeof(float) * (size_t)(RBLOCK * dpanels * PANEL));
+        }
+        const int64_t *slots = kv_indices + b * max_seq;
+        /* K panels: kp[p][kk][c][2] = K[key 64p + c][2kk .. 2kk + 1], zero past seq; 16 keys' pair kk
+         * at a time with one gather (dword offsets of their rows; the pool fits 32-bit offsets). */
+        for (int64_t p = 0; p < kpanels; p++)
+            for (int64_t c0 = 0; c0 < PANEL; c0 += 16) {
+                int32_t offs[16];
+                __mmask16 live = 0;
+                for (int c = 0; c < 16; c++) {
+                    const int64_t key = p * PANEL + c0 + c;
+                    offs[c] = key < seq ? (int32_t)((slots[key] * k_stride + h * dim) / 2) : 0;
+                    live |= key < seq ? (__mmask16)(1u << c) : 0;
+                }
+                const __m512i vo = _mm512_loadu_si512(offs);
+                uint32_t *dst = (uint32_t *)(kp + p * pairs * PANEL * 2) + c0;
+                for (int64_t kk = 0; kk < pairs; kk++) {
+                    const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live,
+                                                                  _mm512_add_epi32(vo, _mm512_set1_epi32((int)kk)),
+                                                                  (const int *)k, 4);
+                    _mm512_storeu_si512(dst + kk * PANEL, g);
+                }
+            }
+        /* V^T panels: vp[dp][kp][c][2] = V[key 2kp .. 2kp + 1][64 dp + c], zero past seq / dim: two
+         * rows interleaved element-wise by one permute per 16 dimensions. */
+        const int64_t kpairs = (seq + 1) / 2;
+        const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
+                                            6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+        const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+        for (int64_t dp = 0; dp < dpanels; dp++) {
+            uint16_t *panel = vp + dp * kpairs * PANEL * 2;
+            const int64_t d0 = dp * PANEL, nd = dim - d0 < PANEL ? dim - d0 : PANEL;
+            for (int64_t kp2 = 0; kp2 < kpairs; kp2++) {
+                const int64_t k1 = 2 * kp2 + 1;
+                const uint16_t *v0 = v + slots[2 * kp2] * v_stride + h * dim + d0;
+                const uint16_t *v1 = k1 < seq ? v + slots[k1] * v_stride + h * dim + d0 : NULL;
+                uint16_t *dst = panel + kp2 * PANEL * 2;
+                for (int64_t c = 0; c < PANEL; c += 32) { /* 32 dimensions -> two interleaved vectors */
+                    const __mmask32 m = c >= nd ? 0 : nd - c >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << (nd - c)) - 1u);
+                    const __m512i a = _mm512_maskz_loadu_epi16(m, v0 + c);
+                    const __m512i b = v1 != NULL ? _mm512_maskz_loadu_epi16(m, v1 + c) : _mm512_setzero_si512();
+                    _mm512_storeu_si512(dst + 2 * c, _mm512_permutex2var_epi16(a, lo, b));
+                    _mm512_storeu_si512(dst + 2 * c + 32, _mm512_permutex2var_epi16(a, hi, b));
+                }
+            }
+        }
+        /* Query rows r = i * group + j (token i, query head h * group + j), in blocks. */
+        const int64_t rows = ext * group;
+        for (int64_t r0 = 0; r0 < rows; r0 += RBLOCK) {
+            const int64_t nr = rows - r0 < RBLOCK ? rows - r0 : RBLOCK;
+            for (int64_t r = 0; r < nr; r++) {
+                const int64_t i = (r0 + r) / group, j = (r0 + r) % group;
+                memcpy(qa + r * dim, q + (q_starts[b] + i) * q_stride + (h * group + j) * dim, sizeof(uint16_t) * (size_t)dim);
+            }
+            /* Keys visible to the block's last row: prefix + its token index + 1. */
+            const int64_t last_i = (r0 + nr - 1) / group;
+            const int64_t visible = prefix + last_i + 1;
+            const int64_t np = (visible + PANEL - 1) / PANEL;
+            for (int64_t p = 0; p < np; p++)
+                matmul_rows(qa, dim, nr, pairs, kp + p * pairs * PANEL * 2, s + p * PANEL, seq_pad, PANEL, scale);
+            const int64_t vis_pad = (visible + 1) / 2 * 2;
+            float inv[RBLOCK];
+            for (int64_t r = 0; r < nr; r++) {
+                const int64_t n = prefix + (r0 + r) / group + 1; /* this row's causal limit */
+                float *sr = s + r * seq_pad;
+                const float m = max_of(sr, n);
+                float sum = 0.f;
+                int64_t c = 0;
+                const __m512 mv = _mm512_set1_ps(m);
+                __m512 acc = _mm512_setzero_ps();
+                for (; c + 16 <= n; c += 16) {
+                    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + c), mv));
+                    acc = _mm512_add_ps(acc, e);
+                    _mm256_storeu_si256((__m256i *)(pb + r * (seq_pad + 2) + c), (__m256i)_mm512_cvtneps_pbh(e));
+                }
+                sum = _mm512_reduce_add_ps(acc);
+                for (; c < n; c++) {
+                    const float e = expf(sr[c] - m);
+                    sum += e;
+                    pb[r * (seq_pad + 2) + c] = f32_to_bf16(e);
+                }
+                for (; c < vis_pad; c++) pb[r * (seq_pad + 2) + c] = 0; /* masked keys weigh 0 */
+                inv[r] = 1.f / sum;
+            }
+            /* O = P V over the visible key pairs, 64 head dimensions per panel. */
+            for (int64_t dp = 0; dp < dpanels; dp++)
+                matmul_rows(pb, seq_pad + 2, nr, vis_pad / 2, vp + dp * kpairs * PANEL * 2, o + dp * PANEL,
+                            dpanels * PANEL, PANEL, 1.f);
+            for (int64_t r = 0; r < nr; r++) {
+                const int64_t i = (r0 + r) / group, j = (r0 + r) % group;
+                uint16_t *dst = out + (q_starts[b] + i) * out_stride + (h * group + j) * dim;
+                for (int64_t d = 0; d < dim; d++) dst[d] = f32_to_bf16(o[r * dpanels * PANEL + d] * inv[r]);
+            }
+        }
+    }
+    free(kp); free(vp); free(pb); free(s); free(qa); free(o);
+}
+
 void extend_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v, int64_t k_stride,
                       int64_t v_stride, const int64_t *kv_indices, int64_t max_seq, const int64_t *q_starts,
                       const int64_t *ext_lens, const int64_t *prefix_lens, int64_t bs, int64_t heads,
                       int64_t kv_heads, int64_t dim, float scale, uint16_t *out, int64_t out_stride, int num_threads) {
-    const int64_t group = heads / kv_heads, pairs = dim / 2;
-    const int64_t dpanels = (dim + PANEL - 1) / PANEL;
-#pragma omp parallel num_threads(num_threads)
-    {
-        int64_t cap_seq = 0; /* scratch grown on demand */
-        uint16_t *kp = NULL, *vp = NULL, *pb = NULL, *qa = NULL;
-        float *s = NULL, *o = NULL;
-#pragma omp for schedule(dynamic, 1)
-        for (int64_t t = 0; t < bs * kv_heads; t++) {
-            const int64_t b = t / kv_heads, h = t % kv_heads;
-            const int64_t ext = ext_lens[b], prefix = prefix_lens[b], seq = prefix + ext;
-            if (ext == 0) continue;
-            const int64_t kpanels = (seq + PANEL - 1) / PANEL, seq_pad = kpanels * PANEL;
-            if (seq_pad > cap_seq) {
-                cap_seq = seq_pad;
-                free(kp); free(vp); free(pb); free(s);
-                kp = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(seq_pad * dim));
-                vp = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(dpanels * PANEL * (seq_pad + 2)));
-                pb = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(RBLOCK * (seq_pad + 2)));
-                s = (float *)malloc(sizeof(float) * (size_t)(RBLOCK * seq_pad));
-            }
-            if (qa == NULL) {
-                qa = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(RBLOCK * dim));
-                o = (float *)malloc(sizeof(float) * (size_t)(RBLOCK * dpanels * PANEL));
-            }
-            const int64_t *slots = kv_indices + b * max_seq;
-            /* K panels: kp[p][kk][c][2] = K[key 64p + c][2kk .. 2kk + 1], zero past seq; 16 keys' pair kk
-             * at a time with one gather (dword offsets of their rows; the pool fits 32-bit offsets). */
-            for (int64_t p = 0; p < kpanels; p++)
-                for (int64_t c0 = 0; c0 < PANEL; c0 += 16) {
-                    int32_t offs[16];
-                    __mmask16 live = 0;
-                    for (int c = 0; c < 16; c++) {
-                        const int64_t key = p * PANEL + c0 + c;
-                        offs[c] = key < seq ? (int32_t)((slots[key] * k_stride + h * dim) / 2) : 0;
-                        live |= key < seq ? (__mmask16)(1u << c) : 0;
-                    }
-                    const __m512i vo = _mm512_loadu_si512(offs);
-                    uint32_t *dst = (uint32_t *)(kp + p * pairs * PANEL * 2) + c0;
-                    for (int64_t kk = 0; kk < pairs; kk++) {
-                        const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live,
-                                                                      _mm512_add_epi32(vo, _mm512_set1_epi32((int)kk)),
-                                                                      (const int *)k, 4);
-                        _mm512_storeu_si512(dst + kk * PANEL, g);
-                    }
-                }
-            /* V^T panels: vp[dp][kp][c][2] = V[key 2kp .. 2kp + 1][64 dp + c], zero past seq / dim: two
-             * rows interleaved element-wise by one permute per 16 dimensions. */
-            const int64_t kpairs = (seq + 1) / 2;
-            const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
-                                                6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-            const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-            for (int64_t dp = 0; dp < dpanels; dp++) {
-                uint16_t *panel = vp + dp * kpairs * PANEL * 2;
-                const int64_t d0 = dp * PANEL, nd = dim - d0 < PANEL ? dim - d0 : PANEL;
-                for (int64_t kp2 = 0; kp2 < kpairs; kp2++) {
-                    const int64_t k1 = 2 * kp2 + 1;
-                    const uint16_t *v0 = v + slots[2 * kp2] * v_stride + h * dim + d0;
-                    const uint16_t *v1 = k1 < seq ? v + slots[k1] * v_stride + h * dim + d0 : NULL;
-                    uint16_t *dst = panel + kp2 * PANEL * 2;
-                    for (int64_t c = 0; c < PANEL; c += 32) { /* 32 dimensions -> two interleaved vectors */
-                        const __mmask32 m = c >= nd ? 0 : nd - c >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << (nd - c)) - 1u);
-                        const __m512i a = _mm512_maskz_loadu_epi16(m, v0 + c);
-                        const __m512i b = v1 != NULL ? _mm512_maskz_loadu_epi16(m, v1 + c) : _mm512_setzero_si512();
-                        _mm512_storeu_si512(dst + 2 * c, _mm512_permutex2var_epi16(a, lo, b));
-                        _mm512_storeu_si512(dst + 2 * c + 32, _mm512_permutex2var_epi16(a, hi, b));
-                    }
-                }
-            }
-            /* Query rows r = i * group + j (token i, query head h * group + j), in blocks. */
-            const int64_t rows = ext * group;
-            for (int64_t r0 = 0; r0 < rows; r0 += RBLOCK) {
-                const int64_t nr = rows - r0 < RBLOCK ? rows - r0 : RBLOCK;
-                for (int64_t r = 0; r < nr; r++) {
-                    const int64_t i = (r0 + r) / group, j = (r0 + r) % group;
-                    memcpy(qa + r * dim, q + (q_starts[b] + i) * q_stride + (h * group + j) * dim, sizeof(uint16_t) * (size_t)dim);
-                }
-                /* Keys visible to the block's last row: prefix + its token index + 1. */
-                const int64_t last_i = (r0 + nr - 1) / group;
-                const int64_t visible = prefix + last_i + 1;
-                const int64_t np = (visible + PANEL - 1) / PANEL;
-                for (int64_t p = 0; p < np; p++)
-                    matmul_rows(qa, dim, nr, pairs, kp + p * pairs * PANEL * 2, s + p * PANEL, seq_pad, PANEL, scale);
-                const int64_t vis_pad = (visible + 1) / 2 * 2;
-                float inv[RBLOCK];
-                for (int64_t r = 0; r < nr; r++) {
-                    const int64_t n = prefix + (r0 + r) / group + 1; /* this row's causal limit */
-                    float *sr = s + r * seq_pad;
-                    const float m = max_of(sr, n);
-                    float sum = 0.f;
-                    int64_t c = 0;
-                    const __m512 mv = _mm512_set1_ps(m);
-                    __m512 acc = _mm512_setzero_ps();
-                    for (; c + 16 <= n; c += 16) {
-                        const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + c), mv));
-                        acc = _mm512_add_ps(acc, e);
-                        _mm256_storeu_si256((__m256i *)(pb + r * (seq_pad + 2) + c), (__m256i)_mm512_cvtneps_pbh(e));
-                    }
-                    sum = _mm512_reduce_add_ps(acc);
-                    for (; c < n; c++) {
-                        const float e = expf(sr[c] - m);
-                        sum += e;
-                        pb[r * (seq_pad + 2) + c] = f32_to_bf16(e);
-                    }
-                    for (; c < vis_pad; c++) pb[r * (seq_pad + 2) + c] = 0; /* masked keys weigh 0 */
-                    inv[r] = 1.f / sum;
-                }
-                /* O = P V over the visible key pairs, 64 head dimensions per panel. */
-                for (int64_t dp = 0; dp < dpanels; dp++)
-                    matmul_rows(pb, seq_pad + 2, nr, vis_pad / 2, vp + dp * kpairs * PANEL * 2, o + dp * PANEL,
-                                dpanels * PANEL, PANEL, 1.f);
-                for (int64_t r = 0; r < nr; r++) {
-                    const int64_t i = (r0 + r) / group, j = (r0 + r) % group;
-                    uint16_t *dst = out + (q_starts[b] + i) * out_stride + (h * group + j) * dim;
-                    for (int64_t d = 0; d < dim; d++) dst[d] = f32_to_bf16(o[r * dpanels * PANEL + d] * inv[r]);
-                }
-            }
-        }
-        free(kp); free(vp); free(pb); free(s); free(qa); free(o);
-    }
+    extend_job_t job = {q, k, v, q_stride, k_stride, v_stride, kv_indices, max_seq, q_starts, ext_lens, prefix_lens,
+                        bs, heads, kv_heads, dim, scale, out, out_stride, 0};
+    pool_run(extend_part, &job, num_threads);
 }
 
 int extend_attention_available(void) { return 1; }

@@ -12,34 +12,43 @@
  * panel is one sequential stream of K x 128 bytes. The micro-kernel keeps 6 rows x 64 columns of
  * float32 sums in 24 registers and, per pair of input features, broadcasts each row's two x values
  * against the panel's four 16-column vectors. A panel is read from memory once and from cache for
- * the batch's further row tiles, while the next panel is prefetched. Threads take contiguous ranges of
- * panels. Sums are float32, rounded once to bfloat16 at the end (the bias is added before rounding).
+ * the batch's further row tiles, while the next panel is prefetched. Threads (thread_pool.c) take
+ * contiguous ranges of panels. Sums are float32, rounded once to bfloat16 at the end (the bias is added before rounding).
  */
 #include "cpu_common.h"
-#if defined(_OPENMP)
-#include <omp.h>
-#endif
 
 #define PANEL 64 /* output columns per panel */
 #define ROWS 6   /* rows per register tile */
 
-/* packed: [ceil(N / 64)][K / 2][64][2]; columns past N are zero. K must be even. */
-void pack_linear_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed, int num_threads) {
-    const int64_t panels = (n + PANEL - 1) / PANEL, pairs = k / 2;
-#pragma omp parallel for num_threads(num_threads) schedule(static)
-    for (int64_t p = 0; p < panels; p++) {
-        uint16_t *dst = packed + p * pairs * PANEL * 2;
+typedef struct {
+    const uint16_t *w;
+    int64_t n, k;
+    uint16_t *packed;
+} pack_job_t;
+
+static void pack_part(void *arg, int tid, int nt) {
+    const pack_job_t *J = (const pack_job_t *)arg;
+    const int64_t n = J->n, k = J->k, panels = (n + PANEL - 1) / PANEL, pairs = k / 2;
+    int64_t first, last;
+    pool_range(panels, tid, nt, &first, &last);
+    for (int64_t p = first; p < last; p++) {
+        uint16_t *dst = J->packed + p * pairs * PANEL * 2;
         for (int64_t kk = 0; kk < pairs; kk++)
             for (int64_t c = 0; c < PANEL; c++) {
                 const int64_t col = p * PANEL + c;
-                dst[(kk * PANEL + c) * 2] = col < n ? w[col * k + 2 * kk] : 0;
-                dst[(kk * PANEL + c) * 2 + 1] = col < n ? w[col * k + 2 * kk + 1] : 0;
+                dst[(kk * PANEL + c) * 2] = col < n ? J->w[col * k + 2 * kk] : 0;
+                dst[(kk * PANEL + c) * 2 + 1] = col < n ? J->w[col * k + 2 * kk + 1] : 0;
             }
     }
 }
 
+/* packed: [ceil(N / 64)][K / 2][64][2]; columns past N are zero. K must be even. */
+void pack_linear_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed, int num_threads) {
+    pack_job_t job = {w, n, k, packed};
+    pool_run(pack_part, &job, num_threads);
+}
+
 #if defined(__AVX512BF16__)
-/* rows [m0, m0 + R) x one panel; `ahead` (may be NULL) is the next panel, prefetched meanwhile. */
 static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_t k, const uint16_t *panel,
                                                        const char *ahead, int64_t m0, const int R, const float *bias,
                                                        int64_t col0, int64_t n, uint16_t *out) {
@@ -78,36 +87,43 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
     }
 }
 
+typedef struct {
+    const uint16_t *x, *packed;
+    int64_t m, k, n;
+    const float *bias;
+    uint16_t *out;
+} linear_job_t;
+
+static void linear_part(void *arg, int id, int nt) {
+    const linear_job_t *j = (const linear_job_t *)arg;
+    const int64_t m = j->m, k = j->k, n = j->n;
+    const int64_t panels = (n + PANEL - 1) / PANEL, panel_elems = k * PANEL;
+    /* Contiguous ranges: each thread streams its own part of the weights. */
+    int64_t first, last;
+    pool_range(panels, id, nt, &first, &last);
+    for (int64_t p = first; p < last; p++) {
+        const uint16_t *panel = j->packed + p * panel_elems;
+        const char *ahead = p + 1 < last ? (const char *)(panel + panel_elems) : NULL;
+        int64_t m0 = 0;
+        for (; m0 + ROWS <= m; m0 += ROWS) {
+            tile(j->x, k, panel, m0 == 0 ? ahead : NULL, m0, ROWS, j->bias, p * PANEL, n, j->out);
+        }
+        switch (m - m0) { /* the rest of the rows, a register tile of their own size */
+        case 1: tile(j->x, k, panel, m0 == 0 ? ahead : NULL, m0, 1, j->bias, p * PANEL, n, j->out); break;
+        case 2: tile(j->x, k, panel, m0 == 0 ? ahead : NULL, m0, 2, j->bias, p * PANEL, n, j->out); break;
+        case 3: tile(j->x, k, panel, m0 == 0 ? ahead : NULL, m0, 3, j->bias, p * PANEL, n, j->out); break;
+        case 4: tile(j->x, k, panel, m0 == 0 ? ahead : NULL, m0, 4, j->bias, p * PANEL, n, j->out); break;
+        case 5: tile(j->x, k, panel, m0 == 0 ? ahead : NULL, m0, 5, j->bias, p * PANEL, n, j->out); break;
+        default: break;
+        }
+    }
+}
+
 /* out [M, N] bf16 = x [M, K] bf16 @ W^T (+ bias, float32 [N] or NULL); W packed by pack_linear_bf16. */
 void linear_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n, const float *bias,
                  uint16_t *out, int num_threads) {
-    const int64_t panels = (n + PANEL - 1) / PANEL, panel_elems = k * PANEL;
-#pragma omp parallel num_threads(num_threads)
-    {
-#if defined(_OPENMP)
-        const int nt = omp_get_num_threads(), id = omp_get_thread_num();
-#else
-        const int nt = 1, id = 0;
-#endif
-        /* Contiguous ranges: each thread streams its own part of the weights. */
-        const int64_t first = panels * id / nt, last = panels * (id + 1) / nt;
-        for (int64_t p = first; p < last; p++) {
-            const uint16_t *panel = packed + p * panel_elems;
-            const char *ahead = p + 1 < last ? (const char *)(panel + panel_elems) : NULL;
-            int64_t m0 = 0;
-            for (; m0 + ROWS <= m; m0 += ROWS) {
-                tile(x, k, panel, m0 == 0 ? ahead : NULL, m0, ROWS, bias, p * PANEL, n, out);
-            }
-            switch (m - m0) { /* the rest of the rows, a register tile of their own size */
-            case 1: tile(x, k, panel, m0 == 0 ? ahead : NULL, m0, 1, bias, p * PANEL, n, out); break;
-            case 2: tile(x, k, panel, m0 == 0 ? ahead : NULL, m0, 2, bias, p * PANEL, n, out); break;
-            case 3: tile(x, k, panel, m0 == 0 ? ahead : NULL, m0, 3, bias, p * PANEL, n, out); break;
-            case 4: tile(x, k, panel, m0 == 0 ? ahead : NULL, m0, 4, bias, p * PANEL, n, out); break;
-            case 5: tile(x, k, panel, m0 == 0 ? ahead : NULL, m0, 5, bias, p * PANEL, n, out); break;
-            default: break;
-            }
-        }
-    }
+    linear_job_t job = {x, packed, m, k, n, bias, out};
+    pool_run(linear_part, &job, num_threads);
 }
 
 int linear_bf16_available(void) { return 1; }
