@@ -154,3 +154,45 @@ def test_bf16_linear_layers_use_the_kernel_and_fall_back(monkeypatch):
         assert torch.allclose(fused.float(), plain.float(), rtol=2e-2, atol=2e-2)
     clear_packed_weights(layer)
     assert layer.packed_weight is None
+
+
+def _rms_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    out, _ = cpu_ops.rms_norm(x, weight, 1e-6)
+    return out
+
+
+def test_kernel_thread_pool_serves_concurrent_callers_and_forked_children():
+    """The kernels' thread pool (csrc/thread_pool.c) runs one job at a time: a second thread's call
+    runs alone on its own thread, with the same result; a forked child, which has none of the
+    parent's pool threads, starts its own."""
+    import multiprocessing
+    import threading
+
+    torch.manual_seed(0)
+    x = torch.randn(300, 1024)  # past the size that splits RMSNorm over the threads
+    weight = torch.randn(1024)
+    expected = _rms_rows(x, weight)
+    results, errors = [], []
+
+    def call() -> None:
+        try:
+            for _ in range(50):
+                results.append(torch.equal(_rms_rows(x, weight), expected))
+        except Exception as e:  # reported below, in the test's thread
+            errors.append(e)
+
+    threads = [threading.Thread(target=call) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors and len(results) == 150 and all(results)
+
+    ctx = multiprocessing.get_context("fork")
+    with ctx.Pool(1) as pool:
+        assert pool.apply(_forked_rms, (x, weight)).equal(expected)
+
+
+def _forked_rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    torch.set_num_threads(2)
+    return _rms_rows(x, weight)
