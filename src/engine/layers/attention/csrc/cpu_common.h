@@ -79,6 +79,23 @@ static inline float max_of(const float *x, int64_t n) {
 }
 
 #if defined(__AVX512F__)
+/* x rounded to bfloat16 (nearest even, as f32_to_bf16) and widened back to float32, 16 lanes. */
+static inline __m512 round_bf16_512(__m512 x) {
+#if defined(__AVX512BF16__)
+    const __m256i b = (__m256i)_mm512_cvtneps_pbh(x);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(b), 16));
+#else
+    const __m512i u = _mm512_castps_si512(x);
+    const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff)));
+    const __m512 rounded = _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32((int)0xffff0000u)));
+    return _mm512_mask_mov_ps(rounded, _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q), x); /* NaN stays NaN */
+#endif
+}
+
+/* round_bf16_512 for bfloat16 tensors, the identity for float32 ones. */
+static inline __m512 round_to_512(__m512 x, int dtype) { return dtype == DTYPE_BF16 ? round_bf16_512(x) : x; }
+
 /* exp(x), Cephes' single-precision polynomial with the range reduction by ln 2 (about 1 ulp). */
 static inline __m512 exp512(__m512 x) {
     x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-87.3f)), _mm512_set1_ps(88.3f));

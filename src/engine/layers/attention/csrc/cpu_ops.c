@@ -33,16 +33,29 @@ static void rms_part(void *arg, int tid, int nt) {
     pool_range(J->rows, tid, nt, &lo, &hi);
     for (int64_t r = lo; r < hi; r++) {
         memcpy(h, load_row(J->x, r * n, n, dtype, tmp), sizeof(float) * (size_t)n);
+        int64_t i = 0;
         if (J->residual != NULL) {
             const float *res = load_row(J->residual, r * n, n, dtype, tmp);
-            for (int64_t i = 0; i < n; i++) h[i] = round_to(h[i] + res[i], dtype);
+#if defined(__AVX512F__)
+            for (; i + 16 <= n; i += 16)
+                _mm512_storeu_ps(h + i, round_to_512(_mm512_add_ps(_mm512_loadu_ps(h + i), _mm512_loadu_ps(res + i)),
+                                                     dtype));
+#endif
+            for (; i < n; i++) h[i] = round_to(h[i] + res[i], dtype);
             store_row(J->res_out, r * n, h, n, dtype);
         }
         float ss = 0.f;
 #pragma omp simd reduction(+ : ss)
-        for (int64_t i = 0; i < n; i++) ss += h[i] * h[i];
+        for (i = 0; i < n; i++) ss += h[i] * h[i];
         const float inv = 1.f / sqrtf(ss / (float)n + J->eps);
-        for (int64_t i = 0; i < n; i++) h[i] = w[i] * round_to(h[i] * inv, dtype);
+        i = 0;
+#if defined(__AVX512F__)
+        const __m512 vinv = _mm512_set1_ps(inv);
+        for (; i + 16 <= n; i += 16)
+            _mm512_storeu_ps(h + i, _mm512_mul_ps(_mm512_loadu_ps(w + i),
+                                                  round_to_512(_mm512_mul_ps(_mm512_loadu_ps(h + i), vinv), dtype)));
+#endif
+        for (; i < n; i++) h[i] = w[i] * round_to(h[i] * inv, dtype);
         store_row(J->out, r * n, h, n, dtype);
     }
     free(h);
@@ -89,7 +102,18 @@ static void rope_part(void *arg, int tid, int nt) {
                 const int64_t off = t * stride + hd * head_size;
                 const float *src = load_row(base, off, rot, dtype, x);
                 float out[512]; /* the caller checks rot <= 512 */
-                for (int64_t i = 0; i < half; i++) {
+                int64_t i = 0;
+#if defined(__AVX512F__)
+                for (; i + 16 <= half; i += 16) {
+                    const __m512 x1 = _mm512_loadu_ps(src + i), x2 = _mm512_loadu_ps(src + i + half);
+                    const __m512 c = _mm512_loadu_ps(cs + i), sv = _mm512_loadu_ps(sn + i);
+                    _mm512_storeu_ps(out + i, _mm512_sub_ps(round_to_512(_mm512_mul_ps(x1, c), dtype),
+                                                            round_to_512(_mm512_mul_ps(x2, sv), dtype)));
+                    _mm512_storeu_ps(out + i + half, _mm512_add_ps(round_to_512(_mm512_mul_ps(x2, c), dtype),
+                                                                   round_to_512(_mm512_mul_ps(x1, sv), dtype)));
+                }
+#endif
+                for (; i < half; i++) {
                     const float x1 = src[i], x2 = src[i + half];
                     const float a = round_to(x1 * cs[i], dtype), b = round_to(x2 * sn[i], dtype);
                     const float e = round_to(x2 * cs[i], dtype), f = round_to(x1 * sn[i], dtype);
@@ -141,7 +165,12 @@ static void silu_part(void *arg, int tid, int nt) {
 #endif
         for (; i < d; i++) g[i] = g[i] / (1.f + expf(-g[i]));
         const float *up = load_row(J->x, t * 2 * d + d, d, dtype, u);
-        for (i = 0; i < d; i++) g[i] = round_to(g[i], dtype) * up[i];
+        i = 0;
+#if defined(__AVX512F__)
+        for (; i + 16 <= d; i += 16)
+            _mm512_storeu_ps(g + i, _mm512_mul_ps(round_to_512(_mm512_loadu_ps(g + i), dtype), _mm512_loadu_ps(up + i)));
+#endif
+        for (; i < d; i++) g[i] = round_to(g[i], dtype) * up[i];
         store_row(J->out, t * d, g, d, dtype);
     }
     free(g);
