@@ -50,21 +50,19 @@ void pack_linear_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed,
 
 #if defined(__AVX512BF16__)
 static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_t k, const uint16_t *panel,
-                                                       const char *ahead, int64_t m0, const int R, const float *bias,
-                                                       int64_t col0, int64_t n, uint16_t *out) {
+                                                       const char *ahead, int64_t ahead_lines, int64_t m0, const int R,
+                                                       const float *bias, int64_t col0, int64_t n, uint16_t *out) {
     __m512 acc[ROWS * 4];
     for (int i = 0; i < R * 4; i++) acc[i] = _mm512_setzero_ps();
     const int64_t pairs = k / 2;
     const uint32_t *xr[ROWS];
     for (int r = 0; r < R; r++) xr[r] = (const uint32_t *)(x + (m0 + r) * k);
+    int64_t line = 0;
     for (int64_t kk = 0; kk < pairs; kk++) {
         const __m512i *wv = (const __m512i *)(panel + kk * PANEL * 2);
-        if (ahead != NULL) {
-            _mm_prefetch(ahead + kk * PANEL * 4, _MM_HINT_T1);
-            _mm_prefetch(ahead + kk * PANEL * 4 + 64, _MM_HINT_T1);
-            _mm_prefetch(ahead + kk * PANEL * 4 + 128, _MM_HINT_T1);
-            _mm_prefetch(ahead + kk * PANEL * 4 + 192, _MM_HINT_T1);
-        }
+        /* This tile's share of the next panel, spread evenly over its iterations. */
+        for (const int64_t upto = (kk + 1) * ahead_lines / pairs; line < upto; line++)
+            _mm_prefetch(ahead + line * 64, _MM_HINT_T1);
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wv), w1 = (__m512bh)_mm512_loadu_si512(wv + 1);
         const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wv + 2), w3 = (__m512bh)_mm512_loadu_si512(wv + 3);
         for (int r = 0; r < R; r++) {
@@ -103,19 +101,23 @@ static void linear_part(void *arg, int id, int nt) {
     pool_range(panels, id, nt, &first, &last);
     for (int64_t p = first; p < last; p++) {
         const uint16_t *panel = j->packed + p * panel_elems;
+        /* The next panel is prefetched while this one is multiplied, a share per row tile, so that
+         * its reads spread over the whole panel's time instead of the first tile's. */
         const char *ahead = p + 1 < last ? (const char *)(panel + panel_elems) : NULL;
-        int64_t m0 = 0;
-        for (; m0 + ROWS <= m; m0 += ROWS) {
-            tile(j->x, k, panel, m0 == 0 ? ahead : NULL, m0, ROWS, j->bias, p * PANEL, n, j->out);
-        }
+        const int64_t tiles = (m + ROWS - 1) / ROWS, lines = panel_elems * 2 / 64;
+        int64_t m0 = 0, t = 0;
+#define TILE_ARGS(rows) j->x, k, panel, ahead ? ahead + t * lines / tiles * 64 : NULL, \
+            ahead ? (t + 1) * lines / tiles - t * lines / tiles : 0, m0, rows, j->bias, p * PANEL, n, j->out
+        for (; m0 + ROWS <= m; m0 += ROWS, t++) tile(TILE_ARGS(ROWS));
         switch (m - m0) { /* the rest of the rows, a register tile of their own size */
-        case 1: tile(j->x, k, panel, m0 == 0 ? ahead : NULL, m0, 1, j->bias, p * PANEL, n, j->out); break;
-        case 2: tile(j->x, k, panel, m0 == 0 ? ahead : NULL, m0, 2, j->bias, p * PANEL, n, j->out); break;
-        case 3: tile(j->x, k, panel, m0 == 0 ? ahead : NULL, m0, 3, j->bias, p * PANEL, n, j->out); break;
-        case 4: tile(j->x, k, panel, m0 == 0 ? ahead : NULL, m0, 4, j->bias, p * PANEL, n, j->out); break;
-        case 5: tile(j->x, k, panel, m0 == 0 ? ahead : NULL, m0, 5, j->bias, p * PANEL, n, j->out); break;
+        case 1: tile(TILE_ARGS(1)); break;
+        case 2: tile(TILE_ARGS(2)); break;
+        case 3: tile(TILE_ARGS(3)); break;
+        case 4: tile(TILE_ARGS(4)); break;
+        case 5: tile(TILE_ARGS(5)); break;
         default: break;
         }
+#undef TILE_ARGS
     }
 }
 
