@@ -71,6 +71,27 @@ def test_silu_and_mul(monkeypatch, dtype, tokens):
     assert torch.allclose(fused.float(), (F.silu(x[:, :2048].float()) * x[:, 2048:].float()), atol=0.1, rtol=0.02)
 
 
+@pytest.mark.parametrize("shape", [(1, 1), (3, 7), (5, 16), (2, 17), (128, 32000), (3, 151936)])
+def test_greedy_argmax_equals_torch(monkeypatch, shape):
+    torch.manual_seed(shape[1])
+    x = torch.randn(*shape)
+    fused, ref = both_paths(monkeypatch, lambda: cpu_ops.greedy(x))
+    assert fused.dtype == torch.int64 and torch.equal(fused, ref)
+    # Ties take the first index, in the vector part and the tail; a row of -inf gives 0.
+    ties = torch.randint(0, 3, (64, 1000)).float()
+    assert torch.equal(cpu_ops.greedy(ties), ties.argmax(-1))
+    rows = torch.zeros(5, 40)
+    rows[0, 5] = rows[0, 30] = rows[0, 37] = 1.0
+    rows[1] = -float("inf")
+    rows[2, 20] = rows[2, 3] = float("nan")  # torch: NaN is the largest, the first one wins
+    rows[3, 37] = float("nan")  # in the tail
+    rows[4, 0] = float("nan")
+    assert cpu_ops.greedy(rows).tolist() == rows.argmax(-1).tolist() == [5, 0, 3, 37, 0]
+    # Rows further apart than their length (the logits of a padded vocabulary, sliced).
+    wide = torch.randn(8, 100)[:, :50]
+    assert torch.equal(cpu_ops.greedy(wide), wide.argmax(-1))
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rotary_dim", [64, 32])  # full and partial rotary
 def test_rotary_in_place_on_qkv_slices(monkeypatch, dtype, rotary_dim):

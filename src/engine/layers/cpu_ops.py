@@ -75,6 +75,25 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return out
 
 
+def argmax_usable(x: torch.Tensor) -> bool:
+    return (ENABLED and x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+            and x.shape[1] > 0 and cpu_kernels.decode_kernel() is not None)
+
+
+def argmax(x: torch.Tensor) -> torch.Tensor:
+    """torch.argmax(x, dim=-1) of a float32 [rows, n] CPU tensor (x.stride(1) == 1): the first index
+    of each row's maximum, a row's first NaN where it has one."""
+    out = torch.empty(x.shape[0], dtype=torch.int64)
+    cpu_kernels.loaded_kernel().argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(),
+                                            torch.get_num_threads())
+    return out
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:
+    """The greedy pick of every row: the native kernel where it runs, torch.argmax elsewhere."""
+    return argmax(logits) if argmax_usable(logits) else torch.argmax(logits, dim=-1)
+
+
 def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, loc: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
     """k_pool[loc] = k and v_pool[loc] = v: pools [slots, heads, dim] contiguous; k, v [T, heads, dim]
     whose (heads, dim) part is contiguous (rows may be slices of a fused qkv output)."""
