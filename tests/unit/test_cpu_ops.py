@@ -159,6 +159,35 @@ def test_bf16_linear_kernel_matches_float_reference(rows, n, k, with_bias):
                           rtol=1e-2, atol=1e-2 * ref.abs().max().item())
 
 
+@pytest.mark.parametrize("rows", [1, 5, 6, 13, 600])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_gate_up_linear_with_silu_and_mul_equals_the_two_calls(monkeypatch, rows, with_bias):
+    from engine.layers.attention import cpu_kernels
+    from engine.layers.linear import prepack_linear_weights
+    from engine.models.llama import LlamaMLP
+
+    if not cpu_kernels.decode_kernel().linear_bf16_available():
+        pytest.skip("no AVX512-BF16 on this CPU: bf16 linears stay with oneDNN")
+    torch.manual_seed(rows)
+    mlp = LlamaMLP(256, 384, bias=with_bias).to(torch.bfloat16)  # 384: the halves are 6 whole panels
+    for param in mlp.parameters():
+        param.data = (torch.randn_like(param, dtype=torch.float32) * 0.2).to(torch.bfloat16)
+    assert prepack_linear_weights(mlp) == 2
+    x = torch.randn(rows, 256).to(torch.bfloat16)
+    calls = []
+    kernel = cpu_ops.linear_bf16_silu_mul
+    monkeypatch.setattr(cpu_ops, "linear_bf16_silu_mul", lambda *a: calls.append(1) or kernel(*a))
+    fused = mlp(x)
+    assert calls, "the MLP did not take the fused kernel"
+    # The same bits as the gate_up linear kernel followed by the SiLU-and-mul kernel.
+    two_calls = mlp.down_proj(cpu_ops.silu_and_mul(mlp.gate_up_proj(x)))
+    assert torch.equal(fused, two_calls)
+    # And close to the torch reference (oneDNN/F.linear, F.silu) with the kernels off.
+    monkeypatch.setattr(cpu_ops, "ENABLED", False)
+    reference = mlp(x)
+    assert torch.allclose(fused.float(), reference.float(), rtol=5e-2, atol=5e-2 * reference.abs().max().item())
+
+
 def test_bf16_linear_layers_use_the_kernel_and_fall_back(monkeypatch):
     from engine.layers.linear import ColumnParallelLinear, clear_packed_weights, prepack_linear_weights
 

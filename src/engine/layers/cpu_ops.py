@@ -151,3 +151,21 @@ def linear_bf16(x: torch.Tensor, panels: Bf16Panels, add_bias: bool) -> torch.Te
     cpu_kernels.loaded_kernel().linear_bf16(rows.data_ptr(), rows.shape[0], panels.k, panels.data.data_ptr(),
                                             panels.n, bias, out.data_ptr(), torch.get_num_threads())
     return out.view(*x.shape[:-1], panels.n)
+
+
+def gate_up_silu_usable(x: torch.Tensor, panels: Bf16Panels) -> bool:
+    """Whether linear_bf16_silu_mul takes x through a gate_up weight: each half whole 64-column panels."""
+    return (x.dtype == torch.bfloat16 and ENABLED and panels.n % 128 == 0
+            and x.numel() <= LINEAR_BF16_MAX_ROWS * panels.k)
+
+
+def linear_bf16_silu_mul(x: torch.Tensor, panels: Bf16Panels) -> torch.Tensor:
+    """silu(x W_gate^T) * (x W_up^T) for a packed gate_up weight [W_gate; W_up] (plus its bias): the
+    linear and SiluAndMul in one pass, the same bits as the two one after the other."""
+    rows = x.reshape(-1, panels.k).contiguous()
+    half = panels.n // 2
+    out = torch.empty(rows.shape[0], half, dtype=torch.bfloat16)
+    bias = panels.bias.data_ptr() if panels.bias is not None else None
+    cpu_kernels.loaded_kernel().linear_bf16_silu_mul(rows.data_ptr(), rows.shape[0], panels.k, panels.data.data_ptr(),
+                                                     panels.n, bias, out.data_ptr(), torch.get_num_threads())
+    return out.view(*x.shape[:-1], half)

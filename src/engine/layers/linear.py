@@ -9,7 +9,7 @@ rank's piece out of the full checkpoint tensor.
 from __future__ import annotations
 
 import logging
-from typing import List, Optional, Union
+from typing import Callable, List, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -142,6 +142,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def __init__(self, input_size: int, output_sizes: List[int], bias: bool = True, gather_output: bool = False) -> None:
         self.output_sizes = list(output_sizes)
         super().__init__(input_size, sum(output_sizes), bias=bias, gather_output=gather_output)
+
+    def silu_and_mul(self, x: torch.Tensor, act_fn: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
+        """act_fn(self(x)) for a [gate, up] projection whose act_fn is SiluAndMul: on the CPU one native
+        kernel where it applies (the [tokens, 2 x intermediate] product is never stored, the result
+        has the same bits), else the two calls."""
+        packed = self.packed_weight
+        if (isinstance(packed, cpu_ops.Bf16Panels) and len(self.output_sizes) == 2 and not self.gather_output
+                and self.output_sizes[0] == self.output_sizes[1] and cpu_ops.gate_up_silu_usable(x, packed)):
+            return cpu_ops.linear_bf16_silu_mul(x, packed)
+        return act_fn(self(x))
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Optional[int] = None) -> None:
         if shard_id is None:

@@ -190,7 +190,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     names += ["rms_norm", "rope_neox", "silu_and_mul", "store_kv", "argmax_rows"]
     lib.pack_linear_bf16.argtypes = [ptr, i64, i64, ptr, i32]
     lib.linear_bf16.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i32]
-    names += ["pack_linear_bf16", "linear_bf16"]
+    lib.linear_bf16_silu_mul.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i32]
+    names += ["pack_linear_bf16", "linear_bf16", "linear_bf16_silu_mul"]
     lib.extend_attention.argtypes = [ptr, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, f32, ptr,
                                      i64, i32]
     names += ["extend_attention"]

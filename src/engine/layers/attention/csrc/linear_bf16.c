@@ -49,9 +49,15 @@ void pack_linear_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed,
 }
 
 #if defined(__AVX512BF16__)
+/* Where a tile's sums go: rounded to bf16 into out (STORE); rounded, into the float32 scratch `gate`
+ * [ROWS][PANEL] (GATE); or, as silu(gate) * sums with the rounding of cpu_ops.c's silu_and_mul, into
+ * out (SILU_MUL). */
+enum { STORE = 0, GATE = 1, SILU_MUL = 2 };
+
 static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_t k, const uint16_t *panel,
                                                        const char *ahead, int64_t ahead_lines, int64_t m0, const int R,
-                                                       const float *bias, int64_t col0, int64_t n, uint16_t *out) {
+                                                       const float *bias, int64_t col0, int64_t n, uint16_t *out,
+                                                       const int mode, float *gate) {
     __m512 acc[ROWS * 4];
     for (int i = 0; i < R * 4; i++) acc[i] = _mm512_setzero_ps();
     const int64_t pairs = k / 2;
@@ -79,8 +85,17 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
         const __mmask16 mask = n - c >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (n - c)) - 1u);
         const __m512 b = bias != NULL ? _mm512_maskz_loadu_ps(mask, bias + c) : _mm512_setzero_ps();
         for (int r = 0; r < R; r++) {
-            const __m256i y = (__m256i)_mm512_cvtneps_pbh(_mm512_add_ps(acc[r * 4 + q], b));
-            _mm256_mask_storeu_epi16(out + (m0 + r) * n + c, mask, y);
+            const __m512 y = _mm512_add_ps(acc[r * 4 + q], b);
+            if (mode == STORE) {
+                _mm256_mask_storeu_epi16(out + (m0 + r) * n + c, mask, (__m256i)_mm512_cvtneps_pbh(y));
+            } else if (mode == GATE) {
+                _mm512_storeu_ps(gate + r * PANEL + q * 16, round_bf16_512(y));
+            } else { /* n is out's width here, the gate half's; c < n as the half is whole panels */
+                const __m512 g = _mm512_loadu_ps(gate + r * PANEL + q * 16);
+                const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+                const __m512 v = _mm512_mul_ps(round_bf16_512(silu), round_bf16_512(y));
+                _mm256_storeu_si256((__m256i *)(out + (m0 + r) * n + c), (__m256i)_mm512_cvtneps_pbh(v));
+            }
         }
     }
 }
@@ -107,7 +122,7 @@ static void linear_part(void *arg, int id, int nt) {
         const int64_t tiles = (m + ROWS - 1) / ROWS, lines = panel_elems * 2 / 64;
         int64_t m0 = 0, t = 0;
 #define TILE_ARGS(rows) j->x, k, panel, ahead ? ahead + t * lines / tiles * 64 : NULL, \
-            ahead ? (t + 1) * lines / tiles - t * lines / tiles : 0, m0, rows, j->bias, p * PANEL, n, j->out
+            ahead ? (t + 1) * lines / tiles - t * lines / tiles : 0, m0, rows, j->bias, p * PANEL, n, j->out, STORE, NULL
         for (; m0 + ROWS <= m; m0 += ROWS, t++) tile(TILE_ARGS(ROWS));
         switch (m - m0) { /* the rest of the rows, a register tile of their own size */
         case 1: tile(TILE_ARGS(1)); break;
@@ -128,8 +143,59 @@ void linear_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed
     pool_run(linear_part, &job, num_threads);
 }
 
+/* out [M, N/2] = silu(x W_gate^T) * (x W_up^T) with W = [W_gate; W_up] packed as one [N, K] weight (gate_up),
+ * N/2 a multiple of PANEL: the gate_up linear and SiLU-and-mul in one pass, bit for bit as the two
+ * (each product rounded to bf16 first). Gate panel p and up panel p + N/2/PANEL are computed
+ * one row tile after the other; the gate tile's sums wait in L1, so the [M, N] product is never
+ * written out and read back. */
+static void gate_up_part(void *arg, int id, int nt) {
+    const linear_job_t *j = (const linear_job_t *)arg;
+    const int64_t m = j->m, k = j->k, half = j->n / 2;
+    const int64_t pairs = half / PANEL, panel_elems = k * PANEL;
+    const int64_t tiles = (m + ROWS - 1) / ROWS, lines = panel_elems * 2 / 64;
+    const float *bias_up = j->bias != NULL ? j->bias + half : NULL;
+    float gate[ROWS * PANEL];
+    int64_t first, last;
+    pool_range(pairs, id, nt, &first, &last);
+    for (int64_t p = first; p < last; p++) {
+        const uint16_t *gp = j->packed + p * panel_elems, *up = j->packed + (p + pairs) * panel_elems;
+        /* the next pair's two panels, a share per row tile */
+        const char *ga = p + 1 < last ? (const char *)(gp + panel_elems) : NULL;
+        const char *ua = p + 1 < last ? (const char *)(up + panel_elems) : NULL;
+        int64_t m0 = 0, t = 0;
+#define SHARE(a) a ? a + t * lines / tiles * 64 : NULL, a ? (t + 1) * lines / tiles - t * lines / tiles : 0
+#define PAIR(rows)                                                                                          \
+    tile(j->x, k, gp, SHARE(ga), m0, rows, j->bias, p * PANEL, half, j->out, GATE, gate);                \
+    tile(j->x, k, up, SHARE(ua), m0, rows, bias_up, p * PANEL, half, j->out, SILU_MUL, gate)
+        for (; m0 + ROWS <= m; m0 += ROWS, t++) {
+            PAIR(ROWS);
+        }
+        switch (m - m0) {
+        case 1: PAIR(1); break;
+        case 2: PAIR(2); break;
+        case 3: PAIR(3); break;
+        case 4: PAIR(4); break;
+        case 5: PAIR(5); break;
+        default: break;
+        }
+#undef PAIR
+#undef SHARE
+    }
+}
+
+void linear_bf16_silu_mul(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
+                          const float *bias, uint16_t *out, int num_threads) {
+    linear_job_t job = {x, packed, m, k, n, bias, out};
+    pool_run(gate_up_part, &job, num_threads);
+}
+
 int linear_bf16_available(void) { return 1; }
 #else
+void linear_bf16_silu_mul(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
+                          const float *bias, uint16_t *out, int num_threads) {
+    (void)x; (void)m; (void)k; (void)packed; (void)n; (void)bias; (void)out; (void)num_threads;
+}
+
 void linear_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n, const float *bias,
                  uint16_t *out, int num_threads) {
     (void)x; (void)m; (void)k; (void)packed; (void)n; (void)bias; (void)out; (void)num_threads;
