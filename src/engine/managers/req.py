@@ -200,6 +200,7 @@ class Req:
         self.queue_time = self.created_time
         # Cache of fast_finish_ids() (computed at the first decode, when everything it reads is final).
         self.fast_finish_ids_cache: Optional[frozenset] = FAST_FINISH_UNKNOWN
+        self.fast_finish_len = 0  # max_new_tokens, set with the cache (a plain attribute: read per token)
 
     # ------------------------------------------------------------------ basics
     def finished(self) -> bool:
@@ -332,6 +333,7 @@ class Req:
         else:
             ids = frozenset(self.eos_token_ids) | frozenset(sp.stop_token_ids or ())
         self.fast_finish_ids_cache = ids
+        self.fast_finish_len = self.max_new_tokens
         return ids
 
     def accept_grammar_token(self, token: int) -> None:

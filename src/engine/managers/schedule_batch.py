@@ -415,7 +415,8 @@ class ScheduleBatch:
             extend_logprob_start_lens=list(self.extend_logprob_start_lens) if extend else None,
             extend_input_logprob_token_ids=self.extend_input_logprob_token_ids if extend else None,
             relay_rows=self.relay_rows,
-            dimensions=[r.dimensions for r in self.reqs] if any(r.dimensions for r in self.reqs) else None,
+            # Embedding batches only (always extends): a decode step does not look at 1,000 requests for them.
+            dimensions=[r.dimensions for r in self.reqs] if extend and any(r.dimensions for r in self.reqs) else None,
         )
 
     def copy(self) -> "ScheduleBatch":

@@ -100,7 +100,7 @@ class ResultProcessor:
                         # Batched path: only a token that may end the request runs the full check.
                         out = req.output_ids
                         out.append(token)
-                        if token in stop_ids or len(out) >= req.max_new_tokens:
+                        if token in stop_ids or len(out) >= req.fast_finish_len:
                             self._check_finished(req)
                         continue
                 if req.return_hidden_states and hidden is not None:
