@@ -479,7 +479,8 @@ def _reference_decode(q_row, k_rows, v_rows, heads, dim, scale):
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 32), (8, 2, 64), (12, 4, 128), (6, 2, 24)])
 @pytest.mark.parametrize("bs", [1, 3, 9])
-def test_cpu_decode_kernel_matches_reference(dtype, heads, kv_heads, dim, bs):
+@pytest.mark.parametrize("layout", ["scattered", "consecutive"])  # consecutive: tiles read in one pass first
+def test_cpu_decode_kernel_matches_reference(dtype, heads, kv_heads, dim, bs, layout):
     """Lengths from 1 to past two 128-key softmax tiles, and ragged 16-key score blocks."""
     from engine.layers.attention import cpu_kernels
 
@@ -491,6 +492,8 @@ def test_cpu_decode_kernel_matches_reference(dtype, heads, kv_heads, dim, bs):
     lens = torch.randint(1, 300, (bs,))
     lens[0] = 1
     kv_indices = torch.randint(0, slots, (bs, int(lens.max())))
+    if layout == "consecutive":  # each request's slots in order from a random start, wrapping around
+        kv_indices = (kv_indices[:, :1] + torch.arange(kv_indices.shape[1])) % slots
     q = torch.randn(bs, heads * dim).to(dtype)
     scale = 1 / math.sqrt(dim)
     out = cpu_kernels.decode_attention(q, k_buf, v_buf, kv_indices, lens, heads, kv_heads, dim, scale)

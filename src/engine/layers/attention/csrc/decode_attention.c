@@ -52,6 +52,30 @@ static inline void prefetch_rows(const void *base, const int64_t *idx, int64_t n
     }
 }
 
+/* Whether most of a tile's slots follow each other in the pool (a prompt's slots usually do). */
+static int mostly_consecutive(const int64_t *idx, int64_t n) {
+    int64_t runs = 0;
+    for (int64_t i = 1; i < n; i++) runs += idx[i] == idx[i - 1] + 1;
+    return 2 * runs >= n;
+}
+
+/* Reads every cache line of the tile's K and V rows in address order before the products use them:
+ * a plain sequential read is what the hardware prefetchers stream at full rate (47 GB/s on one core
+ * of the 2-core AMD EPYC), while the products' own loads, a head's slice of 16 rows at a time between
+ * runs of arithmetic, and software prefetches of the same lines kept only a few reads in flight
+ * (12-15 GB/s a thread). 64 requests x 1,040 keys in order, 2 threads: 4.2-4.5 -> 2.95 ms a layer.
+ * Slots scattered over the pool gain nothing from it (a row is only 16 lines) and keep the prefetches. */
+static void touch_rows(const kv_t *kv, const int64_t *idx, int64_t n, int64_t off, int elem, int64_t bytes) {
+    for (int64_t i = 0; i < n; i++) {
+        const char *k = (const char *)kv->k + (idx[i] * kv->k_stride + off) * elem;
+        const char *v = (const char *)kv->v + (idx[i] * kv->v_stride + off) * elem;
+        for (int64_t b = 0; b < bytes; b += 64) {
+            (void)*(const volatile uint32_t *)(k + b);
+            (void)*(const volatile uint32_t *)(v + b);
+        }
+    }
+}
+
 #if defined(__AVX512F__)
 /* out lane t = the sum of the 16 lanes of v[t]: a transpose-add tree, 45 instructions for 16 sums. */
 static inline __m512 reduce16(const __m512 v[16]) {
@@ -96,7 +120,8 @@ static inline float exp_sub_sum(float *x, int64_t n, float sub) {
 }
 
 /* scores[r * TILE + i] = scale * q_r . k_i (k_i: slot idx[i], the row's KV head) for n <= TILE keys. */
-static void score_tile(work_t *w, int64_t rows, const int64_t *idx, int64_t n, const kv_t *kv, int64_t row_bytes) {
+static void score_tile(work_t *w, int64_t rows, const int64_t *idx, int64_t n, const kv_t *kv, int64_t row_bytes,
+                       int prefetch) {
     const int64_t dim = kv->dim;
     const int elem = kv->dtype == DTYPE_F32 ? 4 : 2;
 #if defined(__AVX512F__)
@@ -112,11 +137,12 @@ static void score_tile(work_t *w, int64_t rows, const int64_t *idx, int64_t n, c
             const char *krow[16];
             for (int t = 0; t < 16; t++) /* a short last block repeats its first key */
                 krow[t] = (const char *)kv->k + idx[b0 + t < n ? b0 + t : b0] * kv->k_stride * elem;
-            /* The next block's K rows, and this block's V rows for the P.V pass that follows. */
-            if (b0 + 16 < n)
-                prefetch_rows(kv->k, idx + b0 + 16, n - b0 - 16 < 16 ? n - b0 - 16 : 16, kv->k_stride, w->koff[0], elem,
-                              row_bytes);
-            prefetch_rows(kv->v, idx + b0, n - b0 < 16 ? n - b0 : 16, kv->v_stride, w->koff[0], elem, row_bytes);
+            if (prefetch) { /* the next block's K rows, and this block's V rows for the P.V pass after */
+                if (b0 + 16 < n)
+                    prefetch_rows(kv->k, idx + b0 + 16, n - b0 - 16 < 16 ? n - b0 - 16 : 16, kv->k_stride, w->koff[0],
+                                  elem, row_bytes);
+                prefetch_rows(kv->v, idx + b0, n - b0 < 16 ? n - b0 : 16, kv->v_stride, w->koff[0], elem, row_bytes);
+            }
             for (int64_t r = 0; r < rows; r++) {
                 const char *qr = (const char *)w->qrows[r];
                 const int64_t off = w->koff[r] * elem;
@@ -238,9 +264,14 @@ static void attend(work_t *w, int64_t rows, const int64_t *idx, int64_t n, const
 #endif
     for (int64_t r = 0; r < rows; r++) /* the generic score path reads q as float32 */
         memcpy(w->qf + r * dim, load_row(w->qrows[r], 0, dim, kv->dtype, w->vrow), sizeof(float) * (size_t)dim);
+    /* Tasks that take whole slots (every KV head of a request) read their tiles of consecutive slots
+     * in one sequential pass first (touch_rows). */
+    const int whole_slots = w->koff[0] == 0 && kv_width == kv->k_stride && kv_width == kv->v_stride;
     for (int64_t i0 = 0; i0 < n; i0 += TILE) {
         const int64_t nt = n - i0 < TILE ? n - i0 : TILE;
-        score_tile(w, rows, idx + i0, nt, kv, row_bytes);
+        const int streamed = whole_slots && mostly_consecutive(idx + i0, nt);
+        if (streamed) touch_rows(kv, idx + i0, nt, 0, elem, row_bytes);
+        score_tile(w, rows, idx + i0, nt, kv, row_bytes, !streamed);
         for (int64_t r = 0; r < rows; r++) {
             float *s = w->scores + r * TILE;
             const float mt = max_of(s, nt);
@@ -258,7 +289,7 @@ static void attend(work_t *w, int64_t rows, const int64_t *idx, int64_t n, const
                 w->pbf[r * (TILE + 2) + nt] = 0; /* the weight of an odd tile's padding key */
             }
         }
-        if (i0 + nt < n) /* the first K rows of the next tile */
+        if (i0 + nt < n && !streamed) /* the first K rows of the next tile */
             prefetch_rows(kv->k, idx + i0 + nt, n - i0 - nt < 16 ? n - i0 - nt : 16, kv->k_stride, w->koff[0], elem,
                           row_bytes);
 #if defined(__AVX512BF16__)
