@@ -112,5 +112,11 @@ static inline __m512 exp512(__m512 x) {
     p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), _mm512_add_ps(r, _mm512_set1_ps(1.f)));
     return _mm512_scalef_ps(p, k);
 }
+
+/* silu(g) * u as SiluAndMul rounds it: silu(g) rounded to the tensor dtype, times u (16 lanes). */
+static inline __m512 silu_mul_512(__m512 g, __m512 u, int dtype) {
+    const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
+    return _mm512_mul_ps(round_to_512(silu, dtype), u);
+}
 #endif
 #endif

@@ -155,22 +155,13 @@ static void silu_part(void *arg, int tid, int nt) {
     pool_range(J->tokens, tid, nt, &lo, &hi);
     for (int64_t t = lo; t < hi; t++) {
         memcpy(g, load_row(J->x, t * 2 * d, d, dtype, u), sizeof(float) * (size_t)d);
+        const float *up = load_row(J->x, t * 2 * d + d, d, dtype, u);
         int64_t i = 0;
 #if defined(__AVX512F__)
-        for (; i + 16 <= d; i += 16) {
-            const __m512 v = _mm512_loadu_ps(g + i);
-            const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), v));
-            _mm512_storeu_ps(g + i, _mm512_div_ps(v, _mm512_add_ps(_mm512_set1_ps(1.f), e)));
-        }
-#endif
-        for (; i < d; i++) g[i] = g[i] / (1.f + expf(-g[i]));
-        const float *up = load_row(J->x, t * 2 * d + d, d, dtype, u);
-        i = 0;
-#if defined(__AVX512F__)
         for (; i + 16 <= d; i += 16)
-            _mm512_storeu_ps(g + i, _mm512_mul_ps(round_to_512(_mm512_loadu_ps(g + i), dtype), _mm512_loadu_ps(up + i)));
+            _mm512_storeu_ps(g + i, silu_mul_512(_mm512_loadu_ps(g + i), _mm512_loadu_ps(up + i), dtype));
 #endif
-        for (; i < d; i++) g[i] = round_to(g[i], dtype) * up[i];
+        for (; i < d; i++) g[i] = round_to(g[i] / (1.f + expf(-g[i])), dtype) * up[i];
         store_row(J->out, t * d, g, d, dtype);
     }
     free(g);
@@ -253,11 +244,7 @@ static int64_t argmax_row(const float *x, int64_t n) {
 #endif
     for (; i < n; i++) {
         const float v = x[i];
-        if (v != v) {
-            for (int64_t j = 0; j < i; j++)
-                if (x[j] != x[j]) return j;
-            return i;
-        }
+        if (v != v) return i; /* none before: the vector part returned, the loop checked each */
         if (v > best) {
             best = v;
             best_i = i;

@@ -91,9 +91,7 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
             } else if (mode == GATE) {
                 _mm512_storeu_ps(gate + r * PANEL + q * 16, round_bf16_512(y));
             } else { /* n is out's width here, the gate half's; c < n as the half is whole panels */
-                const __m512 g = _mm512_loadu_ps(gate + r * PANEL + q * 16);
-                const __m512 silu = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.f), exp512(_mm512_sub_ps(_mm512_setzero_ps(), g))));
-                const __m512 v = _mm512_mul_ps(round_bf16_512(silu), round_bf16_512(y));
+                const __m512 v = silu_mul_512(_mm512_loadu_ps(gate + r * PANEL + q * 16), round_bf16_512(y), DTYPE_BF16);
                 _mm256_storeu_si256((__m256i *)(out + (m0 + r) * n + c), (__m256i)_mm512_cvtneps_pbh(v));
             }
         }
