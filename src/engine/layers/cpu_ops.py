@@ -20,6 +20,7 @@ from typing import Optional, Tuple
 import torch
 
 from engine.layers.attention import cpu_kernels
+from engine.utils import huge_pages
 
 ENABLED = os.environ.get("ENGINE_CPU_FUSED_OPS", "1") != "0"
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -137,7 +138,7 @@ def linear_bf16_usable(weight: torch.Tensor) -> bool:
 def pack_linear_bf16(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Bf16Panels:
     n, k = weight.shape
     weight = weight.detach().contiguous()
-    data = torch.empty(-(-n // 64) * 64 * k, dtype=torch.bfloat16)
+    data = huge_pages.empty(-(-n // 64) * 64 * k, torch.bfloat16)  # streamed every decode step
     cpu_kernels.loaded_kernel().pack_linear_bf16(weight.data_ptr(), n, k, data.data_ptr(), torch.get_num_threads())
     return Bf16Panels(data, n, k, None if bias is None else bias.detach().float().contiguous())
 
