@@ -23,6 +23,7 @@ from engine.layers.radix_attention import RadixAttention
 from engine.layers.rotary_embedding import get_rope
 from engine.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.model_loader.weight_utils import load_weights_into
+from engine.models.native_decode import NativeDecodeCache
 
 if TYPE_CHECKING:
     from engine.configs.model_config import ModelConfig
@@ -125,13 +126,19 @@ class LlamaModel(nn.Module):
     def __init__(self, config: "ModelConfig", qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(
-            LlamaDecoderLayer(config, i, qkv_bias, o_bias, qk_norm) for i in range(config.num_hidden_layers)
-        )
+        decoder_layers = [LlamaDecoderLayer(config, i, qkv_bias, o_bias, qk_norm) for i in range(config.num_hidden_layers)]
+        self.layers = nn.ModuleList(decoder_layers)
+        self.decoder_layers = decoder_layers  # the same modules, typed (what NativeDecodeCache reads)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.native_decode = NativeDecodeCache()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: "ForwardBatch") -> torch.Tensor:
         hidden_states = self.embed_tokens(input_ids)
+        native = self.native_decode.forward(self.decoder_layers, hidden_states, positions, forward_batch)
+        if native is not None:  # a CPU bf16 decode step: every layer in one native call, the same bits
+            hidden_states, residual_stream = native
+            hidden_states, _ = self.norm(hidden_states, residual_stream)
+            return hidden_states
         residual = None
         for layer in self.layers:
             hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)

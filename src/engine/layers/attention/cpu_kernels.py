@@ -38,10 +38,11 @@ logger = logging.getLogger(__name__)
 _CSRC = Path(__file__).with_name("csrc")
 # decode_attention.c: the decode kernel; extend_attention.c: prefill attention (bf16); cpu_ops.c:
 # the fused element-wise ops of a decoder layer (engine/layers/cpu_ops.py); linear_bf16.c: bf16
-# linears (engine/layers/linear.py); thread_pool.c: the threads they run on; cpu_common.h: what they
+# linears (engine/layers/linear.py); decoder_layers.c: a decode step's layers in one call
+# (engine/models/native_decode.py); thread_pool.c: the threads they run on; cpu_common.h: what they
 # share. One library holds them all.
 _SOURCES = [_CSRC / "decode_attention.c", _CSRC / "extend_attention.c", _CSRC / "cpu_ops.c", _CSRC / "linear_bf16.c",
-            _CSRC / "thread_pool.c"]
+            _CSRC / "decoder_layers.c", _CSRC / "thread_pool.c"]
 _HEADERS = [_CSRC / "cpu_common.h"]
 # -fopenmp-simd: the `omp simd` hints only; the threads are the library's own (csrc/thread_pool.c).
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11", "-pthread"]
@@ -195,6 +196,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.extend_attention.argtypes = [ptr, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, f32, ptr,
                                      i64, i32]
     names += ["extend_attention"]
+    lib.decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr, ptr]
+    names += ["decode_layers"]
     for name in names:
         getattr(lib, name).restype = None
     for name in ("linear_bf16_available", "extend_attention_available"):  # 0 where the CPU lacks AVX512-BF16

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -119,6 +119,16 @@ class TorchNativeAttnBackend(AttentionBackend):
             forward_batch.attn_metadata = self._extend_metadata(forward_batch)
         else:
             forward_batch.attn_metadata = None
+
+    def native_decode_tables(self, fb: "ForwardBatch") -> Optional[
+            Tuple[torch.Tensor, torch.Tensor, Optional[cpu_kernels.CascadeTables]]]:
+        """(kv_indices, lens, cascade) of a decode batch whose metadata init_forward_metadata built, as
+        forward_decode hands them to the native kernel (engine/models/native_decode.py runs the layers
+        with them); None for other batches."""
+        meta = fb.attn_metadata
+        if not isinstance(meta, _DecodeMetadata):
+            return None
+        return meta.kv_indices, meta.lens, meta.cascade
 
     def _decode_metadata(self, fb: "ForwardBatch") -> _DecodeMetadata:
         assert fb.req_to_token_pool is not None  # ForwardBatch.init_new sets it

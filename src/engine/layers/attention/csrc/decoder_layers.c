@@ -1,0 +1,73 @@
+/* Every decoder layer of a Llama-family model for one decode step, in one call (bfloat16, CPU).
+ *
+ * The Python path runs each layer as ~9 native calls (RMSNorm + residual, the qkv linear, rotary,
+ * the K/V store, decode attention, the o linear, RMSNorm + residual, gate_up + SiLU-and-mul, the
+ * down linear) through a dozen nn.Module calls, tensor allocations and ctypes conversions: ~1.4 ms of
+ * Python per step on the 2-core AMD EPYC for the 8-layer small Llama, whatever the batch. This file
+ * chains the same kernels with the same arguments, so the result is bit for bit the Python path's;
+ * only the Python between them is gone. engine/models/native_decode.py decides when it applies.
+ */
+#include "cpu_common.h"
+
+/* One layer's weights and KV pool, set once (native_decode.py rebuilds them when either changes). */
+typedef struct {
+    const void *input_norm, *post_norm; /* bf16 [hidden] */
+    const void *qkv, *o, *gate_up, *down; /* linear_bf16.c panels */
+    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* float32 or NULL */
+    const float *cos_sin; /* float32 [max_pos, rotary_dim] */
+    void *k_pool, *v_pool; /* [slots, kv_heads, head_dim] */
+    int64_t k_stride, v_stride; /* elements per slot */
+    float eps, scale;
+} layer_t;
+
+/* The model's shape and one step's batch: positions, new slots, the decode kernel's tables, scratch. */
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, rotary_dim, intermediate;
+    int64_t bs;
+    const int64_t *positions, *out_loc;
+    const int64_t *kv_indices, *lens;
+    int64_t max_len;
+    int64_t num_groups;
+    const int64_t *group_offsets, *group_members, *prefix_indices, *prefix_lens;
+    int64_t max_prefix;
+    const int64_t *group_of;
+    void *normed, *qkv, *q, *attn, *o, *mlp; /* [bs, hidden], [bs, qkv width], [bs, q width] x2, [bs, hidden], [bs, intermediate] */
+    int num_threads;
+} step_t;
+
+/* hidden_in [bs, hidden]: the embedded tokens; hidden_out: the last layer's output; residual_out: the
+ * residual stream after it (what the final norm adds, as LlamaModel.forward passes them on). */
+void decode_layers(const layer_t *layers, int64_t num_layers, const step_t *S, const void *hidden_in,
+                   void *hidden_out, void *residual_out) {
+    const int64_t bs = S->bs, hidden = S->hidden, d = S->head_dim, nt = S->num_threads;
+    const int64_t q_width = S->heads * d, kv_width = S->kv_heads * d, qkv_width = q_width + 2 * kv_width;
+    uint16_t *qkv = (uint16_t *)S->qkv, *q = (uint16_t *)S->q;
+    for (int64_t l = 0; l < num_layers; l++) {
+        const layer_t *L = layers + l;
+        if (l == 0) { /* residual = x; x = norm(x) */
+            memcpy(residual_out, hidden_in, sizeof(uint16_t) * (size_t)(bs * hidden));
+            rms_norm(hidden_in, NULL, L->input_norm, S->normed, NULL, bs, hidden, L->eps, DTYPE_BF16, (int)nt);
+        } else { /* (x, residual) = (norm(x + residual), x + residual) */
+            rms_norm(hidden_out, residual_out, L->input_norm, S->normed, residual_out, bs, hidden, L->eps, DTYPE_BF16,
+                     (int)nt);
+        }
+        linear_bf16((const uint16_t *)S->normed, bs, hidden, (const uint16_t *)L->qkv, qkv_width, L->qkv_bias, qkv,
+                    (int)nt);
+        rope_neox(S->positions, qkv, qkv_width, S->heads, qkv + q_width, qkv_width, S->kv_heads, L->cos_sin, d,
+                  S->rotary_dim, bs, DTYPE_BF16, (int)nt);
+        store_kv(qkv + q_width, qkv_width, qkv + q_width + kv_width, qkv_width, L->k_pool, L->v_pool, L->k_stride,
+                 S->out_loc, bs, kv_width, 2, (int)nt);
+        for (int64_t b = 0; b < bs; b++) /* the kernel reads q as [bs, heads * head_dim] */
+            memcpy(q + b * q_width, qkv + b * qkv_width, sizeof(uint16_t) * (size_t)q_width);
+        decode_attention(q, L->k_pool, L->v_pool, S->kv_indices, S->lens, S->max_len, bs, S->heads, S->kv_heads, d,
+                         L->k_stride, L->v_stride, L->scale, DTYPE_BF16, S->attn, S->num_groups, S->group_offsets,
+                         S->group_members, S->prefix_indices, S->prefix_lens, S->max_prefix, S->group_of, (int)nt);
+        linear_bf16((const uint16_t *)S->attn, bs, q_width, (const uint16_t *)L->o, hidden, L->o_bias,
+                    (uint16_t *)S->o, (int)nt);
+        rms_norm(S->o, residual_out, L->post_norm, S->normed, residual_out, bs, hidden, L->eps, DTYPE_BF16, (int)nt);
+        linear_bf16_silu_mul((const uint16_t *)S->normed, bs, hidden, (const uint16_t *)L->gate_up,
+                             2 * S->intermediate, L->gate_up_bias, (uint16_t *)S->mlp, (int)nt);
+        linear_bf16((const uint16_t *)S->mlp, bs, S->intermediate, (const uint16_t *)L->down, hidden, L->down_bias,
+                    (uint16_t *)hidden_out, (int)nt);
+    }
+}

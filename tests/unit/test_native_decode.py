@@ -1,0 +1,93 @@
+"""engine.models.native_decode: a bf16 decode step's layers in one native call compute the bits the
+modules compute, with cascade groups over a shared prefix, biases (Qwen2), and after the weights are
+packed again (the cached table is rebuilt)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.layers.attention import cpu_kernels
+from engine.layers.linear import prepack_linear_weights
+from engine.models import native_decode
+from utils_models import BatchDriver, ExtendReq, build_tiny_model, make_runner
+
+STEPS = 8
+PREFIX = 80  # > MIN_SHARED_PREFIX: requests 1 and 2 form a cascade group over request 0's slots
+
+
+def _require_bf16_kernels() -> None:
+    lib = cpu_kernels.decode_kernel()
+    if lib is None or not lib.linear_bf16_available():
+        pytest.skip("the native bf16 kernels need a C compiler and a CPU with AVX512-BF16")
+
+
+@pytest.fixture(scope="module", params=["llama", "qwen2"])
+def model_dir(request, tmp_path_factory):
+    path = tmp_path_factory.mktemp(f"native_{request.param}")
+    build_tiny_model(str(path), request.param, dtype=torch.bfloat16)
+    return str(path)
+
+
+def _decode_logits(model_dir: str):
+    """Per decode step, the logits of 4 requests: one alone, three of which two share the first's
+    PREFIX slots (as the radix cache would hand them out); the weights are packed again midway."""
+    runner = make_runner(model_dir, dtype="bfloat16")
+    driver = BatchDriver(runner, seed=1)
+    gen = torch.Generator().manual_seed(11)
+    prompts = [[int(t) for t in torch.randint(0, 512, (n,), generator=gen)] for n in (90, 100, 95, 7)]
+    rows = [driver.new_row() for _ in prompts]
+    _, first = driver.run(driver.extend_batch([ExtendReq(rows[0], prompts[0]), ExtendReq(rows[3], prompts[3])]))
+    table = runner.req_to_token_pool.req_to_token
+    for r in rows[1:3]:
+        table[r, :PREFIX] = table[rows[0], :PREFIX]
+    _, rest = driver.run(driver.extend_batch([ExtendReq(r, p[PREFIX:], prefix_len=PREFIX)
+                                              for r, p in zip(rows[1:3], prompts[1:3])]))
+    tokens = [int(first[0]), int(rest[0]), int(rest[1]), int(first[1])]
+    seq_lens = [len(p) for p in prompts]
+    logits = []
+    for step in range(STEPS):
+        if step == STEPS // 2:
+            prepack_linear_weights(runner.model)  # new panels: the native table must follow
+        out, next_ids = driver.run(driver.decode_batch(rows, tokens, seq_lens))
+        logits.append(out.next_token_logits.clone())
+        tokens = [int(t) for t in next_ids]
+        seq_lens = [n + 1 for n in seq_lens]
+    return logits
+
+
+def test_native_decode_layers_equal_the_modules(model_dir, monkeypatch):
+    _require_bf16_kernels()
+    runs, builds = [], []
+    real_run, real_init = native_decode.NativeDecode.run, native_decode.NativeDecode.__init__
+
+    def counting_run(self, *args, **kwargs):
+        runs.append(kwargs.get("cascade", args[4] if len(args) > 4 else None))
+        return real_run(self, *args, **kwargs)
+
+    def counting_init(self, *args, **kwargs):
+        builds.append(1)
+        real_init(self, *args, **kwargs)
+
+    monkeypatch.setattr(native_decode.NativeDecode, "run", counting_run)
+    monkeypatch.setattr(native_decode.NativeDecode, "__init__", counting_init)
+    native = _decode_logits(model_dir)
+    assert len(runs) == STEPS and all(c is not None and c.prefix_lens.numel() == 1 for c in runs)
+    assert len(builds) == 2  # once, and again after the repack
+    monkeypatch.setattr(native_decode.NativeDecodeCache, "forward", lambda *args, **kwargs: None)
+    modules = _decode_logits(model_dir)
+    for a, b in zip(native, modules):
+        assert torch.equal(a, b)
+
+
+def test_native_decode_is_skipped_where_it_does_not_apply(model_dir, monkeypatch):
+    """Unpacked linears (fp32 model, or packing refused) keep the module path."""
+    _require_bf16_kernels()
+    calls = []
+    monkeypatch.setattr(native_decode.NativeDecode, "run", lambda *a, **k: calls.append(1))
+    runner = make_runner(model_dir, dtype="float32")
+    driver = BatchDriver(runner, seed=1)
+    row = driver.new_row()
+    _, tok = driver.run(driver.extend_batch([ExtendReq(row, [1, 2, 3, 4, 5])]))
+    driver.run(driver.decode_batch([row], [int(tok[0])], [5]))
+    assert calls == []
