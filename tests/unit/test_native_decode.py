@@ -1,6 +1,6 @@
 """engine.models.native_decode: a bf16 decode step's layers in one native call compute the bits the
-modules compute, with cascade groups over a shared prefix, biases (Qwen2), and after the weights are
-packed again (the cached table is rebuilt)."""
+modules compute, with cascade groups over a shared prefix, biases (Qwen2), per-head q/k norms (Qwen3),
+and after the weights are packed again (the cached table is rebuilt)."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def _require_bf16_kernels() -> None:
         pytest.skip("the native bf16 kernels need a C compiler and a CPU with AVX512-BF16")
 
 
-@pytest.fixture(scope="module", params=["llama", "qwen2"])
+@pytest.fixture(scope="module", params=["llama", "qwen2", "qwen3"])
 def model_dir(request, tmp_path_factory):
     path = tmp_path_factory.mktemp(f"native_{request.param}")
     build_tiny_model(str(path), request.param, dtype=torch.bfloat16)

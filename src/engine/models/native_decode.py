@@ -5,8 +5,9 @@ LlamaModel.forward runs its layers through `NativeDecode.run` when everything th
 assumes holds, and through the modules otherwise; both compute the same bits (the chain calls the
 kernels the modules call, with the same arguments). What it assumes: one TP rank; every linear packed
 for the bf16 kernel (engine/layers/cpu_ops.py), a gate_up of two equal halves of whole 128-column
-panel pairs; no per-head q/k norm (Qwen3); the GPT-NeoX rotary of engine/layers/rotary_embedding.py; the
-torch_native backend's native decode kernel over a bf16 pool; a decode batch. Measured on the 2-core
+panel pairs; Qwen3's per-head q/k norms, where present, in bf16; the GPT-NeoX rotary of
+engine/layers/rotary_embedding.py; the torch_native backend's native decode kernel over a bf16 pool;
+a decode batch. Measured on the 2-core
 AMD EPYC (Zen 4), small Llama (8 layers), ModelRunner with every kernel replaced by an empty one: the
 Python of a decode step 1.8-2.2 ms through the modules, 0.3-0.8 ms with this call; the real step,
 alternating the two in one process: batch 1 10.1 -> 8.3 ms, batch 16 18.3 -> 16.0 ms, batch 64 x 1k
@@ -37,7 +38,7 @@ class _Layer(ctypes.Structure):  # decoder_layers.c layer_t
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _P), ("o", _P), ("gate_up", _P), ("down", _P),
                 ("qkv_bias", _P), ("o_bias", _P), ("gate_up_bias", _P), ("down_bias", _P), ("cos_sin", _P),
                 ("k_pool", _P), ("v_pool", _P), ("k_stride", _I64), ("v_stride", _I64), ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float)]
+                ("scale", ctypes.c_float), ("q_norm", _P), ("k_norm", _P), ("qk_eps", ctypes.c_float)]
 
 
 class _Step(ctypes.Structure):  # decoder_layers.c step_t
@@ -64,8 +65,10 @@ def _pointers(layer: "LlamaDecoderLayer", k_pool: torch.Tensor, v_pool: torch.Te
             return None
         data.append(p.data.data_ptr())
         biases.append(None if p.bias is None else p.bias.data_ptr())
+    attn = layer.self_attn
+    qk_norms = tuple(None if n is None else n.weight.data_ptr() for n in (attn.q_norm, attn.k_norm))
     return (layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(), *data, *biases,
-            layer.self_attn.rotary_emb.cos_sin_cache.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr())
+            attn.rotary_emb.cos_sin_cache.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), *qk_norms)
 
 
 class NativeDecode:
@@ -81,10 +84,13 @@ class NativeDecode:
         self.table = (_Layer * len(layers))()
         for entry, layer, k_pool, v_pool, ptrs in zip(self.table, layers, k_pools, v_pools, pointers):
             (entry.input_norm, entry.post_norm, entry.qkv, entry.o, entry.gate_up, entry.down, entry.qkv_bias,
-             entry.o_bias, entry.gate_up_bias, entry.down_bias, entry.cos_sin, entry.k_pool, entry.v_pool) = ptrs
+             entry.o_bias, entry.gate_up_bias, entry.down_bias, entry.cos_sin, entry.k_pool, entry.v_pool, entry.q_norm,
+             entry.k_norm) = ptrs
             entry.k_stride, entry.v_stride = k_pool.stride(0), v_pool.stride(0)
             entry.eps = layer.input_layernorm.variance_epsilon  # supported(): both norms' eps agree
             entry.scale = layer.self_attn.attn.scaling
+            if layer.self_attn.q_norm is not None:  # supported(): q_norm's and k_norm's eps agree
+                entry.qk_eps = layer.self_attn.q_norm.variance_epsilon
 
     @staticmethod
     def supported(layers: List["LlamaDecoderLayer"], k_pools: List[torch.Tensor], v_pools: List[torch.Tensor]) -> bool:
@@ -102,7 +108,14 @@ class NativeDecode:
             if not (isinstance(qkv, cpu_ops.Bf16Panels) and isinstance(o, cpu_ops.Bf16Panels)
                     and isinstance(gate_up, cpu_ops.Bf16Panels) and isinstance(down, cpu_ops.Bf16Panels)):
                 return False
-            if (attn.q_norm is not None or (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (heads, kv_heads, dim)
+            q_norm, k_norm = attn.q_norm, attn.k_norm
+            if q_norm is not None or k_norm is not None:
+                if q_norm is None or k_norm is None or q_norm.variance_epsilon != k_norm.variance_epsilon:
+                    return False
+                if any(n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() or n.hidden_size != dim
+                       for n in (q_norm, k_norm)):
+                    return False
+            if ((attn.num_heads, attn.num_kv_heads, attn.head_dim) != (heads, kv_heads, dim)
                     or qkv.k != hidden or qkv.n != (heads + 2 * kv_heads) * dim or o.k != heads * dim or o.n != hidden
                     or gate_up.k != hidden or down.n != hidden or gate_up.n != 2 * down.k or gate_up.n % 128
                     or mlp.gate_up_proj.gather_output or mlp.gate_up_proj.output_sizes != [down.k, down.k]):

@@ -5,7 +5,8 @@
  * down linear) through a dozen nn.Module calls, tensor allocations and ctypes conversions: 1.8-2.2 ms of
  * Python per step on the 2-core AMD EPYC (Zen 4) for the 8-layer small Llama, whatever the batch (0.3-0.8
  * ms with this call). This file chains the same kernels with the same arguments, so the result is bit
- * for bit the Python path's; only the Python between them is gone. engine/models/native_decode.py decides when it applies.
+ * for bit the Python path's; only the Python between them is gone. engine/models/native_decode.py
+ * decides when it applies.
  */
 #include "cpu_common.h"
 
@@ -18,6 +19,8 @@ typedef struct {
     void *k_pool, *v_pool; /* [slots, kv_heads, head_dim] */
     int64_t k_stride, v_stride; /* elements per slot */
     float eps, scale;
+    const void *q_norm, *k_norm; /* bf16 [head_dim]: Qwen3's per-head RMSNorm before rotary, or NULL */
+    float qk_eps;
 } layer_t;
 
 /* The model's shape and one step's batch: positions, new slots, the decode kernel's tables, scratch. */
@@ -53,6 +56,12 @@ void decode_layers(const layer_t *layers, int64_t num_layers, const step_t *S, c
         }
         linear_bf16((const uint16_t *)S->normed, bs, hidden, (const uint16_t *)L->qkv, qkv_width, L->qkv_bias, qkv,
                     (int)nt);
+        if (L->q_norm != NULL) /* each head's q and k rows normalised in place (small: on this thread) */
+            for (int64_t b = 0; b < bs; b++) {
+                uint16_t *row = qkv + b * qkv_width;
+                rms_norm(row, NULL, L->q_norm, row, NULL, S->heads, d, L->qk_eps, DTYPE_BF16, 1);
+                rms_norm(row + q_width, NULL, L->k_norm, row + q_width, NULL, S->kv_heads, d, L->qk_eps, DTYPE_BF16, 1);
+            }
         rope_neox(S->positions, qkv, qkv_width, S->heads, qkv + q_width, qkv_width, S->kv_heads, L->cos_sin, d,
                   S->rotary_dim, bs, DTYPE_BF16, (int)nt);
         store_kv(qkv + q_width, qkv_width, qkv + q_width + kv_width, qkv_width, L->k_pool, L->v_pool, L->k_stride,
