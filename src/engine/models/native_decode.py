@@ -25,7 +25,6 @@ from engine.distributed.parallel_state import get_tp_size
 from engine.layers import cpu_ops
 from engine.layers.attention import cpu_kernels
 from engine.layers.attention.torch_native_backend import TorchNativeAttnBackend
-from engine.layers.linear import PackedWeight
 
 if TYPE_CHECKING:
     from engine.model_executor.forward_batch_info import ForwardBatch
@@ -49,26 +48,37 @@ class _Step(ctypes.Structure):  # decoder_layers.c step_t
                 ("qkv", _P), ("q", _P), ("attn", _P), ("o", _P), ("mlp", _P), ("num_threads", ctypes.c_int)]
 
 
-def _panels(layer: "LlamaDecoderLayer") -> Tuple[Optional[PackedWeight], ...]:
-    attn, mlp = layer.self_attn, layer.mlp
-    return (attn.qkv_proj.packed_weight, attn.o_proj.packed_weight, mlp.gate_up_proj.packed_weight,
-            mlp.down_proj.packed_weight)
+class _LayerRefs:
+    """The modules and tensors a layer's table entry points into, looked up once: reaching them through
+    nn.Module attributes every step cost ~15 us a layer. The addresses are still read every step
+    (`pointers`), from the parameter and buffer dicts, so a swapped `param.data` or a repack is seen."""
+
+    def __init__(self, layer: "LlamaDecoderLayer") -> None:
+        attn, mlp = layer.self_attn, layer.mlp
+        self.linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
+        self.norm_params = tuple(None if n is None else n._parameters for n in norms)
+        self.rope_buffers = attn.rotary_emb._buffers
+        self.layer_id = attn.attn.layer_id
+
+    def pointers(self, k_pool: torch.Tensor, v_pool: torch.Tensor) -> Optional[tuple]:
+        """Every address a layer_t holds, in its field order (None: a linear is not packed for the
+        kernel). A table is valid exactly while these stay the same."""
+        data: List[int] = []
+        biases: List[Optional[int]] = []
+        for linear in self.linears:
+            p = linear.packed_weight
+            if not isinstance(p, cpu_ops.Bf16Panels):
+                return None
+            data.append(p.data.data_ptr())
+            biases.append(None if p.bias is None else p.bias.data_ptr())
+        norms = [None if d is None else _address(d["weight"]) for d in self.norm_params]
+        return (norms[0], norms[1], *data, *biases, _address(self.rope_buffers["cos_sin_cache"]), k_pool.data_ptr(),
+                v_pool.data_ptr(), norms[2], norms[3])
 
 
-def _pointers(layer: "LlamaDecoderLayer", k_pool: torch.Tensor, v_pool: torch.Tensor) -> Optional[tuple]:
-    """Every address a layer_t holds, in its field order (None: a linear is not packed for the kernel).
-    A table is valid exactly while these stay the same."""
-    data: List[int] = []
-    biases: List[Optional[int]] = []
-    for p in _panels(layer):
-        if not isinstance(p, cpu_ops.Bf16Panels):
-            return None
-        data.append(p.data.data_ptr())
-        biases.append(None if p.bias is None else p.bias.data_ptr())
-    attn = layer.self_attn
-    qk_norms = tuple(None if n is None else n.weight.data_ptr() for n in (attn.q_norm, attn.k_norm))
-    return (layer.input_layernorm.weight.data_ptr(), layer.post_attention_layernorm.weight.data_ptr(), *data, *biases,
-            attn.rotary_emb.cos_sin_cache.data_ptr(), k_pool.data_ptr(), v_pool.data_ptr(), *qk_norms)
+def _address(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
 
 
 class NativeDecode:
@@ -96,13 +106,14 @@ class NativeDecode:
     def supported(layers: List["LlamaDecoderLayer"], k_pools: List[torch.Tensor], v_pools: List[torch.Tensor]) -> bool:
         """Whether the native chain computes these layers (the conditions of the module docstring)."""
         lib = cpu_kernels.decode_kernel()
-        if not (layers and cpu_ops.ENABLED and lib is not None and lib.linear_bf16_available() and get_tp_size() == 1):
+        if not (layers and lib is not None and lib.linear_bf16_available() and get_tp_size() == 1):
             return False
         first = layers[0].self_attn
         hidden, heads, kv_heads, dim = first.qkv_proj.input_size, first.num_heads, first.num_kv_heads, first.head_dim
         for layer, k_pool, v_pool in zip(layers, k_pools, v_pools):
             attn, mlp = layer.self_attn, layer.mlp
-            qkv, o, gate_up, down = _panels(layer)
+            qkv, o = attn.qkv_proj.packed_weight, attn.o_proj.packed_weight
+            gate_up, down = mlp.gate_up_proj.packed_weight, mlp.down_proj.packed_weight
             rope = attn.rotary_emb
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             if not (isinstance(qkv, cpu_ops.Bf16Panels) and isinstance(o, cpu_ops.Bf16Panels)
@@ -123,8 +134,8 @@ class NativeDecode:
             if any(n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() or n.hidden_size != hidden
                    or n.variance_epsilon != layer.input_layernorm.variance_epsilon for n in norms):
                 return False
-            if not (rope.rotary_dim == first.rotary_emb.rotary_dim and rope.head_size == dim and rope.rotary_dim % 2 == 0
-                    and rope.rotary_dim <= cpu_ops.MAX_ROTARY_DIM and rope.cos_sin_cache.dtype == torch.float32
+            if not (rope.rotary_dim == first.rotary_emb.rotary_dim and rope.head_size == dim
+                    and rope.rotary_dim % 2 == 0 and rope.rotary_dim <= cpu_ops.MAX_ROTARY_DIM and rope.cos_sin_cache.dtype == torch.float32
                     and rope.cos_sin_cache.is_contiguous() and rope.cos_sin_cache.is_cpu):
                 return False
             for pool in (k_pool, v_pool):
@@ -134,7 +145,8 @@ class NativeDecode:
         return True
 
     def run(self, hidden_states: torch.Tensor, positions: torch.Tensor, kv_indices: torch.Tensor, lens: torch.Tensor,
-            cascade: Optional[cpu_kernels.CascadeTables], out_cache_loc: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+            cascade: Optional[cpu_kernels.CascadeTables],
+            out_cache_loc: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) after the last layer, for the embedded tokens of a decode batch."""
         bs = hidden_states.shape[0]
         hidden_in = hidden_states.contiguous()
@@ -174,6 +186,7 @@ class NativeDecodeCache:
     updates repack; releasing and resuming memory makes new pools)."""
 
     def __init__(self) -> None:
+        self._refs: List[_LayerRefs] = []
         self._key: Optional[List[Optional[tuple]]] = None
         self._plan: Optional[NativeDecode] = None
 
@@ -189,9 +202,11 @@ class NativeDecodeCache:
         tables = backend.native_decode_tables(forward_batch)
         if tables is None:
             return None
-        ids = [layer.self_attn.attn.layer_id for layer in layers]
-        k_pools, v_pools = [pool.get_key_buffer(i) for i in ids], [pool.get_value_buffer(i) for i in ids]
-        pointers = [_pointers(layer, k, v) for layer, k, v in zip(layers, k_pools, v_pools)]
+        if len(self._refs) != len(layers):  # a model's layers are fixed: looked up on its first decode
+            self._refs = [_LayerRefs(layer) for layer in layers]
+        k_pools = [pool.get_key_buffer(r.layer_id) for r in self._refs]
+        v_pools = [pool.get_value_buffer(r.layer_id) for r in self._refs]
+        pointers = [r.pointers(k, v) for r, k, v in zip(self._refs, k_pools, v_pools)]
         if pointers != self._key:
             self._key = pointers
             self._plan = None

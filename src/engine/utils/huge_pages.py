@@ -25,7 +25,7 @@ ENABLED = os.environ.get("ENGINE_CPU_HUGE_PAGES", "1") != "0" and hasattr(mmap, 
 def empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
     """An uninitialised 1-D CPU tensor of `numel` elements, on huge pages where it is large enough
     (at least one huge page) and the system allows it; else `torch.empty`."""
-    nbytes = numel * torch.empty(0, dtype=dtype).element_size()
+    nbytes = numel * dtype.itemsize
     if not ENABLED or nbytes < HUGE_PAGE:
         return torch.empty(numel, dtype=dtype)
     size = -(-nbytes // HUGE_PAGE) * HUGE_PAGE

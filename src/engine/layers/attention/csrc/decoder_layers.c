@@ -2,11 +2,11 @@
  *
  * The Python path runs each layer as ~9 native calls (RMSNorm + residual, the qkv linear, rotary,
  * the K/V store, decode attention, the o linear, RMSNorm + residual, gate_up + SiLU-and-mul, the
- * down linear) through a dozen nn.Module calls, tensor allocations and ctypes conversions: 1.8-2.2 ms of
- * Python per step on the 2-core AMD EPYC (Zen 4) for the 8-layer small Llama, whatever the batch (0.3-0.8
- * ms with this call). This file chains the same kernels with the same arguments, so the result is bit
- * for bit the Python path's; only the Python between them is gone. engine/models/native_decode.py
- * decides when it applies.
+ * down linear) through a dozen nn.Module calls, tensor allocations and ctypes conversions: 1.8-2.2
+ * ms of Python per step on the 2-core AMD EPYC (Zen 4) for the 8-layer small Llama, whatever the
+ * batch (0.3-0.8 ms with this call). This file chains the same kernels with the same arguments, so
+ * the result is bit for bit the Python path's; only the Python between them is gone.
+ * engine/models/native_decode.py decides when it applies.
  */
 #include "cpu_common.h"
 
@@ -34,7 +34,8 @@ typedef struct {
     const int64_t *group_offsets, *group_members, *prefix_indices, *prefix_lens;
     int64_t max_prefix;
     const int64_t *group_of;
-    void *normed, *qkv, *q, *attn, *o, *mlp; /* [bs, hidden], [bs, qkv width], [bs, q width] x2, [bs, hidden], [bs, intermediate] */
+    /* scratch: [bs, hidden], [bs, qkv width], [bs, q width] x 2, [bs, hidden], [bs, intermediate] */
+    void *normed, *qkv, *q, *attn, *o, *mlp;
     int num_threads;
 } step_t;
 
@@ -60,7 +61,8 @@ void decode_layers(const layer_t *layers, int64_t num_layers, const step_t *S, c
             for (int64_t b = 0; b < bs; b++) {
                 uint16_t *row = qkv + b * qkv_width;
                 rms_norm(row, NULL, L->q_norm, row, NULL, S->heads, d, L->qk_eps, DTYPE_BF16, 1);
-                rms_norm(row + q_width, NULL, L->k_norm, row + q_width, NULL, S->kv_heads, d, L->qk_eps, DTYPE_BF16, 1);
+                rms_norm(row + q_width, NULL, L->k_norm, row + q_width, NULL, S->kv_heads, d, L->qk_eps, DTYPE_BF16,
+                         1);
             }
         rope_neox(S->positions, qkv, qkv_width, S->heads, qkv + q_width, qkv_width, S->kv_heads, L->cos_sin, d,
                   S->rotary_dim, bs, DTYPE_BF16, (int)nt);

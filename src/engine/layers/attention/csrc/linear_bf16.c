@@ -13,7 +13,8 @@
  * float32 sums in 24 registers and, per pair of input features, broadcasts each row's two x values
  * against the panel's four 16-column vectors. A panel is read from memory once and from cache for
  * the batch's further row tiles, while the next panel is prefetched (when there are several row
- * tiles). Threads (thread_pool.c) take contiguous ranges of panels. Sums are float32, rounded once to bfloat16 at the end (the bias is added before rounding).
+ * tiles). Threads (thread_pool.c) take contiguous ranges of panels. Sums are float32, rounded once to
+ * bfloat16 at the end (the bias is added before rounding).
  */
 #include "cpu_common.h"
 
