@@ -203,6 +203,12 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name in ("linear_bf16_available", "extend_attention_available"):  # 0 where the CPU lacks AVX512-BF16
         getattr(lib, name).argtypes = []
         getattr(lib, name).restype = ctypes.c_int
+    lib.linear_bf16_set_amx.argtypes = [i32, i64]
+    lib.linear_bf16_set_amx.restype = None
+    lib.linear_bf16_amx.argtypes = []  # 1 where the bf16 linears run on AMX tiles
+    lib.linear_bf16_amx.restype = ctypes.c_int
+    lib.linear_bf16_set_amx(int(os.environ.get("ENGINE_CPU_AMX", "1") != "0"),
+                            int(os.environ.get("ENGINE_CPU_AMX_CHUNK_ROWS", "0")))
     return lib
 
 
