@@ -21,3 +21,19 @@ def make_pair() -> Iterator[Callable[..., PDPair]]:
     yield make
     for pair in pairs:
         pair.close()
+
+
+@pytest.fixture(params=["amx", "avx512"])
+def cpu_isa(request) -> Iterator[str]:
+    """Runs a bf16 kernel test on AMX tiles (where the CPU has them) and on AVX512-BF16."""
+    from engine.layers.attention import cpu_kernels
+
+    lib = cpu_kernels.decode_kernel()
+    if lib is None or not lib.linear_bf16_available():
+        pytest.skip("no AVX512-BF16 on this CPU: the bf16 kernels are not used")
+    if request.param == "amx" and not lib.amx_active():
+        pytest.skip("no AMX on this CPU (or Linux refused the process its tiles): AVX512-BF16 runs")
+    before = lib.amx_active()
+    lib.amx_set(int(request.param == "amx"), 0)
+    yield request.param
+    lib.amx_set(before, 0)

@@ -136,26 +136,11 @@ def test_store_kv_from_qkv_slices(monkeypatch, dtype):
     assert torch.equal(fk[loc], k) and torch.equal(fv[loc], v)
 
 
-@pytest.fixture(params=["amx", "avx512"])
-def linear_isa(request):
-    """Each bf16 linear test runs on AMX tiles (where the CPU has them) and on AVX512-BF16."""
-    from engine.layers.attention import cpu_kernels
-
-    lib = cpu_kernels.decode_kernel()
-    if lib is None or not lib.linear_bf16_available():
-        pytest.skip("no AVX512-BF16 on this CPU: bf16 linears stay with oneDNN")
-    if request.param == "amx" and not lib.linear_bf16_amx():
-        pytest.skip("no AMX on this CPU (or the kernel refused it): the AVX512-BF16 tiles run")
-    lib.linear_bf16_set_amx(int(request.param == "amx"), 0)
-    yield request.param
-    lib.linear_bf16_set_amx(1, 0)
-
-
 # 16, 17, 33: AMX's 16-row blocks, whole and with the last rows in a padded block
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 16, 17, 33, 600])
 @pytest.mark.parametrize("n,k", [(64, 32), (100, 48), (2048, 1024)])  # 100: a partial last panel
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_bf16_linear_kernel_matches_float_reference(linear_isa, rows, n, k, with_bias):
+def test_bf16_linear_kernel_matches_float_reference(cpu_isa, rows, n, k, with_bias):
     torch.manual_seed(rows + n)
     weight = torch.randn(n, k).to(torch.bfloat16)
     bias = torch.randn(n).to(torch.bfloat16) if with_bias else None
@@ -173,7 +158,7 @@ def test_bf16_linear_kernel_matches_float_reference(linear_isa, rows, n, k, with
 
 @pytest.mark.parametrize("rows", [1, 5, 6, 13, 17, 600])
 @pytest.mark.parametrize("with_bias", [False, True])
-def test_gate_up_linear_with_silu_and_mul_equals_the_two_calls(monkeypatch, linear_isa, rows, with_bias):
+def test_gate_up_linear_with_silu_and_mul_equals_the_two_calls(monkeypatch, cpu_isa, rows, with_bias):
     from engine.layers.linear import prepack_linear_weights
     from engine.models.llama import LlamaMLP
 

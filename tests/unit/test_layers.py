@@ -567,7 +567,7 @@ def test_cpu_decode_kernel_cascade_large_groups(heads, kv_heads, dim, members, p
 
 
 @pytest.mark.parametrize("heads,kv_heads,dim", [(16, 8, 64), (4, 4, 32), (12, 4, 128), (6, 2, 24)])
-def test_native_bf16_extend_kernel_matches_reference(monkeypatch, heads, kv_heads, dim):
+def test_native_bf16_extend_kernel_matches_reference(monkeypatch, cpu_isa, heads, kv_heads, dim):
     """bf16 prefills through the native kernels: requests with and without a cached prefix, long
     enough for several key panels and query-row blocks, a one-token row (as the decode rows of a
     MIXED batch), and the same batch through the torch path."""

@@ -43,7 +43,7 @@ _CSRC = Path(__file__).with_name("csrc")
 # share. One library holds them all.
 _SOURCES = [_CSRC / "decode_attention.c", _CSRC / "extend_attention.c", _CSRC / "cpu_ops.c", _CSRC / "linear_bf16.c",
             _CSRC / "decoder_layers.c", _CSRC / "thread_pool.c"]
-_HEADERS = [_CSRC / "cpu_common.h"]
+_HEADERS = [_CSRC / "cpu_common.h", _CSRC / "amx.h"]
 # -fopenmp-simd: the `omp simd` hints only; the threads are the library's own (csrc/thread_pool.c).
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11", "-pthread"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -203,11 +203,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name in ("linear_bf16_available", "extend_attention_available"):  # 0 where the CPU lacks AVX512-BF16
         getattr(lib, name).argtypes = []
         getattr(lib, name).restype = ctypes.c_int
-    lib.linear_bf16_set_amx.argtypes = [i32, i64]
-    lib.linear_bf16_set_amx.restype = None
-    lib.linear_bf16_amx.argtypes = []  # 1 where the bf16 linears run on AMX tiles
-    lib.linear_bf16_amx.restype = ctypes.c_int
-    lib.linear_bf16_set_amx(int(os.environ.get("ENGINE_CPU_AMX", "1") != "0"),
+    lib.amx_set.argtypes = [i32, i64]
+    lib.amx_set.restype = None
+    lib.amx_active.argtypes = []  # 1 where the bf16 linears run on AMX tiles
+    lib.amx_active.restype = ctypes.c_int
+    lib.amx_set(int(os.environ.get("ENGINE_CPU_AMX", "1") != "0"),
                             int(os.environ.get("ENGINE_CPU_AMX_CHUNK_ROWS", "0")))
     return lib
 

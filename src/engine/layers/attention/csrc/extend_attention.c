@@ -9,14 +9,15 @@
  * linear_bf16.c, query rows in blocks. S is float32; the softmax is float32 per row over the keys the
  * row may see (the causal limit); P is rounded to bfloat16 for P V, as flash attention does. Key
  * panels past a row block's last visible key are skipped, so a prompt without prefix costs about
- * half of the square.
+ * half of the square. Where the CPU has AMX (amx.h) the same panels go through the tiles, 16 query
+ * rows at a time.
  */
-#include "cpu_common.h"
+#include "amx.h"
 
 #if defined(__AVX512BF16__)
 #define PANEL 64
 #define RT 6     /* rows per register tile */
-#define RBLOCK 96 /* query rows per block (a multiple of RT) */
+#define RBLOCK 96 /* query rows per block (a multiple of RT and of AMX_ROWS) */
 
 /* c[r][0..ncols) (float32, row stride c_stride) = sum over pairs kk of a[r][2kk..2kk+1] . panel[kk][col][0..1]
  * for R rows of a (bf16, row stride a_stride); a panel holds 64 columns x pairs, vdpbf16ps layout. */
@@ -89,6 +90,15 @@ static void extend_part(void *arg, int tid, int nthreads) {
     uint16_t *out = J->out;
     const int64_t group = heads / kv_heads, pairs = dim / 2;
     const int64_t dpanels = (dim + PANEL - 1) / PANEL;
+#if defined(HAVE_AMX)
+    const int amx = amx_active() && dim % 32 == 0;
+    if (amx) amx_configure(AMX_ROWS);
+#else
+    const int amx = 0;
+#endif
+    /* AMX: S is stored unscaled and scaled in the softmax (the same floats: the maximum of the
+     * scaled scores is the scaled maximum), P V runs over the visible keys rounded up to 32. */
+    const float sscale = amx ? scale : 1.f;
     int64_t cap_seq = 0; /* scratch grown on demand */
     uint16_t *kp = NULL, *vp = NULL, *pb = NULL, *qa = NULL;
     float *s = NULL, *o = NULL;
@@ -131,13 +141,14 @@ static void extend_part(void *arg, int tid, int nthreads) {
                 }
             }
         /* V^T panels: vp[dp][kp][c][2] = V[key 2kp .. 2kp + 1][64 dp + c], zero past seq / dim: two
-         * rows interleaved element-wise by one permute per 16 dimensions. */
-        const int64_t kpairs = (seq + 1) / 2;
+         * rows interleaved element-wise by one permute per 16 dimensions; seq_pad / 2 pairs a panel. */
+        const int64_t kpairs = (seq + 1) / 2, vpairs = seq_pad / 2;
         const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
                                             6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
         const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
         for (int64_t dp = 0; dp < dpanels; dp++) {
-            uint16_t *panel = vp + dp * kpairs * PANEL * 2;
+            uint16_t *panel = vp + dp * vpairs * PANEL * 2;
+            memset(panel + kpairs * PANEL * 2, 0, sizeof(uint16_t) * (size_t)((vpairs - kpairs) * PANEL * 2));
             const int64_t d0 = dp * PANEL, nd = dim - d0 < PANEL ? dim - d0 : PANEL;
             for (int64_t kp2 = 0; kp2 < kpairs; kp2++) {
                 const int64_t k1 = 2 * kp2 + 1;
@@ -165,26 +176,35 @@ static void extend_part(void *arg, int tid, int nthreads) {
             const int64_t last_i = (r0 + nr - 1) / group;
             const int64_t visible = prefix + last_i + 1;
             const int64_t np = (visible + PANEL - 1) / PANEL;
-            for (int64_t p = 0; p < np; p++)
+            for (int64_t p = 0; p < np; p++) {
+#if defined(HAVE_AMX)
+                if (amx) {
+                    for (int64_t b0 = 0; b0 < nr; b0 += AMX_ROWS) /* the last block's extra rows: never read */
+                        amx_block(qa + b0 * dim, dim, kp + p * pairs * PANEL * 2, dim, s + b0 * seq_pad + p * PANEL,
+                                  seq_pad, NULL, 0);
+                    continue;
+                }
+#endif
                 matmul_rows(qa, dim, nr, pairs, kp + p * pairs * PANEL * 2, s + p * PANEL, seq_pad, PANEL, scale);
-            const int64_t vis_pad = (visible + 1) / 2 * 2;
+            }
+            const int64_t vis_pad = amx ? (visible + 31) / 32 * 32 : (visible + 1) / 2 * 2;
             float inv[RBLOCK];
             for (int64_t r = 0; r < nr; r++) {
                 const int64_t n = prefix + (r0 + r) / group + 1; /* this row's causal limit */
                 float *sr = s + r * seq_pad;
-                const float m = max_of(sr, n);
+                const float m = max_of(sr, n) * sscale;
                 float sum = 0.f;
                 int64_t c = 0;
-                const __m512 mv = _mm512_set1_ps(m);
+                const __m512 mv = _mm512_set1_ps(m), sv = _mm512_set1_ps(sscale);
                 __m512 acc = _mm512_setzero_ps();
                 for (; c + 16 <= n; c += 16) {
-                    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + c), mv));
+                    const __m512 e = exp512(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(sr + c), sv), mv));
                     acc = _mm512_add_ps(acc, e);
                     _mm256_storeu_si256((__m256i *)(pb + r * (seq_pad + 2) + c), (__m256i)_mm512_cvtneps_pbh(e));
                 }
                 sum = _mm512_reduce_add_ps(acc);
                 for (; c < n; c++) {
-                    const float e = expf(sr[c] - m);
+                    const float e = expf(sr[c] * sscale - m);
                     sum += e;
                     pb[r * (seq_pad + 2) + c] = f32_to_bf16(e);
                 }
@@ -192,9 +212,18 @@ static void extend_part(void *arg, int tid, int nthreads) {
                 inv[r] = 1.f / sum;
             }
             /* O = P V over the visible key pairs, 64 head dimensions per panel. */
-            for (int64_t dp = 0; dp < dpanels; dp++)
-                matmul_rows(pb, seq_pad + 2, nr, vis_pad / 2, vp + dp * kpairs * PANEL * 2, o + dp * PANEL,
+            for (int64_t dp = 0; dp < dpanels; dp++) {
+#if defined(HAVE_AMX)
+                if (amx) {
+                    for (int64_t b0 = 0; b0 < nr; b0 += AMX_ROWS)
+                        amx_block(pb + b0 * (seq_pad + 2), seq_pad + 2, vp + dp * vpairs * PANEL * 2, vis_pad,
+                                  o + b0 * dpanels * PANEL + dp * PANEL, dpanels * PANEL, NULL, 0);
+                    continue;
+                }
+#endif
+                matmul_rows(pb, seq_pad + 2, nr, vis_pad / 2, vp + dp * vpairs * PANEL * 2, o + dp * PANEL,
                             dpanels * PANEL, PANEL, 1.f);
+            }
             for (int64_t r = 0; r < nr; r++) {
                 const int64_t i = (r0 + r) / group, j = (r0 + r) % group;
                 uint16_t *dst = out + (q_starts[b] + i) * out_stride + (h * group + j) * dim;
@@ -203,6 +232,9 @@ static void extend_part(void *arg, int tid, int nthreads) {
         }
     }
     free(kp); free(vp); free(pb); free(s); free(qa); free(o);
+#if defined(HAVE_AMX)
+    if (amx) _tile_release();
+#endif
 }
 
 void extend_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v, int64_t k_stride,

@@ -18,7 +18,7 @@
  * tile unit instead (below, from two rows up; ENGINE_CPU_AMX=0 keeps vdpbf16ps).
  */
 #define _GNU_SOURCE /* syscall() */
-#include "cpu_common.h"
+#include "amx.h"
 
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -191,74 +191,19 @@ static void gate_up_part(void *arg, int id, int nt) {
     }
 }
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__)
-/* The same products on AMX (Intel Xeon since Sapphire Rapids), where vdpbf16ps is the slow way: on
- * the 2-core Xeon with AMX a model's worth of linears ran at ~210 GFLOP/s with the tiles above at
- * any batch, where oneDNN's AMX matmul reached 1.0-1.9 TFLOP/s from 128 rows up.
- *
- * The packed panels are already AMX's B layout: a B tile is 16 pairs of input features (rows, 256
- * bytes apart in the panel) x 16 columns of two bf16 each (64 bytes), and an A tile is 16 rows x 32
- * input features of x as it lies. A block of up to 16 rows x a 64-column panel is four C tiles
- * (tmm0-3) fed by one A tile (tmm4) and four B tiles (tmm6, tmm7 in turn) per 32 input features.
- * The sums are float32, stored to a scratch block and sent out by emit() as the tiles above do.
- * Rows past the last whole 16-row block are copied into a zeroed block first when there are more
- * than 16 rows; with 16 or fewer the tiles are configured to the batch's row count. */
-#define AMX_ROWS 16
-
+#if defined(HAVE_AMX)
+/* The same products on AMX (amx.h), where vdpbf16ps is the slow way: on the 2-core Xeon with AMX a
+ * model's worth of linears ran at ~210 GFLOP/s with the tiles above at any batch, where oneDNN's
+ * AMX matmul reached 1.0-1.9 TFLOP/s from 128 rows up. A block of up to 16 rows x a panel goes to a
+ * scratch block of sums and out through emit(), as the tiles above do. Rows past the last whole
+ * 16-row block are copied into a zeroed block first when there are more than 16 rows; with 16 or
+ * fewer the tiles are configured to the batch's row count. */
 /* Linux gives a process AMX's 8 KiB of tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM,
  * feature 18, XTILEDATA); the permission covers all of its threads. */
 static int amx_granted;
 __attribute__((constructor)) static void amx_request(void) { amx_granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0; }
-static int amx_wanted = 1; /* linear_bf16_set_amx */
-
-typedef struct {
-    uint8_t palette, start_row, reserved[14];
-    uint16_t colsb[16];
-    uint8_t rows[16];
-} tile_config_t;
-
-static void amx_configure(int rows) {
-    tile_config_t c;
-    memset(&c, 0, sizeof c);
-    c.palette = 1;
-    for (int t = 0; t < 5; t++) { /* C0-3, A */
-        c.rows[t] = (uint8_t)rows;
-        c.colsb[t] = 64;
-    }
-    for (int t = 6; t < 8; t++) { /* B */
-        c.rows[t] = 16;
-        c.colsb[t] = 64;
-    }
-    _tile_loadconfig(&c);
-}
-
-/* sums [AMX_ROWS][PANEL] = a [rows, k] (row stride k) x panel, for the configured rows, while
- * `lines` cache lines from `ahead` on are prefetched into L2, spread over the iterations. */
-static inline void amx_block(const uint16_t *a, const uint16_t *panel, int64_t k, float *sums, const char *ahead,
-                             int64_t lines) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
-    int64_t line = 0;
-    for (int64_t k0 = 0; k0 < k; k0 += 32) {
-        const uint16_t *b = panel + k0 * PANEL; /* pair k0 / 2, column 0 */
-        for (const int64_t upto = (k0 + 32) * lines / k; line < upto; line++) _mm_prefetch(ahead + line * 64, _MM_HINT_T1);
-        _tile_loadd(4, a + k0, k * 2);
-        _tile_loadd(6, b, PANEL * 4);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_loadd(7, b + 32, PANEL * 4);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_loadd(6, b + 64, PANEL * 4);
-        _tile_dpbf16ps(2, 4, 6);
-        _tile_loadd(7, b + 96, PANEL * 4);
-        _tile_dpbf16ps(3, 4, 7);
-    }
-    _tile_stored(0, sums, PANEL * 4);
-    _tile_stored(1, sums + 16, PANEL * 4);
-    _tile_stored(2, sums + 32, PANEL * 4);
-    _tile_stored(3, sums + 48, PANEL * 4);
-}
+static int amx_wanted = 1; /* amx_set */
+int amx_active(void) { return amx_granted && amx_wanted; }
 
 /* emit() for the first R rows of a sums block: rows m0.. of out, columns col0.. */
 static inline void amx_emit(const float *sums, int64_t R, int64_t m0, const float *bias, int64_t col0, int64_t n,
@@ -300,12 +245,12 @@ static inline void amx_panel(const linear_job_t *j, int64_t p, int64_t r0, int64
         const int64_t skip = t * lines / blocks * 64; /* bytes into the next panel */
         const uint16_t *a = amx_rows(j, i);
         if (!gate_up) {
-            amx_block(a, panel, k, sums, lines ? (const char *)(panel + panel_elems) + skip : NULL, share);
+            amx_block(a, k, panel, k, sums, PANEL, lines ? (const char *)(panel + panel_elems) + skip : NULL, share);
             amx_emit(sums, amx_block_rows(m, i), i * AMX_ROWS, j->bias, p * PANEL, j->n, j->out, STORE, NULL);
         } else {
-            amx_block(a, panel, k, sums, lines ? (const char *)(panel + panel_elems) + skip : NULL, share);
+            amx_block(a, k, panel, k, sums, PANEL, lines ? (const char *)(panel + panel_elems) + skip : NULL, share);
             amx_emit(sums, amx_block_rows(m, i), i * AMX_ROWS, j->bias, p * PANEL, half, j->out, GATE, gate);
-            amx_block(a, up, k, sums, lines ? (const char *)(up + panel_elems) + skip : NULL, share);
+            amx_block(a, k, up, k, sums, PANEL, lines ? (const char *)(up + panel_elems) + skip : NULL, share);
             amx_emit(sums, amx_block_rows(m, i), i * AMX_ROWS, bias_up, p * PANEL, half, j->out, SILU_MUL, gate);
         }
     }
@@ -332,7 +277,7 @@ static void amx_gate_up_part(void *arg, int id, int nt) { amx_part((const linear
 static int amx_run(linear_job_t *job, pool_fn part, int num_threads) {
     /* One row is a pure stream of the weights, which the tiles above read a little faster (2-core
      * Xeon, a model's worth of linears: 8.4-8.6 against 8.9-9.3 ms). */
-    if (!amx_granted || !amx_wanted || job->k % 32 != 0 || job->m < 2) return 0;
+    if (!amx_active() || job->k % 32 != 0 || job->m < 2) return 0;
     uint16_t *pad = NULL;
     const int64_t tail = job->m % AMX_ROWS;
     if (job->m > AMX_ROWS && tail != 0) {
@@ -348,11 +293,10 @@ static int amx_run(linear_job_t *job, pool_fn part, int num_threads) {
     return 1;
 }
 
-void linear_bf16_set_amx(int on, int64_t chunk_rows) {
+void amx_set(int on, int64_t chunk_rows) {
     amx_wanted = on;
     if (chunk_rows > 0) amx_chunk_rows = (chunk_rows + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
 }
-int linear_bf16_amx(void) { return amx_granted && amx_wanted; }
 #else
 static int amx_run(linear_job_t *job, pool_fn part, int num_threads) {
     (void)job; (void)part; (void)num_threads;
@@ -360,8 +304,8 @@ static int amx_run(linear_job_t *job, pool_fn part, int num_threads) {
 }
 #define amx_linear_part NULL
 #define amx_gate_up_part NULL
-void linear_bf16_set_amx(int on, int64_t chunk_rows) { (void)on; (void)chunk_rows; }
-int linear_bf16_amx(void) { return 0; }
+void amx_set(int on, int64_t chunk_rows) { (void)on; (void)chunk_rows; }
+int amx_active(void) { return 0; }
 #endif
 
 /* out [M, N] bf16 = x [M, K] bf16 @ W^T (+ bias, float32 [N] or NULL); W packed by pack_linear_bf16. */
@@ -390,6 +334,6 @@ void linear_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed
 }
 
 int linear_bf16_available(void) { return 0; }
-void linear_bf16_set_amx(int on, int64_t chunk_rows) { (void)on; (void)chunk_rows; }
-int linear_bf16_amx(void) { return 0; }
+void amx_set(int on, int64_t chunk_rows) { (void)on; (void)chunk_rows; }
+int amx_active(void) { return 0; }
 #endif
