@@ -507,7 +507,7 @@ def test_cpu_decode_kernel_matches_reference(dtype, heads, kv_heads, dim, bs, la
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("heads,kv_heads,dim", [(16, 8, 64), (12, 4, 128)])
-def test_cpu_decode_kernel_cascade_matches_reference(dtype, heads, kv_heads, dim):
+def test_cpu_decode_kernel_cascade_matches_reference(cpu_isa, dtype, heads, kv_heads, dim):
     """Groups read their shared prefix once (phase 1) and each member continues over its own suffix."""
     from engine.layers.attention import cpu_kernels
 
@@ -538,7 +538,7 @@ def test_cpu_decode_kernel_cascade_matches_reference(dtype, heads, kv_heads, dim
 
 @pytest.mark.parametrize("heads,kv_heads,dim,members,prefix_len", [(16, 8, 64, 20, 601), (12, 4, 128, 11, 256),
                                                                     (8, 8, 32, 40, 13)])
-def test_cpu_decode_kernel_cascade_large_groups(heads, kv_heads, dim, members, prefix_len):
+def test_cpu_decode_kernel_cascade_large_groups(cpu_isa, heads, kv_heads, dim, members, prefix_len):
     """bf16 phase 1 with more than 32 query rows per KV head (several row blocks), prefixes across
     softmax tiles and ragged key blocks, beside a request outside any group."""
     from engine.layers.attention import cpu_kernels

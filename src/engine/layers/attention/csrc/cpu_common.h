@@ -138,4 +138,100 @@ static inline __m512 silu_mul_512(__m512 g, __m512 u, int dtype) {
     return _mm512_mul_ps(round_to_512(silu, dtype), u);
 }
 #endif
+
+#if defined(__AVX512BF16__)
+/* The K and V of one KV head at pool slots `slots[0..n)` (head offset koff in a slot) packed for the
+ * register-tiled and AMX products of extend_attention.c and decode_attention.c, panels of 64. */
+
+/* r[j][i] = r[i][j], 16 x 16 dwords. */
+static inline void transpose_16x16_epi32(__m512i r[16]) {
+    __m512i t[16];
+    for (int i = 0; i < 16; i += 2) {
+        t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int i = 0; i < 16; i += 4) {
+        r[i] = _mm512_unpacklo_epi64(t[i], t[i + 2]);
+        r[i + 1] = _mm512_unpackhi_epi64(t[i], t[i + 2]);
+        r[i + 2] = _mm512_unpacklo_epi64(t[i + 1], t[i + 3]);
+        r[i + 3] = _mm512_unpackhi_epi64(t[i + 1], t[i + 3]);
+    }
+    for (int i = 0; i < 16; i += 8)
+        for (int j = 0; j < 4; j++) {
+            t[i + j] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0x88);
+            t[i + j + 4] = _mm512_shuffle_i32x4(r[i + j], r[i + j + 4], 0xdd);
+        }
+    for (int i = 0; i < 8; i++) {
+        r[i] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0x88);
+        r[i + 8] = _mm512_shuffle_i32x4(t[i], t[i + 8], 0xdd);
+    }
+}
+
+/* K^T panels: kp[p][kk][c][2] = K[key 64p + c][2kk .. 2kk + 1] for whole panels, zero past n.
+ * pairs = head_dim / 2. With pairs a multiple of 16, 16 keys' rows are loaded and transposed in
+ * registers 16 pairs at a time; otherwise each pair of 16 keys is one gather (dword offsets of
+ * their rows; the pool fits 32-bit offsets), which is 2-3x slower. */
+static inline void pack_k_panels(const uint16_t *k, int64_t k_stride, const int64_t *slots, int64_t n, int64_t koff,
+                                 int64_t pairs, uint16_t *kp) {
+    for (int64_t p = 0; p < (n + 63) / 64; p++)
+        for (int64_t c0 = 0; c0 < 64; c0 += 16) {
+            uint32_t *dst = (uint32_t *)(kp + p * pairs * 128) + c0;
+            if (pairs % 16 == 0) {
+                for (int64_t q0 = 0; q0 < pairs; q0 += 16) {
+                    __m512i r[16];
+                    for (int c = 0; c < 16; c++) {
+                        const int64_t key = p * 64 + c0 + c;
+                        r[c] = key < n ? _mm512_loadu_si512(k + slots[key] * k_stride + koff + 2 * q0)
+                                       : _mm512_setzero_si512();
+                    }
+                    transpose_16x16_epi32(r);
+                    for (int j = 0; j < 16; j++) _mm512_storeu_si512(dst + (q0 + j) * 64, r[j]);
+                }
+                continue;
+            }
+            int32_t offs[16];
+            __mmask16 live = 0;
+            for (int c = 0; c < 16; c++) {
+                const int64_t key = p * 64 + c0 + c;
+                offs[c] = key < n ? (int32_t)((slots[key] * k_stride + koff) / 2) : 0;
+                live |= key < n ? (__mmask16)(1u << c) : 0;
+            }
+            const __m512i vo = _mm512_loadu_si512(offs);
+            for (int64_t kk = 0; kk < pairs; kk++) {
+                const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live,
+                                                              _mm512_add_epi32(vo, _mm512_set1_epi32((int)kk)),
+                                                              (const int *)k, 4);
+                _mm512_storeu_si512(dst + kk * 64, g);
+            }
+        }
+}
+
+/* V panels: vp[dp][j][c][2] = V[key 2j .. 2j + 1][64 dp + c], zero past n and past dim, vpairs >=
+ * ceil(n / 2) pairs a panel (the rest zero): two rows interleaved element-wise by one permute per
+ * 16 dimensions. */
+static inline void pack_v_panels(const uint16_t *v, int64_t v_stride, const int64_t *slots, int64_t n, int64_t koff,
+                                 int64_t dim, int64_t vpairs, uint16_t *vp) {
+    const int64_t kpairs = (n + 1) / 2;
+    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
+                                        37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
+    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
+    for (int64_t dp = 0; dp < (dim + 63) / 64; dp++) {
+        uint16_t *panel = vp + dp * vpairs * 128;
+        memset(panel + kpairs * 128, 0, sizeof(uint16_t) * (size_t)((vpairs - kpairs) * 128));
+        const int64_t d0 = dp * 64, nd = dim - d0 < 64 ? dim - d0 : 64;
+        for (int64_t j = 0; j < kpairs; j++) {
+            const uint16_t *v0 = v + slots[2 * j] * v_stride + koff + d0;
+            const uint16_t *v1 = 2 * j + 1 < n ? v + slots[2 * j + 1] * v_stride + koff + d0 : NULL;
+            uint16_t *dst = panel + j * 128;
+            for (int64_t c = 0; c < 64; c += 32) { /* 32 dimensions -> two interleaved vectors */
+                const __mmask32 m = c >= nd ? 0 : nd - c >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << (nd - c)) - 1u);
+                const __m512i a = _mm512_maskz_loadu_epi16(m, v0 + c);
+                const __m512i b = v1 != NULL ? _mm512_maskz_loadu_epi16(m, v1 + c) : _mm512_setzero_si512();
+                _mm512_storeu_si512(dst + 2 * c, _mm512_permutex2var_epi16(a, lo, b));
+                _mm512_storeu_si512(dst + 2 * c + 32, _mm512_permutex2var_epi16(a, hi, b));
+            }
+        }
+    }
+}
+#endif
 #endif

@@ -120,50 +120,9 @@ static void extend_part(void *arg, int tid, int nthreads) {
             o = (float *)malloc(sizeof(float) * (size_t)(RBLOCK * dpanels * PANEL));
         }
         const int64_t *slots = kv_indices + b * max_seq;
-        /* K panels: kp[p][kk][c][2] = K[key 64p + c][2kk .. 2kk + 1], zero past seq; 16 keys' pair kk
-         * at a time with one gather (dword offsets of their rows; the pool fits 32-bit offsets). */
-        for (int64_t p = 0; p < kpanels; p++)
-            for (int64_t c0 = 0; c0 < PANEL; c0 += 16) {
-                int32_t offs[16];
-                __mmask16 live = 0;
-                for (int c = 0; c < 16; c++) {
-                    const int64_t key = p * PANEL + c0 + c;
-                    offs[c] = key < seq ? (int32_t)((slots[key] * k_stride + h * dim) / 2) : 0;
-                    live |= key < seq ? (__mmask16)(1u << c) : 0;
-                }
-                const __m512i vo = _mm512_loadu_si512(offs);
-                uint32_t *dst = (uint32_t *)(kp + p * pairs * PANEL * 2) + c0;
-                for (int64_t kk = 0; kk < pairs; kk++) {
-                    const __m512i g = _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), live,
-                                                                  _mm512_add_epi32(vo, _mm512_set1_epi32((int)kk)),
-                                                                  (const int *)k, 4);
-                    _mm512_storeu_si512(dst + kk * PANEL, g);
-                }
-            }
-        /* V^T panels: vp[dp][kp][c][2] = V[key 2kp .. 2kp + 1][64 dp + c], zero past seq / dim: two
-         * rows interleaved element-wise by one permute per 16 dimensions; seq_pad / 2 pairs a panel. */
-        const int64_t kpairs = (seq + 1) / 2, vpairs = seq_pad / 2;
-        const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38,
-                                            6, 37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-        const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-        for (int64_t dp = 0; dp < dpanels; dp++) {
-            uint16_t *panel = vp + dp * vpairs * PANEL * 2;
-            memset(panel + kpairs * PANEL * 2, 0, sizeof(uint16_t) * (size_t)((vpairs - kpairs) * PANEL * 2));
-            const int64_t d0 = dp * PANEL, nd = dim - d0 < PANEL ? dim - d0 : PANEL;
-            for (int64_t kp2 = 0; kp2 < kpairs; kp2++) {
-                const int64_t k1 = 2 * kp2 + 1;
-                const uint16_t *v0 = v + slots[2 * kp2] * v_stride + h * dim + d0;
-                const uint16_t *v1 = k1 < seq ? v + slots[k1] * v_stride + h * dim + d0 : NULL;
-                uint16_t *dst = panel + kp2 * PANEL * 2;
-                for (int64_t c = 0; c < PANEL; c += 32) { /* 32 dimensions -> two interleaved vectors */
-                    const __mmask32 m = c >= nd ? 0 : nd - c >= 32 ? 0xFFFFFFFFu : (__mmask32)((1u << (nd - c)) - 1u);
-                    const __m512i a = _mm512_maskz_loadu_epi16(m, v0 + c);
-                    const __m512i b = v1 != NULL ? _mm512_maskz_loadu_epi16(m, v1 + c) : _mm512_setzero_si512();
-                    _mm512_storeu_si512(dst + 2 * c, _mm512_permutex2var_epi16(a, lo, b));
-                    _mm512_storeu_si512(dst + 2 * c + 32, _mm512_permutex2var_epi16(a, hi, b));
-                }
-            }
-        }
+        const int64_t vpairs = seq_pad / 2;
+        pack_k_panels(k, k_stride, slots, seq, h * dim, pairs, kp);
+        pack_v_panels(v, v_stride, slots, seq, h * dim, dim, vpairs, vp);
         /* Query rows r = i * group + j (token i, query head h * group + j), in blocks. */
         const int64_t rows = ext * group;
         for (int64_t r0 = 0; r0 < rows; r0 += RBLOCK) {
