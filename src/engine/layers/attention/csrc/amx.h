@@ -31,7 +31,7 @@ static inline void amx_configure(int rows) {
     amx_config_t c;
     memset(&c, 0, sizeof c);
     c.palette = 1;
-    for (int t = 0; t < 5; t++) { /* C0-3, A */
+    for (int t = 0; t < 6; t++) { /* C0-3, A (two for amx_block2) */
         c.rows[t] = (uint8_t)rows;
         c.colsb[t] = 64;
     }
@@ -42,11 +42,13 @@ static inline void amx_configure(int rows) {
     _tile_loadconfig(&c);
 }
 
-/* c[r][0..64) (float32, row stride c_stride) = a[r][0..k) (bf16, row stride a_stride) x panel for the
- * configured rows; k a multiple of 32. Meanwhile `lines` cache lines from `ahead` on are prefetched
- * into L2, spread over the iterations (the next panel, for callers that stream panels). */
-static inline void amx_block(const uint16_t *a, int64_t a_stride, const uint16_t *panel, int64_t k, float *c,
-                             int64_t c_stride, const char *ahead, int64_t lines) {
+/* c[r][0..64) (float32, row stride c_stride) = a[r][0..k) x panel for the configured rows; k a
+ * multiple of 32. The A tile of columns k0 .. k0 + 32 lies at a + k0 / 32 * a_step with rows a_stride
+ * elements apart: a_step 32 for rows as they lie (a_stride their row length), 512 for A packed tile
+ * by tile (a_stride 32). Meanwhile `lines` cache lines from `ahead` on are prefetched into L2, spread
+ * over the iterations (the next panel, for callers that stream panels). */
+static inline void amx_block(const uint16_t *a, int64_t a_step, int64_t a_stride, const uint16_t *panel, int64_t k,
+                             float *c, int64_t c_stride, const char *ahead, int64_t lines) {
     _tile_zero(0);
     _tile_zero(1);
     _tile_zero(2);
@@ -55,7 +57,7 @@ static inline void amx_block(const uint16_t *a, int64_t a_stride, const uint16_t
     for (int64_t k0 = 0; k0 < k; k0 += 32) {
         const uint16_t *b = panel + k0 * AMX_PANEL; /* pair k0 / 2, column 0 */
         for (const int64_t upto = (k0 + 32) * lines / k; line < upto; line++) _mm_prefetch(ahead + line * 64, _MM_HINT_T1);
-        _tile_loadd(4, a + k0, a_stride * 2);
+        _tile_loadd(4, a + k0 / 32 * a_step, a_stride * 2);
         _tile_loadd(6, b, AMX_PANEL * 4);
         _tile_dpbf16ps(0, 4, 6);
         _tile_loadd(7, b + 32, AMX_PANEL * 4);
@@ -69,6 +71,39 @@ static inline void amx_block(const uint16_t *a, int64_t a_stride, const uint16_t
     _tile_stored(1, c + 16, c_stride * 4);
     _tile_stored(2, c + 32, c_stride * 4);
     _tile_stored(3, c + 48, c_stride * 4);
+}
+
+/* amx_block for two blocks of 16 rows at once (a0, a1: c's rows 0-15 and 16-31), each half of the
+ * panel's columns in turn as 2 x 2 C tiles fed by two A (tmm4, tmm5) and two B tiles (tmm6, tmm7),
+ * so that every tile loaded feeds two products (amx_block's B tiles feed one): 1 KiB of loads per
+ * product against 1.25. Both blocks must hold 16 configured rows. */
+static inline void amx_block2(const uint16_t *a0, const uint16_t *a1, int64_t a_step, int64_t a_stride,
+                              const uint16_t *panel, int64_t k, float *c, int64_t c_stride, const char *ahead,
+                              int64_t lines) {
+    int64_t line = 0;
+    for (int h = 0; h < 2; h++) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t k0 = 0; k0 < k; k0 += 32) {
+            const uint16_t *b = panel + k0 * AMX_PANEL + h * 64;
+            for (const int64_t upto = (h * k + k0 + 32) * lines / (2 * k); line < upto; line++)
+                _mm_prefetch(ahead + line * 64, _MM_HINT_T1);
+            _tile_loadd(4, a0 + k0 / 32 * a_step, a_stride * 2);
+            _tile_loadd(6, b, AMX_PANEL * 4);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_loadd(7, b + 32, AMX_PANEL * 4);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_loadd(5, a1 + k0 / 32 * a_step, a_stride * 2);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        _tile_stored(0, c + h * 32, c_stride * 4);
+        _tile_stored(1, c + h * 32 + 16, c_stride * 4);
+        _tile_stored(2, c + AMX_ROWS * c_stride + h * 32, c_stride * 4);
+        _tile_stored(3, c + AMX_ROWS * c_stride + h * 32 + 16, c_stride * 4);
+    }
 }
 #endif
 #endif

@@ -537,7 +537,7 @@ static void prefix_attend_amx(pa_work_t *p, const uint16_t *const *qrows, int64_
         pack_k_panels((const uint16_t *)kv->k, kv->k_stride, idx + i0, nt, koff, pairs, p->kp);
         for (int64_t kp = 0; kp < (nt + 63) / 64; kp++)
             for (int64_t b = 0; b < blocks; b++)
-                amx_block(p->qa + b * AMX_ROWS * dim, dim, p->kp + kp * pairs * 128, dim,
+                amx_block(p->qa + b * AMX_ROWS * dim, 32, dim, p->kp + kp * pairs * 128, dim,
                           p->s + b * AMX_ROWS * PF_TILE + kp * 64, PF_TILE, NULL, 0);
         pack_v_panels((const uint16_t *)kv->v, kv->v_stride, idx + i0, nt, koff, dim, PF_TILE / 2, p->vp);
         /* The softmax of each row over the tile, on scores scaled here (as extend_attention.c). */
@@ -569,7 +569,7 @@ static void prefix_attend_amx(pa_work_t *p, const uint16_t *const *qrows, int64_
         }
         for (int64_t dp = 0; dp < dpanels; dp++)
             for (int64_t b = 0; b < blocks; b++)
-                amx_block(p->pb + b * AMX_ROWS * PF_TILE, PF_TILE, p->vp + dp * (PF_TILE / 2) * 128, kdim,
+                amx_block(p->pb + b * AMX_ROWS * PF_TILE, 32, PF_TILE, p->vp + dp * (PF_TILE / 2) * 128, kdim,
                           p->o + b * AMX_ROWS * ostride + dp * 64, ostride, NULL, 0);
         for (int64_t r = 0; r < nr; r++) {
             const __m512 cv = _mm512_set1_ps(corr[r]);

@@ -139,7 +139,7 @@ static void extend_part(void *arg, int tid, int nthreads) {
 #if defined(HAVE_AMX)
                 if (amx) {
                     for (int64_t b0 = 0; b0 < nr; b0 += AMX_ROWS) /* the last block's extra rows: never read */
-                        amx_block(qa + b0 * dim, dim, kp + p * pairs * PANEL * 2, dim, s + b0 * seq_pad + p * PANEL,
+                        amx_block(qa + b0 * dim, 32, dim, kp + p * pairs * PANEL * 2, dim, s + b0 * seq_pad + p * PANEL,
                                   seq_pad, NULL, 0);
                     continue;
                 }
@@ -175,7 +175,7 @@ static void extend_part(void *arg, int tid, int nthreads) {
 #if defined(HAVE_AMX)
                 if (amx) {
                     for (int64_t b0 = 0; b0 < nr; b0 += AMX_ROWS)
-                        amx_block(pb + b0 * (seq_pad + 2), seq_pad + 2, vp + dp * vpairs * PANEL * 2, vis_pad,
+                        amx_block(pb + b0 * (seq_pad + 2), 32, seq_pad + 2, vp + dp * vpairs * PANEL * 2, vis_pad,
                                   o + b0 * dpanels * PANEL + dp * PANEL, dpanels * PANEL, NULL, 0);
                     continue;
                 }

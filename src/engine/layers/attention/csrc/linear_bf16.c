@@ -115,7 +115,7 @@ typedef struct {
     int64_t m, k, n;
     const float *bias;
     uint16_t *out;
-    const uint16_t *pad; /* AMX: the last rows in a zeroed block (amx_run), or NULL */
+    uint16_t *xp; /* AMX: x packed tile by tile (amx_part), or NULL */
 } linear_job_t;
 
 static void linear_part(void *arg, int id, int nt) {
@@ -195,9 +195,8 @@ static void gate_up_part(void *arg, int id, int nt) {
 /* The same products on AMX (amx.h), where vdpbf16ps is the slow way: on the 2-core Xeon with AMX a
  * model's worth of linears ran at ~210 GFLOP/s with the tiles above at any batch, where oneDNN's
  * AMX matmul reached 1.0-1.9 TFLOP/s from 128 rows up. A block of up to 16 rows x a panel goes to a
- * scratch block of sums and out through emit(), as the tiles above do. Rows past the last whole
- * 16-row block are copied into a zeroed block first when there are more than 16 rows; with 16 or
- * fewer the tiles are configured to the batch's row count. */
+ * scratch block of sums and out through emit(), as the tiles above do. x is first packed tile by
+ * tile (amx_pack_x); with 16 rows or fewer the tiles are configured to the batch's row count. */
 /* Linux gives a process AMX's 8 KiB of tile state only on request (arch_prctl ARCH_REQ_XCOMP_PERM,
  * feature 18, XTILEDATA); the permission covers all of its threads. */
 static int amx_granted;
@@ -219,10 +218,26 @@ static inline void amx_emit(const float *sums, int64_t R, int64_t m0, const floa
     }
 }
 
-/* Row block i: x's rows from i * AMX_ROWS on, or the zero-padded copy of the last ones. */
-static inline const uint16_t *amx_rows(const linear_job_t *j, int64_t i) {
-    return j->pad != NULL && (i + 1) * AMX_ROWS > j->m ? j->pad : j->x + i * AMX_ROWS * j->k;
+/* x packed for the A tiles: xp[block i][k / 32][16 rows][32], rows past m zero, so that a tile is 1 KiB
+ * in one piece (x's own rows are 2k bytes apart: the 16 lines of a tile fall into two of L1's 64
+ * sets and evict each other). Each thread packs a share of the tiles. */
+static void amx_pack_x(const linear_job_t *j, int id, int nt) {
+    const int64_t steps = j->k / 32, tiles = (j->m + AMX_ROWS - 1) / AMX_ROWS * steps;
+    int64_t first, last;
+    pool_range(tiles, id, nt, &first, &last);
+    for (int64_t t = first; t < last; t++) {
+        const int64_t i = t / steps, s = t % steps;
+        uint16_t *dst = j->xp + t * AMX_ROWS * 32;
+        for (int64_t r = 0; r < AMX_ROWS; r++) {
+            const int64_t row = i * AMX_ROWS + r;
+            if (row < j->m) memcpy(dst + r * 32, j->x + row * j->k + s * 32, 64);
+            else memset(dst + r * 32, 0, 64);
+        }
+    }
 }
+
+/* Row block i of the packed x. */
+static inline const uint16_t *amx_rows(const linear_job_t *j, int64_t i) { return j->xp + i * AMX_ROWS * j->k; }
 
 static inline int64_t amx_block_rows(int64_t m, int64_t i) { return m - i * AMX_ROWS < AMX_ROWS ? m - i * AMX_ROWS : AMX_ROWS; }
 
@@ -240,25 +255,30 @@ static inline void amx_panel(const linear_job_t *j, int64_t p, int64_t r0, int64
     const int64_t b0 = r0 / AMX_ROWS, blocks = (r1 - r0 + AMX_ROWS - 1) / AMX_ROWS;
     const int64_t lines = prefetch_next && blocks > 1 ? panel_elems * 2 / 64 : 0;
     const float *bias_up = j->bias != NULL ? j->bias + half : NULL;
-    for (int64_t t = 0; t < blocks; t++) {
-        const int64_t i = b0 + t, share = (t + 1) * lines / blocks - t * lines / blocks;
+    for (int64_t t = 0; t < blocks;) {
+        const int64_t i = b0 + t, two = t + 1 < blocks; /* two whole blocks at once where there are */
+        const int64_t share = (t + 1 + two) * lines / blocks - t * lines / blocks;
         const int64_t skip = t * lines / blocks * 64; /* bytes into the next panel */
+        const int64_t rows = amx_block_rows(m, i) + (two ? amx_block_rows(m, i + 1) : 0);
         const uint16_t *a = amx_rows(j, i);
-        if (!gate_up) {
-            amx_block(a, k, panel, k, sums, PANEL, lines ? (const char *)(panel + panel_elems) + skip : NULL, share);
-            amx_emit(sums, amx_block_rows(m, i), i * AMX_ROWS, j->bias, p * PANEL, j->n, j->out, STORE, NULL);
-        } else {
-            amx_block(a, k, panel, k, sums, PANEL, lines ? (const char *)(panel + panel_elems) + skip : NULL, share);
-            amx_emit(sums, amx_block_rows(m, i), i * AMX_ROWS, j->bias, p * PANEL, half, j->out, GATE, gate);
-            amx_block(a, k, up, k, sums, PANEL, lines ? (const char *)(up + panel_elems) + skip : NULL, share);
-            amx_emit(sums, amx_block_rows(m, i), i * AMX_ROWS, bias_up, p * PANEL, half, j->out, SILU_MUL, gate);
+        for (int u = 0; u <= gate_up; u++) { /* gate_up: the gate panel, then the up panel */
+            const uint16_t *w = u ? up : panel;
+            const char *ahead = lines ? (const char *)(w + panel_elems) + skip : NULL;
+            if (two) amx_block2(a, amx_rows(j, i + 1), 512, 32, w, k, sums, PANEL, ahead, share);
+            else amx_block(a, 512, 32, w, k, sums, PANEL, ahead, share);
+            if (!gate_up) amx_emit(sums, rows, i * AMX_ROWS, j->bias, p * PANEL, j->n, j->out, STORE, NULL);
+            else if (!u) amx_emit(sums, rows, i * AMX_ROWS, j->bias, p * PANEL, half, j->out, GATE, gate);
+            else amx_emit(sums, rows, i * AMX_ROWS, bias_up, p * PANEL, half, j->out, SILU_MUL, gate);
         }
+        t += 1 + two;
     }
 }
 
 static inline void amx_part(const linear_job_t *j, int id, int nt, const int gate_up) {
     const int64_t panels = gate_up ? j->n / 2 / PANEL : (j->n + PANEL - 1) / PANEL;
-    float sums[AMX_ROWS * PANEL] __attribute__((aligned(64))), gate[AMX_ROWS * PANEL];
+    float sums[2 * AMX_ROWS * PANEL] __attribute__((aligned(64))), gate[2 * AMX_ROWS * PANEL];
+    amx_pack_x(j, id, nt);
+    pool_barrier(nt);
     int64_t first, last;
     pool_range(panels, id, nt, &first, &last);
     if (first >= last) return;
@@ -278,18 +298,11 @@ static int amx_run(linear_job_t *job, pool_fn part, int num_threads) {
     /* One row is a pure stream of the weights, which the tiles above read a little faster (2-core
      * Xeon, a model's worth of linears: 8.4-8.6 against 8.9-9.3 ms). */
     if (!amx_active() || job->k % 32 != 0 || job->m < 2) return 0;
-    uint16_t *pad = NULL;
-    const int64_t tail = job->m % AMX_ROWS;
-    if (job->m > AMX_ROWS && tail != 0) {
-        const size_t bytes = sizeof(uint16_t) * (size_t)(AMX_ROWS * job->k); /* a multiple of 64: k % 32 == 0 */
-        pad = (uint16_t *)aligned_alloc(64, bytes);
-        if (pad == NULL) return 0;
-        memset(pad, 0, bytes);
-        memcpy(pad, job->x + (job->m - tail) * job->k, sizeof(uint16_t) * (size_t)(tail * job->k));
-    }
-    job->pad = pad;
+    const size_t bytes = sizeof(uint16_t) * (size_t)((job->m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS * job->k);
+    job->xp = (uint16_t *)aligned_alloc(64, bytes); /* a multiple of 64: k % 32 == 0 */
+    if (job->xp == NULL) return 0;
     pool_run(part, job, num_threads);
-    free(pad);
+    free(job->xp);
     return 1;
 }
 
