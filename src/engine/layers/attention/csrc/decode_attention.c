@@ -481,50 +481,37 @@ static void prefix_attend(pf_work_t *p, const uint16_t *const *qrows, int64_t nr
 #endif
 
 #if defined(HAVE_AMX)
-/* Phase 1 on AMX tiles (amx.h): the rows' products with the prefix as prefill attention does them
- * (extend_attention.c), a tile of PF_TILE keys at a time: K^T and V of the tile packed into panels,
- * S = Q K^T and O_t = P V on the tiles, and the online softmax between them row by row (the state
- * corrected by each tile's new max). Query rows in blocks of 16; the last block's extra rows are
- * computed from zeros and never read. */
+/* Phase 1 on AMX tiles: the rows' attention over the prefix as prefill attention does it
+ * (amx_attend_step), the K^T and V of each step's keys packed into panels first. */
 typedef struct {
     uint16_t *qa;  /* [32][dim] */
-    uint16_t *kp;  /* [PF_TILE / 64][dim / 2][64][2] */
-    uint16_t *vp;  /* [ceil(dim / 64)][PF_TILE / 2][64][2] */
-    float *s;      /* [32][PF_TILE] */
-    uint16_t *pb;  /* [32][PF_TILE] */
-    float *o;      /* [32][ceil(dim / 64) * 64] */
+    uint16_t *kp;  /* [AMX_KEYS / 64][dim / 2][64][2] */
+    uint16_t *vp;  /* [ceil(dim / 64)][AMX_KEYS / 2][64][2] */
     float *acc;    /* [32][dim] */
+    amx_attn_t attn;
 } pa_work_t;
 
 static void pa_alloc(pa_work_t *p, int64_t dim) {
-    const size_t dpad = (size_t)((dim + 63) / 64 * 64);
     p->qa = (uint16_t *)calloc((size_t)(32 * dim), sizeof(uint16_t));
-    p->kp = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * (size_t)(PF_TILE * dim));
-    p->vp = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * dpad * PF_TILE);
-    p->s = (float *)aligned_alloc(64, sizeof(float) * (size_t)(32 * PF_TILE));
-    p->pb = (uint16_t *)calloc((size_t)(32 * PF_TILE), sizeof(uint16_t));
-    p->o = (float *)aligned_alloc(64, sizeof(float) * 32 * dpad);
+    p->kp = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * (size_t)(AMX_KEYS * dim));
+    p->vp = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * (size_t)((dim + 63) / 64 * 64 * AMX_KEYS));
     p->acc = (float *)aligned_alloc(64, sizeof(float) * (size_t)(32 * dim));
+    amx_attn_alloc(&p->attn, dim);
 }
 
 static void pa_free(pa_work_t *p) {
     free(p->qa);
     free(p->kp);
     free(p->vp);
-    free(p->s);
-    free(p->pb);
-    free(p->o);
     free(p->acc);
+    amx_attn_free(&p->attn);
 }
 
 /* prefix_attend on the tiles (configured for 16 rows by the caller): the same inputs and state. */
 static void prefix_attend_amx(pa_work_t *p, const uint16_t *const *qrows, int64_t nr, int64_t koff,
-                              const int64_t *idx, int64_t n, const kv_t *kv, float *m_out, float *l_out,
+                              const int64_t *idx, int64_t n, const kv_t *kv, float *m, float *l,
                               float *const *acc_out) {
-    const int64_t dim = kv->dim, pairs = dim / 2, dpanels = (dim + 63) / 64, ostride = dpanels * 64;
-    const int64_t blocks = (nr + AMX_ROWS - 1) / AMX_ROWS;
-    const float scale = kv->scale;
-    float m[32], l[32], corr[32];
+    const int64_t dim = kv->dim, blocks = (nr + AMX_ROWS - 1) / AMX_ROWS;
     for (int64_t r = 0; r < nr; r++) {
         memcpy(p->qa + r * dim, qrows[r], sizeof(uint16_t) * (size_t)dim);
         m[r] = -INFINITY;
@@ -532,58 +519,15 @@ static void prefix_attend_amx(pa_work_t *p, const uint16_t *const *qrows, int64_
     }
     memset(p->qa + nr * dim, 0, sizeof(uint16_t) * (size_t)((blocks * AMX_ROWS - nr) * dim));
     memset(p->acc, 0, sizeof(float) * (size_t)(nr * dim));
-    for (int64_t i0 = 0; i0 < n; i0 += PF_TILE) {
-        const int64_t nt = n - i0 < PF_TILE ? n - i0 : PF_TILE, kdim = (nt + 31) / 32 * 32;
-        pack_k_panels((const uint16_t *)kv->k, kv->k_stride, idx + i0, nt, koff, pairs, p->kp);
-        for (int64_t kp = 0; kp < (nt + 63) / 64; kp++)
-            for (int64_t b = 0; b < blocks; b++)
-                amx_block(p->qa + b * AMX_ROWS * dim, 32, dim, p->kp + kp * pairs * 128, dim,
-                          p->s + b * AMX_ROWS * PF_TILE + kp * 64, PF_TILE, NULL, 0);
-        pack_v_panels((const uint16_t *)kv->v, kv->v_stride, idx + i0, nt, koff, dim, PF_TILE / 2, p->vp);
-        /* The softmax of each row over the tile, on scores scaled here (as extend_attention.c). */
-        const __m512 sv = _mm512_set1_ps(scale);
-        for (int64_t r = 0; r < nr; r++) {
-            const float *sr = p->s + r * PF_TILE;
-            uint16_t *pr = p->pb + r * PF_TILE;
-            const float mt = fmaxf(m[r], max_of(sr, nt) * scale);
-            corr[r] = expf(m[r] - mt); /* 0 for the first tile */
-            m[r] = mt;
-            const __m512 mv = _mm512_set1_ps(mt);
-            __m512 sum = _mm512_setzero_ps();
-            int64_t c = 0;
-            for (; c + 16 <= nt; c += 16) {
-                const __m512 e = exp512(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(sr + c), sv), mv));
-                sum = _mm512_add_ps(sum, e);
-                _mm256_storeu_si256((__m256i *)(pr + c), (__m256i)_mm512_cvtneps_pbh(e));
-            }
-            if (c < nt) {
-                const __mmask16 live = (__mmask16)((1u << (nt - c)) - 1u);
-                const __m512 e = _mm512_maskz_mov_ps(
-                    live, exp512(_mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(live, sr + c), sv), mv)));
-                sum = _mm512_add_ps(sum, e);
-                _mm256_storeu_si256((__m256i *)(pr + c), (__m256i)_mm512_cvtneps_pbh(e));
-                c += 16;
-            }
-            for (; c < kdim; c += 16) _mm256_storeu_si256((__m256i *)(pr + c), _mm256_setzero_si256());
-            l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(sum);
-        }
-        for (int64_t dp = 0; dp < dpanels; dp++)
-            for (int64_t b = 0; b < blocks; b++)
-                amx_block(p->pb + b * AMX_ROWS * PF_TILE, 32, PF_TILE, p->vp + dp * (PF_TILE / 2) * 128, kdim,
-                          p->o + b * AMX_ROWS * ostride + dp * 64, ostride, NULL, 0);
-        for (int64_t r = 0; r < nr; r++) {
-            const __m512 cv = _mm512_set1_ps(corr[r]);
-            float *a = p->acc + r * dim;
-            const float *o = p->o + r * ostride;
-            for (int64_t d = 0; d < dim; d += 16)
-                _mm512_storeu_ps(a + d, _mm512_fmadd_ps(_mm512_loadu_ps(a + d), cv, _mm512_loadu_ps(o + d)));
-        }
+    for (int64_t i0 = 0; i0 < n; i0 += AMX_KEYS) {
+        const int64_t nt = n - i0 < AMX_KEYS ? n - i0 : AMX_KEYS;
+        int64_t vis[32];
+        for (int64_t r = 0; r < nr; r++) vis[r] = nt;
+        pack_k_panels((const uint16_t *)kv->k, kv->k_stride, idx + i0, nt, koff, dim / 2, p->kp);
+        pack_v_panels((const uint16_t *)kv->v, kv->v_stride, idx + i0, nt, koff, dim, AMX_KEYS / 2, p->vp);
+        amx_attend_step(p->qa, nr, dim, p->kp, p->vp, AMX_KEYS / 2 * 128, vis, kv->scale, m, l, p->acc, &p->attn);
     }
-    for (int64_t r = 0; r < nr; r++) {
-        m_out[r] = m[r];
-        l_out[r] = l[r];
-        memcpy(acc_out[r], p->acc + r * dim, sizeof(float) * (size_t)dim);
-    }
+    for (int64_t r = 0; r < nr; r++) memcpy(acc_out[r], p->acc + r * dim, sizeof(float) * (size_t)dim);
 }
 #endif
 

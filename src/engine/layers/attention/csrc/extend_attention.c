@@ -77,6 +77,47 @@ typedef struct {
     _Atomic int64_t next; /* the next (request, KV head) task */
 } extend_job_t;
 
+#if defined(HAVE_AMX)
+/* One (request, KV head) task's query rows on AMX tiles, 32 at a time, over K^T / V panels packed
+ * for the request's keys (vpairs pairs a V panel): amx_attend_step over AMX_KEYS keys at a time, each
+ * row seeing the keys up to its own position. qa: [32][dim] scratch; acc: [32][dim] float32. */
+static void extend_rows_amx(const extend_job_t *J, int64_t b, int64_t h, const uint16_t *kp, const uint16_t *vp,
+                            int64_t vpairs, amx_attn_t *attn, uint16_t *qa, float *acc) {
+    const int64_t dim = J->dim, group = J->heads / J->kv_heads, prefix = J->prefix_lens[b];
+    const int64_t rows = J->ext_lens[b] * group;
+    for (int64_t r0 = 0; r0 < rows; r0 += 32) {
+        const int64_t nr = rows - r0 < 32 ? rows - r0 : 32, padded = (nr + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+        float m[32], l[32];
+        int64_t limit[32], vis[32];
+        for (int64_t r = 0; r < nr; r++) {
+            const int64_t i = (r0 + r) / group, j = (r0 + r) % group;
+            memcpy(qa + r * dim, J->q + (J->q_starts[b] + i) * J->q_stride + (h * group + j) * dim,
+                   sizeof(uint16_t) * (size_t)dim);
+            limit[r] = prefix + i + 1; /* keys this row sees */
+            m[r] = -INFINITY;
+            l[r] = 0.f;
+        }
+        memset(qa + nr * dim, 0, sizeof(uint16_t) * (size_t)((padded - nr) * dim));
+        memset(acc, 0, sizeof(float) * (size_t)(nr * dim));
+        const int64_t visible = limit[nr - 1];
+        for (int64_t i0 = 0; i0 < visible; i0 += AMX_KEYS) {
+            const int64_t nt = visible - i0 < AMX_KEYS ? visible - i0 : AMX_KEYS;
+            for (int64_t r = 0; r < nr; r++) vis[r] = limit[r] - i0 < 0 ? 0 : limit[r] - i0 > nt ? nt : limit[r] - i0;
+            amx_attend_step(qa, nr, dim, kp + i0 / 64 * (dim / 2) * 128, vp + i0 / 2 * 128, vpairs * 128, vis, J->scale,
+                            m, l, acc, attn);
+        }
+        for (int64_t r = 0; r < nr; r++) {
+            const int64_t i = (r0 + r) / group, j = (r0 + r) % group;
+            uint16_t *dst = J->out + (J->q_starts[b] + i) * J->out_stride + (h * group + j) * dim;
+            const __m512 inv = _mm512_set1_ps(1.f / l[r]);
+            for (int64_t d = 0; d < dim; d += 16)
+                _mm256_storeu_si256((__m256i *)(dst + d),
+                                    (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(_mm512_loadu_ps(acc + r * dim + d), inv)));
+        }
+    }
+}
+#endif
+
 static void extend_part(void *arg, int tid, int nthreads) {
     extend_job_t *J = (extend_job_t *)arg;
     (void)tid;
@@ -92,13 +133,12 @@ static void extend_part(void *arg, int tid, int nthreads) {
     const int64_t dpanels = (dim + PANEL - 1) / PANEL;
 #if defined(HAVE_AMX)
     const int amx = amx_active() && dim % 32 == 0;
-    if (amx) amx_configure(AMX_ROWS);
-#else
-    const int amx = 0;
+    amx_attn_t attn = {0};
+    if (amx) {
+        amx_configure(AMX_ROWS);
+        amx_attn_alloc(&attn, dim);
+    }
 #endif
-    /* AMX: S is stored unscaled and scaled in the softmax (the same floats: the maximum of the
-     * scaled scores is the scaled maximum), P V runs over the visible keys rounded up to 32. */
-    const float sscale = amx ? scale : 1.f;
     int64_t cap_seq = 0; /* scratch grown on demand */
     uint16_t *kp = NULL, *vp = NULL, *pb = NULL, *qa = NULL;
     float *s = NULL, *o = NULL;
@@ -123,6 +163,12 @@ static void extend_part(void *arg, int tid, int nthreads) {
         const int64_t vpairs = seq_pad / 2;
         pack_k_panels(k, k_stride, slots, seq, h * dim, pairs, kp);
         pack_v_panels(v, v_stride, slots, seq, h * dim, dim, vpairs, vp);
+#if defined(HAVE_AMX)
+        if (amx) {
+            extend_rows_amx(J, b, h, kp, vp, vpairs, &attn, qa, o);
+            continue;
+        }
+#endif
         /* Query rows r = i * group + j (token i, query head h * group + j), in blocks. */
         const int64_t rows = ext * group;
         for (int64_t r0 = 0; r0 < rows; r0 += RBLOCK) {
@@ -135,35 +181,26 @@ static void extend_part(void *arg, int tid, int nthreads) {
             const int64_t last_i = (r0 + nr - 1) / group;
             const int64_t visible = prefix + last_i + 1;
             const int64_t np = (visible + PANEL - 1) / PANEL;
-            for (int64_t p = 0; p < np; p++) {
-#if defined(HAVE_AMX)
-                if (amx) {
-                    for (int64_t b0 = 0; b0 < nr; b0 += AMX_ROWS) /* the last block's extra rows: never read */
-                        amx_block(qa + b0 * dim, 32, dim, kp + p * pairs * PANEL * 2, dim, s + b0 * seq_pad + p * PANEL,
-                                  seq_pad, NULL, 0);
-                    continue;
-                }
-#endif
+            for (int64_t p = 0; p < np; p++)
                 matmul_rows(qa, dim, nr, pairs, kp + p * pairs * PANEL * 2, s + p * PANEL, seq_pad, PANEL, scale);
-            }
-            const int64_t vis_pad = amx ? (visible + 31) / 32 * 32 : (visible + 1) / 2 * 2;
+            const int64_t vis_pad = (visible + 1) / 2 * 2;
             float inv[RBLOCK];
             for (int64_t r = 0; r < nr; r++) {
                 const int64_t n = prefix + (r0 + r) / group + 1; /* this row's causal limit */
                 float *sr = s + r * seq_pad;
-                const float m = max_of(sr, n) * sscale;
+                const float m = max_of(sr, n);
                 float sum = 0.f;
                 int64_t c = 0;
-                const __m512 mv = _mm512_set1_ps(m), sv = _mm512_set1_ps(sscale);
+                const __m512 mv = _mm512_set1_ps(m);
                 __m512 acc = _mm512_setzero_ps();
                 for (; c + 16 <= n; c += 16) {
-                    const __m512 e = exp512(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(sr + c), sv), mv));
+                    const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(sr + c), mv));
                     acc = _mm512_add_ps(acc, e);
                     _mm256_storeu_si256((__m256i *)(pb + r * (seq_pad + 2) + c), (__m256i)_mm512_cvtneps_pbh(e));
                 }
                 sum = _mm512_reduce_add_ps(acc);
                 for (; c < n; c++) {
-                    const float e = expf(sr[c] * sscale - m);
+                    const float e = expf(sr[c] - m);
                     sum += e;
                     pb[r * (seq_pad + 2) + c] = f32_to_bf16(e);
                 }
@@ -171,18 +208,9 @@ static void extend_part(void *arg, int tid, int nthreads) {
                 inv[r] = 1.f / sum;
             }
             /* O = P V over the visible key pairs, 64 head dimensions per panel. */
-            for (int64_t dp = 0; dp < dpanels; dp++) {
-#if defined(HAVE_AMX)
-                if (amx) {
-                    for (int64_t b0 = 0; b0 < nr; b0 += AMX_ROWS)
-                        amx_block(pb + b0 * (seq_pad + 2), 32, seq_pad + 2, vp + dp * vpairs * PANEL * 2, vis_pad,
-                                  o + b0 * dpanels * PANEL + dp * PANEL, dpanels * PANEL, NULL, 0);
-                    continue;
-                }
-#endif
+            for (int64_t dp = 0; dp < dpanels; dp++)
                 matmul_rows(pb, seq_pad + 2, nr, vis_pad / 2, vp + dp * vpairs * PANEL * 2, o + dp * PANEL,
                             dpanels * PANEL, PANEL, 1.f);
-            }
             for (int64_t r = 0; r < nr; r++) {
                 const int64_t i = (r0 + r) / group, j = (r0 + r) % group;
                 uint16_t *dst = out + (q_starts[b] + i) * out_stride + (h * group + j) * dim;
@@ -192,7 +220,10 @@ static void extend_part(void *arg, int tid, int nthreads) {
     }
     free(kp); free(vp); free(pb); free(s); free(qa); free(o);
 #if defined(HAVE_AMX)
-    if (amx) _tile_release();
+    if (amx) {
+        amx_attn_free(&attn);
+        _tile_release();
+    }
 #endif
 }
 
