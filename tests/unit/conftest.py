@@ -34,6 +34,6 @@ def cpu_isa(request) -> Iterator[str]:
     if request.param == "amx" and not lib.amx_active():
         pytest.skip("no AMX on this CPU (or Linux refused the process its tiles): AVX512-BF16 runs")
     before = lib.amx_active()
-    lib.amx_set(int(request.param == "amx"), 0)
+    lib.amx_set(int(request.param == "amx"))
     yield request.param
-    lib.amx_set(before, 0)
+    lib.amx_set(before)

@@ -136,7 +136,7 @@ def test_store_kv_from_qkv_slices(monkeypatch, dtype):
     assert torch.equal(fk[loc], k) and torch.equal(fv[loc], v)
 
 
-# 16, 17, 33: AMX's 16-row blocks, whole and with the last rows in a padded block
+# 16, 17, 33: AMX's 16-row blocks, whole and with a partial last block
 @pytest.mark.parametrize("rows", [1, 5, 6, 7, 13, 16, 17, 33, 600])
 @pytest.mark.parametrize("n,k", [(64, 32), (100, 48), (2048, 1024)])  # 100: a partial last panel
 @pytest.mark.parametrize("with_bias", [False, True])

@@ -203,12 +203,11 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name in ("linear_bf16_available", "extend_attention_available"):  # 0 where the CPU lacks AVX512-BF16
         getattr(lib, name).argtypes = []
         getattr(lib, name).restype = ctypes.c_int
-    lib.amx_set.argtypes = [i32, i64]
+    lib.amx_set.argtypes = [i32]
     lib.amx_set.restype = None
-    lib.amx_active.argtypes = []  # 1 where the bf16 linears run on AMX tiles
+    lib.amx_active.argtypes = []  # 1 where the bf16 kernels use AMX tiles (csrc/amx.h)
     lib.amx_active.restype = ctypes.c_int
-    lib.amx_set(int(os.environ.get("ENGINE_CPU_AMX", "1") != "0"),
-                            int(os.environ.get("ENGINE_CPU_AMX_CHUNK_ROWS", "0")))
+    lib.amx_set(int(os.environ.get("ENGINE_CPU_AMX", "1") != "0"))
     return lib
 
 
