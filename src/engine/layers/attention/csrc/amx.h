@@ -1,5 +1,6 @@
-/* AMX tiles (Intel Xeon since Sapphire Rapids) for the bf16 products of linear_bf16.c and
- * extend_attention.c. Both multiply rows of bf16 by panels of 64 columns laid out for vdpbf16ps:
+/* AMX tiles (Intel Xeon since Sapphire Rapids) for the bf16 products of linear_bf16.c,
+ * extend_attention.c and decode_attention.c's cascade phase 1. All multiply rows of bf16 by panels of
+ * 64 columns laid out for vdpbf16ps:
  * panel[pair kk][column c][2] = (B[2kk][c], B[2kk + 1][c]), one pair of the inner dimension per
  * 256-byte row. That is AMX's B layout as it lies: a B tile is 16 pairs (rows 256 bytes apart) x 16
  * columns of two bf16 (64 bytes), and an A tile is 16 rows x 32 consecutive bf16 of the left
