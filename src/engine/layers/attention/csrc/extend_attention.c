@@ -138,6 +138,8 @@ static void extend_part(void *arg, int tid, int nthreads) {
         amx_configure(AMX_ROWS);
         amx_attn_alloc(&attn, dim);
     }
+#else
+    const int amx = 0;
 #endif
     int64_t cap_seq = 0; /* scratch grown on demand */
     uint16_t *kp = NULL, *vp = NULL, *pb = NULL, *qa = NULL;
@@ -152,8 +154,10 @@ static void extend_part(void *arg, int tid, int nthreads) {
             free(kp); free(vp); free(pb); free(s);
             kp = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(seq_pad * dim));
             vp = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(dpanels * PANEL * (seq_pad + 2)));
-            pb = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(RBLOCK * (seq_pad + 2)));
-            s = (float *)malloc(sizeof(float) * (size_t)(RBLOCK * seq_pad));
+            if (!amx) { /* the AVX512 path's whole-row scores and P (AMX keeps one step's in attn) */
+                pb = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(RBLOCK * (seq_pad + 2)));
+                s = (float *)malloc(sizeof(float) * (size_t)(RBLOCK * seq_pad));
+            }
         }
         if (qa == NULL) {
             qa = (uint16_t *)malloc(sizeof(uint16_t) * (size_t)(RBLOCK * dim));
