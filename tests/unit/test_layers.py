@@ -512,6 +512,8 @@ def test_cpu_decode_kernel_cascade_matches_reference(cpu_isa, dtype, heads, kv_h
     from engine.layers.attention import cpu_kernels
 
     _require_cpu_kernel()
+    if dtype == torch.float32 and cpu_isa == "amx":
+        pytest.skip("float32 never reaches the AMX tiles: the avx512 variant covers it")
     torch.manual_seed(heads + dim)
     slots, bs = 2000, 7
     k_buf = torch.randn(slots, kv_heads, dim).to(dtype)
