@@ -591,8 +591,7 @@ static void decode_part(void *arg, int tid, int nthreads) {
 #if defined(__AVX512BF16__)
     if (num_groups > 0 && prefix_fast(&kv)) {
         /* Tasks: (group, KV head, block of 32 query rows). */
-        pf_work_t pw;
-        pf_alloc(&pw, dim);
+        pf_work_t pw = {0};
 #if defined(HAVE_AMX)
         pa_work_t pa = {0};
         const int amx = amx_active();
@@ -600,7 +599,10 @@ static void decode_part(void *arg, int tid, int nthreads) {
             pa_alloc(&pa, dim);
             amx_configure(AMX_ROWS);
         }
+#else
+        const int amx = 0;
 #endif
+        if (!amx) pf_alloc(&pw, dim);
         const uint16_t *qr[32];
         float *accs[32];
         DYNAMIC_FOR(t, num_groups * kv_heads * pf_blocks, &J->next_prefix) {
@@ -630,7 +632,7 @@ static void decode_part(void *arg, int tid, int nthreads) {
                 pl[outs[r]] = lr[r];
             }
         }
-        pf_free(&pw);
+        pf_free(&pw); /* free(NULL) for the AMX path */
 #if defined(HAVE_AMX)
         if (amx) {
             pa_free(&pa);
