@@ -98,7 +98,7 @@ class ChildProcesses:
                 return None
         except (EOFError, OSError):
             child.process.join(timeout=1.0)
-            raise LaunchError(f"Child process {child.name} (pid {child.process.pid}) died during startup "
+            raise LaunchError(f"Child process {child.name} ({child.process.pid}) died during startup "
                               f"with exit code {child.process.exitcode}.") from None
         if not isinstance(message, dict) or message.get("status") != "ready":
             detail = message.get("message") if isinstance(message, dict) else repr(message)
