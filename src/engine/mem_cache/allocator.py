@@ -63,6 +63,8 @@ class PagedTokenToKVPoolAllocator:
         return self._kvcache
 
     def clear(self) -> None:
+        if self._kvcache is not None:
+            self._kvcache.slots_released()
         self.free_pages = torch.arange(1, self.num_pages + 1, dtype=torch.int64, device=self.device)
         # is_free[p] mirrors membership of p in free_pages; page 0 is never free (reserved).
         self._is_free = torch.ones(self.num_pages + 1, dtype=torch.bool, device=self.device)
@@ -191,6 +193,8 @@ class PagedTokenToKVPoolAllocator:
                           describe=self._describe)
         self._is_free[pages] = True
         self.free_pages = torch.cat((self.free_pages, pages))
+        if self._kvcache is not None:
+            self._kvcache.slots_released((pages[:, None] * self.page_size + self._page_offsets).reshape(-1))
 
 
 class TokenToKVPoolAllocator(PagedTokenToKVPoolAllocator):

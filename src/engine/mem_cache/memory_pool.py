@@ -77,9 +77,25 @@ class MHATokenToKVPool:
         self.head_dim = head_dim
         self.layer_num = layer_num
         self.device = device
+        # On the CPU, how many times each slot went back to the allocator (every slot once more when
+        # the buffers are made anew): a copy of some slots' K/V derived from them (PrefixPanels) is
+        # still theirs while the slots' generations are what they were when it was made. None where
+        # nothing is kept: another device, or an encoder's pool (size 0: its slots hold no K/V).
+        self.slot_generation: Optional[torch.Tensor] = (
+            torch.zeros(size + page_size, dtype=torch.int64) if str(device) == "cpu" and size > 0 else None)
         self._create_buffers()
 
+    def slots_released(self, slots: Optional[torch.Tensor] = None) -> None:
+        """The allocator took `slots` (distinct; None: all) back: what they hold may be overwritten."""
+        if self.slot_generation is None:
+            return
+        if slots is None:
+            self.slot_generation += 1
+        else:
+            self.slot_generation[slots] += 1
+
     def _create_buffers(self) -> None:
+        self.slots_released()
         shape = (self.size + self.page_size, self.head_num, self.head_dim)
         self.k_buffer = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layer_num)]
         self.v_buffer = [torch.zeros(shape, dtype=self.dtype, device=self.device) for _ in range(self.layer_num)]

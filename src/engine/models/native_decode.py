@@ -44,7 +44,8 @@ class _Step(ctypes.Structure):  # decoder_layers.c step_t
     _fields_ = [("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64), ("rotary_dim", _I64),
                 ("intermediate", _I64), ("bs", _I64), ("positions", _P), ("out_loc", _P), ("kv_indices", _P),
                 ("lens", _P), ("max_len", _I64), ("num_groups", _I64), ("group_offsets", _P), ("group_members", _P),
-                ("prefix_indices", _P), ("prefix_lens", _P), ("max_prefix", _I64), ("group_of", _P), ("normed", _P),
+                ("prefix_indices", _P), ("prefix_lens", _P), ("max_prefix", _I64), ("group_of", _P), ("kept", _P),
+                ("kept_tokens", _P), ("normed", _P),
                 ("qkv", _P), ("q", _P), ("attn", _P), ("o", _P), ("mlp", _P), ("num_threads", ctypes.c_int)]
 
 
@@ -92,6 +93,8 @@ class NativeDecode:
         self.rotary_dim = first.rotary_emb.rotary_dim
         self.intermediate = layers[0].mlp.down_proj.input_size
         self.table = (_Layer * len(layers))()
+        # Each table entry's layer: its row of a cascade's kept panels (cpu_kernels.CascadeTables.kept).
+        self.layer_ids = torch.tensor([layer.self_attn.attn.layer_id for layer in layers], dtype=torch.int64)
         for entry, layer, k_pool, v_pool, ptrs in zip(self.table, layers, k_pools, v_pools, pointers):
             (entry.input_norm, entry.post_norm, entry.qkv, entry.o, entry.gate_up, entry.down, entry.qkv_bias,
              entry.o_bias, entry.gate_up_bias, entry.down_bias, entry.cos_sin, entry.k_pool, entry.v_pool, entry.q_norm,
@@ -174,6 +177,9 @@ class NativeDecode:
             s.group_offsets, s.group_members = cascade.group_offsets.data_ptr(), cascade.members.data_ptr()
             s.prefix_indices, s.prefix_lens = cascade.prefix_indices.data_ptr(), cascade.prefix_lens.data_ptr()
             s.group_of = cascade.group_of.data_ptr()
+            if cascade.kept is not None and cascade.kept_tokens is not None:
+                kept = cascade.kept.index_select(0, self.layer_ids)  # alive until the call returns
+                s.kept, s.kept_tokens = kept.data_ptr(), cascade.kept_tokens.data_ptr()
         s.normed, s.qkv, s.q, s.attn, s.o, s.mlp = views
         s.num_threads = torch.get_num_threads()
         cpu_kernels.loaded_kernel().decode_layers(self.table, len(self.table), ctypes.byref(s), hidden_in.data_ptr(),

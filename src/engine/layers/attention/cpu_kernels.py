@@ -181,7 +181,7 @@ def _build() -> Optional[ctypes.CDLL]:
 def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
     lib.decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32, i32, ptr,
-                                     i64, ptr, ptr, ptr, ptr, i64, ptr, i32]
+                                     i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32]
     names = ["decode_attention"]
     lib.rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, f32, i32, i32]
     lib.rope_neox.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i32, i32]
@@ -203,6 +203,8 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name in ("linear_bf16_available", "extend_attention_available"):  # 0 where the CPU lacks AVX512-BF16
         getattr(lib, name).argtypes = []
         getattr(lib, name).restype = ctypes.c_int
+    lib.kept_prefix_elems.argtypes = [i64, i64, i64]  # 0 where the cascade keeps no panels (no AMX)
+    lib.kept_prefix_elems.restype = i64
     lib.amx_set.argtypes = [i32]
     lib.amx_set.restype = None
     lib.amx_active.argtypes = []  # 1 where the bf16 kernels use AMX tiles (csrc/amx.h)
@@ -245,6 +247,11 @@ class CascadeTables:
     prefix_indices: torch.Tensor  # [G, max_prefix] pool slots, the first prefix_lens[g] of row g used
     prefix_lens: torch.Tensor  # [G]
     group_of: torch.Tensor  # [bs] the request's group, -1 for none
+    # Kept prefix panels (PrefixPanels): [num_layers, G] addresses of each layer's block of a group's
+    # kept panels (0: none) and [G] the token of their fill; None: every prefix packed afresh.
+    kept: Optional[torch.Tensor] = None
+    kept_tokens: Optional[torch.Tensor] = None
+    kept_buffers: Tuple[torch.Tensor, ...] = ()  # what `kept` points into, alive while these tables are
 
 
 @dataclass
@@ -278,9 +285,10 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor,
                      lens: torch.Tensor, num_heads: int, kv_heads: int, head_dim: int, scale: float,
-                     cascade: Optional[CascadeTables] = None) -> torch.Tensor:
+                     cascade: Optional[CascadeTables] = None, layer_id: int = 0) -> torch.Tensor:
     """Attention of one query token per request over pool slots `kv_indices[b, :lens[b]]`, preceded,
-    for the members of a cascade group, by the group's shared prefix slots (read once per group).
+    for the members of a cascade group, by the group's shared prefix slots (read once per group;
+    `layer_id` picks the layer's row of the cascade's kept panels).
 
     q [bs, num_heads * head_dim]; k_buf, v_buf [num_slots, kv_heads, head_dim]; kv_indices
     [bs, max_len] int64; lens [bs] int64. Returns the output shaped like q.
@@ -295,15 +303,18 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     assert k_buf.stride()[1:] == (head_dim, 1) and v_buf.stride()[1:] == (head_dim, 1)
     groups = 0
     tables: Tuple[Optional[int], ...] = (None, None, None, None, None)
+    kept = kept_tokens = None
     max_prefix = 0
     if cascade is not None and cascade.prefix_lens.numel():
         groups = cascade.prefix_lens.numel()
         max_prefix = cascade.prefix_indices.shape[1]
         tables = tuple(t.data_ptr() for t in (cascade.group_offsets, cascade.members, cascade.prefix_indices,
                                               cascade.prefix_lens, cascade.group_of))
+        if cascade.kept is not None and cascade.kept_tokens is not None:
+            kept, kept_tokens = cascade.kept[layer_id].data_ptr(), cascade.kept_tokens.data_ptr()
     offsets, members, prefix, prefix_lens, group_of = tables
     lib.decode_attention(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), kv_indices.data_ptr(), lens.data_ptr(),
                          kv_indices.shape[1], bs, num_heads, kv_heads, head_dim, k_buf.stride(0), v_buf.stride(0),
                          scale, _DTYPES[q.dtype], out.data_ptr(), groups, offsets, members, prefix, prefix_lens,
-                         max_prefix, group_of, torch.get_num_threads())
+                         max_prefix, group_of, kept, kept_tokens, torch.get_num_threads())
     return out

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from engine.layers.attention import cpu_kernels
 from engine.layers.attention.base_attn_backend import AttentionBackend, AttentionRunner
+from engine.layers.attention.prefix_panels import PrefixPanels
 
 if TYPE_CHECKING:
     from engine.layers.radix_attention import RadixAttention
@@ -100,6 +101,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         self._scratch: List[Optional[torch.Tensor]] = [None, None]
         if str(self.device) == "cpu":
             cpu_kernels.decode_kernel()  # build/load it now, not in the first decode
+        self._prefix_panels = PrefixPanels()
 
     def _gather(self, buf: torch.Tensor, flat: torch.Tensor, which: int) -> torch.Tensor:
         rows = buf.view(buf.shape[0], -1)
@@ -115,10 +117,19 @@ class TorchNativeAttnBackend(AttentionBackend):
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
         if forward_batch.forward_mode.is_decode():
             forward_batch.attn_metadata = self._decode_metadata(forward_batch)
+            self._keep_prefix_panels(forward_batch.attn_metadata, forward_batch)
         elif forward_batch.forward_mode.is_extend():
             forward_batch.attn_metadata = self._extend_metadata(forward_batch)
+            if isinstance(forward_batch.attn_metadata, _NativeExtend):
+                self._keep_prefix_panels(forward_batch.attn_metadata.decode, forward_batch)
         else:
             forward_batch.attn_metadata = None
+
+    def _keep_prefix_panels(self, meta: Optional[_DecodeMetadata], fb: "ForwardBatch") -> None:
+        """Cascade prefixes' tile panels kept across steps (prefix_panels.py), where the kernel uses them."""
+        pool = fb.token_to_kv_pool
+        if meta is not None and meta.cascade is not None and pool is not None and pool.k_buffer[0].is_cpu:
+            self._prefix_panels.attach(meta.cascade, [g.kv_indices for g in meta.shared], pool)
 
     def native_decode_tables(self, fb: "ForwardBatch") -> Optional[
             Tuple[torch.Tensor, torch.Tensor, Optional[cpu_kernels.CascadeTables]]]:
@@ -246,7 +257,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             out = cpu_kernels.extend_attention(q, k_buf, v_buf, meta.extend, heads, kv_heads, dim, layer.scaling)
         decoded = cpu_kernels.decode_attention(q.index_select(0, meta.decode_rows), k_buf, v_buf,
                                                meta.decode.kv_indices, meta.decode.lens, heads, kv_heads, dim,
-                                               layer.scaling, cascade=meta.decode.cascade)
+                                               layer.scaling, cascade=meta.decode.cascade, layer_id=layer.layer_id)
         return out.index_copy_(0, meta.decode_rows, decoded)
 
     def _forward_padded_extend(self, q, k, v, layer: "RadixAttention", meta: _PaddedExtend) -> torch.Tensor:
@@ -282,7 +293,8 @@ class TorchNativeAttnBackend(AttentionBackend):
             # The native kernel reads each request's K/V where they lie in the pool, and a cascade
             # group's prefix once for all its members, in one call per layer.
             return cpu_kernels.decode_attention(q.reshape(bs, -1), k_buf, v_buf, meta.kv_indices, meta.lens,
-                                                num_heads, kv_heads, head_dim, layer.scaling, cascade=meta.cascade)
+                                                num_heads, kv_heads, head_dim, layer.scaling, cascade=meta.cascade,
+                                                layer_id=layer.layer_id)
         # index_select over the flat slot list is several times faster on the CPU than advanced
         # indexing with the 2-D index, and gathering into reused scratch memory is ~5x faster again
         # than into a fresh tensor (a fresh multi-MB tensor is page-faulted in every time).

@@ -31,7 +31,7 @@ void decode_attention(const void *q, const void *k, const void *v, const int64_t
                       int64_t dim, int64_t k_stride, int64_t v_stride, float scale, int dtype, void *out,
                       int64_t num_groups, const int64_t *group_offsets, const int64_t *group_members,
                       const int64_t *prefix_indices, const int64_t *prefix_lens, int64_t max_prefix,
-                      const int64_t *group_of, int num_threads);
+                      const int64_t *group_of, const int64_t *kept, const int64_t *kept_tokens, int num_threads);
 void linear_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n, const float *bias,
                  uint16_t *out, int num_threads);
 void linear_bf16_silu_mul(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n,

@@ -507,11 +507,28 @@ static void pa_free(pa_work_t *p) {
     amx_attn_free(&p->attn);
 }
 
-/* prefix_attend on the tiles (configured for 16 rows by the caller): the same inputs and state. */
+/* Panels a prefix's K^T and V take on the tiles, per KV head: every AMX_KEYS-key step's K^T
+ * (pack_k_panels) then its V (pack_v_panels, AMX_KEYS / 2 pairs a panel). */
+static int64_t panel_step_elems(int64_t dim) { return AMX_KEYS * dim + (dim + 63) / 64 * 64 * AMX_KEYS; }
+
+/* A kept prefix's block for one layer: per KV head a 64-byte header (the token of the fill the head's
+ * panels belong to) and its panels. */
+#define PANEL_HEADER 32 /* uint16 elements: 64 bytes */
+static int64_t panel_head_elems(int64_t n, int64_t dim) {
+    return PANEL_HEADER + (n + AMX_KEYS - 1) / AMX_KEYS * panel_step_elems(dim);
+}
+
+/* prefix_attend on the tiles (configured for 16 rows by the caller): the same inputs and state.
+ * kept: this KV head's block of a kept prefix (panel_head_elems), or NULL. Where its header holds
+ * `token` the panels are read as they are (packed by an earlier step); where `fill` is set they are
+ * packed into it and the header set after; otherwise into the scratch. */
 static void prefix_attend_amx(pa_work_t *p, const uint16_t *const *qrows, int64_t nr, int64_t koff,
                               const int64_t *idx, int64_t n, const kv_t *kv, float *m, float *l,
-                              float *const *acc_out) {
-    const int64_t dim = kv->dim, blocks = (nr + AMX_ROWS - 1) / AMX_ROWS;
+                              float *const *acc_out, uint16_t *kept, int64_t token, int fill) {
+    const int64_t dim = kv->dim, blocks = (nr + AMX_ROWS - 1) / AMX_ROWS, step = panel_step_elems(dim);
+    _Atomic int64_t *header = kept != NULL ? (_Atomic int64_t *)kept : NULL;
+    const int ready = header != NULL && atomic_load_explicit(header, memory_order_acquire) == token;
+    uint16_t *panels = ready || (header != NULL && fill) ? kept + PANEL_HEADER : NULL;
     for (int64_t r = 0; r < nr; r++) {
         memcpy(p->qa + r * dim, qrows[r], sizeof(uint16_t) * (size_t)dim);
         m[r] = -INFINITY;
@@ -523,10 +540,15 @@ static void prefix_attend_amx(pa_work_t *p, const uint16_t *const *qrows, int64_
         const int64_t nt = n - i0 < AMX_KEYS ? n - i0 : AMX_KEYS;
         int64_t vis[32];
         for (int64_t r = 0; r < nr; r++) vis[r] = nt;
-        pack_k_panels((const uint16_t *)kv->k, kv->k_stride, idx + i0, nt, koff, dim / 2, p->kp);
-        pack_v_panels((const uint16_t *)kv->v, kv->v_stride, idx + i0, nt, koff, dim, AMX_KEYS / 2, p->vp);
-        amx_attend_step(p->qa, nr, dim, p->kp, p->vp, AMX_KEYS / 2 * 128, vis, kv->scale, m, l, p->acc, &p->attn);
+        uint16_t *kp = panels != NULL ? panels + i0 / AMX_KEYS * step : p->kp;
+        uint16_t *vp = panels != NULL ? kp + AMX_KEYS * dim : p->vp;
+        if (!ready) {
+            pack_k_panels((const uint16_t *)kv->k, kv->k_stride, idx + i0, nt, koff, dim / 2, kp);
+            pack_v_panels((const uint16_t *)kv->v, kv->v_stride, idx + i0, nt, koff, dim, AMX_KEYS / 2, vp);
+        }
+        amx_attend_step(p->qa, nr, dim, kp, vp, AMX_KEYS / 2 * 128, vis, kv->scale, m, l, p->acc, &p->attn);
     }
+    if (panels != NULL && !ready) atomic_store_explicit(header, token, memory_order_release);
     for (int64_t r = 0; r < nr; r++) memcpy(acc_out[r], p->acc + r * dim, sizeof(float) * (size_t)dim);
 }
 #endif
@@ -555,6 +577,7 @@ typedef struct {
     const int64_t *group_offsets, *group_members, *prefix_indices, *prefix_lens;
     int64_t max_prefix;
     const int64_t *group_of;
+    const int64_t *kept, *kept_tokens;
     kv_t kv;
     int64_t group, block, blocks, max_rows, pf_blocks;
     float *pm, *pl, *pacc;
@@ -620,9 +643,15 @@ static void decode_part(void *arg, int tid, int nthreads) {
             }
             float mr[32], lr[32];
 #if defined(HAVE_AMX)
-            if (amx)
+            if (amx) {
+                /* A kept prefix's panels: packed by the first row block of each head, read by every
+                 * block once the header says they are whole (the others pack their own meanwhile). */
+                uint16_t *kept = J->kept != NULL && J->kept[g] != 0
+                                     ? (uint16_t *)(intptr_t)J->kept[g] + h * panel_head_elems(prefix_lens[g], dim)
+                                     : NULL;
                 prefix_attend_amx(&pa, qr, nr, h * dim, prefix_indices + g * max_prefix, prefix_lens[g], &kv, mr, lr,
-                                  accs);
+                                  accs, kept, kept != NULL ? J->kept_tokens[g] : 0, blk == 0);
+            }
             else
 #endif
                 prefix_attend(&pw, qr, nr, h * dim, prefix_indices + g * max_prefix, prefix_lens[g], &kv, mr, lr,
@@ -702,7 +731,7 @@ void decode_attention(const void *q, const void *k, const void *v, const int64_t
                       int64_t dim, int64_t k_stride, int64_t v_stride, float scale, int dtype, void *out,
                       int64_t num_groups, const int64_t *group_offsets, const int64_t *group_members,
                       const int64_t *prefix_indices, const int64_t *prefix_lens, int64_t max_prefix,
-                      const int64_t *group_of, int num_threads) {
+                      const int64_t *group_of, const int64_t *kept, const int64_t *kept_tokens, int num_threads) {
     const int64_t group = heads / kv_heads;
     const kv_t kv = {k, v, k_stride, v_stride, dim, dtype, scale};
     /* Phase 2: whole requests when they keep every thread busy, else one KV head of a request. */
@@ -723,10 +752,21 @@ void decode_attention(const void *q, const void *k, const void *v, const int64_t
         pacc = (float *)malloc(sizeof(float) * (size_t)(bs * heads * dim));
     }
     decode_job_t job = {q, kv_indices, lens, max_len, bs, heads, kv_heads, dim, dtype, out, num_groups, group_offsets,
-                        group_members, prefix_indices, prefix_lens, max_prefix, group_of, kv, group, block, blocks,
+                        group_members, prefix_indices, prefix_lens, max_prefix, group_of, kept, kept_tokens, kv, group,
+                        block, blocks,
                         max_rows, pf_blocks, pm, pl, pacc, 0, 0};
     pool_run(decode_part, &job, num_threads);
     free(pm);
     free(pl);
     free(pacc);
+}
+
+/* Elements (uint16) one layer's block of a kept prefix of n keys takes (prefix_attend_amx): 0 where
+ * the tiles are not used, so there is nothing to keep. */
+int64_t kept_prefix_elems(int64_t n, int64_t kv_heads, int64_t dim) {
+#if defined(HAVE_AMX)
+    if (amx_active() && dim % 32 == 0 && dim <= PF_MAX_DIM) return kv_heads * panel_head_elems(n, dim);
+#endif
+    (void)n; (void)kv_heads; (void)dim;
+    return 0;
 }

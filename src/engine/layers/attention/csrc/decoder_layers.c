@@ -34,6 +34,9 @@ typedef struct {
     const int64_t *group_offsets, *group_members, *prefix_indices, *prefix_lens;
     int64_t max_prefix;
     const int64_t *group_of;
+    /* kept prefix panels (decode_attention.c): [num_layers][num_groups] block addresses (0: none) and
+     * [num_groups] fill tokens, or NULL */
+    const int64_t *kept, *kept_tokens;
     /* scratch: [bs, hidden], [bs, qkv width], [bs, q width] x 2, [bs, hidden], [bs, intermediate] */
     void *normed, *qkv, *q, *attn, *o, *mlp;
     int num_threads;
@@ -72,7 +75,8 @@ void decode_layers(const layer_t *layers, int64_t num_layers, const step_t *S, c
             memcpy(q + b * q_width, qkv + b * qkv_width, sizeof(uint16_t) * (size_t)q_width);
         decode_attention(q, L->k_pool, L->v_pool, S->kv_indices, S->lens, S->max_len, bs, S->heads, S->kv_heads, d,
                          L->k_stride, L->v_stride, L->scale, DTYPE_BF16, S->attn, S->num_groups, S->group_offsets,
-                         S->group_members, S->prefix_indices, S->prefix_lens, S->max_prefix, S->group_of, (int)nt);
+                         S->group_members, S->prefix_indices, S->prefix_lens, S->max_prefix, S->group_of,
+                         S->kept != NULL ? S->kept + l * S->num_groups : NULL, S->kept_tokens, (int)nt);
         linear_bf16((const uint16_t *)S->attn, bs, q_width, (const uint16_t *)L->o, hidden, L->o_bias,
                     (uint16_t *)S->o, (int)nt);
         rms_norm(S->o, residual_out, L->post_norm, S->normed, residual_out, bs, hidden, L->eps, DTYPE_BF16, (int)nt);
