@@ -295,6 +295,25 @@ def test_19c_requests_sharing_an_uncached_head_are_not_prefilled_together(overla
     assert h.outputs[b].output_ids == alone.outputs[c].output_ids
 
 
+@pytest.mark.parametrize("overlap", [False, True])
+def test_19e_a_chunked_head_is_not_computed_again_by_its_group(overlap):
+    """While a group's first request is prefilled in chunks, its earlier chunks are in the tree: the
+    next request of the group matches up to the chunk being computed and must wait for it rather than
+    compute the same prompt tokens again in the same batch."""
+    h = Harness(overlap=overlap, chunked_prefill_size=64, disable_mixed_chunk=True)
+    system = prompt(100, 300)
+    a = h.submit(system + [7] * 5, max_new_tokens=3)
+    b = h.submit(system + [8] * 5, max_new_tokens=3)
+    batches = []
+    while h.scheduler.has_work():
+        batch = h.step()
+        if batch is not None and batch.forward_mode.is_extend():
+            batches.append({r.rid: r.extend_input_len for r in batch.reqs})
+    assert h.outputs[a].cached_tokens == 0 and h.outputs[b].cached_tokens == 100
+    assert h.scheduler.num_extend_tokens_computed == 105 + 5
+    assert all(not (a in rows and b in rows) for rows in batches), batches
+
+
 def test_19d_without_radix_cache_shared_heads_are_prefilled_together():
     h = Harness(disable_radix_cache=True)
     system = prompt(100, 300)

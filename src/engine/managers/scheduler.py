@@ -540,11 +540,15 @@ class Scheduler:
             self.new_token_ratio, self.server_args.max_prefill_tokens, self.chunked_prefill_size,
             mixed_with_decode_tokens=self.running_batch.batch_size() if mixed else 0,
         )
-        if self.chunked_req is not None:
-            self.chunked_req.init_next_round_input()
-            self.chunked_req = adder.add_chunked_req(self.chunked_req)
-
         dedup = UncachedPrefixDedup(self.last_prefill_keys) if self.last_prefill_keys is not None else None
+        if self.chunked_req is not None:
+            chunked = self.chunked_req
+            chunked.init_next_round_input()
+            self.chunked_req = adder.add_chunked_req(chunked)
+            if dedup is not None and chunked in adder.can_run_list:
+                # Its earlier chunks are in the tree, so a request of the same group matches up to
+                # where this chunk starts and would compute the chunk's tokens a second time.
+                dedup.admit(chunked)
         for req in self.waiting_queue:
             full = len(adder.can_run_list) >= self._num_allocatable_reqs()
             if full:
