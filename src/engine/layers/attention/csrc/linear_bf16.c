@@ -83,12 +83,12 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
     const int64_t pairs = k / 2;
     const uint32_t *xr[ROWS];
     for (int r = 0; r < R; r++) xr[r] = (const uint32_t *)(x + (m0 + r) * k);
-    int64_t line = 0;
+    const char *next = ahead;
+    int64_t owed = 0; /* ahead_lines / pairs lines an iteration, without a division in the loop */
     for (int64_t kk = 0; kk < pairs; kk++) {
         const __m512i *wv = (const __m512i *)(panel + kk * PANEL * 2);
         /* This tile's share of the next panel, spread evenly over its iterations. */
-        for (const int64_t upto = (kk + 1) * ahead_lines / pairs; line < upto; line++)
-            _mm_prefetch(ahead + line * 64, _MM_HINT_T1);
+        for (owed += ahead_lines; owed >= pairs; owed -= pairs, next += 64) _mm_prefetch(next, _MM_HINT_T1);
         const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wv), w1 = (__m512bh)_mm512_loadu_si512(wv + 1);
         const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wv + 2), w3 = (__m512bh)_mm512_loadu_si512(wv + 3);
         for (int r = 0; r < R; r++) {
