@@ -11,8 +11,8 @@ each variant in turn, several rounds, in one process, and prints the best of eac
   extend     prefill attention of one 1024-token prompt, and of 16 x 64 new tokens over a 1024-token
              cached prefix (16 heads, 8 KV heads, dim 64), AMX against AVX512-BF16
   cascade    decode attention of 8 groups x 16 requests over 1024-token shared prefixes with 96 own
-             keys each (phase 1 on AMX or AVX512-BF16; on AMX also with the prefixes' panels kept
-             from an earlier step, as decode steps after a prefix's first run it)
+             keys each (phase 1 on AMX or AVX512-BF16), packing the prefixes' panels afresh and with
+             the panels kept from an earlier step, as decode steps after a prefix's first run it
 
   python benchmarks/bench_cpu_kernels.py
   python benchmarks/bench_cpu_kernels.py --rows 1 16 64 --rounds 5 --result-file kernels.json
@@ -141,14 +141,14 @@ def attention(rounds: int, amx: bool) -> List[Dict[str, object]]:
     qd = torch.randn(bs, HEADS * DIM).to(torch.bfloat16)
     cases["decode, 8 x 16 over 1024-token prefixes"] = lambda: cpu_kernels.decode_attention(
         qd, k, v, kv_indices, lens, HEADS, KV_HEADS, DIM, scale, cascade=cascade)
-    if amx:  # the same with the prefixes' tile panels kept from an earlier step (prefix_panels.py)
-        pool = MHATokenToKVPool(slots - 1, 1, torch.bfloat16, KV_HEADS, DIM, 1, "cpu")
-        pool.k_buffer, pool.v_buffer = [k], [v]
-        kept = dataclasses.replace(cascade)
-        panels = PrefixPanels(budget_bytes=1 << 30)
-        panels.attach(kept, list(kept.prefix_indices), pool)
-        cases["decode, 8 x 16 over 1024-token prefixes, panels kept"] = lambda: (panels, cpu_kernels.decode_attention(
-            qd, k, v, kv_indices, lens, HEADS, KV_HEADS, DIM, scale, cascade=kept))
+    # The same with the prefixes' panels kept from an earlier step (prefix_panels.py).
+    pool = MHATokenToKVPool(slots - 1, 1, torch.bfloat16, KV_HEADS, DIM, 1, "cpu")
+    pool.k_buffer, pool.v_buffer = [k], [v]
+    kept = dataclasses.replace(cascade)
+    panels = PrefixPanels(budget_bytes=1 << 30)
+    panels.attach(kept, list(kept.prefix_indices), pool)
+    cases["decode, 8 x 16 over 1024-token prefixes, panels kept"] = lambda: (panels, cpu_kernels.decode_attention(
+        qd, k, v, kv_indices, lens, HEADS, KV_HEADS, DIM, scale, cascade=kept))
 
     results = []
     for name, fn in cases.items():

@@ -1,4 +1,4 @@
-"""Cascade prefixes' tile panels kept across decode steps (layers/attention/prefix_panels.py): the same
+"""Cascade prefixes' K^T and V panels kept across decode steps (layers/attention/prefix_panels.py): the same
 bits as packing afresh, a copy that is really read, and one that is dropped once its slots are released."""
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def _decode(pool, q, kv_indices, lens, cascade, layer):
 def _require_kernel() -> None:
     lib = cpu_kernels.decode_kernel()
     if lib is None or not lib.linear_bf16_available():
-        pytest.skip("no AVX512-BF16 on this CPU: the cascade has no tile path")
+        pytest.skip("no AVX512-BF16 on this CPU: the cascade has no panel path")
 
 
 def test_kept_panels_give_the_same_bits_and_follow_releases(cpu_isa):
@@ -67,12 +67,10 @@ def test_kept_panels_give_the_same_bits_and_follow_releases(cpu_isa):
     for step in range(3):  # the first step packs the panels, the later ones read them
         tables = cascade()
         panels.attach(tables, prefixes, pool)
-        assert (tables.kept is not None) == (cpu_isa == "amx")  # kept only where the tiles run
+        assert tables.kept is not None
         for layer in range(LAYERS):
             fresh = _decode(pool, q, kv_indices, lens, cascade(), layer)
             assert torch.equal(_decode(pool, q, kv_indices, lens, tables, layer), fresh), (step, layer)
-    if cpu_isa != "amx":
-        return
     assert panels.kept_bytes > 0
     # K/V rewritten under the prefix without a release (nothing in the engine does this): the kept
     # copy is what the kernel reads, so the result no longer follows the pool.
@@ -92,8 +90,6 @@ def test_kept_panels_give_the_same_bits_and_follow_releases(cpu_isa):
 
 def test_kept_panels_stay_within_their_budget(cpu_isa):
     _require_kernel()
-    if cpu_isa != "amx":
-        pytest.skip("panels are kept only for the AMX tiles")
     pool, alloc = _pool()
     prefixes, kv_indices, lens, q, cascade = _batch(alloc, [256, 256], members=3)
     one = LAYERS * 2 * int(cpu_kernels.loaded_kernel().kept_prefix_elems(256, KV_HEADS, DIM))

@@ -40,10 +40,11 @@ _CSRC = Path(__file__).with_name("csrc")
 # the fused element-wise ops of a decoder layer (engine/layers/cpu_ops.py); linear_bf16.c: bf16
 # linears (engine/layers/linear.py); decoder_layers.c: a decode step's layers in one call
 # (engine/models/native_decode.py); thread_pool.c: the threads they run on; cpu_common.h: what they
-# share. One library holds them all.
+# share; amx.h: the AMX tiles; attend_step.h: the attention step of prefills and cascade prefixes.
+# One library holds them all.
 _SOURCES = [_CSRC / "decode_attention.c", _CSRC / "extend_attention.c", _CSRC / "cpu_ops.c", _CSRC / "linear_bf16.c",
             _CSRC / "decoder_layers.c", _CSRC / "thread_pool.c"]
-_HEADERS = [_CSRC / "cpu_common.h", _CSRC / "amx.h"]
+_HEADERS = [_CSRC / "cpu_common.h", _CSRC / "amx.h", _CSRC / "attend_step.h"]
 # -fopenmp-simd: the `omp simd` hints only; the threads are the library's own (csrc/thread_pool.c).
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11", "-pthread"]
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -203,7 +204,7 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     for name in ("linear_bf16_available", "extend_attention_available"):  # 0 where the CPU lacks AVX512-BF16
         getattr(lib, name).argtypes = []
         getattr(lib, name).restype = ctypes.c_int
-    lib.kept_prefix_elems.argtypes = [i64, i64, i64]  # 0 where the cascade keeps no panels (no AMX)
+    lib.kept_prefix_elems.argtypes = [i64, i64, i64]  # 0 where the cascade keeps no panels (no AVX512-BF16)
     lib.kept_prefix_elems.restype = i64
     lib.amx_set.argtypes = [i32]
     lib.amx_set.restype = None

@@ -1,12 +1,14 @@
-"""Cascade prefixes' K^T and V panels kept from one decode step to the next (CPU, AMX tiles).
+"""Cascade prefixes' K^T and V panels kept from one decode step to the next (CPU, bfloat16).
 
-On the AMX tiles, decode_attention.c's cascade multiplies a group's query rows with its shared
-prefix after repacking the prefix's K^T and V into tile panels, every layer of every step, although
-a prefix's K/V cannot change while requests decode on it: on the 2-core Intel Xeon with AMX, 8 groups
-x 16 requests over 1024-token prefixes, the repacking was 35-45% of the kernel's time (5.6-6.6 ->
-3.4-4.2 ms a layer with it skipped). `PrefixPanels` gives each prefix (its pool slots) a buffer with
-one block per layer; the kernel packs a layer's block at the prefix's first step and stamps it with
-the fill's token, and later steps read it as it is.
+decode_attention.c's cascade multiplies a group's query rows with its shared prefix over panels of the
+prefix's K^T and V (attend_step.h, on AMX tiles or AVX512-BF16 registers). Packing them from the pool
+every layer of every step costs as much as it saves, although a prefix's K/V cannot change while
+requests decode on it: on the 2-core Intel Xeon with AMX, 8 groups x 16 requests over 1024-token
+prefixes, the repacking was 35-45% of the kernel's time (5.6-6.6 -> 3.4-4.2 ms a layer with it
+skipped); on the 2-core AMD EPYC Zen 4 the same case took 3.5-3.9 ms a layer packing afresh and 2.3
+with kept panels. `PrefixPanels` gives each prefix (its pool slots) a buffer with one block per layer;
+the kernel packs a layer's block at the prefix's first step and stamps it with the fill's token, and
+later steps read it as it is, in order, the next step's panels prefetched.
 
 A kept copy is the prefix's while none of its slots went back to the allocator since it was made:
 the pool counts each slot's releases (`MHATokenToKVPool.slot_generation`), and a prefix whose
@@ -60,7 +62,7 @@ class PrefixPanels:
                pool: "MHATokenToKVPool") -> None:
         """Sets cascade.kept / kept_tokens for the groups whose prefixes (`prefixes[g]`: slots, in the
         cascade's group order) get kept panels; leaves them None where the kernel would not use them
-        (no AMX, a head size it does not take, a pool that does not count releases)."""
+        (no AVX512-BF16, a head size it does not take, a pool that does not count releases)."""
         generation = pool.slot_generation
         lib = cpu_kernels.decode_kernel()
         if (generation is None or lib is None or pool.dtype != torch.bfloat16 or not prefixes

@@ -126,7 +126,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             forward_batch.attn_metadata = None
 
     def _keep_prefix_panels(self, meta: Optional[_DecodeMetadata], fb: "ForwardBatch") -> None:
-        """Cascade prefixes' tile panels kept across steps (prefix_panels.py), where the kernel uses them."""
+        """Cascade prefixes' panels kept across steps (prefix_panels.py), where the kernel uses them."""
         pool = fb.token_to_kv_pool
         if meta is not None and meta.cascade is not None and pool is not None and pool.k_buffer[0].is_cpu:
             self._prefix_panels.attach(meta.cascade, [g.kv_indices for g in meta.shared], pool)

@@ -1,5 +1,5 @@
-/* AMX tiles (Intel Xeon since Sapphire Rapids) for the bf16 products of linear_bf16.c,
- * extend_attention.c and decode_attention.c's cascade phase 1. All multiply rows of bf16 by panels of
+/* AMX tiles (Intel Xeon since Sapphire Rapids) for the bf16 products of linear_bf16.c and
+ * attend_step.h (prefill attention and decode_attention.c's cascade phase 1). All multiply rows of bf16 by panels of
  * 64 columns laid out for vdpbf16ps:
  * panel[pair kk][column c][2] = (B[2kk][c], B[2kk + 1][c]), one pair of the inner dimension per
  * 256-byte row. That is AMX's B layout as it lies: a B tile is 16 pairs (rows 256 bytes apart) x 16
@@ -110,95 +110,5 @@ static inline void amx_block2(const uint16_t *a0, const uint16_t *a1, int64_t a_
     }
 }
 
-/* Attention of up to 32 query rows on the tiles, a tile of keys at a time with the online softmax
- * (prefill attention in extend_attention.c, a cascade group's prefix in decode_attention.c). The
- * rows' state: m (running max of the scaled scores), l (sum of exp), acc [32][dim] (unnormalised
- * output). A step's scores and P stay in the scratch below (48 KiB), where extend_attention.c's
- * AVX512 path writes a whole row block's scores out (96 rows x the request's keys) and reads them
- * back. 2-core Xeon, 16 x 64 new tokens over 1024 cached: 10.2-11.0 ms a layer either way, 256 keys a
- * step 0-7% ahead of 128. */
-#define AMX_KEYS 256 /* keys per online-softmax step, a multiple of 64 */
-
-typedef struct {
-    float *s;     /* [32][AMX_KEYS]: S of the step, unscaled */
-    uint16_t *pb; /* [32][AMX_KEYS]: P as bfloat16, zero past each row's visible keys */
-    float *o;     /* [32][ceil(dim / 64) * 64]: P V of the step */
-} amx_attn_t;
-
-static inline void amx_attn_alloc(amx_attn_t *w, int64_t dim) {
-    w->s = (float *)aligned_alloc(64, sizeof(float) * 32 * AMX_KEYS);
-    w->pb = (uint16_t *)calloc(32 * AMX_KEYS, sizeof(uint16_t));
-    w->o = (float *)aligned_alloc(64, sizeof(float) * (size_t)(32 * ((dim + 63) / 64 * 64)));
-}
-
-static inline void amx_attn_free(amx_attn_t *w) {
-    free(w->s);
-    free(w->pb);
-    free(w->o);
-}
-
-/* One step over up to AMX_KEYS keys: their K^T panels (pack_k_panels' layout) from kp on, their V
- * pairs from vp on in panels v_panel elements apart (pack_v_panels' layout; pairs past the step's
- * keys, up to 32 keys' worth, zero or finite). qa: [rows rounded up to 16][dim] bf16, the extra rows
- * finite (their results are never read). Row r sees the first vis[r] (<= AMX_KEYS) keys of the step. Tiles
- * configured for 16 rows. */
-static inline void amx_attend_step(const uint16_t *qa, int64_t nr, int64_t dim, const uint16_t *kp,
-                                   const uint16_t *vp, int64_t v_panel, const int64_t *vis, float scale, float *m,
-                                   float *l, float *acc, amx_attn_t *w) {
-    const int64_t pairs = dim / 2, dpanels = (dim + 63) / 64, ostride = dpanels * 64;
-    const int64_t blocks = (nr + AMX_ROWS - 1) / AMX_ROWS;
-    int64_t most = 0;
-    for (int64_t r = 0; r < nr; r++) most = vis[r] > most ? vis[r] : most;
-    const int64_t kdim = (most + 31) / 32 * 32;
-    for (int64_t p = 0; p < (most + 63) / 64; p++)
-        for (int64_t b = 0; b < blocks; b++)
-            amx_block(qa + b * AMX_ROWS * dim, 32, dim, kp + p * pairs * 128, dim, w->s + b * AMX_ROWS * AMX_KEYS + p * 64,
-                      AMX_KEYS, NULL, 0);
-    float corr[32];
-    const __m512 sv = _mm512_set1_ps(scale);
-    for (int64_t r = 0; r < nr; r++) { /* scores scaled here: the scaled max is the max scaled */
-        const float *sr = w->s + r * AMX_KEYS;
-        uint16_t *pr = w->pb + r * AMX_KEYS;
-        const int64_t n = vis[r];
-        int64_t c = 0;
-        if (n > 0) {
-            const float mt = fmaxf(m[r], max_of(sr, n) * scale);
-            corr[r] = expf(m[r] - mt); /* 0 at the first keys (m = -inf) */
-            m[r] = mt;
-            const __m512 mv = _mm512_set1_ps(mt);
-            __m512 sum = _mm512_setzero_ps();
-            for (; c + 16 <= n; c += 16) {
-                const __m512 e = exp512(_mm512_sub_ps(_mm512_mul_ps(_mm512_loadu_ps(sr + c), sv), mv));
-                sum = _mm512_add_ps(sum, e);
-                _mm256_storeu_si256((__m256i *)(pr + c), (__m256i)_mm512_cvtneps_pbh(e));
-            }
-            if (c < n) {
-                const __mmask16 live = (__mmask16)((1u << (n - c)) - 1u);
-                const __m512 e = _mm512_maskz_mov_ps(
-                    live, exp512(_mm512_sub_ps(_mm512_mul_ps(_mm512_maskz_loadu_ps(live, sr + c), sv), mv)));
-                sum = _mm512_add_ps(sum, e);
-                _mm256_storeu_si256((__m256i *)(pr + c), (__m256i)_mm512_cvtneps_pbh(e));
-                c += 16;
-            }
-            l[r] = l[r] * corr[r] + _mm512_reduce_add_ps(sum);
-        } else {
-            corr[r] = 1.f; /* nothing visible in this step: the state stays */
-        }
-        for (; c < kdim; c += 16) _mm256_storeu_si256((__m256i *)(pr + c), _mm256_setzero_si256());
-    }
-    if (kdim == 0) return;
-    for (int64_t dp = 0; dp < dpanels; dp++)
-        for (int64_t b = 0; b < blocks; b++)
-            amx_block(w->pb + b * AMX_ROWS * AMX_KEYS, 32, AMX_KEYS, vp + dp * v_panel, kdim,
-                      w->o + b * AMX_ROWS * ostride + dp * 64, ostride, NULL, 0);
-    for (int64_t r = 0; r < nr; r++) {
-        if (vis[r] == 0) continue;
-        const __m512 cv = _mm512_set1_ps(corr[r]);
-        float *a = acc + r * dim;
-        const float *o = w->o + r * ostride;
-        for (int64_t d = 0; d < dim; d += 16)
-            _mm512_storeu_ps(a + d, _mm512_fmadd_ps(_mm512_loadu_ps(a + d), cv, _mm512_loadu_ps(o + d)));
-    }
-}
 #endif
 #endif

@@ -6,8 +6,8 @@
  *
  * Cascade: requests whose KV begins with the same slots (a prefix the radix cache shares) form a
  * group. Phase 1 reads a group's prefix once per KV head for all the group's query rows (a small
- * matrix product instead of one pass per request; with bfloat16 data a register-tiled one with the
- * query rows along the vector lanes, prefix_attend); phase 2 continues each request's softmax over
+ * matrix product instead of one pass per request; with bfloat16 data attend_step.h's, as prefill
+ * attention, prefix_attend_panels); phase 2 continues each request's softmax over
  * its own suffix. The softmax is online (running max, sum and unnormalised output per query row,
  * over tiles of TILE keys), so phase 2 simply resumes the state phase 1 left: no merge step.
  *
@@ -20,7 +20,7 @@
  * Built at run time by engine/layers/attention/cpu_kernels.py (gcc -O3 -march=native); called through
  * ctypes, which releases the GIL; the threads are thread_pool.c's.
  */
-#include "amx.h"
+#include "attend_step.h"
 
 #define TILE 128 /* keys per online-softmax step (a multiple of 16) */
 
@@ -311,192 +311,32 @@ static void attend(work_t *w, int64_t rows, const int64_t *idx, int64_t n, const
 }
 
 #if defined(__AVX512BF16__)
-/* Phase 1 with bfloat16 data (dim a multiple of 32, at most PF_MAX_DIM): up to 32 query rows of one
- * KV head against a group's prefix, both products as register-tiled matrix products with the query
- * rows along the vector lanes, so that K and V are read straight from the pool, row by row:
- *   S^T [key][row] = K Q^T: a key's (d, d+1) pair broadcast against the rows' pairs (Q^T packed once);
- *   O^T [dim][row] += V^T P^T: a key pair's (V_2j[d], V_2j+1[d]) broadcast against the rows' P pairs.
- * The online softmax runs over tiles of PF_TILE keys with the running max and sum as two vectors of
- * 16 rows. The state left (max, sum, unnormalised output per row) is what phase 2 resumes. */
-#define PF_TILE 256 /* keys per softmax step */
-#define PF_KT 12    /* keys per register tile of S^T */
-#define PF_DT 8     /* head dimensions per register tile of O^T */
-#define PF_MAX_DIM 256
+/* Phase 1 with bfloat16 data (dim a multiple of 32, at most 256): up to 32 query rows of one KV head
+ * against a group's prefix, as prefill attention does it (attend_step.h: register tiles, or AMX tiles
+ * where the CPU has them), over the K^T and V panels of each step's keys: packed from the pool at
+ * the step, or read from a kept prefix's panels (engine/layers/attention/prefix_panels.py). The state
+ * left (max, sum, unnormalised output per row) is what phase 2 resumes. On the 2-core AMD EPYC Zen 4,
+ * 8 groups x 16 requests over 1024-token prefixes, 8 layers' pools in one process: 3.5-3.7 -> 2.3 ms
+ * a layer with kept panels, against the query rows along the vector lanes and K, V read from the pool
+ * row by row (whose loads were a head's 128 bytes of every slot: latency-bound). */
+#define PREFIX_MAX_DIM 256
 
-typedef struct {
-    uint32_t *qp;  /* [dim / 2][32]: (q[r][2kk], q[r][2kk + 1]) */
-    float *st;     /* [PF_TILE][32] */
-    uint32_t *pp;  /* [PF_TILE / 2][32]: (P[r][2j], P[r][2j + 1]) as bfloat16 */
-    uint32_t *vp;  /* [PF_TILE / 2][dim]: (V_2j[d], V_2j+1[d]) */
-    float *acct;   /* [dim][32] */
-} pf_work_t;
+static int prefix_fast(const kv_t *kv) { return kv->dtype == DTYPE_BF16 && kv->dim % 32 == 0 && kv->dim <= PREFIX_MAX_DIM; }
 
-static int prefix_fast(const kv_t *kv) { return kv->dtype == DTYPE_BF16 && kv->dim % 32 == 0 && kv->dim <= PF_MAX_DIM; }
-
-static void pf_alloc(pf_work_t *p, int64_t dim) {
-    p->qp = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * (size_t)(dim / 2 * 32));
-    p->st = (float *)aligned_alloc(64, sizeof(float) * (size_t)(PF_TILE * 32));
-    p->pp = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * (size_t)(PF_TILE / 2 * 32));
-    p->vp = (uint32_t *)aligned_alloc(64, sizeof(uint32_t) * (size_t)(PF_TILE / 2 * dim));
-    p->acct = (float *)aligned_alloc(64, sizeof(float) * (size_t)(dim * 32));
-}
-
-static void pf_free(pf_work_t *p) {
-    free(p->qp);
-    free(p->st);
-    free(p->pp);
-    free(p->vp);
-    free(p->acct);
-}
-
-/* st[t][0..32) = scale * K_t . q_r for KT keys (pointers to their head's row); nk <= KT are kept. */
-static inline __attribute__((always_inline)) void pf_scores(const pf_work_t *p, const uint16_t *const *krow,
-                                                            const int KT, int64_t pairs, float *st, int nk,
-                                                            __m512 scale) {
-    __m512 acc[2 * PF_KT];
-    for (int t = 0; t < 2 * KT; t++) acc[t] = _mm512_setzero_ps();
-    for (int64_t kk = 0; kk < pairs; kk++) {
-        const __m512bh q0 = (__m512bh)_mm512_load_si512(p->qp + kk * 32);
-        const __m512bh q1 = (__m512bh)_mm512_load_si512(p->qp + kk * 32 + 16);
-        for (int t = 0; t < KT; t++) {
-            const __m512bh b = (__m512bh)_mm512_set1_epi32(((const int32_t *)krow[t])[kk]);
-            acc[2 * t] = _mm512_dpbf16_ps(acc[2 * t], b, q0);
-            acc[2 * t + 1] = _mm512_dpbf16_ps(acc[2 * t + 1], b, q1);
-        }
-    }
-    for (int t = 0; t < nk; t++) {
-        _mm512_store_ps(st + t * 32, _mm512_mul_ps(acc[2 * t], scale));
-        _mm512_store_ps(st + t * 32 + 16, _mm512_mul_ps(acc[2 * t + 1], scale));
-    }
-}
-
-/* Prefix attention of nr <= 32 rows (q row pointers, bf16) over slots idx[0..n) of one KV head
- * (offset koff in a slot); the resulting state goes to m[r], l[r], acc[r * dim ..] (unnormalised). */
-static void prefix_attend(pf_work_t *p, const uint16_t *const *qrows, int64_t nr, int64_t koff, const int64_t *idx,
-                          int64_t n, const kv_t *kv, float *m_out, float *l_out, float *const *acc_out) {
-    const int64_t dim = kv->dim, pairs = dim / 2;
-    const uint16_t *kb = (const uint16_t *)kv->k, *vb = (const uint16_t *)kv->v;
-    for (int64_t kk = 0; kk < pairs; kk++)
-        for (int64_t r = 0; r < 32; r++) p->qp[kk * 32 + r] = r < nr ? ((const uint32_t *)qrows[r])[kk] : 0u;
-    memset(p->acct, 0, sizeof(float) * (size_t)(dim * 32));
-    __m512 m0 = _mm512_set1_ps(-INFINITY), m1 = m0, l0 = _mm512_setzero_ps(), l1 = l0;
-    const __m512 scale = _mm512_set1_ps(kv->scale);
-    const __m512i lo = _mm512_set_epi16(47, 15, 46, 14, 45, 13, 44, 12, 43, 11, 42, 10, 41, 9, 40, 8, 39, 7, 38, 6,
-                                        37, 5, 36, 4, 35, 3, 34, 2, 33, 1, 32, 0);
-    const __m512i hi = _mm512_add_epi16(lo, _mm512_set1_epi16(16));
-    for (int64_t i0 = 0; i0 < n; i0 += PF_TILE) {
-        const int64_t nt = n - i0 < PF_TILE ? n - i0 : PF_TILE;
-        const int64_t *ti = idx + i0;
-        /* S^T for the tile, PF_KT keys at a time (a short last block repeats its last key). */
-        for (int64_t t0 = 0; t0 < nt; t0 += PF_KT) {
-            const int nk = nt - t0 < PF_KT ? (int)(nt - t0) : PF_KT;
-            const uint16_t *krow[PF_KT];
-            for (int t = 0; t < PF_KT; t++) krow[t] = kb + ti[t0 + (t < nk ? t : nk - 1)] * kv->k_stride + koff;
-            if (t0 + PF_KT < nt)
-                prefetch_rows(kv->k, ti + t0 + PF_KT, nt - t0 - PF_KT < PF_KT ? nt - t0 - PF_KT : PF_KT, kv->k_stride,
-                              koff, 2, dim * 2);
-            pf_scores(p, krow, PF_KT, pairs, p->st + t0 * 32, nk, scale);
-        }
-        /* The tile's max per row, the correction of the state so far, P and its sums. */
-        __m512 t0max = m0, t1max = m1;
-        for (int64_t t = 0; t < nt; t++) {
-            t0max = _mm512_max_ps(t0max, _mm512_load_ps(p->st + t * 32));
-            t1max = _mm512_max_ps(t1max, _mm512_load_ps(p->st + t * 32 + 16));
-        }
-        const __m512 c0 = exp512(_mm512_sub_ps(m0, t0max)), c1 = exp512(_mm512_sub_ps(m1, t1max));
-        m0 = t0max;
-        m1 = t1max;
-        __m512 s0 = _mm512_setzero_ps(), s1 = _mm512_setzero_ps();
-        for (int64_t j = 0; j < (nt + 1) / 2; j++) {
-            const int64_t ta = 2 * j, tb = 2 * j + 1;
-            const __m512 ea0 = exp512(_mm512_sub_ps(_mm512_load_ps(p->st + ta * 32), m0));
-            const __m512 ea1 = exp512(_mm512_sub_ps(_mm512_load_ps(p->st + ta * 32 + 16), m1));
-            __m512 eb0 = _mm512_setzero_ps(), eb1 = eb0;
-            if (tb < nt) {
-                eb0 = exp512(_mm512_sub_ps(_mm512_load_ps(p->st + tb * 32), m0));
-                eb1 = exp512(_mm512_sub_ps(_mm512_load_ps(p->st + tb * 32 + 16), m1));
-            }
-            s0 = _mm512_add_ps(s0, _mm512_add_ps(ea0, eb0));
-            s1 = _mm512_add_ps(s1, _mm512_add_ps(ea1, eb1));
-            /* (P[r][2j], P[r][2j + 1]) per row r: the two keys' rows interleaved element-wise. */
-            const __m512i a = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(ea0));
-            const __m512i a2 = _mm512_inserti64x4(a, (__m256i)_mm512_cvtneps_pbh(ea1), 1);
-            const __m512i b = _mm512_castsi256_si512((__m256i)_mm512_cvtneps_pbh(eb0));
-            const __m512i b2 = _mm512_inserti64x4(b, (__m256i)_mm512_cvtneps_pbh(eb1), 1);
-            _mm512_store_si512(p->pp + j * 32, _mm512_permutex2var_epi16(a2, lo, b2));
-            _mm512_store_si512(p->pp + j * 32 + 16, _mm512_permutex2var_epi16(a2, hi, b2));
-        }
-        l0 = _mm512_fmadd_ps(l0, c0, s0);
-        l1 = _mm512_fmadd_ps(l1, c1, s1);
-        /* V pairs of the tile: (V_2j[d], V_2j+1[d]), an odd last key paired with zeros. */
-        const int64_t np = (nt + 1) / 2;
-        for (int64_t j = 0; j < np; j++) {
-            const uint16_t *va = vb + ti[2 * j] * kv->v_stride + koff;
-            const uint16_t *vbr = 2 * j + 1 < nt ? vb + ti[2 * j + 1] * kv->v_stride + koff : NULL;
-            if (2 * j + 8 < nt) {
-                __builtin_prefetch(vb + ti[2 * j + 8] * kv->v_stride + koff);
-                if (2 * j + 9 < nt) __builtin_prefetch(vb + ti[2 * j + 9] * kv->v_stride + koff);
-            }
-            for (int64_t c = 0; c < dim; c += 32) {
-                const __m512i x = _mm512_loadu_si512(va + c);
-                const __m512i y = vbr != NULL ? _mm512_loadu_si512(vbr + c) : _mm512_setzero_si512();
-                _mm512_store_si512(p->vp + j * dim + c, _mm512_permutex2var_epi16(x, lo, y));
-                _mm512_store_si512(p->vp + j * dim + c + 16, _mm512_permutex2var_epi16(x, hi, y));
-            }
-        }
-        /* O^T: PF_DT dimensions at a time, corrected by the new max first. */
-        for (int64_t d0 = 0; d0 < dim; d0 += PF_DT) {
-            __m512 acc[2 * PF_DT];
-            for (int u = 0; u < PF_DT; u++) {
-                acc[2 * u] = _mm512_mul_ps(_mm512_load_ps(p->acct + (d0 + u) * 32), c0);
-                acc[2 * u + 1] = _mm512_mul_ps(_mm512_load_ps(p->acct + (d0 + u) * 32 + 16), c1);
-            }
-            for (int64_t j = 0; j < np; j++) {
-                const __m512bh p0 = (__m512bh)_mm512_load_si512(p->pp + j * 32);
-                const __m512bh p1 = (__m512bh)_mm512_load_si512(p->pp + j * 32 + 16);
-                const int32_t *vrow = (const int32_t *)(p->vp + j * dim + d0);
-                for (int u = 0; u < PF_DT; u++) {
-                    const __m512bh b = (__m512bh)_mm512_set1_epi32(vrow[u]);
-                    acc[2 * u] = _mm512_dpbf16_ps(acc[2 * u], b, p0);
-                    acc[2 * u + 1] = _mm512_dpbf16_ps(acc[2 * u + 1], b, p1);
-                }
-            }
-            for (int u = 0; u < PF_DT; u++) {
-                _mm512_store_ps(p->acct + (d0 + u) * 32, acc[2 * u]);
-                _mm512_store_ps(p->acct + (d0 + u) * 32 + 16, acc[2 * u + 1]);
-            }
-        }
-    }
-    float mv[32], lv[32];
-    _mm512_storeu_ps(mv, m0);
-    _mm512_storeu_ps(mv + 16, m1);
-    _mm512_storeu_ps(lv, l0);
-    _mm512_storeu_ps(lv + 16, l1);
-    for (int64_t r = 0; r < nr; r++) {
-        m_out[r] = mv[r];
-        l_out[r] = lv[r];
-        for (int64_t d = 0; d < dim; d++) acc_out[r][d] = p->acct[d * 32 + r];
-    }
-}
-#endif
-
-#if defined(HAVE_AMX)
-/* Phase 1 on AMX tiles: the rows' attention over the prefix as prefill attention does it
- * (amx_attend_step), the K^T and V of each step's keys packed into panels first. */
 typedef struct {
     uint16_t *qa;  /* [32][dim] */
-    uint16_t *kp;  /* [AMX_KEYS / 64][dim / 2][64][2] */
-    uint16_t *vp;  /* [ceil(dim / 64)][AMX_KEYS / 2][64][2] */
+    uint16_t *kp;  /* [ATTN_KEYS / 64][dim / 2][64][2] */
+    uint16_t *vp;  /* [ceil(dim / 64)][ATTN_KEYS / 2][64][2] */
     float *acc;    /* [32][dim] */
-    amx_attn_t attn;
+    attn_scratch_t attn;
 } pa_work_t;
 
 static void pa_alloc(pa_work_t *p, int64_t dim) {
     p->qa = (uint16_t *)calloc((size_t)(32 * dim), sizeof(uint16_t));
-    p->kp = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * (size_t)(AMX_KEYS * dim));
-    p->vp = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * (size_t)((dim + 63) / 64 * 64 * AMX_KEYS));
+    p->kp = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * (size_t)(ATTN_KEYS * dim));
+    p->vp = (uint16_t *)aligned_alloc(64, sizeof(uint16_t) * (size_t)((dim + 63) / 64 * 64 * ATTN_KEYS));
     p->acc = (float *)aligned_alloc(64, sizeof(float) * (size_t)(32 * dim));
-    amx_attn_alloc(&p->attn, dim);
+    attn_scratch_alloc(&p->attn, dim);
 }
 
 static void pa_free(pa_work_t *p) {
@@ -504,28 +344,29 @@ static void pa_free(pa_work_t *p) {
     free(p->kp);
     free(p->vp);
     free(p->acc);
-    amx_attn_free(&p->attn);
+    attn_scratch_free(&p->attn);
 }
 
-/* Panels a prefix's K^T and V take on the tiles, per KV head: every AMX_KEYS-key step's K^T
- * (pack_k_panels) then its V (pack_v_panels, AMX_KEYS / 2 pairs a panel). */
-static int64_t panel_step_elems(int64_t dim) { return AMX_KEYS * dim + (dim + 63) / 64 * 64 * AMX_KEYS; }
+/* Panels a prefix's K^T and V take, per KV head: every ATTN_KEYS-key step's K^T
+ * (pack_k_panels) then its V (pack_v_panels, ATTN_KEYS / 2 pairs a panel). */
+static int64_t panel_step_elems(int64_t dim) { return ATTN_KEYS * dim + (dim + 63) / 64 * 64 * ATTN_KEYS; }
 
 /* A kept prefix's block for one layer: per KV head a 64-byte header (the token of the fill the head's
  * panels belong to) and its panels. */
 #define PANEL_HEADER 32 /* uint16 elements: 64 bytes */
 static int64_t panel_head_elems(int64_t n, int64_t dim) {
-    return PANEL_HEADER + (n + AMX_KEYS - 1) / AMX_KEYS * panel_step_elems(dim);
+    return PANEL_HEADER + (n + ATTN_KEYS - 1) / ATTN_KEYS * panel_step_elems(dim);
 }
 
-/* prefix_attend on the tiles (configured for 16 rows by the caller): the same inputs and state.
- * kept: this KV head's block of a kept prefix (panel_head_elems), or NULL. Where its header holds
+/* Phase 1 for nr <= 32 rows (q row pointers) over slots idx[0..n) of one KV head (offset koff in a
+ * slot); the state goes to m[r], l[r], acc_out[r] (unnormalised). With amx the tiles are configured
+ * for 16 rows by the caller. kept: this KV head's block of a kept prefix (panel_head_elems), or NULL. Where its header holds
  * `token` the panels are read as they are (packed by an earlier step); where `fill` is set they are
  * packed into it and the header set after; otherwise into the scratch. */
-static void prefix_attend_amx(pa_work_t *p, const uint16_t *const *qrows, int64_t nr, int64_t koff,
-                              const int64_t *idx, int64_t n, const kv_t *kv, float *m, float *l,
-                              float *const *acc_out, uint16_t *kept, int64_t token, int fill) {
-    const int64_t dim = kv->dim, blocks = (nr + AMX_ROWS - 1) / AMX_ROWS, step = panel_step_elems(dim);
+static void prefix_attend_panels(pa_work_t *p, const uint16_t *const *qrows, int64_t nr, int64_t koff,
+                                 const int64_t *idx, int64_t n, const kv_t *kv, float *m, float *l,
+                                 float *const *acc_out, uint16_t *kept, int64_t token, int fill, int amx) {
+    const int64_t dim = kv->dim, step = panel_step_elems(dim);
     _Atomic int64_t *header = kept != NULL ? (_Atomic int64_t *)kept : NULL;
     const int ready = header != NULL && atomic_load_explicit(header, memory_order_acquire) == token;
     uint16_t *panels = ready || (header != NULL && fill) ? kept + PANEL_HEADER : NULL;
@@ -534,19 +375,27 @@ static void prefix_attend_amx(pa_work_t *p, const uint16_t *const *qrows, int64_
         m[r] = -INFINITY;
         l[r] = 0.f;
     }
-    memset(p->qa + nr * dim, 0, sizeof(uint16_t) * (size_t)((blocks * AMX_ROWS - nr) * dim));
+#if defined(HAVE_AMX)
+    if (amx) { /* the tiles read whole blocks of 16 rows */
+        const int64_t blocks = (nr + AMX_ROWS - 1) / AMX_ROWS;
+        memset(p->qa + nr * dim, 0, sizeof(uint16_t) * (size_t)((blocks * AMX_ROWS - nr) * dim));
+    }
+#endif
     memset(p->acc, 0, sizeof(float) * (size_t)(nr * dim));
-    for (int64_t i0 = 0; i0 < n; i0 += AMX_KEYS) {
-        const int64_t nt = n - i0 < AMX_KEYS ? n - i0 : AMX_KEYS;
+    for (int64_t i0 = 0; i0 < n; i0 += ATTN_KEYS) {
+        const int64_t nt = n - i0 < ATTN_KEYS ? n - i0 : ATTN_KEYS;
         int64_t vis[32];
         for (int64_t r = 0; r < nr; r++) vis[r] = nt;
-        uint16_t *kp = panels != NULL ? panels + i0 / AMX_KEYS * step : p->kp;
-        uint16_t *vp = panels != NULL ? kp + AMX_KEYS * dim : p->vp;
+        uint16_t *kp = panels != NULL ? panels + i0 / ATTN_KEYS * step : p->kp;
+        uint16_t *vp = panels != NULL ? kp + ATTN_KEYS * dim : p->vp;
         if (!ready) {
             pack_k_panels((const uint16_t *)kv->k, kv->k_stride, idx + i0, nt, koff, dim / 2, kp);
-            pack_v_panels((const uint16_t *)kv->v, kv->v_stride, idx + i0, nt, koff, dim, AMX_KEYS / 2, vp);
+            pack_v_panels((const uint16_t *)kv->v, kv->v_stride, idx + i0, nt, koff, dim, ATTN_KEYS / 2, vp);
         }
-        amx_attend_step(p->qa, nr, dim, kp, vp, AMX_KEYS / 2 * 128, vis, kv->scale, m, l, p->acc, &p->attn);
+        /* Kept panels lie in order, read from memory: the next step's are requested meanwhile. */
+        const int next = ready && i0 + ATTN_KEYS < n;
+        attend_step(p->qa, nr, dim, kp, vp, ATTN_KEYS / 2 * 128, vis, kv->scale, m, l, p->acc, &p->attn,
+                    next ? (const char *)(kp + step) : NULL, next ? step * 2 : 0, amx);
     }
     if (panels != NULL && !ready) atomic_store_explicit(header, token, memory_order_release);
     for (int64_t r = 0; r < nr; r++) memcpy(acc_out[r], p->acc + r * dim, sizeof(float) * (size_t)dim);
@@ -598,7 +447,6 @@ static void decode_part(void *arg, int tid, int nthreads) {
     const kv_t kv = J->kv;
     const int64_t group = J->group, block = J->block, blocks = J->blocks, max_rows = J->max_rows;
     const int64_t pf_blocks = J->pf_blocks;
-    (void)pf_blocks;
     const int elem = dtype == DTYPE_F32 ? 4 : 2;
     float *pm = J->pm, *pl = J->pl, *pacc = J->pacc;
     work_t w;
@@ -614,18 +462,14 @@ static void decode_part(void *arg, int tid, int nthreads) {
 #if defined(__AVX512BF16__)
     if (num_groups > 0 && prefix_fast(&kv)) {
         /* Tasks: (group, KV head, block of 32 query rows). */
-        pf_work_t pw = {0};
-#if defined(HAVE_AMX)
         pa_work_t pa = {0};
+#if defined(HAVE_AMX)
         const int amx = amx_active();
-        if (amx) {
-            pa_alloc(&pa, dim);
-            amx_configure(AMX_ROWS);
-        }
+        if (amx) amx_configure(AMX_ROWS);
 #else
         const int amx = 0;
 #endif
-        if (!amx) pf_alloc(&pw, dim);
+        pa_alloc(&pa, dim);
         const uint16_t *qr[32];
         float *accs[32];
         DYNAMIC_FOR(t, num_groups * kv_heads * pf_blocks, &J->next_prefix) {
@@ -642,31 +486,21 @@ static void decode_part(void *arg, int tid, int nthreads) {
                 accs[r] = pacc + outs[r] * dim;
             }
             float mr[32], lr[32];
-#if defined(HAVE_AMX)
-            if (amx) {
-                /* A kept prefix's panels: packed by the first row block of each head, read by every
-                 * block once the header says they are whole (the others pack their own meanwhile). */
-                uint16_t *kept = J->kept != NULL && J->kept[g] != 0
-                                     ? (uint16_t *)(intptr_t)J->kept[g] + h * panel_head_elems(prefix_lens[g], dim)
-                                     : NULL;
-                prefix_attend_amx(&pa, qr, nr, h * dim, prefix_indices + g * max_prefix, prefix_lens[g], &kv, mr, lr,
-                                  accs, kept, kept != NULL ? J->kept_tokens[g] : 0, blk == 0);
-            }
-            else
-#endif
-                prefix_attend(&pw, qr, nr, h * dim, prefix_indices + g * max_prefix, prefix_lens[g], &kv, mr, lr,
-                              accs);
+            /* A kept prefix's panels: packed by the first row block of each head, read by every block
+             * once the header says they are whole (the others pack their own meanwhile). */
+            uint16_t *kept = J->kept != NULL && J->kept[g] != 0
+                                 ? (uint16_t *)(intptr_t)J->kept[g] + h * panel_head_elems(prefix_lens[g], dim)
+                                 : NULL;
+            prefix_attend_panels(&pa, qr, nr, h * dim, prefix_indices + g * max_prefix, prefix_lens[g], &kv, mr, lr,
+                                 accs, kept, kept != NULL ? J->kept_tokens[g] : 0, blk == 0, amx);
             for (int64_t r = 0; r < nr; r++) {
                 pm[outs[r]] = mr[r];
                 pl[outs[r]] = lr[r];
             }
         }
-        pf_free(&pw); /* free(NULL) for the AMX path */
+        pa_free(&pa);
 #if defined(HAVE_AMX)
-        if (amx) {
-            pa_free(&pa);
-            _tile_release();
-        }
+        if (amx) _tile_release();
 #endif
     } else
 #endif
@@ -761,11 +595,12 @@ void decode_attention(const void *q, const void *k, const void *v, const int64_t
     free(pacc);
 }
 
-/* Elements (uint16) one layer's block of a kept prefix of n keys takes (prefix_attend_amx): 0 where
- * the tiles are not used, so there is nothing to keep. */
+/* Elements (uint16) one layer's block of a kept prefix of n keys takes (prefix_attend_panels): 0 where
+ * the cascade does not use panels (no AVX512-BF16, or a head size phase 1 does not take), so there is
+ * nothing to keep. */
 int64_t kept_prefix_elems(int64_t n, int64_t kv_heads, int64_t dim) {
-#if defined(HAVE_AMX)
-    if (amx_active() && dim % 32 == 0 && dim <= PF_MAX_DIM) return kv_heads * panel_head_elems(n, dim);
+#if defined(__AVX512BF16__)
+    if (dim % 32 == 0 && dim <= PREFIX_MAX_DIM) return kv_heads * panel_head_elems(n, dim);
 #endif
     (void)n; (void)kv_heads; (void)dim;
     return 0;
