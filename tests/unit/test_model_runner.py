@@ -97,6 +97,38 @@ def test_mixed_batch_equals_separate_extend_and_decode(tiny_llama):
     assert (mixed_logits - sep_logits).abs().max().item() < 1e-4
 
 
+def test_extend_runs_the_last_layer_past_attention_on_the_sampled_rows_only(tiny_llama, monkeypatch):
+    """Of an extend (here MIXED) batch only each request's last row feeds the logits, so the last
+    layer's output projection and MLP run on those rows alone; the logits are those of the full run."""
+    from engine.layers.logits_processor import LogitsProcessor
+
+    path, _ = tiny_llama
+
+    def run(prune: bool):
+        if not prune:
+            monkeypatch.setattr(LogitsProcessor, "rows_needed", staticmethod(lambda fb: None))
+        runner = make_runner(path, page_size=1)
+        rows_seen = []
+        for layer in runner.model.model.decoder_layers:
+            layer.mlp.register_forward_hook(lambda mod, args, out: rows_seen.append(args[0].shape[0]))
+        driver = BatchDriver(runner, seed=5)
+        rows = [driver.new_row() for _ in PROMPTS]
+        _, tokens = driver.run(driver.extend_batch([ExtendReq(r, p) for r, p in zip(rows[:2], PROMPTS[:2])]))
+        decode_rows = [(r, int(t), len(p)) for r, t, p in zip(rows[:2], tokens, PROMPTS[:2])]
+        rows_seen.clear()
+        fb = driver.extend_batch([ExtendReq(r, p) for r, p in zip(rows[2:], PROMPTS[2:])], decode_rows=decode_rows)
+        out, tokens = driver.run(fb)
+        monkeypatch.undo()
+        return out.next_token_logits, tokens.tolist(), rows_seen
+
+    logits, tokens, rows_seen = run(True)
+    full_logits, full_tokens, full_rows_seen = run(False)
+    total = len(PROMPTS[2]) + len(PROMPTS[3]) + 2
+    assert full_rows_seen == [total, total] and rows_seen == [total, 4]
+    assert tokens == full_tokens
+    assert (logits - full_logits).abs().max().item() < 1e-5
+
+
 def test_pool_sizing_and_attributes(tiny_llama, caplog):
     path, _ = tiny_llama
     with caplog.at_level(logging.INFO, logger="engine.model_executor.model_runner"):
