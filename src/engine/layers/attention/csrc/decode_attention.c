@@ -365,7 +365,8 @@ static int64_t panel_head_elems(int64_t n, int64_t dim) {
  * packed into it and the header set after; otherwise into the scratch. */
 static void prefix_attend_panels(pa_work_t *p, const uint16_t *const *qrows, int64_t nr, int64_t koff,
                                  const int64_t *idx, int64_t n, const kv_t *kv, float *m, float *l,
-                                 float *const *acc_out, uint16_t *kept, int64_t token, int fill, int amx) {
+                                 float *const *acc_out, uint16_t *kept, int64_t token, int fill, int amx,
+                                 const char *then, int64_t then_bytes) {
     const int64_t dim = kv->dim, step = panel_step_elems(dim);
     _Atomic int64_t *header = kept != NULL ? (_Atomic int64_t *)kept : NULL;
     const int ready = header != NULL && atomic_load_explicit(header, memory_order_acquire) == token;
@@ -392,10 +393,11 @@ static void prefix_attend_panels(pa_work_t *p, const uint16_t *const *qrows, int
             pack_k_panels((const uint16_t *)kv->k, kv->k_stride, idx + i0, nt, koff, dim / 2, kp);
             pack_v_panels((const uint16_t *)kv->v, kv->v_stride, idx + i0, nt, koff, dim, ATTN_KEYS / 2, vp);
         }
-        /* Kept panels lie in order, read from memory: the next step's are requested meanwhile. */
-        const int next = ready && i0 + ATTN_KEYS < n;
+        /* Kept panels lie in order, read from memory: the next step's are requested meanwhile, and
+         * during the last step the first of `then` (the panels this thread is likely to read next). */
+        const int next = ready && i0 + ATTN_KEYS < n, last = i0 + ATTN_KEYS >= n;
         attend_step(p->qa, nr, dim, kp, vp, ATTN_KEYS / 2 * 128, vis, kv->scale, m, l, p->acc, &p->attn,
-                    next ? (const char *)(kp + step) : NULL, next ? step * 2 : 0, amx);
+                    next ? (const char *)(kp + step) : last ? then : NULL, next ? step * 2 : last ? then_bytes : 0, amx);
     }
     if (panels != NULL && !ready) atomic_store_explicit(header, token, memory_order_release);
     for (int64_t r = 0; r < nr; r++) memcpy(acc_out[r], p->acc + r * dim, sizeof(float) * (size_t)dim);
@@ -432,6 +434,14 @@ typedef struct {
     float *pm, *pl, *pacc;
     _Atomic int64_t next_prefix, next_request; /* the next task of each phase */
 } decode_job_t;
+
+#if defined(__AVX512BF16__)
+/* KV head h's block of group g's kept prefix panels (panel_head_elems), or NULL. */
+static uint16_t *kept_block(const decode_job_t *J, int64_t g, int64_t h, int64_t dim) {
+    if (J->kept == NULL || J->kept[g] == 0) return NULL;
+    return (uint16_t *)(intptr_t)J->kept[g] + h * panel_head_elems(J->prefix_lens[g], dim);
+}
+#endif
 
 static void decode_part(void *arg, int tid, int nthreads) {
     decode_job_t *J = (decode_job_t *)arg;
@@ -488,11 +498,14 @@ static void decode_part(void *arg, int tid, int nthreads) {
             float mr[32], lr[32];
             /* A kept prefix's panels: packed by the first row block of each head, read by every block
              * once the header says they are whole (the others pack their own meanwhile). */
-            uint16_t *kept = J->kept != NULL && J->kept[g] != 0
-                                 ? (uint16_t *)(intptr_t)J->kept[g] + h * panel_head_elems(prefix_lens[g], dim)
-                                 : NULL;
+            uint16_t *kept = kept_block(J, g, h, dim);
+            /* The tasks go to the threads in turn: this one's next is likely nthreads on. */
+            const int64_t tn = t + nthreads, gn = tn / (kv_heads * pf_blocks), hn = (tn / pf_blocks) % kv_heads;
+            const uint16_t *then = tn < num_groups * kv_heads * pf_blocks ? kept_block(J, gn, hn, dim) : NULL;
             prefix_attend_panels(&pa, qr, nr, h * dim, prefix_indices + g * max_prefix, prefix_lens[g], &kv, mr, lr,
-                                 accs, kept, kept != NULL ? J->kept_tokens[g] : 0, blk == 0, amx);
+                                 accs, kept, kept != NULL ? J->kept_tokens[g] : 0, blk == 0, amx,
+                                 then != NULL ? (const char *)(then + PANEL_HEADER) : NULL,
+                                 then != NULL ? panel_step_elems(dim) * 2 : 0);
             for (int64_t r = 0; r < nr; r++) {
                 pm[outs[r]] = mr[r];
                 pl[outs[r]] = lr[r];
