@@ -118,6 +118,13 @@ typedef struct {
     uint16_t *xp; /* AMX: x packed tile by tile (amx_part), or NULL */
 } linear_job_t;
 
+/* The m rows in `tiles` = ceil(m / ROWS) register tiles of sizes as even as can be, the bigger ones
+ * first (128 rows: 18 of 6 and 4 of 5, where 6 at a time left a tile of 2 that runs at half the
+ * rate): tile t holds `rows` rows from m0 on. Each row's sums are the same whatever its tile's size. */
+#define FOR_ROW_TILES(m, tiles, t, m0, rows)                                                               \
+    for (int64_t t = 0, m0 = 0, rows = (m) / (tiles) + ((m) % (tiles) > 0); t < (tiles);                     \
+         m0 += rows, t++, rows = (m) / (tiles) + (t < (m) % (tiles)))
+
 static void linear_part(void *arg, int id, int nt) {
     const linear_job_t *j = (const linear_job_t *)arg;
     const int64_t m = j->m, k = j->k, n = j->n;
@@ -135,17 +142,17 @@ static void linear_part(void *arg, int id, int nt) {
          * at 1-6 rows ran at 29-37 GB/s without software prefetches against 25-29 with them. */
         const int64_t tiles = (m + ROWS - 1) / ROWS, lines = panel_elems * 2 / 64;
         const char *ahead = p + 1 < last && tiles > 1 ? (const char *)(panel + panel_elems) : NULL;
-        int64_t m0 = 0, t = 0;
 #define TILE_ARGS(rows) j->x, k, panel, ahead ? ahead + t * lines / tiles * 64 : NULL, \
             ahead ? (t + 1) * lines / tiles - t * lines / tiles : 0, m0, rows, j->bias, p * PANEL, n, j->out, STORE, NULL
-        for (; m0 + ROWS <= m; m0 += ROWS, t++) tile(TILE_ARGS(ROWS));
-        switch (m - m0) { /* the rest of the rows, a register tile of their own size */
-        case 1: tile(TILE_ARGS(1)); break;
-        case 2: tile(TILE_ARGS(2)); break;
-        case 3: tile(TILE_ARGS(3)); break;
-        case 4: tile(TILE_ARGS(4)); break;
-        case 5: tile(TILE_ARGS(5)); break;
-        default: break;
+        FOR_ROW_TILES(m, tiles, t, m0, rows) {
+            switch (rows) {
+            case 1: tile(TILE_ARGS(1)); break;
+            case 2: tile(TILE_ARGS(2)); break;
+            case 3: tile(TILE_ARGS(3)); break;
+            case 4: tile(TILE_ARGS(4)); break;
+            case 5: tile(TILE_ARGS(5)); break;
+            default: tile(TILE_ARGS(ROWS)); break;
+            }
         }
 #undef TILE_ARGS
     }
@@ -170,21 +177,19 @@ static void gate_up_part(void *arg, int id, int nt) {
         /* the next pair's two panels, a share per row tile (none for a single tile, as in linear_part) */
         const char *ga = p + 1 < last && tiles > 1 ? (const char *)(gp + panel_elems) : NULL;
         const char *ua = p + 1 < last && tiles > 1 ? (const char *)(up + panel_elems) : NULL;
-        int64_t m0 = 0, t = 0;
 #define SHARE(a) a ? a + t * lines / tiles * 64 : NULL, a ? (t + 1) * lines / tiles - t * lines / tiles : 0
 #define PAIR(rows)                                                                                          \
     tile(j->x, k, gp, SHARE(ga), m0, rows, j->bias, p * PANEL, half, j->out, GATE, gate);                \
     tile(j->x, k, up, SHARE(ua), m0, rows, bias_up, p * PANEL, half, j->out, SILU_MUL, gate)
-        for (; m0 + ROWS <= m; m0 += ROWS, t++) {
-            PAIR(ROWS);
-        }
-        switch (m - m0) {
-        case 1: PAIR(1); break;
-        case 2: PAIR(2); break;
-        case 3: PAIR(3); break;
-        case 4: PAIR(4); break;
-        case 5: PAIR(5); break;
-        default: break;
+        FOR_ROW_TILES(m, tiles, t, m0, rows) {
+            switch (rows) {
+            case 1: PAIR(1); break;
+            case 2: PAIR(2); break;
+            case 3: PAIR(3); break;
+            case 4: PAIR(4); break;
+            case 5: PAIR(5); break;
+            default: PAIR(ROWS); break;
+            }
         }
 #undef PAIR
 #undef SHARE
@@ -324,12 +329,14 @@ int amx_active(void) { return 0; }
 void linear_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n, const float *bias,
                  uint16_t *out, int num_threads) {
     linear_job_t job = {x, packed, m, k, n, bias, out, NULL};
+    if (m <= 0) return;
     if (!amx_run(&job, amx_linear_part, num_threads)) pool_run(linear_part, &job, num_threads);
 }
 
 void linear_bf16_silu_mul(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
                           const float *bias, uint16_t *out, int num_threads) {
     linear_job_t job = {x, packed, m, k, n, bias, out, NULL};
+    if (m <= 0) return;
     if (!amx_run(&job, amx_gate_up_part, num_threads)) pool_run(gate_up_part, &job, num_threads);
 }
 
