@@ -42,6 +42,7 @@ static inline __attribute__((always_inline)) void attn_tile(const uint16_t *a, i
                                                             const uint16_t *panel, const int R, float *c,
                                                             int64_t c_stride, const char *ahead, int64_t lines) {
     __m512 acc[ATTN_RT * 4];
+#pragma GCC unroll 24 /* in registers: left as a loop, GCC zeroed them with a memset call per tile */
     for (int i = 0; i < R * 4; i++) acc[i] = _mm512_setzero_ps();
     int64_t owed = 0; /* lines / pairs lines an iteration, without a division in the loop */
     for (int64_t kk = 0; kk < pairs; kk++) {
