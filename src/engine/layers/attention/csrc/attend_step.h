@@ -64,16 +64,13 @@ static inline __attribute__((always_inline)) void attn_tile(const uint16_t *a, i
         for (int r = 0; r < R; r++) _mm512_storeu_ps(c + r * c_stride + q * 16, acc[r * 4 + q]);
 }
 
-/* attn_tile over `rows` rows in as few tiles as ATTN_RT allows, of sizes as even as can be (32 rows:
- * 6, 6, 5, 5, 5, 5, where 6 at a time leaves a tile of 2 that runs at half the rate); the lines from
- * `ahead` on are prefetched a share per tile. */
+/* attn_tile over `rows` rows in tiles of even sizes (FOR_ROW_TILES); the lines from `ahead` on are
+ * prefetched a share per tile. */
 static inline void attn_rows(const uint16_t *a, int64_t a_stride, int64_t rows, int64_t pairs, const uint16_t *panel,
                              float *c, int64_t c_stride, const char *ahead, int64_t lines) {
-    const int64_t tiles = (rows + ATTN_RT - 1) / ATTN_RT, base = tiles > 0 ? rows / tiles : 0;
-    const int64_t bigger = tiles > 0 ? rows % tiles : 0; /* tiles of base + 1 rows, first */
-    int64_t r = 0;
-    for (int64_t t = 0; t < tiles; t++) {
-        const int64_t n = base + (t < bigger);
+    if (rows <= 0) return;
+    const int64_t tiles = (rows + ATTN_RT - 1) / ATTN_RT;
+    FOR_ROW_TILES(rows, ATTN_RT, t, r, n) {
         const uint16_t *ar = a + r * a_stride;
         float *cr = c + r * c_stride;
         const char *at = ahead + t * lines / tiles * 64;
@@ -86,7 +83,6 @@ static inline void attn_rows(const uint16_t *a, int64_t a_stride, int64_t rows, 
         case 5: attn_tile(ar, a_stride, pairs, panel, 5, cr, c_stride, at, lt); break;
         default: attn_tile(ar, a_stride, pairs, panel, ATTN_RT, cr, c_stride, at, lt); break;
         }
-        r += n;
     }
 }
 

@@ -36,6 +36,14 @@ void linear_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed
                  uint16_t *out, int num_threads);
 void linear_bf16_silu_mul(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
                           const float *bias, uint16_t *out, int num_threads);
+/* m rows in ceil(m / most) register tiles of sizes as even as can be, the bigger ones first (128 rows
+ * by 6 at most: 18 of 6 and 4 of 5, where 6 at a time left a tile of 2 that runs at half the rate):
+ * tile t holds `rows` rows from m0 on (m > 0). Used by the register-tiled products of linear_bf16.c
+ * and attend_step.h, whose row sums are the same whatever the tile's size. */
+#define FOR_ROW_TILES(m, most, t, m0, rows)                                                              \
+    for (int64_t t = 0, tiles_ = ((m) + (most) - 1) / (most), m0 = 0, rows = (m) / tiles_ + ((m) % tiles_ > 0); \
+         t < tiles_; m0 += rows, t++, rows = (m) / tiles_ + (t < (m) % tiles_))
+
 /* A loop whose iterations the job's threads take one at a time (OpenMP's schedule(dynamic, 1)). */
 #define DYNAMIC_FOR(t, n, counter) \
     for (int64_t t = atomic_fetch_add((counter), 1); t < (n); t = atomic_fetch_add((counter), 1))

@@ -119,13 +119,6 @@ typedef struct {
     uint16_t *xp; /* AMX: x packed tile by tile (amx_part), or NULL */
 } linear_job_t;
 
-/* The m rows in `tiles` = ceil(m / ROWS) register tiles of sizes as even as can be, the bigger ones
- * first (128 rows: 18 of 6 and 4 of 5, where 6 at a time left a tile of 2 that runs at half the
- * rate): tile t holds `rows` rows from m0 on. Each row's sums are the same whatever its tile's size. */
-#define FOR_ROW_TILES(m, tiles, t, m0, rows)                                                               \
-    for (int64_t t = 0, m0 = 0, rows = (m) / (tiles) + ((m) % (tiles) > 0); t < (tiles);                     \
-         m0 += rows, t++, rows = (m) / (tiles) + (t < (m) % (tiles)))
-
 static void linear_part(void *arg, int id, int nt) {
     const linear_job_t *j = (const linear_job_t *)arg;
     const int64_t m = j->m, k = j->k, n = j->n;
@@ -145,7 +138,7 @@ static void linear_part(void *arg, int id, int nt) {
         const char *ahead = p + 1 < last && tiles > 1 ? (const char *)(panel + panel_elems) : NULL;
 #define TILE_ARGS(rows) j->x, k, panel, ahead ? ahead + t * lines / tiles * 64 : NULL, \
             ahead ? (t + 1) * lines / tiles - t * lines / tiles : 0, m0, rows, j->bias, p * PANEL, n, j->out, STORE, NULL
-        FOR_ROW_TILES(m, tiles, t, m0, rows) {
+        FOR_ROW_TILES(m, ROWS, t, m0, rows) {
             switch (rows) {
             case 1: tile(TILE_ARGS(1)); break;
             case 2: tile(TILE_ARGS(2)); break;
@@ -182,7 +175,7 @@ static void gate_up_part(void *arg, int id, int nt) {
 #define PAIR(rows)                                                                                          \
     tile(j->x, k, gp, SHARE(ga), m0, rows, j->bias, p * PANEL, half, j->out, GATE, gate);                \
     tile(j->x, k, up, SHARE(ua), m0, rows, bias_up, p * PANEL, half, j->out, SILU_MUL, gate)
-        FOR_ROW_TILES(m, tiles, t, m0, rows) {
+        FOR_ROW_TILES(m, ROWS, t, m0, rows) {
             switch (rows) {
             case 1: PAIR(1); break;
             case 2: PAIR(2); break;
