@@ -97,17 +97,27 @@ def test_mixed_batch_equals_separate_extend_and_decode(tiny_llama):
     assert (mixed_logits - sep_logits).abs().max().item() < 1e-4
 
 
-def test_extend_runs_the_last_layer_past_attention_on_the_sampled_rows_only(tiny_llama, monkeypatch):
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_extend_runs_the_last_layer_past_attention_on_the_sampled_rows_only(tiny_llama, monkeypatch, dtype):
     """Of an extend (here MIXED) batch only each request's last row feeds the logits, so the last
-    layer's output projection and MLP run on those rows alone; the logits are those of the full run."""
+    layer attends from those rows alone (bf16 on the CPU: through the decode kernel) and runs its
+    output projection and MLP on them; the logits are those of the full run."""
+    from engine.layers.attention import cpu_kernels
     from engine.layers.logits_processor import LogitsProcessor
 
     path, _ = tiny_llama
+    decode_kernel_rows = []
+    decode_attention = cpu_kernels.decode_attention
+
+    def counting(q, *args, **kwargs):
+        decode_kernel_rows.append(q.shape[0])
+        return decode_attention(q, *args, **kwargs)
 
     def run(prune: bool):
+        monkeypatch.setattr(cpu_kernels, "decode_attention", counting)
         if not prune:
             monkeypatch.setattr(LogitsProcessor, "rows_needed", staticmethod(lambda fb: None))
-        runner = make_runner(path, page_size=1)
+        runner = make_runner(path, page_size=1, dtype=dtype)
         rows_seen = []
         for layer in runner.model.model.decoder_layers:
             layer.mlp.register_forward_hook(lambda mod, args, out: rows_seen.append(args[0].shape[0]))
@@ -116,17 +126,22 @@ def test_extend_runs_the_last_layer_past_attention_on_the_sampled_rows_only(tiny
         _, tokens = driver.run(driver.extend_batch([ExtendReq(r, p) for r, p in zip(rows[:2], PROMPTS[:2])]))
         decode_rows = [(r, int(t), len(p)) for r, t, p in zip(rows[:2], tokens, PROMPTS[:2])]
         rows_seen.clear()
+        decode_kernel_rows.clear()
         fb = driver.extend_batch([ExtendReq(r, p) for r, p in zip(rows[2:], PROMPTS[2:])], decode_rows=decode_rows)
         out, tokens = driver.run(fb)
         monkeypatch.undo()
-        return out.next_token_logits, tokens.tolist(), rows_seen
+        return out.next_token_logits, tokens.tolist(), rows_seen, list(decode_kernel_rows)
 
-    logits, tokens, rows_seen = run(True)
-    full_logits, full_tokens, full_rows_seen = run(False)
+    logits, tokens, rows_seen, kernel_rows = run(True)
+    full_logits, full_tokens, full_rows_seen, full_kernel_rows = run(False)
     total = len(PROMPTS[2]) + len(PROMPTS[3]) + 2
     assert full_rows_seen == [total, total] and rows_seen == [total, 4]
+    if dtype == "bfloat16" and cpu_kernels.extend_supported():
+        # Layer 0: the 2 decode rows; layer 1 (the last): the 4 requests' last rows, a decode batch.
+        assert full_kernel_rows == [2, 2] and kernel_rows == [2, 4]
     assert tokens == full_tokens
-    assert (logits - full_logits).abs().max().item() < 1e-5
+    tolerance = 1e-5 if dtype == "float32" else 1e-2 * full_logits.abs().max().item()  # bf16: its rounding
+    assert (logits - full_logits).abs().max().item() <= tolerance
 
 
 def test_pool_sizing_and_attributes(tiny_llama, caplog):

@@ -61,14 +61,14 @@ class LogitsProcessor(nn.Module):
     def rows_needed(forward_batch: "ForwardBatch") -> Optional[torch.Tensor]:
         """The rows of an extend batch whose final hidden states are all that forward needs (each
         request's last position), where neither input logprobs nor hidden states were asked for;
-        None where every row is needed. A model may then run its last layer's output projection and
-        MLP on these rows alone and pass `pruned=True`: the other rows' outputs feed nothing (their
-        K/V, which later tokens read, come from the layer's input)."""
+        None where every row is needed. A model may then run its last layer past the K/V (attention
+        from these rows, output projection, MLP) on these rows alone and pass `pruned=True`: the other
+        rows' outputs feed nothing (their K/V, which later tokens read, come from the layer's input)."""
         if not forward_batch.forward_mode.is_extend() or forward_batch.capture_hidden_states:
             return None
         if forward_batch.return_logprob and _wants_input_logprobs(forward_batch):
             return None
-        return _last_positions(forward_batch)
+        return forward_batch.last_positions()
 
     def forward(
         self,
@@ -81,7 +81,7 @@ class LogitsProcessor(nn.Module):
         """pruned: hidden_states holds only the rows_needed() rows (an extend batch)."""
         mode = forward_batch.forward_mode
         if mode.is_extend() and not pruned:
-            pruned_states = hidden_states.index_select(0, _last_positions(forward_batch))
+            pruned_states = hidden_states.index_select(0, forward_batch.last_positions())
         else:
             pruned_states = hidden_states
         output = LogitsProcessorOutput(next_token_logits=self.compute_logits(pruned_states, lm_head))
@@ -181,12 +181,6 @@ def _collect_token_ids_logprobs(logprobs: torch.Tensor, chunk_start: int, asked_
             rows = out[i]
             assert rows is not None  # a list for every request that asked ids
             rows.extend(logprobs[lo - chunk_start:hi - chunk_start].index_select(1, index).tolist())
-
-
-def _last_positions(forward_batch: "ForwardBatch") -> torch.Tensor:
-    """Each request's last row of an extend batch (init_new sets the extend fields)."""
-    assert forward_batch.extend_start_loc is not None and forward_batch.extend_seq_lens is not None
-    return forward_batch.extend_start_loc + forward_batch.extend_seq_lens - 1
 
 
 def _wants_input_logprobs(forward_batch: "ForwardBatch") -> bool:

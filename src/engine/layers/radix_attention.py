@@ -37,10 +37,15 @@ class RadixAttention(nn.Module):
         v: torch.Tensor,
         forward_batch: "ForwardBatch",
         save_kv_cache: bool = True,
+        last_rows_only: bool = False,
     ) -> torch.Tensor:
+        """last_rows_only (an extend batch): every row's K/V is stored, but the output is each request's
+        last row only, [bs, heads * head_dim] (a model's last layer when only the logits need it)."""
         if k is not None:
             k = k.view(-1, self.tp_k_head_num, self.head_dim)
             v = v.view(-1, self.tp_v_head_num, self.head_dim)
         backend = forward_batch.attn_backend
         assert backend is not None  # ForwardBatch.init_new sets it
+        if last_rows_only:
+            return backend.forward_extend_last_rows(q, k, v, self, forward_batch, save_kv_cache)
         return backend.forward(q, k, v, self, forward_batch, save_kv_cache)

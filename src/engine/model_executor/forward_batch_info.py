@@ -126,6 +126,11 @@ class ForwardBatch:
     # Free-form per-backend metadata built by attn_backend.init_forward_metadata.
     attn_metadata: Any = None
 
+    def last_positions(self) -> torch.Tensor:
+        """[bs] each request's last row of an extend batch."""
+        assert self.extend_start_loc is not None and self.extend_seq_lens is not None  # init_new sets them
+        return self.extend_start_loc + self.extend_seq_lens - 1
+
     @classmethod
     def init_new(cls, batch: ModelWorkerBatch, model_runner: ForwardRunner) -> "ForwardBatch":
         device = model_runner.device

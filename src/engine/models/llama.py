@@ -83,7 +83,9 @@ class LlamaAttention(nn.Module):
         self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: "ForwardBatch",
-                keep_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
+                last_rows_only: bool = False) -> torch.Tensor:
+        """last_rows_only: of an extend batch, the output at each request's last row alone (every row's
+        K/V is stored)."""
         qkv = self.qkv_proj(hidden_states)
         q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None:
@@ -92,10 +94,7 @@ class LlamaAttention(nn.Module):
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(-1, self.q_size)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(-1, self.kv_size)
         q, k = self.rotary_emb(positions, q, k, inplace=True)  # q, k are slices of qkv, ours to change
-        attn_output = self.attn(q, k, v, forward_batch)
-        if keep_rows is not None:
-            attn_output = attn_output.index_select(0, keep_rows)
-        return self.o_proj(attn_output)
+        return self.o_proj(self.attn(q, k, v, forward_batch, last_rows_only=last_rows_only))
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -115,15 +114,16 @@ class LlamaDecoderLayer(nn.Module):
         residual: Optional[torch.Tensor],
         keep_rows: Optional[torch.Tensor] = None,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """keep_rows: only these rows of the output are wanted (the last layer, LogitsProcessor.rows_needed):
-        every row's K/V are still stored, the rest of the layer runs on these rows alone."""
+        """keep_rows: only these rows of the output are wanted (the last layer, LogitsProcessor.rows_needed:
+        each request's last row); every row's K/V is still stored, the rest of the layer, attention
+        included, runs on these rows alone."""
         # The residual stream is carried separately so each norm can fuse the add.
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, forward_batch, keep_rows)
+        hidden_states = self.self_attn(positions, hidden_states, forward_batch, keep_rows is not None)
         if keep_rows is not None:
             residual = residual.index_select(0, keep_rows)
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
@@ -188,7 +188,7 @@ class LlamaForCausalLM(nn.Module):
             if self.pooler is None:
                 raise ValueError("this model was not loaded as an embedding model (--is-embedding)")
             return self.pooler(self.model(input_ids, positions, forward_batch), forward_batch)
-        # Of an extend, only the rows the logits need go through the last layer's MLP (a prefill of
+        # Of an extend, only the rows the logits need go through the last layer past its K/V (a prefill of
         # N tokens skips N - 1 of them: about a tenth of an 8-layer model's prefill FLOPs).
         keep_rows = self.logits_processor.rows_needed(forward_batch)
         hidden_states = self.model(input_ids, positions, forward_batch, keep_rows)

@@ -53,6 +53,14 @@ class AttentionBackend(ABC):
     def forward_decode(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True) -> torch.Tensor:
         ...
 
+    def forward_extend_last_rows(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch",
+                                 save_kv_cache: bool = True) -> torch.Tensor:
+        """forward_extend's output at each request's last row only, [bs, num_heads * head_dim]; every
+        row's K/V is stored as by forward_extend. This default computes every row and keeps the last
+        ones; a backend may attend from the last rows alone."""
+        return self.forward_extend(q, k, v, layer, forward_batch, save_kv_cache).index_select(
+            0, forward_batch.last_positions())
+
     # ------------------------------------------------------------------ CUDA graphs
     def init_cuda_graph_state(self, max_bs: int) -> None:
         """Static metadata buffers for batches of up to max_bs rows, once."""

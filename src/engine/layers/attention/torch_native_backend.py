@@ -244,6 +244,25 @@ class TorchNativeAttnBackend(AttentionBackend):
             out[seq.q_start : seq.q_start + seq.extend_len] = o.squeeze(0).transpose(0, 1)
         return out.view(-1, num_heads * head_dim)
 
+    def forward_extend_last_rows(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch",
+                                 save_kv_cache: bool = True):
+        """With the native kernels, each request's last token attends through the decode kernel (and its
+        cascade over shared prefixes): one query row per request instead of all the new tokens."""
+        meta = forward_batch.attn_metadata
+        if not isinstance(meta, _NativeExtend) or not layer.is_causal:
+            return super().forward_extend_last_rows(q, k, v, layer, forward_batch, save_kv_cache)
+        pool = forward_batch.token_to_kv_pool
+        assert pool is not None  # ForwardBatch.init_new sets it
+        if save_kv_cache and k is not None:
+            pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        if meta.last_rows is None:
+            meta.last_rows = self._decode_metadata(forward_batch)
+        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        rows = q.view(q.shape[0], -1).index_select(0, forward_batch.last_positions())
+        return cpu_kernels.decode_attention(rows, k_buf, v_buf, meta.last_rows.kv_indices, meta.last_rows.lens,
+                                            layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim, layer.scaling,
+                                            cascade=meta.last_rows.cascade, layer_id=layer.layer_id)
+
     def _forward_native_extend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                                layer: "RadixAttention", meta: _NativeExtend) -> torch.Tensor:
         heads, kv_heads, dim = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
@@ -354,6 +373,9 @@ class _NativeExtend:
     extend: Optional[cpu_kernels.ExtendTables]
     decode: Optional[_DecodeMetadata]
     decode_rows: Optional[torch.Tensor]  # [n] the single-token requests' rows in q
+    # Every request's last token over its whole sequence, as a decode batch (forward_extend_last_rows
+    # builds it at its first use in the forward).
+    last_rows: Optional[_DecodeMetadata] = None
 
 
 def _native_extend_tables(fb: "ForwardBatch") -> _NativeExtend:
