@@ -116,7 +116,7 @@ def test_extend_runs_the_last_layer_past_attention_on_the_sampled_rows_only(tiny
     def run(prune: bool):
         monkeypatch.setattr(cpu_kernels, "decode_attention", counting)
         if not prune:
-            monkeypatch.setattr(LogitsProcessor, "rows_needed", staticmethod(lambda fb: None))
+            monkeypatch.setattr(LogitsProcessor, "last_rows_suffice", staticmethod(lambda fb: False))
         runner = make_runner(path, page_size=1, dtype=dtype)
         rows_seen = []
         for layer in runner.model.model.decoder_layers:

@@ -58,17 +58,15 @@ class LogitsProcessor(nn.Module):
         self.input_logprob_chunk_size = INPUT_LOGPROB_CHUNK_SIZE
 
     @staticmethod
-    def rows_needed(forward_batch: "ForwardBatch") -> Optional[torch.Tensor]:
-        """The rows of an extend batch whose final hidden states are all that forward needs (each
-        request's last position), where neither input logprobs nor hidden states were asked for;
-        None where every row is needed. A model may then run its last layer past the K/V (attention
-        from these rows, output projection, MLP) on these rows alone and pass `pruned=True`: the other
-        rows' outputs feed nothing (their K/V, which later tokens read, come from the layer's input)."""
+    def last_rows_suffice(forward_batch: "ForwardBatch") -> bool:
+        """Whether forward needs the final hidden states of each request's last row only: an extend
+        batch asking neither input logprobs nor hidden states. A model may then run its last layer past
+        the K/V (attention from those rows, output projection, MLP) on those rows alone and pass
+        `pruned=True`: the other rows' outputs feed nothing (their K/V, which later tokens read, come
+        from the layer's input)."""
         if not forward_batch.forward_mode.is_extend() or forward_batch.capture_hidden_states:
-            return None
-        if forward_batch.return_logprob and _wants_input_logprobs(forward_batch):
-            return None
-        return forward_batch.last_positions()
+            return False
+        return not (forward_batch.return_logprob and _wants_input_logprobs(forward_batch))
 
     def forward(
         self,
@@ -78,7 +76,7 @@ class LogitsProcessor(nn.Module):
         forward_batch: "ForwardBatch",
         pruned: bool = False,
     ) -> LogitsProcessorOutput:
-        """pruned: hidden_states holds only the rows_needed() rows (an extend batch)."""
+        """pruned: hidden_states holds each request's last row only (last_rows_suffice)."""
         mode = forward_batch.forward_mode
         if mode.is_extend() and not pruned:
             pruned_states = hidden_states.index_select(0, forward_batch.last_positions())

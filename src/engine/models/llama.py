@@ -112,20 +112,20 @@ class LlamaDecoderLayer(nn.Module):
         hidden_states: torch.Tensor,
         forward_batch: "ForwardBatch",
         residual: Optional[torch.Tensor],
-        keep_rows: Optional[torch.Tensor] = None,
+        last_rows_only: bool = False,
     ) -> Tuple[torch.Tensor, torch.Tensor]:
-        """keep_rows: only these rows of the output are wanted (the last layer, LogitsProcessor.rows_needed:
-        each request's last row); every row's K/V is still stored, the rest of the layer, attention
-        included, runs on these rows alone."""
+        """last_rows_only: of an extend batch, only each request's last row of the output is wanted (the
+        last layer, LogitsProcessor.last_rows_suffice); every row's K/V is still stored, the rest of the
+        layer, attention included, runs on those rows alone."""
         # The residual stream is carried separately so each norm can fuse the add.
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, forward_batch, keep_rows is not None)
-        if keep_rows is not None:
-            residual = residual.index_select(0, keep_rows)
+        hidden_states = self.self_attn(positions, hidden_states, forward_batch, last_rows_only)
+        if last_rows_only:
+            residual = residual.index_select(0, forward_batch.last_positions())
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -141,21 +141,22 @@ class LlamaModel(nn.Module):
         self.native_decode = NativeDecodeCache()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: "ForwardBatch",
-                keep_rows: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """keep_rows: return only these rows (LogitsProcessor.rows_needed); None: all."""
+                last_rows_only: bool = False) -> torch.Tensor:
+        """last_rows_only: of an extend batch, return each request's last row only."""
         hidden_states = self.embed_tokens(input_ids)
         native = self.native_decode.forward(self.decoder_layers, hidden_states, positions, forward_batch)
         if native is not None:  # a CPU bf16 decode step: every layer in one native call, the same bits
             hidden_states, residual_stream = native
             hidden_states, _ = self.norm(hidden_states, residual_stream)
-            return hidden_states if keep_rows is None else hidden_states.index_select(0, keep_rows)
+            return hidden_states  # a decode batch: every row is a last row
         residual = None
         last = len(self.decoder_layers) - 1
         for i, layer in enumerate(self.decoder_layers):
             hidden_states, residual = layer(positions, hidden_states, forward_batch, residual,
-                                            keep_rows if i == last else None)
+                                            last_rows_only and i == last)
         if residual is None:  # no layers
-            hidden_states = hidden_states if keep_rows is None else hidden_states.index_select(0, keep_rows)
+            if last_rows_only:
+                hidden_states = hidden_states.index_select(0, forward_batch.last_positions())
             return self.norm(hidden_states)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
@@ -190,10 +191,10 @@ class LlamaForCausalLM(nn.Module):
             return self.pooler(self.model(input_ids, positions, forward_batch), forward_batch)
         # Of an extend, only the rows the logits need go through the last layer past its K/V (a prefill of
         # N tokens skips N - 1 of them: about a tenth of an 8-layer model's prefill FLOPs).
-        keep_rows = self.logits_processor.rows_needed(forward_batch)
-        hidden_states = self.model(input_ids, positions, forward_batch, keep_rows)
+        last_rows_only = self.logits_processor.last_rows_suffice(forward_batch)
+        hidden_states = self.model(input_ids, positions, forward_batch, last_rows_only)
         return self.logits_processor(input_ids, hidden_states, self.lm_head, forward_batch,
-                                     pruned=keep_rows is not None)
+                                     pruned=last_rows_only)
 
     # How checkpoint names map onto our fused parameters (weight updates route names with it).
     stacked_params = STACKED_PARAMS
