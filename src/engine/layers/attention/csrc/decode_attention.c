@@ -360,9 +360,10 @@ static int64_t panel_head_elems(int64_t n, int64_t dim) {
 
 /* Phase 1 for nr <= 32 rows (q row pointers) over slots idx[0..n) of one KV head (offset koff in a
  * slot); the state goes to m[r], l[r], acc_out[r] (unnormalised). With amx the tiles are configured
- * for 16 rows by the caller. kept: this KV head's block of a kept prefix (panel_head_elems), or NULL. Where its header holds
- * `token` the panels are read as they are (packed by an earlier step); where `fill` is set they are
- * packed into it and the header set after; otherwise into the scratch. */
+ * for 16 rows by the caller. kept: this KV head's block of a kept prefix (panel_head_elems), or
+ * NULL. Where its header holds `token` the panels are read as they are (packed by an earlier step);
+ * where `fill` is set they are packed into it and the header set after; otherwise into the scratch.
+ * then / then_bytes: memory to request into L2 during the last step (or NULL). */
 static void prefix_attend_panels(pa_work_t *p, const uint16_t *const *qrows, int64_t nr, int64_t koff,
                                  const int64_t *idx, int64_t n, const kv_t *kv, float *m, float *l,
                                  float *const *acc_out, uint16_t *kept, int64_t token, int fill, int amx,
