@@ -106,7 +106,7 @@ def _run_engine(name: str, model_path: str, workload: Workload, server_kwargs: D
     while scheduler.has_work():
         scheduler.step()
     scheduler.flush_cache()
-    scheduler.total_prompt_tokens = scheduler.total_cached_tokens = 0
+    scheduler.stats.total_prompt_tokens = scheduler.stats.total_cached_tokens = 0
     scheduler.outbox.clear()
 
     start = time.perf_counter()
@@ -141,7 +141,7 @@ def _run_engine(name: str, model_path: str, workload: Workload, server_kwargs: D
     # Its forward thread's OpenMP team would otherwise stay and slow whatever runs next.
     scheduler.shutdown()
     return RunResult(name, duration, sum(map(len, workload.prompts)), out_tokens,
-                     ttft=list(first.values()), e2e=e2e, itl=itl, cache_hit_rate=scheduler.cache_hit_rate())
+                     ttft=list(first.values()), e2e=e2e, itl=itl, cache_hit_rate=scheduler.stats.cache_hit_rate())
 
 
 def run_hf(model_path: str, workload: Workload, batch_size: int, dtype: str) -> RunResult:

@@ -58,7 +58,7 @@ def text_of(model, h: Harness, rid: str) -> str:
 def run(h: Harness) -> None:
     h.run_until_idle()
     assert len(h.scheduler.grammar_manager) == 0
-    h.scheduler.check_memory()  # strict: a leak raises
+    h.scheduler.stats.check_memory()  # strict: a leak raises
 
 
 # ---------------------------------------------------------------------------------------------
@@ -384,7 +384,7 @@ def test_waiting_for_a_grammar_blocks_nobody_and_can_be_aborted(model, overlap):
             break
     assert h.outputs[free].finished_reason == {"type": "length", "length": 6}
     assert len(h.scheduler.grammar_manager) == 2 and h.outputs[waiting].output_ids == []
-    assert h.scheduler.get_internal_state()["num_grammar_queue_reqs"] == 2
+    assert h.scheduler.stats.internal_state()["num_grammar_queue_reqs"] == 2
     h.abort(doomed)
     h.step()
     assert h.outputs[doomed].finished_reason["type"] == "abort"
@@ -451,7 +451,7 @@ def test_mixed_load_with_retraction_leaks_nothing(model, caplog):
             h.step()
         run(h)
     assert "Retract requests" in caplog.text
-    state = h.scheduler.get_internal_state()
+    state = h.scheduler.stats.internal_state()
     assert state["num_grammar_queue_reqs"] == 0 and state["num_running_reqs"] == 0
     assert state["available_tokens"] + state["evictable_tokens"] == state["max_total_num_tokens"]
     for rid, constrained in rids:

@@ -4,6 +4,12 @@ One Scheduler per tensor-parallel rank. Each iteration of its loop:
     receive requests -> get_next_batch_to_run -> run_batch -> process_batch_result -> stream_output
 The class is usable in-process (tests, the offline benchmark: `add_request` + `step`) and as the body
 of the scheduler process (`scheduler_process.run_scheduler_process`).
+
+The loops, the waiting queue, the running batch and the building of batches are here; the rest is
+in collaborators the Scheduler owns: `Admission` (scheduler_admission.py: requests in, aborts),
+`ResultProcessor` and `OutputStreamer` (scheduler_output.py: results out), `SchedulerControl`
+(scheduler_control.py: weights, memory, pause), `SchedulerStats` (scheduler_stats.py: logs, the
+internal state, the idle memory check) and, in PD disaggregation, the role (engine/disaggregation/).
 """
 
 from __future__ import annotations
@@ -12,12 +18,11 @@ import logging
 import os
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Deque, List, Optional, Tuple, Union
 
 
 from engine.constrained.grammar_manager import GrammarManager
 from engine.constrained.vocab_mask import build_vocab_mask
-from engine.managers.errors import NOT_A_GENERATION_MODEL, NOT_AN_EMBEDDING_MODEL
 from engine.managers.io_struct import (
     AbortReq,
     FlushCacheReqInput,
@@ -29,19 +34,15 @@ from engine.managers.io_struct import (
     TokenizedGenerateReqInput,
 )
 from engine.managers.overlap_utils import DelayedSample, ForwardStream, PendingResult
-from engine.managers.priority import EVICTED_MESSAGE, PriorityPolicy
-from engine.managers.req import FINISH_ABORT, Req, cache_namespace
+from engine.managers.priority import PriorityPolicy
+from engine.managers.req import FINISH_ABORT, Req
 from engine.managers.schedule_batch import ScheduleBatch
 from engine.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy, UncachedPrefixDedup
+from engine.managers.scheduler_admission import Admission
 from engine.managers.scheduler_control import SchedulerControl
-from engine.managers.scheduler_embedding import (
-    build_embedding_output,
-    make_embedding_req,
-    process_embedding_result,
-    validate_embedding_input,
-)
+from engine.managers.scheduler_embedding import build_embedding_output, process_embedding_result
 from engine.managers.scheduler_output import OutputStreamer, ResultProcessor
-from engine.sampling.custom_logit_processor import CustomLogitProcessorError, load_custom_logit_processor
+from engine.managers.scheduler_stats import SchedulerStats
 
 from engine.disaggregation.base import DisaggregationMode
 from engine.disaggregation.roles import make_role
@@ -62,10 +63,6 @@ NEW_TOKEN_RATIO_DECAY_STEPS = 600
 # With only grammar compilations pending, the loop waits this long at most for one to finish
 # (new requests are noticed at the next iteration).
 GRAMMAR_IDLE_WAIT_S = 0.005
-
-
-class MemoryLeakError(RuntimeError):
-    pass
 
 
 class Scheduler:
@@ -152,6 +149,10 @@ class Scheduler:
                                               timeout_s=server_args.grammar_timeout)
         # Weights, memory, pause/continue (scheduler_control.py).
         self.control = SchedulerControl(self)
+        # Requests in: checks, the queue limit; aborts (scheduler_admission.py).
+        self.admission = Admission(self)
+        # Log lines, the internal state, the idle memory check (scheduler_stats.py).
+        self.stats = SchedulerStats(self)
         # PD disaggregation: the prefill or decode role, a collaborator that owns the transfer
         # queues (engine/disaggregation/); None in a unified server.
         self.retraction_backup: Optional[Callable[[Req], None]] = None
@@ -180,13 +181,6 @@ class Scheduler:
         self.result_queue: Deque = deque()
         self.forward_ct = 0  # forwards launched
         self.forward_done_ct = 0  # forwards whose result was processed (the watchdog compares both)
-        self.num_generated_tokens = 0
-        self.decode_batch_ct = 0
-        self.last_decode_log_time = time.monotonic()
-        self.total_prompt_tokens = 0
-        self.total_cached_tokens = 0
-        self.last_gen_throughput = 0.0
-        self._reported_leak: Optional[tuple] = None  # the last leak logged by check_memory
         # Prompt and output positions this rank computed in extend forwards (a PD decode server
         # computes none: its prompts arrive by transfer).
         self.num_extend_tokens_computed = 0
@@ -216,15 +210,15 @@ class Scheduler:
     def process_input_requests(self, recv_reqs: List[Any]) -> None:
         for recv in recv_reqs:
             if isinstance(recv, TokenizedGenerateReqInput):
-                self.handle_generate_request(recv)
+                self.admission.handle_generate(recv)
             elif isinstance(recv, TokenizedEmbeddingReqInput):
-                self.handle_embedding_request(recv)
+                self.admission.handle_embedding(recv)
             elif isinstance(recv, AbortReq):
-                self.abort_request(recv)
+                self.admission.abort(recv)
             elif isinstance(recv, FlushCacheReqInput):
                 self.send_reply(recv, self.flush_cache())
             elif isinstance(recv, GetInternalStateReq):
-                self.send_reply(recv, GetInternalStateReqOutput(internal_state=self.get_internal_state()))
+                self.send_reply(recv, GetInternalStateReqOutput(internal_state=self.stats.internal_state()))
             else:
                 handle = self.control.handler(recv)
                 if handle is None:
@@ -236,169 +230,6 @@ class Scheduler:
         """A control reply goes back to the HTTP worker that asked."""
         reply.http_worker = request.http_worker
         self.send_output(reply)
-
-    def handle_generate_request(self, recv: TokenizedGenerateReqInput) -> None:
-        from engine.sampling.sampling_params import SamplingParams
-
-        req = Req(
-            rid=recv.rid,
-            origin_input_ids=recv.input_ids,
-            sampling_params=None,  # type: ignore[arg-type]
-            origin_input_text=recv.input_text,
-            return_logprob=recv.return_logprob,
-            logprob_start_len=recv.logprob_start_len if recv.return_logprob else -1,
-            top_logprobs_num=recv.top_logprobs_num if recv.return_logprob else 0,
-            stream=recv.stream,
-            eos_token_ids=self.eos_token_ids,
-            vocab_size=self.vocab_size,
-            priority=recv.priority,
-            extra_key=cache_namespace(recv.extra_key, recv.cache_salt),
-            return_hidden_states=recv.return_hidden_states,
-            token_ids_logprob=recv.token_ids_logprob if recv.return_logprob else None,
-            custom_logit_processor=recv.custom_logit_processor,
-        )
-        req.tokenizer = self.tokenizer
-        req.http_worker = recv.http_worker
-        req.bootstrap_host, req.bootstrap_port, req.bootstrap_room = (
-            recv.bootstrap_host, recv.bootstrap_port, recv.bootstrap_room)
-        try:
-            sp = SamplingParams.from_dict(recv.sampling_params)
-            sp.verify(self.vocab_size)
-            sp.normalize(self.tokenizer)
-        except (ValueError, TypeError) as e:
-            req.sampling_params = SamplingParams()
-            return self._abort_at_admission(req, str(e), 400)
-        req.sampling_params = sp
-        if not self.is_generation:
-            return self._abort_at_admission(req, NOT_A_GENERATION_MODEL, 400)
-        error = self._validate_input(req) or self._validate_extras(req)
-        if error is not None:
-            return self._abort_at_admission(req, error, 400)
-        self._clamp_max_new_tokens(req)
-        if self.disagg is not None:
-            error = self.disagg.validate(req)
-            if error is not None:
-                return self._abort_at_admission(req, error, 400)
-        refused = self.priority.assign(req)
-        if refused is not None:
-            return self._abort_at_admission(req, refused, 503)
-        queued, error = self.grammar_manager.process_req_with_grammar(req)
-        if error is not None:
-            return self._abort_at_admission(req, error, 400)
-        if not queued:
-            self._add_request_to_queue(req)
-
-    def handle_embedding_request(self, recv: TokenizedEmbeddingReqInput) -> None:
-        req = make_embedding_req(recv, self.vocab_size, self.embedding_kv_reusable)
-        if self.is_generation:
-            return self._abort_at_admission(req, NOT_AN_EMBEDDING_MODEL, 400)
-        error = validate_embedding_input(req, self.max_req_input_len, self.vocab_size)
-        if error is not None:
-            return self._abort_at_admission(req, error, 400)
-        self._add_request_to_queue(req)
-
-    def _validate_input(self, req: Req) -> Optional[str]:
-        ids = req.origin_input_ids
-        n = len(ids)
-        if n == 0:
-            return "The input is empty; give at least one token."
-        if n > self.max_req_input_len and self.server_args.allow_auto_truncate:
-            # SGLang's --allow-auto-truncate keeps the first max_req_input_len tokens.
-            logger.warning("Request %s: input of %d tokens truncated to %d (--allow-auto-truncate)",
-                           req.rid, n, self.max_req_input_len)
-            req.origin_input_ids = ids = ids[: self.max_req_input_len]
-            n = len(ids)
-        elif n >= self.max_req_input_len and not self.server_args.allow_auto_truncate:
-            return (f"Input length ({n} tokens) exceeds the maximum allowed length "
-                    f"({self.max_req_input_len} tokens). Use a shorter input or enable --allow-auto-truncate.")
-        if min(ids) < 0 or max(ids) >= self.vocab_size:
-            return f"Input token ids must be in [0, {self.vocab_size}); got an id out of range."
-        if req.return_logprob and req.logprob_start_len > n:
-            return f"logprob_start_len ({req.logprob_start_len}) must not exceed the input length ({n})."
-        return None
-
-    def _validate_extras(self, req: Req) -> Optional[str]:
-        sp = req.sampling_params
-        if (sp.stop_strs or sp.stop_regex_strs) and self.tokenizer is None:
-            return "stop strings and stop_regex need a tokenizer; this scheduler has none"
-        if req.custom_logit_processor is not None:
-            if not self.server_args.enable_custom_logit_processor:
-                return ("The server is not configured to enable custom logit processor. Please set "
-                        "`--enable-custom-logit-processor` to enable this feature.")
-            try:
-                load_custom_logit_processor(req.custom_logit_processor)
-            except CustomLogitProcessorError as e:
-                return str(e)
-        return None
-
-    def _clamp_max_new_tokens(self, req: Req) -> None:
-        n = len(req.origin_input_ids)
-        page = self.page_size
-        requested = req.sampling_params.max_new_tokens
-        cap = min(self.max_req_len - n - 1,
-                  self.max_total_num_tokens - (-(-n // page) * page) - page - 1)
-        req.sampling_params.max_new_tokens = max(0, min(requested if requested is not None else 1 << 30, cap))
-        req.sampling_params.min_new_tokens = min(req.sampling_params.min_new_tokens,
-                                                 req.sampling_params.max_new_tokens)
-
-    def _abort_at_admission(self, req: Req, message: str, status_code: int) -> None:
-        logger.info("Abort request %s: %s", req.rid, message)
-        req.set_finish_with_abort(message, status_code, "BadRequestError" if status_code == 400 else "ServiceUnavailableError")
-        self._to_stream.append(req)
-
-    def _add_request_to_queue(self, req: Req, is_retracted: bool = False) -> None:
-        if self.disagg is not None and (self.disagg.mode == DisaggregationMode.DECODE or not is_retracted):
-            # PD: new requests start with their transfer; decode-side retractions wait there too.
-            req.queue_time = time.monotonic()
-            self.disagg.add_request(req, is_retracted)
-            return
-        # The queue limit is backpressure on new arrivals (which count the retracted requests).
-        # A retracted request is never refused: it was admitted and may have streamed output
-        # (SGLang aborts it with 503 here; docs/architecture.md).
-        limit = self.server_args.max_queued_requests
-        req.queue_time = time.monotonic()
-        if not is_retracted and limit is not None and len(self.waiting_queue) >= limit:
-            if not self.priority.enabled:
-                return self._abort_at_admission(req, "The request queue is full.", 503)
-            # With priority scheduling the least urgent waiting request (the newest among equals)
-            # makes room for a strictly more urgent newcomer; otherwise the newcomer is refused.
-            worst = self.priority.least_urgent_index(self.waiting_queue)
-            if not self.priority.beats(req, self.waiting_queue[worst]):
-                return self._abort_at_admission(req, "The request queue is full.", 503)
-            self._abort_at_admission(self.waiting_queue.pop(worst), EVICTED_MESSAGE, 503)
-        self.waiting_queue.append(req)
-
-    def abort_request(self, recv: AbortReq) -> None:
-        def match(req: Req) -> bool:
-            if recv.abort_all:
-                return not recv.worker_only or req.http_worker == recv.http_worker
-            return bool(recv.rid) and req.rid.startswith(recv.rid)
-
-        for req in self.grammar_manager.abort_requests(match):
-            # Waiting for its grammar, it holds no KV either (and was never prefilled).
-            req.finished_reason = FINISH_ABORT("Abort before prefill")
-            self._to_stream.append(req)
-        if self.disagg is not None:
-            self._to_stream.extend(self.disagg.abort(match))
-        kept = []
-        for req in self.waiting_queue:
-            if match(req):
-                # Waiting requests hold no KV: answer at once (SGLang's message for a request
-                # that was never prefilled; a retracted one keeps its output).
-                req.finished_reason = FINISH_ABORT("Aborted" if req.output_ids else "Abort before prefill")
-                self._to_stream.append(req)
-            else:
-                kept.append(req)
-        self.waiting_queue = kept
-        if self.chunked_req is not None and match(self.chunked_req):
-            # Tearing down a chunked request mid-iteration is unsafe: do it at the next scheduling step.
-            self.pending_chunked_abort = True
-        running = list(self.running_batch.reqs)
-        if self.last_batch is not None and self.last_batch is not self.running_batch:
-            running += self.last_batch.reqs
-        for req in running:
-            if match(req) and not req.finished() and req is not self.chunked_req:
-                req.to_finish = FINISH_ABORT()
 
     # ================================================================== control
     def is_fully_idle(self) -> bool:
@@ -420,30 +251,6 @@ class Scheduler:
         self.new_token_ratio = self.init_new_token_ratio
         logger.info("Cache flushed successfully!")
         return FlushCacheReqOutput(success=True, message="Cache flushed.")
-
-    def get_internal_state(self) -> Dict[str, Any]:
-        return {
-            "max_total_num_tokens": self.max_total_num_tokens,
-            "available_tokens": self.token_to_kv_pool_allocator.available_size(),
-            "evictable_tokens": self.tree_cache.evictable_size(),
-            "protected_tokens": self.tree_cache.protected_size(),
-            "num_running_reqs": self.running_batch.batch_size() + (1 if self.chunked_req is not None else 0),
-            "num_waiting_reqs": len(self.waiting_queue),
-            # Prompt tokens queued but not yet admitted: the load SGLang's router balances on.
-            "waiting_tokens": sum(len(req.origin_input_ids) for req in self.waiting_queue),
-            "num_grammar_queue_reqs": len(self.grammar_manager),
-            "max_running_requests": self.max_running_requests,
-            "max_req_input_len": self.max_req_input_len,
-            "context_len": self.context_len,
-            "new_token_ratio": self.new_token_ratio,
-            "page_size": self.page_size,
-            "token_usage": self._token_usage(),
-            "cache_hit_rate": self.cache_hit_rate(),
-            "gen_throughput": self.last_gen_throughput,
-            "forward_ct": self.forward_ct,
-            "num_extend_tokens_computed": self.num_extend_tokens_computed,
-            **({"disaggregation": self.disagg.internal_state()} if self.disagg is not None else {}),
-        }
 
     # ================================================================== building batches
     def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
@@ -494,9 +301,9 @@ class Scheduler:
         """Requests whose grammar finished compiling join the waiting queue (or are refused)."""
         ready, refused = self.grammar_manager.get_ready_grammar_requests()
         for req in ready:
-            self._add_request_to_queue(req)
+            self.admission.enqueue(req)
         for req, error in refused:
-            self._abort_at_admission(req, error, 400)
+            self.admission.refuse(req, error, 400)
 
     def _abort_on_waiting_timeout(self) -> None:
         deadline = time.monotonic() - self.waiting_timeout
@@ -505,7 +312,7 @@ class Scheduler:
             return
         self.waiting_queue = [r for r in self.waiting_queue if r.queue_time >= deadline]
         for req in expired:
-            self._abort_at_admission(req, "Request waiting timeout reached.", 503)
+            self.admission.refuse(req, "Request waiting timeout reached.", 503)
 
     def _teardown_chunked_req(self) -> None:
         self.pending_chunked_abort = False
@@ -570,7 +377,7 @@ class Scheduler:
 
         for victim in adder.preempt_list:
             # Back to the queue with their output kept, like a retraction.
-            self._add_request_to_queue(victim, is_retracted=True)
+            self.admission.enqueue(victim, is_retracted=True)
         if adder.preempt_list:
             logger.info("Priority preemption: %d running request(s) preempted", len(adder.preempt_list))
         can_run = adder.can_run_list
@@ -592,7 +399,7 @@ class Scheduler:
                                        self.tree_cache, self.vocab_size, self.device)
         batch.prepare_for_extend()
         batch.log_input_tokens, batch.log_hit_tokens = adder.log_input_tokens, adder.log_hit_tokens
-        self._log_prefill(batch)
+        self.stats.on_prefill_batch(batch)
 
         # Mixing needs neither side to return logprobs or hidden states (their rows are per extend).
         if (mixed and not batch.return_logprob and not self.running_batch.return_logprob
@@ -623,7 +430,7 @@ class Scheduler:
                                               "InternalServerError")
                     self._to_stream.append(req)
                     continue
-                self._add_request_to_queue(req, is_retracted=True)
+                self.admission.enqueue(req, is_retracted=True)
             self._to_stream.extend(aborted)
         else:
             self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
@@ -687,15 +494,10 @@ class Scheduler:
         assert batch.forward_mode is not None  # set when the batch was built
         if not self.is_generation:
             emit = process_embedding_result(batch, result, self.tree_cache, self.embedding_kv_reusable)
-        elif batch.forward_mode.is_decode():
-            emit = self.results.process_decode(batch, result)
-            self.num_generated_tokens += len(emit)
-            self.decode_batch_ct += 1
-            if self.decode_batch_ct % self.server_args.decode_log_interval == 0:
-                self._log_decode(batch)
         else:
-            emit = self.results.process_prefill(batch, result)
-            self.num_generated_tokens += len(emit)
+            decode = batch.forward_mode.is_decode()
+            emit = self.results.process_decode(batch, result) if decode else self.results.process_prefill(batch, result)
+            self.stats.on_tokens(batch, len(emit))
         self._to_stream.extend(emit)
         self.forward_done_ct += 1
 
@@ -833,64 +635,8 @@ class Scheduler:
         if not self.is_fully_idle():
             return
         self.new_token_ratio = self.init_new_token_ratio
-        self.last_gen_throughput = 0.0
-        self.check_memory()
-
-    def check_memory(self) -> None:
-        available = self.token_to_kv_pool_allocator.available_size()
-        evictable = self.tree_cache.evictable_size()
-        protected = self.tree_cache.protected_size()
-        free_rows = self.req_to_token_pool.available_size()
-        ok_tokens = available + evictable + protected == self.max_total_num_tokens
-        ok_rows = free_rows == self.req_to_token_pool.size
-        disagg_error = self.disagg.check_memory() if self.disagg is not None else None
-        if ok_tokens and ok_rows and disagg_error is None:
-            self._reported_leak = None
-            return
-        msg = (f"Scheduler memory leak detected! available={available}, evictable={evictable}, "
-               f"protected={protected}, total={self.max_total_num_tokens}, free req slots="
-               f"{free_rows}/{self.req_to_token_pool.size}" + (f", PD: {disagg_error}" if disagg_error else ""))
-        if self.server_args.strict_memory_check:
-            raise MemoryLeakError(msg)
-        # The check runs every idle second: report each distinct leak once, not forever.
-        leak = (available, evictable, protected, free_rows, disagg_error)
-        if leak != self._reported_leak:
-            self._reported_leak = leak
-            logger.error("%s. The server keeps serving; --strict-memory-check makes this fatal.", msg)
-
-    # ================================================================== logs
-    def _token_usage(self) -> float:
-        free = self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size()
-        return 1.0 - free / self.max_total_num_tokens
-
-    def _log_prefill(self, batch: ScheduleBatch) -> None:
-        self.total_prompt_tokens += batch.log_input_tokens + batch.log_hit_tokens
-        self.total_cached_tokens += batch.log_hit_tokens
-        if self.tp_rank != 0:
-            return
-        logger.info(
-            "Prefill batch, #new-seq: %d, #new-token: %d, #cached-token: %d, token usage: %.2f, "
-            "#running-req: %d, #queue-req: %d%s",
-            batch.batch_size(), batch.log_input_tokens, batch.log_hit_tokens, self._token_usage(),
-            self.running_batch.batch_size(), len(self.waiting_queue),
-            f", {self.disagg.queue_summary()}" if self.disagg is not None else "")
-
-    def _log_decode(self, batch: ScheduleBatch) -> None:
-        now = time.monotonic()
-        elapsed = max(now - self.last_decode_log_time, 1e-6)
-        throughput = self.num_generated_tokens / elapsed
-        self.last_gen_throughput = throughput
-        self.last_decode_log_time, self.num_generated_tokens = now, 0
-        if self.tp_rank != 0:
-            return
-        logger.info(
-            "Decode batch, #running-req: %d, #token: %d, token usage: %.2f, gen throughput (token/s): %.2f, "
-            "#queue-req: %d%s", batch.batch_size(), sum(batch.seq_lens_cpu), self._token_usage(), throughput,
-            len(self.waiting_queue), f", {self.disagg.queue_summary()}" if self.disagg is not None else "")
-
-    def cache_hit_rate(self) -> float:
-        return self.total_cached_tokens / max(self.total_prompt_tokens, 1)
-
+        self.stats.last_gen_throughput = 0.0
+        self.stats.check_memory()
 
 def _tp_min_or_none() -> Optional[Callable[[int], int]]:
     """With TP > 1, the collective that makes every rank take the same number of ready grammars."""

@@ -111,7 +111,7 @@ class SchedulerControl:
             chunked.reset_for_retract()
             victims.insert(0, chunked)
         for req in victims:
-            s._add_request_to_queue(req, is_retracted=True)
+            s.admission.enqueue(req, is_retracted=True)
 
     # ------------------------------------------------------------------ weights
     def update_weights_from_disk(self, req: UpdateWeightFromDiskReqInput) -> UpdateWeightFromDiskReqOutput:

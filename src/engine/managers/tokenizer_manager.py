@@ -21,7 +21,6 @@ import logging
 import time
 from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Sequence, Union
 
-import psutil
 import zmq
 import zmq.asyncio
 
@@ -61,6 +60,8 @@ from engine.managers.request_normalizer import (
 )
 from engine.managers.tokenizer_manager_protocol import GenerateOutputs
 from engine.server_args import PortArgs, ServerArgs
+from engine.utils.async_streams import gather_last, merge_indexed
+from engine.utils.process_utils import child_alive
 from engine.utils.tokenizer_utils import load_tokenizer
 from engine.utils.zmq_utils import get_zmq_socket
 
@@ -211,7 +212,7 @@ class TokenizerManager:
 
     def is_alive(self) -> bool:
         """True while every child process is alive, no fatal error was reported and no shutdown began."""
-        alive = self._dead_message is None and all(_child_alive(p) for p in self.child_processes)
+        alive = self._dead_message is None and all(child_alive(p) for p in self.child_processes)
         if not alive:
             # A death seen here (a zombie child the watchdog has not reported yet) is seen by the
             # next admission check too: it must not answer from its cached "alive".
@@ -339,10 +340,10 @@ class TokenizerManager:
             async for out in self._wait_one_response(states[0], request):
                 yield out
         elif obj.stream:
-            async for out in self._stream_batch(states, request):
+            async for out in merge_indexed([self._wait_one_response(st, request) for st in states]):
                 yield out
         else:
-            yield await self._gather_batch(states, request)
+            yield await gather_last([self._wait_one_response(st, request) for st in states])
 
     def _check_new_rids(self, reqs: list) -> None:
         for req in reqs:
@@ -384,7 +385,7 @@ class TokenizerManager:
                 state.timer = RequestTimer(created=time.monotonic())
             self.rid_to_state[state.rid] = state
         await self._send_requests(tokenized, states, log=True)
-        await self._gather_batch(states, request)
+        await gather_last([self._wait_one_response(st, request) for st in states])
         return [embedding_result(state) for state in states]
 
     # ------------------------------------------------------------------ waiting for outputs
@@ -427,50 +428,6 @@ class TokenizerManager:
                 # scheduler's work for this request instead of leaving a ghost running.
                 self.rid_to_state.pop(state.rid, None)
                 self.abort_request(state.rid)
-
-    async def _gather_batch(self, states: list[ReqState], request: Any) -> list[dict]:
-        async def last_output(state: ReqState) -> dict:
-            result: dict = {}
-            async for out in self._wait_one_response(state, request):
-                result = out
-            return result
-
-        tasks = [asyncio.ensure_future(last_output(s)) for s in states]
-        try:
-            return list(await asyncio.gather(*tasks))
-        finally:
-            for task in tasks:
-                task.cancel()
-
-    async def _stream_batch(self, states: list[ReqState], request: Any) -> AsyncIterator[dict]:
-        queue: asyncio.Queue = asyncio.Queue()
-
-        async def pump(index: int, state: ReqState) -> None:
-            try:
-                async for out in self._wait_one_response(state, request):
-                    out["index"] = index
-                    queue.put_nowait(("out", out))
-            except BaseException as e:  # noqa: BLE001 - forwarded to the consumer below
-                queue.put_nowait(("error", e))
-                raise
-            finally:
-                queue.put_nowait(("done", None))
-
-        tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(states)]
-        remaining = len(tasks)
-        try:
-            while remaining:
-                kind, payload = await queue.get()
-                if kind == "out":
-                    yield payload
-                elif kind == "error":
-                    if not isinstance(payload, asyncio.CancelledError):
-                        raise payload
-                else:
-                    remaining -= 1
-        finally:
-            for task in tasks:
-                task.cancel()
 
     def _dispatch(self, msg: Message) -> None:
         if isinstance(msg, BatchStrOutput):
@@ -636,13 +593,3 @@ def _clip(text: Optional[str], limit: int = 200) -> Optional[str]:
     if text is None or len(text) <= limit:
         return text
     return text[:limit] + "..."
-
-
-def _child_alive(process: Any) -> bool:
-    """A killed child can be a zombie for a moment before its parent reaps it: count that as dead."""
-    if not process.is_alive():
-        return False
-    try:
-        return psutil.Process(process.pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False

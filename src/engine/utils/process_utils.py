@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+from typing import Any
 
 import psutil
 
@@ -107,3 +108,14 @@ def start_parent_death_watcher(poll_interval: float = 1.0, parent_pid: int | Non
 def watch_parent(poll_interval: float = 1.0) -> threading.Thread:
     """Short name used by the child entry points: exit when the parent process is gone."""
     return start_parent_death_watcher(poll_interval=poll_interval)
+
+
+def child_alive(process: Any) -> bool:
+    """Whether a child process (multiprocessing.Process) runs: a killed child can be a zombie for a
+    moment before its parent reaps it, which counts as dead."""
+    if not process.is_alive():
+        return False
+    try:
+        return psutil.Process(process.pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
