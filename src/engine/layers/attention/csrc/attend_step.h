@@ -3,9 +3,9 @@
  * group's shared prefix in decode_attention.c. The keys come as K^T and V panels (cpu_common.h's
  * pack_k_panels / pack_v_panels), so both products are row blocks times panels of 64 columns:
  * S = Q K^T, then O = P V with P rounded to bfloat16, as flash attention does. They run on the AMX
- * tiles where the CPU has them (amx.h) and as register-tiled vdpbf16ps otherwise (below: 6 rows x 64
- * columns of float32 sums in 24 registers, each row's pair of inputs broadcast against the panel's
- * four vectors, as linear_bf16.c's tile). The softmax between them is the same for both.
+ * tiles where the CPU has them (amx.h) and as register-tiled vdpbf16ps otherwise (cpu_common.h's
+ * panel_tile_sums, the tile of linear_bf16.c's linears too). The softmax between them is the same for
+ * both.
  */
 #ifndef ENGINE_CPU_ATTEND_STEP_H
 #define ENGINE_CPU_ATTEND_STEP_H
@@ -14,7 +14,7 @@
 #if defined(__AVX512BF16__)
 #define ATTN_KEYS 256 /* keys per step, a multiple of 64 */
 #define ATTN_ROWS 32  /* query rows per step at most */
-#define ATTN_RT 6     /* rows per register tile */
+#define ATTN_RT TILE_ROWS /* rows per register tile (cpu_common.h) */
 
 /* A step's scores and P (48 KiB) stay in this scratch; only the rows' state lives across steps. */
 typedef struct {
@@ -35,31 +35,12 @@ static inline void attn_scratch_free(attn_scratch_t *w) {
     free(w->o);
 }
 
-/* c[r][0..64) (float32, row stride c_stride) = sum over pairs kk of a[r][2kk..2kk+1] . panel[kk][col][0..1]
- * for R rows of a (bf16, row stride a_stride). Meanwhile `lines` cache lines from `ahead` on are
- * requested into L2, spread over the iterations. */
+/* c[r][0..64) (float32, row stride c_stride) = panel_tile_sums of R rows of a (bf16, row stride a_stride). */
 static inline __attribute__((always_inline)) void attn_tile(const uint16_t *a, int64_t a_stride, int64_t pairs,
                                                             const uint16_t *panel, const int R, float *c,
                                                             int64_t c_stride, const char *ahead, int64_t lines) {
     __m512 acc[ATTN_RT * 4];
-#pragma GCC unroll 24 /* in registers: left as a loop, GCC zeroed them with a memset call per tile */
-    for (int i = 0; i < R * 4; i++) acc[i] = _mm512_setzero_ps();
-    int64_t owed = 0; /* lines / pairs lines an iteration, without a division in the loop */
-    for (int64_t kk = 0; kk < pairs; kk++) {
-        for (owed += lines; owed >= pairs; owed -= pairs, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T1);
-        const __m512i *wv = (const __m512i *)(panel + kk * 128);
-        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wv), w1 = (__m512bh)_mm512_loadu_si512(wv + 1);
-        const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wv + 2), w3 = (__m512bh)_mm512_loadu_si512(wv + 3);
-        for (int r = 0; r < R; r++) {
-            uint32_t pair;
-            memcpy(&pair, a + r * a_stride + 2 * kk, 4);
-            const __m512bh x = (__m512bh)_mm512_set1_epi32((int)pair);
-            acc[r * 4] = _mm512_dpbf16_ps(acc[r * 4], x, w0);
-            acc[r * 4 + 1] = _mm512_dpbf16_ps(acc[r * 4 + 1], x, w1);
-            acc[r * 4 + 2] = _mm512_dpbf16_ps(acc[r * 4 + 2], x, w2);
-            acc[r * 4 + 3] = _mm512_dpbf16_ps(acc[r * 4 + 3], x, w3);
-        }
-    }
+    panel_tile_sums(acc, a, a_stride, pairs, panel, R, ahead, lines);
     for (int q = 0; q < 4; q++)
         for (int r = 0; r < R; r++) _mm512_storeu_ps(c + r * c_stride + q * 16, acc[r * 4 + q]);
 }

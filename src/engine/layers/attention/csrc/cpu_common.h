@@ -175,6 +175,39 @@ static inline void transpose_16x16_epi32(__m512i r[16]) {
     }
 }
 
+#if defined(__AVX512BF16__)
+#define TILE_ROWS 6 /* rows of a register tile of panel_tile_sums */
+
+/* The register tile of the bf16 products (linear_bf16.c's linears, attend_step.h's Q K^T and P V):
+ * acc[r * 4 + q] = sum over pairs kk < pairs of a_r[2kk .. 2kk + 1] . panel[kk][16q .. 16q + 16][0 .. 1]
+ * for R <= TILE_ROWS rows a_r = a + r * a_stride (bf16) against a panel of 64 columns, each pair of
+ * inputs its columns' two weights side by side (the operand layout of vdpbf16ps): the R x 64 float32
+ * sums in 4R registers, each row's pair broadcast against the panel's four vectors. Meanwhile
+ * `lines` cache lines from `ahead` on are requested into L2, spread evenly over the iterations. */
+static inline __attribute__((always_inline)) void panel_tile_sums(__m512 *acc, const uint16_t *a, int64_t a_stride,
+                                                                  int64_t pairs, const uint16_t *panel, const int R,
+                                                                  const char *ahead, int64_t lines) {
+#pragma GCC unroll 24 /* in registers: left as a loop, GCC zeroed them with a memset call per tile */
+    for (int i = 0; i < R * 4; i++) acc[i] = _mm512_setzero_ps();
+    int64_t owed = 0; /* lines / pairs lines an iteration, without a division in the loop */
+    for (int64_t kk = 0; kk < pairs; kk++) {
+        for (owed += lines; owed >= pairs; owed -= pairs, ahead += 64) _mm_prefetch(ahead, _MM_HINT_T1);
+        const __m512i *wv = (const __m512i *)(panel + kk * 128);
+        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wv), w1 = (__m512bh)_mm512_loadu_si512(wv + 1);
+        const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wv + 2), w3 = (__m512bh)_mm512_loadu_si512(wv + 3);
+        for (int r = 0; r < R; r++) {
+            uint32_t pair;
+            memcpy(&pair, a + r * a_stride + 2 * kk, 4);
+            const __m512bh x = (__m512bh)_mm512_set1_epi32((int)pair);
+            acc[r * 4] = _mm512_dpbf16_ps(acc[r * 4], x, w0);
+            acc[r * 4 + 1] = _mm512_dpbf16_ps(acc[r * 4 + 1], x, w1);
+            acc[r * 4 + 2] = _mm512_dpbf16_ps(acc[r * 4 + 2], x, w2);
+            acc[r * 4 + 3] = _mm512_dpbf16_ps(acc[r * 4 + 3], x, w3);
+        }
+    }
+}
+#endif
+
 /* K^T panels: kp[p][kk][c][2] = K[key 64p + c][2kk .. 2kk + 1] for whole panels, zero past n.
  * pairs = head_dim / 2. With pairs a multiple of 16, 16 keys' rows are loaded and transposed in
  * registers 16 pairs at a time; otherwise each pair of 16 keys is one gather (dword offsets of

@@ -9,9 +9,10 @@
  *
  * Layout: W is packed once into panels of 64 output columns; a panel holds, for each pair of input
  * features k, 2k+1, the 64 columns' two weights side by side (the operand layout of vdpbf16ps), so a
- * panel is one sequential stream of K x 128 bytes. The micro-kernel keeps 6 rows x 64 columns of
- * float32 sums in 24 registers and, per pair of input features, broadcasts each row's two x values
- * against the panel's four 16-column vectors. A panel is read from memory once and from cache for
+ * panel is one sequential stream of K x 128 bytes. The micro-kernel (cpu_common.h's panel_tile_sums,
+ * which attention's products share) keeps 6 rows x 64 columns of float32 sums in 24 registers and,
+ * per pair of input features, broadcasts each row's two x values against the panel's four 16-column
+ * vectors. A panel is read from memory once and from cache for
  * the batch's further row tiles, while the next panel is prefetched (when there are several row
  * tiles). Threads (thread_pool.c) take contiguous ranges of panels. Sums are float32, rounded once to
  * bfloat16 at the end (the bias is added before rounding). On CPUs with AMX the same panels feed the
@@ -24,7 +25,7 @@
 #include <unistd.h>
 
 #define PANEL 64 /* output columns per panel */
-#define ROWS 6   /* rows per register tile */
+#define ROWS TILE_ROWS /* rows per register tile (cpu_common.h) */
 
 typedef struct {
     const uint16_t *w;
@@ -79,27 +80,7 @@ static inline __attribute__((always_inline)) void tile(const uint16_t *x, int64_
                                                        const float *bias, int64_t col0, int64_t n, uint16_t *out,
                                                        const int mode, float *gate) {
     __m512 acc[ROWS * 4];
-#pragma GCC unroll 24 /* in registers: left as a loop, GCC zeroed them with a memset call per tile */
-    for (int i = 0; i < R * 4; i++) acc[i] = _mm512_setzero_ps();
-    const int64_t pairs = k / 2;
-    const uint32_t *xr[ROWS];
-    for (int r = 0; r < R; r++) xr[r] = (const uint32_t *)(x + (m0 + r) * k);
-    const char *next = ahead;
-    int64_t owed = 0; /* ahead_lines / pairs lines an iteration, without a division in the loop */
-    for (int64_t kk = 0; kk < pairs; kk++) {
-        const __m512i *wv = (const __m512i *)(panel + kk * PANEL * 2);
-        /* This tile's share of the next panel, spread evenly over its iterations. */
-        for (owed += ahead_lines; owed >= pairs; owed -= pairs, next += 64) _mm_prefetch(next, _MM_HINT_T1);
-        const __m512bh w0 = (__m512bh)_mm512_loadu_si512(wv), w1 = (__m512bh)_mm512_loadu_si512(wv + 1);
-        const __m512bh w2 = (__m512bh)_mm512_loadu_si512(wv + 2), w3 = (__m512bh)_mm512_loadu_si512(wv + 3);
-        for (int r = 0; r < R; r++) {
-            const __m512bh a = (__m512bh)_mm512_set1_epi32((int)xr[r][kk]);
-            acc[r * 4] = _mm512_dpbf16_ps(acc[r * 4], a, w0);
-            acc[r * 4 + 1] = _mm512_dpbf16_ps(acc[r * 4 + 1], a, w1);
-            acc[r * 4 + 2] = _mm512_dpbf16_ps(acc[r * 4 + 2], a, w2);
-            acc[r * 4 + 3] = _mm512_dpbf16_ps(acc[r * 4 + 3], a, w3);
-        }
-    }
+    panel_tile_sums(acc, x + m0 * k, k, k / 2, panel, R, ahead, ahead_lines);
     for (int q = 0; q < 4; q++) {
         const int64_t c = col0 + q * 16;
         if (c >= n) break;
