@@ -258,9 +258,8 @@ class Scheduler:
             return self.disagg.get_next_batch_to_run()  # prebuilt batches, never a prefill
         if self.pending_chunked_abort:
             self._teardown_chunked_req()
-        if self.waiting_timeout > 0:
-            self._abort_on_waiting_timeout()
-        self._move_ready_grammar_requests()
+        self.admission.expire_waiting()
+        self.admission.take_ready_grammars()
         if self.chunked_req is not None:
             # Make the processed chunks tree-owned and locked; the next chunk extends them.
             self.tree_cache.cache_unfinished_req(self.chunked_req)
@@ -296,23 +295,6 @@ class Scheduler:
                 else:
                     self.running_batch.merge_batch(last)
                 self.running_batch.batch_is_full = False
-
-    def _move_ready_grammar_requests(self) -> None:
-        """Requests whose grammar finished compiling join the waiting queue (or are refused)."""
-        ready, refused = self.grammar_manager.get_ready_grammar_requests()
-        for req in ready:
-            self.admission.enqueue(req)
-        for req, error in refused:
-            self.admission.refuse(req, error, 400)
-
-    def _abort_on_waiting_timeout(self) -> None:
-        deadline = time.monotonic() - self.waiting_timeout
-        expired = [r for r in self.waiting_queue if r.queue_time < deadline]
-        if not expired:
-            return
-        self.waiting_queue = [r for r in self.waiting_queue if r.queue_time >= deadline]
-        for req in expired:
-            self.admission.refuse(req, "Request waiting timeout reached.", 503)
 
     def _teardown_chunked_req(self) -> None:
         self.pending_chunked_abort = False

@@ -3,8 +3,9 @@
 A tokenized request becomes a Req here; it is checked (sampling parameters, the input, stop strings
 and custom logit processors, the PD role, the priority policy, its grammar), its max_new_tokens is
 clamped to what the context and the KV pool allow, and it joins the waiting queue under the queue
-limit (or the PD transfer queues, or the grammar queue). A refusal is answered at once, with the
-HTTP status the API gives it; nothing refused ever holds KV. Aborts find a request wherever it is:
+limit (or the PD transfer queues, or the grammar queue, from which it joins once its grammar is
+compiled). A request that waits longer than --req-waiting-timeout is refused. A refusal is answered
+at once, with the HTTP status the API gives it; nothing refused ever holds KV. Aborts find a request wherever it is:
 the grammar queue, the PD queues, the waiting queue, the chunked prefill, the running batch.
 One collaborator of the Scheduler (as SchedulerControl), not a mixin.
 """
@@ -171,6 +172,27 @@ class Admission:
                 return self.refuse(req, "The request queue is full.", 503)
             self.refuse(s.waiting_queue.pop(worst), EVICTED_MESSAGE, 503)
         s.waiting_queue.append(req)
+
+    def take_ready_grammars(self) -> None:
+        """Requests whose grammar finished compiling join the waiting queue (or are refused)."""
+        ready, refused = self.s.grammar_manager.get_ready_grammar_requests()
+        for req in ready:
+            self.enqueue(req)
+        for req, error in refused:
+            self.refuse(req, error, 400)
+
+    def expire_waiting(self) -> None:
+        """Refuse the requests that waited in the queue longer than --req-waiting-timeout (if set)."""
+        s = self.s
+        if s.waiting_timeout <= 0:
+            return
+        deadline = time.monotonic() - s.waiting_timeout
+        expired = [r for r in s.waiting_queue if r.queue_time < deadline]
+        if not expired:
+            return
+        s.waiting_queue = [r for r in s.waiting_queue if r.queue_time >= deadline]
+        for req in expired:
+            self.refuse(req, "Request waiting timeout reached.", 503)
 
     def abort(self, recv: AbortReq) -> None:
         s = self.s
