@@ -12,11 +12,11 @@
  * panel is one sequential stream of K x 128 bytes. The micro-kernel (cpu_common.h's panel_tile_sums,
  * which attention's products share) keeps 6 rows x 64 columns of float32 sums in 24 registers and,
  * per pair of input features, broadcasts each row's two x values against the panel's four 16-column
- * vectors. A panel is read from memory once and from cache for
- * the batch's further row tiles, while the next panel is prefetched (when there are several row
- * tiles). Threads (thread_pool.c) take contiguous ranges of panels. Sums are float32, rounded once to
- * bfloat16 at the end (the bias is added before rounding). On CPUs with AMX the same panels feed the
- * tile unit instead (below, from two rows up; ENGINE_CPU_AMX=0 keeps vdpbf16ps).
+ * vectors. A panel is read from memory once and from cache for the batch's further row tiles, while
+ * the next panel is prefetched (when there are several row tiles). Threads (thread_pool.c) take
+ * contiguous ranges of panels. Sums are float32, rounded once to bfloat16 at the end (the bias is
+ * added before rounding). On CPUs with AMX the same panels feed the tile unit instead (below, from
+ * two rows up; ENGINE_CPU_AMX=0 keeps vdpbf16ps).
  */
 #define _GNU_SOURCE /* syscall() */
 #include "amx.h"
