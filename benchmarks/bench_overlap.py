@@ -154,7 +154,7 @@ def prefill_phase(args, model_path: str, vocab: int) -> List[Dict]:
     results: List[Dict] = []
     for n in args.num_reqs:
         sched = make_scheduler(model_path, n, args.dtype)
-        sched.chunked_prefill_size = args.input_len * 2  # two requests per prefill batch
+        sched.prefill.chunked_prefill_size = args.input_len * 2  # two requests per prefill batch
         if args.device_forward_ms > 0:
             use_device_like_forward(sched, args.device_forward_ms)
         runs: Dict[str, List[Dict]] = {"overlapped": [], "disabled": []}

@@ -22,7 +22,7 @@ def sorted_rids(h: Harness) -> List[str]:
     """Move the submitted requests into the waiting queue and sort it with the policy."""
     s = h.scheduler
     s.process_input_requests(s.recv_requests())
-    s.policy.calc_priority(s.waiting_queue)
+    s.prefill.policy.calc_priority(s.waiting_queue)
     return [r.rid for r in s.waiting_queue]
 
 
@@ -117,7 +117,7 @@ def test_dfs_weight_does_not_fall_back_to_fcfs_on_long_queues():
 def test_cache_aware_policies_are_fcfs_without_the_radix_cache(policy):
     h = Harness(schedule_policy=policy, disable_radix_cache=True)
     rids = [h.submit(prompt(10 + i, 40 * i)) for i in range(4)]
-    assert h.scheduler.policy.policy == "fcfs"
+    assert h.scheduler.prefill.policy.policy == "fcfs"
     assert sorted_rids(h) == rids
 
 

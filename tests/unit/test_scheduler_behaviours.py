@@ -270,7 +270,7 @@ def test_19_lpm_in_batch_dedup():
     other = h.submit(prompt(20, 700), max_new_tokens=1)
     q = h.submit(common + [8] * 10, max_new_tokens=1)
     h.scheduler.process_input_requests(h.scheduler.recv_requests())
-    h.scheduler.policy.calc_priority(h.scheduler.waiting_queue)
+    h.scheduler.prefill.policy.calc_priority(h.scheduler.waiting_queue)
     assert [r.rid for r in h.scheduler.waiting_queue] == [p, other, q]
     h.run_until_idle()
     assert h.outputs[q].cached_tokens == 64
@@ -330,7 +330,7 @@ def test_19b_lpm_prefers_longest_cached_prefix():
     x = h.submit(prompt(40, 100), max_new_tokens=1)
     y = h.submit(shared + [3], max_new_tokens=1)
     h.scheduler.process_input_requests(h.scheduler.recv_requests())
-    h.scheduler.policy.calc_priority(h.scheduler.waiting_queue)
+    h.scheduler.prefill.policy.calc_priority(h.scheduler.waiting_queue)
     assert [r.rid for r in h.scheduler.waiting_queue] == [y, x]
 
 

@@ -7,6 +7,7 @@ of the scheduler process (`scheduler_process.run_scheduler_process`).
 
 The loops, the waiting queue, the running batch and the building of batches are here; the rest is
 in collaborators the Scheduler owns: `Admission` (scheduler_admission.py: requests in, aborts),
+`PrefillBuilder` (scheduler_prefill.py: which waiting requests a prefill batch takes),
 `ResultProcessor` and `OutputStreamer` (scheduler_output.py: results out), `SchedulerControl`
 (scheduler_control.py: weights, memory, pause), `SchedulerStats` (scheduler_stats.py: logs, the
 internal state, the idle memory check) and, in PD disaggregation, the role (engine/disaggregation/).
@@ -37,11 +38,11 @@ from engine.managers.overlap_utils import DelayedSample, ForwardStream, PendingR
 from engine.managers.priority import PriorityPolicy
 from engine.managers.req import FINISH_ABORT, Req
 from engine.managers.schedule_batch import ScheduleBatch
-from engine.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy, UncachedPrefixDedup
 from engine.managers.scheduler_admission import Admission
 from engine.managers.scheduler_control import SchedulerControl
 from engine.managers.scheduler_embedding import build_embedding_output, process_embedding_result
 from engine.managers.scheduler_output import OutputStreamer, ResultProcessor
+from engine.managers.scheduler_prefill import PrefillBuilder
 from engine.managers.scheduler_stats import SchedulerStats
 
 from engine.disaggregation.base import DisaggregationMode
@@ -123,14 +124,8 @@ class Scheduler:
 
             self.tree_cache = RadixCache(self.req_to_token_pool, self.token_to_kv_pool_allocator, self.page_size)
         self.priority = PriorityPolicy(server_args)
-        self.policy = SchedulePolicy(server_args.schedule_policy, self.tree_cache,
-                                     radix_enabled=not server_args.disable_radix_cache,
-                                     seed=server_args.random_seed, priority=self.priority)
-        # Keys of the last prefill batch's uncached prompt heads (UncachedPrefixDedup); None when
-        # the radix cache is off (nothing is shared, so waiting would gain nothing).
-        self.last_prefill_keys: Optional[set] = None if server_args.disable_radix_cache else set()
-        chunk = server_args.chunked_prefill_size
-        self.chunked_prefill_size: Optional[int] = chunk if chunk is not None and chunk > 0 else None
+        # Which waiting requests join this step's prefill batch (scheduler_prefill.py).
+        self.prefill = PrefillBuilder(self)
 
         self.waiting_queue: List[Req] = []
         self.running_batch: ScheduleBatch = self._empty_batch()
@@ -265,7 +260,7 @@ class Scheduler:
             self.tree_cache.cache_unfinished_req(self.chunked_req)
 
         self.merge_last_prefill_batch()
-        new_batch = self.get_new_batch_prefill()
+        new_batch = self.prefill.build()
         if new_batch is not None:
             return new_batch
         if not self.running_batch.is_empty():
@@ -305,94 +300,6 @@ class Scheduler:
         req.finished_reason = FINISH_ABORT()
         self.tree_cache.cache_finished_req(req, is_insert=False)
         self._to_stream.append(req)
-
-    def _num_allocatable_reqs(self) -> int:
-        running = self.running_batch.batch_size()
-        return min(self.max_running_requests - running,
-                   self.req_to_token_pool.available_size() + (1 if self.chunked_req is not None else 0))
-
-    def get_new_batch_prefill(self) -> Optional[ScheduleBatch]:
-        preemption = self.priority.preemption_enabled
-        if preemption:
-            # A more urgent arrival may preempt its way into a full batch (SGLang).
-            self.running_batch.batch_is_full = False
-        if (self.running_batch.batch_is_full or not self.waiting_queue) and self.chunked_req is None:
-            return None
-        if self._num_allocatable_reqs() <= 0 and self.chunked_req is None and not preemption:
-            self.running_batch.batch_is_full = True
-            return None
-
-        self.policy.calc_priority(self.waiting_queue)
-        mixed = self.server_args.enable_mixed_chunk and not self.running_batch.is_empty()
-        adder = PrefillAdder(
-            self.page_size, self.tree_cache, self.token_to_kv_pool_allocator, self.running_batch.reqs,
-            self.new_token_ratio, self.server_args.max_prefill_tokens, self.chunked_prefill_size,
-            mixed_with_decode_tokens=self.running_batch.batch_size() if mixed else 0,
-        )
-        dedup = UncachedPrefixDedup(self.last_prefill_keys) if self.last_prefill_keys is not None else None
-        if self.chunked_req is not None:
-            chunked = self.chunked_req
-            chunked.init_next_round_input()
-            self.chunked_req = adder.add_chunked_req(chunked)
-            if dedup is not None and chunked in adder.can_run_list:
-                # Its earlier chunks are in the tree, so a request of the same group matches up to
-                # where this chunk starts and would compute the chunk's tokens a second time.
-                dedup.admit(chunked)
-        for req in self.waiting_queue:
-            full = len(adder.can_run_list) >= self._num_allocatable_reqs()
-            if full:
-                self.running_batch.batch_is_full = True
-                if not preemption:
-                    break
-            req.init_next_round_input(self.tree_cache)
-            if dedup is not None and dedup.is_duplicate(req):
-                continue  # its shared head is being computed for another request: reuse it next round
-            if full and not adder.preempt_to_schedule(req, self.priority, self.running_batch):
-                break
-            result = adder.add_one_req(req)
-            if dedup is not None and adder.can_run_list and adder.can_run_list[-1] is req:
-                dedup.admit(req)
-            if result != AddReqResult.CONTINUE:
-                if result == AddReqResult.NO_TOKEN:
-                    self.running_batch.batch_is_full = True
-                break
-
-        for victim in adder.preempt_list:
-            # Back to the queue with their output kept, like a retraction.
-            self.admission.enqueue(victim, is_retracted=True)
-        if adder.preempt_list:
-            logger.info("Priority preemption: %d running request(s) preempted", len(adder.preempt_list))
-        can_run = adder.can_run_list
-        if dedup is not None:
-            self.last_prefill_keys = dedup.admitted_keys
-        if not can_run:
-            return None
-        admitted = {id(r) for r in can_run}
-        self.waiting_queue = [r for r in self.waiting_queue if id(r) not in admitted]
-        if adder.new_chunked_req is not None:
-            assert self.chunked_req is None, "only one chunked request may exist"
-            self.chunked_req = adder.new_chunked_req
-        if self.chunked_req is not None and id(self.chunked_req) in admitted:
-            # Counts its chunks in flight; a round in which it got no chunk (less than a page of
-            # budget left) must not count, or its last chunk would be taken for a middle one.
-            self.chunked_req.is_chunked += 1
-
-        batch = ScheduleBatch.init_new(can_run, self.req_to_token_pool, self.token_to_kv_pool_allocator,
-                                       self.tree_cache, self.vocab_size, self.device)
-        batch.prepare_for_extend()
-        batch.log_input_tokens, batch.log_hit_tokens = adder.log_input_tokens, adder.log_hit_tokens
-        self.stats.on_prefill_batch(batch)
-
-        # Mixing needs neither side to return logprobs or hidden states (their rows are per extend).
-        if (mixed and not batch.return_logprob and not self.running_batch.return_logprob
-                and not batch.return_hidden_states and not self.running_batch.return_hidden_states):
-            running = self.running_batch
-            running.filter_batch()
-            if not running.is_empty() and running.check_decode_mem():
-                running.prepare_for_decode()
-                batch.mix_with_running(running)
-                self.running_batch = self._empty_batch()
-        return batch
 
     def update_running_batch(self, batch: ScheduleBatch) -> ScheduleBatch:
         initial_bs = batch.batch_size()
