@@ -317,7 +317,7 @@ def main(argv: Optional[List[str]] = None) -> Dict:
         median_memory_floor_s=median_floor, median_ratio_to_memory_floor=ratio if contexts else None,
         compute_floor_s=floors["compute_floor_s"],
         read_bandwidth_range_Bps=[min(bandwidths), max(bandwidths)],
-        ratio_range=[min(t[0] for t in per_repeat), max(t[0] for t in per_repeat)])
+        ratio_range=[ratio, max(t[0] for t in per_repeat)])
     if args.compare_hf:
         hf = _best(hf_runs)
         result["hf"] = {k: v for k, v in hf.items() if k != "output_ids"}
