@@ -180,6 +180,20 @@ def test_reasoning_then_tool_call(manager: ScriptedManager) -> None:
         assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("get_weather", {"city": "Oslo"})]
 
 
+def test_tools_without_a_parser_answer_plain_content(manager: ScriptedManager) -> None:
+    """SGLang parses tool calls only when the server has a --tool-call-parser: agent clients send
+    `tools` on every request, and without a parser the answer is the plain text, with the tools
+    still shown to the model through the chat template."""
+    client = make_client(manager)
+    manager.script = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Oslo"}}\n</tool_call>'
+    choice = whole_message(client, {"messages": USER, "tools": TOOLS})
+    assert choice["finish_reason"] == "stop"
+    assert choice["message"]["content"] == manager.script and not choice["message"].get("tool_calls")
+    assert "json_schema" not in manager.requests[-1].sampling_params[0]
+    streamed = stream_message(client, {"messages": USER, "tools": TOOLS})[0]
+    assert streamed["content"] == manager.script and not streamed["tool_calls"]
+
+
 def test_forced_tool_choice_parses_the_constrained_array(manager: ScriptedManager) -> None:
     client = make_client(manager)  # no --tool-call-parser needed
     manager.script = '[{"name": "get_weather", "parameters": {"city": "Rome"}}]'

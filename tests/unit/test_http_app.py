@@ -622,7 +622,6 @@ def test_chat_errors_then_good_request(client: TestClient, manager: FakeTokenize
         ({"messages": user, "logprobs": "yes"}, "logprobs"),
         ({"messages": user, "response_format": {"type": "xml"}}, "response_format"),
         ({"messages": user, "response_format": {"type": "json_schema"}}, "needs a json_schema"),
-        ({"messages": user, "tools": [{"type": "function", "function": {"name": "f"}}]}, "--tool-call-parser"),
         ({"messages": user, "tool_choice": "required"}, "needs tools"),
         ({"messages": user, "tools": [{"type": "function", "function": {"name": "f"}}],
           "tool_choice": {"type": "function", "function": {"name": "g"}}}, "not among the tools"),

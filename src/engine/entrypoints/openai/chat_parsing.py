@@ -3,7 +3,8 @@ each choice's text into reasoning, content and tool calls (whole, or streamed as
 
 tool_choice:
 - "none": tools are neither shown to the model nor parsed;
-- "auto": the model decides; its text is parsed with the server's `--tool-call-parser`;
+- "auto": the model decides; its text is parsed with the server's `--tool-call-parser`, and is
+  plain content when the server has none (as SGLang);
 - "required" / a named function: the output is constrained (SGLang's way) to a JSON array
   `[{"name": ..., "parameters": {...}}]` whose items follow the tools' parameter schemas, so the
   calls always parse; `parallel_tool_calls: false` allows exactly one item.
@@ -73,11 +74,10 @@ class ChatParsing:
         constraint: Optional[str] = None
         tool_parser: Optional[Callable[[], ToolCallParser]] = None
         if choice == "auto":
-            if tool_call_parser is None:
-                raise EngineRequestError(
-                    "tool_choice 'auto' needs a server started with --tool-call-parser; use tool_choice "
-                    "'required' or a named function (constrained, no parser needed), or 'none'.")
-            tool_parser = lambda: create_tool_call_parser(tool_call_parser)  # noqa: E731
+            # As SGLang: the text is parsed for calls only when the server has a parser; without one
+            # the answer is plain content (agent clients send `tools` on every request).
+            if tool_call_parser is not None:
+                tool_parser = lambda: create_tool_call_parser(tool_call_parser)  # noqa: E731
         elif choice != "none":
             constraint = tool_call_schema(request.tools or [], choice, request.parallel_tool_calls)
             tool_parser = JsonArrayParser
