@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 from dataclasses import dataclass
-from typing import Any, List, Sequence, Tuple
+from typing import Any, List, Optional, Sequence, Tuple
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_serving import find_free_port  # noqa: E402
@@ -20,7 +20,9 @@ from bench_serving import find_free_port  # noqa: E402
 @dataclass(frozen=True)
 class PrefillEndpoint:
     url: str
-    bootstrap_port: int
+    # None: `--prefill URL` alone; the router then sends `"bootstrap_port": null` and the servers take
+    # their own --disaggregation-bootstrap-port (SGLang's own PD example is written that way).
+    bootstrap_port: Optional[int]
 
 
 def prefill_server_args(bootstrap_port: int) -> List[str]:
@@ -39,7 +41,9 @@ def start_pd_router(prefills: Sequence[PrefillEndpoint], decodes: Sequence[str],
            "--port", str(port), "--prometheus-port", str(find_free_port()), "--policy", policy,
            "--log-level", "warn"]
     for prefill in prefills:
-        cmd += ["--prefill", prefill.url, str(prefill.bootstrap_port)]
+        cmd += ["--prefill", prefill.url]
+        if prefill.bootstrap_port is not None:
+            cmd.append(str(prefill.bootstrap_port))
     for decode in decodes:
         cmd += ["--decode", decode]
     cmd += list(extra_args)

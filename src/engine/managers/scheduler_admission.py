@@ -60,6 +60,10 @@ class Admission:
         req.http_worker = recv.http_worker
         req.bootstrap_host, req.bootstrap_port, req.bootstrap_room = (
             recv.bootstrap_host, recv.bootstrap_port, recv.bootstrap_room)
+        if req.bootstrap_port is None and s.disagg is not None:
+            # As SGLang's scheduler: sglang-router sends a null port for a --prefill URL given without
+            # one, meaning the default; both sides then take this server's --disaggregation-bootstrap-port.
+            req.bootstrap_port = s.server_args.disaggregation_bootstrap_port
         try:
             sp = SamplingParams.from_dict(recv.sampling_params)
             sp.verify(s.vocab_size)

@@ -1,0 +1,79 @@
+"""PD disaggregation behind the real sglang-router as SGLang's own PD example starts it: `--prefill URL`
+with no bootstrap port. The router then sends `"bootstrap_port": null` on every request, and each
+server takes its own `--disaggregation-bootstrap-port` (SGLang's scheduler does the same), so the
+decode server is started with the prefill's port.
+
+One prefill, one decode, one router and a unified server as the oracle: greedy outputs through the
+router equal the unified server's, on /generate and the chat route.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from dataclasses import dataclass
+from typing import Any, Dict, Iterator, List
+
+import pytest
+
+from conftest import ServerProcess, start_server_process
+from engine.utils.network_utils import get_free_port
+from utils_bench import load_benchmark_module, needs_router
+from utils_http import post, same_generation, wait_idle
+
+bench_router = load_benchmark_module("bench_router")
+pd_cluster = load_benchmark_module("pd_cluster")
+pytestmark = [needs_router, pytest.mark.slow]
+
+GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
+
+
+@dataclass
+class Deployment:
+    unified: ServerProcess
+    prefill: ServerProcess
+    decode: ServerProcess
+    router: str
+
+
+@pytest.fixture(scope="module")
+def deployment() -> Iterator[Deployment]:
+    servers: List[ServerProcess] = []
+    router_proc = None
+    with tempfile.TemporaryFile() as router_log:
+        try:
+            port = get_free_port()
+            bootstrap = ["--disaggregation-bootstrap-port", str(port)]
+            prefill = start_server_process(["--disaggregation-mode", "prefill", *bootstrap], wait=False)
+            decode = start_server_process(["--disaggregation-mode", "decode", *bootstrap], wait=False)
+            unified = start_server_process([], wait=False)
+            servers = [prefill, decode, unified]
+            for server in servers:
+                server.wait_healthy()
+            router_proc, url = pd_cluster.start_pd_router([pd_cluster.PrefillEndpoint(prefill.url, None)],
+                                                          [decode.url], "round_robin", router_log)
+            try:
+                bench_router.wait_router_ready(router_proc, url, num_workers=2)
+            except (RuntimeError, TimeoutError):
+                router_log.seek(0)
+                raise RuntimeError(router_log.read().decode(errors="replace")[-4000:]) from None
+            yield Deployment(unified, prefill, decode, url)
+        finally:
+            if router_proc is not None:
+                bench_router.stop_process(router_proc)
+            for server in servers:
+                server.stop()
+
+
+def test_router_without_bootstrap_ports_equals_unified(deployment: Deployment) -> None:
+    for text in ("The capital of France is", "1 2 3 4 5 6 7 8"):
+        body: Dict[str, Any] = {"text": text, "sampling_params": GREEDY}
+        through_pd = post(deployment.router, "/generate", body)
+        assert through_pd.status_code == 200, through_pd.text
+        same_generation(through_pd.json(), post(deployment.unified.url, "/generate", body).json())
+    chat = {"model": "x", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 6, "temperature": 0}
+    through_pd = post(deployment.router, "/v1/chat/completions", chat)
+    assert through_pd.status_code == 200, through_pd.text
+    expected = post(deployment.unified.url, "/v1/chat/completions", chat).json()
+    assert through_pd.json()["choices"][0]["message"] == expected["choices"][0]["message"]
+    for server in (deployment.prefill, deployment.decode):
+        wait_idle(server.url)
