@@ -11,6 +11,8 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
+from engine.constrained.reasoning_parser import REASONING_PARSER_NAMES, reasoning_parser_error
+
 logger = logging.getLogger(__name__)
 
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
@@ -19,9 +21,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 GRAMMAR_BACKENDS = ("xgrammar", "none")
-# Output formats of tool calls (constrained/tool_parsers.py) and of reasoning (reasoning_parser.py).
+# Output formats of tool calls (constrained/tool_parsers.py); reasoning formats: REASONING_PARSER_NAMES.
 TOOL_CALL_PARSERS = ("llama3", "qwen25", "qwen", "hermes", "mistral", "pythonic")
-REASONING_PARSERS = ("deepseek-r1", "qwen3")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 # tcp: ZMQ between processes and machines; loopback: in-process (tests); fake: no prefill at all.
 DISAGGREGATION_TRANSFER_BACKENDS = ("tcp", "loopback", "fake")
@@ -114,8 +115,8 @@ class ServerArgs:
                                         "refused (HTTP 400) and the constraint is remembered as failed.")
     tool_call_parser: Optional[str] = arg(None, "The format of the model's tool calls, parsed for tool_choice "
                                                 "auto: llama3, qwen25 (qwen, hermes), mistral, pythonic.")
-    reasoning_parser: Optional[str] = arg(None, "Split <think> reasoning into reasoning_content: deepseek-r1 "
-                                                "(the answer starts in reasoning) or qwen3.")
+    reasoning_parser: Optional[str] = arg(None, "Split <think> reasoning into reasoning_content, with SGLang's "
+                                                "parser names: " + ", ".join(REASONING_PARSER_NAMES) + ".")
 
     # Priority scheduling (SGLang's flags)
     enable_priority_scheduling: bool = arg(False, (
@@ -319,8 +320,8 @@ class ServerArgs:
              f"--grammar-backend must be one of {', '.join(GRAMMAR_BACKENDS)}, got {self.grammar_backend!r}")
         need(self.tool_call_parser is None or self.tool_call_parser in TOOL_CALL_PARSERS,
              f"--tool-call-parser must be one of {', '.join(TOOL_CALL_PARSERS)}, got {self.tool_call_parser!r}")
-        need(self.reasoning_parser is None or self.reasoning_parser in REASONING_PARSERS,
-             f"--reasoning-parser must be one of {', '.join(REASONING_PARSERS)}, got {self.reasoning_parser!r}")
+        reasoning_error = None if self.reasoning_parser is None else reasoning_parser_error(self.reasoning_parser)
+        need(reasoning_error is None, reasoning_error or "")
         need(self.priority_scheduling_preemption_threshold >= 0,
              "--priority-scheduling-preemption-threshold must be >= 0, got "
              f"{self.priority_scheduling_preemption_threshold}")
@@ -472,7 +473,6 @@ _CHOICES = {
     "load_balance_method": LOAD_BALANCE_METHODS,
     "grammar_backend": GRAMMAR_BACKENDS,
     "tool_call_parser": TOOL_CALL_PARSERS,
-    "reasoning_parser": REASONING_PARSERS,
     "disaggregation_mode": DISAGGREGATION_MODES,
     "disaggregation_transfer_backend": DISAGGREGATION_TRANSFER_BACKENDS,
 }

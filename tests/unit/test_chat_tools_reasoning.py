@@ -166,6 +166,47 @@ def test_reasoning_split_whole_and_streamed(manager: ScriptedManager) -> None:
     assert [p for p in pieces if p] == ["First, the weather."]
 
 
+def test_qwen3_answer_without_an_opening_tag_is_reasoning_until_the_closing_one(manager: ScriptedManager) -> None:
+    """SGLang's rule for --reasoning-parser qwen3: Qwen3 thinks unless the request switches it off
+    (chat_template_kwargs.enable_thinking false), so an answer that starts without <think> (the
+    Qwen3 thinking templates open it in the prompt) is reasoning up to </think>."""
+    client = make_client(manager, reasoning_parser="qwen3")
+    manager.script = "First, the weather.\n</think>\n\nIt is sunny."
+    for msg in (whole_message(client, {"messages": USER})["message"], stream_message(client, {"messages": USER})[0]):
+        assert msg["reasoning_content"] == "First, the weather." and msg["content"] == "It is sunny."
+    manager.script = "Plain answer, no thinking."
+    off = {"messages": USER, "chat_template_kwargs": {"enable_thinking": False}}
+    assert whole_message(client, off)["message"] == {"role": "assistant", "content": manager.script}
+    assert stream_message(client, off)[0]["content"] == manager.script
+
+
+class TailTokenizer:
+    """Decodes any prompt to a chat template's generation prompt that opened <think>."""
+
+    def decode(self, ids: List[int]) -> str:
+        return "<|im_start|>assistant\n<think>\n"
+
+
+@pytest.mark.parametrize("parser", ["qwen3-thinking", "deepseek-v3"])
+def test_a_prompt_that_opened_think_starts_the_answer_in_reasoning(manager: ScriptedManager, parser: str) -> None:
+    """qwen3-thinking always starts in reasoning; deepseek-v3 (reasoning off unless `thinking`
+    is set) does when the rendered prompt ends with the opening tag, as a thinking template leaves it."""
+    client = make_client(manager, reasoning_parser=parser)
+    manager.tokenizer = TailTokenizer()
+    manager.script = "Plan.</think>Answer."
+    for msg in (whole_message(client, {"messages": USER})["message"], stream_message(client, {"messages": USER})[0]):
+        assert msg["reasoning_content"] == "Plan." and msg["content"] == "Answer."
+
+
+@pytest.mark.parametrize("name", ["gpt-oss", "mistral", "not-a-parser"])
+def test_reasoning_parsers_we_lack_are_refused_at_start_up(name: str) -> None:
+    from engine.server_args import ServerArgsError
+
+    with pytest.raises(ServerArgsError, match="qwen3-thinking") as info:
+        ServerArgs(device="cpu", reasoning_parser=name).check()
+    assert name in str(info.value)
+
+
 def test_reasoning_then_tool_call(manager: ScriptedManager) -> None:
     client = make_client(manager, tool_call_parser="qwen25", reasoning_parser="deepseek-r1")
     manager.script = ('I need the weather.</think>\n<tool_call>\n{"name": "get_weather", "arguments": '

@@ -9,7 +9,12 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.constrained.reasoning_parser import ReasoningParser
+from engine.constrained.reasoning_parser import (
+    REASONING_PARSER_NAMES,
+    ReasoningParser,
+    reasoning_parser_error,
+    starts_in_reasoning,
+)
 from engine.constrained.tool_parsers import (
     JsonArrayParser,
     ToolCallStream,
@@ -126,26 +131,41 @@ def test_unknown_parser_name():
 
 
 # ------------------------------------------------------------------------------------ reasoning
+CALL = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>'
 REASONING_CASES = [
-    # (parser, text, reasoning, content)
-    ("deepseek-r1", "<think>Let me think.</think>The answer is 4.", "Let me think.", "The answer is 4."),
-    ("deepseek-r1", "I start thinking at once.</think>\n\nDone.", "I start thinking at once.", "Done."),
-    ("deepseek-r1", "Still thinking when the budget ran out", "Still thinking when the budget ran out", ""),
-    ("qwen3", "<think>\nplan\n</think>\n\nHello", "plan", "Hello"),
-    ("qwen3", "No thinking here.", None, "No thinking here."),
-    ("qwen3", "<think>unfinished", "unfinished", ""),
+    # (parser, starts in reasoning (None: the format's default), text, reasoning, content)
+    ("deepseek-r1", None, "<think>Let me think.</think>The answer is 4.", "Let me think.", "The answer is 4."),
+    ("deepseek-r1", None, "I start thinking at once.</think>\n\nDone.", "I start thinking at once.", "Done."),
+    ("deepseek-r1", None, "Still thinking when the budget ran out", "Still thinking when the budget ran out", ""),
+    ("qwen3", False, "<think>\nplan\n</think>\n\nHello", "plan", "Hello"),
+    ("qwen3", False, "No thinking here.", None, "No thinking here."),
+    ("qwen3", False, "<think>unfinished", "unfinished", ""),
+    # The template opened <think> in the prompt (Qwen3 thinking models): no opening tag in the answer.
+    ("qwen3", None, "plan\n</think>\n\nHello", "plan", "Hello"),
+    ("qwen3", True, "<think>plan</think>Hi", "plan", "Hi"),
+    ("qwen3-thinking", None, "I reason.</think>\n\nAnswer.", "I reason.", "Answer."),
+    ("qwen3-thinking", False, "I reason.</think>Answer.", "I reason.", "Answer."),
+    # A tool call straight from the thinking ends it and stays whole in the content.
+    ("qwen3", True, "Need the weather.\n" + CALL, "Need the weather.", CALL),
+    ("glm45", True, "a</think>b", "a", "b"),
+    ("kimi_k2", True, "a<|tool_calls_section_begin|>x", "a", "<|tool_calls_section_begin|>x"),
+    ("deepseek-v3", False, "plain", None, "plain"),
+    ("kimi", None, "◁think▷hmm◁/think▷ ok", "hmm", "ok"),
+    ("kimi", None, "plain ◁/think▷", None, "plain ◁/think▷"),
+    ("minimax-append-think", None, "abc</think>def", None, "<think>abc</think>def"),
+    ("deepseek-r1", None, "</think>Only an answer.", None, "Only an answer."),
 ]
 
 
-@pytest.mark.parametrize("name,text,reasoning,content", REASONING_CASES)
-def test_reasoning_whole_text(name, text, reasoning, content):
-    assert ReasoningParser(name).parse(text) == (reasoning, content)
+@pytest.mark.parametrize("name,start,text,reasoning,content", REASONING_CASES)
+def test_reasoning_whole_text(name, start, text, reasoning, content):
+    assert ReasoningParser(name, start).parse(text) == (reasoning, content)
 
 
-@pytest.mark.parametrize("name,text,reasoning,content", REASONING_CASES)
+@pytest.mark.parametrize("name,start,text,reasoning,content", REASONING_CASES)
 @pytest.mark.parametrize("step", [1, 2, 5])
-def test_reasoning_streamed_equals_whole(name, text, reasoning, content, step):
-    parser = ReasoningParser(name)
+def test_reasoning_streamed_equals_whole(name, start, text, reasoning, content, step):
+    parser = ReasoningParser(name, start)
     got_reasoning, got_content = "", ""
     for i in range(0, len(text), step):
         r, c = parser.feed(text[i:i + step])
@@ -156,3 +176,36 @@ def test_reasoning_streamed_equals_whole(name, text, reasoning, content, step):
     got_content += c
     assert got_reasoning == (reasoning or "")
     assert got_content == content
+
+
+@pytest.mark.parametrize("name,kwargs,prompt_opens,expected", [
+    # SGLang's rule: hybrid models think unless the template switch turns it off ...
+    ("qwen3", None, False, True),
+    ("qwen3", {"enable_thinking": False}, False, False),
+    ("qwen3", {"enable_thinking": True}, False, True),
+    ("glm45", {"enable_thinking": False}, False, False),
+    ("kimi_k2", {"thinking": False}, False, False),
+    # ... DeepSeek-V3 / MiMo only when it is turned on ...
+    ("deepseek-v3", None, False, False),
+    ("deepseek-v3", {"thinking": True}, False, True),
+    ("mimo", {"enable_thinking": True}, False, True),
+    # ... thinking models always; and a template that opened <think> wins over the switch.
+    ("qwen3-thinking", {"enable_thinking": False}, False, True),
+    ("deepseek-r1", None, False, True),
+    ("deepseek-v3", None, True, True),
+    ("qwen3", {"enable_thinking": False}, True, True),
+    ("kimi", None, True, False),
+])
+def test_starts_in_reasoning(name, kwargs, prompt_opens, expected):
+    assert starts_in_reasoning(name, kwargs, prompt_opens) is expected
+
+
+def test_every_sglang_reasoning_parser_name_is_served_or_refused_clearly():
+    for name in REASONING_PARSER_NAMES:
+        assert reasoning_parser_error(name) is None
+    for name in ("gpt-oss", "mistral", "gemma4", "minimax-m3", "hunyuan"):
+        error = reasoning_parser_error(name)
+        assert error is not None and "not implemented" in error and "qwen3-thinking" in error
+    assert "must be one of" in (reasoning_parser_error("nope") or "")
+    with pytest.raises(ValueError, match="must be one of"):
+        ReasoningParser("nope")

@@ -16,7 +16,7 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
-from engine.constrained.reasoning_parser import ReasoningParser
+from engine.constrained.reasoning_parser import REASONING_FORMATS, ReasoningParser, starts_in_reasoning
 from engine.constrained.tool_parsers import (
     JsonArrayParser,
     ToolCallDelta,
@@ -58,13 +58,15 @@ def tool_call_schema(tools: List[Tool], tool_choice: Union[str, ToolChoice], par
     return json.dumps(schema)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ChatParsing:
     """How one request's choices are parsed (built once per request)."""
 
     reasoning_parser: Optional[str] = None
     tool_parser: Optional[Callable[[], ToolCallParser]] = None
     stream_reasoning: bool = True
+    # The answer starts inside its reasoning (answer_starts_in_reasoning, once the prompt is known).
+    in_reasoning: bool = False
 
     @classmethod
     def for_request(cls, request: ChatCompletionRequest, tool_call_parser: Optional[str],
@@ -87,6 +89,24 @@ class ChatParsing:
         return cls(reasoning, tool_parser, request.stream_reasoning), constraint
 
 
+def answer_starts_in_reasoning(reasoning_parser: Optional[str], request: ChatCompletionRequest,
+                               prompt_tail: str) -> bool:
+    """SGLang's rule (reasoning_parser.starts_in_reasoning) for this request; `prompt_tail` is the
+    end of the rendered prompt, where a thinking template leaves the opening tag. A continued
+    assistant message is in its reasoning when it opened the tag and did not close it."""
+    if reasoning_parser is None:
+        return False
+    fmt = REASONING_FORMATS[reasoning_parser]
+    if request.continue_final_message:
+        previous = request.messages[-1].text()
+        if fmt.think_end in previous:
+            return False
+        if fmt.think_start in previous:
+            return True
+    return starts_in_reasoning(reasoning_parser, request.chat_template_kwargs,
+                               prompt_tail.rstrip().endswith(fmt.think_start))
+
+
 def tools_for_template(request: ChatCompletionRequest) -> Optional[List[Dict[str, Any]]]:
     """The tools as the chat template sees them (OpenAI's shape); none with tool_choice "none"."""
     if request.resolved_tool_choice() == "none" or not request.tools:
@@ -106,7 +126,7 @@ def parse_choice(parsing: ChatParsing, text: str) -> ParsedChoice:
     reasoning: Optional[str] = None
     content = text
     if parsing.reasoning_parser is not None:
-        reasoning, content = ReasoningParser(parsing.reasoning_parser).parse(text)
+        reasoning, content = ReasoningParser(parsing.reasoning_parser, parsing.in_reasoning).parse(text)
     calls: List[ToolCall] = []
     if parsing.tool_parser is not None:
         normal, items = parsing.tool_parser().parse(content)
@@ -132,7 +152,8 @@ class ChoiceStreamParser:
     """One streamed choice: text deltas in, reasoning / content / tool-call deltas out."""
 
     def __init__(self, parsing: ChatParsing) -> None:
-        self.reasoning = ReasoningParser(parsing.reasoning_parser) if parsing.reasoning_parser else None
+        self.reasoning = (ReasoningParser(parsing.reasoning_parser, parsing.in_reasoning)
+                          if parsing.reasoning_parser else None)
         self.tools = ToolCallStream(parsing.tool_parser()) if parsing.tool_parser is not None else None
         self.stream_reasoning = parsing.stream_reasoning
         self.held_reasoning = ""

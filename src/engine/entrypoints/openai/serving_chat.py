@@ -6,6 +6,7 @@ and the split of each choice's text into reasoning_content, content and tool_cal
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, AsyncIterator, Dict, List, Optional
@@ -17,6 +18,7 @@ from engine.entrypoints.openai.chat_parsing import (
     ChatParsing,
     ChoiceDelta,
     ChoiceStreamParser,
+    answer_starts_in_reasoning,
     parse_choice,
     tools_for_template,
 )
@@ -55,6 +57,9 @@ from engine.managers.tokenizer_manager_protocol import GenerateOutputs, Tokenize
 
 logger = logging.getLogger(__name__)
 
+# Enough tokens to hold an opening think tag and the newlines around it, however it tokenizes.
+_PROMPT_TAIL_TOKENS = 16
+
 
 class OpenAIServingChat:
     def __init__(self, tokenizer_manager: TokenizerManagerProtocol, tool_call_parser: Optional[str] = None,
@@ -78,6 +83,8 @@ class OpenAIServingChat:
         except Exception as exc:  # a template that rejects the conversation (jinja raise_exception)
             logger.info("chat template rejected request %s: %s", request_id, exc)
             return create_error_response(f"The chat template rejected the messages: {exc}", 400)
+        in_reasoning = answer_starts_in_reasoning(self.reasoning_parser, request, self._prompt_tail(prompt_ids))
+        parsing = dataclasses.replace(parsing, in_reasoning=in_reasoning)
         sampling_params = build_sampling_params(request, self._max_new_tokens(request, len(prompt_ids)))
         if tool_constraint is not None:
             sampling_params["json_schema"] = tool_constraint
@@ -112,6 +119,11 @@ class OpenAIServingChat:
         # OpenAI's chat default is "as much as fits": the rest of the context window. A prompt
         # that does not fit at all is rejected by the manager with both lengths in the message.
         return max(int(self.tokenizer_manager.context_len) - prompt_len, 1)
+
+    def _prompt_tail(self, prompt_ids: List[int]) -> str:
+        """The text of the prompt's last tokens: where a thinking template leaves its opening tag."""
+        tokenizer = self.tokenizer_manager.tokenizer
+        return tokenizer.decode(list(prompt_ids[-_PROMPT_TAIL_TOKENS:])) if tokenizer is not None else ""
 
     def _decode(self, token_id: int) -> str:
         tokenizer = self.tokenizer_manager.tokenizer
