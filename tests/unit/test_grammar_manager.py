@@ -11,6 +11,8 @@ import torch
 
 from engine.constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject, GrammarCompileError
 from engine.constrained.grammar_manager import GrammarManager
+from engine.constrained.reasoner_grammar import ReasonerGrammar
+from engine.constrained.vocab_mask import allocate_vocab_mask
 from engine.sampling.sampling_params import SamplingParams
 
 
@@ -54,10 +56,11 @@ class GateBackend(BaseGrammarBackend):
 
 
 class FakeReq:
-    def __init__(self, rid: str, regex: Optional[str]) -> None:
+    def __init__(self, rid: str, regex: Optional[str], require_reasoning: bool = False) -> None:
         self.rid = rid
         self.sampling_params = SamplingParams(regex=regex)
         self.grammar: Optional[BaseGrammarObject] = None
+        self.require_reasoning = require_reasoning
 
 
 def _wait_done(manager: GrammarManager, index: int) -> None:
@@ -157,4 +160,76 @@ def test_a_miss_compiles_on_the_pool_and_returns_its_entry():
     assert isinstance(future, Future)
     backend.gate("z").set()
     assert future.result(timeout=30).grammar is not None
+    backend.shutdown()
+
+
+class DigitsGrammar(BaseGrammarObject):
+    """Allows only token 1 ("a digit"), then terminates on token 0 (the stop token)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.accepted: List[int] = []
+
+    def _accept(self, token: int) -> bool:
+        if self.is_terminated() or token not in (0, 1):
+            return False
+        self.accepted.append(token)
+        return True
+
+    def _rollback(self, num_tokens: int) -> bool:
+        del self.accepted[len(self.accepted) - num_tokens:]
+        return True
+
+    def _reset(self) -> None:
+        self.accepted = []
+
+    def is_terminated(self) -> bool:
+        return bool(self.accepted) and self.accepted[-1] == 0
+
+    def fill_vocab_mask(self, vocab_mask: torch.Tensor, row: int) -> None:
+        vocab_mask[row] = 0
+        vocab_mask[row, 0] = 0b11
+
+    def copy(self) -> "DigitsGrammar":
+        return DigitsGrammar()
+
+
+def allowed(grammar: BaseGrammarObject) -> List[int]:
+    mask = allocate_vocab_mask(1, 40)
+    grammar.fill_vocab_mask(mask, 0)
+    return [t for t in range(40) if (int(mask[0, t // 32]) >> (t % 32)) & 1]
+
+
+def test_a_reasoning_request_is_unconstrained_until_the_closing_tag():
+    """SGLang's ReasonerGrammarObject: while the model thinks every token is allowed and none is
+    checked; the grammar starts after the closing tag's token ids (here two: 7, 8), from its start."""
+    grammar = ReasonerGrammar(DigitsGrammar(), [7, 8])
+    for token in (5, 7, 9, 8, 7):  # 7 8 must come together: "7 9 8" is still thinking
+        assert allowed(grammar) == list(range(40)) and grammar.accept_token(token)
+    assert grammar.thinking and not grammar.is_terminated()
+    assert grammar.accept_token(8) and not grammar.thinking
+    assert allowed(grammar) == [0, 1]
+    assert not grammar.accept_token(5)  # the inner grammar refuses
+    assert grammar.accept_token(1) and grammar.accept_token(0) and grammar.is_terminated()
+    # A retraction back into the thinking rebuilds the state from the output ids.
+    assert grammar.sync_with([5, 7, 9]) and grammar.thinking and grammar.num_accepted == 3
+    assert grammar.sync_with([5, 7, 9, 7, 8, 1]) and not grammar.thinking and not grammar.is_terminated()
+    assert not grammar.copy().sync_with([7, 8, 4])
+
+
+def test_the_manager_wraps_the_matcher_of_reasoning_requests_only():
+    backend = GateBackend()
+    backend.gate("x").set()
+    manager = GrammarManager(lambda: (backend, None), think_end_ids=[7, 8])
+    thinking, plain = FakeReq("t", "x", require_reasoning=True), FakeReq("p", "x")
+    for req in (thinking, plain):
+        if manager.process_req_with_grammar(req) == (True, None):
+            _wait_done(manager, 0)
+            manager.get_ready_grammar_requests()
+    assert isinstance(thinking.grammar, ReasonerGrammar) and isinstance(thinking.grammar.inner, FakeGrammar)
+    assert isinstance(plain.grammar, FakeGrammar)
+    # Without --reasoning-parser there is no closing tag to wait for: the grammar applies at once.
+    no_parser = GrammarManager(lambda: (backend, None))
+    req = FakeReq("t2", "x", require_reasoning=True)
+    assert no_parser.process_req_with_grammar(req) == (False, None) and isinstance(req.grammar, FakeGrammar)
     backend.shutdown()

@@ -17,9 +17,10 @@ import concurrent.futures
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, List, Optional, Sequence, Tuple
 
 from engine.constrained.base_grammar_backend import BaseGrammarBackend, CacheEntry, GrammarKey
+from engine.constrained.reasoner_grammar import ReasonerGrammar
 
 if TYPE_CHECKING:
     from engine.managers.req import Req
@@ -44,7 +45,7 @@ BackendFactory = Callable[[], Tuple[Optional[BaseGrammarBackend], Optional[str]]
 
 class GrammarManager:
     def __init__(self, backend_factory: BackendFactory, sync_ready_count: Optional[Callable[[int], int]] = None,
-                 timeout_s: float = GRAMMAR_TIMEOUT_S) -> None:
+                 timeout_s: float = GRAMMAR_TIMEOUT_S, think_end_ids: Optional[Sequence[int]] = None) -> None:
         # The backend is built when the first constrained request arrives: a server that never
         # sees one never imports xgrammar or indexes its vocabulary.
         self._backend_factory: Optional[BackendFactory] = backend_factory
@@ -53,6 +54,9 @@ class GrammarManager:
         # TP > 1: reduces a rank's ready count to the minimum over ranks.
         self.sync_ready_count = sync_ready_count
         self.timeout_s = timeout_s
+        # With --reasoning-parser: the token ids of its closing tag. A request that starts in its
+        # reasoning (require_reasoning) gets its grammar only after them (reasoner_grammar.py).
+        self.think_end_ids = tuple(think_end_ids) if think_end_ids else None
         self.grammar_queue: List[_Waiting] = []
 
     def __len__(self) -> int:
@@ -80,11 +84,13 @@ class GrammarManager:
         self.grammar_queue.append(_Waiting(req, key, future, time.monotonic()))
         return True, None
 
-    @staticmethod
-    def _attach(req: "Req", entry: CacheEntry) -> Optional[str]:
+    def _attach(self, req: "Req", entry: CacheEntry) -> Optional[str]:
         if entry.grammar is None:
             return entry.error
-        req.grammar = entry.grammar.copy()
+        grammar = entry.grammar.copy()
+        if req.require_reasoning and self.think_end_ids is not None:
+            grammar = ReasonerGrammar(grammar, self.think_end_ids)
+        req.grammar = grammar
         return None
 
     # ------------------------------------------------------------------ every step

@@ -35,7 +35,7 @@ logger = logging.getLogger(__name__)
 
 # SGLang's per-request extras that generate() passes on to GenerateReqInput.
 GENERATE_EXTRAS = ("token_ids_logprob", "return_hidden_states", "custom_logit_processor", "priority", "extra_key",
-                   "cache_salt")
+                   "cache_salt", "require_reasoning")
 # How often a blocked Engine call checks that something can still answer it.
 LIVENESS_POLL_S = 0.5
 # A call still pending this long after the engine was found dead is ended here: the death should
@@ -229,7 +229,7 @@ class Engine:
         """Generate for one prompt (a dict) or a batch (a list); stream=True gives an iterator.
 
         `extras`: SGLang's per-request fields token_ids_logprob, return_hidden_states,
-        custom_logit_processor, priority, extra_key and cache_salt (docs/api.md).
+        custom_logit_processor, priority, extra_key, cache_salt and require_reasoning (docs/api.md).
         """
         obj = self._make_request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                  top_logprobs_num, return_text_in_logprobs, stream, rid, extras)

@@ -223,6 +223,7 @@ async def _generate(tokenizer_manager: TokenizerManagerProtocol, body: GenerateR
         priority=body.priority,
         extra_key=body.extra_key,
         cache_salt=body.cache_salt,
+        require_reasoning=body.require_reasoning,
         bootstrap_host=body.bootstrap_host,
         bootstrap_port=body.bootstrap_port,
         bootstrap_room=body.bootstrap_room,

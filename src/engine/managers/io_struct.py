@@ -48,6 +48,8 @@ class TokenizedGenerateReqInput(Routed, tag=True):
     # A CustomLogitProcessor serialized by its to_str() (only with --enable-custom-logit-processor).
     custom_logit_processor: Optional[str] = None
     priority: Optional[int] = None
+    # The output starts inside the model's reasoning: its grammar applies after the reasoning's end.
+    require_reasoning: bool = False
     # Cache namespace: requests share cached prefixes only when both are equal.
     extra_key: Optional[str] = None
     cache_salt: Optional[str] = None

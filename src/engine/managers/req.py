@@ -107,6 +107,7 @@ class Req:
         return_hidden_states: bool = False,
         token_ids_logprob: Optional[List[int]] = None,
         custom_logit_processor: Optional[str] = None,
+        require_reasoning: bool = False,
     ) -> None:
         self.rid = rid
         self.origin_input_text = origin_input_text
@@ -118,6 +119,8 @@ class Req:
         self.tokenizer: Any = None  # set by the scheduler; decodes tails for stop strings
         # Constrained decoding: this request's matcher, advanced with every accepted token.
         self.grammar: Optional["BaseGrammarObject"] = None
+        # The output starts in the model's reasoning: the grammar applies after its end tag.
+        self.require_reasoning = require_reasoning
 
         self.output_ids: List[int] = []
         self.fill_ids: List[int] = []  # tokens that will be in the KV cache after this round

@@ -67,6 +67,9 @@ class GenerateReqInput:
     priority: Optional[int] = None  # one value for the whole request, as in SGLang
     extra_key: Optional[Union[str, list[Optional[str]]]] = None
     cache_salt: Optional[Union[str, list[Optional[str]]]] = None
+    # The output starts inside the model's reasoning: its constraint (grammar) applies only after the
+    # reasoning ends (SGLang's require_reasoning; one value for the whole request, as in SGLang).
+    require_reasoning: bool = False
     # PD disaggregation (SGLang's router adds them): one value, or one per prompt of a batch.
     bootstrap_host: Optional[Union[str, list[Optional[str]]]] = None
     bootstrap_port: Optional[Union[int, list[Optional[int]]]] = None
@@ -106,6 +109,8 @@ class GenerateReqInput:
         salts = self._per_prompt(self.cache_salt, num_prompts, "cache_salt", str, None)
         if self.priority is not None and not _is_int64(self.priority):
             raise EngineRequestError(f"priority must be a 64-bit integer or null, got {self.priority!r}.")
+        if not isinstance(self.require_reasoning, bool):
+            raise EngineRequestError(f"require_reasoning must be a boolean, got {self.require_reasoning!r}.")
 
         out_text: list[str] = []
         out_ids: list[list[int]] = []
@@ -380,6 +385,7 @@ class RequestNormalizer:
             return_hidden_states=sub.return_hidden_states,
             custom_logit_processor=processor,
             priority=obj.priority,
+            require_reasoning=obj.require_reasoning,
             extra_key=sub.extra_key,
             cache_salt=sub.cache_salt,
             bootstrap_host=sub.bootstrap_host,

@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Any, Callable, Deque, List, Optional, Tuple, U
 
 
 from engine.constrained.grammar_manager import GrammarManager
+from engine.constrained.reasoning_parser import REASONING_FORMATS
 from engine.constrained.vocab_mask import build_vocab_mask
 from engine.managers.io_struct import (
     AbortReq,
@@ -141,7 +142,8 @@ class Scheduler:
 
         # Constrained decoding: the grammar queue and the compiled-grammar cache (constrained/).
         self.grammar_manager = GrammarManager(self._create_grammar_backend, sync_ready_count=_tp_min_or_none(),
-                                              timeout_s=server_args.grammar_timeout)
+                                              timeout_s=server_args.grammar_timeout,
+                                              think_end_ids=self._think_end_ids())
         # Weights, memory, pause/continue (scheduler_control.py).
         self.control = SchedulerControl(self)
         # Requests in: checks, the queue limit; aborts (scheduler_admission.py).
@@ -188,6 +190,13 @@ class Scheduler:
         return create_grammar_backend(
             self.server_args.grammar_backend, self.tokenizer, self.vocab_size, sorted(self.eos_token_ids),
             any_whitespace=not self.server_args.constrained_json_disable_any_whitespace)
+
+    def _think_end_ids(self) -> Optional[List[int]]:
+        """The token ids of --reasoning-parser's closing tag (None without a parser or tokenizer)."""
+        name = self.server_args.reasoning_parser
+        if name is None or self.tokenizer is None:
+            return None
+        return list(self.tokenizer.encode(REASONING_FORMATS[name].think_end, add_special_tokens=False)) or None
 
     def _empty_batch(self) -> ScheduleBatch:
         return ScheduleBatch.init_new([], self.req_to_token_pool, self.token_to_kv_pool_allocator,

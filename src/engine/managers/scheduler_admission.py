@@ -55,6 +55,7 @@ class Admission:
             return_hidden_states=recv.return_hidden_states,
             token_ids_logprob=recv.token_ids_logprob if recv.return_logprob else None,
             custom_logit_processor=recv.custom_logit_processor,
+            require_reasoning=recv.require_reasoning,
         )
         req.tokenizer = s.tokenizer
         req.http_worker = recv.http_worker

@@ -83,9 +83,9 @@ class ChatParsing:
         elif choice != "none":
             constraint = tool_call_schema(request.tools or [], choice, request.parallel_tool_calls)
             tool_parser = JsonArrayParser
-        constrained = constraint is not None or request.has_constraint()
-        # A constrained answer starts at once: there is no reasoning to split off.
-        reasoning = reasoning_parser if request.separate_reasoning and not constrained else None
+        # A constrained answer is split too: its grammar applies only after the reasoning
+        # (require_reasoning; constrained/reasoner_grammar.py), as SGLang's ReasonerGrammarBackend.
+        reasoning = reasoning_parser if request.separate_reasoning else None
         return cls(reasoning, tool_parser, request.stream_reasoning), constraint
 
 

@@ -474,6 +474,9 @@ class GenerateRequest(BaseModel):
     priority: Optional[int] = None
     extra_key: Optional[Union[str, List[Optional[str]]]] = None
     cache_salt: Optional[Union[str, List[Optional[str]]]] = None
+    # With --reasoning-parser: the output starts in the model's reasoning, and its constraint
+    # applies after the reasoning ends (SGLang's field; the chat route decides it itself).
+    require_reasoning: bool = False
 
     @model_validator(mode="before")
     @classmethod

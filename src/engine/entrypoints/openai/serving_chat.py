@@ -96,6 +96,7 @@ class OpenAIServingChat:
             return_logprob=request.logprobs,
             top_logprobs_num=request.top_logprobs or 0,
             return_text_in_logprobs=True,
+            require_reasoning=in_reasoning,
             **request.generate_extras(),
         )
         stream = self.tokenizer_manager.generate_request(obj, ClientConnection(raw_request))

@@ -58,7 +58,6 @@ NATIVE_UNSUPPORTED: Dict[str, Tuple[Tuple[Any, ...], str]] = {
     "routed_dp_rank": (_NULL, "routing to a data-parallel rank is not implemented (the server picks one)"),
     "data_parallel_rank": (_NULL, "routing to a data-parallel rank is not implemented (the server picks one)"),
     "background": (_FALSE, "background requests are not implemented"),
-    "require_reasoning": (_FALSE, "reasoning control is not implemented"),
     "max_thinking_tokens": (_NULL, "reasoning control is not implemented"),
     "return_bytes": (_FALSE, "image generation is not implemented"),
     "return_entropy": (_FALSE, "returning the entropy is not implemented"),
