@@ -171,6 +171,67 @@ BAD = [
 ]
 
 
+# ---------------------------------------------------------------------------------------------
+# Structural tags (SGLang's sampling parameter and response_format type, both shapes)
+# ---------------------------------------------------------------------------------------------
+TAG_SCHEMA = {"type": "object", "properties": {"city": {"enum": ["Oslo", "Rome"]}, "days": {"type": "integer",
+              "minimum": 1, "maximum": 9}}, "required": ["city", "days"], "additionalProperties": False}
+LEGACY_TAG = {"structures": [{"begin": "<weather>", "schema": TAG_SCHEMA, "end": "</weather>"}],
+              "triggers": ["<weather>"], "at_least_one": True}
+FORMAT_TAG = {"type": "structural_tag", "format": {
+    "type": "triggered_tags", "triggers": ["<weather>"], "at_least_one": True, "stop_after_first": True,
+    "tags": [{"begin": "<weather>", "content": {"type": "json_schema", "json_schema": TAG_SCHEMA},
+              "end": "</weather>"}]}}
+
+
+def check_tagged(text: str, only_one: bool) -> None:
+    """Every <weather>...</weather> part follows TAG_SCHEMA; at_least_one makes the output open with
+    one (the random model would never type the trigger itself)."""
+    assert text.startswith("<weather>"), text
+    parts = __import__("re").findall(r"<weather>(.*?)</weather>", text, flags=__import__("re").S)
+    assert parts and text.count("<weather>") == len(parts)
+    for part in parts:
+        jsonschema.validate(json.loads(part), TAG_SCHEMA)
+    if only_one:
+        assert text.endswith("</weather>") and len(parts) == 1
+
+
+@pytest.mark.parametrize("tag,only_one", [(LEGACY_TAG, False), (FORMAT_TAG, True)])
+def test_structural_tag_on_generate_and_chat(http: httpx.Client, tag: Dict[str, Any], only_one: bool) -> None:
+    out = http.post("/generate", json={"text": "Forecast:", "sampling_params": {
+        "max_new_tokens": 80, "temperature": 0.0, "structural_tag": json.dumps(tag)}})
+    assert out.status_code == 200, out.text
+    check_tagged(out.json()["text"], only_one)
+    if only_one:
+        assert out.json()["meta_info"]["finish_reason"]["type"] == "stop"
+    response_format = {**tag, "type": "structural_tag"}
+    for path, body in (("/v1/chat/completions", {"messages": USER}), ("/v1/completions", {"prompt": "Forecast:"})):
+        response = http.post(path, json={**body, "max_tokens": 80, "temperature": 0.7, "seed": 3, "n": 2,
+                                         "response_format": response_format})
+        assert response.status_code == 200, response.text
+        for choice in response.json()["choices"]:
+            check_tagged(choice["message"]["content"] if "message" in choice else choice["text"], only_one)
+
+
+BAD_TAGS = [
+    ("/generate", {"text": "x", "sampling_params": {"structural_tag": "{bad"}}, "not valid JSON"),
+    ("/generate", {"text": "x", "sampling_params": {"structural_tag": json.dumps({"triggers": ["<a>"]})}},
+     'either "structures"'),
+    ("/generate", {"text": "x", "sampling_params": {"structural_tag": json.dumps(
+        {"structures": [{"begin": "<b>", "schema": {}, "end": "</b>"}], "triggers": ["<a>"]})}},
+     "does not match any trigger"),
+    ("/generate", {"text": "x", "sampling_params": {"structural_tag": json.dumps({"format": {"type": "bogus"}})}},
+     "not recognized"),
+    ("/generate", {"text": "x", "sampling_params": {"regex": "a", "structural_tag": json.dumps(LEGACY_TAG)}},
+     "Only one of"),
+    ("/v1/chat/completions", {"messages": USER, "response_format": {"type": "structural_tag", "triggers": ["<a>"]}},
+     "needs either"),
+    ("/v1/chat/completions", {"messages": USER, "response_format": {**LEGACY_TAG, "type": "structural_tag"},
+                              "regex": "a"}, "at most one output constraint"),
+]
+BAD += BAD_TAGS
+
+
 @pytest.mark.parametrize("path,body,needle", BAD)
 @pytest.mark.parametrize("stream", [False, True])
 def test_bad_constraints_get_400(http: httpx.Client, path: str, body: Dict[str, Any], needle: str,

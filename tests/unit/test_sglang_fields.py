@@ -99,12 +99,11 @@ def test_an_unimplemented_field_in_use_is_refused_by_name(name: str, value: Any)
     assert f"{name} is not supported" in str(info.value)
 
 
-@pytest.mark.parametrize("name, value", [
-    ("structural_tag", "{}"),
-])
-def test_an_unimplemented_sampling_param_in_use_is_refused_by_name(name: str, value: Any) -> None:
-    with pytest.raises(ValueError, match=f"sampling_params.{name} is not supported"):
-        SamplingParams(**{name: value})
+def test_structural_tag_is_an_output_constraint() -> None:
+    tag = '{"structures": [{"begin": "<a>", "schema": {}, "end": "</a>"}], "triggers": ["<a>"]}'
+    assert SamplingParams(structural_tag=tag).constraint == ("structural_tag", tag)
+    with pytest.raises(ValueError, match="Only one of json_schema, regex, ebnf and structural_tag"):
+        SamplingParams(structural_tag=tag, regex="a").verify(100)
 
 
 @pytest.mark.parametrize("name, value", [

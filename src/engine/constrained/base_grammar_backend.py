@@ -1,6 +1,7 @@
 """Grammar backends for constrained decoding: one interface, compiled grammars cached by constraint.
 
-A request's constraint is a `GrammarKey`, (kind, text) with kind in json_schema | regex | ebnf.
+A request's constraint is a `GrammarKey`, (kind, text) with kind in json_schema | regex | ebnf |
+structural_tag.
 The backend compiles it into a template `BaseGrammarObject` on a thread pool (compilation can take
 from microseconds to seconds, and the scheduling thread must not wait for it); the template is
 cached under its key, and every request gets its own matcher with `copy()`. A constraint that fails
@@ -132,6 +133,8 @@ class BaseGrammarBackend(ABC):
                 grammar = self.dispatch_regex(text)
             elif kind == "ebnf":
                 grammar = self.dispatch_ebnf(text)
+            elif kind == "structural_tag":
+                grammar = self.dispatch_structural_tag(text)
             else:
                 raise GrammarCompileError(f"Unknown constraint kind {kind!r}")
         except GrammarCompileError as e:
@@ -152,6 +155,10 @@ class BaseGrammarBackend(ABC):
     @abstractmethod
     def dispatch_ebnf(self, ebnf: str) -> BaseGrammarObject:
         """Compile an EBNF grammar (GBNF dialect, root rule `root`); raise GrammarCompileError."""
+
+    def dispatch_structural_tag(self, structural_tag: str) -> BaseGrammarObject:
+        """Compile SGLang's structural tag (JSON text); raise GrammarCompileError."""
+        raise GrammarCompileError("Invalid structural_tag: this grammar backend does not support structural tags.")
 
     def reset(self) -> None:
         """Forget every compiled grammar (flush_cache). In-flight compilations finish unseen."""

@@ -1,4 +1,5 @@
-"""The xgrammar backend: JSON schema, regex and EBNF compiled against the model's tokenizer.
+"""The xgrammar backend: JSON schema, regex, EBNF and structural tags compiled against the model's
+tokenizer.
 
 xgrammar precomputes, per grammar state, which tokens of the vocabulary can follow, so filling one
 request's mask costs microseconds; it runs on the CPU, whatever device the model is on.
@@ -6,9 +7,10 @@ request's mask costs microseconds; it runs on the CPU, whatever device the model
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
-from typing import Any, Callable, List
+from typing import Any, Callable, Dict, List
 
 import torch
 import xgrammar as xgr
@@ -91,6 +93,47 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
     def dispatch_ebnf(self, ebnf: str) -> XGrammarGrammar:
         return _compile("ebnf", self.compiler.compile_grammar, ebnf)
 
+    def dispatch_structural_tag(self, structural_tag: str) -> XGrammarGrammar:
+        """SGLang's two shapes: the legacy `{"structures": [{"begin", "schema", "end"}], "triggers":
+        [...], "at_least_one": false}` (free text until a trigger, then one of the structures that
+        start with it: its begin, JSON of its schema, its end; and so on), or xgrammar's own
+        `{"type": "structural_tag", "format": {...}}`. The JSON parts are compiled as this server
+        compiles any JSON schema (its whitespace flag, its string fix)."""
+        try:
+            tag = json.loads(structural_tag)
+        except json.JSONDecodeError as e:
+            raise GrammarCompileError(f"Invalid structural_tag: it is not valid JSON ({e}).") from None
+        if not isinstance(tag, dict) or (tag.get("structures") is None) == (tag.get("format") is None):
+            raise GrammarCompileError('Invalid structural_tag: it must be an object with either "structures" and '
+                                      '"triggers" (the legacy shape) or "format".')
+        fmt = _legacy_format(tag) if tag.get("format") is None else copy.deepcopy(tag["format"])
+        try:
+            fmt = self._json_as_grammar(fmt)
+        except (RuntimeError, ValueError, TypeError) as e:
+            raise GrammarCompileError(f"Invalid structural_tag: {clean_backend_error(e)}") from None
+        text = json.dumps({"type": "structural_tag", "format": fmt})
+        return _compile("structural_tag", self.compiler.compile_structural_tag, text)
+
+    def _json_as_grammar(self, fmt: Any) -> Any:
+        """`fmt` with each plain JSON-schema part replaced by the grammar this server compiles for
+        that schema (xgrammar would otherwise allow any whitespace in it, whatever
+        --constrained-json-disable-any-whitespace says)."""
+        if not isinstance(fmt, dict):
+            return fmt
+        kind = fmt.get("type")
+        if kind == "json_schema" and set(fmt) <= {"type", "json_schema"}:
+            schema = copy.deepcopy(fmt.get("json_schema"))
+            schema = {} if schema is None else schema  # SGLang's default for a missing schema
+            _rewrite_length_bounded_strings(schema)
+            grammar = xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=self.any_whitespace)
+            return {"type": "grammar", "grammar": str(grammar)}
+        if "content" in fmt:
+            fmt["content"] = self._json_as_grammar(fmt["content"])
+        for key in ("elements", "tags"):
+            if isinstance(fmt.get(key), list):
+                fmt[key] = [self._json_as_grammar(item) for item in fmt[key]]
+        return fmt
+
     def reset(self) -> None:
         super().reset()
         self.compiler.clear_cache()
@@ -101,6 +144,27 @@ def _compile(kind: str, compile_fn: Callable[[str], xgr.CompiledGrammar], text: 
         return XGrammarGrammar(compile_fn(text))
     except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse and conversion errors
         raise GrammarCompileError(f"Invalid {kind}: {clean_backend_error(e)}") from None
+
+
+def _legacy_format(tag: Dict[str, Any]) -> Dict[str, Any]:
+    """xgrammar's format for SGLang's legacy shape, as xgrammar's from_legacy_structural_tag builds
+    it: triggered tags, each structure a tag whose content is JSON (GrammarCompileError if malformed)."""
+    structures, triggers = tag.get("structures"), tag.get("triggers")
+    if (not isinstance(structures, list) or not structures or not isinstance(triggers, list) or not triggers
+            or not all(isinstance(t, str) and t for t in triggers)):
+        raise GrammarCompileError('Invalid structural_tag: "structures" must be a non-empty list and "triggers" a '
+                                  'non-empty list of non-empty strings.')
+    at_least_one = tag.get("at_least_one", False)
+    if not isinstance(at_least_one, bool):
+        raise GrammarCompileError('Invalid structural_tag: "at_least_one" must be a boolean.')
+    tags = []
+    for structure in structures:
+        if (not isinstance(structure, dict) or not isinstance(structure.get("begin"), str)
+                or not isinstance(structure.get("end"), str)):
+            raise GrammarCompileError('Invalid structural_tag: each structure needs string "begin" and "end".')
+        tags.append({"type": "tag", "begin": structure["begin"], "end": structure["end"],
+                     "content": {"type": "json_schema", "json_schema": structure.get("schema")}})
+    return {"type": "triggered_tags", "triggers": triggers, "tags": tags, "at_least_one": at_least_one}
 
 
 def _rewrite_length_bounded_strings(schema: Any) -> bool:

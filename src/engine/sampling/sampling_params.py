@@ -49,21 +49,20 @@ _PARAM_NAMES = (
     "json_schema",
     "regex",
     "ebnf",
+    "structural_tag",
     "stop_regex",
     "stream_interval",
     "custom_params",
 )
 
 # The structured-output constraints (SGLang's names); a request may carry at most one.
-CONSTRAINT_NAMES = ("json_schema", "regex", "ebnf")
+CONSTRAINT_NAMES = ("json_schema", "regex", "ebnf", "structural_tag")
 
 
 # SGLang sampling parameters this engine does not implement, with what they would need. A client
 # that sends one as null (or empty) gets the default behaviour; a real value is a clear 400 rather
 # than a silently different generation.
-UNSUPPORTED_PARAMS: Dict[str, str] = {
-    "structural_tag": "structural tags are not implemented; use json_schema, regex or ebnf",
-}
+UNSUPPORTED_PARAMS: Dict[str, str] = {}
 
 # Fan-out limit of one request (n sub-requests share the prompt).
 MAX_N = 128
@@ -131,6 +130,9 @@ class SamplingParams:
     json_schema: Optional[str] = None
     regex: Optional[str] = None
     ebnf: Optional[str] = None
+    # SGLang's structural tag (JSON text): free text, in which each trigger starts a tagged part that
+    # follows its schema (constrained/xgrammar_backend.py has both SGLang shapes).
+    structural_tag: Optional[str] = None
     stop_regex: Optional[Union[str, List[str]]] = None
     # Emit a streaming request's output every this many tokens (None: the server's --stream-interval).
     stream_interval: Optional[int] = None
@@ -166,6 +168,7 @@ class SamplingParams:
         json_schema: Optional[str] = None,
         regex: Optional[str] = None,
         ebnf: Optional[str] = None,
+        structural_tag: Optional[str] = None,
         stop_regex: Optional[Union[str, List[str]]] = None,
         stream_interval: Optional[int] = None,
         custom_params: Optional[Dict[str, Any]] = None,
@@ -196,6 +199,7 @@ class SamplingParams:
         self.json_schema = json_schema
         self.regex = regex
         self.ebnf = ebnf
+        self.structural_tag = structural_tag
         self.stop_regex = stop_regex
         self.stream_interval = stream_interval
         self.custom_params = custom_params
@@ -288,7 +292,8 @@ class SamplingParams:
     def _verify_constraint(self) -> None:
         given = [name for name in CONSTRAINT_NAMES if getattr(self, name) is not None]
         if len(given) > 1:
-            raise ValueError(f"Only one of json_schema, regex and ebnf may be given, got {', '.join(given)}")
+            raise ValueError(f"Only one of json_schema, regex, ebnf and structural_tag may be given, got "
+                             f"{', '.join(given)}")
         for name in given:
             value = getattr(self, name)
             if not isinstance(value, str) or not value.strip():
@@ -296,7 +301,7 @@ class SamplingParams:
 
     @property
     def constraint(self) -> Optional[Tuple[str, str]]:
-        """(kind, text) of the output constraint, kind in json_schema | regex | ebnf; or None."""
+        """(kind, text) of the output constraint, kind one of CONSTRAINT_NAMES; or None."""
         for name in CONSTRAINT_NAMES:
             value = getattr(self, name)
             if value is not None:

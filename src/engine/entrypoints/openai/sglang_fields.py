@@ -70,7 +70,7 @@ NATIVE_UNSUPPORTED: Dict[str, Tuple[Tuple[Any, ...], str]] = {
 # separate_reasoning, stream_reasoning, chat_template_kwargs, continue_final_message) are fields of
 # the request models.
 OPENAI_UNSUPPORTED: Dict[str, Tuple[Tuple[Any, ...], str]] = {
-    "structural_tag": (_NULL, "structural tags are not implemented; use json_schema, regex or ebnf"),
+    "structural_tag": (_NULL, "on this route a structural tag is a response_format of type 'structural_tag'"),
     **{name: NATIVE_UNSUPPORTED[name] for name in (
         "lora_path", "session_params", "return_routed_experts", "routed_dp_rank", "data_parallel_rank",
     )},

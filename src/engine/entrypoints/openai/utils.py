@@ -209,9 +209,9 @@ def build_sampling_params(request: SamplingFields, max_new_tokens: Optional[int]
         "stop_regex": request.stop_regex,
         "custom_params": request.custom_params,
     }
-    from_format = request.response_format.to_json_schema() if request.response_format is not None else None
-    if from_format is not None:  # SamplingFields refuses it together with the json_schema extra
-        params["json_schema"] = from_format
+    from_format = request.response_format.to_constraint() if request.response_format is not None else None
+    if from_format is not None:  # SamplingFields refuses it together with another constraint
+        params[from_format[0]] = from_format[1]
     params = {key: value for key, value in params.items() if value is not None}
     # Booleans are always sent: False is a meaningful choice that must override nothing.
     params["ignore_eos"] = request.ignore_eos
