@@ -97,3 +97,51 @@ def test_pd_equals_unified_on_the_builtin_model(model, oracle, name):
             assert retracted >= 1, "the configuration must make the decode side retract"
     finally:
         pair.close()
+
+
+# Constrained decoding on PD (SGLang's way): the prefill samples the first token under the grammar,
+# the decode side compiles the same grammar while the KV transfers, accepts the handed-over token
+# and decodes on. The unified scheduler on the same weights is the oracle.
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 6},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["name", "age"], "additionalProperties": False}
+CONSTRAINTS = [
+    {"regex": r"[a-z]{2,5}( [a-z]{2,5}){1,3}\."},
+    {"json_schema": __import__("json").dumps(SCHEMA)},
+    {"ebnf": 'root ::= "yes" | "no" | ("maybe " [0-9] [0-9])'},
+    {"regex": "(red|green|blue)"},
+]
+
+
+@pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
+def test_constrained_pd_equals_unified(model, overlap):
+    pytest.importorskip("xgrammar", reason="constrained decoding needs xgrammar")
+    path, tok, prompts = model
+    extra = dict(constrained_json_disable_any_whitespace=True)
+    h = Harness(worker=_worker(path), tokenizer=tok, max_total_tokens=4096, **extra)
+    pair = PDPair(prefill_worker=_worker(path), decode_worker=_worker(path, extra=dict(disaggregation_mode="decode")),
+                  tokenizer=tok, overlap_prefill=overlap, overlap_decode=overlap,
+                  prefill_kwargs=dict(max_total_tokens=4096, **extra),
+                  decode_kwargs=dict(max_total_tokens=4096, **extra))
+    try:
+        sampling = dict(max_new_tokens=24)
+        cases = [(prompts[i % len(prompts)], c) for i, c in enumerate(CONSTRAINTS)]
+        expected_rids = [h.submit(p, rid=f"u{i}", **sampling, **c) for i, (p, c) in enumerate(cases)]
+        h.run_until_idle()
+        rids = [pair.submit(p, rid=f"pd{i}", **sampling, **c) for i, (p, c) in enumerate(cases)]
+        pair.run_until_idle()
+        for rid, expected_rid in zip(rids, expected_rids):
+            expected = h.outputs[expected_rid]
+            assert expected.finished_reason["type"] in ("stop", "length"), expected.finished_reason
+            decoded = pair.decode.outputs[rid]
+            assert decoded.finished_reason == expected.finished_reason
+            assert decoded.output_ids == expected.output_ids
+        assert len(pair.decode.scheduler.grammar_manager) == 0
+        # The JSON answer parses against its schema: the grammar really ran on both sides.
+        import json
+
+        answer = json.loads(tok.decode(pair.decode.outputs[rids[1]].output_ids, skip_special_tokens=True))
+        assert set(answer) == {"name", "age"}
+    finally:
+        h.scheduler.shutdown()
+        pair.close()

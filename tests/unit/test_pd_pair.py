@@ -114,15 +114,6 @@ def test_fake_backend_decode_alone():
         h.scheduler.shutdown()
 
 
-def test_constrained_requests_are_refused_with_pd(make_pair):
-    p = make_pair()
-    rid = p.submit([1, 2, 3], max_new_tokens=4, regex="a+")
-    p.run_until_idle()
-    for side in (p.prefill, p.decode):
-        reason = side.outputs[rid].finished_reason
-        assert reason["status_code"] == 400 and "not supported with PD" in reason["message"]
-
-
 @pytest.mark.parametrize("extra", [dict(return_hidden_states=True), dict(return_logprob=True, token_ids_logprob=[3])])
 def test_per_request_extras_that_would_need_more_metadata_are_refused(make_pair, extra):
     p = make_pair()

@@ -34,11 +34,15 @@ GRAMMAR_TIMEOUT_S = 300.0
 
 @dataclass
 class _Waiting:
+    """A request whose grammar compiles (PendingGrammar: the PD decode side holds it outside the queue)."""
+
     req: "Req"
     key: GrammarKey
     future: concurrent.futures.Future
     since: float
 
+
+PendingGrammar = _Waiting
 
 BackendFactory = Callable[[], Tuple[Optional[BaseGrammarBackend], Optional[str]]]
 
@@ -92,6 +96,26 @@ class GrammarManager:
             grammar = ReasonerGrammar(grammar, self.think_end_ids)
         req.grammar = grammar
         return None
+
+    # ------------------------------------------------------------------ PD decode
+    def start(self, req: "Req") -> Tuple[Optional[_Waiting], Optional[str]]:
+        """Attach a matcher or start its compilation without queueing `req`: (pending, error).
+
+        A PD decode server compiles while the KV transfers (SGLang does too), so its transfer queue
+        holds the request; it asks `is_ready` and then `attach_pending` instead of the grammar queue.
+        """
+        queued, error = self.process_req_with_grammar(req)
+        if not queued:
+            return None, error
+        return self.grammar_queue.pop(), None
+
+    def is_ready(self, pending: _Waiting) -> bool:
+        """The compilation finished, or it ran past the timeout (then `attach_pending` refuses)."""
+        return pending.future.done() or time.monotonic() - pending.since > self.timeout_s
+
+    def attach_pending(self, pending: _Waiting) -> Optional[str]:
+        """Attach the compiled grammar of a `start`ed request, or say why it has none."""
+        return self._attach(pending.req, self._resolve(pending))
 
     # ------------------------------------------------------------------ every step
     def get_ready_grammar_requests(self) -> Tuple[List["Req"], List[Tuple["Req", str]]]:

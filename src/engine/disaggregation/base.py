@@ -201,9 +201,6 @@ def validate_pd_request(req: "Req", server_is_fake: bool) -> Optional[str]:
 
     A server with the fake backend takes requests without bootstrap fields (nothing to pair with).
     """
-    if req.sampling_params.constraint is not None:
-        return ("Constrained decoding (regex, ebnf, json_schema, response_format) is not supported with PD "
-                "disaggregation: send it to a server with --disaggregation-mode null.")
     if req.return_hidden_states or req.token_ids_logprob:
         # The first token's hidden state and chosen-id logprobs would have to travel with the KV.
         return "return_hidden_states and token_ids_logprob are not supported with PD disaggregation."

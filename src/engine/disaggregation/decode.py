@@ -30,6 +30,7 @@ from engine.disaggregation.metrics import DisaggMetrics
 from engine.managers.req import CLIP_MAX_NEW_TOKENS_ESTIMATION, FINISH_ABORT, FINISH_LENGTH, Req
 
 if TYPE_CHECKING:
+    from engine.constrained.grammar_manager import GrammarManager, PendingGrammar
     from engine.mem_cache.allocator import PagedTokenToKVPoolAllocator
     from engine.mem_cache.base_prefix_cache import BasePrefixCache
     from engine.mem_cache.memory_pool import ReqToTokenPool
@@ -47,6 +48,8 @@ class DecodeRequest:
     # before the reservation finished (one of them may still write a slot it just got back).
     publish_after: Optional[Callable[[], bool]] = None
     slots: Optional[torch.Tensor] = None
+    # A constrained request's grammar, compiling while the KV transfers (None once attached).
+    grammar: Optional[PendingGrammar] = None
 
 
 @dataclass
@@ -113,8 +116,10 @@ def abort_req(req: Req, message: str, status_code: int = 500) -> None:
 
 
 class DecodeTransferQueue:
-    def __init__(self, memory: DecodeMemory, metrics: DisaggMetrics, vocab_size: int) -> None:
+    def __init__(self, memory: DecodeMemory, metrics: DisaggMetrics, vocab_size: int,
+                 grammars: "GrammarManager") -> None:
         self.memory = memory
+        self.grammars = grammars
         self.metrics = metrics
         self.vocab_size = vocab_size
         self.queue: List[DecodeRequest] = []
@@ -137,6 +142,8 @@ class DecodeTransferQueue:
         if poll == KVPoll.Success and not dreq.kv_receiver.is_fake \
                 and self.memory.metadata.room(dreq.metadata_buffer_index) == 0:
             return KVPoll.Transferring
+        if poll == KVPoll.Success and dreq.grammar is not None and not self.grammars.is_ready(dreq.grammar):
+            return KVPoll.Transferring  # the KV is here, the grammar still compiles
         return poll
 
     def pop_transferred(self) -> Tuple[List[Req], List[Req]]:
@@ -170,6 +177,13 @@ class DecodeTransferQueue:
 
     def _commit(self, dreq: DecodeRequest) -> bool:
         req, receiver, index = dreq.req, dreq.kv_receiver, dreq.metadata_buffer_index
+        if dreq.grammar is not None:
+            pending, dreq.grammar = dreq.grammar, None
+            error = self.grammars.attach_pending(pending)
+            if error is not None:  # the grammar failed to compile (or timed out): SGLang's 400 too
+                abort_req(req, error, 400)
+                self._release(dreq)
+                return False
         if receiver.is_fake:
             token, logprob, top_val, top_idx, cached = fake_first_token(req.rid, self.vocab_size), 0.0, [], [], 0
         else:
@@ -208,6 +222,9 @@ class DecodeTransferQueue:
             if req.top_logprobs_num > 0:
                 req.output_top_logprobs_val.append(top_val[:req.top_logprobs_num])
                 req.output_top_logprobs_idx.append(top_idx[:req.top_logprobs_num])
+        # The prefill sampled it under the same grammar; the matcher starts from it (a token it
+        # refuses, only possible with a mismatched prefill, ends the request with a 400).
+        req.accept_grammar_token(token)
         return True
 
     def _release(self, dreq: DecodeRequest) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
-from typing import Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Callable, List, Optional, Tuple
 
 import torch
 
@@ -30,6 +30,9 @@ from engine.disaggregation.decode import (
 )
 from engine.disaggregation.metrics import DisaggMetrics
 from engine.managers.req import FINISH_ABORT, Req
+
+if TYPE_CHECKING:
+    from engine.constrained.grammar_manager import PendingGrammar
 
 logger = logging.getLogger(__name__)
 
@@ -56,8 +59,8 @@ class DecodePreallocQueue:
                     "reserved per request).")
         return None
 
-    def add(self, req: Req) -> None:
-        self.queue.append(DecodeRequest(req=req, kv_receiver=self.make_receiver(req)))
+    def add(self, req: Req, grammar: Optional[PendingGrammar] = None) -> None:
+        self.queue.append(DecodeRequest(req=req, kv_receiver=self.make_receiver(req), grammar=grammar))
 
     def add_retracted(self, req: Req) -> None:
         backup, req.kv_backup = req.kv_backup, None

@@ -42,6 +42,7 @@ from engine.managers.req import FINISH_ABORT, Req
 from engine.managers.schedule_batch import ScheduleBatch
 
 if TYPE_CHECKING:
+    from engine.constrained.grammar_manager import PendingGrammar
     from engine.disaggregation.loopback import LoopbackNetwork
     from engine.managers.scheduler import Scheduler
 
@@ -69,7 +70,8 @@ class DecodeDisaggregation:
             args, kv_args_for(scheduler, metadata), self.config, network, scheduler.tp_rank)
         self.prealloc = DecodePreallocQueue(self.memory, self.metrics, self._make_receiver, self._fence,
                                             self._restore)
-        self.transfer = DecodeTransferQueue(self.memory, self.metrics, scheduler.vocab_size)
+        self.transfer = DecodeTransferQueue(self.memory, self.metrics, scheduler.vocab_size,
+                                            scheduler.grammar_manager)
         self.waiting: List[Req] = []
         self.polling_interval = args.disaggregation_decode_polling_interval
         self._iteration = 0
@@ -78,13 +80,20 @@ class DecodeDisaggregation:
 
     # ------------------------------------------------------------------ requests in
     def validate(self, req: Req) -> Optional[str]:
-        return validate_pd_request(req, self.backend == TransferBackend.FAKE) or self.prealloc.capacity_error(req)
+        return (validate_pd_request(req, self.backend == TransferBackend.FAKE) or self._prefill_refusal(req)
+                or self.prealloc.capacity_error(req))
 
-    def add_request(self, req: Req, is_retracted: bool = False) -> None:
+    def _prefill_refusal(self, req: Req) -> Optional[str]:
+        """A prefill outside --disaggregation-prefill-allowlist is refused before anything is fetched."""
+        if self.manager is None or req.bootstrap_host in (None, FAKE_BOOTSTRAP_HOST) or req.bootstrap_port is None:
+            return None
+        return self.manager.refusal(req.bootstrap_host, req.bootstrap_port)
+
+    def add_request(self, req: Req, is_retracted: bool = False, grammar: Optional[PendingGrammar] = None) -> None:
         if is_retracted:
             self.prealloc.add_retracted(req)
         else:
-            self.prealloc.add(req)
+            self.prealloc.add(req, grammar)
 
     def _make_receiver(self, req: Req) -> KVReceiver:
         room = req.bootstrap_room or 0

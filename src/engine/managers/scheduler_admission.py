@@ -86,6 +86,15 @@ class Admission:
         refused = s.priority.assign(req)
         if refused is not None:
             return self.refuse(req, refused, 503)
+        if s.disagg is not None and s.disagg.mode == DisaggregationMode.DECODE:
+            # As SGLang: the decode side compiles the grammar while the KV transfers; the transfer
+            # queue holds the request until both are done, then the handed-over token is accepted.
+            pending, error = s.grammar_manager.start(req)
+            if error is not None:
+                return self.refuse(req, error, 400)
+            req.queue_time = time.monotonic()
+            s.disagg.add_request(req, grammar=pending)
+            return
         queued, error = s.grammar_manager.process_req_with_grammar(req)
         if error is not None:
             return self.refuse(req, error, 400)
