@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
 from engine.constrained.reasoning_parser import REASONING_PARSER_NAMES, reasoning_parser_error
+from engine.disaggregation.allowlist import PrefillAllowlist
 
 logger = logging.getLogger(__name__)
 
@@ -200,6 +201,11 @@ class ServerArgs:
     disaggregation_host: Optional[str] = arg(None, "The address other servers reach this one's KV transfer "
                                                    "socket at. Default: --host, or this machine's outbound "
                                                    "address when --host is a wildcard.")
+    disaggregation_prefill_allowlist: Optional[str] = arg(None, "Decode: the prefill bootstrap servers a request "
+                                                                "may name, comma-separated host[:port] entries (an "
+                                                                "IP, a CIDR network, a host name, or * for any). "
+                                                                "Default: loopback plus --host and "
+                                                                "--disaggregation-host (docs/security.md).")
 
     # Observability and robustness
     log_level: str = arg("info", "debug, info, warning, error or critical.")
@@ -358,6 +364,10 @@ class ServerArgs:
                                         "not --is-embedding")
             need(not (self.disaggregation_mode == "prefill" and self.port == self.disaggregation_bootstrap_port),
                  "--disaggregation-bootstrap-port must differ from --port")
+        try:
+            PrefillAllowlist.parse(self.disaggregation_prefill_allowlist)
+        except ValueError as e:
+            need(False, str(e))
 
     def _check_simulated_device(self, need: Any) -> None:
         if self.simulated_device_forward_ms is None:

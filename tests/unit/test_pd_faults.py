@@ -101,7 +101,7 @@ def test_handshake_failure_bad_bootstrap_port(make_pair, clock):
         if p.decode.outputs[rid].finished_reason is not None:
             break
     reason = p.decode.outputs[rid].finished_reason
-    assert reason["status_code"] == 500 and "did not answer after 3 attempts" in reason["message"]
+    assert reason["status_code"] == 500 and "is not reachable (3 attempts)" in reason["message"]
     assert p.decode.scheduler.disagg.prealloc.queue == []
     # The prefill never got a destination: its bootstrap timeout ends its half.
     drain_after_timeout(p, clock)

@@ -33,6 +33,8 @@ logger = logging.getLogger(__name__)
 HTTP_TIMEOUT_S = 2.0
 REGISTER_RETRIES = 50
 REGISTER_RETRY_S = 0.1
+# The largest answer a client reads (a full route answer of a 64-rank prefill is ~40 KB).
+MAX_ANSWER_BYTES = 1 << 20
 
 
 class BootstrapUnavailable(RuntimeError):
@@ -147,11 +149,16 @@ class HttpBootstrapClient(BootstrapClient):
                                          headers={"Content-Type": "application/json"})
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
-                return response.status, json.loads(response.read() or b"{}")
+                # Whatever answers at a client-named address is bounded like any input.
+                raw = response.read(MAX_ANSWER_BYTES + 1)
+                answer = json.loads(raw or b"{}")
         except urllib.error.HTTPError as e:
             return e.code, {}
         except (urllib.error.URLError, OSError, ValueError) as e:
             raise BootstrapUnavailable(f"bootstrap server {url} unreachable: {e}") from None
+        if len(raw) > MAX_ANSWER_BYTES or not isinstance(answer, dict):
+            raise BootstrapUnavailable(f"bootstrap server {url} answered something else than a bootstrap answer")
+        return response.status, answer
 
     def register(self, addr: str, info: Dict[str, Any]) -> None:
         last: Optional[Exception] = None

@@ -23,6 +23,7 @@ import msgspec
 import torch
 
 from engine.disaggregation import protocol
+from engine.disaggregation.allowlist import PrefillAllowlist
 from engine.disaggregation.base import FailureCause, KVPoll, StatusTable
 from engine.disaggregation.bootstrap import BootstrapClient, BootstrapUnavailable
 from engine.disaggregation.conn_common import KVArgs, KVReceiver, TransferConfig, TransferTimes, now
@@ -32,6 +33,13 @@ from engine.disaggregation.protocol import AbortMsg, AuxFrame, DstInfo, KVFrame,
 from engine.disaggregation.transport import JobRunner, Transport, TransportError
 
 logger = logging.getLogger(__name__)
+
+# What a client learns when its prefill cannot be used: the same words whether the address is
+# refused, closed, filtered, unreachable or answers something that is not a bootstrap server, so
+# the decode server cannot be used to map a network (the detail goes to this server's log).
+UNREACHABLE = "the prefill's bootstrap server at {addr} is not reachable"
+# A bound on what a bootstrap answer may claim (pairing loops over the prefill's ranks).
+MAX_PREFILL_TP_SIZE = 4096
 
 
 @dataclass
@@ -64,8 +72,11 @@ class _Room:
 
 class DecodeKVManager:
     def __init__(self, kv_args: KVArgs, transport: Transport, io_runner: JobRunner, control_runner: JobRunner,
-                 bootstrap_client: BootstrapClient, config: TransferConfig) -> None:
+                 bootstrap_client: BootstrapClient, config: TransferConfig,
+                 allowlist: Optional[PrefillAllowlist] = None) -> None:
         self.kv_args = kv_args
+        # The loopback backend's tests name in-process prefills; every real server passes one.
+        self.allowlist = allowlist or PrefillAllowlist.parse(None)
         self.transport = transport
         self.io_runner = io_runner
         self.control_runner = control_runner
@@ -84,6 +95,13 @@ class DecodeKVManager:
         self.transport.start(self._on_message)
 
     # ------------------------------------------------------------------ prefill discovery
+    def refusal(self, host: str, port: int) -> Optional[str]:
+        """Why a request may not name this prefill (a 400 before anything is fetched), or None."""
+        if self.allowlist.allows(host, port):
+            return None
+        return (f"bootstrap_host {host}:{port} is not an allowed prefill server of this decode server "
+                "(--disaggregation-prefill-allowlist)")
+
     def peer(self, addr: str, since: float) -> Optional[PrefillPeer]:
         """The prefill at `addr` if known; starts (at most once per interval) a lookup if not.
 
@@ -91,6 +109,10 @@ class DecodeKVManager:
         gave up after it arrived; a newer request starts a fresh series of attempts (the prefill
         may be back).
         """
+        host, _, port = addr.rpartition(":")
+        refusal = self.refusal(host, int(port) if port.isdigit() else 0)
+        if refusal is not None:  # the scheduler refuses such requests first; this guards every path
+            raise BootstrapUnavailable(refusal)
         with self._lock:
             peer = self._peers.get(addr)
             if peer is not None:
@@ -114,10 +136,12 @@ class DecodeKVManager:
         try:
             info = self.bootstrap_client.fetch(addr)
             peer = self._make_peer(addr, info) if info is not None else None
-            error = None if info is not None else "not all prefill ranks registered"
+            # A prefill still starting answers 503, like any web server might: the same words.
+            error = None if info is not None else UNREACHABLE.format(addr=addr)
         except BootstrapUnavailable as e:
-            peer, error = None, str(e)
-        except (ValueError, KeyError) as e:
+            logger.info("PD bootstrap lookup of %s failed: %s", addr, e)
+            peer, error = None, UNREACHABLE.format(addr=addr)
+        except ValueError as e:
             # Two servers that cannot pair will not learn to: no retries.
             peer, error, attempts_left = None, f"cannot pair with the prefill at {addr}: {e}", False
             self._fail_addr(addr, error, FailureCause.CONFIG)
@@ -132,21 +156,30 @@ class DecodeKVManager:
             assert error is not None  # without a peer, each branch above says why
             self._attempts[addr] = self._attempts.get(addr, 0) + 1
             if not attempts_left or self._attempts[addr] >= self.config.ensure_info_retries:
-                message = error if not attempts_left else (
-                    f"the prefill's bootstrap server at {addr} did not answer after {self._attempts[addr]} "
-                    f"attempts ({error})")
+                message = error if not attempts_left else f"{error} ({self._attempts[addr]} attempts)"
                 self._peer_errors[addr] = (message, now())
 
     def _make_peer(self, addr: str, info: Dict[str, Any]) -> PrefillPeer:
-        if info.get("metadata_schema_version") != METADATA_SCHEMA_VERSION:
-            raise ValueError(f"metadata schema {info.get('metadata_schema_version')} != ours {METADATA_SCHEMA_VERSION}")
+        """Pair with a bootstrap answer: BootstrapUnavailable when it is not one (whatever listens
+        there is not a prefill), ValueError when it is one this server cannot pair with."""
+        try:
+            version = info["metadata_schema_version"]
+            theirs = KVLayout.from_dict(info["ranks"]["0"]["kv_layout"])
+            endpoints = {rank: str(entry["endpoint"]) for rank, entry in info["ranks"].items()}
+            if not (isinstance(theirs.tp_size, int) and 1 <= theirs.tp_size <= MAX_PREFILL_TP_SIZE):
+                raise ValueError(f"TP size {theirs.tp_size!r}")
+        except (KeyError, TypeError, AttributeError, ValueError) as e:
+            raise BootstrapUnavailable(f"not a bootstrap answer: {e!r}") from None
+        if version != METADATA_SCHEMA_VERSION:
+            raise ValueError(f"metadata schema {version} != ours {METADATA_SCHEMA_VERSION}")
         ours = self.kv_args.layout
-        theirs = KVLayout.from_dict(info["ranks"]["0"]["kv_layout"])
         rank, head_start, num_heads = pair_ranks(theirs, ours)
         served = sum(1 for d in range(ours.tp_size)
                      if pair_ranks(theirs, KVLayout(**{**ours.to_dict(), "tp_rank": d}))[0] == rank)
-        return PrefillPeer(addr=addr, session_id=info.get("session_id", ""),
-                           endpoint=info["ranks"][str(rank)]["endpoint"], prefill_rank=rank,
+        if str(rank) not in endpoints:
+            raise BootstrapUnavailable(f"the bootstrap answer lacks rank {rank}")
+        return PrefillPeer(addr=addr, session_id=str(info.get("session_id", "")),
+                           endpoint=endpoints[str(rank)], prefill_rank=rank,
                            head_start=head_start, num_heads=num_heads, required_dst_num=served)
 
     # ------------------------------------------------------------------ heartbeat

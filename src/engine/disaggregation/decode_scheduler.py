@@ -80,7 +80,14 @@ class DecodeDisaggregation:
 
     # ------------------------------------------------------------------ requests in
     def validate(self, req: Req) -> Optional[str]:
-        return validate_pd_request(req, self.backend == TransferBackend.FAKE) or self.prealloc.capacity_error(req)
+        return (validate_pd_request(req, self.backend == TransferBackend.FAKE) or self._prefill_refusal(req)
+                or self.prealloc.capacity_error(req))
+
+    def _prefill_refusal(self, req: Req) -> Optional[str]:
+        """A prefill outside --disaggregation-prefill-allowlist is refused before anything is fetched."""
+        if self.manager is None or req.bootstrap_host in (None, FAKE_BOOTSTRAP_HOST) or req.bootstrap_port is None:
+            return None
+        return self.manager.refusal(req.bootstrap_host, req.bootstrap_port)
 
     def add_request(self, req: Req, is_retracted: bool = False, grammar: Optional[PendingGrammar] = None) -> None:
         if is_retracted:

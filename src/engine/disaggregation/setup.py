@@ -85,8 +85,12 @@ def build_decode_manager(args: Any, kv_args: KVArgs, config: TransferConfig,
                          network: Optional["LoopbackNetwork"], tp_rank: int) -> "DecodeKVManager":
     from engine.disaggregation.conn_decode import DecodeKVManager
 
+    from engine.disaggregation.allowlist import PrefillAllowlist
+
     transport, io_runner, control_runner, client = _parts(args, network, "decode")
-    manager = DecodeKVManager(kv_args, transport, io_runner, control_runner, client, config)
+    allowlist = PrefillAllowlist.parse(args.disaggregation_prefill_allowlist,
+                                       (args.host, args.disaggregation_host))
+    manager = DecodeKVManager(kv_args, transport, io_runner, control_runner, client, config, allowlist)
     if network is None:
         _start_heartbeat(manager, config.heartbeat_interval)
     logger.info("Decode rank %d: KV transfer endpoint %s", tp_rank, transport.endpoint)
