@@ -231,8 +231,12 @@ def test_tools_without_a_parser_answer_plain_content(manager: ScriptedManager) -
     assert choice["finish_reason"] == "stop"
     assert choice["message"]["content"] == manager.script and not choice["message"].get("tool_calls")
     assert "json_schema" not in manager.requests[-1].sampling_params[0]
+    # As SGLang, tools keep the special tokens in the text (tool-call markers may be special tokens).
+    assert manager.requests[-1].sampling_params[0]["skip_special_tokens"] is False
     streamed = stream_message(client, {"messages": USER, "tools": TOOLS})[0]
     assert streamed["content"] == manager.script and not streamed["tool_calls"]
+    whole_message(client, {"messages": USER, "tools": TOOLS, "tool_choice": "none"})
+    assert manager.requests[-1].sampling_params[0]["skip_special_tokens"] is True
 
 
 def test_forced_tool_choice_parses_the_constrained_array(manager: ScriptedManager) -> None:

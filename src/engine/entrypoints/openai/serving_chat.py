@@ -86,6 +86,10 @@ class OpenAIServingChat:
         in_reasoning = answer_starts_in_reasoning(self.reasoning_parser, request, self._prompt_tail(prompt_ids))
         parsing = dataclasses.replace(parsing, in_reasoning=in_reasoning)
         sampling_params = build_sampling_params(request, self._max_new_tokens(request, len(prompt_ids)))
+        if tools_for_template(request) is not None:
+            # As SGLang: with tools in play the special tokens stay in the text, where a model's
+            # tool-call markers (Llama's <|python_tag|>, ...) are found by the parsers or the client.
+            sampling_params["skip_special_tokens"] = False
         if tool_constraint is not None:
             sampling_params["json_schema"] = tool_constraint
         obj = GenerateReqInput(
