@@ -389,15 +389,16 @@ class Req:
 
     def _check_stop_regex(self) -> Optional[str]:
         """The stop regex that matches the output's tail, if any (SGLang: re.search on the tail
-        of max(stop_regex_max_len, stop_str_max_len) + 1 tokens, at most the whole output)."""
+        of max(stop_regex_max_len, stop_str_max_len) + 1 tokens; stop_regex_max_len is at most
+        stop_regex.STOP_REGEX_MAX_WINDOW, where SGLang may search the whole output)."""
         sp = self.sampling_params
         patterns = sp.stop_regex_strs
         if not patterns:
             return None
         window = max(sp.stop_regex_max_len, sp.stop_str_max_len) + 1
         tail = self.decode(self.output_ids[-window:])
-        for pattern in patterns:
-            if stop_regex.search(pattern, tail):
+        for pattern, compiled in zip(patterns, sp.stop_regex_compiled):
+            if stop_regex.search(compiled, tail):
                 return pattern
         return None
 

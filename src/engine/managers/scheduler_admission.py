@@ -22,6 +22,7 @@ from engine.managers.priority import EVICTED_MESSAGE
 from engine.managers.req import FINISH_ABORT, Req, cache_namespace
 from engine.managers.scheduler_embedding import make_embedding_req, validate_embedding_input
 from engine.sampling.custom_logit_processor import CustomLogitProcessorError, load_custom_logit_processor
+from engine.sampling.stop_regex import StopRegexCompiler
 
 from engine.disaggregation.base import DisaggregationMode
 
@@ -34,6 +35,8 @@ logger = logging.getLogger(__name__)
 class Admission:
     def __init__(self, scheduler: "Scheduler") -> None:
         self.s = scheduler
+        # The n samples of a request arrive one after another: they share one stop_regex compilation.
+        self.stop_regex_compiler = StopRegexCompiler()
 
     def handle_generate(self, recv: TokenizedGenerateReqInput) -> None:
         from engine.sampling.sampling_params import SamplingParams
@@ -67,7 +70,7 @@ class Admission:
             req.bootstrap_port = s.server_args.disaggregation_bootstrap_port
         try:
             sp = SamplingParams.from_dict(recv.sampling_params)
-            sp.verify(s.vocab_size)
+            sp.verify(s.vocab_size, self.stop_regex_compiler.compile)
             sp.normalize(s.tokenizer)
         except (ValueError, TypeError) as e:
             req.sampling_params = SamplingParams()

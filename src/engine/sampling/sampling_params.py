@@ -16,9 +16,16 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Set, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
-from engine.sampling.stop_regex import MAX_STOP_REGEX, MAX_STOP_REGEX_LEN, compile_stop_regex, max_match_len
+from engine.sampling.stop_regex import (
+    MAX_STOP_REGEX,
+    MAX_STOP_REGEX_LEN,
+    STOP_REGEX_MAX_WINDOW,
+    CompiledStopRegex,
+    compile_stop_regex,
+    max_match_len,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -66,6 +73,14 @@ UNSUPPORTED_PARAMS: Dict[str, str] = {}
 
 # Fan-out limit of one request (n sub-requests share the prompt).
 MAX_N = 128
+# Stop strings, for every route: the scheduler looks for each in the decoded output tail at every
+# step, and while streaming holds back a tail that may start one, so their count and length set
+# the per-token cost (docs/security.md). The OpenAI routes had the same count limit already.
+MAX_STOP_STRINGS = 32
+MAX_STOP_STR_LEN = 256  # characters, each
+MAX_STOP_STRS_TOTAL_LEN = 1024  # characters, all of a request's together
+# stop_token_ids: each is checked on every token through a set; the list is shipped to the scheduler.
+MAX_STOP_TOKEN_IDS = 4096
 _INT32_MAX = (1 << 31) - 1
 
 
@@ -85,7 +100,7 @@ def _check_others(others: Dict[str, Any]) -> None:
 
 
 def _range_error(name: str, allowed: str, value: Any) -> ValueError:
-    return ValueError(f"{name} must be {allowed}, got {value!r}")
+    return ValueError(f"{name} must be {allowed}, got {_clip(value)}")
 
 
 def check_parallel_sample_num(n: Any) -> int:
@@ -143,6 +158,9 @@ class SamplingParams:
     # and the longest text a stop regex can match (stop_regex.UNBOUNDED: the whole output).
     stop_str_max_len: int = field(default=0, compare=False)
     stop_regex_max_len: int = field(default=0, compare=False)
+    # The stop regexes compiled (by verify(), or normalize()), one per stop_regex_strs entry: they
+    # belong to this request only (stop_regex.py keeps user patterns out of process-wide caches).
+    stop_regex_compiled: List[CompiledStopRegex] = field(default_factory=list, compare=False, repr=False)
 
     def __init__(
         self,
@@ -205,18 +223,24 @@ class SamplingParams:
         self.custom_params = custom_params
         self.stop_str_max_len = 0
         self.stop_regex_max_len = 0
+        self.stop_regex_compiled = []
 
     # ------------------------------------------------------------------ validation
 
-    def verify(self, vocab_size: Optional[int] = None) -> None:
-        """Raise ValueError naming the first bad field and its allowed range."""
+    def verify(self, vocab_size: Optional[int] = None,
+               compile_regex: Callable[[Sequence[str]], List[CompiledStopRegex]] = compile_stop_regex) -> None:
+        """Raise ValueError naming the first bad field and its allowed range.
+
+        `compile_regex` checks and compiles the stop regexes (the scheduler passes one that shares the
+        compilation between the n samples of a request: stop_regex.StopRegexCompiler).
+        """
         self._verify_numbers()
         self._verify_lengths()
         self._verify_flags()
         self._verify_stops(vocab_size)
         self._verify_logit_bias(vocab_size)
         self._verify_constraint()
-        self._verify_extras()
+        self._verify_extras(compile_regex)
 
     def _verify_numbers(self) -> None:
         checks = (
@@ -264,11 +288,13 @@ class SamplingParams:
                 raise _range_error("stop", "a string or a list of strings", stop)
             if any(len(s) == 0 for s in strs):
                 raise _range_error("stop", "non-empty strings", stop)
+            _check_stop_sizes(strs)
         ids = self.stop_token_ids
         if ids is not None:
             upper = f" < vocab_size ({vocab_size})" if vocab_size is not None else ""
-            allowed = f"a list of integer token ids >= 0{upper}"
-            if not isinstance(ids, (list, tuple, set, frozenset)) or not all(_is_int(i) for i in ids):
+            allowed = f"a list of at most {MAX_STOP_TOKEN_IDS} integer token ids >= 0{upper}"
+            if (not isinstance(ids, (list, tuple, set, frozenset)) or len(ids) > MAX_STOP_TOKEN_IDS
+                    or not all(_is_int(i) for i in ids)):
                 raise _range_error("stop_token_ids", allowed, ids)
             if any(i < 0 or (vocab_size is not None and i >= vocab_size) for i in ids):
                 raise _range_error("stop_token_ids", allowed, ids)
@@ -307,7 +333,7 @@ class SamplingParams:
             if value is not None:
                 return name, value
         return None
-    def _verify_extras(self) -> None:
+    def _verify_extras(self, compile_regex: Callable[[Sequence[str]], List[CompiledStopRegex]]) -> None:
         if self.stop_regex is not None:
             patterns = [self.stop_regex] if isinstance(self.stop_regex, str) else self.stop_regex
             allowed = f"a string or a list of at most {MAX_STOP_REGEX} non-empty strings"
@@ -315,7 +341,7 @@ class SamplingParams:
                     or not all(isinstance(p, str) and 0 < len(p) <= MAX_STOP_REGEX_LEN for p in patterns)):
                 raise _range_error("stop_regex", allowed + f" of at most {MAX_STOP_REGEX_LEN} characters",
                                    self.stop_regex)
-            compile_stop_regex(list(patterns))
+            self.stop_regex_compiled = compile_regex(list(patterns))
         if self.stream_interval is not None and (not _is_int(self.stream_interval)
                                                  or not 1 <= self.stream_interval <= _INT32_MAX):
             raise _range_error("stream_interval", "an integer >= 1 or null", self.stream_interval)
@@ -340,7 +366,12 @@ class SamplingParams:
         self.stop_str_max_len = max((_stop_len(s, tokenizer) for s in self.stop), default=0)
         self.stop_token_ids = set(self.stop_token_ids) if self.stop_token_ids else set()
         self.stop_regex = self.stop_regex_strs
-        self.stop_regex_max_len = max((max_match_len(p) for p in self.stop_regex), default=0)
+        if len(self.stop_regex_compiled) != len(self.stop_regex):
+            self.stop_regex_compiled = compile_stop_regex(self.stop_regex)
+        # A match longer than the window (or without bound) is looked for in the window only, so the
+        # per-token search never grows with the output (stop_regex.py).
+        self.stop_regex_max_len = min(max((max_match_len(p) for p in self.stop_regex), default=0),
+                                      STOP_REGEX_MAX_WINDOW)
         if self.logit_bias:
             self.logit_bias = {_verified_token_id(k): float(v) for k, v in self.logit_bias.items()}
 
@@ -397,6 +428,24 @@ def _verified_token_id(key: Any) -> int:
     token_id = _parse_token_id(key)
     assert token_id is not None  # verify() refused keys that do not parse
     return int(token_id)
+
+
+def _check_stop_sizes(stops: Sequence[str]) -> None:
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(stops)}")
+    longest = max((len(s) for s in stops), default=0)
+    if longest > MAX_STOP_STR_LEN:
+        raise ValueError(f"each stop string may be at most {MAX_STOP_STR_LEN} characters long, got one of {longest}")
+    total = sum(len(s) for s in stops)
+    if total > MAX_STOP_STRS_TOTAL_LEN:
+        raise ValueError(f"the stop strings may be at most {MAX_STOP_STRS_TOTAL_LEN} characters long together, "
+                         f"got {total}")
+
+
+def _clip(value: Any, limit: int = 200) -> str:
+    """A bad value for an error message: its repr, cut (a refused value may be megabytes long)."""
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def _stop_len(stop_str: str, tokenizer: Any) -> int:
