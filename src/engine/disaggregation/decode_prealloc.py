@@ -40,8 +40,12 @@ logger = logging.getLogger(__name__)
 class DecodePreallocQueue:
     def __init__(self, memory: DecodeMemory, metrics: DisaggMetrics,
                  make_receiver: Callable[[Req], KVReceiver], fence: Callable[[], Callable[[], bool]],
-                 restore: Callable[[Req, torch.Tensor, Optional[Future]], None]) -> None:
+                 restore: Callable[[Req, torch.Tensor, Optional[Future]], None],
+                 order_key: Optional[Callable[[Req], Tuple[int, float]]] = None) -> None:
         self.memory = memory
+        # --enable-priority-scheduling: the queue is taken in (urgency, arrival) order, as SGLang
+        # sorts it before its allocation pass; None keeps plain FIFO.
+        self.order_key = order_key
         self.metrics = metrics
         self.make_receiver = make_receiver
         self.fence = fence  # -> "have the forwards launched so far finished?"
@@ -88,6 +92,9 @@ class DecodePreallocQueue:
 
     # ------------------------------------------------------------------ new requests
     def pop_preallocated(self, state: AdmissionState) -> Tuple[List[DecodeRequest], List[Req]]:
+        order_key = self.order_key
+        if order_key is not None:
+            self.queue.sort(key=lambda d: order_key(d.req))  # stable: FIFO among equals
         failed = self._update_handshake_waiters()
         preallocated: List[DecodeRequest] = []
         memory = self.memory

@@ -68,8 +68,10 @@ class DecodeDisaggregation:
         self.config = TransferConfig.from_server_args(args)
         self.manager = None if self.backend == TransferBackend.FAKE else build_decode_manager(
             args, kv_args_for(scheduler, metadata), self.config, network, scheduler.tp_rank)
+        # With --enable-priority-scheduling both queues go by priority, as SGLang's decode does.
+        self.order_key = scheduler.priority.queue_order_key if scheduler.priority.enabled else None
         self.prealloc = DecodePreallocQueue(self.memory, self.metrics, self._make_receiver, self._fence,
-                                            self._restore)
+                                            self._restore, self.order_key)
         self.transfer = DecodeTransferQueue(self.memory, self.metrics, scheduler.vocab_size,
                                             scheduler.grammar_manager)
         self.waiting: List[Req] = []
@@ -149,6 +151,8 @@ class DecodeDisaggregation:
         room = scheduler.max_running_requests - scheduler.running_batch.batch_size()
         if room <= 0 or not self.waiting:
             return None
+        if self.order_key is not None:
+            self.waiting.sort(key=self.order_key)  # stable: FIFO among equals
         taken, self.waiting = self.waiting[:room], self.waiting[room:]
         live: List[Req] = []
         fresh_count = 0
