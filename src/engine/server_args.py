@@ -13,6 +13,7 @@ from typing import Any, List, Optional
 
 from engine.constrained.reasoning_parser import REASONING_PARSER_NAMES, reasoning_parser_error
 from engine.disaggregation.allowlist import PrefillAllowlist
+from engine.disaggregation.auth import SECRET_ENV, is_loopback, resolve_secret
 
 logger = logging.getLogger(__name__)
 
@@ -201,6 +202,11 @@ class ServerArgs:
     disaggregation_host: Optional[str] = arg(None, "The address other servers reach this one's KV transfer "
                                                    "socket at. Default: --host, or this machine's outbound "
                                                    "address when --host is a wildcard.")
+    disaggregation_secret: Optional[str] = arg(None, "A shared secret that authenticates every PD bootstrap and "
+                                                     "KV transfer message (HMAC-SHA256); the same on every prefill "
+                                                     "and decode server. Prefer the environment variable "
+                                                     "ENGINE_DISAGGREGATION_SECRET (keeps it off the command line). "
+                                                     "Without one the PD planes are open (docs/security.md).")
     disaggregation_prefill_allowlist: Optional[str] = arg(None, "Decode: the prefill bootstrap servers a request "
                                                                 "may name, comma-separated host[:port] entries (an "
                                                                 "IP, a CIDR network, a host name, or * for any). "
@@ -344,6 +350,17 @@ class ServerArgs:
              f"got {self.disaggregation_mode!r}")
         need(self.disaggregation_transfer_backend in DISAGGREGATION_TRANSFER_BACKENDS,
              f"--disaggregation-transfer-backend must be one of {', '.join(DISAGGREGATION_TRANSFER_BACKENDS)}, "
+    def _warn_open_pd_planes(self) -> None:
+        """Without a secret the PD planes are open: fine on loopback, loud beyond it (docs/security.md)."""
+        if resolve_secret(self.disaggregation_secret) is not None or self.disaggregation_transfer_backend != "tcp":
+            return
+        exposed = [h for h in (self.host, self.disaggregation_host) if h is not None and not is_loopback(h)]
+        if exposed:
+            logger.warning("SECURITY: --disaggregation-mode %s listens on %s without --disaggregation-secret (or %s): "
+                           "anyone who reaches its bootstrap and KV transfer ports can redirect, fail or forge KV "
+                           "transfers. Set the same secret on every PD server (docs/security.md).",
+                           self.disaggregation_mode, ", ".join(exposed), SECRET_ENV)
+
              f"got {self.disaggregation_transfer_backend!r}")
         need(1 <= self.disaggregation_bootstrap_port <= 65535,
              f"--disaggregation-bootstrap-port must be in [1, 65535], got {self.disaggregation_bootstrap_port}")
@@ -369,6 +386,7 @@ class ServerArgs:
         except ValueError as e:
             need(False, str(e))
 
+            self._warn_open_pd_planes()
     def _check_simulated_device(self, need: Any) -> None:
         if self.simulated_device_forward_ms is None:
             return

@@ -4,22 +4,27 @@ without the shared secret or with oversized messages."""
 
 from __future__ import annotations
 
+import logging
 import socket
 import threading
+import time
 from http.server import BaseHTTPRequestHandler, HTTPServer
 from typing import Iterator, List
 
 import pytest
 import torch
 
+from engine.disaggregation import auth, bootstrap, conn_prefill, protocol, setup
 from engine.disaggregation.allowlist import PrefillAllowlist
 from engine.disaggregation.base import FailureCause, KVPoll
-from engine.disaggregation.bootstrap import BootstrapUnavailable, HttpBootstrapClient
+from engine.disaggregation.bootstrap import BootstrapServer, BootstrapUnavailable, HttpBootstrapClient
 from engine.disaggregation.conn_common import KVArgs, TransferConfig
 from engine.disaggregation.conn_decode import DecodeKVManager, DecodeKVReceiver
-from engine.disaggregation.kv_io import KVLayout
+from engine.disaggregation.kv_io import KVLayout, checksum, frame_token_count
 from engine.disaggregation.loopback import LoopbackNetwork
 from engine.disaggregation.metadata import MetadataBuffers
+from engine.disaggregation.protocol import AbortMsg, DstInfo
+from engine.disaggregation.transport import ZmqTransport
 from engine.mem_cache.memory_pool import MHATokenToKVPool
 from engine.utils.network_utils import get_free_port
 from pd_utils import BOOTSTRAP_PORT, PDPair
@@ -151,3 +156,198 @@ def test_a_refused_address_raises_before_any_lookup():
         assert not net.jobs  # no lookup was queued
     finally:
         manager.close()
+
+
+# ---------------------------------------------------------------------------- item 9: ZMQ plane
+def _wait_for(cond, seconds: float = 20.0) -> bool:
+    """A bounded poll (no sleeps as synchronisation: each round waits on the condition's event)."""
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.01)
+    return cond()
+
+
+class _Inbox:
+    def __init__(self) -> None:
+        self.messages: List[List[bytes]] = []
+        self.event = threading.Event()
+
+    def __call__(self, frames) -> None:
+        self.messages.append([bytes(f) for f in frames])
+        self.event.set()
+
+
+def _kv_message(room: int, nbytes: int = 64) -> list:
+    payload = bytes(nbytes)
+    return protocol.encode(protocol.KVFrame(room=room, token_offset=0, num_tokens=1, crc=checksum(payload)), payload)
+
+
+def test_zmq_messages_without_the_secret_are_dropped():
+    inbox = _Inbox()
+    receiver = ZmqTransport("127.0.0.1", secret="s3cret")
+    forger, wrong, peer = ZmqTransport("127.0.0.1"), ZmqTransport("127.0.0.1", secret="other"), \
+        ZmqTransport("127.0.0.1", secret="s3cret")
+    try:
+        receiver.start(inbox)
+        forger.send(receiver.endpoint, _kv_message(1))
+        wrong.send(receiver.endpoint, _kv_message(2))
+        assert _wait_for(lambda: receiver.rejected == 2)
+        peer.send(receiver.endpoint, _kv_message(3))
+        assert inbox.event.wait(20)
+        assert [protocol.decode(m)[0].room for m in inbox.messages] == [3]  # only the secret holder's
+    finally:
+        for t in (receiver, forger, wrong, peer):
+            t.close()
+
+
+def test_zmq_decode_side_accepts_only_prefills_learnt_from_bootstrap():
+    inbox = _Inbox()
+    receiver = ZmqTransport("127.0.0.1", secret="k", known_senders_only=True)
+    stranger, prefill = ZmqTransport("127.0.0.1", secret="k"), ZmqTransport("127.0.0.1", secret="k")
+    try:
+        receiver.start(inbox)
+        stranger.send(receiver.endpoint, _kv_message(1))
+        prefill.send(receiver.endpoint, _kv_message(2))
+        assert _wait_for(lambda: receiver.rejected == 2) and not inbox.messages
+        receiver.allow_peer(prefill.endpoint)
+        prefill.send(receiver.endpoint, _kv_message(3))
+        assert inbox.event.wait(20)
+        assert [protocol.decode(m)[0].room for m in inbox.messages] == [3]
+        receiver.forget(prefill.endpoint)  # a dead prefill is no longer trusted
+        prefill.send(receiver.endpoint, _kv_message(4))
+        assert _wait_for(lambda: receiver.rejected == 3)
+    finally:
+        for t in (receiver, stranger, prefill):
+            t.close()
+
+
+def test_zmq_frames_above_the_largest_kv_frame_are_refused():
+    inbox = _Inbox()
+    receiver = ZmqTransport("127.0.0.1", max_frame_bytes=1 << 20)
+    big, small = ZmqTransport("127.0.0.1"), ZmqTransport("127.0.0.1")
+    try:
+        receiver.start(inbox)
+        big.send(receiver.endpoint, _kv_message(1, nbytes=8 << 20))  # ZMQ disconnects the sender
+        small.send(receiver.endpoint, _kv_message(2, nbytes=(1 << 20) - 1024))
+        assert inbox.event.wait(20)
+        assert not _wait_for(lambda: len(inbox.messages) > 1, seconds=1.0)
+        assert [protocol.decode(m)[0].room for m in inbox.messages] == [2]
+    finally:
+        for t in (receiver, big, small):
+            t.close()
+
+
+def test_decode_frame_limit_follows_the_largest_legitimate_kv_frame():
+    kv_args = _kv_args()
+    decode_limit = setup.max_frame_bytes(kv_args, "decode")
+    tokens = frame_token_count(kv_args.layout.bytes_per_token())
+    assert tokens * kv_args.layout.bytes_per_token() <= decode_limit < 8 << 20
+    assert setup.max_frame_bytes(kv_args, "prefill") == setup.CONTROL_FRAME_BYTES
+
+
+# ---------------------------------------------------------------------------- item 9: prefill control plane
+def _dst(room: int, endpoint: str, rank: int = 0, required: int = 1) -> DstInfo:
+    return DstInfo(room=room, endpoint=endpoint, num_tokens=8, decode_prefix_len=0, aux_index=0, decode_tp_rank=rank,
+                   required_dst_num=required, head_start=0, num_heads=2)
+
+
+def test_spoofed_destination_and_abort_cannot_take_over_another_room(make_pair):
+    p: PDPair = make_pair()
+    manager = p.prefill.scheduler.disagg.manager
+    manager.add_sender(77)
+    manager._on_message(protocol.encode(_dst(77, "loopback://decode-real")))
+    assert manager.status.get(77) == KVPoll.WaitingForInput
+    # A second sender cannot redirect the KV, nor add destinations beyond the request's ranks.
+    manager._on_message(protocol.encode(_dst(77, "tcp://attacker:1")))
+    manager._on_message(protocol.encode(_dst(77, "tcp://attacker:1", rank=5, required=1)))
+    assert [d.endpoint for d in manager.destinations(77)] == ["loopback://decode-real"]
+    # Nor fail the room with an abort that names another endpoint.
+    manager._on_message(protocol.encode(AbortMsg(room=77, endpoint="tcp://attacker:1")))
+    assert manager.status.get(77) == KVPoll.WaitingForInput
+    manager._on_message(protocol.encode(AbortMsg(room=77, endpoint="loopback://decode-real")))
+    assert manager.status.get(77) == KVPoll.Failed
+    manager.clear(77)
+
+
+def test_orphan_destinations_are_bounded(make_pair, monkeypatch):
+    monkeypatch.setattr(conn_prefill, "MAX_ORPHAN_ROOMS", 50)
+    p: PDPair = make_pair()
+    manager = p.prefill.scheduler.disagg.manager
+    for room in range(1, 1001):
+        manager._on_message(protocol.encode(_dst(room, "tcp://flood:1")))
+    assert manager.idle_state()["destinations"] == 50
+    assert manager.destinations(1000) and not manager.destinations(1)  # the oldest went first
+    for room in range(951, 1001):
+        manager.clear(room)
+    assert manager.idle_state()["destinations"] == 0
+
+
+# ---------------------------------------------------------------------------- item 9: bootstrap server
+_INFO = {"attn_tp_size": 1, "attn_tp_rank": 0, "rank_ip": "127.0.0.1", "rank_port": 1, "endpoint": "tcp://real:1",
+         "page_size": 1, "kv_cache_dtype": "float32", "metadata_schema_version": 1, "kv_layout": {}}
+
+
+def _raw_http(port: int, request: bytes) -> bytes:
+    with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+        s.sendall(request)
+        return s.recv(65536)
+
+
+def test_bootstrap_server_needs_the_secret():
+    server = BootstrapServer("127.0.0.1", 0, tp_size=1, secret="k")
+    addr = f"127.0.0.1:{server.port}"
+    try:
+        HttpBootstrapClient(secret="k").register(addr, _INFO)
+        attacker = HttpBootstrapClient(secret="guess")
+        with pytest.raises(RuntimeError, match="401"):
+            attacker.register(addr, {**_INFO, "endpoint": "tcp://attacker:1"})
+        assert HttpBootstrapClient().session(addr) is None  # no MAC, no answer
+        with pytest.raises(BootstrapUnavailable):
+            attacker.fetch(addr)
+        full = HttpBootstrapClient(secret="k").fetch(addr)
+        assert full["ranks"]["0"]["endpoint"] == "tcp://real:1"
+        assert HttpBootstrapClient(secret="k").session(addr) == server.session_id
+    finally:
+        server.close()
+
+
+def test_bootstrap_server_bounds_bodies_and_idle_connections(monkeypatch):
+    monkeypatch.setattr(bootstrap, "CONNECTION_TIMEOUT_S", 0.5)  # the silent clients drop out sooner
+    server = BootstrapServer("127.0.0.1", 0, tp_size=1)
+    addr = f"127.0.0.1:{server.port}"
+    idle: List[socket.socket] = []
+    threads_before = threading.active_count()
+    try:
+        answer = _raw_http(server.port, b"PUT /route HTTP/1.1\r\nHost: x\r\nContent-Length: 400000000\r\n\r\n{")
+        assert answer.startswith(b"HTTP/1.0 413") or answer.startswith(b"HTTP/1.1 413")
+        assert _raw_http(server.port, b"PUT /route HTTP/1.1\r\nHost: x\r\n\r\n").split(b" ")[1] == b"411"
+        for _ in range(40):  # clients that connect and say nothing
+            idle.append(socket.create_connection(("127.0.0.1", server.port), timeout=10))
+        assert threading.active_count() - threads_before <= bootstrap.HTTP_WORKERS
+        # The silent ones time out (CONNECTION_TIMEOUT_S each, HTTP_WORKERS at a time); a real
+        # client is still served within a bounded time.
+        client = HttpBootstrapClient(timeout=60)
+        assert client.session(addr) == server.session_id
+    finally:
+        for s in idle:
+            s.close()
+        server.close()
+
+
+# ---------------------------------------------------------------------------- item 9: defaults
+def test_pd_server_beyond_loopback_without_a_secret_warns(monkeypatch, caplog):
+    from engine.server_args import ServerArgs
+
+    monkeypatch.delenv(auth.SECRET_ENV, raising=False)
+    with caplog.at_level(logging.WARNING, logger="engine.server_args"):
+        ServerArgs(device="cpu", disaggregation_mode="prefill", host="127.0.0.1")
+        assert "SECURITY" not in caplog.text
+        ServerArgs(device="cpu", disaggregation_mode="prefill", host="0.0.0.0")
+        assert "without --disaggregation-secret" in caplog.text
+        caplog.clear()
+        monkeypatch.setenv(auth.SECRET_ENV, "from-env")
+        ServerArgs(device="cpu", disaggregation_mode="decode", host="0.0.0.0")
+        assert "SECURITY" not in caplog.text
+    assert auth.resolve_secret(None) == "from-env" and auth.resolve_secret("flag") == "flag"

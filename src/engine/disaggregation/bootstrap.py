@@ -24,9 +24,12 @@ import urllib.error
 import urllib.request
 import uuid
 from abc import ABC, abstractmethod
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Dict, Optional
+from concurrent.futures import ThreadPoolExecutor
+from http.server import BaseHTTPRequestHandler, HTTPServer
+from typing import Any, Dict, Optional, Tuple
 from urllib.parse import parse_qs, urlparse
+
+from engine.disaggregation.auth import HTTP_HEADER, check_http, http_mac
 
 logger = logging.getLogger(__name__)
 
@@ -35,40 +38,101 @@ REGISTER_RETRIES = 50
 REGISTER_RETRY_S = 0.1
 # The largest answer a client reads (a full route answer of a 64-rank prefill is ~40 KB).
 MAX_ANSWER_BYTES = 1 << 20
+# The server's bounds: a registration body (a rank's is ~1 KB), seconds a connection may stay
+# silent, and the worker threads (requests are tiny; a few serve every rank and heartbeat).
+MAX_BODY_BYTES = 64 << 10
+CONNECTION_TIMEOUT_S = 5.0
+HTTP_WORKERS = 8
 
 
 class BootstrapUnavailable(RuntimeError):
     """The bootstrap server cannot be reached (connection refused, timeout, bad answer)."""
 
 
+class _PooledHTTPServer(HTTPServer):
+    """An HTTP server that hands connections to a fixed pool of threads, not a thread each.
+
+    With a socket timeout per connection, idle or slow clients hold a worker for at most that
+    long and the accept queue is bounded by the listen backlog.
+    """
+
+    daemon_threads = True
+
+    def __init__(self, address: Tuple[str, int], handler: type, workers: int) -> None:
+        super().__init__(address, handler)
+        self._pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="bootstrap-http")
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        self._pool.submit(self._serve_one, request, client_address)
+
+    def _serve_one(self, request: Any, client_address: Any) -> None:
+        try:
+            self.finish_request(request, client_address)
+        except Exception:  # noqa: BLE001 - a broken client must not take a worker down
+            self.handle_error(request, client_address)
+        finally:
+            self.shutdown_request(request)
+
+    def server_close(self) -> None:
+        super().server_close()
+        self._pool.shutdown(wait=False, cancel_futures=True)
+
+
 class BootstrapServer:
-    def __init__(self, host: str, port: int, tp_size: int) -> None:
+    def __init__(self, host: str, port: int, tp_size: int, secret: Optional[str] = None) -> None:
         self.tp_size = tp_size
         self.session_id = uuid.uuid4().hex
         self.ranks: Dict[int, Dict[str, Any]] = {}
         self._lock = threading.Lock()
+        key = secret.encode() if secret else None
         server = self
 
         class Handler(BaseHTTPRequestHandler):
+            timeout = CONNECTION_TIMEOUT_S  # a socket timeout: a silent client frees its worker
+
             def log_message(self, fmt: str, *args: Any) -> None:  # quiet: heartbeats every second
                 logger.debug("bootstrap %s", fmt % args)
 
+            def _authorized(self, body: bytes) -> bool:
+                if key is None or check_http(key, self.command, self.path, body, self.headers.get(HTTP_HEADER)):
+                    return True
+                logger.warning("Bootstrap server: refused an unauthenticated %s %s from %s",
+                               self.command, self.path[:200], self.client_address[0])
+                self._reply(401, {"error": "PD bootstrap requests need the --disaggregation-secret MAC"})
+                return False
+
             def do_GET(self) -> None:  # noqa: N802 - http.server's naming
+                if not self._authorized(b""):
+                    return
                 url = urlparse(self.path)
                 if url.path == "/health":
                     self._reply(200, {"status": "ok", "session_id": server.session_id})
                 elif url.path == "/route":
                     self._reply(*server.route_info(parse_qs(url.query)))
                 else:
-                    self._reply(404, {"error": f"no route {url.path}"})
+                    self._reply(404, {"error": "no such route"})
 
             def do_PUT(self) -> None:  # noqa: N802
+                try:
+                    length = int(self.headers.get("Content-Length", ""))
+                except ValueError:
+                    self._reply(411, {"error": "a registration needs a Content-Length"})
+                    return
+                if not 0 <= length <= MAX_BODY_BYTES:
+                    self.close_connection = True  # the body is not read
+                    self._reply(413, {"error": f"a registration is at most {MAX_BODY_BYTES} bytes"})
+                    return
+                body = self.rfile.read(length)
+                if not self._authorized(body):
+                    return
                 if urlparse(self.path).path != "/route":
                     self._reply(404, {"error": "no such route"})
                     return
                 try:
-                    length = int(self.headers.get("Content-Length", "0"))
-                    self._reply(*server.register(json.loads(self.rfile.read(length))))
+                    info = json.loads(body)
+                    if not isinstance(info, dict):
+                        raise TypeError("not a JSON object")
+                    self._reply(*server.register(info))
                 except (ValueError, KeyError, TypeError) as e:
                     self._reply(400, {"error": f"bad registration: {e}"})
 
@@ -80,8 +144,7 @@ class BootstrapServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self.httpd = ThreadingHTTPServer((host, port), Handler)
-        self.httpd.daemon_threads = True
+        self.httpd = _PooledHTTPServer((host, port), Handler, workers=HTTP_WORKERS)
         self.port = self.httpd.server_address[1]
         self._thread = threading.Thread(target=self.httpd.serve_forever, name="bootstrap-server", daemon=True)
         self._thread.start()
@@ -140,13 +203,18 @@ class BootstrapClient(ABC):
 
 
 class HttpBootstrapClient(BootstrapClient):
-    def __init__(self, timeout: float = HTTP_TIMEOUT_S) -> None:
+    def __init__(self, timeout: float = HTTP_TIMEOUT_S, secret: Optional[str] = None) -> None:
         self.timeout = timeout
+        self._key = secret.encode() if secret else None
 
     def _call(self, method: str, url: str, body: Optional[Dict[str, Any]] = None) -> tuple[int, Dict[str, Any]]:
         data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(url, data=data, method=method,
-                                         headers={"Content-Type": "application/json"})
+        headers = {"Content-Type": "application/json"}
+        if self._key is not None:
+            parsed = urlparse(url)
+            target = parsed.path + (f"?{parsed.query}" if parsed.query else "")
+            headers[HTTP_HEADER] = http_mac(self._key, method, target, data or b"")
+        request = urllib.request.Request(url, data=data, method=method, headers=headers)
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
                 # Whatever answers at a client-named address is bounded like any input.

@@ -148,6 +148,8 @@ class DecodeKVManager:
         with self._lock:
             self._fetching[addr] = False
             if peer is not None:
+                # Only prefills learnt here may send KV and status frames to this rank.
+                self.transport.allow_peer(peer.endpoint)
                 self._peers[addr] = peer
                 self._attempts[addr] = 0
                 self._misses[addr] = 0
@@ -244,8 +246,9 @@ class DecodeKVManager:
             peer = state.peer  # set once, never unset
         self.status.fail(state.room, reason, cause)
         if peer is not None:
+            # The reason is cut so the message stays far below the prefill's frame limit.
             self._send(peer.endpoint, protocol.encode(AbortMsg(room=state.room, endpoint=self.transport.endpoint,
-                                                                    reason=reason)), None)
+                                                                    reason=reason[:1000])), None)
 
     def clear(self, state: _Room) -> None:
         with state.lock:

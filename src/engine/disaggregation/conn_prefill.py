@@ -45,6 +45,12 @@ logger = logging.getLogger(__name__)
 
 # How many failed rooms are remembered to answer late destinations.
 FAILED_ROOMS_KEPT = 4096
+# Destinations kept for requests that have not reached this server yet: the oldest go first, so
+# a flood of made-up rooms costs a bounded amount of memory (each is ~200 bytes).
+MAX_ORPHAN_ROOMS = 4096
+# A bound on the TP size a destination may claim (it sizes a per-room table).
+MAX_DECODE_TP_SIZE = 4096
+MAX_ENDPOINT_CHARS = 512
 
 
 class PrefillKVManager:
@@ -85,20 +91,50 @@ class PrefillKVManager:
             logger.warning("Prefill got an unexpected %s", type(header).__name__)
 
     def _on_dst(self, dst: DstInfo) -> None:
+        if not (0 <= dst.decode_tp_rank < MAX_DECODE_TP_SIZE and 1 <= dst.required_dst_num <= MAX_DECODE_TP_SIZE
+                and dst.num_tokens >= 0
+                and 0 <= dst.head_start and 1 <= dst.num_heads and len(dst.endpoint) <= MAX_ENDPOINT_CHARS):
+            logger.warning("Dropped a malformed destination for room %d", dst.room)
+            return
         with self._lock:
             failed = self._failed.get(dst.room)
             if failed is None:
                 rooms = self._dsts.setdefault(dst.room, {})
+                known = rooms.get(dst.decode_tp_rank)
+                if known is None and rooms and len(rooms) >= next(iter(rooms.values())).required_dst_num:
+                    logger.warning("Dropped an extra destination of room %d from %s", dst.room, dst.endpoint[:200])
+                    return
+                if known is not None and known.endpoint != dst.endpoint:
+                    # First come, first served: a second sender cannot redirect a room's KV.
+                    logger.warning("Dropped a destination of room %d from %s: %s sent one first",
+                                   dst.room, dst.endpoint[:200], known.endpoint)
+                    return
                 rooms[dst.decode_tp_rank] = dst
                 if dst.room not in self.status:
                     self._orphan_since.setdefault(dst.room, now())
+                    self._evict_orphans()
                 ready = _all_destinations(rooms)
         if failed is not None:
             self._notify_failure([dst], failed[0], failed[1])
         elif ready:
             self.status.update(dst.room, KVPoll.WaitingForInput)
 
+    def _evict_orphans(self) -> None:
+        """Keep at most MAX_ORPHAN_ROOMS orphan destinations (the oldest go; caller holds the lock)."""
+        while len(self._orphan_since) > MAX_ORPHAN_ROOMS:
+            room = next(iter(self._orphan_since))  # insertion order: the oldest
+            self._orphan_since.pop(room)
+            self._dsts.pop(room, None)
+
     def _on_abort(self, msg: AbortMsg) -> None:
+        with self._lock:
+            dsts = self._dsts.get(msg.room, {})
+            foreign = bool(dsts) and all(d.endpoint != msg.endpoint for d in dsts.values())
+        if foreign:
+            # Only a decode rank that sent this room's destination may abort it.
+            logger.warning("Dropped an abort of room %d from %s, which is not its decode server",
+                           msg.room, msg.endpoint[:200])
+            return
         # The decode side fenced its writes; stopping here only saves work.
         self._remember_failure(msg.room, msg.reason, FailureCause.ABORTED)
         self.status.fail(msg.room, msg.reason, FailureCause.ABORTED)

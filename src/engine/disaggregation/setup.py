@@ -15,9 +15,10 @@ import uuid
 from enum import Enum
 from typing import TYPE_CHECKING, Any, Optional
 
+from engine.disaggregation.auth import resolve_secret
 from engine.disaggregation.base import bootstrap_addr
 from engine.disaggregation.conn_common import KVArgs, TransferConfig
-from engine.disaggregation.kv_io import KVLayout
+from engine.disaggregation.kv_io import TARGET_FRAME_BYTES, KVLayout
 from engine.disaggregation.metadata import MetadataBuffers
 
 if TYPE_CHECKING:
@@ -27,6 +28,9 @@ if TYPE_CHECKING:
     from engine.disaggregation.metrics import DisaggMetrics
 
 logger = logging.getLogger(__name__)
+
+# Room for a message's header frame and the metadata row (both a few hundred bytes).
+CONTROL_FRAME_BYTES = 64 << 10
 
 
 class TransferBackend(str, Enum):
@@ -51,7 +55,18 @@ def own_bootstrap_addr(args: Any) -> str:
     return bootstrap_addr(host, args.disaggregation_bootstrap_port)
 
 
-def _parts(args: Any, network: Optional["LoopbackNetwork"], role: str):
+def max_frame_bytes(kv_args: KVArgs, role: str) -> int:
+    """The largest frame this rank's transfer socket accepts (ZMQ MAXMSGSIZE).
+
+    A decode rank receives KV frames, at most TARGET_FRAME_BYTES or one token of all its heads
+    (frame_token_count never splits a token); a prefill rank receives destinations and aborts only.
+    """
+    if role == "prefill":
+        return CONTROL_FRAME_BYTES
+    return max(TARGET_FRAME_BYTES, kv_args.layout.bytes_per_token()) + CONTROL_FRAME_BYTES
+
+
+def _parts(args: Any, network: Optional["LoopbackNetwork"], role: str, kv_args: KVArgs):
     backend = TransferBackend(args.disaggregation_transfer_backend)
     if backend == TransferBackend.LOOPBACK:
         if network is None:
@@ -61,16 +76,18 @@ def _parts(args: Any, network: Optional["LoopbackNetwork"], role: str):
     from engine.disaggregation.bootstrap import HttpBootstrapClient
     from engine.disaggregation.transport import ThreadJobRunner, ZmqTransport, advertised_host
 
-    transport = ZmqTransport(advertised_host(args.disaggregation_host, args.host))
+    secret = resolve_secret(args.disaggregation_secret)
+    transport = ZmqTransport(advertised_host(args.disaggregation_host, args.host), secret=secret,
+                             max_frame_bytes=max_frame_bytes(kv_args, role), known_senders_only=role == "decode")
     return (transport, ThreadJobRunner(f"kv-transfer-io-{role}"), ThreadJobRunner(f"kv-transfer-control-{role}"),
-            HttpBootstrapClient())
+            HttpBootstrapClient(secret=secret))
 
 
 def build_prefill_manager(args: Any, kv_args: KVArgs, config: TransferConfig, metrics: "DisaggMetrics",
                           network: Optional["LoopbackNetwork"]) -> "PrefillKVManager":
     from engine.disaggregation.conn_prefill import PrefillKVManager
 
-    transport, io_runner, _, client = _parts(args, network, "prefill")
+    transport, io_runner, _, client = _parts(args, network, "prefill", kv_args)
     addr = own_bootstrap_addr(args)
     if network is not None and kv_args.layout.tp_rank == 0:
         client.serve(addr, args.tp_size, uuid.uuid4().hex)  # stands in for the HTTP bootstrap server
@@ -87,7 +104,7 @@ def build_decode_manager(args: Any, kv_args: KVArgs, config: TransferConfig,
 
     from engine.disaggregation.allowlist import PrefillAllowlist
 
-    transport, io_runner, control_runner, client = _parts(args, network, "decode")
+    transport, io_runner, control_runner, client = _parts(args, network, "decode", kv_args)
     allowlist = PrefillAllowlist.parse(args.disaggregation_prefill_allowlist,
                                        (args.host, args.disaggregation_host))
     manager = DecodeKVManager(kv_args, transport, io_runner, control_runner, client, config, allowlist)

@@ -11,13 +11,16 @@ loopback backend (loopback.py) implements both in-process, delivered by an expli
 
 from __future__ import annotations
 
+import hmac
 import ipaddress
 import logging
 import queue
 import socket
 import threading
 from abc import ABC, abstractmethod
-from typing import Any, Callable, Dict, List, Optional, Sequence
+from typing import Any, Callable, Dict, List, Optional, Sequence, Set
+
+from engine.disaggregation.auth import MAC_BYTES, frames_mac
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +43,9 @@ class Transport(ABC):
     @abstractmethod
     def send(self, endpoint: str, frames: Sequence[Any]) -> None:
         """Queue a message for `endpoint` without blocking; TransportError if impossible."""
+
+    def allow_peer(self, endpoint: str) -> None:
+        """Accept messages from `endpoint` (a peer learnt from a bootstrap server)."""
 
     def forget(self, endpoint: str) -> None:
         """Drop whatever is kept for a peer that went away."""
@@ -84,24 +90,43 @@ class ThreadJobRunner(JobRunner):
 
 
 class ZmqTransport(Transport):
-    """A PULL socket bound on `host` (random port) and lazily connected PUSH sockets."""
+    """A PULL socket bound on `host` (random port) and lazily connected PUSH sockets.
 
-    def __init__(self, host: str) -> None:
+    Every message travels as [envelope, *frames]; the envelope is an HMAC of the rest (zeros
+    without a secret) followed by the sender's endpoint. The receiver drops a message whose MAC
+    does not match, any frame larger than `max_frame_bytes` (ZMQ's MAXMSGSIZE: the peer is
+    disconnected before the frame is buffered), and with `known_senders_only` a message from an
+    endpoint no one vouched for with `allow_peer` (decode: the prefills learnt from bootstrap).
+    """
+
+    def __init__(self, host: str, secret: Optional[str] = None, max_frame_bytes: int = -1,
+                 known_senders_only: bool = False) -> None:
         import zmq
 
         self._zmq = zmq
+        self._secret = secret.encode() if secret else None
+        self._known_senders_only = known_senders_only
+        self._allowed: Set[bytes] = set()
+        self._allowed_lock = threading.Lock()
+        self.rejected = 0  # messages dropped (bad MAC, unknown sender, malformed envelope)
         self._context = zmq.Context(1)
         self._pull = self._context.socket(zmq.PULL)
         self._pull.setsockopt(zmq.LINGER, 0)
         self._pull.setsockopt(zmq.RCVHWM, 0)
+        self._pull.setsockopt(zmq.MAXMSGSIZE, max_frame_bytes)
         if _is_ipv6(host):
             self._pull.setsockopt(zmq.IPV6, 1)
         bracketed = f"[{host}]" if _is_ipv6(host) else host
         port = self._pull.bind_to_random_port(f"tcp://{bracketed}")
         self.endpoint = f"tcp://{bracketed}:{port}"
+        self._sender = self.endpoint.encode()
         self._push: Dict[str, Any] = {}
         self._stop = threading.Event()
         self._listener: Optional[threading.Thread] = None
+
+    def allow_peer(self, endpoint: str) -> None:
+        with self._allowed_lock:
+            self._allowed.add(endpoint.encode())
 
     def start(self, handler: Handler) -> None:
         def listen() -> None:
@@ -114,13 +139,36 @@ class ZmqTransport(Transport):
                     if self._stop.is_set():
                         return
                     raise
+                buffers = [f.buffer for f in frames]
+                if not self._accept(buffers):
+                    self.rejected += 1
+                    continue
                 try:
-                    handler([f.buffer for f in frames])
+                    handler(buffers[1:])
                 except Exception:  # noqa: BLE001 - one bad message must not stop the listener
                     logger.exception("Failed to handle a KV transfer message")
 
         self._listener = threading.Thread(target=listen, name="kv-transfer-listener", daemon=True)
         self._listener.start()
+
+    def _accept(self, buffers: List[Any]) -> bool:
+        if len(buffers) < 2 or len(buffers[0]) < MAC_BYTES:
+            logger.warning("Dropped a KV transfer message without an envelope")
+            return False
+        envelope = bytes(buffers[0])
+        mac, sender = envelope[:MAC_BYTES], envelope[MAC_BYTES:]
+        if self._secret is not None and not hmac.compare_digest(mac, frames_mac(self._secret, sender, buffers[1:])):
+            logger.warning("Dropped a KV transfer message with a bad MAC (claimed sender %r): "
+                           "--disaggregation-secret differs or the sender is not a PD server", sender[:200])
+            return False
+        if self._known_senders_only:
+            with self._allowed_lock:
+                known = sender in self._allowed
+            if not known:
+                logger.warning("Dropped a KV transfer message from %r, not a prefill learnt from a bootstrap server",
+                               sender[:200])
+                return False
+        return True
 
     def send(self, endpoint: str, frames: Sequence[Any]) -> None:
         zmq = self._zmq
@@ -133,12 +181,15 @@ class ZmqTransport(Transport):
                 sock.setsockopt(zmq.IPV6, 1)
             sock.connect(endpoint)
             self._push[endpoint] = sock
+        mac = frames_mac(self._secret, self._sender, frames) if self._secret is not None else bytes(MAC_BYTES)
         try:
-            sock.send_multipart(list(frames), copy=False, flags=zmq.NOBLOCK)
+            sock.send_multipart([mac + self._sender, *frames], copy=False, flags=zmq.NOBLOCK)
         except zmq.ZMQError as e:
             raise TransportError(f"cannot send to {endpoint}: {e}") from None
 
     def forget(self, endpoint: str) -> None:
+        with self._allowed_lock:
+            self._allowed.discard(endpoint.encode())
         sock = self._push.pop(endpoint, None)
         if sock is not None:
             sock.close(linger=0)

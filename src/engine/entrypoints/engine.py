@@ -140,9 +140,11 @@ def start_bootstrap_server(server_args: ServerArgs) -> Optional["BootstrapServer
     from engine.disaggregation.bootstrap import BootstrapServer
 
     try:
-        return BootstrapServer(server_args.host, server_args.disaggregation_bootstrap_port, server_args.tp_size)
+        return BootstrapServer(server_args.host, server_args.disaggregation_bootstrap_port, server_args.tp_size,
+                               secret=resolve_secret(server_args.disaggregation_secret))
     except OSError as e:
         raise LaunchError(f"cannot start the bootstrap server on port {server_args.disaggregation_bootstrap_port}: "
+    from engine.disaggregation.auth import resolve_secret
                           f"{e}") from None
 
 

@@ -306,6 +306,7 @@ def create_app(
         # What the schedulers chose, at the top level as in SGLang (the router reads it there).
         info["max_total_num_tokens"] = tokenizer_manager.max_total_num_tokens
         info["max_req_input_len"] = tokenizer_manager.max_req_input_len
+        info.pop("disaggregation_secret", None)
         info["internal_states"] = await tokenizer_manager.get_internal_state()
         info["version"] = engine_version()
         return OrjsonResponse(info)
