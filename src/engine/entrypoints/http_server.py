@@ -103,8 +103,9 @@ class GuardMiddleware:
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
             await _send_error(scope, receive, send, self._too_large_message(), 413)
             return
-        if scope["method"] in ("POST", "PUT", "PATCH") and declared is None:
-            # Chunked upload: its size is known only by reading it, so read it here (bounded).
+        if declared is None or "transfer-encoding" in headers:
+            # Chunked upload: its size is known only by reading it, so read it here (bounded), whatever
+            # the method (a GET may carry a body too, and a route may parse it).
             body, too_large = await self._read_bounded(receive)
             if too_large:
                 await _send_error(scope, receive, send, self._too_large_message(), 413)
