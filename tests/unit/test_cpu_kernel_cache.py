@@ -115,3 +115,71 @@ def test_a_compiler_that_hangs_is_stopped(monkeypatch, tmp_path, caplog):
     assert _load_fresh(monkeypatch, tmp_path / "cache") is None
     assert "Building the CPU decode attention kernel timed out" in caplog.text
     assert not list((tmp_path / "cache" / "kernels").iterdir())  # no half-built file left behind
+
+
+# ---------------------------------------------------------------------- the directories above the cache
+def test_a_cache_under_a_world_writable_parent_is_refused(monkeypatch, tmp_path, library_name, caplog):
+    """Whoever can rename entries of a parent can swap the whole private cache for theirs: a
+    parent writable by others (and not sticky) makes the cache untrusted, however private it is."""
+    shared = tmp_path / "shared"
+    kernels = shared / "kernels"
+    kernels.mkdir(parents=True, mode=0o700)
+    shared.chmod(0o777)
+    _plant(kernels / library_name, tmp_path)
+    (kernels / library_name).chmod(0o700)
+    lib = _load_fresh(monkeypatch, shared)
+    assert lib is not None and not _is_planted(lib)
+    assert "above the cache" in caplog.text and "not sticky" in caplog.text
+
+
+def test_a_cache_under_a_sticky_parent_is_used(monkeypatch, tmp_path, library_name):
+    """Like /tmp: others may add entries to a sticky directory but not rename ours."""
+    sticky = tmp_path / "sticky"
+    sticky.mkdir()
+    sticky.chmod(0o1777)
+    lib = _load_fresh(monkeypatch, sticky)
+    assert lib is not None and not _is_planted(lib)
+    assert (sticky / "kernels" / library_name).is_file()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="giving a directory to another user needs root")
+def test_a_cache_under_a_parent_owned_by_another_user_is_refused(monkeypatch, tmp_path, library_name, caplog):
+    theirs = tmp_path / "theirs"
+    kernels = theirs / "kernels"
+    kernels.mkdir(parents=True, mode=0o700)
+    _plant(kernels / library_name, tmp_path)
+    (kernels / library_name).chmod(0o700)
+    os.chown(theirs, 65534, 65534)
+    lib = _load_fresh(monkeypatch, theirs)
+    assert lib is not None and not _is_planted(lib)
+    assert "owned by uid 65534" in caplog.text
+
+
+def test_the_library_loaded_is_the_one_checked(monkeypatch, tmp_path, library_name):
+    """A file swapped in after the checks (the race of a path opened twice) is not what gets
+    loaded: the library is opened once and loaded through that descriptor."""
+    planted = tmp_path / "planted.so"
+    _plant(planted, tmp_path)
+    planted.chmod(0o700)
+    target = tmp_path / "cache" / "kernels" / library_name
+    real_cdll = ctypes.CDLL
+
+    def swap_then_load(name, *args, **kwargs):
+        if os.path.exists(target) and not os.path.samefile(target, planted):
+            os.replace(planted, target)  # the attacker wins the race right before dlopen
+        return real_cdll(name, *args, **kwargs)
+
+    monkeypatch.setattr(ctypes, "CDLL", swap_then_load)
+    lib = _load_fresh(monkeypatch, tmp_path / "cache")
+    assert lib is not None and not _is_planted(lib)
+    assert hasattr(lib, "decode_attention")
+
+
+def test_a_symlinked_library_file_is_refused(monkeypatch, tmp_path, library_name, caplog):
+    kernels = tmp_path / "cache" / "kernels"
+    kernels.mkdir(parents=True, mode=0o700)
+    _plant(tmp_path / "elsewhere.so", tmp_path)
+    (kernels / library_name).symlink_to(tmp_path / "elsewhere.so")
+    lib = _load_fresh(monkeypatch, tmp_path / "cache")
+    assert lib is not None and not _is_planted(lib)
+    assert "Not using the CPU kernel cache" in caplog.text

@@ -13,13 +13,21 @@ path; both give the same results.
 Loading a shared library runs its code in the server, so only a library nobody else can have
 written is loaded: the cache directory must be a real directory (not a symbolic link) owned by
 this user and not writable by group or others (it is created 0700), and so must the library file.
-Otherwise the cache is refused with a warning and the kernel is built in a fresh private temporary
-directory for this process. The compiler runs under a timeout (COMPILE_TIMEOUT_S).
+Every directory above it (after symbolic links in `$ENGINE_CACHE_DIR` itself are resolved) must be
+owned by this user or root and not writable by group or others unless it is sticky (like /tmp):
+whoever can rename an entry of a parent could swap the whole cache for a directory of theirs.
+The directories are opened one by one without following links and the library is opened with
+O_NOFOLLOW, checked on its descriptor (fstat) and loaded through that descriptor
+(/proc/self/fd/N), so what is loaded is the file that was checked, not whatever the path names a
+moment later. A cache that fails a check is refused with a warning and the kernel is built in a
+fresh private temporary directory for this process. The compiler runs under a timeout
+(COMPILE_TIMEOUT_S).
 """
 
 from __future__ import annotations
 
 import ctypes
+import errno
 import hashlib
 import logging
 import os
@@ -82,20 +90,86 @@ def _check_owned(path: Path, st: os.stat_result) -> None:
         raise _UntrustedPath(f"{path} is writable by group or others (mode {stat.S_IMODE(st.st_mode):o})")
 
 
-def _check_private_dir(path: Path) -> None:
-    st = os.lstat(path)  # lstat: a symbolic link is judged itself, not followed
-    if stat.S_ISLNK(st.st_mode):
-        raise _UntrustedPath(f"{path} is a symbolic link")
-    if not stat.S_ISDIR(st.st_mode):
-        raise _UntrustedPath(f"{path} is not a directory")
-    _check_owned(path, st)
+def _check_ancestor(path: Path, st: os.stat_result) -> None:
+    """A directory above the cache: whoever can rename its entries could swap the cache."""
+    if st.st_uid not in (os.getuid(), 0):
+        raise _UntrustedPath(f"{path} (above the cache) is owned by uid {st.st_uid}, neither this user nor root")
+    # A sticky directory (/tmp) lets others add entries but not rename or remove ours.
+    if st.st_mode & (stat.S_IWGRP | stat.S_IWOTH) and not st.st_mode & stat.S_ISVTX:
+        raise _UntrustedPath(f"{path} (above the cache) is writable by group or others and not sticky "
+                             f"(mode {stat.S_IMODE(st.st_mode):o})")
 
 
-def _check_library(path: Path) -> None:
-    st = os.lstat(path)
-    if not stat.S_ISREG(st.st_mode):
-        raise _UntrustedPath(f"{path} is not a regular file")
-    _check_owned(path, st)
+_DIR_FLAGS = os.O_RDONLY | os.O_DIRECTORY | os.O_NOFOLLOW | os.O_CLOEXEC
+
+
+def _open_nofollow(name: str, dir_fd: int, flags: int, shown: Path) -> int:
+    try:
+        return os.open(name, flags, dir_fd=dir_fd)
+    except OSError as e:
+        if e.errno in (errno.ELOOP, errno.ENOTDIR):  # a symbolic link, or not a directory
+            kind = "directory" if flags & os.O_DIRECTORY else "regular file"
+            raise _UntrustedPath(f"{shown} is a symbolic link or not a {kind}") from e
+        raise
+
+
+def _open_trusted_root(root: Path) -> int:
+    """A descriptor of `root`, walked from / one directory at a time without following links,
+    each checked with _check_ancestor. Links in `root` itself are resolved first: where they lead
+    is what gets checked."""
+    real = Path(os.path.realpath(root))
+    fd = os.open("/", _DIR_FLAGS)
+    try:
+        _check_ancestor(Path("/"), os.fstat(fd))
+        walked = Path("/")
+        for part in real.parts[1:]:
+            walked = walked / part
+            child = _open_nofollow(part, fd, _DIR_FLAGS, walked)
+            os.close(fd)
+            fd = child
+            _check_ancestor(walked, os.fstat(fd))
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _open_private_dir(name: str, parent_fd: int, shown: Path) -> int:
+    fd = _open_nofollow(name, parent_fd, _DIR_FLAGS, shown)
+    try:
+        _check_owned(shown, os.fstat(fd))
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _open_library(name: str, dir_fd: int, shown: Path) -> int:
+    """The library's descriptor, opened without following a link and checked on that descriptor."""
+    fd = _open_nofollow(name, dir_fd, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC, shown)
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise _UntrustedPath(f"{shown} is not a regular file")
+        _check_owned(shown, st)
+        return fd
+    except BaseException:
+        os.close(fd)
+        raise
+
+
+def _load_checked(fd: int, shown: Path) -> ctypes.CDLL:
+    """dlopen the file behind `fd`, the one that was checked, whatever its path names by now.
+
+    The descriptor is never closed: the dynamic loader remembers a library by the name it was
+    opened under and hands back the library already loaded for a name it has seen, so the name
+    /proc/self/fd/N must keep meaning this file for as long as the process runs (one descriptor
+    per process: the kernel is loaded once)."""
+    by_fd = f"/proc/self/fd/{fd}"
+    if os.path.exists(by_fd):
+        return ctypes.CDLL(by_fd)
+    os.close(fd)  # no /proc: the checked path chain is private to this user, load it by path
+    return ctypes.CDLL(str(shown))
 
 
 def _cache_dir() -> Path:
@@ -120,22 +194,34 @@ def _compile(compiler: str, out: Path) -> bool:
 
 def _load_from_cache(cache: Path, name: str, compiler: str) -> Optional[ctypes.CDLL]:
     """Load (building it first if missing) `cache/name`; raises _UntrustedPath for a foreign cache."""
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    root_fd = _open_trusted_root(cache.parent)
     try:
-        cache.mkdir(mode=0o700, parents=True)
-    except FileExistsError:
-        pass
-    _check_private_dir(cache)
-    lib_path = cache / name
-    if not os.path.lexists(lib_path):
-        # Build under a private name, then rename: concurrent processes never see half a file.
-        fd, tmp = tempfile.mkstemp(suffix=".so", dir=cache)
-        os.close(fd)
-        if not _compile(compiler, Path(tmp)):
-            os.unlink(tmp)
-            return None
-        os.replace(tmp, lib_path)
-    _check_library(lib_path)
-    return ctypes.CDLL(str(lib_path))
+        try:
+            os.mkdir(cache.name, mode=0o700, dir_fd=root_fd)
+        except FileExistsError:
+            pass
+        cache_fd = _open_private_dir(cache.name, root_fd, cache)
+    finally:
+        os.close(root_fd)
+    try:
+        # Every directory up to here is this user's (or root's) alone: paths under the cache's
+        # real path now name what was checked, so the compiler may write to them.
+        real_cache = Path(os.path.realpath(cache.parent)) / cache.name
+        try:
+            lib_fd = _open_library(name, cache_fd, cache / name)
+        except FileNotFoundError:
+            # Build under a private name, then rename: concurrent processes never see half a file.
+            fd, tmp = tempfile.mkstemp(suffix=".so", dir=real_cache)
+            os.close(fd)
+            if not _compile(compiler, Path(tmp)):
+                os.unlink(tmp)
+                return None
+            os.replace(os.path.basename(tmp), name, src_dir_fd=cache_fd, dst_dir_fd=cache_fd)
+            lib_fd = _open_library(name, cache_fd, cache / name)
+    finally:
+        os.close(cache_fd)
+    return _load_checked(lib_fd, real_cache / name)
 
 
 def _load_private_build(name: str, compiler: str) -> Optional[ctypes.CDLL]:
@@ -145,7 +231,12 @@ def _load_private_build(name: str, compiler: str) -> Optional[ctypes.CDLL]:
         lib_path = private / name
         if not _compile(compiler, lib_path):
             return None
-        return ctypes.CDLL(str(lib_path))  # the mapping outlives the file
+        dir_fd = os.open(private, _DIR_FLAGS)
+        try:
+            lib_fd = _open_library(name, dir_fd, lib_path)
+        finally:
+            os.close(dir_fd)
+        return _load_checked(lib_fd, lib_path)  # the mapping outlives the file
     finally:
         shutil.rmtree(private, ignore_errors=True)
 
