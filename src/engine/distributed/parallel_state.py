@@ -8,15 +8,28 @@ Two groups per TP group: `group` carries the model's collectives (NCCL on CUDA, 
 and `cpu_group` (always gloo) carries the scheduler's per-iteration broadcast of received
 messages. They are separate so that the overlap loop's forward thread (all-reduces) and the
 scheduling thread (broadcasts) never share a communicator.
+
+A group on one machine rendezvouses at 127.0.0.1: rank 0 hosts the rendezvous TCPStore on a
+socket bound to that loopback address (torch's own `tcp://` rendezvous listens on every interface
+whatever host it is given), and the gloo groups' sockets are bound to the loopback interface. A
+group across machines (--dist-init-addr) rendezvouses as torch does: its store and sockets must be
+reachable from the other nodes, so it runs on a trusted network only (docs/security.md).
 """
 
 from __future__ import annotations
 
+import contextlib
+import ipaddress
 import logging
+import os
+import socket
 import time
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, List, Optional
+from typing import Any, Iterator, List, Optional
+from urllib.parse import urlparse
+
+import psutil
 
 import torch
 import torch.distributed as dist
@@ -68,12 +81,64 @@ def init_distributed_environment(tp_rank: int, tp_size: int, init_method: str, d
     backend = "nccl" if device.startswith("cuda") else "gloo"
     timeout = timedelta(seconds=timeout_s)
     start = time.perf_counter()
-    dist.init_process_group(backend=backend, init_method=init_method, world_size=tp_size, rank=tp_rank,
-                            timeout=timeout)
-    cpu_group = dist.new_group(ranks=list(range(tp_size)), backend="gloo", timeout=timeout)
+    host = loopback_host(init_method)
+    if host is None:
+        dist.init_process_group(backend=backend, init_method=init_method, world_size=tp_size, rank=tp_rank,
+                                timeout=timeout)
+        cpu_group = dist.new_group(ranks=list(range(tp_size)), backend="gloo", timeout=timeout)
+    else:
+        store = loopback_store(host, urlparse(init_method).port or 0, tp_rank, tp_size, timeout)
+        with _gloo_on_loopback(host):
+            dist.init_process_group(backend=backend, store=store, world_size=tp_size, rank=tp_rank, timeout=timeout)
+            cpu_group = dist.new_group(ranks=list(range(tp_size)), backend="gloo", timeout=timeout)
     init_tp_group(tp_rank, tp_size, dist.group.WORLD, cpu_group)
     logger.info("TP rank %d/%d joined the %s group at %s in %.2fs", tp_rank, tp_size, backend, init_method,
                 time.perf_counter() - start)
+
+
+def loopback_host(init_method: str) -> Optional[str]:
+    """The loopback address of a `tcp://` rendezvous on this machine; None for any other."""
+    url = urlparse(init_method)
+    if url.scheme != "tcp" or url.hostname is None or url.port is None:
+        return None
+    if url.hostname == "localhost":
+        return "127.0.0.1"
+    try:
+        return url.hostname if ipaddress.ip_address(url.hostname).is_loopback else None
+    except ValueError:  # a host name: other machines may be meant to reach it
+        return None
+
+
+def loopback_store(host: str, port: int, rank: int, world_size: int, timeout: timedelta) -> dist.TCPStore:
+    """The group's rendezvous store: rank 0 serves it on a socket bound to `host` only (torch would
+    bind the port on every interface), the other ranks connect to it."""
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout)
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.bind((host, port))
+        sock.listen(max(128, world_size))
+        # The store's server owns the descriptor from here (detach: closing `sock` leaves it open).
+        return dist.TCPStore(host, port, world_size, is_master=True, timeout=timeout,
+                             master_listen_fd=sock.detach())
+
+
+@contextlib.contextmanager
+def _gloo_on_loopback(host: str) -> Iterator[None]:
+    """Gloo groups created inside bind the loopback interface instead of the one the machine's
+    host name resolves to. torch reads GLOO_SOCKET_IFNAME when it creates a gloo group, so the
+    variable is set only meanwhile (a later group, e.g. with a trainer on another machine, is not
+    confined); a value the user set wins."""
+    name = next((nic for nic, addrs in psutil.net_if_addrs().items() if any(a.address == host for a in addrs)), None)
+    if name is None or "GLOO_SOCKET_IFNAME" in os.environ:
+        yield
+        return
+    os.environ["GLOO_SOCKET_IFNAME"] = name
+    try:
+        yield
+    finally:
+        os.environ.pop("GLOO_SOCKET_IFNAME", None)
 
 
 def destroy_distributed_environment() -> None:
