@@ -3,7 +3,8 @@
 - tp=2: greedy output equals transformers; aborts and client disconnects leave both ranks idle
   with no leaked KV; kill -9 of rank 1 takes the server down, non-zero, within 10 s.
 - dp=2 (shortest_queue): 64 concurrent requests, both replicas take work, outputs equal the
-  oracle (which dp=1 is held to as well); flush_cache reaches both replicas. dp=2 with
+  oracle (which dp=1 is held to as well); flush_cache reaches both replicas; a request naming a
+  replica (routed_dp_rank / data_parallel_rank, SGLang's DP-aware gateway) runs there, a bad one is a 400. dp=2 with
   --is-embedding: the vectors of both replicas come back and equal transformers'.
 - two "nodes" over loopback: node 0 (HTTP + rank 0) and node 1 (rank 1 only) serve together, and
   stopping node 1 takes node 0 down.
@@ -160,6 +161,27 @@ def test_dp2_server_spreads_64_requests(launch_server, oracle) -> None:
     flushed = httpx.post(f"{server.url}/flush_cache", timeout=30)
     assert flushed.status_code == 200
     assert all(s["evictable_tokens"] == 0 for s in _internal_states(server.url))
+
+    # DP-aware routing (SGLang's gateway names the replica): the named rank alone caches the prompt.
+    def cached_by_rank() -> Dict[int, int]:
+        return {s["dp_rank"]: s["evictable_tokens"] for s in _wait_all_ranks_idle(server.url)}
+
+    body = {"text": PROMPTS[0], "sampling_params": {"max_new_tokens": 2, **GREEDY}, "routed_dp_rank": 1}
+    for _ in range(2):
+        assert httpx.post(f"{server.url}/generate", json=body, timeout=120).status_code == 200
+    cached = cached_by_rank()
+    assert cached[1] > 0 and cached[0] == 0, cached
+    assert httpx.post(f"{server.url}/flush_cache", timeout=30).status_code == 200
+    chat = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "data_parallel_rank": 0}
+    for _ in range(2):
+        assert httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=120).status_code == 200
+    cached = cached_by_rank()
+    assert cached[0] > 0 and cached[1] == 0, cached
+    for bad in ({**body, "routed_dp_rank": 2}, {**body, "routed_dp_rank": -1}):
+        refused = httpx.post(f"{server.url}/generate", json=bad, timeout=30)
+        assert refused.status_code == 400 and "routed_dp_rank" in refused.text, refused.text
+    refused = httpx.post(f"{server.url}/v1/chat/completions", json={**chat, "data_parallel_rank": 5}, timeout=30)
+    assert refused.status_code == 400 and "routed_dp_rank must be in [0, 2)" in refused.text, refused.text
 
 
 def test_dp2_embedding_server(launch_server, tokenizer) -> None:

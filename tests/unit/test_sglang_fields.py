@@ -91,7 +91,7 @@ def test_the_router_body_is_accepted_and_means_the_plain_request() -> None:
 @pytest.mark.parametrize("name, value", [
     ("image_data", "http://x/cat.png"), ("input_embeds", [[0.1, 0.2]]), ("lora_path", "adapter"),
     ("lora_path", ["adapter", None]), ("bootstrap_pair_key", "k"), ("session_params", {"id": "s"}),
-    ("routed_dp_rank", 0), ("background", True), ("routed_experts_start_len", 2),
+    ("disagg_prefill_dp_rank", 1), ("background", True), ("routed_experts_start_len", 2),
 ])
 def test_an_unimplemented_field_in_use_is_refused_by_name(name: str, value: Any) -> None:
     with pytest.raises(ValidationError) as info:
@@ -152,3 +152,47 @@ def test_openai_requests_refuse_sglang_extras_in_use() -> None:
         with pytest.raises(ValidationError) as info:
             ChatCompletionRequest(**{**chat, **extra})
         assert f"{next(iter(extra))} is not supported" in str(info.value)
+
+
+# DP-aware routing: SGLang's gateway names the replica of every request.
+@pytest.mark.parametrize("name", ["routed_dp_rank", "data_parallel_rank"])
+def test_dp_rank_fields_are_accepted_and_reach_the_scheduler_request(name: str) -> None:
+    from engine.managers.request_normalizer import RequestNormalizer
+
+    body = GenerateRequest.model_validate({"text": "a", name: 1})
+    assert (body.routed_dp_rank if name == "routed_dp_rank" else body.data_parallel_rank) == 1
+    chat = ChatCompletionRequest.model_validate({"model": "m", "messages": [{"role": "user", "content": "x"}],
+                                                 name: 1})
+    assert chat.generate_extras()[name] == 1
+    CompletionRequest.model_validate({"model": "m", "prompt": "x", name: 0})
+    obj = GenerateReqInput(input_ids=[1, 2, 3], **{name: 1})
+    obj.normalize()
+    tokenized = RequestNormalizer(None, 100, 64, dp_size=2).tokenize_one(obj, 0, [1, 2, 3])
+    assert tokenized.routed_dp_rank == 1
+    plain = GenerateReqInput(input_ids=[1, 2, 3])
+    plain.normalize()
+    assert RequestNormalizer(None, 100, 64, dp_size=2).tokenize_one(plain, 0, [1, 2, 3]).routed_dp_rank is None
+
+
+def test_a_dp_rank_outside_the_replicas_is_a_400() -> None:
+    from engine.managers.errors import EngineRequestError
+    from engine.managers.request_normalizer import RequestNormalizer
+
+    normalizer = RequestNormalizer(None, 100, 64, dp_size=2)
+    for rank in (2, 7):
+        obj = GenerateReqInput(input_ids=[1, 2, 3], routed_dp_rank=rank)
+        obj.normalize()
+        with pytest.raises(EngineRequestError, match=r"routed_dp_rank must be in \[0, 2\)"):
+            normalizer.tokenize_one(obj, 0, [1, 2, 3])
+    for bad in (-1, True, "1"):
+        with pytest.raises(EngineRequestError, match="non-negative integer"):
+            GenerateReqInput(input_ids=[1], data_parallel_rank=bad).normalize()  # type: ignore[arg-type]
+    with pytest.raises(EngineRequestError, match="different ranks"):
+        GenerateReqInput(input_ids=[1], routed_dp_rank=0, data_parallel_rank=1).normalize()
+
+
+def test_embedding_requests_still_refuse_a_dp_rank() -> None:
+    from engine.entrypoints.openai.embedding_protocol import EncodeRequest
+
+    with pytest.raises(ValidationError, match="routed_dp_rank is not supported"):
+        EncodeRequest.model_validate({"text": "a", "routed_dp_rank": 0})

@@ -228,6 +228,8 @@ async def _generate(tokenizer_manager: TokenizerManagerProtocol, body: GenerateR
         bootstrap_host=body.bootstrap_host,
         bootstrap_port=body.bootstrap_port,
         bootstrap_room=body.bootstrap_room,
+        routed_dp_rank=body.routed_dp_rank,
+        data_parallel_rank=body.data_parallel_rank,
     )
     incremental = raw_request.app.state.server_args.incremental_streaming_output
     stream = tokenizer_manager.generate_request(obj, ClientConnection(raw_request), incremental=incremental)

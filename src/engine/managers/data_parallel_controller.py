@@ -4,7 +4,8 @@
     replica d --BatchTokenIDOutput--> detokenizer (directly, the controller never sees outputs)
     replica d --control replies--> [controller] --> TokenizerManager
 
-Generate requests go to one replica (`round_robin` or `shortest_queue`); aborts and every control
+Generate requests go to one replica (the one a DP-aware client names in routed_dp_rank, else
+`round_robin` or `shortest_queue`); aborts and every control
 request (io_struct.CONTROL_REQUESTS: flush_cache, get_internal_state, weights, memory, pause)
 go to every replica. Control replies come back through the controller so that the
 TokenizerManager, which waits for `dp_size` replies per call, always gets them grouped one per
@@ -91,6 +92,11 @@ class LoadBalancer:
         self.dispatched[dp_rank] += 1
         return dp_rank
 
+    def assign(self, dp_rank: int) -> int:
+        """A replica the client named (routed_dp_rank): counted in its load like a chosen one."""
+        self.dispatched[dp_rank] += 1
+        return dp_rank
+
     def on_poll_sent(self, dp_rank: int) -> None:
         self.dispatched_at_poll[dp_rank].append(self.dispatched[dp_rank])
 
@@ -168,7 +174,10 @@ class DataParallelController:
 
     # ------------------------------------------------------------------ requests
     def dispatch(self, msg: Any) -> None:
-        if isinstance(msg, (TokenizedGenerateReqInput, TokenizedEmbeddingReqInput)):
+        if isinstance(msg, TokenizedGenerateReqInput) and msg.routed_dp_rank is not None:
+            # SGLang's DP-aware gateway routes itself (the TokenizerManager checked the range).
+            self.send_to_replica[self.balancer.assign(msg.routed_dp_rank)].send(encode(msg))
+        elif isinstance(msg, (TokenizedGenerateReqInput, TokenizedEmbeddingReqInput)):
             self.send_to_replica[self.balancer.choose()].send(encode(msg))
         elif isinstance(msg, CONTROL_REQUESTS):
             for d in range(self.dp_size):

@@ -58,6 +58,9 @@ class TokenizedGenerateReqInput(Routed, tag=True):
     bootstrap_host: Optional[str] = None
     bootstrap_port: Optional[int] = None
     bootstrap_room: Optional[int] = None
+    # The data-parallel replica named by the client (SGLang's routed_dp_rank), already in
+    # [0, dp_size); None: the controller's load balancer picks one.
+    routed_dp_rank: Optional[int] = None
 
 
 class TokenizedEmbeddingReqInput(Routed, tag=True):

@@ -74,6 +74,10 @@ class GenerateReqInput:
     bootstrap_host: Optional[Union[str, list[Optional[str]]]] = None
     bootstrap_port: Optional[Union[int, list[Optional[int]]]] = None
     bootstrap_room: Optional[Union[int, list[Optional[int]]]] = None
+    # DP-aware routing (SGLang's gateway): the replica of the whole request; data_parallel_rank is
+    # SGLang's older name. normalize() keeps the one in effect in routed_dp_rank.
+    routed_dp_rank: Optional[int] = None
+    data_parallel_rank: Optional[int] = None
 
     # Filled by normalize(): one entry per sub-request.
     is_single: bool = field(default=True, init=False)
@@ -111,6 +115,7 @@ class GenerateReqInput:
             raise EngineRequestError(f"priority must be a 64-bit integer or null, got {self.priority!r}.")
         if not isinstance(self.require_reasoning, bool):
             raise EngineRequestError(f"require_reasoning must be a boolean, got {self.require_reasoning!r}.")
+        self.routed_dp_rank = self._checked_dp_rank()
 
         out_text: list[str] = []
         out_ids: list[list[int]] = []
@@ -199,6 +204,17 @@ class GenerateReqInput:
                 room = scalar_room + len(out) if scalar_room is not None else rooms[i]
                 out.append((hosts[i], ports[i], room))
         return out
+
+    def _checked_dp_rank(self) -> Optional[int]:
+        """routed_dp_rank, or data_parallel_rank when only that one is given (both must agree)."""
+        for name, value in (("routed_dp_rank", self.routed_dp_rank), ("data_parallel_rank", self.data_parallel_rank)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise EngineRequestError(f"{name} must be a non-negative integer or null, got {value!r}.")
+        if self.routed_dp_rank is not None and self.data_parallel_rank is not None \
+                and self.routed_dp_rank != self.data_parallel_rank:
+            raise EngineRequestError(f"routed_dp_rank ({self.routed_dp_rank}) and data_parallel_rank "
+                                     f"({self.data_parallel_rank}) name different ranks; send one of them.")
+        return self.routed_dp_rank if self.routed_dp_rank is not None else self.data_parallel_rank
 
     def _token_ids_per_prompt(self, num_prompts: int) -> list[Optional[list[int]]]:
         """token_ids_logprob: one list of ids for every prompt, or a list of such lists."""
@@ -302,8 +318,9 @@ class RequestNormalizer:
 
     def __init__(self, tokenizer: Any, vocab_size: Optional[int], context_len: int,
                  max_req_input_len: Optional[int] = None, allow_auto_truncate: bool = False,
-                 enable_custom_logit_processor: bool = False) -> None:
+                 enable_custom_logit_processor: bool = False, dp_size: int = 1) -> None:
         self.tokenizer = tokenizer
+        self.dp_size = dp_size  # a routed_dp_rank must name one of the replicas
         self.vocab_size = vocab_size
         self.context_len = context_len
         self.max_req_input_len = max_req_input_len if max_req_input_len is not None else context_len - 1
@@ -371,6 +388,9 @@ class RequestNormalizer:
             raise EngineRequestError(
                 "The server is not configured to enable custom logit processor. Please set "
                 "`--enable-custom-logit-processor` to enable this feature.")
+        if obj.routed_dp_rank is not None and obj.routed_dp_rank >= self.dp_size:
+            raise EngineRequestError(f"routed_dp_rank must be in [0, {self.dp_size}) (--dp-size {self.dp_size}), "
+                                     f"got {obj.routed_dp_rank}.")
         return TokenizedGenerateReqInput(
             rid=sub.rid,
             input_ids=input_ids,  # shared by the n samples of a prompt: encoded, never mutated
@@ -391,6 +411,7 @@ class RequestNormalizer:
             bootstrap_host=sub.bootstrap_host,
             bootstrap_port=sub.bootstrap_port,
             bootstrap_room=sub.bootstrap_room,
+            routed_dp_rank=obj.routed_dp_rank,
         )
 
     def _checked_token_ids(self, ids: Optional[list[int]]) -> Optional[list[int]]:

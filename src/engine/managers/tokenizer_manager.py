@@ -113,7 +113,8 @@ class TokenizerManager:
         self.normalizer = RequestNormalizer(
             tokenizer, self.vocab_size, self.context_len, max_req_input_len=self.max_req_input_len,
             allow_auto_truncate=server_args.allow_auto_truncate,
-            enable_custom_logit_processor=server_args.enable_custom_logit_processor)
+            enable_custom_logit_processor=server_args.enable_custom_logit_processor,
+            dp_size=max(1, server_args.dp_size))
         self.output_assembler = OutputAssembler(tokenizer)
         # An embedding model serves encode_request only (embedding_requests.py).
         self.embedding_model = EmbeddingModelInfo.from_scheduler_info(scheduler_info, self.served_model_name)

@@ -14,7 +14,7 @@ from typing import Any, Dict, List, Literal, Optional, Union
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
 
 from engine.entrypoints.openai.protocol_tools import DeltaToolCall, ResponseFormat, Tool, ToolCall, ToolChoice
-from engine.entrypoints.openai.sglang_fields import NATIVE_UNSUPPORTED, OPENAI_UNSUPPORTED, refuse_unsupported
+from engine.entrypoints.openai.sglang_fields import GENERATE_UNSUPPORTED, OPENAI_UNSUPPORTED, refuse_unsupported
 from engine.sampling.sampling_params import MAX_N  # the engine's one fan-out bound (n)
 
 MAX_STOP_STRINGS = 32
@@ -115,6 +115,9 @@ class SamplingFields(BaseModel):
     bootstrap_host: Optional[str] = None
     bootstrap_port: Optional[int] = None
     bootstrap_room: Optional[int] = None
+    # DP-aware routing (SGLang's gateway): the data-parallel replica that runs the request.
+    routed_dp_rank: Optional[int] = None
+    data_parallel_rank: Optional[int] = None  # SGLang's older name of routed_dp_rank
 
     @model_validator(mode="after")
     def _check_bootstrap(self) -> "SamplingFields":
@@ -131,7 +134,8 @@ class SamplingFields(BaseModel):
         return {"return_hidden_states": self.return_hidden_states, "custom_logit_processor": self.custom_logit_processor,
                 "priority": self.priority, "extra_key": self.extra_key, "cache_salt": self.cache_salt,
                 "bootstrap_host": self.bootstrap_host, "bootstrap_port": self.bootstrap_port,
-                "bootstrap_room": self.bootstrap_room}
+                "bootstrap_room": self.bootstrap_room, "routed_dp_rank": self.routed_dp_rank,
+                "data_parallel_rank": self.data_parallel_rank}
 
     @field_validator("stop")
     @classmethod
@@ -437,7 +441,7 @@ class GenerateRequest(BaseModel):
     """Body of the native POST /generate; shapes are checked again by GenerateReqInput.normalize().
 
     Every field of SGLang's GenerateReqInput is accepted: the ones below are implemented or only
-    informational; the others (sglang_fields.NATIVE_UNSUPPORTED) pass when unset and are a 400
+    informational; the others (sglang_fields.GENERATE_UNSUPPORTED) pass when unset and are a 400
     naming the field when used. A name SGLang does not know either is a 400 (a typo must not be
     ignored), except `model`, which SGLang's router adds to every request it forwards.
     """
@@ -477,11 +481,14 @@ class GenerateRequest(BaseModel):
     # With --reasoning-parser: the output starts in the model's reasoning, and its constraint
     # applies after the reasoning ends (SGLang's field; the chat route decides it itself).
     require_reasoning: bool = False
+    # DP-aware routing (SGLang's gateway): the data-parallel replica that runs the request.
+    routed_dp_rank: Optional[int] = None
+    data_parallel_rank: Optional[int] = None  # SGLang's older name of routed_dp_rank
 
     @model_validator(mode="before")
     @classmethod
     def _refuse_unsupported(cls, data: Any) -> Any:
-        data = refuse_unsupported(data, NATIVE_UNSUPPORTED)
+        data = refuse_unsupported(data, GENERATE_UNSUPPORTED)
         if not isinstance(data, dict):
             return data
         # null means "the default" for every field (SGLang's clients send unset fields as null).

@@ -55,8 +55,9 @@ NATIVE_UNSUPPORTED: Dict[str, Tuple[Tuple[Any, ...], str]] = {
     "bootstrap_pair_key": (_NULL, _DISAGG),
     "decode_tp_size": (_NULL, _DISAGG),
     "disagg_prefill_dp_rank": (_NULL, _DISAGG),
-    "routed_dp_rank": (_NULL, "routing to a data-parallel rank is not implemented (the server picks one)"),
-    "data_parallel_rank": (_NULL, "routing to a data-parallel rank is not implemented (the server picks one)"),
+    # Implemented on /generate and the OpenAI routes (GENERATE_UNSUPPORTED), not on /encode.
+    "routed_dp_rank": (_NULL, "routing an embedding request to a data-parallel rank is not implemented"),
+    "data_parallel_rank": (_NULL, "routing an embedding request to a data-parallel rank is not implemented"),
     "background": (_FALSE, "background requests are not implemented"),
     "max_thinking_tokens": (_NULL, "reasoning control is not implemented"),
     "return_bytes": (_FALSE, "image generation is not implemented"),
@@ -65,6 +66,12 @@ NATIVE_UNSUPPORTED: Dict[str, Tuple[Tuple[Any, ...], str]] = {
     "multi_item_delimiter_indices": (_NULL, "multi-item scoring is not implemented"),
 }
 
+# SGLang's gateway in DP-aware mode names the replica of every request (routed_dp_rank, or the older
+# data_parallel_rank): /generate and the OpenAI routes take them (fields of the request models).
+DP_RANK_FIELDS = ("routed_dp_rank", "data_parallel_rank")
+GENERATE_UNSUPPORTED: Dict[str, Tuple[Tuple[Any, ...], str]] = {
+    name: entry for name, entry in NATIVE_UNSUPPORTED.items() if name not in DP_RANK_FIELDS}
+
 # SGLang's extra fields of the OpenAI requests (python/sglang/srt/entrypoints/openai/protocol.py)
 # that change what is generated. The implemented ones (regex, ebnf, json_schema,
 # separate_reasoning, stream_reasoning, chat_template_kwargs, continue_final_message) are fields of
@@ -72,7 +79,7 @@ NATIVE_UNSUPPORTED: Dict[str, Tuple[Tuple[Any, ...], str]] = {
 OPENAI_UNSUPPORTED: Dict[str, Tuple[Tuple[Any, ...], str]] = {
     "structural_tag": (_NULL, "on this route a structural tag is a response_format of type 'structural_tag'"),
     **{name: NATIVE_UNSUPPORTED[name] for name in (
-        "lora_path", "session_params", "return_routed_experts", "routed_dp_rank", "data_parallel_rank",
+        "lora_path", "session_params", "return_routed_experts",
     )},
 }
 
