@@ -145,3 +145,24 @@ def test_constrained_pd_equals_unified(model, overlap):
     finally:
         h.scheduler.shutdown()
         pair.close()
+
+
+def test_a_constraint_that_does_not_compile_is_a_400_on_both_sides(model):
+    # The prefill refuses it and sends nothing; the decode side must not wait for a transfer
+    # timeout: its own compilation fails the request with the same 400.
+    pytest.importorskip("xgrammar", reason="constrained decoding needs xgrammar")
+    path, tok, prompts = model
+    pair = PDPair(prefill_worker=_worker(path), decode_worker=_worker(path, extra=dict(disaggregation_mode="decode")),
+                  tokenizer=tok, prefill_kwargs=dict(max_total_tokens=4096),
+                  decode_kwargs=dict(max_total_tokens=4096))
+    try:
+        rid = pair.submit(prompts[0], rid="bad", max_new_tokens=4, regex="(unclosed")
+        good = pair.submit(prompts[1], rid="good", max_new_tokens=4, regex="[a-z]{4}")
+        pair.run_until_idle(max_steps=500)
+        assert not pair.busy()
+        for side in (pair.prefill, pair.decode):
+            reason = side.outputs[rid].finished_reason
+            assert reason["status_code"] == 400 and "regex" in reason["message"].lower(), reason
+        assert pair.decode.outputs[good].finished_reason["type"] in ("stop", "length")  # its neighbour runs on
+    finally:
+        pair.close()

@@ -113,6 +113,13 @@ class GrammarManager:
         """The compilation finished, or it ran past the timeout (then `attach_pending` refuses)."""
         return pending.future.done() or time.monotonic() - pending.since > self.timeout_s
 
+    def compile_error(self, pending: _Waiting) -> Optional[str]:
+        """Why a `start`ed grammar cannot be used, once its compilation has finished; else None."""
+        if not pending.future.done():
+            return None
+        entry = self._resolve(pending)
+        return entry.error if entry.grammar is None else None
+
     def attach_pending(self, pending: _Waiting) -> Optional[str]:
         """Attach the compiled grammar of a `start`ed request, or say why it has none."""
         return self._attach(pending.req, self._resolve(pending))

@@ -50,6 +50,7 @@ class FailureCause(str, Enum):
     CORRUPT = "corrupt"  # checksum, byte count or metadata room mismatch
     CONFIG = "config"  # the two sides' KV layouts or TP sizes cannot be paired
     INJECTED = "injected"  # test fault injection
+    BAD_REQUEST = "bad_request"  # the request cannot run here (its grammar did not compile): a 400
 
 
 T = TypeVar("T")

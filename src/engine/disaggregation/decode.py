@@ -137,6 +137,9 @@ class DecodeTransferQueue:
     def _gated_poll(self, dreq: DecodeRequest) -> KVPoll:
         """The local poll with the metadata gate: Success counts only once the row carries the room."""
         poll = dreq.kv_receiver.poll()
+        if poll != KVPoll.Failed and self._grammar_error(dreq) is not None:
+            # The prefill refused the same constraint: it will send nothing. Fail now, as a 400.
+            return KVPoll.Failed
         if dreq.publish_after is not None and poll != KVPoll.Failed:
             return KVPoll.WaitingForInput
         if poll == KVPoll.Success and not dreq.kv_receiver.is_fake \
@@ -145,6 +148,14 @@ class DecodeTransferQueue:
         if poll == KVPoll.Success and dreq.grammar is not None and not self.grammars.is_ready(dreq.grammar):
             return KVPoll.Transferring  # the KV is here, the grammar still compiles
         return poll
+
+    def _grammar_error(self, dreq: DecodeRequest) -> Optional[str]:
+        return None if dreq.grammar is None else self.grammars.compile_error(dreq.grammar)
+
+    def failure(self, dreq: DecodeRequest) -> Optional[Tuple[str, FailureCause]]:
+        """Why `dreq` failed on this rank: its grammar first (a 400), else its transfer."""
+        error = self._grammar_error(dreq)
+        return (error, FailureCause.BAD_REQUEST) if error is not None else dreq.kv_receiver.failure()
 
     def pop_transferred(self) -> Tuple[List[Req], List[Req]]:
         """(requests whose KV arrived, ready for the waiting queue; requests that failed)."""
@@ -155,7 +166,7 @@ class DecodeTransferQueue:
         done: List[Req] = []
         failed: List[Req] = []
         kept: List[DecodeRequest] = []
-        reasons = iter(agreed_failures(d.kv_receiver for d, p in zip(self.queue, polls) if p == KVPoll.Failed))
+        reasons = iter(agreed_failures(_GatedSource(self, d) for d, p in zip(self.queue, polls) if p == KVPoll.Failed))
         for dreq, poll in zip(self.queue, polls):
             req = dreq.req
             if poll == KVPoll.Success:
@@ -166,7 +177,10 @@ class DecodeTransferQueue:
             elif poll == KVPoll.Failed:
                 reason, cause = next(reasons)
                 dreq.kv_receiver.abort(reason, cause)  # fence (and tell the prefill) before freeing
-                abort_req(req, f"KV transfer failed: {reason}")
+                if cause == FailureCause.BAD_REQUEST:
+                    abort_req(req, reason, 400)
+                else:
+                    abort_req(req, f"KV transfer failed: {reason}")
                 self.metrics.observe_failure(True, cause)
                 self._release(dreq)
                 failed.append(req)
@@ -249,6 +263,9 @@ class _GatedSource:
 
     def poll(self) -> KVPoll:
         return self.queue._gated_poll(self.dreq)
+
+    def failure(self) -> Optional[Tuple[str, FailureCause]]:
+        return self.queue.failure(self.dreq)
 
 
 @dataclass
