@@ -28,6 +28,8 @@ TOOL_CALL_PARSERS = ("llama3", "qwen25", "qwen", "hermes", "mistral", "pythonic"
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 # tcp: ZMQ between processes and machines; loopback: in-process (tests); fake: no prefill at all.
 DISAGGREGATION_TRANSFER_BACKENDS = ("tcp", "loopback", "fake")
+# --max-queued-requests when not given (docs/security.md).
+DEFAULT_MAX_QUEUED_REQUESTS = 4096
 
 
 class ServerArgsError(ValueError):
@@ -77,8 +79,11 @@ class ServerArgs:
     max_total_tokens: Optional[int] = arg(None, "The KV cache size in tokens (overrides --mem-fraction-static).")
     max_running_requests: Optional[int] = arg(None, "Requests decoded together. Default: derived from the KV "
                                                     "cache size.")
-    max_queued_requests: Optional[int] = arg(None, "Waiting requests beyond which new ones get HTTP 503. "
-                                                   "Default: no limit.")
+    # SGLang has no default limit; every waiting request holds its prompt (~50 bytes a token in the
+    # scheduler, as much again in the HTTP process), so an unbounded queue grows with the load.
+    max_queued_requests: Optional[int] = arg(DEFAULT_MAX_QUEUED_REQUESTS, (
+        "Waiting requests beyond which new ones get HTTP 503 (a retracted request is never refused). "
+        f"Default {DEFAULT_MAX_QUEUED_REQUESTS} (SGLang: no limit); docs/security.md."))
     max_prefill_tokens: int = arg(16384, "Prompt tokens admitted into one prefill batch.")
     chunked_prefill_size: Optional[int] = arg(None, "Prompt tokens per prefill chunk; -1 disables chunking. "
                                                     "Default 8192 on CUDA, 2048 on the CPU.")

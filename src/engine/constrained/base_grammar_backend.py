@@ -6,6 +6,8 @@ The backend compiles it into a template `BaseGrammarObject` on a thread pool (co
 from microseconds to seconds, and the scheduling thread must not wait for it); the template is
 cached under its key, and every request gets its own matcher with `copy()`. A constraint that fails
 to compile is cached too, as its error message, so a client that resends it is answered at once.
+The cache is an LRU bounded in entries and bytes (`GrammarCache`): every client can send new
+constraints, so a plain dict would grow without bound.
 
 The vocabulary mask is the format xgrammar and SGLang use: an int32 tensor [batch, ceil(vocab/32)]
 where bit j of word w allows token 32 * w + j. `constrained/vocab_mask.py` builds and applies it.
@@ -17,6 +19,7 @@ import logging
 import os
 import re
 from abc import ABC, abstractmethod
+from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any, Dict, List, Optional, Sequence, Tuple
@@ -26,6 +29,10 @@ import torch
 logger = logging.getLogger(__name__)
 
 GrammarKey = Tuple[str, str]
+
+# Bounds of the compiled-grammar cache (docs/security.md): the least recently used entries go first.
+GRAMMAR_CACHE_MAX_ENTRIES = 1024
+GRAMMAR_CACHE_MAX_BYTES = 256 * 1024 * 1024
 
 
 class GrammarCompileError(ValueError):
@@ -66,6 +73,10 @@ class BaseGrammarObject(ABC):
     def copy(self) -> "BaseGrammarObject":
         """A fresh matcher at the start of the same compiled grammar."""
 
+    def memory_size_bytes(self) -> int:
+        """The memory the compiled grammar holds (what a cached template costs); 0 if unknown."""
+        return 0
+
     def accept_token(self, token: int) -> bool:
         if not self._accept(token):
             return False
@@ -96,6 +107,57 @@ class CacheEntry:
     grammar: Optional[BaseGrammarObject] = None
     error: Optional[str] = None
 
+    def size_bytes(self, key: GrammarKey) -> int:
+        """What keeping this entry under `key` costs: the key's text, the grammar or the message."""
+        held = self.grammar.memory_size_bytes() if self.grammar is not None else len(self.error or "")
+        return len(key[0]) + len(key[1]) + held
+
+
+class GrammarCache:
+    """Compiled constraints by key, least recently used first out, within an entry and a byte bound."""
+
+    def __init__(self, max_entries: int = GRAMMAR_CACHE_MAX_ENTRIES,
+                 max_bytes: int = GRAMMAR_CACHE_MAX_BYTES) -> None:
+        self.max_entries = max_entries
+        self.max_bytes = max_bytes
+        self._entries: OrderedDict[GrammarKey, Tuple[CacheEntry, int]] = OrderedDict()
+        self._bytes = 0
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    @property
+    def size_bytes(self) -> int:
+        return self._bytes
+
+    def get(self, key: GrammarKey) -> Optional[CacheEntry]:
+        item = self._entries.get(key)
+        if item is None:
+            return None
+        self._entries.move_to_end(key)
+        return item[0]
+
+    def put(self, key: GrammarKey, entry: CacheEntry) -> None:
+        """Keep `entry`, dropping the least recently used ones over the bounds (an entry larger than
+        the byte bound on its own is not kept: its requests have it from their compilation)."""
+        self._drop(key)
+        size = entry.size_bytes(key)
+        if size > self.max_bytes:
+            return
+        self._entries[key] = (entry, size)
+        self._bytes += size
+        while len(self._entries) > self.max_entries or self._bytes > self.max_bytes:
+            self._drop(next(iter(self._entries)))
+
+    def clear(self) -> None:
+        self._entries.clear()
+        self._bytes = 0
+
+    def _drop(self, key: GrammarKey) -> None:
+        item = self._entries.pop(key, None)
+        if item is not None:
+            self._bytes -= item[1]
+
 
 class BaseGrammarBackend(ABC):
     """Compiles constraints off the scheduling thread and caches them by key.
@@ -105,12 +167,13 @@ class BaseGrammarBackend(ABC):
 
     def __init__(self, num_threads: int = 2) -> None:
         self.executor = ThreadPoolExecutor(max_workers=num_threads, thread_name_prefix="grammar-compile")
-        self.cache: Dict[GrammarKey, CacheEntry] = {}
+        self.cache = GrammarCache()
         # Compilations in flight: requests with the same constraint share one.
         self.pending: Dict[GrammarKey, Future] = {}
 
     def get_cached_or_future_value(self, key: GrammarKey) -> Tuple[Optional[CacheEntry], Optional[Future]]:
         """(entry, None) when the key was compiled before, else (None, future of its entry)."""
+        self._collect_finished()
         entry = self.cache.get(key)
         if entry is not None:
             return entry, None
@@ -121,8 +184,16 @@ class BaseGrammarBackend(ABC):
         return None, future
 
     def set_cache(self, key: GrammarKey, entry: CacheEntry) -> None:
-        self.cache[key] = entry
+        self.cache.put(key, entry)
         self.pending.pop(key, None)
+
+    def _collect_finished(self) -> None:
+        """Cache the compilations that finished after all their requests were aborted (nothing else
+        would take them out of `pending`, which would then grow with every such constraint)."""
+        for key in [key for key, future in self.pending.items() if future.done()]:
+            future = self.pending.pop(key)
+            if not future.cancelled():
+                self.set_cache(key, future.result())
 
     def _compile(self, key: GrammarKey) -> CacheEntry:
         kind, text = key

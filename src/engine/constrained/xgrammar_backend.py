@@ -63,6 +63,9 @@ class XGrammarGrammar(BaseGrammarObject):
     def copy(self) -> "XGrammarGrammar":
         return XGrammarGrammar(self.compiled)
 
+    def memory_size_bytes(self) -> int:
+        return int(self.compiled.memory_size_bytes)
+
 
 class XGrammarGrammarBackend(BaseGrammarBackend):
     def __init__(self, tokenizer: Any, vocab_size: int, stop_token_ids: List[int], any_whitespace: bool = True,
@@ -72,7 +75,9 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         # chat model may close its turn the way it was trained to.
         info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                   stop_token_ids=sorted(stop_token_ids) or None)
-        self.compiler = xgr.GrammarCompiler(info, max_threads=num_threads)
+        # No cache of xgrammar's own (unbounded by default): BaseGrammarBackend's bounded one keeps
+        # the compiled grammars.
+        self.compiler = xgr.GrammarCompiler(info, max_threads=num_threads, cache_enabled=False)
         self.any_whitespace = any_whitespace
 
     def dispatch_json(self, schema: str) -> XGrammarGrammar:
