@@ -66,6 +66,10 @@ class ServerArgs:
     host: str = arg("127.0.0.1", "The address to serve HTTP on.")
     port: int = arg(30000, "The port to serve HTTP on.")
     api_key: Optional[str] = arg(None, "Require 'Authorization: Bearer <key>' on every route but /health.")
+    admin_api_key: Optional[str] = arg(None, (
+        "The key of the operator routes (weights, memory, pause/continue, /flush_cache, /abort_request), as "
+        "SGLang's flag: with it those routes take this key only and --api-key no longer opens them; the other "
+        "routes keep --api-key (open without one). See docs/security.md."))
     tokenizer_worker_num: int = arg(1, (
         "HTTP worker processes, each with its own TokenizerManager, sharing the port (SGLang's flag): for "
         "thousands of concurrent streams, whose HTTP and output handling one process cannot keep up with. "

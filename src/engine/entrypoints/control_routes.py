@@ -16,6 +16,7 @@ carries pickled tensors, which this server never deserializes.
 
 from __future__ import annotations
 
+import logging
 from typing import List, Literal, Optional
 
 from fastapi import FastAPI
@@ -26,6 +27,16 @@ from engine.entrypoints.openai.utils import OrjsonResponse, create_error_respons
 from engine.managers.errors import EngineRequestError
 from engine.managers.io_struct import UpdateWeightFromDiskReqInput
 from engine.managers.tokenizer_manager_protocol import TokenizerManagerProtocol
+
+logger = logging.getLogger(__name__)
+
+# What a failed /update_weights_from_disk answers, whatever the reason: a reason naming what the
+# path holds (no such directory, no config.json, another architecture) would let a client map the
+# server's files. The reason goes to the server log.
+WEIGHTS_FROM_DISK_FAILED = (
+    "The weights were not updated from model_path: it must be a directory, readable by the server, holding "
+    "a safetensors checkpoint of the running model's architecture, and no request may hold KV cache of the "
+    "current weights unless flush_cache is false. The server log has the reason.")
 
 
 class _Body(BaseModel):
@@ -52,6 +63,9 @@ class UpdateWeightFromDiskBody(_Body):
             raise ValueError("is_async is not supported: the update completes before the answer")
         if self.keep_pause:
             raise ValueError("keep_pause is not supported: pause with /pause_generation instead")
+        # Checked here, before any file is looked at: a failure after that has one answer only.
+        if self.load_format not in (None, "auto", "safetensors"):
+            raise ValueError(f"load_format {self.load_format!r} is not supported: auto or safetensors")
         return self
 
 
@@ -81,10 +95,11 @@ def add_control_routes(app: FastAPI, tokenizer_manager: TokenizerManagerProtocol
                                            abort_all_requests=body.abort_all_requests,
                                            weight_version=body.weight_version, flush_cache=body.flush_cache)
         success, message, num_paused = await tokenizer_manager.control.update_weights_from_disk(obj)
-        content = {"success": success, "message": message, "num_paused_requests": num_paused}
         if success:
-            return OrjsonResponse(content)
-        return OrjsonResponse({**error_body(message, 400), **content}, status_code=400)
+            return OrjsonResponse({"success": True, "message": message, "num_paused_requests": num_paused})
+        logger.warning("update_weights_from_disk from %r failed: %s", body.model_path, message)
+        content = {"success": False, "message": WEIGHTS_FROM_DISK_FAILED, "num_paused_requests": num_paused}
+        return OrjsonResponse({**error_body(WEIGHTS_FROM_DISK_FAILED, 400), **content}, status_code=400)
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
     async def get_weights_by_name(body: GetWeightsByNameBody) -> Response:

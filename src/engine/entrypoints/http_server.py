@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import asyncio
 import functools
-import hmac
 import json
 import logging
 import os
@@ -22,9 +21,11 @@ import uvicorn
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response, StreamingResponse
+from fastapi.routing import APIRoute
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.entrypoints.control_routes import add_control_routes
+from engine.entrypoints.http_auth import OPERATOR_PATHS, ApiKeys
 from engine.entrypoints.openai.protocol import (
     AbortRequestBody,
     ChatCompletionRequest,
@@ -59,8 +60,6 @@ from engine.server_args import ServerArgs
 logger = logging.getLogger(__name__)
 
 DEFAULT_MAX_REQUEST_BODY_BYTES = 32 * 1024 * 1024
-# Routes that answer without a key: load balancers probe liveness without credentials.
-UNAUTHENTICATED_PATHS = frozenset({"/health"})
 # How long a /metrics scrape waits for the schedulers' state before answering without gauges.
 METRICS_STATE_TIMEOUT_S = 5.0
 
@@ -79,15 +78,15 @@ def engine_version() -> str:
 
 # ---------------------------------------------------------------------------- middleware
 class GuardMiddleware:
-    """API-key check and request-body limit, before any routing or parsing.
+    """API-key check (http_auth.py) and request-body limit, before any routing or parsing.
 
     A pure ASGI middleware rather than BaseHTTPMiddleware: it must not buffer streaming
     responses, and it must see the body size before FastAPI reads the body into memory.
     """
 
-    def __init__(self, app: Any, api_key: Optional[str], max_body_bytes: int) -> None:
+    def __init__(self, app: Any, keys: ApiKeys, max_body_bytes: int) -> None:
         self.app = app
-        self.api_key = api_key
+        self.keys = keys
         self.max_body_bytes = max_body_bytes
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -95,9 +94,9 @@ class GuardMiddleware:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope["headers"]}
-        if self.api_key and scope["path"] not in UNAUTHENTICATED_PATHS and not self._authorized(headers):
-            message = "Invalid or missing API key: send 'Authorization: Bearer <key>'."
-            await _send_error(scope, receive, send, message, 401)
+        refusal = self.keys.refusal(scope["path"], headers.get("authorization", ""))
+        if refusal is not None:
+            await _send_error(scope, receive, send, refusal, 401)
             return
         declared = headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > self.max_body_bytes:
@@ -112,13 +111,6 @@ class GuardMiddleware:
                 return
             receive = _replay(body, receive)
         await self.app(scope, receive, send)
-
-    def _authorized(self, headers: Dict[str, str]) -> bool:
-        scheme, _, token = headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer":
-            return False
-        assert self.api_key is not None  # only called when an API key is set
-        return hmac.compare_digest(token.strip().encode(), self.api_key.encode())
 
     def _too_large_message(self) -> str:
         return f"The request body is larger than the limit of {self.max_body_bytes} bytes."
@@ -266,7 +258,6 @@ def create_app(
         default_response_class=OrjsonResponse,
         strict_content_type=False,
     )
-    app.add_middleware(GuardMiddleware, api_key=server_args.api_key, max_body_bytes=max_request_body_bytes)
     _install_error_handlers(app)
     app.state.tokenizer_manager = tokenizer_manager
     app.state.server_args = server_args
@@ -306,6 +297,7 @@ def create_app(
     async def get_server_info() -> Response:
         info: Dict[str, Any] = dict(server_args.to_dict())
         info.pop("api_key", None)  # a secret has no place in a diagnostic dump
+        info.pop("admin_api_key", None)
         # What the schedulers chose, at the top level as in SGLang (the router reads it there).
         info["max_total_num_tokens"] = tokenizer_manager.max_total_num_tokens
         info["max_req_input_len"] = tokenizer_manager.max_req_input_len
@@ -333,8 +325,11 @@ def create_app(
 
     if server_args.enable_metrics:
         _add_metrics_route(app, tokenizer_manager)
-    # Weights, memory, pause/continue (control_routes.py).
+    # Weights, memory, pause/continue (control_routes.py): every route it adds is an operator route.
+    first_control_route = len(app.router.routes)
     add_control_routes(app, tokenizer_manager)
+    control_paths = frozenset(route.path for route in app.router.routes[first_control_route:]
+                              if isinstance(route, APIRoute))
 
     # ------------------------------------------------------------------ generation
     @app.post("/generate")
@@ -368,6 +363,9 @@ def create_app(
     async def encode(body: EncodeRequest, raw_request: Request) -> Response:
         return await handle_encode(tokenizer_manager, body, raw_request)
 
+    # Added last, once every route exists: it must know which paths are operator routes.
+    keys = ApiKeys(server_args.api_key, server_args.admin_api_key, OPERATOR_PATHS | control_paths)
+    app.add_middleware(GuardMiddleware, keys=keys, max_body_bytes=max_request_body_bytes)
     return app
 
 
