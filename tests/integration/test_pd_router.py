@@ -44,6 +44,9 @@ WORKER_ARGS = ["--enable-metrics"]
 # Fast heartbeats, so a dead prefill is noticed within about a second.
 DECODE_ARGS = ["--disaggregation-heartbeat-interval", "0.5", "--disaggregation-heartbeat-max-failures", "2"]
 ROUTER_ARGS = ["--health-check-interval-secs", "1", "--disable-retries", "--disable-circuit-breaker"]
+# The PD planes authenticated with a shared secret (from the environment, off the command line):
+# the router talks HTTP to the servers only, so it needs nothing (docs/security.md).
+PD_ENV = {"ENGINE_DISAGGREGATION_SECRET": "pd-router-test-secret"}
 
 
 @dataclass
@@ -79,12 +82,13 @@ def cluster() -> Iterator[PDCluster]:
     with tempfile.TemporaryFile() as router_log:
         try:
             ports = [get_free_port() for _ in range(2)]
-            prefills = [start_server_process(WORKER_ARGS + pd_cluster.prefill_server_args(p), wait=False)
+            prefills = [start_server_process(WORKER_ARGS + pd_cluster.prefill_server_args(p), wait=False, env=PD_ENV)
                         for p in ports]
-            decodes = [start_server_process(WORKER_ARGS + pd_cluster.decode_server_args() + DECODE_ARGS, wait=False),
+            decodes = [start_server_process(WORKER_ARGS + pd_cluster.decode_server_args() + DECODE_ARGS, wait=False,
+                                            env=PD_ENV),
                        start_server_process(WORKER_ARGS + pd_cluster.decode_server_args() + DECODE_ARGS
                                             + ["--tp-size", "2"], wait=False,
-                                            env={"ENGINE_CHECK_TP_SAMPLING": "1"})]  # ranks must agree
+                                            env={**PD_ENV, "ENGINE_CHECK_TP_SAMPLING": "1"})]  # ranks must agree
             unified = start_server_process(WORKER_ARGS, wait=False)
             servers = [unified, *prefills, *decodes]
             for server in servers:
@@ -260,7 +264,7 @@ def test_kill_prefill_mid_transfer_then_serve_again(cluster: PDCluster) -> None:
 
     # A prefill server comes back at the same address.
     cluster.prefills[1] = start_server_process(WORKER_ARGS + pd_cluster.prefill_server_args(port),
-                                               port=int(victim.url.rsplit(":", 1)[1]))
+                                               port=int(victim.url.rsplit(":", 1)[1]), env=PD_ENV)
 
     def router_serves() -> bool:
         return post(router, "/generate", {**body, "text": "after the restart"}).status_code == 200
