@@ -232,6 +232,12 @@ class ServerArgs:
     health_check_timeout: float = arg(20.0, "Seconds /health_generate waits for its probe to make progress.")
     control_timeout: float = arg(60.0, "Seconds a control call (/flush_cache, /get_server_info, ...) waits "
                                        "for the scheduler's reply.")
+    enable_pickled_weight_updates: bool = arg(False, (
+        "Accept SGLang's pickled tensors (MultiprocessingSerializer) in /update_weights_from_tensor, as "
+        "colocated RL trainers send them (CUDA IPC handles). Unpickling client data runs code and opens "
+        "memory by handle: enable only for trusted clients (docs/security.md); safetensors payloads need no flag."))
+    weight_version: str = arg("default", "The version of the loaded weights, as reported by /get_weight_version "
+                                         "and every output's meta_info (weight updates may set a new one).")
     weight_update_timeout: float = arg(1800.0, "Seconds a weight update or a memory release / resume waits for "
                                                "the scheduler's reply (loading a large checkpoint takes a while).")
     startup_timeout: float = arg(900.0, "Seconds the launcher waits for its processes to load the model.")

@@ -1,8 +1,9 @@
 """The control plane and the per-request extras through HTTP, on one tp=2 server (CPU, gloo).
 
-Oracle: transformers (float32) on the built-in model and on a second checkpoint of the same
+Oracle: transformers (float32) on the built-in model and on other checkpoints of the same
 architecture; the checkpoint files themselves for /get_weights_by_name. tp=2 makes every rank
-load, release, gather and compute its own shard.
+load, release, gather, receive and compute its own shard. A trainer process (tests/utils_trainer.py)
+pushes weights over a gloo group as SGLang's RL trainers do; everything stays on loopback.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import torch
 from engine.builtin_model import ensure_builtin_model
 
 SERVER_ARGS = ["--tp-size", "2", "--enable-priority-scheduling"]
+SERVER_ENV = {"GLOO_SOCKET_IFNAME": "lo"}  # the weight update group's pairs listen on loopback only
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 PROMPTS = ["Hello, my name is", "The capital of France", "1 2 3 4", "Pause me if you can"]
 STEPS = 8
@@ -38,6 +40,19 @@ def new_checkpoint(tmp_path_factory) -> str:
     weights = load_file(os.path.join(src, "model.safetensors"))
     save_file({k: v * 1.3 if v.dim() == 2 else v for k, v in weights.items()}, os.path.join(dst, "model.safetensors"),
               metadata={"format": "pt"})
+    return dst
+
+
+def scaled_checkpoint(dst: str, factor: float, which: str = "") -> str:
+    """The built-in model with the matrices whose names contain `which` scaled by `factor`."""
+    from safetensors.torch import load_file, save_file
+
+    src = ensure_builtin_model()
+    for name in os.listdir(src):
+        shutil.copy(os.path.join(src, name), dst)
+    weights = load_file(os.path.join(src, "model.safetensors"))
+    save_file({k: v * factor if v.dim() == 2 and which in k else v for k, v in weights.items()},
+              os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
     return dst
 
 
@@ -244,3 +259,110 @@ def test_update_weights_from_disk_over_http(server_url, hf, tokenizer, new_check
         back = httpx.post(f"{server_url}/update_weights_from_disk", json={"model_path": original}, timeout=300)
     assert back.status_code == 200
     assert generate(server_url, PROMPTS[0])["output_ids"] == oracle(hf, tokenizer, PROMPTS[0])
+
+
+# ---------------------------------------------------------------------- RL weight sync
+@pytest.mark.slow
+def test_update_weights_from_distributed_over_http(server_url, hf, tokenizer, tmp_path):
+    """The trainer (rank 0) joins with the server's two ranks (1, 2), broadcasts a new checkpoint in
+    two buckets while asking /update_weights_from_distributed for each, then leaves the group."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file, save_file
+
+    from engine.utils.network_utils import get_free_port
+    from utils_trainer import trainer_env
+
+    pushed = scaled_checkpoint(str(tmp_path), 0.7)
+    weights = load_file(os.path.join(pushed, "model.safetensors"))
+    names = sorted(weights)
+    buckets = []
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2:])):
+        buckets.append(str(tmp_path / f"bucket{i}.safetensors"))
+        save_file({n: weights[n] for n in part}, buckets[-1])
+    trainer = os.path.join(os.path.dirname(__file__), "..", "utils_trainer.py")
+    try:
+        done = subprocess.run([sys.executable, trainer, "--port", str(get_free_port()), "--world-size", "3",
+                               "--weights", *buckets, "--server", server_url, "--weight-version", "rl-step-3"],
+                              env=trainer_env(), capture_output=True, text=True, timeout=240)
+        assert done.returncode == 0, done.stderr
+        replies = json.loads(done.stdout.strip().splitlines()[-1])["replies"]
+        assert [status for status, _ in replies] == [200] * 4, replies
+        assert all(body["success"] for _, body in replies)
+        for prompt in PROMPTS[:2]:
+            out = generate(server_url, prompt)
+            assert out["output_ids"] == oracle(hf, tokenizer, prompt, pushed)
+            assert out["meta_info"]["weight_version"] == "rl-step-3"
+        assert httpx.get(f"{server_url}/get_weight_version", timeout=30).json() == {"weight_version": "rl-step-3"}
+    finally:
+        back = httpx.post(f"{server_url}/update_weights_from_disk",
+                          json={"model_path": ensure_builtin_model(), "weight_version": "default"}, timeout=300)
+    assert back.status_code == 200
+    assert generate(server_url, PROMPTS[0])["output_ids"] == oracle(hf, tokenizer, PROMPTS[0])
+
+
+@pytest.mark.parametrize("route, body, status, message", [
+    ("update_weights_from_distributed", {"names": ["model.norm.weight"], "dtypes": ["float32"], "shapes": [[256]]},
+     400, "is not initialized"),
+    ("update_weights_from_distributed", {"names": ["model.norm.weight"], "dtypes": ["float128"], "shapes": [[256]]},
+     400, "unknown dtype"),
+    ("update_weights_from_distributed", {"names": ["a", "b"], "dtypes": ["float32"], "shapes": [[1]]},
+     400, "same length"),
+    ("update_weights_from_distributed", {"names": ["a"], "dtypes": ["float32"], "shapes": [[-2]]},
+     400, "greater than or equal to 0"),
+    ("init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+                                   "world_size": 3, "backend": "nccl"}, 400, "needs CUDA"),
+    ("init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 1,
+                                   "world_size": 2, "backend": "gloo"}, 400, "within 1..world_size-1"),
+    ("init_weights_update_group", {"master_address": "127.0.0.1", "master_port": 1, "rank_offset": 0,
+                                   "world_size": 3, "backend": "gloo"}, 400, "rank_offset"),
+    ("destroy_weights_update_group", {"group_name": "nobody"}, 400, "does not exist"),
+    ("update_weights_from_tensor", {"serialized_named_tensors": ["not base64!"]}, 400, "is not base64"),
+    ("update_weights_from_tensor", {"serialized_named_tensors": ["gAN9cQAu"]}, 400,
+     "--enable-pickled-weight-updates"),  # a pickle (of {}): refused without the flag
+    ("update_weights_from_tensor", {"serialized_named_tensors": ["gAN9cQAu"] * 3}, 400,
+     "one per tensor-parallel rank (2)"),
+])
+def test_weight_sync_refusals(server_url, route, body, status, message):
+    response = httpx.post(f"{server_url}/{route}", json=body, timeout=60)
+    assert response.status_code == status, response.text
+    assert message in response.json()["message"]
+    if "success" in response.json():
+        assert response.json()["success"] is False
+
+
+def test_update_weights_from_tensor_over_http(server_url, hf, tokenizer, tmp_path):
+    """SGLang's body, with a safetensors payload per TP rank (full tensors of layer 0)."""
+    import base64
+
+    from safetensors.torch import load_file, save
+
+    changed = scaled_checkpoint(str(tmp_path), 0.8, which="layers.0.")
+    weights = load_file(os.path.join(changed, "model.safetensors"))
+    payload = base64.b64encode(save({k: v for k, v in weights.items() if "layers.0." in k})).decode()
+    try:
+        response = httpx.post(f"{server_url}/update_weights_from_tensor", timeout=300, json={
+            "serialized_named_tensors": [payload, payload], "flush_cache": True, "weight_version": "t-1"})
+        assert response.status_code == 200, response.text
+        assert response.json()["success"] is True and "t-1" in response.json()["message"]
+        assert generate(server_url, PROMPTS[1])["output_ids"] == oracle(hf, tokenizer, PROMPTS[1], changed)
+        version = httpx.post(f"{server_url}/update_weight_version", json={"new_version": "t-2"}, timeout=60)
+        assert version.json() == {"success": True, "message": "Weight version updated to t-2", "new_version": "t-2"}
+        assert httpx.get(f"{server_url}/get_model_info", timeout=30).json()["weight_version"] == "t-2"
+    finally:
+        back = httpx.post(f"{server_url}/update_weights_from_disk",
+                          json={"model_path": ensure_builtin_model(), "weight_version": "default"}, timeout=300)
+    assert back.status_code == 200
+
+
+def test_release_and_resume_accept_every_sglang_tag(server_url):
+    """slime releases ["kv_cache", "weights", "cuda_graph"] around training, then resumes them."""
+    before = generate(server_url, PROMPTS[2])["output_ids"]
+    tags = ["kv_cache", "weights", "cuda_graph", "weights_drafter"]
+    released = httpx.post(f"{server_url}/release_memory_occupation", json={"tags": tags}, timeout=60)
+    assert released.status_code == 200, released.text
+    for group in (["weights"], ["kv_cache", "cuda_graph"], ["weights_drafter"]):
+        resumed = httpx.post(f"{server_url}/resume_memory_occupation", json={"tags": group}, timeout=60)
+        assert resumed.status_code == 200, resumed.text
+    assert generate(server_url, PROMPTS[2])["output_ids"] == before

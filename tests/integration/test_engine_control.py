@@ -26,8 +26,10 @@ PROMPTS = ["Hello, my name is", "The capital of France", "1 2 3 4"]
 
 @pytest.fixture(scope="module")
 def engine():
-    with Engine(**ENGINE_ARGS) as eng:
-        yield eng
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("GLOO_SOCKET_IFNAME", "lo")  # a weight update group's pairs listen on loopback only
+        with Engine(**ENGINE_ARGS) as eng:
+            yield eng
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +60,47 @@ def test_update_weights_from_tensor_round_trip(engine, weights):
     assert not success and "no parameter" in message
     with pytest.raises(EngineRequestError, match="no weight"):
         engine.get_weights_by_name("model.nope")
+
+
+@pytest.mark.slow
+def test_update_weights_from_distributed_through_the_engine(engine, weights, tmp_path):
+    """A trainer process broadcasts new matrices; the outputs equal those of the same weights set
+    through update_weights_from_tensor. SGLang's Engine signature, torch dtypes included."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import save_file
+
+    from engine.utils.network_utils import get_free_port
+    from utils_trainer import GROUP, trainer_env, trainer_metadata
+
+    changed = {n: t * 1.5 for n, t in weights.items() if t.dim() == 2}
+    assert engine.update_weights_from_tensor(list(changed.items()))[0]
+    expected = outputs(engine)
+    assert engine.update_weights_from_tensor(list(weights.items()))[0]
+    save_file(changed, str(tmp_path / "pushed.safetensors"))
+    port = get_free_port()
+    trainer = subprocess.Popen(
+        [sys.executable, os.path.join(os.path.dirname(__file__), "..", "utils_trainer.py"), "--port", str(port),
+         "--world-size", "2", "--weights", str(tmp_path / "pushed.safetensors")],
+        env=trainer_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        success, message = engine.init_weights_update_group("127.0.0.1", port, 1, 2, GROUP, backend="gloo")
+        assert success, message
+        meta = trainer_metadata(changed)
+        success, message = engine.update_weights_from_distributed(
+            meta["names"], [getattr(torch, d) for d in meta["dtypes"]], meta["shapes"], group_name=GROUP,
+            weight_version="pushed")
+        assert success, message
+        _, err = trainer.communicate(timeout=120)
+        assert trainer.returncode == 0, err
+        assert outputs(engine) == expected
+        assert engine.get_weight_version() == "pushed"
+        assert engine.destroy_weights_update_group(GROUP) == (True, "Succeeded to destroy custom process group.")
+    finally:
+        trainer.kill()
+        trainer.communicate()
+        assert engine.update_weights_from_tensor(list(weights.items()), weight_version="default")[0]
 
 
 def test_release_resume_and_pause_continue(engine):

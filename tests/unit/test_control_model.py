@@ -15,15 +15,19 @@ import torch
 
 from engine.managers.control_calls import serialize_named_tensors
 from engine.managers.io_struct import (
+    DestroyWeightsUpdateGroupReqInput,
     GetWeightsByNameReqInput,
+    InitWeightsUpdateGroupReqInput,
     ReleaseMemoryOccupationReqInput,
     ResumeMemoryOccupationReqInput,
     UpdateWeightFromDiskReqInput,
+    UpdateWeightsFromDistributedReqInput,
     UpdateWeightsFromTensorReqInput,
 )
 from engine.sampling.custom_logit_processor import CustomLogitProcessor
 from sched_utils import Harness
 from utils_models import build_tiny_model, hf_greedy
+from utils_trainer import GROUP, trainer_env, trainer_metadata
 
 PROMPTS = [[3, 17, 250, 9, 44, 7, 7, 120, 5, 61, 33], [100, 7, 31], [401, 2]]
 N_NEW = 6
@@ -109,13 +113,13 @@ def test_update_weights_from_tensor_and_get_weights_by_name(models):
     before = h.control(GetWeightsByNameReqInput(name=name, truncate_size=3)).parameter
     assert torch.tensor(before).shape == (3, 64)
     payload = serialize_named_tensors(sorted(new.items()))
-    assert h.control(UpdateWeightsFromTensorReqInput(serialized_named_tensors=payload)).success
+    assert h.control(UpdateWeightsFromTensorReqInput(serialized_named_tensors=[payload])).success
     after = h.control(GetWeightsByNameReqInput(name=name, truncate_size=3)).parameter
     torch.testing.assert_close(torch.tensor(after), new[name][:3], rtol=0, atol=0)
     assert generate(h) == expected(models["hf"]["b"])
     # One weight only: the rest stays.
     one = serialize_named_tensors([("model.norm.weight", torch.full((64,), 2.0))])
-    assert h.control(UpdateWeightsFromTensorReqInput(serialized_named_tensors=one)).success
+    assert h.control(UpdateWeightsFromTensorReqInput(serialized_named_tensors=[one])).success
     assert h.control(GetWeightsByNameReqInput(name="model.norm.weight", truncate_size=2)).parameter == [2.0, 2.0]
 
 
@@ -125,7 +129,7 @@ def test_update_weights_from_tensor_and_get_weights_by_name(models):
 ])
 def test_a_bad_tensor_update_changes_nothing(models, named, message):
     h = harness(models["paths"]["a"])
-    reply = h.control(UpdateWeightsFromTensorReqInput(serialized_named_tensors=serialize_named_tensors(named)))
+    reply = h.control(UpdateWeightsFromTensorReqInput(serialized_named_tensors=[serialize_named_tensors(named)]))
     assert not reply.success and message in reply.message
     assert generate(h) == expected(models["hf"]["a"])
 
@@ -136,14 +140,204 @@ def test_get_weights_by_name_of_unknown_weight(models):
     assert reply.parameter is None and "no weight" in reply.message
 
 
+# ---------------------------------------------------------------------- SGLang's weight payloads
+def _forking_pickle(obj: Any) -> bytes:
+    """SGLang's MultiprocessingSerializer.serialize: CPU tensors travel as shared-memory file names
+    (torch's "file_system" strategy: an unrelated process can open them)."""
+    import io
+    from multiprocessing.reduction import ForkingPickler
+
+    import torch.multiprocessing as mp
+
+    strategy = mp.get_sharing_strategy()
+    mp.set_sharing_strategy("file_system")
+    try:
+        buf = io.BytesIO()
+        ForkingPickler(buf).dump(obj)
+        return buf.getvalue()
+    finally:
+        mp.set_sharing_strategy(strategy)
+
+
+class _RunsCode:
+    def __reduce__(self):
+        return (os.system, ("echo this must not run",))
+
+
+def test_pickled_tensors_need_the_flag_and_load_with_it(models):
+    from safetensors.torch import load_file
+
+    new = load_file(os.path.join(models["paths"]["b"], "model.safetensors"))
+    payload = _forking_pickle(sorted(new.items()))
+    plain = harness(models["paths"]["a"])
+    reply = plain.control(UpdateWeightsFromTensorReqInput(serialized_named_tensors=[payload]))
+    assert not reply.success and "--enable-pickled-weight-updates" in reply.message
+    assert generate(plain) == expected(models["hf"]["a"])
+
+    trusting = harness(models["paths"]["a"], enable_pickled_weight_updates=True)
+    evil = _forking_pickle([("model.norm.weight", _RunsCode())])
+    reply = trusting.control(UpdateWeightsFromTensorReqInput(serialized_named_tensors=[evil]))
+    assert not reply.success and "posix.system" in reply.message
+    assert trusting.control(UpdateWeightsFromTensorReqInput(serialized_named_tensors=[payload])).success
+    assert generate(trusting) == expected(models["hf"]["b"])
+
+
+def test_a_flattened_bucket_loads_like_its_tensors(models, monkeypatch):
+    """SGLang's load_format "flattened_bucket": one flat tensor and each tensor's place in it,
+    pickled with SGLang's own metadata class (stood in for by a module of that name)."""
+    import dataclasses
+    import sys
+    import types
+
+    from safetensors.torch import load_file
+
+    sglang_module = types.ModuleType("sglang.srt.weight_sync.tensor_bucket")
+
+    @dataclasses.dataclass
+    class FlattenedTensorMetadata:
+        name: str
+        shape: torch.Size
+        dtype: torch.dtype
+        start_idx: int
+        end_idx: int
+        numel: int
+
+    FlattenedTensorMetadata.__module__ = sglang_module.__name__
+    FlattenedTensorMetadata.__qualname__ = "FlattenedTensorMetadata"
+    sglang_module.FlattenedTensorMetadata = FlattenedTensorMetadata  # type: ignore[attr-defined]
+    for parent in ("sglang", "sglang.srt", "sglang.srt.weight_sync"):
+        monkeypatch.setitem(sys.modules, parent, types.ModuleType(parent))
+    monkeypatch.setitem(sys.modules, sglang_module.__name__, sglang_module)
+    new = load_file(os.path.join(models["paths"]["b"], "model.safetensors"))
+    flat, metadata, start = [], [], 0
+    for name, tensor in sorted(new.items()):
+        flat.append(tensor.flatten().view(torch.uint8))  # newer SGLang flattens raw bytes
+        end = start + flat[-1].numel()
+        metadata.append(FlattenedTensorMetadata(name, tensor.shape, tensor.dtype, start, end, tensor.numel()))
+        start = end
+    payload = _forking_pickle({"flattened_tensor": torch.cat(flat), "metadata": metadata})
+    h = harness(models["paths"]["a"], enable_pickled_weight_updates=True)
+    reply = h.control(UpdateWeightsFromTensorReqInput(serialized_named_tensors=[payload],
+                                                      load_format="flattened_bucket"))
+    assert reply.success, reply.message
+    assert generate(h) == expected(models["hf"]["b"])
+
+
+def test_one_payload_per_rank_or_one_for_all(models):
+    h = harness(models["paths"]["a"])
+    one = serialize_named_tensors([("model.norm.weight", torch.full((64,), 2.0))])
+    reply = h.control(UpdateWeightsFromTensorReqInput(serialized_named_tensors=[one, one]))
+    assert not reply.success and "one per tensor-parallel rank (1)" in reply.message
+    assert generate(h) == expected(models["hf"]["a"])
+
+
+# ---------------------------------------------------------------------- weight update groups
+def _save(weights: Dict[str, torch.Tensor], path: str) -> str:
+    from safetensors.torch import save_file
+
+    save_file(weights, path)
+    return path
+
+
+@pytest.mark.slow
+def test_update_weights_from_distributed_gives_the_pushed_weights_outputs(models, tmp_path, monkeypatch):
+    """A trainer process (rank 0) broadcasts checkpoint b to this rank (1) in two buckets, after
+    two bad ones that must change nothing; the greedy outputs become transformers' on b."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    from engine.utils.network_utils import get_free_port
+
+    new = load_file(os.path.join(models["paths"]["b"], "model.safetensors"))
+    names = sorted(new)
+    rounds = [
+        {"model.layers.0.mlp.nope.weight": torch.zeros(3)},  # no such weight
+        {"model.layers.0.self_attn.q_proj.weight": torch.zeros(3, 64)},  # the wrong shape
+        {n: new[n] for n in names[: len(names) // 2]},
+        {n: new[n] for n in names[len(names) // 2:]},
+    ]
+    files = [_save(r, str(tmp_path / f"round{i}.safetensors")) for i, r in enumerate(rounds)]
+    port = get_free_port()
+    monkeypatch.setenv("GLOO_SOCKET_IFNAME", "lo")  # this rank's gloo pairs stay on loopback too
+    trainer = subprocess.Popen([sys.executable, os.path.join(os.path.dirname(__file__), "..", "utils_trainer.py"),
+                                "--port", str(port), "--world-size", "2", "--weights", *files],
+                               env=trainer_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    h = harness(models["paths"]["a"])
+    try:
+        reply = h.control(InitWeightsUpdateGroupReqInput(master_address="127.0.0.1", master_port=port, rank_offset=1,
+                                                         world_size=2, group_name=GROUP, backend="gloo"))
+        assert reply.success, reply.message
+        replies = [h.control(UpdateWeightsFromDistributedReqInput(**trainer_metadata(r), group_name=GROUP))
+                   for r in rounds]
+        out, err = trainer.communicate(timeout=120)
+        assert trainer.returncode == 0, err
+        assert not replies[0].success and "no parameter of the model takes" in replies[0].message
+        assert not replies[1].success and "unchanged" in replies[1].message
+        assert replies[2].success and replies[3].success, [r.message for r in replies]
+        assert generate(h) == expected(models["hf"]["b"])
+        assert h.control(DestroyWeightsUpdateGroupReqInput(group_name=GROUP)).success
+        again = h.control(DestroyWeightsUpdateGroupReqInput(group_name=GROUP))
+        assert not again.success and "does not exist" in again.message
+    finally:
+        trainer.kill()
+        trainer.communicate()
+        h.worker.update_groups.destroy_all()
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(group_name="nobody"), "is not initialized"),
+    (dict(dtypes=["float32", "float32"]), "must have the same length"),
+    (dict(dtypes=["complex32"]), "Unknown dtype"),
+    (dict(shapes=[[-1]]), "is not a tensor shape"),
+])
+def test_an_update_that_cannot_be_received_is_refused_at_once(models, fields, message):
+    h = harness(models["paths"]["a"])
+    h.worker.update_groups.groups[GROUP] = (None, "gloo")  # a joined group, as far as the checks go
+    try:
+        body = dict(names=["model.norm.weight"], dtypes=["float32"], shapes=[[64]], group_name=GROUP)
+        reply = h.control(UpdateWeightsFromDistributedReqInput(**{**body, **fields}))
+        assert not reply.success and message in reply.message
+    finally:
+        h.worker.update_groups.groups.clear()
+
+
+def test_an_update_larger_than_the_model_is_refused(models):
+    h = harness(models["paths"]["a"])
+    h.worker.update_groups.groups[GROUP] = (None, "gloo")
+    try:
+        reply = h.control(UpdateWeightsFromDistributedReqInput(
+            names=["model.norm.weight"], dtypes=["float32"], shapes=[[1 << 20, 1 << 10]], group_name=GROUP))
+        assert not reply.success and "more than a whole model's worth" in reply.message
+    finally:
+        h.worker.update_groups.groups.clear()
+
+
+@pytest.mark.parametrize("fields, message", [
+    (dict(backend="nccl"), "needs CUDA"),
+    (dict(backend="mpi"), "is not one of"),
+    (dict(rank_offset=1, world_size=1), "is not among ranks"),
+])
+def test_a_group_that_cannot_be_joined_is_refused(models, fields, message):
+    h = harness(models["paths"]["a"])
+    body = dict(master_address="127.0.0.1", master_port=1, rank_offset=1, world_size=2, group_name=GROUP,
+                backend="gloo")
+    reply = h.control(InitWeightsUpdateGroupReqInput(**{**body, **fields}))
+    assert not reply.success and message in reply.message
+    assert h.worker.update_groups.groups == {}
+
+
 # ---------------------------------------------------------------------- memory
-@pytest.mark.parametrize("tags", [None, ["kv_cache"], ["weights"]])
+@pytest.mark.parametrize("tags", [None, ["kv_cache"], ["weights"], ["cuda_graph"], ["weights_drafter"],
+                                  ["kv_cache", "weights", "cuda_graph"]])
 def test_release_then_resume_gives_identical_outputs(models, tags):
     h = harness(models["paths"]["a"], overlap=True)
     before = generate(h)
     assert h.control(ReleaseMemoryOccupationReqInput(tags=tags)).success
     runner = h.worker.model_runner
-    released = tags or ["kv_cache", "weights"]
+    released = tags or ["kv_cache", "weights", "weights_drafter", "cuda_graph"]
+    assert h.scheduler.control.released == set(released)
     assert (runner.token_to_kv_pool.k_buffer[0].numel() == 0) == ("kv_cache" in released)
     assert (runner.model.model.embed_tokens.weight.numel() == 0) == ("weights" in released)
     assert h.control(ResumeMemoryOccupationReqInput(tags=tags)).success

@@ -115,7 +115,9 @@ def test_release_is_refused_while_requests_run_and_idempotent_when_idle():
     assert h.control(ReleaseMemoryOccupationReqInput()).success
     assert h.control(ReleaseMemoryOccupationReqInput(tags=["weights"])).message == \
         "Released nothing (already released)."
-    assert h.worker.control_calls == [("release", ["kv_cache", "weights"]), ("release", [])]
+    # No tags: every tag SGLang has (constants.GPU_MEMORY_ALL_TYPES).
+    all_tags = sorted(["kv_cache", "weights", "weights_drafter", "cuda_graph"])
+    assert h.worker.control_calls == [("release", all_tags), ("release", [])]
     waiting = h.submit([1, 2, 3], max_new_tokens=N_NEW)
     forwards = len(h.worker.records)
     h.step()
@@ -123,10 +125,23 @@ def test_release_is_refused_while_requests_run_and_idempotent_when_idle():
     assert h.control(ResumeMemoryOccupationReqInput(tags=["kv_cache"])).success
     h.step()
     assert len(h.worker.records) == forwards  # the weights are still released
-    assert h.control(ResumeMemoryOccupationReqInput()).message == "Resumed weights."
+    assert h.control(ResumeMemoryOccupationReqInput()).message == "Resumed weights, weights_drafter, cuda_graph."
     assert h.control(ResumeMemoryOccupationReqInput()).message == "Resumed nothing (not released)."
     h.run_until_idle()
     assert h.outputs[waiting].output_ids == h.outputs[rid].output_ids
+
+
+@pytest.mark.parametrize("tag", ["cuda_graph", "weights_drafter"])
+def test_releasing_what_forwards_do_not_need_keeps_generation_going(tag):
+    """slime releases "cuda_graph" with the rest; alone, it leaves eager forwards running."""
+    h = Harness()
+    reply = h.control(ReleaseMemoryOccupationReqInput(tags=[tag]))
+    assert reply.success and reply.message == f"Released {tag}."
+    rid = h.submit([1, 2, 3], max_new_tokens=N_NEW)
+    h.run_until_idle()
+    assert len(h.outputs[rid].output_ids) == N_NEW
+    assert h.control(ResumeMemoryOccupationReqInput(tags=[tag])).message == f"Resumed {tag}."
+    assert h.worker.control_calls == [("release", [tag]), ("resume", [tag])]
 
 
 def test_release_refuses_unknown_tags():

@@ -1,31 +1,48 @@
 """HTTP routes of the control plane, with SGLang's paths, bodies and answers.
 
-    POST      /update_weights_from_disk    {"model_path", "load_format", "abort_all_requests",
-                                            "weight_version", "flush_cache", ...}
-    GET|POST  /get_weights_by_name         {"name", "truncate_size"}
-    GET|POST  /release_memory_occupation   {"tags": ["weights", "kv_cache"] | null}
-    GET|POST  /resume_memory_occupation    {"tags": ...}
-    POST      /pause_generation            {"mode": "abort" | "retract" | "in_place"} (optional body)
-    POST      /continue_generation         {"torch_empty_cache": true} (optional body)
+    POST      /update_weights_from_disk        {"model_path", "load_format", "abort_all_requests",
+                                                "weight_version", "flush_cache", ...}
+    POST      /update_weights_from_tensor      {"serialized_named_tensors": [base64, one per TP rank],
+                                                "load_format", "flush_cache", "abort_all_requests",
+                                                "weight_version"}
+    POST      /init_weights_update_group       {"master_address", "master_port", "rank_offset",
+                                                "world_size", "group_name", "backend"}
+    POST      /update_weights_from_distributed {"names", "dtypes", "shapes", "group_name",
+                                                "flush_cache", "abort_all_requests", "weight_version"}
+    POST      /destroy_weights_update_group    {"group_name"}
+    POST      /update_weight_version           {"new_version", "abort_all_requests"}
+    GET       /get_weight_version
+    GET|POST  /get_weights_by_name             {"name", "truncate_size"}
+    GET|POST  /release_memory_occupation       {"tags": ["kv_cache", "weights", "cuda_graph", ...] | null}
+    GET|POST  /resume_memory_occupation        {"tags": ...}
+    POST      /pause_generation                {"mode": "abort" | "retract" | "in_place"} (optional body)
+    POST      /continue_generation             {"torch_empty_cache": true} (optional body)
 
 A refusal is HTTP 400 with the OpenAI-style error body; the weight routes' bodies also keep
 SGLang's keys (`success`, `message`, `num_paused_requests`) so that its clients read them as usual.
-`update_weights_from_tensor` is offered by the offline Engine only: SGLang's HTTP form of it
-carries pickled tensors, which this server never deserializes.
+A payload of /update_weights_from_tensor is a safetensors file, or SGLang's pickled tensors on a
+server started with --enable-pickled-weight-updates (model_executor/tensor_payload.py).
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
 import logging
-from typing import List, Literal, Optional
+from typing import Annotated, List, Literal, Optional
 
 from fastapi import FastAPI
 from fastapi.responses import Response
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
+from engine.distributed.weight_update_group import DTYPES, MAX_TENSOR_DIMS, parse_dtype
 from engine.entrypoints.openai.utils import OrjsonResponse, create_error_response, error_body
 from engine.managers.errors import EngineRequestError
-from engine.managers.io_struct import UpdateWeightFromDiskReqInput
+from engine.managers.io_struct import (
+    InitWeightsUpdateGroupReqInput,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightsFromDistributedReqInput,
+)
 from engine.managers.tokenizer_manager_protocol import TokenizerManagerProtocol
 
 logger = logging.getLogger(__name__)
@@ -37,6 +54,17 @@ WEIGHTS_FROM_DISK_FAILED = (
     "The weights were not updated from model_path: it must be a directory, readable by the server, holding "
     "a safetensors checkpoint of the running model's architecture, and no request may hold KV cache of the "
     "current weights unless flush_cache is false. The server log has the reason.")
+
+# Bounds of the weight-sync bodies (the request body itself is bounded by the server's body limit).
+MAX_TP_PAYLOADS = 1024  # serialized_named_tensors entries (one per TP rank)
+MAX_DISTRIBUTED_TENSORS = 100_000  # tensors in one update_weights_from_distributed
+MAX_NAME_CHARS = 1024  # a weight's or a group's name, an address
+MAX_VERSION_CHARS = 256
+MAX_WORLD_SIZE = 1 << 16
+
+WeightName = Annotated[str, Field(min_length=1, max_length=MAX_NAME_CHARS)]
+Shape = Annotated[List[Annotated[int, Field(ge=0)]], Field(max_length=MAX_TENSOR_DIMS)]
+Version = Annotated[str, Field(min_length=1, max_length=MAX_VERSION_CHARS)]
 
 
 class _Body(BaseModel):
@@ -67,6 +95,58 @@ class UpdateWeightFromDiskBody(_Body):
         if self.load_format not in (None, "auto", "safetensors"):
             raise ValueError(f"load_format {self.load_format!r} is not supported: auto or safetensors")
         return self
+
+
+class UpdateWeightsFromTensorBody(_Body):
+    serialized_named_tensors: List[str] = Field(min_length=1, max_length=MAX_TP_PAYLOADS)
+    load_format: Optional[Literal["direct", "flattened_bucket"]] = None
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: Optional[Version] = None
+    disable_draft_model: Optional[bool] = None  # SGLang's; there is no draft model here
+
+
+class InitWeightsUpdateGroupBody(_Body):
+    master_address: str = Field(min_length=1, max_length=MAX_NAME_CHARS)
+    master_port: int = Field(ge=1, le=65535)
+    rank_offset: int = Field(ge=1, le=MAX_WORLD_SIZE)  # rank 0 is the trainer
+    world_size: int = Field(ge=2, le=MAX_WORLD_SIZE)
+    group_name: WeightName = "weight_update_group"
+    backend: Literal["nccl", "gloo"] = "nccl"
+
+
+class UpdateWeightsFromDistributedBody(_Body):
+    names: List[WeightName] = Field(min_length=1, max_length=MAX_DISTRIBUTED_TENSORS)
+    dtypes: List[str] = Field(min_length=1, max_length=MAX_DISTRIBUTED_TENSORS)
+    shapes: List[Shape] = Field(min_length=1, max_length=MAX_DISTRIBUTED_TENSORS)
+    group_name: WeightName = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: Optional[Version] = None
+    load_format: Optional[str] = None  # only null: each tensor is its own broadcast
+    torch_empty_cache: bool = False  # SGLang's; the CUDA cache is emptied by /continue_generation
+
+    @model_validator(mode="after")
+    def _check_metadata(self) -> "UpdateWeightsFromDistributedBody":
+        if not len(self.names) == len(self.dtypes) == len(self.shapes):
+            raise ValueError(f"names, dtypes and shapes must have the same length, got {len(self.names)}, "
+                             f"{len(self.dtypes)} and {len(self.shapes)}")
+        unknown = sorted({d for d in self.dtypes if parse_dtype(d) is None})
+        if unknown:
+            raise ValueError(f"unknown dtype(s) {', '.join(unknown[:5])}: one of {', '.join(DTYPES)}")
+        if self.load_format is not None:
+            raise ValueError(f"load_format {self.load_format!r} is not supported: broadcast the tensors one by one "
+                             "(load_format null)")
+        return self
+
+
+class DestroyWeightsUpdateGroupBody(_Body):
+    group_name: WeightName = "weight_update_group"
+
+
+class UpdateWeightVersionBody(_Body):
+    new_version: Version
+    abort_all_requests: bool = True
 
 
 class GetWeightsByNameBody(_Body):
@@ -100,6 +180,49 @@ def add_control_routes(app: FastAPI, tokenizer_manager: TokenizerManagerProtocol
         logger.warning("update_weights_from_disk from %r failed: %s", body.model_path, message)
         content = {"success": False, "message": WEIGHTS_FROM_DISK_FAILED, "num_paused_requests": num_paused}
         return OrjsonResponse({**error_body(WEIGHTS_FROM_DISK_FAILED, 400), **content}, status_code=400)
+
+    @app.post("/update_weights_from_tensor")
+    async def update_weights_from_tensor(body: UpdateWeightsFromTensorBody) -> Response:
+        payloads: List[bytes] = []
+        for i, text in enumerate(body.serialized_named_tensors):
+            try:
+                payloads.append(base64.b64decode(text, validate=True))
+            except (binascii.Error, ValueError):
+                return _weights_answer(False, f"serialized_named_tensors[{i}] is not base64.")
+        success, message = await tokenizer_manager.control.update_weights_from_tensor_payloads(
+            payloads, load_format=body.load_format, flush_cache=body.flush_cache,
+            abort_all_requests=body.abort_all_requests, weight_version=body.weight_version)
+        return _weights_answer(success, message)
+
+    @app.post("/init_weights_update_group")
+    async def init_weights_update_group(body: InitWeightsUpdateGroupBody) -> Response:
+        obj = InitWeightsUpdateGroupReqInput(
+            master_address=body.master_address, master_port=body.master_port, rank_offset=body.rank_offset,
+            world_size=body.world_size, group_name=body.group_name, backend=body.backend)
+        return _weights_answer(*await tokenizer_manager.control.init_weights_update_group(obj))
+
+    @app.post("/update_weights_from_distributed")
+    async def update_weights_from_distributed(body: UpdateWeightsFromDistributedBody) -> Response:
+        obj = UpdateWeightsFromDistributedReqInput(
+            names=body.names, dtypes=body.dtypes, shapes=body.shapes, group_name=body.group_name,
+            flush_cache=body.flush_cache, abort_all_requests=body.abort_all_requests,
+            weight_version=body.weight_version)
+        return _weights_answer(*await tokenizer_manager.control.update_weights_from_distributed(obj))
+
+    @app.post("/destroy_weights_update_group")
+    async def destroy_weights_update_group(body: Optional[DestroyWeightsUpdateGroupBody] = None) -> Response:
+        name = body.group_name if body is not None else "weight_update_group"
+        return _weights_answer(*await tokenizer_manager.control.destroy_weights_update_group(name))
+
+    @app.post("/update_weight_version")
+    async def update_weight_version(body: UpdateWeightVersionBody) -> Response:
+        success, message = await tokenizer_manager.control.update_weight_version(body.new_version,
+                                                                                 body.abort_all_requests)
+        return OrjsonResponse({"success": success, "message": message, "new_version": body.new_version})
+
+    @app.get("/get_weight_version")
+    async def get_weight_version() -> Response:
+        return OrjsonResponse({"weight_version": tokenizer_manager.control.weight_version})
 
     @app.api_route("/get_weights_by_name", methods=["GET", "POST"])
     async def get_weights_by_name(body: GetWeightsByNameBody) -> Response:
@@ -139,3 +262,11 @@ def _answer(result: dict) -> Response:
     if result["success"]:
         return OrjsonResponse(result)
     return create_error_response(result["message"], 400)
+
+
+def _weights_answer(success: bool, message: str) -> Response:
+    """SGLang's {"success", "message"}: 200, or 400 with the error body around the same keys."""
+    content = {"success": success, "message": message}
+    if success:
+        return OrjsonResponse(content)
+    return OrjsonResponse({**error_body(message, 400), **content}, status_code=400)

@@ -16,11 +16,15 @@ import logging
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Optional, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Optional, Sequence, Union
 
 from engine.managers.embedding_requests import EmbeddingReqInput
 from engine.managers.errors import EngineRequestError
-from engine.managers.io_struct import UpdateWeightFromDiskReqInput
+from engine.managers.io_struct import (
+    InitWeightsUpdateGroupReqInput,
+    UpdateWeightFromDiskReqInput,
+    UpdateWeightsFromDistributedReqInput,
+)
 from engine.managers.request_normalizer import GenerateReqInput, load_chat_template
 from engine.managers.tokenizer_manager import TokenizerManager
 from engine.server_args import PortArgs, ServerArgs, ServerArgsError
@@ -29,6 +33,8 @@ from engine.utils.network_utils import get_free_port
 from engine.utils.tokenizer_utils import load_tokenizer
 
 if TYPE_CHECKING:
+    import torch
+
     from engine.disaggregation.bootstrap import BootstrapServer
 
 logger = logging.getLogger(__name__)
@@ -343,6 +349,37 @@ class Engine:
         return self._run(self.tokenizer_manager.control.update_weights_from_tensor(
             named_tensors, load_format=load_format, flush_cache=flush_cache,
             abort_all_requests=abort_all_requests, weight_version=weight_version))
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str = "weight_update_group", backend: str = "nccl") -> tuple[bool, str]:
+        """Join a trainer's process group (the trainer is rank 0 and hosts the rendezvous at
+        master_address:master_port; TP rank r joins as rank_offset + r): (success, message)."""
+        obj = InitWeightsUpdateGroupReqInput(master_address=master_address, master_port=master_port,
+                                             rank_offset=rank_offset, world_size=world_size, group_name=group_name,
+                                             backend=backend)
+        return self._run(self.tokenizer_manager.control.init_weights_update_group(obj))
+
+    def destroy_weights_update_group(self, group_name: str = "weight_update_group") -> tuple[bool, str]:
+        return self._run(self.tokenizer_manager.control.destroy_weights_update_group(group_name))
+
+    def update_weights_from_distributed(self, names: list[str], dtypes: list[Union[str, torch.dtype]],
+                                        shapes: list[Sequence[int]], group_name: str = "weight_update_group",
+                                        flush_cache: bool = True, load_format: Optional[str] = None,
+                                        abort_all_requests: bool = False,
+                                        weight_version: Optional[str] = None) -> tuple[bool, str]:
+        """Receive the named full tensors the trainer broadcasts from rank 0, in this order, and load
+        them: (success, message)."""
+        obj = UpdateWeightsFromDistributedReqInput(
+            names=list(names), dtypes=[str(d) for d in dtypes], shapes=[[int(x) for x in s] for s in shapes],
+            group_name=group_name, flush_cache=flush_cache, abort_all_requests=abort_all_requests,
+            weight_version=weight_version, load_format=load_format)
+        return self._run(self.tokenizer_manager.control.update_weights_from_distributed(obj))
+
+    def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> tuple[bool, str]:
+        return self._run(self.tokenizer_manager.control.update_weight_version(new_version, abort_all_requests))
+
+    def get_weight_version(self) -> str:
+        return self.tokenizer_manager.control.weight_version
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """The first `truncate_size` rows of a weight, by its checkpoint name, unsharded."""

@@ -2,11 +2,15 @@
 
 Each sends one message and waits for one reply per DP replica (answered in FIFO order):
 flush_cache, get_internal_state, and SGLang's RL-facing control plane:
-- update_weights_from_disk / update_weights_from_tensor take the model-update lock as writer
+- update_weights_from_disk / _from_tensor / _from_distributed take the model-update lock as writer
   (generation_gate.py): the requests in flight finish first (or are aborted, with
   abort_all_requests), arrivals wait, then the schedulers load the weights and flush the radix
   cache. While paused the update goes through at once (the schedulers refuse if a paused request
-  still holds KV and a flush is asked).
+  still holds KV and a flush is asked). A successful update with a weight_version sets it.
+- init/destroy_weights_update_group: the schedulers join (leave) a trainer's process group; the
+  join blocks them until the trainer and every rank are there.
+- update_weight_version: only the version string (SGLang's), after aborting the requests in
+  flight when asked.
 - get_weights_by_name: the unsharded parameter's first rows (one list per DP replica with dp > 1).
 - release/resume_memory_occupation: the schedulers refuse while requests run.
 - pause_generation: "abort" aborts every request in flight and returns once all are answered;
@@ -31,16 +35,19 @@ from engine.managers.io_struct import (
     CONTROL_REPLIES,
     CONTROL_REPLY_OF,
     ContinueGenerationReqInput,
+    DestroyWeightsUpdateGroupReqInput,
     FlushCacheReqInput,
     FlushCacheReqOutput,
     GetInternalStateReq,
     GetWeightsByNameReqInput,
+    InitWeightsUpdateGroupReqInput,
     Message,
     Routed,
     PauseGenerationReqInput,
     ReleaseMemoryOccupationReqInput,
     ResumeMemoryOccupationReqInput,
     UpdateWeightFromDiskReqInput,
+    UpdateWeightsFromDistributedReqInput,
     UpdateWeightsFromTensorReqInput,
 )
 from engine.managers.request_normalizer import GenerateReqInput
@@ -103,7 +110,7 @@ class ControlCalls:
         self._health_probe: Optional[asyncio.Future] = None
         # Pause and the model-update lock, passed by every request.
         self.gate = GenerationGate()
-        self.weight_version = "default"
+        self.weight_version = manager.server_args.weight_version
 
     def on_reply(self, msg: Message) -> bool:
         """Hand a control reply to its waiter; False if `msg` is not a control reply."""
@@ -296,15 +303,55 @@ class ControlCalls:
         self, named_tensors: Sequence[tuple[str, Any]], load_format: Optional[str] = None,
         flush_cache: bool = True, abort_all_requests: bool = False, weight_version: Optional[str] = None,
     ) -> tuple[bool, str]:
-        obj = UpdateWeightsFromTensorReqInput(serialized_named_tensors=serialize_named_tensors(named_tensors),
-                                              load_format=load_format, flush_cache=flush_cache,
-                                              abort_all_requests=abort_all_requests, weight_version=weight_version)
-        replies = await self._update_weights(obj, abort_all_requests)
+        """The offline Engine's form: the tensors travel as one safetensors payload for every rank."""
+        return await self.update_weights_from_tensor_payloads(
+            [serialize_named_tensors(named_tensors)], load_format=load_format, flush_cache=flush_cache,
+            abort_all_requests=abort_all_requests, weight_version=weight_version)
+
+    async def update_weights_from_tensor_payloads(
+        self, payloads: list[bytes], load_format: Optional[str] = None, flush_cache: bool = True,
+        abort_all_requests: bool = False, weight_version: Optional[str] = None,
+    ) -> tuple[bool, str]:
+        """SGLang's form: one payload per TP rank (or one for all), decoded by the schedulers."""
+        obj = UpdateWeightsFromTensorReqInput(serialized_named_tensors=payloads, load_format=load_format,
+                                              flush_cache=flush_cache, abort_all_requests=abort_all_requests,
+                                              weight_version=weight_version)
+        return await self._update_and_version(obj, abort_all_requests, weight_version)
+
+    async def update_weights_from_distributed(self, obj: UpdateWeightsFromDistributedReqInput) -> tuple[bool, str]:
+        return await self._update_and_version(obj, obj.abort_all_requests, obj.weight_version)
+
+    async def _update_and_version(self, obj: Routed, abort_all: bool, weight_version: Optional[str]
+                                  ) -> tuple[bool, str]:
+        replies = await self._update_weights(obj, abort_all)
         success = all(r.success for r in replies)
         message = _join(replies)
         if success:
             message = self._set_weight_version(weight_version, message)
         return success, message
+
+    async def init_weights_update_group(self, obj: InitWeightsUpdateGroupReqInput) -> tuple[bool, str]:
+        dp_size = self.manager.server_args.dp_size
+        if dp_size > 1:
+            # Every replica's TP rank r would claim rank rank_offset + r: one server per replica.
+            return False, (f"init_weights_update_group is not supported with --dp-size {dp_size}: run one server "
+                           "per replica, each with its own rank_offset.")
+        tp_size = self.manager.server_args.tp_size
+        if obj.rank_offset < 1 or obj.rank_offset + tp_size > obj.world_size:
+            return False, (f"This server's {tp_size} rank(s) join as ranks rank_offset..rank_offset+{tp_size - 1}, "
+                           f"which must lie within 1..world_size-1 (rank 0 is the trainer): rank_offset "
+                           f"{obj.rank_offset}, world_size {obj.world_size}.")
+        return _outcome(await self.call(obj, self._weight_timeout))
+
+    async def destroy_weights_update_group(self, group_name: str) -> tuple[bool, str]:
+        return _outcome(await self.call(DestroyWeightsUpdateGroupReqInput(group_name=group_name),
+                                        self._weight_timeout))
+
+    async def update_weight_version(self, new_version: str, abort_all_requests: bool = True) -> tuple[bool, str]:
+        if abort_all_requests:
+            self.manager.abort_request(abort_all=True)
+        self.weight_version = new_version
+        return True, f"Weight version updated to {new_version}"
 
     async def _update_weights(self, obj: Routed, abort_all: bool) -> list:
         if abort_all:
@@ -356,6 +403,10 @@ def _join(replies: list) -> str:
         if reply.message and reply.message not in messages:
             messages.append(reply.message)
     return " | ".join(messages)
+
+
+def _outcome(replies: list) -> tuple[bool, str]:
+    return all(r.success for r in replies), _join(replies)
 
 
 def _result(replies: list) -> dict:

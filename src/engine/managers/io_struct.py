@@ -176,16 +176,60 @@ class UpdateWeightFromDiskReqOutput(Routed, tag=True):
 
 
 class UpdateWeightsFromTensorReqInput(Routed, tag=True):
-    # The named tensors as one safetensors file (full, unsharded tensors: every TP rank cuts its
-    # own shard with the model's weight loaders). Never pickle: the scheduler decodes no code.
-    serialized_named_tensors: bytes
-    load_format: Optional[str] = None
+    # One payload per TP rank (SGLang's layout), or one that every rank reads. A payload holds full,
+    # unsharded tensors under checkpoint names (every rank cuts its own shard with the model's weight
+    # loaders): a safetensors file, or SGLang's pickled tensors, which only a server started with
+    # --enable-pickled-weight-updates decodes (model_executor/tensor_payload.py).
+    serialized_named_tensors: List[bytes]
+    load_format: Optional[str] = None  # None / "direct": the weight loaders; "flattened_bucket" (pickled)
     flush_cache: bool = True
     abort_all_requests: bool = False
     weight_version: Optional[str] = None
 
 
 class UpdateWeightsFromTensorReqOutput(Routed, tag=True):
+    success: bool
+    message: str = ""
+
+
+class InitWeightsUpdateGroupReqInput(Routed, tag=True):
+    # A torch.distributed group with a trainer (SGLang's): the trainer is rank 0 and hosts the
+    # rendezvous at master_address:master_port; TP rank r of this server joins as rank_offset + r.
+    master_address: str
+    master_port: int
+    rank_offset: int
+    world_size: int
+    group_name: str = "weight_update_group"
+    backend: str = "nccl"  # "nccl" (CUDA) or "gloo"
+
+
+class InitWeightsUpdateGroupReqOutput(Routed, tag=True):
+    success: bool
+    message: str = ""
+
+
+class DestroyWeightsUpdateGroupReqInput(Routed, tag=True):
+    group_name: str = "weight_update_group"
+
+
+class DestroyWeightsUpdateGroupReqOutput(Routed, tag=True):
+    success: bool
+    message: str = ""
+
+
+class UpdateWeightsFromDistributedReqInput(Routed, tag=True):
+    # Full tensors the trainer broadcasts from rank 0 over the group, one per name, in this order.
+    names: List[str]
+    dtypes: List[str]  # torch dtype names: "bfloat16" or "torch.bfloat16"
+    shapes: List[List[int]]
+    group_name: str = "weight_update_group"
+    flush_cache: bool = True
+    abort_all_requests: bool = False
+    weight_version: Optional[str] = None
+    load_format: Optional[str] = None
+
+
+class UpdateWeightsFromDistributedReqOutput(Routed, tag=True):
     success: bool
     message: str = ""
 
@@ -203,7 +247,7 @@ class GetWeightsByNameReqOutput(Routed, tag=True):
 
 
 class ReleaseMemoryOccupationReqInput(Routed, tag=True):
-    tags: Optional[List[str]] = None  # "weights", "kv_cache"; None: both
+    tags: Optional[List[str]] = None  # memory_saver.MEMORY_TAGS ("kv_cache", "weights", ...); None: all
 
 
 class ReleaseMemoryOccupationReqOutput(Routed, tag=True):
@@ -243,12 +287,14 @@ class ContinueGenerationReqOutput(Routed, tag=True):
 CONTROL_REQUESTS = (
     FlushCacheReqInput, GetInternalStateReq, UpdateWeightFromDiskReqInput, UpdateWeightsFromTensorReqInput,
     GetWeightsByNameReqInput, ReleaseMemoryOccupationReqInput, ResumeMemoryOccupationReqInput,
-    PauseGenerationReqInput, ContinueGenerationReqInput,
+    PauseGenerationReqInput, ContinueGenerationReqInput, InitWeightsUpdateGroupReqInput,
+    DestroyWeightsUpdateGroupReqInput, UpdateWeightsFromDistributedReqInput,
 )
 CONTROL_REPLIES = (
     FlushCacheReqOutput, GetInternalStateReqOutput, UpdateWeightFromDiskReqOutput, UpdateWeightsFromTensorReqOutput,
     GetWeightsByNameReqOutput, ReleaseMemoryOccupationReqOutput, ResumeMemoryOccupationReqOutput,
-    PauseGenerationReqOutput, ContinueGenerationReqOutput,
+    PauseGenerationReqOutput, ContinueGenerationReqOutput, InitWeightsUpdateGroupReqOutput,
+    DestroyWeightsUpdateGroupReqOutput, UpdateWeightsFromDistributedReqOutput,
 )
 
 # The reply type of each control request.
@@ -292,6 +338,12 @@ Message = Union[
     PauseGenerationReqOutput,
     ContinueGenerationReqInput,
     ContinueGenerationReqOutput,
+    InitWeightsUpdateGroupReqInput,
+    InitWeightsUpdateGroupReqOutput,
+    DestroyWeightsUpdateGroupReqInput,
+    DestroyWeightsUpdateGroupReqOutput,
+    UpdateWeightsFromDistributedReqInput,
+    UpdateWeightsFromDistributedReqOutput,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

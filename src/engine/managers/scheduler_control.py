@@ -11,7 +11,14 @@ States:
 - paused (pause_generation in "retract" or "in_place" mode): no batch is scheduled; requests keep
   arriving and wait. "retract" first moves every running request back to the waiting queue with
   its output kept (its KV freed); "in_place" leaves them as they are.
-- memory released (any tag): no batch is scheduled either, until every tag is resumed.
+- memory released ("kv_cache" or "weights"): no batch is scheduled either, until both are back
+  ("cuda_graph" alone leaves eager forwards running; "weights_drafter" frees nothing here).
+
+Weight update groups (init/destroy_weights_update_group, update_weights_from_distributed): each
+rank joins the trainer's group and receives the tensors it broadcasts (distributed/
+weight_update_group.py). A request the group cannot receive (no such group, metadata that does
+not describe tensors, more bytes than a model's worth) is refused before anything is received;
+any other refusal comes after the broadcast, so that the trainer's broadcast always completes.
 
 A "flush" here resets the radix cache and the pools, which needs only that no request holds KV:
 requests waiting in the queue (fresh or retracted) hold none and are prefilled later.
@@ -22,12 +29,16 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
 
-from engine.distributed.parallel_state import all_reduce_min_int
+from engine.distributed.parallel_state import all_reduce_min_int, get_tp_size
 from engine.managers.io_struct import (
     ContinueGenerationReqInput,
     ContinueGenerationReqOutput,
+    DestroyWeightsUpdateGroupReqInput,
+    DestroyWeightsUpdateGroupReqOutput,
     GetWeightsByNameReqInput,
     GetWeightsByNameReqOutput,
+    InitWeightsUpdateGroupReqInput,
+    InitWeightsUpdateGroupReqOutput,
     PauseGenerationReqInput,
     PauseGenerationReqOutput,
     ReleaseMemoryOccupationReqInput,
@@ -36,11 +47,14 @@ from engine.managers.io_struct import (
     ResumeMemoryOccupationReqOutput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
+    UpdateWeightsFromDistributedReqInput,
+    UpdateWeightsFromDistributedReqOutput,
     UpdateWeightsFromTensorReqInput,
     UpdateWeightsFromTensorReqOutput,
 )
 from engine.managers.req import Req
-from engine.model_executor.memory_saver import MEMORY_TAGS, WEIGHTS, check_tags
+from engine.model_executor.memory_saver import FORWARD_TAGS, MEMORY_TAGS, WEIGHTS, check_tags
+from engine.model_executor.tensor_payload import PayloadError, decode_payload
 
 if TYPE_CHECKING:
     from engine.managers.scheduler import Scheduler
@@ -64,13 +78,16 @@ class SchedulerControl:
             GetWeightsByNameReqInput: self.get_weights_by_name,
             ReleaseMemoryOccupationReqInput: self.release_memory_occupation,
             ResumeMemoryOccupationReqInput: self.resume_memory_occupation,
+            InitWeightsUpdateGroupReqInput: self.init_weights_update_group,
+            DestroyWeightsUpdateGroupReqInput: self.destroy_weights_update_group,
+            UpdateWeightsFromDistributedReqInput: self.update_weights_from_distributed,
         }
 
     def handler(self, msg: Any) -> Optional[Callable[[Any], Any]]:
         return self._handlers.get(type(msg))
 
     def blocks_scheduling(self) -> bool:
-        return self.paused or bool(self.released)
+        return self.paused or not FORWARD_TAGS.isdisjoint(self.released)
 
     # ------------------------------------------------------------------ pause / continue
     def pause_generation(self, req: PauseGenerationReqInput) -> PauseGenerationReqOutput:
@@ -127,22 +144,70 @@ class SchedulerControl:
 
     def update_weights_from_tensor(self, req: UpdateWeightsFromTensorReqInput) -> UpdateWeightsFromTensorReqOutput:
         refused = self._refuse_weight_change(req.flush_cache)
+        payloads, tp_size = req.serialized_named_tensors, get_tp_size()
+        if refused is None and len(payloads) not in (1, tp_size):
+            refused = (f"serialized_named_tensors has {len(payloads)} entries: give one per tensor-parallel rank "
+                       f"({tp_size}) or one for all.")
         if refused is not None:
             return UpdateWeightsFromTensorReqOutput(False, refused)
-        if req.load_format not in (None, "direct"):
-            return UpdateWeightsFromTensorReqOutput(False, f"load_format {req.load_format!r} is not supported")
-        try:
-            from safetensors.torch import load as load_safetensors
+        tp_rank = self.s.tp_rank
+        data = payloads[tp_rank if len(payloads) > 1 else 0]
+        allow_pickle = self.s.server_args.enable_pickled_weight_updates
 
-            named = list(load_safetensors(req.serialized_named_tensors).items())
-        except Exception as e:  # noqa: BLE001 - the payload is the caller's
-            ok, message = False, f"serialized_named_tensors is not a safetensors payload: {e}"
-        else:
-            ok, message = self._on_model_thread(lambda: self.s.worker.update_weights_from_tensor(named))
-        ok, message = self._agree(ok, message)
+        def load() -> Tuple[bool, str]:
+            # Decoded where the forwards run: a pickled payload's CUDA handles open on this device.
+            try:
+                named = decode_payload(data, tp_rank, allow_pickle, req.load_format)
+            except PayloadError as e:
+                return False, str(e)
+            return self.s.worker.update_weights_from_tensor(named)
+
+        ok, message = self._agree(*self._on_model_thread(load))
         if ok and req.flush_cache:
             self.flush_kv()
         return UpdateWeightsFromTensorReqOutput(ok, message)
+
+    # ------------------------------------------------------------------ weight update groups
+    def init_weights_update_group(self, req: InitWeightsUpdateGroupReqInput) -> InitWeightsUpdateGroupReqOutput:
+        # Blocks this rank until the trainer and every other rank joined (or the timeout).
+        ok, message = self._on_model_thread(lambda: self.s.worker.init_weights_update_group(
+            req.master_address, req.master_port, req.rank_offset, req.world_size, req.group_name, req.backend))
+        if not bool(all_reduce_min_int(int(ok))) and ok:
+            # Another rank failed to join: leave the group here too, so that a retry starts afresh.
+            self._on_model_thread(lambda: self.s.worker.destroy_weights_update_group(req.group_name))
+            ok, message = False, "Another tensor-parallel rank failed to join the weight update group."
+        return InitWeightsUpdateGroupReqOutput(ok, message)
+
+    def destroy_weights_update_group(self, req: DestroyWeightsUpdateGroupReqInput
+                                     ) -> DestroyWeightsUpdateGroupReqOutput:
+        ok, message = self._on_model_thread(lambda: self.s.worker.destroy_weights_update_group(req.group_name))
+        return DestroyWeightsUpdateGroupReqOutput(ok, message)
+
+    def update_weights_from_distributed(self, req: UpdateWeightsFromDistributedReqInput
+                                        ) -> UpdateWeightsFromDistributedReqOutput:
+        self._settle()
+        worker = self.s.worker
+        unreceivable: Optional[str] = None
+        if req.load_format is not None:
+            unreceivable = (f"load_format {req.load_format!r} is not supported: broadcast the tensors one by one "
+                            "(load_format null).")
+        unreceivable = unreceivable or worker.check_distributed_update(req.group_name, req.names, req.dtypes,
+                                                                       req.shapes)
+        # Every rank receives or none does (a broadcast missing one rank would hang the others).
+        if not all_reduce_min_int(int(unreceivable is None)):
+            message = unreceivable or "Another tensor-parallel rank cannot receive this update."
+            logger.error("Weight update refused: %s", message)
+            return UpdateWeightsFromDistributedReqOutput(False, message)
+        # Any other refusal comes after the broadcast, so that the trainer's broadcast completes.
+        refused = self._refuse_weight_change(req.flush_cache)
+        ok, message = self._on_model_thread(lambda: worker.update_weights_from_distributed(
+            req.group_name, req.names, req.dtypes, req.shapes, apply=refused is None))
+        if ok and refused is not None:
+            ok, message = False, f"{refused} The weights received were discarded."
+        ok, message = self._agree(ok, message)
+        if ok and req.flush_cache:
+            self.flush_kv()
+        return UpdateWeightsFromDistributedReqOutput(ok, message)
 
     def get_weights_by_name(self, req: GetWeightsByNameReqInput) -> GetWeightsByNameReqOutput:
         if WEIGHTS in self.released:

@@ -413,6 +413,7 @@ class TokenizerManager:
                     continue
                 state.has_update = False
                 out = build_output(state)
+                out["meta_info"]["weight_version"] = self.control.weight_version  # as SGLang's meta_info
                 if state.finished:
                     self.rid_to_state.pop(state.rid, None)
                     if self.server_args.log_requests and not state.no_logs:

@@ -4,11 +4,13 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 
 from engine.configs.pooling_config import PoolingType
+from engine.distributed.weight_update_group import WeightUpdateGroups, tensor_specs
 from engine.managers.overlap_utils import resolve_relay_input_ids, write_relay
 from engine.model_executor.forward_batch_info import ForwardBatch, ModelWorkerBatch
 
@@ -104,6 +106,13 @@ class TpModelWorker:
                 self.model_config, server_args, tp_rank=tp_rank, tp_size=server_args.tp_size, gpu_id=gpu_id
             )
         self.device = self.model_runner.device
+        # Groups with RL trainers that broadcast new weights (init_weights_update_group).
+        self.update_groups = WeightUpdateGroups(tp_rank, torch.device(self.device),
+                                                timedelta(seconds=server_args.dist_timeout))
+        # The most bytes one update_weights_from_distributed may broadcast: the full model in
+        # float32 (this rank's parameters times the TP size, at 4 bytes an element) plus slack.
+        local_numel = 0 if self.real_runner is None else sum(p.numel() for p in self.real_runner.model.parameters())
+        self.max_distributed_update_bytes = 4 * local_numel * server_args.tp_size + (64 << 20)
         self.req_to_token_pool = self.model_runner.req_to_token_pool
         self.token_to_kv_pool_allocator = self.model_runner.token_to_kv_pool_allocator
         # The overlap relay: last sampled token per request-pool row (overlap_utils.py).
@@ -180,6 +189,42 @@ class TpModelWorker:
         if self.real_runner is None:
             return False, _SIMULATED_NO_WEIGHTS
         return self.real_runner.weight_updater.update_from_tensors(named_tensors)
+
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str) -> Tuple[bool, str]:
+        if self.real_runner is None:
+            return False, _SIMULATED_NO_WEIGHTS
+        return self.update_groups.init(master_address, master_port, rank_offset, world_size, group_name, backend)
+
+    def destroy_weights_update_group(self, group_name: str) -> Tuple[bool, str]:
+        return self.update_groups.destroy(group_name)
+
+    def check_distributed_update(self, group_name: str, names: Sequence[str], dtypes: Sequence[str],
+                                 shapes: Sequence[Sequence[int]]) -> Optional[str]:
+        missing = self.update_groups.missing(group_name)
+        if missing is not None:
+            return missing
+        specs, error = tensor_specs(names, dtypes, shapes)
+        if error is not None:
+            return error
+        total = sum(spec.nbytes for spec in specs)
+        if total > self.max_distributed_update_bytes:
+            return (f"The update broadcasts {total} bytes, more than a whole model's worth "
+                    f"({self.max_distributed_update_bytes}): send the weights in smaller buckets.")
+        return None
+
+    def update_weights_from_distributed(self, group_name: str, names: Sequence[str], dtypes: Sequence[str],
+                                        shapes: Sequence[Sequence[int]], apply: bool) -> Tuple[bool, str]:
+        assert self.real_runner is not None  # no group exists on the simulated device (init refuses)
+        specs, _ = tensor_specs(names, dtypes, shapes)  # checked by check_distributed_update
+        try:
+            received = self.update_groups.receive(group_name, specs)
+        except Exception as e:  # noqa: BLE001 - a timeout or a trainer gone: the weights are unchanged
+            logger.error("Receiving weights over group %r failed: %s", group_name, e)
+            return False, f"Failed to receive the weights from the trainer: {e}. The weights are unchanged."
+        if not apply:
+            return True, ""
+        return self.real_runner.weight_updater.update_from_tensors(received)
 
     def rollback_weights(self) -> str:
         return _SIMULATED_NO_WEIGHTS if self.real_runner is None else self.real_runner.weight_updater.rollback()

@@ -43,6 +43,20 @@ class ModelWorker(Protocol):
 
     def update_weights_from_tensor(self, named_tensors: Sequence[Tuple[str, torch.Tensor]]) -> Tuple[bool, str]: ...
 
+    # Weight update groups with a trainer (distributed/weight_update_group.py).
+    def init_weights_update_group(self, master_address: str, master_port: int, rank_offset: int, world_size: int,
+                                  group_name: str, backend: str) -> Tuple[bool, str]: ...
+
+    def destroy_weights_update_group(self, group_name: str) -> Tuple[bool, str]: ...
+
+    def check_distributed_update(self, group_name: str, names: Sequence[str], dtypes: Sequence[str],
+                                 shapes: Sequence[Sequence[int]]) -> Optional[str]:
+        """Why this update cannot be received (no such group, bad metadata, too large), or None."""
+
+    def update_weights_from_distributed(self, group_name: str, names: Sequence[str], dtypes: Sequence[str],
+                                        shapes: Sequence[Sequence[int]], apply: bool) -> Tuple[bool, str]:
+        """Receive the broadcast tensors; load them only if `apply`."""
+
     def rollback_weights(self) -> str: ...
 
     def commit_weights(self) -> None: ...

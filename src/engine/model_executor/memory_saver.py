@@ -1,14 +1,20 @@
 """Releasing and resuming the memory of a rank's model (SGLang's release/resume_memory_occupation).
 
-Tags, as in SGLang: "kv_cache" (the K/V buffers of the pool) and "weights" (the parameters).
-Releasing the KV cache frees its buffers (the scheduler flushes the radix cache first: its
-content is gone); resuming allocates them again, zeroed. Releasing the weights moves every
-parameter to host memory (on the CPU it just keeps the tensor) and leaves an empty tensor in its
-place; resuming puts them back, so generation continues exactly as before. A training loop that
-wants new weights updates them after resuming ("weights"), as with SGLang.
+Tags, as SGLang's (its constants.GPU_MEMORY_ALL_TYPES), with their meaning here:
+- "kv_cache": the K/V buffers of the pool. Releasing frees them (the scheduler flushes the radix
+  cache first: its content is gone); resuming allocates them again, zeroed.
+- "weights": the parameters. Releasing moves every parameter to host memory (on the CPU it just
+  keeps the tensor) and leaves an empty tensor in its place; resuming puts them back, so
+  generation continues exactly as before. A training loop that wants new weights updates them
+  after resuming "weights", as with SGLang.
+- "cuda_graph": the captured CUDA graphs and their memory pools. Releasing drops them; they are
+  captured again at the resume that leaves none of these three tags released. Without CUDA
+  graphs (the CPU, --disable-cuda-graph) there is nothing to free.
+- "weights_drafter": a speculative draft model's weights. This engine has no draft model, so
+  there is nothing to free; the tag is accepted so that SGLang's full list works.
 
-CUDA graphs captured the addresses of both: they are dropped at the first release and captured
-again once nothing is released any more. Each call is idempotent per tag.
+CUDA graphs captured the addresses of the K/V buffers and the weights: releasing either drops
+them too. Each call is idempotent per tag.
 """
 
 from __future__ import annotations
@@ -25,7 +31,13 @@ logger = logging.getLogger(__name__)
 
 KV_CACHE = "kv_cache"
 WEIGHTS = "weights"
-MEMORY_TAGS = (KV_CACHE, WEIGHTS)
+WEIGHTS_DRAFTER = "weights_drafter"
+CUDA_GRAPH = "cuda_graph"
+MEMORY_TAGS = (KV_CACHE, WEIGHTS, WEIGHTS_DRAFTER, CUDA_GRAPH)
+# Released, these leave no captured graph valid.
+GRAPH_TAGS = frozenset({KV_CACHE, WEIGHTS, CUDA_GRAPH})
+# Released, these leave nothing to run a forward with: the scheduler schedules no batch.
+FORWARD_TAGS = frozenset({KV_CACHE, WEIGHTS})
 
 
 class MemorySaver:
@@ -44,7 +56,7 @@ class MemorySaver:
         tags = [t for t in tags if t not in self.released]
         if not tags:
             return
-        if not self._graphs_dropped:
+        if not self._graphs_dropped and GRAPH_TAGS.intersection(tags):
             self.drop_graphs()
             self._graphs_dropped = True
         if KV_CACHE in tags:
@@ -64,7 +76,7 @@ class MemorySaver:
         if WEIGHTS in tags:
             self._resume_weights()
         self.released.difference_update(tags)
-        if not self.released and self._graphs_dropped:
+        if self._graphs_dropped and not GRAPH_TAGS.intersection(self.released):
             self.recapture_graphs()
             self._graphs_dropped = False
         logger.info("Resumed memory occupation: %s", ", ".join(sorted(tags)))
