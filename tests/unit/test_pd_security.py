@@ -24,6 +24,7 @@ from engine.disaggregation.kv_io import KVLayout, checksum, frame_token_count
 from engine.disaggregation.loopback import LoopbackNetwork
 from engine.disaggregation.metadata import MetadataBuffers
 from engine.disaggregation.protocol import AbortMsg, DstInfo
+from engine.disaggregation import transport as transport_module
 from engine.disaggregation.transport import ZmqTransport
 from engine.mem_cache.memory_pool import MHATokenToKVPool
 from engine.utils.network_utils import get_free_port
@@ -351,3 +352,14 @@ def test_pd_server_beyond_loopback_without_a_secret_warns(monkeypatch, caplog):
         ServerArgs(device="cpu", disaggregation_mode="decode", host="0.0.0.0")
         assert "SECURITY" not in caplog.text
     assert auth.resolve_secret(None) == "from-env" and auth.resolve_secret("flag") == "flag"
+
+
+def test_zmq_push_sockets_are_bounded(monkeypatch):
+    monkeypatch.setattr(transport_module, "MAX_PUSH_SOCKETS", 4)
+    sender = ZmqTransport("127.0.0.1")
+    try:
+        for port in range(1, 21):  # destinations that name ever new endpoints
+            sender.send(f"tcp://127.0.0.1:{get_free_port()}", _kv_message(port))
+        assert len(sender._push) == 4
+    finally:
+        sender.close()

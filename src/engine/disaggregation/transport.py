@@ -17,6 +17,7 @@ import logging
 import queue
 import socket
 import threading
+from collections import OrderedDict
 from abc import ABC, abstractmethod
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set
 
@@ -27,6 +28,9 @@ logger = logging.getLogger(__name__)
 Handler = Callable[[List[Any]], None]
 # How long the listener waits for a message before checking whether it should stop.
 LISTENER_POLL_MS = 100
+# Peers a transport keeps a PUSH socket for (a decode rank talks to a few prefill ranks, a
+# prefill rank to the decode ranks of its requests in flight).
+MAX_PUSH_SOCKETS = 1024
 
 
 class TransportError(RuntimeError):
@@ -120,7 +124,7 @@ class ZmqTransport(Transport):
         port = self._pull.bind_to_random_port(f"tcp://{bracketed}")
         self.endpoint = f"tcp://{bracketed}:{port}"
         self._sender = self.endpoint.encode()
-        self._push: Dict[str, Any] = {}
+        self._push: "OrderedDict[str, Any]" = OrderedDict()  # least recently used first
         self._stop = threading.Event()
         self._listener: Optional[threading.Thread] = None
 
@@ -181,6 +185,12 @@ class ZmqTransport(Transport):
                 sock.setsockopt(zmq.IPV6, 1)
             sock.connect(endpoint)
             self._push[endpoint] = sock
+            # Destinations name the endpoints: bound the sockets (each a connection and its
+            # buffers) so that many distinct names cannot exhaust file descriptors.
+            while len(self._push) > MAX_PUSH_SOCKETS:
+                _, oldest = self._push.popitem(last=False)
+                oldest.close(linger=0)
+        self._push.move_to_end(endpoint)
         mac = frames_mac(self._secret, self._sender, frames) if self._secret is not None else bytes(MAC_BYTES)
         try:
             sock.send_multipart([mac + self._sender, *frames], copy=False, flags=zmq.NOBLOCK)
