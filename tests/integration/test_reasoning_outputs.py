@@ -3,7 +3,8 @@ template (its generation prompt opens `<think>`) and `--reasoning-parser qwen3`.
 processor makes the random model "think" a scripted text and close it with `</think>` (several
 tokens in this tokenizer), so the split and the grammar's start are known exactly: the reasoning
 is the script, and with a constraint only the answer after `</think>` follows it (SGLang's
-ReasonerGrammarBackend), which only the grammar can make valid."""
+ReasonerGrammarBackend), which only the grammar can make valid. The same server answers SGLang's
+return_hidden_states "last" (agent and RL clients ask for it) over HTTP."""
 
 from __future__ import annotations
 
@@ -12,6 +13,7 @@ from typing import Any, Dict, List
 
 import httpx
 import pytest
+import torch
 
 pytest.importorskip("xgrammar", reason="constrained decoding needs xgrammar (pip install xgrammar)")
 pytest.importorskip("dill", reason="the scripted thinking is a custom logit processor (pip install dill)")
@@ -140,3 +142,27 @@ def test_generate_with_require_reasoning(http: httpx.Client, tokenizer: Any) -> 
     jsonschema.validate(json.loads(answer), SCHEMA)
     refused = http.post("/generate", json=body)
     assert refused.status_code == 400 and "dead end" in refused.text
+
+
+def test_return_hidden_states_last_over_http(http: httpx.Client) -> None:
+    """"last" gives one vector: the last entry of the full answer (the oracle, itself checked
+    against transformers in test_control_server.py), on /generate, streamed, and on chat; and a
+    cached prompt is reused (true recomputes every prompt position)."""
+    body = {"text": "Weather in Oslo:", "sampling_params": {"max_new_tokens": 5, "temperature": 0.0,
+                                                             "ignore_eos": True}}
+    full = http.post("/generate", json={**body, "return_hidden_states": True}).json()
+    last = http.post("/generate", json={**body, "return_hidden_states": "last"}).json()
+    assert last["output_ids"] == full["output_ids"]
+    assert len(last["meta_info"]["hidden_states"]) == 1
+    torch.testing.assert_close(torch.tensor(last["meta_info"]["hidden_states"][0]),
+                               torch.tensor(full["meta_info"]["hidden_states"][-1]), rtol=1e-4, atol=1e-4)
+    assert last["meta_info"]["cached_tokens"] > 0 and full["meta_info"]["cached_tokens"] == 0
+    streamed = http.post("/generate", json={**body, "return_hidden_states": "last", "stream": True})
+    finals = [json.loads(b[6:]) for b in streamed.text.split("\n\n") if b.startswith("data: {")]
+    assert all(len(f["meta_info"]["hidden_states"]) == 1 for f in finals)
+    assert finals[-1]["meta_info"]["hidden_states"] == last["meta_info"]["hidden_states"]
+    chat = http.post("/v1/chat/completions", json={"messages": USER, "max_tokens": 3, "temperature": 0.0,
+                                                   "return_hidden_states": "last"})
+    assert chat.status_code == 200, chat.text
+    vector = chat.json()["choices"][0]["hidden_states"]
+    assert isinstance(vector, list) and len(vector) == len(full["meta_info"]["hidden_states"][-1])

@@ -22,7 +22,7 @@ control reply carries the asker's worker back, and the batch outputs carry one w
 from __future__ import annotations
 
 import operator
-from typing import Any, Dict, List, Optional, Tuple, Union
+from typing import Any, Dict, List, Literal, Optional, Tuple, Union
 
 import msgspec
 
@@ -44,7 +44,8 @@ class TokenizedGenerateReqInput(Routed, tag=True):
     stream: bool = False
     # Logprobs of these token ids at every output (and requested input) position.
     token_ids_logprob: Optional[List[int]] = None
-    return_hidden_states: bool = False
+    # true: every position's hidden states; "last" (SGLang's mode): the last position's only.
+    return_hidden_states: Union[bool, Literal["last"]] = False
     # A CustomLogitProcessor serialized by its to_str() (only with --enable-custom-logit-processor).
     custom_logit_processor: Optional[str] = None
     priority: Optional[int] = None

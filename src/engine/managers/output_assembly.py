@@ -33,6 +33,8 @@ class ReqState:
     return_text_in_logprobs: bool
     created_time: float
     return_hidden_states: bool = False
+    # return_hidden_states "last": each output replaces the one vector instead of adding entries.
+    hidden_states_last: bool = False
     no_logs: bool = False
     event: asyncio.Event = field(default_factory=asyncio.Event)
     text: str = ""
@@ -114,8 +116,11 @@ class OutputAssembler:
         if state.return_logprob:
             self._append_logprobs(state, batch, i)
         hidden = _at(batch.output_hidden_states, i)
-        if hidden is not None:
-            state.hidden_states.extend(hidden)
+        if hidden:
+            if state.hidden_states_last:
+                state.hidden_states = list(hidden)
+            else:
+                state.hidden_states.extend(hidden)
         reason = batch.finished_reasons[i]
         if reason is not None:
             state.finished = True

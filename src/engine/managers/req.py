@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Dict, Hashable, List, Optional, Set
+from typing import TYPE_CHECKING, Any, Dict, Hashable, List, Optional, Set, Union
 
 import torch
 
@@ -104,7 +104,7 @@ class Req:
         vocab_size: Optional[int] = None,
         priority: Optional[int] = None,
         extra_key: Optional[Hashable] = None,
-        return_hidden_states: bool = False,
+        return_hidden_states: Union[bool, str] = False,
         token_ids_logprob: Optional[List[int]] = None,
         custom_logit_processor: Optional[str] = None,
         require_reasoning: bool = False,
@@ -168,11 +168,16 @@ class Req:
         # Extras: scheduling priority, cache namespace, hidden states, custom logit processor.
         self.priority = priority
         self.extra_key = extra_key
-        self.return_hidden_states = return_hidden_states
-        # The prompt's [len, hidden] block (one entry, once complete), then one vector per decode.
+        # return_hidden_states: true (every position's) or SGLang's "last" (the last position's only).
+        self.return_hidden_states = bool(return_hidden_states)
+        self.hidden_states_last = return_hidden_states == "last"
+        # "full": the prompt's [len, hidden] block (one entry, once complete), then one vector per
+        # decode step; "last": the newest vector alone.
         self.hidden_states: List[Any] = []
         self.prompt_hidden_states_acc: List[List[float]] = []  # accumulated over chunks
-        self.send_hidden_states_offset = 0
+        # Entries recorded / sent so far ("last" replaces its one entry, so both count).
+        self.hidden_states_recorded = 0
+        self.hidden_states_sent = 0
         self.custom_logit_processor = custom_logit_processor
 
         # Chunked prefill / retraction
@@ -241,7 +246,7 @@ class Req:
         limit = len(self.fill_ids) - 1
         if self.needs_input_logprobs():
             limit = min(limit, self.logprob_start_len)
-        if self.return_hidden_states:
+        if self.return_hidden_states and not self.hidden_states_last:
             limit = 0  # the hidden states of every prompt position are returned: compute them all
         return max(limit, 0)
 
@@ -269,6 +274,34 @@ class Req:
     def has_prompt_hidden_states(self) -> bool:
         """True once the prompt's hidden-state block was recorded (a re-prefill adds none)."""
         return bool(self.hidden_states)
+
+    def collect_prompt_hidden_states(self, rows: torch.Tensor, last_chunk: bool) -> None:
+        """One extend chunk's hidden-state rows. The prompt's form one entry, gathered over its
+        chunks; a re-prefill after retraction adds only its last position's (the one a decode step
+        would have added), and so does every prefill in "last" mode."""
+        if self.has_prompt_hidden_states or self.hidden_states_last:
+            if last_chunk and rows.shape[0] > 0:
+                self.add_hidden_state(rows[-1].float().tolist())
+            return
+        self.prompt_hidden_states_acc.extend(rows.float().tolist())
+        if last_chunk:
+            self.hidden_states.append(self.prompt_hidden_states_acc)
+            self.hidden_states_recorded += 1
+            self.prompt_hidden_states_acc = []
+
+    def add_hidden_state(self, vector: List[float]) -> None:
+        """The hidden state of the position just run ("last" keeps it alone)."""
+        if self.hidden_states_last:
+            self.hidden_states = [vector]
+        else:
+            self.hidden_states.append(vector)
+        self.hidden_states_recorded += 1
+
+    def hidden_states_to_send(self) -> List[Any]:
+        """The entries recorded since the previous emission ("last": the newest vector, if new)."""
+        new = self.hidden_states_recorded - self.hidden_states_sent
+        self.hidden_states_sent = self.hidden_states_recorded
+        return self.hidden_states[max(len(self.hidden_states) - new, 0):] if new else []
 
     def set_finish_with_abort(self, message: str, status_code: int = 400,
                               err_type: str = "BadRequestError") -> None:

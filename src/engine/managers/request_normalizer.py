@@ -12,7 +12,7 @@ import logging
 import os
 import uuid
 from dataclasses import dataclass, field
-from typing import Any, Optional, Union
+from typing import Any, Literal, Optional, Union
 
 from engine.managers.errors import EngineRequestError
 from engine.managers.io_struct import TokenizedGenerateReqInput
@@ -20,6 +20,9 @@ from engine.sampling.sampling_params import check_parallel_sample_num
 
 logger = logging.getLogger(__name__)
 
+# return_hidden_states: false, true (every position's) or SGLang's "last" (the last position's only);
+# the same type as TokenizedGenerateReqInput's field.
+HiddenStatesMode = Union[bool, Literal["last"]]
 # token_ids_logprob: logprobs of at most this many ids per position (bounds the work one request asks).
 MAX_TOKEN_IDS_LOGPROB = 1024
 
@@ -36,7 +39,7 @@ class SubRequest:
     logprob_start_len: int
     top_logprobs_num: int
     token_ids_logprob: Optional[list[int]]
-    return_hidden_states: bool
+    return_hidden_states: HiddenStatesMode
     custom_logit_processor: Optional[str]
     extra_key: Optional[str]
     cache_salt: Optional[str]
@@ -62,7 +65,8 @@ class GenerateReqInput:
     no_logs: bool = False
     # SGLang's per-request extras (docs/api.md): a list gives one value per prompt.
     token_ids_logprob: Optional[Union[list[int], list[list[int]]]] = None
-    return_hidden_states: Union[bool, list[bool]] = False
+    # true / "last" (SGLang's mode: only the last position's vector), or one per prompt.
+    return_hidden_states: Union[HiddenStatesMode, list[HiddenStatesMode]] = False
     custom_logit_processor: Optional[Union[str, list[Optional[str]]]] = None
     priority: Optional[int] = None  # one value for the whole request, as in SGLang
     extra_key: Optional[Union[str, list[Optional[str]]]] = None
@@ -107,7 +111,7 @@ class GenerateReqInput:
         start_lens = self._per_prompt(self.logprob_start_len, num_prompts, "logprob_start_len", int, -1)
         top_nums = self._per_prompt(self.top_logprobs_num, num_prompts, "top_logprobs_num", int, 0)
         token_ids = self._token_ids_per_prompt(num_prompts)
-        hidden = self._per_prompt(self.return_hidden_states, num_prompts, "return_hidden_states", bool, False)
+        hidden = self._hidden_states_per_prompt(num_prompts)
         processors = self._per_prompt(self.custom_logit_processor, num_prompts, "custom_logit_processor", str, None)
         extra_keys = self._per_prompt(self.extra_key, num_prompts, "extra_key", str, None)
         salts = self._per_prompt(self.cache_salt, num_prompts, "cache_salt", str, None)
@@ -145,7 +149,7 @@ class GenerateReqInput:
                 out_start.append(int(start_lens[i]))
                 out_top.append(int(top_nums[i]))
                 per_sub["token_ids_logprob"].append(token_ids[i])
-                per_sub["return_hidden_states"].append(bool(hidden[i]))
+                per_sub["return_hidden_states"].append(hidden[i])
                 per_sub["custom_logit_processor"].append(processors[i])
                 # "" means no namespace, as in SGLang.
                 per_sub["extra_key"].append(extra_keys[i] or None)
@@ -215,6 +219,21 @@ class GenerateReqInput:
             raise EngineRequestError(f"routed_dp_rank ({self.routed_dp_rank}) and data_parallel_rank "
                                      f"({self.data_parallel_rank}) name different ranks; send one of them.")
         return self.routed_dp_rank if self.routed_dp_rank is not None else self.data_parallel_rank
+
+    def _hidden_states_per_prompt(self, num_prompts: int) -> list[HiddenStatesMode]:
+        """return_hidden_states: false, true or "last" for every prompt, or a list of them."""
+        value: Any = self.return_hidden_states  # as the client sent it: its shape is checked here
+        values = value if isinstance(value, list) else [value] * num_prompts
+        if len(values) != num_prompts:
+            raise EngineRequestError(f"return_hidden_states has {len(values)} entries but there are {num_prompts} "
+                                     "prompts.")
+        modes: list[HiddenStatesMode] = []
+        for item in values:
+            if item is not None and not isinstance(item, bool) and item != "last":
+                raise EngineRequestError(f'return_hidden_states must be true, false or "last" (or a list of them), '
+                                         f"got {item!r}.")
+            modes.append(False if item is None else item)
+        return modes
 
     def _token_ids_per_prompt(self, num_prompts: int) -> list[Optional[list[int]]]:
         """token_ids_logprob: one list of ids for every prompt, or a list of such lists."""

@@ -54,7 +54,7 @@ class ResultProcessor:
                 continue  # retracted while its prefill was in flight (overlap): re-prefilled later
             lp.collect_input(req, i)
             if req.return_hidden_states and hidden is not None:
-                _collect_prompt_hidden_states(req, hidden[row_start:extend_offset], last_chunk=req.is_chunked == 0)
+                req.collect_prompt_hidden_states(hidden[row_start:extend_offset], last_chunk=req.is_chunked == 0)
             if req.is_chunked > 0:
                 # A middle chunk: its sampled token is meaningless, nothing is streamed.
                 req.is_chunked -= 1
@@ -105,7 +105,7 @@ class ResultProcessor:
                         continue
                 if req.return_hidden_states and hidden is not None:
                     # The hidden state of the token fed at this step (the one sampled last step).
-                    req.hidden_states.append(hidden[i].float().tolist())
+                    req.add_hidden_state(hidden[i].float().tolist())
                 self._append_token(req, token, lp, i)
         finally:
             allocator.free_group_end()
@@ -127,18 +127,6 @@ class ResultProcessor:
 def _hidden_states(result: "GenerationBatchResult") -> Optional[Any]:
     out = result.logits_output
     return None if out is None else out.hidden_states
-
-
-def _collect_prompt_hidden_states(req: Req, rows: Any, last_chunk: bool) -> None:
-    """The prompt's hidden states form one entry, gathered over its chunks; a re-prefill after
-    retraction adds only its last position's (the one a decode step would have added)."""
-    if not req.has_prompt_hidden_states:
-        req.prompt_hidden_states_acc.extend(rows.float().tolist())
-        if last_chunk:
-            req.hidden_states.append(req.prompt_hidden_states_acc)
-            req.prompt_hidden_states_acc = []
-    elif last_chunk and rows.shape[0] > 0:
-        req.hidden_states.append(rows[-1].float().tolist())
 
 
 class _LogprobLists:
@@ -327,16 +315,9 @@ class OutputStreamer:
         if want_logprobs:
             _add_logprobs(msg, sel)
         if want_hidden:
-            msg.output_hidden_states = [_hidden_states_delta(req) for req in sel]
+            msg.output_hidden_states = [req.hidden_states_to_send() if req.return_hidden_states else None
+                                        for req in sel]
         return msg
-
-
-def _hidden_states_delta(req: Req) -> Optional[List[Any]]:
-    if not req.return_hidden_states:
-        return None
-    delta = req.hidden_states[req.send_hidden_states_offset:]
-    req.send_hidden_states_offset = len(req.hidden_states)
-    return delta
 
 
 def _add_logprobs(msg: BatchTokenIDOutput, sel: List[Req]) -> None:

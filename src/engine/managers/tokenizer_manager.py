@@ -327,7 +327,8 @@ class TokenizerManager:
                 return_text_in_logprobs=obj.return_text_in_logprobs,
                 created_time=time.time(),
                 no_logs=obj.no_logs,
-                return_hidden_states=req.return_hidden_states,
+                return_hidden_states=bool(req.return_hidden_states),
+                hidden_states_last=req.return_hidden_states == "last",
                 incremental=incremental and obj.stream,
             )
             if self.metrics_collector is not None and obj.log_metrics \

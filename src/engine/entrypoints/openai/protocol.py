@@ -106,7 +106,8 @@ class SamplingFields(BaseModel):
     # SGLang's per-request extras (docs/api.md)
     stop_regex: Optional[Union[str, List[str]]] = None
     priority: Optional[int] = None
-    return_hidden_states: bool = False
+    # true: every position's hidden states; "last": only the last position's vector (SGLang's mode).
+    return_hidden_states: Union[bool, Literal["last"]] = False
     custom_logit_processor: Optional[str] = None
     custom_params: Optional[Dict[str, Any]] = None
     extra_key: Optional[str] = None
@@ -473,7 +474,7 @@ class GenerateRequest(BaseModel):
     http_worker_ipc: Optional[str] = None
     # SGLang's per-request extras (docs/api.md); lists give one value per prompt.
     token_ids_logprob: Optional[Union[List[int], List[List[int]]]] = None
-    return_hidden_states: Union[bool, List[bool]] = False
+    return_hidden_states: Union[bool, Literal["last"], List[Union[bool, Literal["last"]]]] = False
     custom_logit_processor: Optional[Union[str, List[Optional[str]]]] = None
     priority: Optional[int] = None
     extra_key: Optional[Union[str, List[Optional[str]]]] = None

@@ -222,11 +222,14 @@ def build_sampling_params(request: SamplingFields, max_new_tokens: Optional[int]
 
 
 def last_hidden_state(meta: Dict[str, Any]) -> Optional[List[float]]:
-    """An OpenAI choice's `hidden_states`: the last generated position's (SGLang), or []."""
+    """An OpenAI choice's `hidden_states`: the last position's vector (SGLang), or [] when there is
+    only the prompt's block (a "full" answer of one token)."""
     states = meta.get("hidden_states")
-    if states is None:
-        return None
-    return states[-1] if len(states) > 1 else []
+    if not states:
+        return None if states is None else []
+    last = states[-1]
+    # "full" starts with the prompt's [len, hidden] block; every other entry is one vector.
+    return last if last and not isinstance(last[0], list) else []
 
 
 def as_output_list(result: Union[Dict[str, Any], List[Dict[str, Any]]]) -> List[Dict[str, Any]]:
