@@ -29,8 +29,6 @@ import torch
 
 NamedTensors = List[Tuple[str, torch.Tensor]]
 LOAD_FORMATS = (None, "direct", "flattened_bucket")
-# Nested LocalSerializedTensor payloads deeper than this are refused (each level is another unpickle).
-MAX_NESTING = 2
 PICKLE_NEEDS_FLAG = ("serialized_named_tensors is not a safetensors payload; SGLang's pickled tensors "
                      "(MultiprocessingSerializer) are decoded only by a server started with "
                      "--enable-pickled-weight-updates (unpickling runs code: see docs/security.md). "
@@ -179,7 +177,7 @@ def decode_payload(data: bytes, tp_rank: int, allow_pickle: bool, load_format: O
     obj = _unpickle(data)
     if load_format == "flattened_bucket":
         return _unflatten(obj)
-    return _named_tensors(obj, tp_rank, depth=0)
+    return _named_tensors(obj, tp_rank)
 
 
 def _unpickle(data: bytes) -> Any:
@@ -191,7 +189,7 @@ def _unpickle(data: bytes) -> Any:
         raise PayloadError(f"The pickled payload does not load: {type(e).__name__}: {e}") from None
 
 
-def _named_tensors(obj: Any, tp_rank: int, depth: int) -> NamedTensors:
+def _named_tensors(obj: Any, tp_rank: int) -> NamedTensors:
     if isinstance(obj, dict):
         items = list(obj.items())
     elif isinstance(obj, (list, tuple)):
@@ -203,14 +201,12 @@ def _named_tensors(obj: Any, tp_rank: int, depth: int) -> NamedTensors:
         if not (isinstance(item, tuple) and len(item) == 2 and isinstance(item[0], str)):
             raise PayloadError("The pickled payload must hold (name, tensor) pairs.")
         name, value = item
-        named.append((name, _tensor_of(name, value, tp_rank, depth)))
+        named.append((name, _tensor_of(name, value, tp_rank)))
     return named
 
 
-def _tensor_of(name: str, value: Any, tp_rank: int, depth: int) -> torch.Tensor:
-    if isinstance(value, LocalSerializedTensor):
-        if depth >= MAX_NESTING:
-            raise PayloadError(f"{name!r}: LocalSerializedTensor nested too deeply.")
+def _tensor_of(name: str, value: Any, tp_rank: int) -> torch.Tensor:
+    if isinstance(value, LocalSerializedTensor):  # its value for this rank is a pickled tensor (no nesting)
         if not 0 <= tp_rank < len(value.values):
             raise PayloadError(f"{name!r}: its LocalSerializedTensor has {len(value.values)} value(s), none for "
                                f"TP rank {tp_rank}.")
