@@ -59,6 +59,10 @@ def launch_server(server_args: ServerArgs) -> None:
     """Start the children, then serve HTTP until a signal or a child's death."""
     configure_logging(server_args.log_level)
     set_process_title("engine::main")
+    # Each connection holds a descriptor: let the HTTP processes (which inherit it) hold many.
+    from engine.entrypoints.http_protocol import raise_open_file_limit
+
+    raise_open_file_limit()
     signal.signal(signal.SIGTERM, _exit_on_signal)
     signal.signal(signal.SIGINT, _exit_on_signal)
 

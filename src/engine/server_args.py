@@ -70,6 +70,18 @@ class ServerArgs:
         "The key of the operator routes (weights, memory, pause/continue, /flush_cache, /abort_request), as "
         "SGLang's flag: with it those routes take this key only and --api-key no longer opens them; the other "
         "routes keep --api-key (open without one). See docs/security.md."))
+    # Slow and idle clients (entrypoints/http_protocol.py); per HTTP process, workers included.
+    http_header_timeout: float = arg(15.0, "Seconds a client may take to send a request's head (from the "
+                                           "connection, or from the first byte of a later request); then 408.")
+    http_body_timeout: float = arg(60.0, "Seconds a client may take to send a request's body after its head; "
+                                         "then 408. Responses (streams) have no deadline.")
+    http_keep_alive_timeout: int = arg(5, "Seconds an idle connection stays open after a response.")
+    http_max_header_bytes: int = arg(65536, "The largest request head (request line and headers) accepted; "
+                                            "larger: 431.")
+    http_max_connections: Optional[int] = arg(None, (
+        "Open connections per HTTP process. Beyond it a new connection closes the oldest one that waits on "
+        "its client (idle, or sending its request); 503 when all are being answered. Default: the open-file "
+        "limit (raised at start-up up to 65536 where the hard limit allows) less a reserve."))
     tokenizer_worker_num: int = arg(1, (
         "HTTP worker processes, each with its own TokenizerManager, sharing the port (SGLang's flag): for "
         "thousands of concurrent streams, whose HTTP and output handling one process cannot keep up with. "
@@ -328,6 +340,12 @@ class ServerArgs:
              f"--schedule-conservativeness must be > 0, got {self.schedule_conservativeness}")
         need(self.stream_interval >= 1, f"--stream-interval must be >= 1, got {self.stream_interval}")
         need(self.tokenizer_worker_num >= 1, f"--tokenizer-worker-num must be >= 1, got {self.tokenizer_worker_num}")
+        for name in ("http_header_timeout", "http_body_timeout", "http_keep_alive_timeout"):
+            need(getattr(self, name) > 0, f"--{name.replace('_', '-')} must be > 0, got {getattr(self, name)}")
+        need(self.http_max_header_bytes >= 1024,
+             f"--http-max-header-bytes must be >= 1024, got {self.http_max_header_bytes}")
+        need(self.http_max_connections is None or self.http_max_connections >= 1,
+             f"--http-max-connections must be >= 1, got {self.http_max_connections}")
         need(self.tokenizer_worker_num == 1 or not self.enable_metrics,
              "--enable-metrics serves one process's counters: it cannot be combined with --tokenizer-worker-num > 1")
         need(self.decode_log_interval >= 1,
@@ -480,6 +498,11 @@ _ARG_TYPES = {
     "schedule_conservativeness": float,
     "stream_interval": int,
     "tokenizer_worker_num": int,
+    "http_header_timeout": float,
+    "http_body_timeout": float,
+    "http_keep_alive_timeout": int,
+    "http_max_header_bytes": int,
+    "http_max_connections": int,
     "random_seed": int,
     "cuda_graph_max_bs": int,
     "tp_size": int,

@@ -177,6 +177,23 @@ def test_control_calls_answer_the_worker_that_asked(server):
             assert b"internal_states" in body
 
 
+@pytest.mark.slow
+def test_every_worker_enforces_the_connection_limits(server):
+    """Each worker serves with the same guarded protocol (http_protocol.py) and defaults: a request
+    head longer than --http-max-header-bytes (64 KiB) gets a 431, a connection that sends nothing a
+    408 at --http-header-timeout (15 s)."""
+    silent = [connect_to_worker(server, k) for k in range(WORKERS)]
+    head = b"GET /health HTTP/1.1\r\nHost: x\r\nX-Big: "
+    for k in range(WORKERS):
+        sock = connect_to_worker(server, k)
+        sock.sendall(head + b"a" * (65536 + 1 - len(head)))  # all read before the answer: no reset
+        status, body = read_response(sock)
+        assert status == 431, body
+    for sock in silent:
+        status, body = read_response(sock)
+        assert status == 408, body
+
+
 def test_sigterm_ends_streams_and_stops_every_process(launch_server):
     server = launch_server(SERVER_ARGS)
     everything = server.descendants()

@@ -26,6 +26,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from engine.entrypoints.control_routes import add_control_routes
 from engine.entrypoints.http_auth import OPERATOR_PATHS, ApiKeys
+from engine.entrypoints.http_protocol import HttpLimits, protocol_class
 from engine.entrypoints.openai.protocol import (
     AbortRequestBody,
     ChatCompletionRequest,
@@ -451,14 +452,17 @@ class GracefulServer(uvicorn.Server):
 def build_http_server(server_args: ServerArgs, tokenizer_manager: TokenizerManagerProtocol) -> GracefulServer:
     """The uvicorn server for `create_app(...)` on server_args.host:port (call .run() to serve)."""
     app = create_app(tokenizer_manager, server_args)
+    limits = HttpLimits.from_server_args(server_args)
     config = uvicorn.Config(
         app,
         host=server_args.host,
         port=server_args.port,
         log_level=server_args.log_level.lower(),
         access_log=server_args.log_level.lower() == "debug",
+        # Deadlines for slow heads and bodies, a head size cap and a connection cap (http_protocol.py).
+        http=protocol_class(limits),
         # Keep idle client connections around for benchmark clients that reuse them.
-        timeout_keep_alive=5,
+        timeout_keep_alive=limits.keep_alive_timeout,
         # Streams were already ended by begin_shutdown; this only bounds a stuck handler.
         timeout_graceful_shutdown=3,
     )
