@@ -40,6 +40,9 @@ class ScriptedManager:
         self.template_tools.append(tools)
         return [1, 2, 3]
 
+    async def apply_chat_template_async(self, *args: Any, **kwargs: Any) -> List[int]:
+        return self.apply_chat_template(*args, **kwargs)
+
     def _outputs(self, obj: GenerateReqInput, i: int) -> List[dict]:
         text = self.script
         cuts = list(range(3, len(text), 3)) + [len(text)]

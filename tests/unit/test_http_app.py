@@ -183,6 +183,9 @@ class FakeTokenizerManager:
             raise EngineRequestError("Failed to apply the chat template: roles must alternate")
         return self.tokenizer.encode("".join(m["content"] for m in messages))
 
+    async def apply_chat_template_async(self, *args: Any, **kwargs: Any) -> List[int]:
+        return self.apply_chat_template(*args, **kwargs)
+
     def get_model_info(self) -> dict:
         return {"model_path": self.model_path, "tokenizer_path": self.model_path, "is_generation": True}
 

@@ -20,7 +20,7 @@ import numpy as np
 from engine.managers.errors import EngineRequestError
 from engine.managers.io_struct import BatchEmbeddingOutput, TokenizedEmbeddingReqInput
 from engine.managers.output_assembly import ReqState
-from engine.managers.request_normalizer import normalize_rids, split_prompts
+from engine.managers.request_normalizer import bound_text, normalize_rids, split_prompts
 
 # One request may carry at most this many inputs (OpenAI's limit for /v1/embeddings).
 MAX_EMBEDDING_INPUTS = 2048
@@ -137,6 +137,7 @@ class EmbeddingNormalizer:
     def _encode(self, texts: List[str]) -> List[List[int]]:
         if self.tokenizer is None:
             raise EngineRequestError("This server has no tokenizer (--skip-tokenizer-init): send input_ids.")
+        texts = [bound_text(text, self.model.max_input_len, self.allow_auto_truncate) for text in texts]
         if self.allow_auto_truncate:
             # Through the tokenizer, so that the special tokens ([SEP], EOS) stay at the end, as
             # sentence-transformers truncates.

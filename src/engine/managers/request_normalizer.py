@@ -2,8 +2,13 @@
 
 `GenerateReqInput` is the /generate (and offline Engine) request; `normalize()` turns it into one
 entry per sub-request (a batch of prompts, each fanned out into its `n` samples).
-`RequestNormalizer` validates and tokenizes one sub-request against the model's limits, and
-renders chat messages through the chat template.
+`RequestNormalizer` validates and tokenizes the sub-requests against the model's limits, and
+renders chat messages through the chat template. The TokenizerManager runs both on a thread of
+its own, off the event loop.
+
+What one request may cost here is bounded before it is spent (docs/security.md): a text far longer
+than the context is refused before it is tokenized (`bound_text`), and the input logprobs a request
+asks are bounded in positions and values (`check_input_logprob_cost`).
 """
 
 from __future__ import annotations
@@ -25,6 +30,17 @@ logger = logging.getLogger(__name__)
 HiddenStatesMode = Union[bool, Literal["last"]]
 # token_ids_logprob: logprobs of at most this many ids per position (bounds the work one request asks).
 MAX_TOKEN_IDS_LOGPROB = 1024
+# A text of more than context_len * MAX_CHARS_PER_TOKEN characters is refused before it is tokenized
+# (with --allow-auto-truncate, cut to that length first): tokens average 3-5 characters on real text,
+# so such a text is far past the context, and encoding it costs ~3 us a character (29 MB took 88 s).
+MAX_CHARS_PER_TOKEN = 32
+# Input logprobs (logprob_start_len >= 0) compute the whole vocabulary's logits at every position from
+# the start (no cached prefix), again for each of the n samples, and return 1 + top_logprobs_num +
+# len(token_ids_logprob) values a position. Summed over a request's sub-requests, the positions may be
+# at most max(MAX_INPUT_LOGPROB_TOKENS, context length) and the values MAX_INPUT_LOGPROB_VALUES (~20 MB
+# of JSON); n=128 x a long prompt x top 20 took 20 s of scheduler time and returned 21 MB.
+MAX_INPUT_LOGPROB_TOKENS = 65536
+MAX_INPUT_LOGPROB_VALUES = 1 << 20
 
 
 @dataclass
@@ -346,6 +362,22 @@ class RequestNormalizer:
         self.allow_auto_truncate = allow_auto_truncate
         self.enable_custom_logit_processor = enable_custom_logit_processor
 
+    def tokenize_request(self, obj: GenerateReqInput) -> list[TokenizedGenerateReqInput]:
+        """Every sub-request of a normalized `obj`, tokenized and checked; nothing is sent before all
+        pass, so a bad batch has no side effects. A prompt is tokenized, and its sampling params
+        verified, once however many samples (n) it fans out into."""
+        prompt_ids: dict[int, list[int]] = {}
+        verified: dict[int, dict] = {}
+        tokenized = []
+        for i in range(obj.batch_size):
+            prompt = obj.prompt_index[i]
+            if prompt not in prompt_ids:
+                prompt_ids[prompt] = self.prompt_input_ids(obj, i)
+                verified[prompt] = self.verify_sampling_params(obj.subs[i].sampling_params)
+            tokenized.append(self.tokenize_one(obj, i, prompt_ids[prompt], dict(verified[prompt])))
+        check_input_logprob_cost(tokenized, self.context_len)
+        return tokenized
+
     def prompt_input_ids(self, obj: GenerateReqInput, i: int) -> list[int]:
         """The token ids of sub-request i's prompt, checked against the vocabulary and context."""
         sub = obj.subs[i]
@@ -354,10 +386,16 @@ class RequestNormalizer:
         else:
             if self.tokenizer is None:
                 raise EngineRequestError("This server has no tokenizer (--skip-tokenizer-init): send input_ids.")
-            input_ids = list(self.tokenizer.encode(sub.text))
+            assert sub.text is not None  # split_prompts keeps the text or the ids
+            input_ids = list(self.tokenizer.encode(bound_text(sub.text, self.context_len, self.allow_auto_truncate)))
         input_len = len(input_ids)
         if input_len == 0:
             raise EngineRequestError("The input is empty.")
+        if input_len >= self.context_len and not self.allow_auto_truncate:
+            # Before the vocabulary scan: a list far over the context is refused without reading it all.
+            raise EngineRequestError(
+                f"The input ({input_len} tokens) is longer than the model's context length "
+                f"({self.context_len} tokens).")
         if self.vocab_size is not None:
             bad = [t for t in input_ids if t >= self.vocab_size]
             if bad:
@@ -368,17 +406,16 @@ class RequestNormalizer:
             logger.warning("The input (%d tokens) is longer than the maximum input length (%d tokens); "
                            "truncated (--allow-auto-truncate).", input_len, self.max_req_input_len)
             return input_ids[: self.max_req_input_len]
-        if input_len >= self.context_len:
-            raise EngineRequestError(
-                f"The input ({input_len} tokens) is longer than the model's context length "
-                f"({self.context_len} tokens).")
         return input_ids
 
-    def tokenize_one(self, obj: GenerateReqInput, i: int, input_ids: list[int]) -> TokenizedGenerateReqInput:
+    def tokenize_one(self, obj: GenerateReqInput, i: int, input_ids: list[int],
+                     sampling_params: Optional[dict] = None) -> TokenizedGenerateReqInput:
+        """Sub-request i with its prompt's ids; `sampling_params` verified already (else verified here)."""
         sub = obj.subs[i]
         input_text = sub.text
         input_len = len(input_ids)
-        sampling_params = self.verify_sampling_params(sub.sampling_params)
+        if sampling_params is None:
+            sampling_params = self.verify_sampling_params(sub.sampling_params)
         # Only a budget the client asked for is checked: the default (SamplingParams') would
         # reject every long prompt, and the scheduler clamps it to the context anyway.
         max_new_tokens = sub.sampling_params.get("max_new_tokens")
@@ -396,6 +433,9 @@ class RequestNormalizer:
         top_logprobs_num = sub.top_logprobs_num
         if top_logprobs_num < 0:
             raise EngineRequestError(f"top_logprobs_num must be >= 0, got {top_logprobs_num}.")
+        if return_logprob and self.vocab_size is not None and top_logprobs_num > self.vocab_size:
+            raise EngineRequestError(
+                f"top_logprobs_num must be at most the vocabulary size ({self.vocab_size}), got {top_logprobs_num}.")
         if logprob_start_len < -1:
             raise EngineRequestError(f"logprob_start_len must be >= -1, got {logprob_start_len}.")
         # As SGLang: a start at the prompt length is allowed (no input logprobs), beyond it is not.
@@ -460,6 +500,43 @@ class RequestNormalizer:
         return sampling_params.to_dict()
 
 
+def bound_text(text: str, context_len: int, allow_truncate: bool) -> str:
+    """`text`, checked before it is tokenized: over context_len * MAX_CHARS_PER_TOKEN characters it is
+    certainly longer than the context, so it is refused (400) or, with --allow-auto-truncate, cut to
+    that length (the tokens kept after truncation lie well inside it)."""
+    limit = context_len * MAX_CHARS_PER_TOKEN
+    if len(text) <= limit:
+        return text
+    if allow_truncate:
+        return text[:limit]
+    raise EngineRequestError(
+        f"The input ({len(text)} characters) is far longer than the model's context length ({context_len} "
+        f"tokens): texts of more than {limit} characters ({MAX_CHARS_PER_TOKEN} per token of context) are "
+        "refused before they are tokenized.")
+
+
+def check_input_logprob_cost(reqs: list[TokenizedGenerateReqInput], context_len: int) -> None:
+    """Refuse (400) a request whose input logprobs, over all its sub-requests, exceed the bounds."""
+    positions = values = 0
+    for req in reqs:
+        if not req.return_logprob or req.logprob_start_len < 0:
+            continue
+        count = max(len(req.input_ids) - req.logprob_start_len, 0)
+        positions += count
+        values += count * (1 + req.top_logprobs_num + len(req.token_ids_logprob or ()))
+    position_limit = max(MAX_INPUT_LOGPROB_TOKENS, context_len)
+    if positions > position_limit:
+        raise EngineRequestError(
+            f"The request asks input logprobs at {positions} prompt positions (summed over its prompts and "
+            f"samples); at most {position_limit} are computed for one request. Raise logprob_start_len or "
+            "lower n.")
+    if values > MAX_INPUT_LOGPROB_VALUES:
+        raise EngineRequestError(
+            f"The request asks {values} input logprob values (positions x (1 + top_logprobs_num + "
+            f"len(token_ids_logprob)), summed over its prompts and samples); at most {MAX_INPUT_LOGPROB_VALUES} "
+            "are returned for one request.")
+
+
 def load_chat_template(chat_template: Optional[str]) -> Optional[str]:
     """`--chat-template` is a path to a Jinja file or the Jinja text itself."""
     if not chat_template:
@@ -475,12 +552,14 @@ def load_chat_template(chat_template: Optional[str]) -> Optional[str]:
 def apply_chat_template(
     tokenizer: Any, chat_template: Optional[str], messages: list[dict], add_generation_prompt: bool = True,
     tools: Optional[list] = None, continue_final_message: bool = False,
-    template_kwargs: Optional[dict[str, Any]] = None,
+    template_kwargs: Optional[dict[str, Any]] = None, context_len: Optional[int] = None,
+    allow_truncate: bool = False,
 ) -> list[int]:
     """Render `messages` with `chat_template` (the tokenizer's own when None) and tokenize them.
 
     `continue_final_message` leaves the last message open (no end-of-turn after it, no new turn);
-    `template_kwargs` are extra variables of the template (a request's chat_template_kwargs).
+    `template_kwargs` are extra variables of the template (a request's chat_template_kwargs). With
+    `context_len`, the rendered prompt passes `bound_text` before it is tokenized.
     """
     if tokenizer is None:
         raise EngineRequestError("This server has no tokenizer, so chat templates are unavailable.")
@@ -499,4 +578,6 @@ def apply_chat_template(
             messages, tokenize=False, add_generation_prompt=add_generation_prompt, **kwargs)
     except Exception as e:  # jinja errors, a missing template, malformed messages
         raise EngineRequestError(f"Failed to apply the chat template: {e}") from None
+    if context_len is not None:
+        prompt = bound_text(prompt, context_len, allow_truncate)
     return tokenizer.encode(prompt, add_special_tokens=False)

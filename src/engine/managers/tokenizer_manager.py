@@ -17,9 +17,11 @@ the BatchEmbeddingOutput the scheduler sends straight here).
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import time
-from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Sequence, Union
+from concurrent.futures import ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional, Sequence, TypeVar, Union
 
 import zmq
 import zmq.asyncio
@@ -69,6 +71,7 @@ if TYPE_CHECKING:
     from engine.disaggregation.bootstrap import BootstrapServer
 
 logger = logging.getLogger(__name__)
+_T = TypeVar("_T")
 
 # How often a waiting request checks whether its HTTP client went away.
 DISCONNECT_POLL_INTERVAL_S = 1.0
@@ -123,6 +126,11 @@ class TokenizerManager:
                                                         server_args.allow_auto_truncate)
         self.tokenizer = tokenizer
         self.chat_template = load_chat_template(server_args.chat_template)
+        # Tokenization and chat templates run here, off the event loop: a long text takes seconds to
+        # encode, and /health and every stream would wait for it. One thread keeps them in order, as
+        # on the loop, and never runs two at once on the tokenizer (the Rust tokenizer's truncation
+        # setting, changed per call, is shared by all callers).
+        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
 
         # The PULL socket is asyncio-aware (the receive loop awaits it); the PUSH socket is a
         # plain one so that abort_request can stay a synchronous call.
@@ -282,6 +290,7 @@ class TokenizerManager:
                     self._loop.call_soon_threadsafe(task.cancel)
         self.recv_from_detokenizer.close(linger=0)
         self.send_to_scheduler.close(linger=0)
+        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
         if self.bootstrap_server is not None:
             self.bootstrap_server.close()
             self.bootstrap_server = None
@@ -300,15 +309,7 @@ class TokenizerManager:
         if not self.is_generation:
             raise EngineRequestError(NOT_A_GENERATION_MODEL)
         obj.normalize()
-        # Validate every sub-request before sending any, so a bad batch has no side effects.
-        # Each prompt is tokenized and checked once, however many samples (n) it fans out into.
-        prompt_ids: dict[int, list[int]] = {}
-        tokenized = []
-        for i in range(obj.batch_size):
-            prompt = obj.prompt_index[i]
-            if prompt not in prompt_ids:
-                prompt_ids[prompt] = self.normalizer.prompt_input_ids(obj, i)
-            tokenized.append(self.normalizer.tokenize_one(obj, i, prompt_ids[prompt]))
+        tokenized = await self._off_loop(self.normalizer.tokenize_request, obj)
         # Waits while generation is paused or a weight update runs; held until the request ends.
         async with self.control.gate.slot():
             async for out in self._send_and_wait(obj, tokenized, request, incremental):
@@ -377,7 +378,7 @@ class TokenizerManager:
         self._check_alive()
         if self.is_generation:
             raise EngineRequestError(NOT_AN_EMBEDDING_MODEL)
-        tokenized = self.embedding_normalizer.tokenize(obj)
+        tokenized = await self._off_loop(self.embedding_normalizer.tokenize, obj)
         self._check_new_rids(tokenized)
         now = time.time()
         states = [ReqState(rid=req.rid, stream=False, return_logprob=False, return_text_in_logprobs=False,
@@ -547,7 +548,20 @@ class TokenizerManager:
         continue_final_message: bool = False, template_kwargs: Optional[dict] = None,
     ) -> list[int]:
         return apply_chat_template(self.tokenizer, self.chat_template, messages, add_generation_prompt, tools,
-                                   continue_final_message, template_kwargs)
+                                   continue_final_message, template_kwargs, self.context_len,
+                                   self.server_args.allow_auto_truncate)
+
+    async def apply_chat_template_async(
+        self, messages: list[dict], add_generation_prompt: bool = True, tools: Optional[list] = None,
+        continue_final_message: bool = False, template_kwargs: Optional[dict] = None,
+    ) -> list[int]:
+        """apply_chat_template on the tokenizer thread (what the chat route awaits)."""
+        return await self._off_loop(self.apply_chat_template, messages, add_generation_prompt, tools,
+                                    continue_final_message, template_kwargs)
+
+    async def _off_loop(self, fn: Callable[..., _T], *args: Any) -> _T:
+        """Run `fn(*args)` on the tokenizer thread; its exception (a 400) is raised here."""
+        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, functools.partial(fn, *args))
 
     def get_model_info(self) -> dict:
         return {

@@ -74,4 +74,9 @@ class TokenizerManagerProtocol(Protocol):
                             tools: Optional[list] = None, continue_final_message: bool = False,
                             template_kwargs: Optional[dict] = None) -> list[int]: ...
 
+    async def apply_chat_template_async(self, messages: list[dict], add_generation_prompt: bool = True,
+                                        tools: Optional[list] = None, continue_final_message: bool = False,
+                                        template_kwargs: Optional[dict] = None) -> list[int]:
+        """apply_chat_template off the event loop (rendering and tokenizing a long chat takes a while)."""
+
     def get_model_info(self) -> dict: ...

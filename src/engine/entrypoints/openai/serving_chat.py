@@ -73,7 +73,7 @@ class OpenAIServingChat:
         request_id = request.rid or f"chatcmpl-{random_uuid()}"
         try:
             parsing, tool_constraint = ChatParsing.for_request(request, self.tool_call_parser, self.reasoning_parser)
-            prompt_ids = self.tokenizer_manager.apply_chat_template(
+            prompt_ids = await self.tokenizer_manager.apply_chat_template_async(
                 _template_messages(request), add_generation_prompt=True, tools=tools_for_template(request),
                 continue_final_message=request.continue_final_message,
                 template_kwargs=request.chat_template_kwargs,
