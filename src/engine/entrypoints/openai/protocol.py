@@ -15,9 +15,9 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serial
 
 from engine.entrypoints.openai.protocol_tools import DeltaToolCall, ResponseFormat, Tool, ToolCall, ToolChoice
 from engine.entrypoints.openai.sglang_fields import GENERATE_UNSUPPORTED, OPENAI_UNSUPPORTED, refuse_unsupported
-from engine.sampling.sampling_params import MAX_N  # the engine's one fan-out bound (n)
+# The engine's bounds of fan-out (n) and stop lists, checked again by SamplingParams for every route.
+from engine.sampling.sampling_params import MAX_N, MAX_STOP_STRINGS
 
-MAX_STOP_STRINGS = 32
 MAX_TOP_LOGPROBS = 20
 
 
