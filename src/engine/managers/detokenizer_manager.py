@@ -22,12 +22,16 @@ from engine.server_args import PortArgs, ServerArgs
 from engine.utils.child_processes import exit_before_ready
 from engine.utils.log_utils import configure_logging
 from engine.utils.process_utils import freeze_startup_objects, set_process_title, start_parent_death_watcher
-from engine.utils.tokenizer_utils import BatchDecode, load_tokenizer, make_batch_decoder
+from engine.utils.tokenizer_utils import (
+    REPLACEMENT_CHAR,
+    BatchDecode,
+    load_tokenizer,
+    make_batch_decoder,
+    settled_text_len,
+)
 from engine.utils.zmq_utils import get_zmq_socket
 
 logger = logging.getLogger(__name__)
-
-REPLACEMENT_CHAR = "\ufffd"
 
 
 @dataclass
@@ -59,11 +63,12 @@ def printable_prefix(text: str) -> str:
 def stop_cut_position(text: str, stop: str, text_before_last_token: Optional[int]) -> int:
     """Where the occurrence of `stop` that ended the request starts in `text` (-1: none).
 
-    The scheduler ends a request on the token that completes a stop string, and ignores
-    occurrences completed earlier (before min_new_tokens), so the ending occurrence is the first
-    one that ends inside the last token's text (after `text_before_last_token` characters).
-    Without that length, or when no occurrence ends there (output sent past the stop string by
-    another producer), the last occurrence.
+    The scheduler ends a request on the token that completes a stop string (Req.check_finished),
+    so the ending occurrence is the first one that ends inside the last token's text (after
+    `text_before_last_token` characters); the text then ends where the output ids do, even where
+    the scheduler's view of the text differed from this one's. Without that length, or when no
+    occurrence ends there (output sent past the stop string by another producer), the last
+    occurrence.
     """
     if text_before_last_token is not None:
         pos = text.find(stop, max(text_before_last_token - len(stop) + 1, 0))
@@ -209,7 +214,7 @@ class DetokenizerManager:
             skip_special_tokens=bool(recv.skip_special_tokens[i]),
             spaces_between_special_tokens=bool(recv.spaces_between_special_tokens[i]),
         )
-        return len(state.decoded_text) + len(printable_prefix(before[len(surr_text):]))
+        return len(state.decoded_text) + settled_text_len(before[len(surr_text):])
 
     def _batch_decode(
         self, recv: BatchTokenIDOutput, states: list[DecodeStatus], end_offsets: list[int]

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, Dict, Hashable, List, Optional, Set, Unio
 import torch
 
 from engine.sampling import stop_regex
+from engine.utils.tokenizer_utils import REPLACEMENT_CHAR, settled_text_len
 
 if TYPE_CHECKING:
     from engine.constrained.base_grammar_backend import BaseGrammarObject
@@ -321,24 +322,24 @@ class Req:
             self.output_ids[-1] = stop_ids[0]
             self.finished_reason = FINISH_MATCHED_STR("NaN happened")
             return
-        if len(self.output_ids) >= self.sampling_params.min_new_tokens:
-            matched = self._check_stop_strings()
-            if matched is not None:
-                self.finished_reason = FINISH_MATCHED_STR(matched)
-                return
-            try:
-                matched = self._check_stop_regex()
-            except stop_regex.StopRegexTimeout as e:
-                self.finished_reason = FINISH_ABORT(str(e), 400, "BadRequestError")
-                return
-            if matched is not None:
-                self.finished_reason = FINISH_MATCHED_REGEX(matched)
-                return
-            if not self.sampling_params.ignore_eos and (
-                last in self.eos_token_ids or last in (self.sampling_params.stop_token_ids or ())
-            ):
-                self.finished_reason = FINISH_MATCHED_TOKEN(last)
-                return
+        # min_new_tokens holds back stop *tokens* only (the sampler masks them until then, as
+        # SGLang's penalizer): a stop string or a stop regex ends the request at any length.
+        matched = self._check_stop_strings()
+        if matched is not None:
+            self.finished_reason = FINISH_MATCHED_STR(matched)
+            return
+        try:
+            matched = self._check_stop_regex()
+        except stop_regex.StopRegexTimeout as e:
+            self.finished_reason = FINISH_ABORT(str(e), 400, "BadRequestError")
+            return
+        if matched is not None:
+            self.finished_reason = FINISH_MATCHED_REGEX(matched)
+            return
+        if (len(self.output_ids) >= self.sampling_params.min_new_tokens and not self.sampling_params.ignore_eos
+                and (last in self.eos_token_ids or last in (self.sampling_params.stop_token_ids or ()))):
+            self.finished_reason = FINISH_MATCHED_TOKEN(last)
+            return
         if len(self.output_ids) >= self.max_new_tokens:
             self.finished_reason = FINISH_LENGTH(self.max_new_tokens)
             return
@@ -354,8 +355,8 @@ class Req:
 
         The caller runs `check_finished` when `to_finish` is set, the token is in this set or out
         of the vocabulary, or the output reached max_new_tokens; otherwise check_finished would
-        change nothing (min_new_tokens only delays what this set already covers). A new finish condition in check_finished must make this None for the
-        requests it concerns.
+        change nothing (min_new_tokens only delays what this set already covers). A new finish
+        condition in check_finished must make this None for the requests it concerns.
         """
         cached = self.fast_finish_ids_cache
         if cached is not FAST_FINISH_UNKNOWN:
@@ -385,9 +386,11 @@ class Req:
 
     def _stop_window(self) -> int:
         # A stop string may be produced in more tokens than it encodes to (" world" spelled letter
-        # by letter), so the window also covers one token per character.
+        # by letter, an emoji spelled byte by byte), so the window also covers one token per UTF-8
+        # byte; the extra token is the one that may hold the occurrence's first bytes after others.
+        # Its size depends on the stop strings only, never on the output's length.
         sp = self.sampling_params
-        return max(sp.stop_str_max_len, max((len(s) for s in sp.stop_strs), default=0)) + 1
+        return max(sp.stop_str_max_len, max((len(s.encode("utf-8")) for s in sp.stop_strs), default=0)) + 1
 
     def tail_str(self) -> str:
         return self.decode(self.output_ids[-self._stop_window():])
@@ -400,10 +403,9 @@ class Req:
     def _check_stop_strings(self) -> Optional[str]:
         """The stop string that the newest token completes, if any.
 
-        Only an occurrence that ends in the newest token's text counts: one completed earlier was
-        either seen then (and ended the request) or came before min_new_tokens and is ignored for
-        good, even while it is still inside the window. The detokenizer cuts the text at the same
-        occurrence (`detokenizer_manager.stop_cut_position`).
+        Only an occurrence that ends in the newest token's text counts: every token is checked, so
+        one completed earlier ended the request then. The detokenizer cuts the text at the same
+        occurrence (`detokenizer_manager.stop_cut_position`), so the text ends where the ids do.
         """
         stops = self.sampling_params.stop_strs
         if not stops:
@@ -415,7 +417,7 @@ class Req:
             if stop not in tail:
                 continue
             if before is None:
-                before = len(self.decode(window[:-1]))
+                before = settled_text_len(self.decode(window[:-1]))
             if tail.rfind(stop) + len(stop) > before:
                 return stop
         return None
@@ -441,12 +443,16 @@ class Req:
         if not stops or not self.output_ids:
             return False
         tail = self.tail_str()
+        # A trailing U+FFFD may be a character still incomplete: the text before it may start a
+        # stop string that this character continues.
+        tails = (tail, tail.rstrip(REPLACEMENT_CHAR)) if tail.endswith(REPLACEMENT_CHAR) else (tail,)
         for stop in stops:
             if stop in tail:
                 return True
-            for n in range(1, min(len(stop), len(tail)) + 1):
-                if tail.endswith(stop[:n]):
-                    return True
+            for text in tails:
+                for n in range(1, min(len(stop), len(text)) + 1):
+                    if text.endswith(stop[:n]):
+                        return True
         return False
 
     def __repr__(self) -> str:

@@ -3,9 +3,19 @@
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, List
+from typing import Any, Callable, Dict, List
 
 logger = logging.getLogger(__name__)
+
+# What a decoder writes for bytes that do not form a character: invalid ones, and at the end of a
+# text, the first bytes of a character whose next token has not come yet.
+REPLACEMENT_CHAR = "\ufffd"
+
+
+def settled_text_len(text: str) -> int:
+    """Length of `text` without its trailing U+FFFD, which the next token may still turn into a
+    character (a stop string that ends in that character ends in the next token)."""
+    return len(text.rstrip(REPLACEMENT_CHAR))
 
 
 def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
@@ -87,3 +97,14 @@ def _applies_clean_up(tokenizer: Any) -> bool:
     is_bpe = type(tokenizer.backend_tokenizer.model).__name__ == "BPE"
     forced = getattr(tokenizer, "clean_up_tokenization_spaces_for_bpe_even_though_it_will_corrupt_output", False)
     return not is_bpe or bool(forced)
+
+
+def byte_level_alphabet() -> Dict[str, int]:
+    """Byte-level BPE's alphabet: the character standing for each byte. Printable Latin-1 bytes
+    stand for themselves; the others (controls, space, ...) take the characters from U+0100 on,
+    in byte order."""
+    printable = [*range(0x21, 0x7F), *range(0xA1, 0xAD), *range(0xAE, 0x100)]
+    alphabet = {chr(b): b for b in printable}
+    others = [b for b in range(256) if b not in alphabet.values()]
+    alphabet.update({chr(0x100 + k): b for k, b in enumerate(others)})
+    return alphabet
