@@ -70,6 +70,21 @@ def test_chat_n2_and_logprobs(client: openai.OpenAI, model: str) -> None:
     assert response.choices[0].message.content == response.choices[1].message.content
 
 
+def test_chat_logprob_bytes_are_each_tokens_own_bytes(client: openai.OpenAI, model: str) -> None:
+    # The constraint makes the model spell 東 byte by byte (three tokens whose text alone is
+    # U+FFFD): their bytes must be the raw ones, which join to the content's UTF-8.
+    response = client.chat.completions.create(
+        model=model, messages=USER, max_tokens=16, logprobs=True, top_logprobs=2, **GREEDY,
+        extra_body={"regex": "(東京){3}"})
+    choice = response.choices[0]
+    assert choice.message.content == "東京東京東京"
+    tokens = [t for t in choice.logprobs.content if t.token != "<|end_of_text|>"]
+    assert any(t.token == "\ufffd" for t in tokens)
+    assert b"".join(bytes(t.bytes) for t in tokens) == choice.message.content.encode()
+    # Greedy: the first alternative is the chosen token, with the same bytes.
+    assert all(t.top_logprobs[0].bytes == t.bytes for t in tokens)
+
+
 def test_completions_non_stream_and_stream(client: openai.OpenAI, model: str) -> None:
     full = client.completions.create(model=model, prompt="The capital of France is", max_tokens=8,
                                      **GREEDY, **NO_EOS)

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import logging
-from typing import Any, Callable, Dict, List
+import re
+from typing import Any, Callable, Dict, List, Optional, Set
 
 logger = logging.getLogger(__name__)
 
@@ -99,6 +101,56 @@ def _applies_clean_up(tokenizer: Any) -> bool:
     return not is_bpe or bool(forced)
 
 
+TokenBytes = Callable[[int], Optional[bytes]]
+_BYTE_FALLBACK_TOKEN = re.compile(r"<0x([0-9A-Fa-f]{2})>")
+_SENTENCEPIECE_SPACE = "\u2581"
+
+
+def make_token_bytes(tokenizer: Any) -> TokenBytes:
+    """`token_bytes(token_id)`: the bytes the token itself stands for (OpenAI's logprob `bytes`),
+    or None where the vocabulary does not say (the caller then encodes the token's text).
+
+    Decoding one token of a multi-byte character alone gives U+FFFD, whose UTF-8 is not the
+    token's bytes. Byte-level BPE vocabularies (GPT-2, Llama 3, Qwen) spell each byte with one
+    printable character, so the token's string maps back to its bytes; SentencePiece vocabularies
+    with byte fallback spell a lone byte `<0xNN>` and a space `▁`. Added (special) tokens are their
+    text. Answers are cached: at most one entry per vocabulary id.
+    """
+    kinds = _decoder_kinds(tokenizer)
+    added = {int(i): str(t) for i, t in (getattr(tokenizer, "added_tokens_decoder", None) or {}).items()}
+    if "ByteLevel" in kinds:
+        alphabet = byte_level_alphabet()
+
+        def spell(token: str) -> Optional[bytes]:
+            codes = [alphabet.get(c) for c in token]
+            return None if any(c is None for c in codes) else bytes(c for c in codes if c is not None)
+    elif "ByteFallback" in kinds:
+        def spell(token: str) -> Optional[bytes]:
+            byte = _BYTE_FALLBACK_TOKEN.fullmatch(token)
+            return bytes([int(byte.group(1), 16)]) if byte else token.replace(_SENTENCEPIECE_SPACE, " ").encode("utf-8")
+    else:
+        return lambda token_id: None
+
+    cache: Dict[int, Optional[bytes]] = {}
+
+    def token_bytes(token_id: int) -> Optional[bytes]:
+        if token_id in cache:
+            return cache[token_id]
+        if token_id in added:
+            value: Optional[bytes] = added[token_id].encode("utf-8")
+        else:
+            token = tokenizer.convert_ids_to_tokens(token_id)
+            value = spell(token) if isinstance(token, str) else None
+        cache[token_id] = value
+        return value
+
+    if not _spells_decode(tokenizer, token_bytes):
+        logger.warning("Token bytes of %s disagree with its decode; logprob bytes are the tokens' text",
+                       type(tokenizer).__name__)
+        return lambda token_id: None
+    return token_bytes
+
+
 def byte_level_alphabet() -> Dict[str, int]:
     """Byte-level BPE's alphabet: the character standing for each byte. Printable Latin-1 bytes
     stand for themselves; the others (controls, space, ...) take the characters from U+0100 on,
@@ -108,3 +160,34 @@ def byte_level_alphabet() -> Dict[str, int]:
     others = [b for b in range(256) if b not in alphabet.values()]
     alphabet.update({chr(0x100 + k): b for k, b in enumerate(others)})
     return alphabet
+
+
+def _decoder_kinds(tokenizer: Any) -> Set[str]:
+    """The component types of a fast tokenizer's decoder (empty for any other tokenizer)."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return set()
+    try:
+        decoder = json.loads(backend.to_str()).get("decoder") or {}
+    except (ValueError, AttributeError):
+        return set()
+    kinds: Set[str] = set()
+    stack = [decoder]
+    while stack:
+        part = stack.pop()
+        if isinstance(part, dict):
+            kinds.add(str(part.get("type")))
+            stack.extend(part.get("decoders") or [])
+    return kinds
+
+
+def _spells_decode(tokenizer: Any, token_bytes: TokenBytes) -> bool:
+    """The tokens' bytes of a probe text, joined, decode to what the tokenizer decodes: a guard
+    against a vocabulary whose strings are not spelled as assumed."""
+    probe = "Hello, world! 12 + 3 = 15.\n\tnaïve café – 東京 😀"
+    ids = tokenizer.encode(probe, add_special_tokens=False)
+    parts = [token_bytes(i) for i in ids]
+    if any(p is None for p in parts):
+        return False
+    joined = b"".join(p for p in parts if p is not None).decode("utf-8", errors="replace")
+    return joined == tokenizer.decode(ids) or joined.lstrip() == tokenizer.decode(ids).lstrip()

@@ -2,7 +2,9 @@
 
 The manager reports a token as `[logprob, token_id, text]` and the alternatives at a position as
 a list of such entries. Completions use the legacy columnar format (tokens, token_logprobs,
-top_logprobs dicts, text_offset); chat uses per-token objects with bytes.
+top_logprobs dicts, text_offset); chat uses per-token objects with bytes: the token's own bytes
+where the vocabulary gives them (a token that holds part of a character has bytes that are not
+UTF-8 on their own, while its text is U+FFFD), else the UTF-8 of its text.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ from engine.entrypoints.openai.protocol import (
     CompletionLogProbs,
     TopLogprob,
 )
+from engine.utils.tokenizer_utils import TokenBytes
 
 # One token: [logprob, token_id, text]. Text is None when the manager was not asked for it.
 TokenEntry = Sequence
@@ -77,24 +80,27 @@ def to_chat_logprobs(
     token_entries: List[TokenEntry],
     top_entries: List[Optional[List[TokenEntry]]],
     decode: Decode,
+    token_bytes: Optional[TokenBytes] = None,
 ) -> List[ChatCompletionTokenLogprob]:
+    def bytes_of(entry: TokenEntry, text: str) -> List[int]:
+        raw = token_bytes(int(entry[1])) if token_bytes is not None else None
+        return list(raw if raw is not None else text.encode("utf-8"))
+
     content = []
     for position, entry in enumerate(token_entries):
         token = _text(entry, decode)
         tops = top_entries[position] if position < len(top_entries) else None
+        alternatives = []
+        for top in tops or []:
+            top_text = _text(top, decode)
+            alternatives.append(TopLogprob(token=top_text, bytes=bytes_of(top, top_text),
+                                           logprob=_finite_or_min(top[0])))
         content.append(
             ChatCompletionTokenLogprob(
                 token=token,
-                bytes=list(token.encode("utf-8")),
+                bytes=bytes_of(entry, token),
                 logprob=_finite_or_min(entry[0]),
-                top_logprobs=[
-                    TopLogprob(
-                        token=_text(top, decode),
-                        bytes=list(_text(top, decode).encode("utf-8")),
-                        logprob=_finite_or_min(top[0]),
-                    )
-                    for top in tops or []
-                ],
+                top_logprobs=alternatives,
             )
         )
     return content

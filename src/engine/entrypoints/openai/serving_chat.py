@@ -54,6 +54,7 @@ from engine.entrypoints.openai.utils import (
 from engine.managers.errors import EngineRequestError
 from engine.managers.request_normalizer import GenerateReqInput
 from engine.managers.tokenizer_manager_protocol import GenerateOutputs, TokenizerManagerProtocol
+from engine.utils.tokenizer_utils import TokenBytes, make_token_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -67,6 +68,7 @@ class OpenAIServingChat:
         self.tokenizer_manager = tokenizer_manager
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
+        self._token_bytes: Optional[TokenBytes] = None  # built at the first logprobs request
 
     # ------------------------------------------------------------------ entry
     async def handle_request(self, request: ChatCompletionRequest, raw_request: Request) -> Response:
@@ -137,7 +139,10 @@ class OpenAIServingChat:
     def _logprobs(self, request: ChatCompletionRequest, tokens: List[Any], tops: List[Any]) -> Optional[ChoiceLogprobs]:
         if not request.logprobs:
             return None
-        return ChoiceLogprobs(content=to_chat_logprobs(tokens, tops, self._decode))
+        if self._token_bytes is None:
+            tokenizer = self.tokenizer_manager.tokenizer
+            self._token_bytes = make_token_bytes(tokenizer) if tokenizer is not None else (lambda token_id: None)
+        return ChoiceLogprobs(content=to_chat_logprobs(tokens, tops, self._decode, self._token_bytes))
 
     # ------------------------------------------------------------------ non-streaming
     def _full_response(
