@@ -377,12 +377,6 @@ class ServerArgs:
         self._check_disaggregation(need)
         self._check_simulated_device(need)
 
-    def _check_disaggregation(self, need) -> None:
-        need(self.disaggregation_mode in DISAGGREGATION_MODES,
-             f"--disaggregation-mode must be one of {', '.join(DISAGGREGATION_MODES)}, "
-             f"got {self.disaggregation_mode!r}")
-        need(self.disaggregation_transfer_backend in DISAGGREGATION_TRANSFER_BACKENDS,
-             f"--disaggregation-transfer-backend must be one of {', '.join(DISAGGREGATION_TRANSFER_BACKENDS)}, "
     def _warn_open_pd_planes(self) -> None:
         """Without a secret the PD planes are open: fine on loopback, loud beyond it (docs/security.md)."""
         if resolve_secret(self.disaggregation_secret) is not None or self.disaggregation_transfer_backend != "tcp":
@@ -394,6 +388,12 @@ class ServerArgs:
                            "transfers. Set the same secret on every PD server (docs/security.md).",
                            self.disaggregation_mode, ", ".join(exposed), SECRET_ENV)
 
+    def _check_disaggregation(self, need) -> None:
+        need(self.disaggregation_mode in DISAGGREGATION_MODES,
+             f"--disaggregation-mode must be one of {', '.join(DISAGGREGATION_MODES)}, "
+             f"got {self.disaggregation_mode!r}")
+        need(self.disaggregation_transfer_backend in DISAGGREGATION_TRANSFER_BACKENDS,
+             f"--disaggregation-transfer-backend must be one of {', '.join(DISAGGREGATION_TRANSFER_BACKENDS)}, "
              f"got {self.disaggregation_transfer_backend!r}")
         need(1 <= self.disaggregation_bootstrap_port <= 65535,
              f"--disaggregation-bootstrap-port must be in [1, 65535], got {self.disaggregation_bootstrap_port}")
@@ -408,18 +408,18 @@ class ServerArgs:
             need(value > 0, f"--disaggregation-{name.replace('_', '-')} must be > 0, got {value}")
         need(self.disaggregation_heartbeat_max_failures >= 1,
              f"--disaggregation-heartbeat-max-failures must be >= 1, got {self.disaggregation_heartbeat_max_failures}")
+        try:
+            PrefillAllowlist.parse(self.disaggregation_prefill_allowlist)
+        except ValueError as e:
+            need(False, str(e))
         if self.disaggregation_mode != "null":
+            self._warn_open_pd_planes()
             need(self.dp_size == 1, "--disaggregation-mode prefill|decode supports --dp-size 1 only")
             need(not self.is_embedding, "--disaggregation-mode prefill|decode serves generative models only, "
                                         "not --is-embedding")
             need(not (self.disaggregation_mode == "prefill" and self.port == self.disaggregation_bootstrap_port),
                  "--disaggregation-bootstrap-port must differ from --port")
-        try:
-            PrefillAllowlist.parse(self.disaggregation_prefill_allowlist)
-        except ValueError as e:
-            need(False, str(e))
 
-            self._warn_open_pd_planes()
     def _check_simulated_device(self, need: Any) -> None:
         if self.simulated_device_forward_ms is None:
             return

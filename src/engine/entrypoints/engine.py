@@ -143,6 +143,7 @@ def start_bootstrap_server(server_args: ServerArgs) -> Optional["BootstrapServer
     if (server_args.disaggregation_mode != "prefill" or server_args.disaggregation_transfer_backend != "tcp"
             or server_args.node_rank != 0):
         return None
+    from engine.disaggregation.auth import resolve_secret
     from engine.disaggregation.bootstrap import BootstrapServer
 
     try:
@@ -150,7 +151,6 @@ def start_bootstrap_server(server_args: ServerArgs) -> Optional["BootstrapServer
                                secret=resolve_secret(server_args.disaggregation_secret))
     except OSError as e:
         raise LaunchError(f"cannot start the bootstrap server on port {server_args.disaggregation_bootstrap_port}: "
-    from engine.disaggregation.auth import resolve_secret
                           f"{e}") from None
 
 

@@ -299,10 +299,10 @@ def create_app(
         info: Dict[str, Any] = dict(server_args.to_dict())
         info.pop("api_key", None)  # a secret has no place in a diagnostic dump
         info.pop("admin_api_key", None)
+        info.pop("disaggregation_secret", None)
         # What the schedulers chose, at the top level as in SGLang (the router reads it there).
         info["max_total_num_tokens"] = tokenizer_manager.max_total_num_tokens
         info["max_req_input_len"] = tokenizer_manager.max_req_input_len
-        info.pop("disaggregation_secret", None)
         info["internal_states"] = await tokenizer_manager.get_internal_state()
         info["version"] = engine_version()
         return OrjsonResponse(info)
