@@ -10,10 +10,11 @@ from __future__ import annotations
 import copy
 import json
 import logging
-from typing import Any, Callable, Dict, List
+from typing import Any, Callable, Dict, List, Union
 
 import torch
 import xgrammar as xgr
+from transformers import PreTrainedTokenizerFast
 
 from engine.constrained.base_grammar_backend import (
     BaseGrammarBackend,
@@ -21,13 +22,16 @@ from engine.constrained.base_grammar_backend import (
     GrammarCompileError,
     clean_backend_error,
 )
+from engine.constrained.utf8_guard import ACCEPT, Utf8Masks
 
 logger = logging.getLogger(__name__)
 
 # xgrammar (0.2.x) compiles a string with minLength / maxLength to characters that include raw
 # control characters, which JSON forbids: the output would not parse. Such strings are rewritten
 # to the same length bounds over the characters JSON allows unescaped (a pattern compiles
-# correctly). Long bounds make the pattern's automaton big, so only these are rewritten.
+# correctly). SGLang passes the schema as is; xgrammar's rule lets no escape in either, so the
+# rewrite only takes the raw control characters away. The pattern's automaton grows fast with the
+# bound (64: ~0.1 s to compile, 1024: ~5 s), so longer bounds keep xgrammar's own rule.
 MAX_REWRITTEN_STRING_LENGTH = 64
 _JSON_SAFE_CHAR = r'[^"\\\x00-\x1f]'
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
@@ -36,32 +40,45 @@ _SUBSCHEMAS = ("items", "additionalProperties", "not", "if", "then", "else", "co
 
 
 class XGrammarGrammar(BaseGrammarObject):
-    def __init__(self, compiled: xgr.CompiledGrammar) -> None:
+    def __init__(self, compiled: xgr.CompiledGrammar, utf8: Utf8Masks) -> None:
         super().__init__()
         self.compiled = compiled
         self.matcher = xgr.GrammarMatcher(compiled)
+        # xgrammar lets bytes through that are not UTF-8 (surrogates, utf8_guard.py): the output's
+        # UTF-8 decoder state after each accepted token (the last one is the current state).
+        self.utf8 = utf8
+        self.utf8_states = [ACCEPT]
 
     def _accept(self, token: int) -> bool:
-        return bool(self.matcher.accept_token(token))
+        state = self.utf8.next_state(self.utf8_states[-1], token)
+        if state is None or not self.matcher.accept_token(token):
+            return False
+        self.utf8_states.append(state)
+        return True
 
     def _rollback(self, num_tokens: int) -> bool:
+        if num_tokens >= len(self.utf8_states):
+            return False
         try:
             self.matcher.rollback(num_tokens)
         except RuntimeError:  # beyond the matcher's rollback history
             return False
+        del self.utf8_states[len(self.utf8_states) - num_tokens:]
         return True
 
     def _reset(self) -> None:
         self.matcher.reset()
+        self.utf8_states = [ACCEPT]
 
     def is_terminated(self) -> bool:
         return bool(self.matcher.is_terminated())
 
     def fill_vocab_mask(self, vocab_mask: torch.Tensor, row: int) -> None:
         self.matcher.fill_next_token_bitmask(vocab_mask, row)
+        self.utf8.restrict(vocab_mask, row, self.utf8_states[-1])
 
     def copy(self) -> "XGrammarGrammar":
-        return XGrammarGrammar(self.compiled)
+        return XGrammarGrammar(self.compiled, self.utf8)
 
     def memory_size_bytes(self) -> int:
         return int(self.compiled.memory_size_bytes)
@@ -73,12 +90,12 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         super().__init__(num_threads)
         # The model's stop tokens (not only the tokenizer's EOS) end a completed grammar, so a
         # chat model may close its turn the way it was trained to.
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                  stop_token_ids=sorted(stop_token_ids) or None)
+        info = _tokenizer_info(tokenizer, vocab_size, stop_token_ids)
         # No cache of xgrammar's own (unbounded by default): BaseGrammarBackend's bounded one keeps
         # the compiled grammars.
         self.compiler = xgr.GrammarCompiler(info, max_threads=num_threads, cache_enabled=False)
         self.any_whitespace = any_whitespace
+        self.utf8 = Utf8Masks(info.decoded_vocab, (vocab_size + 31) // 32)
 
     def dispatch_json(self, schema: str) -> XGrammarGrammar:
         try:
@@ -89,14 +106,14 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
             raise GrammarCompileError("Invalid json_schema: a JSON schema must be an object (or a boolean).")
         if _rewrite_length_bounded_strings(parsed):
             schema = json.dumps(parsed)
-        return _compile("json_schema", lambda text: self.compiler.compile_json_schema(
+        return self._matcher_of("json_schema", lambda text: self.compiler.compile_json_schema(
             text, any_whitespace=self.any_whitespace), schema)
 
     def dispatch_regex(self, regex: str) -> XGrammarGrammar:
-        return _compile("regex", self.compiler.compile_regex, regex)
+        return self._matcher_of("regex", self.compiler.compile_regex, regex)
 
     def dispatch_ebnf(self, ebnf: str) -> XGrammarGrammar:
-        return _compile("ebnf", self.compiler.compile_grammar, ebnf)
+        return self._matcher_of("ebnf", self.compiler.compile_grammar, ebnf)
 
     def dispatch_structural_tag(self, structural_tag: str) -> XGrammarGrammar:
         """SGLang's two shapes: the legacy `{"structures": [{"begin", "schema", "end"}], "triggers":
@@ -117,7 +134,7 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         except (RuntimeError, ValueError, TypeError) as e:
             raise GrammarCompileError(f"Invalid structural_tag: {clean_backend_error(e)}") from None
         text = json.dumps({"type": "structural_tag", "format": fmt})
-        return _compile("structural_tag", self.compiler.compile_structural_tag, text)
+        return self._matcher_of("structural_tag", self.compiler.compile_structural_tag, text)
 
     def _json_as_grammar(self, fmt: Any) -> Any:
         """`fmt` with each plain JSON-schema part replaced by the grammar this server compiles for
@@ -143,12 +160,28 @@ class XGrammarGrammarBackend(BaseGrammarBackend):
         super().reset()
         self.compiler.clear_cache()
 
+    def _matcher_of(self, kind: str, compile_fn: Callable[[str], xgr.CompiledGrammar], text: str) -> XGrammarGrammar:
+        try:
+            return XGrammarGrammar(compile_fn(text), self.utf8)
+        except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse and conversion errors
+            raise GrammarCompileError(f"Invalid {kind}: {clean_backend_error(e)}") from None
 
-def _compile(kind: str, compile_fn: Callable[[str], xgr.CompiledGrammar], text: str) -> XGrammarGrammar:
-    try:
-        return XGrammarGrammar(compile_fn(text))
-    except (RuntimeError, ValueError, TypeError) as e:  # xgrammar's parse and conversion errors
-        raise GrammarCompileError(f"Invalid {kind}: {clean_backend_error(e)}") from None
+
+def _tokenizer_info(tokenizer: Any, vocab_size: int, stop_token_ids: List[int]) -> xgr.TokenizerInfo:
+    """xgrammar's view of the vocabulary, the stop tokens' text left out. xgrammar reads an added
+    token's text (`<|eot|>`) as ordinary text, so a grammar that allows it (a JSON string, or
+    `"<" [^>]+ ">"`) let the model emit a stop token as text, and the request ended right there with
+    an output the grammar had not finished. A stop token still ends a complete grammar (by id)."""
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                              stop_token_ids=sorted(stop_token_ids) or None)
+    if not isinstance(tokenizer, PreTrainedTokenizerFast):
+        return info  # xgrammar reads other tokenizers' vocabularies its own ways
+    stops = set(info.stop_token_ids)
+    encoded: List[Union[bytes, str]] = [""] * info.vocab_size
+    for token, index in tokenizer.get_vocab().items():
+        if 0 <= index < info.vocab_size and index not in stops:
+            encoded[index] = token
+    return xgr.TokenizerInfo.from_vocab_and_metadata(encoded, info.dump_metadata())
 
 
 def _legacy_format(tag: Dict[str, Any]) -> Dict[str, Any]:
