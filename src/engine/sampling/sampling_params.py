@@ -31,7 +31,9 @@ logger = logging.getLogger(__name__)
 
 # Below this temperature a request is greedy; SGLang uses the same threshold.
 SAMPLING_EPS = 1e-6
-# logit_bias values are clamped to this magnitude by OpenAI; we reject values outside it.
+# logit_bias values outside OpenAI's documented range are refused (SGLang has no bound): +-100
+# already forces or bans a token, and a larger bias overflows half-precision logits to inf (NaN
+# after softmax).
 LOGIT_BIAS_LIMIT = 100.0
 
 _PARAM_NAMES = (
