@@ -225,17 +225,6 @@ class GenerateReqInput:
                 out.append((hosts[i], ports[i], room))
         return out
 
-    def _checked_dp_rank(self) -> Optional[int]:
-        """routed_dp_rank, or data_parallel_rank when only that one is given (both must agree)."""
-        for name, value in (("routed_dp_rank", self.routed_dp_rank), ("data_parallel_rank", self.data_parallel_rank)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
-                raise EngineRequestError(f"{name} must be a non-negative integer or null, got {value!r}.")
-        if self.routed_dp_rank is not None and self.data_parallel_rank is not None \
-                and self.routed_dp_rank != self.data_parallel_rank:
-            raise EngineRequestError(f"routed_dp_rank ({self.routed_dp_rank}) and data_parallel_rank "
-                                     f"({self.data_parallel_rank}) name different ranks; send one of them.")
-        return self.routed_dp_rank if self.routed_dp_rank is not None else self.data_parallel_rank
-
     def _hidden_states_per_prompt(self, num_prompts: int) -> list[HiddenStatesMode]:
         """return_hidden_states: false, true or "last" for every prompt, or a list of them."""
         value: Any = self.return_hidden_states  # as the client sent it: its shape is checked here
@@ -250,6 +239,17 @@ class GenerateReqInput:
                                          f"got {item!r}.")
             modes.append(False if item is None else item)
         return modes
+
+    def _checked_dp_rank(self) -> Optional[int]:
+        """routed_dp_rank, or data_parallel_rank when only that one is given (both must agree)."""
+        for name, value in (("routed_dp_rank", self.routed_dp_rank), ("data_parallel_rank", self.data_parallel_rank)):
+            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
+                raise EngineRequestError(f"{name} must be a non-negative integer or null, got {value!r}.")
+        if self.routed_dp_rank is not None and self.data_parallel_rank is not None \
+                and self.routed_dp_rank != self.data_parallel_rank:
+            raise EngineRequestError(f"routed_dp_rank ({self.routed_dp_rank}) and data_parallel_rank "
+                                     f"({self.data_parallel_rank}) name different ranks; send one of them.")
+        return self.routed_dp_rank if self.routed_dp_rank is not None else self.data_parallel_rank
 
     def _token_ids_per_prompt(self, num_prompts: int) -> list[Optional[list[int]]]:
         """token_ids_logprob: one list of ids for every prompt, or a list of such lists."""
