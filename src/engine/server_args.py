@@ -17,7 +17,7 @@ from engine.disaggregation.auth import SECRET_ENV, is_loopback, resolve_secret
 
 logger = logging.getLogger(__name__)
 
-SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "routing-key")
 ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -105,7 +105,9 @@ class ServerArgs:
                                                     "Default 8192 on CUDA, 2048 on the CPU.")
     page_size: int = arg(1, "Tokens per KV page (a power of two); prefixes are shared page by page.")
     schedule_policy: str = arg("fcfs", "Order of the waiting queue: fcfs, lpm (longest cached prefix first), "
-                                       "dfs-weight (radix-tree order), lof (longest output first), random.")
+                                       "dfs-weight (radix-tree order), lof (longest output first), random, "
+                                       "routing-key (requests whose routing_key is most frequent among the "
+                                       "running ones first).")
     schedule_conservativeness: float = arg(1.0, "Scales the decode-token reservation of running requests: "
                                                 "higher admits fewer new requests (fewer retractions).")
     disable_radix_cache: bool = arg(False, "No prefix sharing between requests.")
@@ -238,6 +240,11 @@ class ServerArgs:
     log_level: str = arg("info", "debug, info, warning, error or critical.")
     log_requests: bool = arg(False, "Log each request's arrival and finish (rid, reason, tokens, text).")
     enable_metrics: bool = arg(False, "Serve Prometheus metrics on /metrics.")
+    tokenizer_metrics_allowed_custom_labels: Optional[List[str]] = arg(None, (
+        "Label names a request may add to its request metrics (custom_labels on /generate and the Engine, "
+        "the --tokenizer-metrics-custom-labels-header JSON header on the OpenAI routes); others are dropped."))
+    tokenizer_metrics_custom_labels_header: str = arg("x-custom-labels", (
+        "The HTTP header whose JSON object gives an OpenAI request's custom metric labels."))
     decode_log_interval: int = arg(40, "Log one decode-batch line every N decode steps.")
     watchdog_timeout: float = arg(300.0, "Seconds a forward may make no progress before the server is "
                                          "taken down.")
@@ -348,6 +355,7 @@ class ServerArgs:
              f"--http-max-connections must be >= 1, got {self.http_max_connections}")
         need(self.tokenizer_worker_num == 1 or not self.enable_metrics,
              "--enable-metrics serves one process's counters: it cannot be combined with --tokenizer-worker-num > 1")
+        self._check_custom_labels(need)
         need(self.decode_log_interval >= 1,
              f"--decode-log-interval must be >= 1, got {self.decode_log_interval}")
         need(self.watchdog_timeout > 0, f"--watchdog-timeout must be > 0, got {self.watchdog_timeout}")
@@ -420,6 +428,19 @@ class ServerArgs:
             need(not (self.disaggregation_mode == "prefill" and self.port == self.disaggregation_bootstrap_port),
                  "--disaggregation-bootstrap-port must differ from --port")
 
+    def _check_custom_labels(self, need: Any) -> None:
+        from engine.managers.metrics import custom_label_names_error
+
+        labels = self.tokenizer_metrics_allowed_custom_labels
+        if labels is None:
+            return
+        if isinstance(labels, str):  # a single name given in Python
+            labels = self.tokenizer_metrics_allowed_custom_labels = [labels]
+        error = custom_label_names_error(labels)
+        need(error is None, f"--tokenizer-metrics-allowed-custom-labels: {error}")
+        need(bool(self.tokenizer_metrics_custom_labels_header),
+             "--tokenizer-metrics-custom-labels-header must not be empty with --tokenizer-metrics-allowed-custom-labels")
+
     def _check_simulated_device(self, need: Any) -> None:
         if self.simulated_device_forward_ms is None:
             return
@@ -462,7 +483,7 @@ class ServerArgs:
                 parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
                 continue
             parser.add_argument(flag, type=_ARG_TYPES.get(f.name, str), default=f.default, help=help_text,
-                                choices=_CHOICES.get(f.name))
+                                choices=_CHOICES.get(f.name), nargs="+" if f.name in _LISTS else None)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
@@ -530,6 +551,9 @@ _ARG_TYPES = {
     "disaggregation_heartbeat_interval": float,
     "disaggregation_heartbeat_max_failures": int,
 }
+
+# Flags that take one or more values (SGLang's nargs="+").
+_LISTS = {"tokenizer_metrics_allowed_custom_labels"}
 
 _CHOICES = {
     "dtype": DTYPES,

@@ -27,7 +27,7 @@ EOS = 999
 # TokenizedGenerateReqInput fields Harness.submit takes next to the sampling params.
 REQUEST_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob",
                   "return_hidden_states", "custom_logit_processor", "priority", "extra_key", "cache_salt",
-                  "bootstrap_host", "bootstrap_port", "bootstrap_room")
+                  "bootstrap_host", "bootstrap_port", "bootstrap_room", "routing_key")
 
 
 class FakeTokenizer:

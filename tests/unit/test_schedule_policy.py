@@ -150,3 +150,25 @@ def test_every_policy_serves_every_request_with_the_same_greedy_outputs(policy):
         return {k: h.outputs[r].output_ids for k, r in rids.items()}
 
     assert run(policy) == run("fcfs")
+
+
+def test_routing_key_runs_the_keys_most_frequent_among_the_running_requests_first():
+    # SGLang's routing-key policy: keys counted over the running batch, the most frequent first;
+    # keys not running (and no key) after them, grouped by key; arrival order while nothing runs.
+    h = Harness(schedule_policy="routing-key")
+    waiting = [h.submit(prompt(8, 10 * i), routing_key=key, max_new_tokens=50)
+               for i, key in enumerate(["c", "b", None, "a", "b", "d"])]
+    assert sorted_rids(h) == waiting  # nothing runs: the queue keeps its order
+    h = Harness(schedule_policy="routing-key")
+    for i, key in enumerate(["a", "a", "b"]):
+        h.submit(prompt(8, 200 + 10 * i), routing_key=key, max_new_tokens=50)
+    h.step()
+    h.step()
+    running = h.scheduler.running_batch.reqs
+    assert sorted(r.routing_key for r in running) == ["a", "a", "b"]
+    c, b1, none, a, b2, d = [h.submit(prompt(8, 10 * i), routing_key=key)
+                             for i, key in enumerate(["c", "b", None, "a", "b", "d"])]
+    s = h.scheduler
+    s.process_input_requests(s.recv_requests())
+    s.prefill.policy.calc_priority(s.waiting_queue, running)
+    assert [r.rid for r in s.waiting_queue] == [a, b1, b2, none, c, d]

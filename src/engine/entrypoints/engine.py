@@ -41,7 +41,8 @@ logger = logging.getLogger(__name__)
 
 # SGLang's per-request extras that generate() passes on to GenerateReqInput.
 GENERATE_EXTRAS = ("token_ids_logprob", "return_hidden_states", "custom_logit_processor", "priority", "extra_key",
-                   "cache_salt", "require_reasoning", "routed_dp_rank", "data_parallel_rank")
+                   "cache_salt", "require_reasoning", "routed_dp_rank", "data_parallel_rank", "routing_key",
+                   "custom_labels")
 # How often a blocked Engine call checks that something can still answer it.
 LIVENESS_POLL_S = 0.5
 # A call still pending this long after the engine was found dead is ended here: the death should

@@ -223,6 +223,8 @@ async def _generate(tokenizer_manager: TokenizerManagerProtocol, body: GenerateR
         bootstrap_room=body.bootstrap_room,
         routed_dp_rank=body.routed_dp_rank,
         data_parallel_rank=body.data_parallel_rank,
+        routing_key=body.routing_key,
+        custom_labels=body.custom_labels,
     )
     incremental = raw_request.app.state.server_args.incremental_streaming_output
     stream = tokenizer_manager.generate_request(obj, ClientConnection(raw_request), incremental=incremental)
@@ -262,8 +264,10 @@ def create_app(
     _install_error_handlers(app)
     app.state.tokenizer_manager = tokenizer_manager
     app.state.server_args = server_args
-    serving_chat = OpenAIServingChat(tokenizer_manager, server_args.tool_call_parser, server_args.reasoning_parser)
-    serving_completion = OpenAIServingCompletion(tokenizer_manager)
+    labels_header = server_args.tokenizer_metrics_custom_labels_header
+    serving_chat = OpenAIServingChat(tokenizer_manager, server_args.tool_call_parser, server_args.reasoning_parser,
+                                     labels_header=labels_header)
+    serving_completion = OpenAIServingCompletion(tokenizer_manager, labels_header=labels_header)
     serving_embedding = OpenAIServingEmbedding(tokenizer_manager)
     created = int(time.time())
 

@@ -62,6 +62,9 @@ class TokenizedGenerateReqInput(Routed, tag=True):
     # The data-parallel replica named by the client (SGLang's routed_dp_rank), already in
     # [0, dp_size); None: the controller's load balancer picks one.
     routed_dp_rank: Optional[int] = None
+    # SGLang's routing key: --schedule-policy routing-key runs requests of the keys most frequent
+    # among the running ones first.
+    routing_key: Optional[str] = None
 
 
 class TokenizedEmbeddingReqInput(Routed, tag=True):

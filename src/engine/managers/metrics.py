@@ -13,9 +13,11 @@ one process without clashing in prometheus_client's global registry):
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import re
 from dataclasses import dataclass
-from typing import Any, Iterator, Optional, Sequence
+from typing import Any, Dict, Iterator, Mapping, Optional, Sequence, Tuple
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, HistogramMetricFamily, Metric
@@ -33,44 +35,128 @@ ITL_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.
 E2E_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0, 160.0, 320.0)
 
 
+# Custom labels (--tokenizer-metrics-allowed-custom-labels): names a label may have, the values a
+# request may give, and the label sets one server keeps. Every distinct set of values is a series
+# of every request metric, held until the server stops: past the cap, new sets count under
+# OVERFLOW_LABEL_VALUE, so clients cannot grow the registry without bound.
+CUSTOM_LABEL_NAME = re.compile(r"[a-zA-Z_][a-zA-Z0-9_]*")
+RESERVED_LABEL_NAMES = ("model_name", "le", "quantile")
+MAX_CUSTOM_LABEL_NAMES = 16
+MAX_CUSTOM_LABEL_VALUE_LEN = 128
+MAX_CUSTOM_LABEL_SETS = 1000
+OVERFLOW_LABEL_VALUE = "__overflow__"
+
+
+def custom_label_names_error(names: Sequence[str]) -> Optional[str]:
+    """Why `names` cannot be the allowed custom labels (None: they can)."""
+    if len(names) > MAX_CUSTOM_LABEL_NAMES:
+        return f"at most {MAX_CUSTOM_LABEL_NAMES} names, got {len(names)}"
+    if len(set(names)) != len(names):
+        return f"names must be distinct, got {list(names)}"
+    for name in names:
+        if not CUSTOM_LABEL_NAME.fullmatch(name) or name.startswith("__") or name in RESERVED_LABEL_NAMES:
+            return (f"{name!r} is not a label name this server can add (letters, digits and '_', not starting "
+                    f"with a digit or '__', none of {', '.join(RESERVED_LABEL_NAMES)})")
+    return None
+
+
+def checked_custom_labels(labels: Any, allowed: Sequence[str]) -> Optional[Dict[str, str]]:
+    """A request's custom labels, kept to the allowed names (others are dropped, as SGLang);
+    ValueError for a shape or a value out of bounds."""
+    if labels is None:
+        return None
+    if not isinstance(labels, dict):
+        raise ValueError("custom_labels must be an object of label name -> string value")
+    kept: Dict[str, str] = {}
+    for name, value in labels.items():
+        if name not in allowed:
+            continue
+        if not isinstance(value, str) or len(value) > MAX_CUSTOM_LABEL_VALUE_LEN:
+            raise ValueError(f"custom_labels[{name!r}] must be a string of at most {MAX_CUSTOM_LABEL_VALUE_LEN} "
+                             "characters")
+        kept[name] = value
+    return kept or None
+
+
 @dataclass(slots=True)
 class RequestTimer:
-    """Timestamps of one request, in the clock the caller uses for `now` (seconds)."""
+    """Timestamps of one request, in the clock the caller uses for `now` (seconds), and the values
+    of its custom labels (TokenizerMetricsCollector.label_values)."""
 
     created: float
     first_token_time: Optional[float] = None
     last_output_time: Optional[float] = None
     completion_tokens: int = 0
+    labels: Tuple[str, ...] = ()
+
+
+@dataclass(slots=True)
+class _Series:
+    """The request metrics of one set of label values."""
+
+    prompt_tokens: Any
+    generation_tokens: Any
+    num_requests: Any
+    time_to_first_token: Any
+    inter_token_latency: Any
+    e2e_request_latency: Any
 
 
 class TokenizerMetricsCollector:
-    """The metrics of one server: request counters, latency histograms and scheduler gauges."""
+    """The metrics of one server: request counters, latency histograms and scheduler gauges.
 
-    def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None) -> None:
+    `custom_label_names` (--tokenizer-metrics-allowed-custom-labels) label every request metric
+    after model_name, as SGLang's; a request without a value for one gets "".
+    """
+
+    def __init__(self, model_name: str, registry: Optional[CollectorRegistry] = None,
+                 custom_label_names: Sequence[str] = ()) -> None:
         self.model_name = model_name
         self.registry = registry if registry is not None else CollectorRegistry()
-        labels = ("model_name",)
+        self.custom_label_names = tuple(custom_label_names)
+        labels = ("model_name", *self.custom_label_names)
 
         def counter(name: str, doc: str) -> Any:
-            return Counter(METRIC_PREFIX + name, doc, labels, registry=self.registry).labels(model_name)
+            return Counter(METRIC_PREFIX + name, doc, labels, registry=self.registry)
 
         def histogram(name: str, doc: str, buckets: Sequence[float]) -> Any:
-            return Histogram(METRIC_PREFIX + name, doc, labels, buckets=buckets,
-                             registry=self.registry).labels(model_name)
+            return Histogram(METRIC_PREFIX + name, doc, labels, buckets=buckets, registry=self.registry)
 
         # prometheus_client appends `_total` to counter names.
-        self.prompt_tokens = counter("prompt_tokens", "Prompt tokens of finished requests.")
-        self.generation_tokens = counter("generation_tokens", "Generated tokens of finished requests.")
-        self.num_requests = counter("num_requests", "Finished requests (any finish reason).")
-        self.time_to_first_token = histogram(
-            "time_to_first_token_seconds", "Time from arrival to the first output token.", TTFT_BUCKETS)
-        self.inter_token_latency = histogram(
-            "inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS)
-        self.e2e_request_latency = histogram(
-            "e2e_request_latency_seconds", "Time from arrival to the last output token.", E2E_BUCKETS)
+        self._metrics = _Series(
+            prompt_tokens=counter("prompt_tokens", "Prompt tokens of finished requests."),
+            generation_tokens=counter("generation_tokens", "Generated tokens of finished requests."),
+            num_requests=counter("num_requests", "Finished requests (any finish reason)."),
+            time_to_first_token=histogram(
+                "time_to_first_token_seconds", "Time from arrival to the first output token.", TTFT_BUCKETS),
+            inter_token_latency=histogram(
+                "inter_token_latency_seconds", "Time between consecutive output tokens.", ITL_BUCKETS),
+            e2e_request_latency=histogram(
+                "e2e_request_latency_seconds", "Time from arrival to the last output token.", E2E_BUCKETS),
+        )
+        self._series: Dict[Tuple[str, ...], _Series] = {}
+        self.label_values(None)  # the unlabelled series shows from the start
         self.scheduler_gauges = SchedulerStateCollector(model_name)
         self.registry.register(self.scheduler_gauges)
         self.registry.register(DisaggregationCollector(self.scheduler_gauges))
+
+    def label_values(self, custom_labels: Optional[Mapping[str, str]]) -> Tuple[str, ...]:
+        """A request's custom label values, in label order; OVERFLOW_LABEL_VALUE for every label
+        once MAX_CUSTOM_LABEL_SETS sets are kept and this one is new."""
+        values = tuple((custom_labels or {}).get(name, "") for name in self.custom_label_names)
+        if values not in self._series and len(self._series) >= MAX_CUSTOM_LABEL_SETS:
+            values = (OVERFLOW_LABEL_VALUE,) * len(values)
+        self._series_of(values)  # kept from now on: the cap counts it
+        return values
+
+    def _series_of(self, values: Tuple[str, ...]) -> _Series:
+        series = self._series.get(values)
+        if series is None:
+            metrics = self._metrics
+            label_values = (self.model_name, *values)
+            series = self._series[values] = _Series(*(
+                getattr(metrics, f.name).labels(*label_values) for f in dataclasses.fields(_Series)))
+        return series
 
     # ------------------------------------------------------------------ observing
     def observe_output(self, timer: RequestTimer, prompt_tokens: int, completion_tokens: int,
@@ -80,27 +166,30 @@ class TokenizerMetricsCollector:
         if new_tokens > 0:
             if timer.first_token_time is None:
                 timer.first_token_time = now
-                self.time_to_first_token.observe(max(0.0, now - timer.created))
+                self._series_of(timer.labels).time_to_first_token.observe(max(0.0, now - timer.created))
                 new_tokens -= 1  # the first token has no predecessor to measure against
             if new_tokens > 0 and timer.last_output_time is not None:
-                self.observe_inter_token_latency(now - timer.last_output_time, new_tokens)
+                self.observe_inter_token_latency(now - timer.last_output_time, new_tokens, timer.labels)
             timer.completion_tokens = completion_tokens
             timer.last_output_time = now
         if finished:
-            self.observe_one_finished_request(prompt_tokens, completion_tokens, now - timer.created)
+            self.observe_one_finished_request(prompt_tokens, completion_tokens, now - timer.created, timer.labels)
 
-    def observe_inter_token_latency(self, interval: float, num_new_tokens: int) -> None:
+    def observe_inter_token_latency(self, interval: float, num_new_tokens: int,
+                                    labels: Tuple[str, ...] = ()) -> None:
         """`num_new_tokens` arrived together after `interval` s: each took interval / n on average."""
         per_token = max(0.0, interval) / num_new_tokens
+        histogram = self._series_of(labels or self.label_values(None)).inter_token_latency
         for _ in range(num_new_tokens):
-            self.inter_token_latency.observe(per_token)
+            histogram.observe(per_token)
 
     def observe_one_finished_request(self, prompt_tokens: int, generation_tokens: int,
-                                     e2e_latency: float) -> None:
-        self.prompt_tokens.inc(max(0, prompt_tokens))
-        self.generation_tokens.inc(max(0, generation_tokens))
-        self.num_requests.inc()
-        self.e2e_request_latency.observe(max(0.0, e2e_latency))
+                                     e2e_latency: float, labels: Tuple[str, ...] = ()) -> None:
+        series = self._series_of(labels or self.label_values(None))
+        series.prompt_tokens.inc(max(0, prompt_tokens))
+        series.generation_tokens.inc(max(0, generation_tokens))
+        series.num_requests.inc()
+        series.e2e_request_latency.observe(max(0.0, e2e_latency))
 
     # ------------------------------------------------------------------ scraping
     def set_scheduler_states(self, states: Optional[Sequence[dict]]) -> None:

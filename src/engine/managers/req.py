@@ -109,6 +109,7 @@ class Req:
         token_ids_logprob: Optional[List[int]] = None,
         custom_logit_processor: Optional[str] = None,
         require_reasoning: bool = False,
+        routing_key: Optional[str] = None,
     ) -> None:
         self.rid = rid
         self.origin_input_text = origin_input_text
@@ -166,8 +167,9 @@ class Req:
         self.input_token_ids_logprobs_val: Optional[List[Optional[List[float]]]] = None
         self.output_token_ids_logprobs_val: List[List[float]] = []
 
-        # Extras: scheduling priority, cache namespace, hidden states, custom logit processor.
+        # Extras: scheduling priority, routing key, cache namespace, hidden states, custom logit processor.
         self.priority = priority
+        self.routing_key = routing_key
         self.extra_key = extra_key
         # return_hidden_states: true (every position's) or SGLang's "last" (the last position's only).
         self.return_hidden_states = bool(return_hidden_states)

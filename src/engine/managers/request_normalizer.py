@@ -41,6 +41,8 @@ MAX_CHARS_PER_TOKEN = 32
 # of JSON); n=128 x a long prompt x top 20 took 20 s of scheduler time and returned 21 MB.
 MAX_INPUT_LOGPROB_TOKENS = 65536
 MAX_INPUT_LOGPROB_VALUES = 1 << 20
+# routing_key: one string a request (it is counted against the running requests at every prefill).
+MAX_ROUTING_KEY_LEN = 256
 
 
 @dataclass
@@ -98,6 +100,10 @@ class GenerateReqInput:
     # SGLang's older name. normalize() keeps the one in effect in routed_dp_rank.
     routed_dp_rank: Optional[int] = None
     data_parallel_rank: Optional[int] = None
+    # SGLang's routing key (--schedule-policy routing-key) and metric labels (kept by the
+    # TokenizerManager to --tokenizer-metrics-allowed-custom-labels); one value for the request.
+    routing_key: Optional[str] = None
+    custom_labels: Optional[dict] = None
 
     # Filled by normalize(): one entry per sub-request.
     is_single: bool = field(default=True, init=False)
@@ -136,6 +142,10 @@ class GenerateReqInput:
         if not isinstance(self.require_reasoning, bool):
             raise EngineRequestError(f"require_reasoning must be a boolean, got {self.require_reasoning!r}.")
         self.routed_dp_rank = self._checked_dp_rank()
+        if self.routing_key is not None and (not isinstance(self.routing_key, str)
+                                             or len(self.routing_key) > MAX_ROUTING_KEY_LEN):
+            raise EngineRequestError(f"routing_key must be a string of at most {MAX_ROUTING_KEY_LEN} characters "
+                                     "or null.")
 
         out_text: list[str] = []
         out_ids: list[list[int]] = []
@@ -471,6 +481,7 @@ class RequestNormalizer:
             bootstrap_port=sub.bootstrap_port,
             bootstrap_room=sub.bootstrap_room,
             routed_dp_rank=obj.routed_dp_rank,
+            routing_key=obj.routing_key,
         )
 
     def _checked_token_ids(self, ids: Optional[list[int]]) -> Optional[list[int]]:

@@ -4,10 +4,10 @@ from __future__ import annotations
 
 import bisect
 import random
-from collections import defaultdict
+from collections import Counter, defaultdict
 from contextlib import contextmanager
 from enum import Enum, auto
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 from engine.managers.priority import PriorityPolicy
 from engine.managers.req import CLIP_MAX_NEW_TOKENS_ESTIMATION, Req
@@ -28,7 +28,7 @@ LPM_MAX_QUEUE_LEN = 128
 class SchedulePolicy:
     def __init__(self, policy: str, tree_cache: BasePrefixCache, radix_enabled: bool, seed: int = 0,
                  priority: Optional[PriorityPolicy] = None) -> None:
-        if policy not in ("fcfs", "lpm", "dfs-weight", "lof", "random"):
+        if policy not in ("fcfs", "lpm", "dfs-weight", "lof", "random", "routing-key"):
             raise ValueError(f"unknown schedule policy {policy!r}")
         # Cache-aware policies are meaningless without a radix tree.
         self.radix: Optional[RadixCache] = (
@@ -42,8 +42,8 @@ class SchedulePolicy:
         # cache-aware policies and random ignore it).
         self.priority = priority if priority is not None and priority.enabled else None
 
-    def calc_priority(self, waiting_queue: List[Req]) -> None:
-        """Sort the waiting queue in place."""
+    def calc_priority(self, waiting_queue: List[Req], running: Sequence[Req] = ()) -> None:
+        """Sort the waiting queue in place (`running`: the running batch's requests)."""
         policy = self.policy
         if policy == "lpm" and len(waiting_queue) > LPM_MAX_QUEUE_LEN:
             policy = "fcfs"
@@ -59,6 +59,8 @@ class SchedulePolicy:
                 waiting_queue.sort(key=lambda r: -r.max_new_tokens)
         elif policy == "random":
             self.rng.shuffle(waiting_queue)
+        elif policy == "routing-key":
+            self._sort_by_routing_key(waiting_queue, running)
         elif policy == "lpm":
             self._compute_prefix_matches(waiting_queue)
             deprioritized = self._in_batch_duplicates(waiting_queue)
@@ -66,6 +68,23 @@ class SchedulePolicy:
         else:
             self._compute_prefix_matches(waiting_queue)
             waiting_queue[:] = self._dfs_weight_order(waiting_queue)
+
+    @staticmethod
+    def _sort_by_routing_key(waiting_queue: List[Req], running: Sequence[Req]) -> None:
+        """SGLang's routing-key policy: the requests whose routing_key is the most frequent among
+        the running requests first (their KV and adapters are likely warm), the others after them,
+        grouped by key; the order is left alone while no running request has a key."""
+        counts = Counter(r.routing_key for r in running if r.routing_key)
+        if not counts:
+            return
+
+        def order(req: Req) -> Tuple[int, int, str]:
+            key = req.routing_key
+            if key and key in counts:
+                return 0, -counts[key], key
+            return 1, 0, key or ""
+
+        waiting_queue.sort(key=order)
 
     def _compute_prefix_matches(self, waiting_queue: List[Req]) -> None:
         for req in waiting_queue:

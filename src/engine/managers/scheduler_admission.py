@@ -59,6 +59,7 @@ class Admission:
             token_ids_logprob=recv.token_ids_logprob if recv.return_logprob else None,
             custom_logit_processor=recv.custom_logit_processor,
             require_reasoning=recv.require_reasoning,
+            routing_key=recv.routing_key,
         )
         req.tokenizer = s.tokenizer
         req.http_worker = recv.http_worker

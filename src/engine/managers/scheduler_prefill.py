@@ -56,7 +56,7 @@ class PrefillBuilder:
             s.running_batch.batch_is_full = True
             return None
 
-        self.policy.calc_priority(s.waiting_queue)
+        self.policy.calc_priority(s.waiting_queue, s.running_batch.reqs)
         mixed = s.server_args.enable_mixed_chunk and not s.running_batch.is_empty()
         adder = PrefillAdder(
             s.page_size, s.tree_cache, s.token_to_kv_pool_allocator, s.running_batch.reqs,

@@ -52,7 +52,7 @@ from engine.managers.io_struct import (
     decode,
     encode,
 )
-from engine.managers.metrics import RequestTimer, TokenizerMetricsCollector
+from engine.managers.metrics import RequestTimer, TokenizerMetricsCollector, checked_custom_labels
 from engine.managers.output_assembly import OutputAssembler, ReqState, build_output
 from engine.managers.request_normalizer import (
     GenerateReqInput,
@@ -152,8 +152,11 @@ class TokenizerManager:
         self.last_receive_tstamp = 0.0
         # Last arrival of generated output (not of control replies): a sign that batches finish.
         self.last_output_tstamp = 0.0
+        # Label names a request may add to its metrics (SGLang's --tokenizer-metrics-allowed-custom-labels).
+        self.custom_label_names: tuple[str, ...] = tuple(server_args.tokenizer_metrics_allowed_custom_labels or ())
         self.metrics_collector: Optional[TokenizerMetricsCollector] = (
-            TokenizerMetricsCollector(self.served_model_name) if server_args.enable_metrics else None)
+            TokenizerMetricsCollector(self.served_model_name, custom_label_names=self.custom_label_names)
+            if server_args.enable_metrics else None)
         # A PD prefill server's bootstrap server (started with the children; closed with us).
         self.bootstrap_server: Optional[BootstrapServer] = None
 
@@ -309,6 +312,10 @@ class TokenizerManager:
         if not self.is_generation:
             raise EngineRequestError(NOT_A_GENERATION_MODEL)
         obj.normalize()
+        try:
+            obj.custom_labels = checked_custom_labels(obj.custom_labels, self.custom_label_names)
+        except ValueError as e:
+            raise EngineRequestError(str(e)) from None
         tokenized = await self._off_loop(self.normalizer.tokenize_request, obj)
         # Waits while generation is paused or a weight update runs; held until the request ends.
         async with self.control.gate.slot():
@@ -334,7 +341,8 @@ class TokenizerManager:
             )
             if self.metrics_collector is not None and obj.log_metrics \
                     and not req.rid.startswith(HEALTH_CHECK_RID_PREFIX):
-                state.timer = RequestTimer(created=time.monotonic())
+                state.timer = RequestTimer(created=time.monotonic(),
+                                           labels=self.metrics_collector.label_values(obj.custom_labels))
             self.rid_to_state[req.rid] = state
             states.append(state)
         await self._send_requests(tokenized, states, log=not obj.no_logs)

@@ -35,6 +35,7 @@ from engine.entrypoints.openai.protocol import (
     random_uuid,
 )
 from engine.entrypoints.openai.utils import (
+    DEFAULT_CUSTOM_LABELS_HEADER,
     ClientConnection,
     ChoiceCursor,
     OrjsonResponse,
@@ -45,6 +46,7 @@ from engine.entrypoints.openai.utils import (
     error_response_from_exception,
     final_output,
     finish_reason_to_openai,
+    header_extras,
     last_hidden_state,
     make_usage,
     prime_stream,
@@ -64,8 +66,9 @@ _PROMPT_TAIL_TOKENS = 16
 
 class OpenAIServingChat:
     def __init__(self, tokenizer_manager: TokenizerManagerProtocol, tool_call_parser: Optional[str] = None,
-                 reasoning_parser: Optional[str] = None) -> None:
+                 reasoning_parser: Optional[str] = None, labels_header: str = DEFAULT_CUSTOM_LABELS_HEADER) -> None:
         self.tokenizer_manager = tokenizer_manager
+        self.labels_header = labels_header  # --tokenizer-metrics-custom-labels-header
         self.tool_call_parser = tool_call_parser
         self.reasoning_parser = reasoning_parser
         self._token_bytes: Optional[TokenBytes] = None  # built at the first logprobs request
@@ -104,6 +107,7 @@ class OpenAIServingChat:
             return_text_in_logprobs=True,
             require_reasoning=in_reasoning,
             **request.generate_extras(),
+            **header_extras(raw_request, self.labels_header),
         )
         stream = self.tokenizer_manager.generate_request(obj, ClientConnection(raw_request))
         if request.stream:

@@ -20,6 +20,7 @@ from engine.entrypoints.openai.protocol import (
     random_uuid,
 )
 from engine.entrypoints.openai.utils import (
+    DEFAULT_CUSTOM_LABELS_HEADER,
     ClientConnection,
     ChoiceCursor,
     OrjsonResponse,
@@ -30,6 +31,7 @@ from engine.entrypoints.openai.utils import (
     error_response_from_exception,
     final_output,
     finish_reason_to_openai,
+    header_extras,
     last_hidden_state,
     make_usage,
     prime_stream,
@@ -44,15 +46,18 @@ logger = logging.getLogger(__name__)
 
 
 class OpenAIServingCompletion:
-    def __init__(self, tokenizer_manager: TokenizerManagerProtocol) -> None:
+    def __init__(self, tokenizer_manager: TokenizerManagerProtocol,
+                 labels_header: str = DEFAULT_CUSTOM_LABELS_HEADER) -> None:
         self.tokenizer_manager = tokenizer_manager
+        self.labels_header = labels_header  # --tokenizer-metrics-custom-labels-header
 
     # ------------------------------------------------------------------ entry
     async def handle_request(self, request: CompletionRequest, raw_request: Request) -> Response:
         request_id = request.rid or f"cmpl-{random_uuid()}"
         prompts = _split_prompts(request.prompt)
         batched = _is_batch(request.prompt)
-        obj = self._build_generate_input(request, prompts, batched, request_id)
+        obj = self._build_generate_input(request, prompts, batched, request_id,
+                                         header_extras(raw_request, self.labels_header))
         stream = self.tokenizer_manager.generate_request(obj, ClientConnection(raw_request))
         if request.stream:
             first, error = await prime_stream(stream)
@@ -67,7 +72,8 @@ class OpenAIServingCompletion:
         return self._full_response(request, prompts, request_id, as_output_list(result))
 
     def _build_generate_input(
-        self, request: CompletionRequest, prompts: List[Union[str, List[int]]], batched: bool, request_id: str
+        self, request: CompletionRequest, prompts: List[Union[str, List[int]]], batched: bool, request_id: str,
+        extras: Dict[str, Any],
     ) -> GenerateReqInput:
         want_logprobs = request.logprobs is not None
         text_prompts = isinstance(prompts[0], str)
@@ -84,6 +90,7 @@ class OpenAIServingCompletion:
             top_logprobs_num=request.logprobs or 0,
             return_text_in_logprobs=True,
             **request.generate_extras(),
+            **extras,
         )
 
     # ------------------------------------------------------------------ helpers

@@ -34,6 +34,24 @@ _ERROR_TYPES = {
 }
 
 SSE_DONE = b"data: [DONE]\n\n"
+# SGLang's header for the routing key of an OpenAI request (its gateway sets it).
+ROUTING_KEY_HEADER = "x-smg-routing-key"
+DEFAULT_CUSTOM_LABELS_HEADER = "x-custom-labels"
+
+
+def header_extras(request: Any, labels_header: str) -> Dict[str, Any]:
+    """What SGLang reads from an OpenAI request's headers: the routing key, and the custom metric
+    labels (a JSON object in `labels_header`; anything else there is ignored, as SGLang)."""
+    headers = request.headers
+    labels: Any = None
+    raw = headers.get(labels_header) if labels_header else None
+    if raw:
+        try:
+            labels = orjson.loads(raw)
+        except orjson.JSONDecodeError:
+            logger.debug("Ignoring %s: not JSON", labels_header)
+    return {"routing_key": headers.get(ROUTING_KEY_HEADER),
+            "custom_labels": labels if isinstance(labels, dict) else None}
 
 
 class OrjsonResponse(Response):
