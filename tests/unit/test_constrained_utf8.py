@@ -146,6 +146,7 @@ def run_sampled(model, h: Harness, schemas: List[dict], seed0: int, temperature:
 NAME_12 = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12}}, "required": ["name"]}
 
 
+@pytest.mark.slow
 def test_the_reported_schema_stays_valid_over_many_seeds(model, harness):
     # The report: chat response_format with name maxLength 12, temperature 0.7, seed 0.
     assert run_sampled(model, harness, [NAME_12] * 32, seed0=0, temperature=0.7, biased=False) >= 24
