@@ -233,7 +233,7 @@ def bench_prefill(runner, bs: int, input_len: int, repeats: int) -> float:
 def bench_offline(scheduler, num_prompts: int, in_range, out_range, vocab: int, deadline_s: float, seed: int):
     from bench_offline_throughput import RunResult, random_workload
 
-    from engine.managers.io_struct import BatchTokenIDOutput, TokenizedGenerateReqInput
+    from engine.io_struct import BatchTokenIDOutput, TokenizedGenerateReqInput
 
     workload = random_workload(num_prompts, in_range, out_range, vocab, seed)
     step = scheduler.step_overlap if scheduler.forward_stream is not None else scheduler.step
@@ -281,7 +281,7 @@ def bench_offline(scheduler, num_prompts: int, in_range, out_range, vocab: int, 
 
 # ---------------------------------------------------------------------------- main
 def build_scheduler(model_dir: str, shape: Dict, args):
-    from engine.managers.scheduler import Scheduler
+    from engine.scheduler.scheduler import Scheduler
     from engine.server_args import ServerArgs
 
     server_args = ServerArgs(

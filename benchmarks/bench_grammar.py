@@ -30,9 +30,9 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import torch  # noqa: E402
 
 from bench_models import resolve_model  # noqa: E402
-from engine.managers.io_struct import BatchTokenIDOutput, TokenizedGenerateReqInput  # noqa: E402
-from engine.managers.overlap_utils import scheduling_thread  # noqa: E402
-from engine.managers.scheduler import Scheduler  # noqa: E402
+from engine.io_struct import BatchTokenIDOutput, TokenizedGenerateReqInput  # noqa: E402
+from engine.scheduler.overlap_utils import scheduling_thread  # noqa: E402
+from engine.scheduler.scheduler import Scheduler  # noqa: E402
 from engine.server_args import ServerArgs  # noqa: E402
 
 # An extraction-style schema: nested object, bounded strings, numbers, enums, an array.

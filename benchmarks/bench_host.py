@@ -62,7 +62,7 @@ def prompts_for(n: int, input_len: int, seed: int, vocab: int = 2560) -> List[Li
 
 def inproc_run(s: Any, prompts: List[List[int]], output_len: int, stream: bool, tag: str,
                on_decode_start: Optional[Any] = None) -> Dict[str, Any]:
-    from engine.managers.io_struct import TokenizedGenerateReqInput
+    from engine.io_struct import TokenizedGenerateReqInput
 
     for i, p in enumerate(prompts):
         s.add_request(TokenizedGenerateReqInput(
@@ -99,9 +99,9 @@ def inproc_phase(args: argparse.Namespace, n: int, results: List[Dict]) -> None:
     from transformers import AutoTokenizer
 
     from engine.builtin_model import ensure_builtin_model
-    from engine.managers.io_struct import encode
-    from engine.managers.overlap_utils import scheduling_thread
-    from engine.managers.scheduler import Scheduler
+    from engine.io_struct import encode
+    from engine.scheduler.overlap_utils import scheduling_thread
+    from engine.scheduler.scheduler import Scheduler
     from engine.server_args import ServerArgs
 
     try:

@@ -19,7 +19,7 @@ import tempfile
 import time
 from typing import Dict, List, Optional
 
-# The engine's scheduler processes run with passive OpenMP waits (engine.utils.child_processes);
+# The engine's scheduler processes run with passive OpenMP waits (engine.launch.children);
 # so does this in-process ModelRunner, before libgomp starts with torch.
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 

@@ -39,10 +39,10 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_models import resolve_model  # noqa: E402
-from engine.managers.io_struct import BatchTokenIDOutput, TokenizedGenerateReqInput  # noqa: E402
-from engine.managers.overlap_utils import scheduling_thread, write_relay  # noqa: E402
-from engine.managers.scheduler import Scheduler  # noqa: E402
-from engine.managers.tp_worker import GenerationBatchResult  # noqa: E402
+from engine.io_struct import BatchTokenIDOutput, TokenizedGenerateReqInput  # noqa: E402
+from engine.scheduler.overlap_utils import scheduling_thread, write_relay  # noqa: E402
+from engine.scheduler.scheduler import Scheduler  # noqa: E402
+from engine.scheduler.tp_worker import GenerationBatchResult  # noqa: E402
 from engine.server_args import ServerArgs  # noqa: E402
 
 

@@ -16,13 +16,13 @@ import sys
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
 from engine.server_args import ServerArgs, ServerArgsError
-from engine.utils.child_processes import ChildProcesses, LaunchError
+from engine.launch.children import ChildProcesses, LaunchError
 from engine.utils.log_utils import configure_logging
 from engine.utils.network_utils import is_port_free
 from engine.utils.process_utils import freeze_startup_objects, kill_process_tree, set_process_title
 
 if TYPE_CHECKING:
-    from engine.managers.tokenizer_manager import TokenizerManager
+    from engine.tokenizer.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,7 @@ def parse_server_args(argv: Optional[Sequence[str]] = None) -> ServerArgs:
     args = parser.parse_args(argv)  # unknown flags: argparse prints usage and exits 2
     try:
         server_args = ServerArgs.from_cli_args(args)
-        from engine.managers.request_normalizer import load_chat_template
+        from engine.tokenizer.request_normalizer import load_chat_template
 
         load_chat_template(server_args.chat_template)
     except (ServerArgsError, ValueError, TypeError, OSError) as e:
@@ -106,9 +106,9 @@ def launch_server(server_args: ServerArgs) -> None:
 
 def _serve_with_http_workers(server_args: ServerArgs) -> None:
     """--tokenizer-worker-num > 1: this process supervises the children and the HTTP workers
-    (entrypoints/http_workers.py) until a signal or a death."""
+    (launch/http_workers.py) until a signal or a death."""
     from engine.entrypoints.engine import LaunchedChildren, launch_children
-    from engine.entrypoints.http_workers import bind_listen_sockets, start_http_workers, stop_http_workers
+    from engine.launch.http_workers import bind_listen_sockets, start_http_workers, stop_http_workers
 
     try:
         sockets = bind_listen_sockets(server_args.host, server_args.port, server_args.tokenizer_worker_num)
@@ -150,7 +150,7 @@ def _serve_with_http_workers(server_args: ServerArgs) -> None:
 def _run_worker_node(server_args: ServerArgs) -> None:
     """Node rank > 0: start this node's TP ranks, then wait for a signal or a rank's death."""
     from engine.entrypoints.engine import resolve_model_path
-    from engine.managers.data_parallel_controller import start_scheduler_processes
+    from engine.dp_controller.controller import start_scheduler_processes
     from engine.server_args import PortArgs
 
     server_args = resolve_model_path(server_args)

@@ -11,7 +11,7 @@ import tempfile
 from dataclasses import dataclass, field
 from typing import Any, List, Optional
 
-from engine.constrained.reasoning_parser import REASONING_PARSER_NAMES, reasoning_parser_error
+from engine.parsers.reasoning import REASONING_PARSER_NAMES, reasoning_parser_error
 from engine.disaggregation.allowlist import PrefillAllowlist
 from engine.disaggregation.auth import SECRET_ENV, is_loopback, resolve_secret
 
@@ -23,7 +23,7 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 GRAMMAR_BACKENDS = ("xgrammar", "none")
-# Output formats of tool calls (constrained/tool_parsers.py); reasoning formats: REASONING_PARSER_NAMES.
+# Output formats of tool calls (parsers/tool_calls.py); reasoning formats: REASONING_PARSER_NAMES.
 TOOL_CALL_PARSERS = ("llama3", "qwen25", "qwen", "hermes", "mistral", "pythonic")
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 # tcp: ZMQ between processes and machines; loopback: in-process (tests); fake: no prefill at all.
@@ -429,7 +429,7 @@ class ServerArgs:
                  "--disaggregation-bootstrap-port must differ from --port")
 
     def _check_custom_labels(self, need: Any) -> None:
-        from engine.managers.metrics import custom_label_names_error
+        from engine.tokenizer.metrics import custom_label_names_error
 
         labels = self.tokenizer_metrics_allowed_custom_labels
         if labels is None:

@@ -11,7 +11,7 @@ import torch
 
 from utils_models import build_tiny_model
 
-from engine.managers.io_struct import BatchTokenIDOutput, TokenizedGenerateReqInput
+from engine.io_struct import BatchTokenIDOutput, TokenizedGenerateReqInput
 from engine.server_args import ServerArgs
 
 DEV = "cuda"
@@ -60,7 +60,7 @@ class SchedulerDriver:
     """The real Scheduler + TpModelWorker in this process, fed token ids, run to completion."""
 
     def __init__(self, model_path: str, **server_kwargs) -> None:
-        from engine.managers.scheduler import Scheduler
+        from engine.scheduler.scheduler import Scheduler
 
         server_kwargs.setdefault("device", "cuda")
         server_kwargs.setdefault("log_level", "warning")

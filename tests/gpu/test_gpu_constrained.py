@@ -30,8 +30,8 @@ def _run(overlap: bool) -> Tuple[List[List[int]], List[Dict]]:
     from transformers import AutoTokenizer
 
     from engine.builtin_model import ensure_builtin_model
-    from engine.managers.io_struct import BatchTokenIDOutput, TokenizedGenerateReqInput
-    from engine.managers.scheduler import Scheduler
+    from engine.io_struct import BatchTokenIDOutput, TokenizedGenerateReqInput
+    from engine.scheduler.scheduler import Scheduler
     from engine.server_args import ServerArgs
 
     path = ensure_builtin_model()

@@ -19,7 +19,7 @@ from gpu_helpers import (
     make_prompts,
 )
 
-from engine.managers.io_struct import (
+from engine.io_struct import (
     BatchTokenIDOutput,
     ReleaseMemoryOccupationReqInput,
     ResumeMemoryOccupationReqInput,

@@ -12,7 +12,7 @@ import pytest
 
 from engine import Engine
 from engine.builtin_model import ensure_builtin_model
-from engine.managers.errors import EngineRequestError
+from engine.errors import EngineRequestError
 
 TEXTS = ["first input", "a second, somewhat longer input with ünïcödé", "3"]
 

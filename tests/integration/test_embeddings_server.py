@@ -14,7 +14,7 @@ import openai
 import pytest
 import torch
 
-from engine.managers.errors import NOT_A_GENERATION_MODEL
+from engine.errors import NOT_A_GENERATION_MODEL
 from utils_process import wait_until
 
 SERVER_ARGS = ["--is-embedding", "--enable-metrics"]

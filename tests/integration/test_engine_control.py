@@ -15,7 +15,7 @@ import torch
 
 from engine import Engine
 from engine.builtin_model import ensure_builtin_model
-from engine.managers.errors import EngineRequestError
+from engine.errors import EngineRequestError
 from engine.sampling.custom_logit_processor import CustomLogitProcessor
 
 ENGINE_ARGS = dict(device="cpu", max_total_tokens=8192, log_level="warning", strict_memory_check=True,

@@ -12,8 +12,8 @@ import psutil
 import pytest
 
 from engine import Engine
-from engine.managers.errors import EngineRequestError
-from engine.managers.io_struct import GetInternalStateReqOutput
+from engine.errors import EngineRequestError
+from engine.io_struct import GetInternalStateReqOutput
 
 from utils_process import wait_until
 

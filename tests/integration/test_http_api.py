@@ -376,7 +376,7 @@ def test_bad_openai_inputs_get_400(http: httpx.Client) -> None:
 
 
 def test_embedding_requests_to_a_generation_server_get_400(http: httpx.Client) -> None:
-    from engine.managers.errors import NOT_AN_EMBEDDING_MODEL
+    from engine.errors import NOT_AN_EMBEDDING_MODEL
 
     for path, body in (("/v1/embeddings", {"input": "hello"}), ("/encode", {"text": "hello"})):
         response = http.post(path, json=body)

@@ -11,7 +11,7 @@ from typing import Iterator
 import httpx
 import pytest
 
-from engine.managers.request_normalizer import MAX_CHARS_PER_TOKEN
+from engine.tokenizer.request_normalizer import MAX_CHARS_PER_TOKEN
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 

@@ -15,10 +15,10 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from engine.disaggregation.loopback import LoopbackNetwork
-from engine.managers.tp_worker import GenerationBatchResult, worker_limits
+from engine.scheduler.tp_worker import GenerationBatchResult, worker_limits
 from engine.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from engine.mem_cache.memory_pool import MHATokenToKVPool
-from engine.managers.overlap_utils import resolve_relay_input_ids, write_relay
+from engine.scheduler.overlap_utils import resolve_relay_input_ids, write_relay
 from sched_utils import EOS, VOCAB, FakeWorker, ForwardRecord, Harness
 
 BOOTSTRAP_HOST = "127.0.0.1"

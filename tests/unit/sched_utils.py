@@ -7,17 +7,17 @@ from typing import Callable, Dict, List, Optional
 
 import torch
 
-from engine.managers.detokenizer_manager import DetokenizerManager
-from engine.managers.io_struct import (
+from engine.detokenizer.detokenizer_manager import DetokenizerManager
+from engine.io_struct import (
     AbortReq,
     BatchEmbeddingOutput,
     BatchTokenIDOutput,
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
-from engine.managers.overlap_utils import resolve_relay_input_ids, write_relay
-from engine.managers.scheduler import Scheduler
-from engine.managers.tp_worker import GenerationBatchResult, worker_limits
+from engine.scheduler.overlap_utils import resolve_relay_input_ids, write_relay
+from engine.scheduler.scheduler import Scheduler
+from engine.scheduler.tp_worker import GenerationBatchResult, worker_limits
 from engine.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from engine.mem_cache.memory_pool import ReqToTokenPool
 from engine.server_args import ServerArgs

@@ -18,7 +18,7 @@ from fastapi.testclient import TestClient
 from test_http_app import FakeTokenizerManager
 
 from engine.entrypoints.http_server import create_app
-from engine.managers.io_struct import UpdateWeightFromDiskReqInput
+from engine.io_struct import UpdateWeightFromDiskReqInput
 from engine.model_executor.weight_update import WeightUpdater
 from engine.server_args import ServerArgs
 

@@ -11,7 +11,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engine.entrypoints.http_server import create_app
-from engine.managers.request_normalizer import GenerateReqInput
+from engine.tokenizer.request_normalizer import GenerateReqInput
 from engine.server_args import ServerArgs
 
 TOOLS = [{"type": "function", "function": {"name": "get_weather", "parameters": {

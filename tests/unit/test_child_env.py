@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-from engine.utils.child_processes import ChildProcesses
+from engine.launch.children import ChildProcesses
 
 
 def _report_environment(writer) -> None:

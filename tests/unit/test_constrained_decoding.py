@@ -35,7 +35,7 @@ def model():
 
 def make_harness(model, overlap: bool = True, max_total_tokens: int = 16384, max_running: int = 64,
                  **kwargs: Any) -> Harness:
-    from engine.managers.tp_worker import TpModelWorker
+    from engine.scheduler.tp_worker import TpModelWorker
     from engine.server_args import ServerArgs
 
     path, tok = model

@@ -90,7 +90,7 @@ def model():
 
 @pytest.fixture(scope="module")
 def harness(model):
-    from engine.managers.tp_worker import TpModelWorker
+    from engine.scheduler.tp_worker import TpModelWorker
     from engine.server_args import ServerArgs
 
     path, tok = model

@@ -13,8 +13,8 @@ from typing import Any, Dict, List, Optional
 import pytest
 import torch
 
-from engine.managers.control_calls import serialize_named_tensors
-from engine.managers.io_struct import (
+from engine.tokenizer.control_calls import serialize_named_tensors
+from engine.io_struct import (
     DestroyWeightsUpdateGroupReqInput,
     GetWeightsByNameReqInput,
     InitWeightsUpdateGroupReqInput,
@@ -44,7 +44,7 @@ def models(tmp_path_factory) -> Dict[str, Any]:
 
 
 def harness(path: str, **kwargs) -> Harness:
-    from engine.managers.tp_worker import TpModelWorker
+    from engine.scheduler.tp_worker import TpModelWorker
     from engine.server_args import ServerArgs
 
     args = ServerArgs(model_path=path, device="cpu", dtype="float32", max_total_tokens=2048, max_running_requests=8)

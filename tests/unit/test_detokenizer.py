@@ -11,8 +11,8 @@ import zmq
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from engine.managers.detokenizer_manager import DetokenizerManager, run_detokenizer_process
-from engine.managers.io_struct import BatchStrOutput, BatchTokenIDOutput, decode, encode
+from engine.detokenizer.detokenizer_manager import DetokenizerManager, run_detokenizer_process
+from engine.io_struct import BatchStrOutput, BatchTokenIDOutput, decode, encode
 from engine.server_args import PortArgs, ServerArgs
 from engine.utils.zmq_utils import get_zmq_socket
 
@@ -243,8 +243,8 @@ def test_first_output_tokens_keep_their_leading_space_with_prompt_context():
     hf = PreTrainedTokenizerFast(tokenizer_object=tok)
     assert hf.decode([2]) == "world"  # the problem: decoded alone, the space is gone
 
-    from engine.managers.detokenizer_manager import DetokenizerManager
-    from engine.managers.io_struct import BatchTokenIDOutput
+    from engine.detokenizer.detokenizer_manager import DetokenizerManager
+    from engine.io_struct import BatchTokenIDOutput
 
     def msg(ids, tail, finished=None):
         return BatchTokenIDOutput(rids=["a"], finished_reasons=[finished], output_ids=[ids],

@@ -14,7 +14,7 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engine.entrypoints.http_server import create_app
-from engine.managers.embedding_requests import (
+from engine.tokenizer.embedding_requests import (
     MAX_EMBEDDING_INPUTS,
     EmbeddingModelInfo,
     EmbeddingNormalizer,
@@ -23,9 +23,9 @@ from engine.managers.embedding_requests import (
     apply_embedding_output,
     embedding_result,
 )
-from engine.managers.errors import EngineRequestError
-from engine.managers.io_struct import BatchEmbeddingOutput
-from engine.managers.tokenizer_manager import ReqState
+from engine.errors import EngineRequestError
+from engine.io_struct import BatchEmbeddingOutput
+from engine.tokenizer.tokenizer_manager import ReqState
 from engine.server_args import ServerArgs
 
 CONTEXT = 16

@@ -48,8 +48,8 @@ def minilm():
 
 @pytest.mark.parametrize("overlap,page_size", [(True, 1), (False, 16)])
 def test_minilm_matches_sentence_transformers(minilm, overlap, page_size):
-    from engine.managers.embedding_requests import EmbeddingModelInfo, EmbeddingNormalizer, EmbeddingReqInput
-    from engine.managers.tp_worker import TpModelWorker
+    from engine.tokenizer.embedding_requests import EmbeddingModelInfo, EmbeddingNormalizer, EmbeddingReqInput
+    from engine.scheduler.tp_worker import TpModelWorker
     from engine.server_args import ServerArgs
     from sched_utils import Harness
 

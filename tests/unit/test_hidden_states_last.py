@@ -11,10 +11,10 @@ import pytest
 import torch
 
 from engine.entrypoints.openai.utils import last_hidden_state
-from engine.managers.io_struct import BatchStrOutput
-from engine.managers.output_assembly import OutputAssembler, ReqState, build_output
-from engine.managers.request_normalizer import GenerateReqInput
-from engine.managers.errors import EngineRequestError
+from engine.io_struct import BatchStrOutput
+from engine.tokenizer.output_assembly import OutputAssembler, ReqState, build_output
+from engine.tokenizer.request_normalizer import GenerateReqInput
+from engine.errors import EngineRequestError
 from sched_utils import Harness
 from utils_models import build_tiny_model
 
@@ -29,7 +29,7 @@ def model(tmp_path_factory) -> Dict[str, Any]:
 
 
 def harness(path: str, **kwargs: Any) -> Harness:
-    from engine.managers.tp_worker import TpModelWorker
+    from engine.scheduler.tp_worker import TpModelWorker
     from engine.server_args import ServerArgs
 
     args = ServerArgs(model_path=path, device="cpu", dtype="float32", max_total_tokens=2048, max_running_requests=8)

@@ -14,9 +14,9 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engine.entrypoints.http_server import create_app
-from engine.managers.errors import EngineRequestError
-from engine.managers.io_struct import FlushCacheReqOutput
-from engine.managers.tokenizer_manager import GenerateReqInput
+from engine.errors import EngineRequestError
+from engine.io_struct import FlushCacheReqOutput
+from engine.tokenizer.tokenizer_manager import GenerateReqInput
 from engine.server_args import ServerArgs
 
 ALPHABET = "abcdefghijklmnopqrstuvwxyz"

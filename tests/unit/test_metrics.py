@@ -17,9 +17,9 @@ from fastapi.testclient import TestClient
 from prometheus_client.parser import text_string_to_metric_families
 
 from engine.entrypoints.http_server import create_app
-from engine.managers.io_struct import AbortReq, TokenizedGenerateReqInput
-from engine.managers.metrics import RequestTimer, TokenizerMetricsCollector
-from engine.managers.tokenizer_manager import GenerateReqInput
+from engine.io_struct import AbortReq, TokenizedGenerateReqInput
+from engine.tokenizer.metrics import RequestTimer, TokenizerMetricsCollector
+from engine.tokenizer.tokenizer_manager import GenerateReqInput
 from engine.server_args import ServerArgs
 
 from test_tokenizer_manager import build_test_tokenizer, run_manager_with_fake_scheduler
@@ -223,7 +223,7 @@ class MetricsManager:
 
     async def get_internal_state(self) -> List[dict]:
         if self.state_error:
-            from engine.managers.errors import EngineRequestError
+            from engine.errors import EngineRequestError
 
             raise EngineRequestError("no reply", 503)
         return [{"num_running_reqs": 2, "num_waiting_reqs": 1, "token_usage": 0.25, "cache_hit_rate": 0.5,

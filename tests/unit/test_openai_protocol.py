@@ -36,7 +36,7 @@ from engine.entrypoints.openai.utils import (
     sse_event,
     sse_stream,
 )
-from engine.managers.errors import EngineRequestError
+from engine.errors import EngineRequestError
 
 USER = [{"role": "user", "content": "hi"}]
 

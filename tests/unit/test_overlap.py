@@ -193,7 +193,7 @@ def test_overlap_with_retraction_matches_normal(caplog):
 
 def test_overlap_equals_normal_on_builtin_model_with_logprobs():
     from engine.builtin_model import ensure_builtin_model
-    from engine.managers.tp_worker import TpModelWorker
+    from engine.scheduler.tp_worker import TpModelWorker
     from engine.server_args import ServerArgs
     from transformers import AutoTokenizer
 

@@ -9,7 +9,11 @@ from __future__ import annotations
 
 import pytest
 
-from engine.disaggregation import conn_common, conn_decode, conn_prefill, decode, fake
+from engine.disaggregation import conn_common
+from engine.disaggregation import conn_decode
+from engine.disaggregation import conn_prefill
+from engine.disaggregation import decode
+from engine.disaggregation import fake
 from engine.disaggregation.base import KVPoll
 from pd_utils import BOOTSTRAP_HOST, BOOTSTRAP_PORT, PDFakeWorker, PDPair, unified
 
@@ -307,7 +311,7 @@ def test_metadata_gate_holds_success_until_the_row_arrives(make_pair, clock):
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
 def test_pause_retract_on_decode_resumes_from_the_kv_backup(make_pair, clock, overlap):
-    from engine.managers.io_struct import ContinueGenerationReqInput, PauseGenerationReqInput
+    from engine.io_struct import ContinueGenerationReqInput, PauseGenerationReqInput
 
     p = make_pair(overlap_decode=overlap)
     rids = [p.submit([i + 3] * 7, max_new_tokens=12, stream=True) for i in range(2)]
@@ -323,7 +327,7 @@ def test_pause_retract_on_decode_resumes_from_the_kv_backup(make_pair, clock, ov
 
 
 def test_memory_release_is_refused_while_kv_is_in_transfer(make_pair, clock):
-    from engine.managers.io_struct import ReleaseMemoryOccupationReqInput
+    from engine.io_struct import ReleaseMemoryOccupationReqInput
 
     p = make_pair()
     for kind in PREFILL_TO_DECODE:

@@ -32,7 +32,7 @@ def model():
 
 
 def _worker(path, total=4096, page=1, extra=None, **kwargs):
-    from engine.managers.tp_worker import TpModelWorker
+    from engine.scheduler.tp_worker import TpModelWorker
     from engine.server_args import ServerArgs
 
     args = ServerArgs(model_path=path, device="cpu", max_total_tokens=total, page_size=page, max_running_requests=16,

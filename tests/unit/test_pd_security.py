@@ -14,7 +14,11 @@ from typing import Iterator, List
 import pytest
 import torch
 
-from engine.disaggregation import auth, bootstrap, conn_prefill, protocol, setup
+from engine.disaggregation import auth
+from engine.disaggregation import bootstrap
+from engine.disaggregation import conn_prefill
+from engine.disaggregation import protocol
+from engine.disaggregation import wiring as setup
 from engine.disaggregation.allowlist import PrefillAllowlist
 from engine.disaggregation.base import FailureCause, KVPoll
 from engine.disaggregation.bootstrap import BootstrapServer, BootstrapUnavailable, HttpBootstrapClient

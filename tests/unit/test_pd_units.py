@@ -39,7 +39,7 @@ from engine.disaggregation.metadata import (
     ReqToMetadataIdxAllocator,
 )
 from engine.disaggregation.transport import ZmqTransport
-from engine.managers.req import Req
+from engine.scheduler.req import Req
 from engine.mem_cache.allocator import TokenToKVPoolAllocator
 from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from engine.sampling.sampling_params import SamplingParams
@@ -327,7 +327,7 @@ def test_zmq_transport_exchanges_multipart_messages():
 
 # ---------------------------------------------------------------------------- request fields
 def test_one_room_for_several_sub_requests_becomes_consecutive_rooms():
-    from engine.managers.tokenizer_manager import GenerateReqInput
+    from engine.tokenizer.tokenizer_manager import GenerateReqInput
 
     obj = GenerateReqInput(input_ids=[[1, 2], [3, 4]], sampling_params={"n": 2}, bootstrap_host="h",
                            bootstrap_port=8998, bootstrap_room=100)
@@ -340,8 +340,8 @@ def test_one_room_for_several_sub_requests_becomes_consecutive_rooms():
 
 
 def test_a_list_of_rooms_cannot_fan_out():
-    from engine.managers.errors import EngineRequestError
-    from engine.managers.tokenizer_manager import GenerateReqInput
+    from engine.errors import EngineRequestError
+    from engine.tokenizer.tokenizer_manager import GenerateReqInput
 
     with pytest.raises(EngineRequestError, match="n > 1 needs a single bootstrap_room"):
         GenerateReqInput(input_ids=[[1], [2]], sampling_params={"n": 2}, bootstrap_room=[7, 9]).normalize()

@@ -17,12 +17,12 @@ from typing import Any, Iterator
 import httpx
 import pytest
 
-import engine.managers.request_normalizer as normalizer_module
+import engine.tokenizer.request_normalizer as normalizer_module
 from engine.entrypoints.http_server import create_app
-from engine.managers.embedding_requests import EmbeddingModelInfo, EmbeddingNormalizer, EmbeddingReqInput
-from engine.managers.errors import EngineRequestError
-from engine.managers.io_struct import TokenizedGenerateReqInput
-from engine.managers.request_normalizer import MAX_CHARS_PER_TOKEN, GenerateReqInput
+from engine.tokenizer.embedding_requests import EmbeddingModelInfo, EmbeddingNormalizer, EmbeddingReqInput
+from engine.errors import EngineRequestError
+from engine.io_struct import TokenizedGenerateReqInput
+from engine.tokenizer.request_normalizer import MAX_CHARS_PER_TOKEN, GenerateReqInput
 from test_tokenizer_manager import CONTEXT_LEN, build_test_tokenizer, run_manager_with_fake_scheduler
 
 TEXT_LIMIT = CONTEXT_LEN * MAX_CHARS_PER_TOKEN

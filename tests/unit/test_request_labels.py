@@ -13,17 +13,17 @@ import pytest
 from fastapi.testclient import TestClient
 
 from engine.entrypoints.http_server import create_app
-from engine.managers import metrics as metrics_module
-from engine.managers.errors import EngineRequestError
-from engine.managers.io_struct import TokenizedGenerateReqInput
-from engine.managers.metrics import (
+from engine.tokenizer import metrics as metrics_module
+from engine.errors import EngineRequestError
+from engine.io_struct import TokenizedGenerateReqInput
+from engine.tokenizer.metrics import (
     OVERFLOW_LABEL_VALUE,
     RequestTimer,
     TokenizerMetricsCollector,
     checked_custom_labels,
     custom_label_names_error,
 )
-from engine.managers.tokenizer_manager import GenerateReqInput
+from engine.tokenizer.tokenizer_manager import GenerateReqInput
 from engine.server_args import ServerArgs, ServerArgsError
 
 from test_metrics import MODEL, render, samples, value

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from engine.managers.io_struct import (
+from engine.io_struct import (
     BatchEmbeddingOutput,
     BatchStrOutput,
     FlushCacheReqOutput,

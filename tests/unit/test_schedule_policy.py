@@ -10,7 +10,7 @@ from typing import List
 
 import pytest
 
-from engine.managers.schedule_policy import LPM_MAX_QUEUE_LEN
+from engine.scheduler.schedule_policy import LPM_MAX_QUEUE_LEN
 from sched_utils import Harness
 
 

@@ -7,9 +7,9 @@ from typing import List
 import pytest
 import torch
 
-from engine.managers.req import CLIP_MAX_NEW_TOKENS_ESTIMATION, Req
-from engine.managers.schedule_batch import ScheduleBatch
-from engine.managers.schedule_policy import AddReqResult, PrefillAdder
+from engine.scheduler.req import CLIP_MAX_NEW_TOKENS_ESTIMATION, Req
+from engine.scheduler.schedule_batch import ScheduleBatch
+from engine.scheduler.schedule_policy import AddReqResult, PrefillAdder
 from engine.mem_cache.allocator import TokenToKVPoolAllocator
 from engine.sampling.sampling_params import SamplingParams
 from sched_utils import FakeWorker, Harness

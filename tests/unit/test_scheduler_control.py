@@ -11,7 +11,7 @@ from typing import Dict, List
 
 import pytest
 
-from engine.managers.io_struct import (
+from engine.io_struct import (
     ContinueGenerationReqInput,
     PauseGenerationReqInput,
     ReleaseMemoryOccupationReqInput,

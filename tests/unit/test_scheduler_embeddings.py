@@ -11,8 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from engine.managers.errors import NOT_A_GENERATION_MODEL, NOT_AN_EMBEDDING_MODEL
-from engine.managers.tp_worker import EmbeddingBatchResult
+from engine.errors import NOT_A_GENERATION_MODEL, NOT_AN_EMBEDDING_MODEL
+from engine.scheduler.tp_worker import EmbeddingBatchResult
 from sched_utils import FakeWorker, ForwardRecord, Harness
 
 CHUNK = 16

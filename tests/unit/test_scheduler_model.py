@@ -33,7 +33,7 @@ def model():
 
 
 def run(model, **kwargs):
-    from engine.managers.tp_worker import TpModelWorker
+    from engine.scheduler.tp_worker import TpModelWorker
     from engine.server_args import ServerArgs
 
     path, tok, _, prompts, _ = model
@@ -71,7 +71,7 @@ def test_small_pool_really_retracts(model, caplog):
 
 
 def test_repeated_prompt_reports_cached_tokens(model):
-    from engine.managers.tp_worker import TpModelWorker
+    from engine.scheduler.tp_worker import TpModelWorker
     from engine.server_args import ServerArgs
 
     path, tok, _, prompts, expected = model
@@ -87,7 +87,7 @@ def test_repeated_prompt_reports_cached_tokens(model):
 
 
 def test_logprobs_equal_transformers(model):
-    from engine.managers.tp_worker import TpModelWorker
+    from engine.scheduler.tp_worker import TpModelWorker
     from engine.server_args import ServerArgs
 
     path, tok, hf, prompts, _ = model
@@ -127,7 +127,7 @@ def test_shared_prefix_cascade_decode_equals_transformers(model, monkeypatch, ov
     """Requests decoding over a long radix-shared prefix take the cascade decode path (prefix read
     once per group) and still give transformers' greedy tokens."""
     import engine.layers.attention.torch_native_backend as backend_mod
-    from engine.managers.tp_worker import TpModelWorker
+    from engine.scheduler.tp_worker import TpModelWorker
     from engine.server_args import ServerArgs
 
     path, tok, hf, prompts, _ = model

@@ -7,7 +7,7 @@ import threading
 
 import pytest
 
-from engine.managers.scheduler_process import SchedulerWatchdog
+from engine.scheduler.process import SchedulerWatchdog
 
 from sched_utils import FakeWorker, Harness
 from utils_process import wait_until

@@ -15,7 +15,7 @@ from pydantic import ValidationError
 
 from engine.entrypoints.openai.protocol import ChatCompletionRequest, CompletionRequest, GenerateRequest
 from engine.entrypoints.openai.sglang_fields import NATIVE_UNSUPPORTED, is_unset
-from engine.managers.tokenizer_manager import GenerateReqInput
+from engine.tokenizer.tokenizer_manager import GenerateReqInput
 from engine.sampling.sampling_params import SamplingParams
 
 # GenerateReqInput: field -> SGLang's default. `text` (the prompt) is given by every case.
@@ -157,7 +157,7 @@ def test_openai_requests_refuse_sglang_extras_in_use() -> None:
 # DP-aware routing: SGLang's gateway names the replica of every request.
 @pytest.mark.parametrize("name", ["routed_dp_rank", "data_parallel_rank"])
 def test_dp_rank_fields_are_accepted_and_reach_the_scheduler_request(name: str) -> None:
-    from engine.managers.request_normalizer import RequestNormalizer
+    from engine.tokenizer.request_normalizer import RequestNormalizer
 
     body = GenerateRequest.model_validate({"text": "a", name: 1})
     assert (body.routed_dp_rank if name == "routed_dp_rank" else body.data_parallel_rank) == 1
@@ -175,8 +175,8 @@ def test_dp_rank_fields_are_accepted_and_reach_the_scheduler_request(name: str) 
 
 
 def test_a_dp_rank_outside_the_replicas_is_a_400() -> None:
-    from engine.managers.errors import EngineRequestError
-    from engine.managers.request_normalizer import RequestNormalizer
+    from engine.errors import EngineRequestError
+    from engine.tokenizer.request_normalizer import RequestNormalizer
 
     normalizer = RequestNormalizer(None, 100, 64, dp_size=2)
     for rank in (2, 7):

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from engine.builtin_model import ensure_builtin_model
-from engine.managers.tp_worker import TpModelWorker
+from engine.scheduler.tp_worker import TpModelWorker
 from engine.model_executor.simulated_device import (
     LOGPROB_OTHERS,
     ordinary_token_ids,

@@ -13,7 +13,7 @@ import weakref
 import pytest
 
 import engine.sampling.stop_regex as stop_regex_module
-from engine.managers.req import FINISH_MATCHED_REGEX, Req
+from engine.scheduler.req import FINISH_MATCHED_REGEX, Req
 from engine.sampling.sampling_params import (
     MAX_STOP_STR_LEN,
     MAX_STOP_STRINGS,

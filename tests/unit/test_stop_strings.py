@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.managers.overlap_utils import write_relay
-from engine.managers.tp_worker import GenerationBatchResult
+from engine.scheduler.overlap_utils import write_relay
+from engine.scheduler.tp_worker import GenerationBatchResult
 from sched_utils import FakeTokenizer, FakeWorker, Harness
 
 ALPHABET_FROM_B = "bcdefghijklmnopqrstuvwxyz" + "ab"  # output tokens 1..27

@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 import pytest
 import zmq
 
-import engine.managers.tokenizer_manager as tm_module
-from engine.managers.detokenizer_manager import DetokenizerManager
-from engine.managers.errors import EngineRequestError
-from engine.managers.io_struct import (
+import engine.tokenizer.tokenizer_manager as tm_module
+from engine.detokenizer.detokenizer_manager import DetokenizerManager
+from engine.errors import EngineRequestError
+from engine.io_struct import (
     AbortReq,
     BatchTokenIDOutput,
     FlushCacheReqInput,
@@ -29,7 +29,7 @@ from engine.managers.io_struct import (
     decode,
     encode,
 )
-from engine.managers.tokenizer_manager import GenerateReqInput, TokenizerManager
+from engine.tokenizer.tokenizer_manager import GenerateReqInput, TokenizerManager
 from engine.server_args import PortArgs, ServerArgs
 from engine.utils.zmq_utils import get_zmq_socket
 from utils_process import wait_until
@@ -665,7 +665,7 @@ def test_chat_template_kwargs_and_continue_final_message(runtime, tokenizer):
 def test_log_requests(runtime, caplog):
     manager, _ = runtime
     manager.server_args.log_requests = True
-    with caplog.at_level("INFO", logger="engine.managers.tokenizer_manager"):
+    with caplog.at_level("INFO", logger="engine.tokenizer.tokenizer_manager"):
         collect(manager, GenerateReqInput(text="Hello", rid="logged", sampling_params={"max_new_tokens": 2}))
     lines = [r.getMessage() for r in caplog.records]
     assert any(line.startswith("Receive: rid=logged") for line in lines)

@@ -9,13 +9,13 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from engine.constrained.reasoning_parser import (
+from engine.parsers.reasoning import (
     REASONING_PARSER_NAMES,
     ReasoningParser,
     reasoning_parser_error,
     starts_in_reasoning,
 )
-from engine.constrained.tool_parsers import (
+from engine.parsers.tool_calls import (
     JsonArrayParser,
     ToolCallStream,
     create_tool_call_parser,

@@ -193,14 +193,14 @@ def test_qkv_kv_head_replication_layout():
 
 # ---------------------------------------------------------------------- data parallel bookkeeping
 def test_round_robin_balancer_alternates():
-    from engine.managers.data_parallel_controller import LoadBalancer
+    from engine.dp_controller.controller import LoadBalancer
 
     lb = LoadBalancer(3, "round_robin")
     assert [lb.choose() for _ in range(7)] == [0, 1, 2, 0, 1, 2, 0]
 
 
 def test_shortest_queue_counts_dispatches_since_the_poll():
-    from engine.managers.data_parallel_controller import LoadBalancer
+    from engine.dp_controller.controller import LoadBalancer
 
     lb = LoadBalancer(2, "shortest_queue")
     assert [lb.choose() for _ in range(4)] == [0, 1, 0, 1]  # ties spread evenly
@@ -215,7 +215,7 @@ def test_shortest_queue_counts_dispatches_since_the_poll():
 
 
 def test_reply_grouper_pairs_replies_per_call_and_keeps_polls():
-    from engine.managers.data_parallel_controller import _POLL, _TOKENIZER, ReplyGrouper
+    from engine.dp_controller.controller import _POLL, _TOKENIZER, ReplyGrouper
 
     g = ReplyGrouper(2)
     for d in (0, 1):

@@ -8,7 +8,7 @@ import shutil
 import pytest
 import zmq
 
-from engine.managers.scheduler_process import _rank0_channels
+from engine.scheduler.process import _rank0_channels
 from engine.server_args import PortArgs, ServerArgs
 from engine.utils.zmq_utils import get_zmq_socket
 

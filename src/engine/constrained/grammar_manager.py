@@ -23,7 +23,7 @@ from engine.constrained.base_grammar_backend import BaseGrammarBackend, CacheEnt
 from engine.constrained.reasoner_grammar import ReasonerGrammar
 
 if TYPE_CHECKING:
-    from engine.managers.req import Req
+    from engine.scheduler.req import Req
 
 logger = logging.getLogger(__name__)
 

@@ -14,7 +14,7 @@ import numpy as np
 import torch
 
 if TYPE_CHECKING:
-    from engine.managers.req import Req
+    from engine.scheduler.req import Req
 
 _ALL_ALLOWED = -1
 

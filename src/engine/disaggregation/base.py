@@ -16,7 +16,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterable, List, Optional, Prot
 from engine.distributed.parallel_state import all_gather_objects, all_reduce_min_small_ints
 
 if TYPE_CHECKING:
-    from engine.managers.req import Req
+    from engine.scheduler.req import Req
 
 # A request whose bootstrap_host is this address skips the prefill server altogether (SGLang's
 # fake transfer: warm-up, health probes, decode-only benchmarks).

@@ -27,7 +27,7 @@ from engine.disaggregation.conn_common import KVReceiver, now
 from engine.disaggregation.fake import fake_first_token
 from engine.disaggregation.metadata import MetadataBuffers, ReqToMetadataIdxAllocator
 from engine.disaggregation.metrics import DisaggMetrics
-from engine.managers.req import CLIP_MAX_NEW_TOKENS_ESTIMATION, FINISH_ABORT, FINISH_LENGTH, Req
+from engine.scheduler.req import CLIP_MAX_NEW_TOKENS_ESTIMATION, FINISH_ABORT, FINISH_LENGTH, Req
 
 if TYPE_CHECKING:
     from engine.constrained.grammar_manager import GrammarManager, PendingGrammar

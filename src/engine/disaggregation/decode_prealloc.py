@@ -29,7 +29,7 @@ from engine.disaggregation.decode import (
     fits,
 )
 from engine.disaggregation.metrics import DisaggMetrics
-from engine.managers.req import FINISH_ABORT, Req
+from engine.scheduler.req import FINISH_ABORT, Req
 
 if TYPE_CHECKING:
     from engine.constrained.grammar_manager import PendingGrammar

@@ -37,14 +37,14 @@ from engine.disaggregation.fake import FakeKVReceiver
 from engine.disaggregation.kv_io import gather_kv, scatter_kv
 from engine.disaggregation.metadata import MetadataBuffers, ReqToMetadataIdxAllocator, idle_leaks
 from engine.disaggregation.metrics import DisaggMetrics
-from engine.disaggregation.setup import TransferBackend, build_decode_manager, kv_args_for
-from engine.managers.req import FINISH_ABORT, Req
-from engine.managers.schedule_batch import ScheduleBatch
+from engine.disaggregation.wiring import TransferBackend, build_decode_manager, kv_args_for
+from engine.scheduler.req import FINISH_ABORT, Req
+from engine.scheduler.schedule_batch import ScheduleBatch
 
 if TYPE_CHECKING:
     from engine.constrained.grammar_manager import PendingGrammar
     from engine.disaggregation.loopback import LoopbackNetwork
-    from engine.managers.scheduler import Scheduler
+    from engine.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

@@ -2,7 +2,7 @@
 
 The scheduler owns one DisaggMetrics; background transfer threads observe into it too (so it is
 locked). Its snapshot travels in the scheduler's internal state, and the HTTP process renders it
-as Prometheus metrics (managers/metrics.py) with these names:
+as Prometheus metrics (tokenizer/metrics.py) with these names:
 
   sglang:num_bootstrap_failed_reqs_total   failed before KV started to move
   sglang:num_transfer_failed_reqs_total    failed while or after KV moved

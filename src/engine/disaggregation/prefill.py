@@ -37,12 +37,12 @@ from engine.disaggregation.metadata import (
     idle_leaks,
 )
 from engine.disaggregation.metrics import DisaggMetrics
-from engine.disaggregation.setup import TransferBackend, build_prefill_manager, kv_args_for
-from engine.managers.req import FINISH_ABORT, FINISH_LENGTH, Req
+from engine.disaggregation.wiring import TransferBackend, build_prefill_manager, kv_args_for
+from engine.scheduler.req import FINISH_ABORT, FINISH_LENGTH, Req
 
 if TYPE_CHECKING:
     from engine.disaggregation.loopback import LoopbackNetwork
-    from engine.managers.scheduler import Scheduler
+    from engine.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 if TYPE_CHECKING:
     from engine.disaggregation.decode_scheduler import DecodeDisaggregation
     from engine.disaggregation.prefill import PrefillDisaggregation
-    from engine.managers.scheduler import Scheduler
+    from engine.scheduler.scheduler import Scheduler
 
 
 def make_role(scheduler: "Scheduler", network: Any) -> Optional[Union["PrefillDisaggregation",

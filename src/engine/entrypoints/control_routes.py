@@ -37,13 +37,13 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from engine.distributed.weight_update_group import DTYPES, MAX_TENSOR_DIMS, parse_dtype
 from engine.entrypoints.openai.utils import OrjsonResponse, create_error_response, error_body
-from engine.managers.errors import EngineRequestError
-from engine.managers.io_struct import (
+from engine.errors import EngineRequestError
+from engine.io_struct import (
     InitWeightsUpdateGroupReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromDistributedReqInput,
 )
-from engine.managers.tokenizer_manager_protocol import TokenizerManagerProtocol
+from engine.tokenizer.tokenizer_manager_protocol import TokenizerManagerProtocol
 
 logger = logging.getLogger(__name__)
 

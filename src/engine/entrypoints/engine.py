@@ -18,17 +18,17 @@ import time
 import weakref
 from typing import TYPE_CHECKING, Any, AsyncIterator, Iterator, Optional, Sequence, Union
 
-from engine.managers.embedding_requests import EmbeddingReqInput
-from engine.managers.errors import EngineRequestError
-from engine.managers.io_struct import (
+from engine.tokenizer.embedding_requests import EmbeddingReqInput
+from engine.errors import EngineRequestError
+from engine.io_struct import (
     InitWeightsUpdateGroupReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromDistributedReqInput,
 )
-from engine.managers.request_normalizer import GenerateReqInput, load_chat_template
-from engine.managers.tokenizer_manager import TokenizerManager
+from engine.tokenizer.request_normalizer import GenerateReqInput, load_chat_template
+from engine.tokenizer.tokenizer_manager import TokenizerManager
 from engine.server_args import PortArgs, ServerArgs, ServerArgsError
-from engine.utils.child_processes import ChildProcesses, LaunchError
+from engine.launch.children import ChildProcesses, LaunchError
 from engine.utils.network_utils import get_free_port
 from engine.utils.tokenizer_utils import load_tokenizer
 
@@ -84,8 +84,8 @@ def launch_children(server_args: ServerArgs, load_tokenizer_too: bool = True) ->
 
     On any failure every started child is killed and LaunchError is raised.
     """
-    from engine.managers.data_parallel_controller import start_scheduler_processes
-    from engine.managers.detokenizer_manager import run_detokenizer_process
+    from engine.dp_controller.controller import start_scheduler_processes
+    from engine.detokenizer.detokenizer_manager import run_detokenizer_process
 
     try:
         load_chat_template(server_args.chat_template)  # fail before anything is started

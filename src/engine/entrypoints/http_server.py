@@ -52,10 +52,10 @@ from engine.entrypoints.openai.utils import (
     sse_event,
     sse_stream,
 )
-from engine.managers.errors import EngineRequestError
-from engine.managers.metrics import METRICS_CONTENT_TYPE, TokenizerMetricsCollector
-from engine.managers.request_normalizer import GenerateReqInput
-from engine.managers.tokenizer_manager_protocol import TokenizerManagerProtocol
+from engine.errors import EngineRequestError
+from engine.tokenizer.metrics import METRICS_CONTENT_TYPE, TokenizerMetricsCollector
+from engine.tokenizer.request_normalizer import GenerateReqInput
+from engine.tokenizer.tokenizer_manager_protocol import TokenizerManagerProtocol
 from engine.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any, Hashable, List, Optional
 import torch
 
 if TYPE_CHECKING:
-    from engine.managers.req import Req
+    from engine.scheduler.req import Req
 
 
 @dataclass(slots=True)

@@ -16,7 +16,7 @@ from engine.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult
 from engine.mem_cache.memory_pool import ReqToTokenPool
 
 if TYPE_CHECKING:
-    from engine.managers.req import Req
+    from engine.scheduler.req import Req
 
 logger = logging.getLogger(__name__)
 

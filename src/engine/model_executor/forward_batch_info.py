@@ -55,7 +55,7 @@ class ModelWorkerBatch:
     For DECODE the `extend_*` lists are None. For MIXED the decode rows appear after the
     extend rows with `extend_prefix_lens = seq_len - 1` and `extend_seq_lens = 1`.
     Decode rows carry the placeholder id -1 and name their request-pool row in `relay_rows`: the
-    worker gathers the real id from the overlap relay (managers/overlap_utils.py).
+    worker gathers the real id from the overlap relay (scheduler/overlap_utils.py).
     """
 
     forward_mode: ForwardMode

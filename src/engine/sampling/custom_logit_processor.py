@@ -21,7 +21,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
-from engine.managers.req import FINISH_ABORT
+from engine.scheduler.req import FINISH_ABORT
 
 logger = logging.getLogger(__name__)
 

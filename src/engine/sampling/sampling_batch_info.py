@@ -34,7 +34,7 @@ from engine.sampling.penaltylib.orchestrator import BatchedPenalizerOrchestrator
 from engine.sampling.sampling_params import SAMPLING_EPS
 
 if TYPE_CHECKING:
-    from engine.managers.schedule_batch import ScheduleBatch
+    from engine.scheduler.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger(__name__)
 

@@ -16,8 +16,8 @@ import json
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
-from engine.constrained.reasoning_parser import REASONING_FORMATS, ReasoningParser, starts_in_reasoning
-from engine.constrained.tool_parsers import (
+from engine.parsers.reasoning import REASONING_FORMATS, ReasoningParser, starts_in_reasoning
+from engine.parsers.tool_calls import (
     JsonArrayParser,
     ToolCallDelta,
     ToolCallParser,
@@ -27,7 +27,7 @@ from engine.constrained.tool_parsers import (
 )
 from engine.entrypoints.openai.protocol import ChatCompletionRequest
 from engine.entrypoints.openai.protocol_tools import DeltaToolCall, FunctionCall, Tool, ToolCall, ToolChoice
-from engine.managers.errors import EngineRequestError
+from engine.errors import EngineRequestError
 
 
 def tool_call_schema(tools: List[Tool], tool_choice: Union[str, ToolChoice], parallel_tool_calls: bool) -> str:

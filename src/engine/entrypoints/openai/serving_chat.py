@@ -53,9 +53,9 @@ from engine.entrypoints.openai.utils import (
     sse_event,
     sse_stream,
 )
-from engine.managers.errors import EngineRequestError
-from engine.managers.request_normalizer import GenerateReqInput
-from engine.managers.tokenizer_manager_protocol import GenerateOutputs, TokenizerManagerProtocol
+from engine.errors import EngineRequestError
+from engine.tokenizer.request_normalizer import GenerateReqInput
+from engine.tokenizer.tokenizer_manager_protocol import GenerateOutputs, TokenizerManagerProtocol
 from engine.utils.tokenizer_utils import TokenBytes, make_token_bytes
 
 logger = logging.getLogger(__name__)

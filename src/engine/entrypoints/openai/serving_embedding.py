@@ -16,9 +16,9 @@ from fastapi.responses import Response
 
 from engine.entrypoints.openai.embedding_protocol import EmbeddingRequest, EncodeRequest
 from engine.entrypoints.openai.utils import ClientConnection, error_response_from_exception
-from engine.managers.embedding_requests import EmbeddingReqInput, EmbeddingResult
-from engine.managers.errors import EngineRequestError
-from engine.managers.tokenizer_manager_protocol import TokenizerManagerProtocol
+from engine.tokenizer.embedding_requests import EmbeddingReqInput, EmbeddingResult
+from engine.errors import EngineRequestError
+from engine.tokenizer.tokenizer_manager_protocol import TokenizerManagerProtocol
 
 if TYPE_CHECKING:
     from typing_extensions import TypeIs

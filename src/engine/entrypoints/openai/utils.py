@@ -14,8 +14,8 @@ import orjson
 from fastapi.responses import Response
 
 from engine.entrypoints.openai.protocol import PromptTokensDetails, SamplingFields, UsageInfo
-from engine.managers.errors import EngineRequestError
-from engine.managers.tokenizer_manager_protocol import GenerateOutputs
+from engine.errors import EngineRequestError
+from engine.tokenizer.tokenizer_manager_protocol import GenerateOutputs
 
 logger = logging.getLogger(__name__)
 

@@ -19,7 +19,7 @@ if TYPE_CHECKING:
 
 
 class SamplingReq(Protocol):
-    """What sampling reads of a request: managers/req.py's Req has it (tests use small records)."""
+    """What sampling reads of a request: scheduler/req.py's Req has it (tests use small records)."""
 
     sampling_params: SamplingParams
     origin_input_ids: List[int]

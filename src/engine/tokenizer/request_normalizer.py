@@ -19,8 +19,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Any, Literal, Optional, Union
 
-from engine.managers.errors import EngineRequestError
-from engine.managers.io_struct import TokenizedGenerateReqInput
+from engine.errors import EngineRequestError
+from engine.io_struct import TokenizedGenerateReqInput
 from engine.sampling.sampling_params import check_parallel_sample_num
 
 logger = logging.getLogger(__name__)

@@ -1,6 +1,6 @@
 """The scheduler's view of a model worker: what it calls, typed.
 
-`TpModelWorker` (managers/tp_worker.py) is the implementation that runs a model; tests and
+`TpModelWorker` (scheduler/tp_worker.py) is the implementation that runs a model; tests and
 benchmarks plug in workers of their own (a fake next-token rule, a simulated device). The
 scheduler depends only on this protocol.
 """
@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Protocol,
 import torch
 
 if TYPE_CHECKING:
-    from engine.managers.tp_worker import GenerationBatchResult
+    from engine.scheduler.tp_worker import GenerationBatchResult
     from engine.mem_cache.allocator import PagedTokenToKVPoolAllocator
     from engine.mem_cache.memory_pool import ReqToTokenPool
     from engine.model_executor.forward_batch_info import ModelWorkerBatch
@@ -21,7 +21,7 @@ if TYPE_CHECKING:
 class ModelWorker(Protocol):
     req_to_token_pool: "ReqToTokenPool"
     token_to_kv_pool_allocator: "PagedTokenToKVPoolAllocator"
-    # The overlap relay: the last token sampled per request-pool row (managers/overlap_utils.py).
+    # The overlap relay: the last token sampled per request-pool row (scheduler/overlap_utils.py).
     output_tokens_buf: torch.Tensor
 
     def get_worker_info(self) -> Dict[str, Any]:
@@ -38,7 +38,7 @@ class ModelWorker(Protocol):
                        vocab_mask: Optional[torch.Tensor]) -> "GenerationBatchResult":
         """The sampling half of a forward run with `delay_sample=True`."""
 
-    # The control plane (managers/scheduler_control.py).
+    # The control plane (scheduler/control.py).
     def update_weights_from_disk(self, model_path: str, load_format: Optional[str]) -> Tuple[bool, str]: ...
 
     def update_weights_from_tensor(self, named_tensors: Sequence[Tuple[str, torch.Tensor]]) -> Tuple[bool, str]: ...

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
-from engine.managers.io_struct import BatchTokenIDOutput
-from engine.managers.req import FAST_FINISH_UNKNOWN, FINISH_LENGTH, FINISH_MATCHED_REGEX, Req
+from engine.io_struct import BatchTokenIDOutput
+from engine.scheduler.req import FAST_FINISH_UNKNOWN, FINISH_LENGTH, FINISH_MATCHED_REGEX, Req
 
 if TYPE_CHECKING:
-    from engine.managers.schedule_batch import ScheduleBatch
+    from engine.scheduler.schedule_batch import ScheduleBatch
     from engine.mem_cache.base_prefix_cache import BasePrefixCache
-    from engine.managers.tp_worker import GenerationBatchResult
+    from engine.scheduler.tp_worker import GenerationBatchResult
 
 # A non-streaming request still goes to the detokenizer every this many tokens (incremental decode).
 DEFAULT_FORCE_STREAM_INTERVAL = 50

@@ -13,8 +13,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any, Optional, Protocol
 
-from engine.managers.io_struct import BatchStrOutput
-from engine.managers.metrics import RequestTimer
+from engine.io_struct import BatchStrOutput
+from engine.tokenizer.metrics import RequestTimer
 
 
 class ClientProbe(Protocol):

@@ -17,10 +17,10 @@ from typing import Any, Dict, List, Optional, Union
 
 import numpy as np
 
-from engine.managers.errors import EngineRequestError
-from engine.managers.io_struct import BatchEmbeddingOutput, TokenizedEmbeddingReqInput
-from engine.managers.output_assembly import ReqState
-from engine.managers.request_normalizer import bound_text, normalize_rids, split_prompts
+from engine.errors import EngineRequestError
+from engine.io_struct import BatchEmbeddingOutput, TokenizedEmbeddingReqInput
+from engine.tokenizer.output_assembly import ReqState
+from engine.tokenizer.request_normalizer import bound_text, normalize_rids, split_prompts
 
 # One request may carry at most this many inputs (OpenAI's limit for /v1/embeddings).
 MAX_EMBEDDING_INPUTS = 2048

@@ -11,7 +11,7 @@ import torch
 
 from engine.configs.pooling_config import PoolingType
 from engine.distributed.weight_update_group import WeightUpdateGroups, tensor_specs
-from engine.managers.overlap_utils import resolve_relay_input_ids, write_relay
+from engine.scheduler.overlap_utils import resolve_relay_input_ids, write_relay
 from engine.model_executor.forward_batch_info import ForwardBatch, ModelWorkerBatch
 
 if TYPE_CHECKING:

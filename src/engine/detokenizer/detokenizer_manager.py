@@ -17,9 +17,9 @@ from typing import Any, Optional
 
 import zmq
 
-from engine.managers.io_struct import BatchStrOutput, BatchTokenIDOutput, decode, encode, route_to_workers
+from engine.io_struct import BatchStrOutput, BatchTokenIDOutput, decode, encode, route_to_workers
 from engine.server_args import PortArgs, ServerArgs
-from engine.utils.child_processes import exit_before_ready
+from engine.launch.children import exit_before_ready
 from engine.utils.log_utils import configure_logging
 from engine.utils.process_utils import freeze_startup_objects, set_process_title, start_parent_death_watcher
 from engine.utils.tokenizer_utils import (

@@ -15,12 +15,12 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, List, Optional
 
-from engine.managers.io_struct import BatchEmbeddingOutput, TokenizedEmbeddingReqInput
-from engine.managers.req import FINISH_LENGTH, Req
+from engine.io_struct import BatchEmbeddingOutput, TokenizedEmbeddingReqInput
+from engine.scheduler.req import FINISH_LENGTH, Req
 
 if TYPE_CHECKING:
-    from engine.managers.schedule_batch import ScheduleBatch
-    from engine.managers.tp_worker import EmbeddingBatchResult
+    from engine.scheduler.schedule_batch import ScheduleBatch
+    from engine.scheduler.tp_worker import EmbeddingBatchResult
     from engine.mem_cache.base_prefix_cache import BasePrefixCache
 
 

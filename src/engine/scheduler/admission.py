@@ -16,18 +16,18 @@ import logging
 import time
 from typing import TYPE_CHECKING, Optional
 
-from engine.managers.errors import NOT_A_GENERATION_MODEL, NOT_AN_EMBEDDING_MODEL
-from engine.managers.io_struct import AbortReq, TokenizedEmbeddingReqInput, TokenizedGenerateReqInput
-from engine.managers.priority import EVICTED_MESSAGE
-from engine.managers.req import FINISH_ABORT, Req, cache_namespace
-from engine.managers.scheduler_embedding import make_embedding_req, validate_embedding_input
+from engine.errors import NOT_A_GENERATION_MODEL, NOT_AN_EMBEDDING_MODEL
+from engine.io_struct import AbortReq, TokenizedEmbeddingReqInput, TokenizedGenerateReqInput
+from engine.scheduler.priority import EVICTED_MESSAGE
+from engine.scheduler.req import FINISH_ABORT, Req, cache_namespace
+from engine.scheduler.embedding import make_embedding_req, validate_embedding_input
 from engine.sampling.custom_logit_processor import CustomLogitProcessorError, load_custom_logit_processor
 from engine.sampling.stop_regex import StopRegexCompiler
 
 from engine.disaggregation.base import DisaggregationMode
 
 if TYPE_CHECKING:
-    from engine.managers.scheduler import Scheduler
+    from engine.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

@@ -12,8 +12,8 @@ import time
 from typing import TYPE_CHECKING, Any, Dict, Optional
 
 if TYPE_CHECKING:
-    from engine.managers.schedule_batch import ScheduleBatch
-    from engine.managers.scheduler import Scheduler
+    from engine.scheduler.schedule_batch import ScheduleBatch
+    from engine.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

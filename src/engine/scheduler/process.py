@@ -18,9 +18,9 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 
-from engine.managers.io_struct import BatchTokenIDOutput, GetInternalStateReqOutput
-from engine.managers.overlap_utils import limit_omp_threads_of_this_thread
-from engine.managers.scheduler import Scheduler
+from engine.io_struct import BatchTokenIDOutput, GetInternalStateReqOutput
+from engine.scheduler.overlap_utils import limit_omp_threads_of_this_thread
+from engine.scheduler.scheduler import Scheduler
 
 if TYPE_CHECKING:
     from multiprocessing.connection import Connection
@@ -124,7 +124,7 @@ def _rank0_channels(context: zmq.Context, port_args: PortArgs, tp_size: int, dp_
     import zmq
 
     from engine.distributed.parallel_state import broadcast_bytes_list
-    from engine.managers import io_struct
+    from engine import io_struct
     from engine.utils.zmq_utils import get_zmq_socket
 
     # Through the one helper: with ZMQ's default high-water mark a slow detokenizer would block
@@ -178,7 +178,7 @@ def _with_rank_states(state: Dict[str, Any], tp_size: int, dp_rank: Optional[int
 def _follower_channels():
     """recv / send / wait functions of TP ranks > 0: rank 0's broadcast in, nothing out."""
     from engine.distributed.parallel_state import broadcast_bytes_list, gather_objects_to_rank0
-    from engine.managers import io_struct
+    from engine import io_struct
 
     def recv() -> List[Any]:
         return [io_struct.decode(b) for b in broadcast_bytes_list(None)]

@@ -23,9 +23,9 @@ from typing import TYPE_CHECKING, Any, Callable, Deque, List, Optional, Tuple, U
 
 
 from engine.constrained.grammar_manager import GrammarManager
-from engine.constrained.reasoning_parser import REASONING_FORMATS
+from engine.parsers.reasoning import REASONING_FORMATS
 from engine.constrained.vocab_mask import build_vocab_mask
-from engine.managers.io_struct import (
+from engine.io_struct import (
     AbortReq,
     FlushCacheReqInput,
     FlushCacheReqOutput,
@@ -35,16 +35,16 @@ from engine.managers.io_struct import (
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
-from engine.managers.overlap_utils import DelayedSample, ForwardStream, PendingResult
-from engine.managers.priority import PriorityPolicy
-from engine.managers.req import FINISH_ABORT, Req
-from engine.managers.schedule_batch import ScheduleBatch
-from engine.managers.scheduler_admission import Admission
-from engine.managers.scheduler_control import SchedulerControl
-from engine.managers.scheduler_embedding import build_embedding_output, process_embedding_result
-from engine.managers.scheduler_output import OutputStreamer, ResultProcessor
-from engine.managers.scheduler_prefill import PrefillBuilder
-from engine.managers.scheduler_stats import SchedulerStats
+from engine.scheduler.overlap_utils import DelayedSample, ForwardStream, PendingResult
+from engine.scheduler.priority import PriorityPolicy
+from engine.scheduler.req import FINISH_ABORT, Req
+from engine.scheduler.schedule_batch import ScheduleBatch
+from engine.scheduler.admission import Admission
+from engine.scheduler.control import SchedulerControl
+from engine.scheduler.embedding import build_embedding_output, process_embedding_result
+from engine.scheduler.output import OutputStreamer, ResultProcessor
+from engine.scheduler.prefill import PrefillBuilder
+from engine.scheduler.stats import SchedulerStats
 
 from engine.disaggregation.base import DisaggregationMode
 from engine.disaggregation.roles import make_role
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
     from engine.constrained.base_grammar_backend import BaseGrammarBackend
     from engine.disaggregation.decode_scheduler import DecodeDisaggregation
     from engine.disaggregation.prefill import PrefillDisaggregation
-    from engine.managers.worker_protocol import ModelWorker
+    from engine.scheduler.worker_protocol import ModelWorker
     from engine.mem_cache.base_prefix_cache import BasePrefixCache
     from engine.server_args import ServerArgs
 
@@ -86,7 +86,7 @@ class Scheduler:
         self.forward_stream = ForwardStream(server_args.device if worker is None
                                             else worker.get_worker_info()["device"])
         if worker is None:
-            from engine.managers.tp_worker import TpModelWorker
+            from engine.scheduler.tp_worker import TpModelWorker
 
             def build() -> Any:
                 return TpModelWorker(server_args, gpu_id=gpu_id, tp_rank=tp_rank)

@@ -30,7 +30,7 @@ import logging
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
 
 from engine.distributed.parallel_state import all_reduce_min_int, get_tp_size
-from engine.managers.io_struct import (
+from engine.io_struct import (
     ContinueGenerationReqInput,
     ContinueGenerationReqOutput,
     DestroyWeightsUpdateGroupReqInput,
@@ -52,12 +52,12 @@ from engine.managers.io_struct import (
     UpdateWeightsFromTensorReqInput,
     UpdateWeightsFromTensorReqOutput,
 )
-from engine.managers.req import Req
+from engine.scheduler.req import Req
 from engine.model_executor.memory_saver import FORWARD_TAGS, MEMORY_TAGS, WEIGHTS, check_tags
 from engine.model_executor.tensor_payload import PayloadError, decode_payload
 
 if TYPE_CHECKING:
-    from engine.managers.scheduler import Scheduler
+    from engine.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

@@ -1,7 +1,7 @@
 """The HTTP layer's view of the TokenizerManager: what the routes and the OpenAI serving classes
 call, typed.
 
-`TokenizerManager` (managers/tokenizer_manager.py) is the implementation; the HTTP tests plug in
+`TokenizerManager` (tokenizer/tokenizer_manager.py) is the implementation; the HTTP tests plug in
 managers of their own (a toy model, scripted outputs) through `create_app`. Data members are
 read-only properties here so that a plain attribute and a property both satisfy them.
 """
@@ -11,11 +11,11 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, AsyncGenerator, Optional, Protocol, Union
 
 if TYPE_CHECKING:
-    from engine.managers.control_calls import ControlCalls
-    from engine.managers.embedding_requests import EmbeddingReqInput, EmbeddingResult
-    from engine.managers.io_struct import FlushCacheReqOutput
-    from engine.managers.metrics import TokenizerMetricsCollector
-    from engine.managers.request_normalizer import GenerateReqInput
+    from engine.tokenizer.control_calls import ControlCalls
+    from engine.tokenizer.embedding_requests import EmbeddingReqInput, EmbeddingResult
+    from engine.io_struct import FlushCacheReqOutput
+    from engine.tokenizer.metrics import TokenizerMetricsCollector
+    from engine.tokenizer.request_normalizer import GenerateReqInput
 
 # What generate_request yields: one dict per update for a single prompt or any stream, one list
 # for a whole (non-streamed) batch. A generator: closing it aborts what is still running.

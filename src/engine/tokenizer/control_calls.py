@@ -28,10 +28,10 @@ import time
 import uuid
 from typing import TYPE_CHECKING, Any, Optional, Sequence
 
-from engine.managers.embedding_requests import EmbeddingReqInput
-from engine.managers.errors import EngineRequestError
-from engine.managers.generation_gate import GenerationGate
-from engine.managers.io_struct import (
+from engine.tokenizer.embedding_requests import EmbeddingReqInput
+from engine.errors import EngineRequestError
+from engine.tokenizer.generation_gate import GenerationGate
+from engine.io_struct import (
     CONTROL_REPLIES,
     CONTROL_REPLY_OF,
     ContinueGenerationReqInput,
@@ -50,10 +50,10 @@ from engine.managers.io_struct import (
     UpdateWeightsFromDistributedReqInput,
     UpdateWeightsFromTensorReqInput,
 )
-from engine.managers.request_normalizer import GenerateReqInput
+from engine.tokenizer.request_normalizer import GenerateReqInput
 
 if TYPE_CHECKING:
-    from engine.managers.tokenizer_manager import TokenizerManager
+    from engine.tokenizer.tokenizer_manager import TokenizerManager
 
 logger = logging.getLogger(__name__)
 

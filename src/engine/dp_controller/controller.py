@@ -32,7 +32,7 @@ import time
 import traceback
 from typing import TYPE_CHECKING, Any, Deque, Dict, List, Optional
 
-from engine.managers.io_struct import (
+from engine.io_struct import (
     CONTROL_REPLIES,
     CONTROL_REQUESTS,
     AbortReq,
@@ -52,7 +52,7 @@ if TYPE_CHECKING:
     import zmq
 
     from engine.server_args import PortArgs, ServerArgs
-    from engine.utils.child_processes import ChildProcesses
+    from engine.launch.children import ChildProcesses
 
 logger = logging.getLogger(__name__)
 
@@ -252,7 +252,7 @@ class DataParallelController:
 
 def _run_scheduler(*args: Any) -> None:
     # A light trampoline: pickling it for spawn does not import the scheduler (and torch) here.
-    from engine.managers.scheduler_process import run_scheduler_process
+    from engine.scheduler.process import run_scheduler_process
 
     run_scheduler_process(*args)
 
@@ -274,7 +274,7 @@ def run_data_parallel_controller_process(server_args: ServerArgs, port_args: Por
                                          pipe_writer: Connection) -> None:
     import zmq
 
-    from engine.utils.child_processes import ChildProcesses, LaunchError
+    from engine.launch.children import ChildProcesses, LaunchError
     from engine.utils.log_utils import configure_logging
     from engine.utils.process_utils import set_process_title, watch_parent
 
@@ -322,7 +322,7 @@ def start_scheduler_processes(children: ChildProcesses, server_args: ServerArgs,
 
     Returns the child name whose ready message carries the scheduler limits.
     """
-    from engine.utils.child_processes import LaunchError
+    from engine.launch.children import LaunchError
 
     if server_args.tp_size % server_args.nnodes != 0:
         raise LaunchError(f"--tp-size ({server_args.tp_size}) must be a multiple of --nnodes ({server_args.nnodes}).")

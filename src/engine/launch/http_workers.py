@@ -26,7 +26,7 @@ from multiprocessing.process import BaseProcess
 from typing import Any
 
 from engine.server_args import PortArgs, ServerArgs
-from engine.utils.child_processes import ChildProcesses, ProcessHandle, exit_before_ready
+from engine.launch.children import ChildProcesses, ProcessHandle, exit_before_ready
 from engine.utils.log_utils import configure_logging
 from engine.utils.process_utils import freeze_startup_objects, set_process_title, start_parent_death_watcher
 
@@ -91,7 +91,7 @@ def run_http_worker(server_args: ServerArgs, port_args: PortArgs, scheduler_info
     try:
         from engine.entrypoints.engine import load_server_tokenizer
         from engine.entrypoints.http_server import build_http_server
-        from engine.managers.tokenizer_manager import TokenizerManager
+        from engine.tokenizer.tokenizer_manager import TokenizerManager
 
         tokenizer_manager = TokenizerManager(
             server_args, port_args, scheduler_info, tokenizer=load_server_tokenizer(server_args),

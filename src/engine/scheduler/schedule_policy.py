@@ -9,8 +9,8 @@ from contextlib import contextmanager
 from enum import Enum, auto
 from typing import Any, Dict, List, Optional, Sequence, Tuple
 
-from engine.managers.priority import PriorityPolicy
-from engine.managers.req import CLIP_MAX_NEW_TOKENS_ESTIMATION, Req
+from engine.scheduler.priority import PriorityPolicy
+from engine.scheduler.req import CLIP_MAX_NEW_TOKENS_ESTIMATION, Req
 from engine.mem_cache.base_prefix_cache import BasePrefixCache
 from engine.mem_cache.radix_cache import RadixCache, TreeNode
 

@@ -16,7 +16,7 @@ from __future__ import annotations
 import sys
 from typing import TYPE_CHECKING, List, Optional, Tuple
 
-from engine.managers.req import Req
+from engine.scheduler.req import Req
 
 if TYPE_CHECKING:
     from engine.server_args import ServerArgs

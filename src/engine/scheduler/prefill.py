@@ -13,11 +13,11 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, Optional
 
-from engine.managers.schedule_batch import ScheduleBatch
-from engine.managers.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy, UncachedPrefixDedup
+from engine.scheduler.schedule_batch import ScheduleBatch
+from engine.scheduler.schedule_policy import AddReqResult, PrefillAdder, SchedulePolicy, UncachedPrefixDedup
 
 if TYPE_CHECKING:
-    from engine.managers.scheduler import Scheduler
+    from engine.scheduler.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional, Sequen
 import zmq
 import zmq.asyncio
 
-from engine.managers.control_calls import HEALTH_CHECK_RID_PREFIX, ControlCalls
-from engine.managers.embedding_requests import (
+from engine.tokenizer.control_calls import HEALTH_CHECK_RID_PREFIX, ControlCalls
+from engine.tokenizer.embedding_requests import (
     EmbeddingModelInfo,
     EmbeddingNormalizer,
     EmbeddingReqInput,
@@ -35,13 +35,13 @@ from engine.managers.embedding_requests import (
     apply_embedding_output,
     embedding_result,
 )
-from engine.managers.errors import (
+from engine.errors import (
     CLIENT_CLOSED_REQUEST,
     NOT_A_GENERATION_MODEL,
     NOT_AN_EMBEDDING_MODEL,
     EngineRequestError,
 )
-from engine.managers.io_struct import (
+from engine.io_struct import (
     AbortReq,
     BatchEmbeddingOutput,
     BatchStrOutput,
@@ -52,15 +52,15 @@ from engine.managers.io_struct import (
     decode,
     encode,
 )
-from engine.managers.metrics import RequestTimer, TokenizerMetricsCollector, checked_custom_labels
-from engine.managers.output_assembly import OutputAssembler, ReqState, build_output
-from engine.managers.request_normalizer import (
+from engine.tokenizer.metrics import RequestTimer, TokenizerMetricsCollector, checked_custom_labels
+from engine.tokenizer.output_assembly import OutputAssembler, ReqState, build_output
+from engine.tokenizer.request_normalizer import (
     GenerateReqInput,
     RequestNormalizer,
     apply_chat_template,
     load_chat_template,
 )
-from engine.managers.tokenizer_manager_protocol import GenerateOutputs
+from engine.tokenizer.tokenizer_manager_protocol import GenerateOutputs
 from engine.server_args import PortArgs, ServerArgs
 from engine.utils.async_streams import gather_last, merge_indexed
 from engine.utils.process_utils import child_alive

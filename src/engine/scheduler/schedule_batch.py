@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Callable, List, Optional, Tuple, TypeVar
 
 import torch
 
-from engine.managers.req import (  # noqa: F401  (re-exported: the SGLang vocabulary lives here)
+from engine.scheduler.req import (  # noqa: F401  (re-exported: the SGLang vocabulary lives here)
     CLIP_MAX_NEW_TOKENS_ESTIMATION,
     FINISH_ABORT,
     FINISH_LENGTH,
@@ -20,7 +20,7 @@ from engine.managers.req import (  # noqa: F401  (re-exported: the SGLang vocabu
     FINISH_MATCHED_TOKEN,
     Req,
 )
-from engine.managers.overlap_utils import RELAY_PLACEHOLDER
+from engine.scheduler.overlap_utils import RELAY_PLACEHOLDER
 from engine.model_executor.forward_batch_info import ForwardMode, ModelWorkerBatch
 
 if TYPE_CHECKING:
