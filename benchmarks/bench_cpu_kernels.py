@@ -33,8 +33,9 @@ from typing import Callable, Dict, List
 import torch
 import torch.nn.functional as F
 
-from engine.layers import cpu_ops
-from engine.layers.attention import cpu_kernels
+from engine.kernels import attention as attention_kernels
+from engine.kernels import library
+from engine.kernels import linear as linear_kernels
 from engine.layers.attention.prefix_panels import PrefixPanels
 from engine.mem_cache.memory_pool import MHATokenToKVPool
 
@@ -65,7 +66,7 @@ def rounds_of(variants: Dict[str, Callable[[], object]], rounds: int, reps: int)
 def isa(name: str) -> Callable[[Callable[[], object]], Callable[[], object]]:
     """Wraps a call so that it runs with AMX on ('amx') or off (anything else), then puts back the
     process's setting (ENGINE_CPU_AMX)."""
-    lib = cpu_kernels.loaded_kernel()
+    lib = library.loaded_kernel()
     before = int(lib.amx_active())
 
     def wrap(fn: Callable[[], object]) -> Callable[[], object]:
@@ -83,7 +84,7 @@ def linears(rows: List[int], rounds: int, amx: bool) -> List[Dict[str, object]]:
     torch.manual_seed(0)
     weights = [torch.randn(n, k).mul_(0.02).to(torch.bfloat16) for _ in range(LAYERS) for n, k in SHAPES]
     weights.append(torch.randn(VOCAB, 1024).mul_(0.02).to(torch.bfloat16))
-    panels = [cpu_ops.pack_linear_bf16(w, None) for w in weights]
+    panels = [linear_kernels.pack_linear_bf16(w, None) for w in weights]
     flop_per_row = sum(2 * w.numel() for w in weights)
     results = []
     for m in rows:
@@ -91,7 +92,7 @@ def linears(rows: List[int], rounds: int, amx: bool) -> List[Dict[str, object]]:
 
         def packed() -> None:
             for p in panels:
-                cpu_ops.linear_bf16(xs[p.k], p, add_bias=False)
+                linear_kernels.linear_bf16(xs[p.k], p, add_bias=False)
 
         def onednn() -> None:
             for w in weights:
@@ -122,10 +123,10 @@ def attention(rounds: int, amx: bool) -> List[Dict[str, object]]:
         for b, (p, e) in enumerate(zip(prefix, ext)):  # the prefix shared, the new tokens each their own
             kv_indices[b, :p] = torch.arange(p)
             kv_indices[b, p:p + e] = torch.arange(4096 + b * e, 4096 + (b + 1) * e)
-        tables = cpu_kernels.ExtendTables(kv_indices, torch.tensor([sum(ext[:b]) for b in range(bs)]),
+        tables = attention_kernels.ExtendTables(kv_indices, torch.tensor([sum(ext[:b]) for b in range(bs)]),
                                           torch.tensor(ext), torch.tensor(prefix))
         q = torch.randn(sum(ext), HEADS * DIM).to(torch.bfloat16)
-        return lambda: cpu_kernels.extend_attention(q, k, v, tables, HEADS, KV_HEADS, DIM, scale)
+        return lambda: attention_kernels.extend_attention(q, k, v, tables, HEADS, KV_HEADS, DIM, scale)
 
     cases["extend, one 1024-token prompt"] = extend_case([0], [1024])
     cases["extend, 16 x 64 over 1024 cached"] = extend_case([1024] * 16, [64] * 16)
@@ -134,12 +135,12 @@ def attention(rounds: int, amx: bool) -> List[Dict[str, object]]:
     bs = groups * members
     lens = torch.full((bs,), own)
     kv_indices = (groups * prefix_len + torch.arange(bs * own)).view(bs, own)
-    cascade = cpu_kernels.CascadeTables(
+    cascade = attention_kernels.CascadeTables(
         group_offsets=torch.arange(groups + 1) * members, members=torch.arange(bs),
         prefix_indices=torch.arange(groups * prefix_len).view(groups, prefix_len),
         prefix_lens=torch.full((groups,), prefix_len), group_of=torch.arange(bs) // members)
     qd = torch.randn(bs, HEADS * DIM).to(torch.bfloat16)
-    cases["decode, 8 x 16 over 1024-token prefixes"] = lambda: cpu_kernels.decode_attention(
+    cases["decode, 8 x 16 over 1024-token prefixes"] = lambda: attention_kernels.decode_attention(
         qd, k, v, kv_indices, lens, HEADS, KV_HEADS, DIM, scale, cascade=cascade)
     # The same with the prefixes' panels kept from an earlier step (prefix_panels.py).
     pool = MHATokenToKVPool(slots - 1, 1, torch.bfloat16, KV_HEADS, DIM, 1, "cpu")
@@ -147,7 +148,7 @@ def attention(rounds: int, amx: bool) -> List[Dict[str, object]]:
     kept = dataclasses.replace(cascade)
     panels = PrefixPanels(budget_bytes=1 << 30)
     panels.attach(kept, list(kept.prefix_indices), pool)
-    cases["decode, 8 x 16 over 1024-token prefixes, panels kept"] = lambda: (panels, cpu_kernels.decode_attention(
+    cases["decode, 8 x 16 over 1024-token prefixes, panels kept"] = lambda: (panels, attention_kernels.decode_attention(
         qd, k, v, kv_indices, lens, HEADS, KV_HEADS, DIM, scale, cascade=kept))
 
     results = []
@@ -167,7 +168,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--result-file", default=None)
     args = ap.parse_args()
-    lib = cpu_kernels.decode_kernel()
+    lib = library.decode_kernel()
     if lib is None or not lib.linear_bf16_available():
         raise SystemExit("the CPU kernel library is not available or this CPU lacks AVX512-BF16: nothing to compare")
     amx = bool(lib.amx_active())

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from engine.layers.attention import cpu_kernels
+from engine.kernels import library
 
 pytestmark = pytest.mark.skipif(not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")),
                                 reason="no C compiler: the kernel is never built")
@@ -27,8 +27,8 @@ def _load_fresh(monkeypatch, cache_root: Path):
     """decode_kernel() as a new process would run it, with ENGINE_CACHE_DIR=cache_root."""
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(cache_root))
     monkeypatch.delenv("ENGINE_CPU_DECODE_KERNEL", raising=False)
-    monkeypatch.setattr(cpu_kernels, "_kernel", cpu_kernels._UNSET)
-    return cpu_kernels.decode_kernel()
+    monkeypatch.setattr(library, "_kernel", library._UNSET)
+    return library.decode_kernel()
 
 
 def _is_planted(lib: ctypes.CDLL) -> bool:
@@ -111,7 +111,7 @@ def test_a_compiler_that_hangs_is_stopped(monkeypatch, tmp_path, caplog):
     fake.write_text('#!/bin/sh\nif [ "$1" = "--version" ]; then echo fake-cc 1.0; exit 0; fi\nexec sleep 600\n')
     fake.chmod(0o700)
     monkeypatch.setenv("CC", str(fake))
-    monkeypatch.setattr(cpu_kernels, "COMPILE_TIMEOUT_S", 0.5)
+    monkeypatch.setattr(library, "COMPILE_TIMEOUT_S", 0.5)
     assert _load_fresh(monkeypatch, tmp_path / "cache") is None
     assert "Building the CPU decode attention kernel timed out" in caplog.text
     assert not list((tmp_path / "cache" / "kernels").iterdir())  # no half-built file left behind

@@ -9,7 +9,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from engine.layers import cpu_ops
+from engine.kernels import linear as linear_kernels
+from engine.kernels import ops as kernel_ops
 from engine.layers.activation import SiluAndMul
 from engine.layers.layernorm import RMSNorm
 from engine.layers.rotary_embedding import get_rope
@@ -18,9 +19,9 @@ from engine.mem_cache.memory_pool import MHATokenToKVPool
 
 @pytest.fixture(autouse=True)
 def need_library():
-    from engine.layers.attention import cpu_kernels
+    from engine.kernels import library
 
-    if cpu_kernels.decode_kernel() is None:
+    if library.decode_kernel() is None:
         if os.environ.get("ENGINE_CPU_DECODE_KERNEL") == "0" or not (shutil.which("gcc") or shutil.which("cc")):
             pytest.skip("the native CPU kernels are off or there is no C compiler")
         pytest.fail("a C compiler is present but the CPU kernels did not build (see the log)")
@@ -28,11 +29,11 @@ def need_library():
 
 def both_paths(monkeypatch, fn):
     """fn() through the fused kernels, then through the torch code."""
-    assert cpu_ops.ENABLED
+    assert kernel_ops.ENABLED
     fused = fn()
-    monkeypatch.setattr(cpu_ops, "ENABLED", False)
+    monkeypatch.setattr(kernel_ops, "ENABLED", False)
     reference = fn()
-    monkeypatch.setattr(cpu_ops, "ENABLED", True)
+    monkeypatch.setattr(kernel_ops, "ENABLED", True)
     return fused, reference
 
 
@@ -75,21 +76,21 @@ def test_silu_and_mul(monkeypatch, dtype, tokens):
 def test_greedy_argmax_equals_torch(monkeypatch, shape):
     torch.manual_seed(shape[1])
     x = torch.randn(*shape)
-    fused, ref = both_paths(monkeypatch, lambda: cpu_ops.greedy(x))
+    fused, ref = both_paths(monkeypatch, lambda: kernel_ops.greedy(x))
     assert fused.dtype == torch.int64 and torch.equal(fused, ref)
     # Ties take the first index, in the vector part and the tail; a row of -inf gives 0.
     ties = torch.randint(0, 3, (64, 1000)).float()
-    assert torch.equal(cpu_ops.greedy(ties), ties.argmax(-1))
+    assert torch.equal(kernel_ops.greedy(ties), ties.argmax(-1))
     rows = torch.zeros(5, 40)
     rows[0, 5] = rows[0, 30] = rows[0, 37] = 1.0
     rows[1] = -float("inf")
     rows[2, 20] = rows[2, 3] = float("nan")  # torch: NaN is the largest, the first one wins
     rows[3, 37] = float("nan")  # in the tail
     rows[4, 0] = float("nan")
-    assert cpu_ops.greedy(rows).tolist() == rows.argmax(-1).tolist() == [5, 0, 3, 37, 0]
+    assert kernel_ops.greedy(rows).tolist() == rows.argmax(-1).tolist() == [5, 0, 3, 37, 0]
     # Rows further apart than their length (the logits of a padded vocabulary, sliced).
     wide = torch.randn(8, 100)[:, :50]
-    assert torch.equal(cpu_ops.greedy(wide), wide.argmax(-1))
+    assert torch.equal(kernel_ops.greedy(wide), wide.argmax(-1))
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
@@ -145,14 +146,14 @@ def test_bf16_linear_kernel_matches_float_reference(cpu_isa, rows, n, k, with_bi
     weight = torch.randn(n, k).to(torch.bfloat16)
     bias = torch.randn(n).to(torch.bfloat16) if with_bias else None
     x = torch.randn(rows, k).to(torch.bfloat16)
-    panels = cpu_ops.pack_linear_bf16(weight, bias)
-    out = cpu_ops.linear_bf16(x, panels, add_bias=with_bias)
+    panels = linear_kernels.pack_linear_bf16(weight, bias)
+    out = linear_kernels.linear_bf16(x, panels, add_bias=with_bias)
     ref = x.float() @ weight.float().t() + (bias.float() if with_bias else 0)
     assert out.dtype == torch.bfloat16 and out.shape == (rows, n)
     # float32 sums of exact bf16 products, rounded once: within bf16 rounding of the reference
     assert torch.allclose(out.float(), ref, rtol=1e-2, atol=1e-2 * ref.abs().max().item())
     # a row-parallel layer adds its bias after the all-reduce: add_bias=False leaves it out
-    assert torch.allclose(cpu_ops.linear_bf16(x, panels, add_bias=False).float(), x.float() @ weight.float().t(),
+    assert torch.allclose(linear_kernels.linear_bf16(x, panels, add_bias=False).float(), x.float() @ weight.float().t(),
                           rtol=1e-2, atol=1e-2 * ref.abs().max().item())
 
 
@@ -169,15 +170,15 @@ def test_gate_up_linear_with_silu_and_mul_equals_the_two_calls(monkeypatch, cpu_
     assert prepack_linear_weights(mlp) == 2
     x = torch.randn(rows, 256).to(torch.bfloat16)
     calls = []
-    kernel = cpu_ops.linear_bf16_silu_mul
-    monkeypatch.setattr(cpu_ops, "linear_bf16_silu_mul", lambda *a: calls.append(1) or kernel(*a))
+    kernel = linear_kernels.linear_bf16_silu_mul
+    monkeypatch.setattr(kernel_ops, "linear_bf16_silu_mul", lambda *a: calls.append(1) or kernel(*a))
     fused = mlp(x)
     assert calls, "the MLP did not take the fused kernel"
     # The same bits as the gate_up linear kernel followed by the SiLU-and-mul kernel.
-    two_calls = mlp.down_proj(cpu_ops.silu_and_mul(mlp.gate_up_proj(x)))
+    two_calls = mlp.down_proj(kernel_ops.silu_and_mul(mlp.gate_up_proj(x)))
     assert torch.equal(fused, two_calls)
     # And close to the torch reference (oneDNN/F.linear, F.silu) with the kernels off.
-    monkeypatch.setattr(cpu_ops, "ENABLED", False)
+    monkeypatch.setattr(kernel_ops, "ENABLED", False)
     reference = mlp(x)
     assert torch.allclose(fused.float(), reference.float(), rtol=5e-2, atol=5e-2 * reference.abs().max().item())
 
@@ -195,12 +196,12 @@ def test_bf16_linear_layers_use_the_kernel_and_fall_back(monkeypatch):
     if packed == 0:
         # Neither the native kernel nor oneDNN's bf16 packing runs on this CPU (AVX2 only: oneDNN's
         # bf16 reorder needs AVX512 or AVX-NE-CONVERT): the layer keeps F.linear.
-        assert not cpu_ops.linear_bf16_usable(layer.weight)
+        assert not linear_kernels.linear_bf16_usable(layer.weight)
         assert layer.packed_weight is None
         assert torch.equal(layer(x), plain)
     else:
         assert packed == 1
-    if isinstance(layer.packed_weight, cpu_ops.Bf16Panels):
+    if isinstance(layer.packed_weight, linear_kernels.Bf16Panels):
         fused, ref = both_paths(monkeypatch, lambda: layer(x))
         assert torch.equal(ref, plain)  # switched off: F.linear again
         assert torch.allclose(fused.float(), plain.float(), rtol=2e-2, atol=2e-2)
@@ -209,7 +210,7 @@ def test_bf16_linear_layers_use_the_kernel_and_fall_back(monkeypatch):
 
 
 def _rms_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    out, _ = cpu_ops.rms_norm(x, weight, 1e-6)
+    out, _ = kernel_ops.rms_norm(x, weight, 1e-6)
     return out
 
 
@@ -263,9 +264,9 @@ def test_kernel_thread_pool_serves_concurrent_callers_and_forked_children():
 
 def _forked_rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     # The library straight, on 2 threads (no torch op: see the test).
-    from engine.layers.attention import cpu_kernels
+    from engine.kernels import library
 
     out = torch.empty(x.shape)  # an allocation, no kernel
-    cpu_kernels.loaded_kernel().rms_norm(x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), None, x.shape[0],
+    library.loaded_kernel().rms_norm(x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), None, x.shape[0],
                                          x.shape[1], 1e-6, 0, 2)
     return out

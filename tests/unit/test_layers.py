@@ -393,9 +393,9 @@ def test_torch_native_padded_extend_batch_matches_reference():
 
 def _require_cpu_kernel() -> None:
     """The native kernel must build wherever a C compiler is (it is optional without one)."""
-    from engine.layers.attention import cpu_kernels
+    from engine.kernels import attention as attention_kernels
 
-    if cpu_kernels.decode_kernel() is None:
+    if attention_kernels.decode_kernel() is None:
         if os.environ.get("ENGINE_CPU_DECODE_KERNEL") == "0" or not (shutil.which("gcc") or shutil.which("cc")):
             pytest.skip("the native CPU kernel is off or there is no C compiler")
         pytest.fail("a C compiler is present but the CPU decode kernel did not build (see the log)")
@@ -404,12 +404,12 @@ def _require_cpu_kernel() -> None:
 @pytest.fixture(params=["native-kernel", "torch-gather"])
 def decode_path(request, monkeypatch):
     """Run a decode test through the native CPU kernel and through the pure-torch gather path."""
-    from engine.layers.attention import cpu_kernels
+    from engine.kernels import attention as attention_kernels
 
     if request.param == "native-kernel":
         _require_cpu_kernel()
     else:
-        monkeypatch.setattr(cpu_kernels, "supports", lambda q, k_buf: False)
+        monkeypatch.setattr(attention_kernels, "supports", lambda q, k_buf: False)
     return request.param
 
 
@@ -482,7 +482,7 @@ def _reference_decode(q_row, k_rows, v_rows, heads, dim, scale):
 @pytest.mark.parametrize("layout", ["scattered", "consecutive"])  # consecutive: tiles read in one pass first
 def test_cpu_decode_kernel_matches_reference(dtype, heads, kv_heads, dim, bs, layout):
     """Lengths from 1 to past two 128-key softmax tiles, and ragged 16-key score blocks."""
-    from engine.layers.attention import cpu_kernels
+    from engine.kernels import attention as attention_kernels
 
     _require_cpu_kernel()
     torch.manual_seed(bs + heads + dim)
@@ -496,7 +496,7 @@ def test_cpu_decode_kernel_matches_reference(dtype, heads, kv_heads, dim, bs, la
         kv_indices = (kv_indices[:, :1] + torch.arange(kv_indices.shape[1])) % slots
     q = torch.randn(bs, heads * dim).to(dtype)
     scale = 1 / math.sqrt(dim)
-    out = cpu_kernels.decode_attention(q, k_buf, v_buf, kv_indices, lens, heads, kv_heads, dim, scale)
+    out = attention_kernels.decode_attention(q, k_buf, v_buf, kv_indices, lens, heads, kv_heads, dim, scale)
     assert out.dtype == dtype and out.shape == q.shape
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for b in range(bs):
@@ -509,7 +509,7 @@ def test_cpu_decode_kernel_matches_reference(dtype, heads, kv_heads, dim, bs, la
 @pytest.mark.parametrize("heads,kv_heads,dim", [(16, 8, 64), (12, 4, 128)])
 def test_cpu_decode_kernel_cascade_matches_reference(cpu_isa, dtype, heads, kv_heads, dim):
     """Groups read their shared prefix once (phase 1) and each member continues over its own suffix."""
-    from engine.layers.attention import cpu_kernels
+    from engine.kernels import attention as attention_kernels
 
     _require_cpu_kernel()
     if dtype == torch.float32 and cpu_isa == "amx":
@@ -522,13 +522,13 @@ def test_cpu_decode_kernel_cascade_matches_reference(cpu_isa, dtype, heads, kv_h
     group_of = torch.tensor([0, -1, 1, 0, 0, -1, 1])
     lens = torch.tensor([1, 200, 5, 130, 17, 1, 40])
     kv_indices = torch.randint(0, slots, (bs, int(lens.max())))
-    cascade = cpu_kernels.CascadeTables(
+    cascade = attention_kernels.CascadeTables(
         group_offsets=torch.tensor([0, 3, 5]), members=torch.tensor([0, 3, 4, 2, 6]),
         prefix_indices=torch.stack([prefixes[0], torch.cat([prefixes[1], torch.zeros(223, dtype=torch.long)])]),
         prefix_lens=torch.tensor([300, 77]), group_of=group_of)
     q = torch.randn(bs, heads * dim).to(dtype)
     scale = 1 / math.sqrt(dim)
-    out = cpu_kernels.decode_attention(q, k_buf, v_buf, kv_indices, lens, heads, kv_heads, dim, scale,
+    out = attention_kernels.decode_attention(q, k_buf, v_buf, kv_indices, lens, heads, kv_heads, dim, scale,
                                        cascade=cascade)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     for b in range(bs):
@@ -543,7 +543,7 @@ def test_cpu_decode_kernel_cascade_matches_reference(cpu_isa, dtype, heads, kv_h
 def test_cpu_decode_kernel_cascade_large_groups(cpu_isa, heads, kv_heads, dim, members, prefix_len):
     """bf16 phase 1 with more than 32 query rows per KV head (several row blocks), prefixes across
     softmax tiles and ragged key blocks, beside a request outside any group."""
-    from engine.layers.attention import cpu_kernels
+    from engine.kernels import attention as attention_kernels
 
     _require_cpu_kernel()
     torch.manual_seed(members + dim)
@@ -554,12 +554,12 @@ def test_cpu_decode_kernel_cascade_large_groups(cpu_isa, heads, kv_heads, dim, m
     group_of = torch.tensor([0] * members + [-1])
     lens = torch.randint(1, 40, (bs,))
     kv_indices = torch.randint(0, slots, (bs, int(lens.max())))
-    cascade = cpu_kernels.CascadeTables(
+    cascade = attention_kernels.CascadeTables(
         group_offsets=torch.tensor([0, members]), members=torch.arange(members), prefix_indices=prefix[None],
         prefix_lens=torch.tensor([prefix_len]), group_of=group_of)
     q = torch.randn(bs, heads * dim).to(torch.bfloat16)
     scale = 1 / math.sqrt(dim)
-    out = cpu_kernels.decode_attention(q, k_buf, v_buf, kv_indices, lens, heads, kv_heads, dim, scale,
+    out = attention_kernels.decode_attention(q, k_buf, v_buf, kv_indices, lens, heads, kv_heads, dim, scale,
                                        cascade=cascade)
     for b in range(bs):
         own = kv_indices[b, : lens[b]]
@@ -573,10 +573,10 @@ def test_native_bf16_extend_kernel_matches_reference(monkeypatch, cpu_isa, heads
     """bf16 prefills through the native kernels: requests with and without a cached prefix, long
     enough for several key panels and query-row blocks, a one-token row (as the decode rows of a
     MIXED batch), and the same batch through the torch path."""
-    from engine.layers.attention import cpu_kernels
+    from engine.kernels import attention as attention_kernels
 
     _require_cpu_kernel()
-    if not cpu_kernels.extend_supported():
+    if not attention_kernels.extend_supported():
         pytest.skip("no AVX512-BF16 on this CPU: bf16 prefills keep the torch path")
     torch.manual_seed(heads + dim)
     slots = 1200
@@ -612,7 +612,7 @@ def test_native_bf16_extend_kernel_matches_reference(monkeypatch, cpu_isa, heads
     # the two multi-token requests through the extend kernel, the one-token one through the decode kernel
     assert isinstance(meta, backend_mod._NativeExtend) and meta.extend.ext_lens.tolist() == [133, 70]
     assert meta.decode_rows.tolist() == [203, 204] and len(meta.decode.shared) == 1
-    monkeypatch.setattr(cpu_kernels, "extend_supported", lambda: False)
+    monkeypatch.setattr(attention_kernels, "extend_supported", lambda: False)
     torch_meta, torch_out = run()
     assert not isinstance(torch_meta, backend_mod._NativeExtend)
     row0 = 0

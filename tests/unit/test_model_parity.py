@@ -48,9 +48,9 @@ def _engine_logits_all_positions(runner, driver, forward_batch) -> torch.Tensor:
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-cpu-ops", "torch-ops"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_match_transformers(tmp_path, monkeypatch, case, fused):
-    from engine.layers import cpu_ops
+    from engine.kernels import ops as kernel_ops
 
-    monkeypatch.setattr(cpu_ops, "ENABLED", fused and cpu_ops.ENABLED)
+    monkeypatch.setattr(kernel_ops, "ENABLED", fused and kernel_ops.ENABLED)
     kwargs = dict(CASES[case])
     arch = kwargs.pop("arch")
     hf = build_tiny_model(str(tmp_path), arch, **kwargs)

@@ -102,19 +102,19 @@ def test_extend_runs_the_last_layer_past_attention_on_the_sampled_rows_only(tiny
     """Of an extend (here MIXED) batch only each request's last row feeds the logits, so the last
     layer attends from those rows alone (bf16 on the CPU: through the decode kernel) and runs its
     output projection and MLP on them; the logits are those of the full run."""
-    from engine.layers.attention import cpu_kernels
+    from engine.kernels import attention as attention_kernels
     from engine.layers.logits_processor import LogitsProcessor
 
     path, _ = tiny_llama
     decode_kernel_rows = []
-    decode_attention = cpu_kernels.decode_attention
+    decode_attention = attention_kernels.decode_attention
 
     def counting(q, *args, **kwargs):
         decode_kernel_rows.append(q.shape[0])
         return decode_attention(q, *args, **kwargs)
 
     def run(prune: bool):
-        monkeypatch.setattr(cpu_kernels, "decode_attention", counting)
+        monkeypatch.setattr(attention_kernels, "decode_attention", counting)
         if not prune:
             monkeypatch.setattr(LogitsProcessor, "last_rows_suffice", staticmethod(lambda fb: False))
         runner = make_runner(path, page_size=1, dtype=dtype)
@@ -136,7 +136,7 @@ def test_extend_runs_the_last_layer_past_attention_on_the_sampled_rows_only(tiny
     full_logits, full_tokens, full_rows_seen, full_kernel_rows = run(False)
     total = len(PROMPTS[2]) + len(PROMPTS[3]) + 2
     assert full_rows_seen == [total, total] and rows_seen == [total, 4]
-    if dtype == "bfloat16" and cpu_kernels.extend_supported():
+    if dtype == "bfloat16" and attention_kernels.extend_supported():
         # Layer 0: the 2 decode rows; layer 1 (the last): the 4 requests' last rows, a decode batch.
         assert full_kernel_rows == [2, 2] and kernel_rows == [2, 4]
     assert tokens == full_tokens

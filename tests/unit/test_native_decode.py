@@ -1,4 +1,4 @@
-"""engine.models.native_decode: a bf16 decode step's layers in one native call compute the bits the
+"""engine.kernels.decoder_layers: a bf16 decode step's layers in one native call compute the bits the
 modules compute, with cascade groups over a shared prefix, biases (Qwen2), per-head q/k norms (Qwen3),
 and after the weights are packed again (the cached table is rebuilt)."""
 
@@ -7,9 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.layers.attention import cpu_kernels
+from engine.kernels import attention as attention_kernels
 from engine.layers.linear import prepack_linear_weights
-from engine.models import native_decode
+from engine.kernels import decoder_layers
 from utils_models import BatchDriver, ExtendReq, build_tiny_model, make_runner
 
 STEPS = 8
@@ -17,7 +17,7 @@ PREFIX = 80  # > MIN_SHARED_PREFIX: requests 1 and 2 form a cascade group over r
 
 
 def _require_bf16_kernels() -> None:
-    lib = cpu_kernels.decode_kernel()
+    lib = attention_kernels.decode_kernel()
     if lib is None or not lib.linear_bf16_available():
         pytest.skip("the native bf16 kernels need a C compiler and a CPU with AVX512-BF16")
 
@@ -59,7 +59,7 @@ def _decode_logits(model_dir: str):
 def test_native_decode_layers_equal_the_modules(model_dir, monkeypatch):
     _require_bf16_kernels()
     runs, builds = [], []
-    real_run, real_init = native_decode.NativeDecode.run, native_decode.NativeDecode.__init__
+    real_run, real_init = decoder_layers.DecoderLayers.run, decoder_layers.DecoderLayers.__init__
 
     def counting_run(self, *args, **kwargs):
         runs.append(kwargs.get("cascade", args[4] if len(args) > 4 else None))
@@ -69,12 +69,12 @@ def test_native_decode_layers_equal_the_modules(model_dir, monkeypatch):
         builds.append(1)
         real_init(self, *args, **kwargs)
 
-    monkeypatch.setattr(native_decode.NativeDecode, "run", counting_run)
-    monkeypatch.setattr(native_decode.NativeDecode, "__init__", counting_init)
+    monkeypatch.setattr(decoder_layers.DecoderLayers, "run", counting_run)
+    monkeypatch.setattr(decoder_layers.DecoderLayers, "__init__", counting_init)
     native = _decode_logits(model_dir)
     assert len(runs) == STEPS and all(c is not None and c.prefix_lens.numel() == 1 for c in runs)
     assert len(builds) == 2  # once, and again after the repack
-    monkeypatch.setattr(native_decode.NativeDecodeCache, "forward", lambda *args, **kwargs: None)
+    monkeypatch.setattr(decoder_layers.DecoderLayersCache, "forward", lambda *args, **kwargs: None)
     modules = _decode_logits(model_dir)
     for a, b in zip(native, modules):
         assert torch.equal(a, b)
@@ -84,7 +84,7 @@ def test_native_decode_is_skipped_where_it_does_not_apply(model_dir, monkeypatch
     """Unpacked linears (fp32 model, or packing refused) keep the module path."""
     _require_bf16_kernels()
     calls = []
-    monkeypatch.setattr(native_decode.NativeDecode, "run", lambda *a, **k: calls.append(1))
+    monkeypatch.setattr(decoder_layers.DecoderLayers, "run", lambda *a, **k: calls.append(1))
     runner = make_runner(model_dir, dtype="float32")
     driver = BatchDriver(runner, seed=1)
     row = driver.new_row()

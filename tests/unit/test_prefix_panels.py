@@ -8,7 +8,7 @@ import math
 import pytest
 import torch
 
-from engine.layers.attention import cpu_kernels
+from engine.kernels import attention as attention_kernels
 from engine.layers.attention.prefix_panels import PrefixPanels
 from engine.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from engine.mem_cache.memory_pool import MHATokenToKVPool
@@ -41,20 +41,20 @@ def _batch(alloc, prefix_lens, members):
         prefix_indices[g, :p.numel()] = p
     group_of = torch.arange(bs) // members
 
-    def cascade() -> cpu_kernels.CascadeTables:
-        return cpu_kernels.CascadeTables(torch.arange(len(prefixes) + 1) * members, torch.arange(bs),
+    def cascade() -> attention_kernels.CascadeTables:
+        return attention_kernels.CascadeTables(torch.arange(len(prefixes) + 1) * members, torch.arange(bs),
                                          prefix_indices, torch.tensor(prefix_lens), group_of)
     q = torch.randn(bs, HEADS * DIM).to(torch.bfloat16)
     return prefixes, kv_indices, lens, q, cascade
 
 
 def _decode(pool, q, kv_indices, lens, cascade, layer):
-    return cpu_kernels.decode_attention(q, pool.k_buffer[layer], pool.v_buffer[layer], kv_indices, lens, HEADS,
+    return attention_kernels.decode_attention(q, pool.k_buffer[layer], pool.v_buffer[layer], kv_indices, lens, HEADS,
                                         KV_HEADS, DIM, 1 / math.sqrt(DIM), cascade=cascade, layer_id=layer)
 
 
 def _require_kernel() -> None:
-    lib = cpu_kernels.decode_kernel()
+    lib = attention_kernels.decode_kernel()
     if lib is None or not lib.linear_bf16_available():
         pytest.skip("no AVX512-BF16 on this CPU: the cascade has no panel path")
 
@@ -92,7 +92,7 @@ def test_kept_panels_stay_within_their_budget(cpu_isa):
     _require_kernel()
     pool, alloc = _pool()
     prefixes, kv_indices, lens, q, cascade = _batch(alloc, [256, 256], members=3)
-    one = LAYERS * 2 * int(cpu_kernels.loaded_kernel().kept_prefix_elems(256, KV_HEADS, DIM))
+    one = LAYERS * 2 * int(attention_kernels.loaded_kernel().kept_prefix_elems(256, KV_HEADS, DIM))
     panels = PrefixPanels(budget_bytes=one)
     tables = cascade()
     panels.attach(tables, prefixes, pool)
@@ -102,7 +102,7 @@ def test_kept_panels_stay_within_their_budget(cpu_isa):
         assert torch.equal(_decode(pool, q, kv_indices, lens, tables, layer),
                            _decode(pool, q, kv_indices, lens, cascade(), layer))
     # A later step with the second prefix alone: the first one, idle now, makes room for it.
-    second = cpu_kernels.CascadeTables(torch.tensor([0, 3]), torch.arange(3, 6), tables.prefix_indices[1:],
+    second = attention_kernels.CascadeTables(torch.tensor([0, 3]), torch.arange(3, 6), tables.prefix_indices[1:],
                                        torch.tensor([256]), torch.tensor([-1, -1, -1, 0, 0, 0]))
     panels.attach(second, prefixes[1:], pool)
     assert second.kept_tokens is not None and second.kept_tokens.tolist() != [0] and panels.kept_bytes == one

@@ -7,7 +7,7 @@ from typing import Optional, Tuple, Union
 import torch
 from torch import nn
 
-from engine.layers import cpu_ops
+from engine.kernels import ops as kernel_ops
 
 
 class RMSNorm(nn.Module):
@@ -21,8 +21,8 @@ class RMSNorm(nn.Module):
         self, x: torch.Tensor, residual: Optional[torch.Tensor] = None
     ) -> Union[torch.Tensor, Tuple[torch.Tensor, torch.Tensor]]:
         """Without residual: norm(x). With residual: (norm(x + residual), x + residual)."""
-        if cpu_ops.usable(x, self.weight, *(() if residual is None else (residual,))):
-            out, new_residual = cpu_ops.rms_norm(x, self.weight, self.variance_epsilon, residual)
+        if kernel_ops.usable(x, self.weight, *(() if residual is None else (residual,))):
+            out, new_residual = kernel_ops.rms_norm(x, self.weight, self.variance_epsilon, residual)
             if residual is None:
                 return out
             assert new_residual is not None  # rms_norm returns x + residual when given one

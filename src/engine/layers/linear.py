@@ -21,7 +21,8 @@ from engine.distributed.parallel_state import (
     tensor_model_parallel_all_gather,
     tensor_model_parallel_all_reduce,
 )
-from engine.layers import cpu_ops
+from engine.kernels import linear as linear_kernels
+from engine.kernels import ops as kernel_ops
 from engine.model_loader.weight_utils import set_weight_loader
 
 logger = logging.getLogger(__name__)
@@ -44,12 +45,12 @@ def _copy_checked(target: torch.Tensor, source: torch.Tensor, what: str) -> None
 # large row counts (long prefills in float32) plain F.linear is as fast, so it is used there.
 PACKED_MAX_ROWS = 512
 
-PackedWeight = Union[torch.Tensor, cpu_ops.Bf16Panels]
+PackedWeight = Union[torch.Tensor, linear_kernels.Bf16Panels]
 
 
 def prepack_linear_weights(model: nn.Module) -> int:
     """Attach a packed copy of the weight to every linear layer and LM head of a CPU model: bf16
-    panels for the native kernel (engine.layers.cpu_ops) where it runs, else oneDNN's layout.
+    panels for the native kernel (engine.kernels.linear) where it runs, else oneDNN's layout.
 
     Returns the number of packed weights (0 when neither is available). Costs one extra copy of
     the linear weights in memory. Must be redone after weights change (loading clears it).
@@ -61,9 +62,9 @@ def prepack_linear_weights(model: nn.Module) -> int:
             continue
         if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
             continue
-        if cpu_ops.linear_bf16_usable(weight):
+        if linear_kernels.linear_bf16_usable(weight):
             # The linears and the LM head declare packed_weight; torch types module attributes narrowly.
-            setattr(module, "packed_weight", cpu_ops.pack_linear_bf16(weight, getattr(module, "bias", None)))
+            setattr(module, "packed_weight", linear_kernels.pack_linear_bf16(weight, getattr(module, "bias", None)))
             count += 1
             continue
         if not torch.backends.mkldnn.is_available():
@@ -88,9 +89,9 @@ def linear_forward(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[PackedWeight]
 ) -> torch.Tensor:
     """F.linear, through the packed weight when there is one and the batch suits it."""
-    if isinstance(packed, cpu_ops.Bf16Panels):
-        if x.dtype == torch.bfloat16 and x.numel() <= cpu_ops.LINEAR_BF16_MAX_ROWS * packed.k and cpu_ops.ENABLED:
-            return cpu_ops.linear_bf16(x, packed, add_bias=bias is not None)
+    if isinstance(packed, linear_kernels.Bf16Panels):
+        if x.dtype == torch.bfloat16 and x.numel() <= linear_kernels.LINEAR_BF16_MAX_ROWS * packed.k and kernel_ops.ENABLED:
+            return linear_kernels.linear_bf16(x, packed, add_bias=bias is not None)
     elif packed is not None and x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS and x.dtype == weight.dtype:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
     return F.linear(x, weight, bias)
@@ -148,9 +149,9 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         kernel where it applies (the [tokens, 2 x intermediate] product is never stored, the result
         has the same bits), else the two calls."""
         packed = self.packed_weight
-        if (isinstance(packed, cpu_ops.Bf16Panels) and len(self.output_sizes) == 2 and not self.gather_output
-                and self.output_sizes[0] == self.output_sizes[1] and cpu_ops.gate_up_silu_usable(x, packed)):
-            return cpu_ops.linear_bf16_silu_mul(x, packed)
+        if (isinstance(packed, linear_kernels.Bf16Panels) and len(self.output_sizes) == 2 and not self.gather_output
+                and self.output_sizes[0] == self.output_sizes[1] and linear_kernels.gate_up_silu_usable(x, packed)):
+            return linear_kernels.linear_bf16_silu_mul(x, packed)
         return act_fn(self(x))
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: Optional[int] = None) -> None:

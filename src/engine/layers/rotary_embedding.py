@@ -11,7 +11,7 @@ from typing import Any, Dict, Optional, Tuple
 import torch
 from torch import nn
 
-from engine.layers import cpu_ops
+from engine.kernels import ops as kernel_ops
 
 
 def _base_inv_freq(rotary_dim: int, base: float) -> torch.Tensor:
@@ -125,10 +125,10 @@ class RotaryEmbedding(nn.Module):
         With `inplace` the caller lets the CPU kernel rotate query and key where they are (slices of
         its fused qkv output); the torch path always returns new tensors.
         """
-        if positions.is_cpu and cpu_ops.rope_usable(query, key, self.cos_sin_cache, self.rotary_dim):
+        if positions.is_cpu and kernel_ops.rope_usable(query, key, self.cos_sin_cache, self.rotary_dim):
             if not inplace:
                 query, key = query.clone(), key.clone()
-            cpu_ops.rope_neox_(positions, query, key, self.cos_sin_cache, self.head_size, self.rotary_dim)
+            kernel_ops.rope_neox_(positions, query, key, self.cos_sin_cache, self.head_size, self.rotary_dim)
             return query, key
         cos_sin = self._cache_for(query.dtype, query.device).index_select(0, positions)
         half = self.rotary_dim // 2

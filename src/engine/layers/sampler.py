@@ -17,7 +17,7 @@ from typing import List, Optional
 import torch
 from torch import nn
 
-from engine.layers import cpu_ops
+from engine.kernels import ops as kernel_ops
 from engine.layers.logits_processor import LogitsProcessorOutput
 from engine.sampling.sampling_batch_info import SamplingBatchInfo
 
@@ -53,7 +53,7 @@ class Sampler(nn.Module):
         sampling_info.apply_custom_logit_processors(logits)
 
         if sampling_info.is_all_greedy:
-            next_token_ids = cpu_ops.greedy(logits)
+            next_token_ids = kernel_ops.greedy(logits)
         else:
             next_token_ids = self._sample(logits, sampling_info)
 
@@ -92,7 +92,7 @@ class Sampler(nn.Module):
         greedy = info.top_ks == 1
         if on_cpu and not bool(greedy.any()):
             return next_ids
-        return torch.where(greedy, cpu_ops.greedy(logits), next_ids)
+        return torch.where(greedy, kernel_ops.greedy(logits), next_ids)
 
 
 def _sample_candidates(probs: torch.Tensor, info: SamplingBatchInfo, next_ids: torch.Tensor) -> torch.Tensor:

@@ -6,7 +6,7 @@ from typing import List, Optional, Union
 
 import torch
 
-from engine.layers import cpu_ops
+from engine.kernels import ops as kernel_ops
 
 
 class ReqToTokenPool:
@@ -124,9 +124,9 @@ class MHATokenToKVPool:
             cache_k = cache_k.to(self.dtype)
             cache_v = cache_v.to(self.dtype)
         k_pool, v_pool = self.k_buffer[layer_id], self.v_buffer[layer_id]
-        if cpu_ops.store_kv_usable(k_pool, cache_k, cache_v):
+        if kernel_ops.store_kv_usable(k_pool, cache_k, cache_v):
             # One call for K and V, reading them where they lie in the fused qkv output.
-            cpu_ops.store_kv(k_pool, v_pool, loc, cache_k, cache_v)
+            kernel_ops.store_kv(k_pool, v_pool, loc, cache_k, cache_v)
             return
         # index_copy_ is several times faster than indexed assignment on the CPU.
         self.k_buffer[layer_id].index_copy_(0, loc, cache_k)

@@ -11,7 +11,7 @@ import torch
 from engine.configs.model_config import ModelConfig
 from engine.utils.malloc_tuning import keep_large_allocations_in_heap
 from engine.distributed.parallel_state import all_reduce_min_int, assert_same_across_tp, get_tp_size
-from engine.layers import cpu_ops
+from engine.kernels import ops as kernel_ops
 from engine.layers.attention import create_attention_backend
 from engine.layers.logits_processor import LogitsProcessorOutput
 from engine.layers.pooler import EmbeddingPoolerOutput
@@ -228,7 +228,7 @@ class ModelRunner:
         """Next token per request: the Sampler with the batch's sampling info, argmax without one."""
         with torch.inference_mode():
             if forward_batch.sampling_info is None:
-                next_ids = cpu_ops.greedy(logits_output.next_token_logits)
+                next_ids = kernel_ops.greedy(logits_output.next_token_logits)
             else:
                 if self._sampler is None:
                     from engine.layers.sampler import Sampler

@@ -23,7 +23,7 @@ from engine.layers.radix_attention import RadixAttention
 from engine.layers.rotary_embedding import get_rope
 from engine.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.model_loader.weight_utils import load_weights_into
-from engine.models.native_decode import NativeDecodeCache
+from engine.kernels.decoder_layers import DecoderLayersCache
 
 if TYPE_CHECKING:
     from engine.configs.model_config import ModelConfig
@@ -138,7 +138,7 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(decoder_layers)
         self.decoder_layers = decoder_layers  # the same modules, typed (what NativeDecodeCache reads)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.native_decode = NativeDecodeCache()
+        self.native_decode = DecoderLayersCache()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: "ForwardBatch",
                 last_rows_only: bool = False) -> torch.Tensor:

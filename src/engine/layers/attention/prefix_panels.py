@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 
 import torch
 
-from engine.layers.attention import cpu_kernels
+from engine.kernels import attention as attention_kernels
 
 if TYPE_CHECKING:
     from engine.mem_cache.memory_pool import MHATokenToKVPool
@@ -58,13 +58,13 @@ class PrefixPanels:
     def kept_bytes(self) -> int:
         return self._used
 
-    def attach(self, cascade: cpu_kernels.CascadeTables, prefixes: List[torch.Tensor],
+    def attach(self, cascade: attention_kernels.CascadeTables, prefixes: List[torch.Tensor],
                pool: "MHATokenToKVPool") -> None:
         """Sets cascade.kept / kept_tokens for the groups whose prefixes (`prefixes[g]`: slots, in the
         cascade's group order) get kept panels; leaves them None where the kernel would not use them
         (no AVX512-BF16, a head size it does not take, a pool that does not count releases)."""
         generation = pool.slot_generation
-        lib = cpu_kernels.decode_kernel()
+        lib = attention_kernels.decode_kernel()
         if (generation is None or lib is None or pool.dtype != torch.bfloat16 or not prefixes
                 or lib.kept_prefix_elems(1, pool.head_num, pool.head_dim) == 0):
             return

@@ -3,9 +3,9 @@
 Extend runs one SDPA per request (its new tokens attend to prefix + new tokens, causally; an
 encoder layer, `RadixAttention.is_causal` False, attends over all of its request's tokens), or one
 batched SDPA for prefix-free requests of similar lengths; causal bf16 prefills on a CPU with
-AVX512-BF16 run the native extend kernel of `cpu_kernels` instead (one call per layer, K/V read from
+AVX512-BF16 run the native extend kernel of `engine.kernels.attention` instead (one call per layer, K/V read from
 the pool).
-Decode on the CPU runs the native kernel of `cpu_kernels`, which reads every request's K/V in place
+Decode on the CPU runs the native kernel of `engine.kernels.attention`, which reads every request's K/V in place
 from the pool; elsewhere (or without a C compiler) ONE batched SDPA runs for the whole batch, over
 K/V gathered into a [bs, max_seq_len] block with a padding mask. Requests whose KV starts with the same pool slots
 (a prefix the radix cache shares) are decoded as a cascade: the shared prefix is read once per
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, List, Optional, Tuple
 import torch
 import torch.nn.functional as F
 
-from engine.layers.attention import cpu_kernels
+from engine.kernels import attention as attention_kernels
 from engine.layers.attention.base_attn_backend import AttentionBackend, AttentionRunner
 from engine.layers.attention.prefix_panels import PrefixPanels
 
@@ -87,7 +87,7 @@ class _DecodeMetadata:
     lens: torch.Tensor  # [bs] how many of each row's slots are real
     mask: Optional[torch.Tensor]  # [bs, 1, 1, max_len] bool; None when no row is padded
     shared: List[_SharedPrefix]
-    cascade: Optional[cpu_kernels.CascadeTables] = None  # `shared` in the native kernel's layout
+    cascade: Optional[attention_kernels.CascadeTables] = None  # `shared` in the native kernel's layout
 
 
 class TorchNativeAttnBackend(AttentionBackend):
@@ -100,7 +100,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         # step. Only the forward thread uses them, one forward at a time.
         self._scratch: List[Optional[torch.Tensor]] = [None, None]
         if str(self.device) == "cpu":
-            cpu_kernels.decode_kernel()  # build/load it now, not in the first decode
+            attention_kernels.decode_kernel()  # build/load it now, not in the first decode
         self._prefix_panels = PrefixPanels()
 
     def _gather(self, buf: torch.Tensor, flat: torch.Tensor, which: int) -> torch.Tensor:
@@ -132,9 +132,9 @@ class TorchNativeAttnBackend(AttentionBackend):
             self._prefix_panels.attach(meta.cascade, [g.kv_indices for g in meta.shared], pool)
 
     def native_decode_tables(self, fb: "ForwardBatch") -> Optional[
-            Tuple[torch.Tensor, torch.Tensor, Optional[cpu_kernels.CascadeTables]]]:
+            Tuple[torch.Tensor, torch.Tensor, Optional[attention_kernels.CascadeTables]]]:
         """(kv_indices, lens, cascade) of a decode batch whose metadata init_forward_metadata built, as
-        forward_decode hands them to the native kernel (engine/models/native_decode.py runs the layers
+        forward_decode hands them to the native kernel (engine/kernels/decoder_layers.py runs the layers
         with them); None for other batches."""
         meta = fb.attn_metadata
         if not isinstance(meta, _DecodeMetadata):
@@ -150,7 +150,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         assert pool is not None  # ForwardBatch.init_new sets it
         # bf16 prefills on the CPU go through the native kernels (K/V read from the pool).
         if (pool.k_buffer[0].is_cpu and pool.dtype == torch.bfloat16 and pool.head_dim % 2 == 0
-                and cpu_kernels.extend_supported()):
+                and attention_kernels.extend_supported()):
             return _native_extend_tables(fb)
         padded = self._padded_extend_metadata(fb)
         return padded if padded is not None else self._extend_metadata_per_request(fb)
@@ -259,7 +259,7 @@ class TorchNativeAttnBackend(AttentionBackend):
             meta.last_rows = self._decode_metadata(forward_batch)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         rows = q.view(q.shape[0], -1).index_select(0, forward_batch.last_positions())
-        return cpu_kernels.decode_attention(rows, k_buf, v_buf, meta.last_rows.kv_indices, meta.last_rows.lens,
+        return attention_kernels.decode_attention(rows, k_buf, v_buf, meta.last_rows.kv_indices, meta.last_rows.lens,
                                             layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim, layer.scaling,
                                             cascade=meta.last_rows.cascade, layer_id=layer.layer_id)
 
@@ -268,13 +268,13 @@ class TorchNativeAttnBackend(AttentionBackend):
         heads, kv_heads, dim = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
         if meta.decode is None:
             assert meta.extend is not None  # a batch has single-token requests, others, or both
-            return cpu_kernels.extend_attention(q, k_buf, v_buf, meta.extend, heads, kv_heads, dim, layer.scaling)
+            return attention_kernels.extend_attention(q, k_buf, v_buf, meta.extend, heads, kv_heads, dim, layer.scaling)
         assert meta.decode_rows is not None  # set with meta.decode
         out = torch.empty(q.shape[0], heads * dim, dtype=q.dtype)
         if meta.extend is not None:
             # Rows of single-token requests come out of the decode kernel below; these are overwritten.
-            out = cpu_kernels.extend_attention(q, k_buf, v_buf, meta.extend, heads, kv_heads, dim, layer.scaling)
-        decoded = cpu_kernels.decode_attention(q.index_select(0, meta.decode_rows), k_buf, v_buf,
+            out = attention_kernels.extend_attention(q, k_buf, v_buf, meta.extend, heads, kv_heads, dim, layer.scaling)
+        decoded = attention_kernels.decode_attention(q.index_select(0, meta.decode_rows), k_buf, v_buf,
                                                meta.decode.kv_indices, meta.decode.lens, heads, kv_heads, dim,
                                                layer.scaling, cascade=meta.decode.cascade, layer_id=layer.layer_id)
         return out.index_copy_(0, meta.decode_rows, decoded)
@@ -308,10 +308,10 @@ class TorchNativeAttnBackend(AttentionBackend):
         # GQA without copying K/V per query head: the `group` query heads sharing one KV head
         # become `group` query rows of that head (one decode token needs no causal mask).
         q4 = q.view(bs, kv_heads, group, head_dim)
-        if cpu_kernels.supports(q, k_buf):
+        if attention_kernels.supports(q, k_buf):
             # The native kernel reads each request's K/V where they lie in the pool, and a cascade
             # group's prefix once for all its members, in one call per layer.
-            return cpu_kernels.decode_attention(q.reshape(bs, -1), k_buf, v_buf, meta.kv_indices, meta.lens,
+            return attention_kernels.decode_attention(q.reshape(bs, -1), k_buf, v_buf, meta.kv_indices, meta.lens,
                                                 num_heads, kv_heads, head_dim, layer.scaling, cascade=meta.cascade,
                                                 layer_id=layer.layer_id)
         # index_select over the flat slot list is several times faster on the CPU than advanced
@@ -370,7 +370,7 @@ class _NativeExtend:
     extend kernel; those with one (the decode rows of a MIXED batch, a fully cached prompt) through the
     decode kernel, whose cascade reads a shared prefix once per group."""
 
-    extend: Optional[cpu_kernels.ExtendTables]
+    extend: Optional[attention_kernels.ExtendTables]
     decode: Optional[_DecodeMetadata]
     decode_rows: Optional[torch.Tensor]  # [n] the single-token requests' rows in q
     # Every request's last token over its whole sequence, as a decode batch (forward_extend_last_rows
@@ -395,7 +395,7 @@ def _native_extend_tables(fb: "ForwardBatch") -> _NativeExtend:
         def sub(t: torch.Tensor) -> torch.Tensor:
             return (t if pick is None else t.index_select(0, pick)).long()
 
-        extend = cpu_kernels.ExtendTables(kv, sub(fb.extend_start_loc), sub(fb.extend_seq_lens),
+        extend = attention_kernels.ExtendTables(kv, sub(fb.extend_start_loc), sub(fb.extend_seq_lens),
                                           sub(fb.extend_prefix_lens))
     if single:
         pick = torch.tensor(single)
@@ -440,7 +440,7 @@ def _shared_prefixes(rows: torch.Tensor, seq_lens: List[int]) -> List[_SharedPre
     return groups
 
 
-def _cascade_tables(shared: List[_SharedPrefix], bs: int, device) -> cpu_kernels.CascadeTables:
+def _cascade_tables(shared: List[_SharedPrefix], bs: int, device) -> attention_kernels.CascadeTables:
     sizes = torch.tensor([g.members.numel() for g in shared], dtype=torch.long)
     prefix_lens = torch.tensor([g.kv_indices.numel() for g in shared], dtype=torch.long)
     prefix = torch.zeros(len(shared), int(prefix_lens.max()), dtype=torch.long, device=device)
@@ -450,7 +450,7 @@ def _cascade_tables(shared: List[_SharedPrefix], bs: int, device) -> cpu_kernels
         group_of[g.members] = i
     offsets = torch.cat([torch.zeros(1, dtype=torch.long), sizes.cumsum(0)]).to(device)
     members = torch.cat([g.members for g in shared]).long()
-    return cpu_kernels.CascadeTables(offsets, members, prefix, prefix_lens.to(device), group_of)
+    return attention_kernels.CascadeTables(offsets, members, prefix, prefix_lens.to(device), group_of)
 
 
 def _sdpa_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: Optional[torch.Tensor],

@@ -1,10 +1,9 @@
-"""Native CPU kernels, compiled on first use with the system C compiler and loaded with ctypes.
+"""The native CPU kernel library (csrc/), compiled on first use with the system C compiler and loaded
+with ctypes.
 
-`decode_attention` (csrc/decode_attention.c) reads a decode batch's K/V where they lie in the
-paged pool instead of gathering them first, and a cascade group's shared prefix once for the whole
-group; `extend_attention` (csrc/extend_attention.c) does the same for bf16 prefills. The same library
-holds the fused element-wise ops and bf16 linears of engine/layers/cpu_ops.py. It is built once
-per machine into
+One library holds every kernel family: attention (engine/kernels/attention.py), the fused
+element-wise ops (ops.py), the bf16 linears (linear.py) and a decode step's decoder layers in one
+call (decoder_layers.py). It is built once per machine into
 `$ENGINE_CACHE_DIR/kernels` (default `~/.cache/engine/kernels`), keyed by the source, the flags,
 the compiler and the CPU's instruction set. Without a C compiler (or with
 `ENGINE_CPU_DECODE_KERNEL=0`) `decode_kernel()` returns None and every layer keeps its pure-torch
@@ -35,19 +34,15 @@ import shutil
 import stat
 import subprocess
 import tempfile
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Tuple, Union
-
-import torch
+from typing import Optional, Union
 
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
 # decode_attention.c: the decode kernel; extend_attention.c: prefill attention (bf16); cpu_ops.c:
-# the fused element-wise ops of a decoder layer (engine/layers/cpu_ops.py); linear_bf16.c: bf16
-# linears (engine/layers/linear.py); decoder_layers.c: a decode step's layers in one call
-# (engine/models/native_decode.py); thread_pool.c: the threads they run on; cpu_common.h: what they
+# the fused element-wise ops of a decoder layer (ops.py); linear_bf16.c: bf16 linears (linear.py);
+# decoder_layers.c: a decode step's layers in one call (decoder_layers.py); thread_pool.c: the threads they run on; cpu_common.h: what they
 # share; amx.h: the AMX tiles; attend_step.h: the attention step of prefills and cascade prefixes.
 # One library holds them all.
 _SOURCES = [_CSRC / "decode_attention.c", _CSRC / "extend_attention.c", _CSRC / "cpu_ops.c", _CSRC / "linear_bf16.c",
@@ -55,7 +50,6 @@ _SOURCES = [_CSRC / "decode_attention.c", _CSRC / "extend_attention.c", _CSRC / 
 _HEADERS = [_CSRC / "cpu_common.h", _CSRC / "amx.h", _CSRC / "attend_step.h"]
 # -fopenmp-simd: the `omp simd` hints only; the threads are the library's own (csrc/thread_pool.c).
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11", "-pthread"]
-_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 # A build takes about a second; a compiler stuck for this long costs the kernel, not the server.
 COMPILE_TIMEOUT_S = 120.0
 
@@ -324,89 +318,3 @@ def loaded_kernel() -> ctypes.CDLL:
     lib = decode_kernel()
     assert lib is not None, "the CPU kernel library is not loaded; check supports() first"
     return lib
-
-
-def supports(q: torch.Tensor, k_buf: torch.Tensor) -> bool:
-    return (q.is_cpu and q.dtype in _DTYPES and k_buf.dtype == q.dtype and decode_kernel() is not None)
-
-
-@dataclass
-class CascadeTables:
-    """Groups of decoding requests that share a KV prefix, in the kernel's layout (int64 tensors)."""
-
-    group_offsets: torch.Tensor  # [G + 1]: group g's members are members[offsets[g]:offsets[g + 1]]
-    members: torch.Tensor  # rows of the batch
-    prefix_indices: torch.Tensor  # [G, max_prefix] pool slots, the first prefix_lens[g] of row g used
-    prefix_lens: torch.Tensor  # [G]
-    group_of: torch.Tensor  # [bs] the request's group, -1 for none
-    # Kept prefix panels (PrefixPanels): [num_layers, G] addresses of each layer's block of a group's
-    # kept panels (0: none) and [G] the token of their fill; None: every prefix packed afresh.
-    kept: Optional[torch.Tensor] = None
-    kept_tokens: Optional[torch.Tensor] = None
-    kept_buffers: Tuple[torch.Tensor, ...] = ()  # what `kept` points into, alive while these tables are
-
-
-@dataclass
-class ExtendTables:
-    """An extend batch in the prefill kernel's layout (int64 CPU tensors)."""
-
-    kv_indices: torch.Tensor  # [bs, max_seq] each request's slots, prefix then new tokens
-    q_starts: torch.Tensor  # [bs] the request's first row in q
-    ext_lens: torch.Tensor  # [bs]
-    prefix_lens: torch.Tensor  # [bs]
-
-
-def extend_supported() -> bool:
-    lib = decode_kernel()
-    return lib is not None and bool(lib.extend_attention_available())
-
-
-def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, tables: ExtendTables,
-                     num_heads: int, kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
-    """Causal attention of every new token over its request's prefix and new tokens, all read from
-    the pool (the new K/V are stored first). q [T, num_heads * head_dim] bf16, rows may be strided."""
-    out = torch.empty(q.shape[0], num_heads * head_dim, dtype=q.dtype)
-    assert q.stride(1) == 1 and k_buf.stride()[1:] == (head_dim, 1) and v_buf.stride()[1:] == (head_dim, 1)
-    loaded_kernel().extend_attention(
-        q.data_ptr(), q.stride(0), k_buf.data_ptr(), v_buf.data_ptr(), k_buf.stride(0), v_buf.stride(0),
-        tables.kv_indices.data_ptr(), tables.kv_indices.shape[1], tables.q_starts.data_ptr(),
-        tables.ext_lens.data_ptr(), tables.prefix_lens.data_ptr(), tables.ext_lens.numel(), num_heads, kv_heads,
-        head_dim, scale, out.data_ptr(), out.stride(0), torch.get_num_threads())
-    return out
-
-
-def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor,
-                     lens: torch.Tensor, num_heads: int, kv_heads: int, head_dim: int, scale: float,
-                     cascade: Optional[CascadeTables] = None, layer_id: int = 0) -> torch.Tensor:
-    """Attention of one query token per request over pool slots `kv_indices[b, :lens[b]]`, preceded,
-    for the members of a cascade group, by the group's shared prefix slots (read once per group;
-    `layer_id` picks the layer's row of the cascade's kept panels).
-
-    q [bs, num_heads * head_dim]; k_buf, v_buf [num_slots, kv_heads, head_dim]; kv_indices
-    [bs, max_len] int64; lens [bs] int64. Returns the output shaped like q.
-    """
-    lib = loaded_kernel()
-    q = q.contiguous()
-    kv_indices = kv_indices.contiguous()
-    lens = lens.to(torch.int64).contiguous()
-    bs = q.shape[0]
-    out = torch.empty_like(q)
-    # Within a slot the kernel reads kv_heads * head_dim consecutive elements.
-    assert k_buf.stride()[1:] == (head_dim, 1) and v_buf.stride()[1:] == (head_dim, 1)
-    groups = 0
-    tables: Tuple[Optional[int], ...] = (None, None, None, None, None)
-    kept = kept_tokens = None
-    max_prefix = 0
-    if cascade is not None and cascade.prefix_lens.numel():
-        groups = cascade.prefix_lens.numel()
-        max_prefix = cascade.prefix_indices.shape[1]
-        tables = tuple(t.data_ptr() for t in (cascade.group_offsets, cascade.members, cascade.prefix_indices,
-                                              cascade.prefix_lens, cascade.group_of))
-        if cascade.kept is not None and cascade.kept_tokens is not None:
-            kept, kept_tokens = cascade.kept[layer_id].data_ptr(), cascade.kept_tokens.data_ptr()
-    offsets, members, prefix, prefix_lens, group_of = tables
-    lib.decode_attention(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), kv_indices.data_ptr(), lens.data_ptr(),
-                         kv_indices.shape[1], bs, num_heads, kv_heads, head_dim, k_buf.stride(0), v_buf.stride(0),
-                         scale, _DTYPES[q.dtype], out.data_ptr(), groups, offsets, members, prefix, prefix_lens,
-                         max_prefix, group_of, kept, kept_tokens, torch.get_num_threads())
-    return out

@@ -1,7 +1,5 @@
 """Fused element-wise ops of a decoder layer on the CPU (csrc/cpu_ops.c, in the native kernel
-library of engine.layers.attention.cpu_kernels).
-
-Also the bf16 linear kernel (csrc/linear_bf16.c, weights packed once at load).
+library of engine.kernels.library).
 
 A decode step of a small model is dozens of tiny torch ops per layer: RMSNorm alone is nine
 (add, cast, pow, mean, add, rsqrt, mul, cast, mul), rotary another dozen. Each is a dispatch, a
@@ -14,13 +12,11 @@ keep their torch code otherwise; `ENGINE_CPU_FUSED_OPS=0` switches them off.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
 from typing import Optional, Tuple
 
 import torch
 
-from engine.layers.attention import cpu_kernels
-from engine.utils import huge_pages
+from engine.kernels import library
 
 ENABLED = os.environ.get("ENGINE_CPU_FUSED_OPS", "1") != "0"
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
@@ -29,7 +25,7 @@ MAX_ROTARY_DIM = 512  # the kernel's per-head scratch
 
 def usable(x: torch.Tensor, *others: torch.Tensor) -> bool:
     return (ENABLED and x.is_cpu and x.dtype in _DTYPES and not x.requires_grad
-            and all(o.dtype == x.dtype and o.is_cpu for o in others) and cpu_kernels.decode_kernel() is not None)
+            and all(o.dtype == x.dtype and o.is_cpu for o in others) and library.decode_kernel() is not None)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -44,7 +40,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         residual = residual.contiguous()
         res_out = torch.empty_like(x)
         res_ptr, res_out_ptr = residual.data_ptr(), res_out.data_ptr()
-    cpu_kernels.loaded_kernel().rms_norm(x.data_ptr(), res_ptr, weight.contiguous().data_ptr(), out.data_ptr(),
+    library.loaded_kernel().rms_norm(x.data_ptr(), res_ptr, weight.contiguous().data_ptr(), out.data_ptr(),
                                          res_out_ptr, x.numel() // n, n, eps, _DTYPES[x.dtype],
                                          torch.get_num_threads())
     return out, res_out
@@ -55,7 +51,7 @@ def rope_neox_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_si
     """Rotate q [T, Hq * D] and k [T, Hk * D] in place (rows may be strided, elements contiguous)."""
     positions = positions.to(torch.int64).contiguous()
     tokens = q.shape[0]
-    cpu_kernels.loaded_kernel().rope_neox(
+    library.loaded_kernel().rope_neox(
         positions.data_ptr(), q.data_ptr(), q.stride(0), q.shape[1] // head_size, k.data_ptr(), k.stride(0),
         k.shape[1] // head_size, cos_sin.data_ptr(), head_size, rotary_dim, tokens, _DTYPES[q.dtype],
         torch.get_num_threads())
@@ -71,21 +67,21 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     d = x.shape[-1] // 2
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
-    cpu_kernels.loaded_kernel().silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // (2 * d), d,
+    library.loaded_kernel().silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // (2 * d), d,
                                              _DTYPES[x.dtype], torch.get_num_threads())
     return out
 
 
 def argmax_usable(x: torch.Tensor) -> bool:
     return (ENABLED and x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
-            and x.shape[1] > 0 and cpu_kernels.decode_kernel() is not None)
+            and x.shape[1] > 0 and library.decode_kernel() is not None)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """torch.argmax(x, dim=-1) of a float32 [rows, n] CPU tensor (x.stride(1) == 1): the first index
     of each row's maximum, a row's first NaN where it has one."""
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    cpu_kernels.loaded_kernel().argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(),
+    library.loaded_kernel().argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(),
                                             torch.get_num_threads())
     return out
 
@@ -100,7 +96,7 @@ def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, loc: torch.Tensor, k: t
     whose (heads, dim) part is contiguous (rows may be slices of a fused qkv output)."""
     loc = loc.to(torch.int64).contiguous()
     width = k.shape[1] * k.shape[2]
-    cpu_kernels.loaded_kernel().store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_pool.data_ptr(),
+    library.loaded_kernel().store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_pool.data_ptr(),
                                          v_pool.data_ptr(), k_pool.stride(0), loc.data_ptr(), loc.numel(), width,
                                          k.element_size(), torch.get_num_threads())
 
@@ -110,63 +106,3 @@ def store_kv_usable(k_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> b
         return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
 
     return usable(k_pool, k, v) and k_pool.is_contiguous() and rows_ok(k) and rows_ok(v)
-
-
-# The bf16 linear kernel (csrc/linear_bf16.c) handles up to this many rows; longer prefills go to
-# F.linear. Measured on the 2-core AMD EPYC, one thread, a model's worth of matmuls: the kernel
-# ran at 436-494 GFLOP/s per CPU-second from 64 to 2048 rows against oneDNN's 412-456, and at
-# 320 against 264 at 16 rows.
-LINEAR_BF16_MAX_ROWS = 4096
-
-
-@dataclass
-class Bf16Panels:
-    """A bf16 linear weight [n, k] packed for csrc/linear_bf16.c, and its bias in float32."""
-
-    data: torch.Tensor
-    n: int
-    k: int
-    bias: Optional[torch.Tensor]
-
-
-def linear_bf16_usable(weight: torch.Tensor) -> bool:
-    lib = cpu_kernels.decode_kernel()
-    return (ENABLED and lib is not None and weight.is_cpu and weight.dtype == torch.bfloat16 and weight.dim() == 2
-            and weight.shape[1] % 2 == 0 and bool(lib.linear_bf16_available()))
-
-
-def pack_linear_bf16(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Bf16Panels:
-    n, k = weight.shape
-    weight = weight.detach().contiguous()
-    data = huge_pages.empty(-(-n // 64) * 64 * k, torch.bfloat16)  # streamed every decode step
-    cpu_kernels.loaded_kernel().pack_linear_bf16(weight.data_ptr(), n, k, data.data_ptr(), torch.get_num_threads())
-    return Bf16Panels(data, n, k, None if bias is None else bias.detach().float().contiguous())
-
-
-def linear_bf16(x: torch.Tensor, panels: Bf16Panels, add_bias: bool) -> torch.Tensor:
-    """x [..., k] bf16 -> [..., n] bf16, plus the packed bias when add_bias (a row-parallel layer
-    adds its bias only after the all-reduce)."""
-    rows = x.reshape(-1, panels.k).contiguous()
-    out = torch.empty(rows.shape[0], panels.n, dtype=torch.bfloat16)
-    bias = panels.bias.data_ptr() if add_bias and panels.bias is not None else None
-    cpu_kernels.loaded_kernel().linear_bf16(rows.data_ptr(), rows.shape[0], panels.k, panels.data.data_ptr(),
-                                            panels.n, bias, out.data_ptr(), torch.get_num_threads())
-    return out.view(*x.shape[:-1], panels.n)
-
-
-def gate_up_silu_usable(x: torch.Tensor, panels: Bf16Panels) -> bool:
-    """Whether linear_bf16_silu_mul takes x through a gate_up weight: each half whole 64-column panels."""
-    return (x.dtype == torch.bfloat16 and ENABLED and panels.n % 128 == 0
-            and x.numel() <= LINEAR_BF16_MAX_ROWS * panels.k)
-
-
-def linear_bf16_silu_mul(x: torch.Tensor, panels: Bf16Panels) -> torch.Tensor:
-    """silu(x W_gate^T) * (x W_up^T) for a packed gate_up weight [W_gate; W_up] (plus its bias): the
-    linear and SiluAndMul in one pass, the same bits as the two one after the other."""
-    rows = x.reshape(-1, panels.k).contiguous()
-    half = panels.n // 2
-    out = torch.empty(rows.shape[0], half, dtype=torch.bfloat16)
-    bias = panels.bias.data_ptr() if panels.bias is not None else None
-    cpu_kernels.loaded_kernel().linear_bf16_silu_mul(rows.data_ptr(), rows.shape[0], panels.k, panels.data.data_ptr(),
-                                                     panels.n, bias, out.data_ptr(), torch.get_num_threads())
-    return out.view(*x.shape[:-1], half)

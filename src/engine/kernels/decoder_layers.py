@@ -1,10 +1,10 @@
 """A decode step's decoder layers in one native call (csrc/decoder_layers.c), for Llama-family models
 in bfloat16 on the CPU.
 
-LlamaModel.forward runs its layers through `NativeDecode.run` when everything the native chain
+LlamaModel.forward runs its layers through `DecoderLayers.run` when everything the native chain
 assumes holds, and through the modules otherwise; both compute the same bits (the chain calls the
 kernels the modules call, with the same arguments). What it assumes: one TP rank; every linear packed
-for the bf16 kernel (engine/layers/cpu_ops.py), a gate_up of two equal halves of whole 128-column
+for the bf16 kernel (engine/kernels/linear.py), a gate_up of two equal halves of whole 128-column
 panel pairs; Qwen3's per-head q/k norms, where present, in bf16; the GPT-NeoX rotary of
 engine/layers/rotary_embedding.py; the torch_native backend's native decode kernel over a bf16 pool;
 a decode batch. Measured on the 2-core
@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING, List, Optional, Tuple
 import torch
 
 from engine.distributed.parallel_state import get_tp_size
-from engine.layers import cpu_ops
-from engine.layers.attention import cpu_kernels
+from engine.kernels import library, ops
+from engine.kernels.attention import CascadeTables
+from engine.kernels.linear import LINEAR_BF16_MAX_ROWS, Bf16Panels
 from engine.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
 if TYPE_CHECKING:
@@ -69,7 +70,7 @@ class _LayerRefs:
         biases: List[Optional[int]] = []
         for linear in self.linears:
             p = linear.packed_weight
-            if not isinstance(p, cpu_ops.Bf16Panels):
+            if not isinstance(p, Bf16Panels):
                 return None
             data.append(p.data.data_ptr())
             biases.append(None if p.bias is None else p.bias.data_ptr())
@@ -82,7 +83,7 @@ def _address(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
 
-class NativeDecode:
+class DecoderLayers:
     """The layers' weights and pools in decoder_layers.c's layout, and the shapes they imply."""
 
     def __init__(self, layers: List["LlamaDecoderLayer"], k_pools: List[torch.Tensor], v_pools: List[torch.Tensor],
@@ -93,7 +94,7 @@ class NativeDecode:
         self.rotary_dim = first.rotary_emb.rotary_dim
         self.intermediate = layers[0].mlp.down_proj.input_size
         self.table = (_Layer * len(layers))()
-        # Each table entry's layer: its row of a cascade's kept panels (cpu_kernels.CascadeTables.kept).
+        # Each table entry's layer: its row of a cascade's kept panels (CascadeTables.kept).
         self.layer_ids = torch.tensor([layer.self_attn.attn.layer_id for layer in layers], dtype=torch.int64)
         for entry, layer, k_pool, v_pool, ptrs in zip(self.table, layers, k_pools, v_pools, pointers):
             (entry.input_norm, entry.post_norm, entry.qkv, entry.o, entry.gate_up, entry.down, entry.qkv_bias,
@@ -108,7 +109,7 @@ class NativeDecode:
     @staticmethod
     def supported(layers: List["LlamaDecoderLayer"], k_pools: List[torch.Tensor], v_pools: List[torch.Tensor]) -> bool:
         """Whether the native chain computes these layers (the conditions of the module docstring)."""
-        lib = cpu_kernels.decode_kernel()
+        lib = library.decode_kernel()
         if not (layers and lib is not None and lib.linear_bf16_available() and get_tp_size() == 1):
             return False
         first = layers[0].self_attn
@@ -119,8 +120,8 @@ class NativeDecode:
             gate_up, down = mlp.gate_up_proj.packed_weight, mlp.down_proj.packed_weight
             rope = attn.rotary_emb
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if not (isinstance(qkv, cpu_ops.Bf16Panels) and isinstance(o, cpu_ops.Bf16Panels)
-                    and isinstance(gate_up, cpu_ops.Bf16Panels) and isinstance(down, cpu_ops.Bf16Panels)):
+            if not (isinstance(qkv, Bf16Panels) and isinstance(o, Bf16Panels)
+                    and isinstance(gate_up, Bf16Panels) and isinstance(down, Bf16Panels)):
                 return False
             q_norm, k_norm = attn.q_norm, attn.k_norm
             if q_norm is not None or k_norm is not None:
@@ -138,7 +139,7 @@ class NativeDecode:
                    or n.variance_epsilon != layer.input_layernorm.variance_epsilon for n in norms):
                 return False
             if not (rope.rotary_dim == first.rotary_emb.rotary_dim and rope.head_size == dim
-                    and rope.rotary_dim % 2 == 0 and rope.rotary_dim <= cpu_ops.MAX_ROTARY_DIM and rope.cos_sin_cache.dtype == torch.float32
+                    and rope.rotary_dim % 2 == 0 and rope.rotary_dim <= ops.MAX_ROTARY_DIM and rope.cos_sin_cache.dtype == torch.float32
                     and rope.cos_sin_cache.is_contiguous() and rope.cos_sin_cache.is_cpu):
                 return False
             for pool in (k_pool, v_pool):
@@ -148,7 +149,7 @@ class NativeDecode:
         return True
 
     def run(self, hidden_states: torch.Tensor, positions: torch.Tensor, kv_indices: torch.Tensor, lens: torch.Tensor,
-            cascade: Optional[cpu_kernels.CascadeTables],
+            cascade: Optional[CascadeTables],
             out_cache_loc: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """(hidden, residual) after the last layer, for the embedded tokens of a decode batch."""
         bs = hidden_states.shape[0]
@@ -182,28 +183,28 @@ class NativeDecode:
                 s.kept, s.kept_tokens = kept.data_ptr(), cascade.kept_tokens.data_ptr()
         s.normed, s.qkv, s.q, s.attn, s.o, s.mlp = views
         s.num_threads = torch.get_num_threads()
-        cpu_kernels.loaded_kernel().decode_layers(self.table, len(self.table), ctypes.byref(s), hidden_in.data_ptr(),
+        library.loaded_kernel().decode_layers(self.table, len(self.table), ctypes.byref(s), hidden_in.data_ptr(),
                                                   out.data_ptr(), residual.data_ptr())
         return out, residual
 
 
-class NativeDecodeCache:
-    """The NativeDecode of a model's layers, rebuilt when a packed weight or a KV pool changes (weight
+class DecoderLayersCache:
+    """The DecoderLayers of a model's layers, rebuilt when a packed weight or a KV pool changes (weight
     updates repack; releasing and resuming memory makes new pools)."""
 
     def __init__(self) -> None:
         self._refs: List[_LayerRefs] = []
         self._key: Optional[List[Optional[tuple]]] = None
-        self._plan: Optional[NativeDecode] = None
+        self._plan: Optional[DecoderLayers] = None
 
     def forward(self, layers: List["LlamaDecoderLayer"], hidden_states: torch.Tensor, positions: torch.Tensor,
                 forward_batch: "ForwardBatch") -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """(hidden, residual) after the layers, or None where the modules must run them."""
         backend, pool = forward_batch.attn_backend, forward_batch.token_to_kv_pool
-        if (not cpu_ops.ENABLED or not forward_batch.forward_mode.is_decode()
+        if (not ops.ENABLED or not forward_batch.forward_mode.is_decode()
                 or not isinstance(backend, TorchNativeAttnBackend)
                 or pool is None or hidden_states.dtype != torch.bfloat16 or not hidden_states.is_cpu
-                or not positions.is_cpu or hidden_states.shape[0] > cpu_ops.LINEAR_BF16_MAX_ROWS):
+                or not positions.is_cpu or hidden_states.shape[0] > LINEAR_BF16_MAX_ROWS):
             return None
         tables = backend.native_decode_tables(forward_batch)
         if tables is None:
@@ -216,8 +217,8 @@ class NativeDecodeCache:
         if pointers != self._key:
             self._key = pointers
             self._plan = None
-            if all(p is not None for p in pointers) and NativeDecode.supported(layers, k_pools, v_pools):
-                self._plan = NativeDecode(layers, k_pools, v_pools, [p for p in pointers if p is not None])
+            if all(p is not None for p in pointers) and DecoderLayers.supported(layers, k_pools, v_pools):
+                self._plan = DecoderLayers(layers, k_pools, v_pools, [p for p in pointers if p is not None])
         if self._plan is None:
             return None
         kv_indices, lens, cascade = tables

@@ -1,0 +1,104 @@
+"""The attention kernels (csrc/decode_attention.c, csrc/extend_attention.c) at the tensor level.
+
+`decode_attention` reads a decode batch's K/V where they lie in the paged pool instead of gathering
+them first, and a cascade group's shared prefix once for the whole group; `extend_attention` does the
+same for bf16 prefills. The torch_native attention backend (engine/layers/attention) calls them where
+`supports()` / `extend_supported()` hold and keeps its pure-torch path otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+
+from engine.kernels.library import decode_kernel, loaded_kernel
+
+_DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+
+
+def supports(q: torch.Tensor, k_buf: torch.Tensor) -> bool:
+    return (q.is_cpu and q.dtype in _DTYPES and k_buf.dtype == q.dtype and decode_kernel() is not None)
+
+
+@dataclass
+class CascadeTables:
+    """Groups of decoding requests that share a KV prefix, in the kernel's layout (int64 tensors)."""
+
+    group_offsets: torch.Tensor  # [G + 1]: group g's members are members[offsets[g]:offsets[g + 1]]
+    members: torch.Tensor  # rows of the batch
+    prefix_indices: torch.Tensor  # [G, max_prefix] pool slots, the first prefix_lens[g] of row g used
+    prefix_lens: torch.Tensor  # [G]
+    group_of: torch.Tensor  # [bs] the request's group, -1 for none
+    # Kept prefix panels (PrefixPanels): [num_layers, G] addresses of each layer's block of a group's
+    # kept panels (0: none) and [G] the token of their fill; None: every prefix packed afresh.
+    kept: Optional[torch.Tensor] = None
+    kept_tokens: Optional[torch.Tensor] = None
+    kept_buffers: Tuple[torch.Tensor, ...] = ()  # what `kept` points into, alive while these tables are
+
+
+@dataclass
+class ExtendTables:
+    """An extend batch in the prefill kernel's layout (int64 CPU tensors)."""
+
+    kv_indices: torch.Tensor  # [bs, max_seq] each request's slots, prefix then new tokens
+    q_starts: torch.Tensor  # [bs] the request's first row in q
+    ext_lens: torch.Tensor  # [bs]
+    prefix_lens: torch.Tensor  # [bs]
+
+
+def extend_supported() -> bool:
+    lib = decode_kernel()
+    return lib is not None and bool(lib.extend_attention_available())
+
+
+def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, tables: ExtendTables,
+                     num_heads: int, kv_heads: int, head_dim: int, scale: float) -> torch.Tensor:
+    """Causal attention of every new token over its request's prefix and new tokens, all read from
+    the pool (the new K/V are stored first). q [T, num_heads * head_dim] bf16, rows may be strided."""
+    out = torch.empty(q.shape[0], num_heads * head_dim, dtype=q.dtype)
+    assert q.stride(1) == 1 and k_buf.stride()[1:] == (head_dim, 1) and v_buf.stride()[1:] == (head_dim, 1)
+    loaded_kernel().extend_attention(
+        q.data_ptr(), q.stride(0), k_buf.data_ptr(), v_buf.data_ptr(), k_buf.stride(0), v_buf.stride(0),
+        tables.kv_indices.data_ptr(), tables.kv_indices.shape[1], tables.q_starts.data_ptr(),
+        tables.ext_lens.data_ptr(), tables.prefix_lens.data_ptr(), tables.ext_lens.numel(), num_heads, kv_heads,
+        head_dim, scale, out.data_ptr(), out.stride(0), torch.get_num_threads())
+    return out
+
+
+def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor,
+                     lens: torch.Tensor, num_heads: int, kv_heads: int, head_dim: int, scale: float,
+                     cascade: Optional[CascadeTables] = None, layer_id: int = 0) -> torch.Tensor:
+    """Attention of one query token per request over pool slots `kv_indices[b, :lens[b]]`, preceded,
+    for the members of a cascade group, by the group's shared prefix slots (read once per group;
+    `layer_id` picks the layer's row of the cascade's kept panels).
+
+    q [bs, num_heads * head_dim]; k_buf, v_buf [num_slots, kv_heads, head_dim]; kv_indices
+    [bs, max_len] int64; lens [bs] int64. Returns the output shaped like q.
+    """
+    lib = loaded_kernel()
+    q = q.contiguous()
+    kv_indices = kv_indices.contiguous()
+    lens = lens.to(torch.int64).contiguous()
+    bs = q.shape[0]
+    out = torch.empty_like(q)
+    # Within a slot the kernel reads kv_heads * head_dim consecutive elements.
+    assert k_buf.stride()[1:] == (head_dim, 1) and v_buf.stride()[1:] == (head_dim, 1)
+    groups = 0
+    tables: Tuple[Optional[int], ...] = (None, None, None, None, None)
+    kept = kept_tokens = None
+    max_prefix = 0
+    if cascade is not None and cascade.prefix_lens.numel():
+        groups = cascade.prefix_lens.numel()
+        max_prefix = cascade.prefix_indices.shape[1]
+        tables = tuple(t.data_ptr() for t in (cascade.group_offsets, cascade.members, cascade.prefix_indices,
+                                              cascade.prefix_lens, cascade.group_of))
+        if cascade.kept is not None and cascade.kept_tokens is not None:
+            kept, kept_tokens = cascade.kept[layer_id].data_ptr(), cascade.kept_tokens.data_ptr()
+    offsets, members, prefix, prefix_lens, group_of = tables
+    lib.decode_attention(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), kv_indices.data_ptr(), lens.data_ptr(),
+                         kv_indices.shape[1], bs, num_heads, kv_heads, head_dim, k_buf.stride(0), v_buf.stride(0),
+                         scale, _DTYPES[q.dtype], out.data_ptr(), groups, offsets, members, prefix, prefix_lens,
+                         max_prefix, group_of, kept, kept_tokens, torch.get_num_threads())
+    return out
