@@ -84,7 +84,7 @@ def launch_server(server_args: ServerArgs) -> None:
         _serve_with_http_workers(server_args)
         return
 
-    from engine.entrypoints.engine import launch_subprocesses
+    from engine.launch.processes import launch_subprocesses
 
     try:
         server_args, children, tokenizer_manager = launch_subprocesses(server_args)
@@ -107,7 +107,7 @@ def launch_server(server_args: ServerArgs) -> None:
 def _serve_with_http_workers(server_args: ServerArgs) -> None:
     """--tokenizer-worker-num > 1: this process supervises the children and the HTTP workers
     (launch/http_workers.py) until a signal or a death."""
-    from engine.entrypoints.engine import LaunchedChildren, launch_children
+    from engine.launch.processes import LaunchedChildren, launch_children
     from engine.launch.http_workers import bind_listen_sockets, start_http_workers, stop_http_workers
 
     try:
@@ -149,8 +149,7 @@ def _serve_with_http_workers(server_args: ServerArgs) -> None:
 
 def _run_worker_node(server_args: ServerArgs) -> None:
     """Node rank > 0: start this node's TP ranks, then wait for a signal or a rank's death."""
-    from engine.entrypoints.engine import resolve_model_path
-    from engine.dp_controller.controller import start_scheduler_processes
+    from engine.launch.processes import resolve_model_path, start_scheduler_processes
     from engine.server_args import PortArgs
 
     server_args = resolve_model_path(server_args)

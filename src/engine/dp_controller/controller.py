@@ -250,31 +250,12 @@ class DataParallelController:
             self.maybe_poll_loads()
 
 
-def _run_scheduler(*args: Any) -> None:
-    # A light trampoline: pickling it for spawn does not import the scheduler (and torch) here.
-    from engine.scheduler.process import run_scheduler_process
-
-    run_scheduler_process(*args)
-
-
-def launch_tp_group(children: ChildProcesses, server_args: ServerArgs, port_args: PortArgs, dp_rank: Optional[int] = None,
-                    gpu_offset: int = 0) -> str:
-    """Start this node's scheduler ranks of one TP group; return the child name of its first rank."""
-    tp_per_node = max(1, server_args.tp_size // server_args.nnodes)
-    first_rank = server_args.node_rank * tp_per_node
-    suffix = f"_DP{dp_rank}" if dp_rank is not None else ""
-    for tp_rank in range(first_rank, first_rank + tp_per_node):
-        gpu_id = gpu_offset + tp_rank - first_rank
-        children.start(f"scheduler_TP{tp_rank}{suffix}", _run_scheduler,
-                       (server_args, port_args, gpu_id, tp_rank, dp_rank))
-    return f"scheduler_TP{first_rank}{suffix}"
-
-
 def run_data_parallel_controller_process(server_args: ServerArgs, port_args: PortArgs,
                                          pipe_writer: Connection) -> None:
     import zmq
 
     from engine.launch.children import ChildProcesses, LaunchError
+    from engine.launch.tp_group import launch_tp_group
     from engine.utils.log_utils import configure_logging
     from engine.utils.process_utils import set_process_title, watch_parent
 
@@ -315,20 +296,3 @@ def run_data_parallel_controller_process(server_args: ServerArgs, port_args: Por
         logger.error("Data parallel controller hit an exception:\n%s", traceback.format_exc())
         children.shutdown()
         sys.exit(1)
-
-
-def start_scheduler_processes(children: ChildProcesses, server_args: ServerArgs, port_args: PortArgs) -> str:
-    """Start this node's schedulers (dp_size 1) or the DP controller that starts them.
-
-    Returns the child name whose ready message carries the scheduler limits.
-    """
-    from engine.launch.children import LaunchError
-
-    if server_args.tp_size % server_args.nnodes != 0:
-        raise LaunchError(f"--tp-size ({server_args.tp_size}) must be a multiple of --nnodes ({server_args.nnodes}).")
-    if server_args.dp_size == 1:
-        return launch_tp_group(children, server_args, port_args)
-    if server_args.nnodes > 1:
-        raise LaunchError("--dp-size > 1 with --nnodes > 1 is not supported; run one server per node instead.")
-    children.start(CONTROLLER_CHILD_NAME, run_data_parallel_controller_process, (server_args, port_args))
-    return CONTROLLER_CHILD_NAME

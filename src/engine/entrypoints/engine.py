@@ -1,8 +1,6 @@
 """The offline Engine: the server's subprocesses and TokenizerManager, without HTTP.
 
-`launch_subprocesses` is shared with `launch_server`: it resolves the model path, spawns the
-scheduler ranks and the detokenizer, waits until each is ready and builds the TokenizerManager.
-The Engine runs the TokenizerManager's asyncio loop in a background thread of its own, so its
+It starts them as `launch_server` does (launch/processes.py). The Engine runs the TokenizerManager's asyncio loop in a background thread of its own, so its
 synchronous methods work from plain code and its async methods from any other event loop.
 """
 
@@ -10,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
-import dataclasses
 import functools
 import logging
 import threading
@@ -25,17 +22,15 @@ from engine.io_struct import (
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromDistributedReqInput,
 )
-from engine.tokenizer.request_normalizer import GenerateReqInput, load_chat_template
+from engine.tokenizer.request_normalizer import GenerateReqInput
 from engine.tokenizer.tokenizer_manager import TokenizerManager
-from engine.server_args import PortArgs, ServerArgs, ServerArgsError
-from engine.launch.children import ChildProcesses, LaunchError
-from engine.utils.network_utils import get_free_port
-from engine.utils.tokenizer_utils import load_tokenizer
+from engine.launch.processes import launch_subprocesses
+from engine.server_args import ServerArgs, ServerArgsError
+from engine.launch.children import ChildProcesses
 
 if TYPE_CHECKING:
     import torch
 
-    from engine.disaggregation.bootstrap import BootstrapServer
 
 logger = logging.getLogger(__name__)
 
@@ -48,111 +43,6 @@ LIVENESS_POLL_S = 0.5
 # A call still pending this long after the engine was found dead is ended here: the death should
 # have ended it with its own error first.
 DEAD_GRACE_S = 5.0
-
-
-def resolve_model_path(server_args: ServerArgs) -> ServerArgs:
-    """Without --model-path, serve the built-in model; children get the resolved path."""
-    if server_args.model_path is not None:
-        if server_args.tokenizer_path is None:
-            return dataclasses.replace(server_args, tokenizer_path=server_args.model_path)
-        return server_args
-    from engine.builtin_model import ensure_builtin_model
-
-    path = ensure_builtin_model()
-    return dataclasses.replace(server_args, model_path=path, tokenizer_path=server_args.tokenizer_path or path)
-
-
-@dataclasses.dataclass
-class LaunchedChildren:
-    """The started, ready children of a server and what its TokenizerManager(s) need of them."""
-
-    server_args: ServerArgs  # with the model path resolved
-    port_args: PortArgs
-    children: ChildProcesses
-    scheduler_info: dict  # scheduler rank 0's ready message
-    tokenizer: Any  # loaded while the children started (None when not asked for)
-    bootstrap_server: Optional["BootstrapServer"]  # a PD prefill server's, else None
-
-    def close(self) -> None:
-        self.children.shutdown()
-        if self.bootstrap_server is not None:
-            self.bootstrap_server.close()
-
-
-def launch_children(server_args: ServerArgs, load_tokenizer_too: bool = True) -> LaunchedChildren:
-    """Start the schedulers and the detokenizer and wait for them.
-
-    On any failure every started child is killed and LaunchError is raised.
-    """
-    from engine.dp_controller.controller import start_scheduler_processes
-    from engine.detokenizer.detokenizer_manager import run_detokenizer_process
-
-    try:
-        load_chat_template(server_args.chat_template)  # fail before anything is started
-    except (OSError, ValueError) as e:
-        raise LaunchError(f"Bad --chat-template: {e}") from None
-    server_args = resolve_model_path(server_args)
-    port_args = PortArgs.init_new(server_args)
-    if port_args.nccl_port == 0:
-        port_args.nccl_port = get_free_port()
-    children = ChildProcesses(port_args.ipc_dir)
-    # A PD prefill server's bootstrap server runs here, before its ranks start and register.
-    bootstrap_server = start_bootstrap_server(server_args)
-    try:
-        # Schedulers of this node (dp_size 1) or the data-parallel controller that starts them.
-        info_child = start_scheduler_processes(children, server_args, port_args)
-        if server_args.node_rank == 0:
-            children.start("detokenizer", run_detokenizer_process, (server_args, port_args))
-        # Load the tokenizer while the children load the model, not after.
-        tokenizer = load_server_tokenizer(server_args) if load_tokenizer_too else None
-        infos = children.wait_ready(server_args.startup_timeout)
-        scheduler_info = infos[info_child]
-        logger.info("All child processes are ready: max_total_num_tokens=%s, context_len=%s, "
-                    "max_req_input_len=%s", scheduler_info.get("max_total_num_tokens"),
-                    scheduler_info.get("context_len"), scheduler_info.get("max_req_input_len"))
-    except BaseException:
-        children.shutdown()
-        if bootstrap_server is not None:
-            bootstrap_server.close()
-        raise
-    return LaunchedChildren(server_args, port_args, children, scheduler_info, tokenizer, bootstrap_server)
-
-
-def load_server_tokenizer(server_args: ServerArgs) -> Any:
-    """The tokenizer of a server whose model path is resolved (None with --skip-tokenizer-init)."""
-    tokenizer_path = server_args.tokenizer_path or server_args.model_path
-    assert tokenizer_path is not None  # resolve_model_path filled it in
-    return None if server_args.skip_tokenizer_init else load_tokenizer(tokenizer_path, server_args.trust_remote_code)
-
-
-def launch_subprocesses(server_args: ServerArgs) -> tuple[ServerArgs, ChildProcesses, TokenizerManager]:
-    """launch_children, then the TokenizerManager of this process (which closes the bootstrap server)."""
-    launched = launch_children(server_args)
-    try:
-        tokenizer_manager = TokenizerManager(launched.server_args, launched.port_args, launched.scheduler_info,
-                                             child_processes=launched.children.processes(),
-                                             tokenizer=launched.tokenizer)
-    except BaseException:
-        launched.close()
-        raise
-    tokenizer_manager.bootstrap_server = launched.bootstrap_server
-    return launched.server_args, launched.children, tokenizer_manager
-
-
-def start_bootstrap_server(server_args: ServerArgs) -> Optional["BootstrapServer"]:
-    """The bootstrap server of a PD prefill server (tcp backend, node 0), else None."""
-    if (server_args.disaggregation_mode != "prefill" or server_args.disaggregation_transfer_backend != "tcp"
-            or server_args.node_rank != 0):
-        return None
-    from engine.disaggregation.auth import resolve_secret
-    from engine.disaggregation.bootstrap import BootstrapServer
-
-    try:
-        return BootstrapServer(server_args.host, server_args.disaggregation_bootstrap_port, server_args.tp_size,
-                               secret=resolve_secret(server_args.disaggregation_secret))
-    except OSError as e:
-        raise LaunchError(f"cannot start the bootstrap server on port {server_args.disaggregation_bootstrap_port}: "
-                          f"{e}") from None
 
 
 def _report_child_death(tokenizer_manager: TokenizerManager, name: str, pid: int, exitcode: Any) -> None:

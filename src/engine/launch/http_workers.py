@@ -89,7 +89,7 @@ def run_http_worker(server_args: ServerArgs, port_args: PortArgs, scheduler_info
     configure_logging(server_args.log_level, prefix=f"HTTP{worker_id}")
     start_parent_death_watcher()
     try:
-        from engine.entrypoints.engine import load_server_tokenizer
+        from engine.launch.processes import load_server_tokenizer
         from engine.entrypoints.http_server import build_http_server
         from engine.tokenizer.tokenizer_manager import TokenizerManager
 
