@@ -66,7 +66,8 @@ def rounds_of(variants: Dict[str, Callable[[], object]], rounds: int, reps: int)
 def isa(name: str) -> Callable[[Callable[[], object]], Callable[[], object]]:
     """Wraps a call so that it runs with AMX on ('amx') or off (anything else), then puts back the
     process's setting (ENGINE_CPU_AMX)."""
-    lib = library.loaded_kernel()
+    lib = library.library_info()
+    assert lib is not None
     before = int(lib.amx_active())
 
     def wrap(fn: Callable[[], object]) -> Callable[[], object]:
@@ -168,8 +169,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--result-file", default=None)
     args = ap.parse_args()
-    lib = library.decode_kernel()
-    if lib is None or not lib.linear_bf16_available():
+    lib, linears = library.library_info(), library.linear()
+    if lib is None or linears is None or not linears.linear_bf16_available():
         raise SystemExit("the CPU kernel library is not available or this CPU lacks AVX512-BF16: nothing to compare")
     amx = bool(lib.amx_active())
     print(f"AMX {'on' if amx else 'not available (or ENGINE_CPU_AMX=0)'}; {torch.get_num_threads()} threads")

@@ -26,10 +26,10 @@ def make_pair() -> Iterator[Callable[..., PDPair]]:
 @pytest.fixture(params=["amx", "avx512"])
 def cpu_isa(request) -> Iterator[str]:
     """Runs a bf16 kernel test on AMX tiles (where the CPU has them) and on AVX512-BF16."""
-    from engine.kernels import attention as attention_kernels
+    from engine.kernels import library
 
-    lib = attention_kernels.decode_kernel()
-    if lib is None or not lib.linear_bf16_available():
+    lib, linears = library.library_info(), library.linear()
+    if lib is None or linears is None or not linears.linear_bf16_available():
         pytest.skip("no AVX512-BF16 on this CPU: the bf16 kernels are not used")
     if request.param == "amx" and not lib.amx_active():
         pytest.skip("no AMX on this CPU (or Linux refused the process its tiles): AVX512-BF16 runs")

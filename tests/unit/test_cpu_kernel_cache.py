@@ -24,15 +24,15 @@ def _compiler() -> str:
 
 
 def _load_fresh(monkeypatch, cache_root: Path):
-    """decode_kernel() as a new process would run it, with ENGINE_CACHE_DIR=cache_root."""
+    """The library as a new process would load it, with ENGINE_CACHE_DIR=cache_root."""
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(cache_root))
     monkeypatch.delenv("ENGINE_CPU_DECODE_KERNEL", raising=False)
     monkeypatch.setattr(library, "_kernel", library._UNSET)
-    return library.decode_kernel()
+    return library._kernels()
 
 
-def _is_planted(lib: ctypes.CDLL) -> bool:
-    return hasattr(lib, "planted_by_someone_else")
+def _is_planted(lib: library.Kernels) -> bool:
+    return hasattr(lib.cdll, "planted_by_someone_else")
 
 
 @pytest.fixture(scope="module")
@@ -172,7 +172,7 @@ def test_the_library_loaded_is_the_one_checked(monkeypatch, tmp_path, library_na
     monkeypatch.setattr(ctypes, "CDLL", swap_then_load)
     lib = _load_fresh(monkeypatch, tmp_path / "cache")
     assert lib is not None and not _is_planted(lib)
-    assert hasattr(lib, "decode_attention")
+    assert hasattr(lib.cdll, "decode_attention")
 
 
 def test_a_symlinked_library_file_is_refused(monkeypatch, tmp_path, library_name, caplog):

@@ -21,7 +21,7 @@ from engine.mem_cache.memory_pool import MHATokenToKVPool
 def need_library():
     from engine.kernels import library
 
-    if library.decode_kernel() is None:
+    if library.ops() is None:
         if os.environ.get("ENGINE_CPU_DECODE_KERNEL") == "0" or not (shutil.which("gcc") or shutil.which("cc")):
             pytest.skip("the native CPU kernels are off or there is no C compiler")
         pytest.fail("a C compiler is present but the CPU kernels did not build (see the log)")
@@ -267,6 +267,7 @@ def _forked_rms(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     from engine.kernels import library
 
     out = torch.empty(x.shape)  # an allocation, no kernel
-    library.loaded_kernel().rms_norm(x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), None, x.shape[0],
-                                         x.shape[1], 1e-6, 0, 2)
+    lib = library.ops()
+    assert lib is not None
+    lib.rms_norm(x.data_ptr(), None, weight.data_ptr(), out.data_ptr(), None, x.shape[0], x.shape[1], 1e-6, 0, 2)
     return out

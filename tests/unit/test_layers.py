@@ -393,9 +393,9 @@ def test_torch_native_padded_extend_batch_matches_reference():
 
 def _require_cpu_kernel() -> None:
     """The native kernel must build wherever a C compiler is (it is optional without one)."""
-    from engine.kernels import attention as attention_kernels
+    from engine.kernels import library
 
-    if attention_kernels.decode_kernel() is None:
+    if library.attention() is None:
         if os.environ.get("ENGINE_CPU_DECODE_KERNEL") == "0" or not (shutil.which("gcc") or shutil.which("cc")):
             pytest.skip("the native CPU kernel is off or there is no C compiler")
         pytest.fail("a C compiler is present but the CPU decode kernel did not build (see the log)")

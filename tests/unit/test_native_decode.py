@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.kernels import attention as attention_kernels
+from engine.kernels import library
 from engine.layers.linear import prepack_linear_weights
 from engine.kernels import decoder_layers
 from utils_models import BatchDriver, ExtendReq, build_tiny_model, make_runner
@@ -17,8 +17,8 @@ PREFIX = 80  # > MIN_SHARED_PREFIX: requests 1 and 2 form a cascade group over r
 
 
 def _require_bf16_kernels() -> None:
-    lib = attention_kernels.decode_kernel()
-    if lib is None or not lib.linear_bf16_available():
+    lib, layers = library.linear(), library.decoder_layers()
+    if lib is None or layers is None or not lib.linear_bf16_available():
         pytest.skip("the native bf16 kernels need a C compiler and a CPU with AVX512-BF16")
 
 

@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from engine.kernels import attention as attention_kernels
+from engine.kernels import library
+from engine.kernels.boundary import AttentionKernels
 from engine.layers.attention.prefix_panels import PrefixPanels
 from engine.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from engine.mem_cache.memory_pool import MHATokenToKVPool
@@ -53,8 +55,14 @@ def _decode(pool, q, kv_indices, lens, cascade, layer):
                                         KV_HEADS, DIM, 1 / math.sqrt(DIM), cascade=cascade, layer_id=layer)
 
 
+def _attention() -> AttentionKernels:
+    lib = library.attention()
+    assert lib is not None
+    return lib
+
+
 def _require_kernel() -> None:
-    lib = attention_kernels.decode_kernel()
+    lib = library.linear()
     if lib is None or not lib.linear_bf16_available():
         pytest.skip("no AVX512-BF16 on this CPU: the cascade has no panel path")
 
@@ -92,7 +100,7 @@ def test_kept_panels_stay_within_their_budget(cpu_isa):
     _require_kernel()
     pool, alloc = _pool()
     prefixes, kv_indices, lens, q, cascade = _batch(alloc, [256, 256], members=3)
-    one = LAYERS * 2 * int(attention_kernels.loaded_kernel().kept_prefix_elems(256, KV_HEADS, DIM))
+    one = LAYERS * 2 * int(_attention().kept_prefix_elems(256, KV_HEADS, DIM))
     panels = PrefixPanels(budget_bytes=one)
     tables = cascade()
     panels.attach(tables, prefixes, pool)

@@ -13,13 +13,20 @@ from typing import Optional, Tuple
 
 import torch
 
-from engine.kernels.library import decode_kernel, loaded_kernel
+from engine.kernels import library
+from engine.kernels.boundary import AttentionKernels, DecodeAttentionArgs, ExtendAttentionArgs
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 
 
+def _kernels() -> AttentionKernels:
+    lib = library.attention()
+    assert lib is not None, "the attention kernels are not loaded: check supports() / extend_supported() first"
+    return lib
+
+
 def supports(q: torch.Tensor, k_buf: torch.Tensor) -> bool:
-    return (q.is_cpu and q.dtype in _DTYPES and k_buf.dtype == q.dtype and decode_kernel() is not None)
+    return (q.is_cpu and q.dtype in _DTYPES and k_buf.dtype == q.dtype and library.attention() is not None)
 
 
 @dataclass
@@ -49,7 +56,7 @@ class ExtendTables:
 
 
 def extend_supported() -> bool:
-    lib = decode_kernel()
+    lib = library.attention()
     return lib is not None and bool(lib.extend_attention_available())
 
 
@@ -59,11 +66,12 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     the pool (the new K/V are stored first). q [T, num_heads * head_dim] bf16, rows may be strided."""
     out = torch.empty(q.shape[0], num_heads * head_dim, dtype=q.dtype)
     assert q.stride(1) == 1 and k_buf.stride()[1:] == (head_dim, 1) and v_buf.stride()[1:] == (head_dim, 1)
-    loaded_kernel().extend_attention(
-        q.data_ptr(), q.stride(0), k_buf.data_ptr(), v_buf.data_ptr(), k_buf.stride(0), v_buf.stride(0),
-        tables.kv_indices.data_ptr(), tables.kv_indices.shape[1], tables.q_starts.data_ptr(),
-        tables.ext_lens.data_ptr(), tables.prefix_lens.data_ptr(), tables.ext_lens.numel(), num_heads, kv_heads,
-        head_dim, scale, out.data_ptr(), out.stride(0), torch.get_num_threads())
+    _kernels().extend_attention(ExtendAttentionArgs(
+        q=q.data_ptr(), q_stride=q.stride(0), k=k_buf.data_ptr(), v=v_buf.data_ptr(), k_stride=k_buf.stride(0),
+        v_stride=v_buf.stride(0), kv_indices=tables.kv_indices.data_ptr(), max_seq=tables.kv_indices.shape[1],
+        q_starts=tables.q_starts.data_ptr(), ext_lens=tables.ext_lens.data_ptr(),
+        prefix_lens=tables.prefix_lens.data_ptr(), bs=tables.ext_lens.numel(), heads=num_heads, kv_heads=kv_heads,
+        dim=head_dim, scale=scale, out=out.data_ptr(), out_stride=out.stride(0), num_threads=torch.get_num_threads()))
     return out
 
 
@@ -77,28 +85,24 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
     q [bs, num_heads * head_dim]; k_buf, v_buf [num_slots, kv_heads, head_dim]; kv_indices
     [bs, max_len] int64; lens [bs] int64. Returns the output shaped like q.
     """
-    lib = loaded_kernel()
+    lib = _kernels()
     q = q.contiguous()
     kv_indices = kv_indices.contiguous()
     lens = lens.to(torch.int64).contiguous()
-    bs = q.shape[0]
     out = torch.empty_like(q)
     # Within a slot the kernel reads kv_heads * head_dim consecutive elements.
     assert k_buf.stride()[1:] == (head_dim, 1) and v_buf.stride()[1:] == (head_dim, 1)
-    groups = 0
-    tables: Tuple[Optional[int], ...] = (None, None, None, None, None)
-    kept = kept_tokens = None
-    max_prefix = 0
+    args = DecodeAttentionArgs(
+        q=q.data_ptr(), k=k_buf.data_ptr(), v=v_buf.data_ptr(), kv_indices=kv_indices.data_ptr(),
+        lens=lens.data_ptr(), max_len=kv_indices.shape[1], bs=q.shape[0], heads=num_heads, kv_heads=kv_heads,
+        dim=head_dim, k_stride=k_buf.stride(0), v_stride=v_buf.stride(0), scale=scale, dtype=_DTYPES[q.dtype],
+        out=out.data_ptr(), num_threads=torch.get_num_threads())  # the cascade's fields: 0 / NULL, none
     if cascade is not None and cascade.prefix_lens.numel():
-        groups = cascade.prefix_lens.numel()
-        max_prefix = cascade.prefix_indices.shape[1]
-        tables = tuple(t.data_ptr() for t in (cascade.group_offsets, cascade.members, cascade.prefix_indices,
-                                              cascade.prefix_lens, cascade.group_of))
+        args.num_groups, args.max_prefix = cascade.prefix_lens.numel(), cascade.prefix_indices.shape[1]
+        args.group_offsets, args.group_members = cascade.group_offsets.data_ptr(), cascade.members.data_ptr()
+        args.prefix_indices, args.prefix_lens = cascade.prefix_indices.data_ptr(), cascade.prefix_lens.data_ptr()
+        args.group_of = cascade.group_of.data_ptr()
         if cascade.kept is not None and cascade.kept_tokens is not None:
-            kept, kept_tokens = cascade.kept[layer_id].data_ptr(), cascade.kept_tokens.data_ptr()
-    offsets, members, prefix, prefix_lens, group_of = tables
-    lib.decode_attention(q.data_ptr(), k_buf.data_ptr(), v_buf.data_ptr(), kv_indices.data_ptr(), lens.data_ptr(),
-                         kv_indices.shape[1], bs, num_heads, kv_heads, head_dim, k_buf.stride(0), v_buf.stride(0),
-                         scale, _DTYPES[q.dtype], out.data_ptr(), groups, offsets, members, prefix, prefix_lens,
-                         max_prefix, group_of, kept, kept_tokens, torch.get_num_threads())
+            args.kept, args.kept_tokens = cascade.kept[layer_id].data_ptr(), cascade.kept_tokens.data_ptr()
+    lib.decode_attention(args)
     return out

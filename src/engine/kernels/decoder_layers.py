@@ -16,13 +16,13 @@ context 104.8 -> 94.7 ms.
 
 from __future__ import annotations
 
-import ctypes
 from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import torch
 
 from engine.distributed.parallel_state import get_tp_size
 from engine.kernels import library, ops
+from engine.kernels.boundary import Layer, Step
 from engine.kernels.attention import CascadeTables
 from engine.kernels.linear import LINEAR_BF16_MAX_ROWS, Bf16Panels
 from engine.layers.attention.torch_native_backend import TorchNativeAttnBackend
@@ -30,25 +30,6 @@ from engine.layers.attention.torch_native_backend import TorchNativeAttnBackend
 if TYPE_CHECKING:
     from engine.model_executor.forward_batch_info import ForwardBatch
     from engine.models.llama import LlamaDecoderLayer
-
-_P, _I64 = ctypes.c_void_p, ctypes.c_int64
-
-
-class _Layer(ctypes.Structure):  # decoder_layers.c layer_t
-    _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _P), ("o", _P), ("gate_up", _P), ("down", _P),
-                ("qkv_bias", _P), ("o_bias", _P), ("gate_up_bias", _P), ("down_bias", _P), ("cos_sin", _P),
-                ("k_pool", _P), ("v_pool", _P), ("k_stride", _I64), ("v_stride", _I64), ("eps", ctypes.c_float),
-                ("scale", ctypes.c_float), ("q_norm", _P), ("k_norm", _P), ("qk_eps", ctypes.c_float)]
-
-
-class _Step(ctypes.Structure):  # decoder_layers.c step_t
-    _fields_ = [("hidden", _I64), ("heads", _I64), ("kv_heads", _I64), ("head_dim", _I64), ("rotary_dim", _I64),
-                ("intermediate", _I64), ("bs", _I64), ("positions", _P), ("out_loc", _P), ("kv_indices", _P),
-                ("lens", _P), ("max_len", _I64), ("num_groups", _I64), ("group_offsets", _P), ("group_members", _P),
-                ("prefix_indices", _P), ("prefix_lens", _P), ("max_prefix", _I64), ("group_of", _P), ("kept", _P),
-                ("kept_tokens", _P), ("normed", _P),
-                ("qkv", _P), ("q", _P), ("attn", _P), ("o", _P), ("mlp", _P), ("num_threads", ctypes.c_int)]
-
 
 class _LayerRefs:
     """The modules and tensors a layer's table entry points into, looked up once: reaching them through
@@ -93,7 +74,7 @@ class DecoderLayers:
         self.heads, self.kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
         self.rotary_dim = first.rotary_emb.rotary_dim
         self.intermediate = layers[0].mlp.down_proj.input_size
-        self.table = (_Layer * len(layers))()
+        self.table = (Layer * len(layers))()
         # Each table entry's layer: its row of a cascade's kept panels (CascadeTables.kept).
         self.layer_ids = torch.tensor([layer.self_attn.attn.layer_id for layer in layers], dtype=torch.int64)
         for entry, layer, k_pool, v_pool, ptrs in zip(self.table, layers, k_pools, v_pools, pointers):
@@ -109,8 +90,8 @@ class DecoderLayers:
     @staticmethod
     def supported(layers: List["LlamaDecoderLayer"], k_pools: List[torch.Tensor], v_pools: List[torch.Tensor]) -> bool:
         """Whether the native chain computes these layers (the conditions of the module docstring)."""
-        lib = library.decode_kernel()
-        if not (layers and lib is not None and lib.linear_bf16_available() and get_tp_size() == 1):
+        lib, linears = library.decoder_layers(), library.linear()
+        if not (layers and lib is not None and linears is not None and linears.linear_bf16_available() and get_tp_size() == 1):
             return False
         first = layers[0].self_attn
         hidden, heads, kv_heads, dim = first.qkv_proj.input_size, first.num_heads, first.num_kv_heads, first.head_dim
@@ -168,7 +149,7 @@ class DecoderLayers:
             start += bs * w
         out = torch.empty_like(hidden_in)
         residual = torch.empty_like(hidden_in)
-        s = _Step()
+        s = Step()
         s.hidden, s.heads, s.kv_heads, s.head_dim = self.hidden, self.heads, self.kv_heads, self.head_dim
         s.rotary_dim, s.intermediate, s.bs = self.rotary_dim, self.intermediate, bs
         s.positions, s.out_loc = positions.data_ptr(), out_cache_loc.data_ptr()
@@ -183,8 +164,9 @@ class DecoderLayers:
                 s.kept, s.kept_tokens = kept.data_ptr(), cascade.kept_tokens.data_ptr()
         s.normed, s.qkv, s.q, s.attn, s.o, s.mlp = views
         s.num_threads = torch.get_num_threads()
-        library.loaded_kernel().decode_layers(self.table, len(self.table), ctypes.byref(s), hidden_in.data_ptr(),
-                                                  out.data_ptr(), residual.data_ptr())
+        lib = library.decoder_layers()
+        assert lib is not None, "the decoder layers kernel is not loaded: supported() said it was"
+        lib.decode_layers(self.table, len(self.table), s, hidden_in.data_ptr(), out.data_ptr(), residual.data_ptr())
         return out, residual
 
 

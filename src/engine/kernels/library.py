@@ -34,22 +34,28 @@ import shutil
 import stat
 import subprocess
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union
+from typing import Optional, Union, cast
+
+from engine.kernels.boundary import (AttentionKernels, DecoderLayersKernels, LibraryKernels, LinearKernels,
+                                     OpsKernels, bind)
 
 logger = logging.getLogger(__name__)
 
 _CSRC = Path(__file__).with_name("csrc")
-# decode_attention.c: the decode kernel; extend_attention.c: prefill attention (bf16); cpu_ops.c:
-# the fused element-wise ops of a decoder layer (ops.py); linear_bf16.c: bf16 linears (linear.py);
-# decoder_layers.c: a decode step's layers in one call (decoder_layers.py); thread_pool.c: the threads they run on; cpu_common.h: what they
-# share; amx.h: the AMX tiles; attend_step.h: the attention step of prefills and cascade prefixes.
-# One library holds them all.
+# engine_kernels.h: everything the library exports (the boundary, boundary.py); decode_attention.c:
+# the decode kernel; extend_attention.c: prefill attention (bf16); cpu_ops.c: the fused element-wise
+# ops of a decoder layer (ops.py); linear_bf16.c: bf16 linears (linear.py); decoder_layers.c: a decode
+# step's layers in one call (decoder_layers.py); thread_pool.c: the threads they run on; library.c:
+# what the build holds; cpu_common.h: what they share; amx.h: the AMX tiles; attend_step.h: the
+# attention step of prefills and cascade prefixes. One library holds them all.
 _SOURCES = [_CSRC / "decode_attention.c", _CSRC / "extend_attention.c", _CSRC / "cpu_ops.c", _CSRC / "linear_bf16.c",
-            _CSRC / "decoder_layers.c", _CSRC / "thread_pool.c"]
-_HEADERS = [_CSRC / "cpu_common.h", _CSRC / "amx.h", _CSRC / "attend_step.h"]
+            _CSRC / "decoder_layers.c", _CSRC / "thread_pool.c", _CSRC / "library.c"]
+_HEADERS = [_CSRC / "engine_kernels.h", _CSRC / "cpu_common.h", _CSRC / "amx.h", _CSRC / "attend_step.h"]
 # -fopenmp-simd: the `omp simd` hints only; the threads are the library's own (csrc/thread_pool.c).
-_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11", "-pthread"]
+# -fvisibility=hidden: only engine_kernels.h's ENGINE_API functions are exported.
+_FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11", "-pthread", "-fvisibility=hidden"]
 # A build takes about a second; a compiler stuck for this long costs the kernel, not the server.
 COMPILE_TIMEOUT_S = 120.0
 
@@ -58,8 +64,20 @@ class _Unset:
     """The kernel was not looked for yet (None: looked for, not available)."""
 
 
+@dataclass(frozen=True)
+class Kernels:
+    """The loaded library's functions by family, each typed by its protocol (boundary.py)."""
+
+    cdll: ctypes.CDLL  # what they were bound from (its tests ask it for symbols)
+    library: LibraryKernels
+    ops: OpsKernels
+    linear: LinearKernels
+    attention: AttentionKernels
+    decoder_layers: DecoderLayersKernels
+
+
 _UNSET = _Unset()
-_kernel: Union[ctypes.CDLL, None, _Unset] = _UNSET
+_kernel: Union[Kernels, None, _Unset] = _UNSET
 
 
 class _UntrustedPath(Exception):
@@ -264,42 +282,18 @@ def _build() -> Optional[ctypes.CDLL]:
     return _load_private_build(name, compiler)
 
 
-def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
-    i64, ptr, f32, i32 = ctypes.c_int64, ctypes.c_void_p, ctypes.c_float, ctypes.c_int
-    lib.decode_attention.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, i64, i64, i64, i64, i64, f32, i32, ptr,
-                                     i64, ptr, ptr, ptr, ptr, i64, ptr, ptr, ptr, i32]
-    names = ["decode_attention"]
-    lib.rms_norm.argtypes = [ptr, ptr, ptr, ptr, ptr, i64, i64, f32, i32, i32]
-    lib.rope_neox.argtypes = [ptr, ptr, i64, i64, ptr, i64, i64, ptr, i64, i64, i64, i32, i32]
-    lib.silu_and_mul.argtypes = [ptr, ptr, i64, i64, i32, i32]
-    lib.store_kv.argtypes = [ptr, i64, ptr, i64, ptr, ptr, i64, ptr, i64, i64, i64, i32]
-    lib.argmax_rows.argtypes = [ptr, i64, i64, i64, ptr, i32]
-    names += ["rms_norm", "rope_neox", "silu_and_mul", "store_kv", "argmax_rows"]
-    lib.pack_linear_bf16.argtypes = [ptr, i64, i64, ptr, i32]
-    lib.linear_bf16.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i32]
-    lib.linear_bf16_silu_mul.argtypes = [ptr, i64, i64, ptr, i64, ptr, ptr, i32]
-    names += ["pack_linear_bf16", "linear_bf16", "linear_bf16_silu_mul"]
-    lib.extend_attention.argtypes = [ptr, i64, ptr, ptr, i64, i64, ptr, i64, ptr, ptr, ptr, i64, i64, i64, i64, f32, ptr,
-                                     i64, i32]
-    names += ["extend_attention"]
-    lib.decode_layers.argtypes = [ptr, i64, ptr, ptr, ptr, ptr]
-    names += ["decode_layers"]
-    for name in names:
-        getattr(lib, name).restype = None
-    for name in ("linear_bf16_available", "extend_attention_available"):  # 0 where the CPU lacks AVX512-BF16
-        getattr(lib, name).argtypes = []
-        getattr(lib, name).restype = ctypes.c_int
-    lib.kept_prefix_elems.argtypes = [i64, i64, i64]  # 0 where the cascade keeps no panels (no AVX512-BF16)
-    lib.kept_prefix_elems.restype = i64
-    lib.amx_set.argtypes = [i32]
-    lib.amx_set.restype = None
-    lib.amx_active.argtypes = []  # 1 where the bf16 kernels use AMX tiles (csrc/amx.h)
-    lib.amx_active.restype = ctypes.c_int
-    lib.amx_set(int(os.environ.get("ENGINE_CPU_AMX", "1") != "0"))
-    return lib
+def _declare(lib: ctypes.CDLL) -> Kernels:
+    # The protocols type what bind() builds from the header after checking them against it.
+    families = bind(lib)
+    kernels = Kernels(cdll=lib, library=cast(LibraryKernels, families["library"]), ops=cast(OpsKernels, families["ops"]),
+                      linear=cast(LinearKernels, families["linear"]),
+                      attention=cast(AttentionKernels, families["attention"]),
+                      decoder_layers=cast(DecoderLayersKernels, families["decoder_layers"]))
+    kernels.library.amx_set(int(os.environ.get("ENGINE_CPU_AMX", "1") != "0"))
+    return kernels
 
 
-def decode_kernel() -> Optional[ctypes.CDLL]:
+def _kernels() -> Optional[Kernels]:
     """The compiled kernel library, or None where it cannot be used (built once per process)."""
     global _kernel
     if isinstance(_kernel, _Unset):
@@ -309,12 +303,36 @@ def decode_kernel() -> Optional[ctypes.CDLL]:
                 lib = _build()
                 _kernel = _declare(lib) if lib is not None else None
             except Exception:  # a broken toolchain must not take the engine down: fall back
-                logger.exception("Loading the CPU decode attention kernel failed; using the torch gather path.")
+                logger.exception("Loading the CPU kernel library failed; every layer keeps its torch path.")
     return _kernel
 
 
-def loaded_kernel() -> ctypes.CDLL:
-    """The kernel library for callers that checked it is usable (supports(), cpu_ops.usable())."""
-    lib = decode_kernel()
-    assert lib is not None, "the CPU kernel library is not loaded; check supports() first"
-    return lib
+# One accessor per family: None where the library is not available; callers keep their torch paths.
+def library_info() -> Optional[LibraryKernels]:
+    k = _kernels()
+    return None if k is None else k.library
+
+
+def ops() -> Optional[OpsKernels]:
+    k = _kernels()
+    return None if k is None else k.ops
+
+
+def linear() -> Optional[LinearKernels]:
+    k = _kernels()
+    return None if k is None else k.linear
+
+
+def attention() -> Optional[AttentionKernels]:
+    k = _kernels()
+    return None if k is None else k.attention
+
+
+def decoder_layers() -> Optional[DecoderLayersKernels]:
+    k = _kernels()
+    return None if k is None else k.decoder_layers
+
+
+def load() -> bool:
+    """Builds and loads the library now (not in the first forward); whether it is available."""
+    return _kernels() is not None

@@ -11,6 +11,7 @@ from typing import Optional
 import torch
 
 from engine.kernels import library, ops
+from engine.kernels.boundary import LinearKernels
 from engine.utils import huge_pages
 
 # The bf16 linear kernel (csrc/linear_bf16.c) handles up to this many rows; longer prefills go to
@@ -18,6 +19,12 @@ from engine.utils import huge_pages
 # ran at 436-494 GFLOP/s per CPU-second from 64 to 2048 rows against oneDNN's 412-456, and at
 # 320 against 264 at 16 rows.
 LINEAR_BF16_MAX_ROWS = 4096
+
+
+def _kernels() -> LinearKernels:
+    lib = library.linear()
+    assert lib is not None, "the bf16 linear kernels are not loaded: check linear_bf16_usable() first"
+    return lib
 
 
 @dataclass
@@ -31,7 +38,7 @@ class Bf16Panels:
 
 
 def linear_bf16_usable(weight: torch.Tensor) -> bool:
-    lib = library.decode_kernel()
+    lib = library.linear()
     return (ops.ENABLED and lib is not None and weight.is_cpu and weight.dtype == torch.bfloat16 and weight.dim() == 2
             and weight.shape[1] % 2 == 0 and bool(lib.linear_bf16_available()))
 
@@ -40,7 +47,7 @@ def pack_linear_bf16(weight: torch.Tensor, bias: Optional[torch.Tensor]) -> Bf16
     n, k = weight.shape
     weight = weight.detach().contiguous()
     data = huge_pages.empty(-(-n // 64) * 64 * k, torch.bfloat16)  # streamed every decode step
-    library.loaded_kernel().pack_linear_bf16(weight.data_ptr(), n, k, data.data_ptr(), torch.get_num_threads())
+    _kernels().pack_linear_bf16(weight.data_ptr(), n, k, data.data_ptr(), torch.get_num_threads())
     return Bf16Panels(data, n, k, None if bias is None else bias.detach().float().contiguous())
 
 
@@ -50,8 +57,8 @@ def linear_bf16(x: torch.Tensor, panels: Bf16Panels, add_bias: bool) -> torch.Te
     rows = x.reshape(-1, panels.k).contiguous()
     out = torch.empty(rows.shape[0], panels.n, dtype=torch.bfloat16)
     bias = panels.bias.data_ptr() if add_bias and panels.bias is not None else None
-    library.loaded_kernel().linear_bf16(rows.data_ptr(), rows.shape[0], panels.k, panels.data.data_ptr(),
-                                            panels.n, bias, out.data_ptr(), torch.get_num_threads())
+    _kernels().linear_bf16(rows.data_ptr(), rows.shape[0], panels.k, panels.data.data_ptr(),
+                           panels.n, bias, out.data_ptr(), torch.get_num_threads())
     return out.view(*x.shape[:-1], panels.n)
 
 
@@ -68,6 +75,6 @@ def linear_bf16_silu_mul(x: torch.Tensor, panels: Bf16Panels) -> torch.Tensor:
     half = panels.n // 2
     out = torch.empty(rows.shape[0], half, dtype=torch.bfloat16)
     bias = panels.bias.data_ptr() if panels.bias is not None else None
-    library.loaded_kernel().linear_bf16_silu_mul(rows.data_ptr(), rows.shape[0], panels.k, panels.data.data_ptr(),
-                                                     panels.n, bias, out.data_ptr(), torch.get_num_threads())
+    _kernels().linear_bf16_silu_mul(rows.data_ptr(), rows.shape[0], panels.k, panels.data.data_ptr(),
+                                    panels.n, bias, out.data_ptr(), torch.get_num_threads())
     return out.view(*x.shape[:-1], half)

@@ -17,15 +17,22 @@ from typing import Optional, Tuple
 import torch
 
 from engine.kernels import library
+from engine.kernels.boundary import OpsKernels
 
 ENABLED = os.environ.get("ENGINE_CPU_FUSED_OPS", "1") != "0"
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_ROTARY_DIM = 512  # the kernel's per-head scratch
 
 
+def _kernels() -> OpsKernels:
+    lib = library.ops()
+    assert lib is not None, "the fused ops kernels are not loaded: check usable() first"
+    return lib
+
+
 def usable(x: torch.Tensor, *others: torch.Tensor) -> bool:
     return (ENABLED and x.is_cpu and x.dtype in _DTYPES and not x.requires_grad
-            and all(o.dtype == x.dtype and o.is_cpu for o in others) and library.decode_kernel() is not None)
+            and all(o.dtype == x.dtype and o.is_cpu for o in others) and library.ops() is not None)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
@@ -40,9 +47,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float,
         residual = residual.contiguous()
         res_out = torch.empty_like(x)
         res_ptr, res_out_ptr = residual.data_ptr(), res_out.data_ptr()
-    library.loaded_kernel().rms_norm(x.data_ptr(), res_ptr, weight.contiguous().data_ptr(), out.data_ptr(),
-                                         res_out_ptr, x.numel() // n, n, eps, _DTYPES[x.dtype],
-                                         torch.get_num_threads())
+    _kernels().rms_norm(x.data_ptr(), res_ptr, weight.contiguous().data_ptr(), out.data_ptr(),
+                        res_out_ptr, x.numel() // n, n, eps, _DTYPES[x.dtype],
+                        torch.get_num_threads())
     return out, res_out
 
 
@@ -51,7 +58,7 @@ def rope_neox_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cos_si
     """Rotate q [T, Hq * D] and k [T, Hk * D] in place (rows may be strided, elements contiguous)."""
     positions = positions.to(torch.int64).contiguous()
     tokens = q.shape[0]
-    library.loaded_kernel().rope_neox(
+    _kernels().rope_neox(
         positions.data_ptr(), q.data_ptr(), q.stride(0), q.shape[1] // head_size, k.data_ptr(), k.stride(0),
         k.shape[1] // head_size, cos_sin.data_ptr(), head_size, rotary_dim, tokens, _DTYPES[q.dtype],
         torch.get_num_threads())
@@ -67,22 +74,22 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     x = x.contiguous()
     d = x.shape[-1] // 2
     out = torch.empty(*x.shape[:-1], d, dtype=x.dtype)
-    library.loaded_kernel().silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // (2 * d), d,
-                                             _DTYPES[x.dtype], torch.get_num_threads())
+    _kernels().silu_and_mul(x.data_ptr(), out.data_ptr(), x.numel() // (2 * d), d,
+                            _DTYPES[x.dtype], torch.get_num_threads())
     return out
 
 
 def argmax_usable(x: torch.Tensor) -> bool:
     return (ENABLED and x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
-            and x.shape[1] > 0 and library.decode_kernel() is not None)
+            and x.shape[1] > 0 and library.ops() is not None)
 
 
 def argmax(x: torch.Tensor) -> torch.Tensor:
     """torch.argmax(x, dim=-1) of a float32 [rows, n] CPU tensor (x.stride(1) == 1): the first index
     of each row's maximum, a row's first NaN where it has one."""
     out = torch.empty(x.shape[0], dtype=torch.int64)
-    library.loaded_kernel().argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(),
-                                            torch.get_num_threads())
+    _kernels().argmax_rows(x.data_ptr(), x.shape[0], x.shape[1], x.stride(0), out.data_ptr(),
+                           torch.get_num_threads())
     return out
 
 
@@ -96,9 +103,9 @@ def store_kv(k_pool: torch.Tensor, v_pool: torch.Tensor, loc: torch.Tensor, k: t
     whose (heads, dim) part is contiguous (rows may be slices of a fused qkv output)."""
     loc = loc.to(torch.int64).contiguous()
     width = k.shape[1] * k.shape[2]
-    library.loaded_kernel().store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_pool.data_ptr(),
-                                         v_pool.data_ptr(), k_pool.stride(0), loc.data_ptr(), loc.numel(), width,
-                                         k.element_size(), torch.get_num_threads())
+    _kernels().store_kv(k.data_ptr(), k.stride(0), v.data_ptr(), v.stride(0), k_pool.data_ptr(),
+                        v_pool.data_ptr(), k_pool.stride(0), loc.data_ptr(), loc.numel(), width,
+                        k.element_size(), torch.get_num_threads())
 
 
 def store_kv_usable(k_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> bool:

@@ -6,6 +6,8 @@
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
+
+#include "engine_kernels.h"
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
@@ -17,25 +19,6 @@ typedef void (*pool_fn)(void *ctx, int tid, int nthreads);
 void pool_run(pool_fn fn, void *ctx, int nthreads);
 void pool_barrier(int nthreads);
 void pool_range(int64_t n, int tid, int nt, int64_t *lo, int64_t *hi);
-/* The kernels decoder_layers.c chains (each file documents its own). */
-void rms_norm(const void *x, const void *residual, const void *weight, void *out, void *res_out, int64_t rows,
-              int64_t n, float eps, int dtype, int num_threads);
-void rope_neox(const int64_t *positions, void *q, int64_t q_stride, int64_t q_heads, void *k, int64_t k_stride,
-               int64_t k_heads, const float *cos_sin, int64_t head_size, int64_t rot, int64_t tokens, int dtype,
-               int num_threads);
-void store_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride, void *k_pool, void *v_pool,
-              int64_t slot_stride, const int64_t *loc, int64_t tokens, int64_t width, int64_t elem_size,
-              int num_threads);
-void decode_attention(const void *q, const void *k, const void *v, const int64_t *kv_indices,
-                      const int64_t *lens, int64_t max_len, int64_t bs, int64_t heads, int64_t kv_heads,
-                      int64_t dim, int64_t k_stride, int64_t v_stride, float scale, int dtype, void *out,
-                      int64_t num_groups, const int64_t *group_offsets, const int64_t *group_members,
-                      const int64_t *prefix_indices, const int64_t *prefix_lens, int64_t max_prefix,
-                      const int64_t *group_of, const int64_t *kept, const int64_t *kept_tokens, int num_threads);
-void linear_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n, const float *bias,
-                 uint16_t *out, int num_threads);
-void linear_bf16_silu_mul(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
-                          const float *bias, uint16_t *out, int num_threads);
 /* m rows in ceil(m / most) register tiles of sizes as even as can be, the bigger ones first (128 rows
  * by 6 at most: 18 of 6 and 4 of 5, where 6 at a time left a tile of 2 that runs at half the rate):
  * tile t holds `rows` rows from m0 on (m > 0). Used by the register-tiled products of linear_bf16.c

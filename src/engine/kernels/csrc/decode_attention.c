@@ -574,14 +574,13 @@ static void decode_part(void *arg, int tid, int nthreads) {
     free(w.koff);
 }
 
-void decode_attention(const void *q, const void *k, const void *v, const int64_t *kv_indices,
-                      const int64_t *lens, int64_t max_len, int64_t bs, int64_t heads, int64_t kv_heads,
-                      int64_t dim, int64_t k_stride, int64_t v_stride, float scale, int dtype, void *out,
-                      int64_t num_groups, const int64_t *group_offsets, const int64_t *group_members,
-                      const int64_t *prefix_indices, const int64_t *prefix_lens, int64_t max_prefix,
-                      const int64_t *group_of, const int64_t *kept, const int64_t *kept_tokens, int num_threads) {
+void decode_attention(const decode_attention_args_t *args) {
+    const decode_attention_args_t *a = args;
+    const int64_t bs = a->bs, heads = a->heads, kv_heads = a->kv_heads, dim = a->dim, num_groups = a->num_groups;
+    const int num_threads = a->num_threads;
+    const int64_t *group_offsets = a->group_offsets;
     const int64_t group = heads / kv_heads;
-    const kv_t kv = {k, v, k_stride, v_stride, dim, dtype, scale};
+    const kv_t kv = {a->k, a->v, a->k_stride, a->v_stride, dim, a->dtype, a->scale};
     /* Phase 2: whole requests when they keep every thread busy, else one KV head of a request. */
     const int64_t block = bs >= 2 * num_threads ? kv_heads : 1; /* KV heads per task */
     const int64_t blocks = kv_heads / block;
@@ -599,9 +598,9 @@ void decode_attention(const void *q, const void *k, const void *v, const int64_t
         pl = (float *)malloc(sizeof(float) * (size_t)(bs * heads));
         pacc = (float *)malloc(sizeof(float) * (size_t)(bs * heads * dim));
     }
-    decode_job_t job = {q, kv_indices, lens, max_len, bs, heads, kv_heads, dim, dtype, out, num_groups, group_offsets,
-                        group_members, prefix_indices, prefix_lens, max_prefix, group_of, kept, kept_tokens, kv, group,
-                        block, blocks,
+    decode_job_t job = {a->q, a->kv_indices, a->lens, a->max_len, bs, heads, kv_heads, dim, a->dtype, a->out,
+                        num_groups, group_offsets, a->group_members, a->prefix_indices, a->prefix_lens,
+                        a->max_prefix, a->group_of, a->kept, a->kept_tokens, kv, group, block, blocks,
                         max_rows, pf_blocks, pm, pl, pacc, 0, 0};
     pool_run(decode_part, &job, num_threads);
     free(pm);

@@ -6,46 +6,14 @@
  * ms of Python per step on the 2-core AMD EPYC (Zen 4) for the 8-layer small Llama, whatever the
  * batch (0.3-0.8 ms with this call). This file chains the same kernels with the same arguments, so
  * the result is bit for bit the Python path's; only the Python between them is gone.
- * engine/models/native_decode.py decides when it applies.
+ * engine/kernels/decoder_layers.py decides when it applies.
  */
 #include "cpu_common.h"
 
-/* One layer's weights and KV pool, set once (native_decode.py rebuilds them when either changes). */
-typedef struct {
-    const void *input_norm, *post_norm; /* bf16 [hidden] */
-    const void *qkv, *o, *gate_up, *down; /* linear_bf16.c panels */
-    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* float32 or NULL */
-    const float *cos_sin; /* float32 [max_pos, rotary_dim] */
-    void *k_pool, *v_pool; /* [slots, kv_heads, head_dim] */
-    int64_t k_stride, v_stride; /* elements per slot */
-    float eps, scale;
-    const void *q_norm, *k_norm; /* bf16 [head_dim]: Qwen3's per-head RMSNorm before rotary, or NULL */
-    float qk_eps;
-} layer_t;
-
-/* The model's shape and one step's batch: positions, new slots, the decode kernel's tables, scratch. */
-typedef struct {
-    int64_t hidden, heads, kv_heads, head_dim, rotary_dim, intermediate;
-    int64_t bs;
-    const int64_t *positions, *out_loc;
-    const int64_t *kv_indices, *lens;
-    int64_t max_len;
-    int64_t num_groups;
-    const int64_t *group_offsets, *group_members, *prefix_indices, *prefix_lens;
-    int64_t max_prefix;
-    const int64_t *group_of;
-    /* kept prefix panels (decode_attention.c): [num_layers][num_groups] block addresses (0: none) and
-     * [num_groups] fill tokens, or NULL */
-    const int64_t *kept, *kept_tokens;
-    /* scratch: [bs, hidden], [bs, qkv width], [bs, q width] x 2, [bs, hidden], [bs, intermediate] */
-    void *normed, *qkv, *q, *attn, *o, *mlp;
-    int num_threads;
-} step_t;
-
-/* hidden_in [bs, hidden]: the embedded tokens; hidden_out: the last layer's output; residual_out: the
- * residual stream after it (what the final norm adds, as LlamaModel.forward passes them on). */
-void decode_layers(const layer_t *layers, int64_t num_layers, const step_t *S, const void *hidden_in,
+/* layer_t and step_t: engine_kernels.h. */
+void decode_layers(const layer_t *layers, int64_t num_layers, const step_t *step, const void *hidden_in,
                    void *hidden_out, void *residual_out) {
+    const step_t *S = step;
     const int64_t bs = S->bs, hidden = S->hidden, d = S->head_dim, nt = S->num_threads;
     const int64_t q_width = S->heads * d, kv_width = S->kv_heads * d, qkv_width = q_width + 2 * kv_width;
     uint16_t *qkv = (uint16_t *)S->qkv, *q = (uint16_t *)S->q;
@@ -73,10 +41,15 @@ void decode_layers(const layer_t *layers, int64_t num_layers, const step_t *S, c
                  S->out_loc, bs, kv_width, 2, (int)nt);
         for (int64_t b = 0; b < bs; b++) /* the kernel reads q as [bs, heads * head_dim] */
             memcpy(q + b * q_width, qkv + b * qkv_width, sizeof(uint16_t) * (size_t)q_width);
-        decode_attention(q, L->k_pool, L->v_pool, S->kv_indices, S->lens, S->max_len, bs, S->heads, S->kv_heads, d,
-                         L->k_stride, L->v_stride, L->scale, DTYPE_BF16, S->attn, S->num_groups, S->group_offsets,
-                         S->group_members, S->prefix_indices, S->prefix_lens, S->max_prefix, S->group_of,
-                         S->kept != NULL ? S->kept + l * S->num_groups : NULL, S->kept_tokens, (int)nt);
+        const decode_attention_args_t attention = {
+            .q = q, .k = L->k_pool, .v = L->v_pool, .kv_indices = S->kv_indices, .lens = S->lens,
+            .max_len = S->max_len, .bs = bs, .heads = S->heads, .kv_heads = S->kv_heads, .dim = d,
+            .k_stride = L->k_stride, .v_stride = L->v_stride, .scale = L->scale, .dtype = DTYPE_BF16, .out = S->attn,
+            .num_groups = S->num_groups, .group_offsets = S->group_offsets, .group_members = S->group_members,
+            .prefix_indices = S->prefix_indices, .prefix_lens = S->prefix_lens, .max_prefix = S->max_prefix,
+            .group_of = S->group_of, .kept = S->kept != NULL ? S->kept + l * S->num_groups : NULL,
+            .kept_tokens = S->kept_tokens, .num_threads = (int)nt};
+        decode_attention(&attention);
         linear_bf16((const uint16_t *)S->attn, bs, q_width, (const uint16_t *)L->o, hidden, L->o_bias,
                     (uint16_t *)S->o, (int)nt);
         rms_norm(S->o, residual_out, L->post_norm, S->normed, residual_out, bs, hidden, L->eps, DTYPE_BF16, (int)nt);

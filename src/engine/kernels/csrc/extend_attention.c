@@ -121,24 +121,18 @@ static void extend_part(void *arg, int tid, int nthreads) {
 #endif
 }
 
-void extend_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v, int64_t k_stride,
-                      int64_t v_stride, const int64_t *kv_indices, int64_t max_seq, const int64_t *q_starts,
-                      const int64_t *ext_lens, const int64_t *prefix_lens, int64_t bs, int64_t heads,
-                      int64_t kv_heads, int64_t dim, float scale, uint16_t *out, int64_t out_stride, int num_threads) {
-    extend_job_t job = {q, k, v, q_stride, k_stride, v_stride, kv_indices, max_seq, q_starts, ext_lens, prefix_lens,
-                        bs, heads, kv_heads, dim, scale, out, out_stride, 0};
-    pool_run(extend_part, &job, num_threads);
+void extend_attention(const extend_attention_args_t *args) {
+    const extend_attention_args_t *a = args;
+    extend_job_t job = {a->q, a->k, a->v, a->q_stride, a->k_stride, a->v_stride, a->kv_indices, a->max_seq,
+                        a->q_starts, a->ext_lens, a->prefix_lens, a->bs, a->heads, a->kv_heads, a->dim, a->scale,
+                        a->out, a->out_stride, 0};
+    pool_run(extend_part, &job, a->num_threads);
 }
 
 int extend_attention_available(void) { return 1; }
 #else
-void extend_attention(const uint16_t *q, int64_t q_stride, const uint16_t *k, const uint16_t *v, int64_t k_stride,
-                      int64_t v_stride, const int64_t *kv_indices, int64_t max_seq, const int64_t *q_starts,
-                      const int64_t *ext_lens, const int64_t *prefix_lens, int64_t bs, int64_t heads,
-                      int64_t kv_heads, int64_t dim, float scale, uint16_t *out, int64_t out_stride, int num_threads) {
-    (void)q; (void)q_stride; (void)k; (void)v; (void)k_stride; (void)v_stride; (void)kv_indices; (void)max_seq;
-    (void)q_starts; (void)ext_lens; (void)prefix_lens; (void)bs; (void)heads; (void)kv_heads; (void)dim;
-    (void)scale; (void)out; (void)out_stride; (void)num_threads;
+void extend_attention(const extend_attention_args_t *args) { /* never called: extend_attention_available() */
+    (void)args;
 }
 
 int extend_attention_available(void) { return 0; }

@@ -19,7 +19,6 @@ packed afresh each step, as without this.
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
@@ -27,6 +26,8 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 import torch
 
 from engine.kernels import attention as attention_kernels
+from engine.kernels import library
+from engine.kernels.boundary import AttentionKernels
 
 if TYPE_CHECKING:
     from engine.mem_cache.memory_pool import MHATokenToKVPool
@@ -64,7 +65,7 @@ class PrefixPanels:
         cascade's group order) get kept panels; leaves them None where the kernel would not use them
         (no AVX512-BF16, a head size it does not take, a pool that does not count releases)."""
         generation = pool.slot_generation
-        lib = attention_kernels.decode_kernel()
+        lib = library.attention()
         if (generation is None or lib is None or pool.dtype != torch.bfloat16 or not prefixes
                 or lib.kept_prefix_elems(1, pool.head_num, pool.head_dim) == 0):
             return
@@ -93,7 +94,7 @@ class PrefixPanels:
         self._kept.clear()
         self._used = 0
 
-    def _lookup(self, slots: torch.Tensor, generation: torch.Tensor, pool: "MHATokenToKVPool", lib: ctypes.CDLL,
+    def _lookup(self, slots: torch.Tensor, generation: torch.Tensor, pool: "MHATokenToKVPool", lib: AttentionKernels,
                 budget: int) -> Optional[_Kept]:
         slots = slots.to(torch.int64).contiguous()
         key = (slots.numel(), slots.numpy().tobytes())

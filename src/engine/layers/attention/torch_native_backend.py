@@ -24,6 +24,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import attention as attention_kernels
+from engine.kernels import library
 from engine.layers.attention.base_attn_backend import AttentionBackend, AttentionRunner
 from engine.layers.attention.prefix_panels import PrefixPanels
 
@@ -100,7 +101,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         # step. Only the forward thread uses them, one forward at a time.
         self._scratch: List[Optional[torch.Tensor]] = [None, None]
         if str(self.device) == "cpu":
-            attention_kernels.decode_kernel()  # build/load it now, not in the first decode
+            library.load()  # build/load it now, not in the first decode
         self._prefix_panels = PrefixPanels()
 
     def _gather(self, buf: torch.Tensor, flat: torch.Tensor, which: int) -> torch.Tensor:

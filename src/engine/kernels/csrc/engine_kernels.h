@@ -1,0 +1,138 @@
+/* The native kernel library's boundary with Python: every function it exports and every struct they
+ * take, and nothing else (the library is built with -fvisibility=hidden; ENGINE_API marks what is
+ * exported). Every source includes this file, so the compiler holds each definition to its prototype
+ * here; engine/kernels/boundary.py reads this file to declare the ctypes argument and return types and
+ * to check its typed Python mirrors (the family protocols and the Structures) against it, when the
+ * library loads. Keep to the subset that parser reads: one declaration per `;`, `typedef struct { ... }
+ * name_t;` with fields of int, int64_t, float or pointers, and no macros in declarations but ENGINE_API.
+ * `Family:` comments name the Python accessor (engine/kernels/library.py) that binds what follows.
+ */
+#ifndef ENGINE_KERNELS_H
+#define ENGINE_KERNELS_H
+#include <stdint.h>
+
+#define ENGINE_API __attribute__((visibility("default")))
+
+/* Family: library (not switchable: what this build holds). */
+
+/* Bits of what this build was compiled with: 1 AVX-512F, 2 AVX512-BF16, 4 AMX tiles (0: the portable
+ * paths only). */
+ENGINE_API int engine_kernels_isa(void);
+/* Whether the bf16 kernels may use the AMX tiles (ENGINE_CPU_AMX), and whether they do. */
+ENGINE_API void amx_set(int on);
+ENGINE_API int amx_active(void);
+
+/* Family: ops (cpu_ops.c; dtype 0 float32, 1 bfloat16). */
+
+ENGINE_API void rms_norm(const void *x, const void *residual, const void *weight, void *out, void *res_out,
+                         int64_t rows, int64_t n, float eps, int dtype, int num_threads);
+ENGINE_API void rope_neox(const int64_t *positions, void *q, int64_t q_stride, int64_t q_heads, void *k,
+                          int64_t k_stride, int64_t k_heads, const float *cos_sin, int64_t head_size, int64_t rot,
+                          int64_t tokens, int dtype, int num_threads);
+ENGINE_API void silu_and_mul(const void *x, void *out, int64_t tokens, int64_t d, int dtype, int num_threads);
+ENGINE_API void store_kv(const void *k, int64_t k_stride, const void *v, int64_t v_stride, void *k_pool,
+                         void *v_pool, int64_t slot_stride, const int64_t *loc, int64_t tokens, int64_t width,
+                         int64_t elem_size, int num_threads);
+ENGINE_API void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t stride, int64_t *out, int num_threads);
+
+/* Family: linear (linear_bf16.c). */
+
+/* 0 where the CPU lacks AVX512-BF16: the other three are then never called. */
+ENGINE_API int linear_bf16_available(void);
+ENGINE_API void pack_linear_bf16(const uint16_t *w, int64_t n, int64_t k, uint16_t *packed, int num_threads);
+ENGINE_API void linear_bf16(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
+                            const float *bias, uint16_t *out, int num_threads);
+ENGINE_API void linear_bf16_silu_mul(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
+                                     const float *bias, uint16_t *out, int num_threads);
+
+/* Family: attention (decode_attention.c, extend_attention.c). */
+
+/* One decode step of one layer: one query row per request over pool slots kv_indices[b][0 .. lens[b]),
+ * preceded for the members of a cascade group by the group's shared prefix (num_groups 0: none). */
+typedef struct {
+    const void *q; /* [bs, heads * dim] */
+    const void *k, *v; /* the pool: [slots][kv_heads][dim], k_stride / v_stride elements per slot */
+    const int64_t *kv_indices; /* [bs, max_len] */
+    const int64_t *lens; /* [bs] */
+    int64_t max_len, bs, heads, kv_heads, dim, k_stride, v_stride;
+    float scale;
+    int dtype;
+    void *out; /* like q */
+    int64_t num_groups;
+    const int64_t *group_offsets; /* [num_groups + 1] into group_members */
+    const int64_t *group_members; /* rows of the batch */
+    const int64_t *prefix_indices; /* [num_groups, max_prefix] */
+    const int64_t *prefix_lens; /* [num_groups] */
+    int64_t max_prefix;
+    const int64_t *group_of; /* [bs]: the row's group, -1 for none */
+    /* kept prefix panels: [num_groups] block addresses (0: none) and fill tokens, or NULL */
+    const int64_t *kept, *kept_tokens;
+    int num_threads;
+} decode_attention_args_t;
+
+ENGINE_API void decode_attention(const decode_attention_args_t *args);
+
+/* Causal bf16 prefill attention of every new token over its request's prefix and new tokens, all read
+ * from the pool: request b's slots are kv_indices[b][0 .. prefix_lens[b] + ext_lens[b]), its new tokens
+ * q rows q_starts[b] .. + ext_lens[b]. dim even and <= 256. */
+typedef struct {
+    const uint16_t *q; /* rows of q_stride elements */
+    int64_t q_stride;
+    const uint16_t *k, *v;
+    int64_t k_stride, v_stride;
+    const int64_t *kv_indices; /* [bs, max_seq] */
+    int64_t max_seq;
+    const int64_t *q_starts, *ext_lens, *prefix_lens; /* [bs] */
+    int64_t bs, heads, kv_heads, dim;
+    float scale;
+    uint16_t *out; /* rows of out_stride elements */
+    int64_t out_stride;
+    int num_threads;
+} extend_attention_args_t;
+
+/* 0 where the CPU lacks AVX512-BF16: extend_attention is then never called. */
+ENGINE_API int extend_attention_available(void);
+ENGINE_API void extend_attention(const extend_attention_args_t *args);
+/* Elements one layer's block of a kept cascade prefix of n keys takes (0: the cascade keeps none). */
+ENGINE_API int64_t kept_prefix_elems(int64_t n, int64_t kv_heads, int64_t dim);
+
+/* Family: decoder_layers (decoder_layers.c). */
+
+/* One layer's weights and KV pool, set once (decoder_layers.py rebuilds them when either changes). */
+typedef struct {
+    const void *input_norm, *post_norm; /* bf16 [hidden] */
+    const void *qkv, *o, *gate_up, *down; /* linear_bf16.c panels */
+    const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* float32 or NULL */
+    const float *cos_sin; /* float32 [max_pos, rotary_dim] */
+    void *k_pool, *v_pool; /* [slots, kv_heads, head_dim] */
+    int64_t k_stride, v_stride; /* elements per slot */
+    float eps, scale;
+    const void *q_norm, *k_norm; /* bf16 [head_dim]: Qwen3's per-head RMSNorm before rotary, or NULL */
+    float qk_eps;
+} layer_t;
+
+/* The model's shape and one step's batch: positions, new slots, the decode kernel's tables, scratch. */
+typedef struct {
+    int64_t hidden, heads, kv_heads, head_dim, rotary_dim, intermediate;
+    int64_t bs;
+    const int64_t *positions, *out_loc;
+    const int64_t *kv_indices, *lens;
+    int64_t max_len;
+    int64_t num_groups;
+    const int64_t *group_offsets, *group_members, *prefix_indices, *prefix_lens;
+    int64_t max_prefix;
+    const int64_t *group_of;
+    /* kept prefix panels (decode_attention.c): [num_layers][num_groups] block addresses (0: none) and
+     * [num_groups] fill tokens, or NULL */
+    const int64_t *kept, *kept_tokens;
+    /* scratch: [bs, hidden], [bs, qkv width], [bs, q width] x 2, [bs, hidden], [bs, intermediate] */
+    void *normed, *qkv, *q, *attn, *o, *mlp;
+    int num_threads;
+} step_t;
+
+/* hidden_in [bs, hidden]: the embedded tokens; hidden_out: the last layer's output; residual_out: the
+ * residual stream after it (what the final norm adds, as LlamaModel.forward passes them on). */
+ENGINE_API void decode_layers(const layer_t *layers, int64_t num_layers, const step_t *step, const void *hidden_in,
+                              void *hidden_out, void *residual_out);
+
+#endif
