@@ -119,34 +119,35 @@ def schema_harness(model):
     return make_harness(model)
 
 
-SEEN_SCHEMAS: List[str] = []
-
-
 # Hypothesis tries its simplest example first, so the 200 random schemas come as 5 batches of 40
-# after that one; a seeded run (derandomize) gives the same schemas every time.
-@settings(max_examples=6, deadline=None, derandomize=True, database=None,
-          suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.large_base_example,
-                                 HealthCheck.function_scoped_fixture])
-@given(schemas=st.lists(SCHEMAS, min_size=40, max_size=40))
-def test_random_json_schemas_give_valid_json(model, schema_harness, schemas):
+# after that one; a seeded run (derandomize) gives the same schemas every time. The @given function
+# lives inside the test so that the variety check below sees exactly the schemas of this run, with
+# no state shared between tests.
+def test_random_json_schemas_give_valid_json(model, schema_harness):
     h = schema_harness
-    rids = []
-    for i, schema in enumerate(schemas):
-        # Every byte may be its own token; one more for the stop token.
-        budget = max_output_bytes(schema) + 1
-        rids.append(h.submit(prompt(model, i), max_new_tokens=budget, json_schema=json.dumps(schema)))
-        SEEN_SCHEMAS.append(json.dumps(schema, sort_keys=True))
-    run(h)
-    for rid, schema in zip(rids, schemas):
-        out = h.outputs[rid]
-        assert out.finished_reason["type"] == "stop", (schema, out.finished_reason, text_of(model, h, rid))
-        value = json.loads(text_of(model, h, rid))
-        jsonschema.validate(value, schema)
+    seen: List[str] = []
 
+    @settings(max_examples=6, deadline=None, derandomize=True, database=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
+                                     HealthCheck.large_base_example])
+    @given(schemas=st.lists(SCHEMAS, min_size=40, max_size=40))
+    def check(schemas: List[dict]) -> None:
+        rids = []
+        for i, schema in enumerate(schemas):
+            # Every byte may be its own token; one more for the stop token.
+            budget = max_output_bytes(schema) + 1
+            rids.append(h.submit(prompt(model, i), max_new_tokens=budget, json_schema=json.dumps(schema)))
+            seen.append(json.dumps(schema, sort_keys=True))
+        run(h)
+        for rid, schema in zip(rids, schemas):
+            out = h.outputs[rid]
+            assert out.finished_reason["type"] == "stop", (schema, out.finished_reason, text_of(model, h, rid))
+            value = json.loads(text_of(model, h, rid))
+            jsonschema.validate(value, schema)
 
-def test_random_schemas_were_varied():
-    """The run above really covered ~200 different schemas (not one simple schema repeated)."""
-    assert len(SEEN_SCHEMAS) == 240 and len(set(SEEN_SCHEMAS)) >= 150
+    check()
+    # The run really covered ~200 different schemas (not one simple schema repeated).
+    assert len(seen) == 240 and len(set(seen)) >= 150
 
 
 # ---------------------------------------------------------------------------------------------
