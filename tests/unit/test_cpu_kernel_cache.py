@@ -26,7 +26,10 @@ def _compiler() -> str:
 def _load_fresh(monkeypatch, cache_root: Path):
     """The library as a new process would load it, with ENGINE_CACHE_DIR=cache_root."""
     monkeypatch.setenv("ENGINE_CACHE_DIR", str(cache_root))
-    monkeypatch.delenv("ENGINE_CPU_DECODE_KERNEL", raising=False)
+    for name in ("ENGINE_CPU_DECODE_KERNEL", "ENGINE_CPU_FUSED_OPS", "ENGINE_CPU_KERNEL_ATTENTION", "ENGINE_CPU_KERNEL_LINEAR",
+                 "ENGINE_CPU_KERNEL_OPS", "ENGINE_CPU_KERNEL_DECODER_LAYERS"):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(library, "_switches", None)
     monkeypatch.setattr(library, "_kernel", library._UNSET)
     return library._kernels()
 

@@ -10,7 +10,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import linear as linear_kernels
+from engine.kernels import library
 from engine.kernels import ops as kernel_ops
+from engine.kernels.library import Family
 from engine.layers.activation import SiluAndMul
 from engine.layers.layernorm import RMSNorm
 from engine.layers.rotary_embedding import get_rope
@@ -22,18 +24,18 @@ def need_library():
     from engine.kernels import library
 
     if library.ops() is None:
-        if os.environ.get("ENGINE_CPU_DECODE_KERNEL") == "0" or not (shutil.which("gcc") or shutil.which("cc")):
+        if not library.switches()[Family.OPS] or not (shutil.which("gcc") or shutil.which("cc")):
             pytest.skip("the native CPU kernels are off or there is no C compiler")
         pytest.fail("a C compiler is present but the CPU kernels did not build (see the log)")
 
 
 def both_paths(monkeypatch, fn):
-    """fn() through the fused kernels, then through the torch code."""
-    assert kernel_ops.ENABLED
+    """fn() through the fused kernels, then through the torch code (ENGINE_CPU_KERNEL_OPS=0's path)."""
+    assert library.ops() is not None
     fused = fn()
-    monkeypatch.setattr(kernel_ops, "ENABLED", False)
+    monkeypatch.setitem(library.switches(), Family.OPS, False)
     reference = fn()
-    monkeypatch.setattr(kernel_ops, "ENABLED", True)
+    monkeypatch.setitem(library.switches(), Family.OPS, True)
     return fused, reference
 
 
@@ -171,14 +173,15 @@ def test_gate_up_linear_with_silu_and_mul_equals_the_two_calls(monkeypatch, cpu_
     x = torch.randn(rows, 256).to(torch.bfloat16)
     calls = []
     kernel = linear_kernels.linear_bf16_silu_mul
-    monkeypatch.setattr(kernel_ops, "linear_bf16_silu_mul", lambda *a: calls.append(1) or kernel(*a))
+    monkeypatch.setattr(linear_kernels, "linear_bf16_silu_mul", lambda *a: calls.append(1) or kernel(*a))
     fused = mlp(x)
     assert calls, "the MLP did not take the fused kernel"
     # The same bits as the gate_up linear kernel followed by the SiLU-and-mul kernel.
     two_calls = mlp.down_proj(kernel_ops.silu_and_mul(mlp.gate_up_proj(x)))
     assert torch.equal(fused, two_calls)
     # And close to the torch reference (oneDNN/F.linear, F.silu) with the kernels off.
-    monkeypatch.setattr(kernel_ops, "ENABLED", False)
+    monkeypatch.setitem(library.switches(), Family.LINEAR, False)
+    monkeypatch.setitem(library.switches(), Family.OPS, False)
     reference = mlp(x)
     assert torch.allclose(fused.float(), reference.float(), rtol=5e-2, atol=5e-2 * reference.abs().max().item())
 

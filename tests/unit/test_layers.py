@@ -396,7 +396,7 @@ def _require_cpu_kernel() -> None:
     from engine.kernels import library
 
     if library.attention() is None:
-        if os.environ.get("ENGINE_CPU_DECODE_KERNEL") == "0" or not (shutil.which("gcc") or shutil.which("cc")):
+        if not library.switches()[library.Family.ATTENTION] or not (shutil.which("gcc") or shutil.which("cc")):
             pytest.skip("the native CPU kernel is off or there is no C compiler")
         pytest.fail("a C compiler is present but the CPU decode kernel did not build (see the log)")
 

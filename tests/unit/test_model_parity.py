@@ -48,9 +48,11 @@ def _engine_logits_all_positions(runner, driver, forward_batch) -> torch.Tensor:
 @pytest.mark.parametrize("fused", [True, False], ids=["fused-cpu-ops", "torch-ops"])
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_match_transformers(tmp_path, monkeypatch, case, fused):
-    from engine.kernels import ops as kernel_ops
+    from engine.kernels import library
 
-    monkeypatch.setattr(kernel_ops, "ENABLED", fused and kernel_ops.ENABLED)
+    if not fused:  # ENGINE_CPU_FUSED_OPS=0: every family but attention runs its torch path
+        for family in (library.Family.OPS, library.Family.LINEAR, library.Family.DECODER_LAYERS):
+            monkeypatch.setitem(library.switches(), family, False)
     kwargs = dict(CASES[case])
     arch = kwargs.pop("arch")
     hf = build_tiny_model(str(tmp_path), arch, **kwargs)

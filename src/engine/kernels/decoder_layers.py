@@ -7,7 +7,8 @@ kernels the modules call, with the same arguments). What it assumes: one TP rank
 for the bf16 kernel (engine/kernels/linear.py), a gate_up of two equal halves of whole 128-column
 panel pairs; Qwen3's per-head q/k norms, where present, in bf16; the GPT-NeoX rotary of
 engine/layers/rotary_embedding.py; the torch_native backend's native decode kernel over a bf16 pool;
-a decode batch. Measured on the 2-core
+a decode batch; every kernel family on (ENGINE_CPU_KERNEL_*: with one off, its torch path runs in the
+modules). Measured on the 2-core
 AMD EPYC (Zen 4), small Llama (8 layers), ModelRunner with every kernel replaced by an empty one: the
 Python of a decode step 1.8-2.2 ms through the modules, 0.3-0.8 ms with this call; the real step,
 alternating the two in one process: batch 1 10.1 -> 8.3 ms, batch 16 18.3 -> 16.0 ms, batch 64 x 1k
@@ -91,7 +92,8 @@ class DecoderLayers:
     def supported(layers: List["LlamaDecoderLayer"], k_pools: List[torch.Tensor], v_pools: List[torch.Tensor]) -> bool:
         """Whether the native chain computes these layers (the conditions of the module docstring)."""
         lib, linears = library.decoder_layers(), library.linear()
-        if not (layers and lib is not None and linears is not None and linears.linear_bf16_available() and get_tp_size() == 1):
+        if not (layers and lib is not None and linears is not None and linears.linear_bf16_available()
+                and get_tp_size() == 1):
             return False
         first = layers[0].self_attn
         hidden, heads, kv_heads, dim = first.qkv_proj.input_size, first.num_heads, first.num_kv_heads, first.head_dim
@@ -183,7 +185,7 @@ class DecoderLayersCache:
                 forward_batch: "ForwardBatch") -> Optional[Tuple[torch.Tensor, torch.Tensor]]:
         """(hidden, residual) after the layers, or None where the modules must run them."""
         backend, pool = forward_batch.attn_backend, forward_batch.token_to_kv_pool
-        if (not ops.ENABLED or not forward_batch.forward_mode.is_decode()
+        if (library.decoder_layers() is None or not forward_batch.forward_mode.is_decode()
                 or not isinstance(backend, TorchNativeAttnBackend)
                 or pool is None or hidden_states.dtype != torch.bfloat16 or not hidden_states.is_cpu
                 or not positions.is_cpu or hidden_states.shape[0] > LINEAR_BF16_MAX_ROWS):

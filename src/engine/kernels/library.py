@@ -5,9 +5,11 @@ One library holds every kernel family: attention (engine/kernels/attention.py), 
 element-wise ops (ops.py), the bf16 linears (linear.py) and a decode step's decoder layers in one
 call (decoder_layers.py). It is built once per machine into
 `$ENGINE_CACHE_DIR/kernels` (default `~/.cache/engine/kernels`), keyed by the source, the flags,
-the compiler and the CPU's instruction set. Without a C compiler (or with
-`ENGINE_CPU_DECODE_KERNEL=0`) `decode_kernel()` returns None and every layer keeps its pure-torch
-path; both give the same results.
+the compiler and the CPU's instruction set. Each family has an accessor here (`ops()`, `linear()`,
+`attention()`, `decoder_layers()`) typed by its protocol (boundary.py), and a switch
+(`ENGINE_CPU_KERNEL_<FAMILY>=0`, Family); an accessor returns None where its family is off or there
+is no library (no C compiler, a failed build), and the callers keep their pure-torch paths, which
+give the same results.
 
 Loading a shared library runs its code in the server, so only a library nobody else can have
 written is loaded: the cache directory must be a real directory (not a symbolic link) owned by
@@ -26,6 +28,7 @@ fresh private temporary directory for this process. The compiler runs under a ti
 from __future__ import annotations
 
 import ctypes
+import enum
 import errno
 import hashlib
 import logging
@@ -36,7 +39,7 @@ import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Optional, Union, cast
+from typing import Dict, Optional, Union, cast
 
 from engine.kernels.boundary import (AttentionKernels, DecoderLayersKernels, LibraryKernels, LinearKernels,
                                      OpsKernels, bind)
@@ -293,12 +296,42 @@ def _declare(lib: ctypes.CDLL) -> Kernels:
     return kernels
 
 
+class Family(enum.Enum):
+    """A kernel family, switched on and off as a whole (ENGINE_CPU_KERNEL_<NAME>=0 turns it off)."""
+
+    ATTENTION = "ATTENTION"  # decode and prefill attention (attention.py)
+    LINEAR = "LINEAR"  # the bf16 linears (linear.py)
+    OPS = "OPS"  # the fused element-wise ops and the greedy argmax (ops.py)
+    DECODER_LAYERS = "DECODER_LAYERS"  # a bf16 decode step's layers in one call (decoder_layers.py)
+
+
+# The names of before the families, still honoured: ENGINE_CPU_DECODE_KERNEL=0 turns every family
+# off (nothing is built); ENGINE_CPU_FUSED_OPS=0 turns off all but attention.
+_LEGACY_OFF = {"ENGINE_CPU_DECODE_KERNEL": tuple(Family),
+               "ENGINE_CPU_FUSED_OPS": (Family.OPS, Family.LINEAR, Family.DECODER_LAYERS)}
+_switches: Optional[Dict[Family, bool]] = None
+
+
+def switches() -> Dict[Family, bool]:
+    """Which families are on, read from the environment once per process. A family is on unless its
+    own variable or an old name that covers it is "0". (Tests flip one with monkeypatch.setitem.)"""
+    global _switches
+    if _switches is None:
+        on = {f: os.environ.get(f"ENGINE_CPU_KERNEL_{f.value}", "1") != "0" for f in Family}
+        for name, families in _LEGACY_OFF.items():
+            if os.environ.get(name, "1") == "0":
+                on.update({f: False for f in families})
+        _switches = on
+    return _switches
+
+
 def _kernels() -> Optional[Kernels]:
-    """The compiled kernel library, or None where it cannot be used (built once per process)."""
+    """The compiled kernel library, or None where it cannot be used (built once per process; not
+    at all with every family off)."""
     global _kernel
     if isinstance(_kernel, _Unset):
         _kernel = None
-        if os.environ.get("ENGINE_CPU_DECODE_KERNEL", "1") != "0":
+        if any(switches().values()):
             try:
                 lib = _build()
                 _kernel = _declare(lib) if lib is not None else None
@@ -307,30 +340,34 @@ def _kernels() -> Optional[Kernels]:
     return _kernel
 
 
-# One accessor per family: None where the library is not available; callers keep their torch paths.
+# One accessor per family: None where the family is off or the library is not available; the
+# callers then keep their torch paths.
 def library_info() -> Optional[LibraryKernels]:
+    """What the build holds and the AMX setting (no switch: used by all the bf16 families)."""
     k = _kernels()
     return None if k is None else k.library
 
 
 def ops() -> Optional[OpsKernels]:
     k = _kernels()
-    return None if k is None else k.ops
+    return None if k is None or not switches()[Family.OPS] else k.ops
 
 
 def linear() -> Optional[LinearKernels]:
     k = _kernels()
-    return None if k is None else k.linear
+    return None if k is None or not switches()[Family.LINEAR] else k.linear
 
 
 def attention() -> Optional[AttentionKernels]:
     k = _kernels()
-    return None if k is None else k.attention
+    return None if k is None or not switches()[Family.ATTENTION] else k.attention
 
 
 def decoder_layers() -> Optional[DecoderLayersKernels]:
+    """Only with the families it chains on too: the one call computes what the modules compute
+    with those kernels, so with any of them off the modules (and their torch paths) must run."""
     k = _kernels()
-    return None if k is None else k.decoder_layers
+    return None if k is None or not all(switches().values()) else k.decoder_layers
 
 
 def load() -> bool:

@@ -10,7 +10,7 @@ from typing import Optional
 
 import torch
 
-from engine.kernels import library, ops
+from engine.kernels import library
 from engine.kernels.boundary import LinearKernels
 from engine.utils import huge_pages
 
@@ -19,6 +19,12 @@ from engine.utils import huge_pages
 # ran at 436-494 GFLOP/s per CPU-second from 64 to 2048 rows against oneDNN's 412-456, and at
 # 320 against 264 at 16 rows.
 LINEAR_BF16_MAX_ROWS = 4096
+
+
+def enabled() -> bool:
+    """Whether the family runs (ENGINE_CPU_KERNEL_LINEAR): weights packed while it did stay packed, and
+    their layers take F.linear over the unpacked weight while it does not."""
+    return library.linear() is not None
 
 
 def _kernels() -> LinearKernels:
@@ -39,7 +45,7 @@ class Bf16Panels:
 
 def linear_bf16_usable(weight: torch.Tensor) -> bool:
     lib = library.linear()
-    return (ops.ENABLED and lib is not None and weight.is_cpu and weight.dtype == torch.bfloat16 and weight.dim() == 2
+    return (lib is not None and weight.is_cpu and weight.dtype == torch.bfloat16 and weight.dim() == 2
             and weight.shape[1] % 2 == 0 and bool(lib.linear_bf16_available()))
 
 
@@ -64,7 +70,7 @@ def linear_bf16(x: torch.Tensor, panels: Bf16Panels, add_bias: bool) -> torch.Te
 
 def gate_up_silu_usable(x: torch.Tensor, panels: Bf16Panels) -> bool:
     """Whether linear_bf16_silu_mul takes x through a gate_up weight: each half whole 64-column panels."""
-    return (x.dtype == torch.bfloat16 and ops.ENABLED and panels.n % 128 == 0
+    return (x.dtype == torch.bfloat16 and enabled() and panels.n % 128 == 0
             and x.numel() <= LINEAR_BF16_MAX_ROWS * panels.k)
 
 

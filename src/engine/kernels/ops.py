@@ -6,12 +6,11 @@ A decode step of a small model is dozens of tiny torch ops per layer: RMSNorm al
 pass over the activations and, for larger batches, a fork/join of the thread team. These kernels
 do each group in one call. The layers call them
 when `usable(...)` holds (CPU tensors of float32 / bfloat16, the library built, no autograd) and
-keep their torch code otherwise; `ENGINE_CPU_FUSED_OPS=0` switches them off.
+keep their torch code otherwise; `ENGINE_CPU_KERNEL_OPS=0` switches them off.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Optional, Tuple
 
 import torch
@@ -19,7 +18,6 @@ import torch
 from engine.kernels import library
 from engine.kernels.boundary import OpsKernels
 
-ENABLED = os.environ.get("ENGINE_CPU_FUSED_OPS", "1") != "0"
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
 MAX_ROTARY_DIM = 512  # the kernel's per-head scratch
 
@@ -31,7 +29,7 @@ def _kernels() -> OpsKernels:
 
 
 def usable(x: torch.Tensor, *others: torch.Tensor) -> bool:
-    return (ENABLED and x.is_cpu and x.dtype in _DTYPES and not x.requires_grad
+    return (x.is_cpu and x.dtype in _DTYPES and not x.requires_grad
             and all(o.dtype == x.dtype and o.is_cpu for o in others) and library.ops() is not None)
 
 
@@ -80,7 +78,7 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
 
 
 def argmax_usable(x: torch.Tensor) -> bool:
-    return (ENABLED and x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
+    return (x.is_cpu and x.dtype == torch.float32 and x.dim() == 2 and x.stride(1) == 1
             and x.shape[1] > 0 and library.ops() is not None)
 
 

@@ -22,7 +22,6 @@ from engine.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from engine.kernels import linear as linear_kernels
-from engine.kernels import ops as kernel_ops
 from engine.model_loader.weight_utils import set_weight_loader
 
 logger = logging.getLogger(__name__)
@@ -90,7 +89,7 @@ def linear_forward(
 ) -> torch.Tensor:
     """F.linear, through the packed weight when there is one and the batch suits it."""
     if isinstance(packed, linear_kernels.Bf16Panels):
-        if x.dtype == torch.bfloat16 and x.numel() <= linear_kernels.LINEAR_BF16_MAX_ROWS * packed.k and kernel_ops.ENABLED:
+        if x.dtype == torch.bfloat16 and x.numel() <= linear_kernels.LINEAR_BF16_MAX_ROWS * packed.k and linear_kernels.enabled():
             return linear_kernels.linear_bf16(x, packed, add_bias=bias is not None)
     elif packed is not None and x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS and x.dtype == weight.dtype:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
