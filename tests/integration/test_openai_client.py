@@ -36,7 +36,18 @@ def test_chat_non_stream(client: openai.OpenAI, model: str) -> None:
     assert response.usage.completion_tokens == 6
     assert response.usage.prompt_tokens > 0
     assert response.usage.total_tokens == response.usage.prompt_tokens + 6
-    assert response.usage.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_chat_usage_reports_the_cached_prefix(client: openai.OpenAI, model: str) -> None:
+    # A prompt no other test sends: only the chat template's head can be cached the first time.
+    # Sent again, every prompt token but the last comes from the prefix cache (the last one is
+    # always recomputed, to produce the first output's logits).
+    messages = [{"role": "user", "content": "A prompt only the cached-tokens test sends: tally ho."}]
+    first = client.chat.completions.create(model=model, messages=messages, max_tokens=2, **GREEDY, **NO_EOS)
+    again = client.chat.completions.create(model=model, messages=messages, max_tokens=2, **GREEDY, **NO_EOS)
+    assert again.usage.prompt_tokens == first.usage.prompt_tokens
+    assert again.usage.prompt_tokens_details.cached_tokens == again.usage.prompt_tokens - 1
+    assert first.usage.prompt_tokens_details.cached_tokens < first.usage.prompt_tokens - 1
 
 
 def test_chat_stream_equals_non_stream_with_usage(client: openai.OpenAI, model: str) -> None:

@@ -197,8 +197,35 @@ def test_metrics_names_labels_and_values(server):
     assert after["sglang:num_queue_reqs"] == 0
     assert 0.0 <= after["sglang:token_usage"] <= 1.0
     assert 0.0 <= after["sglang:cache_hit_rate"] <= 1.0
-    assert after["sglang:gen_throughput"] >= 0.0
+    assert "sglang:gen_throughput" in after  # its values: the next test
     http.close()
+
+
+def test_gen_throughput_while_decoding_and_when_idle(server):
+    """gen_throughput is the decode rate of the last --decode-log-interval (40) decode batches
+    while a request decodes, and 0 once the scheduler is idle."""
+    body = {"text": "Throughput probe", "stream": True,
+            "sampling_params": {"max_new_tokens": 1500, "ignore_eos": True, "temperature": 0}}
+    wait_idle_and_balanced(server.url, AUTH)
+    with httpx.Client(base_url=server.url, headers=AUTH, timeout=60) as http:
+        with http.stream("POST", "/generate", json=body) as response:
+            assert response.status_code == 200
+            for line in response.iter_lines():
+                if line.startswith("data: {") and json.loads(line[6:])["meta_info"]["completion_tokens"] >= 60:
+                    break  # more than 40 decode batches ran: the rate was measured once
+            decoding = metric_samples(http.get("/metrics").text)
+        # Leaving the stream aborts the request (far from its 1500 tokens).
+        assert decoding["sglang:num_running_reqs"] == 1
+        assert decoding["sglang:gen_throughput"] > 0.0
+        wait_idle_and_balanced(server.url, AUTH)
+        idle: Dict[str, float] = {}
+
+        def throughput_reset() -> bool:
+            nonlocal idle
+            idle = metric_samples(http.get("/metrics").text)
+            return idle["sglang:gen_throughput"] == 0.0
+
+        assert wait_until(throughput_reset, 30), idle
 
 
 def test_log_requests_and_batch_lines(server):
