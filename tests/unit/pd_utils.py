@@ -40,6 +40,8 @@ class PDFakeWorker(FakeWorker):
             self.token_to_kv_pool_allocator = PagedTokenToKVPoolAllocator(max_total_tokens, page_size, torch.float32,
                                                                           "cpu", self.kv_pool)
         self.custom_next = next_token
+        # Stands in for the weights: every K and V written is scaled by it (an update changes it).
+        self.kv_scale = 1.0
 
     def get_worker_info(self) -> Dict:
         info = worker_limits(self.max_total_tokens, self.context_len, self.req_to_token_pool.size,
@@ -48,7 +50,7 @@ class PDFakeWorker(FakeWorker):
 
     def forward_batch_generation(self, batch) -> GenerationBatchResult:
         ids = resolve_relay_input_ids(batch.input_ids, batch.relay_rows, self.output_tokens_buf)
-        values = ids.to(torch.float32)
+        values = ids.to(torch.float32) * self.kv_scale
         for layer in range(self.kv_pool.layer_num):
             cache = torch.stack([values, values + layer], dim=1).view(-1, 1, 2)
             self.kv_pool.set_kv_buffer(layer, batch.out_cache_loc, cache, -cache)
@@ -94,6 +96,8 @@ class PDPair:
         self.decode = Harness(worker=decode_worker or PDFakeWorker(extra_rows=32), tokenizer=tokenizer,
                               overlap=overlap_decode, transfer_network=self.net, **pd_args("decode", **decode_kwargs))
         self.rooms = itertools.count(1000)
+        # Re-bootstraps after pause(retract) reach the prefill as its bootstrap server posts them.
+        self.net.recompute_sinks[f"{BOOTSTRAP_HOST}:{BOOTSTRAP_PORT}"] = self._recompute
         self.check_every_step = check_every_step
         self.steps = 0
 
@@ -108,6 +112,14 @@ class PDPair:
         if to_decode:
             self.decode.submit(prompt, rid=rid, **dict(sampling), **boot)
         return rid
+
+    def _recompute(self, body: dict) -> bool:
+        """The prefill's /generate of a re-bootstrap body (decode -> bootstrap server -> here)."""
+        options = {k: body[k] for k in ("priority", "extra_key", "cache_salt") if body.get(k) is not None}
+        self.prefill.submit(body["input_ids"], rid=body["rid"], bootstrap_host=body["bootstrap_host"],
+                            bootstrap_port=body["bootstrap_port"], bootstrap_room=body["bootstrap_room"],
+                            **options, **body["sampling_params"])
+        return True
 
     def step(self) -> None:
         self.prefill.step()

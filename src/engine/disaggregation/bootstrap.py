@@ -10,6 +10,9 @@ its transfer endpoint here (SGLang's routes):
                   ranks; 503 until every rank has registered. With target_tp_rank=r: that rank.
   GET  /health    200 with this server's session id (a restarted prefill gets a new one, so a
                   decode server notices a restart it did not see as a missed heartbeat).
+  POST /recompute a decode server re-bootstraps a request retracted by pause_generation: the
+                  body (recompute.RecomputeReq, at most MAX_RECOMPUTE_BODY_BYTES) becomes a
+                  prefill request of this server (202 once queued; 503 where nothing takes it).
 
 It runs on a thread of the prefill's main process (a stdlib ThreadingHTTPServer).
 """
@@ -26,10 +29,12 @@ import uuid
 from abc import ABC, abstractmethod
 from concurrent.futures import ThreadPoolExecutor
 from http.server import BaseHTTPRequestHandler, HTTPServer
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, Optional, Tuple
 from urllib.parse import parse_qs, urlparse
 
+from engine.disaggregation import recompute
 from engine.disaggregation.auth import HTTP_HEADER, check_http, http_mac
+
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +48,9 @@ MAX_ANSWER_BYTES = 1 << 20
 MAX_BODY_BYTES = 64 << 10
 CONNECTION_TIMEOUT_S = 5.0
 HTTP_WORKERS = 8
+# Re-bootstraps forwarded to this prefill's /generate at once, and at most pending.
+RECOMPUTE_THREADS = 64
+MAX_PENDING_RECOMPUTES = 4096
 
 
 class BootstrapUnavailable(RuntimeError):
@@ -79,8 +87,13 @@ class _PooledHTTPServer(HTTPServer):
 
 
 class BootstrapServer:
-    def __init__(self, host: str, port: int, tp_size: int, secret: Optional[str] = None) -> None:
+    def __init__(self, host: str, port: int, tp_size: int, secret: Optional[str] = None,
+                 submit: Optional[Callable[[Dict[str, Any]], bool]] = None) -> None:
         self.tp_size = tp_size
+        # Hands a re-bootstrap's /generate body to this prefill server: False when it is too busy
+        # (None: this bootstrap server takes no recompute, 503).
+        self.submit = submit
+        self.host = host
         self.session_id = uuid.uuid4().hex
         self.ranks: Dict[int, Dict[str, Any]] = {}
         self._lock = threading.Lock()
@@ -112,18 +125,31 @@ class BootstrapServer:
                 else:
                     self._reply(404, {"error": "no such route"})
 
-            def do_PUT(self) -> None:  # noqa: N802
+            def _read_body(self, limit: int) -> Optional[bytes]:
+                """The body, or None once an error answer went out (no length, too long)."""
                 try:
                     length = int(self.headers.get("Content-Length", ""))
                 except ValueError:
-                    self._reply(411, {"error": "a registration needs a Content-Length"})
-                    return
-                if not 0 <= length <= MAX_BODY_BYTES:
+                    self._reply(411, {"error": "a request body needs a Content-Length"})
+                    return None
+                if not 0 <= length <= limit:
                     self.close_connection = True  # the body is not read
-                    self._reply(413, {"error": f"a registration is at most {MAX_BODY_BYTES} bytes"})
+                    self._reply(413, {"error": f"the body is at most {limit} bytes"})
+                    return None
+                return self.rfile.read(length)
+
+            def do_POST(self) -> None:  # noqa: N802
+                body = self._read_body(recompute.MAX_RECOMPUTE_BODY_BYTES)
+                if body is None or not self._authorized(body):
                     return
-                body = self.rfile.read(length)
-                if not self._authorized(body):
+                if urlparse(self.path).path != "/recompute":
+                    self._reply(404, {"error": "no such route"})
+                    return
+                self._reply(*server.recompute(body))
+
+            def do_PUT(self) -> None:  # noqa: N802
+                body = self._read_body(MAX_BODY_BYTES)
+                if body is None or not self._authorized(body):
                     return
                 if urlparse(self.path).path != "/route":
                     self._reply(404, {"error": "no such route"})
@@ -160,6 +186,20 @@ class BootstrapServer:
         logger.info("Prefill rank %d registered its KV transfer endpoint %s", rank, info.get("endpoint"))
         return 200, {"status": "ok"}
 
+    def recompute(self, body: bytes) -> tuple[int, Dict[str, Any]]:
+        """Queue a re-bootstrap's prefill request (the KV goes to the room's published slots)."""
+        try:
+            req = recompute.decode(body)
+        except ValueError as e:
+            return 400, {"error": str(e)}
+        if self.submit is None:
+            return 503, {"error": "this bootstrap server takes no recompute requests"}
+        host = self.host if self.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+        if not self.submit(recompute.generate_body(req, host, self.port)):
+            return 503, {"error": f"more than {MAX_PENDING_RECOMPUTES} recompute requests are pending"}
+        logger.debug("Recompute of room %d queued (%d tokens)", req.room, len(req.input_ids))
+        return 202, {"status": "queued"}
+
     def route_info(self, query: Dict[str, list]) -> tuple[int, Dict[str, Any]]:
         target = int(query.get("target_tp_rank", ["-1"])[0])
         with self._lock:
@@ -181,9 +221,56 @@ class BootstrapServer:
         }
 
     def close(self) -> None:
+        if isinstance(self.submit, LocalGenerateForwarder):
+            self.submit.close()
         self.httpd.shutdown()
         self.httpd.server_close()
         self._thread.join(timeout=2.0)
+
+
+class LocalGenerateForwarder:
+    """Posts re-bootstrap requests to this prefill server's own /generate (bootstrap server side).
+
+    Each post waits until the prefill finished and sent the KV, so they run on a pool of threads;
+    at most MAX_PENDING_RECOMPUTES wait or run at once (more are refused). A failure is logged:
+    the decode side's waiting timeout ends that request (it learns nothing else from here).
+    """
+
+    def __init__(self, url: str, api_key: Optional[str], timeout: float) -> None:
+        self.url = url.rstrip("/") + "/generate"
+        self.api_key = api_key
+        self.timeout = timeout
+        self._pool = ThreadPoolExecutor(max_workers=RECOMPUTE_THREADS, thread_name_prefix="pd-recompute")
+        self._lock = threading.Lock()
+        self._pending = 0
+
+    def __call__(self, body: Dict[str, Any]) -> bool:
+        with self._lock:
+            if self._pending >= MAX_PENDING_RECOMPUTES:
+                return False
+            self._pending += 1
+        self._pool.submit(self._post, body)
+        return True
+
+    def _post(self, body: Dict[str, Any]) -> None:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        request = urllib.request.Request(self.url, data=json.dumps(body).encode(), method="POST", headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                response.read(MAX_ANSWER_BYTES)
+        except urllib.error.HTTPError as e:
+            logger.warning("Recompute of room %s refused by this prefill server: %d %s", body.get("bootstrap_room"),
+                           e.code, e.read(512).decode(errors="replace"))
+        except (urllib.error.URLError, OSError, ValueError) as e:
+            logger.warning("Recompute of room %s failed: %s", body.get("bootstrap_room"), e)
+        finally:
+            with self._lock:
+                self._pending -= 1
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False, cancel_futures=True)
 
 
 class BootstrapClient(ABC):
@@ -201,14 +288,20 @@ class BootstrapClient(ABC):
     def session(self, addr: str) -> Optional[str]:
         """The server's session id (heartbeat), or None when it does not answer."""
 
+    @abstractmethod
+    def recompute(self, addr: str, req: recompute.RecomputeReq) -> None:
+        """Ask the prefill at `addr` to recompute a request's KV; BootstrapUnavailable when it
+        cannot be reached or refuses."""
+
 
 class HttpBootstrapClient(BootstrapClient):
     def __init__(self, timeout: float = HTTP_TIMEOUT_S, secret: Optional[str] = None) -> None:
         self.timeout = timeout
         self._key = secret.encode() if secret else None
 
-    def _call(self, method: str, url: str, body: Optional[Dict[str, Any]] = None) -> tuple[int, Dict[str, Any]]:
-        data = json.dumps(body).encode() if body is not None else None
+    def _call(self, method: str, url: str, body: Optional[Dict[str, Any]] = None,
+              raw_body: Optional[bytes] = None) -> tuple[int, Dict[str, Any]]:
+        data = json.dumps(body).encode() if body is not None else raw_body
         headers = {"Content-Type": "application/json"}
         if self._key is not None:
             parsed = urlparse(url)
@@ -256,3 +349,9 @@ class HttpBootstrapClient(BootstrapClient):
         except BootstrapUnavailable:
             return None
         return body.get("session_id") if status == 200 else None
+
+    def recompute(self, addr: str, req: recompute.RecomputeReq) -> None:
+        status, body = self._call("POST", f"http://{addr}/recompute", raw_body=recompute.encode(req))
+        if status != 202:
+            raise BootstrapUnavailable(f"the prefill's bootstrap server at {addr} refused the recompute: {status} "
+                                       f"{str(body.get('error', ''))[:200]}")

@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
-from typing import Any, Dict, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 
 import torch
 
@@ -13,6 +13,9 @@ from engine.disaggregation.base import FailureCause, KVPoll
 from engine.disaggregation.kv_io import KVLayout
 from engine.disaggregation.metadata import METADATA_SCHEMA_VERSION, MetadataBuffers
 from engine.mem_cache.memory_pool import MHATokenToKVPool
+
+if TYPE_CHECKING:
+    from engine.disaggregation.recompute import RecomputeReq
 
 
 @dataclass
@@ -110,6 +113,10 @@ class KVReceiver(KVHandle):
     @abstractmethod
     def send_metadata(self, slots: torch.Tensor, aux_index: int) -> None:
         """Publish the reserved destination (slots of the prompt, a metadata row) to the prefill."""
+
+    def request_recompute(self, req: "RecomputeReq") -> None:
+        """Ask the prefill to recompute a re-bootstrapped request's KV into the published
+        destination (after send_metadata). A fake transfer has no prefill to ask."""
 
     def received_bytes(self) -> int:
         return 0

@@ -30,6 +30,7 @@ from engine.disaggregation.conn_common import KVArgs, KVReceiver, TransferConfig
 from engine.disaggregation.kv_io import KVLayout, checksum, from_bytes, pair_ranks, scatter_kv
 from engine.disaggregation.metadata import METADATA_SCHEMA_VERSION
 from engine.disaggregation.protocol import AbortMsg, AuxFrame, DstInfo, KVFrame, StatusMsg
+from engine.disaggregation.recompute import RecomputeReq
 from engine.disaggregation.transport import JobRunner, Transport, TransportError
 
 logger = logging.getLogger(__name__)
@@ -238,6 +239,19 @@ class DecodeKVManager:
                       required_dst_num=peer.required_dst_num, head_start=peer.head_start, num_heads=peer.num_heads)
         self._send(peer.endpoint, protocol.encode(dst), state.room)
 
+    def request_recompute(self, state: _Room, req: RecomputeReq) -> None:
+        """Ask the room's prefill (its bootstrap server) to recompute the KV, off this thread;
+        a refusal or an unreachable server fails the room (then the request ends with a 500)."""
+        def job() -> None:
+            try:
+                self.bootstrap_client.recompute(state.addr, req)
+            except BootstrapUnavailable as e:
+                logger.warning("Re-bootstrap of room %d failed: %s", state.room, e)
+                self.status.fail(state.room, f"the prefill did not take the recompute request: {e}",
+                                 FailureCause.BOOTSTRAP)
+
+        self.control_runner.submit(job)
+
     def abort_room(self, state: _Room, reason: str, cause: FailureCause) -> None:
         with state.lock:  # the fence: no frame writes this room's slots after this
             state.alive = False
@@ -394,6 +408,12 @@ class DecodeKVReceiver(KVReceiver):
         self.times.dst_sent = now()
         self.manager.status.update(self.room, KVPoll.Transferring)
         self.manager.send_dst(self.state, slots, aux_index)
+
+    def request_recompute(self, req: RecomputeReq) -> None:
+        # One request per room, as SGLang's leader rank: the prefill's ranks send every decode
+        # rank its part of the one recomputed KV.
+        if self.manager.kv_args.layout.tp_rank == 0:
+            self.manager.request_recompute(self.state, req)
 
     def abort(self, reason: str, cause: FailureCause = FailureCause.ABORTED) -> None:
         self.manager.abort_room(self.state, reason, cause)

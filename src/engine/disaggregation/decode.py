@@ -27,6 +27,7 @@ from engine.disaggregation.conn_common import KVReceiver, now
 from engine.disaggregation.fake import fake_first_token
 from engine.disaggregation.metadata import MetadataBuffers, ReqToMetadataIdxAllocator
 from engine.disaggregation.metrics import DisaggMetrics
+from engine.disaggregation.recompute import RecomputeReq
 from engine.scheduler.req import CLIP_MAX_NEW_TOKENS_ESTIMATION, FINISH_ABORT, FINISH_LENGTH, Req
 
 if TYPE_CHECKING:
@@ -50,6 +51,14 @@ class DecodeRequest:
     slots: Optional[torch.Tensor] = None
     # A constrained request's grammar, compiling while the KV transfers (None once attached).
     grammar: Optional[PendingGrammar] = None
+    # A re-bootstrap (pause_generation retract): the prefill recomputes the KV of these ids (the
+    # prompt and every output token but the last, which the decode step computes); None: new.
+    recompute_ids: Optional[List[int]] = None
+
+    @property
+    def kv_len(self) -> int:
+        """The tokens whose KV the prefill sends (the slots reserved for them)."""
+        return len(self.req.origin_input_ids) if self.recompute_ids is None else len(self.recompute_ids)
 
 
 @dataclass
@@ -110,6 +119,14 @@ class DecodeMemory:
         return -(-n // page) * page
 
 
+def recompute_request(req: Req, ids: List[int]) -> RecomputeReq:
+    """What the prefill needs to recompute `req`'s KV: the ids, and its priority and cache namespace."""
+    namespace = req.extra_key
+    extra_key, cache_salt = namespace if isinstance(namespace, tuple) else (None, None)
+    return RecomputeReq(rid=req.rid, room=req.bootstrap_room or 0, input_ids=ids, priority=req.priority,
+                        extra_key=extra_key, cache_salt=cache_salt)
+
+
 def abort_req(req: Req, message: str, status_code: int = 500) -> None:
     req.finished_reason = FINISH_ABORT(message, status_code,
                                        "InternalServerError" if status_code >= 500 else "BadRequestError")
@@ -133,6 +150,9 @@ class DecodeTransferQueue:
                 dreq.publish_after = None
                 assert dreq.slots is not None  # reserved (alloc_prompt) before publish_after is set
                 dreq.kv_receiver.send_metadata(dreq.slots, dreq.metadata_buffer_index)
+                if dreq.recompute_ids is not None:
+                    # After the destination, as SGLang: the prefill may compute at once.
+                    dreq.kv_receiver.request_recompute(recompute_request(dreq.req, dreq.recompute_ids))
 
     def _gated_poll(self, dreq: DecodeRequest) -> KVPoll:
         """The local poll with the metadata gate: Success counts only once the row carries the room."""
@@ -225,6 +245,11 @@ class DecodeTransferQueue:
                          receiver.received_bytes())
         receiver.clear()
         self.memory.release_metadata(index)
+        if dreq.recompute_ids is not None:
+            # A re-bootstrap: its last output token (emitted before the pause) is already in
+            # output_ids and goes into the next decode step; the prefill's handoff token, sampled
+            # again, is dropped (SGLang replays the emitted one too), and so are its logprobs.
+            return True
         req.cached_tokens = cached
         if req.max_new_tokens == 0:
             req.finished_reason = FINISH_LENGTH(0)  # the unified server returns no token either

@@ -7,6 +7,11 @@ pop_preallocated(), every polling tick:
      request that waits for input, and stop (break, not skip) at the first one the budget does
      not allow: a later, smaller request never overtakes a large one.
 Retracted requests resume first (their KV comes back from the CPU backup, no transfer).
+
+Requests retracted by pause_generation(mode="retract") are held instead (no KV, no backup) until
+generation continues, then re-bootstrapped (SGLang's PD true retraction): they queue here like new
+requests, with room for the prompt and every output token but the last, and the prefill
+recomputes that KV with its current weights (a weight update usually happened meanwhile).
 """
 
 from __future__ import annotations
@@ -52,6 +57,8 @@ class DecodePreallocQueue:
         self.restore = restore  # copies a retracted request's backup into its new slots (in order)
         self.queue: List[DecodeRequest] = []
         self.retracted_queue: List[RetractedReq] = []
+        # Retracted by a pause: their KV is recomputed by the prefill once generation continues.
+        self.held: List[Req] = []
 
     # ------------------------------------------------------------------ entry
     def capacity_error(self, req: Req) -> str | None:
@@ -70,6 +77,27 @@ class DecodePreallocQueue:
         backup, req.kv_backup = req.kv_backup, None
         committed = len(req.origin_input_ids) + len(req.output_ids) - 1
         self.retracted_queue.append(RetractedReq(req=req, kv_backup=backup, committed_len=committed))
+
+    # ------------------------------------------------------------------ re-bootstrap
+    def hold(self, req: Req) -> None:
+        """Keep a request retracted by a pause (its KV freed, not backed up) until continue.
+
+        Not queued yet: a queued request would hold memory and count as work while the weights
+        change, and it must be prefilled with the new ones.
+        """
+        self.held.append(req)
+
+    def enqueue_held(self) -> None:
+        """Generation continued: the held requests queue for a re-bootstrap, in their order."""
+        held, self.held = self.held, []
+        for req in held:
+            if not req.output_ids:  # nothing emitted yet: an ordinary transfer of the prompt
+                req.is_retracted = False
+                self.add(req)
+                continue
+            # The last output token's KV is computed by the next decode step, as after a transfer.
+            ids = req.origin_input_ids + req.output_ids[:-1]
+            self.queue.append(DecodeRequest(req=req, kv_receiver=self.make_receiver(req), recompute_ids=ids))
 
     # ------------------------------------------------------------------ retracted requests
     def resume_retracted(self, state: AdmissionState) -> List[Req]:
@@ -104,11 +132,11 @@ class DecodePreallocQueue:
             if memory.req_to_token_pool.available_size() <= 0 or memory.metadata_allocator.available_size() <= 0:
                 break
             req = dreq.req
-            required = memory.ceil_page(len(req.origin_input_ids))
+            required = memory.ceil_page(dreq.kv_len)
             allocatable = allocatable_tokens(memory, state, self.retracted_queue, len(preallocated))
             if not fits(memory, state, req, required, allocatable):
                 break
-            dreq.slots = memory.alloc_prompt(req, len(req.origin_input_ids))
+            dreq.slots = memory.alloc_prompt(req, dreq.kv_len)
             index = memory.metadata_allocator.alloc()
             assert index is not None  # available_size() was checked above
             dreq.metadata_buffer_index = index
@@ -145,13 +173,14 @@ class DecodePreallocQueue:
 
     # ------------------------------------------------------------------ aborts
     def abort(self, match: Callable[[Req], bool]) -> List[Req]:
-        """Client aborts: these requests hold no decode memory yet (a retracted one holds a backup)."""
+        """Client aborts: these requests hold no decode memory (a retracted one holds a backup)."""
         taken, self.queue = take_matching(self.queue, lambda d: match(d.req))
         for dreq in taken:
             dreq.kv_receiver.abort("aborted by the client")
             dreq.kv_receiver.clear()
         retracted, self.retracted_queue = take_matching(self.retracted_queue, lambda r: match(r.req))
-        aborted = [d.req for d in taken] + [r.req for r in retracted]
+        held, self.held = take_matching(self.held, match)  # SGLang cannot abort these; we can
+        aborted = [d.req for d in taken] + [r.req for r in retracted] + held
         for req in aborted:
             req.finished_reason = FINISH_ABORT()
         return aborted

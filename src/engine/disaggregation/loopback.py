@@ -14,7 +14,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Deque, Dict, List, Optional, Sequence, Set, Tuple
 
-from engine.disaggregation import protocol
+from engine.disaggregation import protocol, recompute
 from engine.disaggregation.bootstrap import BootstrapClient, BootstrapUnavailable
 from engine.disaggregation.transport import Handler, JobRunner, Transport, TransportError
 
@@ -36,6 +36,10 @@ class LoopbackNetwork:
     # Bootstrap servers by addr: (session id, server info or None while ranks are missing).
     bootstrap: Dict[str, Tuple[str, Dict[str, Any]]] = field(default_factory=dict)
     down: Set[str] = field(default_factory=set)  # bootstrap addrs whose server is "dead"
+    # Where a bootstrap addr's recompute requests go: the /generate body a real bootstrap server
+    # posts (the test submits it to its in-process prefill scheduler).
+    recompute_sinks: Dict[str, Callable[[Dict[str, Any]], bool]] = field(default_factory=dict)
+    recomputes: int = 0  # recompute requests delivered
     delivered: Dict[str, int] = field(default_factory=dict)
     _names: Any = field(default_factory=itertools.count)
 
@@ -162,3 +166,13 @@ class LoopbackBootstrapClient(BootstrapClient):
         if addr in self.network.down or addr not in self.network.bootstrap:
             return None
         return self.network.bootstrap[addr][0]
+
+    def recompute(self, addr: str, req: recompute.RecomputeReq) -> None:
+        sink = self.network.recompute_sinks.get(addr)
+        if addr in self.network.down or sink is None:
+            raise BootstrapUnavailable(f"bootstrap server {addr} takes no recompute requests (loopback)")
+        host, _, port = addr.rpartition(":")
+        # The bytes a real bootstrap server would get, through the same bounds.
+        if not sink(recompute.generate_body(recompute.decode(recompute.encode(req)), host, int(port))):
+            raise BootstrapUnavailable(f"bootstrap server {addr} refused the recompute (loopback)")
+        self.network.recomputes += 1

@@ -120,11 +120,18 @@ def start_bootstrap_server(server_args: ServerArgs) -> Optional["BootstrapServer
             or server_args.node_rank != 0):
         return None
     from engine.disaggregation.auth import resolve_secret
-    from engine.disaggregation.bootstrap import BootstrapServer
+    from engine.disaggregation.bootstrap import BootstrapServer, LocalGenerateForwarder
 
+    # A decode server's re-bootstrap after pause_generation(retract) becomes a request to this
+    # server's own /generate (with its API key): the HTTP layer, gate and scheduler as for any.
+    host = server_args.host if server_args.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+    host = f"[{host}]" if ":" in host else host
+    forwarder = LocalGenerateForwarder(f"http://{host}:{server_args.port}", server_args.api_key,
+                                       timeout=server_args.disaggregation_bootstrap_timeout
+                                       + server_args.disaggregation_waiting_timeout)
     try:
         return BootstrapServer(server_args.host, server_args.disaggregation_bootstrap_port, server_args.tp_size,
-                               secret=resolve_secret(server_args.disaggregation_secret))
+                               secret=resolve_secret(server_args.disaggregation_secret), submit=forwarder)
     except OSError as e:
         raise LaunchError(f"cannot start the bootstrap server on port {server_args.disaggregation_bootstrap_port}: "
                           f"{e}") from None
