@@ -23,6 +23,34 @@ def make_pair() -> Iterator[Callable[..., PDPair]]:
         pair.close()
 
 
+@pytest.fixture(scope="session")
+def portable_kernels():
+    """The kernel library built with the portable flags (ENGINE_CPU_KERNEL_PORTABLE's build: no
+    AVX-512, no AMX code, whatever this CPU has), loaded beside the process's own."""
+    import os
+    import shutil
+
+    from engine.kernels import library
+
+    if not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")):
+        pytest.skip("no C compiler: no kernel library to build")
+    kernels = library.build(portable=True)
+    assert kernels is not None, "a C compiler is present but the portable kernel build failed (see the log)"
+    assert kernels.library.engine_kernels_isa() == 0, "the portable build holds AVX-512 or AMX code"
+    return kernels
+
+
+@pytest.fixture(params=["native-build", "portable-build"])
+def kernel_build(request, monkeypatch) -> Iterator[str]:
+    """Runs a kernel parity test on the library built for this CPU and on the portable build: an
+    AVX-512 machine's own build leaves the generic paths out, so CI there covers them this way."""
+    from engine.kernels import library
+
+    if request.param == "portable-build":
+        monkeypatch.setattr(library, "_kernel", request.getfixturevalue("portable_kernels"))
+    yield request.param
+
+
 @pytest.fixture(params=["amx", "avx512"])
 def cpu_isa(request) -> Iterator[str]:
     """Runs a bf16 kernel test on AMX tiles (where the CPU has them) and on AVX512-BF16."""

@@ -50,7 +50,7 @@ DTYPES = [torch.float32, torch.bfloat16]
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rows", [1, 5, 300])  # 300 x 1024 runs on the whole thread team
-def test_rmsnorm_with_and_without_residual(monkeypatch, dtype, rows):
+def test_rmsnorm_with_and_without_residual(monkeypatch, kernel_build, dtype, rows):
     torch.manual_seed(rows)
     norm = RMSNorm(1024, eps=1e-6).to(dtype)
     norm.weight.data = torch.randn(1024).to(dtype)
@@ -66,7 +66,7 @@ def test_rmsnorm_with_and_without_residual(monkeypatch, dtype, rows):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("tokens", [1, 7, 200])
-def test_silu_and_mul(monkeypatch, dtype, tokens):
+def test_silu_and_mul(monkeypatch, kernel_build, dtype, tokens):
     torch.manual_seed(tokens)
     x = (torch.randn(tokens, 2 * 2048) * 4).to(dtype)
     fused, ref = both_paths(monkeypatch, lambda: SiluAndMul()(x))
@@ -75,7 +75,7 @@ def test_silu_and_mul(monkeypatch, dtype, tokens):
 
 
 @pytest.mark.parametrize("shape", [(1, 1), (3, 7), (5, 16), (2, 17), (128, 32000), (3, 151936)])
-def test_greedy_argmax_equals_torch(monkeypatch, shape):
+def test_greedy_argmax_equals_torch(monkeypatch, kernel_build, shape):
     torch.manual_seed(shape[1])
     x = torch.randn(*shape)
     fused, ref = both_paths(monkeypatch, lambda: kernel_ops.greedy(x))
@@ -97,7 +97,7 @@ def test_greedy_argmax_equals_torch(monkeypatch, shape):
 
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("rotary_dim", [64, 32])  # full and partial rotary
-def test_rotary_in_place_on_qkv_slices(monkeypatch, dtype, rotary_dim):
+def test_rotary_in_place_on_qkv_slices(monkeypatch, kernel_build, dtype, rotary_dim):
     """Rotating the q and k slices of a fused qkv output in place leaves v alone and equals the
     torch path (which returns new tensors)."""
     torch.manual_seed(rotary_dim)
@@ -121,7 +121,7 @@ def test_rotary_in_place_on_qkv_slices(monkeypatch, dtype, rotary_dim):
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
-def test_store_kv_from_qkv_slices(monkeypatch, dtype):
+def test_store_kv_from_qkv_slices(monkeypatch, kernel_build, dtype):
     torch.manual_seed(0)
     kv_heads, head, tokens = 4, 32, 9
     qkv = torch.randn(tokens, 3 * kv_heads * head).to(dtype)

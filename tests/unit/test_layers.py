@@ -401,13 +401,17 @@ def _require_cpu_kernel() -> None:
         pytest.fail("a C compiler is present but the CPU decode kernel did not build (see the log)")
 
 
-@pytest.fixture(params=["native-kernel", "torch-gather"])
+@pytest.fixture(params=["native-kernel", "portable-kernel", "torch-gather"])
 def decode_path(request, monkeypatch):
-    """Run a decode test through the native CPU kernel and through the pure-torch gather path."""
+    """Run a decode test through the native CPU kernel (as built for this CPU, and the portable
+    build: conftest.kernel_build) and through the pure-torch gather path."""
     from engine.kernels import attention as attention_kernels
+    from engine.kernels import library
 
     if request.param == "native-kernel":
         _require_cpu_kernel()
+    elif request.param == "portable-kernel":
+        monkeypatch.setattr(library, "_kernel", request.getfixturevalue("portable_kernels"))
     else:
         monkeypatch.setattr(attention_kernels, "supports", lambda q, k_buf: False)
     return request.param
@@ -480,7 +484,7 @@ def _reference_decode(q_row, k_rows, v_rows, heads, dim, scale):
 @pytest.mark.parametrize("heads,kv_heads,dim", [(4, 4, 32), (8, 2, 64), (12, 4, 128), (6, 2, 24)])
 @pytest.mark.parametrize("bs", [1, 3, 9])
 @pytest.mark.parametrize("layout", ["scattered", "consecutive"])  # consecutive: tiles read in one pass first
-def test_cpu_decode_kernel_matches_reference(dtype, heads, kv_heads, dim, bs, layout):
+def test_cpu_decode_kernel_matches_reference(kernel_build, dtype, heads, kv_heads, dim, bs, layout):
     """Lengths from 1 to past two 128-key softmax tiles, and ragged 16-key score blocks."""
     from engine.kernels import attention as attention_kernels
 

@@ -33,13 +33,14 @@ import errno
 import hashlib
 import logging
 import os
+import platform
 import shutil
 import stat
 import subprocess
 import tempfile
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Dict, Optional, Union, cast
+from typing import Dict, List, Optional, Union, cast
 
 from engine.kernels.boundary import (AttentionKernels, DecoderLayersKernels, LibraryKernels, LinearKernels,
                                      OpsKernels, bind)
@@ -59,6 +60,12 @@ _HEADERS = [_CSRC / "engine_kernels.h", _CSRC / "cpu_common.h", _CSRC / "amx.h",
 # -fopenmp-simd: the `omp simd` hints only; the threads are the library's own (csrc/thread_pool.c).
 # -fvisibility=hidden: only engine_kernels.h's ENGINE_API functions are exported.
 _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11", "-pthread", "-fvisibility=hidden"]
+# The portable build (ENGINE_CPU_KERNEL_PORTABLE=1, build(portable=True)): the generic C paths only,
+# whatever the CPU. The kernels' ISA-specific code is all behind __AVX512F__, __AVX512BF16__ and the
+# AMX macros (engine_kernels_isa() reports which were compiled), and these flags leave them undefined
+# (-mno-avx512f takes every AVX-512 extension with it; HAVE_AMX needs the AMX tile and bf16 macros); other
+# architectures have none of them.
+_PORTABLE_FLAGS = ["-mno-avx512f", "-mno-amx-tile", "-mno-amx-bf16"] if platform.machine() in ("x86_64", "AMD64") else []
 # A build takes about a second; a compiler stuck for this long costs the kernel, not the server.
 COMPILE_TIMEOUT_S = 120.0
 
@@ -191,9 +198,9 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("ENGINE_CACHE_DIR") or Path.home() / ".cache" / "engine") / "kernels"
 
 
-def _compile(compiler: str, out: Path) -> bool:
+def _compile(compiler: str, out: Path, flags: List[str]) -> bool:
     try:
-        proc = subprocess.run([compiler, *_FLAGS, *map(str, _SOURCES), "-o", str(out), "-lm"], capture_output=True,
+        proc = subprocess.run([compiler, *flags, *map(str, _SOURCES), "-o", str(out), "-lm"], capture_output=True,
                               text=True, timeout=COMPILE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
         logger.warning("Building the CPU decode attention kernel timed out after %.0f s; using the torch "
@@ -207,7 +214,7 @@ def _compile(compiler: str, out: Path) -> bool:
     return True
 
 
-def _load_from_cache(cache: Path, name: str, compiler: str) -> Optional[ctypes.CDLL]:
+def _load_from_cache(cache: Path, name: str, compiler: str, flags: List[str]) -> Optional[ctypes.CDLL]:
     """Load (building it first if missing) `cache/name`; raises _UntrustedPath for a foreign cache."""
     cache.parent.mkdir(parents=True, exist_ok=True)
     root_fd = _open_trusted_root(cache.parent)
@@ -229,7 +236,7 @@ def _load_from_cache(cache: Path, name: str, compiler: str) -> Optional[ctypes.C
             # Build under a private name, then rename: concurrent processes never see half a file.
             fd, tmp = tempfile.mkstemp(suffix=".so", dir=real_cache)
             os.close(fd)
-            if not _compile(compiler, Path(tmp)):
+            if not _compile(compiler, Path(tmp), flags):
                 os.unlink(tmp)
                 return None
             os.replace(os.path.basename(tmp), name, src_dir_fd=cache_fd, dst_dir_fd=cache_fd)
@@ -239,12 +246,12 @@ def _load_from_cache(cache: Path, name: str, compiler: str) -> Optional[ctypes.C
     return _load_checked(lib_fd, real_cache / name)
 
 
-def _load_private_build(name: str, compiler: str) -> Optional[ctypes.CDLL]:
+def _load_private_build(name: str, compiler: str, flags: List[str]) -> Optional[ctypes.CDLL]:
     """Build into a fresh temporary directory only this process knows, load, then remove it."""
     private = Path(tempfile.mkdtemp(prefix="engine-kernels-"))  # mode 0700, unpredictable name
     try:
         lib_path = private / name
-        if not _compile(compiler, lib_path):
+        if not _compile(compiler, lib_path, flags):
             return None
         dir_fd = os.open(private, _DIR_FLAGS)
         try:
@@ -256,7 +263,7 @@ def _load_private_build(name: str, compiler: str) -> Optional[ctypes.CDLL]:
         shutil.rmtree(private, ignore_errors=True)
 
 
-def _build() -> Optional[ctypes.CDLL]:
+def _build(flags: List[str]) -> Optional[ctypes.CDLL]:
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
         logger.info("No C compiler found: CPU decode attention uses the torch gather path.")
@@ -269,11 +276,11 @@ def _build() -> Optional[ctypes.CDLL]:
                        COMPILE_TIMEOUT_S)
         return None
     sources = "\0".join(p.read_text() for p in _SOURCES + _HEADERS)
-    key = hashlib.sha256("\0".join([sources, " ".join(_FLAGS), version, _cpu_signature()]).encode())
+    key = hashlib.sha256("\0".join([sources, " ".join(flags), version, _cpu_signature()]).encode())
     name = f"cpu_kernels-{key.hexdigest()[:16]}.so"
     cache = _cache_dir()
     try:
-        lib = _load_from_cache(cache, name, compiler)
+        lib = _load_from_cache(cache, name, compiler, flags)
     except _UntrustedPath as e:
         logger.warning("Not using the CPU kernel cache: %s (make it private to this user, or remove it). "
                        "Building the kernel in a private temporary directory instead.", e)
@@ -282,7 +289,7 @@ def _build() -> Optional[ctypes.CDLL]:
                     cache, e)
     else:
         return lib
-    return _load_private_build(name, compiler)
+    return _load_private_build(name, compiler, flags)
 
 
 def _declare(lib: ctypes.CDLL) -> Kernels:
@@ -332,12 +339,19 @@ def _kernels() -> Optional[Kernels]:
     if isinstance(_kernel, _Unset):
         _kernel = None
         if any(switches().values()):
-            try:
-                lib = _build()
-                _kernel = _declare(lib) if lib is not None else None
-            except Exception:  # a broken toolchain must not take the engine down: fall back
-                logger.exception("Loading the CPU kernel library failed; every layer keeps its torch path.")
+            _kernel = build(portable=os.environ.get("ENGINE_CPU_KERNEL_PORTABLE", "0") == "1")
     return _kernel
+
+
+def build(portable: bool = False) -> Optional[Kernels]:
+    """Builds (or finds in the cache) and loads the library; None where that fails (logged). The
+    process's own library is `_kernels()`'s; tests load the portable build beside it with this."""
+    try:
+        lib = _build(_FLAGS + _PORTABLE_FLAGS if portable else _FLAGS)
+        return _declare(lib) if lib is not None else None
+    except Exception:  # a broken toolchain must not take the engine down: fall back
+        logger.exception("Loading the CPU kernel library failed; every layer keeps its torch path.")
+        return None
 
 
 # One accessor per family: None where the family is off or the library is not available; the
