@@ -203,11 +203,11 @@ def _compile(compiler: str, out: Path, flags: List[str]) -> bool:
         proc = subprocess.run([compiler, *flags, *map(str, _SOURCES), "-o", str(out), "-lm"], capture_output=True,
                               text=True, timeout=COMPILE_TIMEOUT_S)
     except subprocess.TimeoutExpired:
-        logger.warning("Building the CPU decode attention kernel timed out after %.0f s; using the torch "
-                       "gather path.", COMPILE_TIMEOUT_S)
+        logger.warning("Building the CPU kernel library timed out after %.0f s; every layer keeps its torch "
+                       "path.", COMPILE_TIMEOUT_S)
         return False
     if proc.returncode != 0:
-        logger.warning("Building the CPU decode attention kernel failed; using the torch gather path.\n%s",
+        logger.warning("Building the CPU kernel library failed; every layer keeps its torch path.\n%s",
                        proc.stderr[-2000:])
         return False
     os.chmod(out, 0o700)  # whatever the umask: never group- or world-writable
@@ -266,13 +266,13 @@ def _load_private_build(name: str, compiler: str, flags: List[str]) -> Optional[
 def _build(flags: List[str]) -> Optional[ctypes.CDLL]:
     compiler = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
     if compiler is None:
-        logger.info("No C compiler found: CPU decode attention uses the torch gather path.")
+        logger.info("No C compiler found: the CPU kernels are not built; every layer keeps its torch path.")
         return None
     try:
         version = subprocess.run([compiler, "--version"], capture_output=True, text=True,
                                  timeout=COMPILE_TIMEOUT_S).stdout
     except subprocess.TimeoutExpired:
-        logger.warning("`%s --version` timed out after %.0f s; using the torch gather path.", compiler,
+        logger.warning("`%s --version` timed out after %.0f s; every layer keeps its torch path.", compiler,
                        COMPILE_TIMEOUT_S)
         return None
     sources = "\0".join(p.read_text() for p in _SOURCES + _HEADERS)

@@ -17,7 +17,7 @@
  * Scores of 16 keys are computed at once and reduced with one transpose-add tree. With AVX512-BF16
  * and bfloat16 data both products are `vdpbf16ps` (exact bf16 products, float32 sums; P is rounded
  * to bfloat16 for P.V, as flash attention does) with the output accumulators held in registers.
- * Built at run time by engine/layers/attention/cpu_kernels.py (gcc -O3 -march=native); called through
+ * Built at run time by engine/kernels/library.py (gcc -O3 -march=native); called through
  * ctypes, which releases the GIL; the threads are thread_pool.c's.
  */
 #include "attend_step.h"

@@ -260,9 +260,9 @@ class TorchNativeAttnBackend(AttentionBackend):
             meta.last_rows = self._decode_metadata(forward_batch)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         rows = q.view(q.shape[0], -1).index_select(0, forward_batch.last_positions())
-        return attention_kernels.decode_attention(rows, k_buf, v_buf, meta.last_rows.kv_indices, meta.last_rows.lens,
-                                            layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim, layer.scaling,
-                                            cascade=meta.last_rows.cascade, layer_id=layer.layer_id)
+        return attention_kernels.decode_attention(
+            rows, k_buf, v_buf, meta.last_rows.kv_indices, meta.last_rows.lens, layer.tp_q_head_num,
+            layer.tp_k_head_num, layer.head_dim, layer.scaling, cascade=meta.last_rows.cascade, layer_id=layer.layer_id)
 
     def _forward_native_extend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                                layer: "RadixAttention", meta: _NativeExtend) -> torch.Tensor:
@@ -276,8 +276,9 @@ class TorchNativeAttnBackend(AttentionBackend):
             # Rows of single-token requests come out of the decode kernel below; these are overwritten.
             out = attention_kernels.extend_attention(q, k_buf, v_buf, meta.extend, heads, kv_heads, dim, layer.scaling)
         decoded = attention_kernels.decode_attention(q.index_select(0, meta.decode_rows), k_buf, v_buf,
-                                               meta.decode.kv_indices, meta.decode.lens, heads, kv_heads, dim,
-                                               layer.scaling, cascade=meta.decode.cascade, layer_id=layer.layer_id)
+                                                     meta.decode.kv_indices, meta.decode.lens, heads, kv_heads, dim,
+                                                     layer.scaling, cascade=meta.decode.cascade,
+                                                     layer_id=layer.layer_id)
         return out.index_copy_(0, meta.decode_rows, decoded)
 
     def _forward_padded_extend(self, q, k, v, layer: "RadixAttention", meta: _PaddedExtend) -> torch.Tensor:
@@ -313,8 +314,8 @@ class TorchNativeAttnBackend(AttentionBackend):
             # The native kernel reads each request's K/V where they lie in the pool, and a cascade
             # group's prefix once for all its members, in one call per layer.
             return attention_kernels.decode_attention(q.reshape(bs, -1), k_buf, v_buf, meta.kv_indices, meta.lens,
-                                                num_heads, kv_heads, head_dim, layer.scaling, cascade=meta.cascade,
-                                                layer_id=layer.layer_id)
+                                                      num_heads, kv_heads, head_dim, layer.scaling,
+                                                      cascade=meta.cascade, layer_id=layer.layer_id)
         # index_select over the flat slot list is several times faster on the CPU than advanced
         # indexing with the 2-D index, and gathering into reused scratch memory is ~5x faster again
         # than into a fresh tensor (a fresh multi-MB tensor is page-faulted in every time).
