@@ -187,3 +187,18 @@ def test_a_c_definition_that_differs_from_its_prototype_does_not_compile(tmp_pat
     ok = subprocess.run([CC, "-fsyntax-only", "-std=c11", str(HEADER.parent / "cpu_ops.c")], capture_output=True,
                         text=True, timeout=120)
     assert ok.returncode == 0, ok.stderr
+
+
+@pytest.mark.skipif(CC is None or shutil.which("nm") is None, reason="no C compiler or no nm")
+def test_the_library_exports_exactly_the_header_functions(tmp_path):
+    """Built with -fvisibility=hidden: what Python can reach is what engine_kernels.h declares (the
+    thread pool and the kernels' helpers stay inside)."""
+    kernels = library._kernels()
+    assert kernels is not None
+    copy = tmp_path / "lib.so"
+    shutil.copyfile(kernels.cdll._name, copy)  # by this process's descriptor (/proc/self/fd/N) or its path
+    out = subprocess.run(["nm", "-D", "--defined-only", str(copy)], check=True, capture_output=True, text=True,
+                         timeout=60).stdout
+    exported = {parts[2] for parts in (line.split() for line in out.splitlines()) if len(parts) == 3
+                and parts[1] == "T"}
+    assert exported == set(read_header().functions)
