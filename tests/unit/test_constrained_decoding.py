@@ -20,7 +20,6 @@ xgrammar = pytest.importorskip("xgrammar", reason="constrained decoding needs xg
 jsonschema = pytest.importorskip("jsonschema", reason="schema validation needs jsonschema")
 
 from engine.constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject  # noqa: E402
-from engine.constrained.grammar_manager import GrammarManager  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -58,7 +57,7 @@ def text_of(model, h: Harness, rid: str) -> str:
 def run(h: Harness) -> None:
     h.run_until_idle()
     assert len(h.scheduler.grammar_manager) == 0
-    h.scheduler.stats.check_memory()  # strict: a leak raises
+    h.scheduler.check_memory()  # strict: a leak raises
 
 
 # ---------------------------------------------------------------------------------------------
@@ -368,7 +367,8 @@ def _gated(h: Harness) -> GatedBackend:
     real, reason = h.scheduler._create_grammar_backend()
     assert real is not None, reason
     gated = GatedBackend(real)
-    h.scheduler.grammar_manager = GrammarManager(lambda: (gated, None))
+    # The scheduler's grammar manager builds its backend at the first constrained request: this one.
+    h.scheduler.grammar_manager._backend_factory = lambda: (gated, None)
     return gated
 
 
@@ -385,7 +385,7 @@ def test_waiting_for_a_grammar_blocks_nobody_and_can_be_aborted(model, overlap):
             break
     assert h.outputs[free].finished_reason == {"type": "length", "length": 6}
     assert len(h.scheduler.grammar_manager) == 2 and h.outputs[waiting].output_ids == []
-    assert h.scheduler.stats.internal_state()["num_grammar_queue_reqs"] == 2
+    assert h.scheduler.internal_state()["num_grammar_queue_reqs"] == 2
     h.abort(doomed)
     h.step()
     assert h.outputs[doomed].finished_reason["type"] == "abort"
@@ -452,7 +452,7 @@ def test_mixed_load_with_retraction_leaks_nothing(model, caplog):
             h.step()
         run(h)
     assert "Retract requests" in caplog.text
-    state = h.scheduler.stats.internal_state()
+    state = h.scheduler.internal_state()
     assert state["num_grammar_queue_reqs"] == 0 and state["num_running_reqs"] == 0
     assert state["available_tokens"] + state["evictable_tokens"] == state["max_total_num_tokens"]
     for rid, constrained in rids:

@@ -35,7 +35,7 @@ def test_happy_path_single(make_pair, overlap):
     assert p.prefill.outputs[rid].finished_reason == {"type": "length", "length": 0}
     # The decode side computed no prompt position: all of them came by transfer.
     assert p.decode.scheduler.num_extend_tokens_computed == 0
-    state = p.decode.scheduler.stats.internal_state()["disaggregation"]
+    state = p.decode.scheduler.internal_state()["disaggregation"]
     assert state["metrics"]["num_transferred_prompt_tokens"] == len(PROMPTS[1])
 
 

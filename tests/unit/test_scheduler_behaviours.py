@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from engine.scheduler.stats import MemoryLeakError
+from engine.scheduler.kv_manager import MemoryLeakError
 from sched_utils import EOS, FakeTokenizer, FakeWorker, Harness
 
 

@@ -27,7 +27,7 @@ requests waiting in the queue (fresh or retracted) hold none and are prefilled l
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Set, Tuple
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol, Set, Tuple
 
 from engine.distributed.parallel_state import all_reduce_min_int, get_tp_size
 from engine.io_struct import (
@@ -52,21 +52,44 @@ from engine.io_struct import (
     UpdateWeightsFromTensorReqInput,
     UpdateWeightsFromTensorReqOutput,
 )
-from engine.scheduler.req import Req
 from engine.model_executor.memory_saver import FORWARD_TAGS, MEMORY_TAGS, WEIGHTS, check_tags
 from engine.model_executor.tensor_payload import PayloadError, decode_payload
 
 if TYPE_CHECKING:
-    from engine.scheduler.scheduler import Scheduler
+    from engine.scheduler.overlap_utils import ForwardStream
+    from engine.scheduler.worker_protocol import ModelWorker
 
 logger = logging.getLogger(__name__)
 
 PAUSE_MODES = ("retract", "in_place")  # "abort" is the TokenizerManager's alone (SGLang)
 
 
+class ControlledLoop(Protocol):
+    """What the control plane asks of the scheduler loop (the Scheduler sequences its owners)."""
+
+    def settle(self) -> None:
+        """Process the results of the forwards in flight: nothing runs afterwards."""
+
+    def retract_all(self) -> None:
+        """Every request holding KV goes back to the waiting queue, output kept, KV freed."""
+
+    def live_requests(self) -> int:
+        """Requests that hold KV (running, in the last batch, chunked, or in a PD transfer)."""
+
+    def flush_kv(self) -> None:
+        """Reset the prefix cache and the pools (no request may hold KV)."""
+
+    def num_waiting(self) -> int: ...
+
+
 class SchedulerControl:
-    def __init__(self, scheduler: "Scheduler") -> None:
-        self.s = scheduler
+    def __init__(self, loop: ControlledLoop, worker: ModelWorker, forward_stream: ForwardStream, tp_rank: int,
+                 allow_pickled_weight_updates: bool) -> None:
+        self.loop = loop
+        self.worker = worker
+        self.forward_stream = forward_stream
+        self.tp_rank = tp_rank
+        self.allow_pickled_weight_updates = allow_pickled_weight_updates
         self.paused = False
         self.pause_mode: Optional[str] = None
         self.released: Set[str] = set()
@@ -93,13 +116,13 @@ class SchedulerControl:
     def pause_generation(self, req: PauseGenerationReqInput) -> PauseGenerationReqOutput:
         if req.mode not in PAUSE_MODES:
             return PauseGenerationReqOutput(False, f"pause mode {req.mode!r} is not one of {', '.join(PAUSE_MODES)}")
-        self._settle()
+        self.loop.settle()
         self.paused, self.pause_mode = True, req.mode
-        num = self.live_requests()
+        num = self.loop.live_requests()
         if req.mode == "retract":
-            self._retract_all()
+            self.loop.retract_all()
         logger.info("Generation paused (%s): %d running request(s), %d waiting", req.mode, num,
-                    len(self.s.waiting_queue))
+                    self.loop.num_waiting())
         return PauseGenerationReqOutput(True, f"Generation paused ({req.mode}).", num_paused_requests=num)
 
     def continue_generation(self, req: ContinueGenerationReqInput) -> ContinueGenerationReqOutput:
@@ -111,35 +134,16 @@ class SchedulerControl:
         message = "Generation continued." if was_paused else "Generation was not paused."
         return ContinueGenerationReqOutput(True, message)
 
-    def _retract_all(self) -> None:
-        """Every request holding KV goes back to the waiting queue, output kept, KV freed."""
-        s = self.s
-        s.merge_last_prefill_batch()
-        s.last_batch = None
-        batch = s.running_batch
-        victims: List[Req] = [r for r in batch.reqs if not r.finished()]
-        if victims:
-            batch.preempt(victims, s.retraction_backup)  # a PD decode server keeps their KV
-        s.running_batch = s._empty_batch()
-        chunked, s.chunked_req = s.chunked_req, None
-        s.pending_chunked_abort = False
-        if chunked is not None and not chunked.finished():
-            s.tree_cache.cache_finished_req(chunked, is_insert=False)
-            chunked.reset_for_retract()
-            victims.insert(0, chunked)
-        for req in victims:
-            s.admission.enqueue(req, is_retracted=True)
-
     # ------------------------------------------------------------------ weights
     def update_weights_from_disk(self, req: UpdateWeightFromDiskReqInput) -> UpdateWeightFromDiskReqOutput:
         refused = self._refuse_weight_change(req.flush_cache)
         if refused is not None:
             return UpdateWeightFromDiskReqOutput(False, refused)
-        ok, message = self._on_model_thread(lambda: self.s.worker.update_weights_from_disk(req.model_path,
+        ok, message = self._on_model_thread(lambda: self.worker.update_weights_from_disk(req.model_path,
                                                                                             req.load_format))
         ok, message = self._agree(ok, message)
         if ok and req.flush_cache:
-            self.flush_kv()
+            self.loop.flush_kv()
         return UpdateWeightFromDiskReqOutput(ok, message)
 
     def update_weights_from_tensor(self, req: UpdateWeightsFromTensorReqInput) -> UpdateWeightsFromTensorReqOutput:
@@ -150,9 +154,9 @@ class SchedulerControl:
                        f"({tp_size}) or one for all.")
         if refused is not None:
             return UpdateWeightsFromTensorReqOutput(False, refused)
-        tp_rank = self.s.tp_rank
+        tp_rank = self.tp_rank
         data = payloads[tp_rank if len(payloads) > 1 else 0]
-        allow_pickle = self.s.server_args.enable_pickled_weight_updates
+        allow_pickle = self.allow_pickled_weight_updates
 
         def load() -> Tuple[bool, str]:
             # Decoded where the forwards run: a pickled payload's CUDA handles open on this device.
@@ -160,33 +164,33 @@ class SchedulerControl:
                 named = decode_payload(data, tp_rank, allow_pickle, req.load_format)
             except PayloadError as e:
                 return False, str(e)
-            return self.s.worker.update_weights_from_tensor(named)
+            return self.worker.update_weights_from_tensor(named)
 
         ok, message = self._agree(*self._on_model_thread(load))
         if ok and req.flush_cache:
-            self.flush_kv()
+            self.loop.flush_kv()
         return UpdateWeightsFromTensorReqOutput(ok, message)
 
     # ------------------------------------------------------------------ weight update groups
     def init_weights_update_group(self, req: InitWeightsUpdateGroupReqInput) -> InitWeightsUpdateGroupReqOutput:
         # Blocks this rank until the trainer and every other rank joined (or the timeout).
-        ok, message = self._on_model_thread(lambda: self.s.worker.init_weights_update_group(
+        ok, message = self._on_model_thread(lambda: self.worker.init_weights_update_group(
             req.master_address, req.master_port, req.rank_offset, req.world_size, req.group_name, req.backend))
         if not bool(all_reduce_min_int(int(ok))) and ok:
             # Another rank failed to join: leave the group here too, so that a retry starts afresh.
-            self._on_model_thread(lambda: self.s.worker.destroy_weights_update_group(req.group_name))
+            self._on_model_thread(lambda: self.worker.destroy_weights_update_group(req.group_name))
             ok, message = False, "Another tensor-parallel rank failed to join the weight update group."
         return InitWeightsUpdateGroupReqOutput(ok, message)
 
     def destroy_weights_update_group(self, req: DestroyWeightsUpdateGroupReqInput
                                      ) -> DestroyWeightsUpdateGroupReqOutput:
-        ok, message = self._on_model_thread(lambda: self.s.worker.destroy_weights_update_group(req.group_name))
+        ok, message = self._on_model_thread(lambda: self.worker.destroy_weights_update_group(req.group_name))
         return DestroyWeightsUpdateGroupReqOutput(ok, message)
 
     def update_weights_from_distributed(self, req: UpdateWeightsFromDistributedReqInput
                                         ) -> UpdateWeightsFromDistributedReqOutput:
-        self._settle()
-        worker = self.s.worker
+        self.loop.settle()
+        worker = self.worker
         unreceivable: Optional[str] = None
         if req.load_format is not None:
             unreceivable = (f"load_format {req.load_format!r} is not supported: broadcast the tensors one by one "
@@ -206,7 +210,7 @@ class SchedulerControl:
             ok, message = False, f"{refused} The weights received were discarded."
         ok, message = self._agree(ok, message)
         if ok and req.flush_cache:
-            self.flush_kv()
+            self.loop.flush_kv()
         return UpdateWeightsFromDistributedReqOutput(ok, message)
 
     def get_weights_by_name(self, req: GetWeightsByNameReqInput) -> GetWeightsByNameReqOutput:
@@ -215,14 +219,14 @@ class SchedulerControl:
         if req.truncate_size < 0:
             return GetWeightsByNameReqOutput(None, "truncate_size must be >= 0.")
         # Reads only (a collective over the TP CPU group): runs on this thread on every rank.
-        parameter, message = self.s.worker.get_weights_by_name(req.name, req.truncate_size)
+        parameter, message = self.worker.get_weights_by_name(req.name, req.truncate_size)
         return GetWeightsByNameReqOutput(parameter, message)
 
     def _refuse_weight_change(self, flush_cache: bool) -> Optional[str]:
         if WEIGHTS in self.released:
             return "The weights are released; resume_memory_occupation(tags=['weights']) first."
-        self._settle()
-        live = self.live_requests()
+        self.loop.settle()
+        live = self.loop.live_requests()
         if flush_cache and live:
             return (f"Cannot update the weights while {live} request(s) hold KV cache computed with the current "
                     "weights: let them finish, abort them (abort_all_requests), pause with mode 'retract', or "
@@ -235,10 +239,10 @@ class SchedulerControl:
         all_ok = bool(all_reduce_min_int(int(ok)))
         if ok and not all_ok:
             ok = False
-            undone = self._on_model_thread(self.s.worker.rollback_weights)
+            undone = self._on_model_thread(self.worker.rollback_weights)
             message = f"Another tensor-parallel rank failed to update its weights. {undone}"
         elif ok:
-            self.s.worker.commit_weights()
+            self.worker.commit_weights()
         if not ok:
             logger.error("Weight update failed: %s", message)
         return ok, message
@@ -247,8 +251,8 @@ class SchedulerControl:
     def release_memory_occupation(self, req: ReleaseMemoryOccupationReqInput) -> ReleaseMemoryOccupationReqOutput:
         tags, error = self._tags(req.tags)
         if error is None:
-            self._settle()
-            live = self.live_requests()
+            self.loop.settle()
+            live = self.loop.live_requests()
             if live:
                 error = (f"Cannot release memory while {live} request(s) are running: let them finish, abort "
                          "them, or pause generation with mode 'retract' first.")
@@ -256,8 +260,8 @@ class SchedulerControl:
             return ReleaseMemoryOccupationReqOutput(False, error)
         new = [t for t in tags if t not in self.released]
         if "kv_cache" in new:
-            self.flush_kv()  # the cached KV is about to be gone
-        self._on_model_thread(lambda: self.s.worker.release_memory_occupation(new))
+            self.loop.flush_kv()  # the cached KV is about to be gone
+        self._on_model_thread(lambda: self.worker.release_memory_occupation(new))
         self.released.update(new)
         done = ", ".join(new) if new else "nothing (already released)"
         return ReleaseMemoryOccupationReqOutput(True, f"Released {done}.")
@@ -267,8 +271,8 @@ class SchedulerControl:
         if error is not None:
             return ResumeMemoryOccupationReqOutput(False, error)
         back = [t for t in tags if t in self.released]
-        self._settle()
-        self._on_model_thread(lambda: self.s.worker.resume_memory_occupation(back))
+        self.loop.settle()
+        self._on_model_thread(lambda: self.worker.resume_memory_occupation(back))
         self.released.difference_update(back)
         done = ", ".join(back) if back else "nothing (not released)"
         return ResumeMemoryOccupationReqOutput(True, f"Resumed {done}.")
@@ -279,40 +283,12 @@ class SchedulerControl:
         return (list(tags) if tags else list(MEMORY_TAGS)), error
 
     # ------------------------------------------------------------------ helpers
-    def live_requests(self) -> int:
-        """Requests that hold KV: running, in the last batch, or being prefilled in chunks."""
-        s = self.s
-        reqs = {id(r): r for r in s.running_batch.reqs}
-        if s.last_batch is not None:
-            reqs.update((id(r), r) for r in s.last_batch.reqs)
-        if s.chunked_req is not None:
-            reqs[id(s.chunked_req)] = s.chunked_req
-        transferring = s.disagg.requests_holding_kv() if s.disagg is not None else 0  # PD: outside the batches
-        return transferring + sum(1 for r in reqs.values() if not r.finished() and not r.is_retracted)
-
-    def flush_kv(self) -> None:
-        """Reset the radix cache and the pools (no request may hold KV; waiting ones hold none)."""
-        s = self.s
-        assert self.live_requests() == 0, "flush_kv with requests holding KV"
-        s.running_batch = s._empty_batch()
-        s.last_batch = None
-        s.tree_cache.reset()
-        s.req_to_token_pool.clear()
-        s.token_to_kv_pool_allocator.clear()
-        s.new_token_ratio = s.init_new_token_ratio
-        logger.info("Cache flushed (control request)")
-
-    def _settle(self) -> None:
-        """Process the result of the forward in flight (overlap loop): nothing runs afterwards."""
-        while self.s.result_queue:
-            self.s._pop_and_process()
-
     def _on_model_thread(self, fn: Callable[[], Any]) -> Any:
-        stream = self.s.forward_stream
+        stream = self.forward_stream
         return fn() if stream.is_cuda else stream.call(fn)
 
     def _empty_device_cache(self) -> None:
-        if self.s.forward_stream.is_cuda:
+        if self.forward_stream.is_cuda:
             import torch
 
             torch.cuda.empty_cache()

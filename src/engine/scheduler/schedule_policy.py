@@ -7,12 +7,21 @@ import random
 from collections import Counter, defaultdict
 from contextlib import contextmanager
 from enum import Enum, auto
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Sequence, Tuple
 
 from engine.scheduler.priority import PriorityPolicy
 from engine.scheduler.req import CLIP_MAX_NEW_TOKENS_ESTIMATION, Req
 from engine.mem_cache.base_prefix_cache import BasePrefixCache
 from engine.mem_cache.radix_cache import RadixCache, TreeNode
+
+
+class Preemptible(Protocol):
+    """The running requests priority preemption may take from (the scheduler's RunningSet)."""
+
+    @property
+    def reqs(self) -> Sequence[Req]: ...
+
+    def preempt(self, victims: List[Req]) -> None: ...
 
 # LPM with in-batch prefix de-duplication: a request whose cached prefix is this short is compared
 # with the other waiting requests, and deprioritised when it shares this many tokens with one of them.
@@ -342,11 +351,11 @@ class PrefillAdder:
         self._charge(prefix_len, chunk, 0)
         return None
 
-    def preempt_to_schedule(self, req: Req, priority: PriorityPolicy, running_batch: Any) -> bool:
+    def preempt_to_schedule(self, req: Req, priority: PriorityPolicy, running_set: Preemptible) -> bool:
         """SGLang's preempt_to_schedule: make room for `req` by preempting running requests it
         beats by more than the threshold, least urgent (then newest) first, until what they free
         covers what `req` needs. Nothing is preempted unless it is enough; True when done."""
-        candidates = [r for r in running_batch.reqs if not r.finished() and id(r) not in self._preempted]
+        candidates = [r for r in running_set.reqs if not r.finished() and id(r) not in self._preempted]
         candidates.sort(key=lambda r: (-priority.urgency(r), -r.queue_time))
         needed = req.extend_input_len + max_new_tokens_charge(req) - self.rem_total_tokens
         victims: List[Req] = []
@@ -363,7 +372,7 @@ class PrefillAdder:
         for victim in victims:
             self.rem_total_token_offset -= self._reservation(victim)
             self._preempted.add(id(victim))
-        running_batch.preempt(victims)
+        running_set.preempt(victims)
         self.preempt_list.extend(victims)
         self.running_reqs = [r for r in self.running_reqs if id(r) not in self._preempted]
         self._decode_states = None  # the ignore_eos simulation must forget them too

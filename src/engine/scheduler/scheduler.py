@@ -5,12 +5,19 @@ One Scheduler per tensor-parallel rank. Each iteration of its loop:
 The class is usable in-process (tests, the offline benchmark: `add_request` + `step`) and as the body
 of the scheduler process (`scheduler_process.run_scheduler_process`).
 
-The loops, the waiting queue, the running batch and the building of batches are here; the rest is
-in collaborators the Scheduler owns: `Admission` (scheduler_admission.py: requests in, aborts),
-`PrefillBuilder` (scheduler_prefill.py: which waiting requests a prefill batch takes),
-`ResultProcessor` and `OutputStreamer` (scheduler_output.py: results out), `SchedulerControl`
-(scheduler_control.py: weights, memory, pause), `SchedulerStats` (scheduler_stats.py: logs, the
-internal state, the idle memory check) and, in PD disaggregation, the role (engine/disaggregation/).
+The Scheduler is a sequencer of owners, each the only writer of its state (the others call its
+methods):
+- `KVManager` (kv_manager.py): the prefix cache, the request-to-token pool, the token allocator,
+  the idle leak check;
+- `WaitingQueue` (waiting_queue.py): the waiting requests, the queue limit, the waiting timeout;
+  `GrammarManager` (constrained/): the requests whose grammar is compiling;
+- `RunningSet` (running_set.py): the decode batch, `new_token_ratio`, retraction;
+- `PrefillBuilder` (prefill.py): the chunked request and which waiting requests a prefill takes;
+- `Admission` (admission.py, no state): requests in, checked, queued or refused;
+- `ResultProcessor` / `OutputStreamer` (output.py): results out; `SchedulerControl` (control.py):
+  weights, memory, pause; `SchedulerStats` (stats.py): log lines and counters; in PD
+  disaggregation, the role (engine/disaggregation/), which owns the transfer queues.
+The loop's own state is the last batch, the results in flight and the outputs of this iteration.
 """
 
 from __future__ import annotations
@@ -19,7 +26,7 @@ import logging
 import os
 import time
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Deque, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 
 from engine.constrained.grammar_manager import GrammarManager
@@ -39,12 +46,15 @@ from engine.scheduler.overlap_utils import DelayedSample, ForwardStream, Pending
 from engine.scheduler.priority import PriorityPolicy
 from engine.scheduler.req import FINISH_ABORT, Req
 from engine.scheduler.schedule_batch import ScheduleBatch
-from engine.scheduler.admission import Admission
+from engine.scheduler.admission import Admission, ModelLimits
 from engine.scheduler.control import SchedulerControl
 from engine.scheduler.embedding import build_embedding_output, process_embedding_result
+from engine.scheduler.kv_manager import KVManager
 from engine.scheduler.output import OutputStreamer, ResultProcessor
 from engine.scheduler.prefill import PrefillBuilder
-from engine.scheduler.stats import SchedulerStats
+from engine.scheduler.running_set import RunningSet
+from engine.scheduler.stats import Load, SchedulerStats
+from engine.scheduler.waiting_queue import WaitingQueue
 
 from engine.disaggregation.base import DisaggregationMode
 from engine.disaggregation.roles import make_role
@@ -53,15 +63,14 @@ if TYPE_CHECKING:
     from engine.constrained.base_grammar_backend import BaseGrammarBackend
     from engine.disaggregation.decode_scheduler import DecodeDisaggregation
     from engine.disaggregation.prefill import PrefillDisaggregation
-    from engine.scheduler.worker_protocol import ModelWorker
+    from engine.mem_cache.allocator import PagedTokenToKVPoolAllocator
     from engine.mem_cache.base_prefix_cache import BasePrefixCache
+    from engine.mem_cache.memory_pool import ReqToTokenPool
+    from engine.scheduler.worker_protocol import ModelWorker
     from engine.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
-INIT_NEW_TOKEN_RATIO = 0.7
-MIN_NEW_TOKEN_RATIO_FACTOR = 0.14
-NEW_TOKEN_RATIO_DECAY_STEPS = 600
 # With only grammar compilations pending, the loop waits this long at most for one to finish
 # (new requests are noticed at the next iteration).
 GRAMMAR_IDLE_WAIT_S = 0.005
@@ -113,54 +122,46 @@ class Scheduler:
         self.is_generation: bool = info.get("is_generation", True)
         self.embedding_kv_reusable: bool = info.get("embedding_kv_reusable", False)
 
-        self.req_to_token_pool = worker.req_to_token_pool
-        self.token_to_kv_pool_allocator = worker.token_to_kv_pool_allocator
-        self.tree_cache: BasePrefixCache
-        if server_args.disable_radix_cache or (not self.is_generation and not self.embedding_kv_reusable):
-            from engine.mem_cache.chunk_cache import ChunkCache
-
-            self.tree_cache = ChunkCache(self.req_to_token_pool, self.token_to_kv_pool_allocator, self.page_size)
-        else:
-            from engine.mem_cache.radix_cache import RadixCache
-
-            self.tree_cache = RadixCache(self.req_to_token_pool, self.token_to_kv_pool_allocator, self.page_size)
+        # The owners (see the module docstring), each the only writer of its state.
+        self.kv = KVManager(worker.req_to_token_pool, worker.token_to_kv_pool_allocator, self.max_total_num_tokens,
+                            self.page_size, self.vocab_size, self.device,
+                            use_radix_cache=not server_args.disable_radix_cache
+                            and (self.is_generation or self.embedding_kv_reusable),
+                            strict_memory_check=server_args.strict_memory_check)
         self.priority = PriorityPolicy(server_args)
-        # Which waiting requests join this step's prefill batch (scheduler_prefill.py).
-        self.prefill = PrefillBuilder(self)
-
-        self.waiting_queue: List[Req] = []
-        self.running_batch: ScheduleBatch = self._empty_batch()
-        self.last_batch: Optional[ScheduleBatch] = None
-        self.cur_batch: Optional[ScheduleBatch] = None
-        self.chunked_req: Optional[Req] = None
-        self.pending_chunked_abort = False
-
-        self.init_new_token_ratio = min(INIT_NEW_TOKEN_RATIO * server_args.schedule_conservativeness, 1.0)
-        self.min_new_token_ratio = min(self.init_new_token_ratio * MIN_NEW_TOKEN_RATIO_FACTOR, 1.0)
-        self.new_token_ratio_decay = (self.init_new_token_ratio - self.min_new_token_ratio) / NEW_TOKEN_RATIO_DECAY_STEPS
-        self.new_token_ratio = self.init_new_token_ratio
-
+        self.waiting = WaitingQueue(server_args.max_queued_requests, server_args.req_waiting_timeout, self.priority)
+        self.running = RunningSet(self.kv, server_args.schedule_conservativeness)
         # Constrained decoding: the grammar queue and the compiled-grammar cache (constrained/).
         self.grammar_manager = GrammarManager(self._create_grammar_backend, sync_ready_count=_tp_min_or_none(),
                                               timeout_s=server_args.grammar_timeout,
                                               think_end_ids=self._think_end_ids())
-        # Weights, memory, pause/continue (scheduler_control.py).
-        self.control = SchedulerControl(self)
-        # Requests in: checks, the queue limit; aborts (scheduler_admission.py).
-        self.admission = Admission(self)
-        # Log lines, the internal state, the idle memory check (scheduler_stats.py).
-        self.stats = SchedulerStats(self)
+        self.stats = SchedulerStats(tp_rank, server_args.decode_log_interval, self._load)
+        self.prefill = PrefillBuilder(server_args, self.kv, self.waiting, self.running, self.priority,
+                                      self.max_running_requests, self.page_size,
+                                      requeue=self._requeue, on_batch=self.stats.on_prefill_batch)
+        # The loop's own state.
+        self.last_batch: Optional[ScheduleBatch] = None
+        self.cur_batch: Optional[ScheduleBatch] = None
+        self.result_queue: Deque = deque()
+        self._to_stream: List[Req] = []  # requests that may emit at the end of this iteration
+
         # PD disaggregation: the prefill or decode role, a collaborator that owns the transfer
         # queues (engine/disaggregation/); None in a unified server.
-        self.retraction_backup: Optional[Callable[[Req], None]] = None
         if server_args.disaggregation_mode != "null" and not self.is_generation:
             raise ValueError("PD disaggregation serves generative models only; this is an embedding model")
         self.disagg: Optional[Union[PrefillDisaggregation, DecodeDisaggregation]] = make_role(self, transfer_network)
+        limits = ModelLimits(self.vocab_size, self.max_req_len, self.max_req_input_len, self.max_total_num_tokens,
+                             self.page_size, self.is_generation, self.embedding_kv_reusable)
+        # Requests in: checks, the queue limit (admission.py).
+        self.admission = Admission(server_args, limits, tokenizer, self.eos_token_ids, self.waiting, self.priority,
+                                   self.grammar_manager, self.disagg, self.stream)
+        # Weights, memory, pause/continue (control.py).
+        self.control = SchedulerControl(self, worker, self.forward_stream, tp_rank,
+                                        server_args.enable_pickled_weight_updates)
         handoff = (self.disagg.handoff if self.disagg is not None and self.disagg.mode == DisaggregationMode.PREFILL
                    else None)
-        self.results = ResultProcessor(self.tree_cache, prefill_handoff=handoff)
+        self.results = ResultProcessor(self.kv.tree_cache, prefill_handoff=handoff)
         self.streamer = OutputStreamer(server_args.stream_interval)
-        self._to_stream: List[Req] = []  # requests that may emit at the end of this iteration
         # Where outputs go: a ZMQ socket in the server, a list in-process.
         self.outbox: List[Any] = []
         self.send_output = send_output or self.outbox.append
@@ -168,19 +169,45 @@ class Scheduler:
         # Where inputs come from: the inbox in-process; run_scheduler_process puts ZMQ here.
         self.recv_requests: Callable[[], List[Any]] = self._take_inbox
 
-        # Seconds a request may wait in the queue (<= 0: no limit), like SGLANG_REQ_WAITING_TIMEOUT.
-        self.waiting_timeout = server_args.req_waiting_timeout
         # Testing aid (like SGLang's forward_sleep_time): every forward sleeps this long first.
         self.forward_sleep_s = float(os.environ.get("ENGINE_TEST_FORWARD_SLEEP_S", "0"))
         # Overlap scheduling (the default) processes each forward's result one step later; the
         # normal loop waits for it at once.
         self.enable_overlap = not server_args.disable_overlap_schedule
-        self.result_queue: Deque = deque()
         self.forward_ct = 0  # forwards launched
         self.forward_done_ct = 0  # forwards whose result was processed (the watchdog compares both)
         # Prompt and output positions this rank computed in extend forwards (a PD decode server
         # computes none: its prompts arrive by transfer).
         self.num_extend_tokens_computed = 0
+
+    # ================================================================== the owners' state, read-only
+    @property
+    def waiting_queue(self) -> Sequence[Req]:
+        return self.waiting.reqs
+
+    @property
+    def running_batch(self) -> ScheduleBatch:
+        return self.running.batch
+
+    @property
+    def chunked_req(self) -> Optional[Req]:
+        return self.prefill.chunked_req
+
+    @property
+    def new_token_ratio(self) -> float:
+        return self.running.new_token_ratio
+
+    @property
+    def tree_cache(self) -> BasePrefixCache:
+        return self.kv.tree_cache
+
+    @property
+    def req_to_token_pool(self) -> ReqToTokenPool:
+        return self.kv.req_to_token_pool
+
+    @property
+    def token_to_kv_pool_allocator(self) -> PagedTokenToKVPoolAllocator:
+        return self.kv.token_to_kv_pool_allocator
 
     def _create_grammar_backend(self) -> Tuple[Optional[BaseGrammarBackend], Optional[str]]:
         """The backend of --grammar-backend, or why constrained requests are refused (lazy: the
@@ -198,10 +225,6 @@ class Scheduler:
             return None
         return list(self.tokenizer.encode(REASONING_FORMATS[name].think_end, add_special_tokens=False)) or None
 
-    def _empty_batch(self) -> ScheduleBatch:
-        return ScheduleBatch.init_new([], self.req_to_token_pool, self.token_to_kv_pool_allocator,
-                                      self.tree_cache, self.vocab_size, self.device)
-
     # ================================================================== input
     def add_request(self, recv: Any) -> None:
         """In-process submission (tests, offline benchmark)."""
@@ -218,11 +241,11 @@ class Scheduler:
             elif isinstance(recv, TokenizedEmbeddingReqInput):
                 self.admission.handle_embedding(recv)
             elif isinstance(recv, AbortReq):
-                self.admission.abort(recv)
+                self.abort(recv)
             elif isinstance(recv, FlushCacheReqInput):
                 self.send_reply(recv, self.flush_cache())
             elif isinstance(recv, GetInternalStateReq):
-                self.send_reply(recv, GetInternalStateReqOutput(internal_state=self.stats.internal_state()))
+                self.send_reply(recv, GetInternalStateReqOutput(internal_state=self.internal_state()))
             else:
                 handle = self.control.handler(recv)
                 if handle is None:
@@ -235,48 +258,132 @@ class Scheduler:
         reply.http_worker = request.http_worker
         self.send_output(reply)
 
+    def abort(self, recv: AbortReq) -> None:
+        """Aborts find a request wherever it is: the grammar queue, the PD queues, the waiting
+        queue, the chunked prefill, the running batch (the last two at a safe point)."""
+        def match(req: Req) -> bool:
+            if recv.abort_all:
+                return not recv.worker_only or req.http_worker == recv.http_worker
+            return bool(recv.rid) and req.rid.startswith(recv.rid)
+
+        for req in self.grammar_manager.abort_requests(match):
+            # Waiting for its grammar, it holds no KV either (and was never prefilled).
+            req.finished_reason = FINISH_ABORT("Abort before prefill")
+            self.stream([req])
+        if self.disagg is not None:
+            self.stream(self.disagg.abort(match))
+        for req in self.waiting.pop_matching(match):
+            # Waiting requests hold no KV: answer at once (SGLang's message for a request that was
+            # never prefilled; a retracted one keeps its output).
+            req.finished_reason = FINISH_ABORT("Aborted" if req.output_ids else "Abort before prefill")
+            self.stream([req])
+        chunked = self.prefill.chunked_req
+        self.prefill.abort_chunked_if(match)
+        self.running.mark_to_abort(match, exclude=chunked)
+        if self.last_batch is not None and self.last_batch is not self.running.batch:
+            for req in self.last_batch.reqs:
+                if match(req) and not req.finished() and req is not chunked:
+                    req.to_finish = FINISH_ABORT()
+
     # ================================================================== control
     def is_fully_idle(self) -> bool:
-        return (self.running_batch.is_empty() and not self.waiting_queue and self.chunked_req is None
+        return (self.running.is_empty() and not len(self.waiting) and self.prefill.chunked_req is None
                 and (self.last_batch is None or self.last_batch.is_empty()) and not self.result_queue
                 and not len(self.grammar_manager) and (self.disagg is None or self.disagg.is_idle()))
 
     def flush_cache(self) -> FlushCacheReqOutput:
         if not self.is_fully_idle():
             msg = (f"Cache not flushed because there are pending requests. #queue-req: "
-                   f"{len(self.waiting_queue)}, #running-req: {self.running_batch.batch_size()}")
+                   f"{len(self.waiting)}, #running-req: {self.running.size()}")
             logger.warning(msg)
             return FlushCacheReqOutput(success=False, message=msg)
         self.last_batch = None
-        self.tree_cache.reset()
-        self.req_to_token_pool.clear()
-        self.token_to_kv_pool_allocator.clear()
+        self.kv.reset()
         self.grammar_manager.reset()
-        self.new_token_ratio = self.init_new_token_ratio
+        self.running.reset_ratio()
         logger.info("Cache flushed successfully!")
         return FlushCacheReqOutput(success=True, message="Cache flushed.")
+
+    # ------------------------------------------------------------------ for SchedulerControl
+    def settle(self) -> None:
+        while self.result_queue:
+            self._pop_and_process()
+
+    def retract_all(self) -> None:
+        self.merge_last_prefill_batch()
+        self.last_batch = None
+        victims = self.running.preempt_all()  # a PD decode server keeps their KV first
+        chunked = self.prefill.take_chunked_for_retract()
+        if chunked is not None:
+            victims.insert(0, chunked)
+        for req in victims:
+            self.admission.enqueue(req, is_retracted=True)
+
+    def live_requests(self) -> int:
+        reqs = {id(r): r for r in self.running.reqs}
+        if self.last_batch is not None:
+            reqs.update((id(r), r) for r in self.last_batch.reqs)
+        chunked = self.prefill.chunked_req
+        if chunked is not None:
+            reqs[id(chunked)] = chunked
+        transferring = self.disagg.requests_holding_kv() if self.disagg is not None else 0  # PD: outside the batches
+        return transferring + sum(1 for r in reqs.values() if not r.finished() and not r.is_retracted)
+
+    def flush_kv(self) -> None:
+        assert self.live_requests() == 0, "flush_kv with requests holding KV"
+        self.running.clear()
+        self.last_batch = None
+        self.kv.reset()
+        self.running.reset_ratio()
+        logger.info("Cache flushed (control request)")
+
+    def num_waiting(self) -> int:
+        return len(self.waiting)
+
+    # ------------------------------------------------------------------ reports
+    def internal_state(self) -> Dict[str, Any]:
+        return {
+            **self.kv.state(),
+            "num_running_reqs": self.running.size() + (1 if self.prefill.chunked_req is not None else 0),
+            "num_waiting_reqs": len(self.waiting),
+            "waiting_tokens": self.waiting.waiting_tokens(),
+            "num_grammar_queue_reqs": len(self.grammar_manager),
+            "max_running_requests": self.max_running_requests,
+            "max_req_input_len": self.max_req_input_len,
+            "context_len": self.context_len,
+            "new_token_ratio": self.running.new_token_ratio,
+            "page_size": self.page_size,
+            "cache_hit_rate": self.stats.cache_hit_rate(),
+            "gen_throughput": self.stats.last_gen_throughput,
+            "forward_ct": self.forward_ct,
+            "num_extend_tokens_computed": self.num_extend_tokens_computed,
+            **({"disaggregation": self.disagg.internal_state()} if self.disagg is not None else {}),
+        }
+
+    def _load(self) -> Load:
+        suffix = f", {self.disagg.queue_summary()}" if self.disagg is not None else ""
+        return Load(self.kv.token_usage(), self.running.size(), len(self.waiting), suffix)
+
+    def check_memory(self) -> None:
+        """The idle leak check (KVManager.check_memory, with the PD role's buffers)."""
+        self.kv.check_memory(self.disagg.check_memory() if self.disagg is not None else None)
 
     # ================================================================== building batches
     def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
         if self.disagg is not None and self.disagg.mode == DisaggregationMode.DECODE:
             return self.disagg.get_next_batch_to_run()  # prebuilt batches, never a prefill
-        if self.pending_chunked_abort:
-            self._teardown_chunked_req()
+        aborted = self.prefill.teardown_pending_abort()
+        if aborted is not None:
+            self._to_stream.append(aborted)
         self.admission.expire_waiting()
         self.admission.take_ready_grammars()
-        if self.chunked_req is not None:
-            # Make the processed chunks tree-owned and locked; the next chunk extends them.
-            self.tree_cache.cache_unfinished_req(self.chunked_req)
+        self.prefill.cache_chunked_progress()
 
         self.merge_last_prefill_batch()
         new_batch = self.prefill.build()
         if new_batch is not None:
             return new_batch
-        if not self.running_batch.is_empty():
-            self.running_batch = self.update_running_batch(self.running_batch)
-            if not self.running_batch.is_empty():
-                return self.running_batch
-        return None
+        return self.update_running_batch()
 
     def merge_last_prefill_batch(self) -> None:
         """Freshly prefilled requests join the decode batch one iteration after their prefill."""
@@ -285,58 +392,36 @@ class Scheduler:
             # PD prefill: prefilled requests wait for their transfer and never decode here; the
             # transfers that ended since the last step gave rows and KV back.
             last = None
-            self.running_batch.batch_is_full = False
+            self.running.set_full(False)
         if last is not None and last.forward_mode is not None and last.forward_mode.is_extend():
             before = last.batch_size()
-            last.filter_batch(chunked_req_to_exclude=self.chunked_req)
+            last.filter_batch(chunked_req_to_exclude=self.prefill.chunked_req)
             if last.batch_size() < before:
                 # Requests finished at their prefill freed their slots: admission may resume.
-                self.running_batch.batch_is_full = False
+                self.running.set_full(False)
             # Embedding requests end with their prefill: they never join the decode batch.
             if not last.is_empty() and self.is_generation:
-                if self.running_batch.is_empty():
-                    self.running_batch = last
-                else:
-                    self.running_batch.merge_batch(last)
-                self.running_batch.batch_is_full = False
+                self.running.merge(last)
 
-    def _teardown_chunked_req(self) -> None:
-        self.pending_chunked_abort = False
-        req = self.chunked_req
-        if req is None:
-            return
-        self.chunked_req = None
-        req.finished_reason = FINISH_ABORT()
-        self.tree_cache.cache_finished_req(req, is_insert=False)
-        self._to_stream.append(req)
+    def update_running_batch(self) -> Optional[ScheduleBatch]:
+        """The running batch's next decode step, or None when nothing runs: retracted requests go
+        back to the queue (their grammar rewound), aborted ones are answered."""
+        if self.running.is_empty():
+            return None
+        retracted, aborted = self.running.update()
+        for req in retracted:
+            if req.grammar is not None and not req.grammar.sync_with(req.output_ids):
+                req.set_finish_with_abort("The grammar state could not be restored after retraction.", 500,
+                                          "InternalServerError")
+                self._to_stream.append(req)
+                continue
+            self.admission.enqueue(req, is_retracted=True)
+        self._to_stream.extend(aborted)
+        return None if self.running.is_empty() else self.running.batch
 
-    def update_running_batch(self, batch: ScheduleBatch) -> ScheduleBatch:
-        initial_bs = batch.batch_size()
-        batch.filter_batch()
-        if batch.is_empty():
-            batch.batch_is_full = False
-            return batch
-        if not batch.check_decode_mem():
-            old_ratio = self.new_token_ratio
-            retracted, self.new_token_ratio, aborted = batch.retract_decode(self.retraction_backup)
-            logger.warning(
-                "KV cache pool is full. Retract requests. #retracted_reqs: %d, #aborted_reqs: %d, "
-                "#new_token_ratio: %.4f -> %.4f", len(retracted), len(aborted), old_ratio, self.new_token_ratio)
-            for req in retracted:
-                if req.grammar is not None and not req.grammar.sync_with(req.output_ids):
-                    req.set_finish_with_abort("The grammar state could not be restored after retraction.", 500,
-                                              "InternalServerError")
-                    self._to_stream.append(req)
-                    continue
-                self.admission.enqueue(req, is_retracted=True)
-            self._to_stream.extend(aborted)
-        else:
-            self.new_token_ratio = max(self.new_token_ratio - self.new_token_ratio_decay, self.min_new_token_ratio)
-        if batch.batch_size() < initial_bs:
-            batch.batch_is_full = False
-        if not batch.is_empty():
-            batch.prepare_for_decode()
-        return batch
+    def _requeue(self, req: Req) -> None:
+        """A request preempted for a more urgent one goes back to the queue, output kept."""
+        self.admission.enqueue(req, is_retracted=True)
 
     # ================================================================== running
     def run_batch(self, batch: ScheduleBatch):
@@ -405,8 +490,7 @@ class Scheduler:
 
     def enqueue_waiting(self, req: Req) -> None:
         """PD prefill: a request whose destination is ready joins the waiting queue."""
-        req.queue_time = time.monotonic()
-        self.waiting_queue.append(req)
+        self.waiting.push_unbounded(req)
 
     def write_relay(self, rows: Any, tokens: Any) -> None:
         """Seed the overlap relay with these rows' last tokens, after the forwards in flight (one of
@@ -527,14 +611,14 @@ class Scheduler:
         self.grammar_manager.shutdown()
 
     def on_idle(self) -> None:
-        if len(self.grammar_manager) and self.running_batch.is_empty() and not self.waiting_queue:
+        if len(self.grammar_manager) and self.running.is_empty() and not len(self.waiting):
             # Only compilations are pending: wait for the first one instead of spinning.
             self.grammar_manager.wait_for_progress(GRAMMAR_IDLE_WAIT_S)
         if not self.is_fully_idle():
             return
-        self.new_token_ratio = self.init_new_token_ratio
-        self.stats.last_gen_throughput = 0.0
-        self.stats.check_memory()
+        self.running.reset_ratio()
+        self.stats.on_idle()
+        self.check_memory()
 
 def _tp_min_or_none() -> Optional[Callable[[int], int]]:
     """With TP > 1, the collective that makes every rank take the same number of ready grammars."""

@@ -1,0 +1,98 @@
+"""The KV manager: the one owner of a scheduler's KV memory.
+
+It holds the prefix cache (RadixCache, or ChunkCache without radix caching), the request-to-token
+pool (one row per running request) and the paged token allocator, builds the batches that use
+them, flushes them, and runs the idle leak check: at idle every KV slot is free, evictable or
+protected by the cache, and every request row is free.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import TYPE_CHECKING, List, Optional
+
+from engine.scheduler.schedule_batch import ScheduleBatch
+
+if TYPE_CHECKING:
+    from engine.mem_cache.allocator import PagedTokenToKVPoolAllocator
+    from engine.mem_cache.base_prefix_cache import BasePrefixCache
+    from engine.mem_cache.memory_pool import ReqToTokenPool
+    from engine.scheduler.req import Req
+
+logger = logging.getLogger(__name__)
+
+
+class MemoryLeakError(RuntimeError):
+    pass
+
+
+class KVManager:
+    def __init__(self, req_to_token_pool: ReqToTokenPool, allocator: PagedTokenToKVPoolAllocator,
+                 max_total_num_tokens: int, page_size: int, vocab_size: int, device: str, use_radix_cache: bool,
+                 strict_memory_check: bool) -> None:
+        self.req_to_token_pool = req_to_token_pool
+        self.token_to_kv_pool_allocator = allocator
+        self.max_total_num_tokens = max_total_num_tokens
+        self.vocab_size = vocab_size
+        self.device = device
+        self.strict_memory_check = strict_memory_check
+        self.tree_cache: BasePrefixCache
+        if use_radix_cache:
+            from engine.mem_cache.radix_cache import RadixCache
+
+            self.tree_cache = RadixCache(req_to_token_pool, allocator, page_size)
+        else:
+            from engine.mem_cache.chunk_cache import ChunkCache
+
+            self.tree_cache = ChunkCache(req_to_token_pool, allocator, page_size)
+        self._reported_leak: Optional[tuple] = None  # the last leak logged by check_memory
+
+    def new_batch(self, reqs: List[Req]) -> ScheduleBatch:
+        return ScheduleBatch.init_new(reqs, self.req_to_token_pool, self.token_to_kv_pool_allocator,
+                                      self.tree_cache, self.vocab_size, self.device)
+
+    def free_request_rows(self) -> int:
+        return self.req_to_token_pool.available_size()
+
+    def token_usage(self) -> float:
+        free = self.token_to_kv_pool_allocator.available_size() + self.tree_cache.evictable_size()
+        return 1.0 - free / self.max_total_num_tokens
+
+    def reset(self) -> None:
+        """Flush: the cache and both pools back to empty (no request may hold KV)."""
+        self.tree_cache.reset()
+        self.req_to_token_pool.clear()
+        self.token_to_kv_pool_allocator.clear()
+
+    def state(self) -> dict:
+        return {
+            "max_total_num_tokens": self.max_total_num_tokens,
+            "available_tokens": self.token_to_kv_pool_allocator.available_size(),
+            "evictable_tokens": self.tree_cache.evictable_size(),
+            "protected_tokens": self.tree_cache.protected_size(),
+            "token_usage": self.token_usage(),
+        }
+
+    def check_memory(self, extra_error: Optional[str] = None) -> None:
+        """At idle every KV slot is free, evictable or protected and every request row is free;
+        `extra_error` is what the PD role found wrong with its own buffers. A leak raises with
+        --strict-memory-check, else it is logged once per distinct leak."""
+        available = self.token_to_kv_pool_allocator.available_size()
+        evictable = self.tree_cache.evictable_size()
+        protected = self.tree_cache.protected_size()
+        free_rows = self.req_to_token_pool.available_size()
+        ok_tokens = available + evictable + protected == self.max_total_num_tokens
+        ok_rows = free_rows == self.req_to_token_pool.size
+        if ok_tokens and ok_rows and extra_error is None:
+            self._reported_leak = None
+            return
+        msg = (f"Scheduler memory leak detected! available={available}, evictable={evictable}, "
+               f"protected={protected}, total={self.max_total_num_tokens}, free req slots="
+               f"{free_rows}/{self.req_to_token_pool.size}" + (f", PD: {extra_error}" if extra_error else ""))
+        if self.strict_memory_check:
+            raise MemoryLeakError(msg)
+        # The check runs every idle second: report each distinct leak once, not forever.
+        leak = (available, evictable, protected, free_rows, extra_error)
+        if leak != self._reported_leak:
+            self._reported_leak = leak
+            logger.error("%s. The server keeps serving; --strict-memory-check makes this fatal.", msg)
