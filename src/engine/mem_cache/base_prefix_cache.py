@@ -4,12 +4,24 @@ from __future__ import annotations
 
 import abc
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Hashable, List, Optional
+from typing import Any, Hashable, List, Optional, Protocol
 
 import torch
 
-if TYPE_CHECKING:
-    from engine.scheduler.req import Req
+
+class CachedReq(Protocol):
+    """The attributes of a request (the scheduler's `Req`) that the request-level operations read
+    and write; declared here so that the caches never import the scheduler."""
+
+    origin_input_ids: List[int]
+    output_ids: List[int]
+    fill_ids: List[int]  # tokens in the KV after this round
+    req_pool_idx: Optional[int]  # its ReqToTokenPool row
+    prefix_indices: torch.Tensor  # KV slots of its cached prefix
+    last_node: Any  # the cache node that prefix ends at (locked while the request runs)
+    cache_protected_len: int  # row positions owned by the cache
+    kv_allocated_len: int  # row positions holding slots the request allocated or borrowed
+    extra_key: Optional[Hashable]  # its cache namespace
 
 
 @dataclass(slots=True)
@@ -27,10 +39,7 @@ class MatchResult:
 class BasePrefixCache(abc.ABC):
     """KV prefix cache over `ReqToTokenPool` rows and a token-to-KV allocator.
 
-    Request-level operations read and write these `Req` attributes: `origin_input_ids`,
-    `output_ids`, `fill_ids`, `req_pool_idx`, `prefix_indices`, `last_node`,
-    `cache_protected_len` (row positions owned by the cache), `kv_allocated_len` (row positions
-    holding slots the request allocated or borrowed) and `extra_key` (its cache namespace).
+    Request-level operations read and write a request's `CachedReq` attributes.
     """
 
     # True when requests never share prefixes (ChunkCache, or a disabled RadixCache).
@@ -74,11 +83,11 @@ class BasePrefixCache(abc.ABC):
         """All tokens cached."""
 
     @abc.abstractmethod
-    def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
+    def cache_finished_req(self, req: CachedReq, is_insert: bool = True) -> None:
         """Release a finished (or aborted/retracted when `is_insert` is False) request's KV and row."""
 
     @abc.abstractmethod
-    def cache_unfinished_req(self, req: Req) -> None:
+    def cache_unfinished_req(self, req: CachedReq) -> None:
         """After a prefill chunk: make the processed prefix shareable and keep the row."""
 
     @abc.abstractmethod

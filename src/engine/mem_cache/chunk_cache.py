@@ -7,16 +7,13 @@ is chunked prefill: between chunks a request keeps its own KV as its "prefix".
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Any, Hashable, List, Optional
+from typing import Any, Hashable, List, Optional
 
 import torch
 
 from engine.mem_cache.allocator import PagedTokenToKVPoolAllocator
-from engine.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult
+from engine.mem_cache.base_prefix_cache import BasePrefixCache, CachedReq, MatchResult
 from engine.mem_cache.memory_pool import ReqToTokenPool
-
-if TYPE_CHECKING:
-    from engine.scheduler.req import Req
 
 logger = logging.getLogger(__name__)
 
@@ -65,7 +62,7 @@ class ChunkCache(BasePrefixCache):
     def pretty_print(self) -> str:
         return "ChunkCache (no shared prefixes)"
 
-    def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
+    def cache_finished_req(self, req: CachedReq, is_insert: bool = True) -> None:
         # Nothing is shared, so finishing and aborting release the same way: all of the row's KV.
         if req.req_pool_idx is not None:
             row = req.req_pool_idx
@@ -78,6 +75,6 @@ class ChunkCache(BasePrefixCache):
         req.cache_protected_len = 0
         req.kv_allocated_len = 0
 
-    def cache_unfinished_req(self, req: Req) -> None:
+    def cache_unfinished_req(self, req: CachedReq) -> None:
         row = req.req_pool_idx
         req.prefix_indices = self.req_to_token_pool.req_to_token[row, : len(req.fill_ids)].to(torch.int64)

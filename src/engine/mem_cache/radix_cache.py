@@ -18,16 +18,13 @@ from __future__ import annotations
 
 import heapq
 import logging
-from typing import TYPE_CHECKING, Any, Dict, Hashable, Iterator, List, Optional, Tuple, Union
+from typing import Any, Dict, Hashable, Iterator, List, Optional, Tuple, Union
 
 import torch
 
 from engine.mem_cache.allocator import PagedTokenToKVPoolAllocator
-from engine.mem_cache.base_prefix_cache import BasePrefixCache, MatchResult
+from engine.mem_cache.base_prefix_cache import BasePrefixCache, CachedReq, MatchResult
 from engine.mem_cache.memory_pool import ReqToTokenPool
-
-if TYPE_CHECKING:
-    from engine.scheduler.req import Req
 
 logger = logging.getLogger(__name__)
 
@@ -299,7 +296,7 @@ class RadixCache(BasePrefixCache):
 
     # ------------------------------------------------------------------ request-level API
 
-    def cache_finished_req(self, req: Req, is_insert: bool = True) -> None:
+    def cache_finished_req(self, req: CachedReq, is_insert: bool = True) -> None:
         if req.req_pool_idx is not None:
             row = req.req_pool_idx
             kv = self.req_to_token_pool.req_to_token[row, : req.kv_allocated_len].to(torch.int64)
@@ -324,7 +321,7 @@ class RadixCache(BasePrefixCache):
         req.cache_protected_len = 0
         req.kv_allocated_len = 0
 
-    def cache_unfinished_req(self, req: Req) -> None:
+    def cache_unfinished_req(self, req: CachedReq) -> None:
         row = req.req_pool_idx
         fill_len = len(req.fill_ids)
         kv = self.req_to_token_pool.req_to_token[row, :fill_len].to(torch.int64)
