@@ -23,7 +23,7 @@ from __future__ import annotations
 import copy
 import logging
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -32,9 +32,6 @@ from engine.sampling.custom_logit_processor import apply_custom_logit_processors
 from engine.sampling.penaltylib.base import SamplingReq
 from engine.sampling.penaltylib.orchestrator import BatchedPenalizerOrchestrator
 from engine.sampling.sampling_params import SAMPLING_EPS
-
-if TYPE_CHECKING:
-    from engine.scheduler.schedule_batch import ScheduleBatch
 
 logger = logging.getLogger(__name__)
 
@@ -130,11 +127,6 @@ class SamplingBatchInfo:
                               [_custom_params(req) for req in reqs])
         info._refresh_flags()
         return info
-
-    @classmethod
-    def from_schedule_batch(cls, batch: ScheduleBatch, vocab_size: int) -> "SamplingBatchInfo":
-        """SGLang's entry point: the batch's requests on the batch's device."""
-        return cls.from_reqs(batch.reqs, vocab_size, batch.device)
 
     @property
     def batch_size(self) -> int:
