@@ -80,7 +80,7 @@ def _run(scheduler: Scheduler, prompts: List[List[int]], params: List[Dict[str, 
 def compile_times(scheduler: Scheduler, schema: str) -> Dict[str, float]:
     """Milliseconds: building the backend (tokenizer index), compiling `schema` the first time,
     and a cache hit (what a request with a known schema pays)."""
-    from engine.constrained.base_grammar_backend import create_grammar_backend
+    from engine.constrained.grammar_manager import create_grammar_backend
 
     args = scheduler.server_args
     start = time.perf_counter()

@@ -16,7 +16,6 @@ where bit j of word w allows token 32 * w + j. `constrained/vocab_mask.py` build
 from __future__ import annotations
 
 import logging
-import os
 import re
 from abc import ABC, abstractmethod
 from collections import OrderedDict
@@ -238,31 +237,6 @@ class BaseGrammarBackend(ABC):
 
     def shutdown(self) -> None:
         self.executor.shutdown(wait=False, cancel_futures=True)
-
-
-def create_grammar_backend(
-    name: str, tokenizer: Any, vocab_size: int, stop_token_ids: List[int], any_whitespace: bool = True
-) -> Tuple[Optional[BaseGrammarBackend], Optional[str]]:
-    """(backend, None), or (None, why constrained requests will be refused)."""
-    if name == "none":
-        return None, "Constrained decoding is disabled on this server (--grammar-backend none)."
-    if name != "xgrammar":
-        raise ValueError(f"Unknown grammar backend {name!r}")
-    if tokenizer is None:
-        return None, "Constrained decoding needs the tokenizer, which this server does not load."
-    try:
-        from engine.constrained.xgrammar_backend import XGrammarGrammarBackend
-    except ImportError:
-        logger.warning("xgrammar is not installed: constrained decoding is off (pip install 'engine[grammar]').")
-        return None, "Constrained decoding needs the xgrammar package, which is not installed on this server."
-    threads = max(1, min(4, os.cpu_count() or 1))
-    try:
-        backend = XGrammarGrammarBackend(tokenizer, vocab_size, stop_token_ids, any_whitespace=any_whitespace,
-                                         num_threads=threads)
-    except Exception as e:  # noqa: BLE001 - a tokenizer xgrammar cannot index: refuse, do not crash
-        logger.warning("Constrained decoding is off: xgrammar cannot use this tokenizer (%s)", e)
-        return None, f"Constrained decoding is unavailable: xgrammar cannot use this model's tokenizer ({e})."
-    return backend, None
 
 
 # xgrammar's C++ errors start with a timestamp and a source location; the rest is the message.

@@ -212,7 +212,7 @@ class Scheduler:
     def _create_grammar_backend(self) -> Tuple[Optional[BaseGrammarBackend], Optional[str]]:
         """The backend of --grammar-backend, or why constrained requests are refused (lazy: the
         first constrained request builds it, so a server without one never imports xgrammar)."""
-        from engine.constrained.base_grammar_backend import create_grammar_backend
+        from engine.constrained.grammar_manager import create_grammar_backend
 
         return create_grammar_backend(
             self.server_args.grammar_backend, self.tokenizer, self.vocab_size, sorted(self.eos_token_ids),
