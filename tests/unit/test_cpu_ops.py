@@ -187,7 +187,8 @@ def test_gate_up_linear_with_silu_and_mul_equals_the_two_calls(monkeypatch, cpu_
 
 
 def test_bf16_linear_layers_use_the_kernel_and_fall_back(monkeypatch):
-    from engine.layers.linear import ColumnParallelLinear, clear_packed_weights, prepack_linear_weights
+    from engine.layers.linear import ColumnParallelLinear, prepack_linear_weights
+    from engine.model_loader.weight_utils import clear_packed_weights
 
     layer = ColumnParallelLinear(64, 96, bias=True).to(torch.bfloat16)
     torch.manual_seed(0)

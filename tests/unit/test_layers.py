@@ -347,7 +347,8 @@ def test_input_logprobs_are_computed_in_bounded_chunks_with_the_same_results(mon
 
 
 def test_prepacked_linear_matches_plain_linear():
-    from engine.layers.linear import clear_packed_weights, prepack_linear_weights
+    from engine.layers.linear import prepack_linear_weights
+    from engine.model_loader.weight_utils import clear_packed_weights
 
     if not torch.backends.mkldnn.is_available():
         pytest.skip("no oneDNN in this torch build")

@@ -77,13 +77,6 @@ def prepack_linear_weights(model: nn.Module) -> int:
     return count
 
 
-def clear_packed_weights(model: nn.Module) -> None:
-    for module in model.modules():
-        if hasattr(module, "packed_weight"):
-            # torch types Module.__setattr__ for tensors and modules only; None is a valid value.
-            module.packed_weight = None  # type: ignore[assignment]
-
-
 def linear_forward(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[PackedWeight]
 ) -> torch.Tensor:

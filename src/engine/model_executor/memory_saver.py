@@ -25,7 +25,8 @@ from typing import Any, Callable, Dict, Iterable, Optional, Set
 import torch
 from torch import nn
 
-from engine.layers.linear import clear_packed_weights, prepack_linear_weights
+from engine.layers.linear import prepack_linear_weights
+from engine.model_loader.weight_utils import clear_packed_weights
 
 logger = logging.getLogger(__name__)
 

@@ -54,6 +54,15 @@ def default_weight_loader(param: nn.Parameter, loaded_weight: torch.Tensor, shar
     param.data.copy_(loaded_weight)
 
 
+def clear_packed_weights(model: nn.Module) -> None:
+    """Drop every layer's packed copy of its weight (layers/linear.py packs them for the CPU
+    kernels): a copy of old weights would be stale once new ones load."""
+    for module in model.modules():
+        if hasattr(module, "packed_weight"):
+            # torch types Module.__setattr__ for tensors and modules only; None is a valid value.
+            module.packed_weight = None  # type: ignore[assignment]
+
+
 def set_weight_loader(param: nn.Parameter, loader: WeightLoader) -> None:
     """Attach the loader that load_weights_into calls for `param` (torch declares no such attribute)."""
     setattr(param, "weight_loader", loader)
@@ -102,8 +111,6 @@ def load_weights_into(
     `require_all` (a whole checkpoint), on a parameter (or shard) the weights do not provide;
     without it (an update of some weights) only the given ones change.
     """
-    from engine.layers.linear import clear_packed_weights
-
     clear_packed_weights(model)  # packed copies of the old weights would be stale
     params = dict(model.named_parameters())  # tied parameters appear once, under their first name
     shards_of: Dict[str, Set[ShardId]] = {}
