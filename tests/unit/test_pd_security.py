@@ -367,3 +367,63 @@ def test_zmq_push_sockets_are_bounded(monkeypatch):
         assert len(sender._push) == 4
     finally:
         sender.close()
+
+
+def test_recompute_route_needs_the_secret_and_bounds_its_body():
+    """POST /recompute (a decode server's re-bootstrap): only with the MAC, only well-formed and
+    bounded requests reach the prefill, as the /generate body of the room's recompute."""
+    from engine.disaggregation import recompute
+
+    posted: List[dict] = []
+    accept = [True]
+
+    def submit(body: dict) -> bool:
+        posted.append(body)
+        return accept[0]
+
+    server = BootstrapServer("127.0.0.1", 0, tp_size=1, secret="k", submit=submit)
+    addr = f"127.0.0.1:{server.port}"
+    good = recompute.RecomputeReq(rid="r1", room=77, input_ids=[5, 6, 7], priority=3, cache_salt="s")
+    try:
+        with pytest.raises(BootstrapUnavailable, match="401"):
+            HttpBootstrapClient(secret="guess").recompute(addr, good)
+        with pytest.raises(BootstrapUnavailable, match="400"):
+            HttpBootstrapClient(secret="k").recompute(addr, recompute.RecomputeReq(rid="r", room=0, input_ids=[1]))
+        with pytest.raises(BootstrapUnavailable, match="400"):
+            HttpBootstrapClient(secret="k").recompute(addr, recompute.RecomputeReq(rid="r", room=1, input_ids=[]))
+        with pytest.raises(BootstrapUnavailable, match="400"):
+            HttpBootstrapClient(secret="k").recompute(addr, recompute.RecomputeReq(rid="x" * 2000, room=1,
+                                                                                   input_ids=[1]))
+        assert posted == []
+        HttpBootstrapClient(secret="k").recompute(addr, good)
+        assert posted == [{"rid": "r1" + recompute.RID_SUFFIX, "input_ids": [5, 6, 7],
+                           "sampling_params": {"max_new_tokens": 1, "temperature": 0.0}, "priority": 3,
+                           "extra_key": None, "cache_salt": "s", "bootstrap_host": "127.0.0.1",
+                           "bootstrap_port": server.port, "bootstrap_room": 77}]
+        accept[0] = False  # the forwarder's pending bound
+        with pytest.raises(BootstrapUnavailable, match="503"):
+            HttpBootstrapClient(secret="k").recompute(addr, good)
+        big = b"POST /recompute HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n{" % (
+            recompute.MAX_RECOMPUTE_BODY_BYTES + 1)
+        assert _raw_http(server.port, big).split(b" ")[1] == b"413"
+    finally:
+        server.close()
+    unwired = BootstrapServer("127.0.0.1", 0, tp_size=1)
+    try:  # a bootstrap server without a forwarder (in-process tests) takes none
+        with pytest.raises(BootstrapUnavailable, match="503"):
+            HttpBootstrapClient().recompute(f"127.0.0.1:{unwired.port}", good)
+    finally:
+        unwired.close()
+
+
+def test_recompute_request_decoding_refuses_what_it_does_not_know():
+    from engine.disaggregation import recompute
+
+    with pytest.raises(ValueError, match="not a recompute request"):
+        recompute.decode(b'{"rid": "r", "room": 1, "input_ids": [1], "sampling_params": {}}')  # unknown field
+    with pytest.raises(ValueError, match="not a recompute request"):
+        recompute.decode(b'{"rid": "r", "room": 1, "input_ids": ["1"]}')
+    with pytest.raises(ValueError, match="at most"):
+        recompute.decode(b" " * (recompute.MAX_RECOMPUTE_BODY_BYTES + 1))
+    req = recompute.decode(recompute.encode(recompute.RecomputeReq(rid="r", room=(1 << 63) - 1, input_ids=[0])))
+    assert req.room == (1 << 63) - 1
