@@ -75,7 +75,7 @@ def test_transfer_failure_injected_on_decode(make_pair, clock):
     assert decode_reason["status_code"] == 500 and "injected transfer failure" in decode_reason["message"]
     # The decode side told the prefill (it knew its address): no wait for the bootstrap timeout.
     assert prefill_reason["status_code"] == 500 and "injected" in prefill_reason["message"]
-    metrics = p.decode.scheduler.internal_state()["disaggregation"]["metrics"]
+    metrics = p.decode.scheduler.stats.internal_state()["disaggregation"]["metrics"]
     assert metrics["kv_transfer_failed_reqs_by_cause"] == {"injected": 1}
     assert metrics["num_transfer_failed_reqs"] == 1 and metrics["num_bootstrap_failed_reqs"] == 0
     p.net.release("DstInfo")  # the held destination reaches a prefill that already gave up
@@ -263,7 +263,7 @@ def test_prefill_death_fails_waiting_requests_and_decode_serves_a_new_prefill(ma
     for rid in rids:
         reason = p.decode.outputs[rid].finished_reason
         assert reason["status_code"] == 500 and "missed 2 heartbeats" in reason["message"]
-    metrics = p.decode.scheduler.internal_state()["disaggregation"]["metrics"]
+    metrics = p.decode.scheduler.stats.internal_state()["disaggregation"]["metrics"]
     assert metrics["kv_transfer_failed_reqs_by_cause"] == {"peer_dead": 2}
     # A prefill server comes back at the same address: the decode server serves again.
     p.net.held.clear()
@@ -310,20 +310,78 @@ def test_metadata_gate_holds_success_until_the_row_arrives(make_pair, clock):
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])
-def test_pause_retract_on_decode_resumes_from_the_kv_backup(make_pair, clock, overlap):
+@pytest.mark.parametrize("new_weights", [False, True], ids=["same-weights", "new-weights"])
+def test_pause_retract_on_decode_rebootstraps_from_the_prefill(make_pair, clock, overlap, new_weights):
+    """SGLang's PD true retraction: a pause(retract) frees the KV without a backup, and after
+    continue the prefill recomputes it (prompt + outputs but the last) with the weights it has then.
+    The fake workers' kv_scale stands in for the weights: a restored backup of the old KV gives
+    other tokens than a fresh run on the new weights."""
     from engine.io_struct import ContinueGenerationReqInput, PauseGenerationReqInput
 
     p = make_pair(overlap_decode=overlap)
-    rids = [p.submit([i + 3] * 7, max_new_tokens=12, stream=True) for i in range(2)]
+    prompts = [[i + 3] * 7 for i in range(2)]
+    rids = [p.submit(prompt, max_new_tokens=12, stream=True) for prompt in prompts]
     step_until(p, lambda: all(len(p.decode.outputs[r].output_ids) >= 3 for r in rids))
     control = p.decode.scheduler.control
     assert control.pause_generation(PauseGenerationReqInput(mode="retract")).success
-    assert len(p.decode.scheduler.disagg.prealloc.retracted_queue) == 2  # their KV backed up, freed
+    disagg = p.decode.scheduler.disagg
+    assert len(disagg.prealloc.held) == 2 and not disagg.prealloc.retracted_queue  # no KV, no backup
+    assert all(r.kv_backup is None for r in disagg.prealloc.held)
+    before = {r.rid: list(r.output_ids) for r in disagg.prealloc.held}
+    prefill_computed = p.prefill.scheduler.num_extend_tokens_computed
+    if new_weights:
+        # A weight update: new weights, and the prefill's cached prefixes flushed with it.
+        p.prefill.scheduler.worker.kv_scale = p.decode.scheduler.worker.kv_scale = 2.0
+        assert p.prefill.scheduler.flush_cache().success
     assert control.continue_generation(ContinueGenerationReqInput(torch_empty_cache=False)).success
     p.run_until_idle()
-    assert [p.decode.outputs[r].output_ids for r in rids] == [expected([i + 3] * 7, max_new_tokens=12)
-                                                              for i in range(2)]
+    assert p.net.recomputes == 2
+    for prompt, rid in zip(prompts, rids):
+        head = before[rid]
+        oracle = unified()
+        oracle.worker.kv_scale = 2.0 if new_weights else 1.0
+        fresh = oracle.submit(prompt + head, max_new_tokens=12 - len(head))
+        oracle.run_until_idle()
+        assert p.decode.outputs[rid].output_ids == head + oracle.outputs[fresh].output_ids
+        if not new_weights:
+            assert p.decode.outputs[rid].output_ids == expected(prompt, max_new_tokens=12)
+    # The decode side computed no prompt position; the prefill recomputed prompt + outputs - 1.
     assert p.decode.scheduler.num_extend_tokens_computed == 0
+    assert p.prefill.scheduler.num_extend_tokens_computed - prefill_computed <= sum(
+        len(prompt) + len(before[rid]) - 1 for prompt, rid in zip(prompts, rids))
+
+
+def test_rebootstrap_the_prefill_does_not_take_ends_the_request_with_500(make_pair, clock):
+    from engine.io_struct import ContinueGenerationReqInput, PauseGenerationReqInput
+
+    p = make_pair()
+    rid = p.submit(PROMPT, max_new_tokens=12, stream=True)
+    step_until(p, lambda: len(p.decode.outputs[rid].output_ids) >= 3)
+    control = p.decode.scheduler.control
+    assert control.pause_generation(PauseGenerationReqInput(mode="retract")).success
+    p.net.recompute_sinks.clear()  # the prefill's bootstrap server takes no recompute
+    assert control.continue_generation(ContinueGenerationReqInput(torch_empty_cache=False)).success
+    p.run_until_idle()  # and nothing is left on either side (the prefill dropped the destination)
+    reason = p.decode.outputs[rid].finished_reason
+    assert reason["status_code"] == 500 and "did not take the recompute" in reason["message"]
+
+
+def test_abort_of_a_request_held_for_rebootstrap(make_pair, clock):
+    from engine.io_struct import AbortReq, ContinueGenerationReqInput, PauseGenerationReqInput
+
+    p = make_pair()
+    rid = p.submit(PROMPT, max_new_tokens=12, stream=True)
+    step_until(p, lambda: len(p.decode.outputs[rid].output_ids) >= 3)
+    control = p.decode.scheduler.control
+    assert control.pause_generation(PauseGenerationReqInput(mode="retract")).success
+    emitted = list(p.decode.scheduler.disagg.prealloc.held[0].output_ids)
+    p.decode.scheduler.add_request(AbortReq(rid=rid))
+    p.step()
+    assert not p.decode.scheduler.disagg.prealloc.held
+    assert control.continue_generation(ContinueGenerationReqInput(torch_empty_cache=False)).success
+    p.run_until_idle()
+    assert p.decode.outputs[rid].finished_reason["type"] == "abort"
+    assert p.decode.outputs[rid].output_ids == emitted and p.net.recomputes == 0
 
 
 def test_memory_release_is_refused_while_kv_is_in_transfer(make_pair, clock):
