@@ -20,7 +20,6 @@ from __future__ import annotations
 import concurrent.futures
 import os
 import signal
-import tempfile
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterator, List, Tuple
 
@@ -31,11 +30,9 @@ import pytest
 from conftest import ServerProcess, start_server_process
 from engine.utils.network_utils import get_free_port
 from utils_http import TIMEOUT, post, same_generation, server_state, stream_events, wait_idle
-from utils_bench import load_benchmark_module, needs_router
 from utils_process import running, wait_until
-
-bench_router = load_benchmark_module("bench_router")
-pd_cluster = load_benchmark_module("pd_cluster")
+from utils_router import (PrefillEndpoint, RouterProcess, decode_server_args, needs_router, prefill_server_args,
+                          start_pd_router)
 pytestmark = needs_router
 
 POLICIES = ("cache_aware", "round_robin", "power_of_two")
@@ -56,54 +53,44 @@ class PDCluster:
     bootstrap_ports: List[int]
     decodes: List[ServerProcess]
     routers: Dict[str, str] = field(default_factory=dict)
-    router_procs: List[Any] = field(default_factory=list)
-    router_log: Any = None
+    router_procs: List[RouterProcess] = field(default_factory=list)
 
     def servers(self) -> List[ServerProcess]:
         return [self.unified, *self.prefills, *self.decodes]
 
     def start_router(self, prefills: List[Tuple[str, int]], policy: str) -> str:
-        endpoints = [pd_cluster.PrefillEndpoint(url, port) for url, port in prefills]
-        proc, url = pd_cluster.start_pd_router(endpoints, [d.url for d in self.decodes], policy, self.router_log,
-                                               ROUTER_ARGS)
-        self.router_procs.append(proc)
-        try:
-            bench_router.wait_router_ready(proc, url, num_workers=len(prefills) + len(self.decodes))
-        except (RuntimeError, TimeoutError):
-            self.router_log.seek(0)
-            raise RuntimeError(self.router_log.read().decode(errors="replace")[-4000:]) from None
-        return url
+        endpoints = [PrefillEndpoint(url, port) for url, port in prefills]
+        router = start_pd_router(endpoints, [d.url for d in self.decodes], policy, ROUTER_ARGS)
+        self.router_procs.append(router)
+        return router.url
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[PDCluster]:
     servers: List[ServerProcess] = []
     result = None
-    with tempfile.TemporaryFile() as router_log:
-        try:
-            ports = [get_free_port() for _ in range(2)]
-            prefills = [start_server_process(WORKER_ARGS + pd_cluster.prefill_server_args(p), wait=False, env=PD_ENV)
-                        for p in ports]
-            decodes = [start_server_process(WORKER_ARGS + pd_cluster.decode_server_args() + DECODE_ARGS, wait=False,
-                                            env=PD_ENV),
-                       start_server_process(WORKER_ARGS + pd_cluster.decode_server_args() + DECODE_ARGS
-                                            + ["--tp-size", "2"], wait=False,
-                                            env={**PD_ENV, "ENGINE_CHECK_TP_SAMPLING": "1"})]  # ranks must agree
-            unified = start_server_process(WORKER_ARGS, wait=False)
-            servers = [unified, *prefills, *decodes]
-            for server in servers:
-                server.wait_healthy()
-            result = PDCluster(unified, prefills, ports, decodes, router_log=router_log)
-            for policy in POLICIES:
-                result.routers[policy] = result.start_router(list(zip([p.url for p in prefills], ports)), policy)
-            yield result
-        finally:
-            if result is not None:
-                for proc in result.router_procs:
-                    bench_router.stop_process(proc)
-                servers = result.servers()
-            for server in servers:
-                server.stop()
+    try:
+        ports = [get_free_port() for _ in range(2)]
+        prefills = [start_server_process(WORKER_ARGS + prefill_server_args(p), wait=False, env=PD_ENV)
+                    for p in ports]
+        decodes = [start_server_process(WORKER_ARGS + decode_server_args() + DECODE_ARGS, wait=False, env=PD_ENV),
+                   start_server_process(WORKER_ARGS + decode_server_args() + DECODE_ARGS + ["--tp-size", "2"],
+                                        wait=False, env={**PD_ENV, "ENGINE_CHECK_TP_SAMPLING": "1"})]  # ranks agree
+        unified = start_server_process(WORKER_ARGS, wait=False)
+        servers = [unified, *prefills, *decodes]
+        for server in servers:
+            server.wait_healthy()
+        result = PDCluster(unified, prefills, ports, decodes)
+        for policy in POLICIES:
+            result.routers[policy] = result.start_router(list(zip([p.url for p in prefills], ports)), policy)
+        yield result
+    finally:
+        if result is not None:
+            for router in result.router_procs:
+                router.stop()
+            servers = result.servers()
+        for server in servers:
+            server.stop()
 
 
 PROMPTS = ["The capital of France is", "Disaggregated serving splits prefill from decode because",
@@ -263,7 +250,7 @@ def test_kill_prefill_mid_transfer_then_serve_again(cluster: PDCluster) -> None:
     assert failed == len(prompts)
 
     # A prefill server comes back at the same address.
-    cluster.prefills[1] = start_server_process(WORKER_ARGS + pd_cluster.prefill_server_args(port),
+    cluster.prefills[1] = start_server_process(WORKER_ARGS + prefill_server_args(port),
                                                port=int(victim.url.rsplit(":", 1)[1]), env=PD_ENV)
 
     def router_serves() -> bool:

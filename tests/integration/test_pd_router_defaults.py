@@ -11,19 +11,16 @@ router equal the unified server's, on /generate and the chat route; so do constr
 from __future__ import annotations
 
 import json
-import tempfile
 from dataclasses import dataclass
-from typing import Any, Dict, Iterator, List
+from typing import Any, Dict, Iterator, List, Optional
 
 import pytest
 
 from conftest import ServerProcess, start_server_process
 from engine.utils.network_utils import get_free_port
-from utils_bench import load_benchmark_module, needs_router
 from utils_http import post, same_generation, wait_idle
+from utils_router import PrefillEndpoint, RouterProcess, needs_router, start_pd_router
 
-bench_router = load_benchmark_module("bench_router")
-pd_cluster = load_benchmark_module("pd_cluster")
 pytestmark = [needs_router, pytest.mark.slow]
 
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}
@@ -40,31 +37,24 @@ class Deployment:
 @pytest.fixture(scope="module")
 def deployment() -> Iterator[Deployment]:
     servers: List[ServerProcess] = []
-    router_proc = None
-    with tempfile.TemporaryFile() as router_log:
-        try:
-            port = get_free_port()
-            bootstrap = ["--disaggregation-bootstrap-port", str(port)]
-            compact = ["--constrained-json-disable-any-whitespace"]  # short JSON answers: they finish
-            prefill = start_server_process(["--disaggregation-mode", "prefill", *bootstrap, *compact], wait=False)
-            decode = start_server_process(["--disaggregation-mode", "decode", *bootstrap, *compact], wait=False)
-            unified = start_server_process(compact, wait=False)
-            servers = [prefill, decode, unified]
-            for server in servers:
-                server.wait_healthy()
-            router_proc, url = pd_cluster.start_pd_router([pd_cluster.PrefillEndpoint(prefill.url, None)],
-                                                          [decode.url], "round_robin", router_log)
-            try:
-                bench_router.wait_router_ready(router_proc, url, num_workers=2)
-            except (RuntimeError, TimeoutError):
-                router_log.seek(0)
-                raise RuntimeError(router_log.read().decode(errors="replace")[-4000:]) from None
-            yield Deployment(unified, prefill, decode, url)
-        finally:
-            if router_proc is not None:
-                bench_router.stop_process(router_proc)
-            for server in servers:
-                server.stop()
+    router: Optional[RouterProcess] = None
+    try:
+        port = get_free_port()
+        bootstrap = ["--disaggregation-bootstrap-port", str(port)]
+        compact = ["--constrained-json-disable-any-whitespace"]  # short JSON answers: they finish
+        prefill = start_server_process(["--disaggregation-mode", "prefill", *bootstrap, *compact], wait=False)
+        decode = start_server_process(["--disaggregation-mode", "decode", *bootstrap, *compact], wait=False)
+        unified = start_server_process(compact, wait=False)
+        servers = [prefill, decode, unified]
+        for server in servers:
+            server.wait_healthy()
+        router = start_pd_router([PrefillEndpoint(prefill.url, None)], [decode.url], "round_robin")
+        yield Deployment(unified, prefill, decode, router.url)
+    finally:
+        if router is not None:
+            router.stop()
+        for server in servers:
+            server.stop()
 
 
 def test_router_without_bootstrap_ports_equals_unified(deployment: Deployment) -> None:

@@ -13,8 +13,6 @@ import asyncio
 import json
 import os
 import signal
-import subprocess
-import tempfile
 from dataclasses import dataclass
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -23,11 +21,9 @@ import pytest
 
 from conftest import ServerProcess, start_server_process
 from utils_http import TIMEOUT, post, same_generation, server_state, sse_payloads, stream_events, wait_idle
-from utils_bench import load_benchmark_module, needs_router
 from utils_process import running, wait_until
+from utils_router import RouterProcess, needs_router, router_workers, start_router
 
-
-bench_router = load_benchmark_module("bench_router")
 pytestmark = needs_router
 
 MODEL = "engine-builtin"
@@ -51,33 +47,27 @@ class Cluster:
 
 
 def _router_workers(url: str) -> List[Dict[str, Any]]:
-    return bench_router.router_workers(url)
+    return router_workers(url)
 
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[Cluster]:
     workers: List[ServerProcess] = []
-    router: Optional[subprocess.Popen] = None
-    with tempfile.TemporaryFile() as router_log:
-        try:
-            # Every forward takes at least 5 ms (a testing aid), so an abandoned LONG request cannot
-            # decode to its end before the disconnect reaches the worker, however fast the machine.
-            workers = [start_server_process(WORKER_ARGS, wait=False, env={"ENGINE_TEST_FORWARD_SLEEP_S": "0.005"})
-                       for _ in range(2)]
-            for worker in workers:
-                worker.wait_healthy()
-            router, url = bench_router.start_router([w.url for w in workers], "cache_aware", router_log, ROUTER_ARGS)
-            try:
-                bench_router.wait_router_ready(router, url, num_workers=2)
-            except (RuntimeError, TimeoutError):
-                router_log.seek(0)
-                raise RuntimeError(router_log.read().decode(errors="replace")[-4000:]) from None
-            yield Cluster(url, workers)
-        finally:
-            if router is not None:
-                bench_router.stop_process(router)
-            for worker in workers:
-                worker.stop()
+    router: Optional[RouterProcess] = None
+    try:
+        # Every forward takes at least 5 ms (a testing aid), so an abandoned LONG request cannot
+        # decode to its end before the disconnect reaches the worker, however fast the machine.
+        workers = [start_server_process(WORKER_ARGS, wait=False, env={"ENGINE_TEST_FORWARD_SLEEP_S": "0.005"})
+                   for _ in range(2)]
+        for worker in workers:
+            worker.wait_healthy()
+        router = start_router([w.url for w in workers], "cache_aware", ROUTER_ARGS)
+        yield Cluster(router.url, workers)
+    finally:
+        if router is not None:
+            router.stop()
+        for worker in workers:
+            worker.stop()
 
 
 # ---------------------------------------------------------------------------- native /generate
