@@ -75,7 +75,7 @@ def test_transfer_failure_injected_on_decode(make_pair, clock):
     assert decode_reason["status_code"] == 500 and "injected transfer failure" in decode_reason["message"]
     # The decode side told the prefill (it knew its address): no wait for the bootstrap timeout.
     assert prefill_reason["status_code"] == 500 and "injected" in prefill_reason["message"]
-    metrics = p.decode.scheduler.stats.internal_state()["disaggregation"]["metrics"]
+    metrics = p.decode.scheduler.internal_state()["disaggregation"]["metrics"]
     assert metrics["kv_transfer_failed_reqs_by_cause"] == {"injected": 1}
     assert metrics["num_transfer_failed_reqs"] == 1 and metrics["num_bootstrap_failed_reqs"] == 0
     p.net.release("DstInfo")  # the held destination reaches a prefill that already gave up
@@ -263,7 +263,7 @@ def test_prefill_death_fails_waiting_requests_and_decode_serves_a_new_prefill(ma
     for rid in rids:
         reason = p.decode.outputs[rid].finished_reason
         assert reason["status_code"] == 500 and "missed 2 heartbeats" in reason["message"]
-    metrics = p.decode.scheduler.stats.internal_state()["disaggregation"]["metrics"]
+    metrics = p.decode.scheduler.internal_state()["disaggregation"]["metrics"]
     assert metrics["kv_transfer_failed_reqs_by_cause"] == {"peer_dead": 2}
     # A prefill server comes back at the same address: the decode server serves again.
     p.net.held.clear()

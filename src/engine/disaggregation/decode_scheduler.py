@@ -12,7 +12,9 @@ sequence lengths (the committed KV) and the sampling info; its "result" is the h
 prefill sampled, which may already finish the request (EOS, max_new_tokens 1: a quick finish).
 The handoff token reaches the first decode step through the overlap relay, written on the forward
 stream after the forwards in flight (one of them may still write that row for a request that just
-finished). Retracted requests keep a CPU copy of their committed KV and resume from it.
+finished). Requests retracted for memory keep a CPU copy of their committed KV and resume from it;
+requests retracted by pause_generation(mode="retract") are re-bootstrapped once generation
+continues: the prefill recomputes their KV with the weights it has then (decode_prealloc.py).
 """
 
 from __future__ import annotations
@@ -92,10 +94,17 @@ class DecodeDisaggregation:
         return self.manager.refusal(req.bootstrap_host, req.bootstrap_port)
 
     def add_request(self, req: Req, is_retracted: bool = False, grammar: Optional[PendingGrammar] = None) -> None:
-        if is_retracted:
+        if is_retracted and self._paused_by_retract():
+            self.prealloc.hold(req)
+        elif is_retracted:
             self.prealloc.add_retracted(req)
         else:
             self.prealloc.add(req, grammar)
+
+    def _paused_by_retract(self) -> bool:
+        """pause_generation(mode="retract") is under way: the weights may change before continue."""
+        control = self.scheduler.control
+        return control.paused and control.pause_mode == "retract"
 
     def _make_receiver(self, req: Req) -> KVReceiver:
         room = req.bootstrap_room or 0
@@ -113,6 +122,8 @@ class DecodeDisaggregation:
 
     def process_queues(self) -> None:
         """prealloc -> transfer -> waiting, retracted requests first (SGLang's process_decode_queue)."""
+        if self.prealloc.held:  # called only while generation runs: it continued since the pause
+            self.prealloc.enqueue_held()
         resumed = self.prealloc.resume_retracted(self._admission_state())
         self.waiting.extend(resumed)
         self._iteration += 1
@@ -188,8 +199,8 @@ class DecodeDisaggregation:
         slots (forwards, restores, published transfers) comes after it.
         """
         pool = self.memory.allocator.get_kvcache()
-        if pool is None:
-            return  # a test worker without KV data: nothing to keep
+        if pool is None or self._paused_by_retract():
+            return  # nothing to keep (a test worker), or recomputed by the prefill after the pause
         committed = len(req.origin_input_ids) + len(req.output_ids) - 1
         slots = self.memory.req_to_token_pool.req_to_token[req.req_pool_idx, :committed].to(torch.int64).clone()
         req.kv_backup = self.scheduler.forward_stream.run_in_order(lambda: gather_kv(pool, slots))
@@ -221,7 +232,8 @@ class DecodeDisaggregation:
         return len(self.transfer.queue) + len(self.waiting)
 
     def is_idle(self) -> bool:
-        return not (self.prealloc.queue or self.prealloc.retracted_queue or self.transfer.queue or self.waiting)
+        return not (self.prealloc.queue or self.prealloc.retracted_queue or self.prealloc.held or self.transfer.queue
+                    or self.waiting)
 
     def check_memory(self) -> Optional[str]:
         memory = self.memory
@@ -233,6 +245,7 @@ class DecodeDisaggregation:
             "num_decode_prealloc_queue_reqs": len(self.prealloc.queue),
             "num_decode_transfer_queue_reqs": len(self.transfer.queue),
             "num_decode_retracted_queue_reqs": len(self.prealloc.retracted_queue),
+            "num_decode_held_rebootstrap_reqs": len(self.prealloc.held),
             "num_decode_waiting_reqs": len(self.waiting),
             "num_late_kv_frames": self.manager.late_frames if self.manager is not None else 0,
             "metrics": self.metrics.snapshot(),
@@ -240,7 +253,8 @@ class DecodeDisaggregation:
 
     def queue_summary(self) -> str:
         return (f"#prealloc-req: {len(self.prealloc.queue)}, #transfer-req: {len(self.transfer.queue)}, "
-                f"#retracted-req: {len(self.prealloc.retracted_queue)}, #waiting-req: {len(self.waiting)}")
+                f"#retracted-req: {len(self.prealloc.retracted_queue)}, #held-req: {len(self.prealloc.held)}, "
+                f"#waiting-req: {len(self.waiting)}")
 
     def close(self) -> None:
         if self.manager is not None:
