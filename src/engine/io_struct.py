@@ -22,9 +22,11 @@ control reply carries the asker's worker back, and the batch outputs carry one w
 from __future__ import annotations
 
 import operator
-from typing import Any, Dict, List, Literal, Optional, Tuple, Union
+from typing import Any, Dict, List, Optional, Tuple, Union
 
 import msgspec
+
+from engine.request_options import RequestOptions
 
 
 class Routed(msgspec.Struct, kw_only=True):
@@ -38,33 +40,10 @@ class TokenizedGenerateReqInput(Routed, tag=True):
     input_ids: List[int]
     sampling_params: Dict[str, Any]  # SamplingParams fields by SGLang name, already validated
     input_text: Optional[str] = None
-    return_logprob: bool = False
-    logprob_start_len: int = -1  # -1: no input logprobs
-    top_logprobs_num: int = 0
     stream: bool = False
-    # Logprobs of these token ids at every output (and requested input) position.
-    token_ids_logprob: Optional[List[int]] = None
-    # true: every position's hidden states; "last" (SGLang's mode): the last position's only.
-    return_hidden_states: Union[bool, Literal["last"]] = False
-    # A CustomLogitProcessor serialized by its to_str() (only with --enable-custom-logit-processor).
-    custom_logit_processor: Optional[str] = None
-    priority: Optional[int] = None
-    # The output starts inside the model's reasoning: its grammar applies after the reasoning's end.
-    require_reasoning: bool = False
-    # Cache namespace: requests share cached prefixes only when both are equal.
-    extra_key: Optional[str] = None
-    cache_salt: Optional[str] = None
-    # PD disaggregation: the prefill's bootstrap server and the room shared by both halves of
-    # the request (SGLang's router adds them); unused by a server in --disaggregation-mode null.
-    bootstrap_host: Optional[str] = None
-    bootstrap_port: Optional[int] = None
-    bootstrap_room: Optional[int] = None
-    # The data-parallel replica named by the client (SGLang's routed_dp_rank), already in
-    # [0, dp_size); None: the controller's load balancer picks one.
-    routed_dp_rank: Optional[int] = None
-    # SGLang's routing key: --schedule-policy routing-key runs requests of the keys most frequent
-    # among the running ones first.
-    routing_key: Optional[str] = None
+    # Everything else the client asked of this sub-request, checked (request_options.py declares
+    # each option once; the scheduler's Req keeps this value).
+    options: RequestOptions = msgspec.field(default_factory=RequestOptions)
 
 
 class TokenizedEmbeddingReqInput(Routed, tag=True):

@@ -12,6 +12,7 @@ import torch
 from utils_models import build_tiny_model
 
 from engine.io_struct import BatchTokenIDOutput, TokenizedGenerateReqInput
+from engine.request_options import RequestOptions
 from engine.server_args import ServerArgs
 
 DEV = "cuda"
@@ -82,7 +83,7 @@ class SchedulerDriver:
             rids.append(rid)
             self.outputs[rid] = Output()
             self.scheduler.add_request(TokenizedGenerateReqInput(
-                rid=rid, input_ids=list(p), return_logprob=return_logprob,
+                rid=rid, input_ids=list(p), options=RequestOptions(return_logprob=return_logprob),
                 sampling_params={"max_new_tokens": int(n), "temperature": 0.0, "ignore_eos": True}))
         steps = 0
         while self.scheduler.has_work():

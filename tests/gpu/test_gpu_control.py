@@ -26,6 +26,7 @@ from engine.io_struct import (
     TokenizedGenerateReqInput,
     UpdateWeightFromDiskReqInput,
 )
+from engine.request_options import RequestOptions
 
 pytestmark = [
     pytest.mark.gpu,
@@ -107,7 +108,7 @@ def test_hidden_states_on_cuda(checkpoints):
     drv = SchedulerDriver(paths[0], dtype="float32", attention_backend="triton", cuda_graph_max_bs=8)
     try:
         drv.scheduler.add_request(TokenizedGenerateReqInput(
-            rid="hidden", input_ids=list(prompts[1]), return_hidden_states=True,
+            rid="hidden", input_ids=list(prompts[1]), options=RequestOptions(return_hidden_states=True),
             sampling_params={"max_new_tokens": N_NEW, "temperature": 0.0, "ignore_eos": True}))
         output_ids, states = [], []
         while drv.scheduler.has_work():

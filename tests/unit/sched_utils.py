@@ -15,6 +15,7 @@ from engine.io_struct import (
     TokenizedEmbeddingReqInput,
     TokenizedGenerateReqInput,
 )
+from engine.request_options import OPTION_FIELDS, RequestOptions
 from engine.scheduler.overlap_utils import resolve_relay_input_ids, write_relay
 from engine.scheduler.scheduler import Scheduler
 from engine.scheduler.tp_worker import GenerationBatchResult, worker_limits
@@ -24,10 +25,8 @@ from engine.server_args import ServerArgs
 
 VOCAB = 1000
 EOS = 999
-# TokenizedGenerateReqInput fields Harness.submit takes next to the sampling params.
-REQUEST_FIELDS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "token_ids_logprob",
-                  "return_hidden_states", "custom_logit_processor", "priority", "extra_key", "cache_salt",
-                  "bootstrap_host", "bootstrap_port", "bootstrap_room", "routing_key")
+# Harness.submit takes every request option (request_options.py) next to the sampling params.
+REQUEST_FIELDS = tuple(OPTION_FIELDS)
 
 
 class FakeTokenizer:
@@ -144,7 +143,7 @@ class Harness:
         self.replies: List = []  # control replies the scheduler sent
 
     def submit(self, input_ids: List[int], rid: Optional[str] = None, stream: bool = False, **sampling) -> str:
-        """Sampling params, plus any TokenizedGenerateReqInput field (return_logprob, priority, ...)."""
+        """Sampling params, plus any request option (return_logprob, priority, ...)."""
         if rid is None:
             rid = f"r{self.counter}"
             self.counter += 1
@@ -152,7 +151,8 @@ class Harness:
         sampling.setdefault("max_new_tokens", 8)
         fields = {name: sampling.pop(name) for name in list(sampling) if name in REQUEST_FIELDS}
         self.scheduler.add_request(TokenizedGenerateReqInput(
-            rid=rid, input_ids=list(input_ids), sampling_params=sampling, stream=stream, **fields))
+            rid=rid, input_ids=list(input_ids), sampling_params=sampling, stream=stream,
+            options=RequestOptions(**fields)))
         self.outputs.setdefault(rid, ReqOutput())
         return rid
 

@@ -85,4 +85,4 @@ def test_generate_accepts_true_false_and_last(value: Any, ok: bool) -> None:
         return
     obj.normalize()
     expected = value if isinstance(value, list) else [value, value]
-    assert [sub.return_hidden_states for sub in obj.subs] == expected
+    assert [sub.options.return_hidden_states for sub in obj.subs] == expected

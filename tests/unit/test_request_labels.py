@@ -98,7 +98,7 @@ def test_generate_labels_metrics_and_sends_the_routing_key(runtime):
     assert value(parsed, "sglang:num_requests_total", model_name=MODEL, team="search", tier="") == 1
     assert value(parsed, "sglang:num_requests_total", model_name=MODEL, team="", tier="") == 1
     assert all("unknown" not in labels for labels, _ in parsed["sglang:num_requests_total"])
-    assert [m.routing_key for m in fake.messages(TokenizedGenerateReqInput)] == ["user-7", None]
+    assert [m.options.routing_key for m in fake.messages(TokenizedGenerateReqInput)] == ["user-7", None]
     with pytest.raises(EngineRequestError, match="custom_labels"):
         generate(manager, custom_labels={"team": 3})
     with pytest.raises(EngineRequestError, match="routing_key"):
@@ -126,5 +126,5 @@ def test_openai_routes_read_labels_and_routing_key_from_headers(runtime):
     assert value(parsed, "sglang:num_requests_total", model_name=MODEL, team="", tier="gold") == 2
     assert value(parsed, "sglang:num_requests_total", model_name=MODEL, team="", tier="") == 1
     assert value(parsed, "sglang:num_requests_total", model_name=MODEL, team="t", tier="") == 1
-    keys = [m.routing_key for m in fake.messages(TokenizedGenerateReqInput)]
+    keys = [m.options.routing_key for m in fake.messages(TokenizedGenerateReqInput)]
     assert keys == ["tenant-1", "tenant-1", None, "r"]

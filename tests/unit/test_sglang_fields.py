@@ -168,10 +168,10 @@ def test_dp_rank_fields_are_accepted_and_reach_the_scheduler_request(name: str) 
     obj = GenerateReqInput(input_ids=[1, 2, 3], **{name: 1})
     obj.normalize()
     tokenized = RequestNormalizer(None, 100, 64, dp_size=2).tokenize_one(obj, 0, [1, 2, 3])
-    assert tokenized.routed_dp_rank == 1
+    assert tokenized.options.routed_dp_rank == 1
     plain = GenerateReqInput(input_ids=[1, 2, 3])
     plain.normalize()
-    assert RequestNormalizer(None, 100, 64, dp_size=2).tokenize_one(plain, 0, [1, 2, 3]).routed_dp_rank is None
+    assert RequestNormalizer(None, 100, 64, dp_size=2).tokenize_one(plain, 0, [1, 2, 3]).options.routed_dp_rank is None
 
 
 def test_a_dp_rank_outside_the_replicas_is_a_400() -> None:

@@ -172,12 +172,12 @@ class FakeScheduler:
             out.prompt_tokens.append(len(req.input_ids))
             out.completion_tokens.append(fake.produced)
             out.cached_tokens.append(0)
-            k = req.top_logprobs_num
-            want = req.return_logprob
+            k = req.options.top_logprobs_num
+            want = req.options.return_logprob
             first = want and not fake.sent_input_logprobs
             if first:
                 fake.sent_input_logprobs = True
-                ids = req.input_ids[max(req.logprob_start_len, 0):]
+                ids = req.input_ids[max(req.options.logprob_start_len, 0):]
                 vals = [None] + [-1.0] * (len(ids) - 1)
                 out.input_token_logprobs_val.append(vals)
                 out.input_token_logprobs_idx.append(ids)
@@ -434,7 +434,7 @@ def test_logprob_start_len_equal_to_the_prompt_length_is_accepted(runtime):
     manager, fake = runtime
     collect(manager, GenerateReqInput(input_ids=[1, 2, 3], return_logprob=True, logprob_start_len=3))
     [sent] = fake.messages(TokenizedGenerateReqInput)
-    assert sent.logprob_start_len == 3
+    assert sent.options.logprob_start_len == 3
 
 
 def test_bad_entry_in_batch_sends_nothing(runtime):

@@ -174,9 +174,9 @@ class DataParallelController:
 
     # ------------------------------------------------------------------ requests
     def dispatch(self, msg: Any) -> None:
-        if isinstance(msg, TokenizedGenerateReqInput) and msg.routed_dp_rank is not None:
+        if isinstance(msg, TokenizedGenerateReqInput) and msg.options.routed_dp_rank is not None:
             # SGLang's DP-aware gateway routes itself (the TokenizerManager checked the range).
-            self.send_to_replica[self.balancer.assign(msg.routed_dp_rank)].send(encode(msg))
+            self.send_to_replica[self.balancer.assign(msg.options.routed_dp_rank)].send(encode(msg))
         elif isinstance(msg, (TokenizedGenerateReqInput, TokenizedEmbeddingReqInput)):
             self.send_to_replica[self.balancer.choose()].send(encode(msg))
         elif isinstance(msg, CONTROL_REQUESTS):

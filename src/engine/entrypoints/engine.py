@@ -22,7 +22,7 @@ from engine.io_struct import (
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromDistributedReqInput,
 )
-from engine.tokenizer.request_normalizer import GenerateReqInput
+from engine.tokenizer.request_normalizer import GENERATE_FIELDS, GenerateReqInput
 from engine.tokenizer.tokenizer_manager import TokenizerManager
 from engine.launch.processes import launch_subprocesses
 from engine.server_args import ServerArgs, ServerArgsError
@@ -34,10 +34,6 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-# SGLang's per-request extras that generate() passes on to GenerateReqInput.
-GENERATE_EXTRAS = ("token_ids_logprob", "return_hidden_states", "custom_logit_processor", "priority", "extra_key",
-                   "cache_salt", "require_reasoning", "routed_dp_rank", "data_parallel_rank", "routing_key",
-                   "custom_labels")
 # How often a blocked Engine call checks that something can still answer it.
 LIVENESS_POLL_S = 0.5
 # A call still pending this long after the engine was found dead is ended here: the death should
@@ -127,8 +123,9 @@ class Engine:
     ) -> Union[dict, list[dict], Iterator[dict]]:
         """Generate for one prompt (a dict) or a batch (a list); stream=True gives an iterator.
 
-        `extras`: SGLang's per-request fields token_ids_logprob, return_hidden_states,
-        custom_logit_processor, priority, extra_key, cache_salt and require_reasoning (docs/api.md).
+        `extras`: every other field of SGLang's GenerateReqInput the engine implements: the request
+        options of request_options.py (token_ids_logprob, return_hidden_states, priority, extra_key,
+        ...), data_parallel_rank and custom_labels (docs/api.md).
         """
         obj = self._make_request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                                  top_logprobs_num, return_text_in_logprobs, stream, rid, extras)
@@ -167,7 +164,8 @@ class Engine:
     @staticmethod
     def _make_request(prompt, sampling_params, input_ids, return_logprob, logprob_start_len,
                       top_logprobs_num, return_text_in_logprobs, stream, rid, extras) -> GenerateReqInput:
-        unknown = sorted(set(extras) - set(GENERATE_EXTRAS))
+        # Every GenerateReqInput field not named in the signature; "text" is `prompt` here.
+        unknown = sorted(name for name in extras if name not in GENERATE_FIELDS or name == "text")
         if unknown:
             raise TypeError(f"generate() got unexpected keyword argument(s) {', '.join(unknown)}")
         return GenerateReqInput(

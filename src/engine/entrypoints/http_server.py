@@ -54,7 +54,7 @@ from engine.entrypoints.openai.utils import (
 )
 from engine.errors import EngineRequestError
 from engine.tokenizer.metrics import METRICS_CONTENT_TYPE, TokenizerMetricsCollector
-from engine.tokenizer.request_normalizer import GenerateReqInput
+from engine.tokenizer.request_normalizer import GENERATE_FIELDS, GenerateReqInput
 from engine.tokenizer.tokenizer_manager_protocol import TokenizerManagerProtocol
 from engine.server_args import ServerArgs
 
@@ -199,33 +199,8 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 # ---------------------------------------------------------------------------- native /generate
 async def _generate(tokenizer_manager: TokenizerManagerProtocol, body: GenerateRequest, raw_request: Request) -> Response:
-    obj = GenerateReqInput(
-        text=body.text,
-        input_ids=body.input_ids,
-        sampling_params=body.sampling_params,
-        rid=body.rid,
-        stream=body.stream,
-        return_logprob=body.return_logprob,
-        logprob_start_len=body.logprob_start_len,
-        top_logprobs_num=body.top_logprobs_num,
-        return_text_in_logprobs=body.return_text_in_logprobs,
-        log_metrics=body.log_metrics,
-        no_logs=body.no_logs,
-        token_ids_logprob=body.token_ids_logprob,
-        return_hidden_states=body.return_hidden_states,
-        custom_logit_processor=body.custom_logit_processor,
-        priority=body.priority,
-        extra_key=body.extra_key,
-        cache_salt=body.cache_salt,
-        require_reasoning=body.require_reasoning,
-        bootstrap_host=body.bootstrap_host,
-        bootstrap_port=body.bootstrap_port,
-        bootstrap_room=body.bootstrap_room,
-        routed_dp_rank=body.routed_dp_rank,
-        data_parallel_rank=body.data_parallel_rank,
-        routing_key=body.routing_key,
-        custom_labels=body.custom_labels,
-    )
+    # Every field GenerateReqInput takes, options included (request_options.py), as the client sent it.
+    obj = GenerateReqInput(**{name: value for name, value in body if name in GENERATE_FIELDS})
     incremental = raw_request.app.state.server_args.incremental_streaming_output
     stream = tokenizer_manager.generate_request(obj, ClientConnection(raw_request), incremental=incremental)
     if body.stream:

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Set, Union
 from engine.errors import NOT_A_GENERATION_MODEL, NOT_AN_EMBEDDING_MODEL
 from engine.io_struct import TokenizedEmbeddingReqInput, TokenizedGenerateReqInput
 from engine.scheduler.priority import PriorityPolicy
-from engine.scheduler.req import Req, cache_namespace
+from engine.scheduler.req import Req
 from engine.scheduler.embedding import make_embedding_req, validate_embedding_input
 from engine.scheduler.waiting_queue import TIMEOUT_MESSAGE, WaitingQueue
 from engine.sampling.custom_logit_processor import CustomLogitProcessorError, load_custom_logit_processor
@@ -75,24 +75,13 @@ class Admission:
             origin_input_ids=recv.input_ids,
             sampling_params=None,  # type: ignore[arg-type]
             origin_input_text=recv.input_text,
-            return_logprob=recv.return_logprob,
-            logprob_start_len=recv.logprob_start_len if recv.return_logprob else -1,
-            top_logprobs_num=recv.top_logprobs_num if recv.return_logprob else 0,
             stream=recv.stream,
             eos_token_ids=self.eos_token_ids,
             vocab_size=self.limits.vocab_size,
-            priority=recv.priority,
-            extra_key=cache_namespace(recv.extra_key, recv.cache_salt),
-            return_hidden_states=recv.return_hidden_states,
-            token_ids_logprob=recv.token_ids_logprob if recv.return_logprob else None,
-            custom_logit_processor=recv.custom_logit_processor,
-            require_reasoning=recv.require_reasoning,
-            routing_key=recv.routing_key,
+            options=recv.options,
         )
         req.tokenizer = self.tokenizer
         req.http_worker = recv.http_worker
-        req.bootstrap_host, req.bootstrap_port, req.bootstrap_room = (
-            recv.bootstrap_host, recv.bootstrap_port, recv.bootstrap_room)
         if req.bootstrap_port is None and self.disagg is not None:
             # As SGLang's scheduler: sglang-router sends a null port for a --prefill URL given without
             # one, meaning the default; both sides then take this server's --disaggregation-bootstrap-port.

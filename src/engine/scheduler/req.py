@@ -5,10 +5,11 @@ from __future__ import annotations
 import time
 from abc import ABC, abstractmethod
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Dict, Hashable, List, Optional, Set, Union
+from typing import TYPE_CHECKING, Any, Dict, Hashable, List, Optional, Set
 
 import torch
 
+from engine.request_options import RequestOptions
 from engine.sampling import stop_regex
 from engine.utils.tokenizer_utils import REPLACEMENT_CHAR, settled_text_len
 
@@ -97,19 +98,10 @@ class Req:
         origin_input_ids: List[int],
         sampling_params: "SamplingParams",
         origin_input_text: Optional[str] = None,
-        return_logprob: bool = False,
-        logprob_start_len: int = -1,
-        top_logprobs_num: int = 0,
         stream: bool = False,
         eos_token_ids: Optional[Set[int]] = None,
         vocab_size: Optional[int] = None,
-        priority: Optional[int] = None,
-        extra_key: Optional[Hashable] = None,
-        return_hidden_states: Union[bool, str] = False,
-        token_ids_logprob: Optional[List[int]] = None,
-        custom_logit_processor: Optional[str] = None,
-        require_reasoning: bool = False,
-        routing_key: Optional[str] = None,
+        options: Optional[RequestOptions] = None,
     ) -> None:
         self.rid = rid
         self.origin_input_text = origin_input_text
@@ -121,10 +113,17 @@ class Req:
         self.tokenizer: Any = None  # set by the scheduler; decodes tails for stop strings
         # Constrained decoding: this request's matcher, advanced with every accepted token.
         self.grammar: Optional["BaseGrammarObject"] = None
-        # The output starts in the model's reasoning: the grammar applies after its end tag.
-        self.require_reasoning = require_reasoning
+        # What the client asked besides the prompt and sampling (request_options.py), as it takes
+        # effect; this Req owns it (the properties below read the options the scheduler uses).
+        self.options = (options or RequestOptions()).effective()
+        # The radix-cache namespace (extra_key and cache_salt together).
+        self.extra_key = cache_namespace(self.options.extra_key, self.options.cache_salt)
 
         self.output_ids: List[int] = []
+        # Speculative decoding (engine/speculative/): verify steps run, drafts accepted, drafts proposed.
+        self.spec_verify_ct = 0
+        self.spec_accepted_tokens = 0
+        self.spec_draft_tokens = 0
         self.fill_ids: List[int] = []  # tokens that will be in the KV cache after this round
         self.extend_input_len = 0
 
@@ -146,9 +145,6 @@ class Req:
         self.sent_prompt_tail = False
 
         # Logprobs
-        self.return_logprob = return_logprob
-        self.logprob_start_len = logprob_start_len
-        self.top_logprobs_num = top_logprobs_num
         self.input_token_logprobs: List[float] = []  # accumulated over chunks
         self.input_top_logprobs_val_acc: List[List[float]] = []
         self.input_top_logprobs_idx_acc: List[List[int]] = []
@@ -162,26 +158,17 @@ class Req:
         self.output_top_logprobs_val: List[List[float]] = []
         self.output_top_logprobs_idx: List[List[int]] = []
         # token_ids_logprob: the asked ids' logprobs at each output (and asked input) position.
-        self.token_ids_logprob = token_ids_logprob
         self.input_token_ids_logprobs_acc: List[List[float]] = []  # accumulated over chunks
         self.input_token_ids_logprobs_val: Optional[List[Optional[List[float]]]] = None
         self.output_token_ids_logprobs_val: List[List[float]] = []
 
-        # Extras: scheduling priority, routing key, cache namespace, hidden states, custom logit processor.
-        self.priority = priority
-        self.routing_key = routing_key
-        self.extra_key = extra_key
-        # return_hidden_states: true (every position's) or SGLang's "last" (the last position's only).
-        self.return_hidden_states = bool(return_hidden_states)
-        self.hidden_states_last = return_hidden_states == "last"
-        # "full": the prompt's [len, hidden] block (one entry, once complete), then one vector per
-        # decode step; "last": the newest vector alone.
+        # Hidden states. Every position's: the prompt's [len, hidden] block (one entry, once complete),
+        # then one vector per decode step; "last": the newest vector alone.
         self.hidden_states: List[Any] = []
         self.prompt_hidden_states_acc: List[List[float]] = []  # accumulated over chunks
         # Entries recorded / sent so far ("last" replaces its one entry, so both count).
         self.hidden_states_recorded = 0
         self.hidden_states_sent = 0
-        self.custom_logit_processor = custom_logit_processor
 
         # Chunked prefill / retraction
         self.is_chunked = 0  # non-final chunks in flight
@@ -199,10 +186,6 @@ class Req:
         self.can_reuse_kv = True
         # The HTTP worker whose TokenizerManager waits for this request's outputs.
         self.http_worker = 0
-        # PD disaggregation (set by the scheduler from the request; None in a unified server)
-        self.bootstrap_host: Optional[str] = None
-        self.bootstrap_port: Optional[int] = None
-        self.bootstrap_room: Optional[int] = None
         # Decode side: the committed KV of a retracted request (a Future of a CPU tensor: it is
         # read on the forward stream, in order), kept until the request resumes.
         self.kv_backup: Optional[Future] = None
@@ -212,6 +195,71 @@ class Req:
         # Cache of fast_finish_ids() (computed at the first decode, when everything it reads is final).
         self.fast_finish_ids_cache: Optional[frozenset] = FAST_FINISH_UNKNOWN
         self.fast_finish_len = 0  # max_new_tokens, set with the cache (a plain attribute: read per token)
+
+    # ------------------------------------------------------------------ options
+    # The options the scheduler reads, by their old attribute names (new code reads req.options).
+    @property
+    def return_logprob(self) -> bool:
+        return self.options.return_logprob
+
+    @property
+    def logprob_start_len(self) -> int:
+        return self.options.logprob_start_len
+
+    @property
+    def top_logprobs_num(self) -> int:
+        return self.options.top_logprobs_num
+
+    @property
+    def token_ids_logprob(self) -> Optional[List[int]]:
+        return self.options.token_ids_logprob
+
+    @property
+    def return_hidden_states(self) -> bool:
+        """True (every position's) or SGLang's "last" (the last position's only)."""
+        return bool(self.options.return_hidden_states)
+
+    @property
+    def hidden_states_last(self) -> bool:
+        return self.options.return_hidden_states == "last"
+
+    @property
+    def custom_logit_processor(self) -> Optional[str]:
+        return self.options.custom_logit_processor
+
+    @property
+    def require_reasoning(self) -> bool:
+        """The output starts in the model's reasoning: the grammar applies after its end tag."""
+        return self.options.require_reasoning
+
+    @property
+    def routing_key(self) -> Optional[str]:
+        return self.options.routing_key
+
+    @property
+    def priority(self) -> Optional[int]:
+        return self.options.priority
+
+    @priority.setter
+    def priority(self, value: Optional[int]) -> None:
+        self.options.priority = value  # the priority policy's default, or None when it is off
+
+    # PD disaggregation (None in a unified server).
+    @property
+    def bootstrap_host(self) -> Optional[str]:
+        return self.options.bootstrap_host
+
+    @property
+    def bootstrap_port(self) -> Optional[int]:
+        return self.options.bootstrap_port
+
+    @bootstrap_port.setter
+    def bootstrap_port(self, value: Optional[int]) -> None:
+        self.options.bootstrap_port = value  # the server's default port when the router sent none
+
+    @property
+    def bootstrap_room(self) -> Optional[int]:
+        return self.options.bootstrap_room
 
     # ------------------------------------------------------------------ basics
     def finished(self) -> bool:
@@ -305,6 +353,12 @@ class Req:
         new = self.hidden_states_recorded - self.hidden_states_sent
         self.hidden_states_sent = self.hidden_states_recorded
         return self.hidden_states[max(len(self.hidden_states) - new, 0):] if new else []
+
+    def record_verify(self, accepted: int, proposed: int) -> None:
+        """One speculative verify step: `accepted` of its `proposed` drafts ended in the output."""
+        self.spec_verify_ct += 1
+        self.spec_accepted_tokens += accepted
+        self.spec_draft_tokens += proposed
 
     def set_finish_with_abort(self, message: str, status_code: int = 400,
                               err_type: str = "BadRequestError") -> None:

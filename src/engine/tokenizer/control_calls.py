@@ -198,18 +198,20 @@ class ControlCalls:
         """
         start = time.monotonic()
         deadline = start + timeout
-        obj = GenerateReqInput(
-            input_ids=[0],
-            sampling_params={"max_new_tokens": 1, "temperature": 0.0},
-            rid=f"{HEALTH_CHECK_RID_PREFIX}_{uuid.uuid4().hex}",
-        )
         args = self.manager.server_args
+        bootstrap: dict[str, Any] = {}
         if args.disaggregation_mode != "null":
             # As SGLang: a PD server probes itself through the fake transfer (no peer needed).
             from engine.disaggregation.base import FAKE_BOOTSTRAP_HOST
 
-            obj.bootstrap_host, obj.bootstrap_port = FAKE_BOOTSTRAP_HOST, args.disaggregation_bootstrap_port
-            obj.bootstrap_room = random.randrange(1, 2**63)
+            bootstrap = {"bootstrap_host": FAKE_BOOTSTRAP_HOST, "bootstrap_port": args.disaggregation_bootstrap_port,
+                         "bootstrap_room": random.randrange(1, 2**63)}
+        obj = GenerateReqInput(
+            input_ids=[0],
+            sampling_params={"max_new_tokens": 1, "temperature": 0.0},
+            rid=f"{HEALTH_CHECK_RID_PREFIX}_{uuid.uuid4().hex}",
+            **bootstrap,
+        )
 
         async def run_probe() -> bool:
             if not self.manager.is_generation:  # an embedding server gets a 1-token embedding probe

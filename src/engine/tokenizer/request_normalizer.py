@@ -13,23 +13,29 @@ asks are bounded in positions and values (`check_input_logprob_cost`).
 
 from __future__ import annotations
 
+import inspect
 import logging
 import os
 import uuid
-from dataclasses import dataclass, field
-from typing import Any, Literal, Optional, Union
+from dataclasses import dataclass
+from typing import Any, Optional, Union
+
+import msgspec
 
 from engine.errors import EngineRequestError
 from engine.io_struct import TokenizedGenerateReqInput
+from engine.request_options import (
+    OPTION_FIELDS,
+    OptionError,
+    RequestOptions,
+    convert_options,
+    is_per_prompt_list,
+    per_prompt_values,
+)
 from engine.sampling.sampling_params import check_parallel_sample_num
 
 logger = logging.getLogger(__name__)
 
-# return_hidden_states: false, true (every position's) or SGLang's "last" (the last position's only);
-# the same type as TokenizedGenerateReqInput's field.
-HiddenStatesMode = Union[bool, Literal["last"]]
-# token_ids_logprob: logprobs of at most this many ids per position (bounds the work one request asks).
-MAX_TOKEN_IDS_LOGPROB = 1024
 # A text of more than context_len * MAX_CHARS_PER_TOKEN characters is refused before it is tokenized
 # (with --allow-auto-truncate, cut to that length first): tokens average 3-5 characters on real text,
 # so such a text is far past the context, and encoding it costs ~3 us a character (29 MB took 88 s).
@@ -41,8 +47,6 @@ MAX_CHARS_PER_TOKEN = 32
 # of JSON); n=128 x a long prompt x top 20 took 20 s of scheduler time and returned 21 MB.
 MAX_INPUT_LOGPROB_TOKENS = 65536
 MAX_INPUT_LOGPROB_VALUES = 1 << 20
-# routing_key: one string a request (it is counted against the running requests at every prefill).
-MAX_ROUTING_KEY_LEN = 256
 
 
 @dataclass
@@ -53,70 +57,70 @@ class SubRequest:
     text: Optional[str]
     input_ids: Optional[list[int]]
     sampling_params: dict
-    return_logprob: bool
-    logprob_start_len: int
-    top_logprobs_num: int
-    token_ids_logprob: Optional[list[int]]
-    return_hidden_states: HiddenStatesMode
-    custom_logit_processor: Optional[str]
-    extra_key: Optional[str]
-    cache_salt: Optional[str]
-    bootstrap_host: Optional[str]
-    bootstrap_port: Optional[int]
-    bootstrap_room: Optional[int]
+    options: RequestOptions
 
 
-@dataclass
 class GenerateReqInput:
-    text: Optional[Union[str, list[str]]] = None
-    input_ids: Optional[Union[list[int], list[list[int]]]] = None
-    sampling_params: Optional[Union[dict, list[dict]]] = None
-    rid: Optional[Union[str, list[str]]] = None
-    stream: bool = False
-    # None (as in SGLang's clients' JSON) means the default, here as in every per-prompt field.
-    return_logprob: Optional[Union[bool, list[bool]]] = False
-    logprob_start_len: Optional[Union[int, list[int]]] = -1  # -1: no input logprobs
-    top_logprobs_num: Optional[Union[int, list[int]]] = 0
-    return_text_in_logprobs: bool = False
-    # False: not counted in /metrics (health probes). True no_logs: --log-requests skips its text.
-    log_metrics: bool = True
-    no_logs: bool = False
-    # SGLang's per-request extras (docs/api.md): a list gives one value per prompt.
-    token_ids_logprob: Optional[Union[list[int], list[list[int]]]] = None
-    # true / "last" (SGLang's mode: only the last position's vector), or one per prompt.
-    return_hidden_states: Union[HiddenStatesMode, list[HiddenStatesMode]] = False
-    custom_logit_processor: Optional[Union[str, list[Optional[str]]]] = None
-    priority: Optional[int] = None  # one value for the whole request, as in SGLang
-    extra_key: Optional[Union[str, list[Optional[str]]]] = None
-    cache_salt: Optional[Union[str, list[Optional[str]]]] = None
-    # The output starts inside the model's reasoning: its constraint (grammar) applies only after the
-    # reasoning ends (SGLang's require_reasoning; one value for the whole request, as in SGLang).
-    require_reasoning: bool = False
-    # PD disaggregation (SGLang's router adds them): one value, or one per prompt of a batch.
-    bootstrap_host: Optional[Union[str, list[Optional[str]]]] = None
-    bootstrap_port: Optional[Union[int, list[Optional[int]]]] = None
-    bootstrap_room: Optional[Union[int, list[Optional[int]]]] = None
-    # DP-aware routing (SGLang's gateway): the replica of the whole request; data_parallel_rank is
-    # SGLang's older name. normalize() keeps the one in effect in routed_dp_rank.
-    routed_dp_rank: Optional[int] = None
-    data_parallel_rank: Optional[int] = None
-    # SGLang's routing key (--schedule-policy routing-key) and metric labels (kept by the
-    # TokenizerManager to --tokenizer-metrics-allowed-custom-labels); one value for the request.
-    routing_key: Optional[str] = None
-    custom_labels: Optional[dict] = None
+    """The /generate (and offline Engine) request: the prompt(s), their sampling params, a few fields of
+    the TokenizerManager's own, and every option of `RequestOptions` by name (request_options.py): one
+    value, or for a per-prompt option one per prompt of a batch. None means the default everywhere.
 
-    # Filled by normalize(): one entry per sub-request.
-    is_single: bool = field(default=True, init=False)
-    batch_size: int = field(default=1, init=False)
-    # The prompt each sub-request samples from: the n copies of a prompt share its tokenization.
-    prompt_index: list[int] = field(default_factory=list, init=False)
-    # The same entries per sub-request, typed (the fields above hold them as lists, for callers
-    # that index a field; the fields' types must also admit what a client sends).
-    subs: list[SubRequest] = field(default_factory=list, init=False, repr=False)
-    _normalized: bool = field(default=False, init=False, repr=False)
+    SGLang's callers read and set the options as attributes (`obj.return_logprob`): they hold what the
+    client sent until `normalize()`, then one entry per sub-request (per-prompt options) or the value in
+    effect (whole-request options); `subs` holds every sub-request with its `RequestOptions`.
+    """
+
+    def __init__(
+        self,
+        text: Optional[Union[str, list[str]]] = None,
+        input_ids: Optional[Union[list[int], list[list[int]]]] = None,
+        sampling_params: Optional[Union[dict, list[dict]]] = None,
+        rid: Optional[Union[str, list[str]]] = None,
+        stream: bool = False,
+        return_text_in_logprobs: bool = False,
+        # False: not counted in /metrics (health probes). True no_logs: --log-requests skips its text.
+        log_metrics: bool = True,
+        no_logs: bool = False,
+        # SGLang's older name of the routed_dp_rank option; normalize() keeps the one in effect.
+        data_parallel_rank: Optional[int] = None,
+        # Metric labels, kept by the TokenizerManager to --tokenizer-metrics-allowed-custom-labels.
+        custom_labels: Optional[dict] = None,
+        **options: Any,
+    ) -> None:
+        unknown = sorted(set(options) - OPTION_FIELDS.keys())
+        if unknown:
+            raise TypeError(f"GenerateReqInput got unexpected keyword argument(s) {', '.join(unknown)}")
+        self.text = text
+        self.input_ids = input_ids
+        self.sampling_params = sampling_params
+        self.rid = rid
+        self.stream = stream
+        self.return_text_in_logprobs = return_text_in_logprobs
+        self.log_metrics = log_metrics
+        self.no_logs = no_logs
+        self.data_parallel_rank = data_parallel_rank
+        self.custom_labels = custom_labels
+        for name, spec in OPTION_FIELDS.items():
+            setattr(self, name, options.get(name, spec.default))
+        # Filled by normalize(): one entry per sub-request.
+        self.is_single = True
+        self.batch_size = 1
+        # The prompt each sub-request samples from: the n copies of a prompt share its tokenization.
+        self.prompt_index: list[int] = []
+        self.subs: list[SubRequest] = []
+        self._normalized = False
+
+    def __repr__(self) -> str:
+        return f"GenerateReqInput(rid={self.rid!r}, batch_size={self.batch_size}, stream={self.stream})"
+
+    def option_value(self, name: str) -> Any:
+        """The value of option `name` as it stands (as sent before normalize(), normalized after)."""
+        if name not in OPTION_FIELDS:
+            raise KeyError(name)
+        return getattr(self, name)
 
     def normalize(self) -> None:
-        """Validate shapes and turn every field into a list with one entry per sub-request."""
+        """Validate shapes and options; one SubRequest per sub-request (prompts fanned out into n)."""
         if self._normalized:
             return
         prompts_text, prompts_ids, is_batch = split_prompts(self.text, self.input_ids)
@@ -126,171 +130,110 @@ class GenerateReqInput:
         if num_prompts == 0:
             raise EngineRequestError("The batch of prompts is empty.")
 
-        sampling_params = self._per_prompt(self.sampling_params, num_prompts, "sampling_params", dict, None)
-        sampling_params = [dict(sp) if sp is not None else {} for sp in sampling_params]
+        sampling_params = _per_prompt_params(self.sampling_params, num_prompts)
         rids = normalize_rids(self.rid, num_prompts, is_batch)
-        return_logprob = self._per_prompt(self.return_logprob, num_prompts, "return_logprob", bool, False)
-        start_lens = self._per_prompt(self.logprob_start_len, num_prompts, "logprob_start_len", int, -1)
-        top_nums = self._per_prompt(self.top_logprobs_num, num_prompts, "top_logprobs_num", int, 0)
-        token_ids = self._token_ids_per_prompt(num_prompts)
-        hidden = self._hidden_states_per_prompt(num_prompts)
-        processors = self._per_prompt(self.custom_logit_processor, num_prompts, "custom_logit_processor", str, None)
-        extra_keys = self._per_prompt(self.extra_key, num_prompts, "extra_key", str, None)
-        salts = self._per_prompt(self.cache_salt, num_prompts, "cache_salt", str, None)
-        if self.priority is not None and not _is_int64(self.priority):
-            raise EngineRequestError(f"priority must be a 64-bit integer or null, got {self.priority!r}.")
-        if not isinstance(self.require_reasoning, bool):
-            raise EngineRequestError(f"require_reasoning must be a boolean, got {self.require_reasoning!r}.")
-        self.routed_dp_rank = self._checked_dp_rank()
-        if self.routing_key is not None and (not isinstance(self.routing_key, str)
-                                             or len(self.routing_key) > MAX_ROUTING_KEY_LEN):
-            raise EngineRequestError(f"routing_key must be a string of at most {MAX_ROUTING_KEY_LEN} characters "
-                                     "or null.")
-
-        out_text: list[str] = []
-        out_ids: list[list[int]] = []
-        out_sp: list[dict] = []
-        out_rid: list[str] = []
-        out_lp: list[bool] = []
-        out_start: list[int] = []
-        out_top: list[int] = []
-        out_prompt: list[int] = []
-        per_sub: dict[str, list] = {"token_ids_logprob": [], "return_hidden_states": [], "custom_logit_processor": [],
-                                    "extra_key": [], "cache_salt": []}
+        options = self._options_per_prompt(num_prompts)
         # Every n is checked before any fan-out: a huge n must not build a huge list first.
         fan_outs = [_parallel_sample_num(sp) for sp in sampling_params]
-        bootstrap = self._bootstrap_per_request(num_prompts, fan_outs)
+        rooms = self._bootstrap_rooms(options, fan_outs)
+        subs: list[SubRequest] = []
         for i, n in enumerate(fan_outs):
             sub_params = {k: v for k, v in sampling_params[i].items() if k != "n"}
             for j in range(n):
-                out_prompt.append(i)
-                if prompts_text is not None:
-                    out_text.append(prompts_text[i])
-                else:
-                    assert prompts_ids is not None  # split_prompts returns one of the two
-                    out_ids.append(prompts_ids[i])
-                out_sp.append(dict(sub_params))
-                out_rid.append(sub_rid(self.rid, rids[i], len(out_rid), j, n))
-                out_lp.append(bool(return_logprob[i]))
-                out_start.append(int(start_lens[i]))
-                out_top.append(int(top_nums[i]))
-                per_sub["token_ids_logprob"].append(token_ids[i])
-                per_sub["return_hidden_states"].append(hidden[i])
-                per_sub["custom_logit_processor"].append(processors[i])
-                # "" means no namespace, as in SGLang.
-                per_sub["extra_key"].append(extra_keys[i] or None)
-                per_sub["cache_salt"].append(salts[i] or None)
+                k = len(subs)
+                self.prompt_index.append(i)
+                sub_options = options[i]
+                if rooms[k] != sub_options.bootstrap_room:
+                    sub_options = msgspec.structs.replace(sub_options, bootstrap_room=rooms[k])
+                subs.append(SubRequest(
+                    rid=sub_rid(self.rid, rids[i], k, j, n),
+                    text=prompts_text[i] if prompts_text is not None else None,
+                    input_ids=prompts_ids[i] if prompts_ids is not None else None,
+                    sampling_params=dict(sub_params), options=sub_options))
 
-        self.text = out_text if prompts_text is not None else None
-        self.input_ids = out_ids if prompts_ids is not None else None
-        self.sampling_params = out_sp
-        self.rid = out_rid
-        self.return_logprob = out_lp
-        self.logprob_start_len = out_start
-        self.top_logprobs_num = out_top
-        self.prompt_index = out_prompt
-        self.token_ids_logprob = per_sub["token_ids_logprob"]
-        self.return_hidden_states = per_sub["return_hidden_states"]
-        self.custom_logit_processor = per_sub["custom_logit_processor"]
-        self.extra_key = per_sub["extra_key"]
-        self.cache_salt = per_sub["cache_salt"]
-        self.bootstrap_host = [b[0] for b in bootstrap]
-        self.bootstrap_port = [b[1] for b in bootstrap]
-        self.bootstrap_room = [b[2] for b in bootstrap]
-        self.subs = [
-            SubRequest(rid=out_rid[k], text=out_text[k] if prompts_text is not None else None,
-                       input_ids=out_ids[k] if prompts_ids is not None else None, sampling_params=out_sp[k],
-                       return_logprob=out_lp[k], logprob_start_len=out_start[k], top_logprobs_num=out_top[k],
-                       token_ids_logprob=per_sub["token_ids_logprob"][k],
-                       return_hidden_states=per_sub["return_hidden_states"][k],
-                       custom_logit_processor=per_sub["custom_logit_processor"][k],
-                       extra_key=per_sub["extra_key"][k], cache_salt=per_sub["cache_salt"][k],
-                       bootstrap_host=bootstrap[k][0], bootstrap_port=bootstrap[k][1], bootstrap_room=bootstrap[k][2])
-            for k in range(len(out_rid))
-        ]
-        self.batch_size = len(out_rid)
+        self.subs = subs
+        self.text = [s.text for s in subs if s.text is not None] if prompts_text is not None else None
+        self.input_ids = [s.input_ids for s in subs if s.input_ids is not None] if prompts_ids is not None else None
+        self.sampling_params = [s.sampling_params for s in subs]
+        self.rid = [s.rid for s in subs]
+        for name, spec in OPTION_FIELDS.items():
+            # Per-prompt options become one entry per sub-request (for callers that index them).
+            value = [getattr(s.options, name) for s in subs] if spec.per_prompt else getattr(options[0], name)
+            setattr(self, name, value)
+        self.batch_size = len(subs)
         self.is_single = not is_batch and self.batch_size == 1
         self._normalized = True
 
     # ------------------------------------------------------------------ helpers
-    def _bootstrap_per_request(self, num_prompts: int, fan_outs: list[int]
-                               ) -> list[tuple[Optional[str], Optional[int], Optional[int]]]:
-        """(bootstrap_host, bootstrap_port, bootstrap_room) of each sub-request, in fan-out order.
+    def _options_per_prompt(self, num_prompts: int) -> list[RequestOptions]:
+        """Each prompt's RequestOptions, checked against the declaration (400 naming the option)."""
+        raw = {name: getattr(self, name) for name in OPTION_FIELDS}
+        raw["routed_dp_rank"] = self._checked_dp_rank()
+        try:
+            if not any(is_per_prompt_list(spec, raw[name]) for name, spec in OPTION_FIELDS.items()):
+                # The common case: one set of options for every prompt, converted once.
+                options = [_cleaned(convert_options(raw))] * num_prompts
+            else:
+                columns = {name: per_prompt_values(spec, raw[name], num_prompts)
+                           for name, spec in OPTION_FIELDS.items()}
+                options = [_cleaned(convert_options({name: column[i] for name, column in columns.items()}))
+                           for i in range(num_prompts)]
+        except OptionError as e:
+            raise EngineRequestError(str(e)) from None
+        return options
+
+    def _bootstrap_rooms(self, options: list[RequestOptions], fan_outs: list[int]) -> list[Optional[int]]:
+        """The bootstrap_room of each sub-request, in fan-out order.
 
         As SGLang: one room given for several sub-requests becomes room, room + 1, ... (both
         servers of a PD pair expand it the same way); a list gives each prompt its own room.
         """
-        hosts = self._per_prompt(self.bootstrap_host, num_prompts, "bootstrap_host", str, None)
-        ports = self._per_prompt(self.bootstrap_port, num_prompts, "bootstrap_port", int, None)
-        rooms = self._per_prompt(self.bootstrap_room, num_prompts, "bootstrap_room", int, None)
-        # One room for every sub-request (an int: _per_prompt checked its type), or None.
-        scalar_room = None if isinstance(self.bootstrap_room, list) else self.bootstrap_room
-        out: list[tuple[Optional[str], Optional[int], Optional[int]]] = []
+        listed = is_per_prompt_list(OPTION_FIELDS["bootstrap_room"], self.option_value("bootstrap_room"))
+        scalar_room = None if listed else options[0].bootstrap_room
+        rooms: list[Optional[int]] = []
         for i, n in enumerate(fan_outs):
-            if rooms[i] is not None and n > 1 and scalar_room is None:
+            if options[i].bootstrap_room is not None and n > 1 and scalar_room is None:
                 raise EngineRequestError("n > 1 needs a single bootstrap_room (it becomes one room per sample), "
                                          "not a list of rooms.")
             for _ in range(n):
-                room = scalar_room + len(out) if scalar_room is not None else rooms[i]
-                out.append((hosts[i], ports[i], room))
-        return out
-
-    def _hidden_states_per_prompt(self, num_prompts: int) -> list[HiddenStatesMode]:
-        """return_hidden_states: false, true or "last" for every prompt, or a list of them."""
-        value: Any = self.return_hidden_states  # as the client sent it: its shape is checked here
-        values = value if isinstance(value, list) else [value] * num_prompts
-        if len(values) != num_prompts:
-            raise EngineRequestError(f"return_hidden_states has {len(values)} entries but there are {num_prompts} "
-                                     "prompts.")
-        modes: list[HiddenStatesMode] = []
-        for item in values:
-            if item is not None and not isinstance(item, bool) and item != "last":
-                raise EngineRequestError(f'return_hidden_states must be true, false or "last" (or a list of them), '
-                                         f"got {item!r}.")
-            modes.append(False if item is None else item)
-        return modes
+                rooms.append(scalar_room + len(rooms) if scalar_room is not None else options[i].bootstrap_room)
+        return rooms
 
     def _checked_dp_rank(self) -> Optional[int]:
         """routed_dp_rank, or data_parallel_rank when only that one is given (both must agree)."""
-        for name, value in (("routed_dp_rank", self.routed_dp_rank), ("data_parallel_rank", self.data_parallel_rank)):
+        routed = self.option_value("routed_dp_rank")
+        for name, value in (("routed_dp_rank", routed), ("data_parallel_rank", self.data_parallel_rank)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 0):
                 raise EngineRequestError(f"{name} must be a non-negative integer or null, got {value!r}.")
-        if self.routed_dp_rank is not None and self.data_parallel_rank is not None \
-                and self.routed_dp_rank != self.data_parallel_rank:
-            raise EngineRequestError(f"routed_dp_rank ({self.routed_dp_rank}) and data_parallel_rank "
+        if routed is not None and self.data_parallel_rank is not None and routed != self.data_parallel_rank:
+            raise EngineRequestError(f"routed_dp_rank ({routed}) and data_parallel_rank "
                                      f"({self.data_parallel_rank}) name different ranks; send one of them.")
-        return self.routed_dp_rank if self.routed_dp_rank is not None else self.data_parallel_rank
+        return routed if routed is not None else self.data_parallel_rank
 
-    def _token_ids_per_prompt(self, num_prompts: int) -> list[Optional[list[int]]]:
-        """token_ids_logprob: one list of ids for every prompt, or a list of such lists."""
-        value: Any = self.token_ids_logprob  # as the client sent it: its shape is checked here
-        if value is None or value == []:
-            return [None] * num_prompts
-        if isinstance(value, list) and all(_is_token_id(t) for t in value):
-            return [list(value)] * num_prompts
-        if (isinstance(value, list) and len(value) == num_prompts
-                and all(v is None or (isinstance(v, list) and all(_is_token_id(t) for t in v)) for v in value)):
-            return [list(v) if v else None for v in value]
-        raise EngineRequestError("token_ids_logprob must be a list of token ids, or one such list per prompt "
-                                 f"({num_prompts}).")
 
-    @staticmethod
-    def _per_prompt(value: Any, num_prompts: int, name: str, kind: type, default: Any) -> list:
-        """Broadcast a scalar over the prompts, or check a list has one entry per prompt."""
-        if value is None:
-            return [default] * num_prompts
-        if isinstance(value, list):
-            if len(value) != num_prompts:
-                raise EngineRequestError(f"{name} has {len(value)} entries but there are {num_prompts} prompts.")
-            items = value
-        else:
-            items = [value] * num_prompts
-        for item in items:
-            # bool is a subclass of int: an int option must not silently accept True.
-            wrong_type = not isinstance(item, kind) or (kind is int and isinstance(item, bool))
-            if item is not None and wrong_type:
-                raise EngineRequestError(f"{name} must be of type {kind.__name__} (or a list of them), got {item!r}.")
-        return [default if item is None else item for item in items]
+# Every keyword GenerateReqInput takes: its own fields and the options.
+GENERATE_FIELDS = frozenset(
+    name for name in inspect.signature(GenerateReqInput.__init__).parameters if name not in ("self", "options")
+) | OPTION_FIELDS.keys()
+
+
+def _cleaned(options: RequestOptions) -> RequestOptions:
+    """As SGLang: "" means no cache namespace, and no token ids ([]) means none asked."""
+    options.extra_key = options.extra_key or None
+    options.cache_salt = options.cache_salt or None
+    options.token_ids_logprob = options.token_ids_logprob or None
+    return options
+
+
+def _per_prompt_params(value: Any, num_prompts: int) -> list[dict]:
+    """sampling_params: one dict for every prompt (None: {}), or a list with one per prompt."""
+    items = value if isinstance(value, list) else [value] * num_prompts
+    if len(items) != num_prompts:
+        raise EngineRequestError(f"sampling_params has {len(items)} entries but there are {num_prompts} prompts.")
+    for item in items:
+        if item is not None and not isinstance(item, dict):
+            raise EngineRequestError(f"sampling_params must be of type dict (or a list of them), got {item!r}.")
+    return [dict(item) if item is not None else {} for item in items]
 
 
 def split_prompts(text: Any, input_ids: Any) -> tuple[Optional[list[str]], Optional[list[list[int]]], bool]:
@@ -342,10 +285,6 @@ def normalize_rids(rid: Any, num_prompts: int, is_batch: bool) -> list[str]:
 
 def _is_token_id(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool) and value >= 0
-
-
-def _is_int64(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool) and -(1 << 63) <= value < (1 << 63)
 
 
 def _parallel_sample_num(sampling_params: dict) -> int:
@@ -438,62 +377,34 @@ class RequestNormalizer:
                 f"from the input messages and {max_new_tokens} tokens for the completion. Please reduce the "
                 f"number of tokens in the input messages or the completion to fit within the limit.")
 
-        return_logprob = sub.return_logprob
-        logprob_start_len = sub.logprob_start_len
-        top_logprobs_num = sub.top_logprobs_num
-        if top_logprobs_num < 0:
-            raise EngineRequestError(f"top_logprobs_num must be >= 0, got {top_logprobs_num}.")
-        if return_logprob and self.vocab_size is not None and top_logprobs_num > self.vocab_size:
-            raise EngineRequestError(
-                f"top_logprobs_num must be at most the vocabulary size ({self.vocab_size}), got {top_logprobs_num}.")
-        if logprob_start_len < -1:
-            raise EngineRequestError(f"logprob_start_len must be >= -1, got {logprob_start_len}.")
+        # The declaration's checks passed in normalize(); these need the server's limits. Like SGLang,
+        # the logprob options matter only with return_logprob (effective() clears them otherwise).
+        options = sub.options.effective()
+        if options.return_logprob and self.vocab_size is not None and options.top_logprobs_num > self.vocab_size:
+            raise EngineRequestError(f"top_logprobs_num must be at most the vocabulary size ({self.vocab_size}), "
+                                     f"got {options.top_logprobs_num}.")
         # As SGLang: a start at the prompt length is allowed (no input logprobs), beyond it is not.
-        if return_logprob and logprob_start_len > input_len:
+        if options.return_logprob and options.logprob_start_len > input_len:
             raise EngineRequestError(
-                f"logprob_start_len ({logprob_start_len}) must not exceed the input length ({input_len}).")
-        processor = sub.custom_logit_processor
-        if processor is not None and not self.enable_custom_logit_processor:
+                f"logprob_start_len ({options.logprob_start_len}) must not exceed the input length ({input_len}).")
+        if options.custom_logit_processor is not None and not self.enable_custom_logit_processor:
             raise EngineRequestError(
                 "The server is not configured to enable custom logit processor. Please set "
                 "`--enable-custom-logit-processor` to enable this feature.")
-        if obj.routed_dp_rank is not None and obj.routed_dp_rank >= self.dp_size:
+        if options.routed_dp_rank is not None and options.routed_dp_rank >= self.dp_size:
             raise EngineRequestError(f"routed_dp_rank must be in [0, {self.dp_size}) (--dp-size {self.dp_size}), "
-                                     f"got {obj.routed_dp_rank}.")
+                                     f"got {options.routed_dp_rank}.")
+        ids = options.token_ids_logprob
+        if ids is not None and self.vocab_size is not None and any(t >= self.vocab_size for t in ids):
+            raise EngineRequestError(f"token_ids_logprob must be token ids in [0, {self.vocab_size}), got {max(ids)}.")
         return TokenizedGenerateReqInput(
             rid=sub.rid,
             input_ids=input_ids,  # shared by the n samples of a prompt: encoded, never mutated
             sampling_params=sampling_params,
             input_text=input_text,
-            return_logprob=return_logprob,
-            logprob_start_len=logprob_start_len if return_logprob else -1,
-            top_logprobs_num=top_logprobs_num if return_logprob else 0,
             stream=obj.stream,
-            # Like SGLang, asked-for token ids matter only with return_logprob.
-            token_ids_logprob=self._checked_token_ids(sub.token_ids_logprob) if return_logprob else None,
-            return_hidden_states=sub.return_hidden_states,
-            custom_logit_processor=processor,
-            priority=obj.priority,
-            require_reasoning=obj.require_reasoning,
-            extra_key=sub.extra_key,
-            cache_salt=sub.cache_salt,
-            bootstrap_host=sub.bootstrap_host,
-            bootstrap_port=sub.bootstrap_port,
-            bootstrap_room=sub.bootstrap_room,
-            routed_dp_rank=obj.routed_dp_rank,
-            routing_key=obj.routing_key,
+            options=options,
         )
-
-    def _checked_token_ids(self, ids: Optional[list[int]]) -> Optional[list[int]]:
-        if ids is None:
-            return None
-        if len(ids) > MAX_TOKEN_IDS_LOGPROB:
-            raise EngineRequestError(f"token_ids_logprob may name at most {MAX_TOKEN_IDS_LOGPROB} token ids, "
-                                     f"got {len(ids)}.")
-        if self.vocab_size is not None and any(t >= self.vocab_size for t in ids):
-            raise EngineRequestError(
-                f"token_ids_logprob must be token ids in [0, {self.vocab_size}), got {max(ids)}.")
-        return ids
 
     def verify_sampling_params(self, params: dict) -> dict:
         from engine.sampling.sampling_params import SamplingParams
@@ -530,11 +441,12 @@ def check_input_logprob_cost(reqs: list[TokenizedGenerateReqInput], context_len:
     """Refuse (400) a request whose input logprobs, over all its sub-requests, exceed the bounds."""
     positions = values = 0
     for req in reqs:
-        if not req.return_logprob or req.logprob_start_len < 0:
+        options = req.options
+        if not options.return_logprob or options.logprob_start_len < 0:
             continue
-        count = max(len(req.input_ids) - req.logprob_start_len, 0)
+        count = max(len(req.input_ids) - options.logprob_start_len, 0)
         positions += count
-        values += count * (1 + req.top_logprobs_num + len(req.token_ids_logprob or ()))
+        values += count * (1 + options.top_logprobs_num + len(options.token_ids_logprob or ()))
     position_limit = max(MAX_INPUT_LOGPROB_TOKENS, context_len)
     if positions > position_limit:
         raise EngineRequestError(

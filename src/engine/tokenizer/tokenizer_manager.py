@@ -328,15 +328,16 @@ class TokenizerManager:
         self._check_new_rids(tokenized)
         states: list[ReqState] = []
         for i, req in enumerate(tokenized):
+            options = req.options
             state = ReqState(
                 rid=req.rid,
                 stream=obj.stream,
-                return_logprob=obj.subs[i].return_logprob,
+                return_logprob=options.return_logprob,
                 return_text_in_logprobs=obj.return_text_in_logprobs,
                 created_time=time.time(),
                 no_logs=obj.no_logs,
-                return_hidden_states=bool(req.return_hidden_states),
-                hidden_states_last=req.return_hidden_states == "last",
+                return_hidden_states=bool(options.return_hidden_states),
+                hidden_states_last=options.return_hidden_states == "last",
                 incremental=incremental and obj.stream,
             )
             if self.metrics_collector is not None and obj.log_metrics \

@@ -9,12 +9,23 @@ from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Dict, List, Literal, Optional, Union
+from functools import partial
+from typing import TYPE_CHECKING, Annotated, Any, Dict, List, Literal, Optional, Union
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_serializer, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    create_model,
+    field_validator,
+    model_serializer,
+    model_validator,
+)
 
 from engine.entrypoints.openai.protocol_tools import DeltaToolCall, ResponseFormat, Tool, ToolCall, ToolChoice
 from engine.entrypoints.openai.sglang_fields import GENERATE_UNSUPPORTED, OPENAI_UNSUPPORTED, refuse_unsupported
+from engine.request_options import OPENAI_OPTION_NAMES, OPTION_FIELDS, OptionError, OptionField, check_client_value
 # The engine's bounds of fan-out (n) and stop lists, checked again by SamplingParams for every route.
 from engine.sampling.sampling_params import MAX_N, MAX_STOP_STRINGS
 
@@ -66,8 +77,40 @@ class ModelList(BaseModel):
     data: List[ModelCard] = Field(default_factory=list)
 
 
+# ---------------------------------------------------------------------------- request options
+def _option_fields_model(name: str, native: bool) -> type[BaseModel]:
+    """A model whose fields are the request options (request_options.py), each checked against its
+    declaration. `native` (/generate): every option, a per-prompt one also as a list with one value
+    per prompt, null meaning the default. Otherwise (the OpenAI routes): the options marked for them,
+    one value each, with the declared default."""
+    fields: Dict[str, Any] = {}
+    for option in OPTION_FIELDS.values():
+        if native or option.openai:
+            check = BeforeValidator(partial(_check_option, option, native))
+            fields[option.name] = (Annotated[Any, check], None if native else option.default)
+    return create_model(name, **fields)
+
+
+def _check_option(option: OptionField, native: bool, value: Any) -> Any:
+    try:
+        return check_client_value(option, value, batch=native)
+    except OptionError as e:
+        # A ValueError is a 400 naming the field already: keep only what is wrong with the value.
+        raise ValueError(str(e).removeprefix(f"{option.name}: ")) from None
+
+
+# The option fields' models, the bases of the request models below (to a type checker, plain models:
+# their fields are read by name, generically).
+if TYPE_CHECKING:
+    _NativeOptionFields = BaseModel
+    _OpenAIOptionFields = BaseModel
+else:
+    _NativeOptionFields = _option_fields_model("NativeOptionFields", native=True)
+    _OpenAIOptionFields = _option_fields_model("OpenAIOptionFields", native=False)
+
+
 # ---------------------------------------------------------------------------- sampling fields
-class SamplingFields(BaseModel):
+class SamplingFields(_OpenAIOptionFields):
     """Sampling fields shared by completions and chat (OpenAI names plus SGLang's extras)."""
 
     # Unknown fields are ignored like OpenAI and SGLang do, so newer clients keep working. Strict
@@ -103,27 +146,12 @@ class SamplingFields(BaseModel):
     regex: Optional[str] = None
     ebnf: Optional[str] = None
     json_schema: Optional[str] = None
-    # SGLang's per-request extras (docs/api.md)
+    # SGLang's per-request extras (docs/api.md); the request options among them (priority,
+    # return_hidden_states, extra_key, cache_salt, PD bootstrap_*, routed_dp_rank, ...) are the fields
+    # of the base model, from request_options.py.
     stop_regex: Optional[Union[str, List[str]]] = None
-    priority: Optional[int] = None
-    # true: every position's hidden states; "last": only the last position's vector (SGLang's mode).
-    return_hidden_states: Union[bool, Literal["last"]] = False
-    custom_logit_processor: Optional[str] = None
     custom_params: Optional[Dict[str, Any]] = None
-    extra_key: Optional[str] = None
-    cache_salt: Optional[str] = None
-    # PD disaggregation: SGLang's router adds these in --pd-disaggregation mode.
-    bootstrap_host: Optional[str] = None
-    bootstrap_port: Optional[int] = None
-    bootstrap_room: Optional[int] = None
-    # DP-aware routing (SGLang's gateway): the data-parallel replica that runs the request.
-    routed_dp_rank: Optional[int] = None
     data_parallel_rank: Optional[int] = None  # SGLang's older name of routed_dp_rank
-
-    @model_validator(mode="after")
-    def _check_bootstrap(self) -> "SamplingFields":
-        check_bootstrap_fields(self.bootstrap_port, self.bootstrap_room)
-        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -131,12 +159,10 @@ class SamplingFields(BaseModel):
         return refuse_unsupported(data, OPENAI_UNSUPPORTED)
 
     def generate_extras(self) -> Dict[str, Any]:
-        """The extras that go to GenerateReqInput as they are."""
-        return {"return_hidden_states": self.return_hidden_states, "custom_logit_processor": self.custom_logit_processor,
-                "priority": self.priority, "extra_key": self.extra_key, "cache_salt": self.cache_salt,
-                "bootstrap_host": self.bootstrap_host, "bootstrap_port": self.bootstrap_port,
-                "bootstrap_room": self.bootstrap_room, "routed_dp_rank": self.routed_dp_rank,
-                "data_parallel_rank": self.data_parallel_rank}
+        """The fields that go to GenerateReqInput as they are: the options and data_parallel_rank."""
+        extras = {name: getattr(self, name) for name in OPENAI_OPTION_NAMES}
+        extras["data_parallel_rank"] = self.data_parallel_rank
+        return extras
 
     @field_validator("stop")
     @classmethod
@@ -438,7 +464,7 @@ class ChatCompletionStreamResponse(BaseModel):
 
 
 # ---------------------------------------------------------------------------- native SGLang API
-class GenerateRequest(BaseModel):
+class GenerateRequest(_NativeOptionFields):
     """Body of the native POST /generate; shapes are checked again by GenerateReqInput.normalize().
 
     Every field of SGLang's GenerateReqInput is accepted: the ones below are implemented or only
@@ -454,9 +480,6 @@ class GenerateRequest(BaseModel):
     sampling_params: Optional[Union[Dict[str, Any], List[Dict[str, Any]]]] = None
     rid: Optional[Union[str, List[str]]] = None
     stream: bool = False
-    return_logprob: Optional[Union[bool, List[bool]]] = None
-    logprob_start_len: Optional[Union[int, List[int]]] = None
-    top_logprobs_num: Optional[Union[int, List[int]]] = None
     return_text_in_logprobs: bool = False
     # false: the request is left out of /metrics (SGLang's health probes send it).
     log_metrics: bool = True
@@ -466,24 +489,13 @@ class GenerateRequest(BaseModel):
     model: Optional[str] = None
     session_id: Optional[str] = None
     conversation_id: Optional[str] = None
-    routing_key: Optional[str] = None
     custom_labels: Optional[Dict[str, str]] = None
     external_trace_header: Optional[Dict[str, Any]] = None
     kv_router_hint: Optional[Dict[str, Any]] = None
     received_time: Optional[float] = None
     http_worker_ipc: Optional[str] = None
-    # SGLang's per-request extras (docs/api.md); lists give one value per prompt.
-    token_ids_logprob: Optional[Union[List[int], List[List[int]]]] = None
-    return_hidden_states: Union[bool, Literal["last"], List[Union[bool, Literal["last"]]]] = False
-    custom_logit_processor: Optional[Union[str, List[Optional[str]]]] = None
-    priority: Optional[int] = None
-    extra_key: Optional[Union[str, List[Optional[str]]]] = None
-    cache_salt: Optional[Union[str, List[Optional[str]]]] = None
-    # With --reasoning-parser: the output starts in the model's reasoning, and its constraint
-    # applies after the reasoning ends (SGLang's field; the chat route decides it itself).
-    require_reasoning: bool = False
-    # DP-aware routing (SGLang's gateway): the data-parallel replica that runs the request.
-    routed_dp_rank: Optional[int] = None
+    # The request options (return_logprob, ..., priority, PD bootstrap_*, routed_dp_rank, ...) are the
+    # fields of the base model, from request_options.py: per-prompt ones take a list too.
     data_parallel_rank: Optional[int] = None  # SGLang's older name of routed_dp_rank
 
     @model_validator(mode="before")
@@ -495,22 +507,6 @@ class GenerateRequest(BaseModel):
         # null means "the default" for every field (SGLang's clients send unset fields as null).
         fields = cls.model_fields
         return {k: v for k, v in data.items() if v is not None or k not in fields or fields[k].default is None}
-
-    # PD disaggregation: SGLang's router adds these in --pd-disaggregation mode (one value, or
-    # one per prompt of a batch).
-    bootstrap_host: Optional[Union[str, List[Optional[str]]]] = None
-    bootstrap_port: Optional[Union[int, List[Optional[int]]]] = None
-    bootstrap_room: Optional[Union[int, List[Optional[int]]]] = None
-
-    @model_validator(mode="after")
-    def _check_bootstrap(self) -> "GenerateRequest":
-        ports = self.bootstrap_port if isinstance(self.bootstrap_port, list) else [self.bootstrap_port]
-        rooms = self.bootstrap_room if isinstance(self.bootstrap_room, list) else [self.bootstrap_room]
-        for port in ports:
-            check_bootstrap_fields(port, None)
-        for room in rooms:
-            check_bootstrap_fields(None, room)
-        return self
 
     @model_validator(mode="after")
     def _check_prompt(self) -> "GenerateRequest":
@@ -529,18 +525,12 @@ class GenerateRequest(BaseModel):
         params = self.sampling_params if isinstance(self.sampling_params, list) else [self.sampling_params or {}]
         for one in params:
             _check_native_sampling_params(one)
-        tops = self.top_logprobs_num if isinstance(self.top_logprobs_num, list) else [self.top_logprobs_num]
-        if any(k is not None and (k < 0 or k > MAX_TOP_LOGPROBS) for k in tops):
+        # A bound of the HTTP edge, like OpenAI's top_logprobs (the offline Engine goes up to the vocabulary).
+        top_logprobs_num = getattr(self, "top_logprobs_num")  # an option field: its type was checked
+        tops = top_logprobs_num if isinstance(top_logprobs_num, list) else [top_logprobs_num]
+        if any(k is not None and k > MAX_TOP_LOGPROBS for k in tops):
             raise ValueError(f"top_logprobs_num must be in [0, {MAX_TOP_LOGPROBS}]")
         return self
-
-
-def check_bootstrap_fields(port: Optional[int], room: Optional[int]) -> None:
-    """Ranges of the PD fields (whether they are required is up to the server's mode)."""
-    if port is not None and not 1 <= port <= 65535:
-        raise ValueError(f"bootstrap_port must be in [1, 65535], got {port}")
-    if room is not None and not 0 <= room < 2**63:
-        raise ValueError(f"bootstrap_room must be in [0, 2^63), got {room}")
 
 
 def _check_native_sampling_params(params: Dict[str, Any]) -> None:

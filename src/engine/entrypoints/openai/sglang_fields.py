@@ -12,6 +12,8 @@ from __future__ import annotations
 
 from typing import Any, Dict, Mapping, Tuple
 
+from engine.request_options import OPTION_FIELDS
+
 # Values that mean "feature not used": null, and the field's SGLang default.
 _NULL: Tuple[Any, ...] = (None,)
 _FALSE: Tuple[Any, ...] = (None, False)
@@ -69,8 +71,9 @@ NATIVE_UNSUPPORTED: Dict[str, Tuple[Tuple[Any, ...], str]] = {
 # SGLang's gateway in DP-aware mode names the replica of every request (routed_dp_rank, or the older
 # data_parallel_rank): /generate and the OpenAI routes take them (fields of the request models).
 DP_RANK_FIELDS = ("routed_dp_rank", "data_parallel_rank")
+# /generate takes every request option (request_options.py) as a field of its own.
 GENERATE_UNSUPPORTED: Dict[str, Tuple[Tuple[Any, ...], str]] = {
-    name: entry for name, entry in NATIVE_UNSUPPORTED.items() if name not in DP_RANK_FIELDS}
+    name: entry for name, entry in NATIVE_UNSUPPORTED.items() if name not in DP_RANK_FIELDS and name not in OPTION_FIELDS}
 
 # SGLang's extra fields of the OpenAI requests (python/sglang/srt/entrypoints/openai/protocol.py)
 # that change what is generated. The implemented ones (regex, ebnf, json_schema,

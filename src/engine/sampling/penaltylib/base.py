@@ -25,7 +25,9 @@ class SamplingReq(Protocol):
     origin_input_ids: List[int]
     output_ids: List[int]
     eos_token_ids: Set[int]
-    custom_logit_processor: Optional[str]
+
+    @property
+    def custom_logit_processor(self) -> Optional[str]: ...  # read only: Req's comes from its options
 
 
 class BatchedPenalizer(ABC):
