@@ -80,6 +80,8 @@ class RequestOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
     # SGLang's routing key: --schedule-policy routing-key runs requests of the keys most frequent
     # among the running ones first (the OpenAI routes read it from a header).
     routing_key: Annotated[Optional[Annotated[str, Meta(max_length=MAX_ROUTING_KEY_LEN)]], WHOLE_REQUEST] = None
+    # Every output also carries the prompt's token ids ("prompt_token_ids"), as tokenized.
+    return_prompt_token_ids: Annotated[bool, WHOLE_REQUEST] = False
 
     def effective(self) -> "RequestOptions":
         """These options as they take effect: the logprob options cleared without return_logprob."""

@@ -4,6 +4,7 @@ Each option, with a value derived from its declared type, goes in through /gener
 Engine's keywords (and the OpenAI routes for those marked so), is checked, tokenized, crosses the
 process boundary in TokenizedGenerateReqInput and arrives in the scheduler's Req; a value of the
 wrong type is refused by name at every edge; a per-prompt option takes one value per prompt.
+Then the option added to show it: SGLang's `return_prompt_token_ids`.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from engine.server_args import ServerArgs
 from engine.tokenizer.request_normalizer import GenerateReqInput, RequestNormalizer
 
 from test_http_app import FakeTokenizerManager
+from test_tokenizer_manager import build_test_tokenizer, collect, run_manager_with_fake_scheduler
 
 # Without return_logprob the other logprob options mean nothing (they are cleared): it goes with them.
 LOGPROB_OPTIONS = ("logprob_start_len", "top_logprobs_num", "token_ids_logprob")
@@ -136,4 +138,46 @@ def test_the_scheduler_reads_the_options_it_was_sent() -> None:
     # Without return_logprob the other logprob options are cleared, as SGLang ignores them.
     assert (req.return_logprob, req.top_logprobs_num, req.priority) == (False, 0, 5)
     assert req.return_hidden_states and req.hidden_states_last
+
+
+# ---------------------------------------------------------------------------- return_prompt_token_ids
+@pytest.fixture(scope="module")
+def tokenizer():
+    return build_test_tokenizer()
+
+
+@pytest.fixture
+def runtime(tokenizer, monkeypatch):
+    yield from run_manager_with_fake_scheduler(tokenizer, monkeypatch)
+
+
+def test_return_prompt_token_ids_puts_the_tokenized_prompt_in_every_output(runtime, tokenizer) -> None:
+    manager, fake = runtime
+    params = {"max_new_tokens": 3}
+    outs = collect(manager, GenerateReqInput(text="Hello world", sampling_params=params, stream=True,
+                                             return_prompt_token_ids=True))
+    [sent] = fake.messages(TokenizedGenerateReqInput)
+    assert sent.input_ids == tokenizer.encode("Hello world")
+    assert outs and all(out["prompt_token_ids"] == sent.input_ids for out in outs)
+    # Not asked: no such key (SGLang's output shape).
+    [plain] = collect(manager, GenerateReqInput(text="Hello world", sampling_params=params))
+    assert "prompt_token_ids" not in plain
+    # A batch: each output carries its own prompt.
+    [batch] = collect(manager, GenerateReqInput(input_ids=[[5, 6, 7], [8, 9]], sampling_params=params,
+                                                return_prompt_token_ids=True))
+    assert [out["prompt_token_ids"] for out in batch] == [[5, 6, 7], [8, 9]]
+
+
+def test_return_prompt_token_ids_over_http(runtime) -> None:
+    manager, _ = runtime
+    with TestClient(create_app(manager, ServerArgs(model_path="unused", device="cpu"))) as client:
+        body = {"input_ids": [5, 6, 7], "sampling_params": {"max_new_tokens": 2}, "return_prompt_token_ids": True}
+        reply = client.post("/generate", json=body)
+        assert reply.status_code == 200 and reply.json()["prompt_token_ids"] == [5, 6, 7]
+        # One value for the whole request, as SGLang's field.
+        listed = client.post("/generate", json={**body, "input_ids": [[5], [6]], "return_prompt_token_ids": [True, True]})
+        assert listed.status_code == 400 and "return_prompt_token_ids" in listed.text
+        # The OpenAI routes do not return them: asked there, a 400 rather than a silent omission.
+        chat = client.post("/v1/chat/completions", json={**CHAT, "return_prompt_token_ids": True})
+        assert chat.status_code == 400 and "return_prompt_token_ids" in chat.text
 

@@ -36,6 +36,8 @@ class ReqState:
     # return_hidden_states "last": each output replaces the one vector instead of adding entries.
     hidden_states_last: bool = False
     no_logs: bool = False
+    # return_prompt_token_ids: the prompt as tokenized, in every output (SGLang's "prompt_token_ids").
+    prompt_token_ids: Optional[list[int]] = None
     event: asyncio.Event = field(default_factory=asyncio.Event)
     text: str = ""
     output_ids: list[int] = field(default_factory=list)
@@ -97,7 +99,10 @@ def build_output(state: ReqState) -> dict:
         meta["output_token_ids_logprobs"] = state.output_token_ids_logprobs[done:]
     if state.return_hidden_states:
         meta["hidden_states"] = list(state.hidden_states)
-    return {"text": text, "output_ids": ids, "meta_info": meta}
+    out: dict[str, Any] = {"text": text, "output_ids": ids, "meta_info": meta}
+    if state.prompt_token_ids is not None:
+        out["prompt_token_ids"] = list(state.prompt_token_ids)
+    return out
 
 
 class OutputAssembler:

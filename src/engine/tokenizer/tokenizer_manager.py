@@ -339,6 +339,7 @@ class TokenizerManager:
                 return_hidden_states=bool(options.return_hidden_states),
                 hidden_states_last=options.return_hidden_states == "last",
                 incremental=incremental and obj.stream,
+                prompt_token_ids=list(req.input_ids) if options.return_prompt_token_ids else None,
             )
             if self.metrics_collector is not None and obj.log_metrics \
                     and not req.rid.startswith(HEALTH_CHECK_RID_PREFIX):

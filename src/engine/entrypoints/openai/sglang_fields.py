@@ -64,7 +64,7 @@ NATIVE_UNSUPPORTED: Dict[str, Tuple[Tuple[Any, ...], str]] = {
     "max_thinking_tokens": (_NULL, "reasoning control is not implemented"),
     "return_bytes": (_FALSE, "image generation is not implemented"),
     "return_entropy": (_FALSE, "returning the entropy is not implemented"),
-    "return_prompt_token_ids": (_FALSE, "returning the prompt token ids is not implemented"),
+    "return_prompt_token_ids": (_FALSE, "prompt token ids are returned by /generate only"),
     "multi_item_delimiter_indices": (_NULL, "multi-item scoring is not implemented"),
 }
 
@@ -82,7 +82,7 @@ GENERATE_UNSUPPORTED: Dict[str, Tuple[Tuple[Any, ...], str]] = {
 OPENAI_UNSUPPORTED: Dict[str, Tuple[Tuple[Any, ...], str]] = {
     "structural_tag": (_NULL, "on this route a structural tag is a response_format of type 'structural_tag'"),
     **{name: NATIVE_UNSUPPORTED[name] for name in (
-        "lora_path", "session_params", "return_routed_experts",
+        "lora_path", "session_params", "return_routed_experts", "return_prompt_token_ids",
     )},
 }
 
