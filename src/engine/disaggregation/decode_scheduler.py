@@ -41,12 +41,12 @@ from engine.disaggregation.metadata import MetadataBuffers, ReqToMetadataIdxAllo
 from engine.disaggregation.metrics import DisaggMetrics
 from engine.disaggregation.wiring import TransferBackend, build_decode_manager, kv_args_for
 from engine.scheduler.req import FINISH_ABORT, Req
-from engine.scheduler.schedule_batch import ScheduleBatch
 
 if TYPE_CHECKING:
+    from engine.scheduler.schedule_batch import ScheduleBatch
     from engine.constrained.grammar_manager import PendingGrammar
     from engine.disaggregation.loopback import LoopbackNetwork
-    from engine.scheduler.scheduler import Scheduler
+    from engine.disaggregation.host import RoleHost
 
 logger = logging.getLogger(__name__)
 
@@ -55,32 +55,32 @@ class DecodeDisaggregation:
     # A Literal, so that checking `mode` tells the type checker which role it has.
     mode: Literal[DisaggregationMode.DECODE] = DisaggregationMode.DECODE
 
-    def __init__(self, scheduler: "Scheduler", network: Optional["LoopbackNetwork"] = None) -> None:
-        self.scheduler = scheduler
-        args = scheduler.server_args
+    def __init__(self, host: "RoleHost", network: Optional["LoopbackNetwork"] = None) -> None:
+        self.host = host
+        args = host.server_args
         self.metrics = DisaggMetrics()
         self.backend = TransferBackend(args.disaggregation_transfer_backend)
-        rows = scheduler.req_to_token_pool.size  # every row may be in transfer at once
+        rows = host.kv.req_to_token_pool.size  # every row may be in transfer at once
         metadata = MetadataBuffers(rows)
         self.memory = DecodeMemory(
-            req_to_token_pool=scheduler.req_to_token_pool, allocator=scheduler.token_to_kv_pool_allocator,
-            tree_cache=scheduler.tree_cache, metadata=metadata, metadata_allocator=ReqToMetadataIdxAllocator(rows),
-            max_total_num_tokens=scheduler.max_total_num_tokens,
+            req_to_token_pool=host.kv.req_to_token_pool, allocator=host.kv.token_to_kv_pool_allocator,
+            tree_cache=host.kv.tree_cache, metadata=metadata, metadata_allocator=ReqToMetadataIdxAllocator(rows),
+            max_total_num_tokens=host.max_total_num_tokens,
             num_reserved_decode_tokens=args.num_reserved_decode_tokens)
         self.config = TransferConfig.from_server_args(args)
         self.manager = None if self.backend == TransferBackend.FAKE else build_decode_manager(
-            args, kv_args_for(scheduler, metadata), self.config, network, scheduler.tp_rank)
+            args, kv_args_for(host, metadata), self.config, network, host.tp_rank)
         # With --enable-priority-scheduling both queues go by priority, as SGLang's decode does.
-        self.order_key = scheduler.priority.queue_order_key if scheduler.priority.enabled else None
+        self.order_key = host.priority.queue_order_key if host.priority.enabled else None
         self.prealloc = DecodePreallocQueue(self.memory, self.metrics, self._make_receiver, self._fence,
                                             self._restore, self.order_key)
-        self.transfer = DecodeTransferQueue(self.memory, self.metrics, scheduler.vocab_size,
-                                            scheduler.grammar_manager)
+        self.transfer = DecodeTransferQueue(self.memory, self.metrics, host.vocab_size,
+                                            host.grammar_manager)
         self.waiting: List[Req] = []
         self.polling_interval = args.disaggregation_decode_polling_interval
         self._iteration = 0
         # Retraction keeps a copy of the committed KV (the scheduler calls this before the free).
-        scheduler.running.set_retraction_backup(self.backup_for_retract)
+        host.running.set_retraction_backup(self.backup_for_retract)
 
     # ------------------------------------------------------------------ requests in
     def validate(self, req: Req) -> Optional[str]:
@@ -103,8 +103,7 @@ class DecodeDisaggregation:
 
     def _paused_by_retract(self) -> bool:
         """pause_generation(mode="retract") is under way: the weights may change before continue."""
-        control = self.scheduler.control
-        return control.paused and control.pause_mode == "retract"
+        return self.host.paused_by_retract()
 
     def _make_receiver(self, req: Req) -> KVReceiver:
         room = req.bootstrap_room or 0
@@ -117,7 +116,7 @@ class DecodeDisaggregation:
 
     # ------------------------------------------------------------------ queues
     def _admission_state(self) -> AdmissionState:
-        return AdmissionState(running=list(self.scheduler.running_batch.reqs),
+        return AdmissionState(running=list(self.host.running.reqs),
                               num_transferring=len(self.transfer.queue), num_waiting=len(self.waiting))
 
     def process_queues(self) -> None:
@@ -141,19 +140,19 @@ class DecodeDisaggregation:
             assert req.finished_reason is not None  # abort_req finished them
             logger.warning("Request %s (room %s) failed: %s", req.rid, req.bootstrap_room,
                            req.finished_reason.to_json().get("message"))
-        self.scheduler.stream(failed + failed_transfers)
+        self.host.stream(failed + failed_transfers)
 
     # ------------------------------------------------------------------ batches
     def get_next_batch_to_run(self) -> Optional[ScheduleBatch]:
-        scheduler = self.scheduler
+        host = self.host
         prebuilt = self._get_new_prebuilt_batch()
         if prebuilt is not None:
-            scheduler.running.merge(prebuilt)
-        return scheduler.update_running_batch()
+            host.running.merge(prebuilt)
+        return host.update_running_batch()
 
     def _get_new_prebuilt_batch(self) -> Optional[ScheduleBatch]:
-        scheduler = self.scheduler
-        room = scheduler.max_running_requests - scheduler.running_batch.batch_size()
+        host = self.host
+        room = host.max_running_requests - host.running.size()
         if room <= 0 or not self.waiting:
             return None
         if self.order_key is not None:
@@ -171,23 +170,23 @@ class DecodeDisaggregation:
                 if not req.finished():
                     req.check_finished()
                 if req.finished():
-                    scheduler.tree_cache.cache_finished_req(req)
-                scheduler.stream([req])
+                    host.kv.tree_cache.cache_finished_req(req)
+                host.stream([req])
                 fresh_count += 1
             if not req.finished():
                 live.append(req)
         if fresh_count:
             # The first token goes out now, not after the decode step that is about to run
             # (SGLang streams the prebuilt result at once too): it is the time to first token.
-            scheduler.flush_outputs()
+            host.flush_outputs()
         if not live:
             return None
-        batch = ScheduleBatch.init_new(live, scheduler.req_to_token_pool, scheduler.token_to_kv_pool_allocator,
-                                       scheduler.tree_cache, scheduler.vocab_size, scheduler.device)
+        batch = host.kv.new_batch(live)
         batch.prepare_for_prebuilt()
         rows = batch.req_pool_indices
+        assert rows is not None  # prepare_for_prebuilt sets it
         tokens = torch.tensor([r.output_ids[-1] for r in live], dtype=torch.int64)
-        scheduler.write_relay(rows, tokens)
+        host.write_relay(rows, tokens)
         return batch
 
     # ------------------------------------------------------------------ retraction
@@ -203,13 +202,13 @@ class DecodeDisaggregation:
             return  # nothing to keep (a test worker), or recomputed by the prefill after the pause
         committed = len(req.origin_input_ids) + len(req.output_ids) - 1
         slots = self.memory.req_to_token_pool.req_to_token[req.req_pool_idx, :committed].to(torch.int64).clone()
-        req.kv_backup = self.scheduler.forward_stream.run_in_order(lambda: gather_kv(pool, slots))
+        req.kv_backup = self.host.forward_stream.run_in_order(lambda: gather_kv(pool, slots))
 
     def _fence(self) -> Callable[[], bool]:
         """When slots reserved now may be written by others: after the forwards in flight."""
-        if not self.scheduler.result_queue:
+        if not self.host.has_results_in_flight():
             return _always  # nothing in flight (always so in the normal loop)
-        return self.scheduler.forward_stream.fence()
+        return self.host.forward_stream.fence()
 
     def _restore(self, req: Req, slots: torch.Tensor, backup: Optional[Future]) -> None:
         if backup is None:
@@ -217,7 +216,7 @@ class DecodeDisaggregation:
         pool = self.memory.allocator.get_kvcache()
         assert pool is not None  # a decode server's allocator owns its KV pool
         # Same stream, later job: the backup's copy has run by then, so result() does not wait.
-        self.scheduler.forward_stream.run_in_order(lambda: scatter_kv(pool, slots, backup.result()))
+        self.host.forward_stream.run_in_order(lambda: scatter_kv(pool, slots, backup.result()))
 
     # ------------------------------------------------------------------ aborts and state
     def abort(self, match: Callable[[Req], bool]) -> List[Req]:

@@ -42,7 +42,7 @@ from engine.scheduler.req import FINISH_ABORT, FINISH_LENGTH, Req
 
 if TYPE_CHECKING:
     from engine.disaggregation.loopback import LoopbackNetwork
-    from engine.scheduler.scheduler import Scheduler
+    from engine.disaggregation.host import RoleHost
 
 logger = logging.getLogger(__name__)
 
@@ -58,19 +58,19 @@ class PrefillDisaggregation:
     # A Literal, so that checking `mode` tells the type checker which role it has.
     mode: Literal[DisaggregationMode.PREFILL] = DisaggregationMode.PREFILL
 
-    def __init__(self, scheduler: "Scheduler", network: Optional["LoopbackNetwork"] = None) -> None:
-        self.scheduler = scheduler
-        args = scheduler.server_args
+    def __init__(self, host: "RoleHost", network: Optional["LoopbackNetwork"] = None) -> None:
+        self.host = host
+        args = host.server_args
         self.backend = TransferBackend(args.disaggregation_transfer_backend)
         self.metrics = DisaggMetrics()
         # Requests past the bootstrap queue hold a request row until their transfer ends, so
         # there are never more of them than rows.
-        rows = scheduler.req_to_token_pool.size
+        rows = host.kv.req_to_token_pool.size
         self.metadata = MetadataBuffers(rows)
         self.metadata_allocator = ReqToMetadataIdxAllocator(rows)
         self.config = TransferConfig.from_server_args(args)
         self.manager = None if self.backend == TransferBackend.FAKE else build_prefill_manager(
-            args, kv_args_for(scheduler, self.metadata), self.config, self.metrics, network)
+            args, kv_args_for(host, self.metadata), self.config, self.metrics, network)
         self.bootstrap_queue: List[PrefillRequest] = []
         self.tracked: Dict[int, PrefillRequest] = {}  # waiting or being prefilled, by id(req)
         self.inflight: List[PrefillRequest] = []
@@ -120,32 +120,32 @@ class PrefillDisaggregation:
             elif poll >= KVPoll.WaitingForInput:
                 self.metrics.observe_bootstrap(preq.sender.times)
                 self.tracked[id(preq.req)] = preq
-                self.scheduler.enqueue_waiting(preq.req)
+                self.host.enqueue_waiting(preq.req)
             else:
                 kept.append(preq)
         self.bootstrap_queue = kept
-        self.scheduler.stream(failed)
+        self.host.stream(failed)
 
     def handoff(self, req: Req) -> None:
         """The last chunk of `req` was prefilled and its first token appended: send its KV."""
         preq = self.tracked.pop(id(req))
-        scheduler = self.scheduler
+        host = self.host
         if req.to_finish is not None:  # aborted by the client while it was prefilled (all ranks)
             preq.sender.abort("aborted by the client")
             req.finished_reason, req.to_finish = req.to_finish, None
             preq.sender.clear()
-            scheduler.tree_cache.cache_finished_req(req, is_insert=False)
-            scheduler.stream([req])
+            host.kv.tree_cache.cache_finished_req(req, is_insert=False)
+            host.stream([req])
             return
         # A sender that failed meanwhile is not looked at here: its rank alone may know. The send
         # stops at once and the inflight queue's reduced poll fails the request on every rank.
         # Keep the prompt's KV (shareable, locked by this request) until the transfer is done.
-        scheduler.tree_cache.cache_unfinished_req(req)
+        host.kv.tree_cache.cache_unfinished_req(req)
         index = self.metadata_allocator.alloc()
         assert index is not None, "more requests in transfer than request rows"
         preq.metadata_buffer_index = index
         self.metadata.set_buf(index, _first_token_metadata(req))
-        row = scheduler.req_to_token_pool.req_to_token[req.req_pool_idx, :len(req.origin_input_ids)]
+        row = host.kv.req_to_token_pool.req_to_token[req.req_pool_idx, :len(req.origin_input_ids)]
         preq.sender.send(row, self.metadata.row_bytes(index))
         self.inflight.append(preq)
 
@@ -160,12 +160,12 @@ class PrefillDisaggregation:
             req = preq.req
             if poll == KVPoll.Success:
                 req.finished_reason = FINISH_LENGTH(0)
-                self.scheduler.tree_cache.cache_finished_req(req)
+                self.host.kv.tree_cache.cache_finished_req(req)
             elif poll == KVPoll.Failed:
                 reason, cause = next(reasons)
                 abort_req(req, f"KV transfer failed: {reason}")
                 self.metrics.observe_failure(True, cause)
-                self.scheduler.tree_cache.cache_finished_req(req, is_insert=False)
+                self.host.kv.tree_cache.cache_finished_req(req, is_insert=False)
             else:
                 kept.append(preq)
                 continue
@@ -174,7 +174,7 @@ class PrefillDisaggregation:
             self.metadata_allocator.free(preq.metadata_buffer_index)
             done.append(req)
         self.inflight = kept
-        self.scheduler.stream(done)
+        self.host.stream(done)
 
     def _sweep_finished(self) -> None:
         """Requests that ended while waiting or mid-prefill (client abort, chunk teardown, a

@@ -22,6 +22,7 @@ from engine.disaggregation.kv_io import TARGET_FRAME_BYTES, KVLayout
 from engine.disaggregation.metadata import MetadataBuffers
 
 if TYPE_CHECKING:
+    from engine.disaggregation.host import RoleHost
     from engine.disaggregation.conn_decode import DecodeKVManager
     from engine.disaggregation.conn_prefill import PrefillKVManager
     from engine.disaggregation.loopback import LoopbackNetwork
@@ -39,14 +40,14 @@ class TransferBackend(str, Enum):
     FAKE = "fake"
 
 
-def kv_args_for(scheduler: Any, metadata: MetadataBuffers) -> KVArgs:
-    pool = scheduler.token_to_kv_pool_allocator.get_kvcache()
+def kv_args_for(host: RoleHost, metadata: MetadataBuffers) -> KVArgs:
+    pool = host.kv.token_to_kv_pool_allocator.get_kvcache()
     if pool is None:
         raise RuntimeError("PD disaggregation needs the worker's KV pool (the allocator has none)")
-    tp_size = scheduler.server_args.tp_size
-    total_kv_heads = scheduler.total_kv_heads or pool.head_num * tp_size
-    layout = KVLayout.of_pool(pool, total_kv_heads, tp_size, scheduler.tp_rank)
-    return KVArgs(pool=pool, metadata=metadata, layout=layout, page_size=scheduler.page_size)
+    tp_size = host.server_args.tp_size
+    total_kv_heads = host.total_kv_heads or pool.head_num * tp_size
+    layout = KVLayout.of_pool(pool, total_kv_heads, tp_size, host.tp_rank)
+    return KVArgs(pool=pool, metadata=metadata, layout=layout, page_size=host.page_size)
 
 
 def own_bootstrap_addr(args: Any) -> str:

@@ -57,6 +57,7 @@ from engine.scheduler.stats import Load, SchedulerStats
 from engine.scheduler.waiting_queue import WaitingQueue
 
 from engine.disaggregation.base import DisaggregationMode
+from engine.disaggregation.host import RoleHost
 from engine.disaggregation.roles import make_role
 
 if TYPE_CHECKING:
@@ -149,7 +150,8 @@ class Scheduler:
         # queues (engine/disaggregation/); None in a unified server.
         if server_args.disaggregation_mode != "null" and not self.is_generation:
             raise ValueError("PD disaggregation serves generative models only; this is an embedding model")
-        self.disagg: Optional[Union[PrefillDisaggregation, DecodeDisaggregation]] = make_role(self, transfer_network)
+        self.disagg: Optional[Union[PrefillDisaggregation, DecodeDisaggregation]] = (
+            make_role(self._role_host(), transfer_network) if server_args.disaggregation_mode != "null" else None)
         limits = ModelLimits(self.vocab_size, self.max_req_len, self.max_req_input_len, self.max_total_num_tokens,
                              self.page_size, self.is_generation, self.embedding_kv_reusable)
         # Requests in: checks, the queue limit (admission.py).
@@ -179,6 +181,18 @@ class Scheduler:
         # Prompt and output positions this rank computed in extend forwards (a PD decode server
         # computes none: its prompts arrive by transfer).
         self.num_extend_tokens_computed = 0
+
+    def _role_host(self) -> RoleHost:
+        """What a PD role may use: the owners and the loop's callbacks (disaggregation/host.py)."""
+        return RoleHost(
+            server_args=self.server_args, tp_rank=self.tp_rank, page_size=self.page_size, vocab_size=self.vocab_size,
+            total_kv_heads=self.total_kv_heads, max_total_num_tokens=self.max_total_num_tokens,
+            max_running_requests=self.max_running_requests, kv=self.kv, running=self.running,
+            priority=self.priority, grammar_manager=self.grammar_manager, forward_stream=self.forward_stream,
+            stream=self.stream, enqueue_waiting=self.enqueue_waiting, update_running_batch=self.update_running_batch,
+            flush_outputs=self.flush_outputs, write_relay=self.write_relay,
+            has_results_in_flight=lambda: bool(self.result_queue),
+            paused_by_retract=lambda: self.control.paused and self.control.pause_mode == "retract")
 
     # ================================================================== the owners' state, read-only
     @property
