@@ -28,6 +28,12 @@ TOOL_CALL_PARSERS = ("llama3", "qwen25", "qwen", "hermes", "mistral", "pythonic"
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 # tcp: ZMQ between processes and machines; loopback: in-process (tests); fake: no prefill at all.
 DISAGGREGATION_TRANSFER_BACKENDS = ("tcp", "loopback", "fake")
+# --speculative-algorithm: what runs, and SGLang's names that are refused at start-up.
+SPECULATIVE_ALGORITHMS = ("NGRAM",)
+UNSUPPORTED_SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NEXTN")
+# The most tokens one verify step checks per request, and the longest n-gram window (bounds the
+# verify forward and the drafter's search).
+MAX_SPECULATIVE_TOKENS = 64
 # --max-queued-requests when not given (docs/security.md).
 DEFAULT_MAX_QUEUED_REQUESTS = 4096
 
@@ -182,6 +188,19 @@ class ServerArgs:
         "deterministic tokens (never EOS); scheduling, radix cache, KV accounting, detokenizer and HTTP "
         "run for real. Reads only config.json and the tokenizer of the model; runs on --device cpu with "
         "--tp-size 1."))
+
+    # Speculative decoding (SGLang's flags; only NGRAM runs so far: engine/speculative/).
+    speculative_algorithm: Optional[str] = arg(None, (
+        "NGRAM: each decode step verifies tokens proposed by matching the request's latest tokens "
+        "earlier in its prompt and output (exact: greedy output is unchanged, sampling keeps the "
+        "target distribution). EAGLE, EAGLE3 and STANDALONE are refused (not supported yet)."))
+    speculative_num_draft_tokens: Optional[int] = arg(None, (
+        "Tokens one verify step checks per request: the last token plus up to N-1 drafts. "
+        "Default for NGRAM: --speculative-ngram-max-match-window-size."))
+    speculative_ngram_min_match_window_size: int = arg(1, "NGRAM: the shortest suffix of the request's "
+                                                          "tokens that is matched.")
+    speculative_ngram_max_match_window_size: int = arg(12, "NGRAM: the longest suffix of the request's "
+                                                           "tokens that is matched.")
 
     # Parallelism
     tp_size: int = arg(1, "Tensor parallelism: scheduler ranks that shard the model.")
@@ -384,6 +403,7 @@ class ServerArgs:
              "--enable-mixed-chunk and --disable-mixed-chunk contradict each other")
         self._check_disaggregation(need)
         self._check_simulated_device(need)
+        self._check_speculative(need)
 
     def _warn_open_pd_planes(self) -> None:
         """Without a secret the PD planes are open: fine on loopback, loud beyond it (docs/security.md)."""
@@ -457,6 +477,40 @@ class ServerArgs:
         need(not self.is_embedding and self.disaggregation_mode == "null",
              "--simulated-device-forward-ms serves generation on a unified server: not with --is-embedding "
              "or --disaggregation-mode prefill|decode")
+
+    def _check_speculative(self, need: Any) -> None:
+        algo = self.speculative_algorithm
+        if algo is None:
+            return
+        if algo in UNSUPPORTED_SPECULATIVE_ALGORITHMS:
+            raise ServerArgsError(
+                f"--speculative-algorithm {algo} is not supported yet: it needs a draft model (EAGLE heads or a "
+                "standalone model) run beside the target, which this engine does not have.\n"
+                "Use --speculative-algorithm NGRAM (drafts from the request's own tokens) or leave it unset.")
+        need(algo in SPECULATIVE_ALGORITHMS,
+             f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}, got {algo!r}")
+        lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+        need(1 <= lo <= hi <= MAX_SPECULATIVE_TOKENS,
+             "--speculative-ngram-min-match-window-size and --speculative-ngram-max-match-window-size must satisfy "
+             f"1 <= min <= max <= {MAX_SPECULATIVE_TOKENS}, got {lo} and {hi}")
+        if self.speculative_num_draft_tokens is None:
+            self.speculative_num_draft_tokens = hi  # SGLang's NGRAM default
+        need(2 <= self.speculative_num_draft_tokens <= MAX_SPECULATIVE_TOKENS,
+             f"--speculative-num-draft-tokens must be in [2, {MAX_SPECULATIVE_TOKENS}] (the last token plus at least "
+             f"one draft), got {self.speculative_num_draft_tokens}")
+        # What the verify step does not handle yet: refused, never silently inexact.
+        need(self.tp_size == 1 and self.nnodes == 1, "--speculative-algorithm NGRAM runs with --tp-size 1 only "
+                                                     "(not supported yet with tensor parallelism)")
+        need(self.disaggregation_mode == "null", "--speculative-algorithm NGRAM is not supported yet with "
+                                                 "--disaggregation-mode prefill|decode")
+        need(self.simulated_device_forward_ms is None and not self.is_embedding,
+             "--speculative-algorithm NGRAM needs a generative model: not with --simulated-device-forward-ms "
+             "or --is-embedding")
+        if not self.disable_overlap_schedule:
+            # As SGLang: the verify step needs the previous step's tokens to draft, so it runs in the
+            # normal loop.
+            logger.warning("--speculative-algorithm NGRAM: the overlap scheduler is disabled.")
+            self.disable_overlap_schedule = True
 
     def simulated_device_cost(self) -> Optional[tuple[float, float]]:
         """(ms per forward, ms per token) of --simulated-device-forward-ms, or None when it is off."""
@@ -550,6 +604,9 @@ _ARG_TYPES = {
     "disaggregation_waiting_timeout": float,
     "disaggregation_heartbeat_interval": float,
     "disaggregation_heartbeat_max_failures": int,
+    "speculative_num_draft_tokens": int,
+    "speculative_ngram_min_match_window_size": int,
+    "speculative_ngram_max_match_window_size": int,
 }
 
 # Flags that take one or more values (SGLang's nargs="+").

@@ -64,7 +64,8 @@ class LogitsProcessor(nn.Module):
         the K/V (attention from those rows, output projection, MLP) on those rows alone and pass
         `pruned=True`: the other rows' outputs feed nothing (their K/V, which later tokens read, come
         from the layer's input)."""
-        if not forward_batch.forward_mode.is_extend() or forward_batch.capture_hidden_states:
+        mode = forward_batch.forward_mode
+        if not mode.is_extend() or mode.is_target_verify() or forward_batch.capture_hidden_states:
             return False
         return not (forward_batch.return_logprob and _wants_input_logprobs(forward_batch))
 
@@ -78,7 +79,8 @@ class LogitsProcessor(nn.Module):
     ) -> LogitsProcessorOutput:
         """pruned: hidden_states holds each request's last row only (last_rows_suffice)."""
         mode = forward_batch.forward_mode
-        if mode.is_extend() and not pruned:
+        if mode.is_extend() and not pruned and not mode.is_target_verify():
+            # A verify forward keeps every position: each one checks a draft token.
             pruned_states = hidden_states.index_select(0, forward_batch.last_positions())
         else:
             pruned_states = hidden_states

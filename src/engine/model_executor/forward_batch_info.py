@@ -36,10 +36,16 @@ class ForwardMode(IntEnum):
     EXTEND = auto()  # prefill, possibly on top of a cached prefix
     DECODE = auto()  # one new token per request
     MIXED = auto()  # extend requests followed by decode requests (chunked prefill + decode)
+    # Speculative verify: each request extends by its last token plus its drafts (a chain), and
+    # the logits of every position are kept (engine/speculative/).
+    TARGET_VERIFY = auto()
 
     def is_extend(self) -> bool:
-        """True for modes that attention treats as extend (MIXED included)."""
-        return self in (ForwardMode.EXTEND, ForwardMode.MIXED)
+        """True for modes that attention treats as extend (MIXED and TARGET_VERIFY included)."""
+        return self in (ForwardMode.EXTEND, ForwardMode.MIXED, ForwardMode.TARGET_VERIFY)
+
+    def is_target_verify(self) -> bool:
+        return self == ForwardMode.TARGET_VERIFY
 
     def is_decode(self) -> bool:
         return self == ForwardMode.DECODE

@@ -296,6 +296,89 @@ class ScheduleBatch:
         self.extend_num_tokens = 0
         self.extend_input_logprob_token_ids = None
 
+    # ------------------------------------------------------------------ speculative verify
+    def alloc_draft_slots(self, draft_lens: List[int]) -> Optional[torch.Tensor]:
+        """After prepare_for_decode: slots for each request's drafts, at the positions after its
+        decode slot (seq_len .. seq_len + k - 1), written to its row; None, with nothing allocated,
+        when the pool cannot hold them even after eviction (the step then verifies no drafts).
+        Drafts are opportunistic: retraction and admission budget the plain decode step only."""
+        total = sum(draft_lens)
+        if total == 0:
+            return None
+        allocator = self.token_to_kv_pool_allocator
+        page = allocator.page_size
+        lens = _prepared(self.seq_lens)
+        new_lens = lens + _i64(draft_lens)
+        if page == 1:
+            need = total
+        else:
+            need = page * int(((new_lens + page - 1) // page - (lens + page - 1) // page).sum())
+        self._evict_for(need)
+        if allocator.available_size() < need:
+            return None
+        table = self.req_to_token_pool.req_to_token
+        rows = _prepared(self.req_pool_indices)
+        last_loc = table[rows, lens - 1].to(torch.int64)
+        out = allocator.alloc_extend(lens, new_lens, last_loc, total)
+        if out is None:
+            return None
+        offset = 0
+        for r, n, k in zip(self.reqs, self.seq_lens_cpu, draft_lens):
+            table[_row(r), n:n + k] = out[offset:offset + k].to(table.dtype)
+            offset += k
+            r.kv_allocated_len += k
+        return out
+
+    def verify_worker_batch(self, input_ids: List[int], draft_lens: List[int],
+                            draft_slots: Optional[torch.Tensor]) -> ModelWorkerBatch:
+        """The TARGET_VERIFY forward of a decode-prepared batch: each request extends its KV by its
+        last token (the decode slot) and its drafts, every position's logits kept."""
+        decode_slots = _prepared(self.out_cache_loc)
+        parts: List[torch.Tensor] = []
+        offset = 0
+        for i, k in enumerate(draft_lens):
+            parts.append(decode_slots[i:i + 1])
+            if k:
+                assert draft_slots is not None  # alloc_draft_slots gave slots for every draft
+                parts.append(draft_slots[offset:offset + k])
+                offset += k
+        seq_lens = [n + k for n, k in zip(self.seq_lens_cpu, draft_lens)]
+        extend_lens = [1 + k for k in draft_lens]
+        return ModelWorkerBatch(
+            forward_mode=ForwardMode.TARGET_VERIFY,
+            input_ids=_i64(input_ids),
+            req_pool_indices=_prepared(self.req_pool_indices),
+            seq_lens=_i64(seq_lens),
+            seq_lens_cpu=seq_lens,
+            out_cache_loc=torch.cat(parts),
+            sampling_info=_prepared(self.sampling_info).copy_for_forward(),
+            extend_num_tokens=sum(extend_lens),
+            extend_seq_lens=extend_lens,
+            extend_prefix_lens=[n - 1 for n in self.seq_lens_cpu],
+            extend_logprob_start_lens=list(extend_lens),
+        )
+
+    def keep_verified(self, kept_lens: List[int]) -> None:
+        """After a verify step: each request keeps the KV of its first kept_lens[i] positions (the
+        tokens it fed and accepted; its newest token has none yet, as after a decode step). The
+        slots past them go back to the pool, whole pages only when paged (a request owns the rest
+        of its last page, where its next decode slot goes), and its allocated length is exact."""
+        allocator = self.token_to_kv_pool_allocator
+        page = allocator.page_size
+        table = self.req_to_token_pool.req_to_token
+        freed: List[torch.Tensor] = []
+        for r, kept in zip(self.reqs, kept_lens):
+            end = r.kv_allocated_len
+            start = -(-kept // page) * page  # the first position on a page of its own past `kept`
+            if start < end:
+                freed.append(table[_row(r), start:end].to(torch.int64))
+            r.kv_allocated_len = kept
+        if freed:
+            allocator.free(torch.cat(freed))
+        self.seq_lens_cpu = list(kept_lens)
+        self.seq_lens = _i64(self.seq_lens_cpu)
+        self.out_cache_loc = None
+
     def retract_decode(self, before_release: Optional[Callable[[Req], None]] = None
                        ) -> Tuple[List[Req], float, List[Req]]:
         """Free requests until the next decode step fits.

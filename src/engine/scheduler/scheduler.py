@@ -55,6 +55,7 @@ from engine.scheduler.prefill import PrefillBuilder
 from engine.scheduler.running_set import RunningSet
 from engine.scheduler.stats import Load, SchedulerStats
 from engine.scheduler.waiting_queue import WaitingQueue
+from engine.speculative.ngram_worker import NgramSpeculator, VerifyStep
 
 from engine.disaggregation.base import DisaggregationMode
 from engine.disaggregation.host import RoleHost
@@ -163,6 +164,10 @@ class Scheduler:
         handoff = (self.disagg.handoff if self.disagg is not None and self.disagg.mode == DisaggregationMode.PREFILL
                    else None)
         self.results = ResultProcessor(self.kv.tree_cache, prefill_handoff=handoff)
+        # Speculative decoding: eligible decode steps run as verify steps (engine/speculative/).
+        self.spec: Optional[NgramSpeculator] = (
+            NgramSpeculator(server_args, worker, self.kv.tree_cache)
+            if server_args.speculative_algorithm is not None and self.is_generation else None)
         self.streamer = OutputStreamer(server_args.stream_interval)
         # Where outputs go: a ZMQ socket in the server, a list in-process.
         self.outbox: List[Any] = []
@@ -371,6 +376,7 @@ class Scheduler:
             "gen_throughput": self.stats.last_gen_throughput,
             "forward_ct": self.forward_ct,
             "num_extend_tokens_computed": self.num_extend_tokens_computed,
+            **(self.spec.state() if self.spec is not None else {}),
             **({"disaggregation": self.disagg.internal_state()} if self.disagg is not None else {}),
         }
 
@@ -448,6 +454,10 @@ class Scheduler:
         """
         self.forward_ct += 1
         assert batch.forward_mode is not None  # the batches to run are prepared (prepare_for_*)
+        if self.spec is not None and batch.forward_mode.is_decode():
+            step = self.spec.prepare(batch)
+            if step is not None:
+                return self._run_verify(step)
         if batch.forward_mode.is_extend():
             self.num_extend_tokens_computed += batch.extend_num_tokens
         worker_batch = batch.get_model_worker_batch()
@@ -476,6 +486,19 @@ class Scheduler:
             return DelayedSample(pending, self.worker.sample_delayed, self.forward_stream)
         return pending if self.enable_overlap else pending.result()
 
+    def _run_verify(self, step: VerifyStep) -> VerifyStep:
+        """A speculative verify step, run at once (the loop is the normal one with speculation)."""
+        spec = self.spec
+        assert spec is not None  # only called with speculation on
+        sleep_s = self.forward_sleep_s
+
+        def verify() -> VerifyStep:
+            if sleep_s > 0:  # the testing aid, as for every forward
+                time.sleep(sleep_s)
+            return spec.run(step)
+
+        return self.forward_stream.run_in_order(verify).result()
+
     def launch_batch_sample_if_needed(self) -> None:
         """Sample the newest launched batch if its sampling waits for a mask: every older result
         has been processed by now, so its matchers are current."""
@@ -489,7 +512,11 @@ class Scheduler:
         if isinstance(result, (PendingResult, DelayedSample)):
             result = result.result()  # waits for copy_done only here
         assert batch.forward_mode is not None  # set when the batch was built
-        if not self.is_generation:
+        if isinstance(result, VerifyStep):
+            assert self.spec is not None  # a verify step runs only with speculation on
+            emit = self.spec.process(batch, result)
+            self.stats.on_tokens(batch, self.spec.emitted_tokens(result))
+        elif not self.is_generation:
             emit = process_embedding_result(batch, result, self.tree_cache, self.embedding_kv_reusable)
         else:
             decode = batch.forward_mode.is_decode()

@@ -152,6 +152,11 @@ class TpModelWorker:
                                          forward_batch=forward_batch)
         return self._sample(logits_output, forward_batch)
 
+    def forward_batch_verify(self, batch: ModelWorkerBatch) -> torch.Tensor:
+        """A TARGET_VERIFY forward (engine/speculative/): the logits of every position, [tokens, vocab]."""
+        forward_batch = ForwardBatch.init_new(batch, self.model_runner)
+        return self.model_runner.forward(forward_batch).next_token_logits
+
     def sample_delayed(self, result: GenerationBatchResult,
                        vocab_mask: Optional[torch.Tensor]) -> GenerationBatchResult:
         """The sampling half of a delayed forward, with this step's vocabulary mask."""

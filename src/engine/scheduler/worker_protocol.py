@@ -38,6 +38,9 @@ class ModelWorker(Protocol):
                        vocab_mask: Optional[torch.Tensor]) -> "GenerationBatchResult":
         """The sampling half of a forward run with `delay_sample=True`."""
 
+    def forward_batch_verify(self, batch: "ModelWorkerBatch") -> torch.Tensor:
+        """A speculative verify forward: the logits of every position (engine/speculative/)."""
+
     # The control plane (scheduler/control.py).
     def update_weights_from_disk(self, model_path: str, load_format: Optional[str]) -> Tuple[bool, str]: ...
 
