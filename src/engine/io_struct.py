@@ -115,6 +115,11 @@ class BatchTokenIDOutput(msgspec.Struct, tag=True):
     output_hidden_states: List[Optional[List[Any]]] = []
     # The HTTP worker of each request (empty: all of worker 0).
     http_workers: List[int] = []
+    # Speculative decoding (empty when it is off): per request its verify steps so far, the drafts
+    # it accepted and the drafts it was proposed (SGLang's spec_verify_ct / spec_accepted_tokens).
+    spec_verify_ct: List[int] = []
+    spec_accepted_tokens: List[int] = []
+    spec_draft_tokens: List[int] = []
 
 
 class BatchStrOutput(msgspec.Struct, tag=True):
@@ -141,6 +146,9 @@ class BatchStrOutput(msgspec.Struct, tag=True):
     output_token_ids_logprobs_idx: List[Optional[List[List[int]]]] = []
     output_hidden_states: List[Optional[List[Any]]] = []
     http_workers: List[int] = []  # as in BatchTokenIDOutput
+    spec_verify_ct: List[int] = []  # as in BatchTokenIDOutput
+    spec_accepted_tokens: List[int] = []
+    spec_draft_tokens: List[int] = []
 
 
 # ---------------------------------------------------------------------- control requests

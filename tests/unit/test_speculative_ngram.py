@@ -360,3 +360,40 @@ def test_sampled_outputs_keep_the_target_distribution_end_to_end(tiny_vocab):
             total_df += df
         assert total_df >= 10, (depth, total_df)
         assert total_stat < _chi2_bound(total_df), (depth, total_stat, total_df)
+
+
+# ---------------------------------------------------------------------------------------- meta_info
+def test_messages_carry_the_verify_counters_only_with_speculation(tiny):
+    from engine.io_struct import BatchTokenIDOutput
+    from engine.tokenizer.output_assembly import spec_meta_info
+
+    for spec in (False, True):
+        h = _harness(tiny, spec)
+        msgs: List[BatchTokenIDOutput] = []
+        outbox = h.scheduler.outbox
+
+        def send(msg, outbox=outbox, msgs=msgs):
+            msgs.append(msg)
+            outbox.append(msg)
+
+        h.scheduler.send_output = send
+        rids = [h.submit(p, max_new_tokens=N_NEW, ignore_eos=True) for p in _prompts()]
+        h.run_until_idle()
+        final = {rid: (m, i) for m in msgs if isinstance(m, BatchTokenIDOutput)
+                 for i, rid in enumerate(m.rids) if m.finished_reasons[i] is not None}
+        for rid in rids:
+            m, i = final[rid]
+            if not spec:
+                assert m.spec_verify_ct == [] and m.spec_accepted_tokens == []
+                continue
+            verify_ct, accepted, drafts = m.spec_verify_ct[i], m.spec_accepted_tokens[i], m.spec_draft_tokens[i]
+            # Every output token but the prefill's came from a verify step: one bonus or resampled
+            # token per step plus the accepted drafts.
+            assert verify_ct + accepted == N_NEW - 1
+            assert 0 <= accepted <= drafts
+            meta = spec_meta_info(verify_ct, accepted, drafts, m.completion_tokens[i])
+            assert meta["spec_verify_ct"] == verify_ct
+            assert meta["spec_accept_length"] == N_NEW / verify_ct
+    assert spec_meta_info(0, 0, 0, 1) == {"spec_verify_ct": 0, "spec_accept_rate": 0.0, "spec_accept_length": 0}
+    assert spec_meta_info(4, 6, 8, 11) == {"spec_verify_ct": 4, "spec_accept_rate": 0.75, "spec_accept_length": 2.75,
+                                          "spec_accept_token_num": 6, "spec_draft_token_num": 8}

@@ -134,6 +134,9 @@ class DetokenizerManager:
             output_token_ids_logprobs_idx=recv.output_token_ids_logprobs_idx,
             output_hidden_states=recv.output_hidden_states,
             http_workers=recv.http_workers,
+            spec_verify_ct=recv.spec_verify_ct,
+            spec_accepted_tokens=recv.spec_accepted_tokens,
+            spec_draft_tokens=recv.spec_draft_tokens,
         )
 
     def _extend_states(self, recv: BatchTokenIDOutput) -> tuple[list[DecodeStatus], list[int]]:

@@ -217,8 +217,10 @@ class _LogprobLists:
 
 
 class OutputStreamer:
-    def __init__(self, stream_interval: int) -> None:
+    def __init__(self, stream_interval: int, speculative: bool = False) -> None:
         self.stream_interval = stream_interval
+        # With speculative decoding every message carries each request's verify counters.
+        self.speculative = speculative
 
     def build(self, reqs: List[Req]) -> Optional[BatchTokenIDOutput]:
         """One message with every request of `reqs` (each once) that is due to emit.
@@ -317,6 +319,10 @@ class OutputStreamer:
         if want_hidden:
             msg.output_hidden_states = [req.hidden_states_to_send() if req.return_hidden_states else None
                                         for req in sel]
+        if self.speculative:
+            msg.spec_verify_ct = [req.spec_verify_ct for req in sel]
+            msg.spec_accepted_tokens = [req.spec_accepted_tokens for req in sel]
+            msg.spec_draft_tokens = [req.spec_draft_tokens for req in sel]
         return msg
 
 

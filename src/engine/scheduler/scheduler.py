@@ -168,7 +168,8 @@ class Scheduler:
         self.spec: Optional[NgramSpeculator] = (
             NgramSpeculator(server_args, worker, self.kv.tree_cache)
             if server_args.speculative_algorithm is not None and self.is_generation else None)
-        self.streamer = OutputStreamer(server_args.stream_interval)
+        self.streamer = OutputStreamer(server_args.stream_interval,
+                                       speculative=server_args.speculative_algorithm is not None)
         # Where outputs go: a ZMQ socket in the server, a list in-process.
         self.outbox: List[Any] = []
         self.send_output = send_output or self.outbox.append

@@ -46,6 +46,10 @@ class ReqState:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    # Speculative decoding: verify steps, accepted and proposed drafts (None: speculation is off).
+    spec_verify_ct: Optional[int] = None
+    spec_accepted_tokens: int = 0
+    spec_draft_tokens: int = 0
     input_token_logprobs: list = field(default_factory=list)
     input_top_logprobs: list = field(default_factory=list)
     output_token_logprobs: list = field(default_factory=list)
@@ -85,6 +89,9 @@ def build_output(state: ReqState) -> dict:
         "finish_reason": None if state.finished_reason is None else copy.deepcopy(state.finished_reason),
         "e2e_latency": time.time() - state.created_time,
     }
+    if state.spec_verify_ct is not None:
+        meta.update(spec_meta_info(state.spec_verify_ct, state.spec_accepted_tokens, state.spec_draft_tokens,
+                                   state.completion_tokens))
     text, ids = state.text, list(state.output_ids)
     done = 0  # output positions already handed out (output logprobs are per output position)
     if state.incremental:
@@ -105,6 +112,21 @@ def build_output(state: ReqState) -> dict:
     return out
 
 
+def spec_meta_info(verify_ct: int, accepted: int, drafts: int, completion_tokens: int) -> dict[str, Any]:
+    """SGLang's speculative meta_info: spec_verify_ct always; spec_accept_length (completion tokens
+    per verify step, its first prefill token included, as SGLang counts it) and spec_accept_rate
+    (accepted / proposed drafts) 0 until a verify step ran. spec_draft_token_num counts the drafts
+    really proposed (SGLang multiplies the steps by --speculative-num-draft-tokens - 1: its NGRAM
+    pads every step to that many; ours proposes fewer when the request's text offers fewer)."""
+    meta: dict[str, Any] = {"spec_verify_ct": verify_ct, "spec_accept_rate": 0.0, "spec_accept_length": 0}
+    if verify_ct > 0:
+        meta["spec_accept_length"] = completion_tokens / verify_ct
+        meta["spec_accept_rate"] = accepted / drafts if drafts else 0.0
+        meta["spec_accept_token_num"] = accepted
+        meta["spec_draft_token_num"] = drafts
+    return meta
+
+
 class OutputAssembler:
     """Folds BatchStrOutput entries into request states (with token texts for logprobs)."""
 
@@ -118,6 +140,10 @@ class OutputAssembler:
         state.prompt_tokens = batch.prompt_tokens[i]
         state.completion_tokens = batch.completion_tokens[i]
         state.cached_tokens = batch.cached_tokens[i]
+        if batch.spec_verify_ct:
+            state.spec_verify_ct = batch.spec_verify_ct[i]
+            state.spec_accepted_tokens = batch.spec_accepted_tokens[i]
+            state.spec_draft_tokens = batch.spec_draft_tokens[i]
         if state.return_logprob:
             self._append_logprobs(state, batch, i)
         hidden = _at(batch.output_hidden_states, i)
