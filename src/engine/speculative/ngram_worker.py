@@ -151,6 +151,10 @@ class NgramSpeculator:
         assert step.outcome is not None
         return sum(len(t) for t in step.outcome.tokens)
 
+    def reset_stats(self) -> None:
+        """Start the server-wide totals afresh (benchmarks: measure after a warm-up)."""
+        self.stats = SpecStats()
+
     def state(self) -> Dict[str, Any]:
         """What /get_server_info reports (SGLang's internal_states name)."""
         return {"avg_spec_accept_length": self.stats.mean_accept_length(),
