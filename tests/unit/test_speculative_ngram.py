@@ -397,3 +397,30 @@ def test_messages_carry_the_verify_counters_only_with_speculation(tiny):
     assert spec_meta_info(0, 0, 0, 1) == {"spec_verify_ct": 0, "spec_accept_rate": 0.0, "spec_accept_length": 0}
     assert spec_meta_info(4, 6, 8, 11) == {"spec_verify_ct": 4, "spec_accept_rate": 0.75, "spec_accept_length": 2.75,
                                           "spec_accept_token_num": 6, "spec_draft_token_num": 8}
+
+
+@pytest.mark.parametrize("page_size,radix", [(1, True), (16, True), (16, False)])
+def test_kv_is_conserved_at_every_step(tiny, page_size, radix):
+    """At every step: free + evictable + protected + what live requests own is the whole pool, and
+    each running request owns exactly its committed KV (its newest token has none yet), drafts
+    included while they are verified and gone after."""
+    from test_scheduler_invariants import kv_conservation
+
+    gen = torch.Generator().manual_seed(4)
+    shared = torch.randint(0, VOCAB, (20,), generator=gen).tolist()
+    h = _harness(tiny, True, page_size=page_size, disable_radix_cache=not radix, max_total_tokens=512)
+    for i in range(10):
+        body = torch.randint(0, VOCAB, (int(torch.randint(1, 30, (1,), generator=gen)),), generator=gen).tolist()
+        h.submit((shared if i % 2 else []) + body, max_new_tokens=int(torch.randint(1, 40, (1,), generator=gen)),
+                 ignore_eos=True)
+    steps = 0
+    while h.scheduler.has_work():
+        h.step()
+        kv_conservation(h)
+        for req in h.scheduler.running_batch.reqs:
+            if not req.finished():
+                assert req.kv_allocated_len == len(req.origin_input_ids) + len(req.output_ids) - 1
+        steps += 1
+        assert steps < 2000
+    h.step()  # the strict idle check
+    assert h.scheduler.internal_state()["spec_accepted_tokens"] > 0
