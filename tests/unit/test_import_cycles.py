@@ -22,9 +22,6 @@ KNOWN_CYCLES: Set[frozenset] = {
     # buffers from the runner, the CUDA-graph runner replays the runner's forward.
     frozenset({"engine.layers.attention", "engine.layers.attention.triton_backend",
                "engine.model_executor.cuda_graph_runner", "engine.model_executor.model_runner"}),
-    # The control calls use the TokenizerManager that owns them; its protocol names their type.
-    frozenset({"engine.tokenizer.control_calls", "engine.tokenizer.tokenizer_manager",
-               "engine.tokenizer.tokenizer_manager_protocol"}),
     # The one-call native decoder layers read Llama's module tree; Llama runs its layers through them.
     frozenset({"engine.kernels.decoder_layers", "engine.models.llama"}),
 }

@@ -26,7 +26,7 @@ import logging
 import random
 import time
 import uuid
-from typing import TYPE_CHECKING, Any, Optional, Sequence
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Protocol, Sequence, Union
 
 from engine.tokenizer.embedding_requests import EmbeddingReqInput
 from engine.errors import EngineRequestError
@@ -53,7 +53,41 @@ from engine.io_struct import (
 from engine.tokenizer.request_normalizer import GenerateReqInput
 
 if TYPE_CHECKING:
-    from engine.tokenizer.tokenizer_manager import TokenizerManager
+    from engine.server_args import ServerArgs
+    from engine.tokenizer.embedding_requests import EmbeddingReqInput, EmbeddingResult
+
+
+class ControlHost(Protocol):
+    """What the control calls use of the TokenizerManager that owns them: its sockets, its liveness,
+    and a generate/encode for the health probe."""
+
+    @property
+    def server_args(self) -> ServerArgs: ...
+
+    @property
+    def is_generation(self) -> bool: ...
+
+    @property
+    def last_output_tstamp(self) -> float:
+        """When generated output last arrived (a sign that batches finish)."""
+
+    def auto_create_handle_loop(self) -> None: ...
+
+    def check_alive(self) -> None:
+        """Raise if the engine can no longer answer (a child died, or shutting down)."""
+
+    def is_alive(self) -> bool: ...
+
+    async def send_async(self, msg: Routed) -> None: ...
+
+    def generate_request(self, obj: GenerateReqInput) -> AsyncIterator[Union[dict, list[dict]]]: ...
+
+    async def encode_request(self, obj: EmbeddingReqInput) -> list[EmbeddingResult]: ...
+
+    def abort_request(self, rid: str = "", abort_all: bool = False) -> None: ...
+
+    def set_model_path(self, model_path: str) -> None:
+        """The weights served now come from this path (after update_weights_from_disk)."""
 
 logger = logging.getLogger(__name__)
 
@@ -102,7 +136,7 @@ class _ReplyWaiters:
 class ControlCalls:
     """The control calls of one TokenizerManager, whose sockets and receive loop they use."""
 
-    def __init__(self, manager: TokenizerManager, fan_out: int) -> None:
+    def __init__(self, manager: ControlHost, fan_out: int) -> None:
         self.manager = manager
         # Callers waiting for a control reply, one FIFO per reply type.
         self._waiters: dict[type, _ReplyWaiters] = {t: _ReplyWaiters(fan_out) for t in CONTROL_REPLIES}
@@ -147,13 +181,13 @@ class ControlCalls:
         """Send a control request; its replies, one per DP replica (503 on no reply within
         `timeout`, --control-timeout by default)."""
         self.manager.auto_create_handle_loop()
-        self.manager._check_alive()
+        self.manager.check_alive()
         if timeout is None:
             timeout = self.manager.server_args.control_timeout
         waiters = self._waiters[CONTROL_REPLY_OF[type(msg)]]
         future = waiters.add()
         try:
-            await self.manager._send_async(msg)
+            await self.manager.send_async(msg)
         except BaseException:
             # Never sent: no reply will come, so this waiter must not consume someone else's.
             for j, (f, _) in enumerate(waiters.waiters):
@@ -297,7 +331,7 @@ class ControlCalls:
         success = all(r.success for r in replies)
         message = _join(replies)
         if success:
-            self.manager.model_path = obj.model_path
+            self.manager.set_model_path(obj.model_path)
             message = self._set_weight_version(obj.weight_version, message)
         return success, message, sum(r.num_paused_requests for r in replies)
 

@@ -262,6 +262,9 @@ class TokenizerManager:
         # Only this worker's requests: the other HTTP workers end their own streams themselves.
         self._send_now(AbortReq(abort_all=True, worker_only=True), timeout_ms=0)
 
+    def set_model_path(self, model_path: str) -> None:
+        self.model_path = model_path
+
     def mark_dead(self, message: str) -> None:
         """A child died: fail every pending request and control call (callable from any thread)."""
         self._dead_message = message
@@ -308,7 +311,7 @@ class TokenizerManager:
         (--incremental-streaming-output, for the native route and the Engine).
         """
         self.auto_create_handle_loop()
-        self._check_alive()
+        self.check_alive()
         if not self.is_generation:
             raise EngineRequestError(NOT_A_GENERATION_MODEL)
         obj.normalize()
@@ -324,7 +327,7 @@ class TokenizerManager:
 
     async def _send_and_wait(self, obj: GenerateReqInput, tokenized: list[TokenizedGenerateReqInput],
                              request: Any, incremental: bool) -> AsyncIterator[Union[dict, list[dict]]]:
-        self._check_alive()
+        self.check_alive()
         self._check_new_rids(tokenized)
         states: list[ReqState] = []
         for i, req in enumerate(tokenized):
@@ -368,7 +371,7 @@ class TokenizerManager:
         sent: list[str] = []
         try:
             for req in reqs:
-                await self._send_async(req)
+                await self.send_async(req)
                 sent.append(req.rid)
                 if self.server_args.log_requests and log:
                     params = req.sampling_params if isinstance(req, TokenizedGenerateReqInput) else None
@@ -385,7 +388,7 @@ class TokenizerManager:
     async def encode_request(self, obj: EmbeddingReqInput, request: Any = None) -> list[EmbeddingResult]:
         """Embed every input of `obj` (one result per input, in order); a failed input fails all."""
         self.auto_create_handle_loop()
-        self._check_alive()
+        self.check_alive()
         if self.is_generation:
             raise EngineRequestError(NOT_AN_EMBEDDING_MODEL)
         tokenized = await self._off_loop(self.embedding_normalizer.tokenize, obj)
@@ -487,7 +490,7 @@ class TokenizerManager:
         msg.http_worker = self.worker_id  # where the scheduler sends what answers it
         return encode(msg)
 
-    async def _send_async(self, msg: Routed) -> None:
+    async def send_async(self, msg: Routed) -> None:
         data = self._encode(msg)
         deadline = time.monotonic() + SEND_TIMEOUT_S
         while True:
@@ -496,7 +499,7 @@ class TokenizerManager:
                 return
             except zmq.Again:
                 # PUSH refuses while no scheduler is connected (startup race, or it died).
-                self._check_alive()
+                self.check_alive()
                 if time.monotonic() > deadline:
                     raise EngineRequestError("The scheduler is not reachable.", 503, "ServiceUnavailableError")
                 await asyncio.sleep(0.005)
@@ -520,7 +523,7 @@ class TokenizerManager:
         message = self._dead_message or "A child process of the server died."
         return EngineRequestError(self._not_alive_message(message), 503, "ServiceUnavailableError")
 
-    def _check_alive(self) -> None:
+    def check_alive(self) -> None:
         if self._alive_for_admission():
             return
         error = self.unavailable_error()
