@@ -1,6 +1,6 @@
 """A server with --speculative-algorithm NGRAM: greedy /generate equals transformers' greedy run
 token for token (streamed or not), meta_info carries SGLang's speculative figures and
-/get_server_info the mean accept length."""
+/get_server_info and /metrics the mean accept length."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import torch
 
 pytestmark = pytest.mark.slow  # starts a server (processes)
 
-SERVER_ARGS = ["--speculative-algorithm", "NGRAM", "--strict-memory-check"]
+SERVER_ARGS = ["--speculative-algorithm", "NGRAM", "--strict-memory-check", "--enable-metrics"]
 N_NEW = 40
 
 
@@ -65,3 +65,6 @@ def test_streamed_output_equals_and_server_reports_mean_accept_length(server_url
     state = httpx.get(f"{server_url}/get_server_info", timeout=30).json()["internal_states"][0]
     assert state["avg_spec_accept_length"] > 1.5
     assert state["spec_verify_ct"] > 0
+    metrics = httpx.get(f"{server_url}/metrics", timeout=30).text
+    line = next(m for m in metrics.splitlines() if m.startswith("sglang:spec_accept_length{"))
+    assert float(line.rsplit(" ", 1)[1]) > 1.5

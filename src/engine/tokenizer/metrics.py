@@ -216,6 +216,9 @@ class SchedulerStateCollector:
         ("token_usage", "token_usage", "Fraction of the KV cache pool in use.", "mean"),
         ("cache_hit_rate", "cache_hit_rate", "Fraction of prompt tokens served from the prefix cache.", "mean"),
         ("gen_throughput", "gen_throughput", "Generation throughput (tokens/s) of recent decode batches.", "sum"),
+        # Speculative decoding only (absent from the states otherwise).
+        ("spec_accept_length", "avg_spec_accept_length", "Mean tokens per request per speculative verify step.",
+         "mean"),
     )
 
     def __init__(self, model_name: str) -> None:
