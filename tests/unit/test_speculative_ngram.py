@@ -424,3 +424,17 @@ def test_kv_is_conserved_at_every_step(tiny, page_size, radix):
         assert steps < 2000
     h.step()  # the strict idle check
     assert h.scheduler.internal_state()["spec_accepted_tokens"] > 0
+
+
+def test_greedy_requests_stay_exact_beside_sampled_ones(tiny):
+    """A verify step whose batch mixes greedy and sampled rows: the greedy ones still return the
+    tokens they return without speculation, the sampled ones run their full length."""
+    prompts = _prompts()
+    _, plain, _ = _run(tiny, False, prompts)
+    h = _harness(tiny, True)
+    greedy = [h.submit(p, max_new_tokens=N_NEW, ignore_eos=True) for p in prompts]
+    sampled = [h.submit(p, max_new_tokens=N_NEW, ignore_eos=True, temperature=1.0, top_p=0.9) for p in prompts]
+    h.run_until_idle()
+    assert [h.outputs[r].output_ids for r in greedy] == plain
+    assert all(len(h.outputs[r].output_ids) == N_NEW for r in sampled)
+    assert h.scheduler.internal_state()["spec_accepted_tokens"] > 0
