@@ -161,13 +161,13 @@ def test_engine_calls_fail_instead_of_hanging_when_nothing_can_answer_them():
             # 1. The children are found dead, but nothing failed the waiting request.
             thread, outcome = _call_in_thread(lambda: eng.generate("Hi", {"max_new_tokens": 2}))
             assert wait_until(lambda: bool(manager.rid_to_state), 30)
-            children = manager.child_processes
-            manager.child_processes = [_DeadProcess()]
+            children = manager.liveness.child_processes
+            manager.liveness.child_processes = [_DeadProcess()]
             thread.join(60)
             assert not thread.is_alive(), "the call hangs although the engine is dead"
             assert isinstance(outcome.get("error"), EngineRequestError), outcome
             assert outcome["error"].status_code == 503
-            manager.child_processes = children
+            manager.liveness.child_processes = children
 
             # 2. The engine's event loop stops while a call waits on it.
             thread, outcome = _call_in_thread(eng.get_internal_state)

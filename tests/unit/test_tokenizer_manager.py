@@ -538,7 +538,7 @@ class DeadProcess:
 def test_dead_child_makes_requests_fail_with_503(runtime):
     manager, fake = runtime
     assert manager.is_alive()
-    manager.child_processes = [DeadProcess()]
+    manager.liveness.child_processes = [DeadProcess()]
     assert not manager.is_alive()
     with pytest.raises(EngineRequestError) as info:
         collect(manager, GenerateReqInput(text="Hello"))
@@ -641,11 +641,11 @@ def test_chat_template_and_override(runtime, tokenizer, tmp_path):
     assert tokenizer.decode(ids) == "user: hi\nassistant:"
     template_file = tmp_path / "t.jinja"
     template_file.write_text("{% for m in messages %}[{{ m['content'] }}]{% endfor %}")
-    manager.chat_template = tm_module.load_chat_template(str(template_file))
+    manager.tokenization.chat_template = tm_module.load_chat_template(str(template_file))
     assert tokenizer.decode(manager.apply_chat_template(messages)) == "[hi]"
-    manager.chat_template = tm_module.load_chat_template("{{ messages[0]['content'] }}!")
+    manager.tokenization.chat_template = tm_module.load_chat_template("{{ messages[0]['content'] }}!")
     assert tokenizer.decode(manager.apply_chat_template(messages)) == "hi!"
-    manager.chat_template = "{% for %}"
+    manager.tokenization.chat_template = "{% for %}"
     with pytest.raises(EngineRequestError):
         manager.apply_chat_template(messages)
 
@@ -657,7 +657,7 @@ def test_chat_template_kwargs_and_continue_final_message(runtime, tokenizer):
     continued = tokenizer.decode(manager.apply_chat_template(messages, continue_final_message=True))
     # The final message stays open: the same text up to its content, nothing after it.
     assert continued.endswith("Hel") and closed.startswith(continued) and closed != continued
-    manager.chat_template = "{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
+    manager.tokenization.chat_template = "{{ greeting }}{% for m in messages %}{{ m['content'] }}{% endfor %}"
     ids = manager.apply_chat_template(messages[:1], template_kwargs={"greeting": "yo "})
     assert tokenizer.decode(ids) == "yo hi"
 

@@ -17,11 +17,9 @@ the BatchEmbeddingOutput the scheduler sends straight here).
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import time
-from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, AsyncIterator, Callable, Optional, Sequence, TypeVar, Union
+from typing import TYPE_CHECKING, Any, AsyncIterator, Optional, Sequence, Union
 
 import zmq
 import zmq.asyncio
@@ -54,16 +52,12 @@ from engine.io_struct import (
 )
 from engine.tokenizer.metrics import RequestTimer, TokenizerMetricsCollector, checked_custom_labels
 from engine.tokenizer.output_assembly import OutputAssembler, ReqState, build_output
-from engine.tokenizer.request_normalizer import (
-    GenerateReqInput,
-    RequestNormalizer,
-    apply_chat_template,
-    load_chat_template,
-)
+from engine.tokenizer.request_normalizer import GenerateReqInput, RequestNormalizer, load_chat_template
+from engine.tokenizer.liveness import SHUTDOWN_MESSAGE, Liveness
+from engine.tokenizer.tokenization import Tokenization
 from engine.tokenizer.tokenizer_manager_protocol import GenerateOutputs
 from engine.server_args import PortArgs, ServerArgs
 from engine.utils.async_streams import gather_last, merge_indexed
-from engine.utils.process_utils import child_alive
 from engine.utils.tokenizer_utils import load_tokenizer
 from engine.utils.zmq_utils import get_zmq_socket
 
@@ -71,15 +65,11 @@ if TYPE_CHECKING:
     from engine.disaggregation.bootstrap import BootstrapServer
 
 logger = logging.getLogger(__name__)
-_T = TypeVar("_T")
 
 # How often a waiting request checks whether its HTTP client went away.
 DISCONNECT_POLL_INTERVAL_S = 1.0
 # How long a send may wait for the scheduler's socket to accept a message before giving up.
 SEND_TIMEOUT_S = 5.0
-SHUTDOWN_MESSAGE = "The server is shutting down."
-# How often the admission check also looks for zombie children in /proc (_alive_for_admission).
-ZOMBIE_CHECK_INTERVAL_S = 0.25
 
 
 
@@ -108,29 +98,25 @@ class TokenizerManager:
         self.max_req_input_len: int = int(scheduler_info.get("max_req_input_len", self.context_len - 1))
         self.max_total_num_tokens: Optional[int] = scheduler_info.get("max_total_num_tokens")
         self.vocab_size: Optional[int] = scheduler_info.get("vocab_size")
-        self.child_processes = list(child_processes)
+        self.liveness = Liveness(child_processes)
 
         if tokenizer is None and not server_args.skip_tokenizer_init:
             assert self.tokenizer_path is not None  # the launcher resolved the model path (resolve_model_path)
             tokenizer = load_tokenizer(self.tokenizer_path, server_args.trust_remote_code)
-        self.normalizer = RequestNormalizer(
-            tokenizer, self.vocab_size, self.context_len, max_req_input_len=self.max_req_input_len,
-            allow_auto_truncate=server_args.allow_auto_truncate,
-            enable_custom_logit_processor=server_args.enable_custom_logit_processor,
-            dp_size=max(1, server_args.dp_size))
-        self.output_assembler = OutputAssembler(tokenizer)
         # An embedding model serves encode_request only (embedding_requests.py).
         self.embedding_model = EmbeddingModelInfo.from_scheduler_info(scheduler_info, self.served_model_name)
         self.is_generation = self.embedding_model.is_generation
-        self.embedding_normalizer = EmbeddingNormalizer(tokenizer, self.embedding_model,
-                                                        server_args.allow_auto_truncate)
-        self.tokenizer = tokenizer
-        self.chat_template = load_chat_template(server_args.chat_template)
-        # Tokenization and chat templates run here, off the event loop: a long text takes seconds to
-        # encode, and /health and every stream would wait for it. One thread keeps them in order, as
-        # on the loop, and never runs two at once on the tokenizer (the Rust tokenizer's truncation
-        # setting, changed per call, is shared by all callers).
-        self._tokenizer_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tokenize")
+        # Requests in: normalisation, tokenization and chat templates, on a thread of their own.
+        self.tokenization = Tokenization(
+            tokenizer,
+            RequestNormalizer(tokenizer, self.vocab_size, self.context_len, max_req_input_len=self.max_req_input_len,
+                              allow_auto_truncate=server_args.allow_auto_truncate,
+                              enable_custom_logit_processor=server_args.enable_custom_logit_processor,
+                              dp_size=max(1, server_args.dp_size)),
+            EmbeddingNormalizer(tokenizer, self.embedding_model, server_args.allow_auto_truncate),
+            load_chat_template(server_args.chat_template), self.context_len, server_args.allow_auto_truncate)
+        # Outputs back: per-request state from the detokenizer's messages (output_assembly.py).
+        self.output_assembler = OutputAssembler(tokenizer)
 
         # The PULL socket is asyncio-aware (the receive loop awaits it); the PUSH socket is a
         # plain one so that abort_request can stay a synchronous call.
@@ -146,9 +132,6 @@ class TokenizerManager:
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._handle_task: Optional[asyncio.Task] = None
         self._sweep_task: Optional[asyncio.Task] = None
-        self._zombie_checked_at = float("-inf")
-        self._dead_message: Optional[str] = None
-        self._shutting_down = False
         self.last_receive_tstamp = 0.0
         # Last arrival of generated output (not of control replies): a sign that batches finish.
         self.last_output_tstamp = 0.0
@@ -162,15 +145,13 @@ class TokenizerManager:
 
     @property
     def tokenizer(self) -> Any:
-        return self._tokenizer
+        return self.tokenization.tokenizer
 
     @tokenizer.setter
     def tokenizer(self, tokenizer: Any) -> None:
         # The collaborators tokenize and detokenize with the same tokenizer.
-        self._tokenizer = tokenizer
-        self.normalizer.tokenizer = tokenizer
+        self.tokenization.tokenizer = tokenizer
         self.output_assembler.tokenizer = tokenizer
-        self.embedding_normalizer.tokenizer = tokenizer
 
     # ------------------------------------------------------------------ lifecycle
     def auto_create_handle_loop(self) -> None:
@@ -223,29 +204,7 @@ class TokenizerManager:
             logger.exception("Failed to handle a %s from the scheduler/detokenizer", type(msg).__name__)
 
     def is_alive(self) -> bool:
-        """True while every child process is alive, no fatal error was reported and no shutdown began."""
-        alive = self._dead_message is None and all(child_alive(p) for p in self.child_processes)
-        if not alive:
-            # A death seen here (a zombie child the watchdog has not reported yet) is seen by the
-            # next admission check too: it must not answer from its cached "alive".
-            self._zombie_checked_at = float("-inf")
-        return alive
-
-    def _alive_for_admission(self) -> bool:
-        """is_alive() for the check before each request is sent: the zombie check through /proc
-        (~0.1 ms per child here; per request it was 12% of the main process's samples while a
-        thousand streams arrived) runs at most every ZOMBIE_CHECK_INTERVAL_S. A request that
-        slips through in that window waits on a dead child and is failed with 503 when the child
-        watchdog reports the death, as one already running would be."""
-        if self._dead_message is not None or not all(p.is_alive() for p in self.child_processes):
-            return False
-        now = time.monotonic()
-        if now - self._zombie_checked_at < ZOMBIE_CHECK_INTERVAL_S:
-            return True
-        alive = self.is_alive()
-        if alive:
-            self._zombie_checked_at = now
-        return alive
+        return self.liveness.is_alive()
 
     def begin_shutdown(self) -> None:
         """Graceful shutdown (run in the loop thread): end every request now, refuse new ones.
@@ -253,11 +212,9 @@ class TokenizerManager:
         Streams in flight get their final error chunk instead of being cut when the HTTP server
         closes their connections; the scheduler is told to drop its work.
         """
-        if self._dead_message is not None:
+        if not self.liveness.begin_shutdown():
             return
         logger.info("Shutting down: ending %d request(s) in flight.", len(self.rid_to_state))
-        self._shutting_down = True
-        self._dead_message = SHUTDOWN_MESSAGE
         self._fail_all(SHUTDOWN_MESSAGE)
         # Only this worker's requests: the other HTTP workers end their own streams themselves.
         self._send_now(AbortReq(abort_all=True, worker_only=True), timeout_ms=0)
@@ -267,7 +224,7 @@ class TokenizerManager:
 
     def mark_dead(self, message: str) -> None:
         """A child died: fail every pending request and control call (callable from any thread)."""
-        self._dead_message = message
+        self.liveness.mark_dead(message)
         loop = self._loop
         if loop is None or loop.is_closed():
             return
@@ -296,7 +253,7 @@ class TokenizerManager:
                     self._loop.call_soon_threadsafe(task.cancel)
         self.recv_from_detokenizer.close(linger=0)
         self.send_to_scheduler.close(linger=0)
-        self._tokenizer_thread.shutdown(wait=False, cancel_futures=True)
+        self.tokenization.close()
         if self.bootstrap_server is not None:
             self.bootstrap_server.close()
             self.bootstrap_server = None
@@ -319,7 +276,7 @@ class TokenizerManager:
             obj.custom_labels = checked_custom_labels(obj.custom_labels, self.custom_label_names)
         except ValueError as e:
             raise EngineRequestError(str(e)) from None
-        tokenized = await self._off_loop(self.normalizer.tokenize_request, obj)
+        tokenized = await self.tokenization.tokenize_generate(obj)
         # Waits while generation is paused or a weight update runs; held until the request ends.
         async with self.control.gate.slot():
             async for out in self._send_and_wait(obj, tokenized, request, incremental):
@@ -391,7 +348,7 @@ class TokenizerManager:
         self.check_alive()
         if self.is_generation:
             raise EngineRequestError(NOT_AN_EMBEDDING_MODEL)
-        tokenized = await self._off_loop(self.embedding_normalizer.tokenize, obj)
+        tokenized = await self.tokenization.tokenize_embedding(obj)
         self._check_new_rids(tokenized)
         now = time.time()
         states = [ReqState(rid=req.rid, stream=False, return_logprob=False, return_text_in_logprobs=False,
@@ -517,21 +474,10 @@ class TokenizerManager:
         return False
 
     def unavailable_error(self) -> Optional[EngineRequestError]:
-        """The 503 a request gets while the server is not alive (None while it is)."""
-        if self.is_alive():
-            return None
-        message = self._dead_message or "A child process of the server died."
-        return EngineRequestError(self._not_alive_message(message), 503, "ServiceUnavailableError")
+        return self.liveness.unavailable_error()
 
     def check_alive(self) -> None:
-        if self._alive_for_admission():
-            return
-        error = self.unavailable_error()
-        if error is not None:
-            raise error
-
-    def _not_alive_message(self, message: str) -> str:
-        return message if self._shutting_down else f"The server is not alive: {message}"
+        self.liveness.check()
 
     # ------------------------------------------------------------------ control
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None:
@@ -560,21 +506,16 @@ class TokenizerManager:
         self, messages: list[dict], add_generation_prompt: bool = True, tools: Optional[list] = None,
         continue_final_message: bool = False, template_kwargs: Optional[dict] = None,
     ) -> list[int]:
-        return apply_chat_template(self.tokenizer, self.chat_template, messages, add_generation_prompt, tools,
-                                   continue_final_message, template_kwargs, self.context_len,
-                                   self.server_args.allow_auto_truncate)
+        return self.tokenization.apply_chat_template(messages, add_generation_prompt, tools, continue_final_message,
+                                                     template_kwargs)
 
     async def apply_chat_template_async(
         self, messages: list[dict], add_generation_prompt: bool = True, tools: Optional[list] = None,
         continue_final_message: bool = False, template_kwargs: Optional[dict] = None,
     ) -> list[int]:
         """apply_chat_template on the tokenizer thread (what the chat route awaits)."""
-        return await self._off_loop(self.apply_chat_template, messages, add_generation_prompt, tools,
-                                    continue_final_message, template_kwargs)
-
-    async def _off_loop(self, fn: Callable[..., _T], *args: Any) -> _T:
-        """Run `fn(*args)` on the tokenizer thread; its exception (a 400) is raised here."""
-        return await asyncio.get_running_loop().run_in_executor(self._tokenizer_thread, functools.partial(fn, *args))
+        return await self.tokenization.apply_chat_template_async(messages, add_generation_prompt, tools,
+                                                                 continue_final_message, template_kwargs)
 
     def get_model_info(self) -> dict:
         return {
@@ -606,8 +547,8 @@ class TokenizerManager:
             self._fail_request(state, message, status_code)
 
     def _fail_all(self, message: str) -> None:
-        self._fail_requests(self._not_alive_message(message), 503)
-        error = EngineRequestError(self._not_alive_message(message), 503, "ServiceUnavailableError")
+        self._fail_requests(self.liveness.not_alive_message(message), 503)
+        error = EngineRequestError(self.liveness.not_alive_message(message), 503, "ServiceUnavailableError")
         self.control.fail_all(error)
 
 
