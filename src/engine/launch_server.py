@@ -150,7 +150,7 @@ def _serve_with_http_workers(server_args: ServerArgs) -> None:
 def _run_worker_node(server_args: ServerArgs) -> None:
     """Node rank > 0: start this node's TP ranks, then wait for a signal or a rank's death."""
     from engine.launch.processes import resolve_model_path, start_scheduler_processes
-    from engine.server_args import PortArgs
+    from engine.port_args import PortArgs
 
     server_args = resolve_model_path(server_args)
     # Ranks > 0 never touch ZMQ: the endpoints only exist to fill PortArgs.

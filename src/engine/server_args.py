@@ -6,10 +6,8 @@ import argparse
 import dataclasses
 import logging
 import math
-import os
-import tempfile
 from dataclasses import dataclass, field
-from typing import Any, List, Optional
+from typing import Any, List, Optional, Sequence, Union, get_args, get_origin, get_type_hints
 
 from engine.parsers.reasoning import REASONING_PARSER_NAMES, reasoning_parser_error
 from engine.disaggregation.allowlist import PrefillAllowlist
@@ -42,9 +40,10 @@ class ServerArgsError(ValueError):
     """An inconsistent or out-of-range server argument."""
 
 
-def arg(default: Any, help: str) -> Any:
-    """A ServerArgs field with its --help text (every flag has one: tests/unit/test_server_args.py)."""
-    return field(default=default, metadata={"help": help})
+def arg(default: Any, help: str, choices: Optional[Sequence[str]] = None) -> Any:
+    """A ServerArgs field with its --help text (every flag has one: tests/unit/test_server_args.py) and,
+    for a flag with a fixed set of values, its choices. The flag's type comes from the annotation."""
+    return field(default=default, metadata={"help": help, "choices": choices})
 
 
 @dataclass
@@ -58,7 +57,7 @@ class ServerArgs:
     chat_template: Optional[str] = arg(None, "A Jinja chat template (a file or the template text) instead of the "
                                              "tokenizer's.")
     dtype: str = arg("auto", "Weights and activations: auto (the checkpoint's; bfloat16 for a float32 checkpoint "
-                             "on CUDA), float32, bfloat16 or float16 (bfloat16 on the CPU).")
+                             "on CUDA), float32, bfloat16 or float16 (bfloat16 on the CPU).", choices=DTYPES)
     context_length: Optional[int] = arg(None, "The longest sequence (prompt + output). Default: the model's "
                                               "max_position_embeddings (its sliding window, if shorter; a "
                                               "sentence-transformers model's max_seq_length, if shorter).")
@@ -113,7 +112,7 @@ class ServerArgs:
     schedule_policy: str = arg("fcfs", "Order of the waiting queue: fcfs, lpm (longest cached prefix first), "
                                        "dfs-weight (radix-tree order), lof (longest output first), random, "
                                        "routing-key (requests whose routing_key is most frequent among the "
-                                       "running ones first).")
+                                       "running ones first).", choices=SCHEDULE_POLICIES)
     schedule_conservativeness: float = arg(1.0, "Scales the decode-token reservation of running requests: "
                                                 "higher admits fewer new requests (fewer retractions).")
     disable_radix_cache: bool = arg(False, "No prefix sharing between requests.")
@@ -138,14 +137,14 @@ class ServerArgs:
 
     # Structured outputs, tool calls and reasoning
     grammar_backend: str = arg("xgrammar", "Constrained decoding (json_schema, regex, ebnf, response_format, "
-                                           "forced tool choices): xgrammar, or none to refuse such requests.")
+                                           "forced tool choices): xgrammar, or none to refuse such requests.", choices=GRAMMAR_BACKENDS)
     constrained_json_disable_any_whitespace: bool = arg(
         False, "Constrained JSON without free whitespace between tokens (compact JSON): a model can no longer "
                "pad its output with endless spaces or newlines.")
     grammar_timeout: float = arg(300.0, "Seconds a request may wait for its grammar to compile; then it is "
                                         "refused (HTTP 400) and the constraint is remembered as failed.")
     tool_call_parser: Optional[str] = arg(None, "The format of the model's tool calls, parsed for tool_choice "
-                                                "auto: llama3, qwen25 (qwen, hermes), mistral, pythonic.")
+                                                "auto: llama3, qwen25 (qwen, hermes), mistral, pythonic.", choices=TOOL_CALL_PARSERS)
     reasoning_parser: Optional[str] = arg(None, "Split <think> reasoning into reasoning_content, with SGLang's "
                                                 "parser names: " + ", ".join(REASONING_PARSER_NAMES) + ".")
 
@@ -174,9 +173,9 @@ class ServerArgs:
         "deserializes and runs: enable only for trusted clients)."))
 
     # Execution
-    device: str = arg("auto", "auto (cuda when available), cpu or cuda.")
+    device: str = arg("auto", "auto (cuda when available), cpu or cuda.", choices=DEVICES)
     attention_backend: Optional[str] = arg(None, "torch_native (default on the CPU), triton (default on CUDA) "
-                                                 "or flashinfer (CUDA, when installed).")
+                                                 "or flashinfer (CUDA, when installed).", choices=ATTENTION_BACKENDS)
     random_seed: int = arg(0, "Seed of the model's initialisation and of unseeded sampling.")
     disable_cuda_graph: bool = arg(False, "Run decode batches without CUDA graphs.")
     cuda_graph_max_bs: int = arg(160, "The largest decode batch captured in a CUDA graph.")
@@ -206,7 +205,7 @@ class ServerArgs:
     tp_size: int = arg(1, "Tensor parallelism: scheduler ranks that shard the model.")
     dp_size: int = arg(1, "Data parallelism: model replicas behind one endpoint.")
     load_balance_method: str = arg("round_robin", "How --dp-size replicas share requests: round_robin or "
-                                                  "shortest_queue.")
+                                                  "shortest_queue.", choices=LOAD_BALANCE_METHODS)
     nnodes: int = arg(1, "Machines that tensor parallelism spans.")
     node_rank: int = arg(0, "This machine's index among --nnodes (node 0 serves HTTP).")
     dist_init_addr: Optional[str] = arg(None, "host:port of node 0 for the multi-node rendezvous.")
@@ -216,10 +215,10 @@ class ServerArgs:
     # SGLANG_DISAGGREGATION_* environment variables (docs/architecture.md, "PD disaggregation").
     disaggregation_mode: str = arg("null", "null (a unified server), prefill (runs prompts and sends their KV) or "
                                            "decode (receives the KV and generates); put sglang-router in "
-                                           "--pd-disaggregation mode in front of both.")
+                                           "--pd-disaggregation mode in front of both.", choices=DISAGGREGATION_MODES)
     disaggregation_transfer_backend: str = arg("tcp", "How KV moves: tcp (ZMQ, between processes and machines), "
                                                       "fake (no prefill: a synthetic first token; decode-only "
-                                                      "benchmarks) or loopback (in-process tests only).")
+                                                      "benchmarks) or loopback (in-process tests only).", choices=DISAGGREGATION_TRANSFER_BACKENDS)
     disaggregation_bootstrap_port: int = arg(8998, "Prefill: the port of its bootstrap server, which decode "
                                                    "servers ask where to send their destinations (give it to the "
                                                    "router with --prefill URL PORT).")
@@ -530,14 +529,18 @@ class ServerArgs:
     # ------------------------------------------------------------------ argparse
     @staticmethod
     def add_cli_args(parser: argparse.ArgumentParser) -> None:
+        """One flag per field: its type from the annotation (Optional[X] takes an X, List[X] one or
+        more, as SGLang's nargs="+"), a bool a switch, its help and choices from arg()."""
+        hints = get_type_hints(ServerArgs)
         for f in dataclasses.fields(ServerArgs):
             flag = "--" + f.name.replace("_", "-")
-            help_text = f.metadata.get("help") if f.metadata else None
-            if f.type in ("bool", bool):
-                parser.add_argument(flag, action="store_true", default=f.default, help=help_text)
+            kind = _unwrap_optional(hints[f.name])
+            if kind is bool:
+                parser.add_argument(flag, action="store_true", default=f.default, help=f.metadata["help"])
                 continue
-            parser.add_argument(flag, type=_ARG_TYPES.get(f.name, str), default=f.default, help=help_text,
-                                choices=_CHOICES.get(f.name), nargs="+" if f.name in _LISTS else None)
+            many = get_origin(kind) in (list, List)
+            parser.add_argument(flag, type=get_args(kind)[0] if many else kind, default=f.default,
+                                help=f.metadata["help"], choices=f.metadata["choices"], nargs="+" if many else None)
 
     @classmethod
     def from_cli_args(cls, args: argparse.Namespace) -> "ServerArgs":
@@ -551,6 +554,15 @@ class ServerArgs:
         return dataclasses.asdict(self)
 
 
+def _unwrap_optional(kind: Any) -> Any:
+    """X for Optional[X] (Union[X, None]); anything else unchanged."""
+    if get_origin(kind) is Union:
+        members = [m for m in get_args(kind) if m is not type(None)]
+        if len(members) == 1:
+            return members[0]
+    return kind
+
+
 def _default_device() -> str:
     try:
         import torch
@@ -558,111 +570,3 @@ def _default_device() -> str:
         return "cuda" if torch.cuda.is_available() else "cpu"
     except Exception:  # pragma: no cover - torch missing is a broken install
         return "cpu"
-
-
-_ARG_TYPES = {
-    "port": int,
-    "context_length": int,
-    "mem_fraction_static": float,
-    "max_total_tokens": int,
-    "max_running_requests": int,
-    "max_queued_requests": int,
-    "max_prefill_tokens": int,
-    "chunked_prefill_size": int,
-    "page_size": int,
-    "schedule_conservativeness": float,
-    "stream_interval": int,
-    "tokenizer_worker_num": int,
-    "http_header_timeout": float,
-    "http_body_timeout": float,
-    "http_keep_alive_timeout": int,
-    "http_max_header_bytes": int,
-    "http_max_connections": int,
-    "random_seed": int,
-    "cuda_graph_max_bs": int,
-    "tp_size": int,
-    "dp_size": int,
-    "nnodes": int,
-    "node_rank": int,
-    "decode_log_interval": int,
-    "watchdog_timeout": float,
-    "req_waiting_timeout": float,
-    "grammar_timeout": float,
-    "threads_per_rank": int,
-    "dist_timeout": float,
-    "health_check_timeout": float,
-    "control_timeout": float,
-    "weight_update_timeout": float,
-    "startup_timeout": float,
-    "default_priority_value": int,
-    "priority_scheduling_preemption_threshold": int,
-    "disaggregation_bootstrap_port": int,
-    "disaggregation_decode_polling_interval": int,
-    "num_reserved_decode_tokens": int,
-    "disaggregation_prealloc_reqs": int,
-    "disaggregation_bootstrap_timeout": float,
-    "disaggregation_waiting_timeout": float,
-    "disaggregation_heartbeat_interval": float,
-    "disaggregation_heartbeat_max_failures": int,
-    "speculative_num_draft_tokens": int,
-    "speculative_ngram_min_match_window_size": int,
-    "speculative_ngram_max_match_window_size": int,
-}
-
-# Flags that take one or more values (SGLang's nargs="+").
-_LISTS = {"tokenizer_metrics_allowed_custom_labels"}
-
-_CHOICES = {
-    "dtype": DTYPES,
-    "device": DEVICES,
-    "attention_backend": ATTENTION_BACKENDS,
-    "schedule_policy": SCHEDULE_POLICIES,
-    "load_balance_method": LOAD_BALANCE_METHODS,
-    "grammar_backend": GRAMMAR_BACKENDS,
-    "tool_call_parser": TOOL_CALL_PARSERS,
-    "disaggregation_mode": DISAGGREGATION_MODES,
-    "disaggregation_transfer_backend": DISAGGREGATION_TRANSFER_BACKENDS,
-}
-
-
-@dataclass
-class PortArgs:
-    """Endpoints of the ZMQ sockets, all `ipc://` files in one private temporary directory."""
-
-    ipc_dir: str
-    tokenizer_ipc_name: str  # detokenizer -> tokenizer manager
-    scheduler_input_ipc_name: str  # tokenizer manager -> scheduler (rank 0)
-    detokenizer_ipc_name: str  # scheduler -> detokenizer
-    rpc_ipc_name: str  # tokenizer manager <-> scheduler control calls
-    nccl_port: int = 0
-    # HTTP workers (--tokenizer-worker-num), each with a TokenizerManager and its own two sockets.
-    tokenizer_worker_num: int = 1
-
-    def tokenizer_ipc_names(self) -> List[str]:
-        """Where each HTTP worker's TokenizerManager receives (index: its `http_worker`)."""
-        return _per_worker(self.tokenizer_ipc_name, self.tokenizer_worker_num)
-
-    def scheduler_input_ipc_names(self) -> List[str]:
-        """Where each HTTP worker's TokenizerManager sends to scheduler rank 0 (or the DP controller)."""
-        return _per_worker(self.scheduler_input_ipc_name, self.tokenizer_worker_num)
-
-    @staticmethod
-    def init_new(server_args: ServerArgs, dp_rank: Optional[int] = None) -> "PortArgs":
-        ipc_dir = tempfile.mkdtemp(prefix="engine-ipc-")
-        os.chmod(ipc_dir, 0o700)
-
-        def ep(name: str) -> str:
-            return f"ipc://{os.path.join(ipc_dir, name)}"
-
-        return PortArgs(
-            ipc_dir=ipc_dir,
-            tokenizer_ipc_name=ep("tokenizer"),
-            scheduler_input_ipc_name=ep("scheduler"),
-            detokenizer_ipc_name=ep("detokenizer"),
-            rpc_ipc_name=ep("rpc"),
-            tokenizer_worker_num=server_args.tokenizer_worker_num,
-        )
-
-
-def _per_worker(endpoint: str, num_workers: int) -> List[str]:
-    return [endpoint] if num_workers == 1 else [f"{endpoint}_{k}" for k in range(num_workers)]

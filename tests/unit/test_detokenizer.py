@@ -13,7 +13,8 @@ from hypothesis import strategies as st
 
 from engine.detokenizer.detokenizer_manager import DetokenizerManager, run_detokenizer_process
 from engine.io_struct import BatchStrOutput, BatchTokenIDOutput, decode, encode
-from engine.server_args import PortArgs, ServerArgs
+from engine.port_args import PortArgs
+from engine.server_args import ServerArgs
 from engine.utils.zmq_utils import get_zmq_socket
 
 REPLACEMENT = "\ufffd"
@@ -197,6 +198,7 @@ def test_abort_of_unknown_request_passes_through(tokenizer):
     assert manager.decode_status == {}
 
 
+@pytest.mark.slow  # a spawned detokenizer process
 def test_detokenizer_process_over_zmq(tokenizer, tmp_path):
     tokenizer.save_pretrained(tmp_path)
     server_args = ServerArgs(model_path=str(tmp_path), device="cpu", log_level="warning")

@@ -30,7 +30,8 @@ from engine.io_struct import (
     encode,
 )
 from engine.tokenizer.tokenizer_manager import GenerateReqInput, TokenizerManager
-from engine.server_args import PortArgs, ServerArgs
+from engine.port_args import PortArgs
+from engine.server_args import ServerArgs
 from engine.utils.zmq_utils import get_zmq_socket
 from utils_process import wait_until
 

@@ -9,7 +9,8 @@ import pytest
 import zmq
 
 from engine.scheduler.process import _rank0_channels
-from engine.server_args import PortArgs, ServerArgs
+from engine.port_args import PortArgs
+from engine.server_args import ServerArgs
 from engine.utils.zmq_utils import get_zmq_socket
 
 

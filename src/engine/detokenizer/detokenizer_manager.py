@@ -18,7 +18,8 @@ from typing import Any, Optional
 import zmq
 
 from engine.io_struct import BatchStrOutput, BatchTokenIDOutput, decode, encode, route_to_workers
-from engine.server_args import PortArgs, ServerArgs
+from engine.port_args import PortArgs
+from engine.server_args import ServerArgs
 from engine.launch.children import exit_before_ready
 from engine.utils.log_utils import configure_logging
 from engine.utils.process_utils import freeze_startup_objects, set_process_title, start_parent_death_watcher

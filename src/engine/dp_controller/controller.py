@@ -51,7 +51,9 @@ if TYPE_CHECKING:
 
     import zmq
 
-    from engine.server_args import PortArgs, ServerArgs
+    from engine.port_args import PortArgs
+
+    from engine.server_args import ServerArgs
     from engine.launch.children import ChildProcesses
 
 logger = logging.getLogger(__name__)

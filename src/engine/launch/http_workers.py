@@ -25,7 +25,9 @@ import traceback
 from multiprocessing.process import BaseProcess
 from typing import Any
 
-from engine.server_args import PortArgs, ServerArgs
+from engine.port_args import PortArgs
+
+from engine.server_args import ServerArgs
 from engine.launch.children import ChildProcesses, ProcessHandle, exit_before_ready
 from engine.utils.log_utils import configure_logging
 from engine.utils.process_utils import freeze_startup_objects, set_process_title, start_parent_death_watcher

@@ -14,7 +14,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 from engine.launch.children import ChildProcesses, LaunchError
 from engine.launch.tp_group import launch_tp_group
-from engine.server_args import PortArgs, ServerArgs
+from engine.port_args import PortArgs
+from engine.server_args import ServerArgs
 from engine.tokenizer.request_normalizer import load_chat_template
 from engine.tokenizer.tokenizer_manager import TokenizerManager
 from engine.utils.network_utils import get_free_port

@@ -9,7 +9,8 @@ from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:
     from engine.launch.children import ChildProcesses
-    from engine.server_args import PortArgs, ServerArgs
+    from engine.port_args import PortArgs
+    from engine.server_args import ServerArgs
 
 
 def _run_scheduler(*args: Any) -> None:

@@ -56,7 +56,8 @@ from engine.tokenizer.request_normalizer import GenerateReqInput, RequestNormali
 from engine.tokenizer.liveness import SHUTDOWN_MESSAGE, Liveness
 from engine.tokenizer.tokenization import Tokenization
 from engine.tokenizer.tokenizer_manager_protocol import GenerateOutputs
-from engine.server_args import PortArgs, ServerArgs
+from engine.port_args import PortArgs
+from engine.server_args import ServerArgs
 from engine.utils.async_streams import gather_last, merge_indexed
 from engine.utils.tokenizer_utils import load_tokenizer
 from engine.utils.zmq_utils import get_zmq_socket
