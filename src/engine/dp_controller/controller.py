@@ -52,7 +52,6 @@ if TYPE_CHECKING:
     import zmq
 
     from engine.port_args import PortArgs
-
     from engine.server_args import ServerArgs
     from engine.launch.children import ChildProcesses
 

@@ -28,7 +28,6 @@ if TYPE_CHECKING:
     import zmq
 
     from engine.port_args import PortArgs
-
     from engine.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
