@@ -21,6 +21,8 @@ import torch
 
 from engine.builtin_model import ensure_builtin_model
 
+pytestmark = pytest.mark.slow  # starts a server (processes): the full suite runs it, the fast lane does not
+
 SERVER_ARGS = ["--tp-size", "2", "--enable-priority-scheduling"]
 SERVER_ENV = {"GLOO_SOCKET_IFNAME": "lo"}  # the weight update group's pairs listen on loopback only
 GREEDY = {"temperature": 0.0, "ignore_eos": True}

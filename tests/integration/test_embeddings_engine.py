@@ -14,6 +14,8 @@ from engine import Engine
 from engine.builtin_model import ensure_builtin_model
 from engine.errors import EngineRequestError
 
+pytestmark = pytest.mark.slow  # starts a server (processes): the full suite runs it, the fast lane does not
+
 TEXTS = ["first input", "a second, somewhat longer input with ünïcödé", "3"]
 
 

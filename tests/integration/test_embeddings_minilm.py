@@ -12,6 +12,8 @@ import numpy as np
 import openai
 import pytest
 
+pytestmark = pytest.mark.slow  # starts a server (processes): the full suite runs it, the fast lane does not
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 _st = pytest.importorskip("sentence_transformers", reason="sentence-transformers is not installed "
                           "(pip install -e '.[embeddings]')")

@@ -17,6 +17,8 @@ import torch
 from engine.errors import NOT_A_GENERATION_MODEL
 from utils_process import wait_until
 
+pytestmark = pytest.mark.slow  # starts a server (processes): the full suite runs it, the fast lane does not
+
 SERVER_ARGS = ["--is-embedding", "--enable-metrics"]
 TEXTS = ["Hello world", "The quick brown fox jumps over the lazy dog, again and again.",
          "日本語のテキストと絵文字 🎉", "x", "def f(x):\n    return x * 2  # code"]

@@ -18,6 +18,8 @@ from engine.builtin_model import ensure_builtin_model
 from engine.errors import EngineRequestError
 from engine.sampling.custom_logit_processor import CustomLogitProcessor
 
+pytestmark = pytest.mark.slow  # starts a server (processes): the full suite runs it, the fast lane does not
+
 ENGINE_ARGS = dict(device="cpu", max_total_tokens=8192, log_level="warning", strict_memory_check=True,
                    enable_custom_logit_processor=True, allow_auto_truncate=True)
 GREEDY = {"temperature": 0.0, "max_new_tokens": 8, "ignore_eos": True}

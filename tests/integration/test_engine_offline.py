@@ -17,6 +17,8 @@ from engine.io_struct import GetInternalStateReqOutput
 
 from utils_process import wait_until
 
+pytestmark = pytest.mark.slow  # starts a server (processes): the full suite runs it, the fast lane does not
+
 ENGINE_ARGS = dict(device="cpu", max_total_tokens=8192, log_level="warning", strict_memory_check=True)
 GREEDY = {"temperature": 0.0, "max_new_tokens": 6, "ignore_eos": True}
 

@@ -28,6 +28,8 @@ from hypothesis import strategies as st  # noqa: E402
 
 from engine.builtin_model import VOCAB_SIZE  # noqa: E402
 
+pytestmark = pytest.mark.slow  # starts a server (processes): the full suite runs it, the fast lane does not
+
 SERVER_ARGS = ["--max-running-requests", "16"]
 MAX_EXAMPLES = 25
 VALID_EXAMPLES = 20

@@ -13,6 +13,8 @@ import pytest
 
 from engine.builtin_model import ensure_builtin_model
 
+pytestmark = pytest.mark.slow  # starts a server (processes): the full suite runs it, the fast lane does not
+
 GREEDY = {"temperature": 0.0}
 # Every forward takes at least 10 ms (a testing aid): the disconnect tests count forwards, and a
 # LONG request must not be able to finish before its disconnect is noticed, however fast the

@@ -20,6 +20,8 @@ import pytest
 
 from utils_process import running, wait_until
 
+pytestmark = pytest.mark.slow  # starts a server (processes): the full suite runs it, the fast lane does not
+
 SERVER_ARGS = ["--tokenizer-worker-num", "2"]
 WORKERS = 2
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import openai
 import pytest
 
+pytestmark = pytest.mark.slow  # starts a server (processes): the full suite runs it, the fast lane does not
+
 
 @pytest.fixture(scope="module")
 def client(server_url: str) -> openai.OpenAI:

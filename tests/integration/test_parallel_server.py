@@ -23,6 +23,8 @@ import pytest
 from engine.builtin_model import ensure_builtin_model
 from engine.utils.network_utils import get_free_port
 
+pytestmark = pytest.mark.slow  # starts a server (processes): the full suite runs it, the fast lane does not
+
 GREEDY = {"temperature": 0.0}
 PROMPTS = ["Hello, my name is", "1 2 3 4", "The capital of France", "Parallel ranks agree"]
 STEPS = 6

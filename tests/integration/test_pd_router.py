@@ -33,7 +33,7 @@ from utils_http import TIMEOUT, post, same_generation, server_state, stream_even
 from utils_process import running, wait_until
 from utils_router import (PrefillEndpoint, RouterProcess, decode_server_args, needs_router, prefill_server_args,
                           start_pd_router)
-pytestmark = needs_router
+pytestmark = [needs_router, pytest.mark.slow]  # servers and a router: the full suite runs it
 
 POLICIES = ("cache_aware", "round_robin", "power_of_two")
 GREEDY = {"max_new_tokens": 6, "temperature": 0.0, "ignore_eos": True}

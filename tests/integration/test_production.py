@@ -20,6 +20,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from utils_process import running, wait_until
 
+pytestmark = pytest.mark.slow  # starts a server (processes): the full suite runs it, the fast lane does not
+
 API_KEY = "sekret-key"
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
 MODEL = "engine-builtin"

@@ -13,6 +13,8 @@ import pytest
 
 from engine.tokenizer.request_normalizer import MAX_CHARS_PER_TOKEN
 
+pytestmark = pytest.mark.slow  # starts a server (processes): the full suite runs it, the fast lane does not
+
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
 

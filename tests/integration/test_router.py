@@ -24,7 +24,7 @@ from utils_http import TIMEOUT, post, same_generation, server_state, sse_payload
 from utils_process import running, wait_until
 from utils_router import RouterProcess, needs_router, router_workers, start_router
 
-pytestmark = needs_router
+pytestmark = [needs_router, pytest.mark.slow]  # servers and a router: the full suite runs it
 
 MODEL = "engine-builtin"
 WORKER_ARGS = ["--enable-metrics"]

@@ -13,6 +13,8 @@ import pytest
 
 from utils_process import running, wait_until
 
+pytestmark = pytest.mark.slow  # starts a server (processes): the full suite runs it, the fast lane does not
+
 
 
 def ipc_dirs_of(pid: int) -> set[str]:

@@ -14,6 +14,8 @@ import torch
 from engine.builtin_model import ensure_builtin_model
 from engine.model_executor.simulated_device import ordinary_token_ids, simulated_next_tokens, special_token_ids
 
+pytestmark = pytest.mark.slow  # starts a server (processes): the full suite runs it, the fast lane does not
+
 SERVER_ARGS = ["--simulated-device-forward-ms", "2,0.01", "--max-running-requests", "64"]
 
 

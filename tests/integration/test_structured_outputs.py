@@ -17,6 +17,8 @@ jsonschema = pytest.importorskip("jsonschema", reason="schema validation needs j
 
 from utils_process import wait_until  # noqa: E402
 
+pytestmark = pytest.mark.slow  # starts a server (processes): the full suite runs it, the fast lane does not
+
 SERVER_ARGS = ["--constrained-json-disable-any-whitespace", "--tool-call-parser", "qwen25"]
 USER = [{"role": "user", "content": "Give me the data."}]
 SCHEMA = {

@@ -15,6 +15,9 @@ from hypothesis import strategies as st
 
 from engine import builtin_model as bm
 
+# Its fixture builds the model in two CLI processes, and the tokenizer checks are property tests.
+pytestmark = pytest.mark.slow
+
 
 @pytest.fixture(scope="module")
 def cli_runs(tmp_path_factory: pytest.TempPathFactory) -> list[tuple[Path, str]]:

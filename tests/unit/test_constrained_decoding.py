@@ -122,6 +122,7 @@ def schema_harness(model):
 # after that one; a seeded run (derandomize) gives the same schemas every time. The @given function
 # lives inside the test so that the variety check below sees exactly the schemas of this run, with
 # no state shared between tests.
+@pytest.mark.slow  # 240 schemas compiled and decoded
 def test_random_json_schemas_give_valid_json(model, schema_harness):
     h = schema_harness
     seen: List[str] = []
@@ -235,7 +236,12 @@ def reference_outputs(model):
     return _run_config(model, overlap=False)
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+# Two configurations in the fast lane, all of them in the full suite.
+FAST_CONFIGS = ("overlap", "mixed-chunk")
+
+
+@pytest.mark.parametrize("name", [name if name in FAST_CONFIGS else pytest.param(name, marks=pytest.mark.slow)
+                                  for name in CONFIGS])
 def test_constrained_greedy_outputs_identical_across_loops_and_configs(model, reference_outputs, name):
     assert _run_config(model, **CONFIGS[name]) == reference_outputs
 
@@ -257,7 +263,7 @@ def _run_retract(model, overlap: bool, max_total_tokens: int) -> List[List[int]]
     return [h.outputs[r].output_ids for r in rids]
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap", [pytest.param(False, marks=pytest.mark.slow), True])
 def test_retracted_constrained_requests_continue_exactly(model, overlap, caplog):
     reference = _run_retract(model, overlap=False, max_total_tokens=4096)
     with caplog.at_level("WARNING"):

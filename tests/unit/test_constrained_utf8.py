@@ -48,6 +48,7 @@ def _allowed(masks: Utf8Masks, state: int) -> List[bool]:
     return [bool(words[i // 32] >> (i % 32) & 1) for i in range(len(masks.token_bytes))]
 
 
+@pytest.mark.slow  # every state of the guard against the whole vocabulary
 def test_the_masks_allow_exactly_what_keeps_the_bytes_valid_utf8():
     """Oracle: Python's strict decoder. Random byte strings as a vocabulary, random valid prefixes
     as the output so far: a token is allowed iff prefix + token is valid UTF-8 up to an unfinished

@@ -13,8 +13,9 @@ import pytest
 
 from engine.kernels import library
 
-pytestmark = pytest.mark.skipif(not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")),
-                                reason="no C compiler: the kernel is never built")
+pytestmark = [pytest.mark.skipif(not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")),
+                                 reason="no C compiler: the kernel is never built"),
+              pytest.mark.slow]  # each test compiles the library afresh
 
 PLANTED_SRC = "int planted_by_someone_else = 1;\nvoid decode_attention(void) {}\n"
 

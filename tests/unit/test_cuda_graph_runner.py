@@ -286,6 +286,7 @@ def check_triton_graph_hooks(path: str) -> None:
     print("TRITON_GRAPH_HOOKS_OK")
 
 
+@pytest.mark.slow  # a subprocess running the Triton backend under the interpreter
 def test_triton_backend_graph_hooks_interpreted(tiny_llama):
     pytest.importorskip("triton")
     code = (

@@ -10,6 +10,8 @@ import numpy as np
 import pytest
 import torch
 
+pytestmark = pytest.mark.slow  # real MiniLM weights and sentence-transformers on hundreds of sentences
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 COS_MIN = 0.9999

@@ -22,6 +22,8 @@ from typing import Iterator, List, Tuple
 import httpx
 import pytest
 
+pytestmark = pytest.mark.slow  # a server process and connections held to their deadlines
+
 from utils_process import wait_until
 
 from engine.utils.network_utils import get_free_port

@@ -45,7 +45,9 @@ def _engine_logits_all_positions(runner, driver, forward_batch) -> torch.Tensor:
         return model.logits_processor.compute_logits(hidden, model.lm_head)
 
 
-@pytest.mark.parametrize("fused", [True, False], ids=["fused-cpu-ops", "torch-ops"])
+# The fused ops are the default path; the torch ops run in the full suite (slow).
+@pytest.mark.parametrize("fused", [pytest.param(True, id="fused-cpu-ops"),
+                                   pytest.param(False, id="torch-ops", marks=pytest.mark.slow)])
 @pytest.mark.parametrize("case", list(CASES))
 def test_logits_match_transformers(tmp_path, monkeypatch, case, fused):
     from engine.kernels import library

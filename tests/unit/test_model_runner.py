@@ -273,6 +273,7 @@ def test_auto_dtype_is_bfloat16_on_cuda_for_a_float32_checkpoint():
     assert resolve_dtype("auto", {"torch_dtype": "float16"}, "cpu") == torch.bfloat16
 
 
+@pytest.mark.slow  # a fresh Python process that imports the engine and torch
 def test_a_broken_allocator_import_fails_loudly(tiny_llama):
     """A runner without its KV slot allocator cannot serve: an ImportError must surface, not turn
     into a None allocator that fails later and far away."""

@@ -52,7 +52,7 @@ def run_workload(overlap: bool, seed: int, n: int = 200, total: int = 1500, chun
     return h
 
 
-@pytest.mark.parametrize("page_size,mixed", [(1, False), (4, True)])
+@pytest.mark.parametrize("page_size,mixed", [(1, False), pytest.param(4, True, marks=pytest.mark.slow)])
 def test_overlap_equals_normal_on_200_requests(page_size, mixed):
     normal = run_workload(False, seed=page_size, page_size=page_size, mixed=mixed)
     overlap = run_workload(True, seed=page_size, page_size=page_size, mixed=mixed)
@@ -108,6 +108,7 @@ def test_consecutive_prefills_overlap_unless_disabled(disable_consecutive):
     assert processed == [mode for mode, _ in launches]
 
 
+@pytest.mark.slow
 def test_launched_batch_stays_referenced_until_its_result_is_processed():
     # On CUDA the caching allocator hands a freed block to the next allocation of the stream that
     # allocated it at once: the worker batch's tensors (out_cache_loc, sampling tensors, built on

@@ -318,6 +318,7 @@ def test_bootstrap_server_needs_the_secret():
         server.close()
 
 
+@pytest.mark.slow  # idle connections held to the bootstrap server's deadline
 def test_bootstrap_server_bounds_bodies_and_idle_connections(monkeypatch):
     monkeypatch.setattr(bootstrap, "CONNECTION_TIMEOUT_S", 0.5)  # the silent clients drop out sooner
     server = BootstrapServer("127.0.0.1", 0, tp_size=1)

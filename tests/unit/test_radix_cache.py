@@ -226,6 +226,7 @@ def test_radix_against_model_page1(ops):
     run_model_test(1, ops)
 
 
+@pytest.mark.slow  # test_radix_against_model_page1 keeps the same check in the fast lane
 @settings(max_examples=200, deadline=None, derandomize=True, database=None,
           suppress_health_check=[HealthCheck.too_slow])
 @given(ops_strategy(4))

@@ -134,6 +134,8 @@ def tp2_results(models):
     return result
 
 
+# The tests on tp2_results share two spawned ranks that build every model (about a minute).
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_tp2_matches_tp1_and_transformers(models, tp2_results, name):
     paths, expected = models
@@ -147,6 +149,7 @@ def test_tp2_matches_tp1_and_transformers(models, tp2_results, name):
     assert pool2 == 4096
 
 
+@pytest.mark.slow
 def test_tp2_encoder_embeddings_match_tp1_and_transformers(models, tp2_results):
     paths, expected = models
     tp1 = _embed(paths[EMBEDDING_MODEL], 1)
@@ -155,6 +158,7 @@ def test_tp2_encoder_embeddings_match_tp1_and_transformers(models, tp2_results):
     torch.testing.assert_close(tp2, expected[EMBEDDING_MODEL], rtol=2e-5, atol=2e-5)
 
 
+@pytest.mark.slow
 def test_tp_collective_helpers(tp2_results):
     _, _, msgs, empty, pool_min, states, comm_calls = tp2_results
     assert msgs == [b"abc", b"", b"\x00\xff" * 10]

@@ -13,6 +13,8 @@ import pytest
 
 from engine.utils.network_utils import get_free_port
 
+pytestmark = pytest.mark.slow  # two spawned ranks join a gloo group
+
 TP = 2
 
 

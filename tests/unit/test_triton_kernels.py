@@ -46,6 +46,7 @@ def checkerboard(cases: list) -> list:
 _EXPECTED_CASES = 12 + 1 + 8 + 8 + 1 + 1 + 2 + 1
 
 
+@pytest.mark.slow  # every Triton kernel under the interpreter: minutes on 2 cores
 def test_kernels_under_triton_interpreter():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
