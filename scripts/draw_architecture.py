@@ -129,7 +129,7 @@ FOOTNOTES: List[str] = [
     "launch/ starts every child with the spawn method and waits for each one's readiness message on a pipe; "
     "children watch their parent and exit when it goes.",
     "Every message is a msgspec struct of one tagged union (io_struct.py), msgpack-encoded; "
-    "the ipc:// socket files live in a private temporary directory (PortArgs, server_args.py).",
+    "the ipc:// socket files live in a private temporary directory (PortArgs, port_args.py).",
     "With --dp-size > 1 the DP controller takes the scheduler's sockets and forwards to one TP group per replica; "
     "PD disaggregation adds a bootstrap server and a KV transfer link between servers (disaggregation/).",
 ]
