@@ -23,15 +23,12 @@ The loop's own state is the last batch, the results in flight and the outputs of
 from __future__ import annotations
 
 import logging
-import os
-import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 
 from engine.constrained.grammar_manager import GrammarManager
 from engine.parsers.reasoning import REASONING_FORMATS
-from engine.constrained.vocab_mask import build_vocab_mask
 from engine.io_struct import (
     AbortReq,
     FlushCacheReqInput,
@@ -49,6 +46,7 @@ from engine.scheduler.schedule_batch import ScheduleBatch
 from engine.scheduler.admission import Admission, ModelLimits
 from engine.scheduler.control import SchedulerControl
 from engine.scheduler.embedding import build_embedding_output, process_embedding_result
+from engine.scheduler.forward_launcher import ForwardLauncher, Launched
 from engine.scheduler.kv_manager import KVManager
 from engine.scheduler.output import OutputStreamer, ResultProcessor
 from engine.scheduler.prefill import PrefillBuilder
@@ -177,16 +175,11 @@ class Scheduler:
         # Where inputs come from: the inbox in-process; run_scheduler_process puts ZMQ here.
         self.recv_requests: Callable[[], List[Any]] = self._take_inbox
 
-        # Testing aid (like SGLang's forward_sleep_time): every forward sleeps this long first.
-        self.forward_sleep_s = float(os.environ.get("ENGINE_TEST_FORWARD_SLEEP_S", "0"))
         # Overlap scheduling (the default) processes each forward's result one step later; the
         # normal loop waits for it at once.
         self.enable_overlap = not server_args.disable_overlap_schedule
-        self.forward_ct = 0  # forwards launched
+        self.launcher = ForwardLauncher(worker, self.forward_stream, self.is_generation, self.vocab_size, self.spec)
         self.forward_done_ct = 0  # forwards whose result was processed (the watchdog compares both)
-        # Prompt and output positions this rank computed in extend forwards (a PD decode server
-        # computes none: its prompts arrive by transfer).
-        self.num_extend_tokens_computed = 0
 
     def _role_host(self) -> RoleHost:
         """What a PD role may use: the owners and the loop's callbacks (disaggregation/host.py)."""
@@ -216,6 +209,14 @@ class Scheduler:
     @property
     def new_token_ratio(self) -> float:
         return self.running.new_token_ratio
+
+    @property
+    def forward_ct(self) -> int:
+        return self.launcher.forward_ct
+
+    @property
+    def num_extend_tokens_computed(self) -> int:
+        return self.launcher.num_extend_tokens_computed
 
     @property
     def tree_cache(self) -> BasePrefixCache:
@@ -445,69 +446,14 @@ class Scheduler:
         self.admission.enqueue(req, is_retracted=True)
 
     # ================================================================== running
-    def run_batch(self, batch: ScheduleBatch):
-        """Run the forward now (normal loop) or launch it on the forward stream (overlap loop).
-
-        A batch with constrained requests samples under its vocabulary mask, which needs every
-        earlier token accepted by the matchers. When an earlier result is still unprocessed
-        (overlap), the forward is launched at once and its sampling is delayed: the loop calls
-        `launch_batch_sample_if_needed` after processing that result.
-        """
-        self.forward_ct += 1
-        assert batch.forward_mode is not None  # the batches to run are prepared (prepare_for_*)
-        if self.spec is not None and batch.forward_mode.is_decode():
-            step = self.spec.prepare(batch)
-            if step is not None:
-                return self._run_verify(step)
-        if batch.forward_mode.is_extend():
-            self.num_extend_tokens_computed += batch.extend_num_tokens
-        worker_batch = batch.get_model_worker_batch()
-        sleep_s = self.forward_sleep_s
-        delay_sample = False
-        if any(req.grammar is not None for req in batch.reqs):
-            if self.enable_overlap and self.result_queue:
-                delay_sample = True
-            else:
-                assert worker_batch.sampling_info is not None  # a generation batch always has one
-                worker_batch.sampling_info.vocab_mask = build_vocab_mask(batch.reqs, self.vocab_size)
-
-        def forward():
-            if sleep_s > 0:  # the testing aid: a slow (or hung) forward, on the forward thread
-                time.sleep(sleep_s)
-            if not self.is_generation:
-                return self.worker.forward_batch_embedding(worker_batch)
-            if delay_sample:
-                return self.worker.forward_batch_generation(worker_batch, delay_sample=True)
-            return self.worker.forward_batch_generation(worker_batch)
-
-        # The pending result keeps worker_batch's tensors alive until it is processed (the CUDA
-        # caching allocator must not hand them out while the forward still reads them).
-        pending = self.forward_stream.launch(forward, inputs=worker_batch)
-        if delay_sample:
-            return DelayedSample(pending, self.worker.sample_delayed, self.forward_stream)
-        return pending if self.enable_overlap else pending.result()
-
-    def _run_verify(self, step: VerifyStep) -> VerifyStep:
-        """A speculative verify step, run at once (the loop is the normal one with speculation)."""
-        spec = self.spec
-        assert spec is not None  # only called with speculation on
-        sleep_s = self.forward_sleep_s
-
-        def verify() -> VerifyStep:
-            if sleep_s > 0:  # the testing aid, as for every forward
-                time.sleep(sleep_s)
-            return spec.run(step)
-
-        return self.forward_stream.run_in_order(verify).result()
+    def run_batch(self, batch: ScheduleBatch) -> Launched:
+        """Run the forward now (normal loop) or launch it on the forward stream (overlap loop)."""
+        return self.launcher.launch(batch, overlap=self.enable_overlap, results_in_flight=bool(self.result_queue))
 
     def launch_batch_sample_if_needed(self) -> None:
-        """Sample the newest launched batch if its sampling waits for a mask: every older result
-        has been processed by now, so its matchers are current."""
-        if not self.result_queue:
-            return
-        batch, result = self.result_queue[-1]
-        if isinstance(result, DelayedSample) and result.sampled is None:
-            result.launch_sample(build_vocab_mask(batch.reqs, self.vocab_size))
+        """Sample the newest launched batch if its sampling waits for a mask."""
+        if self.result_queue:
+            self.launcher.sample_if_delayed(*self.result_queue[-1])
 
     def process_batch_result(self, batch: ScheduleBatch, result) -> None:
         if isinstance(result, (PendingResult, DelayedSample)):

@@ -12,7 +12,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Protocol,
 import torch
 
 if TYPE_CHECKING:
-    from engine.scheduler.tp_worker import GenerationBatchResult
+    from engine.scheduler.tp_worker import EmbeddingBatchResult, GenerationBatchResult
     from engine.mem_cache.allocator import PagedTokenToKVPoolAllocator
     from engine.mem_cache.memory_pool import ReqToTokenPool
     from engine.model_executor.forward_batch_info import ModelWorkerBatch
@@ -37,6 +37,9 @@ class ModelWorker(Protocol):
     def sample_delayed(self, result: "GenerationBatchResult",
                        vocab_mask: Optional[torch.Tensor]) -> "GenerationBatchResult":
         """The sampling half of a forward run with `delay_sample=True`."""
+
+    def forward_batch_embedding(self, batch: "ModelWorkerBatch") -> "EmbeddingBatchResult":
+        """The pooled vectors of an embedding model's batch (scheduler/embedding.py)."""
 
     def forward_batch_verify(self, batch: "ModelWorkerBatch") -> torch.Tensor:
         """A speculative verify forward: the logits of every position (engine/speculative/)."""
