@@ -41,9 +41,8 @@ def _graph(modules: Dict[str, Path]) -> Dict[str, Set[str]]:
         deps: Set[str] = set()
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                for alias in node.names:
-                    sub = f"{node.module}.{alias.name}"
-                    deps.add(sub if sub in modules else node.module)
+                deps.add(node.module)  # `from pkg import mod` runs pkg/__init__ too
+                deps.update(f"{node.module}.{alias.name}" for alias in node.names)
             elif isinstance(node, ast.Import):
                 deps.update(alias.name for alias in node.names)
         graph[name] = {d for d in deps if d in modules and d != name}

@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Any, Dict, List, Optional, Tuple
 
 import torch
 
-from engine.io_struct import BatchTokenIDOutput, GetInternalStateReqOutput
+from engine.io_struct import BatchTokenIDOutput, GetInternalStateReqOutput, decode, encode, route_to_workers
 from engine.scheduler.overlap_utils import limit_omp_threads_of_this_thread
 from engine.scheduler.scheduler import Scheduler
 
@@ -125,7 +125,6 @@ def _rank0_channels(context: zmq.Context, port_args: PortArgs, tp_size: int, dp_
     import zmq
 
     from engine.distributed.parallel_state import broadcast_bytes_list
-    from engine import io_struct
     from engine.utils.zmq_utils import get_zmq_socket
 
     # Through the one helper: with ZMQ's default high-water mark a slow detokenizer would block
@@ -145,17 +144,17 @@ def _rank0_channels(context: zmq.Context, port_args: PortArgs, tp_size: int, dp_
                 break
         if tp_size > 1:
             broadcast_bytes_list(raw)  # every iteration, even empty: the followers' step clock
-        return [io_struct.decode(b) for b in raw]
+        return [decode(b) for b in raw]
 
     def send(msg: Any) -> None:
         if isinstance(msg, GetInternalStateReqOutput):
             msg = GetInternalStateReqOutput(internal_state=_with_rank_states(msg.internal_state, tp_size, dp_rank),
                                             http_worker=msg.http_worker)
         if isinstance(msg, BatchTokenIDOutput):
-            detok_sock.send(io_struct.encode(msg))
+            detok_sock.send(encode(msg))
             return
-        for worker, part in io_struct.route_to_workers(msg, len(tok_socks)):
-            tok_socks[worker].send(io_struct.encode(part))
+        for worker, part in route_to_workers(msg, len(tok_socks)):
+            tok_socks[worker].send(encode(part))
 
     def wait_for_input() -> None:
         recv_sock.poll(timeout=1000)
@@ -179,10 +178,9 @@ def _with_rank_states(state: Dict[str, Any], tp_size: int, dp_rank: Optional[int
 def _follower_channels():
     """recv / send / wait functions of TP ranks > 0: rank 0's broadcast in, nothing out."""
     from engine.distributed.parallel_state import broadcast_bytes_list, gather_objects_to_rank0
-    from engine import io_struct
 
     def recv() -> List[Any]:
-        return [io_struct.decode(b) for b in broadcast_bytes_list(None)]
+        return [decode(b) for b in broadcast_bytes_list(None)]
 
     def send(msg: Any) -> None:
         if isinstance(msg, GetInternalStateReqOutput):
