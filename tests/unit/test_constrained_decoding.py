@@ -20,6 +20,7 @@ xgrammar = pytest.importorskip("xgrammar", reason="constrained decoding needs xg
 jsonschema = pytest.importorskip("jsonschema", reason="schema validation needs jsonschema")
 
 from engine.constrained.base_grammar_backend import BaseGrammarBackend, BaseGrammarObject  # noqa: E402
+from engine.constrained.grammar_manager import server_grammar_backend  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -369,8 +370,13 @@ class GatedBackend(BaseGrammarBackend):
         return self.real.dispatch_ebnf(ebnf)
 
 
+def _real_backend(h: Harness):
+    s = h.scheduler
+    return server_grammar_backend(s.server_args, s.tokenizer, s.vocab_size, s.eos_token_ids)
+
+
 def _gated(h: Harness) -> GatedBackend:
-    real, reason = h.scheduler._create_grammar_backend()
+    real, reason = _real_backend(h)
     assert real is not None, reason
     gated = GatedBackend(real)
     # The scheduler's grammar manager builds its backend at the first constrained request: this one.
@@ -473,7 +479,7 @@ def test_mixed_load_with_retraction_leaks_nothing(model, caplog):
 # ---------------------------------------------------------------------------------------------
 def test_matcher_sync_rolls_back_and_rebuilds(model):
     h = make_harness(model)
-    backend, _ = h.scheduler._create_grammar_backend()
+    backend, _ = _real_backend(h)
     tok = model[1]
     grammar = backend.dispatch_regex("(hello|help) world")
     ids = tok.encode("hello world", add_special_tokens=False)

@@ -22,9 +22,11 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence, Tuple
 
 from engine.constrained.base_grammar_backend import BaseGrammarBackend, CacheEntry, GrammarKey
 from engine.constrained.reasoner_grammar import ReasonerGrammar
+from engine.parsers.reasoning import REASONING_FORMATS
 
 if TYPE_CHECKING:
     from engine.scheduler.req import Req
+    from engine.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
 
@@ -210,3 +212,26 @@ def create_grammar_backend(
         logger.warning("Constrained decoding is off: xgrammar cannot use this tokenizer (%s)", e)
         return None, f"Constrained decoding is unavailable: xgrammar cannot use this model's tokenizer ({e})."
     return backend, None
+
+
+def server_grammar_backend(server_args: ServerArgs, tokenizer: Any, vocab_size: int,
+                           eos_token_ids: Sequence[int]) -> Tuple[Optional[BaseGrammarBackend], Optional[str]]:
+    """The backend of --grammar-backend for this model, or why constrained requests are refused."""
+    return create_grammar_backend(server_args.grammar_backend, tokenizer, vocab_size, sorted(eos_token_ids),
+                                  any_whitespace=not server_args.constrained_json_disable_any_whitespace)
+
+
+def server_grammar_manager(server_args: ServerArgs, tokenizer: Any, vocab_size: int,
+                           eos_token_ids: Sequence[int]) -> GrammarManager:
+    """A scheduler's GrammarManager: its backend built at the first constrained request (a server
+    without one never imports xgrammar), --reasoning-parser's end-of-thinking ids, and with TP > 1
+    the collective that makes every rank take the same number of ready grammars."""
+    from engine.distributed.parallel_state import all_reduce_min_int, get_tp_size
+
+    think_end_ids: Optional[List[int]] = None
+    if server_args.reasoning_parser is not None and tokenizer is not None:
+        think_end = REASONING_FORMATS[server_args.reasoning_parser].think_end
+        think_end_ids = list(tokenizer.encode(think_end, add_special_tokens=False)) or None
+    return GrammarManager(lambda: server_grammar_backend(server_args, tokenizer, vocab_size, eos_token_ids),
+                          sync_ready_count=all_reduce_min_int if get_tp_size() > 1 else None,
+                          timeout_s=server_args.grammar_timeout, think_end_ids=think_end_ids)

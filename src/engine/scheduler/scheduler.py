@@ -24,11 +24,10 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Sequence, Union
 
 
-from engine.constrained.grammar_manager import GrammarManager
-from engine.parsers.reasoning import REASONING_FORMATS
+from engine.constrained.grammar_manager import server_grammar_manager
 from engine.io_struct import (
     AbortReq,
     FlushCacheReqInput,
@@ -60,7 +59,6 @@ from engine.disaggregation.host import RoleHost
 from engine.disaggregation.roles import make_role
 
 if TYPE_CHECKING:
-    from engine.constrained.base_grammar_backend import BaseGrammarBackend
     from engine.disaggregation.decode_scheduler import DecodeDisaggregation
     from engine.disaggregation.prefill import PrefillDisaggregation
     from engine.mem_cache.allocator import PagedTokenToKVPoolAllocator
@@ -132,9 +130,7 @@ class Scheduler:
         self.waiting = WaitingQueue(server_args.max_queued_requests, server_args.req_waiting_timeout, self.priority)
         self.running = RunningSet(self.kv, server_args.schedule_conservativeness)
         # Constrained decoding: the grammar queue and the compiled-grammar cache (constrained/).
-        self.grammar_manager = GrammarManager(self._create_grammar_backend, sync_ready_count=_tp_min_or_none(),
-                                              timeout_s=server_args.grammar_timeout,
-                                              think_end_ids=self._think_end_ids())
+        self.grammar_manager = server_grammar_manager(server_args, tokenizer, self.vocab_size, sorted(self.eos_token_ids))
         self.stats = SchedulerStats(tp_rank, server_args.decode_log_interval, self._load)
         self.prefill = PrefillBuilder(server_args, self.kv, self.waiting, self.running, self.priority,
                                       self.max_running_requests, self.page_size,
@@ -229,22 +225,6 @@ class Scheduler:
     @property
     def token_to_kv_pool_allocator(self) -> PagedTokenToKVPoolAllocator:
         return self.kv.token_to_kv_pool_allocator
-
-    def _create_grammar_backend(self) -> Tuple[Optional[BaseGrammarBackend], Optional[str]]:
-        """The backend of --grammar-backend, or why constrained requests are refused (lazy: the
-        first constrained request builds it, so a server without one never imports xgrammar)."""
-        from engine.constrained.grammar_manager import create_grammar_backend
-
-        return create_grammar_backend(
-            self.server_args.grammar_backend, self.tokenizer, self.vocab_size, sorted(self.eos_token_ids),
-            any_whitespace=not self.server_args.constrained_json_disable_any_whitespace)
-
-    def _think_end_ids(self) -> Optional[List[int]]:
-        """The token ids of --reasoning-parser's closing tag (None without a parser or tokenizer)."""
-        name = self.server_args.reasoning_parser
-        if name is None or self.tokenizer is None:
-            return None
-        return list(self.tokenizer.encode(REASONING_FORMATS[name].think_end, add_special_tokens=False)) or None
 
     # ================================================================== input
     def add_request(self, recv: Any) -> None:
@@ -607,9 +587,3 @@ class Scheduler:
         self.running.reset_ratio()
         self.stats.on_idle()
         self.check_memory()
-
-def _tp_min_or_none() -> Optional[Callable[[int], int]]:
-    """With TP > 1, the collective that makes every rank take the same number of ready grammars."""
-    from engine.distributed.parallel_state import all_reduce_min_int, get_tp_size
-
-    return all_reduce_min_int if get_tp_size() > 1 else None
