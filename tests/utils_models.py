@@ -95,6 +95,26 @@ TINY_BERT = dict(
 )
 
 
+def scaled_builtin_checkpoint(dst: str, factor: float = 1.3, which: str = "") -> str:
+    """A copy of the built-in model in `dst` with the matrices whose names contain `which` (every
+    one by default) scaled by `factor`: the same architecture and tokenizer, other outputs (the
+    "new weights" of the weight-update tests)."""
+    import os
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from engine.builtin_model import ensure_builtin_model
+
+    src = ensure_builtin_model()
+    for name in os.listdir(src):
+        shutil.copy(os.path.join(src, name), dst)
+    weights = load_file(os.path.join(src, "model.safetensors"))
+    save_file({k: v * factor if v.dim() == 2 and which in k else v for k, v in weights.items()},
+              os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
 def build_tiny_bert(path: str, seed: int = 0, pooling_mode: Optional[str] = None, normalize: bool = True, **overrides):
     """A random transformers BertModel in `path`; with `pooling_mode` ("mean", "cls", "lasttoken")
     also sentence-transformers' files (modules.json, 1_Pooling/config.json). Returns the model."""

@@ -12,7 +12,6 @@ import asyncio
 import json
 import os
 import re
-import shutil
 from typing import Any, Dict, List
 
 import httpx
@@ -20,6 +19,7 @@ import pytest
 import torch
 
 from engine.builtin_model import ensure_builtin_model
+from utils_models import scaled_builtin_checkpoint
 
 pytestmark = pytest.mark.slow  # starts a server (processes): the full suite runs it, the fast lane does not
 
@@ -33,29 +33,7 @@ STEPS = 8
 @pytest.fixture(scope="module")
 def new_checkpoint(tmp_path_factory) -> str:
     """The built-in model with every matrix scaled: same architecture, other outputs."""
-    from safetensors.torch import load_file, save_file
-
-    src = ensure_builtin_model()
-    dst = str(tmp_path_factory.mktemp("new_checkpoint"))
-    for name in os.listdir(src):
-        shutil.copy(os.path.join(src, name), dst)
-    weights = load_file(os.path.join(src, "model.safetensors"))
-    save_file({k: v * 1.3 if v.dim() == 2 else v for k, v in weights.items()}, os.path.join(dst, "model.safetensors"),
-              metadata={"format": "pt"})
-    return dst
-
-
-def scaled_checkpoint(dst: str, factor: float, which: str = "") -> str:
-    """The built-in model with the matrices whose names contain `which` scaled by `factor`."""
-    from safetensors.torch import load_file, save_file
-
-    src = ensure_builtin_model()
-    for name in os.listdir(src):
-        shutil.copy(os.path.join(src, name), dst)
-    weights = load_file(os.path.join(src, "model.safetensors"))
-    save_file({k: v * factor if v.dim() == 2 and which in k else v for k, v in weights.items()},
-              os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-    return dst
+    return scaled_builtin_checkpoint(str(tmp_path_factory.mktemp("new_checkpoint")))
 
 
 @pytest.fixture(scope="module")
@@ -276,7 +254,7 @@ def test_update_weights_from_distributed_over_http(server_url, hf, tokenizer, tm
     from engine.utils.network_utils import get_free_port
     from utils_trainer import trainer_env
 
-    pushed = scaled_checkpoint(str(tmp_path), 0.7)
+    pushed = scaled_builtin_checkpoint(str(tmp_path), 0.7)
     weights = load_file(os.path.join(pushed, "model.safetensors"))
     names = sorted(weights)
     buckets = []
@@ -340,7 +318,7 @@ def test_update_weights_from_tensor_over_http(server_url, hf, tokenizer, tmp_pat
 
     from safetensors.torch import load_file, save
 
-    changed = scaled_checkpoint(str(tmp_path), 0.8, which="layers.0.")
+    changed = scaled_builtin_checkpoint(str(tmp_path), 0.8, which="layers.0.")
     weights = load_file(os.path.join(changed, "model.safetensors"))
     payload = base64.b64encode(save({k: v for k, v in weights.items() if "layers.0." in k})).decode()
     try:

@@ -11,9 +11,7 @@ Restoring a copy of the old KV (the previous behaviour) continues differently.
 
 from __future__ import annotations
 
-import os
 import random
-import shutil
 import threading
 from typing import Any, Dict, Iterator, List, Optional, Tuple
 
@@ -24,6 +22,7 @@ import torch
 
 from conftest import ServerProcess, start_server_process
 from engine.builtin_model import ensure_builtin_model
+from utils_models import scaled_builtin_checkpoint
 from engine.utils.network_utils import get_free_port
 
 pytestmark = pytest.mark.slow
@@ -38,16 +37,7 @@ PROMPT = "The quick brown fox jumps over the lazy dog because"
 @pytest.fixture(scope="module")
 def new_checkpoint(tmp_path_factory) -> str:
     """The built-in model with every matrix scaled: same shapes, other outputs."""
-    from safetensors.torch import load_file, save_file
-
-    src = ensure_builtin_model()
-    dst = str(tmp_path_factory.mktemp("rebootstrap_weights"))
-    for name in os.listdir(src):
-        shutil.copy(os.path.join(src, name), dst)
-    weights = load_file(os.path.join(src, "model.safetensors"))
-    save_file({k: v * 1.3 if v.dim() == 2 else v for k, v in weights.items()}, os.path.join(dst, "model.safetensors"),
-              metadata={"format": "pt"})
-    return dst
+    return scaled_builtin_checkpoint(str(tmp_path_factory.mktemp("rebootstrap_weights")))
 
 
 @pytest.fixture(scope="module")
