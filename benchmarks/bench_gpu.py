@@ -8,6 +8,9 @@
   prefill   one extend of batch x input_len tokens, against FLOPs / measured matmul rate.
   offline   the in-process scheduler (overlap, radix cache, CUDA graphs) on N prompts with input
             and output lengths U[100, 1024], ignore_eos (bench_offline_throughput's workload).
+  variants  side by side in the same process (--variants): `graphs_off` rebuilds the scheduler
+            without CUDA graphs and repeats the decode steps; `overlap_off` runs a smaller offline
+            workload (--compare-prompts) with the overlap loop and then without it.
 
 The model has the shape of Llama-3-8B in bfloat16 with random weights generated on the device (no
 checkpoint is written or read: the loader's weight iterator is replaced for this process).
@@ -230,17 +233,18 @@ def bench_prefill(runner, bs: int, input_len: int, repeats: int) -> float:
 
 
 # ---------------------------------------------------------------------------- offline throughput
-def bench_offline(scheduler, num_prompts: int, in_range, out_range, vocab: int, deadline_s: float, seed: int):
+def bench_offline(scheduler, num_prompts: int, in_range, out_range, vocab: int, deadline_s: float, seed: int,
+                  tag: str = "o"):
     from bench_offline_throughput import RunResult, random_workload
 
     from engine.io_struct import BatchTokenIDOutput, TokenizedGenerateReqInput
 
     workload = random_workload(num_prompts, in_range, out_range, vocab, seed)
-    step = scheduler.step_overlap if scheduler.forward_stream is not None else scheduler.step
+    step = scheduler.step_overlap if scheduler.enable_overlap else scheduler.step
     start = time.perf_counter()
     for i, (p, n) in enumerate(zip(workload.prompts, workload.output_lens)):
         scheduler.add_request(TokenizedGenerateReqInput(
-            rid=f"o{i}", input_ids=p, stream=True,
+            rid=f"{tag}{i}", input_ids=p, stream=True,
             sampling_params={"max_new_tokens": n, "temperature": 0.0, "ignore_eos": True}))
     first: Dict[str, float] = {}
     last: Dict[str, float] = {}
@@ -268,7 +272,7 @@ def bench_offline(scheduler, num_prompts: int, in_range, out_range, vocab: int, 
                     out_tokens += len(ids)
                 if fr is not None:
                     e2e.append(now)
-                    finished_input += len(workload.prompts[int(rid[1:])])
+                    finished_input += len(workload.prompts[int(rid[len(tag):])])
         scheduler.outbox.clear()
     duration = time.perf_counter() - start
     # Counted over what was done (all of it unless the deadline cut the run short).
@@ -280,13 +284,23 @@ def bench_offline(scheduler, num_prompts: int, in_range, out_range, vocab: int, 
 
 
 # ---------------------------------------------------------------------------- main
-def build_scheduler(model_dir: str, shape: Dict, args):
+def free_device_memory() -> None:
+    """After the caller dropped its last reference to a scheduler (its forward thread stopped):
+    give its weights, KV pool and graphs back to the device before the next one is built."""
+    gc.collect()
+    if torch.cuda.is_available():
+        torch.cuda.empty_cache()
+
+
+def build_scheduler(model_dir: str, shape: Dict, args, disable_cuda_graph: bool = False,
+                    disable_overlap: bool = False):
     from engine.scheduler.scheduler import Scheduler
     from engine.server_args import ServerArgs
 
     server_args = ServerArgs(
         model_path=model_dir, dtype="bfloat16", device=args.device, log_level="warning",
-        cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph,
+        cuda_graph_max_bs=args.cuda_graph_max_bs, disable_cuda_graph=args.disable_cuda_graph or disable_cuda_graph,
+        disable_overlap_schedule=disable_overlap,
         max_total_tokens=args.max_total_tokens, mem_fraction_static=args.mem_fraction_static,
         attention_backend=args.attention_backend,
     )
@@ -316,6 +330,10 @@ def main(argv: Optional[List[str]] = None) -> Dict:
     p.add_argument("--output-len", type=int, nargs=2, default=[100, 1024], metavar=("MIN", "MAX"))
     p.add_argument("--offline-deadline-s", type=float, default=240.0,
                    help="stop the offline run after this long and report what completed")
+    p.add_argument("--variants", default="",
+                   help="comma-separated, run after the main phases: graphs_off (decode without CUDA graphs), "
+                        "overlap_off (a --compare-prompts offline run with the overlap loop, then without)")
+    p.add_argument("--compare-prompts", type=int, default=200)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-file", default=None)
     p.add_argument("--table-file", default=None)
@@ -375,13 +393,37 @@ def main(argv: Optional[List[str]] = None) -> Dict:
         result["offline"] = bench_offline(scheduler, args.num_prompts, args.input_len, args.output_len,
                                           shape["vocab_size"], args.offline_deadline_s, args.seed)
         logger.info("offline: %s", result["offline"])
+    variants = [v for v in args.variants.split(",") if v]
+    unknown = set(variants) - {"graphs_off", "overlap_off"}
+    if unknown:
+        raise SystemExit(f"unknown --variants {sorted(unknown)}")
+    if "overlap_off" in variants:
+        result["overlap"] = {"on": bench_offline(scheduler, args.compare_prompts, args.input_len, args.output_len,
+                                                 shape["vocab_size"], args.offline_deadline_s, args.seed + 1, tag="c")}
+    del runner
+    scheduler.forward_stream.shutdown()
+    del scheduler
+    free_device_memory()
+    if "graphs_off" in variants:
+        scheduler = build_scheduler(model_dir, shape, args, disable_cuda_graph=True)
+        result["graphs_off_decode"] = {}
+        for bs in [int(x) for x in args.decode_batch_sizes.split(",")]:
+            r = bench_decode(scheduler.worker.model_runner, bs, args.decode_context, args.decode_steps)
+            result["graphs_off_decode"][str(bs)] = r
+            logger.info("decode without CUDA graphs bs=%d: %s", bs, r)
+        scheduler.forward_stream.shutdown()
+        del scheduler
+        free_device_memory()
+    if "overlap_off" in variants:
+        scheduler = build_scheduler(model_dir, shape, args, disable_overlap=True)
+        result["overlap"]["off"] = bench_offline(scheduler, args.compare_prompts, args.input_len, args.output_len,
+                                                 shape["vocab_size"], args.offline_deadline_s, args.seed + 1,
+                                                 tag="c")
+        logger.info("overlap on/off: %s", result["overlap"])
+        scheduler.forward_stream.shutdown()
+        del scheduler
+        free_device_memory()
     result["total_s"] = time.perf_counter() - t0
-
-    stream = getattr(scheduler, "forward_stream", None)
-    if stream is not None:
-        stream.shutdown()
-    del scheduler, runner
-    gc.collect()
     tmp.cleanup()
 
     table = format_table(result)
@@ -426,6 +468,16 @@ def format_table(r: Dict) -> str:
         row("offline request throughput (req/s)", f"{off['request_throughput']:.2f}")
         if "median_ttft_ms" in off:
             row("offline median TTFT / ITL (ms)", f"{off['median_ttft_ms']:.0f} / {off.get('median_itl_ms', 0):.1f}")
+    for bs, d in r.get("graphs_off_decode", {}).items():
+        on = r.get("decode", {}).get(bs)
+        row(f"decode bs={bs} without CUDA graphs (ms)", f"{d['median_ms']:.2f}",
+            f"{on['median_ms']:.2f} with" if on else "", f"{d['median_ms'] / on['median_ms']:.2f}x" if on else "")
+    ov = r.get("overlap", {})
+    if "on" in ov and "off" in ov:
+        n = f"{ov['on']['completed']}/{ov['on']['num_prompts']}"
+        row(f"offline {n} req, overlap on (tok/s)", f"{ov['on']['output_throughput']:.0f}")
+        row(f"offline {n} req, overlap off (tok/s)", f"{ov['off']['output_throughput']:.0f}", "",
+            f"{ov['on']['output_throughput'] / ov['off']['output_throughput']:.2f}x")
     return "\n".join(lines)
 
 
