@@ -274,18 +274,43 @@ class ContinueGenerationReqOutput(Routed, tag=True):
     message: str = ""
 
 
+class LoadLoRAAdapterReqInput(Routed, tag=True):
+    lora_name: str
+    lora_path: str
+    pinned: bool = False
+
+
+class LoadLoRAAdapterReqOutput(Routed, tag=True):
+    success: bool
+    message: str = ""
+    # The adapters loaded afterwards: name -> path.
+    loaded_adapters: Dict[str, str] = {}
+
+
+class UnloadLoRAAdapterReqInput(Routed, tag=True):
+    lora_name: str
+
+
+class UnloadLoRAAdapterReqOutput(Routed, tag=True):
+    success: bool
+    message: str = ""
+    loaded_adapters: Dict[str, str] = {}
+
+
 # Control requests the DP controller fans out to every replica, and their replies.
 CONTROL_REQUESTS = (
     FlushCacheReqInput, GetInternalStateReq, UpdateWeightFromDiskReqInput, UpdateWeightsFromTensorReqInput,
     GetWeightsByNameReqInput, ReleaseMemoryOccupationReqInput, ResumeMemoryOccupationReqInput,
     PauseGenerationReqInput, ContinueGenerationReqInput, InitWeightsUpdateGroupReqInput,
-    DestroyWeightsUpdateGroupReqInput, UpdateWeightsFromDistributedReqInput,
+    DestroyWeightsUpdateGroupReqInput, UpdateWeightsFromDistributedReqInput, LoadLoRAAdapterReqInput,
+    UnloadLoRAAdapterReqInput,
 )
 CONTROL_REPLIES = (
     FlushCacheReqOutput, GetInternalStateReqOutput, UpdateWeightFromDiskReqOutput, UpdateWeightsFromTensorReqOutput,
     GetWeightsByNameReqOutput, ReleaseMemoryOccupationReqOutput, ResumeMemoryOccupationReqOutput,
     PauseGenerationReqOutput, ContinueGenerationReqOutput, InitWeightsUpdateGroupReqOutput,
-    DestroyWeightsUpdateGroupReqOutput, UpdateWeightsFromDistributedReqOutput,
+    DestroyWeightsUpdateGroupReqOutput, UpdateWeightsFromDistributedReqOutput, LoadLoRAAdapterReqOutput,
+    UnloadLoRAAdapterReqOutput,
 )
 
 # The reply type of each control request.
@@ -335,6 +360,10 @@ Message = Union[
     DestroyWeightsUpdateGroupReqOutput,
     UpdateWeightsFromDistributedReqInput,
     UpdateWeightsFromDistributedReqOutput,
+    LoadLoRAAdapterReqInput,
+    LoadLoRAAdapterReqOutput,
+    UnloadLoRAAdapterReqInput,
+    UnloadLoRAAdapterReqOutput,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -30,6 +30,8 @@ from msgspec import Meta
 MAX_TOKEN_IDS_LOGPROB = 1024
 # routing_key: one string a request (it is counted against the running requests at every prefill).
 MAX_ROUTING_KEY_LEN = 256
+# lora_path: an adapter's name (engine/lora/lora_config.MAX_LORA_NAME_LEN).
+MAX_LORA_PATH_LEN = 256
 
 
 def _scope(per_prompt: bool, openai: bool) -> Meta:
@@ -80,6 +82,9 @@ class RequestOptions(msgspec.Struct, kw_only=True, omit_defaults=True):
     # SGLang's routing key: --schedule-policy routing-key runs requests of the keys most frequent
     # among the running ones first (the OpenAI routes read it from a header).
     routing_key: Annotated[Optional[Annotated[str, Meta(max_length=MAX_ROUTING_KEY_LEN)]], WHOLE_REQUEST] = None
+    # The LoRA adapter (its name, as loaded) this prompt runs with; None: the base model. The OpenAI
+    # routes also take it from `model` ("base:adapter").
+    lora_path: Annotated[Optional[Annotated[str, Meta(max_length=MAX_LORA_PATH_LEN)]], PER_PROMPT_OPENAI] = None
     # Every output also carries the prompt's token ids ("prompt_token_ids"), as tokenized.
     return_prompt_token_ids: Annotated[bool, WHOLE_REQUEST] = False
 

@@ -201,6 +201,23 @@ class ServerArgs:
     speculative_ngram_max_match_window_size: int = arg(12, "NGRAM: the longest suffix of the request's "
                                                            "tokens that is matched.")
 
+    # Multi-LoRA serving (SGLang's flags; engine/lora/).
+    enable_lora: bool = arg(False, "Serve LoRA adapters (PEFT format) over the base model; implied by --lora-paths.")
+    lora_paths: Optional[List[str]] = arg(None, (
+        "Adapters loaded at start-up: 'name=path', a plain path (its name is the path) or JSON "
+        "'{\"lora_name\": ..., \"lora_path\": ..., \"pinned\": ...}'."))
+    max_loras_per_batch: int = arg(8, "Distinct adapters one batch may use (requests of the base model do not "
+                                      "count); also the adapter slots of the memory pool.")
+    max_lora_rank: Optional[int] = arg(None, "The largest adapter rank served. Default: the largest rank of "
+                                             "--lora-paths (16 without any).")
+    lora_target_modules: Optional[List[str]] = arg(None, (
+        "Projections adapters may target: q_proj k_proj v_proj o_proj gate_proj up_proj down_proj, or 'all'. "
+        "Default: those of --lora-paths (all without any)."))
+    max_loaded_loras: Optional[int] = arg(None, "Adapters kept in host memory at once (loaded adapters); "
+                                                "default: no limit beyond MAX_LOADED_LORAS.")
+    lora_backend: str = arg("auto", "The LoRA product: auto (triton on CUDA, torch_native on the CPU), triton or "
+                                    "torch_native.", choices=("auto", "triton", "torch_native"))
+
     # Parallelism
     tp_size: int = arg(1, "Tensor parallelism: scheduler ranks that shard the model.")
     dp_size: int = arg(1, "Data parallelism: model replicas behind one endpoint.")
@@ -403,6 +420,7 @@ class ServerArgs:
         self._check_disaggregation(need)
         self._check_simulated_device(need)
         self._check_speculative(need)
+        self._check_lora(need)
 
     def _warn_open_pd_planes(self) -> None:
         """Without a secret the PD planes are open: fine on loopback, loud beyond it (docs/security.md)."""
@@ -476,6 +494,15 @@ class ServerArgs:
         need(not self.is_embedding and self.disaggregation_mode == "null",
              "--simulated-device-forward-ms serves generation on a unified server: not with --is-embedding "
              "or --disaggregation-mode prefill|decode")
+
+    def _check_lora(self, need: Any) -> None:
+        if self.lora_paths:
+            self.enable_lora = True
+        if not self.enable_lora:
+            return
+        from engine.lora.lora_config import check_lora_server_args
+
+        check_lora_server_args(self, need)
 
     def _check_speculative(self, need: Any) -> None:
         algo = self.speculative_algorithm

@@ -186,6 +186,7 @@ class DecoderLayersCache:
         """(hidden, residual) after the layers, or None where the modules must run them."""
         backend, pool = forward_batch.attn_backend, forward_batch.token_to_kv_pool
         if (library.decoder_layers() is None or not forward_batch.forward_mode.is_decode()
+                or forward_batch.lora_ids is not None  # the native layers have no LoRA delta
                 or not isinstance(backend, TorchNativeAttnBackend)
                 or pool is None or hidden_states.dtype != torch.bfloat16 or not hidden_states.is_cpu
                 or not positions.is_cpu or hidden_states.shape[0] > LINEAR_BF16_MAX_ROWS):

@@ -9,7 +9,7 @@ rank's piece out of the full checkpoint tensor.
 from __future__ import annotations
 
 import logging
-from typing import Callable, List, Optional, Union
+from typing import TYPE_CHECKING, Callable, List, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -23,6 +23,9 @@ from engine.distributed.parallel_state import (
 )
 from engine.kernels import linear as linear_kernels
 from engine.model_loader.weight_utils import set_weight_loader
+
+if TYPE_CHECKING:
+    from engine.lora.layers import LoRAProjection
 
 logger = logging.getLogger(__name__)
 
@@ -106,6 +109,8 @@ class ColumnParallelLinear(nn.Module):
         self.output_size_per_partition = _divide(output_size, self.tp_size)
         self.gather_output = gather_output
         self.packed_weight: Optional[PackedWeight] = None
+        # With --enable-lora: adds each row's adapter delta to the output (engine/lora/).
+        self.lora: Optional[LoRAProjection] = None
         self.weight = _new_param(self.output_size_per_partition, input_size)
         set_weight_loader(self.weight, self.weight_loader)
         if bias:
@@ -118,8 +123,13 @@ class ColumnParallelLinear(nn.Module):
         size = param.shape[0]
         _copy_checked(param.data, loaded_weight.narrow(0, self.tp_rank * size, size), "ColumnParallelLinear")
 
+    def attach_lora(self, lora: LoRAProjection) -> None:
+        self.lora = lora
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         out = linear_forward(x, self.weight, self.bias, self.packed_weight)
+        if self.lora is not None:
+            out = self.lora.apply(x, out)
         if self.gather_output:
             out = tensor_model_parallel_all_gather(out, dim=-1)
         return out
@@ -142,6 +152,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         has the same bits), else the two calls."""
         packed = self.packed_weight
         if (isinstance(packed, linear_kernels.Bf16Panels) and len(self.output_sizes) == 2 and not self.gather_output
+                and self.lora is None
                 and self.output_sizes[0] == self.output_sizes[1] and linear_kernels.gate_up_silu_usable(x, packed)):
             return linear_kernels.linear_bf16_silu_mul(x, packed)
         return act_fn(self(x))
@@ -214,6 +225,8 @@ class RowParallelLinear(nn.Module):
         self.input_size_per_partition = _divide(input_size, self.tp_size)
         self.reduce_results = reduce_results
         self.packed_weight: Optional[PackedWeight] = None
+        # With --enable-lora: adds each row's adapter delta to this rank's partial sum (engine/lora/).
+        self.lora: Optional[LoRAProjection] = None
         self.weight = _new_param(output_size, self.input_size_per_partition)
         set_weight_loader(self.weight, self.weight_loader)
         if bias:
@@ -229,10 +242,16 @@ class RowParallelLinear(nn.Module):
         size = param.shape[1]
         _copy_checked(param.data, loaded_weight.narrow(1, self.tp_rank * size, size), "RowParallelLinear")
 
+    def attach_lora(self, lora: LoRAProjection) -> None:
+        self.lora = lora
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.tp_size == 1:
+        if self.tp_size == 1 and self.lora is None:
             return linear_forward(x, self.weight, self.bias, self.packed_weight)
         out = linear_forward(x, self.weight, None, self.packed_weight)
+        if self.lora is not None:
+            # Before the all-reduce: with A cut by input columns, each rank's delta is a partial sum too.
+            out = self.lora.apply(x, out)
         if self.reduce_results:
             out = tensor_model_parallel_all_reduce(out)
         if self.bias is not None:

@@ -88,6 +88,8 @@ class ModelWorkerBatch:
     relay_rows: Optional[torch.Tensor] = None
     # Embedding batches: per request the embedding dimensions asked for (None: all of them).
     dimensions: Optional[List[Optional[int]]] = None
+    # With LoRA: per request its adapter's uid (None: the base model); None when no request has one.
+    lora_ids: Optional[List[Optional[str]]] = None
 
     @property
     def batch_size(self) -> int:
@@ -124,6 +126,8 @@ class ForwardBatch:
     capture_hidden_states: bool = False
     # Embedding batches: per request the Matryoshka dimensions to keep (None: all).
     dimensions: Optional[List[Optional[int]]] = None
+    # Per request its LoRA adapter's uid, or None (engine/lora/: the LoRAManager reads it).
+    lora_ids: Optional[List[Optional[str]]] = None
 
     # Memory and attention
     req_to_token_pool: Optional["ReqToTokenPool"] = None
@@ -158,6 +162,7 @@ class ForwardBatch:
             token_ids_logprobs=batch.token_ids_logprobs,
             capture_hidden_states=batch.capture_hidden_states,
             dimensions=batch.dimensions,
+            lora_ids=batch.lora_ids,
             req_to_token_pool=model_runner.req_to_token_pool,
             token_to_kv_pool=model_runner.token_to_kv_pool,
             attn_backend=model_runner.attn_backend,

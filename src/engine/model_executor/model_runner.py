@@ -25,6 +25,7 @@ from engine.server_args import ServerArgs
 
 if TYPE_CHECKING:
     from engine.layers.sampler import Sampler
+    from engine.lora.lora_manager import LoRAManager
 
 logger = logging.getLogger(__name__)
 
@@ -83,6 +84,12 @@ class ModelRunner:
 
             packed = prepack_linear_weights(self.model)
             logger.info("Packed %d linear weights for oneDNN", packed)
+        # --enable-lora: the adapters, their device pool, the delta in every targeted projection.
+        self.lora_manager: Optional[LoRAManager] = None
+        if server_args.enable_lora:
+            from engine.lora.lora_manager import LoRAManager
+
+            self.lora_manager = LoRAManager(self.model, server_args, self.dtype, self.device)
         self._sampler: Optional[Sampler] = None
         if model_config.is_encoder_only and server_args.attention_backend == "flashinfer":
             raise ValueError("the flashinfer attention backend has no encoder (non-causal) attention; use "
@@ -212,6 +219,8 @@ class ModelRunner:
     # ------------------------------------------------------------------ forward
     def forward(self, forward_batch: ForwardBatch) -> LogitsProcessorOutput:
         with torch.inference_mode():
+            if self.lora_manager is not None:
+                self.lora_manager.prepare(forward_batch)
             if self.cuda_graph_runner is not None and self.cuda_graph_runner.can_run(forward_batch):
                 return self.cuda_graph_runner.replay(forward_batch)
             self.attn_backend.init_forward_metadata(forward_batch)

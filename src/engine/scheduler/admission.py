@@ -54,8 +54,11 @@ class Admission:
     def __init__(self, server_args: ServerArgs, limits: ModelLimits, tokenizer: Any, eos_token_ids: Set[int],
                  waiting: WaitingQueue, priority: PriorityPolicy, grammar_manager: GrammarManager,
                  disagg: Optional[Union[PrefillDisaggregation, DecodeDisaggregation]],
-                 stream: Callable[[List[Req]], None]) -> None:
+                 stream: Callable[[List[Req]], None],
+                 lora_uid: Optional[Callable[[str], Optional[str]]] = None) -> None:
         self.server_args = server_args
+        # With --enable-lora: the uid a loaded adapter is served under (None: not loaded).
+        self.lora_uid = lora_uid
         self.limits = limits
         self.tokenizer = tokenizer
         self.eos_token_ids = eos_token_ids
@@ -163,6 +166,15 @@ class Admission:
                 load_custom_logit_processor(req.custom_logit_processor)
             except CustomLogitProcessorError as e:
                 return str(e)
+        name = req.options.lora_path
+        if name is not None:
+            # The TokenizerManager checked the name; an unload between there and here is caught here.
+            uid = self.lora_uid(name) if self.lora_uid is not None else None
+            if self.lora_uid is None:
+                return "LoRA is not enabled on this server (start it with --enable-lora or --lora-paths)."
+            if uid is None:
+                return f"LoRA adapter {name!r} is not loaded."
+            req.use_lora(uid)
         return None
 
     def clamp_max_new_tokens(self, req: Req) -> None:

@@ -39,12 +39,16 @@ from engine.io_struct import (
     GetWeightsByNameReqOutput,
     InitWeightsUpdateGroupReqInput,
     InitWeightsUpdateGroupReqOutput,
+    LoadLoRAAdapterReqInput,
+    LoadLoRAAdapterReqOutput,
     PauseGenerationReqInput,
     PauseGenerationReqOutput,
     ReleaseMemoryOccupationReqInput,
     ReleaseMemoryOccupationReqOutput,
     ResumeMemoryOccupationReqInput,
     ResumeMemoryOccupationReqOutput,
+    UnloadLoRAAdapterReqInput,
+    UnloadLoRAAdapterReqOutput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightFromDiskReqOutput,
     UpdateWeightsFromDistributedReqInput,
@@ -81,6 +85,9 @@ class ControlledLoop(Protocol):
 
     def num_waiting(self) -> int: ...
 
+    def requests_using_lora(self, lora_uid: str) -> int:
+        """Unfinished requests (waiting, running, chunked) that run with this LoRA adapter."""
+
 
 class SchedulerControl:
     def __init__(self, loop: ControlledLoop, worker: ModelWorker, forward_stream: ForwardStream, tp_rank: int,
@@ -104,6 +111,8 @@ class SchedulerControl:
             InitWeightsUpdateGroupReqInput: self.init_weights_update_group,
             DestroyWeightsUpdateGroupReqInput: self.destroy_weights_update_group,
             UpdateWeightsFromDistributedReqInput: self.update_weights_from_distributed,
+            LoadLoRAAdapterReqInput: self.load_lora_adapter,
+            UnloadLoRAAdapterReqInput: self.unload_lora_adapter,
         }
 
     def handler(self, msg: Any) -> Optional[Callable[[Any], Any]]:
@@ -246,6 +255,33 @@ class SchedulerControl:
         if not ok:
             logger.error("Weight update failed: %s", message)
         return ok, message
+
+    # ------------------------------------------------------------------ LoRA adapters
+    def load_lora_adapter(self, req: LoadLoRAAdapterReqInput) -> LoadLoRAAdapterReqOutput:
+        """Every rank reads its shards (on the model thread, where the pool is used); if one fails,
+        the others unload again, so the ranks always serve the same adapters."""
+        ok, message = self._on_model_thread(
+            lambda: self.worker.load_lora_adapter(req.lora_name, req.lora_path, req.pinned))
+        if not bool(all_reduce_min_int(int(ok))) and ok:
+            self._on_model_thread(lambda: self.worker.unload_lora_adapter(req.lora_name))
+            ok, message = False, "Another tensor-parallel rank failed to load the LoRA adapter."
+        return LoadLoRAAdapterReqOutput(ok, message, loaded_adapters=self.worker.loaded_lora_adapters())
+
+    def unload_lora_adapter(self, req: UnloadLoRAAdapterReqInput) -> UnloadLoRAAdapterReqOutput:
+        """Refused while requests use the adapter (the TokenizerManager waits for its own first);
+        the forward in flight is settled, so no batch reads the adapter once it is gone."""
+        uid = self.worker.lora_uid(req.lora_name)
+        if uid is None:
+            return UnloadLoRAAdapterReqOutput(False, f"LoRA adapter {req.lora_name!r} is not loaded.",
+                                              loaded_adapters=self.worker.loaded_lora_adapters())
+        self.loop.settle()
+        users = self.loop.requests_using_lora(uid)
+        if users:
+            return UnloadLoRAAdapterReqOutput(False, f"LoRA adapter {req.lora_name!r} is used by {users} "
+                                              "request(s); unload it when they finished.",
+                                              loaded_adapters=self.worker.loaded_lora_adapters())
+        ok, message = self._on_model_thread(lambda: self.worker.unload_lora_adapter(req.lora_name))
+        return UnloadLoRAAdapterReqOutput(ok, message, loaded_adapters=self.worker.loaded_lora_adapters())
 
     # ------------------------------------------------------------------ memory
     def release_memory_occupation(self, req: ReleaseMemoryOccupationReqInput) -> ReleaseMemoryOccupationReqOutput:

@@ -93,6 +93,10 @@ class PrefillBuilder:
         return req
 
     # ------------------------------------------------------------------ building
+    def _running_loras(self) -> set:
+        reqs = list(self.running.reqs) + ([self._chunked_req] if self._chunked_req is not None else [])
+        return {r.lora_id for r in reqs if r.lora_id is not None}
+
     def _num_allocatable_reqs(self) -> int:
         return min(self.max_running_requests - self.running.size(),
                    self.kv.free_request_rows() + (1 if self._chunked_req is not None else 0))
@@ -120,6 +124,9 @@ class PrefillBuilder:
             mixed_with_decode_tokens=running.size() if mixed else 0,
         )
         dedup = UncachedPrefixDedup(self.last_prefill_keys) if self.last_prefill_keys is not None else None
+        # LoRA: the adapters of the running batch and of this prefill (they run together once merged)
+        # stay within --max-loras-per-batch, the pool's slots (SGLang's admission rule).
+        loras = self._running_loras() if self.args.enable_lora else None
         if self._chunked_req is not None:
             chunked = self._chunked_req
             chunked.init_next_round_input()
@@ -139,7 +146,13 @@ class PrefillBuilder:
                 continue  # its shared head is being computed for another request: reuse it next round
             if full and not adder.preempt_to_schedule(req, self.priority, running):
                 break
+            if loras is not None and req.lora_id is not None and req.lora_id not in loras:
+                if len(loras) >= self.args.max_loras_per_batch:
+                    continue  # its adapter waits for a slot; requests of loaded adapters go on
             result = adder.add_one_req(req)
+            if loras is not None and req.lora_id is not None and adder.can_run_list \
+                    and adder.can_run_list[-1] is req:
+                loras.add(req.lora_id)
             if dedup is not None and adder.can_run_list and adder.can_run_list[-1] is req:
                 dedup.admit(req)
             if result != AddReqResult.CONTINUE:

@@ -85,6 +85,11 @@ def cache_namespace(extra_key: Optional[str], cache_salt: Optional[str]) -> Opti
     return (extra_key, cache_salt)
 
 
+def lora_cache_namespace(namespace: Optional[Hashable], lora_uid: str) -> Hashable:
+    """A LoRA request's namespace: KV computed with an adapter is only valid for that adapter."""
+    return ("lora", lora_uid, namespace)
+
+
 class Req:
     """A request's inputs, outputs and KV ownership record.
 
@@ -116,8 +121,10 @@ class Req:
         # What the client asked besides the prompt and sampling (request_options.py), as it takes
         # effect; this Req owns it (the properties below read the options the scheduler uses).
         self.options = (options or RequestOptions()).effective()
-        # The radix-cache namespace (extra_key and cache_salt together).
+        # The radix-cache namespace (extra_key and cache_salt together; with a LoRA adapter, its uid too).
         self.extra_key = cache_namespace(self.options.extra_key, self.options.cache_salt)
+        # The uid of the LoRA adapter (options.lora_path) this request runs with, set at admission.
+        self.lora_id: Optional[str] = None
 
         self.output_ids: List[int] = []
         # Speculative decoding (engine/speculative/): verify steps run, drafts accepted, drafts proposed.
@@ -195,6 +202,11 @@ class Req:
         # Cache of fast_finish_ids() (computed at the first decode, when everything it reads is final).
         self.fast_finish_ids_cache: Optional[frozenset] = FAST_FINISH_UNKNOWN
         self.fast_finish_len = 0  # max_new_tokens, set with the cache (a plain attribute: read per token)
+
+    def use_lora(self, lora_uid: str) -> None:
+        """Run with the LoRA adapter `lora_uid`: its KV lives in a cache namespace of the adapter's."""
+        self.lora_id = lora_uid
+        self.extra_key = lora_cache_namespace(self.extra_key, lora_uid)
 
     # ------------------------------------------------------------------ options
     # The options the scheduler reads, by their old attribute names (new code reads req.options).

@@ -500,6 +500,7 @@ class ScheduleBatch:
             relay_rows=self.relay_rows,
             # Embedding batches only (always extends): a decode step does not look at 1,000 requests for them.
             dimensions=[r.dimensions for r in self.reqs] if extend and any(r.dimensions for r in self.reqs) else None,
+            lora_ids=[r.lora_id for r in self.reqs] if any(r.lora_id is not None for r in self.reqs) else None,
         )
 
     def copy(self) -> "ScheduleBatch":

@@ -151,7 +151,8 @@ class Scheduler:
                              self.page_size, self.is_generation, self.embedding_kv_reusable)
         # Requests in: checks, the queue limit (admission.py).
         self.admission = Admission(server_args, limits, tokenizer, self.eos_token_ids, self.waiting, self.priority,
-                                   self.grammar_manager, self.disagg, self.stream)
+                                   self.grammar_manager, self.disagg, self.stream,
+                                   lora_uid=worker.lora_uid if server_args.enable_lora else None)
         # Weights, memory, pause/continue (control.py).
         self.control = SchedulerControl(self, worker, self.forward_stream, tp_rank,
                                         server_args.enable_pickled_weight_updates)
@@ -340,6 +341,16 @@ class Scheduler:
 
     def num_waiting(self) -> int:
         return len(self.waiting)
+
+    def requests_using_lora(self, lora_uid: str) -> int:
+        # (A request still compiling its grammar is counted by the TokenizerManager, which waits for it.)
+        reqs = {id(r): r for r in [*self.waiting, *self.running.reqs]}
+        if self.last_batch is not None:
+            reqs.update((id(r), r) for r in self.last_batch.reqs)
+        chunked = self.prefill.chunked_req
+        if chunked is not None:
+            reqs[id(chunked)] = chunked
+        return sum(1 for r in reqs.values() if r.lora_id == lora_uid and not r.finished())
 
     # ------------------------------------------------------------------ reports
     def internal_state(self) -> Dict[str, Any]:

@@ -12,9 +12,11 @@ import torch
 from engine.configs.pooling_config import PoolingType
 from engine.distributed.weight_update_group import WeightUpdateGroups, tensor_specs
 from engine.scheduler.overlap_utils import resolve_relay_input_ids, write_relay
+from engine.lora.lora_config import LoRAError
 from engine.model_executor.forward_batch_info import ForwardBatch, ModelWorkerBatch
 
 if TYPE_CHECKING:
+    from engine.lora.lora_manager import LoRAManager
     from engine.model_executor.model_runner import ModelRunner
     from engine.model_executor.simulated_device import SimulatedModelRunner
     from engine.server_args import ServerArgs
@@ -230,6 +232,35 @@ class TpModelWorker:
         if not apply:
             return True, ""
         return self.real_runner.weight_updater.update_from_tensors(received)
+
+    # ------------------------------------------------------------------ LoRA adapters (engine/lora/)
+    def _lora(self) -> "LoRAManager":
+        manager = self.real_runner.lora_manager if self.real_runner is not None else None
+        if manager is None:
+            raise LoRAError("LoRA is not enabled on this server (start it with --enable-lora or --lora-paths).")
+        return manager
+
+    def load_lora_adapter(self, name: str, path: str, pinned: bool) -> Tuple[bool, str]:
+        try:
+            self._lora().load(name, path, pinned)
+        except LoRAError as e:
+            return False, str(e)
+        return True, f"LoRA adapter {name!r} loaded."
+
+    def unload_lora_adapter(self, name: str) -> Tuple[bool, str]:
+        try:
+            self._lora().unload(name)
+        except LoRAError as e:
+            return False, str(e)
+        return True, f"LoRA adapter {name!r} unloaded."
+
+    def lora_uid(self, name: str) -> Optional[str]:
+        manager = self.real_runner.lora_manager if self.real_runner is not None else None
+        return manager.uid_of(name) if manager is not None else None
+
+    def loaded_lora_adapters(self) -> Dict[str, str]:
+        manager = self.real_runner.lora_manager if self.real_runner is not None else None
+        return dict(manager.loaded()) if manager is not None else {}
 
     def rollback_weights(self) -> str:
         return _SIMULATED_NO_WEIGHTS if self.real_runner is None else self.real_runner.weight_updater.rollback()

@@ -2,8 +2,8 @@
 
 SGLang's clients (its router, `sglang.RuntimeEndpoint`, scripts written against SGLang) send many
 fields of `GenerateReqInput`, most of them as null or at their default. Such a request must work
-here exactly as on SGLang; a request that really asks for a feature we lack (an image, a LoRA
-adapter, a regex) must get a clear 400 that names the field, never a silently different answer.
+here exactly as on SGLang; a request that really asks for a feature we lack (an image, a session,
+a regex) must get a clear 400 that names the field, never a silently different answer.
 
 Each table maps a field to the values that mean "not used" and to what the field would need.
 """
@@ -51,8 +51,8 @@ NATIVE_UNSUPPORTED: Dict[str, Tuple[Tuple[Any, ...], str]] = {
     "routed_experts_start_len": (_ZERO, _MOE),
     "return_indexer_topk": (_FALSE, _MOE),
     "session_params": (_NULL, "sessions are not implemented"),
-    "lora_path": (_NULL, "LoRA adapters are not implemented"),
-    "lora_id": (_NULL, "LoRA adapters are not implemented"),
+    # lora_path is a request option (request_options.py); SGLang's lora_id is its server's internal id.
+    "lora_id": (_NULL, "lora_id is assigned by the server: name the adapter in lora_path"),
     "positional_embed_overrides": (_NULL, "embedding overrides are not implemented"),
     "bootstrap_pair_key": (_NULL, _DISAGG),
     "decode_tp_size": (_NULL, _DISAGG),
@@ -82,7 +82,7 @@ GENERATE_UNSUPPORTED: Dict[str, Tuple[Tuple[Any, ...], str]] = {
 OPENAI_UNSUPPORTED: Dict[str, Tuple[Tuple[Any, ...], str]] = {
     "structural_tag": (_NULL, "on this route a structural tag is a response_format of type 'structural_tag'"),
     **{name: NATIVE_UNSUPPORTED[name] for name in (
-        "lora_path", "session_params", "return_routed_experts", "return_prompt_token_ids",
+        "session_params", "return_routed_experts", "return_prompt_token_ids",
     )},
 }
 
