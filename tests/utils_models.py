@@ -22,6 +22,20 @@ ARCHS = {
     "mistral": ("MistralConfig", "MistralForCausalLM"),
     "qwen2": ("Qwen2Config", "Qwen2ForCausalLM"),
     "qwen3": ("Qwen3Config", "Qwen3ForCausalLM"),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+}
+
+# The mixture-of-experts families' own fields (with TINY): 4-8 experts, top-2; Qwen's layer 0 dense
+# (mlp_only_layers) so both kinds of layer are covered.
+TINY_MOE = {
+    "mixtral": dict(num_local_experts=4, num_experts_per_tok=2, intermediate_size=96),
+    "qwen2_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      shared_expert_intermediate_size=64, norm_topk_prob=False, mlp_only_layers=[0],
+                      decoder_sparse_step=1),
+    "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
+                      mlp_only_layers=[0], decoder_sparse_step=1, head_dim=32),
 }
 
 TINY = dict(
@@ -50,6 +64,7 @@ def build_tiny_model(
     config_cls = getattr(transformers, ARCHS[arch][0])
     model_cls = getattr(transformers, ARCHS[arch][1])
     kwargs = dict(TINY)
+    kwargs.update(TINY_MOE.get(arch, {}))
     kwargs.update(overrides)
     kwargs.setdefault("tie_word_embeddings", False)
     # No EOS: the oracle's greedy loop and the engine both run a fixed number of steps.

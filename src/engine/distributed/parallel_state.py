@@ -156,6 +156,43 @@ def get_tp_size() -> int:
     return _TP.size
 
 
+@dataclass(frozen=True)
+class ExpertLayout:
+    """How a mixture-of-experts layer splits its experts over the TP group (SGLang's --ep-size): the
+    group is ep_size blocks of tp_size // ep_size consecutive ranks; block i holds experts
+    [i * E / ep_size, (i + 1) * E / ep_size), each of them with its intermediate dimension sharded
+    over the ranks of the block. ep_size 1 is pure TP of the experts, ep_size == tp_size pure EP."""
+
+    ep_size: int = 1
+
+    @property
+    def moe_tp_size(self) -> int:
+        return get_tp_size() // self.ep_size
+
+    @property
+    def ep_rank(self) -> int:
+        return get_tp_rank() // self.moe_tp_size
+
+    @property
+    def moe_tp_rank(self) -> int:
+        return get_tp_rank() % self.moe_tp_size
+
+
+_EXPERTS = ExpertLayout()
+
+
+def set_expert_parallel_size(ep_size: int) -> None:
+    """Set by the ModelRunner (from --ep-size) before it builds the model."""
+    global _EXPERTS
+    if ep_size < 1 or get_tp_size() % ep_size:
+        raise ValueError(f"--ep-size {ep_size} must divide --tp-size {get_tp_size()}")
+    _EXPERTS = ExpertLayout(ep_size)
+
+
+def get_expert_layout() -> ExpertLayout:
+    return _EXPERTS
+
+
 def get_tp_group():
     return _TP.group
 

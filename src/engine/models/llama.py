@@ -8,7 +8,7 @@ the QKV projection (Qwen2) and per-head RMSNorm of q and k before rotary (Qwen3)
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, Iterable, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Callable, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -22,7 +22,7 @@ from engine.layers.pooler import EmbeddingPoolerOutput, Pooler
 from engine.layers.radix_attention import RadixAttention
 from engine.layers.rotary_embedding import get_rope
 from engine.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from engine.model_loader.weight_utils import load_weights_into
+from engine.model_loader.weight_utils import ShardId, load_weights_into
 from engine.kernels.decoder_layers import DecoderLayersCache
 
 if TYPE_CHECKING:
@@ -131,12 +131,21 @@ class LlamaDecoderLayer(nn.Module):
 
 
 class LlamaModel(nn.Module):
-    def __init__(self, config: "ModelConfig", qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: "ModelConfig", qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 make_layer: Optional[Callable[[int], nn.Module]] = None) -> None:
+        """make_layer: builds layer i where it is not a LlamaDecoderLayer (the MoE models' layers)."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        decoder_layers = [LlamaDecoderLayer(config, i, qkv_bias, o_bias, qk_norm) for i in range(config.num_hidden_layers)]
+        decoder_layers: List[nn.Module]
+        if make_layer is None:
+            dense = [LlamaDecoderLayer(config, i, qkv_bias, o_bias, qk_norm) for i in range(config.num_hidden_layers)]
+            decoder_layers = list(dense)
+        else:
+            dense, decoder_layers = None, [make_layer(i) for i in range(config.num_hidden_layers)]
         self.layers = nn.ModuleList(decoder_layers)
-        self.decoder_layers = decoder_layers  # the same modules, typed (what NativeDecodeCache reads)
+        self.decoder_layers = decoder_layers  # the same modules as a list (ModuleList's items are untyped)
+        # The native decode chain knows Llama's dense layers only (what DecoderLayersCache reads).
+        self.dense_layers: Optional[List[LlamaDecoderLayer]] = dense
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.native_decode = DecoderLayersCache()
 
@@ -144,7 +153,8 @@ class LlamaModel(nn.Module):
                 last_rows_only: bool = False) -> torch.Tensor:
         """last_rows_only: of an extend batch, return each request's last row only."""
         hidden_states = self.embed_tokens(input_ids)
-        native = self.native_decode.forward(self.decoder_layers, hidden_states, positions, forward_batch)
+        native = (None if self.dense_layers is None
+                  else self.native_decode.forward(self.dense_layers, hidden_states, positions, forward_batch))
         if native is not None:  # a CPU bf16 decode step: every layer in one native call, the same bits
             hidden_states, residual_stream = native
             hidden_states, _ = self.norm(hidden_states, residual_stream)
@@ -173,7 +183,8 @@ class LlamaForCausalLM(nn.Module):
         self.config = config
         qkv_bias = config.attention_bias if self.qkv_bias is None else self.qkv_bias
         o_bias = config.attention_bias if self.o_bias is None else self.o_bias
-        self.model = LlamaModel(config, qkv_bias, o_bias, self.qk_norm)
+        self.model = LlamaModel(config, qkv_bias, o_bias, self.qk_norm,
+                                self.layer_factory(config, qkv_bias, o_bias, self.qk_norm))
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)
@@ -196,8 +207,13 @@ class LlamaForCausalLM(nn.Module):
         return self.logits_processor(input_ids, hidden_states, self.lm_head, forward_batch,
                                      pruned=last_rows_only)
 
+    def layer_factory(self, config: "ModelConfig", qkv_bias: bool, o_bias: bool,
+                      qk_norm: bool) -> Optional[Callable[[int], nn.Module]]:
+        """What builds each decoder layer: None for Llama's own (the MoE models return theirs)."""
+        return None
+
     # How checkpoint names map onto our fused parameters (weight updates route names with it).
-    stacked_params = STACKED_PARAMS
+    stacked_params: Sequence[Tuple[str, str, ShardId]] = STACKED_PARAMS
 
     def weight_skip_substrings(self) -> List[str]:
         skip = ["rotary_emb.inv_freq", "rotary_emb.cos_cached", "rotary_emb.sin_cached"]
@@ -207,5 +223,5 @@ class LlamaForCausalLM(nn.Module):
         return skip
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]], require_all: bool = True) -> None:
-        load_weights_into(self, weights, STACKED_PARAMS, skip_substrings=self.weight_skip_substrings(),
+        load_weights_into(self, weights, self.stacked_params, skip_substrings=self.weight_skip_substrings(),
                           require_all=require_all)

@@ -13,6 +13,10 @@ _MODELS: Dict[str, Tuple[str, str]] = {
     "MistralForCausalLM": ("engine.models.mistral", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("engine.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("engine.models.qwen3", "Qwen3ForCausalLM"),
+    # Mixture-of-experts decoders (models/sparse_moe.py).
+    "MixtralForCausalLM": ("engine.models.mixtral", "MixtralForCausalLM"),
+    "Qwen2MoeForCausalLM": ("engine.models.qwen2_moe", "Qwen2MoeForCausalLM"),
+    "Qwen3MoeForCausalLM": ("engine.models.qwen3_moe", "Qwen3MoeForCausalLM"),
     # Embedding models: a BERT-style encoder, and decoders saved without their LM head.
     "BertModel": ("engine.models.bert", "BertModel"),
     "Contriever": ("engine.models.bert", "BertModel"),

@@ -1,0 +1,50 @@
+"""The experts' forward in torch, grouped by expert (the CPU path, and the reference of the Triton one).
+
+Every (token, slot) pair of the top-k is sorted by expert id; each expert that received tokens runs
+once on the rows gathered for it: gate_up matmul, SiLU-and-mul, down matmul, and the rows scaled by
+their routing weight are added back to their tokens. Work is proportional to the tokens routed, not
+to tokens x experts, and an expert no token chose costs nothing.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.layers.activation import SiluAndMul
+
+_silu_and_mul = SiluAndMul()
+
+
+def fused_moe_native(
+    hidden_states: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    """sum over k of topk_weights[t, k] * expert_{topk_ids[t, k]}(hidden_states[t]).
+
+    hidden_states [T, H]; w13 [E, 2I, H] (gate rows then up rows), w2 [E, H, I]; topk_ids [T, k] are
+    indices into this rank's E experts, -1 for a slot whose expert lives on another rank (skipped).
+    The sum is accumulated in float32 and returned in the input dtype.
+    """
+    num_tokens, top_k = topk_ids.shape
+    out = torch.zeros(num_tokens, w2.shape[1], dtype=torch.float32, device=hidden_states.device)
+    if num_tokens == 0:
+        return out.to(hidden_states.dtype)
+    flat_ids = topk_ids.reshape(-1).to(torch.int64)
+    order = torch.argsort(flat_ids, stable=True)
+    token_of = order // top_k
+    weight_of = topk_weights.reshape(-1)[order].to(torch.float32).unsqueeze(1)
+    counts = torch.bincount(flat_ids + 1, minlength=w13.shape[0] + 1).tolist()  # [0]: the slots elsewhere
+    start = counts[0]
+    for expert, count in enumerate(counts[1:]):
+        if count == 0:
+            continue
+        rows = token_of[start:start + count]
+        x = hidden_states.index_select(0, rows)
+        y = F.linear(_silu_and_mul(F.linear(x, w13[expert])), w2[expert])
+        out.index_add_(0, rows, y.to(torch.float32) * weight_of[start:start + count])
+        start += count
+    return out.to(hidden_states.dtype)
