@@ -27,8 +27,12 @@ DISAGGREGATION_MODES = ("null", "prefill", "decode")
 # tcp: ZMQ between processes and machines; loopback: in-process (tests); fake: no prefill at all.
 DISAGGREGATION_TRANSFER_BACKENDS = ("tcp", "loopback", "fake")
 # --speculative-algorithm: what runs, and SGLang's names that are refused at start-up.
-SPECULATIVE_ALGORITHMS = ("NGRAM",)
-UNSUPPORTED_SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "STANDALONE", "NEXTN")
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
+UNSUPPORTED_SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")
+# The algorithms whose drafts come from a draft model (--speculative-draft-model-path).
+DRAFT_MODEL_ALGORITHMS = ("STANDALONE",)
+# SGLang's (num_steps, eagle_topk, num_draft_tokens) for STANDALONE when none is given.
+DEFAULT_DRAFT_MODEL_SPEC_PARAMS = (3, 1, 4)
 # The most tokens one verify step checks per request, and the longest n-gram window (bounds the
 # verify forward and the drafter's search).
 MAX_SPECULATIVE_TOKENS = 64
@@ -188,14 +192,28 @@ class ServerArgs:
         "run for real. Reads only config.json and the tokenizer of the model; runs on --device cpu with "
         "--tp-size 1."))
 
-    # Speculative decoding (SGLang's flags; only NGRAM runs so far: engine/speculative/).
+    # Speculative decoding (SGLang's flags: engine/speculative/).
     speculative_algorithm: Optional[str] = arg(None, (
         "NGRAM: each decode step verifies tokens proposed by matching the request's latest tokens "
-        "earlier in its prompt and output (exact: greedy output is unchanged, sampling keeps the "
-        "target distribution). EAGLE, EAGLE3 and STANDALONE are refused (not supported yet)."))
+        "earlier in its prompt and output. STANDALONE: a smaller draft model "
+        "(--speculative-draft-model-path, same tokenizer) proposes them. Exact either way: greedy "
+        "output is unchanged, sampling keeps the target distribution. EAGLE, EAGLE3 and NEXTN are "
+        "refused (not supported yet)."))
+    speculative_draft_model_path: Optional[str] = arg(None, "STANDALONE: the draft model's directory.")
+    speculative_num_steps: Optional[int] = arg(None, (
+        "STANDALONE: draft forwards per verify step (the drafts of a chain). Default 3 (SGLang's "
+        "default for STANDALONE), with --speculative-eagle-topk 1 and --speculative-num-draft-tokens 4."))
+    speculative_eagle_topk: Optional[int] = arg(None, (
+        "STANDALONE: draft tokens kept per step; only 1 (a chain) is supported (tree verification "
+        "is not implemented)."))
     speculative_num_draft_tokens: Optional[int] = arg(None, (
         "Tokens one verify step checks per request: the last token plus up to N-1 drafts. "
-        "Default for NGRAM: --speculative-ngram-max-match-window-size."))
+        "Default for NGRAM: --speculative-ngram-max-match-window-size; for a chain draft model it is "
+        "--speculative-num-steps + 1 (set so when given otherwise, as SGLang)."))
+    speculative_batch_size_threshold: Optional[int] = arg(None, (
+        "Decode batches with more running requests than this take the plain decode step instead of "
+        "a verify step (speculation costs more than it saves once a batch is compute-bound). "
+        "Default: no limit."))
     speculative_ngram_min_match_window_size: int = arg(1, "NGRAM: the shortest suffix of the request's "
                                                           "tokens that is matched.")
     speculative_ngram_max_match_window_size: int = arg(12, "NGRAM: the longest suffix of the request's "
@@ -465,6 +483,31 @@ class ServerArgs:
             need(not (self.disaggregation_mode == "prefill" and self.port == self.disaggregation_bootstrap_port),
                  "--disaggregation-bootstrap-port must differ from --port")
 
+    def _check_draft_model_params(self, need: Any) -> None:
+        """SGLang's rules: all three of steps / topk / draft tokens default together; a chain
+        (topk 1) verifies num_steps + 1 tokens."""
+        algo = self.speculative_algorithm
+        need(self.speculative_draft_model_path is not None,
+             f"--speculative-algorithm {algo} needs --speculative-draft-model-path (the draft model's directory)")
+        if self.speculative_num_steps is None:
+            need(self.speculative_eagle_topk is None and self.speculative_num_draft_tokens is None,
+                 "--speculative-eagle-topk and --speculative-num-draft-tokens need --speculative-num-steps "
+                 "(leave all three unset for the defaults 3, 1, 4)")
+            (self.speculative_num_steps, self.speculative_eagle_topk,
+             self.speculative_num_draft_tokens) = DEFAULT_DRAFT_MODEL_SPEC_PARAMS
+        if self.speculative_eagle_topk is None:
+            self.speculative_eagle_topk = 1
+        need(1 <= self.speculative_num_steps < MAX_SPECULATIVE_TOKENS,
+             f"--speculative-num-steps must be in [1, {MAX_SPECULATIVE_TOKENS - 1}], got {self.speculative_num_steps}")
+        need(self.speculative_eagle_topk == 1,
+             f"--speculative-eagle-topk {self.speculative_eagle_topk} is not supported yet: only 1 (chain drafts); "
+             "tree drafts (topk > 1) need tree verification, which this engine does not have")
+        if self.speculative_num_draft_tokens != self.speculative_num_steps + 1:
+            if self.speculative_num_draft_tokens is not None:
+                logger.warning("--speculative-num-draft-tokens is set to --speculative-num-steps + 1 = %d "
+                               "with --speculative-eagle-topk 1", self.speculative_num_steps + 1)
+            self.speculative_num_draft_tokens = self.speculative_num_steps + 1
+
     def _check_custom_labels(self, need: Any) -> None:
         from engine.tokenizer.metrics import custom_label_names_error
 
@@ -510,32 +553,42 @@ class ServerArgs:
             return
         if algo in UNSUPPORTED_SPECULATIVE_ALGORITHMS:
             raise ServerArgsError(
-                f"--speculative-algorithm {algo} is not supported yet: it needs a draft model (EAGLE heads or a "
-                "standalone model) run beside the target, which this engine does not have.\n"
-                "Use --speculative-algorithm NGRAM (drafts from the request's own tokens) or leave it unset.")
+                f"--speculative-algorithm {algo} is not supported yet: EAGLE heads (and NEXTN layers) need "
+                "the target's hidden states, which this engine does not feed a draft yet.\n"
+                "Use --speculative-algorithm STANDALONE with a small draft model of the same tokenizer "
+                "(--speculative-draft-model-path), NGRAM (drafts from the request's own tokens), or leave it unset.")
         need(algo in SPECULATIVE_ALGORITHMS,
              f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}, got {algo!r}")
-        lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
-        need(1 <= lo <= hi <= MAX_SPECULATIVE_TOKENS,
-             "--speculative-ngram-min-match-window-size and --speculative-ngram-max-match-window-size must satisfy "
-             f"1 <= min <= max <= {MAX_SPECULATIVE_TOKENS}, got {lo} and {hi}")
-        if self.speculative_num_draft_tokens is None:
-            self.speculative_num_draft_tokens = hi  # SGLang's NGRAM default
+        need(self.speculative_batch_size_threshold is None or self.speculative_batch_size_threshold >= 1,
+             f"--speculative-batch-size-threshold must be >= 1, got {self.speculative_batch_size_threshold}")
+        if algo in DRAFT_MODEL_ALGORITHMS:
+            self._check_draft_model_params(need)
+        else:
+            lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
+            need(1 <= lo <= hi <= MAX_SPECULATIVE_TOKENS,
+                 "--speculative-ngram-min-match-window-size and --speculative-ngram-max-match-window-size must "
+                 f"satisfy 1 <= min <= max <= {MAX_SPECULATIVE_TOKENS}, got {lo} and {hi}")
+            if self.speculative_num_draft_tokens is None:
+                self.speculative_num_draft_tokens = hi  # SGLang's NGRAM default
+        assert self.speculative_num_draft_tokens is not None  # set by both branches
         need(2 <= self.speculative_num_draft_tokens <= MAX_SPECULATIVE_TOKENS,
              f"--speculative-num-draft-tokens must be in [2, {MAX_SPECULATIVE_TOKENS}] (the last token plus at least "
              f"one draft), got {self.speculative_num_draft_tokens}")
         # What the verify step does not handle yet: refused, never silently inexact.
-        need(self.tp_size == 1 and self.nnodes == 1, "--speculative-algorithm NGRAM runs with --tp-size 1 only "
+        need(self.tp_size == 1 and self.nnodes == 1, f"--speculative-algorithm {algo} runs with --tp-size 1 only "
                                                      "(not supported yet with tensor parallelism)")
-        need(self.disaggregation_mode == "null", "--speculative-algorithm NGRAM is not supported yet with "
+        need(self.disaggregation_mode == "null", f"--speculative-algorithm {algo} is not supported yet with "
                                                  "--disaggregation-mode prefill|decode")
+        need(not (self.enable_lora or self.lora_paths),
+             f"--speculative-algorithm {algo} is not supported yet with LoRA adapters (--enable-lora, "
+             "--lora-paths): the verify and draft forwards do not apply them")
         need(self.simulated_device_forward_ms is None and not self.is_embedding,
-             "--speculative-algorithm NGRAM needs a generative model: not with --simulated-device-forward-ms "
+             f"--speculative-algorithm {algo} needs a generative model: not with --simulated-device-forward-ms "
              "or --is-embedding")
         if not self.disable_overlap_schedule:
             # As SGLang: the verify step needs the previous step's tokens to draft, so it runs in the
             # normal loop.
-            logger.warning("--speculative-algorithm NGRAM: the overlap scheduler is disabled.")
+            logger.warning("--speculative-algorithm %s: the overlap scheduler is disabled.", algo)
             self.disable_overlap_schedule = True
 
     def simulated_device_cost(self) -> Optional[tuple[float, float]]:

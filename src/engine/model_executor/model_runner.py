@@ -56,8 +56,13 @@ class ModelRunner:
         tp_rank: int = 0,
         tp_size: int = 1,
         gpu_id: int = 0,
+        draft_of: Optional["ModelRunner"] = None,
     ) -> None:
+        """`draft_of`: this runner is the speculative draft model beside that target runner
+        (speculative/draft_model.py): it shares the target's request-to-token rows and slot
+        allocator, its KV pool has as many slots, and it captures no CUDA graphs."""
         self.model_config = model_config
+        self.draft_of = draft_of
         self.server_args = server_args
         self.tp_rank = tp_rank
         self.tp_size = tp_size
@@ -101,7 +106,8 @@ class ModelRunner:
         from engine.model_executor.cuda_graph_runner import maybe_create_cuda_graph_runner
 
         # An embedding model never decodes, and graphs only capture decode batches.
-        self.cuda_graph_runner = maybe_create_cuda_graph_runner(self) if model_config.is_generation else None
+        self.cuda_graph_runner = (maybe_create_cuda_graph_runner(self)
+                                  if model_config.is_generation and draft_of is None else None)
         # The control plane's hands on this rank's model: weight updates and memory release.
         self.weight_updater = WeightUpdater(self.model, model_config, self.device)
         self.memory_saver = MemorySaver(self.model, self.token_to_kv_pool, self.device,
@@ -163,6 +169,9 @@ class ModelRunner:
         return 2 * (args.max_prefill_tokens + self.model_config.context_len)
 
     def init_memory_pool(self) -> None:
+        if self.draft_of is not None:
+            self._init_draft_memory_pool(self.draft_of)
+            return
         args = self.server_args
         encoder = self.model_config.is_encoder_only
         if encoder:
@@ -210,6 +219,25 @@ class ModelRunner:
             rows,
             context_len,
         )
+
+    def _init_draft_memory_pool(self, target: "ModelRunner") -> None:
+        """A draft model's K/V under the target's slot numbers: one owner of the slots (the
+        target's allocator), so whatever frees a target slot frees the draft's K/V of it too."""
+        self.max_total_num_tokens = target.max_total_num_tokens
+        self.max_running_requests = target.max_running_requests
+        self.req_to_token_pool = target.req_to_token_pool
+        self.token_to_kv_pool = MHATokenToKVPool(
+            size=self.max_total_num_tokens,
+            page_size=self.page_size,
+            dtype=self.dtype,
+            head_num=self.model_config.get_num_kv_heads(self.tp_size),
+            head_dim=self.model_config.head_dim,
+            layer_num=self.model_config.num_hidden_layers,
+            device=self.device,
+        )
+        self.token_to_kv_pool_allocator = target.token_to_kv_pool_allocator
+        logger.info("Draft model KV cache pool: %d tokens (%.2f GB), sharing the target's slots",
+                    self.max_total_num_tokens, self.max_total_num_tokens * self.kv_bytes_per_token() / 1e9)
 
     def _make_allocator(self, total: int) -> PagedTokenToKVPoolAllocator:
         if self.page_size == 1:

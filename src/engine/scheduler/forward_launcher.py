@@ -4,7 +4,8 @@ A batch with constrained requests samples under its vocabulary mask, which needs
 token accepted by the matchers. When an earlier result is still unprocessed (overlap), the forward
 is launched at once and its sampling is delayed: the loop calls `sample_if_delayed` after it has
 processed that result. With speculative decoding an eligible decode batch runs as a verify step
-instead (speculative/ngram_worker.py).
+instead (speculative/speculator.py); with a draft model the draft runs every plain forward first
+(its K/V follow the target's).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 from engine.constrained.vocab_mask import build_vocab_mask
 from engine.scheduler.overlap_utils import DelayedSample, ForwardStream, PendingResult
-from engine.speculative.ngram_worker import NgramSpeculator, VerifyStep
+from engine.speculative.speculator import Speculator, VerifyStep
 
 if TYPE_CHECKING:
     from engine.scheduler.schedule_batch import ScheduleBatch
@@ -27,7 +28,7 @@ Launched = Union[Any, PendingResult, DelayedSample, VerifyStep]
 
 class ForwardLauncher:
     def __init__(self, worker: ModelWorker, forward_stream: ForwardStream, is_generation: bool, vocab_size: int,
-                 spec: Optional[NgramSpeculator]) -> None:
+                 spec: Optional[Speculator]) -> None:
         self.worker = worker
         self.forward_stream = forward_stream
         self.is_generation = is_generation
@@ -53,6 +54,7 @@ class ForwardLauncher:
             self.num_extend_tokens_computed += batch.extend_num_tokens
         worker_batch = batch.get_model_worker_batch()
         sleep_s, worker, is_generation = self.forward_sleep_s, self.worker, self.is_generation
+        mirror = self.spec.mirror if self.spec is not None and is_generation else None
         delay_sample = False
         if any(req.grammar is not None for req in batch.reqs):
             if overlap and results_in_flight:
@@ -66,6 +68,8 @@ class ForwardLauncher:
                 time.sleep(sleep_s)
             if not is_generation:
                 return worker.forward_batch_embedding(worker_batch)
+            if mirror is not None:  # the draft first: it reads the relay the target's sampling overwrites
+                mirror(worker_batch)
             if delay_sample:
                 return worker.forward_batch_generation(worker_batch, delay_sample=True)
             return worker.forward_batch_generation(worker_batch)
@@ -77,7 +81,7 @@ class ForwardLauncher:
             return DelayedSample(pending, worker.sample_delayed, self.forward_stream)
         return pending if overlap else pending.result()
 
-    def _run_verify(self, spec: NgramSpeculator, step: VerifyStep) -> VerifyStep:
+    def _run_verify(self, spec: Speculator, step: VerifyStep) -> VerifyStep:
         """A speculative verify step, run at once (the loop is the normal one with speculation)."""
         sleep_s = self.forward_sleep_s
 

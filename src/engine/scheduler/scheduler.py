@@ -52,7 +52,7 @@ from engine.scheduler.prefill import PrefillBuilder
 from engine.scheduler.running_set import RunningSet
 from engine.scheduler.stats import Load, SchedulerStats
 from engine.scheduler.waiting_queue import WaitingQueue
-from engine.speculative.ngram_worker import NgramSpeculator, VerifyStep
+from engine.speculative.speculator import Speculator, VerifyStep, build_speculator
 
 from engine.disaggregation.base import DisaggregationMode
 from engine.disaggregation.host import RoleHost
@@ -160,8 +160,8 @@ class Scheduler:
                    else None)
         self.results = ResultProcessor(self.kv.tree_cache, prefill_handoff=handoff)
         # Speculative decoding: eligible decode steps run as verify steps (engine/speculative/).
-        self.spec: Optional[NgramSpeculator] = (
-            NgramSpeculator(server_args, worker, self.kv.tree_cache)
+        self.spec: Optional[Speculator] = (
+            build_speculator(server_args, worker, self.kv.tree_cache, self._on_forward_thread)
             if server_args.speculative_algorithm is not None and self.is_generation else None)
         self.streamer = OutputStreamer(server_args.stream_interval,
                                        speculative=server_args.speculative_algorithm is not None)
@@ -177,6 +177,10 @@ class Scheduler:
         self.enable_overlap = not server_args.disable_overlap_schedule
         self.launcher = ForwardLauncher(worker, self.forward_stream, self.is_generation, self.vocab_size, self.spec)
         self.forward_done_ct = 0  # forwards whose result was processed (the watchdog compares both)
+
+    def _on_forward_thread(self, build: Callable[[], Any]) -> Any:
+        """Build a model where the worker's was built (on the CPU: the forward thread)."""
+        return build() if self.forward_stream.is_cuda else self.forward_stream.call(build)
 
     def _role_host(self) -> RoleHost:
         """What a PD role may use: the owners and the loop's callbacks (disaggregation/host.py)."""

@@ -121,6 +121,24 @@ class TpModelWorker:
         self.output_tokens_buf = torch.zeros(self.req_to_token_pool.size + 1, dtype=torch.int64,
                                              device=self.device)
 
+    def make_draft_runner(self, model_path: str) -> ModelRunner:
+        """The speculative draft model beside this worker's model (speculative/draft_model.py): the
+        same device and dtype, the target's context length, its slots shared."""
+        from engine.configs.model_config import ModelConfig
+        from engine.model_executor.model_runner import ModelRunner
+
+        if self.real_runner is None:
+            raise ValueError("a draft model needs a real target model (not --simulated-device-forward-ms)")
+        target = self.model_config
+        config = ModelConfig.from_pretrained(
+            model_path, dtype=str(target.dtype).removeprefix("torch."), context_length=target.context_len,
+            device=self.server_args.device)
+        if config.vocab_size != target.vocab_size:
+            raise ValueError(f"--speculative-draft-model-path {model_path}: its vocabulary has {config.vocab_size} "
+                             f"tokens, the target's {target.vocab_size}; the draft must share the target's tokenizer")
+        return ModelRunner(config, self.server_args, tp_rank=self.tp_rank, tp_size=self.server_args.tp_size,
+                           gpu_id=self.real_runner.gpu_id, draft_of=self.real_runner)
+
     def get_worker_info(self) -> Dict[str, Any]:
         mr = self.model_runner
         info = worker_limits(

@@ -1,8 +1,9 @@
 """Speculative decoding (SGLang's --speculative-algorithm): drafts proposed cheaply, verified by
 one forward of the target model, accepted so that outputs are exactly the target's.
 
+- `speculator.py`: `Speculator`, the scheduler's collaborator that runs a decode step as a verify
+  step and owns the acceptance counters, and the `Drafter` protocol of what proposes the drafts;
 - `ngram.py`: the NGRAM drafter (the request's own tokens propose the continuation);
-- `verify.py`: which drafts a verify forward accepts (greedy and SGLang's rejection sampling);
-- `ngram_worker.py`: `NgramSpeculator`, the scheduler's collaborator that runs a decode step as a
-  verify step and owns the acceptance counters.
+- `draft_model.py`: the STANDALONE drafter (a draft model whose K/V follow the target's slots);
+- `verify.py`: which drafts a verify forward accepts (greedy and SGLang's rejection sampling).
 """

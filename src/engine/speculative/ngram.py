@@ -10,9 +10,15 @@ element operations and no per-request index to keep in step with retraction or a
 
 from __future__ import annotations
 
-from typing import List, Sequence
+from typing import TYPE_CHECKING, List, Optional, Sequence
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from engine.model_executor.forward_batch_info import ModelWorkerBatch
+    from engine.scheduler.schedule_batch import ScheduleBatch
+    from engine.server_args import ServerArgs
+    from engine.speculative.speculator import VerifyStep
 
 
 def propose_ngram_drafts(tokens: Sequence[int], min_window: int, max_window: int, max_drafts: int) -> List[int]:
@@ -45,3 +51,25 @@ def propose_ngram_drafts(tokens: Sequence[int], min_window: int, max_window: int
     score = match_len * (max_drafts + 1) + follow
     end = int(ends[np.flatnonzero(score == score.max())[-1]])
     return seq[end + 1: end + 1 + max_drafts].tolist()
+
+
+class NgramDrafter:
+    """The Drafter of --speculative-algorithm NGRAM: drafts on the scheduling thread from each
+    request's prompt and output; it holds no state, so it has nothing to keep in step."""
+
+    def __init__(self, server_args: ServerArgs) -> None:
+        self.min_window = server_args.speculative_ngram_min_match_window_size
+        self.max_window = server_args.speculative_ngram_max_match_window_size
+
+    def propose(self, batch: ScheduleBatch, budgets: List[int]) -> Optional[List[List[int]]]:
+        return [propose_ngram_drafts(req.origin_input_ids + req.output_ids, self.min_window, self.max_window, budget)
+                for req, budget in zip(batch.reqs, budgets)]
+
+    def draft(self, step: VerifyStep) -> None:
+        pass  # proposed on the scheduling thread
+
+    def after_verify(self, step: VerifyStep) -> None:
+        pass
+
+    def mirror(self, worker_batch: ModelWorkerBatch) -> None:
+        pass

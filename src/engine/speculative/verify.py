@@ -3,20 +3,22 @@
 Each request fed its last token and drafts d_1..d_k; row j of its logits is the target's
 distribution p_j of the token after position j. Greedy rows accept d_{j+1} while it is p_j's
 argmax and add the argmax after the last accepted draft (the bonus). Sampled rows follow SGLang's
-rule for a deterministic draft (rejection sampling with a point-mass proposal): d_{j+1} is accepted
-with probability p_j(d_{j+1}); at the first rejection the token is drawn from p_j with d_{j+1}
-removed and renormalised, and the step ends; after k acceptances the bonus is drawn from p_k. Each
-emitted token is then distributed as p exactly: P(t) = p(d)[t = d] + (1 - p(d)) p(t) / (1 - p(d))
-[t != d] = p(t).
+rejection rule: d_{j+1}, drawn by the drafter from q_j, is accepted with probability
+min(1, p_j(d_{j+1}) / q_j(d_{j+1})); at the first rejection the token is drawn from
+max(p_j - q_j, 0) renormalised, and the step ends; after k acceptances the bonus is drawn from p_k.
+Each emitted token is then distributed as p exactly (P(t) = min(p(t), q(t)) + max(p(t) - q(t), 0)
+= p(t)). A drafter without probabilities (NGRAM: a deterministic proposal) is the case q_j = the
+point mass on d_{j+1}: accept with p_j(d), else draw from p_j without d.
 
-p_j is the distribution the normal sampler draws from: softmax(logits / temperature) restricted
-to the top-k, top-p and min-p sets and renormalised (layers/sampler.py), greedy = its argmax.
+p_j (and a draft model's q_j) is the distribution the normal sampler draws from:
+softmax(logits / temperature) restricted to the top-k, top-p and min-p sets and renormalised
+(layers/sampler.py), greedy = its argmax.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Sequence
+from typing import List, Optional, Sequence
 
 import torch
 
@@ -33,9 +35,11 @@ class VerifyOutcome:
     accepted: List[int]
 
 
-def accept_drafts(logits: torch.Tensor, drafts: Sequence[Sequence[int]], info: SamplingBatchInfo) -> VerifyOutcome:
+def accept_drafts(logits: torch.Tensor, drafts: Sequence[Sequence[int]], info: SamplingBatchInfo,
+                  draft_probs: Optional[Sequence[Optional[torch.Tensor]]] = None) -> VerifyOutcome:
     """`logits` [sum(1 + len(d)), vocab]: each request's rows in order (its last token, then its
-    drafts); `info` holds one row of sampling parameters per request."""
+    drafts); `info` holds one row of sampling parameters per request; `draft_probs[i]` [len(d_i),
+    vocab]: the distributions request i's sampled drafts were drawn from (None: point masses)."""
     logits = logits[:, : info.vocab_size].float()
     counts = [1 + len(d) for d in drafts]
     greedy_ids = kernel_ops.greedy(logits).tolist()
@@ -57,7 +61,8 @@ def accept_drafts(logits: torch.Tensor, drafts: Sequence[Sequence[int]], info: S
         accepted[i] = a
         tokens[i] = list(d[:a]) + [greedy_ids[starts[i] + a]]
     if sampled:
-        _accept_sampled(logits, drafts, info, sampled, starts, counts, tokens, accepted)
+        probs_of = draft_probs if draft_probs is not None else [None] * len(drafts)
+        _accept_sampled(logits, drafts, info, probs_of, sampled, starts, counts, tokens, accepted)
     return VerifyOutcome(tokens=tokens, accepted=accepted)
 
 
@@ -74,21 +79,32 @@ def target_probs(logits: torch.Tensor, info: SamplingBatchInfo, rows: torch.Tens
 
 
 def _accept_sampled(logits: torch.Tensor, drafts: Sequence[Sequence[int]], info: SamplingBatchInfo,
-                    sampled: List[int], starts: List[int], counts: List[int], tokens: List[List[int]],
-                    accepted: List[int]) -> None:
+                    draft_probs: Sequence[Optional[torch.Tensor]], sampled: List[int], starts: List[int],
+                    counts: List[int], tokens: List[List[int]], accepted: List[int]) -> None:
     positions = torch.cat([torch.arange(starts[i], starts[i] + counts[i]) for i in sampled])
     owner = torch.repeat_interleave(torch.arange(len(sampled)), torch.tensor([counts[i] for i in sampled]))
     device = logits.device
     probs = target_probs(logits[positions.to(device)], info, torch.tensor(sampled, device=device), owner.to(device))
-    # p_j(d_{j+1}) at every position with a following draft, and one uniform number each.
+    # q_j: the point mass on d_{j+1} unless the drafter gave its distribution; the last position
+    # has no draft (a dummy id and row, never read).
+    vocab = probs.shape[1]
     draft_next: List[int] = []
+    q_rows: List[torch.Tensor] = []
     for i in sampled:
-        draft_next.extend(list(drafts[i]) + [0])  # the last position has no draft: a dummy id
-    draft_ids = torch.tensor(draft_next, dtype=torch.int64, device=device).clamp_(0, probs.shape[1] - 1)
+        draft_next.extend(list(drafts[i]) + [0])
+        q = draft_probs[i]
+        if q is None:
+            q = torch.nn.functional.one_hot(torch.tensor(list(drafts[i]), dtype=torch.int64), vocab).float()
+        q_rows.extend([q.to(device=device, dtype=probs.dtype), torch.zeros(1, vocab, device=device)])
+    q_all = torch.cat(q_rows)[:, :vocab]
+    draft_ids = torch.tensor(draft_next, dtype=torch.int64, device=device).clamp_(0, vocab - 1)
     p_draft = probs.gather(1, draft_ids.unsqueeze(1)).squeeze(1)
-    accept = (torch.rand(p_draft.shape, device=device) < p_draft).tolist()
+    q_draft = q_all.gather(1, draft_ids.unsqueeze(1)).squeeze(1)
+    # min(1, p/q) < u  <=>  reject; q(d) > 0 for a drawn draft (the dummy rows are never read).
+    ratio = p_draft / q_draft.clamp_min(torch.finfo(probs.dtype).tiny)
+    accept = (torch.rand(p_draft.shape, device=device) < ratio).tolist()
     final_rows: List[int] = []  # per sampled request: the local row its last token is drawn from
-    excluded: List[int] = []  # ... and the rejected draft removed from it (-1: none, the bonus)
+    rejected: List[bool] = []  # ... and whether a draft was rejected there (else: the bonus, from p)
     local = 0
     for i in sampled:
         d = drafts[i]
@@ -98,19 +114,19 @@ def _accept_sampled(logits: torch.Tensor, drafts: Sequence[Sequence[int]], info:
         accepted[i] = a
         tokens[i] = list(d[:a])
         final_rows.append(local + a)
-        excluded.append(d[a] if a < len(d) else -1)
+        rejected.append(a < len(d))
         local += counts[i]
-    final = probs[torch.tensor(final_rows, device=device)].clone()
-    for r, t in enumerate(excluded):
-        if t >= 0:
-            final[r, t] = 0.0
+    rows_t = torch.tensor(final_rows, device=device)
+    p_final = probs[rows_t]
+    residual = torch.where(torch.tensor(rejected, device=device).unsqueeze(1),
+                           (p_final - q_all[rows_t]).clamp_min(0.0), p_final)
+    # A residual with no mass (p == q up to rounding, or a point-mass draft of probability 1) is a
+    # rejection of probability 0: draw from p itself.
+    empty = residual.sum(dim=-1, keepdim=True) <= 0
+    final = torch.where(empty, p_final, residual)
     total = torch.cumsum(final, dim=-1)
     u = torch.rand(final.shape[0], 1, device=device) * total[:, -1:]
     drawn_t = torch.searchsorted(total, u, right=True).squeeze(1).clamp_(max=final.shape[1] - 1)
-    # A rejected draft whose probability rounded to 1 leaves nothing: the draft is the only choice.
-    empty = total[:, -1] <= 0
-    if bool(empty.any()):
-        drawn_t = torch.where(empty, probs[torch.tensor(final_rows, device=device)].argmax(dim=-1), drawn_t)
     drawn = drawn_t.tolist()
     for r, i in enumerate(sampled):
         tokens[i].append(int(drawn[r]))

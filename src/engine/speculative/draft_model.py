@@ -1,0 +1,159 @@
+"""DraftModelDrafter: a smaller model beside the target proposes the drafts (SGLang's STANDALONE
+speculative worker; chain drafting, topk 1).
+
+The draft's KV lives in a pool of its own with the target's slot numbering: its ModelRunner is
+built with `draft_of=` the target's (model_runner.py), so it shares the request-to-token rows and
+the slot allocator and has a KV pool of the same size. A slot therefore holds the target's K/V in
+the target's pool and the draft's K/V of the same token in the draft's pool, and whoever frees a
+slot (finish, abort, retraction, rejected drafts, eviction from the radix cache) frees both: the
+draft owns no slot and nothing of it can leak. The one rule to keep is that every slot holding the
+target's committed K/V also holds the draft's:
+- every plain forward of the target (prefill, mixed chunk, plain decode step) is run by the draft
+  first on the same batch (`mirror`), so the draft's K/V of prompts, cached prefixes and plainly
+  decoded tokens are written where the target's are;
+- a verify step drafts with `num_steps` decode forwards of the draft (`draft`): the first feeds the
+  last token (its decode slot), each next one the previous draft (the slots alloc_draft_slots gave),
+  so the draft writes K/V for the last token and every draft but the last;
+- after the acceptance (`after_verify`) the requests that accepted all their drafts feed the last
+  draft once more, so its K/V, now committed, is the draft's too (SGLang's draft extend over the
+  accepted tokens); the K/V of rejected drafts is freed with their slots by keep_verified.
+
+Greedy requests draft the draft's argmax; sampled ones draw from the draft's distribution under the
+request's own sampling parameters, and its probabilities go to the acceptance (verify.py), which
+accepts with min(1, p/q) and resamples from max(p - q, 0).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING, List, Optional, Tuple
+
+import torch
+
+from engine.model_executor.forward_batch_info import ForwardBatch, ForwardMode, ModelWorkerBatch
+from engine.scheduler.overlap_utils import resolve_relay_input_ids
+from engine.speculative.verify import target_probs
+
+if TYPE_CHECKING:
+    from engine.model_executor.model_runner import ModelRunner
+    from engine.sampling.sampling_batch_info import SamplingBatchInfo
+    from engine.scheduler.schedule_batch import ScheduleBatch
+    from engine.speculative.speculator import VerifyStep
+
+
+def _i64(values: List[int]) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.int64)
+
+
+class DraftModelDrafter:
+    def __init__(self, runner: ModelRunner, relay: torch.Tensor) -> None:
+        self.runner = runner
+        # The target's overlap relay: the input ids of a plain decode step are read from it.
+        self.relay = relay
+        self.mirror_seconds = 0.0  # forward-thread time of the mirrored forwards (benchmarks)
+
+    # ------------------------------------------------------------------ scheduling thread
+    def propose(self, batch: ScheduleBatch, budgets: List[int]) -> Optional[List[List[int]]]:
+        return None  # drafted on the forward thread, `budgets[i]` drafts each
+
+    # ------------------------------------------------------------------ forward thread
+    def draft(self, step: VerifyStep) -> None:
+        wb = step.worker_batch
+        info = wb.sampling_info
+        assert info is not None and wb.extend_prefix_lens is not None  # a verify batch has both
+        lens = step.draft_lens
+        fed = wb.input_ids.tolist()
+        starts = _starts(lens)
+        greedy = (info.top_ks == 1).tolist()
+        current = [fed[s] for s in starts]  # each request's input of the next draft forward
+        drafts: List[List[int]] = [[] for _ in lens]
+        probs: List[List[torch.Tensor]] = [[] for _ in lens]
+        for j in range(max(lens, default=0)):
+            rows = [i for i, k in enumerate(lens) if k > j]
+            # Draft j + 1 of request i: input at position prefix + j, into the slot of that position.
+            logits = self._decode(wb, rows, [current[i] for i in rows], [starts[i] + j for i in rows],
+                                  [wb.extend_prefix_lens[i] + j + 1 for i in rows])
+            tokens, row_probs = _pick(logits, info, rows, greedy)
+            for r, i in enumerate(rows):
+                drafts[i].append(tokens[r])
+                current[i] = tokens[r]
+                q = row_probs[r]
+                if q is not None:
+                    probs[i].append(q)
+        step.drafts = drafts
+        step.draft_probs = [torch.stack(p) if p else None for p in probs]
+
+    def after_verify(self, step: VerifyStep) -> None:
+        outcome = step.outcome
+        wb = step.worker_batch
+        assert outcome is not None and wb.extend_prefix_lens is not None  # run() accepted; a verify batch
+        lens = step.draft_lens
+        rows = [i for i, k in enumerate(lens) if k > 0 and outcome.accepted[i] == k]
+        if not rows:
+            return
+        starts = _starts(lens)
+        # The last draft was accepted: its K/V (position prefix + k) is committed for the target.
+        self._decode(wb, rows, [step.drafts[i][-1] for i in rows], [starts[i] + lens[i] for i in rows],
+                     [wb.extend_prefix_lens[i] + lens[i] + 1 for i in rows])
+
+    def mirror(self, worker_batch: ModelWorkerBatch) -> None:
+        started = time.perf_counter()
+        # Only the K/V matter: no logprobs, hidden states or sampling for the draft.
+        batch = dataclasses.replace(worker_batch, return_logprob=False, top_logprobs_nums=None,
+                                    token_ids_logprobs=None, capture_hidden_states=False,
+                                    extend_logprob_start_lens=None, extend_input_logprob_token_ids=None,
+                                    sampling_info=None)
+        self._forward(batch)
+        self.mirror_seconds += time.perf_counter() - started
+
+    # ------------------------------------------------------------------ helpers
+    def _decode(self, wb: ModelWorkerBatch, rows: List[int], input_ids: List[int], slot_index: List[int],
+                seq_lens: List[int]) -> torch.Tensor:
+        """One draft decode forward of `rows` of the verify batch: token input_ids[r] at position
+        seq_lens[r] - 1 into the slot wb.out_cache_loc[slot_index[r]]. The draft's logits, [rows, vocab]."""
+        batch = ModelWorkerBatch(
+            forward_mode=ForwardMode.DECODE,
+            input_ids=_i64(input_ids),
+            req_pool_indices=wb.req_pool_indices[_i64(rows)],
+            seq_lens=_i64(seq_lens),
+            seq_lens_cpu=seq_lens,
+            out_cache_loc=wb.out_cache_loc[_i64(slot_index)],
+        )
+        return self._forward(batch)
+
+    def _forward(self, batch: ModelWorkerBatch) -> torch.Tensor:
+        forward_batch = ForwardBatch.init_new(batch, self.runner)
+        if batch.relay_rows is not None:
+            forward_batch.input_ids = resolve_relay_input_ids(
+                forward_batch.input_ids, batch.relay_rows.to(self.relay.device), self.relay)
+        return self.runner.forward(forward_batch).next_token_logits
+
+
+def _starts(lens: List[int]) -> List[int]:
+    """Each request's first row in the verify batch (its last token, then its drafts)."""
+    starts: List[int] = []
+    pos = 0
+    for k in lens:
+        starts.append(pos)
+        pos += 1 + k
+    return starts
+
+
+def _pick(logits: torch.Tensor, info: SamplingBatchInfo, rows: List[int], greedy: List[bool]
+          ) -> Tuple[List[int], List[Optional[torch.Tensor]]]:
+    """The draft token of each row: the argmax (greedy requests) or a draw from the draft's
+    distribution under the request's sampling parameters, returned with the token."""
+    logits = logits[:, : info.vocab_size].float()
+    tokens = logits.argmax(dim=-1).tolist()
+    probs: List[Optional[torch.Tensor]] = [None] * len(rows)
+    sampled = [r for r, i in enumerate(rows) if not greedy[i]]
+    if sampled:
+        device = logits.device
+        q = target_probs(logits[_i64(sampled).to(device)], info, _i64([rows[r] for r in sampled]).to(device),
+                         torch.arange(len(sampled), device=device))
+        drawn = torch.multinomial(q, 1).squeeze(1).tolist()
+        for n, r in enumerate(sampled):
+            tokens[r] = int(drawn[n])
+            probs[r] = q[n]
+    return tokens, probs

@@ -1,0 +1,259 @@
+"""Speculator: a decode step run as a verify step (SGLang's NGRAMWorker, and the verify half of its
+StandaloneWorker / EAGLEWorker), whatever proposes the drafts (a `Drafter`).
+
+The scheduler prepares the running batch's decode step as always (RunningSet.update: finished
+requests dropped, retraction when the plain step does not fit, one KV slot per request). When the
+batch is eligible, this collaborator then:
+1. budgets each request's drafts: the drafter's maximum, never past its max_new_tokens or its row
+   of the request-to-token table; the drafter proposes them now (NGRAM: from the request's own
+   tokens) or on the forward thread (a draft model);
+2. gives the drafts KV slots after the decode slot (ScheduleBatch.alloc_draft_slots; when the
+   pool cannot hold them, the step verifies no drafts, which is a plain decode step);
+3. on the forward thread: the drafter drafts if it has not yet, then the target runs once on
+   (last token + drafts) per request, an extend-style TARGET_VERIFY forward whose positions
+   continue the request's and whose logits are kept at every position; acceptance (verify.py),
+   then the drafter brings its own state to the accepted tokens;
+4. appends the accepted drafts and the bonus token one at a time with the usual finish checks (a
+   stop token, stop string or max_new_tokens cuts the rest), then keeps the KV of the fed and
+   accepted positions only (ScheduleBatch.keep_verified frees the rest), and releases a finished
+   request's KV through the cache as a decode step does, so the radix cache only ever holds
+   accepted tokens.
+
+Eligible: every request samples without per-token state the verify step does not carry yet
+(grammar, logprobs, hidden states, penalties, min_new_tokens, logit_bias, a seed, a custom logit
+processor), and the batch is not larger than --speculative-batch-size-threshold; otherwise the
+batch takes the plain decode step, which is exact anyway (a draft model still follows it: the
+drafter's `mirror`). It runs in the normal (non-overlap) loop only: drafting needs the previous
+step's tokens.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol
+
+import torch
+
+from engine.scheduler.overlap_utils import write_relay
+from engine.speculative.verify import VerifyOutcome, accept_drafts
+
+if TYPE_CHECKING:
+    from engine.mem_cache.base_prefix_cache import BasePrefixCache
+    from engine.model_executor.forward_batch_info import ModelWorkerBatch
+    from engine.scheduler.req import Req
+    from engine.scheduler.schedule_batch import ScheduleBatch
+    from engine.scheduler.worker_protocol import ModelWorker
+    from engine.server_args import ServerArgs
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class VerifyStep:
+    """One verify step, from launch to result processing."""
+
+    worker_batch: ModelWorkerBatch
+    # Per request: the drafts verified; a drafter on the forward thread fills them before the verify.
+    drafts: List[List[int]]
+    # Per request: the KV slots its drafts have (the drafts' number once drafted).
+    draft_lens: List[int]
+    # Whether the drafter proposes on the forward thread (Drafter.draft) before the verify forward.
+    draft_on_forward_thread: bool = False
+    # Per request: the distributions its sampled drafts were drawn from ([k, vocab]; None: point masses).
+    draft_probs: Optional[List[Optional[torch.Tensor]]] = None
+    outcome: Optional[VerifyOutcome] = None
+    draft_seconds: float = 0.0  # forward-thread time the drafter spent on this step
+
+
+class Drafter(Protocol):
+    """Where a verify step's drafts come from (ngram.NgramDrafter, draft_model.DraftModelDrafter)."""
+
+    def propose(self, batch: ScheduleBatch, budgets: List[int]) -> Optional[List[List[int]]]:
+        """Scheduling thread: each request's drafts now, at most budgets[i] each; None when they are
+        drafted on the forward thread instead (`draft`), exactly budgets[i] each."""
+
+    def draft(self, step: VerifyStep) -> None:
+        """Forward thread, before the verify forward: fill step.drafts (and step.draft_probs)."""
+
+    def after_verify(self, step: VerifyStep) -> None:
+        """Forward thread, after the acceptance: bring the drafter's state to the accepted tokens."""
+
+    def mirror(self, worker_batch: ModelWorkerBatch) -> None:
+        """Forward thread, before a plain forward of the target: whatever keeps the drafter in step
+        with the KV that forward writes."""
+
+
+@dataclass
+class SpecStats:
+    """Totals over every request's verify steps (the server's mean accept length)."""
+
+    verify_steps: int = 0  # one per request per verify step
+    accepted_drafts: int = 0
+    proposed_drafts: int = 0
+    emitted_tokens: int = 0
+    draft_seconds: float = 0.0  # forward-thread drafting time of the verify steps
+
+    def mean_accept_length(self) -> float:
+        """Tokens per request per verify step (1.0: no draft ever accepted)."""
+        return self.emitted_tokens / self.verify_steps if self.verify_steps else 0.0
+
+
+class Speculator:
+    def __init__(self, server_args: ServerArgs, worker: ModelWorker, tree_cache: BasePrefixCache,
+                 drafter: Drafter) -> None:
+        assert server_args.speculative_num_draft_tokens is not None  # ServerArgs sets the default
+        self.max_drafts = server_args.speculative_num_draft_tokens - 1
+        self.batch_size_threshold = server_args.speculative_batch_size_threshold
+        self.worker = worker
+        self.tree_cache = tree_cache
+        self.drafter = drafter
+        self.stats = SpecStats()
+
+    # ------------------------------------------------------------------ scheduling thread
+    @staticmethod
+    def eligible(req: Req) -> bool:
+        """Whether the verify step reproduces this request's sampling exactly (see the module doc)."""
+        sp = req.sampling_params
+        return (req.grammar is None and not req.return_logprob and not req.return_hidden_states
+                and req.custom_logit_processor is None and sp.sampling_seed is None and not sp.logit_bias
+                and sp.frequency_penalty == 0.0 and sp.presence_penalty == 0.0 and sp.repetition_penalty == 1.0
+                and sp.min_new_tokens == 0)
+
+    def prepare(self, batch: ScheduleBatch) -> Optional[VerifyStep]:
+        """The verify step of a decode-prepared batch, or None when the batch decodes plainly."""
+        if self.batch_size_threshold is not None and batch.batch_size() > self.batch_size_threshold:
+            return None  # large batches are compute-bound: drafts cost more than they save
+        if not all(self.eligible(r) for r in batch.reqs):
+            return None
+        row_width = batch.req_to_token_pool.req_to_token.shape[1]
+        # Never more than the request may still emit (the bonus token included) or its row holds.
+        budgets = [max(0, min(self.max_drafts, req.max_new_tokens - len(req.output_ids) - 1, row_width - seq_len))
+                   for req, seq_len in zip(batch.reqs, batch.seq_lens_cpu)]
+        proposed = self.drafter.propose(batch, budgets)
+        draft_lens = [len(d) for d in proposed] if proposed is not None else budgets
+        slots = batch.alloc_draft_slots(draft_lens)
+        if slots is None and any(draft_lens):
+            draft_lens = [0] * len(draft_lens)  # the pool is short: a plain step, through the same path
+            proposed = None
+        drafts = proposed if proposed is not None else [[] for _ in batch.reqs]
+        input_ids: List[int] = []
+        for req, d, k in zip(batch.reqs, drafts, draft_lens):
+            input_ids.append(req.output_ids[-1])
+            # Drafts of the forward thread are written there (Speculator.run); 0 holds their place.
+            input_ids.extend(d if proposed is not None else [0] * k)
+        return VerifyStep(worker_batch=batch.verify_worker_batch(input_ids, draft_lens, slots), drafts=drafts,
+                          draft_lens=draft_lens, draft_on_forward_thread=proposed is None and any(draft_lens))
+
+    def process(self, batch: ScheduleBatch, step: VerifyStep) -> List[Req]:
+        """Append each request's verified tokens (finish checks per token), keep the KV of what was
+        accepted, release finished requests. Returns the requests to stream."""
+        outcome = step.outcome
+        assert outcome is not None  # run() filled it on the forward thread
+        allocator = batch.token_to_kv_pool_allocator
+        emit: List[Req] = []
+        kept_lens: List[int] = []
+        finished: List[Req] = []
+        self.stats.draft_seconds += step.draft_seconds
+        for req, seq_len, drafts, tokens, accepted in zip(batch.reqs, batch.seq_lens_cpu, step.drafts,
+                                                          outcome.tokens, outcome.accepted):
+            appended = 0
+            for token in tokens:
+                req.output_ids.append(token)
+                appended += 1
+                req.check_finished()
+                if req.finished():
+                    break
+            # Position seq_len - 1 held the last token; the accepted drafts among the appended
+            # tokens follow it; the newest token has no KV yet.
+            kept_lens.append(seq_len - 1 + appended)
+            req.record_verify(accepted=min(accepted, appended), proposed=len(drafts))
+            self.stats.verify_steps += 1
+            self.stats.accepted_drafts += min(accepted, appended)
+            self.stats.proposed_drafts += len(drafts)
+            self.stats.emitted_tokens += appended
+            if req.finished():
+                finished.append(req)
+            emit.append(req)
+        allocator.free_group_begin()
+        try:
+            batch.keep_verified(kept_lens)
+            for req in finished:
+                self.tree_cache.cache_finished_req(req)
+        finally:
+            allocator.free_group_end()
+        return emit
+
+    def emitted_tokens(self, step: VerifyStep) -> int:
+        assert step.outcome is not None
+        return sum(len(t) for t in step.outcome.tokens)
+
+    def reset_stats(self) -> None:
+        """Start the server-wide totals afresh (benchmarks: measure after a warm-up)."""
+        self.stats = SpecStats()
+
+    def state(self) -> Dict[str, Any]:
+        """What /get_server_info reports (SGLang's internal_states name)."""
+        return {"avg_spec_accept_length": self.stats.mean_accept_length(),
+                "spec_verify_ct": self.stats.verify_steps,
+                "spec_accepted_tokens": self.stats.accepted_drafts,
+                "spec_draft_tokens": self.stats.proposed_drafts}
+
+    # ------------------------------------------------------------------ forward thread
+    def run(self, step: VerifyStep) -> VerifyStep:
+        """Drafting (when the drafter does it here), the verify forward and the acceptance; the
+        relay gets each row's newest token, so a plain decode step after this one reads the right
+        input."""
+        started = time.perf_counter()
+        if step.draft_on_forward_thread:
+            self.drafter.draft(step)
+            fed = step.worker_batch.input_ids.tolist()
+            ids: List[int] = []
+            start = 0
+            for d, k in zip(step.drafts, step.draft_lens):
+                ids.append(fed[start])  # the last token, then the drafts in the places kept for them
+                ids.extend(d)
+                start += 1 + k
+            step.worker_batch = dataclasses.replace(step.worker_batch, input_ids=torch.tensor(ids, dtype=torch.int64))
+        drafted = time.perf_counter()
+        wb = step.worker_batch
+        logits = self.worker.forward_batch_verify(wb)
+        assert wb.sampling_info is not None  # a generation batch always has one
+        outcome = accept_drafts(logits, step.drafts, wb.sampling_info, step.draft_probs)
+        step.outcome = outcome
+        verified = time.perf_counter()
+        self.drafter.after_verify(step)
+        step.draft_seconds = (drafted - started) + (time.perf_counter() - verified)
+        last = torch.tensor([t[-1] for t in outcome.tokens], dtype=torch.int64)
+        # The penalty/step state is brought to this batch's layout (queued filters and merges); the
+        # eligible rows have no per-token sampling state, so one update per step is enough.
+        wb.sampling_info.update_after_sample(last.to(wb.sampling_info.device))
+        write_relay(self.worker.output_tokens_buf, wb.req_pool_indices.to(self.worker.output_tokens_buf.device),
+                    last.to(self.worker.output_tokens_buf.device))
+        return step
+
+    def mirror(self, worker_batch: ModelWorkerBatch) -> None:
+        """Before a plain forward of the target (prefill, mixed or decode step)."""
+        self.drafter.mirror(worker_batch)
+
+
+def build_speculator(server_args: ServerArgs, worker: ModelWorker, tree_cache: BasePrefixCache,
+                     on_forward_thread: Callable[[Callable[[], Any]], Any]) -> Speculator:
+    """The speculator of --speculative-algorithm; a draft model is built with `on_forward_thread`
+    (where the target was built: on the CPU the only thread that runs multi-threaded torch ops)."""
+    algo = server_args.speculative_algorithm
+    if algo == "NGRAM":
+        from engine.speculative.ngram import NgramDrafter
+
+        return Speculator(server_args, worker, tree_cache, NgramDrafter(server_args))
+    from engine.scheduler.tp_worker import TpModelWorker
+    from engine.speculative.draft_model import DraftModelDrafter
+
+    if not isinstance(worker, TpModelWorker):
+        raise ValueError(f"--speculative-algorithm {algo} needs the model worker (a draft model runs beside it)")
+    path = server_args.speculative_draft_model_path
+    assert path is not None  # ServerArgs requires it for the draft-model algorithms
+    runner = on_forward_thread(lambda: worker.make_draft_runner(path))
+    return Speculator(server_args, worker, tree_cache, DraftModelDrafter(runner, worker.output_tokens_buf))
