@@ -10,6 +10,8 @@
     POST      /update_weights_from_distributed {"names", "dtypes", "shapes", "group_name",
                                                 "flush_cache", "abort_all_requests", "weight_version"}
     POST      /destroy_weights_update_group    {"group_name"}
+    POST      /load_lora_adapter               {"lora_name", "lora_path", "pinned"}
+    POST      /unload_lora_adapter             {"lora_name"} (waits for the requests that use it)
     POST      /update_weight_version           {"new_version", "abort_all_requests"}
     GET       /get_weight_version
     GET|POST  /get_weights_by_name             {"name", "truncate_size"}
@@ -38,6 +40,8 @@ from pydantic import BaseModel, ConfigDict, Field, model_validator
 from engine.distributed.weight_update_group import DTYPES, MAX_TENSOR_DIMS, parse_dtype
 from engine.entrypoints.openai.utils import OrjsonResponse, create_error_response, error_body
 from engine.errors import EngineRequestError
+from engine.lora.lora_config import MAX_LORA_NAME_LEN
+from engine.tokenizer.control_calls import load_lora_adapter, unload_lora_adapter
 from engine.io_struct import (
     InitWeightsUpdateGroupReqInput,
     UpdateWeightFromDiskReqInput,
@@ -166,6 +170,29 @@ class ContinueGenerationBody(_Body):
     torch_empty_cache: bool = True
 
 
+LoRAName = Annotated[str, Field(min_length=1, max_length=MAX_LORA_NAME_LEN)]
+
+
+class LoadLoRAAdapterBody(_Body):
+    lora_name: LoRAName
+    lora_path: str = Field(min_length=1, max_length=4096)
+    pinned: bool = False
+
+
+class UnloadLoRAAdapterBody(_Body):
+    lora_name: LoRAName
+
+
+def _lora_answer(result: dict) -> Response:
+    """SGLang's {"success", "error_message", "loaded_adapters"}; a refusal is a 400 with the error body too."""
+    content = {"success": result["success"], "message": result["message"],
+               "error_message": None if result["success"] else result["message"],
+               "loaded_adapters": result["loaded_adapters"]}
+    if result["success"]:
+        return OrjsonResponse(content)
+    return OrjsonResponse({**error_body(result["message"], 400), **content}, status_code=400)
+
+
 def add_control_routes(app: FastAPI, tokenizer_manager: TokenizerManagerProtocol) -> None:
     """The routes over `tokenizer_manager.control` (ControlCalls), looked up per call."""
 
@@ -256,6 +283,26 @@ def add_control_routes(app: FastAPI, tokenizer_manager: TokenizerManagerProtocol
         if not result["success"]:
             return create_error_response(result["message"], 400)
         return OrjsonResponse({"message": "Generation continued successfully.", "status": "ok"})
+
+    _add_lora_routes(app, tokenizer_manager)
+
+
+def _add_lora_routes(app: FastAPI, tokenizer_manager: TokenizerManagerProtocol) -> None:
+    @app.post("/load_lora_adapter")
+    async def load_lora(body: LoadLoRAAdapterBody) -> Response:
+        try:
+            result = await load_lora_adapter(tokenizer_manager.control, body.lora_name, body.lora_path, body.pinned)
+        except EngineRequestError as exc:
+            return create_error_response(exc.message, exc.status_code)
+        return _lora_answer(result)
+
+    @app.post("/unload_lora_adapter")
+    async def unload_lora(body: UnloadLoRAAdapterBody) -> Response:
+        try:
+            result = await unload_lora_adapter(tokenizer_manager.control, body.lora_name)
+        except EngineRequestError as exc:
+            return create_error_response(exc.message, exc.status_code)
+        return _lora_answer(result)
 
 
 def _answer(result: dict) -> Response:

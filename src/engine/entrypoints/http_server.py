@@ -318,7 +318,8 @@ def create_app(
 
     @app.get("/v1/models")
     async def list_models() -> Response:
-        return OrjsonResponse(ModelList(data=[_model_card(tokenizer_manager, created)]).model_dump())
+        return OrjsonResponse(ModelList(data=[_model_card(tokenizer_manager, created),
+                                              *_adapter_cards(tokenizer_manager, created)]).model_dump())
 
     @app.get("/v1/models/{model_id:path}")
     async def retrieve_model(model_id: str) -> Response:
@@ -400,6 +401,15 @@ def _model_facts(model_path: Optional[str]) -> Dict[str, Any]:
     except (OSError, ValueError):
         return {}
     return {"model_type": config.get("model_type"), "architectures": config.get("architectures")}
+
+
+def _adapter_cards(tokenizer_manager: TokenizerManagerProtocol, created: int) -> List[ModelCard]:
+    """The LoRA adapters, as SGLang lists them: id the adapter's name, root its path, parent the base."""
+    registry = tokenizer_manager.lora_registry
+    if registry is None:
+        return []
+    return [ModelCard(id=name, created=created, root=path, parent=tokenizer_manager.served_model_name,
+                      max_model_len=tokenizer_manager.context_len) for name, path in registry.adapters().items()]
 
 
 def _model_card(tokenizer_manager: TokenizerManagerProtocol, created: int) -> ModelCard:

@@ -41,11 +41,13 @@ from engine.io_struct import (
     GetInternalStateReq,
     GetWeightsByNameReqInput,
     InitWeightsUpdateGroupReqInput,
+    LoadLoRAAdapterReqInput,
     Message,
     Routed,
     PauseGenerationReqInput,
     ReleaseMemoryOccupationReqInput,
     ResumeMemoryOccupationReqInput,
+    UnloadLoRAAdapterReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromDistributedReqInput,
     UpdateWeightsFromTensorReqInput,
@@ -54,6 +56,7 @@ from engine.tokenizer.request_normalizer import GenerateReqInput
 
 if TYPE_CHECKING:
     from engine.server_args import ServerArgs
+    from engine.tokenizer.lora_registry import LoRARegistry
     from engine.tokenizer.embedding_requests import EmbeddingReqInput, EmbeddingResult
 
 
@@ -85,6 +88,10 @@ class ControlHost(Protocol):
     async def encode_request(self, obj: EmbeddingReqInput) -> list[EmbeddingResult]: ...
 
     def abort_request(self, rid: str = "", abort_all: bool = False) -> None: ...
+
+    @property
+    def lora_registry(self) -> Optional[LoRARegistry]:
+        """The LoRA adapters requests may name (None without --enable-lora)."""
 
     def set_model_path(self, model_path: str) -> None:
         """The weights served now come from this path (after update_weights_from_disk)."""
@@ -415,6 +422,51 @@ class ControlCalls:
 
     async def resume_memory_occupation(self, tags: Optional[list[str]] = None) -> dict:
         return _result(await self.call(ResumeMemoryOccupationReqInput(tags=tags), self._weight_timeout))
+
+
+async def _lora_registry_of(manager: ControlHost) -> LoRARegistry:
+    registry = manager.lora_registry
+    if registry is None:
+        raise EngineRequestError("LoRA is not enabled on this server (start it with --enable-lora or --lora-paths).")
+    if manager.server_args.tokenizer_worker_num > 1:
+        # Each HTTP worker keeps its own registry: one worker's load would be unknown to the others.
+        raise EngineRequestError("Loading and unloading LoRA adapters is not supported with "
+                                 "--tokenizer-worker-num > 1; give the adapters with --lora-paths.")
+    return registry
+
+
+async def load_lora_adapter(calls: "ControlCalls", name: str, path: str, pinned: bool) -> dict:
+    """/load_lora_adapter: every scheduler loads it; then requests may name it."""
+    registry = await _lora_registry_of(calls.manager)
+    if name in registry.adapters():
+        return {"success": False, "message": f"LoRA adapter {name!r} is already loaded; unload it first.",
+                "loaded_adapters": registry.adapters()}
+    replies = await calls.call(LoadLoRAAdapterReqInput(lora_name=name, lora_path=path, pinned=pinned),
+                               timeout=calls.manager.server_args.weight_update_timeout)
+    success, message = _outcome(replies)
+    if success:
+        registry.register(name, path)
+    return {"success": success, "message": message, "loaded_adapters": registry.adapters()}
+
+
+async def unload_lora_adapter(calls: "ControlCalls", name: str) -> dict:
+    """/unload_lora_adapter: new requests naming it get a 400 at once; the call waits (up to
+    --weight-update-timeout) for the requests in flight that use it, then the schedulers unload it."""
+    registry = await _lora_registry_of(calls.manager)
+    path = registry.unregister(name)
+    if path is None:
+        return {"success": False, "message": f"LoRA adapter {name!r} is not loaded.",
+                "loaded_adapters": registry.adapters()}
+    timeout = calls.manager.server_args.weight_update_timeout
+    if not await registry.wait_unused(name, timeout):
+        registry.register(name, path)
+        return {"success": False, "message": f"LoRA adapter {name!r} is still used by requests after {timeout:.0f} s; "
+                "not unloaded.", "loaded_adapters": registry.adapters()}
+    replies = await calls.call(UnloadLoRAAdapterReqInput(lora_name=name), timeout=timeout)
+    success, message = _outcome(replies)
+    if not success:
+        registry.register(name, path)
+    return {"success": success, "message": message, "loaded_adapters": registry.adapters()}
 
 
 def serialize_named_tensors(named_tensors: Sequence[tuple[str, Any]]) -> bytes:

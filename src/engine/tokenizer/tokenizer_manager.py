@@ -54,6 +54,7 @@ from engine.tokenizer.metrics import RequestTimer, TokenizerMetricsCollector, ch
 from engine.tokenizer.output_assembly import OutputAssembler, ReqState, build_output
 from engine.tokenizer.request_normalizer import GenerateReqInput, RequestNormalizer, load_chat_template
 from engine.tokenizer.liveness import SHUTDOWN_MESSAGE, Liveness
+from engine.tokenizer.lora_registry import LoRARegistry
 from engine.tokenizer.tokenization import Tokenization
 from engine.tokenizer.tokenizer_manager_protocol import GenerateOutputs
 from engine.port_args import PortArgs
@@ -130,6 +131,9 @@ class TokenizerManager:
 
         self.rid_to_state: dict[str, ReqState] = {}
         self.control = ControlCalls(self, fan_out=max(1, server_args.dp_size))
+        # With --enable-lora: the adapters requests may name, and their requests in flight.
+        self.lora_registry: Optional[LoRARegistry] = (LoRARegistry(server_args.lora_paths)
+                                                      if server_args.enable_lora else None)
         self._loop: Optional[asyncio.AbstractEventLoop] = None
         self._handle_task: Optional[asyncio.Task] = None
         self._sweep_task: Optional[asyncio.Task] = None
@@ -278,10 +282,28 @@ class TokenizerManager:
         except ValueError as e:
             raise EngineRequestError(str(e)) from None
         tokenized = await self.tokenization.tokenize_generate(obj)
-        # Waits while generation is paused or a weight update runs; held until the request ends.
-        async with self.control.gate.slot():
-            async for out in self._send_and_wait(obj, tokenized, request, incremental):
-                yield out
+        loras = self._check_loras(tokenized)
+        registry = self.lora_registry
+        if registry is not None:
+            registry.acquire(loras)  # an unload of these adapters waits until this request ends
+        try:
+            # Waits while generation is paused or a weight update runs; held until the request ends.
+            async with self.control.gate.slot():
+                async for out in self._send_and_wait(obj, tokenized, request, incremental):
+                    yield out
+        finally:
+            if registry is not None:
+                registry.release(loras)
+
+    def _check_loras(self, tokenized: list[TokenizedGenerateReqInput]) -> list[str]:
+        """The LoRA adapters the sub-requests name (400 for one that is not loaded)."""
+        names = [t.options.lora_path for t in tokenized if t.options.lora_path is not None]
+        if names and self.lora_registry is None:
+            raise EngineRequestError("LoRA is not enabled on this server (start it with --enable-lora or "
+                                     "--lora-paths); lora_path must be null.")
+        if self.lora_registry is not None:
+            self.lora_registry.check(names)
+        return names
 
     async def _send_and_wait(self, obj: GenerateReqInput, tokenized: list[TokenizedGenerateReqInput],
                              request: Any, incremental: bool) -> AsyncIterator[Union[dict, list[dict]]]:

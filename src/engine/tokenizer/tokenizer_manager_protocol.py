@@ -11,6 +11,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any, AsyncGenerator, Optional, Protocol, Union
 
 if TYPE_CHECKING:
+    from engine.tokenizer.lora_registry import LoRARegistry
     from engine.tokenizer.control_calls import ControlCalls
     from engine.tokenizer.embedding_requests import EmbeddingReqInput, EmbeddingResult
     from engine.io_struct import FlushCacheReqOutput
@@ -45,6 +46,10 @@ class TokenizerManagerProtocol(Protocol):
     @property
     def control(self) -> ControlCalls:
         """The control-plane calls (weights, memory, pause), for control_routes.py."""
+
+    @property
+    def lora_registry(self) -> Optional[LoRARegistry]:
+        """The LoRA adapters requests may name (None without --enable-lora)."""
 
     @property
     def metrics_collector(self) -> Optional[TokenizerMetricsCollector]:

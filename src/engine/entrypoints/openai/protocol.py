@@ -69,6 +69,7 @@ class ModelCard(BaseModel):
     created: int = Field(default_factory=lambda: int(time.time()))
     owned_by: str = "engine"
     root: Optional[str] = None
+    parent: Optional[str] = None  # a LoRA adapter's base model
     max_model_len: Optional[int] = None
 
 
@@ -162,6 +163,9 @@ class SamplingFields(_OpenAIOptionFields):
         """The fields that go to GenerateReqInput as they are: the options and data_parallel_rank."""
         extras = {name: getattr(self, name) for name in OPENAI_OPTION_NAMES}
         extras["data_parallel_rank"] = self.data_parallel_rank
+        if self.model is not None and ":" in self.model:
+            # SGLang's "base:adapter": the adapter named after the colon (it wins over lora_path).
+            extras["lora_path"] = self.model.split(":", 1)[1]
         return extras
 
     @field_validator("stop")

@@ -1,0 +1,118 @@
+"""A server with --lora-paths: /generate (lora_path, a list for a batch) and the OpenAI routes
+(model "base:adapter") return peft's greedy tokens for each adapter, /v1/models lists the adapters,
+adapters load and unload while serving (unload waits for the requests that use it), bad input is a 400."""
+
+from __future__ import annotations
+
+import threading
+
+import httpx
+import pytest
+import torch
+
+pytest.importorskip("peft", reason="peft is the oracle of the LoRA tests (pip install peft)")
+
+from conftest import ServerProcess, start_server_process  # noqa: E402
+from lora_utils import ALL_MODULES, build_adapters, peft_greedy  # noqa: E402
+from utils_models import hf_greedy  # noqa: E402
+
+pytestmark = pytest.mark.slow  # starts a server (processes)
+
+N_NEW = 8
+PROMPTS = [[17, 250, 1999, 40, 812, 5, 77], [3, 4, 5, 6, 7, 8], [1204, 5, 77, 17, 250]]
+ADAPTERS = {"qv": dict(rank=4, targets=["q_proj", "v_proj"], seed=11),
+            "all": dict(rank=8, targets=ALL_MODULES, seed=12),
+            "late": dict(rank=8, targets=["o_proj", "down_proj"], seed=13)}
+
+
+@pytest.fixture(scope="module")
+def setup(tmp_path_factory):
+    from transformers import AutoModelForCausalLM
+
+    from engine.builtin_model import ensure_builtin_model
+
+    hf = AutoModelForCausalLM.from_pretrained(ensure_builtin_model(), dtype=torch.float32).eval()
+    paths = build_adapters(hf, str(tmp_path_factory.mktemp("adapters")), ADAPTERS)
+    expected = {name: peft_greedy(hf, path, PROMPTS, N_NEW) for name, path in paths.items()}
+    expected[None] = [hf_greedy(hf, p, N_NEW) for p in PROMPTS]
+    server = start_server_process(["--lora-paths", f"qv={paths['qv']}", f"all={paths['all']}",
+                                   "--max-loras-per-batch", "2", "--max-lora-rank", "8",
+                                   "--lora-target-modules", "all", "--dtype", "float32"])
+    try:
+        yield server, paths, expected
+    finally:
+        server.stop()
+
+
+def _generate(url: str, input_ids, lora_path, **extra):
+    body = {"input_ids": input_ids, "lora_path": lora_path,
+            "sampling_params": {"temperature": 0, "max_new_tokens": N_NEW, "ignore_eos": True}, **extra}
+    return httpx.post(f"{url}/generate", json=body, timeout=120)
+
+
+def test_batch_with_an_adapter_per_prompt_equals_peft(setup):
+    server, _, expected = setup
+    names = [None, "qv", "all"]
+    for offset in range(3):  # every prompt under every adapter, in mixed batches
+        lora = [names[(i + offset) % 3] for i in range(len(PROMPTS))]
+        out = _generate(server.url, PROMPTS, lora).json()
+        for i, item in enumerate(out):
+            assert item["output_ids"] == expected[lora[i]][i], (lora[i], i)
+
+
+def test_openai_model_base_colon_adapter_and_models_list(setup):
+    server, paths, expected = setup
+    base = httpx.get(f"{server.url}/v1/models", timeout=30).json()["data"]
+    ids = [m["id"] for m in base]
+    assert set(ids[1:]) == {"qv", "all"} and all(m["parent"] == ids[0] for m in base[1:])
+    body = {"model": f"{ids[0]}:all", "prompt": PROMPTS[1], "max_tokens": N_NEW, "temperature": 0,
+            "logprobs": 0}
+    out = httpx.post(f"{server.url}/v1/completions", json=body, timeout=120).json()
+    assert out["choices"][0]["logprobs"]["tokens"] is not None
+    got = _generate(server.url, PROMPTS[1], "all").json()["output_ids"]
+    assert got == expected["all"][1]
+
+
+def test_bad_requests_are_400(setup):
+    server, paths, _ = setup
+    r = _generate(server.url, PROMPTS[0], "nope")
+    assert r.status_code == 400 and "not loaded" in r.text
+    r = httpx.post(f"{server.url}/load_lora_adapter", json={"lora_name": "x", "lora_path": "/nonexistent"}, timeout=60)
+    assert r.status_code == 400 and "adapter_config.json" in r.text
+    r = httpx.post(f"{server.url}/unload_lora_adapter", json={"lora_name": "nope"}, timeout=60)
+    assert r.status_code == 400
+    r = httpx.post(f"{server.url}/load_lora_adapter", json={"lora_name": "", "lora_path": paths["qv"]}, timeout=60)
+    assert r.status_code == 400
+    # Still serving exactly afterwards.
+    assert _generate(server.url, PROMPTS[0], "qv").json()["output_ids"] == setup[2]["qv"][0]
+
+
+def test_load_and_unload_under_load(setup):
+    server, paths, expected = setup
+    r = httpx.post(f"{server.url}/load_lora_adapter", json={"lora_name": "late", "lora_path": paths["late"]},
+                   timeout=120)
+    assert r.status_code == 200, r.text
+    assert set(r.json()["loaded_adapters"]) == {"qv", "all", "late"}
+    results, errors = [], []
+
+    def client(name, i):
+        try:
+            out = _generate(server.url, PROMPTS[i], name).json()
+            results.append((name, i, out["output_ids"]))
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(repr(e))
+
+    threads = [threading.Thread(target=client, args=(name, i)) for name in ("late", "qv", None, "all")
+               for i in range(len(PROMPTS))]
+    for t in threads:
+        t.start()
+    # Unload while those run: it waits for the requests that use "late", which all complete.
+    r = httpx.post(f"{server.url}/unload_lora_adapter", json={"lora_name": "late"}, timeout=300)
+    for t in threads:
+        t.join(timeout=300)
+    assert r.status_code == 200, r.text
+    assert not errors
+    assert len(results) == 12
+    for name, i, ids in results:
+        assert ids == expected[name][i], (name, i)
+    assert _generate(server.url, PROMPTS[0], "late").status_code == 400
