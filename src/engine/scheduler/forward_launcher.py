@@ -16,7 +16,8 @@ from typing import TYPE_CHECKING, Any, Optional, Union
 
 from engine.constrained.vocab_mask import build_vocab_mask
 from engine.scheduler.overlap_utils import DelayedSample, ForwardStream, PendingResult
-from engine.speculative.speculator import Speculator, VerifyStep
+from engine.speculative.speculator import Speculator
+from engine.speculative.step import VerifyStep
 
 if TYPE_CHECKING:
     from engine.scheduler.schedule_batch import ScheduleBatch

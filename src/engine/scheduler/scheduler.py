@@ -52,7 +52,8 @@ from engine.scheduler.prefill import PrefillBuilder
 from engine.scheduler.running_set import RunningSet
 from engine.scheduler.stats import Load, SchedulerStats
 from engine.scheduler.waiting_queue import WaitingQueue
-from engine.speculative.speculator import Speculator, VerifyStep, build_speculator
+from engine.speculative.speculator import Speculator, build_speculator
+from engine.speculative.step import VerifyStep
 
 from engine.disaggregation.base import DisaggregationMode
 from engine.disaggregation.host import RoleHost

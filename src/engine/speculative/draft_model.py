@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from engine.model_executor.model_runner import ModelRunner
     from engine.sampling.sampling_batch_info import SamplingBatchInfo
     from engine.scheduler.schedule_batch import ScheduleBatch
-    from engine.speculative.speculator import VerifyStep
+    from engine.speculative.step import VerifyStep
 
 
 def _i64(values: List[int]) -> torch.Tensor:

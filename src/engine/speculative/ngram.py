@@ -18,7 +18,7 @@ if TYPE_CHECKING:
     from engine.model_executor.forward_batch_info import ModelWorkerBatch
     from engine.scheduler.schedule_batch import ScheduleBatch
     from engine.server_args import ServerArgs
-    from engine.speculative.speculator import VerifyStep
+    from engine.speculative.step import VerifyStep
 
 
 def propose_ngram_drafts(tokens: Sequence[int], min_window: int, max_window: int, max_drafts: int) -> List[int]:

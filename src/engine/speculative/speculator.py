@@ -33,12 +33,13 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
 
 import torch
 
 from engine.scheduler.overlap_utils import write_relay
-from engine.speculative.verify import VerifyOutcome, accept_drafts
+from engine.speculative.step import Drafter, VerifyStep
+from engine.speculative.verify import accept_drafts
 
 if TYPE_CHECKING:
     from engine.mem_cache.base_prefix_cache import BasePrefixCache
@@ -49,41 +50,6 @@ if TYPE_CHECKING:
     from engine.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class VerifyStep:
-    """One verify step, from launch to result processing."""
-
-    worker_batch: ModelWorkerBatch
-    # Per request: the drafts verified; a drafter on the forward thread fills them before the verify.
-    drafts: List[List[int]]
-    # Per request: the KV slots its drafts have (the drafts' number once drafted).
-    draft_lens: List[int]
-    # Whether the drafter proposes on the forward thread (Drafter.draft) before the verify forward.
-    draft_on_forward_thread: bool = False
-    # Per request: the distributions its sampled drafts were drawn from ([k, vocab]; None: point masses).
-    draft_probs: Optional[List[Optional[torch.Tensor]]] = None
-    outcome: Optional[VerifyOutcome] = None
-    draft_seconds: float = 0.0  # forward-thread time the drafter spent on this step
-
-
-class Drafter(Protocol):
-    """Where a verify step's drafts come from (ngram.NgramDrafter, draft_model.DraftModelDrafter)."""
-
-    def propose(self, batch: ScheduleBatch, budgets: List[int]) -> Optional[List[List[int]]]:
-        """Scheduling thread: each request's drafts now, at most budgets[i] each; None when they are
-        drafted on the forward thread instead (`draft`), exactly budgets[i] each."""
-
-    def draft(self, step: VerifyStep) -> None:
-        """Forward thread, before the verify forward: fill step.drafts (and step.draft_probs)."""
-
-    def after_verify(self, step: VerifyStep) -> None:
-        """Forward thread, after the acceptance: bring the drafter's state to the accepted tokens."""
-
-    def mirror(self, worker_batch: ModelWorkerBatch) -> None:
-        """Forward thread, before a plain forward of the target: whatever keeps the drafter in step
-        with the KV that forward writes."""
 
 
 @dataclass
