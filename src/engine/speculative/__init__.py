@@ -2,7 +2,8 @@
 one forward of the target model, accepted so that outputs are exactly the target's.
 
 - `speculator.py`: `Speculator`, the scheduler's collaborator that runs a decode step as a verify
-  step and owns the acceptance counters, and the `Drafter` protocol of what proposes the drafts;
+  step and owns the acceptance counters;
+- `step.py`: `VerifyStep` (one step from launch to processing) and the `Drafter` protocol;
 - `ngram.py`: the NGRAM drafter (the request's own tokens propose the continuation);
 - `draft_model.py`: the STANDALONE drafter (a draft model whose K/V follow the target's slots);
 - `verify.py`: which drafts a verify forward accepts (greedy and SGLang's rejection sampling).
