@@ -239,6 +239,8 @@ class ServerArgs:
     # Parallelism
     tp_size: int = arg(1, "Tensor parallelism: scheduler ranks that shard the model.")
     dp_size: int = arg(1, "Data parallelism: model replicas behind one endpoint.")
+    ep_size: int = arg(1, "Expert parallelism of mixture-of-experts layers: the TP ranks form ep-size groups, "
+                          "each holding 1/ep-size of the experts (must divide --tp-size; no effect on dense models).")
     load_balance_method: str = arg("round_robin", "How --dp-size replicas share requests: round_robin or "
                                                   "shortest_queue.", choices=LOAD_BALANCE_METHODS)
     nnodes: int = arg(1, "Machines that tensor parallelism spans.")
@@ -376,6 +378,8 @@ class ServerArgs:
         need(1 <= self.port <= 65535, f"--port must be in [1, 65535], got {self.port}")
         need(self.tp_size >= 1, f"--tp-size must be >= 1, got {self.tp_size}")
         need(self.dp_size >= 1, f"--dp-size must be >= 1, got {self.dp_size}")
+        need(self.ep_size >= 1 and self.tp_size % self.ep_size == 0,
+             f"--ep-size must be >= 1 and divide --tp-size {self.tp_size}, got {self.ep_size}")
         need(self.nnodes >= 1, f"--nnodes must be >= 1, got {self.nnodes}")
         need(0 <= self.node_rank < self.nnodes,
              f"--node-rank must be in [0, --nnodes), got {self.node_rank} with --nnodes {self.nnodes}")

@@ -10,7 +10,12 @@ import torch
 
 from engine.configs.model_config import ModelConfig
 from engine.utils.malloc_tuning import keep_large_allocations_in_heap
-from engine.distributed.parallel_state import all_reduce_min_int, assert_same_across_tp, get_tp_size
+from engine.distributed.parallel_state import (
+    all_reduce_min_int,
+    assert_same_across_tp,
+    get_tp_size,
+    set_expert_parallel_size,
+)
 from engine.kernels import ops as kernel_ops
 from engine.layers.attention import create_attention_backend
 from engine.layers.logits_processor import LogitsProcessorOutput
@@ -73,6 +78,7 @@ class ModelRunner:
                 f"ModelRunner built for tp_size {tp_size} but the TP group has size {get_tp_size()}; "
                 "call engine.distributed.parallel_state.init_tp_group first"
             )
+        set_expert_parallel_size(server_args.ep_size)  # read by the MoE layers the model builds
 
         if server_args.device == "cuda":
             torch.cuda.set_device(gpu_id)

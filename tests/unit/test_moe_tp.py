@@ -1,0 +1,119 @@
+"""Mixture-of-experts models over 2 TP ranks (gloo, spawned in-process): the experts' intermediate
+dimension split over the ranks (--ep-size 1), and the experts themselves split (--ep-size 2: each
+rank runs its half of the experts on every token, the outputs all-reduced). Both give the prefill
+logits of one rank (float tolerance) and transformers' greedy tokens."""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from utils_models import BatchDriver, ExtendReq, build_tiny_model, hf_greedy, make_runner
+
+from engine.utils.network_utils import get_free_port
+
+TP = 2
+DECODE_STEPS = 8
+PROMPTS = [[3, 17, 250, 9, 44], [100, 7, 7, 7, 31, 480, 2, 65, 11], [401]]
+ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe"]
+
+
+def _run(path: str, tp_size: int, ep_size: int):
+    """Prefill PROMPTS, greedy-decode; (prefill logits, tokens per prompt, the first MoE layer's w13 shape)."""
+    from engine.configs.model_config import ModelConfig
+    from engine.distributed.parallel_state import get_tp_rank
+    from engine.model_executor.model_runner import ModelRunner
+    from engine.server_args import ServerArgs
+
+    if tp_size == 1:
+        runner = make_runner(path)
+    else:
+        args = ServerArgs(model_path=path, dtype="float32", device="cpu", max_total_tokens=4096,
+                          max_running_requests=16, tp_size=tp_size, ep_size=ep_size)
+        config = ModelConfig.from_pretrained(path, dtype="float32", device="cpu")
+        runner = ModelRunner(config, args, tp_rank=get_tp_rank(), tp_size=tp_size)
+    driver = BatchDriver(runner)
+    rows = [driver.new_row() for _ in PROMPTS]
+    out, tokens = driver.run(driver.extend_batch([ExtendReq(r, p) for r, p in zip(rows, PROMPTS)]))
+    logits = out.next_token_logits.clone()
+    outputs = [[int(t)] for t in tokens]
+    seq_lens = [len(p) for p in PROMPTS]
+    for _ in range(DECODE_STEPS):
+        _, tokens = driver.run(driver.decode_batch(rows, [o[-1] for o in outputs], seq_lens))
+        seq_lens = [n + 1 for n in seq_lens]
+        for o, t in zip(outputs, tokens):
+            o.append(int(t))
+    w13 = runner.model.model.decoder_layers[-1].mlp.experts.w13.weight
+    return logits, outputs, tuple(w13.shape)
+
+
+def _rank_main(rank: int, port: int, paths: dict, queue) -> None:
+    try:
+        torch.set_num_threads(1)
+        from engine.distributed import parallel_state as ps
+
+        ps.init_distributed_environment(rank, TP, f"tcp://127.0.0.1:{port}", "cpu")
+        results = {(name, ep): _run(path, TP, ep) for name, path in paths.items() for ep in (1, 2)}
+        if rank == 0:
+            queue.put(("ok", results))
+        ps.destroy_distributed_environment()
+    except BaseException:
+        queue.put(("error", rank, traceback.format_exc()))
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    paths, expected = {}, {}
+    for arch in ARCHS:
+        path = str(tmp_path_factory.mktemp(arch))
+        hf = build_tiny_model(path, arch, seed=4)
+        paths[arch] = path
+        expected[arch] = [hf_greedy(hf, p, DECODE_STEPS + 1) for p in PROMPTS]
+    return paths, expected
+
+
+@pytest.fixture(scope="module")
+def tp2_results(models):
+    paths, _ = models
+    ctx = mp.get_context("spawn")
+    queue = ctx.SimpleQueue()
+    port = get_free_port()
+    procs = [ctx.Process(target=_rank_main, args=(r, port, paths, queue)) for r in range(TP)]
+    for p in procs:
+        p.start()
+    try:
+        result = queue.get()  # rank 0's results, or the first error of any rank
+        for p in procs:
+            p.join(timeout=60)
+    finally:
+        for p in procs:
+            if p.is_alive():
+                p.kill()
+    assert result[0] == "ok", f"TP rank {result[1]} failed:\n{result[2]}"
+    return result[1]
+
+
+@pytest.mark.slow  # two spawned ranks build six models (about a minute on 2 cores)
+@pytest.mark.parametrize("ep", [1, 2])
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tp2_matches_tp1_and_transformers(models, tp2_results, arch, ep):
+    paths, expected = models
+    logits, tokens, w13_shape = tp2_results[(arch, ep)]
+    ref_logits, ref_tokens, full_shape = _run(paths[arch], 1, 1)
+    experts, two_inter, hidden = full_shape
+    # ep 1: every expert, half its intermediate rows; ep 2: half the experts, whole.
+    assert w13_shape == ((experts, two_inter // 2, hidden) if ep == 1 else (experts // 2, two_inter, hidden))
+    assert (logits - ref_logits).abs().max().item() < 1e-4
+    assert tokens == ref_tokens == expected[arch]
+
+
+def test_ep_size_must_divide_tp_size():
+    from engine.server_args import ServerArgs, ServerArgsError
+
+    with pytest.raises(ServerArgsError, match="--ep-size"):
+        ServerArgs(tp_size=2, ep_size=3).check()
+    with pytest.raises(ServerArgsError, match="--ep-size"):
+        ServerArgs(tp_size=1, ep_size=0).check()
