@@ -219,6 +219,33 @@ def test_snapshot_update_lands_before_queued_filter() -> None:
     assert snapshot_next.output_lens.tolist() == [1, 1, 1]
 
 
+def test_snapshot_keeps_what_its_replay_read_until_it_is_dropped() -> None:
+    """On CUDA the scheduling thread makes the keep indices and new penalty state on its stream,
+    and the forward stream reads them when the snapshot is replayed. The snapshot must keep them
+    (and the state the replay replaced) until the scheduler drops it, after the forward finished:
+    a block freed earlier goes back to the scheduling stream's pool, and its next allocation
+    overwrites it before the forward stream's kernels have read it."""
+    import gc
+    import weakref
+
+    info = SamplingBatchInfo.from_reqs([make_req(frequency_penalty=1.0) for _ in range(3)], VOCAB, "cpu")
+    old_lens = weakref.ref(info.penalizer_orchestrator.output_lens)
+    old_counts = weakref.ref(info.penalizer_orchestrator.penalizers[BatchedFrequencyPenalizer].state_tensors()[1])
+    info.filter_batch([2, 0])
+    keep = weakref.ref(info.pending_layout_ops[0][1])
+    merged = SamplingBatchInfo.from_reqs([make_req(output=[3], frequency_penalty=1.0)], VOCAB, "cpu")
+    merged_lens = weakref.ref(merged.penalizer_orchestrator.output_lens)
+    info.merge_batch(merged)
+    del merged
+    snapshot = info.copy_for_forward()
+    snapshot.update_after_sample(torch.tensor([0, 1, 2]))  # the replay, on the forward thread
+    gc.collect()
+    assert all(ref() is not None for ref in (old_lens, old_counts, keep, merged_lens))
+    del snapshot
+    gc.collect()
+    assert all(ref() is None for ref in (old_lens, old_counts, keep, merged_lens))
+
+
 def test_state_survives_mixing_inference_mode_and_normal_calls() -> None:
     """The model runner samples under inference_mode; tests and tools may not. Both must work
     on the same batch (tensors made in inference mode cannot be updated in place outside it)."""

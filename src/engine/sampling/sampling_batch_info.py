@@ -73,6 +73,15 @@ class SamplingBatchInfo:
     # only on a forward snapshot, for one step, by whoever knows the matchers' current state.
     vocab_mask: Optional[torch.Tensor] = None
     pending_layout_ops: List[LayoutOp] = field(default_factory=list)
+    # What this snapshot's replay read, kept with it: the ops (their index tensors, the merged
+    # orchestrators) and the penalty state tensors the replay replaced. Some were made on the
+    # scheduling thread's CUDA stream, and kernels queued on the forward stream read them; freed at
+    # replay, their blocks went back to the scheduling stream's pool at once, and its next
+    # allocation (the next step's keep indices, say) overwrote them before the forward stream read
+    # them: an out-of-bounds index seen on an H200. The snapshot lives in the launched batch until
+    # its result is processed, after the forward finished.
+    replayed_layout_ops: List[LayoutOp] = field(default_factory=list)
+    retired_state: List[torch.Tensor] = field(default_factory=list)
     # Custom logit processors: serialized processor -> its rows; per row the serialized processor
     # and the custom_params it is called with (plus "__req__"). All None when no row uses one.
     custom_logit_processor: Optional[Dict[str, List[int]]] = None
@@ -199,14 +208,18 @@ class SamplingBatchInfo:
         the forward thread brings the state to this batch's layout before using it."""
         snapshot = copy.copy(self)
         snapshot.pending_layout_ops = self.pending_layout_ops
+        snapshot.replayed_layout_ops, snapshot.retired_state = [], []
         self.pending_layout_ops = []
+        # Settled here, on the scheduling thread, if ever: no other stream reads them.
+        self.replayed_layout_ops, self.retired_state = [], []
         return snapshot
 
     @torch.inference_mode()
     def _settle_layout(self) -> BatchedPenalizerOrchestrator:
         """Replay queued filters/merges on the shared state; returns the orchestrator."""
         ops, self.pending_layout_ops = self.pending_layout_ops, []
-        _replay(self.penalizer_orchestrator, ops)
+        _replay(self.penalizer_orchestrator, ops, self.retired_state)
+        self.replayed_layout_ops.extend(ops)
         orchestrator = self.penalizer_orchestrator
         if orchestrator.batch_size != self.batch_size:
             raise RuntimeError(
@@ -269,13 +282,15 @@ def _custom_params(req: SamplingReq) -> Optional[Dict[str, Any]]:
     return {**(req.sampling_params.custom_params or {}), "__req__": req}
 
 
-def _replay(orchestrator: BatchedPenalizerOrchestrator, ops: List[LayoutOp]) -> None:
+def _replay(orchestrator: BatchedPenalizerOrchestrator, ops: List[LayoutOp], retired: List[torch.Tensor]) -> None:
+    """Apply `ops` to `orchestrator`; the state tensors each op replaces go to `retired`."""
     for op in ops:
+        retired.extend(orchestrator.state_tensors())
         if op[0] == "filter":
             orchestrator.filter(op[1])
         else:
             _, other, other_ops = op
-            _replay(other, other_ops)
+            _replay(other, other_ops, retired)
             orchestrator.merge(other)
 
 

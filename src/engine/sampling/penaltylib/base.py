@@ -64,6 +64,9 @@ class BatchedPenalizer(ABC):
     def batch_size(self) -> int:
         return getattr(self, self.row_tensors[0]).shape[0]
 
+    def state_tensors(self) -> List[torch.Tensor]:
+        return [getattr(self, name) for name in self.row_tensors]
+
     def filter(self, keep: torch.Tensor) -> None:
         for name in self.row_tensors:
             setattr(self, name, getattr(self, name)[keep])

@@ -9,7 +9,7 @@ the batch needs them and dropped when a filter leaves no such request.
 from __future__ import annotations
 
 import logging
-from typing import Dict, Sequence, Type
+from typing import Dict, List, Sequence, Type
 
 import torch
 
@@ -57,6 +57,13 @@ class BatchedPenalizerOrchestrator:
     @property
     def batch_size(self) -> int:
         return self.output_lens.shape[0]
+
+    def state_tensors(self) -> List[torch.Tensor]:
+        """Every per-row state tensor (filter and merge replace them all)."""
+        tensors = [self.output_lens]
+        for penalizer in self.penalizers.values():
+            tensors.extend(penalizer.state_tensors())
+        return tensors
 
     @property
     def is_required(self) -> bool:
