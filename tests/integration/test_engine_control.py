@@ -157,6 +157,8 @@ def test_custom_logit_processor_and_extras_through_the_engine(engine):
     out = engine.generate(PROMPTS[1], GREEDY, priority=1, cache_salt="x", return_hidden_states=True)
     assert len(out["meta_info"]["hidden_states"]) == GREEDY["max_new_tokens"]
     with pytest.raises(TypeError, match="unexpected keyword"):
+        engine.generate(PROMPTS[0], GREEDY, session_params={"id": "s"})
+    with pytest.raises(EngineRequestError, match="LoRA is not enabled"):  # an option, refused without --enable-lora
         engine.generate(PROMPTS[0], GREEDY, lora_path="adapter")
 
 

@@ -89,8 +89,8 @@ def test_the_router_body_is_accepted_and_means_the_plain_request() -> None:
 
 
 @pytest.mark.parametrize("name, value", [
-    ("image_data", "http://x/cat.png"), ("input_embeds", [[0.1, 0.2]]), ("lora_path", "adapter"),
-    ("lora_path", ["adapter", None]), ("bootstrap_pair_key", "k"), ("session_params", {"id": "s"}),
+    ("image_data", "http://x/cat.png"), ("input_embeds", [[0.1, 0.2]]), ("lora_id", "adapter-uid"),
+    ("lora_id", ["adapter-uid", None]), ("bootstrap_pair_key", "k"), ("session_params", {"id": "s"}),
     ("disagg_prefill_dp_rank", 1), ("background", True), ("routed_experts_start_len", 2),
 ])
 def test_an_unimplemented_field_in_use_is_refused_by_name(name: str, value: Any) -> None:
@@ -148,7 +148,9 @@ def test_openai_requests_refuse_sglang_extras_in_use() -> None:
             "continue_final_message": False, "return_hidden_states": False}
     assert ChatCompletionRequest(**chat).messages[0].text() == "hi"
     assert ChatCompletionRequest(**{**chat, "priority": 3, "cache_salt": "s", "stop_regex": "x"}).priority == 3
-    for extra in ({"structural_tag": "{}"}, {"lora_path": "adapter"}):
+    # lora_path is served (LoRA adapters); session_params is not.
+    assert ChatCompletionRequest(**{**chat, "lora_path": "adapter"}).generate_extras()["lora_path"] == "adapter"
+    for extra in ({"structural_tag": "{}"}, {"session_params": {"id": "s"}}):
         with pytest.raises(ValidationError) as info:
             ChatCompletionRequest(**{**chat, **extra})
         assert f"{next(iter(extra))} is not supported" in str(info.value)

@@ -22,6 +22,7 @@ from engine.io_struct import (
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromDistributedReqInput,
 )
+from engine.tokenizer.control_calls import load_lora_adapter, unload_lora_adapter
 from engine.tokenizer.request_normalizer import GENERATE_FIELDS, GenerateReqInput
 from engine.tokenizer.tokenizer_manager import TokenizerManager
 from engine.launch.processes import launch_subprocesses
@@ -280,6 +281,15 @@ class Engine:
 
     def resume_memory_occupation(self, tags: Optional[list[str]] = None) -> None:
         self._check_control(self._run(self.tokenizer_manager.control.resume_memory_occupation(tags)))
+
+    def load_lora_adapter(self, lora_name: str, lora_path: str, pinned: bool = False) -> dict:
+        """Load a PEFT adapter while serving (SGLang's); requests name it in lora_path. Returns
+        {"success", "message", "loaded_adapters"}; EngineRequestError without --enable-lora."""
+        return self._run(load_lora_adapter(self.tokenizer_manager.control, lora_name, lora_path, pinned))
+
+    def unload_lora_adapter(self, lora_name: str) -> dict:
+        """Unload an adapter: new requests naming it are refused at once; waits for those in flight."""
+        return self._run(unload_lora_adapter(self.tokenizer_manager.control, lora_name))
 
     def pause_generation(self, mode: str = "abort") -> None:
         """Pause ("abort", "retract" or "in_place", as SGLang); new requests wait until continue."""

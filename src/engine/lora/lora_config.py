@@ -151,8 +151,9 @@ def check_lora_server_args(args: "ServerArgs", need: Callable[[bool, str], None]
     need(1 <= args.max_loras_per_batch <= MAX_LORAS_PER_BATCH_LIMIT,
          f"--max-loras-per-batch must be in [1, {MAX_LORAS_PER_BATCH_LIMIT}], got {args.max_loras_per_batch}")
     if args.max_loaded_loras is not None:
-        need(1 <= args.max_loaded_loras <= MAX_LOADED_LORAS,
-             f"--max-loaded-loras must be in [1, {MAX_LOADED_LORAS}], got {args.max_loaded_loras}")
+        need(args.max_loras_per_batch <= args.max_loaded_loras <= MAX_LOADED_LORAS,
+             f"--max-loaded-loras must be in [--max-loras-per-batch ({args.max_loras_per_batch}), {MAX_LOADED_LORAS}] "
+             f"(SGLang's rule), got {args.max_loaded_loras}")
     try:
         specs = [parse_lora_path_arg(item) for item in args.lora_paths or []]
         configs = [read_lora_config(spec.path) for spec in specs]

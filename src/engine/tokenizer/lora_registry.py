@@ -61,3 +61,8 @@ class LoRARegistry:
             except asyncio.TimeoutError:
                 return False
         return True
+
+
+def loaded_adapters(registry: Optional[LoRARegistry]) -> Optional[Dict[str, str]]:
+    """name -> path of the loaded adapters, None without --enable-lora."""
+    return registry.adapters() if registry is not None else None

@@ -159,13 +159,16 @@ class SamplingFields(_OpenAIOptionFields):
     def _refuse_unsupported(cls, data: Any) -> Any:
         return refuse_unsupported(data, OPENAI_UNSUPPORTED)
 
-    def generate_extras(self) -> Dict[str, Any]:
-        """The fields that go to GenerateReqInput as they are: the options and data_parallel_rank."""
+    def generate_extras(self, lora_adapters: Optional[Dict[str, str]] = None) -> Dict[str, Any]:
+        """The fields that go to GenerateReqInput as they are: the options and data_parallel_rank;
+        `lora_adapters` (the loaded LoRA adapters) let `model` name one."""
         extras = {name: getattr(self, name) for name in OPENAI_OPTION_NAMES}
         extras["data_parallel_rank"] = self.data_parallel_rank
         if self.model is not None and ":" in self.model:
             # SGLang's "base:adapter": the adapter named after the colon (it wins over lora_path).
             extras["lora_path"] = self.model.split(":", 1)[1]
+        elif self.model is not None and extras["lora_path"] is None and lora_adapters and self.model in lora_adapters:
+            extras["lora_path"] = self.model  # the adapter's name alone, as /v1/models lists it
         return extras
 
     @field_validator("stop")

@@ -55,6 +55,7 @@ from engine.entrypoints.openai.utils import (
 )
 from engine.errors import EngineRequestError
 from engine.tokenizer.request_normalizer import GenerateReqInput
+from engine.tokenizer.lora_registry import loaded_adapters
 from engine.tokenizer.tokenizer_manager_protocol import GenerateOutputs, TokenizerManagerProtocol
 from engine.utils.tokenizer_utils import TokenBytes, make_token_bytes
 
@@ -106,7 +107,7 @@ class OpenAIServingChat:
             top_logprobs_num=request.top_logprobs or 0,
             return_text_in_logprobs=True,
             require_reasoning=in_reasoning,
-            **request.generate_extras(),
+            **request.generate_extras(loaded_adapters(self.tokenizer_manager.lora_registry)),
             **header_extras(raw_request, self.labels_header),
         )
         stream = self.tokenizer_manager.generate_request(obj, ClientConnection(raw_request))
@@ -271,3 +272,4 @@ def _template_messages(request: ChatCompletionRequest) -> List[Dict[str, Any]]:
             item["tool_calls"] = message.tool_calls
         messages.append(item)
     return messages
+

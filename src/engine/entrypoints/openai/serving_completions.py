@@ -40,6 +40,7 @@ from engine.entrypoints.openai.utils import (
 )
 from engine.errors import EngineRequestError
 from engine.tokenizer.request_normalizer import GenerateReqInput
+from engine.tokenizer.lora_registry import loaded_adapters
 from engine.tokenizer.tokenizer_manager_protocol import GenerateOutputs, TokenizerManagerProtocol
 
 logger = logging.getLogger(__name__)
@@ -89,7 +90,7 @@ class OpenAIServingCompletion:
             logprob_start_len=0 if (want_logprobs and request.echo) else -1,
             top_logprobs_num=request.logprobs or 0,
             return_text_in_logprobs=True,
-            **request.generate_extras(),
+            **request.generate_extras(loaded_adapters(self.tokenizer_manager.lora_registry)),
             **extras,
         )
 
@@ -205,3 +206,4 @@ def _split_prompts(prompt: Any) -> List[Union[str, List[int]]]:
     if isinstance(prompt[0], int):
         return [prompt]
     return list(prompt)
+
