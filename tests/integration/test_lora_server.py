@@ -35,6 +35,7 @@ def setup(tmp_path_factory):
     paths = build_adapters(hf, str(tmp_path_factory.mktemp("adapters")), ADAPTERS)
     expected = {name: peft_greedy(hf, path, PROMPTS, N_NEW) for name, path in paths.items()}
     expected[None] = [hf_greedy(hf, p, N_NEW) for p in PROMPTS]
+    assert all(expected[name] != expected[None] for name in paths)  # every adapter changes the output
     server = start_server_process(["--lora-paths", f"qv={paths['qv']}", f"all={paths['all']}",
                                    "--max-loras-per-batch", "2", "--max-lora-rank", "8",
                                    "--lora-target-modules", "all", "--dtype", "float32"])

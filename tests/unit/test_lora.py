@@ -38,6 +38,7 @@ def setup(tmp_path_factory):
     paths = build_adapters(hf, str(root / "adapters"), ADAPTERS)
     expected = {name: peft_greedy(hf, path, PROMPTS, STEPS) for name, path in paths.items()}
     expected[None] = [hf_greedy(hf, p, STEPS) for p in PROMPTS]
+    assert all(expected[name] != expected[None] for name in paths)  # every adapter changes the output
     return base, paths, expected, hf, root
 
 
