@@ -8,6 +8,8 @@
   prefill   one extend of batch x input_len tokens, against FLOPs / measured matmul rate.
   offline   the in-process scheduler (overlap, radix cache, CUDA graphs) on N prompts with input
             and output lengths U[100, 1024], ignore_eos (bench_offline_throughput's workload).
+  profile   (--profile-batch-sizes) the decode step under torch.profiler: per-kernel device time
+            and launch counts, written to --profile-file (where a step's time goes vs its floor).
   variants  side by side in the same process (--variants): `graphs_off` rebuilds the scheduler
             without CUDA graphs and repeats the decode steps; `overlap_off` runs a smaller offline
             workload (--compare-prompts) with the overlap loop and then without it.
@@ -283,6 +285,18 @@ def bench_offline(scheduler, num_prompts: int, in_range, out_range, vocab: int, 
     return metrics
 
 
+def profile_decode(runner, bs: int, context_len: int, steps: int, row_limit: int = 40) -> str:
+    """Kernel table of `steps` decode steps at batch `bs` (after the same warm-up as bench_decode)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if torch.cuda.is_available() else [])
+    with profile(activities=activities) as prof:
+        bench_decode(runner, bs, context_len, steps)
+    sort_by = "self_cuda_time_total" if torch.cuda.is_available() else "self_cpu_time_total"
+    table = prof.key_averages().table(sort_by=sort_by, row_limit=row_limit)
+    return f"decode bs={bs} context {context_len}, {steps} timed steps (+3 warm-up), sorted by {sort_by}\n{table}\n"
+
+
 # ---------------------------------------------------------------------------- main
 def free_device_memory() -> None:
     """After the caller dropped its last reference to a scheduler (its forward thread stopped):
@@ -334,6 +348,9 @@ def main(argv: Optional[List[str]] = None) -> Dict:
                    help="comma-separated, run after the main phases: graphs_off (decode without CUDA graphs), "
                         "overlap_off (a --compare-prompts offline run with the overlap loop, then without)")
     p.add_argument("--compare-prompts", type=int, default=200)
+    p.add_argument("--profile-batch-sizes", default="",
+                   help="comma-separated decode batch sizes to profile (kernel table to --profile-file)")
+    p.add_argument("--profile-file", default=None)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--result-file", default=None)
     p.add_argument("--table-file", default=None)
@@ -380,6 +397,13 @@ def main(argv: Optional[List[str]] = None) -> Dict:
                      tokens_per_s=bs / (r["median_ms"] / 1e3))
             result["decode"][str(bs)] = r
             logger.info("decode bs=%d: %s", bs, r)
+    if args.profile_batch_sizes:
+        tables = [profile_decode(runner, int(bs), args.decode_context, 10) for bs in args.profile_batch_sizes.split(",")]
+        if args.profile_file:
+            with open(args.profile_file, "w") as f:
+                f.write("\n".join(tables))
+        else:
+            print("\n".join(tables))
     if "prefill" in phases:
         seconds = bench_prefill(runner, args.prefill_batch, args.prefill_len, repeats=3)
         flops = prefill_flops(shape, args.prefill_batch, args.prefill_len)

@@ -11,7 +11,8 @@
 #      batch 1/32/128 against the memory-bandwidth floor, prefill against the matmul rate, offline
 #      throughput on 1000 prompts with input/output lengths U[100, 1024], on random weights in the
 #      shape of Llama-3-8B in bfloat16; then, side by side in the same process, decode without CUDA
-#      graphs and a 200-prompt offline run with the overlap loop on and off;
+#      graphs and a 200-prompt offline run with the overlap loop on and off; and a kernel table of
+#      the decode step at batch 1 and 128 (torch.profiler, profile_decode.txt);
 #   4. prints a summary table last.
 # Budget: about 7 minutes (each step has its own time limit, so the table always comes out).
 #
@@ -144,7 +145,8 @@ if [ "$RUN_BENCH" = 1 ]; then
         LIMIT=120
     else
         log "bench_gpu.py (limit ${BENCH_LIMIT_S}s, offline deadline ${OFFLINE_DEADLINE_S}s)"
-        BENCH_ARGS=(--offline-deadline-s "$OFFLINE_DEADLINE_S" --variants "$VARIANTS")
+        BENCH_ARGS=(--offline-deadline-s "$OFFLINE_DEADLINE_S" --variants "$VARIANTS"
+                    --profile-batch-sizes 1,128 --profile-file "$OUT_DIR/profile_decode.txt")
         LIMIT="$BENCH_LIMIT_S"
     fi
     timeout -k 10 "$LIMIT" "$PY" benchmarks/bench_gpu.py "${BENCH_ARGS[@]}" \
