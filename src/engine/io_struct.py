@@ -298,19 +298,37 @@ class UnloadLoRAAdapterReqOutput(Routed, tag=True):
 
 
 # Control requests the DP controller fans out to every replica, and their replies.
+class ExpertDistributionReq(Routed, tag=True):
+    """SGLang's /start_expert_distribution_record, /stop_... and /dump_...: action is one of
+    EXPERT_DISTRIBUTION_ACTIONS."""
+
+    action: str
+
+
+EXPERT_DISTRIBUTION_ACTIONS = ("start_record", "stop_record", "dump_record")
+
+
+class ExpertDistributionReqOutput(Routed, tag=True):
+    success: bool
+    message: str = ""
+    # dump_record: tokens routed to each expert during the recording, [layer][expert id] (a dense
+    # layer's row is zeros).
+    logical_count: Optional[List[List[int]]] = None
+
+
 CONTROL_REQUESTS = (
     FlushCacheReqInput, GetInternalStateReq, UpdateWeightFromDiskReqInput, UpdateWeightsFromTensorReqInput,
     GetWeightsByNameReqInput, ReleaseMemoryOccupationReqInput, ResumeMemoryOccupationReqInput,
     PauseGenerationReqInput, ContinueGenerationReqInput, InitWeightsUpdateGroupReqInput,
     DestroyWeightsUpdateGroupReqInput, UpdateWeightsFromDistributedReqInput, LoadLoRAAdapterReqInput,
-    UnloadLoRAAdapterReqInput,
+    UnloadLoRAAdapterReqInput, ExpertDistributionReq,
 )
 CONTROL_REPLIES = (
     FlushCacheReqOutput, GetInternalStateReqOutput, UpdateWeightFromDiskReqOutput, UpdateWeightsFromTensorReqOutput,
     GetWeightsByNameReqOutput, ReleaseMemoryOccupationReqOutput, ResumeMemoryOccupationReqOutput,
     PauseGenerationReqOutput, ContinueGenerationReqOutput, InitWeightsUpdateGroupReqOutput,
     DestroyWeightsUpdateGroupReqOutput, UpdateWeightsFromDistributedReqOutput, LoadLoRAAdapterReqOutput,
-    UnloadLoRAAdapterReqOutput,
+    UnloadLoRAAdapterReqOutput, ExpertDistributionReqOutput,
 )
 
 # The reply type of each control request.
@@ -364,6 +382,8 @@ Message = Union[
     LoadLoRAAdapterReqOutput,
     UnloadLoRAAdapterReqInput,
     UnloadLoRAAdapterReqOutput,
+    ExpertDistributionReq,
+    ExpertDistributionReqOutput,
 ]
 
 _encoder = msgspec.msgpack.Encoder()

@@ -19,6 +19,9 @@
     GET|POST  /resume_memory_occupation        {"tags": ...}
     POST      /pause_generation                {"mode": "abort" | "retract" | "in_place"} (optional body)
     POST      /continue_generation             {"torch_empty_cache": true} (optional body)
+    GET|POST  /start_expert_distribution_record  (mixture-of-experts models; no body)
+    GET|POST  /stop_expert_distribution_record
+    GET|POST  /dump_expert_distribution_record   -> {"success", "message", "logical_count": [layer][expert]}
 
 A refusal is HTTP 400 with the OpenAI-style error body; the weight routes' bodies also keep
 SGLang's keys (`success`, `message`, `num_paused_requests`) so that its clients read them as usual.
@@ -43,6 +46,7 @@ from engine.errors import EngineRequestError
 from engine.lora.lora_config import MAX_LORA_NAME_LEN
 from engine.tokenizer.control_calls import load_lora_adapter, unload_lora_adapter
 from engine.io_struct import (
+    ExpertDistributionReqOutput,
     InitWeightsUpdateGroupReqInput,
     UpdateWeightFromDiskReqInput,
     UpdateWeightsFromDistributedReqInput,
@@ -259,6 +263,20 @@ def add_control_routes(app: FastAPI, tokenizer_manager: TokenizerManagerProtocol
         except EngineRequestError as exc:
             return create_error_response(exc.message, exc.status_code)
 
+    # SGLang answers these with a line of text and writes the dump to a file; we answer JSON and the dump
+    # is the body (tokens routed per layer and expert id during the recording).
+    @app.api_route("/start_expert_distribution_record", methods=["GET", "POST"])
+    async def start_expert_distribution_record() -> Response:
+        return _expert_answer(await tokenizer_manager.control.expert_distribution("start_record"))
+
+    @app.api_route("/stop_expert_distribution_record", methods=["GET", "POST"])
+    async def stop_expert_distribution_record() -> Response:
+        return _expert_answer(await tokenizer_manager.control.expert_distribution("stop_record"))
+
+    @app.api_route("/dump_expert_distribution_record", methods=["GET", "POST"])
+    async def dump_expert_distribution_record() -> Response:
+        return _expert_answer(await tokenizer_manager.control.expert_distribution("dump_record"))
+
     @app.api_route("/release_memory_occupation", methods=["GET", "POST"])
     async def release_memory_occupation(body: Optional[MemoryTagsBody] = None) -> Response:
         tags = body.tags if body is not None else None
@@ -309,6 +327,16 @@ def _answer(result: dict) -> Response:
     if result["success"]:
         return OrjsonResponse(result)
     return create_error_response(result["message"], 400)
+
+
+def _expert_answer(result: ExpertDistributionReqOutput) -> Response:
+    """200 with the result, 400 where the model has no experts."""
+    if not result.success:
+        return create_error_response(result.message, 400)
+    content = {"success": True, "message": result.message}
+    if result.logical_count is not None:
+        content["logical_count"] = result.logical_count
+    return OrjsonResponse(content)
 
 
 def _weights_answer(success: bool, message: str) -> Response:

@@ -131,6 +131,14 @@ class MoeForCausalLM(LlamaForCausalLM):
     def moe_spec(config: "ModelConfig") -> MoeSpec:
         return MoeSpec.from_qwen(config.raw_config)
 
+    def expert_layout(self, ep_size: int) -> Dict[str, int]:
+        """The experts as /get_server_info reports them (the TP split is parallel_state.ExpertLayout)."""
+        sparse = sum(self.moe.is_sparse(i) for i in range(self.config.num_hidden_layers))
+        return {"num_experts": self.moe.num_experts, "num_experts_per_tok": self.moe.top_k, "ep_size": ep_size,
+                "num_local_experts": self.moe.num_experts // ep_size, "num_moe_layers": sparse,
+                "moe_intermediate_size": self.moe.moe_intermediate_size,
+                "shared_expert_intermediate_size": self.moe.shared_expert_intermediate_size}
+
     def layer_factory(self, config: "ModelConfig", qkv_bias: bool, o_bias: bool,
                       qk_norm: bool) -> Optional[Callable[[int], nn.Module]]:
         spec = self.moe_spec(config)

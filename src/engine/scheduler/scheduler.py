@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Se
 from engine.constrained.grammar_manager import server_grammar_manager
 from engine.io_struct import (
     AbortReq,
+    ExpertDistributionReq,
     FlushCacheReqInput,
     FlushCacheReqOutput,
     GetInternalStateReq,
@@ -45,6 +46,7 @@ from engine.scheduler.schedule_batch import ScheduleBatch
 from engine.scheduler.admission import Admission, ModelLimits
 from engine.scheduler.control import SchedulerControl
 from engine.scheduler.embedding import build_embedding_output, process_embedding_result
+from engine.scheduler.experts import ExpertStats
 from engine.scheduler.forward_launcher import ForwardLauncher, Launched
 from engine.scheduler.kv_manager import KVManager
 from engine.scheduler.output import OutputStreamer, ResultProcessor
@@ -154,6 +156,9 @@ class Scheduler:
         self.admission = Admission(server_args, limits, tokenizer, self.eos_token_ids, self.waiting, self.priority,
                                    self.grammar_manager, self.disagg, self.stream,
                                    lora_uid=worker.lora_uid if server_args.enable_lora else None)
+        # A mixture-of-experts model's layout and routed-token counts (experts.py).
+        self.experts = ExpertStats(worker.expert_recorder() if "moe_layout" in info else None,
+                                   info.get("moe_layout", {}))
         # Weights, memory, pause/continue (control.py).
         self.control = SchedulerControl(self, worker, self.forward_stream, tp_rank,
                                         server_args.enable_pickled_weight_updates)
@@ -253,6 +258,8 @@ class Scheduler:
                 self.send_reply(recv, self.flush_cache())
             elif isinstance(recv, GetInternalStateReq):
                 self.send_reply(recv, GetInternalStateReqOutput(internal_state=self.internal_state()))
+            elif isinstance(recv, ExpertDistributionReq):
+                self.send_reply(recv, self.experts.handle(recv, self.settle))
             else:
                 handle = self.control.handler(recv)
                 if handle is None:
@@ -375,6 +382,7 @@ class Scheduler:
             "forward_ct": self.forward_ct,
             "num_extend_tokens_computed": self.num_extend_tokens_computed,
             **(self.spec.state() if self.spec is not None else {}),
+            **self.experts.state(),
             **({"disaggregation": self.disagg.internal_state()} if self.disagg is not None else {}),
         }
 

@@ -16,9 +16,11 @@ from engine.lora.lora_config import LoRAError
 from engine.model_executor.forward_batch_info import ForwardBatch, ModelWorkerBatch
 
 if TYPE_CHECKING:
+    from engine.layers.moe.expert_distribution import ExpertDistributionRecorder
     from engine.lora.lora_manager import LoRAManager
     from engine.model_executor.model_runner import ModelRunner
     from engine.model_executor.simulated_device import SimulatedModelRunner
+    from engine.models.sparse_moe import MoeForCausalLM
     from engine.server_args import ServerArgs
 
 logger = logging.getLogger(__name__)
@@ -152,7 +154,21 @@ class TpModelWorker:
             total_kv_heads=self.model_config.num_key_value_heads,
         )
         info.update(embedding_info(self.model_config, mr.max_total_num_tokens))
+        moe = self._moe_model()
+        if moe is not None:  # what /get_server_info reports of a mixture-of-experts model
+            info["moe_layout"] = moe.expert_layout(self.server_args.ep_size)
         return info
+
+    def _moe_model(self) -> Optional["MoeForCausalLM"]:
+        from engine.models.sparse_moe import MoeForCausalLM
+
+        model = None if self.real_runner is None else self.real_runner.model
+        return model if isinstance(model, MoeForCausalLM) else None
+
+    def expert_recorder(self) -> Optional["ExpertDistributionRecorder"]:
+        """The tokens-per-expert counter of a mixture-of-experts model (None for a dense one)."""
+        moe = self._moe_model()
+        return None if moe is None else moe.expert_recorder
 
     @property
     def eos_token_ids(self) -> set:

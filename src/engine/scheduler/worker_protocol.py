@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Protocol,
 import torch
 
 if TYPE_CHECKING:
+    from engine.layers.moe.expert_distribution import ExpertDistributionRecorder
     from engine.scheduler.tp_worker import EmbeddingBatchResult, GenerationBatchResult
     from engine.mem_cache.allocator import PagedTokenToKVPoolAllocator
     from engine.mem_cache.memory_pool import ReqToTokenPool
@@ -43,6 +44,10 @@ class ModelWorker(Protocol):
 
     def forward_batch_verify(self, batch: "ModelWorkerBatch") -> torch.Tensor:
         """A speculative verify forward: the logits of every position (engine/speculative/)."""
+
+    def expert_recorder(self) -> Optional["ExpertDistributionRecorder"]:
+        """A mixture-of-experts model's tokens-per-expert counter; only asked when get_worker_info
+        has a "moe_layout" (scheduler/experts.py)."""
 
     # The control plane (scheduler/control.py).
     def update_weights_from_disk(self, model_path: str, load_format: Optional[str]) -> Tuple[bool, str]: ...

@@ -36,6 +36,8 @@ from engine.io_struct import (
     CONTROL_REPLY_OF,
     ContinueGenerationReqInput,
     DestroyWeightsUpdateGroupReqInput,
+    ExpertDistributionReq,
+    ExpertDistributionReqOutput,
     FlushCacheReqInput,
     FlushCacheReqOutput,
     GetInternalStateReq,
@@ -178,6 +180,17 @@ class ControlCalls:
     async def get_internal_state(self) -> list[dict]:
         replies = await self.call(GetInternalStateReq())
         return [dict(r.internal_state) for r in replies]
+
+    async def expert_distribution(self, action: str) -> ExpertDistributionReqOutput:
+        """SGLang's expert distribution recording ("start_record", "stop_record", "dump_record"); with
+        DP replicas, a dump adds their counts."""
+        replies = await self.call(ExpertDistributionReq(action=action))
+        failed = [r.message for r in replies if not r.success]
+        if failed:
+            return ExpertDistributionReqOutput(False, failed[0])
+        counts = [r.logical_count for r in replies if r.logical_count is not None]
+        total = ([[sum(values) for values in zip(*rows)] for rows in zip(*counts)] if counts else None)
+        return ExpertDistributionReqOutput(True, replies[0].message, logical_count=total)
 
     @property
     def _weight_timeout(self) -> float:

@@ -139,6 +139,7 @@ class TokenizerMetricsCollector:
         self.scheduler_gauges = SchedulerStateCollector(model_name)
         self.registry.register(self.scheduler_gauges)
         self.registry.register(DisaggregationCollector(self.scheduler_gauges))
+        self.registry.register(ExpertCollector(self.scheduler_gauges))
 
     def label_values(self, custom_labels: Optional[Mapping[str, str]]) -> Tuple[str, ...]:
         """A request's custom label values, in label order; OVERFLOW_LABEL_VALUE for every label
@@ -242,6 +243,31 @@ class SchedulerStateCollector:
             family = GaugeMetricFamily(METRIC_PREFIX + name, doc, labels=["model_name"])
             family.add_metric([self.model_name], value)
             yield family
+
+
+class ExpertCollector:
+    """Tokens routed to each expert of a mixture-of-experts model, from the schedulers' internal states
+    ("moe": routed_tokens): one counter series per expert id, summed over the layers and the DP
+    replicas (a (layer, expert) series would be layers x experts of them; the per-layer counts are what
+    /dump_expert_distribution_record gives). A token counts once per expert of its top-k, in every
+    forward (prefill and decode). Nothing is exposed for a dense model."""
+
+    def __init__(self, source: SchedulerStateCollector) -> None:
+        self.source = source
+
+    def describe(self) -> Iterator[Metric]:
+        return iter(())  # present only for MoE models
+
+    def collect(self) -> Iterator[Metric]:
+        routed = [s["moe"]["routed_tokens"] for s in self.source.states or [] if isinstance(s.get("moe"), dict)]
+        if not routed:
+            return
+        family = CounterMetricFamily(METRIC_PREFIX + "moe_routed_tokens",
+                                     "Tokens routed to each expert (top-k slots), summed over the MoE layers.",
+                                     labels=["model_name", "expert_id"])
+        for expert_id, counts in enumerate(zip(*routed)):
+            family.add_metric([self.source.model_name, str(expert_id)], sum(counts))
+        yield family
 
 
 class DisaggregationCollector:

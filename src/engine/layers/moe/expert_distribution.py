@@ -4,8 +4,10 @@
 The counts are kept on the model's device and only ever added to, so that a forward never
 synchronises with the host and a captured CUDA graph keeps counting: recording is a snapshot at
 start and the difference at stop. The router is replicated on every TP rank, so every rank counts
-the same tokens; rank 0 reports. Every forward counts, prefill and decode (also the warm-up and
-graph-capture forwards a GPU server runs at start-up).
+the same tokens; rank 0 reports. What counts is what runs through a layer's experts, in every forward:
+prefill and decode (also the warm-up and graph-capture forwards a GPU server runs at start-up, and a
+decode step the overlap scheduler runs past a request's end); the last layer of a prefill runs only
+the rows the logits need (each request's last), so it counts fewer tokens than the others.
 """
 
 from __future__ import annotations
