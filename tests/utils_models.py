@@ -321,3 +321,50 @@ def make_runner(model_dir: str, page_size: int = 1, dtype: str = "float32", max_
     )
     config = ModelConfig.from_pretrained(model_dir, dtype=dtype, device="cpu", is_embedding=server_args.is_embedding)
     return ModelRunner(config, server_args)
+
+
+def build_eagle_head(path: str, target_path: str, seed: int = 0, identity: bool = False) -> str:
+    """An EAGLE-1 head for the Llama model in `target_path`, in EAGLE's checkpoint format (config.json
+    with architectures LlamaForCausalLMEagle and one layer; safetensors fc.weight [hidden, 2 * hidden],
+    fc.bias and layers.0.* without input_layernorm; no embedding or head: the target's are shared).
+    `identity`: fc passes the token's embedding through and the layer adds nothing (o_proj and
+    down_proj zero), so the head's output is embed(token): a target without layers whose final norm
+    is all ones then predicts exactly what the head predicts."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    with open(os.path.join(target_path, "config.json")) as f:
+        config = json.load(f)
+    config.update(architectures=["LlamaForCausalLMEagle"], num_hidden_layers=1)
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q_out, kv_out = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen) / math.sqrt(shape[-1]) * 1.5
+
+    weights = {
+        "fc.weight": rand(hidden, 2 * hidden), "fc.bias": 0.1 * torch.randn(hidden, generator=gen),
+        "layers.0.self_attn.q_proj.weight": rand(q_out, hidden),
+        "layers.0.self_attn.k_proj.weight": rand(kv_out, hidden),
+        "layers.0.self_attn.v_proj.weight": rand(kv_out, hidden),
+        "layers.0.self_attn.o_proj.weight": rand(hidden, q_out),
+        "layers.0.mlp.gate_proj.weight": rand(inter, hidden),
+        "layers.0.mlp.up_proj.weight": rand(inter, hidden),
+        "layers.0.mlp.down_proj.weight": rand(hidden, inter),
+        "layers.0.post_attention_layernorm.weight": 1.0 + 0.2 * torch.randn(hidden, generator=gen),
+    }
+    if identity:
+        weights["fc.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, hidden)], dim=1)
+        weights["fc.bias"] = torch.zeros(hidden)
+        weights["layers.0.self_attn.o_proj.weight"] = torch.zeros(hidden, q_out)
+        weights["layers.0.mlp.down_proj.weight"] = torch.zeros(hidden, inter)
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    return path

@@ -27,11 +27,12 @@ DISAGGREGATION_MODES = ("null", "prefill", "decode")
 # tcp: ZMQ between processes and machines; loopback: in-process (tests); fake: no prefill at all.
 DISAGGREGATION_TRANSFER_BACKENDS = ("tcp", "loopback", "fake")
 # --speculative-algorithm: what runs, and SGLang's names that are refused at start-up.
-SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE")
-UNSUPPORTED_SPECULATIVE_ALGORITHMS = ("EAGLE", "EAGLE3", "NEXTN")
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE")
+UNSUPPORTED_SPECULATIVE_ALGORITHMS = ("EAGLE3", "NEXTN")
 # The algorithms whose drafts come from a draft model (--speculative-draft-model-path).
-DRAFT_MODEL_ALGORITHMS = ("STANDALONE",)
-# SGLang's (num_steps, eagle_topk, num_draft_tokens) for STANDALONE when none is given.
+DRAFT_MODEL_ALGORITHMS = ("STANDALONE", "EAGLE")
+# (num_steps, eagle_topk, num_draft_tokens) when none is given: SGLang's STANDALONE default (its
+# EAGLE default for Llama is (5, 4, 8), a tree this engine cannot verify).
 DEFAULT_DRAFT_MODEL_SPEC_PARAMS = (3, 1, 4)
 # The most tokens one verify step checks per request, and the longest n-gram window (bounds the
 # verify forward and the drafter's search).
@@ -196,15 +197,17 @@ class ServerArgs:
     speculative_algorithm: Optional[str] = arg(None, (
         "NGRAM: each decode step verifies tokens proposed by matching the request's latest tokens "
         "earlier in its prompt and output. STANDALONE: a smaller draft model "
-        "(--speculative-draft-model-path, same tokenizer) proposes them. Exact either way: greedy "
-        "output is unchanged, sampling keeps the target distribution. EAGLE, EAGLE3 and NEXTN are "
+        "(--speculative-draft-model-path, same tokenizer) proposes them. EAGLE: an EAGLE head "
+        "(LlamaForCausalLMEagle) proposes them from the target's hidden states. Exact in every case: "
+        "greedy output is unchanged, sampling keeps the target distribution. EAGLE3 and NEXTN are "
         "refused (not supported yet)."))
-    speculative_draft_model_path: Optional[str] = arg(None, "STANDALONE: the draft model's directory.")
+    speculative_draft_model_path: Optional[str] = arg(None, "STANDALONE, EAGLE: the draft model's (or EAGLE "
+                                                            "head's) directory.")
     speculative_num_steps: Optional[int] = arg(None, (
-        "STANDALONE: draft forwards per verify step (the drafts of a chain). Default 3 (SGLang's "
+        "STANDALONE, EAGLE: draft forwards per verify step (the drafts of a chain). Default 3 (SGLang's "
         "default for STANDALONE), with --speculative-eagle-topk 1 and --speculative-num-draft-tokens 4."))
     speculative_eagle_topk: Optional[int] = arg(None, (
-        "STANDALONE: draft tokens kept per step; only 1 (a chain) is supported (tree verification "
+        "STANDALONE, EAGLE: draft tokens kept per step; only 1 (a chain) is supported (tree verification "
         "is not implemented)."))
     speculative_num_draft_tokens: Optional[int] = arg(None, (
         "Tokens one verify step checks per request: the last token plus up to N-1 drafts. "
@@ -557,9 +560,10 @@ class ServerArgs:
             return
         if algo in UNSUPPORTED_SPECULATIVE_ALGORITHMS:
             raise ServerArgsError(
-                f"--speculative-algorithm {algo} is not supported yet: EAGLE heads (and NEXTN layers) need "
-                "the target's hidden states, which this engine does not feed a draft yet.\n"
-                "Use --speculative-algorithm STANDALONE with a small draft model of the same tokenizer "
+                f"--speculative-algorithm {algo} is not supported yet: EAGLE3 heads read three of the target's "
+                "layers and map their own vocabulary, NEXTN layers are part of the target.\n"
+                "Use --speculative-algorithm EAGLE (an EAGLE-1/2 head), STANDALONE with a small draft model of "
+                "the same tokenizer "
                 "(--speculative-draft-model-path), NGRAM (drafts from the request's own tokens), or leave it unset.")
         need(algo in SPECULATIVE_ALGORITHMS,
              f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}, got {algo!r}")

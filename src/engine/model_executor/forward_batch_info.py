@@ -128,6 +128,8 @@ class ForwardBatch:
     dimensions: Optional[List[Optional[int]]] = None
     # Per request its LoRA adapter's uid, or None (engine/lora/: the LoRAManager reads it).
     lora_ids: Optional[List[Optional[str]]] = None
+    # An EAGLE draft forward: the feature each token is read with (speculative/eagle.py), [tokens, hidden].
+    spec_hidden_states: Optional[torch.Tensor] = None
 
     # Memory and attention
     req_to_token_pool: Optional["ReqToTokenPool"] = None

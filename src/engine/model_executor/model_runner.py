@@ -242,6 +242,10 @@ class ModelRunner:
             device=self.device,
         )
         self.token_to_kv_pool_allocator = target.token_to_kv_pool_allocator
+        # A slot's draft K/V change whenever its target K/V do, but the allocator reports releases
+        # to the target's pool only: one count of releases per slot for both (kept prefix panels
+        # of the CPU cascade decode are valid while it is unchanged, layers/attention/prefix_panels.py).
+        self.token_to_kv_pool.slot_generation = target.token_to_kv_pool.slot_generation
         logger.info("Draft model KV cache pool: %d tokens (%.2f GB), sharing the target's slots",
                     self.max_total_num_tokens, self.max_total_num_tokens * self.kv_bytes_per_token() / 1e9)
 

@@ -13,6 +13,8 @@ _MODELS: Dict[str, Tuple[str, str]] = {
     "MistralForCausalLM": ("engine.models.mistral", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("engine.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("engine.models.qwen3", "Qwen3ForCausalLM"),
+    # EAGLE's draft head (speculative decoding: --speculative-algorithm EAGLE).
+    "LlamaForCausalLMEagle": ("engine.models.llama_eagle", "LlamaForCausalLMEagle"),
     # Mixture-of-experts decoders (models/sparse_moe.py).
     "MixtralForCausalLM": ("engine.models.mixtral", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("engine.models.qwen2_moe", "Qwen2MoeForCausalLM"),

@@ -4,8 +4,8 @@ A batch with constrained requests samples under its vocabulary mask, which needs
 token accepted by the matchers. When an earlier result is still unprocessed (overlap), the forward
 is launched at once and its sampling is delayed: the loop calls `sample_if_delayed` after it has
 processed that result. With speculative decoding an eligible decode batch runs as a verify step
-instead (speculative/speculator.py); with a draft model the draft runs every plain forward first
-(its K/V follow the target's).
+instead (speculative/speculator.py); with a draft model the drafter runs every plain forward with the
+target's (its K/V follow the target's).
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class ForwardLauncher:
             self.num_extend_tokens_computed += batch.extend_num_tokens
         worker_batch = batch.get_model_worker_batch()
         sleep_s, worker, is_generation = self.forward_sleep_s, self.worker, self.is_generation
-        mirror = self.spec.mirror if self.spec is not None and is_generation else None
+        spec = self.spec if is_generation else None
         delay_sample = False
         if any(req.grammar is not None for req in batch.reqs):
             if overlap and results_in_flight:
@@ -69,8 +69,9 @@ class ForwardLauncher:
                 time.sleep(sleep_s)
             if not is_generation:
                 return worker.forward_batch_embedding(worker_batch)
-            if mirror is not None:  # the draft first: it reads the relay the target's sampling overwrites
-                mirror(worker_batch)
+            if spec is not None:  # a drafter follows every plain forward of the target
+                return spec.forward_plain(
+                    worker_batch, lambda batch: worker.forward_batch_generation(batch, delay_sample=delay_sample))
             if delay_sample:
                 return worker.forward_batch_generation(worker_batch, delay_sample=True)
             return worker.forward_batch_generation(worker_batch)

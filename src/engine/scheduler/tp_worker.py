@@ -13,6 +13,7 @@ from engine.configs.pooling_config import PoolingType
 from engine.distributed.weight_update_group import WeightUpdateGroups, tensor_specs
 from engine.scheduler.overlap_utils import resolve_relay_input_ids, write_relay
 from engine.lora.lora_config import LoRAError
+from engine.layers.logits_processor import LogitsProcessorOutput
 from engine.model_executor.forward_batch_info import ForwardBatch, ModelWorkerBatch
 
 if TYPE_CHECKING:
@@ -188,10 +189,11 @@ class TpModelWorker:
                                          forward_batch=forward_batch)
         return self._sample(logits_output, forward_batch)
 
-    def forward_batch_verify(self, batch: ModelWorkerBatch) -> torch.Tensor:
-        """A TARGET_VERIFY forward (engine/speculative/): the logits of every position, [tokens, vocab]."""
+    def forward_batch_verify(self, batch: ModelWorkerBatch) -> LogitsProcessorOutput:
+        """A TARGET_VERIFY forward (engine/speculative/): the logits of every position, [tokens, vocab]
+        (and the hidden states when the batch captures them)."""
         forward_batch = ForwardBatch.init_new(batch, self.model_runner)
-        return self.model_runner.forward(forward_batch).next_token_logits
+        return self.model_runner.forward(forward_batch)
 
     def sample_delayed(self, result: GenerationBatchResult,
                        vocab_mask: Optional[torch.Tensor]) -> GenerationBatchResult:

@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Protocol,
 import torch
 
 if TYPE_CHECKING:
+    from engine.layers.logits_processor import LogitsProcessorOutput
     from engine.layers.moe.expert_distribution import ExpertDistributionRecorder
     from engine.scheduler.tp_worker import EmbeddingBatchResult, GenerationBatchResult
     from engine.mem_cache.allocator import PagedTokenToKVPoolAllocator
@@ -42,7 +43,7 @@ class ModelWorker(Protocol):
     def forward_batch_embedding(self, batch: "ModelWorkerBatch") -> "EmbeddingBatchResult":
         """The pooled vectors of an embedding model's batch (scheduler/embedding.py)."""
 
-    def forward_batch_verify(self, batch: "ModelWorkerBatch") -> torch.Tensor:
+    def forward_batch_verify(self, batch: "ModelWorkerBatch") -> "LogitsProcessorOutput":
         """A speculative verify forward: the logits of every position (engine/speculative/)."""
 
     def expert_recorder(self) -> Optional["ExpertDistributionRecorder"]:

@@ -9,7 +9,7 @@ slot (finish, abort, retraction, rejected drafts, eviction from the radix cache)
 draft owns no slot and nothing of it can leak. The one rule to keep is that every slot holding the
 target's committed K/V also holds the draft's:
 - every plain forward of the target (prefill, mixed chunk, plain decode step) is run by the draft
-  first on the same batch (`mirror`), so the draft's K/V of prompts, cached prefixes and plainly
+  first on the same batch (`forward_plain`), so the draft's K/V of prompts, cached prefixes and plainly
   decoded tokens are written where the target's are;
 - a verify step drafts with `num_steps` decode forwards of the draft (`draft`): the first feeds the
   last token (its decode slot), each next one the previous draft (the slots alloc_draft_slots gave),
@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -97,7 +97,14 @@ class DraftModelDrafter:
         self._decode(wb, rows, [step.drafts[i][-1] for i in rows], [starts[i] + lens[i] for i in rows],
                      [wb.extend_prefix_lens[i] + lens[i] + 1 for i in rows])
 
-    def mirror(self, worker_batch: ModelWorkerBatch) -> None:
+    needs_target_hidden = False
+
+    def forward_plain(self, worker_batch: ModelWorkerBatch, run_target: Callable[[ModelWorkerBatch], Any]) -> Any:
+        # The draft first: it reads the relay, which the target's sampling overwrites.
+        self._mirror(worker_batch)
+        return run_target(worker_batch)
+
+    def _mirror(self, worker_batch: ModelWorkerBatch) -> None:
         started = time.perf_counter()
         # Only the K/V matter: no logprobs, hidden states or sampling for the draft.
         batch = dataclasses.replace(worker_batch, return_logprob=False, top_logprobs_nums=None,

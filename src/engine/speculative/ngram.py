@@ -10,7 +10,7 @@ element operations and no per-request index to keep in step with retraction or a
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, List, Optional, Sequence
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Sequence
 
 import numpy as np
 
@@ -71,5 +71,7 @@ class NgramDrafter:
     def after_verify(self, step: VerifyStep) -> None:
         pass
 
-    def mirror(self, worker_batch: ModelWorkerBatch) -> None:
-        pass
+    needs_target_hidden = False
+
+    def forward_plain(self, worker_batch: ModelWorkerBatch, run_target: Callable[[ModelWorkerBatch], Any]) -> Any:
+        return run_target(worker_batch)

@@ -23,7 +23,7 @@ Eligible: every request samples without per-token state the verify step does not
 (grammar, logprobs, hidden states, penalties, min_new_tokens, logit_bias, a seed, a custom logit
 processor), and the batch is not larger than --speculative-batch-size-threshold; otherwise the
 batch takes the plain decode step, which is exact anyway (a draft model still follows it: the
-drafter's `mirror`). It runs in the normal (non-overlap) loop only: drafting needs the previous
+drafter's `forward_plain`). It runs in the normal (non-overlap) loop only: drafting needs the previous
 step's tokens.
 """
 
@@ -43,6 +43,8 @@ from engine.speculative.verify import accept_drafts
 
 if TYPE_CHECKING:
     from engine.mem_cache.base_prefix_cache import BasePrefixCache
+    from engine.model_executor.model_runner import ModelRunner
+    from engine.scheduler.tp_worker import TpModelWorker
     from engine.model_executor.forward_batch_info import ModelWorkerBatch
     from engine.scheduler.req import Req
     from engine.scheduler.schedule_batch import ScheduleBatch
@@ -110,7 +112,10 @@ class Speculator:
             input_ids.append(req.output_ids[-1])
             # Drafts of the forward thread are written there (Speculator.run); 0 holds their place.
             input_ids.extend(d if proposed is not None else [0] * k)
-        return VerifyStep(worker_batch=batch.verify_worker_batch(input_ids, draft_lens, slots), drafts=drafts,
+        worker_batch = batch.verify_worker_batch(input_ids, draft_lens, slots)
+        if self.drafter.needs_target_hidden:
+            worker_batch = dataclasses.replace(worker_batch, capture_hidden_states=True)
+        return VerifyStep(worker_batch=worker_batch, drafts=drafts,
                           draft_lens=draft_lens, draft_on_forward_thread=proposed is None and any(draft_lens))
 
     def process(self, batch: ScheduleBatch, step: VerifyStep) -> List[Req]:
@@ -185,9 +190,10 @@ class Speculator:
             step.worker_batch = dataclasses.replace(step.worker_batch, input_ids=torch.tensor(ids, dtype=torch.int64))
         drafted = time.perf_counter()
         wb = step.worker_batch
-        logits = self.worker.forward_batch_verify(wb)
+        output = self.worker.forward_batch_verify(wb)
+        step.target_hidden = output.hidden_states
         assert wb.sampling_info is not None  # a generation batch always has one
-        outcome = accept_drafts(logits, step.drafts, wb.sampling_info, step.draft_probs)
+        outcome = accept_drafts(output.next_token_logits, step.drafts, wb.sampling_info, step.draft_probs)
         step.outcome = outcome
         verified = time.perf_counter()
         self.drafter.after_verify(step)
@@ -200,9 +206,9 @@ class Speculator:
                     last.to(self.worker.output_tokens_buf.device))
         return step
 
-    def mirror(self, worker_batch: ModelWorkerBatch) -> None:
-        """Before a plain forward of the target (prefill, mixed or decode step)."""
-        self.drafter.mirror(worker_batch)
+    def forward_plain(self, worker_batch: ModelWorkerBatch, run_target: Callable[[ModelWorkerBatch], Any]) -> Any:
+        """A plain forward of the target (prefill, mixed or decode step), the drafter kept in step."""
+        return self.drafter.forward_plain(worker_batch, run_target)
 
 
 def build_speculator(server_args: ServerArgs, worker: ModelWorker, tree_cache: BasePrefixCache,
@@ -215,11 +221,32 @@ def build_speculator(server_args: ServerArgs, worker: ModelWorker, tree_cache: B
 
         return Speculator(server_args, worker, tree_cache, NgramDrafter(server_args))
     from engine.scheduler.tp_worker import TpModelWorker
-    from engine.speculative.draft_model import DraftModelDrafter
 
     if not isinstance(worker, TpModelWorker):
         raise ValueError(f"--speculative-algorithm {algo} needs the model worker (a draft model runs beside it)")
     path = server_args.speculative_draft_model_path
     assert path is not None  # ServerArgs requires it for the draft-model algorithms
     runner = on_forward_thread(lambda: worker.make_draft_runner(path))
+    if algo == "EAGLE":
+        return Speculator(server_args, worker, tree_cache, _eagle_drafter(worker, runner, path))
+    from engine.speculative.draft_model import DraftModelDrafter
+
     return Speculator(server_args, worker, tree_cache, DraftModelDrafter(runner, worker.output_tokens_buf))
+
+
+def _eagle_drafter(worker: TpModelWorker, runner: ModelRunner, path: str) -> Drafter:
+    """The EAGLE head of `runner`, sharing the target's embedding and lm_head."""
+    from engine.models.llama import LlamaForCausalLM
+    from engine.models.llama_eagle import LlamaForCausalLMEagle
+    from engine.speculative.eagle import EagleDrafter
+
+    head = runner.model
+    target = worker.real_runner.model if worker.real_runner is not None else None
+    if not isinstance(head, LlamaForCausalLMEagle):
+        raise ValueError(f"--speculative-draft-model-path {path} is not an EAGLE head (config.json architectures "
+                         "LlamaForCausalLMEagle), which --speculative-algorithm EAGLE needs")
+    if not isinstance(target, LlamaForCausalLM) or head.config.hidden_size != target.config.hidden_size:
+        raise ValueError(f"the EAGLE head {path} needs a Llama-family target of its hidden size "
+                         f"({head.config.hidden_size})")
+    head.share_embed_and_head(target)
+    return EagleDrafter(runner, worker.output_tokens_buf, head.config.hidden_size, runner.dtype)

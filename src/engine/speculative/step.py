@@ -4,7 +4,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional, Protocol
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Protocol
 
 import torch
 
@@ -28,6 +28,9 @@ class VerifyStep:
     draft_on_forward_thread: bool = False
     # Per request: the distributions its sampled drafts were drawn from ([k, vocab]; None: point masses).
     draft_probs: Optional[List[Optional[torch.Tensor]]] = None
+    # The target's final hidden state at every position of the verify forward (a drafter that
+    # needs_target_hidden reads them), [tokens, hidden].
+    target_hidden: Optional[torch.Tensor] = None
     outcome: Optional[VerifyOutcome] = None
     draft_seconds: float = 0.0  # forward-thread time the drafter spent on this step
 
@@ -45,6 +48,10 @@ class Drafter(Protocol):
     def after_verify(self, step: VerifyStep) -> None:
         """Forward thread, after the acceptance: bring the drafter's state to the accepted tokens."""
 
-    def mirror(self, worker_batch: ModelWorkerBatch) -> None:
-        """Forward thread, before a plain forward of the target: whatever keeps the drafter in step
-        with the KV that forward writes."""
+    # Whether the target's forwards must return their hidden states (EAGLE's features).
+    needs_target_hidden: bool
+
+    def forward_plain(self, worker_batch: ModelWorkerBatch, run_target: Callable[[ModelWorkerBatch], Any]) -> Any:
+        """Forward thread: a plain forward of the target (prefill, mixed chunk, plain decode step),
+        run by the drafter through `run_target` together with whatever keeps it in step with the
+        K/V that forward writes; returns run_target's result."""

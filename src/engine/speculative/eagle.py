@@ -1,0 +1,167 @@
+"""EagleDrafter: an EAGLE head (models/llama_eagle.py) proposes the drafts from the target's own
+features (SGLang's EAGLEWorker, chain drafting with topk 1).
+
+The head at position i reads the token of position i + 1 and the target's feature (final hidden
+state) at i, so it lags the target by one token. Its ModelRunner shares the target's slots as a
+STANDALONE draft's does (draft_model.py), and this drafter keeps the target's feature of every slot
+in `features` (written after every target forward that computes the slot). The rule kept: for a
+request with committed K/V positions 0..n-1, the head's K/V is exact at 0..n-2; position n-1 reads
+the request's newest token, which has no K/V yet, and is written when that token is fed:
+- a plain forward of the target over positions p..q-1 (prefill chunk, mixed, plain decode) is
+  followed by the head's extend over p-1..q-2 (the tokens p..q-1, the features p-1..q-2);
+- a verify step (last token at position m, k drafts): the head's first decode forward is at m - 1
+  (the last token, the target's feature there), each next one at m, m + 1, ... feeding the previous
+  draft with the head's own output as the feature; its K/V there are guesses until:
+- after the acceptance of a drafts, the head's extend over m..m+a-1 (the accepted drafts, the
+  target's features of the verify forward) makes them exact (SGLang's draft extend after decode);
+  without drafts, position m - 1 is written then.
+A slot reached from the radix cache by another request is written again at the matched prefix's
+last position (p - 1), with that request's next token: when two requests diverge exactly there, the
+other's head K/V at that slot is the newer request's (lower acceptance for it, never an inexact
+output: every token is the target's).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import TYPE_CHECKING, Any, Callable, List, Optional
+
+import torch
+
+from engine.model_executor.forward_batch_info import ForwardBatch, ForwardMode, ModelWorkerBatch
+from engine.scheduler.overlap_utils import resolve_relay_input_ids
+from engine.speculative.draft_model import _i64, _pick, _starts
+
+if TYPE_CHECKING:
+    from engine.layers.logits_processor import LogitsProcessorOutput
+    from engine.model_executor.model_runner import ModelRunner
+    from engine.scheduler.schedule_batch import ScheduleBatch
+    from engine.speculative.step import VerifyStep
+
+
+class EagleDrafter:
+    needs_target_hidden = True
+
+    def __init__(self, runner: ModelRunner, relay: torch.Tensor, hidden_size: int, dtype: torch.dtype) -> None:
+        self.runner = runner
+        self.relay = relay  # the target's overlap relay: a plain decode step's input ids
+        pool = runner.token_to_kv_pool
+        # The target's feature at every slot (slot numbers are the target's).
+        self.features = torch.zeros(pool.size + pool.page_size, hidden_size, dtype=dtype, device=runner.device)
+        self.req_to_token = runner.req_to_token_pool.req_to_token
+        self.mirror_seconds = 0.0  # forward-thread time of the head's extends after plain forwards
+
+    # ------------------------------------------------------------------ scheduling thread
+    def propose(self, batch: ScheduleBatch, budgets: List[int]) -> Optional[List[List[int]]]:
+        return None  # drafted on the forward thread, `budgets[i]` drafts each
+
+    # ------------------------------------------------------------------ forward thread
+    def forward_plain(self, worker_batch: ModelWorkerBatch, run_target: Callable[[ModelWorkerBatch], Any]) -> Any:
+        ids = worker_batch.input_ids
+        if worker_batch.relay_rows is not None:  # read now: the target's sampling overwrites the relay
+            ids = resolve_relay_input_ids(ids.to(self.relay.device), worker_batch.relay_rows.to(self.relay.device),
+                                          self.relay).cpu()
+        result = run_target(dataclasses.replace(worker_batch, capture_hidden_states=True))
+        started = time.perf_counter()
+        output: LogitsProcessorOutput = result.logits_output
+        assert output.hidden_states is not None  # captured above
+        self._store(worker_batch.out_cache_loc, output.hidden_states)
+        if worker_batch.forward_mode.is_decode():
+            prefix = [n - 1 for n in worker_batch.seq_lens_cpu]
+            extend = [1] * len(prefix)
+        else:
+            assert worker_batch.extend_prefix_lens is not None and worker_batch.extend_seq_lens is not None
+            prefix, extend = list(worker_batch.extend_prefix_lens), list(worker_batch.extend_seq_lens)
+        flat = ids.tolist()
+        rows = worker_batch.req_pool_indices.tolist()
+        firsts: List[int] = []
+        tokens: List[List[int]] = []
+        for p, e, s in zip(prefix, extend, _starts([e - 1 for e in extend])):
+            # Head positions max(p - 1, 0) .. p + e - 2 read the tokens of positions +1.
+            first = max(p - 1, 0)
+            firsts.append(first)
+            tokens.append(flat[s + first + 1 - p: s + e])
+        self._extend(rows, firsts, tokens)
+        self.mirror_seconds += time.perf_counter() - started
+        return result
+
+    def draft(self, step: VerifyStep) -> None:
+        wb = step.worker_batch
+        info = wb.sampling_info
+        assert info is not None and wb.extend_prefix_lens is not None  # a verify batch has both
+        lens = step.draft_lens
+        fed = wb.input_ids.tolist()
+        starts = _starts(lens)
+        pool_rows = wb.req_pool_indices.tolist()
+        greedy = (info.top_ks == 1).tolist()
+        drafts: List[List[int]] = [[] for _ in lens]
+        probs: List[List[torch.Tensor]] = [[] for _ in lens]
+        guesses: List[Optional[torch.Tensor]] = [None] * len(lens)  # the head's last output per request
+        for j in range(max(lens, default=0)):
+            rows = [i for i, k in enumerate(lens) if k > j]
+            m = [wb.extend_prefix_lens[i] for i in rows]  # the last token's position
+            if j == 0:  # at m - 1: the last token with the target's feature there
+                slots = torch.tensor([int(self.req_to_token[pool_rows[i], p - 1]) for i, p in zip(rows, m)])
+                feats = self.features[slots.to(self.features.device)]
+                ids = [fed[starts[i]] for i in rows]
+            else:  # at m + j - 1: the previous draft with the head's own guess
+                slots = wb.out_cache_loc[_i64([starts[i] + j - 1 for i in rows])]
+                feats = torch.stack([g for g in (guesses[i] for i in rows) if g is not None])
+                ids = [drafts[i][-1] for i in rows]
+            batch = ModelWorkerBatch(
+                forward_mode=ForwardMode.DECODE, input_ids=_i64(ids), req_pool_indices=wb.req_pool_indices[_i64(rows)],
+                seq_lens=_i64([p + j for p in m]), seq_lens_cpu=[p + j for p in m], out_cache_loc=slots,
+                capture_hidden_states=True)
+            output = self._forward(batch, feats)
+            assert output.hidden_states is not None  # captured
+            tokens, row_probs = _pick(output.next_token_logits, info, rows, greedy)
+            for r, i in enumerate(rows):
+                drafts[i].append(tokens[r])
+                guesses[i] = output.hidden_states[r]
+                q = row_probs[r]
+                if q is not None:
+                    probs[i].append(q)
+        step.drafts = drafts
+        step.draft_probs = [torch.stack(p) if p else None for p in probs]
+
+    def after_verify(self, step: VerifyStep) -> None:
+        wb = step.worker_batch
+        outcome = step.outcome
+        assert outcome is not None and wb.extend_prefix_lens is not None and step.target_hidden is not None
+        self._store(wb.out_cache_loc, step.target_hidden)
+        fed = wb.input_ids.tolist()
+        firsts: List[int] = []
+        tokens: List[List[int]] = []
+        for m, k, a, s in zip(wb.extend_prefix_lens, step.draft_lens, outcome.accepted, _starts(step.draft_lens)):
+            # Without drafts the head has not read the last token yet (its first draft forward does).
+            first = m if k > 0 else m - 1
+            firsts.append(first)
+            tokens.append(fed[s + first + 1 - m: s + a + 1])
+        self._extend(wb.req_pool_indices.tolist(), firsts, tokens)
+
+    # ------------------------------------------------------------------ helpers
+    def _store(self, slots: torch.Tensor, hidden: torch.Tensor) -> None:
+        self.features[slots.to(self.features.device)] = hidden.to(self.features.dtype)
+
+    def _extend(self, pool_rows: List[int], firsts: List[int], tokens: List[List[int]]) -> None:
+        """The head's extend of each request over positions firsts[i] .. firsts[i] + len(tokens[i]) - 1,
+        reading tokens[i] and the target's features at those positions."""
+        keep = [i for i, t in enumerate(tokens) if t]
+        if not keep:
+            return
+        slots = torch.cat([self.req_to_token[pool_rows[i], firsts[i]:firsts[i] + len(tokens[i])] for i in keep])
+        slots = slots.to(torch.int64)
+        lens = [len(tokens[i]) for i in keep]
+        seq_lens = [firsts[i] + len(tokens[i]) for i in keep]
+        batch = ModelWorkerBatch(
+            forward_mode=ForwardMode.EXTEND, input_ids=_i64([t for i in keep for t in tokens[i]]),
+            req_pool_indices=_i64([pool_rows[i] for i in keep]), seq_lens=_i64(seq_lens), seq_lens_cpu=seq_lens,
+            out_cache_loc=slots.cpu(), extend_num_tokens=sum(lens), extend_seq_lens=lens,
+            extend_prefix_lens=[firsts[i] for i in keep])
+        self._forward(batch, self.features[slots.to(self.features.device)])
+
+    def _forward(self, batch: ModelWorkerBatch, features: torch.Tensor) -> LogitsProcessorOutput:
+        forward_batch = ForwardBatch.init_new(batch, self.runner)
+        forward_batch.spec_hidden_states = features
+        return self.runner.forward(forward_batch)
