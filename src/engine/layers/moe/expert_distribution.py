@@ -27,7 +27,9 @@ class ExpertDistributionRecorder:
 
     def record(self, layer_id: int, topk_ids: torch.Tensor) -> None:
         """Count the (token, slot) pairs of one layer's top-k, by global expert id."""
-        self.counts[layer_id] += torch.bincount(topk_ids.reshape(-1).to(torch.int64), minlength=self.num_experts)
+        ids = topk_ids.reshape(-1).to(torch.int64)
+        # scatter_add, not bincount: bincount reads the largest id back to the host (no graph capture).
+        self.counts[layer_id].scatter_add_(0, ids, torch.ones_like(ids))
 
     def totals(self) -> List[int]:
         """Tokens routed to each expert id since start-up, summed over the layers."""

@@ -36,7 +36,9 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
     device = flat.device
     valid = flat >= 0
     keyed = torch.where(valid, flat, torch.full_like(flat, num_experts))  # the slots elsewhere sort last
-    counts = torch.bincount(keyed, minlength=num_experts + 1)[:num_experts]
+    # scatter_add, not bincount: bincount reads the largest id back to the host (no graph capture).
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=device).scatter_add_(
+        0, keyed, torch.ones_like(keyed))[:num_experts]
     padded = (counts + block_m - 1) // block_m * block_m
     starts = torch.cumsum(counts, 0) - counts  # each expert's first index in the unpadded sort
     padded_ends = torch.cumsum(padded, 0)

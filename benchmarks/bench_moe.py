@@ -1,0 +1,267 @@
+"""Mixture-of-experts decode (issue 37): a random Mixtral-shaped model against the dense Llama with the
+same active parameters, side by side in one run, in-process (no HTTP).
+
+The MoE model: --layers decoder layers of hidden --hidden, --experts experts of intermediate
+--expert-inter, top --top-k routing (default 8 x 1024, 8 experts, top-2, 3584: Mixtral's proportions
+at a quarter of its width). The dense model: the same attention, embedding and head, one MLP of
+intermediate top_k x expert_inter, so a token runs the same number of multiply-adds through both.
+Both are written once as bf16 safetensors checkpoints (random weights) under --dir.
+
+For each batch size (--batch-sizes, default 1 and 16) both models decode --out-len greedy tokens
+(ignore_eos) for the same random prompts; the table reports decode tokens/s, the median decode step,
+the MoE / dense ratio, and each step against its memory floor: the bytes a decode step must read
+(every weight outside the experts, the embedding rows and the head, the distinct experts the step's
+tokens were routed to (counted in a separate pass), the KV cache) at the memory bandwidth measured by
+a streaming read of a large tensor on the same cores.
+
+  python benchmarks/bench_moe.py                           # table + bench_moe.json
+  python benchmarks/bench_moe.py --layers 2 --out-len 8    # a quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+import time
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Tuple
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from engine.io_struct import TokenizedGenerateReqInput  # noqa: E402
+from engine.scheduler.overlap_utils import scheduling_thread  # noqa: E402
+from engine.scheduler.scheduler import Scheduler  # noqa: E402
+from engine.server_args import ServerArgs  # noqa: E402
+
+
+@dataclass
+class Shape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    experts: int
+    top_k: int
+    expert_inter: int
+    vocab: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+
+def _config(shape: Shape, moe: bool) -> Dict:
+    common = dict(hidden_size=shape.hidden, num_hidden_layers=shape.layers, num_attention_heads=shape.heads,
+                  num_key_value_heads=shape.kv_heads, vocab_size=shape.vocab, max_position_embeddings=4096,
+                  rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False, hidden_act="silu",
+                  torch_dtype="bfloat16")
+    if moe:
+        return dict(common, architectures=["MixtralForCausalLM"], model_type="mixtral",
+                    intermediate_size=shape.expert_inter, num_local_experts=shape.experts,
+                    num_experts_per_tok=shape.top_k)
+    return dict(common, architectures=["LlamaForCausalLM"], model_type="llama",
+                intermediate_size=shape.top_k * shape.expert_inter)
+
+
+def _weights(shape: Shape, moe: bool, seed: int) -> Dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*dims: int) -> torch.Tensor:
+        return (torch.randn(*dims, generator=gen) / dims[-1] ** 0.5).to(torch.bfloat16)
+
+    h, d = shape.hidden, shape.head_dim
+    w = {"model.embed_tokens.weight": rand(shape.vocab, h), "lm_head.weight": rand(shape.vocab, h),
+         "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
+    for i in range(shape.layers):
+        p = f"model.layers.{i}."
+        w[p + "self_attn.q_proj.weight"] = rand(shape.heads * d, h)
+        w[p + "self_attn.k_proj.weight"] = rand(shape.kv_heads * d, h)
+        w[p + "self_attn.v_proj.weight"] = rand(shape.kv_heads * d, h)
+        w[p + "self_attn.o_proj.weight"] = rand(h, shape.heads * d)
+        w[p + "input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        if moe:
+            w[p + "block_sparse_moe.gate.weight"] = rand(shape.experts, h)
+            for e in range(shape.experts):
+                q = f"{p}block_sparse_moe.experts.{e}."
+                w[q + "w1.weight"] = rand(shape.expert_inter, h)
+                w[q + "w3.weight"] = rand(shape.expert_inter, h)
+                w[q + "w2.weight"] = rand(h, shape.expert_inter)
+        else:
+            inter = shape.top_k * shape.expert_inter
+            w[p + "mlp.gate_proj.weight"] = rand(inter, h)
+            w[p + "mlp.up_proj.weight"] = rand(inter, h)
+            w[p + "mlp.down_proj.weight"] = rand(h, inter)
+    return w
+
+
+def checkpoint(root: str, shape: Shape, moe: bool) -> str:
+    """The model directory (written once per shape)."""
+    from safetensors.torch import save_file
+
+    name = ("mixtral" if moe else "dense") + "_" + "_".join(str(v) for v in asdict(shape).values())
+    path = os.path.join(root, name)
+    if os.path.exists(os.path.join(path, "model.safetensors")):
+        return path
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(_config(shape, moe), f)
+    save_file(_weights(shape, moe, seed=1), os.path.join(path, "model.safetensors.tmp"), metadata={"format": "pt"})
+    os.replace(os.path.join(path, "model.safetensors.tmp"), os.path.join(path, "model.safetensors"))
+    return path
+
+
+@dataclass
+class Result:
+    model: str
+    batch: int
+    decode_tok_s: float
+    step_ms: float
+    floor_ms: float
+    bytes_per_step: float
+    experts_read_per_layer: float
+
+
+def _scheduler(path: str, batch: int, args: argparse.Namespace) -> Scheduler:
+    server_args = ServerArgs(model_path=path, device="cpu", log_level="warning", dtype="bfloat16",
+                             max_total_tokens=batch * (args.prompt_len + args.out_len + 16) + 256,
+                             max_running_requests=batch, disable_overlap_schedule=True, chunked_prefill_size=-1,
+                             disable_radix_cache=True)
+    return Scheduler(server_args)
+
+
+def _decode(scheduler: Scheduler, prompts: List[List[int]], out_len: int, tag: str) -> List[float]:
+    """Run the prompts to completion; the duration of every decode step."""
+    greedy = {"max_new_tokens": out_len, "temperature": 0.0, "ignore_eos": True}
+    for i, p in enumerate(prompts):
+        scheduler.add_request(TokenizedGenerateReqInput(rid=f"{tag}{i}", input_ids=p, sampling_params=greedy))
+    steps: List[float] = []
+    while scheduler.has_work():
+        t = time.perf_counter()
+        batch = scheduler.step()
+        dt = time.perf_counter() - t
+        if batch is not None and batch.forward_mode.is_decode():
+            steps.append(dt)
+        scheduler.outbox.clear()
+    return steps
+
+
+def experts_read(scheduler: Scheduler, prompts: List[List[int]], out_len: int) -> float:
+    """Mean distinct experts a decode step's tokens go to, per MoE layer (0 for a dense model)."""
+    from engine.layers.moe.layer import FusedMoE
+    from engine.layers.moe.router import select_experts
+
+    model = scheduler.worker.model_runner.model
+    layers = [m for m in model.modules() if isinstance(m, FusedMoE)]
+    if not layers:
+        return 0.0
+    decoding = [False]
+    distinct: List[int] = []
+
+    def mode_hook(module, args, kwargs):
+        decoding[0] = args[2].forward_mode.is_decode()
+
+    def moe_hook(module, args):
+        if decoding[0]:
+            _, ids = select_experts(args[1], module.top_k, module.renormalize)
+            distinct.append(int(torch.unique(ids).numel()))
+
+    handles = [model.model.register_forward_pre_hook(mode_hook, with_kwargs=True)]
+    handles += [m.register_forward_pre_hook(moe_hook) for m in layers]
+    try:
+        _decode(scheduler, prompts, out_len, "count")
+    finally:
+        for h in handles:
+            h.remove()
+    return statistics.fmean(distinct)
+
+
+def read_bandwidth(gib: float = 1.0) -> float:
+    """Bytes/s of a streaming read (a float32 sum over a tensor much larger than the caches), best of 5."""
+    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+    best = float("inf")
+    for _ in range(5):
+        t = time.perf_counter()
+        x.sum()
+        best = min(best, time.perf_counter() - t)
+    return x.numel() * 4 / best
+
+
+def step_bytes(shape: Shape, moe: bool, batch: int, experts: float, context: int) -> float:
+    """What one decode step must read: the weights it uses (bf16), the KV cache of `batch` requests."""
+    h, d, L = shape.hidden, shape.head_dim, shape.layers
+    attention = (shape.heads * d * h * 2 + shape.kv_heads * d * h * 2) * L
+    per_expert = 3 * h * shape.expert_inter
+    ffn = (experts * per_expert + shape.experts * h) * L if moe else 3 * h * shape.top_k * shape.expert_inter * L
+    head = shape.vocab * h + batch * h  # the LM head, and the embedding rows of the batch
+    kv = batch * context * L * 2 * shape.kv_heads * d
+    return 2.0 * (attention + ffn + head + kv)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--experts", type=int, default=8)
+    ap.add_argument("--top-k", type=int, default=2)
+    ap.add_argument("--expert-inter", type=int, default=3584)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--out-len", type=int, default=32)
+    ap.add_argument("--dir", default=os.path.join(os.path.expanduser("~"), ".cache", "engine_bench_moe"))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default="bench_moe.json")
+    args = ap.parse_args()
+    shape = Shape(args.layers, args.hidden, args.heads, args.kv_heads, args.experts, args.top_k, args.expert_inter,
+                  args.vocab)
+    paths = {"mixtral": checkpoint(args.dir, shape, True), "dense": checkpoint(args.dir, shape, False)}
+    bandwidth = read_bandwidth()
+    print(f"streaming read bandwidth: {bandwidth / 1e9:.1f} GB/s ({torch.get_num_threads()} threads)")
+    results: List[Result] = []
+    with scheduling_thread():  # as in the scheduler process
+        for batch in args.batch_sizes:
+            rng = random.Random(args.seed + batch)
+            prompts = [[rng.randrange(10, args.vocab - 10) for _ in range(args.prompt_len)] for _ in range(batch)]
+            for name, path in paths.items():
+                scheduler = _scheduler(path, batch, args)
+                _decode(scheduler, [p[:8] for p in prompts], 4, "warmup")
+                experts = experts_read(scheduler, prompts, min(args.out_len, 8))
+                steps = _decode(scheduler, prompts, args.out_len, "run")
+                scheduler.shutdown()
+                context = args.prompt_len + args.out_len // 2
+                nbytes = step_bytes(shape, name == "mixtral", batch, experts, context)
+                step = statistics.median(steps)
+                results.append(Result(name, batch, batch / step, step * 1e3, nbytes / bandwidth * 1e3, nbytes,
+                                      experts))
+    _report(results, shape, bandwidth, args)
+
+
+def _report(results: List[Result], shape: Shape, bandwidth: float, args: argparse.Namespace) -> None:
+    print(f"\nMoE {shape.layers} layers x {shape.experts} experts (top-{shape.top_k}, hidden {shape.hidden}, "
+          f"expert intermediate {shape.expert_inter}) vs dense (intermediate {shape.top_k * shape.expert_inter}), "
+          f"bf16, prompt {args.prompt_len}, {args.out_len} tokens")
+    print(f"{'model':8} {'batch':>5} {'tok/s':>8} {'step ms':>8} {'floor ms':>8} {'step/floor':>10} "
+          f"{'experts/layer':>13} {'MoE/dense':>9}")
+    by: Dict[Tuple[str, int], Result] = {(r.model, r.batch): r for r in results}
+    for r in results:
+        dense = by.get(("dense", r.batch))
+        ratio = f"{r.decode_tok_s / dense.decode_tok_s:9.2f}" if r.model == "mixtral" and dense else " " * 9
+        print(f"{r.model:8} {r.batch:5d} {r.decode_tok_s:8.1f} {r.step_ms:8.1f} {r.floor_ms:8.1f} "
+              f"{r.step_ms / r.floor_ms:10.2f} {r.experts_read_per_layer:13.2f} {ratio}")
+    with open(args.json, "w") as f:
+        json.dump({"shape": asdict(shape), "bandwidth_bytes_s": bandwidth, "args": vars(args),
+                   "results": [asdict(r) for r in results]}, f, indent=2)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
