@@ -25,6 +25,8 @@ ARCHS = {
     "mixtral": ("MixtralConfig", "MixtralForCausalLM"),
     "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM"),
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
+    "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
+    "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
 }
 
 # The mixture-of-experts families' own fields (with TINY): 4-8 experts, top-2; Qwen's layer 0 dense
@@ -36,6 +38,19 @@ TINY_MOE = {
                       decoder_sparse_step=1),
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                       mlp_only_layers=[0], decoder_sparse_step=1, head_dim=32),
+}
+
+# Sliding-window families (with TINY): a window of 16 that prompts of 100+ tokens run far past, local and
+# global layers mixed (Gemma's head_dim and query_pre_attn_scalar set apart so a wrong scale shows).
+TINY_SWA = {
+    "mistral": dict(sliding_window=16, max_position_embeddings=1024),
+    "gemma2": dict(sliding_window=16, max_position_embeddings=1024, head_dim=16, query_pre_attn_scalar=24,
+                   num_hidden_layers=3, hidden_activation="gelu_pytorch_tanh"),
+    "gemma3": dict(sliding_window=16, max_position_embeddings=1024, head_dim=16, query_pre_attn_scalar=24,
+                   num_hidden_layers=3, final_logit_softcapping=20.0,
+                   layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+                   rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
+                                    "full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
 }
 
 TINY = dict(

@@ -194,26 +194,30 @@ def _write_config(path, **fields):
     return str(path)
 
 
-def test_sliding_window_limits_the_context_length(tmp_path, caplog):
-    """Sliding-window attention is not implemented: a model with a window shorter than its
-    positions serves at most the window (exact), and asking for more is refused."""
+def test_sliding_window_is_read_per_layer(tmp_path):
+    """Sliding-window attention is implemented: the context is the model's own (no longer capped at the
+    window) and each layer's window follows the family's rule (layer_types first)."""
     from engine.configs.model_config import ModelConfig
 
     mistral = _write_config(tmp_path / "mistral", architectures=["MistralForCausalLM"], model_type="mistral",
                             sliding_window=64)
-    with caplog.at_level("WARNING"):
-        assert ModelConfig.from_pretrained(mistral, device="cpu").context_len == 64
-    assert "sliding-window attention (window 64)" in caplog.text
-    assert ModelConfig.from_pretrained(mistral, context_length=48, device="cpu").context_len == 48
-    with pytest.raises(ValueError, match="exceeds the model's sliding_window 64"):
-        ModelConfig.from_pretrained(mistral, context_length=128, device="cpu")
-    # Qwen2/Qwen3 carry a window that applies only with use_sliding_window.
+    config = ModelConfig.from_pretrained(mistral, device="cpu")
+    assert config.context_len == 256 and config.layer_windows == [64, 64] and config.is_hybrid_swa
+    assert ModelConfig.from_pretrained(mistral, context_length=200, device="cpu").context_len == 200
+    # Qwen2/Qwen3 carry a window that applies only with use_sliding_window, from max_window_layers on.
     qwen = _write_config(tmp_path / "qwen", architectures=["Qwen2ForCausalLM"], model_type="qwen2",
                          sliding_window=32, use_sliding_window=False)
-    assert ModelConfig.from_pretrained(qwen, device="cpu").context_len == 256
+    assert ModelConfig.from_pretrained(qwen, device="cpu").layer_windows == [-1, -1]
     qwen_swa = _write_config(tmp_path / "qwen_swa", architectures=["Qwen2ForCausalLM"], model_type="qwen2",
-                             sliding_window=32, use_sliding_window=True)
-    assert ModelConfig.from_pretrained(qwen_swa, device="cpu").context_len == 32
+                             sliding_window=32, use_sliding_window=True, max_window_layers=1)
+    assert ModelConfig.from_pretrained(qwen_swa, device="cpu").layer_windows == [-1, 32]
+    typed = _write_config(tmp_path / "typed", architectures=["MistralForCausalLM"], model_type="mistral",
+                          sliding_window=16, layer_types=["full_attention", "sliding_attention"])
+    assert ModelConfig.from_pretrained(typed, device="cpu").layer_windows == [-1, 16]
+    bad = _write_config(tmp_path / "bad", architectures=["MistralForCausalLM"], model_type="mistral",
+                        sliding_window=16, layer_types=["sliding_attention"])
+    with pytest.raises(ValueError, match="layer_types lists 1 layers"):
+        ModelConfig.from_pretrained(bad, device="cpu")
 
 
 def test_unknown_architecture_lists_supported_ones(tmp_path):

@@ -58,6 +58,13 @@ class ModelConfig:
     # Matryoshka models may be truncated to fewer dimensions (the `dimensions` request field).
     is_matryoshka: bool = False
     matryoshka_dimensions: Optional[List[int]] = None
+    # Each layer's sliding window (-1: full attention); layer_windows_of says how it is read.
+    layer_windows: List[int] = field(default_factory=list)
+
+    @property
+    def is_hybrid_swa(self) -> bool:
+        """Some layer attends over a sliding window (every layer, for Mistral)."""
+        return any(w > 0 for w in self.layer_windows)
 
     @classmethod
     def from_pretrained(
@@ -117,6 +124,7 @@ class ModelConfig:
             hidden_act=str(raw.get("hidden_act", "silu")),
             model_type=str(raw.get("model_type", "")),
             raw_config=raw,
+            layer_windows=layer_windows_of(raw, int(raw["num_hidden_layers"])),
         )
         if embedding is not None:
             config.is_generation = False
@@ -205,20 +213,35 @@ def sliding_window_of(raw: Dict[str, Any]) -> Optional[int]:
 
 
 def _context_len(raw: Dict[str, Any], context_length: Optional[int], max_pos: int) -> int:
-    """The context length to serve. Sliding-window attention is not implemented, so a model with a
-    window serves at most `window` tokens: no sequence is longer than the window, and full
-    attention is then exactly the model's attention."""
-    wanted = int(context_length) if context_length is not None else max_pos
+    """The context length to serve: --context-length, else the model's own."""
+    return int(context_length) if context_length is not None else max_pos
+
+
+def layer_windows_of(raw: Dict[str, Any], num_layers: int) -> List[int]:
+    """Each layer's attention window (-1: full attention), as Hugging Face decides it: `layer_types`
+    where the config lists them ("sliding_attention" layers use `sliding_window`), else the family's rule:
+    Gemma 2 alternates local/global from layer 0, Gemma 3 makes every `sliding_window_pattern`-th layer
+    global, Qwen2 windows the layers from `max_window_layers` on, Mistral windows every layer."""
     window = sliding_window_of(raw)
-    if window is None or wanted <= window:
-        return wanted
-    if context_length is not None:
-        raise ValueError(
-            f"--context-length {context_length} exceeds the model's sliding_window {window}: sliding-window "
-            f"attention is not implemented, so sequences are limited to the window")
-    logger.warning("The model uses sliding-window attention (window %d), which is not implemented: the "
-                   "context length is limited to the window (max_position_embeddings is %d)", window, max_pos)
-    return window
+    if window is None:
+        return [-1] * num_layers
+    if window < 1:
+        raise ValueError(f"sliding_window must be >= 1, got {window}")
+    types = raw.get("layer_types")
+    if types is not None:
+        if len(types) != num_layers:
+            raise ValueError(f"layer_types lists {len(types)} layers, the model has {num_layers}")
+        return [window if t == "sliding_attention" else -1 for t in types]
+    model_type = raw.get("model_type", "")
+    if model_type == "gemma2":
+        return [window if i % 2 == 0 else -1 for i in range(num_layers)]
+    if model_type in ("gemma3", "gemma3_text"):
+        pattern = int(raw.get("sliding_window_pattern") or raw.get("_sliding_window_pattern") or 6)
+        return [window if (i + 1) % pattern else -1 for i in range(num_layers)]
+    if model_type in ("qwen2", "qwen2_moe") and "max_window_layers" in raw:
+        first = int(raw["max_window_layers"])
+        return [window if i >= first else -1 for i in range(num_layers)]
+    return [window] * num_layers
 
 
 def _parse_rope(raw: Dict[str, Any]):
@@ -226,6 +249,10 @@ def _parse_rope(raw: Dict[str, Any]):
     params = raw.get("rope_parameters")
     scaling = raw.get("rope_scaling")
     theta = raw.get("rope_theta")
+    if isinstance(params, dict) and isinstance(params.get("full_attention"), dict):
+        # v5 layout of models whose local layers have their own rope (Gemma 3): this is the global
+        # layers' one; the model reads the local one itself.
+        params = params["full_attention"]
     if isinstance(params, dict):
         theta = params.get("rope_theta", theta)
         if scaling is None:

@@ -52,9 +52,11 @@ class LogitsProcessor(nn.Module):
     (in chunks of `input_logprob_chunk_size` positions).
     """
 
-    def __init__(self, config: Any) -> None:
+    def __init__(self, config: Any, logit_softcap: float = 0.0) -> None:
+        """logit_softcap: logits become cap * tanh(logits / cap) (Gemma's final_logit_softcapping); 0: none."""
         super().__init__()
         self.vocab_size = int(config.vocab_size)
+        self.logit_softcap = logit_softcap
         self.input_logprob_chunk_size = INPUT_LOGPROB_CHUNK_SIZE
 
     @staticmethod
@@ -99,7 +101,10 @@ class LogitsProcessor(nn.Module):
         hidden_states = hidden_states.to(weight.dtype)
         logits = linear_forward(hidden_states, weight, None, lm_head.packed_weight)
         logits = tensor_model_parallel_all_gather(logits, dim=-1)
-        return logits[:, : self.vocab_size].float()
+        logits = logits[:, : self.vocab_size].float()
+        if self.logit_softcap > 0:
+            logits = torch.tanh(logits / self.logit_softcap) * self.logit_softcap
+        return logits
 
     def _add_input_logprobs(
         self,

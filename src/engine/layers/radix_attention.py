@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from enum import Enum
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Optional
 
 import torch
 from torch import nn
@@ -19,8 +19,21 @@ class AttentionType(Enum):
 
 class RadixAttention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int, layer_id: int,
-                 attn_type: AttentionType = AttentionType.DECODER) -> None:
+                 attn_type: AttentionType = AttentionType.DECODER, sliding_window_size: int = -1,
+                 logit_cap: float = 0.0, with_sinks: bool = False) -> None:
+        """sliding_window_size: a query at position p sees the keys at positions (p - window, p], i.e. the
+        window counts the query's own token (Hugging Face's `sliding_window`); -1 is full attention.
+        logit_cap: scores become cap * tanh(score / cap) before the softmax (Gemma 2); 0 is none.
+        with_sinks: a learned logit per query head joins each softmax's denominator only (gpt-oss); this
+        module owns the parameter (`sinks`, one value per head of this TP rank)."""
         super().__init__()
+        if sliding_window_size == 0 or sliding_window_size < -1:
+            raise ValueError(f"sliding_window_size must be -1 (full) or >= 1, got {sliding_window_size}")
+        if logit_cap < 0:
+            raise ValueError(f"logit_cap must be >= 0, got {logit_cap}")
+        self.sliding_window_size = sliding_window_size
+        self.logit_cap = logit_cap
+        self.sinks: Optional[nn.Parameter] = nn.Parameter(torch.zeros(num_heads)) if with_sinks else None
         self.attn_type = attn_type
         self.is_causal = attn_type == AttentionType.DECODER
         self.tp_q_head_num = num_heads  # heads on this TP rank
@@ -29,6 +42,12 @@ class RadixAttention(nn.Module):
         self.head_dim = head_dim
         self.scaling = scaling
         self.layer_id = layer_id
+
+    @property
+    def is_plain(self) -> bool:
+        """Full attention with a plain softmax: what every backend's fast paths (and the native CPU
+        kernels) compute. A window, a logit cap or sinks take the backend's windowed path."""
+        return self.sliding_window_size < 0 and self.logit_cap == 0.0 and self.sinks is None
 
     def forward(
         self,

@@ -80,7 +80,10 @@ class LlamaAttention(nn.Module):
         )
         self.q_norm: Optional[RMSNorm] = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
         self.k_norm: Optional[RMSNorm] = RMSNorm(self.head_dim, config.rms_norm_eps) if qk_norm else None
-        self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id)
+        # Mistral (and Qwen2 with use_sliding_window) window some or all layers.
+        window = config.layer_windows[layer_id] if config.layer_windows else -1
+        self.attn = RadixAttention(self.num_heads, self.head_dim, self.head_dim**-0.5, self.num_kv_heads, layer_id,
+                                   sliding_window_size=window)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: "ForwardBatch",
                 last_rows_only: bool = False) -> torch.Tensor:
@@ -145,7 +148,8 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(decoder_layers)
         self.decoder_layers = decoder_layers  # the same modules as a list (ModuleList's items are untyped)
         # The native decode chain knows Llama's dense layers only (what DecoderLayersCache reads).
-        self.dense_layers: Optional[List[LlamaDecoderLayer]] = dense
+        # Nor does it know sliding windows: windowed layers attend through the backend's windowed path.
+        self.dense_layers: Optional[List[LlamaDecoderLayer]] = None if config.is_hybrid_swa else dense
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.native_decode = DecoderLayersCache()
 

@@ -1,8 +1,5 @@
-"""Mistral: the Llama architecture under another name.
-
-Sliding-window attention is not implemented: ModelConfig limits the context length of a model with
-a window to that window, so attention over the whole sequence is exact.
-"""
+"""Mistral: the Llama architecture under another name; its `sliding_window` windows every layer
+(ModelConfig.layer_windows, RadixAttention.sliding_window_size)."""
 
 from __future__ import annotations
 

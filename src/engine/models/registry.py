@@ -13,6 +13,9 @@ _MODELS: Dict[str, Tuple[str, str]] = {
     "MistralForCausalLM": ("engine.models.mistral", "MistralForCausalLM"),
     "Qwen2ForCausalLM": ("engine.models.qwen2", "Qwen2ForCausalLM"),
     "Qwen3ForCausalLM": ("engine.models.qwen3", "Qwen3ForCausalLM"),
+    # Local (sliding-window) and global layers (models/gemma2.py).
+    "Gemma2ForCausalLM": ("engine.models.gemma2", "Gemma2ForCausalLM"),
+    "Gemma3ForCausalLM": ("engine.models.gemma3", "Gemma3ForCausalLM"),
     # EAGLE's draft head (speculative decoding: --speculative-algorithm EAGLE).
     "LlamaForCausalLMEagle": ("engine.models.llama_eagle", "LlamaForCausalLMEagle"),
     # Mixture-of-experts decoders (models/sparse_moe.py).

@@ -12,6 +12,8 @@ K/V gathered into a [bs, max_seq_len] block with a padding mask. Requests whose 
 group, all the group's queries attend to it in one SDPA, each request's own suffix goes through
 the per-request path above, and the two halves are merged by their log-sum-exp. All index tensors are built
 once per batch in `init_forward_metadata` and shared by every layer.
+Layers that are not plain full attention (a sliding window, Gemma 2's logit cap, gpt-oss's sinks) take
+windowed.py's torch path in extend and decode alike: the native kernels compute plain attention only.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ import torch.nn.functional as F
 
 from engine.kernels import attention as attention_kernels
 from engine.kernels import library
+from engine.layers.attention import windowed
 from engine.layers.attention.base_attn_backend import AttentionBackend, AttentionRunner
 from engine.layers.attention.prefix_panels import PrefixPanels
 
@@ -205,6 +208,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         assert pool is not None  # ForwardBatch.init_new sets it
         if save_kv_cache and k is not None:
             pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        if not layer.is_plain:  # a window, a logit cap or sinks: neither SDPA nor the C kernels have them
+            return windowed.windowed_extend(q, layer, forward_batch)
         meta = forward_batch.attn_metadata
         if isinstance(meta, _PaddedExtend) and k is not None:
             return self._forward_padded_extend(q, k, v, layer, meta)
@@ -250,7 +255,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         """With the native kernels, each request's last token attends through the decode kernel (and its
         cascade over shared prefixes): one query row per request instead of all the new tokens."""
         meta = forward_batch.attn_metadata
-        if not isinstance(meta, _NativeExtend) or not layer.is_causal:
+        if not isinstance(meta, _NativeExtend) or not layer.is_causal or not layer.is_plain:
             return super().forward_extend_last_rows(q, k, v, layer, forward_batch, save_kv_cache)
         pool = forward_batch.token_to_kv_pool
         assert pool is not None  # ForwardBatch.init_new sets it
@@ -302,6 +307,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         assert pool is not None  # ForwardBatch.init_new sets it
         if save_kv_cache and k is not None:
             pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        if not layer.is_plain:
+            return windowed.windowed_decode(q, layer, forward_batch)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         meta: _DecodeMetadata = forward_batch.attn_metadata
         bs = q.shape[0]
