@@ -115,6 +115,31 @@ def test_bfloat16_model_runs_close_to_float32(moe_model):
     assert (logits["bfloat16"] - logits["float32"]).abs().max().item() < 0.05 * scale, arch
 
 
+EXPERT_NAMES = {"mixtral": "model.layers.1.block_sparse_moe.experts.2.{}.weight",
+                "qwen2_moe": "model.layers.1.mlp.experts.5.{}.weight", "qwen3_moe": "model.layers.1.mlp.experts.5.{}.weight"}
+PROJECTIONS = {"mixtral": ("w1", "w3", "w2"), "qwen2_moe": ("gate_proj", "up_proj", "down_proj"),
+               "qwen3_moe": ("gate_proj", "up_proj", "down_proj")}
+
+
+def test_expert_weights_by_name_read_and_update(moe_model):
+    """get_weights_by_name / update_weights_from_tensor route an expert's checkpoint names into the
+    stacked weights and back."""
+    from safetensors.torch import load_file
+
+    arch, path, _, _ = moe_model
+    runner = make_runner(path)
+    checkpoint = load_file(f"{path}/model.safetensors")
+    for projection in PROJECTIONS[arch]:
+        name = EXPERT_NAMES[arch].format(projection)
+        values, message = runner.weight_updater.full_weight(name, 1000)
+        assert message == "" and torch.equal(torch.tensor(values), checkpoint[name]), name
+    name = EXPERT_NAMES[arch].format(PROJECTIONS[arch][1])
+    new = torch.randn(checkpoint[name].shape)
+    ok, message = runner.weight_updater.update_from_tensors([(name, new)])
+    assert ok, message
+    assert torch.equal(torch.tensor(runner.weight_updater.full_weight(name, 1000)[0]), new)
+
+
 def test_missing_expert_weight_is_refused(tmp_path):
     from safetensors.torch import load_file, save_file
 

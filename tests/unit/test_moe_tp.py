@@ -47,7 +47,17 @@ def _run(path: str, tp_size: int, ep_size: int):
         for o, t in zip(outputs, tokens):
             o.append(int(t))
     w13 = runner.model.model.decoder_layers[-1].mlp.experts.w13.weight
-    return logits, outputs, tuple(w13.shape)
+    # get_weights_by_name reassembles an expert's tensors from the ranks' parts (a collective).
+    by_name = {name: runner.weight_updater.full_weight(name, 1000)[0] for name in _expert_names(runner)}
+    return logits, outputs, tuple(w13.shape), by_name
+
+
+def _expert_names(runner) -> list:
+    """The checkpoint names of the last expert's three projections in the last layer."""
+    names = [name for name, _, _ in runner.model.stacked_params if name.count(".") == 3]
+    last = max(int(name.split(".")[2]) for name in names)
+    layer = runner.model.config.num_hidden_layers - 1
+    return [f"model.layers.{layer}.{name}.weight" for name in names if int(name.split(".")[2]) == last]
 
 
 def _rank_main(rank: int, port: int, paths: dict, queue) -> None:
@@ -101,8 +111,14 @@ def tp2_results(models):
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tp2_matches_tp1_and_transformers(models, tp2_results, arch, ep):
     paths, expected = models
-    logits, tokens, w13_shape = tp2_results[(arch, ep)]
-    ref_logits, ref_tokens, full_shape = _run(paths[arch], 1, 1)
+    from safetensors.torch import load_file
+
+    logits, tokens, w13_shape, by_name = tp2_results[(arch, ep)]
+    ref_logits, ref_tokens, full_shape, _ = _run(paths[arch], 1, 1)
+    checkpoint = load_file(f"{paths[arch]}/model.safetensors")
+    assert len(by_name) == 3
+    for name, values in by_name.items():
+        assert torch.equal(torch.tensor(values), checkpoint[name]), name
     experts, two_inter, hidden = full_shape
     # ep 1: every expert, half its intermediate rows; ep 2: half the experts, whole.
     assert w13_shape == ((experts, two_inter // 2, hidden) if ep == 1 else (experts // 2, two_inter, hidden))

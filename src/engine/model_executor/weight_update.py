@@ -30,6 +30,7 @@ from engine.layers.linear import (
     RowParallelLinear,
     prepack_linear_weights,
 )
+from engine.layers.moe.layer import FusedMoE, StackedExpertWeight
 from engine.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from engine.model_loader.weight_utils import ShardId, route_weight_names, safetensors_weights_iterator
 
@@ -218,6 +219,10 @@ def local_piece(model: nn.Module, target: str, shard: ShardId, truncate_size: in
         offset = sum(module.output_sizes[: int(shard)]) // size
         data = data.narrow(0, offset, module.output_sizes[int(shard)] // size)
         dim = 0
+    elif isinstance(module, StackedExpertWeight) and shard is not None:
+        experts = model.get_submodule(module_name.rpartition(".")[0])
+        assert isinstance(experts, FusedMoE)  # a stacked expert weight is a FusedMoE's child
+        data, dim, key = experts.checkpoint_piece(data, str(shard))
     elif isinstance(module, ColumnParallelLinear):
         dim = 0
     elif isinstance(module, RowParallelLinear):

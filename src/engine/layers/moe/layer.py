@@ -16,7 +16,12 @@ from typing import List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from engine.distributed.parallel_state import get_expert_layout, get_tp_size, tensor_model_parallel_all_reduce
+from engine.distributed.parallel_state import (
+    get_expert_layout,
+    get_tp_rank,
+    get_tp_size,
+    tensor_model_parallel_all_reduce,
+)
 from engine.layers.moe.expert_distribution import ExpertDistributionRecorder
 from engine.layers.moe.fused_moe_native import fused_moe_native
 from engine.layers.moe.router import select_experts
@@ -95,6 +100,22 @@ class FusedMoE(nn.Module):
             raise ValueError(f"expert {expert_text} {role}: shape mismatch, parameter {tuple(target.shape)} vs "
                              f"checkpoint {tuple(source.shape)}")
         target.copy_(source)
+
+    def checkpoint_piece(self, stacked: torch.Tensor, shard_id: str) -> Tuple[torch.Tensor, int, int]:
+        """This rank's part of one expert's checkpoint tensor ("N:gate|up|down") out of a stacked weight:
+        (the part, the dimension along which the ranks' parts join, a key unique to the part); an empty
+        part where another EP rank holds the expert (get_weights_by_name reassembles the parts)."""
+        expert_text, role = shard_id.split(":", 1)
+        local = int(expert_text) - self.expert_start
+        dim = 1 if role == "down" else 0
+        if not 0 <= local < self.num_local_experts:
+            shape = (stacked.shape[1], 0) if role == "down" else (0, stacked.shape[2])
+            return stacked.new_empty(shape), dim, -1 - get_tp_rank()
+        matrix = stacked[local]
+        if role != "down":
+            size = self.intermediate_per_rank
+            matrix = matrix.narrow(0, 0 if role == "gate" else size, size)
+        return matrix, dim, self.moe_tp_rank
 
     def local_ids(self, topk_ids: torch.Tensor) -> torch.Tensor:
         """Global expert ids -> this rank's indices, -1 for experts another EP rank holds."""
