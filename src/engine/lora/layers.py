@@ -41,12 +41,13 @@ class LoRAProjection:
     """Adds x @ A^T @ B^T * scaling of each row's adapter to a base projection's output."""
 
     def __init__(self, a: torch.Tensor, b: torch.Tensor, sections: Sequence[Tuple[int, int]], max_rank: int,
-                 state: LoRABatchState, backend: str) -> None:
+                 state: LoRABatchState, backend: str, dense_b: Optional[torch.Tensor] = None) -> None:
         self.a, self.b = a, b  # the pool's buffers of this projection: [slots, subs x R, K], [slots, N, R]
         self.sections = list(sections)
         self.max_rank = max_rank
         self.state = state
         self.backend = backend
+        self.dense_b = dense_b  # the pool's block matrix of B (native backend), or None
 
     def apply(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
@@ -54,5 +55,5 @@ class LoRAProjection:
         if info is None or not info.has_lora:
             return out
         flat = out.reshape(-1, out.shape[-1])
-        run_lora(self.backend, rows, flat, self.a, self.b, self.sections, self.max_rank, info)
+        run_lora(self.backend, rows, flat, self.a, self.b, self.sections, self.max_rank, info, self.dense_b)
         return out

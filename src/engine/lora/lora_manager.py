@@ -46,13 +46,17 @@ class LoRAManager:
         self.max_loaded = server_args.max_loaded_loras or MAX_LOADED_LORAS
         self.dtype, self.device = dtype, device
         self.targets = find_targets(model, self.target_modules)
-        self.pool = LoRAMemoryPool(self.targets, server_args.max_loras_per_batch, self.max_rank, dtype, device)
-        self.state = LoRABatchState()
         backend = pick_backend(server_args.lora_backend, device)
+        # On the CPU the small LoRA products run in float32: torch's bfloat16 matmuls there are several
+        # times slower (no native bf16 GEMM on most CPUs), and the pool is small.
+        pool_dtype = torch.float32 if device == "cpu" else dtype
+        self.pool = LoRAMemoryPool(self.targets, server_args.max_loras_per_batch, self.max_rank, pool_dtype, device,
+                                   dense=backend == "torch_native")
+        self.state = LoRABatchState()
         for key, target in self.targets.items():
             sections = [(s.offset, s.size) for s in target.subs]
             projection = LoRAProjection(self.pool.a_buffers[key], self.pool.b_buffers[key], sections, self.max_rank,
-                                        self.state, backend)
+                                        self.state, backend, self.pool.dense_b.get(key))
             target.module.attach_lora(projection)
         self.adapters: Dict[str, LoRAAdapter] = {}  # by name
         self._by_uid: Dict[str, LoRAAdapter] = {}
@@ -77,7 +81,8 @@ class LoRAManager:
         config = read_lora_config(path)
         check_adapter_fits(config, path, self.max_rank, self.target_modules)
         self._loads += 1
-        adapter = read_adapter(name, f"{name}#{self._loads}", path, config, pinned, self.targets, self.dtype)
+        adapter = read_adapter(name, f"{name}#{self._loads}", path, config, pinned, self.targets,
+                               self.pool.a_buffers[next(iter(self.pool.a_buffers))].dtype)
         self.adapters[name] = adapter
         self._by_uid[adapter.uid] = adapter
         logger.info("LoRA adapter %r loaded from %s (rank %d, %s)", name, path, config.rank,
