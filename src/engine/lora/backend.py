@@ -125,11 +125,12 @@ def lora_triton(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Te
     """As lora_native, with the segmented-GEMM kernel (triton_ops.segmented_gemm)."""
     from engine.lora.triton_ops import segmented_gemm
 
+    segments = (info.seg_indptr, info.weight_indices, info.scalings, info.max_len)
     shrink = torch.empty((x.shape[0], a.shape[1]), dtype=x.dtype, device=x.device)
-    segmented_gemm(x, a, shrink, info, scale=False, accumulate=False)
+    segmented_gemm(x, a, shrink, *segments, scale=False, accumulate=False)
     for i, (offset, size) in enumerate(sections):
         segmented_gemm(shrink[:, i * rank:(i + 1) * rank], b[:, offset:offset + size], out[:, offset:offset + size],
-                       info, scale=True, accumulate=True)
+                       *segments, scale=True, accumulate=True)
 
 
 def pick_backend(name: str, device: str) -> str:

@@ -16,10 +16,7 @@ import math
 import os
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, FrozenSet, List, Optional, Tuple
-
-if TYPE_CHECKING:
-    from engine.server_args import ServerArgs
+from typing import Any, Callable, Dict, FrozenSet, List, Optional, Protocol, Tuple
 
 # The projections an adapter may target, and the fused module of ours each one lands in.
 LORA_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -145,7 +142,23 @@ def read_lora_config(path: str) -> LoRAConfig:
     return LoRAConfig(rank, float(alpha), bool(data.get("use_rslora", False)), _target_names(data.get("target_modules")))
 
 
-def check_lora_server_args(args: "ServerArgs", need: Callable[[bool, str], None]) -> None:
+class LoRAServerFlags(Protocol):
+    """The ServerArgs fields the LoRA check reads and completes (a protocol: server_args.py imports
+    this module)."""
+
+    lora_paths: Optional[List[str]]
+    max_loras_per_batch: int
+    max_lora_rank: Optional[int]
+    lora_target_modules: Optional[List[str]]
+    max_loaded_loras: Optional[int]
+    speculative_algorithm: Optional[str]
+    disaggregation_mode: str
+    simulated_device_forward_ms: Optional[str]
+    is_embedding: bool
+    disable_cuda_graph: bool
+
+
+def check_lora_server_args(args: LoRAServerFlags, need: Callable[[bool, str], None]) -> None:
     """The LoRA flags, checked; --max-lora-rank and --lora-target-modules default to what the
     start-up adapters need (SGLang's rule)."""
     need(1 <= args.max_loras_per_batch <= MAX_LORAS_PER_BATCH_LIMIT,

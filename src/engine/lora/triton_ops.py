@@ -9,14 +9,9 @@ and on row blocks of the stacked B without copies. Runs under TRITON_INTERPRET=1
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
 import torch
 import triton
 import triton.language as tl
-
-if TYPE_CHECKING:
-    from engine.lora.backend import LoRABatchInfo
 
 
 @triton.jit
@@ -57,16 +52,18 @@ def _segmented_gemm_kernel(x_ptr, w_ptr, y_ptr, seg_indptr, weight_indices, scal
     tl.store(y_ptrs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
-def segmented_gemm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, info: "LoRABatchInfo",
+def segmented_gemm(x: torch.Tensor, w: torch.Tensor, y: torch.Tensor, seg_indptr: torch.Tensor,
+                   weight_indices: torch.Tensor, scalings: torch.Tensor, max_len: int,
                    scale: bool, accumulate: bool) -> None:
-    """x: [rows, K]; w: [slots, N, K]; y: [rows, N] (written, or added to with `accumulate`)."""
-    num_segments = len(info.bounds)
-    if num_segments == 0 or info.max_len == 0:
+    """x: [rows, K]; w: [slots, N, K]; y: [rows, N] (written, or added to with `accumulate`);
+    segment s is rows [seg_indptr[s], seg_indptr[s + 1]) with slot weight_indices[s]."""
+    num_segments = weight_indices.shape[0]
+    if num_segments == 0 or max_len == 0:
         return
     n, k = w.shape[1], w.shape[2]
     block_m, block_n, block_k = 16, 32, 32
-    grid = (num_segments, triton.cdiv(n, block_n), triton.cdiv(info.max_len, block_m))
+    grid = (num_segments, triton.cdiv(n, block_n), triton.cdiv(max_len, block_m))
     _segmented_gemm_kernel[grid](
-        x, w, y, info.seg_indptr, info.weight_indices, info.scalings, k, n,
+        x, w, y, seg_indptr, weight_indices, scalings, k, n,
         x.stride(0), x.stride(1), w.stride(0), w.stride(1), w.stride(2), y.stride(0), y.stride(1),
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, SCALE=scale, ACCUMULATE=accumulate)
