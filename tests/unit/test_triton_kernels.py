@@ -43,7 +43,7 @@ def checkerboard(cases: list) -> list:
 
 
 # The number of cases below; the driver checks that the subprocess ran them all.
-_EXPECTED_CASES = 12 + 1 + 8 + 8 + 1 + 1 + 2 + 1
+_EXPECTED_CASES = 12 + 1 + 8 + 8 + 1 + 1 + 2 + 1 + 5
 
 
 @pytest.mark.slow  # every Triton kernel under the interpreter: minutes on 2 cores
@@ -319,6 +319,52 @@ def test_backend_matches_torch_native(tk, mode, lens, prefix_lens, page_size, dt
             assert torch.equal(k_buf[fb.out_cache_loc], k) and torch.equal(v_buf[fb.out_cache_loc], v)
     assert outs["triton"].shape == (n, heads * head_dim)
     assert outs["triton"].dtype == dtype
+    assert rel_err(outs["triton"], outs["torch_native"]) < _TOL[dtype]
+
+
+@pytest.mark.parametrize(
+    "mode,lens,prefix_lens,window,cap,sinks,page_size,dtype",
+    [
+        (ForwardMode.EXTEND, [30, 9, 50], [12, 8, 0], 7, 0.0, False, 1, torch.float32),
+        (ForwardMode.EXTEND, [23, 1, 40], [0, 0, 0], -1, 3.0, True, 16, torch.float32),
+        (ForwardMode.MIXED, [30, 25, 41], [10, 24, 40], 5, 2.0, True, 16, torch.bfloat16),
+        (ForwardMode.DECODE, [1, 70, 33, 200], None, 40, 0.0, True, 1, torch.float32),
+        (ForwardMode.DECODE, [3, 90, 150], None, 64, 4.0, False, 16, torch.bfloat16),
+    ],
+)
+def test_windowed_layers_match_torch_native(tk, mode, lens, prefix_lens, window, cap, sinks, page_size, dtype):
+    """Sliding windows (smaller than a block, and than a prefix), logit caps and sinks: the Triton kernels
+    equal torch_native's windowed path (itself checked against a float64 reference in
+    test_windowed_attention.py); decode splits divide the window, not the whole sequence."""
+    gen = torch.Generator().manual_seed(len(lens) * 7 + max(window, 0))
+    heads, kv_heads, head_dim = 8, 2, 64
+    if prefix_lens is None:
+        prefix_lens = [l - 1 for l in lens]
+    pool = {
+        "req": ReqToTokenPool(size=8, max_context_len=256),
+        "kv": MHATokenToKVPool(size=1024, page_size=page_size, dtype=dtype, head_num=kv_heads,
+                               head_dim=head_dim, layer_num=1),
+    }
+    fb = _make_batch(mode, lens, prefix_lens, page_size, pool, gen, kv_heads, head_dim, dtype)
+    layer = RadixAttention(heads, head_dim, scaling=head_dim**-0.5, num_kv_heads=kv_heads, layer_id=0,
+                           sliding_window_size=window, logit_cap=cap, with_sinks=sinks)
+    if layer.sinks is not None:
+        layer.sinks.data = torch.randn(heads, generator=gen).to(dtype)
+    n = fb.out_cache_loc.shape[0]
+    q = (torch.randn(n, heads * head_dim, generator=gen) * 2).to(dtype)
+    k = (torch.randn(n, kv_heads, head_dim, generator=gen) * 2).to(dtype)
+    v = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
+    runner = SimpleNamespace(device="cpu")
+    outs: Dict[str, torch.Tensor] = {}
+    backends = {
+        "triton": tk.backend.TritonAttnBackend(runner, max_kv_splits=4, decode_block_n=32, extend_blocks=(16, 16)),
+        "torch_native": TorchNativeAttnBackend(runner),
+    }
+    for name, backend in backends.items():
+        fb.attn_backend = backend
+        backend.init_forward_metadata(fb)
+        with torch.no_grad():
+            outs[name] = backend.forward(q, k, v, layer, fb, save_kv_cache=True)
     assert rel_err(outs["triton"], outs["torch_native"]) < _TOL[dtype]
 
 

@@ -2,7 +2,8 @@
 
 Decode uses split-K flash-decoding; extend (and MIXED, whose decode rows are one-token extends)
 reads the cached prefix through req_to_token and the new tokens from this forward's k/v. Both
-kernels read the pool through req_to_token, so any page size works unchanged.
+kernels read the pool through req_to_token, so any page size works unchanged. A layer's sliding
+window, logit cap and sinks (RadixAttention) go to both kernels.
 
 Per-batch metadata is built once in `init_forward_metadata`; the decode scratch buffers
 (partial outputs and their log-sum-exps) are allocated on the first layer and reused by the rest.
@@ -162,6 +163,9 @@ class TritonAttnBackend(AttentionBackend):
             block_m=block_m,
             block_n=block_n,
             is_causal=layer.is_causal,
+            sliding_window=layer.sliding_window_size,
+            logit_cap=layer.logit_cap,
+            sinks=layer.sinks,
         )
         return out.view(-1, num_heads * out.shape[-1])
 
@@ -199,5 +203,8 @@ class TritonAttnBackend(AttentionBackend):
             mid_lse,
             layer.scaling,
             block_n=self.decode_block_n,
+            sliding_window=layer.sliding_window_size,
+            logit_cap=layer.logit_cap,
+            sinks=layer.sinks,
         )
         return out.view(bs, num_heads * v_head_dim)

@@ -9,6 +9,11 @@ rescaling by exp(lse - max_lse).
 
 GQA: a stage-1 program serves up to BLOCK_H query heads that share one KV head, so each K/V tile
 is loaded once for the whole group and the scores come from one `tl.dot` of [heads, D] x [D, N].
+
+Windowed layers (HAS_WINDOW): a request's keys are its last `sliding_window` positions only (the query
+sees (p - window, p]), and the splits divide that range, so a step's cost does not grow with the
+context. HAS_CAP soft-caps the scores (cap * tanh(s / cap)); HAS_SINKS adds each head's sink logit to
+the softmax's denominator when stage 2 merges the chunks.
 """
 
 from __future__ import annotations
@@ -49,11 +54,29 @@ def mma(a, b, DOT_PRECISION: tl.constexpr, UPCAST: tl.constexpr):
 
 
 @triton.jit
+def soft_cap(x, cap):
+    """cap * tanh(x / cap), tanh written with the sigmoid (tl has no tanh on every backend)."""
+    return cap * (2.0 * tl.sigmoid(2.0 * x / cap) - 1.0)
+
+
+@triton.jit
+def kv_range(seq_len, sliding_window, HAS_WINDOW: tl.constexpr):
+    """(first key position, number of keys) a decode query at position seq_len - 1 sees."""
+    if HAS_WINDOW:
+        kv_start = tl.maximum(seq_len - sliding_window, 0)
+    else:
+        kv_start = seq_len * 0
+    return kv_start, seq_len - kv_start
+
+
+@triton.jit
 def _decode_stage1_kernel(
     Q,
     K_Buffer,
     V_Buffer,
     sm_scale,
+    sliding_window,
+    logit_cap,
     Req_to_token,
     Req_pool_indices,
     Seq_lens,
@@ -82,6 +105,8 @@ def _decode_stage1_kernel(
     BLOCK_H: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_CAP: tl.constexpr,
 ):
     cur_req = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -101,8 +126,9 @@ def _decode_stage1_kernel(
     seq_len = tl.load(Seq_lens + cur_req)
     num_splits = tl.load(Num_kv_splits + cur_req)
     pool_row = tl.load(Req_pool_indices + cur_req)
-    split_len = tl.cdiv(seq_len, num_splits)
-    split_start = split_len * split_id
+    kv_start, kv_len = kv_range(seq_len, sliding_window, HAS_WINDOW)
+    split_len = tl.cdiv(kv_len, num_splits)
+    split_start = kv_start + split_len * split_id
     split_end = tl.minimum(split_start + split_len, seq_len)
 
     if split_end > split_start:
@@ -121,6 +147,8 @@ def _decode_stage1_kernel(
             k_ptrs = K_Buffer + kv_loc[None, :] * stride_k_slot + cur_kv_head * stride_k_head + offs_d[:, None]
             k = tl.load(k_ptrs, mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [D, N]
             qk = mma(q, k.to(q.dtype), DOT_PRECISION, UPCAST_DOT) * sm_scale  # [H, N]
+            if HAS_CAP:
+                qk = soft_cap(qk, logit_cap)
             # Mask keys only: padded head rows see finite zeros, so they never turn into NaN.
             qk = tl.where(mask_n[None, :], qk, float("-inf"))
 
@@ -160,16 +188,22 @@ def _decode_stage2_kernel(
     stride_mid_lse_head,
     stride_o_token,
     stride_o_head,
+    sliding_window,
+    Sinks,
     v_head_dim: tl.constexpr,
     MAX_KV_SPLITS: tl.constexpr,
     BLOCK_DV: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     cur_req = tl.program_id(0)
     cur_head = tl.program_id(1)
 
     seq_len = tl.load(Seq_lens + cur_req)
     num_splits = tl.load(Num_kv_splits + cur_req)
-    split_len = tl.cdiv(seq_len, num_splits)
+    # Split offsets relative to the first key, as stage 1 drew them.
+    _, kv_len = kv_range(seq_len, sliding_window, HAS_WINDOW)
+    split_len = tl.cdiv(kv_len, num_splits)
 
     offs_dv = tl.arange(0, BLOCK_DV)
     mask_dv = offs_dv < v_head_dim
@@ -182,7 +216,7 @@ def _decode_stage2_kernel(
 
     for split_id in range(0, MAX_KV_SPLITS):
         split_start = split_len * split_id
-        split_end = tl.minimum(split_start + split_len, seq_len)
+        split_end = tl.minimum(split_start + split_len, kv_len)
         # Chunks past the end (num_splits does not always divide seq_len evenly) were never written.
         if split_end > split_start:
             part = tl.load(o_base + split_id * stride_mid_o_split + offs_dv, mask=mask_dv, other=0.0)
@@ -194,6 +228,9 @@ def _decode_stage2_kernel(
             e_sum = e_sum * old_scale + weight
             e_max = new_max
 
+    if HAS_SINKS:
+        # The sink takes its share of the probability mass and contributes no value.
+        e_sum = e_sum + tl.exp(tl.load(Sinks + cur_head).to(tl.float32) - e_max)
     tl.store(
         O + cur_req * stride_o_token + cur_head * stride_o_head + offs_dv,
         (acc / e_sum).to(O.dtype.element_ty),
@@ -220,8 +257,12 @@ def decode_attention_fwd(
     mid_lse: torch.Tensor,
     sm_scale: float,
     block_n: int = 64,
+    sliding_window: int = -1,
+    logit_cap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
 ) -> None:
-    """Write into `o` the attention of one query token per request over its paged keys.
+    """Write into `o` the attention of one query token per request over its paged keys (its last
+    `sliding_window` ones with a window > 0; scores soft-capped with logit_cap > 0; sinks [q_heads]).
 
     q, o: [bs, q_heads, head_dim] / [bs, q_heads, v_head_dim]; k_buffer, v_buffer: [slots, kv_heads, D];
     req_to_token: [rows, context_len]; req_pool_indices, seq_lens, num_kv_splits: [bs];
@@ -250,6 +291,8 @@ def decode_attention_fwd(
         k_buffer,
         v_buffer,
         sm_scale,
+        sliding_window,
+        logit_cap,
         req_to_token,
         req_pool_indices,
         seq_lens,
@@ -278,6 +321,8 @@ def decode_attention_fwd(
         BLOCK_H=_BLOCK_H,
         DOT_PRECISION=dot_precision(q.dtype),
         UPCAST_DOT=upcast_dot(q.device),
+        HAS_WINDOW=sliding_window > 0,
+        HAS_CAP=logit_cap > 0,
     )
     _decode_stage2_kernel[(bs, q_head_num)](
         mid_o,
@@ -292,7 +337,11 @@ def decode_attention_fwd(
         mid_lse.stride(1),
         o.stride(0),
         o.stride(1),
+        sliding_window,
+        sinks if sinks is not None else mid_lse,  # any pointer: never read without HAS_SINKS
         v_head_dim=v_head_dim,
         MAX_KV_SPLITS=max_kv_splits,
         BLOCK_DV=block_dv,
+        HAS_WINDOW=sliding_window > 0,
+        HAS_SINKS=sinks is not None,
     )

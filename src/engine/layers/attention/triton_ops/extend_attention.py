@@ -8,15 +8,23 @@ online softmax over two key ranges:
      not depend on them having been written to the pool), under the causal mask (or, for an
      encoder, IS_CAUSAL False, all of them).
 Page size never appears: a page only constrains which slots req_to_token holds.
+
+Windowed layers (HAS_WINDOW): a query at position p sees the keys at (p - window, p] only; both loops
+start at the first key the block's first query can see. A row may then meet blocks in which it sees
+nothing (its running max still -inf): the exponentials are taken against a max of 0 there, so such a
+block adds nothing instead of NaN. HAS_CAP soft-caps the scores; HAS_SINKS adds the head's sink logit to
+the denominator.
 """
 
 from __future__ import annotations
+
+from typing import Optional
 
 import torch
 import triton
 import triton.language as tl
 
-from engine.layers.attention.triton_ops.decode_attention import dot_precision, mma, upcast_dot
+from engine.layers.attention.triton_ops.decode_attention import dot_precision, mma, soft_cap, upcast_dot
 
 
 @triton.jit
@@ -33,6 +41,9 @@ def _extend_kernel(
     Extend_seq_lens,
     Prefix_lens,
     sm_scale,
+    sliding_window,
+    logit_cap,
+    Sinks,
     stride_req_to_token,
     stride_q_token,
     stride_q_head,
@@ -56,6 +67,9 @@ def _extend_kernel(
     DOT_PRECISION: tl.constexpr,
     UPCAST_DOT: tl.constexpr,
     IS_CAUSAL: tl.constexpr,
+    HAS_WINDOW: tl.constexpr,
+    HAS_CAP: tl.constexpr,
+    HAS_SINKS: tl.constexpr,
 ):
     cur_req = tl.program_id(0)
     cur_head = tl.program_id(1)
@@ -85,7 +99,13 @@ def _extend_kernel(
 
         # 1. The cached prefix: no mask beyond its length. Every row has a valid key in every
         #    block (the block's first key), so the running max stays finite.
-        for start_n in range(0, prefix_len, BLOCK_N):
+        if HAS_WINDOW:
+            prefix_lo = tl.maximum(prefix_len + block_m * BLOCK_M - sliding_window + 1, 0)
+            extend_lo = tl.maximum(block_m * BLOCK_M - sliding_window + 1, 0)
+        else:
+            prefix_lo = prefix_len * 0
+            extend_lo = prefix_len * 0
+        for start_n in range(prefix_lo, prefix_len, BLOCK_N):
             offs_n = start_n + offs_n0
             mask_n = offs_n < prefix_len
             kv_loc = tl.load(Req_to_token + pool_row * stride_req_to_token + offs_n, mask=mask_n, other=0).to(tl.int64)
@@ -95,15 +115,21 @@ def _extend_kernel(
                 other=0.0,
             )
             qk = mma(q, k.to(q.dtype), DOT_PRECISION, UPCAST_DOT) * sm_scale
-            qk = tl.where(mask_n[None, :], qk, float("-inf"))
+            if HAS_CAP:
+                qk = soft_cap(qk, logit_cap)
+            visible = mask_n[None, :]
+            if HAS_WINDOW:
+                visible = visible & (offs_n[None, :] > prefix_len + offs_m[:, None] - sliding_window)
+            qk = tl.where(visible, qk, float("-inf"))
             v = tl.load(
                 V_Buffer + kv_loc[:, None] * stride_v_slot + cur_kv_head * stride_v_head + offs_dv[None, :],
                 mask=mask_n[:, None] & mask_dv[None, :],
                 other=0.0,
             )
             new_max = tl.maximum(tl.max(qk, 1), e_max)
-            rescale = tl.exp(e_max - new_max)
-            p = tl.exp(qk - new_max[:, None])
+            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+            rescale = tl.exp(e_max - safe_max)
+            p = tl.exp(qk - safe_max[:, None])
             acc = acc * rescale[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
             e_sum = e_sum * rescale + tl.sum(p, 1)
             e_max = new_max
@@ -113,7 +139,7 @@ def _extend_kernel(
             end_n = tl.minimum((block_m + 1) * BLOCK_M, extend_len)
         else:
             end_n = extend_len
-        for start_n in range(0, end_n, BLOCK_N):
+        for start_n in range(extend_lo, end_n, BLOCK_N):
             offs_n = start_n + offs_n0
             mask_n = offs_n < end_n
             k = tl.load(
@@ -122,10 +148,14 @@ def _extend_kernel(
                 other=0.0,
             )
             qk = mma(q, k.to(q.dtype), DOT_PRECISION, UPCAST_DOT) * sm_scale
+            if HAS_CAP:
+                qk = soft_cap(qk, logit_cap)
             if IS_CAUSAL:
                 visible = (offs_m[:, None] >= offs_n[None, :]) & mask_n[None, :]
             else:
                 visible = (offs_m[:, None] >= 0) & mask_n[None, :]
+            if HAS_WINDOW:
+                visible = visible & (offs_n[None, :] > offs_m[:, None] - sliding_window)
             qk = tl.where(visible, qk, float("-inf"))
             v = tl.load(
                 V_Extend + (q_start + offs_n[:, None]) * stride_ve_token + cur_kv_head * stride_ve_head + offs_dv[None, :],
@@ -135,12 +165,15 @@ def _extend_kernel(
             # Key 0 is visible to every row, so after the first block no row's max is -inf and
             # a fully masked later block only rescales by exp(0) = 1.
             new_max = tl.maximum(tl.max(qk, 1), e_max)
-            rescale = tl.exp(e_max - new_max)
-            p = tl.exp(qk - new_max[:, None])
+            safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
+            rescale = tl.exp(e_max - safe_max)
+            p = tl.exp(qk - safe_max[:, None])
             acc = acc * rescale[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
             e_sum = e_sum * rescale + tl.sum(p, 1)
             e_max = new_max
 
+        if HAS_SINKS:
+            e_sum = e_sum + tl.exp(tl.load(Sinks + cur_head).to(tl.float32) - e_max)
         o_ptrs = O + (q_start + offs_m[:, None]) * stride_o_token + cur_head * stride_o_head + offs_dv[None, :]
         tl.store(o_ptrs, (acc / e_sum[:, None]).to(O.dtype.element_ty), mask=mask_m[:, None] & mask_dv[None, :])
 
@@ -162,9 +195,13 @@ def extend_attention_fwd(
     block_m: int = 64,
     block_n: int = 64,
     is_causal: bool = True,
+    sliding_window: int = -1,
+    logit_cap: float = 0.0,
+    sinks: Optional[torch.Tensor] = None,
 ) -> None:
     """Write into `o` the attention of every new token (prefix keys from the pool, new keys causal,
-    or all new keys with is_causal False).
+    or all new keys with is_causal False; with sliding_window > 0 only the keys at (p - window, p];
+    scores soft-capped with logit_cap > 0; sinks [q_heads] join each softmax's denominator).
 
     q, o: [num_tokens, q_heads, D] / [num_tokens, q_heads, DV]; k_extend, v_extend: [num_tokens,
     kv_heads, D]; k_buffer, v_buffer: [slots, kv_heads, D]; the per-request tensors are [bs], and
@@ -196,6 +233,9 @@ def extend_attention_fwd(
         extend_seq_lens,
         prefix_lens,
         sm_scale,
+        sliding_window,
+        logit_cap,
+        sinks if sinks is not None else q,  # any pointer: never read without HAS_SINKS
         req_to_token.stride(0),
         q.stride(0),
         q.stride(1),
@@ -219,5 +259,8 @@ def extend_attention_fwd(
         DOT_PRECISION=dot_precision(q.dtype),
         UPCAST_DOT=upcast_dot(q.device),
         IS_CAUSAL=is_causal,
+        HAS_WINDOW=sliding_window > 0,
+        HAS_CAP=logit_cap > 0,
+        HAS_SINKS=sinks is not None,
     )
 
