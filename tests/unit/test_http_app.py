@@ -45,6 +45,7 @@ class FakeTokenizerManager:
         self.max_req_input_len = CONTEXT_LEN - 1
         self.max_total_num_tokens = 4096
         self.server_args = None
+        self.lora_registry = None  # no --enable-lora
         self.alive = True
         self.healthy = True
         self.flush_ok = True
