@@ -44,6 +44,8 @@ TINY_MOE = {
 # global layers mixed (Gemma's head_dim and query_pre_attn_scalar set apart so a wrong scale shows).
 TINY_SWA = {
     "mistral": dict(sliding_window=16, max_position_embeddings=1024),
+    # Qwen2 windows the layers from max_window_layers on: a hybrid model on Llama's layers.
+    "qwen2": dict(sliding_window=16, use_sliding_window=True, max_window_layers=1, max_position_embeddings=1024),
     "gemma2": dict(sliding_window=16, max_position_embeddings=1024, head_dim=16, query_pre_attn_scalar=24,
                    num_hidden_layers=3, hidden_activation="gelu_pytorch_tanh"),
     "gemma3": dict(sliding_window=16, max_position_embeddings=1024, head_dim=16, query_pre_attn_scalar=24,

@@ -1,8 +1,8 @@
 """Sliding-window and hybrid (local + global) attention models against transformers, far past the window:
-Mistral (every layer windowed), Gemma 2 (alternating local/global layers, pre+post norms, (1 + w)
+Mistral (every layer windowed), Qwen2 with use_sliding_window (layers from max_window_layers on), Gemma 2 (alternating local/global layers, pre+post norms, (1 + w)
 RMSNorm, attention and final logit soft-caps, query_pre_attn_scalar, scaled embedding, tanh gelu) and
 Gemma 3 text (layer_types, q/k norms, a local rotary base). Small random float32 checkpoints with a
-window of 16 and prompts of 100-300 tokens: logits at every prompt position, and greedy tokens through
+window of 16 and prompts of 100-260 tokens: logits at every prompt position, and greedy tokens through
 the real scheduler under radix cache on/off, paging, chunked prefill and mixed chunks."""
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from utils_models import TINY_SWA, BatchDriver, ExtendReq, build_tiny_model, hf_
 
 from engine.server_args import ServerArgs
 
-ARCHS = ["mistral", "gemma2", "gemma3"]
+ARCHS = ["mistral", "qwen2", "gemma2", "gemma3"]
 N_NEW = 24  # decode steps: every one of them past the window
 
 
@@ -42,8 +42,8 @@ class _Tok:
 def swa_model(request, tmp_path_factory):
     arch = request.param
     path = str(tmp_path_factory.mktemp(arch))
-    # Gemma checkpoints tie the head to the embedding; Mistral's do not.
-    hf = build_tiny_model(path, arch, seed=11, tie_word_embeddings=arch != "mistral", **TINY_SWA[arch])
+    # Gemma checkpoints tie the head to the embedding; Mistral's and Qwen2's here do not.
+    hf = build_tiny_model(path, arch, seed=11, tie_word_embeddings=arch.startswith("gemma"), **TINY_SWA[arch])
     expected = [hf_greedy(hf, p, N_NEW) for p in _prompts()]
     return arch, path, hf, expected
 
@@ -52,7 +52,7 @@ def test_windows_are_read_per_layer(swa_model):
     arch, path, _, _ = swa_model
     runner = make_runner(path)
     windows = [layer.self_attn.attn.sliding_window_size for layer in runner.model.model.decoder_layers]
-    assert windows == {"mistral": [16, 16], "gemma2": [16, -1, 16], "gemma3": [16, -1, 16]}[arch]
+    assert windows == {"mistral": [16, 16], "qwen2": [-1, 16], "gemma2": [16, -1, 16], "gemma3": [16, -1, 16]}[arch]
     assert runner.model_config.context_len == 1024  # no longer capped at the window
 
 
