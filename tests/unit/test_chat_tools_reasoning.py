@@ -31,6 +31,7 @@ class ScriptedManager:
         self.served_model_name = "scripted"
         self.context_len = 4096
         self.server_args = None
+        self.lora_registry = None  # no --enable-lora
         self.requests: List[GenerateReqInput] = []
         self.template_tools: List[Optional[list]] = []
 
