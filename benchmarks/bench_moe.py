@@ -16,6 +16,7 @@ a streaming read of a large tensor on the same cores.
 
   python benchmarks/bench_moe.py                           # table + bench_moe.json
   python benchmarks/bench_moe.py --layers 2 --out-len 8    # a quick check
+  python benchmarks/bench_moe.py --device cuda --batch-sizes 1 16 64   # the Triton kernel on a GPU
 """
 
 from __future__ import annotations
@@ -129,7 +130,7 @@ class Result:
 
 
 def _scheduler(path: str, batch: int, args: argparse.Namespace) -> Scheduler:
-    server_args = ServerArgs(model_path=path, device="cpu", log_level="warning", dtype="bfloat16",
+    server_args = ServerArgs(model_path=path, device=args.device, log_level="warning", dtype="bfloat16",
                              max_total_tokens=batch * (args.prompt_len + args.out_len + 16) + 256,
                              max_running_requests=batch, disable_overlap_schedule=True, chunked_prefill_size=-1,
                              disable_radix_cache=True)
@@ -182,13 +183,15 @@ def experts_read(scheduler: Scheduler, prompts: List[List[int]], out_len: int) -
     return statistics.fmean(distinct)
 
 
-def read_bandwidth(gib: float = 1.0) -> float:
+def read_bandwidth(device: str, gib: float = 1.0) -> float:
     """Bytes/s of a streaming read (a float32 sum over a tensor much larger than the caches), best of 5."""
-    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32)
+    x = torch.ones(int(gib * (1 << 30)) // 4, dtype=torch.float32, device=device)
     best = float("inf")
     for _ in range(5):
+        if device == "cuda":
+            torch.cuda.synchronize()
         t = time.perf_counter()
-        x.sum()
+        x.sum().item()
         best = min(best, time.perf_counter() - t)
     return x.numel() * 4 / best
 
@@ -219,13 +222,15 @@ def main() -> None:
     ap.add_argument("--out-len", type=int, default=32)
     ap.add_argument("--dir", default=os.path.join(os.path.expanduser("~"), ".cache", "engine_bench_moe"))
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--json", default="bench_moe.json")
     args = ap.parse_args()
     shape = Shape(args.layers, args.hidden, args.heads, args.kv_heads, args.experts, args.top_k, args.expert_inter,
                   args.vocab)
     paths = {"mixtral": checkpoint(args.dir, shape, True), "dense": checkpoint(args.dir, shape, False)}
-    bandwidth = read_bandwidth()
-    print(f"streaming read bandwidth: {bandwidth / 1e9:.1f} GB/s ({torch.get_num_threads()} threads)")
+    bandwidth = read_bandwidth(args.device)
+    where = f"{torch.get_num_threads()} threads" if args.device == "cpu" else torch.cuda.get_device_name()
+    print(f"streaming read bandwidth: {bandwidth / 1e9:.1f} GB/s ({where})")
     results: List[Result] = []
     with scheduling_thread():  # as in the scheduler process
         for batch in args.batch_sizes:
