@@ -123,3 +123,15 @@ def test_bfloat16_decode_stays_close_to_float32(swa_model):
         hf_error = (copy.deepcopy(hf).to(torch.bfloat16)(ids).logits[0, -2:].float() - hf(ids).logits[0, -2:]).abs().max()
     error = (logits["bfloat16"] - logits["float32"]).abs().max().item()
     assert error < 2 * hf_error.item() + 0.01 * logits["float32"].abs().max().item(), (arch, error, hf_error)
+
+
+def test_flashinfer_is_refused_for_windowed_layers(swa_model):
+    """Our flashinfer wrapper computes plain attention only: refused at start-up, not silently full."""
+    from engine.configs.model_config import ModelConfig
+    from engine.model_executor.model_runner import ModelRunner
+
+    _, path, _, _ = swa_model
+    args = ServerArgs(model_path=path, device="cpu", max_total_tokens=1024)
+    args.attention_backend = "flashinfer"  # ServerArgs allows it with CUDA only; the model check comes first
+    with pytest.raises(ValueError, match="no sliding-window"):
+        ModelRunner(ModelConfig.from_pretrained(path, device="cpu"), args)

@@ -20,6 +20,7 @@ from engine.kernels import ops as kernel_ops
 from engine.layers.attention import create_attention_backend
 from engine.layers.logits_processor import LogitsProcessorOutput
 from engine.layers.pooler import EmbeddingPoolerOutput
+from engine.layers.radix_attention import RadixAttention
 from engine.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from engine.model_executor.forward_batch_info import ForwardBatch
@@ -105,6 +106,11 @@ class ModelRunner:
         if model_config.is_encoder_only and server_args.attention_backend == "flashinfer":
             raise ValueError("the flashinfer attention backend has no encoder (non-causal) attention; use "
                              "--attention-backend triton or torch_native for this model")
+        if server_args.attention_backend == "flashinfer" and any(
+                isinstance(m, RadixAttention) and not m.is_plain for m in self.model.modules()):
+            # Our flashinfer wrapper computes plain full attention: a window would be silently ignored.
+            raise ValueError("the flashinfer attention backend has no sliding-window, soft-capped or sink attention; "
+                             "use --attention-backend triton or torch_native for this model")
         self.init_memory_pool()
         assert server_args.attention_backend is not None  # ServerArgs.resolve_defaults picks one
         self.attn_backend = create_attention_backend(server_args.attention_backend, self)
