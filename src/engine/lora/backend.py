@@ -56,8 +56,13 @@ class LoRABatchInfo:
         return bool(self.groups)
 
 
-def build_batch_info(row_slots: Sequence[int], scalings: torch.Tensor, device: torch.device) -> LoRABatchInfo:
-    """Segments of consecutive rows with the same slot, and the rows of each slot."""
+def build_batch_info(row_slots: Sequence[int], scalings: torch.Tensor, device: torch.device,
+                     scaling_values: Optional[List[float]] = None, dense: bool = True) -> LoRABatchInfo:
+    """Segments of consecutive rows with the same slot, and the rows of each slot. `scaling_values`:
+    the host copy of `scalings` (read from the device when not given); `dense`: prepare the native
+    dense path for a small batch."""
+    if scaling_values is None:
+        scaling_values = scalings.tolist()
     bounds: List[Tuple[int, int, int]] = []
     rows_of: Dict[int, List[int]] = {}
     for row, slot in enumerate(row_slots):
@@ -75,17 +80,17 @@ def build_batch_info(row_slots: Sequence[int], scalings: torch.Tensor, device: t
         groups.append(SlotRows(slot, rows[0], rows[-1] + 1, index))
     indptr = [0] + [end for _, end, _ in bounds]
     row_scales = None
-    if len(row_slots) <= DENSE_MAX_ROWS and groups:
+    if dense and len(row_slots) <= DENSE_MAX_ROWS and groups:
         slots = torch.tensor(list(row_slots), dtype=torch.int64)
-        row_scales = torch.zeros((len(row_slots), scalings.shape[0]), dtype=torch.float32)
-        row_scales[torch.arange(len(row_slots)), slots] = scalings.cpu()[slots]
+        row_scales = torch.zeros((len(row_slots), len(scaling_values)), dtype=torch.float32)
+        row_scales[torch.arange(len(row_slots)), slots] = torch.tensor(scaling_values, dtype=torch.float32)[slots]
         row_scales = row_scales.to(device, non_blocking=True)
     return LoRABatchInfo(
         num_rows=len(row_slots), bounds=bounds,
         seg_indptr=torch.tensor(indptr, dtype=torch.int32).to(device, non_blocking=True),
         weight_indices=torch.tensor([s for _, _, s in bounds], dtype=torch.int32).to(device, non_blocking=True),
         max_len=max((end - start for start, end, _ in bounds), default=0), scalings=scalings,
-        groups=groups, scaling_values=scalings.tolist(), row_scales=row_scales)
+        groups=groups, scaling_values=scaling_values, row_scales=row_scales)
 
 
 # Batches of at most this many rows (decode steps) take the dense native path: two GEMMs over every

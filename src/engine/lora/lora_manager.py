@@ -120,12 +120,13 @@ class LoRAManager:
         slots = self.pool.acquire(wanted, self._by_uid.__getitem__)
         per_request = [0 if u is None else slots[u] for u in uids]
         device = torch.device(self.device)
-        last_rows = build_batch_info(per_request, self.pool.scalings, device)
+        pool, dense = self.pool, bool(self.pool.dense_b)
+        last_rows = build_batch_info(per_request, pool.scalings, device, pool.scaling_values, dense)
         if forward_batch.forward_mode.is_extend():
             lens = forward_batch.extend_seq_lens_cpu
             assert lens is not None  # set for every extend
             per_token = [slot for slot, n in zip(per_request, lens) for _ in range(n)]
-            tokens: LoRABatchInfo = build_batch_info(per_token, self.pool.scalings, device)
+            tokens: LoRABatchInfo = build_batch_info(per_token, pool.scalings, device, pool.scaling_values, dense)
         else:
             tokens = last_rows
         self.state.set(tokens, last_rows)

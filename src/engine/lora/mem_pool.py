@@ -34,6 +34,7 @@ class LoRAMemoryPool:
             key: torch.zeros(((num_slots + 1) * len(t.subs) * max_rank, t.local_out), dtype=dtype, device=device)
             for key, t in targets.items()} if dense else {}
         self.scalings = torch.zeros(num_slots + 1, dtype=torch.float32, device=device)
+        self.scaling_values: List[float] = [0.0] * (num_slots + 1)  # the host copy (no device read per batch)
         self._targets = targets
         self._slot_of: "OrderedDict[str, int]" = OrderedDict()  # uid -> slot, least recently used first
         self._pinned: Set[str] = set()
@@ -88,6 +89,7 @@ class LoRAMemoryPool:
                 if dense is not None:
                     dense[i * max_rank:i * max_rank + rank, sub.offset:sub.offset + sub.size].copy_(b.t())
         self.scalings[slot] = adapter.config.scaling
+        self.scaling_values[slot] = adapter.config.scaling
         if adapter.pinned:
             self._pinned.add(adapter.uid)
 
