@@ -62,6 +62,21 @@ def test_logits_match_transformers(moe_model):
         offset += len(prompt)
 
 
+def test_mixtral_with_a_sliding_window_matches_transformers(tmp_path):
+    """Mixtral's sliding_window windows every layer (Llama's attention takes the model config's windows)."""
+    hf = build_tiny_model(str(tmp_path), "mixtral", seed=5, sliding_window=16)
+    runner = make_runner(str(tmp_path))
+    assert runner.model_config.layer_windows == [16, 16]
+    driver = BatchDriver(runner)
+    prompt = _prompts()[2]  # 40 tokens: past the window
+    fb = driver.extend_batch([ExtendReq(driver.new_row(), prompt)])
+    model = runner.model
+    with torch.inference_mode():
+        runner.attn_backend.init_forward_metadata(fb)
+        logits = model.logits_processor.compute_logits(model.model(fb.input_ids, fb.positions, fb), model.lm_head)
+    assert (logits - hf_logits(hf, prompt)).abs().max().item() < 1e-4
+
+
 def test_layers_are_sparse_as_the_config_says(moe_model):
     from engine.layers.moe.layer import FusedMoE
     from engine.models.llama import LlamaMLP
