@@ -27,6 +27,7 @@ ARCHS = {
     "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM"),
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
+    "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
 }
 
 # The mixture-of-experts families' own fields (with TINY): 4-8 experts, top-2; Qwen's layer 0 dense
@@ -53,6 +54,9 @@ TINY_SWA = {
                    layer_types=["sliding_attention", "full_attention", "sliding_attention"],
                    rope_parameters={"sliding_attention": {"rope_type": "default", "rope_theta": 100.0},
                                     "full_attention": {"rope_type": "default", "rope_theta": 10000.0}}),
+    # Sinks, biases, its own experts (4, top-2) and YaRN rotary; layers alternate local/global.
+    "gpt_oss": dict(sliding_window=16, max_position_embeddings=1024, head_dim=16, num_local_experts=4,
+                    num_experts_per_tok=2, intermediate_size=32),
 }
 
 TINY = dict(

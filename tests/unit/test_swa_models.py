@@ -17,7 +17,7 @@ from utils_models import TINY_SWA, BatchDriver, ExtendReq, build_tiny_model, hf_
 
 from engine.server_args import ServerArgs
 
-ARCHS = ["mistral", "qwen2", "gemma2", "gemma3"]
+ARCHS = ["mistral", "qwen2", "gemma2", "gemma3", "gpt_oss"]
 N_NEW = 24  # decode steps: every one of them past the window
 
 
@@ -52,7 +52,8 @@ def test_windows_are_read_per_layer(swa_model):
     arch, path, _, _ = swa_model
     runner = make_runner(path)
     windows = [layer.self_attn.attn.sliding_window_size for layer in runner.model.model.decoder_layers]
-    assert windows == {"mistral": [16, 16], "qwen2": [-1, 16], "gemma2": [16, -1, 16], "gemma3": [16, -1, 16]}[arch]
+    assert windows == {"mistral": [16, 16], "qwen2": [-1, 16], "gemma2": [16, -1, 16], "gemma3": [16, -1, 16],
+                       "gpt_oss": [16, -1]}[arch]
     assert runner.model_config.context_len == 1024  # no longer capped at the window
 
 
@@ -135,3 +136,15 @@ def test_flashinfer_is_refused_for_windowed_layers(swa_model):
     args.attention_backend = "flashinfer"  # ServerArgs allows it with CUDA only; the model check comes first
     with pytest.raises(ValueError, match="no sliding-window"):
         ModelRunner(ModelConfig.from_pretrained(path, device="cpu"), args)
+
+
+def test_mxfp4_gpt_oss_checkpoint_is_refused(tmp_path):
+    """gpt-oss's published checkpoints hold MXFP4 expert blocks: refused by name, not loaded as garbage."""
+    from safetensors.torch import load_file, save_file
+
+    build_tiny_model(str(tmp_path), "gpt_oss", seed=1, **TINY_SWA["gpt_oss"])
+    weights = load_file(str(tmp_path / "model.safetensors"))
+    weights["model.layers.0.mlp.experts.gate_up_proj_blocks"] = torch.zeros(4, 64, 2, 16, dtype=torch.uint8)
+    save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="MXFP4"):
+        make_runner(str(tmp_path))

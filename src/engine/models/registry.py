@@ -16,6 +16,7 @@ _MODELS: Dict[str, Tuple[str, str]] = {
     # Local (sliding-window) and global layers (models/gemma2.py).
     "Gemma2ForCausalLM": ("engine.models.gemma2", "Gemma2ForCausalLM"),
     "Gemma3ForCausalLM": ("engine.models.gemma3", "Gemma3ForCausalLM"),
+    "GptOssForCausalLM": ("engine.models.gpt_oss", "GptOssForCausalLM"),
     # EAGLE's draft head (speculative decoding: --speculative-algorithm EAGLE).
     "LlamaForCausalLMEagle": ("engine.models.llama_eagle", "LlamaForCausalLMEagle"),
     # Mixture-of-experts decoders (models/sparse_moe.py).
