@@ -303,6 +303,23 @@ class Engine:
         if not result["success"]:
             raise EngineRequestError(result["message"])
 
+    # Mixture-of-experts models (SGLang's names). The dump returns the counts, [layer][expert id],
+    # where SGLang's writes a file. A dense model raises EngineRequestError.
+    def start_expert_distribution_record(self) -> None:
+        self._expert_distribution("start_record")
+
+    def stop_expert_distribution_record(self) -> None:
+        self._expert_distribution("stop_record")
+
+    def dump_expert_distribution_record(self) -> list[list[int]]:
+        return self._expert_distribution("dump_record") or []
+
+    def _expert_distribution(self, action: str) -> Optional[list[list[int]]]:
+        result = self._run(self.tokenizer_manager.control.expert_distribution(action))
+        if not result.success:
+            raise EngineRequestError(result.message)
+        return result.logical_count
+
     def get_internal_state(self) -> list[dict]:
         return self._run(self.tokenizer_manager.get_internal_state())
 
