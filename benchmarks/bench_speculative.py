@@ -1,4 +1,9 @@
-"""NGRAM speculative decoding on/off, side by side in one run (issue 36), in-process (no HTTP).
+"""Speculative decoding on/off, side by side in one run (issue 36), in-process (no HTTP).
+
+Algorithms (--algorithms, default both):
+  NGRAM       drafts from the request's own prompt and output;
+  STANDALONE  a draft model made from the target's first --draft-layers layers (its embedding,
+              final norm and lm_head too), saved as a model directory of its own.
 
 Workloads (greedy, ignore_eos):
   copy    each prompt is a random prompt plus the first --copy-len tokens of the target's own
@@ -6,14 +11,22 @@ Workloads (greedy, ignore_eos):
           the text the drafter copies from is the target's own and the output is known exactly.
   random  random prompts: little for the drafter to copy (acceptance is whatever it is).
 
-For each workload and batch size (--batch-sizes, default 1 and 16) the same requests run with
-speculation off and on; the table reports output tokens/s, the ratio on/off, the mean accept
-length (tokens per request per verify step), the drafter's share of the wall time (drafting and
-KV bookkeeping on the scheduling thread, outside the forward), ITL, and whether every output
-equals the reference (the run without speculation).
+For each algorithm, workload and batch size (--batch-sizes, default 1 and 16) the same requests run
+with speculation off and on; the table reports output tokens/s, the ratio on/off, the mean accept
+length (tokens per request per verify step), the drafter's share of the wall time (NGRAM: drafting
+and KV bookkeeping on the scheduling thread; STANDALONE: that plus the draft model's forwards: its
+drafts, its catch-up after verification and its mirror of every plain forward), ITL, and whether
+every output equals the reference (the run without speculation). --spec-threshold sets
+--speculative-batch-size-threshold for the "on" runs (default: the server's default).
+
+--verify-cost instead measures what a verify forward costs against a plain decode forward of the
+same batch (the fastest of 9 interleaved runs each, a 96-token context): the accept length a verify
+step must reach to pay, per batch size, which --speculative-batch-size-threshold's CPU default
+comes from.
 
   python benchmarks/bench_speculative.py                      # builtin model, table + JSON
   python benchmarks/bench_speculative.py --model 100m --out-len 128 --json out.json
+  python benchmarks/bench_speculative.py --verify-cost --batch-sizes 1 2 4 8 16 32
 """
 
 from __future__ import annotations
@@ -26,7 +39,7 @@ import statistics
 import sys
 import time
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional
+from typing import Any, Dict, List, Optional
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -47,16 +60,60 @@ class Run:
     draft_share: Optional[float] = None
 
 
-def run(model_path: str, prompts: List[List[int]], out_len: int, spec: bool, args: argparse.Namespace) -> Run:
+def run(model_path: str, prompts: List[List[int]], out_len: int, spec: Optional[Dict[str, Any]],
+        args: argparse.Namespace) -> Run:
+    """`spec`: the speculative ServerArgs of the "on" run, None for "off"."""
     with scheduling_thread():  # as in the scheduler process
         return _run(model_path, prompts, out_len, spec, args)
 
 
-def _run(model_path: str, prompts: List[List[int]], out_len: int, spec: bool, args: argparse.Namespace) -> Run:
-    extra = dict(speculative_algorithm="NGRAM", speculative_num_draft_tokens=args.num_draft_tokens) if spec else {}
+def spec_args(algo: str, draft_path: str, args: argparse.Namespace) -> Dict[str, Any]:
+    common: Dict[str, Any] = {"speculative_algorithm": algo}
+    if args.spec_threshold is not None:
+        common["speculative_batch_size_threshold"] = args.spec_threshold
+    if algo == "NGRAM":
+        return dict(common, speculative_num_draft_tokens=args.num_draft_tokens)
+    return dict(common, speculative_draft_model_path=draft_path, speculative_num_steps=args.num_steps)
+
+
+def layer_draft_dir(model_path: str, layers: int) -> str:
+    """A draft model of the target's first `layers` layers (embedding, final norm and lm_head kept),
+    written next to the cache of benchmark models once."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    root = os.environ.get("ENGINE_CACHE_DIR", os.path.expanduser("~/.cache/engine"))
+    out = os.path.join(root, "bench-models", f"draft-{layers}l-{os.path.basename(os.path.normpath(model_path))}")
+    if os.path.exists(os.path.join(out, "model.safetensors")):
+        return out
+    tmp = out + ".tmp"
+    os.makedirs(tmp, exist_ok=True)
+    weights: Dict[str, Any] = {}
+    for name in sorted(os.listdir(model_path)):
+        src = os.path.join(model_path, name)
+        if name.endswith(".safetensors"):
+            weights.update(load_file(src))
+        elif name not in ("config.json", "model.safetensors.index.json") and os.path.isfile(src):
+            shutil.copy(src, tmp)  # the tokenizer files, generation config
+    keep = {k: v for k, v in weights.items() if not k.startswith("model.layers.") or int(k.split(".")[2]) < layers}
+    with open(os.path.join(model_path, "config.json")) as f:
+        config = json.load(f)
+    config["num_hidden_layers"] = layers
+    with open(os.path.join(tmp, "config.json"), "w") as f:
+        json.dump(config, f, indent=2)
+    save_file({k: v.contiguous() for k, v in keep.items()}, os.path.join(tmp, "model.safetensors"),
+              metadata={"format": "pt"})
+    shutil.rmtree(out, ignore_errors=True)
+    os.replace(tmp, out)
+    return out
+
+
+def _run(model_path: str, prompts: List[List[int]], out_len: int, spec: Optional[Dict[str, Any]],
+         args: argparse.Namespace) -> Run:
     server_args = ServerArgs(model_path=model_path, device="cpu", log_level="warning", dtype=args.dtype,
                              max_total_tokens=args.max_total_tokens, max_running_requests=len(prompts),
-                             disable_overlap_schedule=True, chunked_prefill_size=-1, **extra)
+                             disable_overlap_schedule=True, chunked_prefill_size=-1, **(spec or {}))
     scheduler = Scheduler(server_args)
     drafting = [0.0]
     if scheduler.spec is not None:
@@ -87,6 +144,7 @@ def _run(model_path: str, prompts: List[List[int]], out_len: int, spec: bool, ar
     scheduler.flush_cache()
     scheduler.outbox.clear()
     drafting[0] = 0.0
+    mirror_start = _mirror_seconds(scheduler)
     if scheduler.spec is not None:
         scheduler.spec.reset_stats()  # count the measured requests only
     outputs: Dict[str, List[int]] = {str(i): [] for i in range(len(prompts))}
@@ -110,18 +168,85 @@ def _run(model_path: str, prompts: List[List[int]], out_len: int, spec: bool, ar
         scheduler.outbox.clear()
     duration = time.perf_counter() - start
     state = scheduler.internal_state()
+    if scheduler.spec is not None:
+        # The draft model's forwards on the forward thread: its drafts and catch-up, and its mirror.
+        drafting[0] += scheduler.spec.stats.draft_seconds + _mirror_seconds(scheduler) - mirror_start
     scheduler.shutdown()
     outs = [outputs[str(i)] for i in range(len(prompts))]
     return Run(outs, duration, sum(map(len, outs)), itl, accept_length=state.get("avg_spec_accept_length"),
                draft_share=drafting[0] / duration if scheduler.spec is not None else None)
 
 
+def _mirror_seconds(scheduler: Scheduler) -> float:
+    from engine.speculative.draft_model import DraftModelDrafter
+    from engine.speculative.eagle import EagleDrafter
+
+    drafter = scheduler.spec.drafter if scheduler.spec is not None else None
+    return drafter.mirror_seconds if isinstance(drafter, (DraftModelDrafter, EagleDrafter)) else 0.0
+
+
 def workloads(model_path: str, vocab: int, batch: int, args: argparse.Namespace) -> Dict[str, List[List[int]]]:
     rng = random.Random(args.seed + batch)
     bases = [[rng.randrange(10, vocab - 10) for _ in range(args.prompt_len)] for _ in range(batch)]
     # The target's own greedy continuation (speculation off), long enough to copy from and to continue.
-    full = run(model_path, bases, args.copy_len + args.out_len, False, args).outputs
+    full = run(model_path, bases, args.copy_len + args.out_len, None, args).outputs
     return {"copy": [b + f[:args.copy_len] for b, f in zip(bases, full)], "random": bases}
+
+
+def verify_cost(model_path: str, args: argparse.Namespace) -> None:
+    """Decode vs TARGET_VERIFY forward times of the same requests (see the module doc)."""
+    import torch
+
+    from engine.configs.model_config import ModelConfig
+    from engine.model_executor.forward_batch_info import ForwardBatch, ForwardMode, ModelWorkerBatch
+    from engine.model_executor.model_runner import ModelRunner
+
+    ctx, drafts = 96, (3, args.num_draft_tokens - 1)
+    rows_needed = max(args.batch_sizes)
+    server_args = ServerArgs(model_path=model_path, device="cpu", log_level="warning", dtype=args.dtype,
+                             max_total_tokens=(rows_needed + 1) * (ctx + 64), max_running_requests=rows_needed)
+    config = ModelConfig.from_pretrained(model_path, dtype=args.dtype, device="cpu")
+    runner = ModelRunner(config, server_args)
+    width = ctx + max(drafts) + 1
+    table = runner.req_to_token_pool.req_to_token
+    for r in range(1, rows_needed + 1):  # row r owns slots r * width + [0, width): no allocator needed
+        table[r, :width] = torch.arange(r * width, (r + 1) * width, dtype=table.dtype)
+
+    def forward(batch: ModelWorkerBatch) -> float:
+        start = time.perf_counter()
+        with torch.inference_mode():
+            runner.forward(ForwardBatch.init_new(batch, runner))
+        return time.perf_counter() - start
+
+    def batch_of(bs: int, k: int) -> ModelWorkerBatch:
+        """k = -1: the prompt's extend; 0: a decode step; k > 0: a verify step with k drafts."""
+        rows = list(range(1, bs + 1))
+        n = ctx if k < 0 else k + 1
+        prefix = 0 if k < 0 else ctx
+        slots = torch.cat([torch.arange(r * width + prefix, r * width + prefix + n) for r in rows])
+        common = dict(input_ids=torch.full((bs * n,), 5, dtype=torch.int64), req_pool_indices=torch.tensor(rows),
+                      seq_lens=torch.full((bs,), prefix + n), seq_lens_cpu=[prefix + n] * bs, out_cache_loc=slots)
+        if k == 0:
+            return ModelWorkerBatch(forward_mode=ForwardMode.DECODE, **common)
+        return ModelWorkerBatch(forward_mode=ForwardMode.EXTEND if k < 0 else ForwardMode.TARGET_VERIFY,
+                                extend_num_tokens=bs * n, extend_seq_lens=[n] * bs, extend_prefix_lens=[prefix] * bs,
+                                **common)
+
+    rows = []
+    for bs in args.batch_sizes:
+        forward(batch_of(bs, -1))
+        times: Dict[int, List[float]] = {k: [] for k in (0,) + drafts}
+        for _ in range(9):
+            for k in times:
+                times[k].append(forward(batch_of(bs, k)))
+        decode = min(times[0])
+        ratios = {k: min(times[k]) / decode for k in drafts}
+        rows.append({"batch": bs, "decode_ms": 1000 * decode, **{f"verify_{k}_drafts_x": v for k, v in ratios.items()}})
+        print(f"bs {bs:3d}  decode {1000 * decode:7.2f} ms  " + "  ".join(
+            f"verify with {k} drafts x{v:.2f}" for k, v in ratios.items()), flush=True)
+    with open(args.json, "w") as f:
+        json.dump({"args": vars(args), "verify_cost": rows}, f, indent=2)
+    print(f"\nwrote {args.json}")
 
 
 def main() -> None:
@@ -132,37 +257,48 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--copy-len", type=int, default=64)
     ap.add_argument("--out-len", type=int, default=64)
-    ap.add_argument("--num-draft-tokens", type=int, default=12)
+    ap.add_argument("--algorithms", nargs="+", default=["NGRAM", "STANDALONE"], choices=["NGRAM", "STANDALONE"])
+    ap.add_argument("--num-draft-tokens", type=int, default=12, help="NGRAM")
+    ap.add_argument("--num-steps", type=int, default=3, help="STANDALONE (SGLang's default)")
+    ap.add_argument("--draft-layers", type=int, default=1, help="STANDALONE: the target's first layers")
+    ap.add_argument("--spec-threshold", type=int, default=None, help="--speculative-batch-size-threshold")
     ap.add_argument("--max-total-tokens", type=int, default=65536)
     ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--verify-cost", action="store_true", help="measure verify vs decode forwards only")
     ap.add_argument("--json", default="bench_speculative.json")
     args = ap.parse_args()
     model_path, vocab = resolve_model(args.model, args.dtype)
+    if args.verify_cost:
+        with scheduling_thread():
+            verify_cost(model_path, args)
+        return
+    draft_path = layer_draft_dir(model_path, args.draft_layers) if "STANDALONE" in args.algorithms else ""
     rows = []
     for batch in args.batch_sizes:
         for name, prompts in workloads(model_path, vocab, batch, args).items():
-            off = run(model_path, prompts, args.out_len, False, args)
-            on = run(model_path, prompts, args.out_len, True, args)
-            rows.append({
-                "workload": name, "batch": batch,
-                "off_tok_s": off.output_tokens / off.duration, "on_tok_s": on.output_tokens / on.duration,
-                "speedup": (on.output_tokens / on.duration) / (off.output_tokens / off.duration),
-                "accept_length": on.accept_length, "draft_share": on.draft_share,
-                "off_median_itl_ms": 1000 * statistics.median(off.itl) if off.itl else None,
-                "on_median_itl_ms": 1000 * statistics.median(on.itl) if on.itl else None,
-                "exact": on.outputs == off.outputs,
-            })
-            r = rows[-1]
-            print(f"{name:<7} bs={batch:<3} off {r['off_tok_s']:8.1f} tok/s  on {r['on_tok_s']:8.1f} tok/s  "
-                  f"x{r['speedup']:.2f}  accept {r['accept_length']:.2f}  draft share {100 * r['draft_share']:.1f}%  "
-                  f"exact {r['exact']}", flush=True)
+            off = run(model_path, prompts, args.out_len, None, args)
+            for algo in args.algorithms:
+                on = run(model_path, prompts, args.out_len, spec_args(algo, draft_path, args), args)
+                rows.append({
+                    "algorithm": algo, "workload": name, "batch": batch,
+                    "off_tok_s": off.output_tokens / off.duration, "on_tok_s": on.output_tokens / on.duration,
+                    "speedup": (on.output_tokens / on.duration) / (off.output_tokens / off.duration),
+                    "accept_length": on.accept_length or 0.0, "draft_share": on.draft_share or 0.0,
+                    "off_median_itl_ms": 1000 * statistics.median(off.itl) if off.itl else None,
+                    "on_median_itl_ms": 1000 * statistics.median(on.itl) if on.itl else None,
+                    "exact": on.outputs == off.outputs,
+                })
+                r = rows[-1]
+                print(f"{algo:<10} {name:<7} bs={batch:<3} off {r['off_tok_s']:8.1f} tok/s  on {r['on_tok_s']:8.1f} "
+                      f"tok/s  x{r['speedup']:.2f}  accept {r['accept_length']:.2f}  draft share "
+                      f"{100 * r['draft_share']:.1f}%  exact {r['exact']}", flush=True)
     print()
-    print(f"{'workload':<9}{'batch':>6}{'off tok/s':>11}{'on tok/s':>10}{'on/off':>8}{'accept':>8}{'draft%':>8}"
-          f"{'ITL off':>9}{'ITL on':>8}{'exact':>7}")
+    print(f"{'algorithm':<11}{'workload':<9}{'batch':>6}{'off tok/s':>11}{'on tok/s':>10}{'on/off':>8}"
+          f"{'accept':>8}{'draft%':>8}{'ITL off':>9}{'ITL on':>8}{'exact':>7}")
     for r in rows:
-        print(f"{r['workload']:<9}{r['batch']:>6}{r['off_tok_s']:>11.1f}{r['on_tok_s']:>10.1f}{r['speedup']:>8.2f}"
-              f"{r['accept_length']:>8.2f}{100 * r['draft_share']:>8.1f}{r['off_median_itl_ms']:>9.2f}"
-              f"{r['on_median_itl_ms']:>8.2f}{str(r['exact']):>7}")
+        print(f"{r['algorithm']:<11}{r['workload']:<9}{r['batch']:>6}{r['off_tok_s']:>11.1f}{r['on_tok_s']:>10.1f}"
+              f"{r['speedup']:>8.2f}{r['accept_length']:>8.2f}{100 * r['draft_share']:>8.1f}"
+              f"{r['off_median_itl_ms']:>9.2f}{r['on_median_itl_ms']:>8.2f}{str(r['exact']):>7}")
     with open(args.json, "w") as f:
         json.dump({"args": vars(args), "rows": rows}, f, indent=2)
     print(f"\nwrote {args.json}")

@@ -34,6 +34,10 @@ DRAFT_MODEL_ALGORITHMS = ("STANDALONE", "EAGLE")
 # (num_steps, eagle_topk, num_draft_tokens) when none is given: SGLang's STANDALONE default (its
 # EAGLE default for Llama is (5, 4, 8), a tree this engine cannot verify).
 DEFAULT_DRAFT_MODEL_SPEC_PARAMS = (3, 1, 4)
+# --speculative-batch-size-threshold's default on the CPU: past 4 requests a verify forward costs more
+# than the tokens it typically adds (benchmarks/bench_speculative.py --verify-cost, docs/benchmarks.md:
+# with 11 drafts x2.9 a decode forward at 4 requests, x4.2 at 8, x5.5 at 16).
+CPU_SPECULATIVE_BATCH_SIZE_THRESHOLD = 4
 # The most tokens one verify step checks per request, and the longest n-gram window (bounds the
 # verify forward and the drafter's search).
 MAX_SPECULATIVE_TOKENS = 64
@@ -216,7 +220,8 @@ class ServerArgs:
     speculative_batch_size_threshold: Optional[int] = arg(None, (
         "Decode batches with more running requests than this take the plain decode step instead of "
         "a verify step (speculation costs more than it saves once a batch is compute-bound). "
-        "Default: no limit."))
+        "Default: 4 on the CPU (measured: benchmarks/bench_speculative.py --verify-cost), no limit on "
+        "CUDA (as SGLang)."))
     speculative_ngram_min_match_window_size: int = arg(1, "NGRAM: the shortest suffix of the request's "
                                                           "tokens that is matched.")
     speculative_ngram_max_match_window_size: int = arg(12, "NGRAM: the longest suffix of the request's "
@@ -569,6 +574,8 @@ class ServerArgs:
              f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}, got {algo!r}")
         need(self.speculative_batch_size_threshold is None or self.speculative_batch_size_threshold >= 1,
              f"--speculative-batch-size-threshold must be >= 1, got {self.speculative_batch_size_threshold}")
+        if self.speculative_batch_size_threshold is None and self.device == "cpu":
+            self.speculative_batch_size_threshold = CPU_SPECULATIVE_BATCH_SIZE_THRESHOLD
         if algo in DRAFT_MODEL_ALGORITHMS:
             self._check_draft_model_params(need)
         else:

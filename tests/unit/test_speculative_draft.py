@@ -45,8 +45,9 @@ def _harness(target: str, draft: str = None, steps: int = STEPS, **kwargs) -> Ha
     page = kwargs.get("page_size", 1)
     worker_args = ServerArgs(model_path=target, device="cpu", max_total_tokens=total, page_size=page,
                              max_running_requests=16)
-    spec = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=draft,
-                speculative_num_steps=steps) if draft is not None else {}
+    # Every batch verifies (the CPU default stops speculating past 4 requests).
+    spec = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=draft, speculative_num_steps=steps,
+                speculative_batch_size_threshold=1024) if draft is not None else {}
     return Harness(worker=TpModelWorker(worker_args), tokenizer=_Tok(), max_total_tokens=total, **spec, **kwargs)
 
 
@@ -229,12 +230,46 @@ def test_greedy_requests_stay_exact_beside_sampled_ones(tiny, small_draft):
     assert all(len(h.outputs[r].output_ids) == N_NEW for r in sampled)
 
 
+@pytest.mark.parametrize("algo", ["STANDALONE", "NGRAM"])
+def test_batches_above_the_threshold_decode_plainly(tiny, algo):
+    """--speculative-batch-size-threshold 2 with 4 requests of different lengths: while more than 2
+    run every step is a plain decode step, then verify steps take over; outputs stay exact and (draft
+    = target) every draft is still accepted, so the draft followed the plain steps."""
+    from engine.scheduler.tp_worker import TpModelWorker
+
+    prompts = _prompts()[:4]
+    lengths = [6, 10, 24, 30]
+    plain = _harness(tiny)
+    rids = [plain.submit(p, max_new_tokens=n, ignore_eos=True) for p, n in zip(prompts, lengths)]
+    plain.run_until_idle()
+    spec = dict(speculative_algorithm=algo, speculative_batch_size_threshold=2)
+    if algo == "STANDALONE":
+        spec.update(speculative_draft_model_path=tiny, speculative_num_steps=STEPS)
+    h = Harness(worker=TpModelWorker(ServerArgs(model_path=tiny, device="cpu", max_total_tokens=4096,
+                                                max_running_requests=16)),
+                tokenizer=_Tok(), max_total_tokens=4096, **spec)
+    rids2 = [h.submit(p, max_new_tokens=n, ignore_eos=True) for p, n in zip(prompts, lengths)]
+    verify_batches: List[int] = []
+    while h.scheduler.has_work():
+        before = h.scheduler.internal_state()["spec_verify_ct"]
+        batch = h.step()
+        if h.scheduler.internal_state()["spec_verify_ct"] > before:
+            verify_batches.append(batch.batch_size())
+    h.step()  # the strict idle check
+    assert [h.outputs[r].output_ids for r in rids2] == [plain.outputs[r].output_ids for r in rids]
+    assert verify_batches and max(verify_batches) <= 2
+    state = h.scheduler.internal_state()
+    if algo == "STANDALONE":
+        assert state["spec_accepted_tokens"] == state["spec_draft_tokens"] > 0, state
+
+
 # ---------------------------------------------------------------------------------------- server args
 def test_draft_model_flags_defaults_and_refusals(tiny):
     args = ServerArgs(device="cpu", speculative_algorithm="STANDALONE", speculative_draft_model_path=tiny)
     # SGLang's STANDALONE defaults; a chain verifies num_steps + 1 tokens.
     assert (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens) == (3, 1, 4)
     assert args.disable_overlap_schedule
+    assert args.speculative_batch_size_threshold == 4  # the CPU default (benchmarks.md)
     args = ServerArgs(device="cpu", speculative_algorithm="STANDALONE", speculative_draft_model_path=tiny,
                       speculative_num_steps=5, speculative_num_draft_tokens=9)
     assert args.speculative_num_draft_tokens == 6  # adjusted as SGLang does for topk 1
@@ -315,7 +350,7 @@ def test_sampled_outputs_keep_the_target_distribution_end_to_end(tiny_vocab):
     worker_args = ServerArgs(model_path=path, device="cpu", max_total_tokens=16384, max_running_requests=256)
     h = Harness(worker=TpModelWorker(worker_args), tokenizer=_Tok(), max_total_tokens=16384,
                 max_running_requests=256, speculative_algorithm="STANDALONE", speculative_draft_model_path=path,
-                speculative_num_steps=2)
+                speculative_num_steps=2, speculative_batch_size_threshold=1024)
     rids = [h.submit(prompt, max_new_tokens=3, ignore_eos=True, temperature=temperature) for _ in range(n)]
     h.run_until_idle()
     outs = [tuple(h.outputs[r].output_ids) for r in rids]

@@ -21,7 +21,8 @@ from engine.speculative.ngram import propose_ngram_drafts
 
 N_NEW = 24
 VOCAB = 2560  # the built-in model's
-NGRAM = dict(speculative_algorithm="NGRAM")
+# Every batch of these tests verifies (the CPU default stops speculating past 4 requests).
+NGRAM = dict(speculative_algorithm="NGRAM", speculative_batch_size_threshold=1024)
 
 
 @pytest.fixture(scope="module")
@@ -225,6 +226,7 @@ def test_ngram_flags_defaults_and_bounds():
     assert args.speculative_num_draft_tokens == args.speculative_ngram_max_match_window_size == 12
     assert args.speculative_ngram_min_match_window_size == 1
     assert args.disable_overlap_schedule  # forced: the verify step runs in the normal loop
+    assert ServerArgs(device="cpu", speculative_algorithm="NGRAM").speculative_batch_size_threshold == 4
     assert not ServerArgs(device="cpu").disable_overlap_schedule  # the default path is unchanged
     for bad in (dict(speculative_num_draft_tokens=1), dict(speculative_num_draft_tokens=65),
                 dict(speculative_ngram_min_match_window_size=5, speculative_ngram_max_match_window_size=4),
