@@ -261,3 +261,7 @@ def test_native_paths_equal_a_per_row_reference(monkeypatch, dense):
     got = base.clone()
     backend.lora_native(x, got, a, b, sections, rank, info, dense_b)
     torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    if not dense:  # the groups without the block matrix: one expand per section
+        got = base.clone()
+        backend.lora_native(x, got, a, b, sections, rank, info)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

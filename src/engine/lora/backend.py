@@ -111,18 +111,22 @@ def lora_native(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Te
         shrink = shrink * info.row_scales.to(shrink.dtype).unsqueeze(-1)  # other slots' columns: 0
         out += (shrink.view(-1, slots * stacked) @ dense_b).to(out.dtype)
         return
+    stacked = a.shape[1]
     for group in info.groups:
         slot, index = group.slot, group.index
         rows = x[group.start:group.end] if index is None else x.index_select(0, index)
         shrink = rows.to(a.dtype) @ a[slot].t()
-        scaling = info.scaling_values[slot]
-        for i, (offset, size) in enumerate(sections):
-            delta = (shrink[:, i * rank:(i + 1) * rank] @ b[slot, offset:offset + size].t()) * scaling
-            delta = delta.to(out.dtype)
-            if index is None:
-                out[group.start:group.end, offset:offset + size] += delta
-            else:
-                out[:, offset:offset + size].index_add_(0, index, delta)
+        if dense_b is not None:  # every section's expand in one GEMM (the block of this slot)
+            delta = shrink @ dense_b[slot * stacked:(slot + 1) * stacked]
+        else:
+            delta = torch.empty((shrink.shape[0], out.shape[1]), dtype=shrink.dtype, device=shrink.device)
+            for i, (offset, size) in enumerate(sections):
+                delta[:, offset:offset + size] = shrink[:, i * rank:(i + 1) * rank] @ b[slot, offset:offset + size].t()
+        delta = (delta * info.scaling_values[slot]).to(out.dtype)
+        if index is None:  # whole rows at once: one add (or scatter) per adapter
+            out[group.start:group.end] += delta
+        else:
+            out.index_add_(0, index, delta)
 
 
 def lora_triton(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
