@@ -80,6 +80,7 @@ CONFIGS = {
     "no-radix": dict(disable_radix_cache=True),
     "page16-chunk32": dict(page_size=16, chunked_prefill_size=32),
     "mixed-chunk24": dict(chunked_prefill_size=24, enable_mixed_chunk=True),
+    "overlap-chunk32": dict(overlap=True, chunked_prefill_size=32),
 }
 
 
@@ -148,3 +149,21 @@ def test_mxfp4_gpt_oss_checkpoint_is_refused(tmp_path):
     save_file(weights, str(tmp_path / "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="MXFP4"):
         make_runner(str(tmp_path))
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_retracted_requests_continue_exactly(swa_model, overlap, caplog):
+    """A pool too small for the three requests' decodes, admitted optimistically: one is retracted and
+    prefilled again past the window, and every output still equals transformers'."""
+    from engine.scheduler.tp_worker import TpModelWorker
+
+    arch, path, _, expected = swa_model
+    total = 600  # the three prompts take 533 slots, their decodes 72 more
+    worker = TpModelWorker(ServerArgs(model_path=path, device="cpu", max_total_tokens=total, max_running_requests=16))
+    h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=total, overlap=overlap,
+                schedule_conservativeness=0.3)
+    with caplog.at_level("WARNING"):
+        rids = [h.submit(p, max_new_tokens=N_NEW) for p in _prompts()[:3]]
+        h.run_until_idle()
+    assert "Retract requests" in caplog.text
+    assert [h.outputs[r].output_ids for r in rids] == expected[:3], arch

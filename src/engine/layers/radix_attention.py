@@ -33,7 +33,7 @@ class RadixAttention(nn.Module):
             raise ValueError(f"logit_cap must be >= 0, got {logit_cap}")
         self.sliding_window_size = sliding_window_size
         self.logit_cap = logit_cap
-        self.sinks: Optional[nn.Parameter] = nn.Parameter(torch.zeros(num_heads)) if with_sinks else None
+        self.sinks: Optional[nn.Parameter] = nn.Parameter(torch.zeros(num_heads), requires_grad=False) if with_sinks else None
         self.attn_type = attn_type
         self.is_causal = attn_type == AttentionType.DECODER
         self.tp_q_head_num = num_heads  # heads on this TP rank
