@@ -167,3 +167,72 @@ def test_retracted_requests_continue_exactly(swa_model, overlap, caplog):
         h.run_until_idle()
     assert "Retract requests" in caplog.text
     assert [h.outputs[r].output_ids for r in rids] == expected[:3], arch
+
+
+HYBRID = dict(disable_radix_cache=True, chunked_prefill_size=32, max_prefill_tokens=64, max_running_requests=4)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_hybrid_pool_bounds_windowed_kv_and_keeps_outputs(swa_model, overlap):
+    """Without the radix cache the windowed layers get their own pool (mem_cache/swa_pool.py): tokens that
+    left the window are released while the requests run, so that pool never holds more than the
+    window bound, while the full pool holds every token; outputs equal transformers' and at idle both
+    pools are whole (the strict leak check covers both)."""
+    from engine.mem_cache.swa_pool import SWATokenToKVPoolAllocator, swa_pool_size
+    from engine.scheduler.tp_worker import TpModelWorker
+
+    arch, path, _, expected = swa_model
+    worker = TpModelWorker(ServerArgs(model_path=path, device="cpu", max_total_tokens=4096, **HYBRID))
+    allocator = worker.model_runner.token_to_kv_pool_allocator
+    assert isinstance(allocator, SWATokenToKVPoolAllocator)
+    bound = swa_pool_size(4096, 16, 4, 64)
+    assert allocator.swa.size == bound < 4096
+    h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=4096, overlap=overlap, **HYBRID)
+    prompts = _prompts()
+    rids = [h.submit(p, max_new_tokens=N_NEW, ignore_eos=True) for p in prompts]
+    peak_full = peak_swa = 0
+    while h.scheduler.has_work():
+        h.step()
+        peak_full = max(peak_full, 4096 - allocator.available_size())
+        peak_swa = max(peak_swa, allocator.swa.size - allocator.swa_available_size())
+    h.step()  # the idle leak check, both pools
+    assert [h.outputs[r].output_ids for r in rids] == expected, (arch, overlap)
+    # Four requests of 100-260 tokens: the full pool held them whole, the windowed one a fraction.
+    assert peak_full >= sum(len(p) for p in prompts[:2])
+    assert peak_swa <= 4 * (16 + 3) + 2 * (64 + 4) < peak_full
+    assert allocator.swa_available_size() == allocator.swa.size and allocator.available_size() == 4096
+    state = h.scheduler.kv.state()
+    assert state["swa_max_total_num_tokens"] == bound and state["swa_available_tokens"] == bound
+
+
+def test_hybrid_pool_only_where_nothing_reads_windowed_kv_by_full_slot(swa_model):
+    """The radix cache, paging or --disable-hybrid-swa-memory keep the one pool."""
+    from engine.mem_cache.swa_pool import SWATokenToKVPoolAllocator
+
+    _, path, _, _ = swa_model
+    for extra in (dict(disable_radix_cache=False), dict(page_size=16), dict(disable_hybrid_swa_memory=True)):
+        runner = make_runner(path, **dict(HYBRID, **extra))
+        assert not isinstance(runner.token_to_kv_pool_allocator, SWATokenToKVPoolAllocator), extra
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_hybrid_pool_retraction_continues_exactly(swa_model, overlap):
+    """Retraction with the hybrid pool (every request, mid-prefill and mid-decode, as the control plane
+    retracts): their slots go back to both pools through the one release path, they are prefilled again
+    past the window and their outputs still equal transformers'; both pools whole at idle."""
+    from engine.mem_cache.swa_pool import SWATokenToKVPoolAllocator
+    from engine.scheduler.tp_worker import TpModelWorker
+
+    arch, path, _, expected = swa_model
+    worker = TpModelWorker(ServerArgs(model_path=path, device="cpu", max_total_tokens=4096, **HYBRID))
+    allocator = worker.model_runner.token_to_kv_pool_allocator
+    assert isinstance(allocator, SWATokenToKVPoolAllocator)
+    h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=4096, overlap=overlap, **HYBRID)
+    rids = [h.submit(p, max_new_tokens=N_NEW, ignore_eos=True) for p in _prompts()]
+    for _ in range(20):  # some requests decoding past the window, one mid-prefill
+        h.step()
+    h.scheduler.settle()
+    h.scheduler.retract_all()
+    assert allocator.swa_available_size() == allocator.swa.size and allocator.available_size() == 4096
+    h.run_until_idle()
+    assert [h.outputs[r].output_ids for r in rids] == expected, (arch, overlap)

@@ -41,7 +41,8 @@ def _batch(seq_len: int, ext_len: int, k_buf, v_buf, slots):
     table = torch.zeros(2, 64, dtype=torch.int32)
     table[1, :seq_len] = slots
     return SimpleNamespace(
-        token_to_kv_pool=SimpleNamespace(get_kv_buffer=lambda layer_id: (k_buf, v_buf)),
+        token_to_kv_pool=SimpleNamespace(get_kv_buffer=lambda layer_id: (k_buf, v_buf),
+                                         kv_slots=lambda layer_id, slots: slots),
         req_to_token_pool=SimpleNamespace(req_to_token=table),
         req_pool_indices=torch.tensor([1]), seq_lens=torch.tensor([seq_len]), seq_lens_cpu=[seq_len],
         extend_seq_lens_cpu=[ext_len], extend_prefix_lens_cpu=[seq_len - ext_len])

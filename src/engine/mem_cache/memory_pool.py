@@ -119,6 +119,11 @@ class MHATokenToKVPool:
     def get_kv_buffer(self, layer_id: int):
         return self.k_buffer[layer_id], self.v_buffer[layer_id]
 
+    def kv_slots(self, layer_id: int, slots: torch.Tensor) -> torch.Tensor:
+        """Where layer `layer_id` keeps the K/V of these (full-pool) slots: the same slots here; the
+        hybrid sliding-window pool (swa_pool.py) keeps its windowed layers' K/V elsewhere."""
+        return slots
+
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
         if cache_k.dtype != self.dtype:
             cache_k = cache_k.to(self.dtype)

@@ -212,6 +212,8 @@ class ModelRunner:
             rows += args.disaggregation_prealloc_reqs or max_num_reqs
 
         self.req_to_token_pool = ReqToTokenPool(rows, context_len, self.device)
+        if not encoder and self._init_hybrid_swa_pool(total, rows):
+            return
         self.token_to_kv_pool = MHATokenToKVPool(
             # An encoder stores no K/V: only the padding page exists, slots are a token budget.
             size=0 if encoder else total,
@@ -231,6 +233,33 @@ class ModelRunner:
             rows,
             context_len,
         )
+
+    def _init_hybrid_swa_pool(self, total: int, rows: int) -> bool:
+        """The hybrid sliding-window pool (mem_cache/swa_pool.py) where it applies; False: one pool."""
+        from engine.mem_cache.swa_pool import SWAKVPool, SWATokenToKVPoolAllocator, swa_pool_size
+
+        args, windows = self.server_args, self.model_config.layer_windows
+        if (not self.model_config.is_hybrid_swa or args.disable_hybrid_swa_memory or not args.disable_radix_cache
+                or self.page_size != 1 or args.attention_backend != "torch_native"
+                or args.speculative_algorithm is not None or args.disaggregation_mode != "null"):
+            return False
+        window = max(windows)
+        chunk = args.chunked_prefill_size if args.chunked_prefill_size and args.chunked_prefill_size > 0 else 0
+        # The most tokens one batch extends by: a chunk (or the prefill budget), else the budget plus
+        # one prompt that exceeds it.
+        max_extend = max(chunk, args.max_prefill_tokens) if chunk else args.max_prefill_tokens + self.model_config.context_len
+        swa_size = swa_pool_size(total, window, self.max_running_requests, max_extend)
+        if swa_size >= total:
+            return False  # the windows would not save anything
+        windowed = [i for i, w in enumerate(windows) if w > 0]
+        pool = SWAKVPool(total, swa_size, windowed, self.dtype, self.model_config.get_num_kv_heads(self.tp_size),
+                         self.model_config.head_dim, self.model_config.num_hidden_layers, self.device)
+        self.token_to_kv_pool = pool
+        self.token_to_kv_pool_allocator = SWATokenToKVPoolAllocator(total, swa_size, window, rows, self.dtype,
+                                                                    self.device, pool)
+        logger.info("Hybrid sliding-window KV pools: %d tokens for %d full layers, %d for %d windowed layers "
+                    "(window %d)", total, len(windows) - len(windowed), swa_size, len(windowed), window)
+        return True
 
     def _init_draft_memory_pool(self, target: "ModelRunner") -> None:
         """A draft model's K/V under the target's slot numbers: one owner of the slots (the

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 from typing import TYPE_CHECKING, List, Optional
 
+from engine.mem_cache.swa_pool import SWATokenToKVPoolAllocator
 from engine.scheduler.schedule_batch import ScheduleBatch
 
 if TYPE_CHECKING:
@@ -65,13 +66,18 @@ class KVManager:
         self.token_to_kv_pool_allocator.clear()
 
     def state(self) -> dict:
-        return {
+        state = {
             "max_total_num_tokens": self.max_total_num_tokens,
             "available_tokens": self.token_to_kv_pool_allocator.available_size(),
             "evictable_tokens": self.tree_cache.evictable_size(),
             "protected_tokens": self.tree_cache.protected_size(),
             "token_usage": self.token_usage(),
         }
+        allocator = self.token_to_kv_pool_allocator
+        if isinstance(allocator, SWATokenToKVPoolAllocator):  # the windowed layers' pool of a hybrid model
+            state["swa_max_total_num_tokens"] = allocator.swa.size
+            state["swa_available_tokens"] = allocator.swa_available_size()
+        return state
 
     def check_memory(self, extra_error: Optional[str] = None) -> None:
         """At idle every KV slot is free, evictable or protected and every request row is free;
@@ -83,16 +89,21 @@ class KVManager:
         free_rows = self.req_to_token_pool.available_size()
         ok_tokens = available + evictable + protected == self.max_total_num_tokens
         ok_rows = free_rows == self.req_to_token_pool.size
-        if ok_tokens and ok_rows and extra_error is None:
+        allocator = self.token_to_kv_pool_allocator
+        swa_error = ""
+        if isinstance(allocator, SWATokenToKVPoolAllocator) and allocator.swa_available_size() != allocator.swa.size:
+            # The windowed layers' pool holds nothing at idle either (no radix cache with it).
+            swa_error = f", windowed-layer pool available={allocator.swa_available_size()}, total={allocator.swa.size}"
+        if ok_tokens and ok_rows and not swa_error and extra_error is None:
             self._reported_leak = None
             return
         msg = (f"Scheduler memory leak detected! available={available}, evictable={evictable}, "
                f"protected={protected}, total={self.max_total_num_tokens}, free req slots="
-               f"{free_rows}/{self.req_to_token_pool.size}" + (f", PD: {extra_error}" if extra_error else ""))
+               f"{free_rows}/{self.req_to_token_pool.size}{swa_error}" + (f", PD: {extra_error}" if extra_error else ""))
         if self.strict_memory_check:
             raise MemoryLeakError(msg)
         # The check runs every idle second: report each distinct leak once, not forever.
-        leak = (available, evictable, protected, free_rows, extra_error)
+        leak = (available, evictable, protected, free_rows, extra_error, swa_error)
         if leak != self._reported_leak:
             self._reported_leak = leak
             logger.error("%s. The server keeps serving; --strict-memory-check makes this fatal.", msg)

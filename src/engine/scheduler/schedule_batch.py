@@ -166,6 +166,9 @@ class ScheduleBatch:
         self.extend_num_tokens = sum(extend_lens)
 
         self._alloc_req_slots()
+        # The hybrid sliding-window pool releases what left the windows first (a no-op otherwise).
+        self.token_to_kv_pool_allocator.release_out_of_window(
+            [_row(r) for r in reqs], prefix_lens, [p == 0 for p in prefix_lens], self.req_to_token_pool.req_to_token)
         out_cache_loc = self._alloc_extend_slots(prefix_lens, seq_lens)
 
         table = self.req_to_token_pool.req_to_token
@@ -274,6 +277,7 @@ class ScheduleBatch:
         old_lens = self.seq_lens  # the tensor of seq_lens_cpu (every writer sets both)
         assert old_lens is not None  # a decode batch was prepared before
         rows = self.req_pool_indices
+        allocator.release_out_of_window([_row(r) for r in self.reqs], self.seq_lens_cpu, [False] * bs, table)
         self._evict_for(self.new_page_count_for_decode())
         if allocator.page_size == 1:
             out = allocator.alloc(bs)

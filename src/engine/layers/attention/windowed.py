@@ -48,6 +48,13 @@ def _pool_kv(forward_batch: "ForwardBatch", layer: "RadixAttention"):
     return pool.get_kv_buffer(layer.layer_id)
 
 
+def _layer_slots(forward_batch: "ForwardBatch", layer: "RadixAttention", slots: torch.Tensor) -> torch.Tensor:
+    """The layer's own slots for these full-pool slots (the hybrid pool keeps windowed layers apart)."""
+    pool = forward_batch.token_to_kv_pool
+    assert pool is not None  # ForwardBatch.init_new sets it
+    return pool.kv_slots(layer.layer_id, slots)
+
+
 def windowed_decode(q: torch.Tensor, layer: "RadixAttention", forward_batch: "ForwardBatch") -> torch.Tensor:
     """One query per request, [bs, H * D]; the K/V of this step are already in the pool."""
     assert forward_batch.req_to_token_pool is not None  # ForwardBatch.init_new sets it
@@ -63,6 +70,7 @@ def windowed_decode(q: torch.Tensor, layer: "RadixAttention", forward_batch: "Fo
     visible = cols >= 0
     slots = table[forward_batch.req_pool_indices.unsqueeze(1), cols.clamp(min=0)].long()
     slots = torch.where(visible, slots, torch.zeros_like(slots))  # slot 0 is the pool's padding slot
+    slots = _layer_slots(forward_batch, layer, slots)
     kv_heads, dim = layer.tp_k_head_num, layer.head_dim
     k = k_buf.index_select(0, slots.view(-1)).view(bs, span, kv_heads, dim)
     v = v_buf.index_select(0, slots.view(-1)).view(bs, span, kv_heads, dim)
@@ -89,7 +97,7 @@ def windowed_extend(q: torch.Tensor, layer: "RadixAttention", forward_batch: "Fo
         if ext_len == 0:
             continue
         first_key = max(0, prefix_len - window + 1) if window > 0 else 0
-        slots = table[row, first_key:seq_len].long()
+        slots = _layer_slots(fb, layer, table[row, first_key:seq_len].long())
         k = k_buf.index_select(0, slots).view(1, -1, kv_heads, dim)
         v = v_buf.index_select(0, slots).view(1, -1, kv_heads, dim)
         q_pos = torch.arange(prefix_len, seq_len, device=q.device).unsqueeze(1)

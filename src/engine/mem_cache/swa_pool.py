@@ -1,0 +1,136 @@
+"""The hybrid KV pool of sliding-window models (SGLang's SWAKVPool / SWATokenToKVPoolAllocator design,
+simplified): full-attention layers keep every token in the full pool; windowed layers keep their K/V in
+a second, smaller pool, holding for each request only the positions a later query can still see.
+
+Slots are named by the full pool: `req_to_token` holds full slots, and `full_to_swa[full slot]` is the
+windowed layers' slot of the same token (0: none, the padding slot). The allocator hands out a slot of
+each pool per token, frees both with the token, and frees the windowed slot alone once the token has
+left the window of every windowed layer (`release_out_of_window`, called by ScheduleBatch before each
+allocation). A request's batch B reads positions >= its read start (its first query's position minus
+window - 1); the forward of its previous batch may still run (overlap) and read from that batch's read
+start, so what is released at B is everything below the previous batch's read start.
+
+Used where nothing else reads windowed layers' K/V by full slot: the torch_native backend (its windowed
+path translates slots with `kv_slots`), page size 1, no radix cache (a cached prefix would need its
+window K/V held: SGLang's SWA radix cache, not built), no PD transfer, no speculative decoding.
+"""
+
+from __future__ import annotations
+
+from typing import List, Optional, Sequence
+
+import torch
+
+from engine.mem_cache.allocator import TokenToKVPoolAllocator
+from engine.mem_cache.memory_pool import MHATokenToKVPool
+
+
+class SWAKVPool(MHATokenToKVPool):
+    """Per-layer K/V buffers: `size` slots for full layers, `swa_size` for the windowed ones."""
+
+    def __init__(self, size: int, swa_size: int, windowed_layers: Sequence[int], dtype: torch.dtype, head_num: int,
+                 head_dim: int, layer_num: int, device: str = "cpu") -> None:
+        self.swa_size = swa_size
+        self.windowed_layers = frozenset(windowed_layers)
+        # Until the allocator binds its map: every full slot maps to the padding slot.
+        self._full_to_swa = torch.zeros(size + 1, dtype=torch.int64, device=device)
+        super().__init__(size, 1, dtype, head_num, head_dim, layer_num, device)
+
+    def use_slot_map(self, full_to_swa: torch.Tensor) -> None:
+        """The allocator's map (it alone writes it); read here to place and find windowed K/V."""
+        self._full_to_swa = full_to_swa
+
+    def _create_buffers(self) -> None:
+        self.slots_released()
+        self.k_buffer, self.v_buffer = [], []
+        for layer in range(self.layer_num):
+            rows = (self.swa_size if layer in self.windowed_layers else self.size) + self.page_size
+            shape = (rows, self.head_num, self.head_dim)
+            self.k_buffer.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+            self.v_buffer.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+
+    def kv_slots(self, layer_id: int, slots: torch.Tensor) -> torch.Tensor:
+        if layer_id in self.windowed_layers:
+            return self._full_to_swa[slots.long()]
+        return slots
+
+    def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
+        super().set_kv_buffer(layer_id, self.kv_slots(layer_id, loc), cache_k, cache_v)
+
+    def bytes_per_token(self) -> int:
+        """Of the full pool's layers (what a full slot costs); the windowed layers' pool is apart."""
+        full_layers = self.layer_num - len(self.windowed_layers)
+        return 2 * full_layers * self.head_num * self.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+
+
+class SWATokenToKVPoolAllocator(TokenToKVPoolAllocator):
+    """Full slots as TokenToKVPoolAllocator (page size 1), each with a windowed slot from a second free list."""
+
+    def __init__(self, size: int, swa_size: int, window: int, num_rows: int, dtype: torch.dtype, device: str,
+                 kvcache: SWAKVPool) -> None:
+        if window < 1 or swa_size < 1:
+            raise ValueError(f"SWATokenToKVPoolAllocator: window {window} and swa_size {swa_size} must be >= 1")
+        self.window = window
+        self.swa = TokenToKVPoolAllocator(swa_size, dtype, device)
+        self.full_to_swa = torch.zeros(size + 1, dtype=torch.int64, device=device)
+        # Per request row: the read start of its last batch, and how far its windowed slots are released.
+        self._read_floor = [0] * (num_rows + 1)
+        self._released_upto = [0] * (num_rows + 1)
+        super().__init__(size, dtype, device, kvcache)
+        kvcache.use_slot_map(self.full_to_swa)
+
+    def clear(self) -> None:
+        super().clear()  # the base constructor calls this too: every part below exists by then
+        self.swa.clear()
+        self.full_to_swa.zero_()
+        self._read_floor = [0] * len(self._read_floor)
+        self._released_upto = [0] * len(self._released_upto)
+
+    def swa_available_size(self) -> int:
+        return self.swa.available_size()
+
+    def alloc(self, need: int) -> Optional[torch.Tensor]:
+        full = super().alloc(need)
+        if full is None or need == 0:
+            return full
+        swa = self.swa.alloc(need)
+        if swa is None:
+            super().free(full)
+            return None
+        self.full_to_swa[full] = swa
+        return full
+
+    def free(self, indices: torch.Tensor) -> None:
+        if indices.numel():
+            self._release_swa(indices.reshape(-1).long())
+        super().free(indices)
+
+    def _release_swa(self, full: torch.Tensor) -> None:
+        swa = self.full_to_swa[full]
+        held = swa != 0
+        if bool(held.any()):
+            self.swa.free(swa[held])
+            self.full_to_swa[full[held]] = 0
+
+    def release_out_of_window(self, rows: List[int], first_positions: List[int], fresh: List[bool],
+                              req_to_token: torch.Tensor) -> None:
+        """Before a batch allocates: `first_positions[i]` is the first new position of the request in row
+        rows[i] (its prefix length; seq_len - 1 for a decode), `fresh[i]` whether the request starts in
+        that row now. Releases the windowed slots below the row's previous read start, then records this
+        batch's."""
+        for row, first, new in zip(rows, first_positions, fresh):
+            if new:
+                self._read_floor[row] = self._released_upto[row] = 0
+            upto, lo = self._read_floor[row], self._released_upto[row]
+            if upto > lo:
+                self._release_swa(req_to_token[row, lo:upto].long())
+                self._released_upto[row] = upto
+            self._read_floor[row] = max(upto, first - self.window + 1, 0)
+
+
+def swa_pool_size(full_size: int, window: int, max_running_requests: int, max_extend_tokens: int) -> int:
+    """Windowed slots that can never run out before the full pool does: every running request holds at most
+    its window plus the two tokens of the last two steps, and two batches' extends are in flight at most
+    (overlap), each at most `max_extend_tokens` plus a decode token per running request."""
+    bound = max_running_requests * (window + 3) + 2 * (max_extend_tokens + max_running_requests)
+    return min(full_size, bound)
