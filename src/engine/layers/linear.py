@@ -22,6 +22,7 @@ from engine.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from engine.kernels import linear as linear_kernels
+from engine.layers.quantization import QuantizedWeight, quantized_linear
 from engine.model_loader.weight_utils import set_weight_loader
 
 if TYPE_CHECKING:
@@ -47,7 +48,8 @@ def _copy_checked(target: torch.Tensor, source: torch.Tensor, what: str) -> None
 # large row counts (long prefills in float32) plain F.linear is as fast, so it is used there.
 PACKED_MAX_ROWS = 512
 
-PackedWeight = Union[torch.Tensor, linear_kernels.Bf16Panels]
+# With --quantization the layer's weight lives only here, quantized (layers/quantization.py).
+PackedWeight = Union[torch.Tensor, linear_kernels.Bf16Panels, QuantizedWeight]
 
 
 def prepack_linear_weights(model: nn.Module) -> int:
@@ -60,7 +62,7 @@ def prepack_linear_weights(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if not hasattr(module, "packed_weight") or weight is None:
+        if not hasattr(module, "packed_weight") or weight is None or isinstance(module.packed_weight, QuantizedWeight):
             continue
         if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
             continue
@@ -84,6 +86,8 @@ def linear_forward(
     x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], packed: Optional[PackedWeight]
 ) -> torch.Tensor:
     """F.linear, through the packed weight when there is one and the batch suits it."""
+    if isinstance(packed, QuantizedWeight):
+        return quantized_linear(x, packed, bias)
     if isinstance(packed, linear_kernels.Bf16Panels):
         if x.dtype == torch.bfloat16 and x.numel() <= linear_kernels.LINEAR_BF16_MAX_ROWS * packed.k and linear_kernels.enabled():
             return linear_kernels.linear_bf16(x, packed, add_bias=bias is not None)

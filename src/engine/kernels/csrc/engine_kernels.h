@@ -35,7 +35,7 @@ ENGINE_API void store_kv(const void *k, int64_t k_stride, const void *v, int64_t
                          int64_t elem_size, int num_threads);
 ENGINE_API void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t stride, int64_t *out, int num_threads);
 
-/* Family: linear (linear_bf16.c). */
+/* Family: linear (linear_bf16.c, linear_q8.c). */
 
 /* 0 where the CPU lacks AVX512-BF16: the other three are then never called. */
 ENGINE_API int linear_bf16_available(void);
@@ -44,6 +44,9 @@ ENGINE_API void linear_bf16(const uint16_t *x, int64_t m, int64_t k, const uint1
                             const float *bias, uint16_t *out, int num_threads);
 ENGINE_API void linear_bf16_silu_mul(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
                                      const float *bias, uint16_t *out, int num_threads);
+/* linear_q8.c: out [m, n] = (x [m, k] . w [n, k]^T) * scale [n], w int8 (w_fp8 0) or float8 e4m3 (1). */
+ENGINE_API void linear_q8(const float *x, int64_t m, int64_t k, const void *w, int w_fp8, const float *scale,
+                          int64_t n, float *out, int num_threads);
 
 /* Family: attention (decode_attention.c, extend_attention.c). */
 

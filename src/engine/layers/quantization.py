@@ -1,0 +1,126 @@
+"""Quantized linear weights: `--quantization w8a8_int8` and `fp8` applied online at load.
+
+A decode step on a small batch reads every weight once, so its time is the weight bytes over the
+memory bandwidth: one byte per weight instead of bf16's two. After the checkpoint is loaded (each TP
+rank holding its own shard), every column- and row-parallel linear's weight is quantized per output
+channel, symmetrically: `scale[c] = max |W[c, :]| / QMAX`, `q = round(W / scale)` (int8) or
+`W / scale` cast to float8 e4m3 (fp8). The LM head and the embeddings stay in the model dtype, as
+SGLang's default. A row-parallel shard's channels are scaled over its own input slice, which is at
+least as accurate as slicing scales computed over the whole row (the partial sums are summed after
+each rank applied its scales).
+
+The layer keeps a `QuantizedWeight` where it kept its packed weight (`packed_weight`), and
+`linear_forward` sends it here: on the CPU, batches of up to `Q8_MAX_ROWS` rows take the native
+kernel (csrc/linear_q8.c: the weight widened to float32 in registers, float32 sums, the scale applied
+once per output); larger batches (prefill), other devices and a CPU without the library take the
+torch reference: the weight dequantized to the activation dtype, then `F.linear`.
+
+Activations are not quantized: SGLang's w8a8_int8 quantizes them per token to int8 for int8 x int8
+products, which only pay with VNNI or AMX. Products of bf16/fp32 activations with the int8 weights are
+at least as accurate.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from engine.kernels import library
+
+logger = logging.getLogger(__name__)
+
+# SGLang's --quantization names that are applied to a bf16/fp16/fp32 checkpoint at load.
+ONLINE_METHODS: Tuple[str, ...] = ("w8a8_int8", "fp8")
+INT8_MAX = 127.0
+FP8_E4M3_MAX = 448.0  # torch.finfo(torch.float8_e4m3fn).max
+# Batches of up to this many rows take the native kernel (decode); longer ones (prefill) dequantize the
+# weight once per call and take F.linear, whose GEMM then amortises the dequantization.
+Q8_MAX_ROWS = 32
+
+
+@dataclass
+class QuantizedWeight:
+    """A linear weight [n, k] quantized per output channel: W ~= qweight * scale[:, None]."""
+
+    method: str  # "w8a8_int8" or "fp8"
+    qweight: torch.Tensor  # [n, k], int8 or float8_e4m3fn, contiguous
+    scale: torch.Tensor  # [n] float32
+
+    @property
+    def n(self) -> int:
+        return int(self.qweight.shape[0])
+
+    @property
+    def k(self) -> int:
+        return int(self.qweight.shape[1])
+
+    @property
+    def is_fp8(self) -> bool:
+        return self.qweight.dtype == torch.float8_e4m3fn
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight the quantized one stands for, [n, k] in `dtype` (computed in float32)."""
+        return (self.qweight.float() * self.scale[:, None]).to(dtype)
+
+    def nbytes(self) -> int:
+        return self.qweight.numel() * self.qweight.element_size() + self.scale.numel() * 4
+
+
+def quantize_weight(weight: torch.Tensor, method: str) -> QuantizedWeight:
+    """Symmetric per-output-channel quantization of a [n, k] weight (an all-zero row gets scale 1)."""
+    if method not in ONLINE_METHODS:
+        raise ValueError(f"unknown quantization method {method!r}; expected one of {', '.join(ONLINE_METHODS)}")
+    if weight.dim() != 2:
+        raise ValueError(f"a linear weight is 2-D, got shape {tuple(weight.shape)}")
+    w = weight.detach().float()
+    qmax = INT8_MAX if method == "w8a8_int8" else FP8_E4M3_MAX
+    amax = w.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / qmax, torch.ones_like(amax))
+    scaled = w / scale[:, None]
+    if method == "w8a8_int8":
+        q = scaled.round().clamp(-INT8_MAX, INT8_MAX).to(torch.int8)
+    else:
+        q = scaled.clamp(-FP8_E4M3_MAX, FP8_E4M3_MAX).to(torch.float8_e4m3fn)
+    return QuantizedWeight(method, q.contiguous(), scale.contiguous())
+
+
+def _kernel_usable(rows: torch.Tensor, qw: QuantizedWeight) -> bool:
+    return rows.is_cpu and qw.qweight.is_cpu and rows.shape[0] <= Q8_MAX_ROWS and library.linear() is not None
+
+
+def quantized_linear(x: torch.Tensor, qw: QuantizedWeight, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [..., k] -> [..., n] in x's dtype: x (W ~ qweight * scale)^T (+ bias)."""
+    rows = x.reshape(-1, qw.k)
+    lib = library.linear()
+    if lib is not None and _kernel_usable(rows, qw):
+        xf = rows.float().contiguous()
+        out = torch.empty(rows.shape[0], qw.n, dtype=torch.float32)
+        lib.linear_q8(xf.data_ptr(), rows.shape[0], qw.k, qw.qweight.data_ptr(), int(qw.is_fp8),
+                      qw.scale.data_ptr(), qw.n, out.data_ptr(), torch.get_num_threads())
+        if bias is not None:
+            out += bias.float()  # before the one rounding to x's dtype, as F.linear's
+        return out.to(x.dtype).view(*x.shape[:-1], qw.n)
+    return F.linear(x, qw.dequantize(x.dtype), None if bias is None else bias.to(x.dtype))
+
+
+def quantize_model(model: nn.Module, method: str) -> int:
+    """Quantize every column- and row-parallel linear of a loaded model in place; the number done.
+
+    Each layer's full-precision weight is released (its parameter keeps shape [0]): the quantized
+    copy is the only one, so the model's weights take about half the memory of bf16's. (Imported here:
+    layers/linear.py imports this module for QuantizedWeight.)"""
+    from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            continue
+        module.packed_weight = quantize_weight(module.weight.data, method)
+        module.weight.data = torch.empty(0, dtype=module.weight.dtype, device=module.weight.device)
+        count += 1
+    return count
