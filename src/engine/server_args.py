@@ -18,6 +18,8 @@ logger = logging.getLogger(__name__)
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "routing-key")
 ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
+# SGLang's --quantization names we apply at load (engine/layers/quantization.py ONLINE_METHODS).
+QUANTIZATION_METHODS = ("w8a8_int8", "fp8")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 GRAMMAR_BACKENDS = ("xgrammar", "none")
@@ -67,6 +69,9 @@ class ServerArgs:
                                              "tokenizer's.")
     dtype: str = arg("auto", "Weights and activations: auto (the checkpoint's; bfloat16 for a float32 checkpoint "
                              "on CUDA), float32, bfloat16 or float16 (bfloat16 on the CPU).", choices=DTYPES)
+    quantization: Optional[str] = arg(None, (
+        "Quantize the linear layers' weights at load, per output channel: w8a8_int8 (int8) or fp8 (float8 "
+        "e4m3); the LM head and embeddings keep --dtype. Default: none."), choices=QUANTIZATION_METHODS)
     context_length: Optional[int] = arg(None, "The longest sequence (prompt + output). Default: the model's "
                                               "max_position_embeddings (its sliding window, if shorter; a "
                                               "sentence-transformers model's max_seq_length, if shorter).")
@@ -368,6 +373,10 @@ class ServerArgs:
                 raise ServerArgsError(msg)
 
         need(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        need(self.quantization is None or self.quantization in QUANTIZATION_METHODS,
+             f"--quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {self.quantization!r}")
+        need(self.quantization is None or not (self.enable_lora or self.lora_paths),
+             "--quantization is not supported yet with LoRA adapters (--enable-lora, --lora-paths)")
         need(self.device in ("cpu", "cuda"), f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
         need(
             self.attention_backend in ATTENTION_BACKENDS,

@@ -104,3 +104,108 @@ def test_quantize_weight_rejects_bad_input() -> None:
         quantize_weight(torch.randn(4, 4), "awq")
     with pytest.raises(ValueError, match="2-D"):
         quantize_weight(torch.randn(4), "fp8")
+
+
+# ------------------------------------------------------------------------------- whole models
+def _next_token_logits(model_dir: str, quantization: str | None, prompts: list[list[int]], steps: int,
+                       forced: list[list[int]] | None) -> tuple[torch.Tensor, list[list[int]]]:
+    """Logits of the prompts' next token (one extend of every prompt: the torch path) and of `steps`
+    decode steps (8 rows: the kernel), fed the tokens in `forced` (the unquantized model's greedy
+    choice) so both models are compared at the same contexts. Returns [(1 + steps) * len, vocab]."""
+    from utils_models import BatchDriver, ExtendReq, make_runner
+
+    runner = make_runner(model_dir, dtype="float32", quantization=quantization)
+    driver = BatchDriver(runner)
+    rows = [driver.new_row() for _ in prompts]
+    out, _ = driver.run(driver.extend_batch([ExtendReq(r, p) for r, p in zip(rows, prompts)]))
+    logits = [out.next_token_logits.float()]
+    chosen = [[int(t)] for t in out.next_token_logits.argmax(-1)] if forced is None else forced
+    lens = [len(p) for p in prompts]
+    for step in range(steps):
+        tokens = [c[step] for c in chosen]
+        out, _ = driver.run(driver.decode_batch(rows, tokens, lens))
+        lens = [n + 1 for n in lens]
+        logits.append(out.next_token_logits.float())
+        if forced is None:
+            for c, t in zip(chosen, out.next_token_logits.argmax(-1).tolist()):
+                c.append(int(t))
+    return torch.cat(logits), chosen
+
+
+def _compare(model_dir: str, vocab: int, method: str) -> tuple[float, float]:
+    gen = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(1, vocab, (12 + i,), generator=gen).tolist() for i in range(8)]
+    reference, chosen = _next_token_logits(model_dir, None, prompts, 4, None)
+    quantized, _ = _next_token_logits(model_dir, method, prompts, 4, chosen)
+    log_p, log_q = reference.log_softmax(-1), quantized.log_softmax(-1)
+    kl = float((log_p.exp() * (log_p - log_q)).sum(-1).mean())
+    top1 = float((reference.argmax(-1) == quantized.argmax(-1)).float().mean())
+    print(f"\n{model_dir.rsplit('/', 1)[-1]} {method}: mean KL {kl:.2e}, top-1 agreement {top1:.3f} "
+          f"over {reference.shape[0]} positions")
+    return kl, top1
+
+
+# Measured (Zen 1, float32 activations, 40 positions): the random Llama (weights 1.5 / sqrt(k), sharp
+# logits that magnify any weight error) int8 KL 1.8e-3 / top-1 0.95, fp8 KL 2.4e-2 / 0.75 (e4m3 keeps 3
+# mantissa bits: ~3% per weight); the built-in model int8 KL 1.7e-5 / 0.95, fp8 2.6e-4 / 0.90 (its
+# random prompts give near-ties, so top-1 moves while KL stays small). A wrong scale or a misread byte
+# gives KL > 1.
+BOUNDS = {("llama", "w8a8_int8"): (5e-3, 0.9), ("llama", "fp8"): (5e-2, 0.7),
+          ("builtin", "w8a8_int8"): (2e-4, 0.9), ("builtin", "fp8"): (2e-3, 0.85)}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_random_llama_next_token_distribution(tmp_path, method: str) -> None:
+    from utils_models import build_tiny_model
+
+    build_tiny_model(str(tmp_path), "llama")
+    kl, top1 = _compare(str(tmp_path), 512, method)
+    assert kl < BOUNDS["llama", method][0] and top1 >= BOUNDS["llama", method][1]
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_builtin_model_next_token_distribution(method: str) -> None:
+    from engine.builtin_model import ensure_builtin_model
+    from engine.configs.model_config import ModelConfig
+
+    path = ensure_builtin_model()
+    vocab = ModelConfig.from_pretrained(path, device="cpu").vocab_size
+    kl, top1 = _compare(path, vocab, method)
+    assert kl < BOUNDS["builtin", method][0] and top1 >= BOUNDS["builtin", method][1]
+
+
+def test_quantized_model_holds_one_byte_weights(tmp_path) -> None:
+    from utils_models import build_tiny_model, make_runner
+
+    from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    build_tiny_model(str(tmp_path), "llama")
+    runner = make_runner(str(tmp_path), quantization="w8a8_int8")
+    linears = [m for m in runner.model.modules() if isinstance(m, (ColumnParallelLinear, RowParallelLinear))]
+    assert len(linears) == 2 * 4  # qkv, o, gate_up, down per layer
+    for m in linears:
+        assert isinstance(m.packed_weight, QuantizedWeight) and m.packed_weight.qweight.dtype == torch.int8
+        assert m.weight.numel() == 0  # the float copy is released
+    assert runner.model.lm_head.weight.dtype == torch.float32  # the LM head is not quantized
+
+
+def test_prequantized_checkpoint_refused(tmp_path) -> None:
+    import json
+
+    from utils_models import build_tiny_model, make_runner
+
+    build_tiny_model(str(tmp_path), "llama")
+    config = json.loads((tmp_path / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    for flag in (None, "w8a8_int8"):
+        with pytest.raises(ValueError, match="pre-quantized .*'awq'.* not supported yet"):
+            make_runner(str(tmp_path), quantization=flag)
+
+
+def test_server_args_refuse_lora_with_quantization() -> None:
+    from engine.server_args import QUANTIZATION_METHODS, ServerArgs, ServerArgsError
+
+    assert QUANTIZATION_METHODS == quant.ONLINE_METHODS
+    with pytest.raises(ServerArgsError, match="not supported yet with LoRA"):
+        ServerArgs(quantization="fp8", enable_lora=True, device="cpu")
