@@ -251,9 +251,9 @@ class ModelRunner:
             return False
         window = max(windows)
         chunk = args.chunked_prefill_size if args.chunked_prefill_size and args.chunked_prefill_size > 0 else 0
-        # The most tokens one batch extends by: a chunk (or the prefill budget), else the budget plus
-        # one prompt that exceeds it.
-        max_extend = max(chunk, args.max_prefill_tokens) if chunk else args.max_prefill_tokens + self.model_config.context_len
+        # The most tokens one batch extends by: a chunk (PrefillAdder charges every admitted request to
+        # the chunk budget), else the prefill budget plus one prompt that exceeds it.
+        max_extend = chunk if chunk else args.max_prefill_tokens + self.model_config.context_len
         swa_size = swa_pool_size(total, window, self.max_running_requests, max_extend)
         if swa_size >= total:
             return False  # the windows would not save anything
