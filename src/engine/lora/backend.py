@@ -107,9 +107,13 @@ def lora_native(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Te
     dense_b: the same B as one block matrix [slots x subs x R, N], for the dense path)."""
     if dense_b is not None and info.row_scales is not None:
         slots, stacked = a.shape[0], a.shape[1]
-        shrink = (x.to(a.dtype) @ a.view(slots * stacked, -1).t()).view(-1, slots, stacked)
-        shrink = shrink * info.row_scales.to(shrink.dtype).unsqueeze(-1)  # other slots' columns: 0
-        out += (shrink.view(-1, slots * stacked) @ dense_b).to(out.dtype)
+        shrink = x.to(a.dtype) @ a.view(slots * stacked, -1).t()
+        # Each row keeps its own slot's columns, scaled; the other slots' become 0.
+        shrink.view(-1, slots, stacked).mul_(info.row_scales.to(shrink.dtype).unsqueeze(-1))
+        if out.dtype == shrink.dtype:
+            out.addmm_(shrink, dense_b)  # few ops: on a small model each one's overhead is the cost
+        else:
+            out += (shrink @ dense_b).to(out.dtype)
         return
     stacked = a.shape[1]
     for group in info.groups:
