@@ -261,6 +261,25 @@ def test_batches_above_the_threshold_decode_plainly(tiny, algo):
     state = h.scheduler.internal_state()
     if algo == "STANDALONE":
         assert state["spec_accepted_tokens"] == state["spec_draft_tokens"] > 0, state
+        # The radix cache now holds positions the draft skipped (decoded plainly above the threshold):
+        # a request reusing them catches the draft up first, and every draft is still accepted.
+        longest = plain.outputs[rids[3]].output_ids
+        again = h.submit(prompts[3] + longest[:20], max_new_tokens=10, ignore_eos=True)
+        verified = h.scheduler.internal_state()["spec_verify_ct"]
+        while h.scheduler.internal_state()["spec_verify_ct"] == verified:
+            h.step()
+        # The draft is the target: after the catch-up its K/V equal the target's at every committed slot.
+        (req,) = h.scheduler.running_batch.reqs
+        slots = h.scheduler.req_to_token_pool.req_to_token[req.req_pool_idx, :req.kv_allocated_len].long()
+        draft_pool = h.scheduler.spec.drafter.runner.token_to_kv_pool
+        target_pool = h.worker.model_runner.token_to_kv_pool
+        for layer in range(target_pool.layer_num):
+            torch.testing.assert_close(draft_pool.k_buffer[layer][slots], target_pool.k_buffer[layer][slots],
+                                       atol=1e-4, rtol=1e-4)
+        h.run_until_idle()
+        assert h.outputs[again].output_ids == longest[20:30]
+        state = h.scheduler.internal_state()
+        assert state["spec_accepted_tokens"] == state["spec_draft_tokens"], state
 
 
 # ---------------------------------------------------------------------------------------- server args

@@ -10,7 +10,10 @@ draft owns no slot and nothing of it can leak. The one rule to keep is that ever
 target's committed K/V also holds the draft's:
 - every plain forward of the target (prefill, mixed chunk, plain decode step) is run by the draft
   first on the same batch (`forward_plain`), so the draft's K/V of prompts, cached prefixes and plainly
-  decoded tokens are written where the target's are;
+  decoded tokens are written where the target's are; except a decode step of a batch above
+  --speculative-batch-size-threshold, where speculation is off: the draft skips it (it would cost a
+  draft forward per step for nothing) and marks those slots stale (`valid`), and the next verify
+  step of each request first writes the draft's K/V from its first stale position on (one extend);
 - a verify step drafts with `num_steps` decode forwards of the draft (`draft`): the first feeds the
   last token (its decode slot), each next one the previous draft (the slots alloc_draft_slots gave),
   so the draft writes K/V for the last token and every draft but the last;
@@ -47,10 +50,16 @@ def _i64(values: List[int]) -> torch.Tensor:
 
 
 class DraftModelDrafter:
-    def __init__(self, runner: ModelRunner, relay: torch.Tensor) -> None:
+    def __init__(self, runner: ModelRunner, relay: torch.Tensor, batch_size_threshold: Optional[int]) -> None:
         self.runner = runner
         # The target's overlap relay: the input ids of a plain decode step are read from it.
         self.relay = relay
+        # Decode batches larger than this are not speculated on (Speculator.prepare): no need to follow them.
+        self.batch_size_threshold = batch_size_threshold
+        pool = runner.token_to_kv_pool
+        # Per slot: whether the draft's K/V there belong to the token whose target K/V the slot holds.
+        self.valid = torch.zeros(pool.size + pool.page_size, dtype=torch.bool, device=runner.device)
+        self.req_to_token = runner.req_to_token_pool.req_to_token
         self.mirror_seconds = 0.0  # forward-thread time of the mirrored forwards (benchmarks)
 
     # ------------------------------------------------------------------ scheduling thread
@@ -63,6 +72,7 @@ class DraftModelDrafter:
         info = wb.sampling_info
         assert info is not None and wb.extend_prefix_lens is not None  # a verify batch has both
         lens = step.draft_lens
+        self._catch_up(step)
         fed = wb.input_ids.tolist()
         starts = _starts(lens)
         greedy = (info.top_ks == 1).tolist()
@@ -75,6 +85,9 @@ class DraftModelDrafter:
             logits = self._decode(wb, rows, [current[i] for i in rows], [starts[i] + j for i in rows],
                                   [wb.extend_prefix_lens[i] + j + 1 for i in rows])
             tokens, row_probs = _pick(logits, info, rows, greedy)
+            # The slot of position prefix + j now holds the draft's K/V of its input, which is the
+            # committed token there if the drafts before it are accepted (keep_verified frees the rest).
+            self._mark(wb.out_cache_loc[_i64([starts[i] + j for i in rows])], True)
             for r, i in enumerate(rows):
                 drafts[i].append(tokens[r])
                 current[i] = tokens[r]
@@ -89,19 +102,28 @@ class DraftModelDrafter:
         wb = step.worker_batch
         assert outcome is not None and wb.extend_prefix_lens is not None  # run() accepted; a verify batch
         lens = step.draft_lens
+        starts = _starts(lens)
         rows = [i for i, k in enumerate(lens) if k > 0 and outcome.accepted[i] == k]
+        # The target alone wrote each request's last verified position (its last draft, or its last
+        # token without drafts): stale for the draft unless written below.
+        self._mark(wb.out_cache_loc[_i64([starts[i] + k for i, k in enumerate(lens)])], False)
         if not rows:
             return
-        starts = _starts(lens)
         # The last draft was accepted: its K/V (position prefix + k) is committed for the target.
         self._decode(wb, rows, [step.drafts[i][-1] for i in rows], [starts[i] + lens[i] for i in rows],
                      [wb.extend_prefix_lens[i] + lens[i] + 1 for i in rows])
+        self._mark(wb.out_cache_loc[_i64([starts[i] + lens[i] for i in rows])], True)
 
     needs_target_hidden = False
 
     def forward_plain(self, worker_batch: ModelWorkerBatch, run_target: Callable[[ModelWorkerBatch], Any]) -> Any:
-        # The draft first: it reads the relay, which the target's sampling overwrites.
-        self._mirror(worker_batch)
+        threshold = self.batch_size_threshold
+        if worker_batch.forward_mode.is_decode() and threshold is not None and worker_batch.batch_size > threshold:
+            self._mark(worker_batch.out_cache_loc, False)  # caught up by the request's next verify step
+        else:
+            # The draft first: it reads the relay, which the target's sampling overwrites.
+            self._mirror(worker_batch)
+            self._mark(worker_batch.out_cache_loc, True)
         return run_target(worker_batch)
 
     def _mirror(self, worker_batch: ModelWorkerBatch) -> None:
@@ -115,6 +137,40 @@ class DraftModelDrafter:
         self.mirror_seconds += time.perf_counter() - started
 
     # ------------------------------------------------------------------ helpers
+    def _mark(self, slots: torch.Tensor, valid: bool) -> None:
+        self.valid[slots.to(self.valid.device)] = valid
+
+    def _catch_up(self, step: VerifyStep) -> None:
+        """One draft extend over each drafting request's committed positions from its first stale
+        one (the plain steps the draft skipped, a prefix another request decoded so)."""
+        wb = step.worker_batch
+        assert wb.extend_prefix_lens is not None  # a verify batch
+        rows = wb.req_pool_indices.tolist()
+        firsts: List[int] = []
+        keep: List[int] = []
+        for i, (row, committed, k) in enumerate(zip(rows, wb.extend_prefix_lens, step.draft_lens)):
+            if k == 0 or committed == 0:
+                continue
+            stale = (~self.valid[self.req_to_token[row, :committed].to(torch.int64)]).nonzero()
+            if stale.numel():
+                keep.append(i)
+                firsts.append(int(stale[0, 0]))
+        if not keep:
+            return
+        ids: List[int] = []
+        for i, first in zip(keep, firsts):
+            prompt, output = step.tokens[i]
+            ids.extend((prompt + output)[first:wb.extend_prefix_lens[i]])
+        lens = [wb.extend_prefix_lens[i] - first for i, first in zip(keep, firsts)]
+        seq_lens = [wb.extend_prefix_lens[i] for i in keep]
+        slots = torch.cat([self.req_to_token[rows[i], first:wb.extend_prefix_lens[i]]
+                           for i, first in zip(keep, firsts)]).to(torch.int64)
+        self._forward(ModelWorkerBatch(
+            forward_mode=ForwardMode.EXTEND, input_ids=_i64(ids), req_pool_indices=_i64([rows[i] for i in keep]),
+            seq_lens=_i64(seq_lens), seq_lens_cpu=seq_lens, out_cache_loc=slots.cpu(), extend_num_tokens=len(ids),
+            extend_seq_lens=lens, extend_prefix_lens=firsts))
+        self._mark(slots, True)
+
     def _decode(self, wb: ModelWorkerBatch, rows: List[int], input_ids: List[int], slot_index: List[int],
                 seq_lens: List[int]) -> torch.Tensor:
         """One draft decode forward of `rows` of the verify batch: token input_ids[r] at position

@@ -116,7 +116,8 @@ class Speculator:
         if self.drafter.needs_target_hidden:
             worker_batch = dataclasses.replace(worker_batch, capture_hidden_states=True)
         return VerifyStep(worker_batch=worker_batch, drafts=drafts,
-                          draft_lens=draft_lens, draft_on_forward_thread=proposed is None and any(draft_lens))
+                          draft_lens=draft_lens, draft_on_forward_thread=proposed is None and any(draft_lens),
+                          tokens=[(req.origin_input_ids, req.output_ids) for req in batch.reqs])
 
     def process(self, batch: ScheduleBatch, step: VerifyStep) -> List[Req]:
         """Append each request's verified tokens (finish checks per token), keep the KV of what was
@@ -231,7 +232,8 @@ def build_speculator(server_args: ServerArgs, worker: ModelWorker, tree_cache: B
         return Speculator(server_args, worker, tree_cache, _eagle_drafter(worker, runner, path))
     from engine.speculative.draft_model import DraftModelDrafter
 
-    return Speculator(server_args, worker, tree_cache, DraftModelDrafter(runner, worker.output_tokens_buf))
+    return Speculator(server_args, worker, tree_cache, DraftModelDrafter(
+        runner, worker.output_tokens_buf, server_args.speculative_batch_size_threshold))
 
 
 def _eagle_drafter(worker: TpModelWorker, runner: ModelRunner, path: str) -> Drafter:

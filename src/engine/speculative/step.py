@@ -3,8 +3,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Protocol
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -24,6 +24,9 @@ class VerifyStep:
     drafts: List[List[int]]
     # Per request: the KV slots its drafts have (the drafts' number once drafted).
     draft_lens: List[int]
+    # Per request: its prompt and its output (the Req's own lists, read on the forward thread while
+    # the scheduling thread waits for the step): the committed tokens a drafter may have to catch up on.
+    tokens: List[Tuple[List[int], List[int]]] = field(default_factory=list)
     # Whether the drafter proposes on the forward thread (Drafter.draft) before the verify forward.
     draft_on_forward_thread: bool = False
     # Per request: the distributions its sampled drafts were drawn from ([k, vocab]; None: point masses).
