@@ -43,7 +43,7 @@ def checkerboard(cases: list) -> list:
 
 
 # The number of cases below; the driver checks that the subprocess ran them all.
-_EXPECTED_CASES = 12 + 1 + 8 + 8 + 1 + 1 + 2 + 1 + 5
+_EXPECTED_CASES = 12 + 1 + 8 + 8 + 1 + 1 + 2 + 1 + 5 + 2
 
 
 @pytest.mark.slow  # every Triton kernel under the interpreter: minutes on 2 cores
@@ -366,6 +366,44 @@ def test_windowed_layers_match_torch_native(tk, mode, lens, prefix_lens, window,
         with torch.no_grad():
             outs[name] = backend.forward(q, k, v, layer, fb, save_kv_cache=True)
     assert rel_err(outs["triton"], outs["torch_native"]) < _TOL[dtype]
+
+
+@pytest.mark.parametrize("mode,lens,prefix_lens", [
+    (ForwardMode.MIXED, [30, 25, 41], [10, 24, 40]),
+    (ForwardMode.DECODE, [1, 70, 33, 200], None),
+])
+def test_hybrid_pool_slot_map_matches_torch_native(tk, mode, lens, prefix_lens):
+    """A windowed layer whose K/V live in the hybrid pool's own buffers (mem_cache/swa_pool.py): the
+    kernels read req_to_token's full slots through the pool's slot map, as torch_native's windowed path
+    does; a scrambled map makes a missed translation read the wrong rows."""
+    from engine.mem_cache.swa_pool import SWAKVPool
+
+    gen = torch.Generator().manual_seed(5)
+    heads, kv_heads, head_dim, window = 8, 2, 64, 24
+    if prefix_lens is None:
+        prefix_lens = [l - 1 for l in lens]
+    kv = SWAKVPool(size=1024, swa_size=1024, windowed_layers=[0], dtype=torch.float32, head_num=kv_heads,
+                   head_dim=head_dim, layer_num=1)
+    slot_map = torch.zeros(1025, dtype=torch.int64)
+    slot_map[1:] = torch.randperm(1024, generator=gen) + 1
+    kv.use_slot_map(slot_map)
+    pool = {"req": ReqToTokenPool(size=8, max_context_len=256), "kv": kv}
+    fb = _make_batch(mode, lens, prefix_lens, 1, pool, gen, kv_heads, head_dim, torch.float32)
+    layer = RadixAttention(heads, head_dim, scaling=head_dim**-0.5, num_kv_heads=kv_heads, layer_id=0,
+                           sliding_window_size=window)
+    n = fb.out_cache_loc.shape[0]
+    q = torch.randn(n, heads * head_dim, generator=gen)
+    k = torch.randn(n, kv_heads, head_dim, generator=gen)
+    v = torch.randn(n, kv_heads, head_dim, generator=gen)
+    runner = SimpleNamespace(device="cpu")
+    outs: Dict[str, torch.Tensor] = {}
+    for name, backend in (("triton", tk.backend.TritonAttnBackend(runner, max_kv_splits=4, decode_block_n=32,
+                                                                  extend_blocks=(16, 16))),
+                          ("torch_native", TorchNativeAttnBackend(runner))):
+        fb.attn_backend = backend
+        backend.init_forward_metadata(fb)
+        outs[name] = backend.forward(q, k, v, layer, fb, save_kv_cache=True)
+    assert rel_err(outs["triton"], outs["torch_native"]) < _TOL[torch.float32]
 
 
 def test_decode_two_layers_share_one_scratch_and_match_torch_native(tk):

@@ -119,6 +119,11 @@ class MHATokenToKVPool:
     def get_kv_buffer(self, layer_id: int):
         return self.k_buffer[layer_id], self.v_buffer[layer_id]
 
+    def slot_map(self, layer_id: int) -> Optional[torch.Tensor]:
+        """The map kv_slots applies for this layer (int64, indexed by full slot), None where it keeps the
+        slots as they are: what kernels reading req_to_token themselves (Triton) translate with."""
+        return None
+
     def kv_slots(self, layer_id: int, slots: torch.Tensor) -> torch.Tensor:
         """Where layer `layer_id` keeps the K/V of these (full-pool) slots: the same slots here; the
         hybrid sliding-window pool (swa_pool.py) keeps its windowed layers' K/V elsewhere."""

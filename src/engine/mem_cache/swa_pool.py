@@ -11,8 +11,9 @@ window - 1); the forward of its previous batch may still run (overlap) and read 
 start, so what is released at B is everything below the previous batch's read start.
 
 Used where nothing else reads windowed layers' K/V by full slot: the torch_native backend (its windowed
-path translates slots with `kv_slots`), page size 1, no radix cache (a cached prefix would need its
-window K/V held: SGLang's SWA radix cache, not built), no PD transfer, no speculative decoding.
+path translates slots with `kv_slots`) and the Triton one (its kernels load `slot_map` entries), page
+size 1, no radix cache (a cached prefix would need its window K/V held: SGLang's SWA radix cache, not
+built), no PD transfer, no speculative decoding.
 """
 
 from __future__ import annotations
@@ -48,6 +49,9 @@ class SWAKVPool(MHATokenToKVPool):
             shape = (rows, self.head_num, self.head_dim)
             self.k_buffer.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
             self.v_buffer.append(torch.zeros(shape, dtype=self.dtype, device=self.device))
+
+    def slot_map(self, layer_id: int) -> Optional[torch.Tensor]:
+        return self._full_to_swa if layer_id in self.windowed_layers else None
 
     def kv_slots(self, layer_id: int, slots: torch.Tensor) -> torch.Tensor:
         if layer_id in self.windowed_layers:
@@ -118,14 +122,17 @@ class SWATokenToKVPoolAllocator(TokenToKVPoolAllocator):
         rows[i] (its prefix length; seq_len - 1 for a decode), `fresh[i]` whether the request starts in
         that row now. Releases the windowed slots below the row's previous read start, then records this
         batch's."""
+        leaving: List[torch.Tensor] = []
         for row, first, new in zip(rows, first_positions, fresh):
             if new:
                 self._read_floor[row] = self._released_upto[row] = 0
             upto, lo = self._read_floor[row], self._released_upto[row]
             if upto > lo:
-                self._release_swa(req_to_token[row, lo:upto].long())
+                leaving.append(req_to_token[row, lo:upto])
                 self._released_upto[row] = upto
             self._read_floor[row] = max(upto, first - self.window + 1, 0)
+        if leaving:  # one release for the batch (one device sync on the GPU, not one per request)
+            self._release_swa(torch.cat(leaving).long())
 
 
 def swa_pool_size(full_size: int, window: int, max_running_requests: int, max_extend_tokens: int) -> int:

@@ -246,7 +246,7 @@ class ModelRunner:
 
         args, windows = self.server_args, self.model_config.layer_windows
         if (not self.model_config.is_hybrid_swa or args.disable_hybrid_swa_memory or not args.disable_radix_cache
-                or self.page_size != 1 or args.attention_backend != "torch_native"
+                or self.page_size != 1 or args.attention_backend not in ("torch_native", "triton")
                 or args.speculative_algorithm is not None or args.disaggregation_mode != "null"):
             return False
         window = max(windows)

@@ -166,6 +166,7 @@ class TritonAttnBackend(AttentionBackend):
             sliding_window=layer.sliding_window_size,
             logit_cap=layer.logit_cap,
             sinks=layer.sinks,
+            slot_map=pool.slot_map(layer.layer_id),
         )
         return out.view(-1, num_heads * out.shape[-1])
 
@@ -206,5 +207,6 @@ class TritonAttnBackend(AttentionBackend):
             sliding_window=layer.sliding_window_size,
             logit_cap=layer.logit_cap,
             sinks=layer.sinks,
+            slot_map=pool.slot_map(layer.layer_id),
         )
         return out.view(bs, num_heads * v_head_dim)

@@ -77,6 +77,7 @@ def _decode_stage1_kernel(
     sm_scale,
     sliding_window,
     logit_cap,
+    Slot_map,
     Req_to_token,
     Req_pool_indices,
     Seq_lens,
@@ -107,6 +108,7 @@ def _decode_stage1_kernel(
     UPCAST_DOT: tl.constexpr,
     HAS_WINDOW: tl.constexpr,
     HAS_CAP: tl.constexpr,
+    HAS_SLOT_MAP: tl.constexpr,
 ):
     cur_req = tl.program_id(0)
     head_block = tl.program_id(1)
@@ -143,6 +145,8 @@ def _decode_stage1_kernel(
             offs_n = start_n + tl.arange(0, BLOCK_N)
             mask_n = offs_n < split_end
             kv_loc = tl.load(Req_to_token + pool_row * stride_req_to_token + offs_n, mask=mask_n, other=0).to(tl.int64)
+            if HAS_SLOT_MAP:  # the layer keeps its K/V in the hybrid pool's windowed buffers
+                kv_loc = tl.load(Slot_map + kv_loc, mask=mask_n, other=0)
 
             k_ptrs = K_Buffer + kv_loc[None, :] * stride_k_slot + cur_kv_head * stride_k_head + offs_d[:, None]
             k = tl.load(k_ptrs, mask=mask_n[None, :] & mask_d[:, None], other=0.0)  # [D, N]
@@ -260,9 +264,11 @@ def decode_attention_fwd(
     sliding_window: int = -1,
     logit_cap: float = 0.0,
     sinks: Optional[torch.Tensor] = None,
+    slot_map: Optional[torch.Tensor] = None,
 ) -> None:
     """Write into `o` the attention of one query token per request over its paged keys (its last
-    `sliding_window` ones with a window > 0; scores soft-capped with logit_cap > 0; sinks [q_heads]).
+    `sliding_window` ones with a window > 0; scores soft-capped with logit_cap > 0; sinks [q_heads];
+    slot_map: int64 [full slots], the buffers' slot of each req_to_token slot, as the hybrid pool's).
 
     q, o: [bs, q_heads, head_dim] / [bs, q_heads, v_head_dim]; k_buffer, v_buffer: [slots, kv_heads, D];
     req_to_token: [rows, context_len]; req_pool_indices, seq_lens, num_kv_splits: [bs];
@@ -293,6 +299,7 @@ def decode_attention_fwd(
         sm_scale,
         sliding_window,
         logit_cap,
+        slot_map if slot_map is not None else seq_lens,  # any pointer: never read without HAS_SLOT_MAP
         req_to_token,
         req_pool_indices,
         seq_lens,
@@ -323,6 +330,7 @@ def decode_attention_fwd(
         UPCAST_DOT=upcast_dot(q.device),
         HAS_WINDOW=sliding_window > 0,
         HAS_CAP=logit_cap > 0,
+        HAS_SLOT_MAP=slot_map is not None,
     )
     _decode_stage2_kernel[(bs, q_head_num)](
         mid_o,

@@ -44,6 +44,7 @@ def _extend_kernel(
     sliding_window,
     logit_cap,
     Sinks,
+    Slot_map,
     stride_req_to_token,
     stride_q_token,
     stride_q_head,
@@ -70,6 +71,7 @@ def _extend_kernel(
     HAS_WINDOW: tl.constexpr,
     HAS_CAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
+    HAS_SLOT_MAP: tl.constexpr,
 ):
     cur_req = tl.program_id(0)
     cur_head = tl.program_id(1)
@@ -109,6 +111,8 @@ def _extend_kernel(
             offs_n = start_n + offs_n0
             mask_n = offs_n < prefix_len
             kv_loc = tl.load(Req_to_token + pool_row * stride_req_to_token + offs_n, mask=mask_n, other=0).to(tl.int64)
+            if HAS_SLOT_MAP:  # the layer keeps its K/V in the hybrid pool's windowed buffers
+                kv_loc = tl.load(Slot_map + kv_loc, mask=mask_n, other=0)
             k = tl.load(
                 K_Buffer + kv_loc[None, :] * stride_k_slot + cur_kv_head * stride_k_head + offs_d[:, None],
                 mask=mask_n[None, :] & mask_d[:, None],
@@ -198,10 +202,12 @@ def extend_attention_fwd(
     sliding_window: int = -1,
     logit_cap: float = 0.0,
     sinks: Optional[torch.Tensor] = None,
+    slot_map: Optional[torch.Tensor] = None,
 ) -> None:
     """Write into `o` the attention of every new token (prefix keys from the pool, new keys causal,
     or all new keys with is_causal False; with sliding_window > 0 only the keys at (p - window, p];
-    scores soft-capped with logit_cap > 0; sinks [q_heads] join each softmax's denominator).
+    scores soft-capped with logit_cap > 0; sinks [q_heads] join each softmax's denominator; slot_map: the
+    buffers' slot of each req_to_token slot, int64, for the prefix reads: the hybrid pool's windowed layers).
 
     q, o: [num_tokens, q_heads, D] / [num_tokens, q_heads, DV]; k_extend, v_extend: [num_tokens,
     kv_heads, D]; k_buffer, v_buffer: [slots, kv_heads, D]; the per-request tensors are [bs], and
@@ -236,6 +242,7 @@ def extend_attention_fwd(
         sliding_window,
         logit_cap,
         sinks if sinks is not None else q,  # any pointer: never read without HAS_SINKS
+        slot_map if slot_map is not None else q,  # nor this one without HAS_SLOT_MAP
         req_to_token.stride(0),
         q.stride(0),
         q.stride(1),
@@ -262,5 +269,6 @@ def extend_attention_fwd(
         HAS_WINDOW=sliding_window > 0,
         HAS_CAP=logit_cap > 0,
         HAS_SINKS=sinks is not None,
+        HAS_SLOT_MAP=slot_map is not None,
     )
 
