@@ -27,7 +27,7 @@ import torch.nn.functional as F
 
 from engine.kernels import attention as attention_kernels
 from engine.kernels import library
-from engine.layers.attention import windowed
+from engine.layers.attention.windowed import windowed_decode, windowed_extend
 from engine.layers.attention.base_attn_backend import AttentionBackend, AttentionRunner
 from engine.layers.attention.prefix_panels import PrefixPanels
 
@@ -209,7 +209,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         if save_kv_cache and k is not None:
             pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         if not layer.is_plain:  # a window, a logit cap or sinks: neither SDPA nor the C kernels have them
-            return windowed.windowed_extend(q, layer, forward_batch)
+            return windowed_extend(q, layer, forward_batch)
         meta = forward_batch.attn_metadata
         if isinstance(meta, _PaddedExtend) and k is not None:
             return self._forward_padded_extend(q, k, v, layer, meta)
@@ -308,7 +308,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         if save_kv_cache and k is not None:
             pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         if not layer.is_plain:
-            return windowed.windowed_decode(q, layer, forward_batch)
+            return windowed_decode(q, layer, forward_batch)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         meta: _DecodeMetadata = forward_batch.attn_metadata
         bs = q.shape[0]
