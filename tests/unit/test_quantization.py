@@ -41,8 +41,11 @@ def test_quantize_weight_per_channel(method: str) -> None:
 
 
 @pytest.mark.parametrize("method", METHODS)
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, quant.Q8_MAX_ROWS, quant.Q8_MAX_ROWS + 3])
-def test_quantized_linear_equals_dequantized_product(kernel_build: str, method: str, rows: int) -> None:
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 16, 32, 35])
+def test_quantized_linear_equals_dequantized_product(kernel_build: str, method: str, rows: int, monkeypatch) -> None:
+    # Up to 32 rows the kernel, 35 the torch path; its row blocks of 256 KiB are 4 rows at k = 16384.
+    monkeypatch.setattr(quant, "Q8_MAX_ROWS_F32", 32)
+    monkeypatch.setattr(quant, "Q8_MAX_ROWS_BF16", 32)
     # k = 203: whole 8-wide vectors plus a tail of 3; n = 37: channel pairs plus one.
     gen = torch.Generator().manual_seed(rows)
     qw = quantize_weight(torch.randn(37, 203, generator=gen), method)
@@ -57,10 +60,21 @@ def test_quantized_linear_equals_dequantized_product(kernel_build: str, method: 
     xb = x.to(torch.bfloat16).reshape(1, rows, 203)
     out = quantized_linear(xb, qw, bias.to(torch.bfloat16))
     assert out.dtype == torch.bfloat16 and out.shape == (1, rows, 37)
-    weight = qw.dequantize(torch.float64) if rows <= quant.Q8_MAX_ROWS else qw.dequantize(torch.bfloat16).double()
+    weight = qw.dequantize(torch.float64) if rows <= 32 else qw.dequantize(torch.bfloat16).double()
     expected = xb[0].double() @ weight.T + bias.to(torch.bfloat16).double()
     err = (out[0].double() - expected).abs()
     assert bool((err <= expected.abs() * 2.0 ** -8 + 1e-3).all()), float(err.max())
+
+
+def test_kernel_row_blocks(kernel_build: str) -> None:
+    """k = 16384: rows in blocks of 4 (256 KiB of float32 activations), 9 rows are three blocks."""
+    gen = torch.Generator().manual_seed(3)
+    qw = quantize_weight(torch.randn(5, 16384, generator=gen), "w8a8_int8")
+    x = torch.randn(9, 16384, generator=gen)
+    # float32 sums of 16384 terms: the error bound scales with the sum of their magnitudes.
+    magnitude = x.double().abs() @ qw.dequantize(torch.float64).abs().T
+    err = (quantized_linear(x, qw, None).double() - _oracle(x, qw, None)).abs()
+    assert bool((err <= magnitude * 1e-5).all()), float((err / magnitude).max())
 
 
 def test_kernel_runs_where_it_should() -> None:
@@ -79,8 +93,9 @@ def test_kernel_runs_where_it_should() -> None:
 
     with mock.patch.object(library, "linear", lambda: Spy()):
         quantized_linear(torch.randn(3, 64), qw, None)
-        quantized_linear(torch.randn(quant.Q8_MAX_ROWS + 1, 64), qw, None)  # prefill: the torch path
-    assert calls == [3]
+        quantized_linear(torch.randn(quant.Q8_MAX_ROWS_F32 + 1, 64), qw, None)  # a long prefill: torch
+        quantized_linear(torch.randn(quant.Q8_MAX_ROWS_F32 + 1, 64).to(torch.bfloat16), qw, None)
+    assert calls == [3, quant.Q8_MAX_ROWS_F32 + 1]
 
 
 def test_fp8_kernel_widens_every_e4m3_value(kernel_build: str) -> None:

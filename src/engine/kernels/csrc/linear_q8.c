@@ -12,7 +12,7 @@
  * quantized into its range.
  *
  * Tiles: 4 rows x 2 output channels of float32 sums (8 registers), each channel's 8 weights widened
- * once per row tile. Threads (thread_pool.c) take contiguous ranges of channel pairs. AVX2 + FMA + F16C
+ * once per row tile; rows in blocks of 256 KiB of activations, each block a pass over the weights. Threads (thread_pool.c) take contiguous ranges of channel pairs. AVX2 + FMA + F16C
  * where the compiler has them (Zen 1 and up), else a portable loop with the same sums in another order.
  */
 #include "cpu_common.h"
@@ -23,6 +23,7 @@
 #endif
 
 #define Q8_ROWS 4
+#define Q8_L2_BYTES (256 * 1024) /* half of Zen 1's L2 per core: room for the weights and the output */
 #define FP8_SCALE 256.0f /* the e4m3 -> float16 reinterpretation's 2^-8, undone */
 
 static inline float fp8_e4m3_to_f32(uint8_t b) {
@@ -99,11 +100,17 @@ static void q8_part(void *arg, int tid, int nt) {
     const float unit = J->w_fp8 ? FP8_SCALE : 1.0f;
     int64_t first, last;
     pool_range(pairs, tid, nt, &first, &last);
+    /* Rows in blocks whose float32 activations stay in L2 while the thread's channels pass over them
+     * (a channel pair's weights stay in L1 over a block): the weights are read once per block. */
+    int64_t block = (Q8_L2_BYTES / (J->k * (int64_t)sizeof(float))) / Q8_ROWS * Q8_ROWS;
+    if (block < Q8_ROWS) block = Q8_ROWS;
+    for (int64_t b0 = 0; b0 < J->m; b0 += block)
     for (int64_t p = first; p < last; p++) {
         const int64_t c0 = 2 * p;
         const int C = c0 + 1 < J->n ? 2 : 1;
-        for (int64_t m0 = 0; m0 < J->m; m0 += Q8_ROWS) {
-            const int64_t left = J->m - m0;
+        const int64_t b1 = b0 + block < J->m ? b0 + block : J->m;
+        for (int64_t m0 = b0; m0 < b1; m0 += Q8_ROWS) {
+            const int64_t left = b1 - m0;
             float sums[Q8_ROWS][2];
             /* Constant R and C: each call unrolls into its own register tile. */
             if (left >= 4) { if (C == 2) q8_tile(J, m0, 4, c0, 2, sums); else q8_tile(J, m0, 4, c0, 1, sums); }
