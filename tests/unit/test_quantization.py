@@ -224,3 +224,18 @@ def test_server_args_refuse_lora_with_quantization() -> None:
     assert QUANTIZATION_METHODS == quant.ONLINE_METHODS
     with pytest.raises(ServerArgsError, match="not supported yet with LoRA"):
         ServerArgs(quantization="fp8", enable_lora=True, device="cpu")
+
+
+def test_weight_updates_refused_on_a_quantized_model(tmp_path) -> None:
+    from utils_models import build_tiny_model, make_runner
+
+    build_tiny_model(str(tmp_path), "llama")
+    runner = make_runner(str(tmp_path), quantization="fp8")
+    before = runner.model.model.layers[0].self_attn.qkv_proj.packed_weight.qweight.clone()
+    ok, message = runner.weight_updater.update_from_tensors([("model.layers.0.self_attn.q_proj.weight",
+                                                              torch.zeros(64, 64))])
+    assert not ok and "not supported yet with --quantization" in message
+    ok, message = runner.weight_updater.update_from_disk(str(tmp_path))
+    assert not ok and "not supported yet with --quantization" in message
+    assert torch.equal(runner.model.model.layers[0].self_attn.qkv_proj.packed_weight.qweight.view(torch.uint8),
+                       before.view(torch.uint8))

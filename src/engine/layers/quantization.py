@@ -146,3 +146,11 @@ def check_checkpoint(raw_config: Dict[str, object], method: Optional[str]) -> No
     raise ValueError(f"the checkpoint is pre-quantized (quantization_config.quant_method {found!r}); loading "
                      f"pre-quantized checkpoints is not supported yet{flag}. Serve its bf16/fp16/fp32 weights, "
                      f"optionally with --quantization {' or '.join(ONLINE_METHODS)}")
+
+
+def is_quantized(model: nn.Module) -> bool:
+    """Whether quantize_model quantized this model's linears."""
+    from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+
+    return any(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and isinstance(m.packed_weight, QuantizedWeight)
+               for m in model.modules())

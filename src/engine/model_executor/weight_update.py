@@ -31,6 +31,7 @@ from engine.layers.linear import (
     prepack_linear_weights,
 )
 from engine.layers.moe.layer import FusedMoE, StackedExpertWeight
+from engine.layers.quantization import is_quantized
 from engine.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from engine.model_loader.weight_utils import ShardId, route_weight_names, safetensors_weights_iterator
 
@@ -68,9 +69,14 @@ class WeightUpdater:
         # checkpoint's path, or a copy of the parameters an update from tensors changed.
         self._undo_path: Optional[str] = None
         self._undo_params: Optional[Dict[str, torch.Tensor]] = None
+        # A quantized model's linears hold no float weight to load into (layers/quantization.py).
+        self._refusal = ("Weight updates are not supported yet with --quantization (the linears hold quantized "
+                         "weights only)." if is_quantized(model) else None)
 
     # ------------------------------------------------------------------ from disk
     def update_from_disk(self, model_path: str, load_format: Optional[str] = None) -> Tuple[bool, str]:
+        if self._refusal is not None:
+            return False, self._refusal
         if load_format not in SUPPORTED_LOAD_FORMATS:
             return False, f"load_format {load_format!r} is not supported (only safetensors checkpoints: auto)."
         try:
@@ -126,6 +132,8 @@ class WeightUpdater:
 
     # ------------------------------------------------------------------ from tensors
     def update_from_tensors(self, named_tensors: Sequence[Tuple[str, torch.Tensor]]) -> Tuple[bool, str]:
+        if self._refusal is not None:
+            return False, self._refusal
         names = [name for name, _ in named_tensors]
         if len(set(names)) != len(names):
             return False, "Each weight name may appear once in named_tensors."
