@@ -1,0 +1,174 @@
+"""Quantized weights (issue 40): decode tokens/s of one random Llama-shaped model with bf16, int8
+(--quantization w8a8_int8) and fp8 (--quantization fp8) linears, side by side in one run, in-process
+(the Scheduler, no HTTP), each against its memory floor.
+
+The model (default 8 layers, hidden 1024, intermediate 2816, 16 heads / 4 KV heads, vocab 32000) is
+written once as a bf16 safetensors checkpoint (random weights) under --dir. For each batch size
+(--batch-sizes, default 1 and 16) every configuration decodes --out-len greedy tokens (ignore_eos) for
+the same random prompts; the table gives decode tokens/s, the median decode step, the ratio to bf16,
+and the step against its floor: the bytes a decode step must read (the linears at 2 bytes per weight
+for bf16, 1 plus a float32 scale per channel when quantized; the LM head, the batch's embedding rows
+and the KV cache in bf16) at the bandwidth of a streaming read on the same cores. Not measured yet:
+int4 weights and the fp8 KV cache (neither is implemented).
+
+  python benchmarks/bench_quant.py                        # table + bench_quant.json
+  python benchmarks/bench_quant.py --layers 2 --out-len 8 # a quick check
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import sys
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Optional
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from bench_moe import _decode, read_bandwidth  # noqa: E402
+
+from engine.scheduler.overlap_utils import scheduling_thread  # noqa: E402
+from engine.scheduler.scheduler import Scheduler  # noqa: E402
+from engine.server_args import ServerArgs  # noqa: E402
+
+CONFIGS: Dict[str, Optional[str]] = {"bf16": None, "int8": "w8a8_int8", "fp8": "fp8"}
+
+
+@dataclass
+class Shape:
+    layers: int
+    hidden: int
+    heads: int
+    kv_heads: int
+    inter: int
+    vocab: int
+
+    @property
+    def head_dim(self) -> int:
+        return self.hidden // self.heads
+
+    def linear_weights(self) -> int:
+        d = self.head_dim
+        return self.layers * (self.hidden * (self.heads + 2 * self.kv_heads) * d + self.heads * d * self.hidden
+                              + 3 * self.hidden * self.inter)
+
+    def linear_channels(self) -> int:
+        return self.layers * ((self.heads + 2 * self.kv_heads) * self.head_dim + self.hidden + 2 * self.inter
+                              + self.hidden)
+
+
+def checkpoint(root: str, shape: Shape) -> str:
+    from safetensors.torch import save_file
+
+    path = os.path.join(root, "llama_" + "_".join(str(v) for v in asdict(shape).values()))
+    if os.path.exists(os.path.join(path, "model.safetensors")):
+        return path
+    os.makedirs(path, exist_ok=True)
+    config = dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=shape.hidden,
+                  num_hidden_layers=shape.layers, num_attention_heads=shape.heads, num_key_value_heads=shape.kv_heads,
+                  intermediate_size=shape.inter, vocab_size=shape.vocab, max_position_embeddings=4096,
+                  rms_norm_eps=1e-5, rope_theta=1e6, tie_word_embeddings=False, hidden_act="silu",
+                  torch_dtype="bfloat16")
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    gen = torch.Generator().manual_seed(1)
+
+    def rand(*dims: int) -> torch.Tensor:
+        return (torch.randn(*dims, generator=gen) / dims[-1] ** 0.5).to(torch.bfloat16)
+
+    h, d = shape.hidden, shape.head_dim
+    w = {"model.embed_tokens.weight": rand(shape.vocab, h), "lm_head.weight": rand(shape.vocab, h),
+         "model.norm.weight": torch.ones(h, dtype=torch.bfloat16)}
+    for i in range(shape.layers):
+        p = f"model.layers.{i}."
+        w[p + "self_attn.q_proj.weight"] = rand(shape.heads * d, h)
+        w[p + "self_attn.k_proj.weight"] = rand(shape.kv_heads * d, h)
+        w[p + "self_attn.v_proj.weight"] = rand(shape.kv_heads * d, h)
+        w[p + "self_attn.o_proj.weight"] = rand(h, shape.heads * d)
+        w[p + "input_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        w[p + "post_attention_layernorm.weight"] = torch.ones(h, dtype=torch.bfloat16)
+        w[p + "mlp.gate_proj.weight"] = rand(shape.inter, h)
+        w[p + "mlp.up_proj.weight"] = rand(shape.inter, h)
+        w[p + "mlp.down_proj.weight"] = rand(h, shape.inter)
+    save_file(w, os.path.join(path, "model.safetensors.tmp"), metadata={"format": "pt"})
+    os.replace(os.path.join(path, "model.safetensors.tmp"), os.path.join(path, "model.safetensors"))
+    return path
+
+
+def step_bytes(shape: Shape, quantized: bool, batch: int, context: int) -> float:
+    linears = shape.linear_weights() + 4 * shape.linear_channels() if quantized else 2 * shape.linear_weights()
+    head = 2 * (shape.vocab * shape.hidden + batch * shape.hidden)
+    kv = 2 * batch * context * shape.layers * 2 * shape.kv_heads * shape.head_dim
+    return float(linears + head + kv)
+
+
+@dataclass
+class Result:
+    config: str
+    batch: int
+    decode_tok_s: float
+    step_ms: float
+    floor_ms: float
+    bytes_per_step: float
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--hidden", type=int, default=1024)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--inter", type=int, default=2816)
+    ap.add_argument("--vocab", type=int, default=32000)
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--out-len", type=int, default=32)
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--dir", default=os.path.join(os.path.expanduser("~"), ".cache", "engine_bench_quant"))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", default="bench_quant.json")
+    args = ap.parse_args()
+    shape = Shape(args.layers, args.hidden, args.heads, args.kv_heads, args.inter, args.vocab)
+    path = checkpoint(args.dir, shape)
+    bandwidth = read_bandwidth("cpu")
+    print(f"streaming read bandwidth: {bandwidth / 1e9:.1f} GB/s ({torch.get_num_threads()} threads)")
+    results: List[Result] = []
+    with scheduling_thread():  # as in the scheduler process
+        for batch in args.batch_sizes:
+            rng = random.Random(args.seed + batch)
+            prompts = [[rng.randrange(10, args.vocab - 10) for _ in range(args.prompt_len)] for _ in range(batch)]
+            for name in args.configs:
+                server_args = ServerArgs(model_path=path, device="cpu", log_level="warning", dtype="bfloat16",
+                                         quantization=CONFIGS[name],
+                                         max_total_tokens=batch * (args.prompt_len + args.out_len + 16) + 256,
+                                         max_running_requests=batch, disable_overlap_schedule=True,
+                                         chunked_prefill_size=-1, disable_radix_cache=True)
+                scheduler = Scheduler(server_args)
+                _decode(scheduler, [p[:8] for p in prompts], 4, "warmup")
+                steps = _decode(scheduler, prompts, args.out_len, "run")
+                scheduler.shutdown()
+                nbytes = step_bytes(shape, CONFIGS[name] is not None, batch, args.prompt_len + args.out_len // 2)
+                step = statistics.median(steps)
+                results.append(Result(name, batch, batch / step, step * 1e3, nbytes / bandwidth * 1e3, nbytes))
+    print(f"\nLlama {shape.layers} layers, hidden {shape.hidden}, intermediate {shape.inter}, bf16 activations, "
+          f"prompt {args.prompt_len}, {args.out_len} tokens")
+    print(f"{'config':6} {'batch':>5} {'tok/s':>8} {'step ms':>8} {'floor ms':>8} {'step/floor':>10} {'vs bf16':>7}")
+    by = {(r.config, r.batch): r for r in results}
+    for r in results:
+        base = by.get(("bf16", r.batch))
+        ratio = f"{r.decode_tok_s / base.decode_tok_s:7.2f}" if base else " " * 7
+        print(f"{r.config:6} {r.batch:5d} {r.decode_tok_s:8.1f} {r.step_ms:8.1f} {r.floor_ms:8.1f} "
+              f"{r.step_ms / r.floor_ms:10.2f} {ratio}")
+    with open(args.json, "w") as f:
+        json.dump({"shape": asdict(shape), "bandwidth_bytes_s": bandwidth, "args": vars(args),
+                   "results": [asdict(r) for r in results]}, f, indent=2)
+    print(f"wrote {args.json}")
+
+
+if __name__ == "__main__":
+    main()
