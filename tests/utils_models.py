@@ -389,3 +389,65 @@ def build_eagle_head(path: str, target_path: str, seed: int = 0, identity: bool 
     save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(path, "model.safetensors"),
               metadata={"format": "pt"})
     return path
+
+
+def build_eagle3_head(path: str, target_path: str, seed: int = 0, draft_vocab_size: Optional[int] = None,
+                      aux_layer_ids: Optional[List[int]] = None) -> str:
+    """A random EAGLE3 head for the Llama model in `target_path`, in EAGLE3's checkpoint format:
+    config.json with architectures LlamaForCausalLMEagle3, one layer, draft_vocab_size and
+    target_hidden_size (and eagle_config.eagle_aux_hidden_state_layer_ids when given: target layer
+    outputs, SGLang's meaning); safetensors fc.weight [hidden, 3 * hidden], midlayer.* (q/k/v_proj
+    reading 2 * hidden, input_layernorm, hidden_norm, post_attention_layernorm, mlp), norm.weight,
+    lm_head.weight [draft_vocab, hidden] and d2t (target id - draft id) over a random subset of the
+    target's vocabulary, in random order; t2d (a boolean mask over the target's vocabulary) as well.
+    No embedding: the target's is shared."""
+    import json
+    import os
+
+    from safetensors.torch import save_file
+
+    with open(os.path.join(target_path, "config.json")) as f:
+        config = json.load(f)
+    vocab = config["vocab_size"]
+    draft_vocab = draft_vocab_size or vocab
+    config.update(architectures=["LlamaForCausalLMEagle3"], num_hidden_layers=1, draft_vocab_size=draft_vocab,
+                  target_hidden_size=config["hidden_size"])
+    if aux_layer_ids is not None:
+        config["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": aux_layer_ids}
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    head_dim = config.get("head_dim") or hidden // config["num_attention_heads"]
+    q_out, kv_out = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    gen = torch.Generator().manual_seed(seed)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(shape, generator=gen) / math.sqrt(shape[-1]) * 1.5
+
+    def norm() -> torch.Tensor:
+        return 1.0 + 0.2 * torch.randn(hidden, generator=gen)
+
+    hot = torch.randperm(vocab, generator=gen)[:draft_vocab]
+    t2d = torch.zeros(vocab, dtype=torch.bool)
+    t2d[hot] = True
+    weights = {
+        "fc.weight": rand(hidden, 3 * hidden),
+        "midlayer.self_attn.q_proj.weight": rand(q_out, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": rand(kv_out, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": rand(kv_out, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": rand(hidden, q_out),
+        "midlayer.mlp.gate_proj.weight": rand(inter, hidden),
+        "midlayer.mlp.up_proj.weight": rand(inter, hidden),
+        "midlayer.mlp.down_proj.weight": rand(hidden, inter),
+        "midlayer.input_layernorm.weight": norm(),
+        "midlayer.hidden_norm.weight": norm(),
+        "midlayer.post_attention_layernorm.weight": norm(),
+        "norm.weight": norm(),
+        "lm_head.weight": rand(draft_vocab, hidden) * 3,
+        "d2t": hot - torch.arange(draft_vocab),
+        "t2d": t2d,
+    }
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+    save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(path, "model.safetensors"),
+              metadata={"format": "pt"})
+    return path

@@ -29,10 +29,10 @@ DISAGGREGATION_MODES = ("null", "prefill", "decode")
 # tcp: ZMQ between processes and machines; loopback: in-process (tests); fake: no prefill at all.
 DISAGGREGATION_TRANSFER_BACKENDS = ("tcp", "loopback", "fake")
 # --speculative-algorithm: what runs, and SGLang's names that are refused at start-up.
-SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE")
-UNSUPPORTED_SPECULATIVE_ALGORITHMS = ("EAGLE3", "NEXTN")
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
+UNSUPPORTED_SPECULATIVE_ALGORITHMS = ("NEXTN",)
 # The algorithms whose drafts come from a draft model (--speculative-draft-model-path).
-DRAFT_MODEL_ALGORITHMS = ("STANDALONE", "EAGLE")
+DRAFT_MODEL_ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3")
 # (num_steps, eagle_topk, num_draft_tokens) when none is given: SGLang's STANDALONE default (its
 # EAGLE default for Llama is (5, 4, 8), a tree this engine cannot verify).
 DEFAULT_DRAFT_MODEL_SPEC_PARAMS = (3, 1, 4)
@@ -211,11 +211,12 @@ class ServerArgs:
         "NGRAM: each decode step verifies tokens proposed by matching the request's latest tokens "
         "earlier in its prompt and output. STANDALONE: a smaller draft model "
         "(--speculative-draft-model-path, same tokenizer) proposes them. EAGLE: an EAGLE head "
-        "(LlamaForCausalLMEagle) proposes them from the target's hidden states. Exact in every case: "
-        "greedy output is unchanged, sampling keeps the target distribution. EAGLE3 and NEXTN are "
+        "(LlamaForCausalLMEagle) proposes them from the target's hidden states; EAGLE3: an EAGLE3 head "
+        "(LlamaForCausalLMEagle3) from three of the target's layers. Exact in every case: "
+        "greedy output is unchanged, sampling keeps the target distribution. NEXTN is "
         "refused (not supported yet)."))
-    speculative_draft_model_path: Optional[str] = arg(None, "STANDALONE, EAGLE: the draft model's (or EAGLE "
-                                                            "head's) directory.")
+    speculative_draft_model_path: Optional[str] = arg(None, "STANDALONE, EAGLE, EAGLE3: the draft model's (or "
+                                                            "EAGLE / EAGLE3 head's) directory.")
     speculative_num_steps: Optional[int] = arg(None, (
         "STANDALONE, EAGLE: draft forwards per verify step (the drafts of a chain). Default 3 (SGLang's "
         "default for STANDALONE), with --speculative-eagle-topk 1 and --speculative-num-draft-tokens 4."))
@@ -578,9 +579,8 @@ class ServerArgs:
             return
         if algo in UNSUPPORTED_SPECULATIVE_ALGORITHMS:
             raise ServerArgsError(
-                f"--speculative-algorithm {algo} is not supported yet: EAGLE3 heads read three of the target's "
-                "layers and map their own vocabulary, NEXTN layers are part of the target.\n"
-                "Use --speculative-algorithm EAGLE (an EAGLE-1/2 head), STANDALONE with a small draft model of "
+                f"--speculative-algorithm {algo} is not supported yet: NEXTN layers are part of the target.\n"
+                "Use --speculative-algorithm EAGLE or EAGLE3 (an EAGLE head), STANDALONE with a small draft model of "
                 "the same tokenizer "
                 "(--speculative-draft-model-path), NGRAM (drafts from the request's own tokens), or leave it unset.")
         need(algo in SPECULATIVE_ALGORITHMS,

@@ -58,7 +58,7 @@ def _harness(target: str, head: str = None, **kwargs) -> Harness:
     worker_args = ServerArgs(model_path=target, device="cpu", max_total_tokens=total,
                              page_size=kwargs.get("page_size", 1), max_running_requests=16)
     # Every batch verifies (the CPU default stops speculating past 4 requests).
-    spec = dict(speculative_algorithm="EAGLE", speculative_draft_model_path=head,
+    spec = dict(speculative_algorithm=kwargs.pop("speculative_algorithm", "EAGLE"), speculative_draft_model_path=head,
                 speculative_batch_size_threshold=1024) if head is not None else {}
     return Harness(worker=TpModelWorker(worker_args), tokenizer=_Tok(), max_total_tokens=total, **spec, **kwargs)
 
@@ -167,8 +167,11 @@ def test_refusals(random_pair, tmp_path):
     assert (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens) == (3, 1, 4)
     with pytest.raises(ServerArgsError, match="needs --speculative-draft-model-path"):
         ServerArgs(device="cpu", speculative_algorithm="EAGLE")
-    with pytest.raises(ServerArgsError, match="EAGLE3 is not supported yet"):
-        ServerArgs(device="cpu", speculative_algorithm="EAGLE3", speculative_draft_model_path=head)
+    with pytest.raises(ServerArgsError, match="NEXTN is not supported yet"):
+        ServerArgs(device="cpu", speculative_algorithm="NEXTN", speculative_draft_model_path=head)
+    # An EAGLE-1 head given to EAGLE3: refused when the scheduler builds the drafter.
+    with pytest.raises(ValueError, match="is not an EAGLE3 head"):
+        _harness(target, head, speculative_algorithm="EAGLE3")
     # A plain model given as the head: refused when the scheduler builds the drafter.
     with pytest.raises(ValueError, match="is not an EAGLE head"):
         _harness(target, target)

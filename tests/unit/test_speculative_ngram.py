@@ -215,7 +215,7 @@ def test_drafter_proposes_the_continuation_of_the_longest_latest_match():
 
 
 # ---------------------------------------------------------------------------------------- server args
-@pytest.mark.parametrize("algo", ["EAGLE3", "NEXTN"])
+@pytest.mark.parametrize("algo", ["NEXTN"])
 def test_draft_model_algorithms_are_refused_at_start_up(algo):
     with pytest.raises(ServerArgsError, match="not supported yet"):
         ServerArgs(device="cpu", speculative_algorithm=algo)

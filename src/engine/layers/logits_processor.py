@@ -36,6 +36,9 @@ class LogitsProcessorOutput:
     # return_hidden_states: the final (normed) hidden states of every extend position, or of every
     # decode row, [tokens, hidden]; None when no request of the batch asked for them.
     hidden_states: Optional[torch.Tensor] = None
+    # An EAGLE3 target's auxiliary hidden states (LlamaModel.set_aux_layers_to_capture), captured
+    # with hidden_states: [tokens, 3 * hidden]; None otherwise.
+    aux_hidden_states: Optional[torch.Tensor] = None
 
 
 # Input logprobs are computed this many positions at a time: one [positions, vocab] float32

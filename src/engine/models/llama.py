@@ -152,28 +152,54 @@ class LlamaModel(nn.Module):
         self.dense_layers: Optional[List[LlamaDecoderLayer]] = None if config.is_hybrid_swa else dense
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.native_decode = DecoderLayersCache()
+        # EAGLE3 (set_aux_layers_to_capture): the layers whose input a forward that captures hidden
+        # states also returns, sorted; len(layers) names the last layer's output (before the norm).
+        self.aux_layer_ids: Tuple[int, ...] = ()
+
+    def set_aux_layers_to_capture(self, layer_ids: Sequence[int]) -> None:
+        """Capture the inputs of these layers (SGLang's layers_to_capture: the output of layer i - 1)."""
+        n = len(self.decoder_layers)
+        if not layer_ids or any(not 0 <= i <= n for i in layer_ids):
+            raise ValueError(f"EAGLE3 auxiliary layers {list(layer_ids)}: each must be within 0..{n} "
+                             f"(the target has {n} layers)")
+        self.aux_layer_ids = tuple(sorted(layer_ids))
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: "ForwardBatch",
                 last_rows_only: bool = False) -> torch.Tensor:
         """last_rows_only: of an extend batch, return each request's last row only."""
+        return self.forward_with_aux(input_ids, positions, forward_batch, last_rows_only)[0]
+
+    def forward_with_aux(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: "ForwardBatch",
+                         last_rows_only: bool = False) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """forward, and the auxiliary hidden states concatenated ([tokens, len(aux_layer_ids) * hidden])
+        where aux layers are set and the batch captures hidden states (None otherwise)."""
+        capture = self.aux_layer_ids if forward_batch.capture_hidden_states else ()
         hidden_states = self.embed_tokens(input_ids)
-        native = (None if self.dense_layers is None
+        # The native chain runs every layer in one call: no layer's input to capture.
+        native = (None if self.dense_layers is None or capture
                   else self.native_decode.forward(self.dense_layers, hidden_states, positions, forward_batch))
         if native is not None:  # a CPU bf16 decode step: every layer in one native call, the same bits
             hidden_states, residual_stream = native
             hidden_states, _ = self.norm(hidden_states, residual_stream)
-            return hidden_states  # a decode batch: every row is a last row
+            return hidden_states, None  # a decode batch: every row is a last row
         residual = None
+        aux: List[torch.Tensor] = []
         last = len(self.decoder_layers) - 1
         for i, layer in enumerate(self.decoder_layers):
+            if i in capture:  # a layer's input is the residual stream: the add its input norm would fuse
+                aux.extend([hidden_states if residual is None else hidden_states + residual] * capture.count(i))
             hidden_states, residual = layer(positions, hidden_states, forward_batch, residual,
                                             last_rows_only and i == last)
+        if len(self.decoder_layers) in capture:
+            aux.extend([hidden_states if residual is None else hidden_states + residual]
+                       * capture.count(len(self.decoder_layers)))
+        aux_states = torch.cat(aux, dim=-1) if aux else None
         if residual is None:  # no layers
             if last_rows_only:
                 hidden_states = hidden_states.index_select(0, forward_batch.last_positions())
-            return self.norm(hidden_states)
+            return self.norm(hidden_states), aux_states
         hidden_states, _ = self.norm(hidden_states, residual)
-        return hidden_states
+        return hidden_states, aux_states
 
 
 class LlamaForCausalLM(nn.Module):
@@ -207,9 +233,11 @@ class LlamaForCausalLM(nn.Module):
         # Of an extend, only the rows the logits need go through the last layer past its K/V (a prefill of
         # N tokens skips N - 1 of them: about a tenth of an 8-layer model's prefill FLOPs).
         last_rows_only = self.logits_processor.last_rows_suffice(forward_batch)
-        hidden_states = self.model(input_ids, positions, forward_batch, last_rows_only)
-        return self.logits_processor(input_ids, hidden_states, self.lm_head, forward_batch,
-                                     pruned=last_rows_only)
+        hidden_states, aux = self.model.forward_with_aux(input_ids, positions, forward_batch, last_rows_only)
+        output = self.logits_processor(input_ids, hidden_states, self.lm_head, forward_batch,
+                                       pruned=last_rows_only)
+        output.aux_hidden_states = aux
+        return output
 
     def layer_factory(self, config: "ModelConfig", qkv_bias: bool, o_bias: bool,
                       qk_norm: bool) -> Optional[Callable[[int], nn.Module]]:

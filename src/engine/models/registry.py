@@ -19,6 +19,7 @@ _MODELS: Dict[str, Tuple[str, str]] = {
     "GptOssForCausalLM": ("engine.models.gpt_oss", "GptOssForCausalLM"),
     # EAGLE's draft head (speculative decoding: --speculative-algorithm EAGLE).
     "LlamaForCausalLMEagle": ("engine.models.llama_eagle", "LlamaForCausalLMEagle"),
+    "LlamaForCausalLMEagle3": ("engine.models.llama_eagle3", "LlamaForCausalLMEagle3"),
     # Mixture-of-experts decoders (models/sparse_moe.py).
     "MixtralForCausalLM": ("engine.models.mixtral", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("engine.models.qwen2_moe", "Qwen2MoeForCausalLM"),

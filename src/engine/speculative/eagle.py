@@ -43,12 +43,13 @@ if TYPE_CHECKING:
 class EagleDrafter:
     needs_target_hidden = True
 
-    def __init__(self, runner: ModelRunner, relay: torch.Tensor, hidden_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, runner: ModelRunner, relay: torch.Tensor, feature_size: int, dtype: torch.dtype) -> None:
+        """feature_size: the width of the target's feature (hidden; EAGLE3: 3 * hidden)."""
         self.runner = runner
         self.relay = relay  # the target's overlap relay: a plain decode step's input ids
         pool = runner.token_to_kv_pool
         # The target's feature at every slot (slot numbers are the target's).
-        self.features = torch.zeros(pool.size + pool.page_size, hidden_size, dtype=dtype, device=runner.device)
+        self.features = torch.zeros(pool.size + pool.page_size, feature_size, dtype=dtype, device=runner.device)
         self.req_to_token = runner.req_to_token_pool.req_to_token
         self.mirror_seconds = 0.0  # forward-thread time of the head's extends after plain forwards
 
@@ -65,8 +66,10 @@ class EagleDrafter:
         result = run_target(dataclasses.replace(worker_batch, capture_hidden_states=True))
         started = time.perf_counter()
         output: LogitsProcessorOutput = result.logits_output
-        assert output.hidden_states is not None  # captured above
-        self._store(worker_batch.out_cache_loc, output.hidden_states)
+        # An EAGLE3 target's features are its auxiliary hidden states (captured with the final ones).
+        features = output.aux_hidden_states if output.aux_hidden_states is not None else output.hidden_states
+        assert features is not None  # captured above
+        self._store(worker_batch.out_cache_loc, features)
         if worker_batch.forward_mode.is_decode():
             prefix = [n - 1 for n in worker_batch.seq_lens_cpu]
             extend = [1] * len(prefix)

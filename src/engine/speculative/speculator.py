@@ -192,7 +192,8 @@ class Speculator:
         drafted = time.perf_counter()
         wb = step.worker_batch
         output = self.worker.forward_batch_verify(wb)
-        step.target_hidden = output.hidden_states
+        # An EAGLE3 target's features are its auxiliary hidden states, an EAGLE target's its final ones.
+        step.target_hidden = output.aux_hidden_states if output.aux_hidden_states is not None else output.hidden_states
         assert wb.sampling_info is not None  # a generation batch always has one
         outcome = accept_drafts(output.next_token_logits, step.drafts, wb.sampling_info, step.draft_probs)
         step.outcome = outcome
@@ -228,27 +229,48 @@ def build_speculator(server_args: ServerArgs, worker: ModelWorker, tree_cache: B
     path = server_args.speculative_draft_model_path
     assert path is not None  # ServerArgs requires it for the draft-model algorithms
     runner = on_forward_thread(lambda: worker.make_draft_runner(path))
-    if algo == "EAGLE":
-        return Speculator(server_args, worker, tree_cache, _eagle_drafter(worker, runner, path))
+    if algo in ("EAGLE", "EAGLE3"):
+        return Speculator(server_args, worker, tree_cache, _eagle_drafter(worker, runner, path, algo == "EAGLE3"))
     from engine.speculative.draft_model import DraftModelDrafter
 
     return Speculator(server_args, worker, tree_cache, DraftModelDrafter(
         runner, worker.output_tokens_buf, server_args.speculative_batch_size_threshold))
 
 
-def _eagle_drafter(worker: TpModelWorker, runner: ModelRunner, path: str) -> Drafter:
-    """The EAGLE head of `runner`, sharing the target's embedding and lm_head."""
+def _eagle_drafter(worker: TpModelWorker, runner: ModelRunner, path: str, eagle3: bool) -> Drafter:
+    """The EAGLE (or EAGLE3) head of `runner`, sharing the target's embedding (and an EAGLE head the
+    lm_head); for EAGLE3 the target is set to capture the head's auxiliary layers."""
     from engine.models.llama import LlamaForCausalLM
     from engine.models.llama_eagle import LlamaForCausalLMEagle
+    from engine.models.llama_eagle3 import LlamaForCausalLMEagle3
     from engine.speculative.eagle import EagleDrafter
 
     head = runner.model
     target = worker.real_runner.model if worker.real_runner is not None else None
-    if not isinstance(head, LlamaForCausalLMEagle):
-        raise ValueError(f"--speculative-draft-model-path {path} is not an EAGLE head (config.json architectures "
-                         "LlamaForCausalLMEagle), which --speculative-algorithm EAGLE needs")
+    algo, arch = ("EAGLE3", "LlamaForCausalLMEagle3") if eagle3 else ("EAGLE", "LlamaForCausalLMEagle")
+    if not isinstance(head, LlamaForCausalLMEagle3 if eagle3 else LlamaForCausalLMEagle):
+        raise ValueError(f"--speculative-draft-model-path {path} is not an {algo} head (config.json architectures "
+                         f"{arch}), which --speculative-algorithm {algo} needs")
     if not isinstance(target, LlamaForCausalLM) or head.config.hidden_size != target.config.hidden_size:
-        raise ValueError(f"the EAGLE head {path} needs a Llama-family target of its hidden size "
+        raise ValueError(f"the {algo} head {path} needs a Llama-family target of its hidden size "
                          f"({head.config.hidden_size})")
     head.share_embed_and_head(target)
-    return EagleDrafter(runner, worker.output_tokens_buf, head.config.hidden_size, runner.dtype)
+    feature_size = head.config.hidden_size
+    if eagle3:
+        target.model.set_aux_layers_to_capture(eagle3_aux_layers(head.config.raw_config,
+                                                                 target.config.num_hidden_layers))
+        feature_size *= 3
+    return EagleDrafter(runner, worker.output_tokens_buf, feature_size, runner.dtype)
+
+
+def eagle3_aux_layers(head_config: Dict[str, Any], num_layers: int) -> List[int]:
+    """The target layers whose inputs an EAGLE3 head reads, as SGLang picks them: the head config's
+    eagle_config.eagle_aux_hidden_state_layer_ids name layer outputs (so each + 1 is a layer input);
+    without them, the inputs of layers 2, num_layers // 2 and num_layers - 3."""
+    eagle_config = head_config.get("eagle_config")
+    ids = eagle_config.get("eagle_aux_hidden_state_layer_ids") if isinstance(eagle_config, dict) else None
+    if ids is None:
+        return [2, num_layers // 2, num_layers - 3]
+    if not isinstance(ids, list) or len(ids) != 3 or not all(isinstance(i, int) for i in ids):
+        raise ValueError(f"EAGLE3 head: eagle_aux_hidden_state_layer_ids must be 3 layer ids, got {ids!r}")
+    return [i + 1 for i in ids]
