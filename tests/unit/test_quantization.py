@@ -239,3 +239,5 @@ def test_weight_updates_refused_on_a_quantized_model(tmp_path) -> None:
     assert not ok and "not supported yet with --quantization" in message
     assert torch.equal(runner.model.model.layers[0].self_attn.qkv_proj.packed_weight.qweight.view(torch.uint8),
                        before.view(torch.uint8))
+    values, message = runner.weight_updater.full_weight("model.layers.0.self_attn.q_proj.weight", 4)
+    assert values is None and "not supported yet with --quantization" in message

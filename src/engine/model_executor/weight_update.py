@@ -169,6 +169,8 @@ class WeightUpdater:
     def full_weight(self, name: str, truncate_size: int) -> Tuple[Optional[List[Any]], str]:
         """The first `truncate_size` rows of checkpoint weight `name`, unsharded (on TP rank 0;
         a collective: every rank calls it). (None, reason) for an unknown name."""
+        if self._refusal is not None:  # every rank of a quantized model returns here: no collective is left half-run
+            return None, "Reading weights by name is not supported yet with --quantization."
         target, shard, error = self._route_one(name)
         piece = None if target is None else local_piece(self.model, target, shard, truncate_size)
         pieces = gather_objects_to_rank0(piece)
