@@ -392,7 +392,7 @@ def build_eagle_head(path: str, target_path: str, seed: int = 0, identity: bool 
 
 
 def build_eagle3_head(path: str, target_path: str, seed: int = 0, draft_vocab_size: Optional[int] = None,
-                      aux_layer_ids: Optional[List[int]] = None) -> str:
+                      aux_layer_ids: Optional[List[int]] = None, repeat: bool = False) -> str:
     """A random EAGLE3 head for the Llama model in `target_path`, in EAGLE3's checkpoint format:
     config.json with architectures LlamaForCausalLMEagle3, one layer, draft_vocab_size and
     target_hidden_size (and eagle_config.eagle_aux_hidden_state_layer_ids when given: target layer
@@ -400,7 +400,12 @@ def build_eagle3_head(path: str, target_path: str, seed: int = 0, draft_vocab_si
     reading 2 * hidden, input_layernorm, hidden_norm, post_attention_layernorm, mlp), norm.weight,
     lm_head.weight [draft_vocab, hidden] and d2t (target id - draft id) over a random subset of the
     target's vocabulary, in random order; t2d (a boolean mask over the target's vocabulary) as well.
-    No embedding: the target's is shared."""
+    No embedding: the target's is shared.
+    `repeat`: fc passes the first of the three states through, the layer adds nothing (o_proj and
+    down_proj zero), the final norm is all ones and lm_head's row of each draft id is the target's
+    embedding of its target id (d2t): fed a feature embed(t) (a 1-layer target's layer input at t),
+    the head predicts t again and feeds embed(t) on, so it predicts exactly what a target that
+    repeats its last token predicts (utils: repeat_target)."""
     import json
     import os
 
@@ -445,9 +450,46 @@ def build_eagle3_head(path: str, target_path: str, seed: int = 0, draft_vocab_si
         "d2t": hot - torch.arange(draft_vocab),
         "t2d": t2d,
     }
+    if repeat:
+        from safetensors.torch import load_file
+
+        embed = load_file(os.path.join(target_path, "model.safetensors"))["model.embed_tokens.weight"]
+        weights["fc.weight"] = torch.cat([torch.eye(hidden), torch.zeros(hidden, 2 * hidden)], dim=1)
+        weights["midlayer.self_attn.o_proj.weight"] = torch.zeros(hidden, q_out)
+        weights["midlayer.mlp.down_proj.weight"] = torch.zeros(hidden, inter)
+        weights["norm.weight"] = torch.ones(hidden)
+        weights["lm_head.weight"] = embed[hot].float()
     os.makedirs(path, exist_ok=True)
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(config, f)
     save_file({k: v.contiguous() for k, v in weights.items()}, os.path.join(path, "model.safetensors"),
               metadata={"format": "pt"})
+    return path
+
+
+def repeat_target(path: str, seed: int = 0, vocab_size: int = 2560) -> str:
+    """A 1-layer random Llama that always predicts its last token: the layer adds nothing (o_proj and
+    down_proj zero), the final norm is all ones and lm_head is the embedding with rows of norm 1, so
+    the logit of s at token t is |e_t| cos(e_s, e_t) / rms(e_t), largest at s = t (the embeddings are
+    distinct)."""
+    import json
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    build_tiny_model(path, seed=seed, vocab_size=vocab_size, max_position_embeddings=2048, num_hidden_layers=1)
+    file = os.path.join(path, "model.safetensors")
+    weights = load_file(file)
+    for name in weights:
+        if "o_proj" in name or "down_proj" in name:
+            weights[name] = torch.zeros_like(weights[name])
+    weights["model.norm.weight"] = torch.ones_like(weights["model.norm.weight"])
+    embed = weights["model.embed_tokens.weight"]
+    embed = embed / embed.norm(dim=-1, keepdim=True)
+    weights["model.embed_tokens.weight"] = embed
+    with open(os.path.join(path, "config.json")) as f:
+        tied = json.load(f).get("tie_word_embeddings", False)
+    if not tied:
+        weights["lm_head.weight"] = embed.clone()
+    save_file({k: v.contiguous() for k, v in weights.items()}, file, metadata={"format": "pt"})
     return path

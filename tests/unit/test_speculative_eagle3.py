@@ -15,7 +15,7 @@ import torch
 
 from sched_utils import Harness
 from test_speculative_ngram import VOCAB, _chi2, _chi2_bound, _prompts, _Tok
-from utils_models import build_eagle3_head, build_tiny_model
+from utils_models import build_eagle3_head, build_tiny_model, repeat_target
 
 from engine.server_args import ServerArgs
 
@@ -64,6 +64,29 @@ CONFIGS = {
     "page16-chunked": dict(page_size=16, chunked_prefill_size=16),
     "retract": dict(max_total_tokens=160),
 }
+
+
+@pytest.fixture(scope="module")
+def repeat_pair(tmp_path_factory):
+    """A 1-layer target that repeats its last token, and a head over its whole vocabulary in a random
+    order (d2t a permutation) that predicts what the target predicts: the layer input the target
+    captures (outputs of layer -1: the embeddings) is embed(last token) at every position."""
+    target = repeat_target(str(tmp_path_factory.mktemp("eagle3_repeat_target")), seed=4, vocab_size=VOCAB)
+    head = build_eagle3_head(str(tmp_path_factory.mktemp("eagle3_repeat_head")), target, seed=6,
+                             draft_vocab_size=VOCAB, aux_layer_ids=[-1, -1, -1], repeat=True)
+    return target, head
+
+
+@pytest.mark.parametrize("name", ["default", "page16", "chunked-mixed"])
+def test_repeat_head_has_every_draft_accepted(repeat_pair, name):
+    target, head = repeat_pair
+    prompts = _prompts()
+    _, plain = _run(target, None, prompts, **CONFIGS[name])
+    assert all(out == [p[-1]] * N_NEW for p, out in zip(prompts, plain))  # the target repeats
+    h, spec = _run(target, head, prompts, **CONFIGS[name])
+    assert spec == plain
+    state = h.scheduler.internal_state()
+    assert state["spec_accepted_tokens"] == state["spec_draft_tokens"] > 0, state
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
