@@ -22,7 +22,7 @@ from engine.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from engine.kernels import linear as linear_kernels
-from engine.layers.quantization import QuantizedWeight, quantized_linear
+from engine.layers.quantization import QuantizedWeight, quantize_weight, quantized_linear
 from engine.model_loader.weight_utils import set_weight_loader
 
 if TYPE_CHECKING:
@@ -262,3 +262,23 @@ class RowParallelLinear(nn.Module):
             out = out + self.bias
         return out
 
+
+def quantize_model(model: nn.Module, method: str) -> int:
+    """Quantize every column- and row-parallel linear of a loaded model in place; the number done.
+
+    Each layer's full-precision weight is released (its parameter keeps shape [0]): the quantized
+    copy is the only one, so the model's weights take about half the memory of bf16's."""
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
+            continue
+        module.packed_weight = quantize_weight(module.weight.data, method)
+        module.weight.data = torch.empty(0, dtype=module.weight.dtype, device=module.weight.device)
+        count += 1
+    return count
+
+
+def is_quantized(model: nn.Module) -> bool:
+    """Whether quantize_model quantized this model's linears."""
+    return any(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and isinstance(m.packed_weight, QuantizedWeight)
+               for m in model.modules())

@@ -116,24 +116,6 @@ def quantized_linear(x: torch.Tensor, qw: QuantizedWeight, bias: Optional[torch.
     return F.linear(x, qw.dequantize(x.dtype), None if bias is None else bias.to(x.dtype))
 
 
-def quantize_model(model: nn.Module, method: str) -> int:
-    """Quantize every column- and row-parallel linear of a loaded model in place; the number done.
-
-    Each layer's full-precision weight is released (its parameter keeps shape [0]): the quantized
-    copy is the only one, so the model's weights take about half the memory of bf16's. (Imported here:
-    layers/linear.py imports this module for QuantizedWeight.)"""
-    from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
-
-    count = 0
-    for module in model.modules():
-        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
-            continue
-        module.packed_weight = quantize_weight(module.weight.data, method)
-        module.weight.data = torch.empty(0, dtype=module.weight.dtype, device=module.weight.device)
-        count += 1
-    return count
-
-
 def check_checkpoint(raw_config: Dict[str, object], method: Optional[str]) -> None:
     """Refuse, before any weight is read, a checkpoint whose config.json says it is already quantized:
     its tensors (int8/fp8 weights with scales, packed 4-bit) cannot be loaded into the model's layers
@@ -146,11 +128,3 @@ def check_checkpoint(raw_config: Dict[str, object], method: Optional[str]) -> No
     raise ValueError(f"the checkpoint is pre-quantized (quantization_config.quant_method {found!r}); loading "
                      f"pre-quantized checkpoints is not supported yet{flag}. Serve its bf16/fp16/fp32 weights, "
                      f"optionally with --quantization {' or '.join(ONLINE_METHODS)}")
-
-
-def is_quantized(model: nn.Module) -> bool:
-    """Whether quantize_model quantized this model's linears."""
-    from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
-
-    return any(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and isinstance(m.packed_weight, QuantizedWeight)
-               for m in model.modules())

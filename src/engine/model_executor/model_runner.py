@@ -18,7 +18,8 @@ from engine.distributed.parallel_state import (
 )
 from engine.kernels import ops as kernel_ops
 from engine.layers.attention import create_attention_backend
-from engine.layers import quantization
+from engine.layers.linear import quantize_model
+from engine.layers.quantization import check_checkpoint
 from engine.layers.logits_processor import LogitsProcessorOutput
 from engine.layers.pooler import EmbeddingPoolerOutput
 from engine.layers.radix_attention import RadixAttention
@@ -91,11 +92,11 @@ class ModelRunner:
         self.dtype = model_config.dtype
         torch.manual_seed(server_args.random_seed)
 
-        quantization.check_checkpoint(model_config.raw_config, server_args.quantization)
+        check_checkpoint(model_config.raw_config, server_args.quantization)
         self.model = get_model(model_config, self.device, self.dtype)
         if server_args.quantization is not None:
             # Before packing: a quantized layer's weight is its QuantizedWeight, nothing is packed for it.
-            done = quantization.quantize_model(self.model, server_args.quantization)
+            done = quantize_model(self.model, server_args.quantization)
             logger.info("Quantized %d linear weights (%s, per output channel)", done, server_args.quantization)
         if self.device == "cpu":
             from engine.layers.linear import prepack_linear_weights

@@ -28,10 +28,10 @@ from engine.layers.linear import (
     MergedColumnParallelLinear,
     QKVParallelLinear,
     RowParallelLinear,
+    is_quantized,
     prepack_linear_weights,
 )
 from engine.layers.moe.layer import FusedMoE, StackedExpertWeight
-from engine.layers.quantization import is_quantized
 from engine.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from engine.model_loader.weight_utils import ShardId, route_weight_names, safetensors_weights_iterator
 
