@@ -97,6 +97,16 @@ class ServerProcess:
                     pass
 
 
+def post_greedy(url: str, input_ids, max_new_tokens: int, **extra):
+    """POST /generate of token ids (one prompt or a batch), greedy, exactly max_new_tokens each;
+    `extra` goes into the body (lora_path, ...). The response, unchecked."""
+    import httpx
+
+    body = {"input_ids": input_ids, **extra,
+            "sampling_params": {"temperature": 0, "max_new_tokens": max_new_tokens, "ignore_eos": True}}
+    return httpx.post(f"{url}/generate", json=body, timeout=120)
+
+
 def start_server_process(extra_args: Sequence[str] = (), wait: bool = True,
                          own_process_group: bool = False, port: Optional[int] = None,
                          env: Optional[dict] = None) -> ServerProcess:

@@ -12,7 +12,7 @@ import torch
 
 pytest.importorskip("peft", reason="peft is the oracle of the LoRA tests (pip install peft)")
 
-from conftest import ServerProcess, start_server_process  # noqa: E402
+from conftest import post_greedy, start_server_process  # noqa: E402
 from lora_utils import ALL_MODULES, build_adapters, peft_greedy  # noqa: E402
 from utils_models import hf_greedy  # noqa: E402
 
@@ -46,9 +46,7 @@ def setup(tmp_path_factory):
 
 
 def _generate(url: str, input_ids, lora_path, **extra):
-    body = {"input_ids": input_ids, "lora_path": lora_path,
-            "sampling_params": {"temperature": 0, "max_new_tokens": N_NEW, "ignore_eos": True}, **extra}
-    return httpx.post(f"{url}/generate", json=body, timeout=120)
+    return post_greedy(url, input_ids, N_NEW, lora_path=lora_path, **extra)
 
 
 def test_batch_with_an_adapter_per_prompt_equals_peft(setup):

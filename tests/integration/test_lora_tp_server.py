@@ -9,7 +9,7 @@ import torch
 
 pytest.importorskip("peft", reason="peft is the oracle of the LoRA tests (pip install peft)")
 
-from conftest import start_server_process  # noqa: E402
+from conftest import post_greedy, start_server_process  # noqa: E402
 from lora_utils import ALL_MODULES, build_adapters, peft_greedy  # noqa: E402
 
 pytestmark = pytest.mark.slow  # starts a server with two TP ranks
@@ -38,9 +38,7 @@ def setup(tmp_path_factory):
 
 
 def _generate(url, lora):
-    body = {"input_ids": PROMPTS, "lora_path": lora,
-            "sampling_params": {"temperature": 0, "max_new_tokens": N_NEW, "ignore_eos": True}}
-    return [o["output_ids"] for o in httpx.post(f"{url}/generate", json=body, timeout=120).json()]
+    return [o["output_ids"] for o in post_greedy(url, PROMPTS, N_NEW, lora_path=lora).json()]
 
 
 def test_tp2_server_serves_loads_and_unloads(setup):

@@ -8,7 +8,7 @@ import httpx
 import pytest
 import torch
 
-from conftest import start_server_process
+from conftest import post_greedy, start_server_process
 
 pytestmark = pytest.mark.slow  # starts a server (processes)
 
@@ -53,8 +53,7 @@ def quant_server():
 
 
 def _generate(url: str, prompt):
-    body = {"input_ids": prompt, "sampling_params": {"temperature": 0, "max_new_tokens": N_NEW, "ignore_eos": True}}
-    return httpx.post(f"{url}/generate", json=body, timeout=120).json()
+    return post_greedy(url, prompt, N_NEW).json()
 
 
 def test_greedy_equals_dequantized_transformers(quant_server):
