@@ -84,6 +84,7 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.slow  # in the full suite; the fast lane keeps the cheaper cases
 def test_draft_equal_to_target_accepts_every_draft(tiny, name):
     """The draft is the target itself: it proposes the target's own greedy tokens only if its K/V
     are the target's at every position, so every draft of every verify step must be accepted
@@ -113,6 +114,7 @@ def test_small_random_draft_keeps_greedy_outputs(tiny, small_draft, name):
     assert state["spec_accepted_tokens"] < state["spec_draft_tokens"]  # a poor draft: rejections happen
 
 
+@pytest.mark.slow  # in the full suite; the fast lane keeps the cheaper cases
 def test_retraction_keeps_outputs_and_frees_both_pools(tiny, small_draft, caplog):
     gen = torch.Generator().manual_seed(9)
     prompts = [torch.randint(0, VOCAB, (12,), generator=gen).tolist() for _ in range(8)]
@@ -318,6 +320,7 @@ def test_draft_with_another_vocabulary_is_refused(tiny, tmp_path):
 # ---------------------------------------------------------------------------------------- sampling
 @pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_k=4),
                                     dict(temperature=1.3, top_p=0.8)])
+@pytest.mark.slow  # in the full suite; the fast lane keeps the cheaper cases
 def test_rejection_sampling_with_draft_probabilities_keeps_the_target_distribution(params):
     """Two drafts per request drawn from a draft distribution q unlike p: the first emitted token is
     distributed as p0 (accepted with min(1, p0/q0), else drawn from max(p0 - q0, 0)), and after an

@@ -90,6 +90,7 @@ def test_repeat_head_has_every_draft_accepted(repeat_pair, name):
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.slow  # in the full suite; the fast lane keeps the cheaper cases
 def test_random_head_keeps_greedy_outputs(random_pair, name):
     target, head, _ = random_pair
     prompts = _prompts()

@@ -100,6 +100,7 @@ def test_greedy_outputs_equal_without_speculation(tiny, name):
         assert state["spec_accepted_tokens"] > 0
 
 
+@pytest.mark.slow  # in the full suite; the fast lane keeps the cheaper cases
 def test_retraction_with_speculation_keeps_outputs(tiny, caplog):
     """A pool too small for eight requests at once: requests are retracted (their KV, drafts
     included, freed) and re-prefilled later, with the same greedy outputs."""
@@ -276,6 +277,7 @@ def _sampling_info(n: int, vocab: int, **params):
 
 @pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_k=4),
                                     dict(temperature=1.3, top_p=0.8)])
+@pytest.mark.slow  # in the full suite; the fast lane keeps the cheaper cases
 def test_rejection_sampling_keeps_the_target_distribution(params):
     """One draft per request, 20000 requests: the first token is distributed as p0 whatever the
     draft (accepted with p0(d), else drawn from p0 without d), the second, after an accepted

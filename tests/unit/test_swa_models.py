@@ -85,6 +85,7 @@ CONFIGS = {
 
 
 @pytest.mark.parametrize("config", list(CONFIGS))
+@pytest.mark.slow  # in the full suite; the fast lane keeps the cheaper cases
 def test_scheduler_greedy_equals_transformers(swa_model, config):
     from engine.scheduler.tp_worker import TpModelWorker
 
@@ -173,6 +174,7 @@ HYBRID = dict(disable_radix_cache=True, chunked_prefill_size=32, max_prefill_tok
 
 
 @pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.slow  # in the full suite; the fast lane keeps the cheaper cases
 def test_hybrid_pool_bounds_windowed_kv_and_keeps_outputs(swa_model, overlap):
     """Without the radix cache the windowed layers get their own pool (mem_cache/swa_pool.py): tokens that
     left the window are released while the requests run, so that pool never holds more than the
@@ -216,6 +218,7 @@ def test_hybrid_pool_only_where_nothing_reads_windowed_kv_by_full_slot(swa_model
 
 
 @pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.slow  # in the full suite; the fast lane keeps the cheaper cases
 def test_hybrid_pool_retraction_continues_exactly(swa_model, overlap):
     """Retraction with the hybrid pool (every request, mid-prefill and mid-decode, as the control plane
     retracts): their slots go back to both pools through the one release path, they are prefilled again
