@@ -66,10 +66,10 @@ class NgramDrafter:
                 for req, budget in zip(batch.reqs, budgets)]
 
     def draft(self, step: VerifyStep) -> None:
-        pass  # proposed on the scheduling thread
+        """Nothing to do: `propose` drafted on the scheduling thread."""
 
     def after_verify(self, step: VerifyStep) -> None:
-        pass
+        """Nothing to do: the drafter keeps no state between steps."""
 
     needs_target_hidden = False
 
