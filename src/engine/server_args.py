@@ -28,21 +28,6 @@ TOOL_CALL_PARSERS = ("llama3", "qwen25", "qwen", "hermes", "mistral", "pythonic"
 DISAGGREGATION_MODES = ("null", "prefill", "decode")
 # tcp: ZMQ between processes and machines; loopback: in-process (tests); fake: no prefill at all.
 DISAGGREGATION_TRANSFER_BACKENDS = ("tcp", "loopback", "fake")
-# --speculative-algorithm: what runs, and SGLang's names that are refused at start-up.
-SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
-UNSUPPORTED_SPECULATIVE_ALGORITHMS = ("NEXTN",)
-# The algorithms whose drafts come from a draft model (--speculative-draft-model-path).
-DRAFT_MODEL_ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3")
-# (num_steps, eagle_topk, num_draft_tokens) when none is given: SGLang's STANDALONE default (its
-# EAGLE default for Llama is (5, 4, 8), a tree this engine cannot verify).
-DEFAULT_DRAFT_MODEL_SPEC_PARAMS = (3, 1, 4)
-# --speculative-batch-size-threshold's default on the CPU: past 4 requests a verify forward costs more
-# than the tokens it typically adds (benchmarks/bench_speculative.py --verify-cost, docs/benchmarks.md:
-# with 11 drafts x2.9 a decode forward at 4 requests, x4.2 at 8, x5.5 at 16).
-CPU_SPECULATIVE_BATCH_SIZE_THRESHOLD = 4
-# The most tokens one verify step checks per request, and the longest n-gram window (bounds the
-# verify forward and the drafter's search).
-MAX_SPECULATIVE_TOKENS = 64
 # --max-queued-requests when not given (docs/security.md).
 DEFAULT_MAX_QUEUED_REQUESTS = 4096
 
@@ -463,7 +448,10 @@ class ServerArgs:
              "--enable-mixed-chunk and --disable-mixed-chunk contradict each other")
         self._check_disaggregation(need)
         self._check_simulated_device(need)
-        self._check_speculative(need)
+        if self.speculative_algorithm is not None:
+            from engine.speculative.server_args_check import check_speculative_server_args
+
+            check_speculative_server_args(self, need)
         self._check_lora(need)
 
     def _warn_open_pd_planes(self) -> None:
@@ -509,31 +497,6 @@ class ServerArgs:
             need(not (self.disaggregation_mode == "prefill" and self.port == self.disaggregation_bootstrap_port),
                  "--disaggregation-bootstrap-port must differ from --port")
 
-    def _check_draft_model_params(self, need: Any) -> None:
-        """SGLang's rules: all three of steps / topk / draft tokens default together; a chain
-        (topk 1) verifies num_steps + 1 tokens."""
-        algo = self.speculative_algorithm
-        need(self.speculative_draft_model_path is not None,
-             f"--speculative-algorithm {algo} needs --speculative-draft-model-path (the draft model's directory)")
-        if self.speculative_num_steps is None:
-            need(self.speculative_eagle_topk is None and self.speculative_num_draft_tokens is None,
-                 "--speculative-eagle-topk and --speculative-num-draft-tokens need --speculative-num-steps "
-                 "(leave all three unset for the defaults 3, 1, 4)")
-            (self.speculative_num_steps, self.speculative_eagle_topk,
-             self.speculative_num_draft_tokens) = DEFAULT_DRAFT_MODEL_SPEC_PARAMS
-        if self.speculative_eagle_topk is None:
-            self.speculative_eagle_topk = 1
-        need(1 <= self.speculative_num_steps < MAX_SPECULATIVE_TOKENS,
-             f"--speculative-num-steps must be in [1, {MAX_SPECULATIVE_TOKENS - 1}], got {self.speculative_num_steps}")
-        need(self.speculative_eagle_topk == 1,
-             f"--speculative-eagle-topk {self.speculative_eagle_topk} is not supported yet: only 1 (chain drafts); "
-             "tree drafts (topk > 1) need tree verification, which this engine does not have")
-        if self.speculative_num_draft_tokens != self.speculative_num_steps + 1:
-            if self.speculative_num_draft_tokens is not None:
-                logger.warning("--speculative-num-draft-tokens is set to --speculative-num-steps + 1 = %d "
-                               "with --speculative-eagle-topk 1", self.speculative_num_steps + 1)
-            self.speculative_num_draft_tokens = self.speculative_num_steps + 1
-
     def _check_custom_labels(self, need: Any) -> None:
         from engine.tokenizer.metrics import custom_label_names_error
 
@@ -572,52 +535,6 @@ class ServerArgs:
         from engine.lora.lora_config import check_lora_server_args
 
         check_lora_server_args(self, need)
-
-    def _check_speculative(self, need: Any) -> None:
-        algo = self.speculative_algorithm
-        if algo is None:
-            return
-        if algo in UNSUPPORTED_SPECULATIVE_ALGORITHMS:
-            raise ServerArgsError(
-                f"--speculative-algorithm {algo} is not supported yet: NEXTN layers are part of the target.\n"
-                "Use --speculative-algorithm EAGLE or EAGLE3 (an EAGLE head), STANDALONE with a small draft model of "
-                "the same tokenizer "
-                "(--speculative-draft-model-path), NGRAM (drafts from the request's own tokens), or leave it unset.")
-        need(algo in SPECULATIVE_ALGORITHMS,
-             f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}, got {algo!r}")
-        need(self.speculative_batch_size_threshold is None or self.speculative_batch_size_threshold >= 1,
-             f"--speculative-batch-size-threshold must be >= 1, got {self.speculative_batch_size_threshold}")
-        if self.speculative_batch_size_threshold is None and self.device == "cpu":
-            self.speculative_batch_size_threshold = CPU_SPECULATIVE_BATCH_SIZE_THRESHOLD
-        if algo in DRAFT_MODEL_ALGORITHMS:
-            self._check_draft_model_params(need)
-        else:
-            lo, hi = self.speculative_ngram_min_match_window_size, self.speculative_ngram_max_match_window_size
-            need(1 <= lo <= hi <= MAX_SPECULATIVE_TOKENS,
-                 "--speculative-ngram-min-match-window-size and --speculative-ngram-max-match-window-size must "
-                 f"satisfy 1 <= min <= max <= {MAX_SPECULATIVE_TOKENS}, got {lo} and {hi}")
-            if self.speculative_num_draft_tokens is None:
-                self.speculative_num_draft_tokens = hi  # SGLang's NGRAM default
-        assert self.speculative_num_draft_tokens is not None  # set by both branches
-        need(2 <= self.speculative_num_draft_tokens <= MAX_SPECULATIVE_TOKENS,
-             f"--speculative-num-draft-tokens must be in [2, {MAX_SPECULATIVE_TOKENS}] (the last token plus at least "
-             f"one draft), got {self.speculative_num_draft_tokens}")
-        # What the verify step does not handle yet: refused, never silently inexact.
-        need(self.tp_size == 1 and self.nnodes == 1, f"--speculative-algorithm {algo} runs with --tp-size 1 only "
-                                                     "(not supported yet with tensor parallelism)")
-        need(self.disaggregation_mode == "null", f"--speculative-algorithm {algo} is not supported yet with "
-                                                 "--disaggregation-mode prefill|decode")
-        need(not (self.enable_lora or self.lora_paths),
-             f"--speculative-algorithm {algo} is not supported yet with LoRA adapters (--enable-lora, "
-             "--lora-paths): the verify and draft forwards do not apply them")
-        need(self.simulated_device_forward_ms is None and not self.is_embedding,
-             f"--speculative-algorithm {algo} needs a generative model: not with --simulated-device-forward-ms "
-             "or --is-embedding")
-        if not self.disable_overlap_schedule:
-            # As SGLang: the verify step needs the previous step's tokens to draft, so it runs in the
-            # normal loop.
-            logger.warning("--speculative-algorithm %s: the overlap scheduler is disabled.", algo)
-            self.disable_overlap_schedule = True
 
     def simulated_device_cost(self) -> Optional[tuple[float, float]]:
         """(ms per forward, ms per token) of --simulated-device-forward-ms, or None when it is off."""

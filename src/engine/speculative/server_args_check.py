@@ -1,0 +1,121 @@
+"""The start-up checks and defaults of --speculative-algorithm and its flags (ServerArgs.check
+calls `check_speculative_server_args`; kept here so the flag rules live beside the engine they
+configure)."""
+
+from __future__ import annotations
+
+import logging
+from typing import Callable, List, Optional, Protocol
+
+logger = logging.getLogger(__name__)
+
+# --speculative-algorithm: what runs, and SGLang's names that are refused at start-up.
+SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
+UNSUPPORTED_SPECULATIVE_ALGORITHMS = ("NEXTN",)
+# The algorithms whose drafts come from a draft model (--speculative-draft-model-path).
+DRAFT_MODEL_ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3")
+# (num_steps, eagle_topk, num_draft_tokens) when none is given: SGLang's STANDALONE default (its
+# EAGLE default for Llama is (5, 4, 8), a tree this engine cannot verify).
+DEFAULT_DRAFT_MODEL_SPEC_PARAMS = (3, 1, 4)
+# --speculative-batch-size-threshold's default on the CPU: past 4 requests a verify forward costs more
+# than the tokens it typically adds (benchmarks/bench_speculative.py --verify-cost, docs/benchmarks.md:
+# with 11 drafts x2.9 a decode forward at 4 requests, x4.2 at 8, x5.5 at 16).
+CPU_SPECULATIVE_BATCH_SIZE_THRESHOLD = 4
+# The most tokens one verify step checks per request, and the longest n-gram window (bounds the
+# verify forward and the drafter's search).
+MAX_SPECULATIVE_TOKENS = 64
+
+
+class SpeculativeFlags(Protocol):
+    """The ServerArgs fields the check reads and completes (a protocol: server_args.py imports
+    this module, not the other way round)."""
+
+    speculative_algorithm: Optional[str]
+    speculative_draft_model_path: Optional[str]
+    speculative_num_steps: Optional[int]
+    speculative_eagle_topk: Optional[int]
+    speculative_num_draft_tokens: Optional[int]
+    speculative_ngram_min_match_window_size: int
+    speculative_ngram_max_match_window_size: int
+    speculative_batch_size_threshold: Optional[int]
+    device: str
+    tp_size: int
+    nnodes: int
+    disaggregation_mode: str
+    enable_lora: bool
+    lora_paths: Optional[List[str]]
+    simulated_device_forward_ms: Optional[str]
+    is_embedding: bool
+    disable_overlap_schedule: bool
+
+
+def check_speculative_server_args(args: SpeculativeFlags, need: Callable[[bool, str], None]) -> None:
+    algo = args.speculative_algorithm
+    assert algo is not None  # ServerArgs calls this only with an algorithm
+    if algo in UNSUPPORTED_SPECULATIVE_ALGORITHMS:
+        need(False,
+             f"--speculative-algorithm {algo} is not supported yet: NEXTN layers are part of the target.\n"
+             "Use --speculative-algorithm EAGLE or EAGLE3 (an EAGLE head), STANDALONE with a small draft model of "
+             "the same tokenizer (--speculative-draft-model-path), NGRAM (drafts from the request's own tokens), "
+             "or leave it unset.")
+    need(algo in SPECULATIVE_ALGORITHMS,
+         f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}, got {algo!r}")
+    need(args.speculative_batch_size_threshold is None or args.speculative_batch_size_threshold >= 1,
+         f"--speculative-batch-size-threshold must be >= 1, got {args.speculative_batch_size_threshold}")
+    if args.speculative_batch_size_threshold is None and args.device == "cpu":
+        args.speculative_batch_size_threshold = CPU_SPECULATIVE_BATCH_SIZE_THRESHOLD
+    if algo in DRAFT_MODEL_ALGORITHMS:
+        _check_draft_model_params(args, need)
+    else:
+        lo, hi = args.speculative_ngram_min_match_window_size, args.speculative_ngram_max_match_window_size
+        need(1 <= lo <= hi <= MAX_SPECULATIVE_TOKENS,
+             "--speculative-ngram-min-match-window-size and --speculative-ngram-max-match-window-size must "
+             f"satisfy 1 <= min <= max <= {MAX_SPECULATIVE_TOKENS}, got {lo} and {hi}")
+        if args.speculative_num_draft_tokens is None:
+            args.speculative_num_draft_tokens = hi  # SGLang's NGRAM default
+    assert args.speculative_num_draft_tokens is not None  # set by both branches
+    need(2 <= args.speculative_num_draft_tokens <= MAX_SPECULATIVE_TOKENS,
+         f"--speculative-num-draft-tokens must be in [2, {MAX_SPECULATIVE_TOKENS}] (the last token plus at least "
+         f"one draft), got {args.speculative_num_draft_tokens}")
+    # What the verify step does not handle yet: refused, never silently inexact.
+    need(args.tp_size == 1 and args.nnodes == 1, f"--speculative-algorithm {algo} runs with --tp-size 1 only "
+                                                 "(not supported yet with tensor parallelism)")
+    need(args.disaggregation_mode == "null", f"--speculative-algorithm {algo} is not supported yet with "
+                                             "--disaggregation-mode prefill|decode")
+    need(not (args.enable_lora or args.lora_paths),
+         f"--speculative-algorithm {algo} is not supported yet with LoRA adapters (--enable-lora, "
+         "--lora-paths): the verify and draft forwards do not apply them")
+    need(args.simulated_device_forward_ms is None and not args.is_embedding,
+         f"--speculative-algorithm {algo} needs a generative model: not with --simulated-device-forward-ms "
+         "or --is-embedding")
+    if not args.disable_overlap_schedule:
+        # As SGLang: the verify step needs the previous step's tokens to draft, so it runs in the
+        # normal loop.
+        logger.warning("--speculative-algorithm %s: the overlap scheduler is disabled.", algo)
+        args.disable_overlap_schedule = True
+
+
+def _check_draft_model_params(args: SpeculativeFlags, need: Callable[[bool, str], None]) -> None:
+    """SGLang's rules: all three of steps / topk / draft tokens default together; a chain
+    (topk 1) verifies num_steps + 1 tokens."""
+    algo = args.speculative_algorithm
+    need(args.speculative_draft_model_path is not None,
+         f"--speculative-algorithm {algo} needs --speculative-draft-model-path (the draft model's directory)")
+    if args.speculative_num_steps is None:
+        need(args.speculative_eagle_topk is None and args.speculative_num_draft_tokens is None,
+             "--speculative-eagle-topk and --speculative-num-draft-tokens need --speculative-num-steps "
+             "(leave all three unset for the defaults 3, 1, 4)")
+        (args.speculative_num_steps, args.speculative_eagle_topk,
+         args.speculative_num_draft_tokens) = DEFAULT_DRAFT_MODEL_SPEC_PARAMS
+    if args.speculative_eagle_topk is None:
+        args.speculative_eagle_topk = 1
+    need(1 <= args.speculative_num_steps < MAX_SPECULATIVE_TOKENS,
+         f"--speculative-num-steps must be in [1, {MAX_SPECULATIVE_TOKENS - 1}], got {args.speculative_num_steps}")
+    need(args.speculative_eagle_topk == 1,
+         f"--speculative-eagle-topk {args.speculative_eagle_topk} is not supported yet: only 1 (chain drafts); "
+         "tree drafts (topk > 1) need tree verification, which this engine does not have")
+    if args.speculative_num_draft_tokens != args.speculative_num_steps + 1:
+        if args.speculative_num_draft_tokens is not None:
+            logger.warning("--speculative-num-draft-tokens is set to --speculative-num-steps + 1 = %d "
+                           "with --speculative-eagle-topk 1", args.speculative_num_steps + 1)
+        args.speculative_num_draft_tokens = args.speculative_num_steps + 1
