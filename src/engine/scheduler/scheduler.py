@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
 
 from engine.constrained.grammar_manager import server_grammar_manager
@@ -98,10 +98,7 @@ class Scheduler:
         if worker is None:
             from engine.scheduler.tp_worker import TpModelWorker
 
-            def build() -> Any:
-                return TpModelWorker(server_args, gpu_id=gpu_id, tp_rank=tp_rank)
-
-            worker = build() if self.forward_stream.is_cuda else self.forward_stream.call(build)
+            worker = self._on_forward_thread(lambda: TpModelWorker(server_args, gpu_id=gpu_id, tp_rank=tp_rank))
         self.worker = worker
         info = worker.get_worker_info()
         self.max_total_num_tokens: int = info["max_total_num_tokens"]
@@ -333,15 +330,20 @@ class Scheduler:
         for req in victims:
             self.admission.enqueue(req, is_retracted=True)
 
-    def live_requests(self) -> int:
-        reqs = {id(r): r for r in self.running.reqs}
+    def _batched_reqs(self, waiting: bool = False) -> List[Req]:
+        """Each request of the running batch, the last batch and the chunked prefill once (and of
+        the waiting queue with `waiting`)."""
+        reqs = {id(r): r for r in [*(self.waiting if waiting else ()), *self.running.reqs]}
         if self.last_batch is not None:
             reqs.update((id(r), r) for r in self.last_batch.reqs)
         chunked = self.prefill.chunked_req
         if chunked is not None:
             reqs[id(chunked)] = chunked
+        return list(reqs.values())
+
+    def live_requests(self) -> int:
         transferring = self.disagg.requests_holding_kv() if self.disagg is not None else 0  # PD: outside the batches
-        return transferring + sum(1 for r in reqs.values() if not r.finished() and not r.is_retracted)
+        return transferring + sum(1 for r in self._batched_reqs() if not r.finished() and not r.is_retracted)
 
     def flush_kv(self) -> None:
         assert self.live_requests() == 0, "flush_kv with requests holding KV"
@@ -356,13 +358,7 @@ class Scheduler:
 
     def requests_using_lora(self, lora_uid: str) -> int:
         # (A request still compiling its grammar is counted by the TokenizerManager, which waits for it.)
-        reqs = {id(r): r for r in [*self.waiting, *self.running.reqs]}
-        if self.last_batch is not None:
-            reqs.update((id(r), r) for r in self.last_batch.reqs)
-        chunked = self.prefill.chunked_req
-        if chunked is not None:
-            reqs[id(chunked)] = chunked
-        return sum(1 for r in reqs.values() if r.lora_id == lora_uid and not r.finished())
+        return sum(1 for r in self._batched_reqs(waiting=True) if r.lora_id == lora_uid and not r.finished())
 
     # ------------------------------------------------------------------ reports
     def internal_state(self) -> Dict[str, Any]:
@@ -510,22 +506,15 @@ class Scheduler:
     # ================================================================== loop
     def step(self) -> Optional[ScheduleBatch]:
         """One iteration of the normal (non-overlap) loop."""
-        self.process_input_requests(self.recv_requests())
-        if self.control.blocks_scheduling():  # paused, or memory released: only inputs are handled
-            self._step_blocked()
+        scheduling, batch = self._begin_step()
+        if not scheduling:
             return None
-        if self.disagg is not None:
-            self.disagg.process_queues()
-        batch = self.get_next_batch_to_run()
-        self.cur_batch = batch
         if batch is not None:
             result = self.run_batch(batch)
             self.process_batch_result(batch, result)
         else:
             self.on_idle()
-        self.last_batch = batch
-        self.cur_batch = None
-        self.flush_outputs()
+        self._end_step(batch)
         return batch
 
     def step_overlap(self) -> Optional[ScheduleBatch]:
@@ -539,14 +528,9 @@ class Scheduler:
         first one's tokens go out without waiting behind the second forward; it was scheduled
         before that, as every overlapped batch is.
         """
-        self.process_input_requests(self.recv_requests())
-        if self.control.blocks_scheduling():
-            self._step_blocked()
+        scheduling, batch = self._begin_step()
+        if not scheduling:
             return None
-        if self.disagg is not None:
-            self.disagg.process_queues()
-        batch = self.get_next_batch_to_run()
-        self.cur_batch = batch
         disable_overlap = self._is_disable_overlap_for_batch(batch)
         if disable_overlap:
             self._pop_and_process()
@@ -557,10 +541,25 @@ class Scheduler:
         self.launch_batch_sample_if_needed()
         if batch is None and not self.result_queue:
             self.on_idle()
+        self._end_step(batch)
+        return batch
+
+    def _begin_step(self) -> Tuple[bool, Optional[ScheduleBatch]]:
+        """Inputs, then the batch to run; (False, None) while scheduling is blocked (paused, or
+        memory released: only inputs are handled, see _step_blocked)."""
+        self.process_input_requests(self.recv_requests())
+        if self.control.blocks_scheduling():
+            self._step_blocked()
+            return False, None
+        if self.disagg is not None:
+            self.disagg.process_queues()
+        self.cur_batch = self.get_next_batch_to_run()
+        return True, self.cur_batch
+
+    def _end_step(self, batch: Optional[ScheduleBatch]) -> None:
         self.last_batch = batch
         self.cur_batch = None
         self.flush_outputs()
-        return batch
 
     def _step_blocked(self) -> None:
         """A step while paused or released: the control handler settled the forward in flight,
@@ -568,7 +567,6 @@ class Scheduler:
         while self.result_queue:
             self._pop_and_process()
         self.flush_outputs()
-        return None
 
     def _is_disable_overlap_for_batch(self, batch: Optional[ScheduleBatch]) -> bool:
         last = self.last_batch
