@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 
 import httpx
+import orjson
 import pytest
 import torch
 
@@ -92,18 +93,40 @@ def test_load_and_unload_under_load(setup):
     assert r.status_code == 200, r.text
     assert set(r.json()["loaded_adapters"]) == {"qv", "all", "late"}
     results, errors = [], []
+    admitted = threading.Semaphore(0)  # one release per "late" request the server has started
 
     def client(name, i):
+        first = True
         try:
-            out = _generate(server.url, PROMPTS[i], name).json()
-            results.append((name, i, out["output_ids"]))
+            if name != "late":
+                results.append((name, i, _generate(server.url, PROMPTS[i], name).json()["output_ids"]))
+                return
+            # Streamed, so the unload below is sent only once every "late" request is in the server
+            # (a request arriving after the unload began would be refused: another case).
+            body = {"input_ids": PROMPTS[i], "lora_path": name, "stream": True,
+                    "sampling_params": {"temperature": 0, "max_new_tokens": N_NEW, "ignore_eos": True}}
+            ids = None
+            with httpx.stream("POST", f"{server.url}/generate", json=body, timeout=300) as response:
+                assert response.status_code == 200, response.read()
+                for line in response.iter_lines():
+                    if line.startswith("data:") and line.strip() != "data: [DONE]":
+                        ids = orjson.loads(line[len("data:"):])["output_ids"]
+                        if first:
+                            admitted.release()
+                            first = False
+            results.append((name, i, ids))
         except Exception as e:  # noqa: BLE001 - reported below
             errors.append(repr(e))
+        finally:
+            if name == "late" and first:
+                admitted.release()  # failed before its first event: do not hold the test up
 
     threads = [threading.Thread(target=client, args=(name, i)) for name in ("late", "qv", None, "all")
                for i in range(len(PROMPTS))]
     for t in threads:
         t.start()
+    for _ in PROMPTS:
+        assert admitted.acquire(timeout=300)
     # Unload while those run: it waits for the requests that use "late", which all complete.
     r = httpx.post(f"{server.url}/unload_lora_adapter", json={"lora_name": "late"}, timeout=300)
     for t in threads:
