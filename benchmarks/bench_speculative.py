@@ -10,6 +10,9 @@ Workloads (greedy, ignore_eos):
           greedy continuation of it; the reference output is the rest of that continuation, so
           the text the drafter copies from is the target's own and the output is known exactly.
   random  random prompts: little for the drafter to copy (acceptance is whatever it is).
+  copy-N% (--copy-noise N ...) the copy workload with N% of the copied prompt tokens replaced by
+          random ones: each replaced token breaks the n-gram match, so acceptance falls with N
+          (the sweep behind the plot of speed-up against accept length).
 
 For each algorithm, workload and batch size (--batch-sizes, default 1 and 16) the same requests run
 with speculation off and on; the table reports output tokens/s, the ratio on/off, the mean accept
@@ -27,6 +30,7 @@ comes from.
   python benchmarks/bench_speculative.py                      # builtin model, table + JSON
   python benchmarks/bench_speculative.py --model 100m --out-len 128 --json out.json
   python benchmarks/bench_speculative.py --verify-cost --batch-sizes 1 2 4 8 16 32
+  python benchmarks/bench_speculative.py --algorithms NGRAM --copy-noise 5 10 20 40 --plot out.png
 """
 
 from __future__ import annotations
@@ -190,7 +194,17 @@ def workloads(model_path: str, vocab: int, batch: int, args: argparse.Namespace)
     bases = [[rng.randrange(10, vocab - 10) for _ in range(args.prompt_len)] for _ in range(batch)]
     # The target's own greedy continuation (speculation off), long enough to copy from and to continue.
     full = run(model_path, bases, args.copy_len + args.out_len, None, args).outputs
-    return {"copy": [b + f[:args.copy_len] for b, f in zip(bases, full)], "random": bases}
+    copies = [b + f[:args.copy_len] for b, f in zip(bases, full)]
+    out = {"copy": copies}
+    for noise in args.copy_noise:
+        noisy = [list(c) for c in copies]
+        for c in noisy:
+            for j in range(args.prompt_len, len(c)):  # the copied part only
+                if rng.random() < noise / 100:
+                    c[j] = rng.randrange(10, vocab - 10)
+        out[f"copy-{noise:g}%"] = noisy
+    out["random"] = bases
+    return out
 
 
 def fastest(runs: List[Run]) -> Run:
@@ -271,6 +285,9 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1, help="runs of each configuration; the fastest is kept")
     ap.add_argument("--verify-cost", action="store_true", help="measure verify vs decode forwards only")
+    ap.add_argument("--copy-noise", type=float, nargs="*", default=[],
+                    help="percentages: copy workloads with that share of the copied tokens randomised")
+    ap.add_argument("--plot", default=None, help="write a PNG of speed-up against mean accept length")
     ap.add_argument("--json", default="bench_speculative.json")
     args = ap.parse_args()
     model_path, vocab = resolve_model(args.model, args.dtype)
@@ -314,6 +331,29 @@ def main() -> None:
     with open(args.json, "w") as f:
         json.dump({"args": vars(args), "rows": rows}, f, indent=2)
     print(f"\nwrote {args.json}")
+    if args.plot:
+        plot(rows, args.plot)
+
+
+def plot(rows: List[Dict[str, Any]], path: str) -> None:
+    """Speed-up (on/off output tokens/s) against mean accept length, a series per algorithm and batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for algo, batch in sorted({(r["algorithm"], r["batch"]) for r in rows}):
+        pts = sorted((r["accept_length"], r["speedup"]) for r in rows if (r["algorithm"], r["batch"]) == (algo, batch))
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{algo}, batch {batch}")
+    ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
+    ax.set_xlabel("mean accept length (tokens per request per verify step)")
+    ax.set_ylabel("output tokens/s, speculation on / off")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    print(f"wrote {path}")
 
 
 if __name__ == "__main__":
