@@ -239,12 +239,12 @@ def test_pd_disaggregation_is_refused():
         check_mla_server_args(None, "prefill", False)
 
 
-def test_tensor_parallel_is_refused(tmp_path, monkeypatch):
-    import engine.models.deepseek_v2 as deepseek
+def test_heads_that_do_not_split_over_tp_are_refused(tmp_path, monkeypatch):
+    import engine.layers.mla_linear as mla_linear
 
     build_tiny_model(str(tmp_path), "deepseek_v2", seed=1)
-    monkeypatch.setattr(deepseek, "get_tp_size", lambda: 2)
-    with pytest.raises(ValueError, match="--tp-size 1"):
+    monkeypatch.setattr(mla_linear, "get_tp_size", lambda: 3)
+    with pytest.raises(ValueError, match="4 attention heads cannot be split over --tp-size 3"):
         make_runner(str(tmp_path))
 
 
@@ -265,3 +265,22 @@ def test_bad_mla_config_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps(config))
     with pytest.raises(ValueError, match="topk_group 5"):
         make_runner(str(tmp_path))
+
+
+def test_quantization_leaves_the_latent_projections_in_dtype(tmp_path):
+    """--quantization quantizes q_b_proj, o_proj and the MLPs; kv_b_proj (read as views by the absorbed
+    attention) and the replicated latent projections keep their weights, and the logits stay close."""
+    from engine.layers.quantization import QuantizedWeight
+
+    build_tiny_model(str(tmp_path), "deepseek_v3", seed=2)
+    logits = {}
+    for quantization in (None, "w8a8_int8"):
+        runner = make_runner(str(tmp_path), dtype="bfloat16", quantization=quantization)
+        attn = runner.model.model.decoder_layers[1].self_attn
+        assert isinstance(attn.q_b_proj.packed_weight, QuantizedWeight) == (quantization is not None)
+        assert attn.kv_b_proj.weight.numel() > 0 and attn.kv_a_proj_with_mqa.weight.numel() > 0
+        driver = BatchDriver(runner)
+        out, _ = driver.run(driver.extend_batch([ExtendReq(driver.new_row(), _prompts()[2])]))
+        logits[quantization] = out.next_token_logits.float()
+    scale = logits[None].abs().max().item()
+    assert (logits["w8a8_int8"] - logits[None]).abs().max().item() < 0.1 * scale

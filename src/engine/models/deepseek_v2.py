@@ -21,8 +21,9 @@ V2 scores with a softmax (topk_method group_limited_greedy limits the choice to 
 n_group groups); V3 with a sigmoid, choosing on score + e_score_correction_bias within its best groups.
 norm_topk_prob renormalises the kept weights, routed_scaling_factor scales them.
 
-Limits: --tp-size 1 (and so --ep-size 1); the torch_native attention backend (ModelRunner falls back to
-it); no speculative decoding, PD disaggregation or LoRA (configs/mla_config.check_mla_server_args).
+TP splits the heads and replicates the latents (layers/mla_linear.py); the experts split as FusedMoE does.
+Limits: the torch_native attention backend (ModelRunner falls back to it); no speculative decoding, PD
+disaggregation or LoRA (configs/mla_config.check_mla_server_args).
 """
 
 from __future__ import annotations
@@ -36,9 +37,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.configs.mla_config import MLADims, mla_dims_of
-from engine.distributed.parallel_state import get_tp_size
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
+from engine.layers.mla_linear import LatentExpansion, ReplicatedLinear
 from engine.layers.moe.expert_distribution import ExpertDistributionRecorder
 from engine.layers.moe.layer import QWEN_EXPERT_NAMES, FusedMoE, expert_params_mapping
 from engine.layers.moe.router import select_experts_grouped
@@ -74,43 +75,30 @@ def deinterleave(x: torch.Tensor, rope_dim: int) -> torch.Tensor:
     return x.reshape(rows, -1, rope_dim // 2, 2).transpose(-1, -2).reshape(rows, -1)
 
 
-class LatentExpansion(nn.Module):
-    """kv_b_proj's weight [heads * (qk_nope_head_dim + v_head_dim), kv_lora_rank], never applied as a
-    linear: the attention reads its per-head halves W_kc and W_vc (a plain module, so that neither the
-    CPU weight packing nor --quantization replaces the weight these views read)."""
-
-    def __init__(self, heads: int, nope_dim: int, v_dim: int, kv_lora_rank: int) -> None:
-        super().__init__()
-        self.heads, self.nope_dim, self.v_dim = heads, nope_dim, v_dim
-        self.weight = nn.Parameter(torch.empty(heads * (nope_dim + v_dim), kv_lora_rank), requires_grad=False)
-
-    def halves(self) -> Tuple[torch.Tensor, torch.Tensor]:
-        """(W_kc [heads, nope, kv_lora_rank], W_vc [heads, v, kv_lora_rank]), views of the weight."""
-        w = self.weight.view(self.heads, self.nope_dim + self.v_dim, -1)
-        return w[:, :self.nope_dim], w[:, self.nope_dim:]
-
-
 class DeepseekV2AttentionMLA(nn.Module):
     def __init__(self, config: "ModelConfig", dims: MLADims, layer_id: int, interleaved_rope: bool) -> None:
         super().__init__()
         self.dims = dims
-        self.num_heads = config.num_attention_heads
+        total_heads = config.num_attention_heads
         bias = config.attention_bias
         hidden = config.hidden_size
+        # Over TP ranks the heads are split (q's output, kv_b_proj's rows, o_proj's input) and the
+        # latents replicated: every rank computes and stores the whole latent of every token.
+        self.kv_b_proj = LatentExpansion(total_heads, dims.qk_nope_head_dim, dims.v_head_dim, dims.kv_lora_rank)
+        self.num_heads = self.kv_b_proj.heads  # this rank's
         self.q_proj: Optional[ColumnParallelLinear] = None
-        self.q_a_proj: Optional[ColumnParallelLinear] = None
+        self.q_a_proj: Optional[ReplicatedLinear] = None
         self.q_a_layernorm: Optional[RMSNorm] = None
         self.q_b_proj: Optional[ColumnParallelLinear] = None
         if dims.q_lora_rank is None:
-            self.q_proj = ColumnParallelLinear(hidden, self.num_heads * dims.qk_head_dim, bias=False)
+            self.q_proj = ColumnParallelLinear(hidden, total_heads * dims.qk_head_dim, bias=False)
         else:
-            self.q_a_proj = ColumnParallelLinear(hidden, dims.q_lora_rank, bias=bias)
+            self.q_a_proj = ReplicatedLinear(hidden, dims.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(dims.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = ColumnParallelLinear(dims.q_lora_rank, self.num_heads * dims.qk_head_dim, bias=False)
-        self.kv_a_proj_with_mqa = ColumnParallelLinear(hidden, dims.cache_dim, bias=bias)
+            self.q_b_proj = ColumnParallelLinear(dims.q_lora_rank, total_heads * dims.qk_head_dim, bias=False)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(hidden, dims.cache_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(dims.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = LatentExpansion(self.num_heads, dims.qk_nope_head_dim, dims.v_head_dim, dims.kv_lora_rank)
-        self.o_proj = RowParallelLinear(self.num_heads * dims.v_head_dim, hidden, bias=bias)
+        self.o_proj = RowParallelLinear(total_heads * dims.v_head_dim, hidden, bias=bias)
         self.interleaved_rope = interleaved_rope
         self.rotary_emb = get_rope(dims.qk_rope_head_dim, dims.qk_rope_head_dim, config.context_len,
                                    config.rope_theta, config.rope_scaling)
@@ -267,9 +255,6 @@ class DeepseekV2ForCausalLM(MoeForCausalLM):
 
     def layer_factory(self, config: "ModelConfig", qkv_bias: bool, o_bias: bool,
                       qk_norm: bool) -> Optional[Callable[[int], nn.Module]]:
-        if get_tp_size() > 1:
-            raise ValueError("DeepSeek-V2/V3 (MLA) models run at --tp-size 1 only for now (the latent would be "
-                             "replicated and the heads split; not implemented)")
         dims = mla_dims_of(config.raw_config)
         if dims is None:
             raise ValueError(f"{config.architectures} needs kv_lora_rank, qk_rope_head_dim, qk_nope_head_dim and "
