@@ -66,6 +66,14 @@ def test_logits_match_transformers(mla_model, page_size):
         offset += len(prompt)
 
 
+def test_v3_without_interleaved_rope_matches_transformers(tmp_path):
+    """rope_interleave false: V3 rotates its rope dims in halves (the NeoX layout), as Llama does."""
+    hf = build_tiny_model(str(tmp_path), "deepseek_v3", seed=6, rope_interleave=False)
+    prompt = _prompts()[2]
+    logits = _prefill_logits(make_runner(str(tmp_path)), [prompt])
+    assert (logits - hf_logits(hf, prompt)).abs().max().item() < 1e-4
+
+
 def test_decode_on_a_cached_prefix_matches_transformers(mla_model):
     """A prefill on top of a prefix already in the pool (the radix cache's case), then decode steps of
     two requests of different lengths (padded in one batch): each step's logits are transformers' at

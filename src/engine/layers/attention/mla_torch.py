@@ -13,7 +13,7 @@ computes it (they assume K and V of one size), so MLA always runs here, in the m
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, List, Optional, Union
 
 import torch
 import torch.nn.functional as F
@@ -42,7 +42,7 @@ class MLADecodeMetadata:
     mask: Optional[torch.Tensor]  # [bs, 1, 1, max_len] True at real keys; None when no row is padded
 
 
-def mla_metadata(fb: "ForwardBatch") -> Optional[object]:
+def mla_metadata(fb: "ForwardBatch") -> Union[MLAExtendMetadata, MLADecodeMetadata, None]:
     """The per-batch tables every MLA layer of this forward shares (None for an idle batch)."""
     assert fb.req_to_token_pool is not None  # ForwardBatch.init_new sets it
     table = fb.req_to_token_pool.req_to_token
