@@ -28,6 +28,8 @@ ARCHS = {
     "gemma2": ("Gemma2Config", "Gemma2ForCausalLM"),
     "gemma3": ("Gemma3TextConfig", "Gemma3ForCausalLM"),
     "gpt_oss": ("GptOssConfig", "GptOssForCausalLM"),
+    "deepseek_v2": ("DeepseekV2Config", "DeepseekV2ForCausalLM"),
+    "deepseek_v3": ("DeepseekV3Config", "DeepseekV3ForCausalLM"),
 }
 
 # The mixture-of-experts families' own fields (with TINY): 4-8 experts, top-2; Qwen's layer 0 dense
@@ -39,6 +41,20 @@ TINY_MOE = {
                       decoder_sparse_step=1),
     "qwen3_moe": dict(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True,
                       mlp_only_layers=[0], decoder_sparse_step=1, head_dim=32),
+    # MLA (latent 32, rope 8, nope 16, v 16), the first layer dense. V2: q straight from the hidden state,
+    # YaRN rotary with mscale_all_dim, 3 layers, softmax top-2 of 4 experts; V3: q through its own latent,
+    # sigmoid routing with a correction bias over 4 groups of 2 experts (the 2 best groups), scaled by 2.5.
+    "deepseek_v2": dict(num_hidden_layers=3, num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=None,
+                        qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=4,
+                        num_experts_per_tok=2, moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1,
+                        topk_method="greedy", routed_scaling_factor=1.0,
+                        rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                         "original_max_position_embeddings": 64, "mscale": 0.707,
+                                         "mscale_all_dim": 0.707, "beta_fast": 32, "beta_slow": 1}),
+    "deepseek_v3": dict(num_key_value_heads=4, kv_lora_rank=32, q_lora_rank=48, qk_nope_head_dim=16,
+                        qk_rope_head_dim=8, v_head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                        moe_intermediate_size=32, n_shared_experts=1, first_k_dense_replace=1, n_group=4,
+                        topk_group=2, norm_topk_prob=True, routed_scaling_factor=2.5),
 }
 
 # Sliding-window families (with TINY): a window of 16 that prompts of 100+ tokens run far past, local and
@@ -116,6 +132,9 @@ def _randomize(model: torch.nn.Module, seed: int) -> None:
                 p.copy_(1.0 + 0.2 * torch.randn(p.shape, generator=gen))
             else:  # biases
                 p.copy_(0.2 * torch.randn(p.shape, generator=gen))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # DeepSeek-V3's routing bias: make it matter
+                b.copy_(0.5 * torch.randn(b.shape, generator=gen))
 
 
 TINY_BERT = dict(

@@ -20,12 +20,13 @@ class AttentionType(Enum):
 class RadixAttention(nn.Module):
     def __init__(self, num_heads: int, head_dim: int, scaling: float, num_kv_heads: int, layer_id: int,
                  attn_type: AttentionType = AttentionType.DECODER, sliding_window_size: int = -1,
-                 logit_cap: float = 0.0, with_sinks: bool = False) -> None:
+                 logit_cap: float = 0.0, with_sinks: bool = False, v_head_dim: Optional[int] = None) -> None:
         """sliding_window_size: a query at position p sees the keys at positions (p - window, p], i.e. the
         window counts the query's own token (Hugging Face's `sliding_window`); -1 is full attention.
         logit_cap: scores become cap * tanh(score / cap) before the softmax (Gemma 2); 0 is none.
         with_sinks: a learned logit per query head joins each softmax's denominator only (gpt-oss); this
-        module owns the parameter (`sinks`, one value per head of this TP rank)."""
+        module owns the parameter (`sinks`, one value per head of this TP rank).
+        v_head_dim: V's size per head where it differs from K's (MLA: the latent; layers/attention/mla_torch.py)."""
         super().__init__()
         if sliding_window_size == 0 or sliding_window_size < -1:
             raise ValueError(f"sliding_window_size must be -1 (full) or >= 1, got {sliding_window_size}")
@@ -40,14 +41,17 @@ class RadixAttention(nn.Module):
         self.tp_k_head_num = num_kv_heads
         self.tp_v_head_num = num_kv_heads
         self.head_dim = head_dim
+        self.v_head_dim = head_dim if v_head_dim is None else v_head_dim
         self.scaling = scaling
         self.layer_id = layer_id
 
     @property
     def is_plain(self) -> bool:
         """Full attention with a plain softmax: what every backend's fast paths (and the native CPU
-        kernels) compute. A window, a logit cap or sinks take the backend's windowed path."""
-        return self.sliding_window_size < 0 and self.logit_cap == 0.0 and self.sinks is None
+        kernels) compute. A window, a logit cap or sinks take the backend's windowed path; MLA (V's size
+        differs from K's) its own (mla_torch.py)."""
+        return (self.sliding_window_size < 0 and self.logit_cap == 0.0 and self.sinks is None
+                and self.v_head_dim == self.head_dim)
 
     def forward(
         self,
@@ -62,7 +66,7 @@ class RadixAttention(nn.Module):
         last row only, [bs, heads * head_dim] (a model's last layer when only the logits need it)."""
         if k is not None:
             k = k.view(-1, self.tp_k_head_num, self.head_dim)
-            v = v.view(-1, self.tp_v_head_num, self.head_dim)
+            v = v.view(-1, self.tp_v_head_num, self.v_head_dim)
         backend = forward_batch.attn_backend
         assert backend is not None  # ForwardBatch.init_new sets it
         if last_rows_only:

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Optional
 
 import torch
 
+from engine.configs.mla_config import check_mla_server_args, mla_dims_of
 from engine.configs.model_config import ModelConfig
 from engine.utils.malloc_tuning import keep_large_allocations_in_heap
 from engine.distributed.parallel_state import (
@@ -25,6 +26,7 @@ from engine.layers.pooler import EmbeddingPoolerOutput
 from engine.layers.radix_attention import RadixAttention
 from engine.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from engine.mem_cache.mla_pool import MLATokenToKVPool
 from engine.model_executor.forward_batch_info import ForwardBatch
 from engine.model_executor.memory_saver import MemorySaver
 from engine.model_executor.weight_update import WeightUpdater
@@ -82,6 +84,17 @@ class ModelRunner:
                 "call engine.distributed.parallel_state.init_tp_group first"
             )
         set_expert_parallel_size(server_args.ep_size)  # read by the MoE layers the model builds
+        # DeepSeek-V2/V3 (MLA): a latent KV pool (mla_pool.py) that only torch_native attends over.
+        self.mla_dims = mla_dims_of(model_config.raw_config)
+        attention_backend = server_args.attention_backend
+        assert attention_backend is not None  # ServerArgs.resolve_defaults picks one
+        if self.mla_dims is not None:
+            check_mla_server_args(server_args.speculative_algorithm, server_args.disaggregation_mode,
+                                  server_args.enable_lora)
+            if attention_backend != "torch_native":
+                logger.warning("MLA model: attention runs on the torch_native backend instead of --attention-backend "
+                               "%s (no other backend attends with K and V of different sizes)", attention_backend)
+                attention_backend = "torch_native"
 
         if server_args.device == "cuda":
             torch.cuda.set_device(gpu_id)
@@ -110,17 +123,16 @@ class ModelRunner:
 
             self.lora_manager = LoRAManager(self.model, server_args, self.dtype, self.device)
         self._sampler: Optional[Sampler] = None
-        if model_config.is_encoder_only and server_args.attention_backend == "flashinfer":
+        if model_config.is_encoder_only and attention_backend == "flashinfer":
             raise ValueError("the flashinfer attention backend has no encoder (non-causal) attention; use "
                              "--attention-backend triton or torch_native for this model")
-        if server_args.attention_backend == "flashinfer" and any(
+        if attention_backend == "flashinfer" and any(
                 isinstance(m, RadixAttention) and not m.is_plain for m in self.model.modules()):
             # Our flashinfer wrapper computes plain full attention: a window would be silently ignored.
             raise ValueError("the flashinfer attention backend has no sliding-window, soft-capped or sink attention; "
                              "use --attention-backend triton or torch_native for this model")
         self.init_memory_pool()
-        assert server_args.attention_backend is not None  # ServerArgs.resolve_defaults picks one
-        self.attn_backend = create_attention_backend(server_args.attention_backend, self)
+        self.attn_backend = create_attention_backend(attention_backend, self)
         # After the backend (graphs capture through it) and after the KV pool (they index it).
         from engine.model_executor.cuda_graph_runner import maybe_create_cuda_graph_runner
 
@@ -143,8 +155,10 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ memory
     def kv_bytes_per_token(self) -> int:
-        kv_heads = self.model_config.get_num_kv_heads(self.tp_size)
         element = torch.tensor([], dtype=self.dtype).element_size()
+        if self.mla_dims is not None:  # one latent + rope key per token per layer, shared by every head
+            return self.model_config.num_hidden_layers * self.mla_dims.cache_dim * element
+        kv_heads = self.model_config.get_num_kv_heads(self.tp_size)
         return 2 * self.model_config.num_hidden_layers * kv_heads * self.model_config.head_dim * element
 
     def profile_max_num_token(self) -> int:
@@ -221,7 +235,7 @@ class ModelRunner:
         self.req_to_token_pool = ReqToTokenPool(rows, context_len, self.device)
         if not encoder and self._init_hybrid_swa_pool(total, rows):
             return
-        self.token_to_kv_pool = MHATokenToKVPool(
+        self.token_to_kv_pool = self._mla_pool(total) if self.mla_dims is not None else MHATokenToKVPool(
             # An encoder stores no K/V: only the padding page exists, slots are a token budget.
             size=0 if encoder else total,
             page_size=self.page_size,
@@ -240,6 +254,11 @@ class ModelRunner:
             rows,
             context_len,
         )
+
+    def _mla_pool(self, total: int) -> MHATokenToKVPool:
+        assert self.mla_dims is not None  # only asked for an MLA model
+        return MLATokenToKVPool(total, self.page_size, self.dtype, self.mla_dims.kv_lora_rank,
+                                self.mla_dims.qk_rope_head_dim, self.model_config.num_hidden_layers, self.device)
 
     def _init_hybrid_swa_pool(self, total: int, rows: int) -> bool:
         """The hybrid sliding-window pool (mem_cache/swa_pool.py) where it applies; False: one pool."""

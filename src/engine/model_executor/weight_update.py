@@ -32,6 +32,7 @@ from engine.layers.linear import (
     prepack_linear_weights,
 )
 from engine.layers.moe.layer import FusedMoE, StackedExpertWeight
+from engine.layers.mla_linear import LatentExpansion
 from engine.layers.vocab_parallel_embedding import VocabParallelEmbedding
 from engine.model_loader.weight_utils import ShardId, route_weight_names, safetensors_weights_iterator
 
@@ -233,7 +234,7 @@ def local_piece(model: nn.Module, target: str, shard: ShardId, truncate_size: in
         experts = model.get_submodule(module_name.rpartition(".")[0])
         assert isinstance(experts, FusedMoE)  # a stacked expert weight is a FusedMoE's child
         data, dim, key = experts.checkpoint_piece(data, str(shard))
-    elif isinstance(module, ColumnParallelLinear):
+    elif isinstance(module, (ColumnParallelLinear, LatentExpansion)):  # LatentExpansion: split by heads
         dim = 0
     elif isinstance(module, RowParallelLinear):
         dim = 1 if param_name == "weight" else None

@@ -24,6 +24,9 @@ _MODELS: Dict[str, Tuple[str, str]] = {
     "MixtralForCausalLM": ("engine.models.mixtral", "MixtralForCausalLM"),
     "Qwen2MoeForCausalLM": ("engine.models.qwen2_moe", "Qwen2MoeForCausalLM"),
     "Qwen3MoeForCausalLM": ("engine.models.qwen3_moe", "Qwen3MoeForCausalLM"),
+    # Multi-head latent attention and DeepSeek's experts (models/deepseek_v2.py).
+    "DeepseekV2ForCausalLM": ("engine.models.deepseek_v2", "DeepseekV2ForCausalLM"),
+    "DeepseekV3ForCausalLM": ("engine.models.deepseek_v2", "DeepseekV3ForCausalLM"),
     # Embedding models: a BERT-style encoder, and decoders saved without their LM head.
     "BertModel": ("engine.models.bert", "BertModel"),
     "Contriever": ("engine.models.bert", "BertModel"),

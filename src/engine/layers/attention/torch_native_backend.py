@@ -30,6 +30,8 @@ from engine.kernels import library
 from engine.layers.attention.windowed import windowed_decode, windowed_extend
 from engine.layers.attention.base_attn_backend import AttentionBackend, AttentionRunner
 from engine.layers.attention.prefix_panels import PrefixPanels
+from engine.layers.attention.mla_torch import MLADecodeMetadata, MLAExtendMetadata, mla_forward, mla_metadata
+from engine.mem_cache.mla_pool import MLATokenToKVPool
 
 if TYPE_CHECKING:
     from engine.layers.radix_attention import RadixAttention
@@ -119,7 +121,9 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ metadata
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
-        if forward_batch.forward_mode.is_decode():
+        if isinstance(forward_batch.token_to_kv_pool, MLATokenToKVPool):  # K and V of different sizes: mla_torch.py
+            forward_batch.attn_metadata = mla_metadata(forward_batch)
+        elif forward_batch.forward_mode.is_decode():
             forward_batch.attn_metadata = self._decode_metadata(forward_batch)
             self._keep_prefix_panels(forward_batch.attn_metadata, forward_batch)
         elif forward_batch.forward_mode.is_extend():
@@ -204,6 +208,8 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ forward
     def forward_extend(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch", save_kv_cache: bool = True):
+        if isinstance(forward_batch.attn_metadata, MLAExtendMetadata):
+            return mla_forward(q, k, v, layer, forward_batch, save_kv_cache)
         pool = forward_batch.token_to_kv_pool
         assert pool is not None  # ForwardBatch.init_new sets it
         if save_kv_cache and k is not None:
@@ -303,6 +309,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         return o.index_select(0, meta.output_rows)
 
     def forward_decode(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch", save_kv_cache: bool = True):
+        if isinstance(forward_batch.attn_metadata, MLADecodeMetadata):
+            return mla_forward(q, k, v, layer, forward_batch, save_kv_cache)
         pool = forward_batch.token_to_kv_pool
         assert pool is not None  # ForwardBatch.init_new sets it
         if save_kv_cache and k is not None:
