@@ -131,7 +131,8 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("config", list(CONFIGS))
+# The fast lane keeps the default loop; the other modes run in the full suite.
+@pytest.mark.parametrize("config", [c if c == "default" else pytest.param(c, marks=pytest.mark.slow) for c in CONFIGS])
 def test_scheduler_greedy_equals_transformers(mla_model, config):
     from engine.scheduler.tp_worker import TpModelWorker
 
