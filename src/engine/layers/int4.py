@@ -10,9 +10,9 @@ GPTQ's act-order (desc_act) assigns inputs to groups in a permuted order (g_idx)
 inputs by group, so every group is again `group_size` consecutive columns, and keeps the permutation
 (`perm`): the activations are gathered in that order before the product.
 
-`int4_linear` takes the native kernel on the CPU for batches up to `kernel_max_rows` (decode), else (and
-on other devices, or without the library) the torch reference: the weight dequantized to the activation
-dtype, then `F.linear`.
+`int4_linear` takes the native kernel on the CPU for batches up to `kernel_max_rows` (decode), the Triton
+GEMM on a GPU (layers/int4_triton.py), else (longer CPU batches, no library, no triton) the torch
+reference: the weight dequantized to the activation dtype, then `F.linear`.
 """
 
 from __future__ import annotations
@@ -112,5 +112,19 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor]) ->
         if bias is not None:
             out += bias.float()  # before the one rounding to x's dtype, as F.linear's
         return out.to(x.dtype).view(*x.shape[:-1], w.n)
+    if rows.is_cuda and _triton_available():
+        # Imported on the GPU only: triton is a GPU dependency, and its module imports this one.
+        from engine.layers.int4_triton import int4_gemm
+
+        out = int4_gemm(rows, w)
+        if bias is not None:
+            out = out + bias.to(out.dtype)
+        return out.view(*x.shape[:-1], w.n)
     out = F.linear(rows, w._stored(x.dtype), None if bias is None else bias.to(x.dtype))
     return out.view(*x.shape[:-1], w.n)
+
+
+def _triton_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None
