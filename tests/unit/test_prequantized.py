@@ -365,3 +365,16 @@ def test_weight_updates_refused(awq_checkpoint) -> None:
     runner = make_runner(awq_checkpoint)
     ok, message = runner.weight_updater.update_from_disk(awq_checkpoint)
     assert not ok and "not supported yet with --quantization" in message
+
+
+@pytest.mark.parametrize("kind", ["awq", "online-fp8"])
+def test_released_and_resumed_weights_keep_generating_the_same(tmp_path, float_llama, awq_checkpoint, kind: str) -> None:
+    """release_memory_occupation("weights") then resume: a quantized layer's weights are its packed ones,
+    which must come back, not be dropped as a stale packed copy."""
+    runner = make_runner(awq_checkpoint) if kind == "awq" else make_runner(float_llama, quantization="fp8")
+    before = _run(runner)
+    runner.memory_saver.release(["weights"])
+    runner.memory_saver.resume(["weights"])
+    after = _run(runner)
+    torch.testing.assert_close(after[0], before[0], rtol=0, atol=0)
+    assert after[1] == before[1]

@@ -68,6 +68,10 @@ class Int4Weight:
     def nbytes(self) -> int:
         return self.packed.numel() + 8 * self.scale.numel() + (0 if self.perm is None else 8 * self.perm.numel())
 
+    def to(self, device: str) -> "Int4Weight":
+        return Int4Weight(self.packed.to(device), self.scale.to(device), self.bias.to(device), self.group_size,
+                          None if self.perm is None else self.perm.to(device))
+
 
 def pack_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
               perm: Optional[torch.Tensor] = None) -> Int4Weight:

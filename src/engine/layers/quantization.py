@@ -74,6 +74,9 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return self.qweight.numel() * self.qweight.element_size() + self.scale.numel() * 4
 
+    def to(self, device: str) -> "QuantizedWeight":
+        return QuantizedWeight(self.method, self.qweight.to(device), self.scale.to(device))
+
 
 def quantize_weight(weight: torch.Tensor, method: str) -> QuantizedWeight:
     """Symmetric per-output-channel quantization of a [n, k] weight (an all-zero row gets scale 1)."""
