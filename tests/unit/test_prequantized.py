@@ -378,3 +378,27 @@ def test_released_and_resumed_weights_keep_generating_the_same(tmp_path, float_l
     after = _run(runner)
     torch.testing.assert_close(after[0], before[0], rtol=0, atol=0)
     assert after[1] == before[1]
+
+
+def test_compressed_tensors_zero_points_of_a_symmetric_scheme(tmp_path) -> None:
+    """Some writers store all-zero weight_zero_point tensors for symmetric schemes: dropped; non-zero
+    ones contradict the scheme: refused naming the tensor."""
+    pytest.importorskip("compressed_tensors")
+    from utils_quant import write_compressed_tensors_checkpoint
+
+    src, qpath = str(tmp_path / "src"), str(tmp_path / "q")
+    write_compressed_tensors_checkpoint(build_tiny_model(src, "llama"), qpath, "W8A8")
+    reference = _run(make_runner(qpath))
+    name = "model.layers.0.mlp.up_proj.weight_zero_point"
+
+    def zeros(t):
+        t[name] = torch.zeros(128, 1, dtype=torch.int8)
+
+    logits, tokens = _run(make_runner(_edit_tensors(qpath, str(tmp_path / "zeros"), zeros)))
+    assert torch.equal(logits, reference[0]) and tokens == reference[1]
+
+    def ones(t):
+        t[name] = torch.ones(128, 1, dtype=torch.int8)
+
+    with pytest.raises(ValueError, match=f"{name} has non-zero zero points"):
+        make_runner(_edit_tensors(qpath, str(tmp_path / "ones"), ones))

@@ -212,6 +212,10 @@ def _convert(name: str, suffix: str, tensor: torch.Tensor, quant: CheckpointQuan
             if tensor.dim() == 1:
                 return tensor.float()
             raise ValueError(f"{name}: a per-channel scale is [out, 1] or [out], got shape {tuple(tensor.shape)}")
+        if suffix == "weight_zero_point":  # some writers store the zeros of a symmetric scheme
+            if bool((tensor != 0).any()):
+                raise ValueError(f"{name} has non-zero zero points, but the scheme is symmetric")
+            return None
         return tensor
     if suffix in ("qweight", "qzeros"):
         _expect_dtype(name, tensor, (torch.int32,))
