@@ -4,9 +4,10 @@
  * consecutive inputs of a row (G a multiple of 32); each group has a scale s and an offset b = -zero * s,
  * so W[c, d] = q * s + b. A row is stored as K / 32 blocks of 16 bytes: byte j of a block holds input j of
  * the block in its low nibble and input j + 16 in its high one (layers/int4.py packs it), so one 16-byte
- * load and two masks give 32 codes in input order, widened to float32 in registers (never in memory) and
- * turned into weights with one FMA per 8. A decode step streams half a byte per weight, a quarter of bf16.
- * Sums are float32.
+ * load and two masks give 32 codes in input order, widened to float32 in registers (never in memory). The
+ * codes are summed against the activations per group and the group's scale applied once to that sum; the
+ * offsets contribute offset * (the row's sum over the group), computed once per call. A decode step
+ * streams half a byte per weight, a quarter of bf16. Sums are float32.
  *
  * Tiles, row blocks and threads as linear_q8.c: 4 rows x 2 output channels of float32 sums, each channel's
  * weights dequantized once per 4 rows; rows in blocks whose activations stay in L2; threads take
@@ -31,6 +32,7 @@ typedef struct {
     const float *scale, *bias;
     int64_t group, n;
     float *out;
+    const float *xsum; /* [m, k / group]: each row's sum over each group of inputs */
 } q4_job_t;
 
 static inline uint8_t q4_code(const uint8_t *row, int64_t d) {
@@ -43,16 +45,16 @@ static inline __attribute__((always_inline)) void q4_tile(const q4_job_t *J, int
                                                           const int C, float sums[Q4_ROWS][2]) {
     const int64_t k = J->k, groups = k / J->group;
 #if defined(Q4_AVX2)
+    /* Per group, sum x * code (gacc), then fold in the group's scale once: x . W = sum over groups of
+     * scale * (x . codes) + offset * (sum of x over the group), the second term from J->xsum. */
     __m256 acc[Q4_ROWS][2];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
     const __m128i low4 = _mm_set1_epi8(0xf);
     for (int64_t g = 0; g < groups; g++) {
-        __m256 s[2], b[2];
-        for (int c = 0; c < C; c++) {
-            s[c] = _mm256_set1_ps(J->scale[(c0 + c) * groups + g]);
-            b[c] = _mm256_set1_ps(J->bias[(c0 + c) * groups + g]);
-        }
+        __m256 gacc[Q4_ROWS][2];
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++) gacc[r][c] = _mm256_setzero_ps();
         for (int64_t d = g * J->group; d < (g + 1) * J->group; d += Q4_BLOCK) {
             __m128i codes[2][2]; /* [channel][low inputs 0-15, high inputs 16-31] */
             for (int c = 0; c < C; c++) {
@@ -61,17 +63,20 @@ static inline __attribute__((always_inline)) void q4_tile(const q4_job_t *J, int
                 codes[c][1] = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
             }
             for (int part = 0; part < 4; part++) { /* inputs d + 8 * part ... + 7 */
-                __m256 wv[2];
+                __m256 qv[2];
                 for (int c = 0; c < C; c++) {
                     const __m128i half = codes[c][part / 2];
-                    const __m128i eight = (part % 2) ? _mm_srli_si128(half, 8) : half;
-                    wv[c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(eight)), s[c], b[c]);
+                    qv[c] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32((part % 2) ? _mm_srli_si128(half, 8) : half));
                 }
                 for (int r = 0; r < R; r++) {
                     const __m256 xv = _mm256_loadu_ps(J->x + (m0 + r) * k + d + 8 * part);
-                    for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+                    for (int c = 0; c < C; c++) gacc[r][c] = _mm256_fmadd_ps(xv, qv[c], gacc[r][c]);
                 }
             }
+        }
+        for (int c = 0; c < C; c++) {
+            const __m256 s = _mm256_set1_ps(J->scale[(c0 + c) * groups + g]);
+            for (int r = 0; r < R; r++) acc[r][c] = _mm256_fmadd_ps(gacc[r][c], s, acc[r][c]);
         }
     }
     for (int r = 0; r < R; r++)
@@ -79,7 +84,9 @@ static inline __attribute__((always_inline)) void q4_tile(const q4_job_t *J, int
             __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[r][c]), _mm256_extractf128_ps(acc[r][c], 1));
             v = _mm_add_ps(v, _mm_movehl_ps(v, v));
             v = _mm_add_ss(v, _mm_movehdup_ps(v));
-            sums[r][c] = _mm_cvtss_f32(v);
+            float offsets = 0.0f;
+            for (int64_t g = 0; g < groups; g++) offsets += J->bias[(c0 + c) * groups + g] * J->xsum[(m0 + r) * groups + g];
+            sums[r][c] = _mm_cvtss_f32(v) + offsets;
         }
 #else
     for (int r = 0; r < R; r++)
@@ -125,6 +132,16 @@ static void q4_part(void *arg, int tid, int nt) {
 
 void linear_q4(const float *x, int64_t m, int64_t k, const uint8_t *w, const float *scale, const float *bias,
                int64_t group, int64_t n, float *out, int num_threads) {
-    q4_job_t job = {x, m, k, w, scale, bias, group, n, out};
+    const int64_t groups = k / group;
+    float *xsum = (float *)malloc((size_t)(m * groups) * sizeof(float));
+    if (xsum == NULL) abort(); /* a few KiB per call: out of memory is not recoverable here */
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            float sum = 0.0f;
+            for (int64_t d = g * group; d < (g + 1) * group; d++) sum += x[r * k + d];
+            xsum[r * groups + g] = sum;
+        }
+    q4_job_t job = {x, m, k, w, scale, bias, group, n, out, xsum};
     pool_run(q4_part, &job, num_threads);
+    free(xsum);
 }
