@@ -156,12 +156,15 @@ def write_dequantized_checkpoint(src: str, dst: str, weights: Dict[str, torch.Te
 
 
 def write_compressed_tensors_checkpoint(model: torch.nn.Module, dst: str, preset: str, strategy: str = "channel",
-                                        ignore: Tuple[str, ...] = ("lm_head",)) -> Dict[str, torch.Tensor]:
+                                        ignore: Tuple[str, ...] = ("lm_head",),
+                                        group_size: Optional[int] = None) -> Dict[str, torch.Tensor]:
     """What llm-compressor writes for a transformers `model` (quantized in place): compressed-tensors'
-    own scheme, compressor and config writer, with per-channel (or per-tensor) absmax scales set here (the
-    observer's job in llm-compressor). `preset` is compressed-tensors' scheme name (FP8_DYNAMIC, W8A8).
-    Returns the dequantized weight of each quantized linear by its `.weight` name."""
+    own scheme, compressor and config writer, with min/max scales (and zero points) per channel, tensor
+    or group set here (the observer's job in llm-compressor). `preset` is compressed-tensors' scheme name
+    (FP8_DYNAMIC, W8A8, W4A16, W4A16_ASYM); `group_size` with strategy "group". Returns the dequantized
+    weight of each quantized linear by its `.weight` name, unpacked by compressed-tensors itself."""
     from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
     from compressed_tensors.quantization import (QuantizationConfig, QuantizationStrategy, apply_quantization_config,
                                                  preset_name_to_scheme)
     from compressed_tensors.quantization.utils import calculate_qparams
@@ -170,20 +173,44 @@ def write_compressed_tensors_checkpoint(model: torch.nn.Module, dst: str, preset
     scheme = preset_name_to_scheme(preset, ["Linear"])
     assert scheme.weights is not None
     scheme.weights.strategy = QuantizationStrategy(strategy)
+    scheme.weights.group_size = group_size
     apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=list(ignore)))
     for module in model.modules():
         scale = getattr(module, "weight_scale", None)
         if scale is None:
             continue
         w = module.weight.data.float()
-        amax = w.abs().amax(dim=1, keepdim=True) if strategy == "channel" else w.abs().amax().reshape(1, 1)
-        s, _ = calculate_qparams(-amax, amax, module.quantization_scheme.weights)
+        if strategy == "group":
+            w = w.reshape(w.shape[0], -1, group_size)
+            lo, hi = w.amin(dim=2), w.amax(dim=2)
+        elif strategy == "channel":
+            lo, hi = w.amin(dim=1, keepdim=True), w.amax(dim=1, keepdim=True)
+        else:
+            lo, hi = w.amin().reshape(1, 1), w.amax().reshape(1, 1)
+        s, zp = calculate_qparams(lo, hi, module.quantization_scheme.weights)
         scale.data.copy_(s.reshape(scale.shape))
+        zero = getattr(module, "weight_zero_point", None)
+        if zero is not None:
+            zero.data.copy_(zp.reshape(zero.shape))
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
     model.save_pretrained(dst)
     compressor.update_config(dst)
     tensors = load_file(os.path.join(dst, "model.safetensors"))
-    return {k: v.float() * tensors[k + "_scale"].float().reshape(-1, 1) if tensors[k + "_scale"].numel() > 1
-            else v.float() * tensors[k + "_scale"].float().reshape(())
-            for k, v in tensors.items() if k + "_scale" in tensors}
+    out: Dict[str, torch.Tensor] = {}
+    for key, scale_t in tensors.items():
+        if not key.endswith(".weight_scale"):
+            continue
+        module = key[: -len(".weight_scale")]
+        s_f = scale_t.float()
+        if module + ".weight_packed" in tensors:  # 4-bit, per group (or channel: one group)
+            shape = torch.Size(tensors[module + ".weight_shape"].tolist())
+            q = unpack_from_int32(tensors[module + ".weight_packed"], 4, shape).float()
+            zp = tensors.get(module + ".weight_zero_point")
+            z = torch.zeros_like(s_f) if zp is None else unpack_from_int32(zp, 4, s_f.shape, packed_dim=0).float()
+            per = shape[1] // s_f.shape[1]
+            out[module + ".weight"] = (q - z.repeat_interleave(per, 1)) * s_f.repeat_interleave(per, 1)
+        else:
+            w8 = tensors[module + ".weight"].float()
+            out[module + ".weight"] = w8 * (s_f.reshape(-1, 1) if s_f.numel() > 1 else s_f.reshape(()))
+    return out

@@ -144,8 +144,11 @@ def test_flag_and_checkpoint_method() -> None:
     ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "gptq with 3 bits"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": True}, "quantized LM head"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"}, "checkpoint_format"),
-    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {}},
-     "format 'pack-quantized'"),
+    ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {}},
+     "format 'nvfp4-pack-quantized'"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 16}}}},
+     "group_size 16"),
     ({"quant_method": "compressed-tensors", "config_groups": {"g": {
         "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True},
         "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}}},
@@ -298,6 +301,27 @@ def test_builtin_model_awq() -> None:
     # while the KL stays small; fp8's is 2.6e-4 / 0.90).
     print(f"\nbuilt-in model awq group 128: mean KL {kl:.2e}, top-1 {top1:.3f} vs float32")
     assert kl < 2e-2 and top1 >= 0.5
+
+
+@pytest.mark.parametrize("preset, strategy, group", [("W4A16", "group", 32), ("W4A16_ASYM", "group", 64),
+                                                     ("W4A16", "channel", None)])
+def test_compressed_tensors_4bit_checkpoint_equals_its_dequantized_weights(tmp_path, preset: str, strategy: str,
+                                                                           group: int | None) -> None:
+    """llm-compressor's W4A16 (compressed-tensors pack-quantized), written by compressed-tensors itself."""
+    pytest.importorskip("compressed_tensors")
+    from utils_quant import write_compressed_tensors_checkpoint
+
+    src, qpath, oracle = str(tmp_path / "src"), str(tmp_path / "q"), str(tmp_path / "oracle")
+    weights = write_compressed_tensors_checkpoint(build_tiny_model(src, "llama"), qpath, preset, strategy,
+                                                  group_size=group)
+    assert json.load(open(os.path.join(qpath, "config.json")))["quantization_config"]["format"] == "pack-quantized"
+    write_dequantized_checkpoint(src, oracle, weights)
+    runner = make_runner(qpath)
+    assert isinstance(runner.model.model.layers[0].mlp.down_proj.packed_weight, Int4Weight)
+    logits, tokens = _run(runner)
+    expected_logits, expected_tokens = _run(make_runner(oracle))
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
+    assert tokens == expected_tokens
 
 
 # ------------------------------------------------------------------------------------- bad input

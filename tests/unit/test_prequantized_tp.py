@@ -1,6 +1,7 @@
 """Pre-quantized checkpoints with tensor parallelism: 2 spawned ranks over gloo, each loading its shards of
 the quantized tensors (column-parallel: output rows with their scales and zeros; row-parallel: input
-columns with the groups they hold, or the whole-row scale replicated).
+columns with the groups they hold, or the whole-row scale replicated): compressed-tensors 8-bit and 4-bit,
+AWQ, GPTQ.
 
 Oracle: the unquantized engine at tp=1 on the checkpoint of the dequantized weights the test computed
 from what it wrote; the tp=2 prefill logits equal its logits to float32 tolerance and the greedy tokens
@@ -85,7 +86,8 @@ def _run_tp2(path: str):
     return result
 
 
-CASES = ["compressed-tensors-fp8-channel", "compressed-tensors-int8-tensor", "awq-32", "awq-per-row", "gptq-sym-32"]
+CASES = ["compressed-tensors-fp8-channel", "compressed-tensors-int8-tensor", "compressed-tensors-w4a16asym-group",
+         "awq-32", "awq-per-row", "gptq-sym-32"]
 
 
 @pytest.mark.parametrize("case", CASES)
@@ -96,8 +98,11 @@ def test_tp2_prequantized_equals_its_dequantized_checkpoint(tmp_path, case: str)
         pytest.importorskip("compressed_tensors")
         from utils_quant import write_compressed_tensors_checkpoint
 
-        preset = "FP8_DYNAMIC" if "fp8" in case else "W8A8"
-        weights = write_compressed_tensors_checkpoint(model, qpath, preset, case.rsplit("-", 1)[1])
+        if "w4a16" in case:  # groups of 32: each rank's 32 o_proj / 64 down_proj inputs are whole groups
+            weights = write_compressed_tensors_checkpoint(model, qpath, "W4A16_ASYM", "group", group_size=32)
+        else:
+            preset = "FP8_DYNAMIC" if "fp8" in case else "W8A8"
+            weights = write_compressed_tensors_checkpoint(model, qpath, preset, case.rsplit("-", 1)[1])
     elif case.startswith("awq"):
         weights = write_int4_checkpoint(src, qpath, "awq", group=-1 if case == "awq-per-row" else 32)
     else:

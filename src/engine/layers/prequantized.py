@@ -4,8 +4,10 @@ Three steps around the model's own `load_weights`:
 
 1. `prepare(model, quant)`, before loading: every column- and row-parallel linear the checkpoint
    quantized gets parameters for the checkpoint's tensors instead of its float weight: `weight` (int8 /
-   float8 e4m3) and `weight_scale` [out] for compressed-tensors; `qweight` (4-bit codes, one per byte
-   while loading), `qzeros`, `scales` [out, groups] (and `g_idx` [in] with act-order) for AWQ / GPTQ.
+   float8 e4m3) and `weight_scale` [out] for 8-bit compressed-tensors; `qweight` (4-bit codes, one per
+   byte while loading), `qzeros`, `scales` [out, groups] (and `g_idx` [in] with act-order) for AWQ / GPTQ,
+   the same under compressed-tensors' names (weight_packed, weight_zero_point, weight_scale,
+   weight_g_idx) for its 4-bit pack-quantized format.
    Each is output-major like a float weight, so the layer's own weight_loader cuts this rank's piece
    (column-parallel: output rows; row-parallel: input columns, and the groups of those columns for
    scales and zeros, which is why a row-parallel shard must hold whole groups).
@@ -130,9 +132,11 @@ def _add_int4_params(module: Linear, name: str, quant: CheckpointQuantization) -
     if quant.desc_act and sharded_inputs:
         raise ValueError(f"{name}: a GPTQ act-order (desc_act) checkpoint cannot be split by input columns across "
                          f"{module.tp_size} ranks (its groups are scattered over the inputs); serve it with --tp-size 1")
+    names = quant.int4_names
     module.register_parameter("weight", None)  # the codes replace it (finish() puts back an empty one)
-    set_weight_loader(_param(module, "qweight", (n, k), torch.uint8), module.weight_loader)
-    for pname in ("qzeros", "scales"):
+    set_weight_loader(_param(module, names.codes, (n, k), torch.uint8), module.weight_loader)
+    # A symmetric compressed-tensors scheme stores no zero points (each is 8).
+    for pname in (names.scales,) if quant.symmetric else (names.zeros, names.scales):
         param = _param(module, pname, (n, groups), torch.float32)
         if quant.group_size == -1 and sharded_inputs:
             # One group per row: every rank's input columns share it, so the [out, 1] tensor is not cut.
@@ -140,7 +144,7 @@ def _add_int4_params(module: Linear, name: str, quant: CheckpointQuantization) -
         else:
             set_weight_loader(param, module.weight_loader)
     if quant.desc_act:
-        set_weight_loader(_param(module, "g_idx", (k,), torch.int64), _shared_loader())
+        set_weight_loader(_param(module, names.g_idx, (k,), torch.int64), _shared_loader())
 
 
 def _copy_whole(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
@@ -196,8 +200,42 @@ def _expect_dtype(name: str, tensor: torch.Tensor, dtypes: Tuple[torch.dtype, ..
                          "checkpoint's quantization_config promises")
 
 
+def _g_idx(name: str, tensor: torch.Tensor, quant: CheckpointQuantization) -> Optional[torch.Tensor]:
+    g_idx = tensor.to(torch.int64)
+    if quant.desc_act:
+        return g_idx
+    group = quant.group_size if quant.group_size > 0 else max(int(g_idx.numel()), 1)
+    if not torch.equal(g_idx, torch.arange(g_idx.numel()) // group):
+        raise ValueError(f"{name} assigns inputs to groups out of order but the checkpoint says there is no "
+                         "act-order (desc_act / actorder)")
+    return None  # the plain order: nothing to keep
+
+
+def _convert_compressed_int4(name: str, suffix: str, tensor: torch.Tensor,
+                             quant: CheckpointQuantization) -> Optional[torch.Tensor]:
+    """compressed-tensors pack-quantized: weight_packed [out, in / 8] and weight_zero_point [out / 8,
+    groups], int32 words of 8 consecutive codes in nibble order, stored as the signed value + 8."""
+    if suffix in ("weight_packed", "weight_zero_point"):
+        _expect_dtype(name, tensor, (torch.int32,))
+        if tensor.dim() != 2:
+            raise ValueError(f"{name} must be 2-D, got shape {tuple(tensor.shape)}")
+    if suffix == "weight_packed":
+        return unpack_gptq_cols(tensor)
+    if suffix == "weight_zero_point":
+        return None if quant.symmetric else unpack_gptq_rows(tensor).float()
+    if suffix == "weight_scale":
+        return tensor.float()
+    if suffix == "weight_shape":
+        return None  # the unpacked codes' shape is checked against the layer's
+    if suffix == "weight_g_idx":
+        return _g_idx(name, tensor, quant)
+    return tensor
+
+
 def _convert(name: str, suffix: str, tensor: torch.Tensor, quant: CheckpointQuantization) -> Optional[torch.Tensor]:
     """One tensor of a quantized module in output-major form; None drops it."""
+    if quant.method == "compressed-tensors" and quant.weights == "int4":
+        return _convert_compressed_int4(name, suffix, tensor, quant)
     if quant.method == "compressed-tensors":
         if suffix == "weight":
             _expect_dtype(name, tensor, (torch.float8_e4m3fn,) if quant.weights == "fp8" else (torch.int8,))
@@ -234,13 +272,7 @@ def _convert(name: str, suffix: str, tensor: torch.Tensor, quant: CheckpointQuan
     if suffix == "scales":
         return tensor.float().t()
     if suffix == "g_idx":
-        g_idx = tensor.to(torch.int64)
-        if quant.desc_act:
-            return g_idx
-        group = quant.group_size if quant.group_size > 0 else max(int(g_idx.numel()), 1)
-        if not torch.equal(g_idx, torch.arange(g_idx.numel()) // group):
-            raise ValueError(f"{name} assigns inputs to groups out of order but the checkpoint's desc_act is false")
-        return None  # the plain order: nothing to keep
+        return _g_idx(name, tensor, quant)
     return tensor
 
 
@@ -269,7 +301,8 @@ def finish(plan: LoadPlan, dtype: torch.dtype) -> None:
         params = dict(module.named_parameters(recurse=False))
         if plan.quant.weights == "int4":
             module.packed_weight = _int4_weight(name, params, plan.quant)
-            for pname in ("qweight", "qzeros", "scales", "g_idx"):
+            n = plan.quant.int4_names
+            for pname in (n.codes, n.zeros, n.scales, n.g_idx):
                 if pname in params:
                     delattr(module, pname)
         else:
@@ -282,14 +315,16 @@ def finish(plan: LoadPlan, dtype: torch.dtype) -> None:
 
 
 def _int4_weight(name: str, params: Dict[str, nn.Parameter], quant: CheckpointQuantization) -> Int4Weight:
-    codes, zeros, scales = params["qweight"].data, params["qzeros"].data, params["scales"].data
+    names = quant.int4_names
+    codes, scales = params[names.codes].data, params[names.scales].data
+    zeros = params[names.zeros].data if names.zeros in params else torch.full_like(scales, 8.0)
     k = int(codes.shape[1])
     group = quant.group_size if quant.group_size > 0 else k
     if int(codes.max()) > 15 or float(zeros.min()) < 0 or float(zeros.max()) > 16:
         raise ValueError(f"{name}: 4-bit codes or zero points out of range")
     perm: Optional[torch.Tensor] = None
-    if "g_idx" in params:
-        g_idx = params["g_idx"].data
+    if names.g_idx in params:
+        g_idx = params[names.g_idx].data
         groups = k // group
         counts = torch.bincount(g_idx.clamp(0, groups), minlength=groups + 1)
         if int(g_idx.min()) < 0 or int(g_idx.max()) >= groups or not bool((counts[:groups] == group).all()):

@@ -4,9 +4,10 @@ A pre-quantized checkpoint says what it is in config.json's `quantization_config
 is used when --quantization is unset, and a flag naming another method is refused (the awq_marlin /
 gptq_marlin names, SGLang's GPU kernels for the same formats, count as awq / gptq). Accepted formats:
 
-- compressed-tensors (what llm-compressor writes) with 8-bit weights in one scheme targeting the
-  linears: float (e4m3, our fp8 weight path) or int (our w8a8_int8 path), symmetric, per output channel
-  or per tensor; activations dynamic per token (or none: weight-only). Its `ignore` list (names, or
+- compressed-tensors (what llm-compressor writes) with one scheme targeting the linears: 8-bit weights,
+  float (e4m3, our fp8 weight path) or int (our w8a8_int8 path), symmetric, per output channel or per
+  tensor; or 4-bit int weights (pack-quantized, W4A16), per group or channel, symmetric or not, with
+  act-order (weight_g_idx); activations dynamic per token (or none: weight-only). Its `ignore` list (names, or
   "re:" regular expressions) keeps those modules in the model dtype.
 - awq (AutoAWQ's GEMM layout) and gptq (AutoGPTQ / GPTQModel, checkpoint format gptq or gptq_v2): 4 bits,
   group size a multiple of 32 or -1 (one group per row), zero points as the checkpoint has them; GPTQ's
@@ -34,6 +35,20 @@ INT4_MIN_GROUP = 32  # the packed layout's block (layers/int4.py)
 
 
 @dataclass(frozen=True)
+class Int4Names:
+    """A 4-bit format's tensor names (the last part) for codes, zero points, scales and act-order."""
+
+    codes: str
+    zeros: str
+    scales: str
+    g_idx: str
+
+
+AWQ_GPTQ_NAMES = Int4Names("qweight", "qzeros", "scales", "g_idx")
+COMPRESSED_TENSORS_NAMES = Int4Names("weight_packed", "weight_zero_point", "weight_scale", "weight_g_idx")
+
+
+@dataclass(frozen=True)
 class CheckpointQuantization:
     """What a pre-quantized checkpoint holds, read from its quantization_config."""
 
@@ -44,10 +59,17 @@ class CheckpointQuantization:
     desc_act: bool = False  # gptq: inputs assigned to groups by g_idx (act-order)
     zero_offset: int = 0  # gptq format "gptq" stores zero - 1
     ignore: Tuple[str, ...] = ()  # compressed-tensors' ignore entries / awq's modules_to_not_convert
+    symmetric: bool = False  # int4 compressed-tensors: no zero-point tensors (the zero is 8)
+
+    @property
+    def int4_names(self) -> Int4Names:
+        return COMPRESSED_TENSORS_NAMES if self.method == "compressed-tensors" else AWQ_GPTQ_NAMES
 
     @property
     def suffixes(self) -> Tuple[str, ...]:
         """The tensor names a quantized linear has in the checkpoint."""
+        if self.method == "compressed-tensors" and self.weights == "int4":
+            return ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
         if self.method == "compressed-tensors":
             return ("weight", "weight_scale")
         if self.method == "awq":
@@ -98,9 +120,9 @@ def _refuse(what: str) -> ValueError:
 
 def _compressed_tensors(config: Dict[str, object]) -> CheckpointQuantization:
     fmt = config.get("format")
-    if fmt not in (None, "float-quantized", "int-quantized", "naive-quantized"):
+    if fmt not in (None, "float-quantized", "int-quantized", "naive-quantized", "pack-quantized"):
         raise _refuse(f"compressed-tensors format {fmt!r} (supported: float-quantized, int-quantized, "
-                      "naive-quantized: 8-bit weights)")
+                      "naive-quantized: 8-bit weights; pack-quantized: 4-bit)")
     if config.get("kv_cache_scheme"):
         raise _refuse("compressed-tensors kv_cache_scheme (KV-cache scales in the checkpoint)")
     groups = config.get("config_groups")
@@ -117,24 +139,49 @@ def _compressed_tensors(config: Dict[str, object]) -> CheckpointQuantization:
     if not isinstance(weights, dict):
         raise _refuse("a compressed-tensors scheme without weight quantization")
     kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
+    inputs = scheme.get("input_activations")
+    if inputs is not None and (not isinstance(inputs, dict) or not inputs.get("dynamic")):
+        raise _refuse("compressed-tensors static activation scales (input_scale); supported: dynamic "
+                      "per-token activations or weight-only")
+    if scheme.get("output_activations") is not None:
+        raise _refuse("compressed-tensors output activation quantization")
+    ignore = config.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(e, str) for e in ignore):
+        raise _refuse("compressed-tensors ignore must be a list of module names")
+    if fmt == "pack-quantized" or bits == 4:
+        return _compressed_tensors_int4(weights, tuple(ignore))
     if bits != 8 or kind not in ("float", "int"):
         raise _refuse(f"compressed-tensors weights of {bits} bits, type {kind!r} (supported: 8-bit float or int)")
     if strategy not in ("channel", "tensor"):
         raise _refuse(f"compressed-tensors weight strategy {strategy!r} (supported: channel, tensor)")
     if weights.get("symmetric") is False or weights.get("dynamic"):
         raise _refuse("compressed-tensors asymmetric or dynamic weight quantization (supported: symmetric, static)")
-    inputs = scheme.get("input_activations")
-    if inputs is not None:
-        if not isinstance(inputs, dict) or not inputs.get("dynamic"):
-            raise _refuse("compressed-tensors static activation scales (input_scale); supported: dynamic "
-                          "per-token activations or weight-only")
-    if scheme.get("output_activations") is not None:
-        raise _refuse("compressed-tensors output activation quantization")
-    ignore = config.get("ignore") or []
-    if not isinstance(ignore, list) or not all(isinstance(e, str) for e in ignore):
-        raise _refuse("compressed-tensors ignore must be a list of module names")
     return CheckpointQuantization("compressed-tensors", "fp8" if kind == "float" else "w8a8_int8",
                                   per_tensor=strategy == "tensor", ignore=tuple(ignore))
+
+
+def _compressed_tensors_int4(weights: Dict[str, object], ignore: Tuple[str, ...]) -> CheckpointQuantization:
+    """pack-quantized (what llm-compressor's W4A16 schemes write): int32 words of 8 codes along the inputs."""
+    kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
+    if bits != 4 or kind != "int":
+        raise _refuse(f"compressed-tensors pack-quantized weights of {bits} bits, type {kind!r} (supported: 4-bit int)")
+    if strategy == "channel":
+        group = -1
+    elif strategy == "group":
+        group_size = weights.get("group_size")
+        if not isinstance(group_size, int) or group_size <= 0 or group_size % INT4_MIN_GROUP != 0:
+            raise _refuse(f"compressed-tensors group_size {group_size!r} (supported: a multiple of {INT4_MIN_GROUP})")
+        group = group_size
+    else:
+        raise _refuse(f"compressed-tensors 4-bit strategy {strategy!r} (supported: group, channel)")
+    if weights.get("dynamic"):
+        raise _refuse("compressed-tensors dynamic weight quantization")
+    actorder = weights.get("actorder")
+    if actorder not in (None, False, True, "group", "weight"):
+        raise _refuse(f"compressed-tensors actorder {actorder!r} (supported: group, weight)")
+    # "weight" reorders while quantizing but keeps groups contiguous; "group" writes weight_g_idx.
+    return CheckpointQuantization("compressed-tensors", "int4", group_size=group, desc_act=actorder in (True, "group"),
+                                  ignore=ignore, symmetric=weights.get("symmetric") is not False)
 
 
 def _int4(method: str, config: Dict[str, object]) -> CheckpointQuantization:
