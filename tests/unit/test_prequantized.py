@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from typing import Callable, Dict
 
 import pytest
 import torch
@@ -332,7 +333,7 @@ def awq_checkpoint(tmp_path_factory, float_llama):
     return path
 
 
-def _edit_tensors(src: str, dst: str, edit) -> str:
+def _edit_tensors(src: str, dst: str, edit: Callable[[Dict[str, torch.Tensor]], object]) -> str:
     import shutil
 
     from safetensors.torch import load_file, save_file
