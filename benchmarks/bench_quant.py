@@ -1,15 +1,16 @@
 """Quantized weights (issue 40): decode tokens/s of one random Llama-shaped model with bf16, int8
-(--quantization w8a8_int8) and fp8 (--quantization fp8) linears, side by side in one run, in-process
-(the Scheduler, no HTTP), each against its memory floor.
+(--quantization w8a8_int8), fp8 (--quantization fp8) and int4 (an AWQ checkpoint of the same weights, groups
+of 128, round-to-nearest) linears, side by side in one run, in-process (the Scheduler, no HTTP), each
+against its memory floor.
 
 The model (default 8 layers, hidden 1024, intermediate 2816, 16 heads / 4 KV heads, vocab 32000) is
 written once as a bf16 safetensors checkpoint (random weights) under --dir. For each batch size
 (--batch-sizes, default 1 and 16) every configuration decodes --out-len greedy tokens (ignore_eos) for
 the same random prompts; the table gives decode tokens/s, the median decode step, the ratio to bf16,
 and the step against its floor: the bytes a decode step must read (the linears at 2 bytes per weight
-for bf16, 1 plus a float32 scale per channel when quantized; the LM head, the batch's embedding rows
-and the KV cache in bf16) at the bandwidth of a streaming read on the same cores. Not measured yet:
-int4 weights and the fp8 KV cache (neither is implemented).
+for bf16, 1 plus a float32 scale per channel for int8 / fp8, 1/2 plus a float32 scale and offset per
+group of 128 for int4; the LM head, the batch's embedding rows and the KV cache in bf16) at the bandwidth
+of a streaming read on the same cores. Not measured here: the fp8 KV cache.
 
   python benchmarks/bench_quant.py                        # table + bench_quant.json
   python benchmarks/bench_quant.py --layers 2 --out-len 8 # a quick check
@@ -36,7 +37,9 @@ from engine.scheduler.overlap_utils import scheduling_thread  # noqa: E402
 from engine.scheduler.scheduler import Scheduler  # noqa: E402
 from engine.server_args import ServerArgs  # noqa: E402
 
-CONFIGS: Dict[str, Optional[str]] = {"bf16": None, "int8": "w8a8_int8", "fp8": "fp8"}
+# --quantization per configuration; int4 loads an AWQ checkpoint instead (detected, no flag).
+CONFIGS: Dict[str, Optional[str]] = {"bf16": None, "int8": "w8a8_int8", "fp8": "fp8", "int4": None}
+INT4_GROUP = 128
 
 
 @dataclass
@@ -100,8 +103,26 @@ def checkpoint(root: str, shape: Shape) -> str:
     return path
 
 
-def step_bytes(shape: Shape, quantized: bool, batch: int, context: int) -> float:
-    linears = shape.linear_weights() + 4 * shape.linear_channels() if quantized else 2 * shape.linear_weights()
+def awq_checkpoint(path: str) -> str:
+    """The AWQ (4-bit, groups of INT4_GROUP) checkpoint of the bf16 one, written once beside it."""
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests"))
+    from utils_quant import write_int4_checkpoint
+
+    dst = path + f"_awq{INT4_GROUP}"
+    config = os.path.join(dst, "config.json")
+    # config.json gets its quantization_config last: a half-written checkpoint is written again.
+    if not (os.path.exists(config) and "quantization_config" in json.load(open(config))):
+        write_int4_checkpoint(path, dst, "awq", group=INT4_GROUP)
+    return dst
+
+
+def step_bytes(shape: Shape, config: str, batch: int, context: int) -> float:
+    if config == "int4":
+        linears = shape.linear_weights() // 2 + 8 * shape.linear_weights() // INT4_GROUP
+    elif config in ("int8", "fp8"):
+        linears = shape.linear_weights() + 4 * shape.linear_channels()
+    else:
+        linears = 2 * shape.linear_weights()
     head = 2 * (shape.vocab * shape.hidden + batch * shape.hidden)
     kv = 2 * batch * context * shape.layers * 2 * shape.kv_heads * shape.head_dim
     return float(linears + head + kv)
@@ -143,7 +164,8 @@ def main() -> None:
             rng = random.Random(args.seed + batch)
             prompts = [[rng.randrange(10, args.vocab - 10) for _ in range(args.prompt_len)] for _ in range(batch)]
             for name in args.configs:
-                server_args = ServerArgs(model_path=path, device="cpu", log_level="warning", dtype="bfloat16",
+                model_path = awq_checkpoint(path) if name == "int4" else path
+                server_args = ServerArgs(model_path=model_path, device="cpu", log_level="warning", dtype="bfloat16",
                                          quantization=CONFIGS[name],
                                          max_total_tokens=batch * (args.prompt_len + args.out_len + 16) + 256,
                                          max_running_requests=batch, disable_overlap_schedule=True,
@@ -152,7 +174,7 @@ def main() -> None:
                 _decode(scheduler, [p[:8] for p in prompts], 4, "warmup")
                 steps = _decode(scheduler, prompts, args.out_len, "run")
                 scheduler.shutdown()
-                nbytes = step_bytes(shape, CONFIGS[name] is not None, batch, args.prompt_len + args.out_len // 2)
+                nbytes = step_bytes(shape, name, batch, args.prompt_len + args.out_len // 2)
                 step = statistics.median(steps)
                 results.append(Result(name, batch, batch / step, step * 1e3, nbytes / bandwidth * 1e3, nbytes))
     print(f"\nLlama {shape.layers} layers, hidden {shape.hidden}, intermediate {shape.inter}, bf16 activations, "

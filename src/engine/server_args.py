@@ -18,8 +18,9 @@ logger = logging.getLogger(__name__)
 SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random", "routing-key")
 ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
-# SGLang's --quantization names we apply at load (engine/layers/quantization.py ONLINE_METHODS).
-QUANTIZATION_METHODS = ("w8a8_int8", "fp8")
+# SGLang's --quantization names we accept (engine/layers/quant_config.py QUANTIZATION_METHODS): applied at
+# load to a bf16/fp16/fp32 checkpoint, or naming a pre-quantized checkpoint's format.
+QUANTIZATION_METHODS = ("w8a8_int8", "fp8", "compressed-tensors", "awq", "gptq", "awq_marlin", "gptq_marlin")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 GRAMMAR_BACKENDS = ("xgrammar", "none")
@@ -56,7 +57,10 @@ class ServerArgs:
                              "on CUDA), float32, bfloat16 or float16 (bfloat16 on the CPU).", choices=DTYPES)
     quantization: Optional[str] = arg(None, (
         "Quantize the linear layers' weights at load, per output channel: w8a8_int8 (int8) or fp8 (float8 "
-        "e4m3); the LM head and embeddings keep --dtype. Default: none."), choices=QUANTIZATION_METHODS)
+        "e4m3); the LM head and embeddings keep --dtype. A pre-quantized checkpoint (compressed-tensors 8-bit, "
+        "awq or gptq 4-bit) is detected from its config.json; naming its method (awq_marlin / gptq_marlin "
+        "mean awq / gptq) is optional, naming another is refused. Default: none (the checkpoint's)."),
+        choices=QUANTIZATION_METHODS)
     context_length: Optional[int] = arg(None, "The longest sequence (prompt + output). Default: the model's "
                                               "max_position_embeddings (its sliding window, if shorter; a "
                                               "sentence-transformers model's max_seq_length, if shorter).")

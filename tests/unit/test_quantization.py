@@ -211,17 +211,18 @@ def test_prequantized_checkpoint_refused(tmp_path) -> None:
 
     build_tiny_model(str(tmp_path), "llama")
     config = json.loads((tmp_path / "config.json").read_text())
-    config["quantization_config"] = {"quant_method": "awq", "bits": 4, "group_size": 128}
+    # Formats we load are tested in test_prequantized.py; others are refused before any weight is read.
+    config["quantization_config"] = {"quant_method": "bitsandbytes", "load_in_4bit": True}
     (tmp_path / "config.json").write_text(json.dumps(config))
     for flag in (None, "w8a8_int8"):
-        with pytest.raises(ValueError, match="pre-quantized .*'awq'.* not supported yet"):
+        with pytest.raises(ValueError, match="quant_method 'bitsandbytes', which is not supported"):
             make_runner(str(tmp_path), quantization=flag)
 
 
 def test_server_args_refuse_lora_with_quantization() -> None:
     from engine.server_args import QUANTIZATION_METHODS, ServerArgs, ServerArgsError
 
-    assert QUANTIZATION_METHODS == quant.ONLINE_METHODS
+    assert set(quant.ONLINE_METHODS) <= set(QUANTIZATION_METHODS)
     with pytest.raises(ServerArgsError, match="not supported yet with LoRA"):
         ServerArgs(quantization="fp8", enable_lora=True, device="cpu")
 

@@ -122,6 +122,9 @@ class LinearKernels(Protocol):
     def linear_q8(self, x: int, m: int, k: int, w: int, w_fp8: int, scale: int, n: int, out: int,
                   num_threads: int, /) -> None: ...
 
+    def linear_q4(self, x: int, m: int, k: int, w: int, scale: int, bias: int, group: int, n: int, out: int,
+                  num_threads: int, /) -> None: ...
+
 
 class AttentionKernels(Protocol):
     def decode_attention(self, args: DecodeAttentionArgs, /) -> None: ...

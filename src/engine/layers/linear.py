@@ -22,6 +22,7 @@ from engine.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from engine.kernels import linear as linear_kernels
+from engine.layers.int4 import Int4Weight, int4_linear
 from engine.layers.quantization import QuantizedWeight, quantize_weight, quantized_linear
 from engine.model_loader.weight_utils import set_weight_loader
 
@@ -48,8 +49,9 @@ def _copy_checked(target: torch.Tensor, source: torch.Tensor, what: str) -> None
 # large row counts (long prefills in float32) plain F.linear is as fast, so it is used there.
 PACKED_MAX_ROWS = 512
 
-# With --quantization the layer's weight lives only here, quantized (layers/quantization.py).
-PackedWeight = Union[torch.Tensor, linear_kernels.Bf16Panels, QuantizedWeight]
+# With --quantization or a pre-quantized checkpoint the layer's weight lives only here, quantized
+# (layers/quantization.py, layers/int4.py).
+PackedWeight = Union[torch.Tensor, linear_kernels.Bf16Panels, QuantizedWeight, Int4Weight]
 
 
 def prepack_linear_weights(model: nn.Module) -> int:
@@ -62,7 +64,8 @@ def prepack_linear_weights(model: nn.Module) -> int:
     count = 0
     for module in model.modules():
         weight = getattr(module, "weight", None)
-        if not hasattr(module, "packed_weight") or weight is None or isinstance(module.packed_weight, QuantizedWeight):
+        if (not hasattr(module, "packed_weight") or weight is None
+                or isinstance(module.packed_weight, (QuantizedWeight, Int4Weight))):
             continue
         if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
             continue
@@ -88,6 +91,8 @@ def linear_forward(
     """F.linear, through the packed weight when there is one and the batch suits it."""
     if isinstance(packed, QuantizedWeight):
         return quantized_linear(x, packed, bias)
+    if isinstance(packed, Int4Weight):
+        return int4_linear(x, packed, bias)
     if isinstance(packed, linear_kernels.Bf16Panels):
         if x.dtype == torch.bfloat16 and x.numel() <= linear_kernels.LINEAR_BF16_MAX_ROWS * packed.k and linear_kernels.enabled():
             return linear_kernels.linear_bf16(x, packed, add_bias=bias is not None)
@@ -279,6 +284,7 @@ def quantize_model(model: nn.Module, method: str) -> int:
 
 
 def is_quantized(model: nn.Module) -> bool:
-    """Whether quantize_model quantized this model's linears."""
-    return any(isinstance(m, (ColumnParallelLinear, RowParallelLinear)) and isinstance(m.packed_weight, QuantizedWeight)
+    """Whether this model's linears hold quantized weights (quantize_model, or a pre-quantized checkpoint)."""
+    return any(isinstance(m, (ColumnParallelLinear, RowParallelLinear))
+               and isinstance(m.packed_weight, (QuantizedWeight, Int4Weight))
                for m in model.modules())

@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass
-from typing import Dict, Optional, Tuple
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -74,6 +74,9 @@ class QuantizedWeight:
     def nbytes(self) -> int:
         return self.qweight.numel() * self.qweight.element_size() + self.scale.numel() * 4
 
+    def to(self, device: str) -> "QuantizedWeight":
+        return QuantizedWeight(self.method, self.qweight.to(device), self.scale.to(device))
+
 
 def quantize_weight(weight: torch.Tensor, method: str) -> QuantizedWeight:
     """Symmetric per-output-channel quantization of a [n, k] weight (an all-zero row gets scale 1)."""
@@ -114,17 +117,3 @@ def quantized_linear(x: torch.Tensor, qw: QuantizedWeight, bias: Optional[torch.
             out += bias.float()  # before the one rounding to x's dtype, as F.linear's
         return out.to(x.dtype).view(*x.shape[:-1], qw.n)
     return F.linear(x, qw.dequantize(x.dtype), None if bias is None else bias.to(x.dtype))
-
-
-def check_checkpoint(raw_config: Dict[str, object], method: Optional[str]) -> None:
-    """Refuse, before any weight is read, a checkpoint whose config.json says it is already quantized:
-    its tensors (int8/fp8 weights with scales, packed 4-bit) cannot be loaded into the model's layers
-    yet, with or without --quantization."""
-    config = raw_config.get("quantization_config")
-    if config is None:
-        return
-    found = config.get("quant_method", "unknown") if isinstance(config, dict) else "unknown"
-    flag = f" (--quantization {method})" if method is not None else ""
-    raise ValueError(f"the checkpoint is pre-quantized (quantization_config.quant_method {found!r}); loading "
-                     f"pre-quantized checkpoints is not supported yet{flag}. Serve its bf16/fp16/fp32 weights, "
-                     f"optionally with --quantization {' or '.join(ONLINE_METHODS)}")

@@ -5,7 +5,8 @@ Tags, as SGLang's (its constants.GPU_MEMORY_ALL_TYPES), with their meaning here:
   cache first: its content is gone); resuming allocates them again, zeroed.
 - "weights": the parameters. Releasing moves every parameter to host memory (on the CPU it just
   keeps the tensor) and leaves an empty tensor in its place; resuming puts them back, so
-  generation continues exactly as before. A training loop that wants new weights updates them
+  generation continues exactly as before. A quantized linear's weight is its packed one
+  (--quantization, a pre-quantized checkpoint): it goes to host memory and back the same way. A training loop that wants new weights updates them
   after resuming "weights", as with SGLang.
 - "cuda_graph": the captured CUDA graphs and their memory pools. Releasing drops them; they are
   captured again at the resume that leaves none of these three tags released. Without CUDA
@@ -20,12 +21,14 @@ them too. Each call is idempotent per tag.
 from __future__ import annotations
 
 import logging
-from typing import Any, Callable, Dict, Iterable, Optional, Set
+from typing import Any, Callable, Dict, Iterable, Optional, Set, Union
 
 import torch
 from torch import nn
 
+from engine.layers.int4 import Int4Weight
 from engine.layers.linear import prepack_linear_weights
+from engine.layers.quantization import QuantizedWeight
 from engine.model_loader.weight_utils import clear_packed_weights
 
 logger = logging.getLogger(__name__)
@@ -51,6 +54,8 @@ class MemorySaver:
         self.drop_graphs = drop_graphs
         self.released: Set[str] = set()
         self._weights_backup: Dict[str, torch.Tensor] = {}
+        # A quantized layer's packed weight is not a copy of a parameter but the weight itself.
+        self._quantized_backup: Dict[str, Union[QuantizedWeight, Int4Weight]] = {}
         self._graphs_dropped = False
 
     def release(self, tags: Iterable[str]) -> None:
@@ -83,6 +88,10 @@ class MemorySaver:
         logger.info("Resumed memory occupation: %s", ", ".join(sorted(tags)))
 
     def _release_weights(self) -> None:
+        for name, module in self.model.named_modules():
+            packed = getattr(module, "packed_weight", None)
+            if isinstance(packed, (QuantizedWeight, Int4Weight)):
+                self._quantized_backup[name] = packed.to("cpu")
         clear_packed_weights(self.model)
         with torch.no_grad():
             for name, param in self.model.named_parameters():
@@ -95,6 +104,10 @@ class MemorySaver:
         with torch.no_grad():
             for name, param in self.model.named_parameters():
                 param.data = self._weights_backup.pop(name).to(param.device)
+        for name, packed in self._quantized_backup.items():
+            # The layers declare packed_weight; torch types module attributes as Tensor | Module.
+            setattr(self.model.get_submodule(name), "packed_weight", packed.to(self.device))
+        self._quantized_backup.clear()
         if self.device == "cpu":
             prepack_linear_weights(self.model)
 

@@ -20,7 +20,7 @@ from engine.distributed.parallel_state import (
 from engine.kernels import ops as kernel_ops
 from engine.layers.attention import create_attention_backend
 from engine.layers.linear import quantize_model
-from engine.layers.quantization import check_checkpoint
+from engine.layers.quant_config import resolve_quantization
 from engine.layers.logits_processor import LogitsProcessorOutput
 from engine.layers.pooler import EmbeddingPoolerOutput
 from engine.layers.radix_attention import RadixAttention
@@ -105,9 +105,12 @@ class ModelRunner:
         self.dtype = model_config.dtype
         torch.manual_seed(server_args.random_seed)
 
-        check_checkpoint(model_config.raw_config, server_args.quantization)
-        self.model = get_model(model_config, self.device, self.dtype)
-        if server_args.quantization is not None:
+        # A pre-quantized checkpoint (its config.json's quantization_config), checked against --quantization.
+        prequantized = resolve_quantization(model_config.raw_config, server_args.quantization)
+        if prequantized is not None and (server_args.enable_lora or server_args.lora_paths):
+            raise ValueError(f"LoRA adapters are not supported yet with a {prequantized.method}-quantized checkpoint")
+        self.model = get_model(model_config, self.device, self.dtype, prequantized)
+        if prequantized is None and server_args.quantization is not None:
             # Before packing: a quantized layer's weight is its QuantizedWeight, nothing is packed for it.
             done = quantize_model(self.model, server_args.quantization)
             logger.info("Quantized %d linear weights (%s, per output channel)", done, server_args.quantization)

@@ -5,12 +5,13 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
-from typing import Iterable, Iterator, Protocol, Tuple, cast
+from typing import Iterable, Iterator, Optional, Protocol, Tuple, cast
 
 import torch
 from torch import nn
 
 from engine.configs.model_config import ModelConfig
+from engine.layers.quant_config import CheckpointQuantization
 from engine.model_loader.weight_utils import safetensors_weights_iterator
 from engine.models.registry import resolve_model_class
 
@@ -33,8 +34,11 @@ def _default_dtype(dtype: torch.dtype) -> Iterator[None]:
         torch.set_default_dtype(old)
 
 
-def get_model(model_config: ModelConfig, device: str, dtype: torch.dtype) -> nn.Module:
-    """Construct the registered model class directly on `device` in `dtype` and load its weights.
+def get_model(model_config: ModelConfig, device: str, dtype: torch.dtype,
+              quantization: Optional[CheckpointQuantization] = None) -> nn.Module:
+    """Construct the registered model class directly on `device` in `dtype` and load its weights;
+    with `quantization` (a pre-quantized checkpoint) its linears load the quantized tensors
+    (layers/prequantized.py).
 
     The rotary cos/sin cache is created in float32 on purpose and stays float32.
     """
@@ -44,7 +48,20 @@ def get_model(model_config: ModelConfig, device: str, dtype: torch.dtype) -> nn.
         model = model_class(model_config)
     # Buffers built with an explicit float32 dtype are left as they are. (The cast: torch types an
     # nn.Module's other attributes as Tensor | Module, so it cannot say the model has load_weights.)
-    cast(LoadableModel, model).load_weights(safetensors_weights_iterator(model_config.model_path))
+    weights: Iterable[Tuple[str, torch.Tensor]] = safetensors_weights_iterator(model_config.model_path)
+    if quantization is None:
+        cast(LoadableModel, model).load_weights(weights)
+    else:
+        # Imported here: layers.linear imports this package (its weight loaders).
+        from engine.layers import prequantized
+
+        with torch.device(device):
+            plan = prequantized.prepare(model, quantization)
+        cast(LoadableModel, model).load_weights(prequantized.canonical_weights(weights, plan))
+        prequantized.finish(plan, dtype)
+        logger.info("Loaded %d linear layers %s-quantized (%s weights)%s", len(plan.modules), quantization.method,
+                    quantization.weights, f"; kept in {str(dtype).replace('torch.', '')}: {', '.join(plan.skipped)}"
+                    if plan.skipped else "")
     model.eval()
     logger.info(
         "Loaded %s (%s, %.1fM params) from %s in %.2fs",

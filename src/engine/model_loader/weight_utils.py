@@ -130,11 +130,14 @@ def load_weights_into(
             raise ValueError(f"weight {name} loaded twice (parameter {target}, shard {shard_id})")
         param = params[target]
         loader = weight_loader_of(param)
-        with torch.no_grad():
-            if shard_id is None:
-                loader(param, tensor)
-            else:
-                loader(param, tensor, shard_id)
+        try:
+            with torch.no_grad():
+                if shard_id is None:
+                    loader(param, tensor)
+                else:
+                    loader(param, tensor, shard_id)
+        except ValueError as e:  # say which checkpoint tensor did not fit
+            raise ValueError(f"checkpoint weight {name}: {e}") from e
         loaded.add(key)
 
     if not require_all:

@@ -35,7 +35,7 @@ ENGINE_API void store_kv(const void *k, int64_t k_stride, const void *v, int64_t
                          int64_t elem_size, int num_threads);
 ENGINE_API void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t stride, int64_t *out, int num_threads);
 
-/* Family: linear (linear_bf16.c, linear_q8.c). */
+/* Family: linear (linear_bf16.c, linear_q8.c, linear_q4.c). */
 
 /* 0 where the CPU lacks AVX512-BF16: the other three are then never called. */
 ENGINE_API int linear_bf16_available(void);
@@ -47,6 +47,10 @@ ENGINE_API void linear_bf16_silu_mul(const uint16_t *x, int64_t m, int64_t k, co
 /* linear_q8.c: out [m, n] = (x [m, k] . w [n, k]^T) * scale [n], w int8 (w_fp8 0) or float8 e4m3 (1). */
 ENGINE_API void linear_q8(const float *x, int64_t m, int64_t k, const void *w, int w_fp8, const float *scale,
                           int64_t n, float *out, int num_threads);
+/* linear_q4.c: out [m, n] = x [m, k] . W^T with W [n, k] 4-bit codes packed by layers/int4.py, W = code * scale
+ * + bias per group of `group` inputs (a multiple of 32 dividing k); scale and bias [n, k / group]. */
+ENGINE_API void linear_q4(const float *x, int64_t m, int64_t k, const uint8_t *w, const float *scale,
+                          const float *bias, int64_t group, int64_t n, float *out, int num_threads);
 
 /* Family: attention (decode_attention.c, extend_attention.c). */
 

@@ -1,0 +1,147 @@
+/* Linear layers over 4-bit weights for small batches (decode): AWQ / GPTQ checkpoints, repacked at load.
+ *
+ * x [M, K] float32, y [M, N] float32. The weight [N, K] holds unsigned 4-bit codes q in groups of G
+ * consecutive inputs of a row (G a multiple of 32); each group has a scale s and an offset b = -zero * s,
+ * so W[c, d] = q * s + b. A row is stored as K / 32 blocks of 16 bytes: byte j of a block holds input j of
+ * the block in its low nibble and input j + 16 in its high one (layers/int4.py packs it), so one 16-byte
+ * load and two masks give 32 codes in input order, widened to float32 in registers (never in memory). The
+ * codes are summed against the activations per group and the group's scale applied once to that sum; the
+ * offsets contribute offset * (the row's sum over the group), computed once per call. A decode step
+ * streams half a byte per weight, a quarter of bf16. Sums are float32.
+ *
+ * Tiles, row blocks and threads as linear_q8.c: 4 rows x 2 output channels of float32 sums, each channel's
+ * weights dequantized once per 4 rows; rows in blocks whose activations stay in L2; threads take
+ * contiguous ranges of channel pairs. AVX2 + FMA where the compiler has them (Zen 1 and up), else a
+ * portable loop computing the same products.
+ */
+#include "cpu_common.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define Q4_AVX2 1
+#endif
+
+#define Q4_ROWS 4
+#define Q4_BLOCK 32 /* inputs per 16-byte block */
+#define Q4_L2_BYTES (256 * 1024)
+
+typedef struct {
+    const float *x;
+    int64_t m, k;
+    const uint8_t *w;
+    const float *scale, *bias;
+    int64_t group, n;
+    float *out;
+    const float *xsum; /* [m, k / group]: each row's sum over each group of inputs */
+} q4_job_t;
+
+static inline uint8_t q4_code(const uint8_t *row, int64_t d) {
+    const uint8_t byte = row[(d / Q4_BLOCK) * (Q4_BLOCK / 2) + (d % Q4_BLOCK) % (Q4_BLOCK / 2)];
+    return (d % Q4_BLOCK) < Q4_BLOCK / 2 ? (byte & 0xf) : (byte >> 4);
+}
+
+/* sums[r][c] = x[m0 + r] . W[c0 + c] for R rows and C (1 or 2) channels. */
+static inline __attribute__((always_inline)) void q4_tile(const q4_job_t *J, int64_t m0, const int R, int64_t c0,
+                                                          const int C, float sums[Q4_ROWS][2]) {
+    const int64_t k = J->k, groups = k / J->group;
+#if defined(Q4_AVX2)
+    /* Per group, sum x * code (gacc), then fold in the group's scale once: x . W = sum over groups of
+     * scale * (x . codes) + offset * (sum of x over the group), the second term from J->xsum. */
+    __m256 acc[Q4_ROWS][2];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+    const __m128i low4 = _mm_set1_epi8(0xf);
+    for (int64_t g = 0; g < groups; g++) {
+        __m256 gacc[Q4_ROWS][2];
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++) gacc[r][c] = _mm256_setzero_ps();
+        for (int64_t d = g * J->group; d < (g + 1) * J->group; d += Q4_BLOCK) {
+            __m128i codes[2][2]; /* [channel][low inputs 0-15, high inputs 16-31] */
+            for (int c = 0; c < C; c++) {
+                const __m128i bytes = _mm_loadu_si128((const __m128i *)(J->w + (c0 + c) * (k / 2) + d / 2));
+                codes[c][0] = _mm_and_si128(bytes, low4);
+                codes[c][1] = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+            }
+            for (int part = 0; part < 4; part++) { /* inputs d + 8 * part ... + 7 */
+                __m256 qv[2];
+                for (int c = 0; c < C; c++) {
+                    const __m128i half = codes[c][part / 2];
+                    qv[c] = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32((part % 2) ? _mm_srli_si128(half, 8) : half));
+                }
+                for (int r = 0; r < R; r++) {
+                    const __m256 xv = _mm256_loadu_ps(J->x + (m0 + r) * k + d + 8 * part);
+                    for (int c = 0; c < C; c++) gacc[r][c] = _mm256_fmadd_ps(xv, qv[c], gacc[r][c]);
+                }
+            }
+        }
+        for (int c = 0; c < C; c++) {
+            const __m256 s = _mm256_set1_ps(J->scale[(c0 + c) * groups + g]);
+            for (int r = 0; r < R; r++) acc[r][c] = _mm256_fmadd_ps(gacc[r][c], s, acc[r][c]);
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[r][c]), _mm256_extractf128_ps(acc[r][c], 1));
+            v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+            v = _mm_add_ss(v, _mm_movehdup_ps(v));
+            float offsets = 0.0f;
+            for (int64_t g = 0; g < groups; g++) offsets += J->bias[(c0 + c) * groups + g] * J->xsum[(m0 + r) * groups + g];
+            sums[r][c] = _mm_cvtss_f32(v) + offsets;
+        }
+#else
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            const uint8_t *row = J->w + (c0 + c) * (k / 2);
+            float sum = 0.0f;
+            for (int64_t d = 0; d < k; d++) {
+                const int64_t g = d / J->group;
+                const float wf = (float)q4_code(row, d) * J->scale[(c0 + c) * groups + g] + J->bias[(c0 + c) * groups + g];
+                sum += J->x[(m0 + r) * k + d] * wf;
+            }
+            sums[r][c] = sum;
+        }
+#endif
+}
+
+static void q4_part(void *arg, int tid, int nt) {
+    const q4_job_t *J = (const q4_job_t *)arg;
+    const int64_t pairs = (J->n + 1) / 2;
+    int64_t first, last;
+    pool_range(pairs, tid, nt, &first, &last);
+    int64_t block = (Q4_L2_BYTES / (J->k * (int64_t)sizeof(float))) / Q4_ROWS * Q4_ROWS;
+    if (block < Q4_ROWS) block = Q4_ROWS;
+    for (int64_t b0 = 0; b0 < J->m; b0 += block)
+    for (int64_t p = first; p < last; p++) {
+        const int64_t c0 = 2 * p;
+        const int C = c0 + 1 < J->n ? 2 : 1;
+        const int64_t b1 = b0 + block < J->m ? b0 + block : J->m;
+        for (int64_t m0 = b0; m0 < b1; m0 += Q4_ROWS) {
+            const int64_t left = b1 - m0;
+            float sums[Q4_ROWS][2];
+            /* Constant R and C: each call unrolls into its own register tile. */
+            if (left >= 4) { if (C == 2) q4_tile(J, m0, 4, c0, 2, sums); else q4_tile(J, m0, 4, c0, 1, sums); }
+            else if (left == 3) { if (C == 2) q4_tile(J, m0, 3, c0, 2, sums); else q4_tile(J, m0, 3, c0, 1, sums); }
+            else if (left == 2) { if (C == 2) q4_tile(J, m0, 2, c0, 2, sums); else q4_tile(J, m0, 2, c0, 1, sums); }
+            else { if (C == 2) q4_tile(J, m0, 1, c0, 2, sums); else q4_tile(J, m0, 1, c0, 1, sums); }
+            const int R = left >= Q4_ROWS ? Q4_ROWS : (int)left;
+            for (int r = 0; r < R; r++)
+                for (int c = 0; c < C; c++) J->out[(m0 + r) * J->n + c0 + c] = sums[r][c];
+        }
+    }
+}
+
+void linear_q4(const float *x, int64_t m, int64_t k, const uint8_t *w, const float *scale, const float *bias,
+               int64_t group, int64_t n, float *out, int num_threads) {
+    const int64_t groups = k / group;
+    float *xsum = (float *)malloc((size_t)(m * groups) * sizeof(float));
+    if (xsum == NULL) abort(); /* a few KiB per call: out of memory is not recoverable here */
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            float sum = 0.0f;
+            for (int64_t d = g * group; d < (g + 1) * group; d++) sum += x[r * k + d];
+            xsum[r * groups + g] = sum;
+        }
+    q4_job_t job = {x, m, k, w, scale, bias, group, n, out, xsum};
+    pool_run(q4_part, &job, num_threads);
+    free(xsum);
+}

@@ -1,0 +1,134 @@
+"""4-bit weight-only linears: AWQ and GPTQ checkpoints, repacked at load into one layout of our own.
+
+A weight [n, k] is held as unsigned 4-bit codes q in groups of `group_size` consecutive inputs of each
+output row, with a float32 scale s and offset b = -zero * s per (row, group): W = q * s + b, the
+checkpoint's (q - zero) * s. Codes are packed two per byte in blocks of 32 inputs: byte j of a block holds
+input j in its low nibble and input j + 16 in its high one, the order in which csrc/linear_q4.c widens a
+16-byte load into 32 weights with two masks. The scale and offset are float32 [n, k / group_size].
+
+GPTQ's act-order (desc_act) assigns inputs to groups in a permuted order (g_idx): the loader sorts the
+inputs by group, so every group is again `group_size` consecutive columns, and keeps the permutation
+(`perm`): the activations are gathered in that order before the product.
+
+`int4_linear` takes the native kernel on the CPU for batches up to `kernel_max_rows` (decode), the Triton
+GEMM on a GPU (layers/int4_triton.py), else (longer CPU batches, no library, no triton) the torch
+reference: the weight dequantized to the activation dtype, then `F.linear`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from engine.kernels import library
+from engine.layers.quantization import kernel_max_rows
+
+BLOCK = 32  # inputs per 16-byte block of the packed layout
+HALF = BLOCK // 2
+
+
+@dataclass
+class Int4Weight:
+    """A linear weight [n, k] of 4-bit codes with per-group scales and offsets (the layout above)."""
+
+    packed: torch.Tensor  # [n, k // 2] uint8
+    scale: torch.Tensor  # [n, k // group_size] float32
+    bias: torch.Tensor  # [n, k // group_size] float32: -zero * scale
+    group_size: int
+    perm: Optional[torch.Tensor]  # [k] int64: stored column j is input perm[j] (act-order); None: identity
+
+    @property
+    def n(self) -> int:
+        return int(self.packed.shape[0])
+
+    @property
+    def k(self) -> int:
+        return int(self.packed.shape[1]) * 2
+
+    def codes(self) -> torch.Tensor:
+        """The codes [n, k] uint8 in stored (group-sorted) input order."""
+        blocks = self.packed.view(self.n, self.k // BLOCK, HALF)
+        return torch.cat([blocks & 0xF, blocks >> 4], dim=2).view(self.n, self.k)
+
+    def _stored(self, dtype: torch.dtype) -> torch.Tensor:
+        scale = self.scale.repeat_interleave(self.group_size, dim=1)
+        bias = self.bias.repeat_interleave(self.group_size, dim=1)
+        return (self.codes().float() * scale + bias).to(dtype)
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """The weight the codes stand for, [n, k] in the checkpoint's input order (computed in float32)."""
+        stored = self._stored(dtype)
+        if self.perm is None:
+            return stored
+        return stored[:, torch.argsort(self.perm)]
+
+    def nbytes(self) -> int:
+        return self.packed.numel() + 8 * self.scale.numel() + (0 if self.perm is None else 8 * self.perm.numel())
+
+    def to(self, device: str) -> "Int4Weight":
+        return Int4Weight(self.packed.to(device), self.scale.to(device), self.bias.to(device), self.group_size,
+                          None if self.perm is None else self.perm.to(device))
+
+
+def pack_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
+              perm: Optional[torch.Tensor] = None) -> Int4Weight:
+    """Int4Weight from codes [n, k] (0..15, stored order), scale and zero [n, k / group_size]."""
+    if codes.dim() != 2:
+        raise ValueError(f"4-bit codes are 2-D [out, in], got shape {tuple(codes.shape)}")
+    n, k = codes.shape
+    if group_size % BLOCK != 0 or k % group_size != 0:
+        raise ValueError(f"4-bit weights need a group size that is a multiple of {BLOCK} and divides the layer's "
+                         f"{k} inputs (this rank's shard), got {group_size}")
+    groups = k // group_size
+    for name, t in (("scale", scale), ("zero", zero)):
+        if tuple(t.shape) != (n, groups):
+            raise ValueError(f"4-bit weight [{n}, {k}] in groups of {group_size}: its {name}s must be [{n}, {groups}], "
+                             f"got {tuple(t.shape)}")
+    if int(codes.min()) < 0 or int(codes.max()) > 15:
+        raise ValueError("4-bit codes must lie in 0..15")
+    if perm is not None and tuple(perm.shape) != (k,):
+        raise ValueError(f"an input permutation of a [{n}, {k}] weight has {k} entries, got {tuple(perm.shape)}")
+    blocks = codes.to(torch.uint8).reshape(n, k // BLOCK, 2, HALF)
+    packed = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    scale32 = scale.float().contiguous()
+    return Int4Weight(packed, scale32, (-zero.float() * scale32).contiguous(), group_size,
+                      None if perm is None else perm.to(torch.int64).contiguous())
+
+
+def _kernel_usable(rows: torch.Tensor, w: Int4Weight) -> bool:
+    return rows.is_cpu and w.packed.is_cpu and rows.shape[0] <= kernel_max_rows(rows.dtype)
+
+
+def int4_linear(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor]) -> torch.Tensor:
+    """x [..., k] -> [..., n] in x's dtype: x W^T (+ bias), W the dequantized weight."""
+    rows = x.reshape(-1, w.k)
+    if w.perm is not None:
+        rows = rows.index_select(1, w.perm.to(rows.device))
+    lib = library.linear()
+    if lib is not None and _kernel_usable(rows, w):
+        xf = rows.float().contiguous()
+        out = torch.empty(rows.shape[0], w.n, dtype=torch.float32)
+        lib.linear_q4(xf.data_ptr(), rows.shape[0], w.k, w.packed.data_ptr(), w.scale.data_ptr(), w.bias.data_ptr(),
+                      w.group_size, w.n, out.data_ptr(), torch.get_num_threads())
+        if bias is not None:
+            out += bias.float()  # before the one rounding to x's dtype, as F.linear's
+        return out.to(x.dtype).view(*x.shape[:-1], w.n)
+    if rows.is_cuda and _triton_available():
+        # Imported on the GPU only: triton is a GPU dependency, and its module imports this one.
+        from engine.layers.int4_triton import int4_gemm
+
+        out = int4_gemm(rows, w)
+        if bias is not None:
+            out = out + bias.to(out.dtype)
+        return out.view(*x.shape[:-1], w.n)
+    out = F.linear(rows, w._stored(x.dtype), None if bias is None else bias.to(x.dtype))
+    return out.view(*x.shape[:-1], w.n)
+
+
+def _triton_available() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("triton") is not None

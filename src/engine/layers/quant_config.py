@@ -1,0 +1,213 @@
+"""Which quantization a model runs with: --quantization and the checkpoint's `quantization_config`.
+
+A pre-quantized checkpoint says what it is in config.json's `quantization_config`; as SGLang, its method
+is used when --quantization is unset, and a flag naming another method is refused (the awq_marlin /
+gptq_marlin names, SGLang's GPU kernels for the same formats, count as awq / gptq). Accepted formats:
+
+- compressed-tensors (what llm-compressor writes) with one scheme targeting the linears: 8-bit weights,
+  float (e4m3, our fp8 weight path) or int (our w8a8_int8 path), symmetric, per output channel or per
+  tensor; or 4-bit int weights (pack-quantized, W4A16), per group or channel, symmetric or not, with
+  act-order (weight_g_idx); activations dynamic per token (or none: weight-only). Its `ignore` list (names, or
+  "re:" regular expressions) keeps those modules in the model dtype.
+- awq (AutoAWQ's GEMM layout) and gptq (AutoGPTQ / GPTQModel, checkpoint format gptq or gptq_v2): 4 bits,
+  group size a multiple of 32 or -1 (one group per row), zero points as the checkpoint has them; GPTQ's
+  desc_act (act-order) included. AWQ's `modules_to_not_convert` is honoured.
+
+Anything else (other bit widths, static activation scales, group-wise 8-bit, packed compressed-tensors
+formats, a quantized LM head, a KV-cache scheme) is refused before any weight is read.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Dict, Mapping, Optional, Tuple
+
+
+from engine.layers.quantization import ONLINE_METHODS
+
+# The checkpoint formats we load, by the name their config.json gives (SGLang's names for --quantization).
+CHECKPOINT_METHODS: Tuple[str, ...] = ("compressed-tensors", "awq", "gptq")
+# SGLang's GPU kernels for the same formats: as flags they mean the format.
+ALIASES: Dict[str, str] = {"awq_marlin": "awq", "gptq_marlin": "gptq"}
+QUANTIZATION_METHODS: Tuple[str, ...] = ONLINE_METHODS + CHECKPOINT_METHODS + tuple(ALIASES)
+INT4_MIN_GROUP = 32  # the packed layout's block (layers/int4.py)
+
+
+@dataclass(frozen=True)
+class Int4Names:
+    """A 4-bit format's tensor names (the last part) for codes, zero points, scales and act-order."""
+
+    codes: str
+    zeros: str
+    scales: str
+    g_idx: str
+
+
+AWQ_GPTQ_NAMES = Int4Names("qweight", "qzeros", "scales", "g_idx")
+COMPRESSED_TENSORS_NAMES = Int4Names("weight_packed", "weight_zero_point", "weight_scale", "weight_g_idx")
+
+
+@dataclass(frozen=True)
+class CheckpointQuantization:
+    """What a pre-quantized checkpoint holds, read from its quantization_config."""
+
+    method: str  # one of CHECKPOINT_METHODS
+    weights: str  # "fp8", "w8a8_int8" (8-bit, compressed-tensors) or "int4" (awq, gptq)
+    per_tensor: bool = False  # 8-bit: one scale per tensor (per fused shard) instead of per output channel
+    group_size: int = -1  # int4: inputs per group; -1: the whole row
+    desc_act: bool = False  # gptq: inputs assigned to groups by g_idx (act-order)
+    zero_offset: int = 0  # gptq format "gptq" stores zero - 1
+    ignore: Tuple[str, ...] = ()  # compressed-tensors' ignore entries / awq's modules_to_not_convert
+    symmetric: bool = False  # int4 compressed-tensors: no zero-point tensors (the zero is 8)
+
+    @property
+    def int4_names(self) -> Int4Names:
+        return COMPRESSED_TENSORS_NAMES if self.method == "compressed-tensors" else AWQ_GPTQ_NAMES
+
+    @property
+    def suffixes(self) -> Tuple[str, ...]:
+        """The tensor names a quantized linear has in the checkpoint."""
+        if self.method == "compressed-tensors" and self.weights == "int4":
+            return ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
+        if self.method == "compressed-tensors":
+            return ("weight", "weight_scale")
+        if self.method == "awq":
+            return ("qweight", "qzeros", "scales")
+        return ("qweight", "qzeros", "scales", "g_idx")
+
+    def ignores(self, module: str) -> bool:
+        """Whether the checkpoint keeps this module (its checkpoint name) unquantized."""
+        if self.method == "awq":  # AutoAWQ: a substring of the module name
+            return any(entry in module for entry in self.ignore)
+        for entry in self.ignore:
+            if entry.startswith("re:"):
+                if re.fullmatch(entry[3:], module) or re.match(entry[3:], module):
+                    return True
+            elif module == entry or module.endswith("." + entry):
+                return True
+        return False
+
+
+def resolve_quantization(raw_config: Mapping[str, object], flag: Optional[str]) -> Optional[CheckpointQuantization]:
+    """The checkpoint's quantization (None for a bf16/fp16/fp32 one), checked against --quantization;
+    ValueError with what to change for anything we cannot serve."""
+    config = raw_config.get("quantization_config")
+    if config is None:
+        if flag is not None and flag not in ONLINE_METHODS:
+            raise ValueError(f"--quantization {flag} loads a pre-quantized checkpoint, but this checkpoint's "
+                             f"config.json has no quantization_config; for its bf16/fp16/fp32 weights use "
+                             f"--quantization {' or '.join(ONLINE_METHODS)} (or none)")
+        return None
+    if not isinstance(config, dict):
+        raise ValueError("config.json's quantization_config must be an object")
+    found = str(config.get("quant_method", "")).lower()
+    if found not in CHECKPOINT_METHODS:
+        raise ValueError(f"the checkpoint is quantized with quant_method {found!r}, which is not supported; "
+                         f"supported pre-quantized formats: {', '.join(CHECKPOINT_METHODS)}")
+    if flag is not None and ALIASES.get(flag, flag) != found:
+        raise ValueError(f"Quantization method specified in the model config ({found}) does not match the "
+                         f"quantization method specified in the `quantization` argument ({flag}); leave "
+                         f"--quantization unset or pass {found}")
+    if found == "compressed-tensors":
+        return _compressed_tensors(config)
+    return _int4(found, config)
+
+
+def _refuse(what: str) -> ValueError:
+    return ValueError(f"unsupported pre-quantized checkpoint: {what}")
+
+
+def _compressed_tensors(config: Dict[str, object]) -> CheckpointQuantization:
+    fmt = config.get("format")
+    if fmt not in (None, "float-quantized", "int-quantized", "naive-quantized", "pack-quantized"):
+        raise _refuse(f"compressed-tensors format {fmt!r} (supported: float-quantized, int-quantized, "
+                      "naive-quantized: 8-bit weights; pack-quantized: 4-bit)")
+    if config.get("kv_cache_scheme"):
+        raise _refuse("compressed-tensors kv_cache_scheme (KV-cache scales in the checkpoint)")
+    groups = config.get("config_groups")
+    if not isinstance(groups, dict) or len(groups) != 1:
+        raise _refuse("compressed-tensors needs exactly one entry in config_groups (one scheme for every linear), "
+                      f"got {len(groups) if isinstance(groups, dict) else groups!r}")
+    (scheme,) = groups.values()
+    if not isinstance(scheme, dict):
+        raise _refuse("a compressed-tensors config group must be an object")
+    targets = scheme.get("targets")
+    if not isinstance(targets, list) or "Linear" not in targets:
+        raise _refuse(f"compressed-tensors targets {targets!r} (supported: [\"Linear\"])")
+    weights = scheme.get("weights")
+    if not isinstance(weights, dict):
+        raise _refuse("a compressed-tensors scheme without weight quantization")
+    kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
+    inputs = scheme.get("input_activations")
+    if inputs is not None and (not isinstance(inputs, dict) or not inputs.get("dynamic")):
+        raise _refuse("compressed-tensors static activation scales (input_scale); supported: dynamic "
+                      "per-token activations or weight-only")
+    if scheme.get("output_activations") is not None:
+        raise _refuse("compressed-tensors output activation quantization")
+    ignore = config.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(e, str) for e in ignore):
+        raise _refuse("compressed-tensors ignore must be a list of module names")
+    if fmt == "pack-quantized" or bits == 4:
+        return _compressed_tensors_int4(weights, tuple(ignore))
+    if bits != 8 or kind not in ("float", "int"):
+        raise _refuse(f"compressed-tensors weights of {bits} bits, type {kind!r} (supported: 8-bit float or int)")
+    if strategy not in ("channel", "tensor"):
+        raise _refuse(f"compressed-tensors weight strategy {strategy!r} (supported: channel, tensor)")
+    if weights.get("symmetric") is False or weights.get("dynamic"):
+        raise _refuse("compressed-tensors asymmetric or dynamic weight quantization (supported: symmetric, static)")
+    return CheckpointQuantization("compressed-tensors", "fp8" if kind == "float" else "w8a8_int8",
+                                  per_tensor=strategy == "tensor", ignore=tuple(ignore))
+
+
+def _compressed_tensors_int4(weights: Dict[str, object], ignore: Tuple[str, ...]) -> CheckpointQuantization:
+    """pack-quantized (what llm-compressor's W4A16 schemes write): int32 words of 8 codes along the inputs."""
+    kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
+    if bits != 4 or kind != "int":
+        raise _refuse(f"compressed-tensors pack-quantized weights of {bits} bits, type {kind!r} (supported: 4-bit int)")
+    if strategy == "channel":
+        group = -1
+    elif strategy == "group":
+        group_size = weights.get("group_size")
+        if not isinstance(group_size, int) or group_size <= 0 or group_size % INT4_MIN_GROUP != 0:
+            raise _refuse(f"compressed-tensors group_size {group_size!r} (supported: a multiple of {INT4_MIN_GROUP})")
+        group = group_size
+    else:
+        raise _refuse(f"compressed-tensors 4-bit strategy {strategy!r} (supported: group, channel)")
+    if weights.get("dynamic"):
+        raise _refuse("compressed-tensors dynamic weight quantization")
+    actorder = weights.get("actorder")
+    if actorder not in (None, False, True, "group", "weight"):
+        raise _refuse(f"compressed-tensors actorder {actorder!r} (supported: group, weight)")
+    # "weight" reorders while quantizing but keeps groups contiguous; "group" writes weight_g_idx.
+    return CheckpointQuantization("compressed-tensors", "int4", group_size=group, desc_act=actorder in (True, "group"),
+                                  ignore=ignore, symmetric=weights.get("symmetric") is not False)
+
+
+def _int4(method: str, config: Dict[str, object]) -> CheckpointQuantization:
+    bits = config.get("bits", config.get("w_bit"))
+    if bits != 4:
+        raise _refuse(f"{method} with {bits} bits (supported: 4)")
+    group = config.get("group_size", config.get("q_group_size"))
+    if not isinstance(group, int) or not (group == -1 or (group > 0 and group % INT4_MIN_GROUP == 0)):
+        raise _refuse(f"{method} group_size {group!r} (supported: a multiple of {INT4_MIN_GROUP}, or -1)")
+    if method == "awq":
+        if str(config.get("version", "gemm")).lower() != "gemm":
+            raise _refuse(f"awq version {config.get('version')!r} (supported: gemm)")
+        if config.get("zero_point", True) is not True:
+            raise _refuse("awq without zero points (zero_point false)")
+        skip = config.get("modules_to_not_convert") or []
+        if not isinstance(skip, list) or not all(isinstance(e, str) for e in skip):
+            raise _refuse("awq modules_to_not_convert must be a list of names")
+        return CheckpointQuantization("awq", "int4", group_size=group, ignore=tuple(skip))
+    if config.get("lm_head"):
+        raise _refuse("gptq with a quantized LM head (lm_head true)")
+    if config.get("dynamic"):
+        raise _refuse("gptq per-module overrides (dynamic)")
+    if config.get("is_marlin_format"):
+        raise _refuse("gptq in marlin format (is_marlin_format)")
+    fmt = str(config.get("checkpoint_format", "gptq")).lower()
+    if fmt not in ("gptq", "gptq_v2"):
+        raise _refuse(f"gptq checkpoint_format {fmt!r} (supported: gptq, gptq_v2)")
+    return CheckpointQuantization("gptq", "int4", group_size=group, desc_act=bool(config.get("desc_act", False)),
+                                  zero_offset=1 if fmt == "gptq" else 0)
