@@ -311,17 +311,13 @@ def _batch(mode, lens: List[int], prefix_lens: List[int], pool, req_pool, gen, k
 
 
 def _reference(q, fb, slots, k_all, v_all, prefix_lens, layer, kv_dtype, scales, window=-1) -> torch.Tensor:
-    """float64 attention: prefix K/V rounded through fp8 as the pool holds them, the new tokens' as
-    computed (extend) or rounded (decode reads the whole sequence from the pool)."""
+    """float64 attention over every key rounded through fp8 as the pool holds it (the new tokens' too)."""
     heads, kv_heads, dim = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
     ks, vs = scales
     out, row = [], 0
-    decode = fb.forward_mode.is_decode()
     for s, p in zip(slots, prefix_lens):
         n, ext = len(s), len(s) - p
-        k, v = k_all[s].double(), v_all[s].double()
-        cut = n if decode or window > 0 else p  # the windowed path reads every key from the pool
-        k[:cut], v[:cut] = rounded(k_all[s[:cut]], ks, kv_dtype), rounded(v_all[s[:cut]], vs, kv_dtype)
+        k, v = rounded(k_all[s], ks, kv_dtype), rounded(v_all[s], vs, kv_dtype)
         qq = q[row:row + ext].double().view(ext, kv_heads, heads // kv_heads, dim)
         scores = torch.einsum("ehgd,nhd->hgen", qq, k) * layer.scaling
         q_pos = torch.arange(p, n).unsqueeze(1)

@@ -179,6 +179,16 @@ class MHATokenToKVPool:
     def read_v(self, layer_id: int, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return dequantize(rows, self.v_scales[layer_id], dtype)
 
+    def as_stored(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
+        """K/V of this forward as the pool gives them back (rounded through fp8 in an fp8 pool; as they are
+        otherwise): attention reads every key as stored, the new tokens' too, so that a prompt's result
+        does not depend on how it was split (chunked prefill, a cached prefix, PD)."""
+        if not self.is_fp8:
+            return k, v
+        ks, vs = self.kv_scales(layer_id)
+        return (dequantize(quantize_fp8(k, ks, self.dtype), ks, k.dtype),
+                dequantize(quantize_fp8(v, vs, self.dtype), vs, v.dtype))
+
     def slot_map(self, layer_id: int) -> Optional[torch.Tensor]:
         """The map kv_slots applies for this layer (int64, indexed by full slot), None where it keeps the
         slots as they are: what kernels reading req_to_token themselves (Triton) translate with."""

@@ -82,32 +82,56 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
-/* q . k for an fp8 K row (unscaled). */
-static inline float dot_fp8(const float *q, const uint8_t *k, int64_t dim, int kv_dtype) {
-    int64_t d = 0;
-    float s = 0.f;
+/* out[j * out_stride] = q_j . k for the nr query rows q_j = q + j * dim (consecutive in the scratch) that
+ * share one fp8 K row k (a GQA group): each 8 elements of k are widened once for all the rows. Unscaled. */
+static void dot_rows_fp8(const float *q, int64_t nr, int64_t dim, const uint8_t *k, int kv_dtype, float *out,
+                         int64_t out_stride) {
+    for (int64_t r0 = 0; r0 < nr; r0 += 4) {
+        const int64_t n = nr - r0 < 4 ? nr - r0 : 4;
+        const float *q0 = q + r0 * dim;
+        float sums[4] = {0.f, 0.f, 0.f, 0.f};
+        int64_t d = 0;
 #if defined(KV8_AVX2)
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    for (; d + 16 <= dim; d += 16) {
-        a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), fp8_widen8(k + d, kv_dtype), a0);
-        a1 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d + 8), fp8_widen8(k + d + 8, kv_dtype), a1);
-    }
-    for (; d + 8 <= dim; d += 8) a0 = _mm256_fmadd_ps(_mm256_loadu_ps(q + d), fp8_widen8(k + d, kv_dtype), a0);
-    s = hsum8(_mm256_add_ps(a0, a1));
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (; d + 8 <= dim; d += 8) {
+            const __m256 kv8 = fp8_widen8(k + d, kv_dtype);
+            for (int64_t j = 0; j < n; j++) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + j * dim + d), kv8, acc[j]);
+        }
+        for (int64_t j = 0; j < n; j++) sums[j] = hsum8(acc[j]);
 #endif
-    for (; d < dim; d++) s += q[d] * fp8_raw(k[d], kv_dtype);
-    return s;
+        for (; d < dim; d++) {
+            const float kd = fp8_raw(k[d], kv_dtype);
+            for (int64_t j = 0; j < n; j++) sums[j] += q0[j * dim + d] * kd;
+        }
+        for (int64_t j = 0; j < n; j++) out[(r0 + j) * out_stride] = sums[j];
+    }
 }
 
-/* acc += p * v for an fp8 V row (unscaled). */
-static inline void axpy_fp8(float *acc, float p, const uint8_t *v, int64_t dim, int kv_dtype) {
+/* acc_j += p[j * p_stride] * v for the nr accumulator rows acc_j = acc + j * dim that share one fp8 V row
+ * (unscaled): each 8 elements of v are widened once for all the rows. */
+static void axpy_rows_fp8(float *acc, int64_t nr, int64_t dim, const float *p, int64_t p_stride, const uint8_t *v,
+                          int kv_dtype) {
     int64_t d = 0;
 #if defined(KV8_AVX2)
-    const __m256 pv = _mm256_set1_ps(p);
-    for (; d + 8 <= dim; d += 8)
-        _mm256_storeu_ps(acc + d, _mm256_fmadd_ps(pv, fp8_widen8(v + d, kv_dtype), _mm256_loadu_ps(acc + d)));
+    for (; d + 8 <= dim; d += 8) {
+        const __m256 vv = fp8_widen8(v + d, kv_dtype);
+        for (int64_t j = 0; j < nr; j++) {
+            float *a = acc + j * dim + d;
+            _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_set1_ps(p[j * p_stride]), vv, _mm256_loadu_ps(a)));
+        }
+    }
 #endif
-    for (; d < dim; d++) acc[d] += p * fp8_raw(v[d], kv_dtype);
+    for (; d < dim; d++) {
+        const float vd = fp8_raw(v[d], kv_dtype);
+        for (int64_t j = 0; j < nr; j++) acc[j * dim + d] += p[j * p_stride] * vd;
+    }
+}
+
+/* How many rows from r on read the same KV head as row r (the task's rows come grouped by head). */
+static inline int64_t same_head_run(const int64_t *koff, int64_t r, int64_t rows) {
+    int64_t end = r + 1;
+    while (end < rows && koff[end] == koff[r]) end++;
+    return end - r;
 }
 
 typedef struct { /* one thread's scratch */
@@ -250,9 +274,13 @@ static void score_tile(work_t *w, int64_t rows, const int64_t *idx, int64_t n, c
 #endif
     if (kv_fp8(kv)) {
         for (int64_t i = 0; i < n; i++)
-            for (int64_t r = 0; r < rows; r++)
-                w->scores[r * TILE + i] = dot_fp8(w->qf + r * dim, (const uint8_t *)kv->k + idx[i] * kv->k_stride + w->koff[r],
-                                                  dim, kv->kv_dtype) * kv->scale;
+            for (int64_t r = 0, run; r < rows; r += run) {
+                run = same_head_run(w->koff, r, rows);
+                dot_rows_fp8(w->qf + r * dim, run, dim, (const uint8_t *)kv->k + idx[i] * kv->k_stride + w->koff[r],
+                             kv->kv_dtype, w->scores + r * TILE + i, TILE);
+            }
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < n; i++) w->scores[r * TILE + i] *= kv->scale;
         return;
     }
     for (int64_t i = 0; i < n; i++) {
@@ -385,9 +413,11 @@ static void attend(work_t *w, int64_t rows, const int64_t *idx, int64_t n, const
 #endif
         if (kv_fp8(kv)) {
             for (int64_t i = 0; i < nt; i++)
-                for (int64_t r = 0; r < rows; r++)
-                    axpy_fp8(w->acc + r * dim, w->scores[r * TILE + i],
-                             (const uint8_t *)kv->v + idx[i0 + i] * kv->v_stride + w->koff[r], dim, kv->kv_dtype);
+                for (int64_t r = 0, run; r < rows; r += run) {
+                    run = same_head_run(w->koff, r, rows);
+                    axpy_rows_fp8(w->acc + r * dim, run, dim, w->scores + r * TILE + i, TILE,
+                                  (const uint8_t *)kv->v + idx[i0 + i] * kv->v_stride + w->koff[r], kv->kv_dtype);
+                }
             continue;
         }
         for (int64_t i = 0; i < nt; i++) {

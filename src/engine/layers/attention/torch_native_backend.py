@@ -210,6 +210,8 @@ class TorchNativeAttnBackend(AttentionBackend):
             pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         if not layer.is_plain:  # a window, a logit cap or sinks: neither SDPA nor the C kernels have them
             return windowed_extend(q, layer, forward_batch)
+        if k is not None and pool.is_fp8:  # the new tokens' K/V as the pool holds them, as every other key
+            k, v = pool.as_stored(layer.layer_id, k, v)
         meta = forward_batch.attn_metadata
         if isinstance(meta, _PaddedExtend) and k is not None:
             return self._forward_padded_extend(q, k, v, layer, meta)
@@ -232,14 +234,6 @@ class TorchNativeAttnBackend(AttentionBackend):
             if seq.prefix_len == 0 and k is not None:
                 # Nothing cached: the K/V just computed are the whole sequence; skip the gather.
                 k_seq, v_seq = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
-            elif pool.is_fp8 and k is not None:
-                # The cached prefix from the pool (dequantized), the new tokens' K/V as computed: what the
-                # Triton extend kernel reads too (SGLang's), so that both backends agree.
-                prefix = seq.kv_indices[:seq.prefix_len]
-                k_seq = torch.cat([pool.read_k(layer.layer_id, k_buf.index_select(0, prefix), q.dtype),
-                                   k[rows].to(q.dtype)]).transpose(0, 1)
-                v_seq = torch.cat([pool.read_v(layer.layer_id, v_buf.index_select(0, prefix), q.dtype),
-                                   v[rows].to(q.dtype)]).transpose(0, 1)
             else:
                 k_seq = pool.read_k(layer.layer_id, k_buf.index_select(0, seq.kv_indices), q.dtype).transpose(0, 1)
                 v_seq = pool.read_v(layer.layer_id, v_buf.index_select(0, seq.kv_indices), q.dtype).transpose(0, 1)
