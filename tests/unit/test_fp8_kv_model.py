@@ -1,7 +1,8 @@
 """Whole models over an fp8 KV cache (--kv-cache-dtype fp8_e5m2 / fp8_e4m3), in process.
 
 1. Next-token distributions against the same model over its usual KV cache: mean KL and top-1
-   agreement on the built-in model and a random Llama, both formats (printed; bounds below).
+   agreement on the built-in model and a random Llama, both formats (printed; bounds below); and a
+   bf16 cache under a float32 model (--kv-cache-dtype bf16).
 2. Every attention reads K/V as the pool stores them (the new tokens' too), so how a prompt reaches the
    pool does not change what the model computes: the scheduler's greedy outputs with the radix cache
    (shared prefixes), chunked prefill, page size 16 and the overlap loop equal those of plain
@@ -63,11 +64,12 @@ def _compare(model_dir: str, vocab: int, fmt: str, dtype: str) -> Tuple[float, f
 # e5m2 KL 6.4e-2 / top-1 0.51, e4m3 1.8e-2 / 0.72; the built-in model (bfloat16) e5m2 2.2e-4 / 0.86,
 # e4m3 5.0e-5 / 0.93. e4m3's extra mantissa bit halves the error, so a quarter of the KL, as measured.
 # A misread byte or a wrong scale gives KL > 1.
-BOUNDS = {("llama", "fp8_e5m2"): (0.15, 0.4), ("llama", "fp8_e4m3"): (0.05, 0.6),
+# A bf16 cache under the float32 model (--kv-cache-dtype bf16): KL 4.8e-5, top-1 1.0.
+BOUNDS = {("llama", "fp8_e5m2"): (0.15, 0.4), ("llama", "fp8_e4m3"): (0.05, 0.6), ("llama", "bf16"): (1e-3, 0.95),
           ("builtin", "fp8_e5m2"): (1e-3, 0.8), ("builtin", "fp8_e4m3"): (3e-4, 0.85)}
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FORMATS + ["bf16"])
 def test_random_llama_next_token_distribution(tmp_path, fmt: str) -> None:
     from utils_models import build_tiny_model
 

@@ -107,23 +107,45 @@ static void dot_rows_fp8(const float *q, int64_t nr, int64_t dim, const uint8_t 
     }
 }
 
-/* acc_j += p[j * p_stride] * v for the nr accumulator rows acc_j = acc + j * dim that share one fp8 V row
- * (unscaled): each 8 elements of v are widened once for all the rows. */
-static void axpy_rows_fp8(float *acc, int64_t nr, int64_t dim, const float *p, int64_t p_stride, const uint8_t *v,
-                          int kv_dtype) {
-    int64_t d = 0;
+/* acc_j += sum_i p_j[i] * V_i over a tile's nt keys (fp8 V rows at v + idx[i] * v_stride + koff, unscaled)
+ * for the nr accumulator rows acc_j = acc + j * dim that share the KV head, p_j = p + j * p_stride. With
+ * AVX2, 4 rows x 16 dimensions of sums stay in registers across the keys, each 16 bytes of a V row widened
+ * once for the 4 rows (one pass over a tile's V rows per 16 dimensions: the tile's rows stay in L1). */
+static void pv_rows_fp8(float *acc, int64_t nr, int64_t dim, const float *p, int64_t p_stride, const int64_t *idx,
+                        int64_t nt, const uint8_t *v, int64_t v_stride, int64_t koff, int kv_dtype) {
+    int64_t d0 = 0;
 #if defined(KV8_AVX2)
-    for (; d + 8 <= dim; d += 8) {
-        const __m256 vv = fp8_widen8(v + d, kv_dtype);
-        for (int64_t j = 0; j < nr; j++) {
-            float *a = acc + j * dim + d;
-            _mm256_storeu_ps(a, _mm256_fmadd_ps(_mm256_set1_ps(p[j * p_stride]), vv, _mm256_loadu_ps(a)));
+    for (; d0 + 16 <= dim; d0 += 16)
+        for (int64_t r0 = 0; r0 < nr; r0 += 4) {
+            const int64_t n = nr - r0 < 4 ? nr - r0 : 4;
+            __m256 a[4][2];
+            for (int64_t j = 0; j < n; j++) {
+                a[j][0] = _mm256_loadu_ps(acc + (r0 + j) * dim + d0);
+                a[j][1] = _mm256_loadu_ps(acc + (r0 + j) * dim + d0 + 8);
+            }
+            for (int64_t i = 0; i < nt; i++) {
+                const uint8_t *row = v + idx[i] * v_stride + koff + d0;
+                const __m256 w0 = fp8_widen8(row, kv_dtype), w1 = fp8_widen8(row + 8, kv_dtype);
+                for (int64_t j = 0; j < n; j++) {
+                    const __m256 pj = _mm256_broadcast_ss(p + (r0 + j) * p_stride + i);
+                    a[j][0] = _mm256_fmadd_ps(pj, w0, a[j][0]);
+                    a[j][1] = _mm256_fmadd_ps(pj, w1, a[j][1]);
+                }
+            }
+            for (int64_t j = 0; j < n; j++) {
+                _mm256_storeu_ps(acc + (r0 + j) * dim + d0, a[j][0]);
+                _mm256_storeu_ps(acc + (r0 + j) * dim + d0 + 8, a[j][1]);
+            }
         }
-    }
 #endif
-    for (; d < dim; d++) {
-        const float vd = fp8_raw(v[d], kv_dtype);
-        for (int64_t j = 0; j < nr; j++) acc[j * dim + d] += p[j * p_stride] * vd;
+    if (d0 == dim) return;
+    for (int64_t i = 0; i < nt; i++) { /* the dimensions past the last 16 (all of them without AVX2) */
+        const uint8_t *row = v + idx[i] * v_stride + koff;
+        for (int64_t j = 0; j < nr; j++) {
+            const float pj = p[j * p_stride + i];
+            float *a = acc + j * dim;
+            for (int64_t d = d0; d < dim; d++) a[d] += pj * fp8_raw(row[d], kv_dtype);
+        }
     }
 }
 
@@ -285,7 +307,7 @@ static void score_tile(work_t *w, int64_t rows, const int64_t *idx, int64_t n, c
     }
     for (int64_t i = 0; i < n; i++) {
         for (int64_t r = 0; r < rows; r++) {
-            const float *kr = load_row(kv->k, idx[i] * kv->k_stride + w->koff[r], dim, kv->dtype, w->vrow);
+            const float *kr = load_row(kv->k, idx[i] * kv->k_stride + w->koff[r], dim, kv->kv_dtype, w->vrow);
             const float *qr = w->qf + r * dim;
             float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -412,17 +434,16 @@ static void attend(work_t *w, int64_t rows, const int64_t *idx, int64_t n, const
         }
 #endif
         if (kv_fp8(kv)) {
-            for (int64_t i = 0; i < nt; i++)
-                for (int64_t r = 0, run; r < rows; r += run) {
-                    run = same_head_run(w->koff, r, rows);
-                    axpy_rows_fp8(w->acc + r * dim, run, dim, w->scores + r * TILE + i, TILE,
-                                  (const uint8_t *)kv->v + idx[i0 + i] * kv->v_stride + w->koff[r], kv->kv_dtype);
-                }
+            for (int64_t r = 0, run; r < rows; r += run) {
+                run = same_head_run(w->koff, r, rows);
+                pv_rows_fp8(w->acc + r * dim, run, dim, w->scores + r * TILE, TILE, idx + i0, nt,
+                            (const uint8_t *)kv->v, kv->v_stride, w->koff[r], kv->kv_dtype);
+            }
             continue;
         }
         for (int64_t i = 0; i < nt; i++) {
             for (int64_t r = 0; r < rows; r++) {
-                const float *vr = load_row(kv->v, idx[i0 + i] * kv->v_stride + w->koff[r], dim, kv->dtype, w->vrow);
+                const float *vr = load_row(kv->v, idx[i0 + i] * kv->v_stride + w->koff[r], dim, kv->kv_dtype, w->vrow);
                 const float p = w->scores[r * TILE + i];
                 float *a = w->acc + r * dim;
 #pragma omp simd

@@ -216,8 +216,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         if isinstance(meta, _PaddedExtend) and k is not None:
             return self._forward_padded_extend(q, k, v, layer, meta)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
-        if isinstance(meta, _NativeExtend) and not layer.is_causal:
-            meta = self._extend_metadata_per_request(forward_batch)  # the native kernels are causal only
+        if isinstance(meta, _NativeExtend) and (not layer.is_causal or q.dtype != torch.bfloat16):
+            # The native kernels are causal only, and bf16 only (a float32 model over a bf16 pool is not).
+            meta = self._extend_metadata_per_request(forward_batch)
         if isinstance(meta, _NativeExtend):
             return self._forward_native_extend(q.view(q.shape[0], -1), k_buf, v_buf, layer, meta)
         num_heads, head_dim = layer.tp_q_head_num, layer.head_dim
@@ -257,7 +258,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         """With the native kernels, each request's last token attends through the decode kernel (and its
         cascade over shared prefixes): one query row per request instead of all the new tokens."""
         meta = forward_batch.attn_metadata
-        if not isinstance(meta, _NativeExtend) or not layer.is_causal or not layer.is_plain:
+        if (not isinstance(meta, _NativeExtend) or not layer.is_causal or not layer.is_plain
+                or q.dtype != torch.bfloat16):
             return super().forward_extend_last_rows(q, k, v, layer, forward_batch, save_kv_cache)
         pool = forward_batch.token_to_kv_pool
         assert pool is not None  # ForwardBatch.init_new sets it
