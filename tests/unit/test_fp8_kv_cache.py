@@ -84,6 +84,16 @@ def test_pool_refuses_bad_scales() -> None:
         MHATokenToKVPool(dtype=torch.bfloat16, k_scales=[1.0, 0.5], **args)
 
 
+def test_quantizing_leaves_the_input_alone() -> None:
+    k = torch.tensor([[[1000.0, -1e6, 0.5]]])
+    before = k.clone()
+    pool = MHATokenToKVPool(size=4, page_size=1, dtype=torch.float8_e4m3fn, head_num=1, head_dim=3, layer_num=1)
+    pool.set_kv_buffer(0, torch.tensor([1]), k, k)
+    stored_k, _ = pool.as_stored(0, k, k)
+    assert torch.equal(k, before)
+    assert stored_k.tolist() == [[[448.0, -448.0, 0.5]]]
+
+
 def test_dequantize_is_exact_at_scale_one() -> None:
     every = torch.arange(256, dtype=torch.uint8)
     for dtype in FP8:

@@ -32,7 +32,7 @@ def quantize_fp8(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Ten
     are clamped to it (a NaN or inf in the pool would spread to every query that reads the slot)."""
     limit = torch.finfo(dtype).max
     y = x.float() if scale == 1.0 else x.float() / scale
-    return y.clamp_(-limit, limit).to(dtype)
+    return y.clamp(-limit, limit).to(dtype)  # not clamp_: x.float() of a float32 x is x itself
 
 
 def dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
