@@ -78,6 +78,7 @@ def test_random_llama_next_token_distribution(tmp_path, fmt: str) -> None:
     assert kl < BOUNDS["llama", fmt][0] and top1 >= BOUNDS["llama", fmt][1]
 
 
+@pytest.mark.slow  # ~10 s each on 2 cores
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_builtin_model_next_token_distribution(fmt: str) -> None:
     from engine.builtin_model import ensure_builtin_model

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -168,7 +168,7 @@ class MHATokenToKVPool:
     def is_fp8(self) -> bool:
         return is_fp8(self.dtype)
 
-    def kv_scales(self, layer_id: int) -> "tuple[float, float]":
+    def kv_scales(self, layer_id: int) -> Tuple[float, float]:
         """(k_scale, v_scale) of a layer: what its stored elements are multiplied by when read."""
         return self.k_scales[layer_id], self.v_scales[layer_id]
 
@@ -179,7 +179,7 @@ class MHATokenToKVPool:
     def read_v(self, layer_id: int, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         return dequantize(rows, self.v_scales[layer_id], dtype)
 
-    def as_stored(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> "tuple[torch.Tensor, torch.Tensor]":
+    def as_stored(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
         """K/V of this forward as the pool gives them back (rounded through fp8 in an fp8 pool; as they are
         otherwise): attention reads every key as stored, the new tokens' too, so that a prompt's result
         does not depend on how it was split (chunked prefill, a cached prefix, PD)."""
