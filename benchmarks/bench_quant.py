@@ -10,10 +10,18 @@ the same random prompts; the table gives decode tokens/s, the median decode step
 and the step against its floor: the bytes a decode step must read (the linears at 2 bytes per weight
 for bf16, 1 plus a float32 scale per channel for int8 / fp8, 1/2 plus a float32 scale and offset per
 group of 128 for int4; the LM head, the batch's embedding rows and the KV cache in bf16) at the bandwidth
-of a streaming read on the same cores. Not measured here: the fp8 KV cache.
+of a streaming read on the same cores.
+
+The fp8 KV cache rows (--kv-cache-dtype auto / fp8_e5m2 / fp8_e4m3, bf16 weights): a decode step of
+--kv-batch requests (default 64) at --kv-context tokens each (default 1024), through the ModelRunner (the
+scheduler's prefill of 64k tokens would take minutes on a small CPU, so each request's context is
+written straight into the pool as random K/V); the table gives the median step, the KV bytes the step
+must read (the floor that fp8 halves) and the step's floor (weights, LM head and KV at the streaming
+bandwidth).
 
   python benchmarks/bench_quant.py                        # table + bench_quant.json
   python benchmarks/bench_quant.py --layers 2 --out-len 8 # a quick check
+  python benchmarks/bench_quant.py --configs --kv-steps 8 # the fp8 KV rows only
 """
 
 from __future__ import annotations
@@ -128,6 +136,77 @@ def step_bytes(shape: Shape, config: str, batch: int, context: int) -> float:
     return float(linears + head + kv)
 
 
+KV_CONFIGS = ("auto", "fp8_e5m2", "fp8_e4m3")
+
+
+@dataclass
+class KVResult:
+    kv_cache_dtype: str
+    batch: int
+    context: int
+    step_ms: float
+    kv_bytes_per_step: float
+    floor_ms: float
+
+
+def kv_step_bytes(shape: Shape, batch: int, context: int, kv_element: int) -> float:
+    """What one decode step reads at least: the bf16 linears and LM head, and every request's K and V."""
+    head = 2 * (shape.vocab * shape.hidden + batch * shape.hidden)
+    return float(2 * shape.linear_weights() + head + kv_bytes(shape, batch, context, kv_element))
+
+
+def kv_bytes(shape: Shape, batch: int, context: int, kv_element: int) -> float:
+    return float(batch * context * shape.layers * 2 * shape.kv_heads * shape.head_dim * kv_element)
+
+
+def kv_decode_steps(path: str, kv_cache_dtype: str, batch: int, context: int, steps: int) -> List[float]:
+    """Median-ready times of `steps` decode steps of `batch` requests whose first `context` tokens' K/V
+    are written into the pool directly (random, unit scale), each request's slots contiguous as a
+    prompt's are."""
+    import time
+
+    from engine.configs.model_config import ModelConfig
+    from engine.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+    from engine.model_executor.model_runner import ModelRunner
+    from engine.scheduler.schedule_batch import ModelWorkerBatch
+
+    server_args = ServerArgs(model_path=path, device="cpu", log_level="warning", dtype="bfloat16",
+                             kv_cache_dtype=kv_cache_dtype, max_total_tokens=batch * (context + steps + 8) + 256,
+                             max_running_requests=batch, disable_radix_cache=True)
+    config = ModelConfig.from_pretrained(path, dtype="bfloat16", device="cpu")
+    runner = ModelRunner(config, server_args)
+    pool, table = runner.token_to_kv_pool, runner.req_to_token_pool.req_to_token
+    rows = runner.req_to_token_pool.alloc(batch)
+    assert rows is not None
+    gen = torch.Generator().manual_seed(0)
+    for row in rows:
+        slots = runner.token_to_kv_pool_allocator.alloc(context)
+        assert slots is not None
+        table[row, :context] = slots.to(torch.int32)
+        for layer in range(pool.layer_num):
+            shape = (context, pool.head_num, pool.head_dim)
+            pool.set_kv_buffer(layer, slots, torch.randn(shape, generator=gen).to(torch.bfloat16),
+                               torch.randn(shape, generator=gen).to(torch.bfloat16))
+    times: List[float] = []
+    tokens = torch.randint(10, config.vocab_size - 10, (batch,), generator=gen)
+    for step in range(steps + 2):  # two warm-up steps
+        seq_lens = [context + step + 1] * batch
+        out_loc = runner.token_to_kv_pool_allocator.alloc(batch)
+        assert out_loc is not None
+        for row, slot in zip(rows, out_loc.tolist()):
+            table[row, context + step] = slot
+        worker_batch = ModelWorkerBatch(forward_mode=ForwardMode.DECODE, input_ids=tokens,
+                                        req_pool_indices=torch.tensor(rows, dtype=torch.int64),
+                                        seq_lens=torch.tensor(seq_lens, dtype=torch.int64), seq_lens_cpu=seq_lens,
+                                        out_cache_loc=out_loc)
+        t = time.perf_counter()
+        fb = ForwardBatch.init_new(worker_batch, runner)
+        tokens = runner.sample(runner.forward(fb), fb)
+        if step >= 2:
+            times.append(time.perf_counter() - t)
+    return times
+
+
 @dataclass
 class Result:
     config: str
@@ -149,7 +228,12 @@ def main() -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--out-len", type=int, default=32)
-    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
+    ap.add_argument("--kv-configs", nargs="*", default=list(KV_CONFIGS), choices=list(KV_CONFIGS),
+                    help="--kv-cache-dtype values of the fp8 KV rows (none: no KV rows)")
+    ap.add_argument("--kv-batch", type=int, default=64)
+    ap.add_argument("--kv-context", type=int, default=1024)
+    ap.add_argument("--kv-steps", type=int, default=16)
     ap.add_argument("--dir", default=os.path.join(os.path.expanduser("~"), ".cache", "engine_bench_quant"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="bench_quant.json")
@@ -186,9 +270,27 @@ def main() -> None:
         ratio = f"{r.decode_tok_s / base.decode_tok_s:7.2f}" if base else " " * 7
         print(f"{r.config:6} {r.batch:5d} {r.decode_tok_s:8.1f} {r.step_ms:8.1f} {r.floor_ms:8.1f} "
               f"{r.step_ms / r.floor_ms:10.2f} {ratio}")
+    kv_results: List[KVResult] = []
+    for name in args.kv_configs:
+        times = kv_decode_steps(path, name, args.kv_batch, args.kv_context, args.kv_steps)
+        element = 1 if name.startswith("fp8") else 2
+        context = args.kv_context + args.kv_steps // 2 + 2
+        kv_results.append(KVResult(name, args.kv_batch, args.kv_context, statistics.median(times) * 1e3,
+                                   kv_bytes(shape, args.kv_batch, context, element),
+                                   kv_step_bytes(shape, args.kv_batch, context, element) / bandwidth * 1e3))
+    if kv_results:
+        print(f"\nKV cache: {args.kv_batch} requests x {args.kv_context} context, decode step, bf16 weights "
+              f"(median of {args.kv_steps})")
+        print(f"{'kv dtype':9} {'KV MB/step':>10} {'step ms':>8} {'floor ms':>8} {'step/floor':>10} {'vs auto':>7}")
+        base = kv_results[0] if kv_results[0].kv_cache_dtype == "auto" else None
+        for k in kv_results:
+            ratio = f"{base.step_ms / k.step_ms:7.2f}" if base else " " * 7
+            print(f"{k.kv_cache_dtype:9} {k.kv_bytes_per_step / 1e6:10.1f} {k.step_ms:8.1f} {k.floor_ms:8.1f} "
+                  f"{k.step_ms / k.floor_ms:10.2f} {ratio}")
     with open(args.json, "w") as f:
         json.dump({"shape": asdict(shape), "bandwidth_bytes_s": bandwidth, "args": vars(args),
-                   "results": [asdict(r) for r in results]}, f, indent=2)
+                   "results": [asdict(r) for r in results], "kv_results": [asdict(k) for k in kv_results]},
+                  f, indent=2)
     print(f"wrote {args.json}")
 
 

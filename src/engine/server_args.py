@@ -21,6 +21,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # SGLang's --quantization names we accept (engine/layers/quant_config.py QUANTIZATION_METHODS): applied at
 # load to a bf16/fp16/fp32 checkpoint, or naming a pre-quantized checkpoint's format.
 QUANTIZATION_METHODS = ("w8a8_int8", "fp8", "compressed-tensors", "awq", "gptq", "awq_marlin", "gptq_marlin")
+# SGLang's --kv-cache-dtype names (engine/mem_cache/memory_pool.py KV_CACHE_DTYPES).
+KV_CACHE_DTYPE_NAMES = ("auto", "fp8_e5m2", "fp8_e4m3", "bf16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
 LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 GRAMMAR_BACKENDS = ("xgrammar", "none")
@@ -61,6 +63,10 @@ class ServerArgs:
         "awq or gptq 4-bit) is detected from its config.json; naming its method (awq_marlin / gptq_marlin "
         "mean awq / gptq) is optional, naming another is refused. Default: none (the checkpoint's)."),
         choices=QUANTIZATION_METHODS)
+    kv_cache_dtype: str = arg("auto", (
+        "The KV cache's element type: auto (the model's dtype), fp8_e5m2 or fp8_e4m3 (one byte per element, "
+        "scaled by the checkpoint's per-layer k_scale / v_scale, 1.0 without them: about twice the tokens "
+        "in the same memory), bf16 / bfloat16."), choices=KV_CACHE_DTYPE_NAMES)
     context_length: Optional[int] = arg(None, "The longest sequence (prompt + output). Default: the model's "
                                               "max_position_embeddings (its sliding window, if shorter; a "
                                               "sentence-transformers model's max_seq_length, if shorter).")
@@ -365,6 +371,11 @@ class ServerArgs:
         need(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
         need(self.quantization is None or self.quantization in QUANTIZATION_METHODS,
              f"--quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {self.quantization!r}")
+        need(self.kv_cache_dtype in KV_CACHE_DTYPE_NAMES,
+             f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPE_NAMES)}, got {self.kv_cache_dtype!r}")
+        need(not (self.kv_cache_dtype.startswith("fp8") and self.attention_backend == "flashinfer"),
+             f"--kv-cache-dtype {self.kv_cache_dtype} is not supported by the flashinfer attention backend here "
+             "(untested without a GPU); use --attention-backend triton or torch_native")
         need(self.quantization is None or not (self.enable_lora or self.lora_paths),
              "--quantization is not supported yet with LoRA adapters (--enable-lora, --lora-paths)")
         need(self.device in ("cpu", "cuda"), f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")

@@ -42,7 +42,7 @@ def test_int4_gemm_under_triton_interpreter():
 @pytest.mark.skipif(not _INTERPRETED, reason="runs in the interpreter subprocess")
 @pytest.mark.parametrize("case", CASES, ids=[f"case{i}" for i in range(len(CASES))])
 def test_triton_int4_gemm_matches_dequantized_product(case):
-    from engine.layers.int4 import pack_int4
+    from engine.layers.int4 import HALF, pack_int4
     from engine.layers.int4_triton import int4_gemm
 
     m, n, k, group, act_order, dtype = case
@@ -54,7 +54,7 @@ def test_triton_int4_gemm_matches_dequantized_product(case):
     w = pack_int4(codes, scale, zero, group, perm)
     x = torch.randn(m, k, generator=gen).to(dtype)
     rows = x if perm is None else x.index_select(1, perm)
-    out = int4_gemm(rows, w)
+    out = int4_gemm(rows, w, HALF)
     expected = x.double() @ w.dequantize(torch.float64).T
     assert out.dtype == dtype and out.shape == (m, n)
     tol = 1e-5 if dtype == torch.float32 else 2e-2

@@ -42,7 +42,9 @@ def _batch(seq_len: int, ext_len: int, k_buf, v_buf, slots):
     table[1, :seq_len] = slots
     return SimpleNamespace(
         token_to_kv_pool=SimpleNamespace(get_kv_buffer=lambda layer_id: (k_buf, v_buf),
-                                         kv_slots=lambda layer_id, slots: slots),
+                                         kv_slots=lambda layer_id, slots: slots,
+                                         read_k=lambda layer_id, rows, dtype: rows.to(dtype),
+                                         read_v=lambda layer_id, rows, dtype: rows.to(dtype)),
         req_to_token_pool=SimpleNamespace(req_to_token=table),
         req_pool_indices=torch.tensor([1]), seq_lens=torch.tensor([seq_len]), seq_lens_cpu=[seq_len],
         extend_seq_lens_cpu=[ext_len], extend_prefix_lens_cpu=[seq_len - ext_len])

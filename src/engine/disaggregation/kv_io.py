@@ -78,7 +78,8 @@ def pair_ranks(prefill: KVLayout, decode: KVLayout) -> Tuple[int, int, int]:
     for name in ("num_layers", "total_kv_heads", "head_dim", "dtype"):
         if getattr(prefill, name) != getattr(decode, name):
             raise ValueError(f"KV layouts differ in {name}: prefill {getattr(prefill, name)}, "
-                             f"decode {getattr(decode, name)} (serve the same model with the same --dtype)")
+                             f"decode {getattr(decode, name)} (serve the same model with the same --dtype and "
+                             "--kv-cache-dtype)")
     wanted = decode.heads()
     for rank in range(prefill.tp_size):
         held = kv_heads_of_rank(prefill.total_kv_heads, prefill.tp_size, rank)
@@ -114,9 +115,16 @@ def scatter_kv(pool: MHATokenToKVPool, slots: torch.Tensor, data: torch.Tensor) 
     """Write a frame gathered by `gather_kv` into `slots` of this pool."""
     index = slots.to(device=pool.k_buffer[0].device, dtype=torch.int64)
     data = data.to(pool.k_buffer[0].device)
+    if data.dtype != pool.dtype:
+        raise ValueError(f"KV frame of {data.dtype} for a pool of {pool.dtype}")
+    # As bytes: the elements are copied as they are (CPU index_copy_ has no fp8 kernel).
+    data = data.view(torch.uint8) if pool.is_fp8 else data
     for layer in range(pool.layer_num):
-        pool.k_buffer[layer].index_copy_(0, index, data[layer, 0])
-        pool.v_buffer[layer].index_copy_(0, index, data[layer, 1])
+        k_buf, v_buf = pool.k_buffer[layer], pool.v_buffer[layer]
+        if pool.is_fp8:
+            k_buf, v_buf = k_buf.view(torch.uint8), v_buf.view(torch.uint8)
+        k_buf.index_copy_(0, index, data[layer, 0])
+        v_buf.index_copy_(0, index, data[layer, 1])
 
 
 def as_bytes(tensor: torch.Tensor) -> memoryview:

@@ -17,6 +17,9 @@ from engine.kernels import library
 from engine.kernels.boundary import AttentionKernels, DecodeAttentionArgs, ExtendAttentionArgs
 
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1}
+# The pool's element types the decode kernel reads (decode_attention_args_t.kv_dtype): q's, or fp8.
+_KV_DTYPES = {**_DTYPES, torch.float8_e5m2: 2, torch.float8_e4m3fn: 3}
+_FP8 = (torch.float8_e5m2, torch.float8_e4m3fn)
 
 
 def _kernels() -> AttentionKernels:
@@ -26,7 +29,9 @@ def _kernels() -> AttentionKernels:
 
 
 def supports(q: torch.Tensor, k_buf: torch.Tensor) -> bool:
-    return (q.is_cpu and q.dtype in _DTYPES and k_buf.dtype == q.dtype and library.attention() is not None)
+    """Whether decode_attention takes these: float32 / bf16 q over a pool of q's dtype or of fp8."""
+    return (q.is_cpu and q.dtype in _DTYPES and (k_buf.dtype == q.dtype or k_buf.dtype in _FP8)
+            and library.attention() is not None)
 
 
 @dataclass
@@ -77,10 +82,12 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor,
                      lens: torch.Tensor, num_heads: int, kv_heads: int, head_dim: int, scale: float,
-                     cascade: Optional[CascadeTables] = None, layer_id: int = 0) -> torch.Tensor:
+                     cascade: Optional[CascadeTables] = None, layer_id: int = 0,
+                     kv_scales: Tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
     """Attention of one query token per request over pool slots `kv_indices[b, :lens[b]]`, preceded,
     for the members of a cascade group, by the group's shared prefix slots (read once per group;
-    `layer_id` picks the layer's row of the cascade's kept panels).
+    `layer_id` picks the layer's row of the cascade's kept panels). An fp8 pool's elements are read as
+    kv_scales[0] * stored (K) and kv_scales[1] * stored (V).
 
     q [bs, num_heads * head_dim]; k_buf, v_buf [num_slots, kv_heads, head_dim]; kv_indices
     [bs, max_len] int64; lens [bs] int64. Returns the output shaped like q.
@@ -96,6 +103,7 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         q=q.data_ptr(), k=k_buf.data_ptr(), v=v_buf.data_ptr(), kv_indices=kv_indices.data_ptr(),
         lens=lens.data_ptr(), max_len=kv_indices.shape[1], bs=q.shape[0], heads=num_heads, kv_heads=kv_heads,
         dim=head_dim, k_stride=k_buf.stride(0), v_stride=v_buf.stride(0), scale=scale, dtype=_DTYPES[q.dtype],
+        kv_dtype=_KV_DTYPES[k_buf.dtype], k_scale=kv_scales[0], v_scale=kv_scales[1],
         out=out.data_ptr(), num_threads=torch.get_num_threads())  # the cascade's fields: 0 / NULL, none
     if cascade is not None and cascade.prefix_lens.numel():
         args.num_groups, args.max_prefix = cascade.prefix_lens.numel(), cascade.prefix_indices.shape[1]

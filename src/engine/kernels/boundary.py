@@ -49,7 +49,8 @@ class DecodeAttentionArgs(ctypes.Structure):  # decode_attention_args_t
     __slots__ = ()
     _fields_ = [("q", _P), ("k", _P), ("v", _P), ("kv_indices", _P), ("lens", _P), ("max_len", _I64), ("bs", _I64),
                 ("heads", _I64), ("kv_heads", _I64), ("dim", _I64), ("k_stride", _I64), ("v_stride", _I64),
-                ("scale", _F32), ("dtype", _INT), ("out", _P), ("num_groups", _I64), ("group_offsets", _P),
+                ("scale", _F32), ("dtype", _INT), ("kv_dtype", _INT), ("k_scale", _F32), ("v_scale", _F32),
+                ("out", _P), ("num_groups", _I64), ("group_offsets", _P),
                 ("group_members", _P), ("prefix_indices", _P), ("prefix_lens", _P), ("max_prefix", _I64),
                 ("group_of", _P), ("kept", _P), ("kept_tokens", _P), ("num_threads", _INT)]
 

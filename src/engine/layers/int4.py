@@ -117,10 +117,10 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor]) ->
             out += bias.float()  # before the one rounding to x's dtype, as F.linear's
         return out.to(x.dtype).view(*x.shape[:-1], w.n)
     if rows.is_cuda and _triton_available():
-        # Imported on the GPU only: triton is a GPU dependency, and its module imports this one.
+        # Imported on the GPU only: triton is a GPU dependency.
         from engine.layers.int4_triton import int4_gemm
 
-        out = int4_gemm(rows, w)
+        out = int4_gemm(rows, w, HALF)
         if bias is not None:
             out = out + bias.to(out.dtype)
         return out.view(*x.shape[:-1], w.n)

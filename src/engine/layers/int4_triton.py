@@ -9,11 +9,12 @@ TRITON_INTERPRET=1 on the CPU (tests/unit/test_int4_triton.py compares it with t
 
 from __future__ import annotations
 
+from typing import Protocol
+
 import torch
 import triton
 import triton.language as tl
 
-from engine.layers.int4 import BLOCK, HALF, Int4Weight
 
 
 @triton.jit
@@ -45,8 +46,24 @@ def _int4_gemm_kernel(x_ptr, w_ptr, scale_ptr, bias_ptr, y_ptr, M, N, K, GROUPS,
              mask=row_ok[:, None] & col_ok[None, :])
 
 
-def int4_gemm(rows: torch.Tensor, w: Int4Weight) -> torch.Tensor:
-    """rows [M, K] (inputs already in the weight's stored order) -> [M, N] in rows' dtype."""
+class PackedInt4(Protocol):
+    """What the kernel reads of an int4.Int4Weight (a protocol: int4.py imports this module)."""
+
+    packed: torch.Tensor
+    scale: torch.Tensor
+    bias: torch.Tensor
+    group_size: int
+
+    @property
+    def n(self) -> int: ...
+
+    @property
+    def k(self) -> int: ...
+
+
+def int4_gemm(rows: torch.Tensor, w: PackedInt4, half: int) -> torch.Tensor:
+    """rows [M, K] (inputs already in the weight's stored order) -> [M, N] in rows' dtype; `half`: the
+    layout's bytes per block of inputs (int4.HALF)."""
     m = rows.shape[0]
     rows = rows.contiguous()
     out = torch.empty(m, w.n, dtype=rows.dtype, device=rows.device)
@@ -54,8 +71,6 @@ def int4_gemm(rows: torch.Tensor, w: Int4Weight) -> torch.Tensor:
     block_n = 32
     grid = (triton.cdiv(m, block_m), triton.cdiv(w.n, block_n))
     _int4_gemm_kernel[grid](rows, w.packed, w.scale, w.bias, out, m, w.n, w.k, w.k // w.group_size, w.group_size,
-                            rows.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, HALF_K=HALF)
+                            rows.stride(0), out.stride(0), BLOCK_M=block_m, BLOCK_N=block_n, HALF_K=half)
     return out
 
-
-assert BLOCK == 2 * HALF

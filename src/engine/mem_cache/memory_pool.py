@@ -2,11 +2,45 @@
 
 from __future__ import annotations
 
-from typing import List, Optional, Union
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 from engine.kernels import ops as kernel_ops
+
+# --kv-cache-dtype: SGLang's names of the KV pool's element types; auto keeps the model's dtype.
+KV_CACHE_DTYPES: Dict[str, Optional[torch.dtype]] = {
+    "auto": None, "fp8_e5m2": torch.float8_e5m2, "fp8_e4m3": torch.float8_e4m3fn,
+    "bf16": torch.bfloat16, "bfloat16": torch.bfloat16}
+FP8_DTYPES = (torch.float8_e5m2, torch.float8_e4m3fn)
+
+
+def kv_cache_dtype(name: str, model_dtype: torch.dtype) -> torch.dtype:
+    """The pool's element type for --kv-cache-dtype `name` (a ValueError names the choices)."""
+    if name not in KV_CACHE_DTYPES:
+        raise ValueError(f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {name!r}")
+    chosen = KV_CACHE_DTYPES[name]
+    return model_dtype if chosen is None else chosen
+
+
+def is_fp8(dtype: torch.dtype) -> bool:
+    return dtype in FP8_DTYPES
+
+
+def quantize_fp8(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """x / scale in the fp8 `dtype`, rounded to nearest; values past the format's largest finite one
+    are clamped to it (a NaN or inf in the pool would spread to every query that reads the slot)."""
+    limit = torch.finfo(dtype).max
+    y = x.float() if scale == 1.0 else x.float() / scale
+    return y.clamp(-limit, limit).to(dtype)  # not clamp_: x.float() of a float32 x is x itself
+
+
+def dequantize(x: torch.Tensor, scale: float, dtype: torch.dtype) -> torch.Tensor:
+    """Pool elements as `dtype`: fp8 ones times their layer's scale (exact when scale is 1.0: every fp8
+    value is a bfloat16, float16 and float32 value), others only cast."""
+    if not is_fp8(x.dtype) or scale == 1.0:
+        return x.to(dtype)
+    return (x.float() * scale).to(dtype)
 
 
 class ReqToTokenPool:
@@ -58,6 +92,10 @@ class MHATokenToKVPool:
     """Per-layer K and V buffers `[size + page_size, kv_heads, head_dim]`.
 
     Slots 0..page_size-1 (page 0) are never handed out: padded tokens write their dummy K/V there.
+    With an fp8 `dtype` (--kv-cache-dtype fp8_e5m2 / fp8_e4m3) each element is one byte: the K/V of
+    layer l are stored as k / k_scales[l] (v / v_scales[l]) rounded to fp8, and readers multiply by the
+    scale again (`dequantize`, or inside their kernels). The buffers have the fp8 dtype; writes go
+    through uint8 views, since CPU index_copy_ has no fp8 kernel.
     """
 
     def __init__(
@@ -69,7 +107,10 @@ class MHATokenToKVPool:
         head_dim: int,
         layer_num: int,
         device: str = "cpu",
+        k_scales: Optional[Sequence[float]] = None,
+        v_scales: Optional[Sequence[float]] = None,
     ) -> None:
+        """k_scales / v_scales: one per layer (fp8 only; default 1.0), as the checkpoint gives them."""
         self.size = size
         self.page_size = page_size
         self.dtype = dtype
@@ -77,6 +118,10 @@ class MHATokenToKVPool:
         self.head_dim = head_dim
         self.layer_num = layer_num
         self.device = device
+        self.k_scales = _layer_scales(k_scales, layer_num, "k_scales")
+        self.v_scales = _layer_scales(v_scales, layer_num, "v_scales")
+        if not is_fp8(dtype) and any(s != 1.0 for s in self.k_scales + self.v_scales):
+            raise ValueError(f"KV scales apply to an fp8 KV cache only, not to {dtype}")
         # On the CPU, how many times each slot went back to the allocator (every slot once more when
         # the buffers are made anew): a copy of some slots' K/V derived from them (PrefixPanels) is
         # still theirs while the slots' generations are what they were when it was made. None where
@@ -119,6 +164,31 @@ class MHATokenToKVPool:
     def get_kv_buffer(self, layer_id: int):
         return self.k_buffer[layer_id], self.v_buffer[layer_id]
 
+    @property
+    def is_fp8(self) -> bool:
+        return is_fp8(self.dtype)
+
+    def kv_scales(self, layer_id: int) -> Tuple[float, float]:
+        """(k_scale, v_scale) of a layer: what its stored elements are multiplied by when read."""
+        return self.k_scales[layer_id], self.v_scales[layer_id]
+
+    def read_k(self, layer_id: int, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows taken from layer `layer_id`'s K buffer, as `dtype` (dequantized)."""
+        return dequantize(rows, self.k_scales[layer_id], dtype)
+
+    def read_v(self, layer_id: int, rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        return dequantize(rows, self.v_scales[layer_id], dtype)
+
+    def as_stored(self, layer_id: int, k: torch.Tensor, v: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """K/V of this forward as the pool gives them back (rounded through fp8 in an fp8 pool; as they are
+        otherwise): attention reads every key as stored, the new tokens' too, so that a prompt's result
+        does not depend on how it was split (chunked prefill, a cached prefix, PD)."""
+        if not self.is_fp8:
+            return k, v
+        ks, vs = self.kv_scales(layer_id)
+        return (dequantize(quantize_fp8(k, ks, self.dtype), ks, k.dtype),
+                dequantize(quantize_fp8(v, vs, self.dtype), vs, v.dtype))
+
     def slot_map(self, layer_id: int) -> Optional[torch.Tensor]:
         """The map kv_slots applies for this layer (int64, indexed by full slot), None where it keeps the
         slots as they are: what kernels reading req_to_token themselves (Triton) translate with."""
@@ -130,6 +200,12 @@ class MHATokenToKVPool:
         return slots
 
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
+        if self.is_fp8:
+            k8 = quantize_fp8(cache_k, self.k_scales[layer_id], self.dtype).view(torch.uint8)
+            v8 = quantize_fp8(cache_v, self.v_scales[layer_id], self.dtype).view(torch.uint8)
+            self.k_buffer[layer_id].view(torch.uint8).index_copy_(0, loc, k8)
+            self.v_buffer[layer_id].view(torch.uint8).index_copy_(0, loc, v8)
+            return
         if cache_k.dtype != self.dtype:
             cache_k = cache_k.to(self.dtype)
             cache_v = cache_v.to(self.dtype)
@@ -144,3 +220,15 @@ class MHATokenToKVPool:
 
     def bytes_per_token(self) -> int:
         return 2 * self.layer_num * self.head_num * self.head_dim * torch.tensor([], dtype=self.dtype).element_size()
+
+
+def _layer_scales(scales: Optional[Sequence[float]], layer_num: int, what: str) -> List[float]:
+    if scales is None:
+        return [1.0] * layer_num
+    out = [float(s) for s in scales]
+    if len(out) != layer_num:
+        raise ValueError(f"{what}: {len(out)} values for {layer_num} layers")
+    bad = [s for s in out if not (s > 0.0 and s < float("inf"))]
+    if bad:
+        raise ValueError(f"{what} must be finite and > 0, got {bad[0]}")
+    return out

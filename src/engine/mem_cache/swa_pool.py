@@ -30,12 +30,13 @@ class SWAKVPool(MHATokenToKVPool):
     """Per-layer K/V buffers: `size` slots for full layers, `swa_size` for the windowed ones."""
 
     def __init__(self, size: int, swa_size: int, windowed_layers: Sequence[int], dtype: torch.dtype, head_num: int,
-                 head_dim: int, layer_num: int, device: str = "cpu") -> None:
+                 head_dim: int, layer_num: int, device: str = "cpu", k_scales: Optional[Sequence[float]] = None,
+                 v_scales: Optional[Sequence[float]] = None) -> None:
         self.swa_size = swa_size
         self.windowed_layers = frozenset(windowed_layers)
         # Until the allocator binds its map: every full slot maps to the padding slot.
         self._full_to_swa = torch.zeros(size + 1, dtype=torch.int64, device=device)
-        super().__init__(size, 1, dtype, head_num, head_dim, layer_num, device)
+        super().__init__(size, 1, dtype, head_num, head_dim, layer_num, device, k_scales, v_scales)
 
     def use_slot_map(self, full_to_swa: torch.Tensor) -> None:
         """The allocator's map (it alone writes it); read here to place and find windowed K/V."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import TYPE_CHECKING, Optional
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import torch
 
@@ -25,7 +25,7 @@ from engine.layers.logits_processor import LogitsProcessorOutput
 from engine.layers.pooler import EmbeddingPoolerOutput
 from engine.layers.radix_attention import RadixAttention
 from engine.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
-from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, is_fp8, kv_cache_dtype
 from engine.mem_cache.mla_pool import MLATokenToKVPool
 from engine.model_executor.forward_batch_info import ForwardBatch
 from engine.model_executor.memory_saver import MemorySaver
@@ -90,7 +90,7 @@ class ModelRunner:
         assert attention_backend is not None  # ServerArgs.resolve_defaults picks one
         if self.mla_dims is not None:
             check_mla_server_args(server_args.speculative_algorithm, server_args.disaggregation_mode,
-                                  server_args.enable_lora)
+                                  server_args.enable_lora, server_args.kv_cache_dtype)
             if attention_backend != "torch_native":
                 logger.warning("MLA model: attention runs on the torch_native backend instead of --attention-backend "
                                "%s (no other backend attends with K and V of different sizes)", attention_backend)
@@ -110,6 +110,13 @@ class ModelRunner:
         if prequantized is not None and (server_args.enable_lora or server_args.lora_paths):
             raise ValueError(f"LoRA adapters are not supported yet with a {prequantized.method}-quantized checkpoint")
         self.model = get_model(model_config, self.device, self.dtype, prequantized)
+        # --kv-cache-dtype: the pool's element type, and for fp8 the checkpoint's per-layer scales.
+        self.kv_cache_dtype = kv_cache_dtype(server_args.kv_cache_dtype, self.dtype)
+        self.kv_scales: Tuple[Optional[List[float]], Optional[List[float]]] = (None, None)
+        if is_fp8(self.kv_cache_dtype) and not model_config.is_encoder_only:
+            from engine.model_loader.kv_scales import read_kv_scales
+
+            self.kv_scales = read_kv_scales(model_config.model_path, model_config.num_hidden_layers)
         if prequantized is None and server_args.quantization is not None:
             # Before packing: a quantized layer's weight is its QuantizedWeight, nothing is packed for it.
             done = quantize_model(self.model, server_args.quantization)
@@ -158,7 +165,7 @@ class ModelRunner:
 
     # ------------------------------------------------------------------ memory
     def kv_bytes_per_token(self) -> int:
-        element = torch.tensor([], dtype=self.dtype).element_size()
+        element = torch.tensor([], dtype=self.kv_cache_dtype).element_size()
         if self.mla_dims is not None:  # one latent + rope key per token per layer, shared by every head
             return self.model_config.num_hidden_layers * self.mla_dims.cache_dim * element
         kv_heads = self.model_config.get_num_kv_heads(self.tp_size)
@@ -242,17 +249,20 @@ class ModelRunner:
             # An encoder stores no K/V: only the padding page exists, slots are a token budget.
             size=0 if encoder else total,
             page_size=self.page_size,
-            dtype=self.dtype,
+            dtype=self.kv_cache_dtype,
             head_num=self.model_config.get_num_kv_heads(self.tp_size),
             head_dim=self.model_config.head_dim,
             layer_num=self.model_config.num_hidden_layers,
             device=self.device,
+            k_scales=self.kv_scales[0],
+            v_scales=self.kv_scales[1],
         )
         self.token_to_kv_pool_allocator = self._make_allocator(total)
         logger.info(
-            "KV cache pool: %d tokens (%.2f GB, page size %d), %d request slots, context length %d",
+            "KV cache pool: %d tokens (%.2f GB, %s, page size %d), %d request slots, context length %d",
             total,
             0.0 if encoder else total * self.kv_bytes_per_token() / 1e9,
+            str(self.kv_cache_dtype).removeprefix("torch."),
             self.page_size,
             rows,
             context_len,
@@ -281,8 +291,9 @@ class ModelRunner:
         if swa_size >= total:
             return False  # the windows would not save anything
         windowed = [i for i, w in enumerate(windows) if w > 0]
-        pool = SWAKVPool(total, swa_size, windowed, self.dtype, self.model_config.get_num_kv_heads(self.tp_size),
-                         self.model_config.head_dim, self.model_config.num_hidden_layers, self.device)
+        pool = SWAKVPool(total, swa_size, windowed, self.kv_cache_dtype, self.model_config.get_num_kv_heads(self.tp_size),
+                         self.model_config.head_dim, self.model_config.num_hidden_layers, self.device,
+                         k_scales=self.kv_scales[0], v_scales=self.kv_scales[1])
         self.token_to_kv_pool = pool
         self.token_to_kv_pool_allocator = SWATokenToKVPoolAllocator(total, swa_size, window, rows, self.dtype,
                                                                     self.device, pool)
@@ -299,11 +310,13 @@ class ModelRunner:
         self.token_to_kv_pool = MHATokenToKVPool(
             size=self.max_total_num_tokens,
             page_size=self.page_size,
-            dtype=self.dtype,
+            dtype=self.kv_cache_dtype,
             head_num=self.model_config.get_num_kv_heads(self.tp_size),
             head_dim=self.model_config.head_dim,
             layer_num=self.model_config.num_hidden_layers,
             device=self.device,
+            k_scales=self.kv_scales[0],
+            v_scales=self.kv_scales[1],
         )
         self.token_to_kv_pool_allocator = target.token_to_kv_pool_allocator
         # A slot's draft K/V change whenever its target K/V do, but the allocator reports releases

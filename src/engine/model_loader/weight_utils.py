@@ -118,9 +118,13 @@ def load_weights_into(
         shards_of.setdefault(fused, set()).add(shard_id)
     loaded: Set[Tuple[str, ShardId]] = set()
 
+    from engine.model_loader.kv_scales import kv_scale_target
+
     for name, tensor in weights:
         if any(s in name for s in skip_substrings):
             continue
+        if kv_scale_target(name) is not None:
+            continue  # the fp8 KV cache's scales: the KV pool reads them (model_loader/kv_scales.py)
         target, shard_id = _route(name, stacked_params, params)
         if target is None:
             logger.warning("checkpoint weight %s has no matching parameter; ignored", name)

@@ -111,6 +111,9 @@ class Scheduler:
         self.page_size: int = info["page_size"]
         self.device: str = info["device"]
         self.total_kv_heads: int = info.get("total_kv_heads", 0)
+        # The KV pool's element type and bytes per token (--kv-cache-dtype), as /get_server_info reports them.
+        self.kv_cache_facts: Dict[str, Any] = {k: info[k] for k in ("kv_cache_dtype", "kv_cache_bytes_per_token")
+                                               if k in info}
         self.eos_token_ids = set(worker.eos_token_ids)
         self.tokenizer = tokenizer
         if self.tokenizer is not None and getattr(self.tokenizer, "eos_token_id", None) is not None:
@@ -373,6 +376,7 @@ class Scheduler:
             "context_len": self.context_len,
             "new_token_ratio": self.running.new_token_ratio,
             "page_size": self.page_size,
+            **self.kv_cache_facts,
             "cache_hit_rate": self.stats.cache_hit_rate(),
             "gen_throughput": self.stats.last_gen_throughput,
             "forward_ct": self.forward_ct,

@@ -155,6 +155,11 @@ class TpModelWorker:
             total_kv_heads=self.model_config.num_key_value_heads,
         )
         info.update(embedding_info(self.model_config, mr.max_total_num_tokens))
+        # What /get_server_info reports of the KV pool (--kv-cache-dtype): its element type and size.
+        pool = mr.token_to_kv_pool
+        if pool is not None:  # None on the simulated device
+            info["kv_cache_dtype"] = str(pool.dtype).removeprefix("torch.")
+            info["kv_cache_bytes_per_token"] = pool.bytes_per_token()
         moe = self._moe_model()
         if moe is not None:  # what /get_server_info reports of a mixture-of-experts model
             info["moe_layout"] = moe.expert_layout(self.server_args.ep_size)

@@ -19,8 +19,23 @@
  * to bfloat16 for P.V, as flash attention does) with the output accumulators held in registers.
  * Built at run time by engine/kernels/library.py (gcc -O3 -march=native); called through
  * ctypes, which releases the GIL; the threads are thread_pool.c's.
+ *
+ * An fp8 pool (--kv-cache-dtype fp8_e5m2 / fp8_e4m3, kv_dtype 2 / 3) is read one byte per element and
+ * widened in registers, never into memory: the byte becomes the float16 with the same bits (e5m2: the
+ * byte is a float16's high byte; e4m3: its exponent and mantissa moved 7 places up, the sign to bit 15,
+ * which is the value / 2^8, subnormals included), and F16C widens that to float32 (AVX2 + FMA + F16C,
+ * Zen 1 and up; a portable loop otherwise). The layer's k_scale (and e4m3's 2^8) goes into the score
+ * scale, its v_scale into the output's normalisation: no per-element multiply. These pools take the
+ * generic paths (the AVX512-BF16 ones read bf16 K/V only).
  */
 #include "attend_step.h"
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define KV8_AVX2 1
+#endif
+
+enum { KV_FP8_E5M2 = 2, KV_FP8_E4M3 = 3 }; /* decode_attention_args_t.kv_dtype, beside DTYPE_F32 / BF16 */
 
 #define TILE 128 /* keys per online-softmax step (a multiple of 16) */
 
@@ -28,9 +43,118 @@ typedef struct {
     const void *k, *v;
     int64_t k_stride, v_stride; /* elements per pool slot */
     int64_t dim;
-    int dtype;
-    float scale;
+    int dtype;    /* q's and out's */
+    float scale;  /* of the scores: the softmax scale times an fp8 pool's k_scale (and e4m3's 2^8) */
+    int kv_dtype; /* the pool's: dtype, or KV_FP8_* */
+    float v_scale; /* the outputs' factor: an fp8 pool's v_scale (and e4m3's 2^8), else 1 */
 } kv_t;
+
+static inline int kv_fp8(const kv_t *kv) { return kv->kv_dtype == KV_FP8_E5M2 || kv->kv_dtype == KV_FP8_E4M3; }
+static inline int kv_elem(const kv_t *kv) { return kv_fp8(kv) ? 1 : kv->kv_dtype == DTYPE_F32 ? 4 : 2; }
+
+/* An fp8 byte as float32, e4m3 / 2^8 (see the top of the file): the portable path's conversion. */
+static inline float fp8_raw(uint8_t b, int kv_dtype) {
+    const float sign = (b & 0x80) ? -1.f : 1.f;
+    if (kv_dtype == KV_FP8_E5M2) {
+        const int e = (b >> 2) & 0x1f, m = b & 3;
+        if (e == 31) return m ? NAN : sign * INFINITY;
+        return sign * (e == 0 ? ldexpf((float)m / 4.f, -14) : ldexpf(1.f + (float)m / 4.f, e - 15));
+    }
+    const int e = (b >> 3) & 0xf, m = b & 7;
+    return sign * (e == 0 ? ldexpf((float)m / 8.f, -6 - 8) : ldexpf(1.f + (float)m / 8.f, e - 7 - 8));
+}
+
+#if defined(KV8_AVX2)
+/* 8 consecutive fp8 elements as float32 (e4m3 / 2^8). */
+static inline __attribute__((always_inline)) __m256 fp8_widen8(const uint8_t *p, int kv_dtype) {
+    const __m128i h = _mm_cvtepu8_epi16(_mm_loadl_epi64((const __m128i *)p));
+    if (kv_dtype == KV_FP8_E5M2) return _mm256_cvtph_ps(_mm_slli_epi16(h, 8));
+    const __m128i half = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7f)), 7),
+                                      _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x80)), 8));
+    return _mm256_cvtph_ps(half);
+}
+
+static inline float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
+/* out[j * out_stride] = q_j . k for the nr query rows q_j = q + j * dim (consecutive in the scratch) that
+ * share one fp8 K row k (a GQA group): each 8 elements of k are widened once for all the rows. Unscaled. */
+static void dot_rows_fp8(const float *q, int64_t nr, int64_t dim, const uint8_t *k, int kv_dtype, float *out,
+                         int64_t out_stride) {
+    for (int64_t r0 = 0; r0 < nr; r0 += 4) {
+        const int64_t n = nr - r0 < 4 ? nr - r0 : 4;
+        const float *q0 = q + r0 * dim;
+        float sums[4] = {0.f, 0.f, 0.f, 0.f};
+        int64_t d = 0;
+#if defined(KV8_AVX2)
+        __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+        for (; d + 8 <= dim; d += 8) {
+            const __m256 kv8 = fp8_widen8(k + d, kv_dtype);
+            for (int64_t j = 0; j < n; j++) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + j * dim + d), kv8, acc[j]);
+        }
+        for (int64_t j = 0; j < n; j++) sums[j] = hsum8(acc[j]);
+#endif
+        for (; d < dim; d++) {
+            const float kd = fp8_raw(k[d], kv_dtype);
+            for (int64_t j = 0; j < n; j++) sums[j] += q0[j * dim + d] * kd;
+        }
+        for (int64_t j = 0; j < n; j++) out[(r0 + j) * out_stride] = sums[j];
+    }
+}
+
+/* acc_j += sum_i p_j[i] * V_i over a tile's nt keys (fp8 V rows at v + idx[i] * v_stride + koff, unscaled)
+ * for the nr accumulator rows acc_j = acc + j * dim that share the KV head, p_j = p + j * p_stride. With
+ * AVX2, 4 rows x 16 dimensions of sums stay in registers across the keys, each 16 bytes of a V row widened
+ * once for the 4 rows (one pass over a tile's V rows per 16 dimensions: the tile's rows stay in L1). */
+static void pv_rows_fp8(float *acc, int64_t nr, int64_t dim, const float *p, int64_t p_stride, const int64_t *idx,
+                        int64_t nt, const uint8_t *v, int64_t v_stride, int64_t koff, int kv_dtype) {
+    int64_t d0 = 0;
+#if defined(KV8_AVX2)
+    for (; d0 + 16 <= dim; d0 += 16)
+        for (int64_t r0 = 0; r0 < nr; r0 += 4) {
+            const int64_t n = nr - r0 < 4 ? nr - r0 : 4;
+            __m256 a[4][2];
+            for (int64_t j = 0; j < n; j++) {
+                a[j][0] = _mm256_loadu_ps(acc + (r0 + j) * dim + d0);
+                a[j][1] = _mm256_loadu_ps(acc + (r0 + j) * dim + d0 + 8);
+            }
+            for (int64_t i = 0; i < nt; i++) {
+                const uint8_t *row = v + idx[i] * v_stride + koff + d0;
+                const __m256 w0 = fp8_widen8(row, kv_dtype), w1 = fp8_widen8(row + 8, kv_dtype);
+                for (int64_t j = 0; j < n; j++) {
+                    const __m256 pj = _mm256_broadcast_ss(p + (r0 + j) * p_stride + i);
+                    a[j][0] = _mm256_fmadd_ps(pj, w0, a[j][0]);
+                    a[j][1] = _mm256_fmadd_ps(pj, w1, a[j][1]);
+                }
+            }
+            for (int64_t j = 0; j < n; j++) {
+                _mm256_storeu_ps(acc + (r0 + j) * dim + d0, a[j][0]);
+                _mm256_storeu_ps(acc + (r0 + j) * dim + d0 + 8, a[j][1]);
+            }
+        }
+#endif
+    if (d0 == dim) return;
+    for (int64_t i = 0; i < nt; i++) { /* the dimensions past the last 16 (all of them without AVX2) */
+        const uint8_t *row = v + idx[i] * v_stride + koff;
+        for (int64_t j = 0; j < nr; j++) {
+            const float pj = p[j * p_stride + i];
+            float *a = acc + j * dim;
+            for (int64_t d = d0; d < dim; d++) a[d] += pj * fp8_raw(row[d], kv_dtype);
+        }
+    }
+}
+
+/* How many rows from r on read the same KV head as row r (the task's rows come grouped by head). */
+static inline int64_t same_head_run(const int64_t *koff, int64_t r, int64_t rows) {
+    int64_t end = r + 1;
+    while (end < rows && koff[end] == koff[r]) end++;
+    return end - r;
+}
 
 typedef struct { /* one thread's scratch */
     float *scores;   /* rows x TILE */
@@ -123,14 +247,14 @@ static inline float exp_sub_sum(float *x, int64_t n, float sub) {
 static void score_tile(work_t *w, int64_t rows, const int64_t *idx, int64_t n, const kv_t *kv, int64_t row_bytes,
                        int prefetch) {
     const int64_t dim = kv->dim;
-    const int elem = kv->dtype == DTYPE_F32 ? 4 : 2;
+    const int elem = kv_elem(kv);
 #if defined(__AVX512F__)
 #if defined(__AVX512BF16__)
-    const int simd_bf16 = kv->dtype == DTYPE_BF16 && dim % 32 == 0;
+    const int simd_bf16 = kv->dtype == DTYPE_BF16 && kv->kv_dtype == DTYPE_BF16 && dim % 32 == 0;
 #else
     const int simd_bf16 = 0;
 #endif
-    const int simd_f32 = kv->dtype == DTYPE_F32 && dim % 16 == 0;
+    const int simd_f32 = kv->dtype == DTYPE_F32 && kv->kv_dtype == DTYPE_F32 && dim % 16 == 0;
     if (simd_bf16 || simd_f32) {
         const __m512 scale = _mm512_set1_ps(kv->scale);
         for (int64_t b0 = 0; b0 < n; b0 += 16) {
@@ -170,9 +294,20 @@ static void score_tile(work_t *w, int64_t rows, const int64_t *idx, int64_t n, c
         return;
     }
 #endif
+    if (kv_fp8(kv)) {
+        for (int64_t i = 0; i < n; i++)
+            for (int64_t r = 0, run; r < rows; r += run) {
+                run = same_head_run(w->koff, r, rows);
+                dot_rows_fp8(w->qf + r * dim, run, dim, (const uint8_t *)kv->k + idx[i] * kv->k_stride + w->koff[r],
+                             kv->kv_dtype, w->scores + r * TILE + i, TILE);
+            }
+        for (int64_t r = 0; r < rows; r++)
+            for (int64_t i = 0; i < n; i++) w->scores[r * TILE + i] *= kv->scale;
+        return;
+    }
     for (int64_t i = 0; i < n; i++) {
         for (int64_t r = 0; r < rows; r++) {
-            const float *kr = load_row(kv->k, idx[i] * kv->k_stride + w->koff[r], dim, kv->dtype, w->vrow);
+            const float *kr = load_row(kv->k, idx[i] * kv->k_stride + w->koff[r], dim, kv->kv_dtype, w->vrow);
             const float *qr = w->qf + r * dim;
             float s = 0.f;
 #pragma omp simd reduction(+ : s)
@@ -254,11 +389,11 @@ static void pv_tile_bf16(work_t *w, int64_t rows, const int64_t *idx, int64_t nt
  * w->acc) that the caller initialised or a previous call left. */
 static void attend(work_t *w, int64_t rows, const int64_t *idx, int64_t n, const kv_t *kv, int64_t kv_width) {
     const int64_t dim = kv->dim;
-    const int elem = kv->dtype == DTYPE_F32 ? 4 : 2;
+    const int elem = kv_elem(kv);
     /* The rows read kv_width elements of each slot from koff[0] on (one head, or a run of heads). */
     const int64_t row_bytes = kv_width * elem;
 #if defined(__AVX512BF16__)
-    const int fast_pv = kv->dtype == DTYPE_BF16 && (dim == 32 || dim == 64 || dim == 128);
+    const int fast_pv = kv->dtype == DTYPE_BF16 && kv->kv_dtype == DTYPE_BF16 && (dim == 32 || dim == 64 || dim == 128);
 #else
     const int fast_pv = 0;
 #endif
@@ -298,9 +433,17 @@ static void attend(work_t *w, int64_t rows, const int64_t *idx, int64_t n, const
             continue;
         }
 #endif
+        if (kv_fp8(kv)) {
+            for (int64_t r = 0, run; r < rows; r += run) {
+                run = same_head_run(w->koff, r, rows);
+                pv_rows_fp8(w->acc + r * dim, run, dim, w->scores + r * TILE, TILE, idx + i0, nt,
+                            (const uint8_t *)kv->v, kv->v_stride, w->koff[r], kv->kv_dtype);
+            }
+            continue;
+        }
         for (int64_t i = 0; i < nt; i++) {
             for (int64_t r = 0; r < rows; r++) {
-                const float *vr = load_row(kv->v, idx[i0 + i] * kv->v_stride + w->koff[r], dim, kv->dtype, w->vrow);
+                const float *vr = load_row(kv->v, idx[i0 + i] * kv->v_stride + w->koff[r], dim, kv->kv_dtype, w->vrow);
                 const float p = w->scores[r * TILE + i];
                 float *a = w->acc + r * dim;
 #pragma omp simd
@@ -321,7 +464,9 @@ static void attend(work_t *w, int64_t rows, const int64_t *idx, int64_t n, const
  * row by row (whose loads were a head's 128 bytes of every slot: latency-bound). */
 #define PREFIX_MAX_DIM 256
 
-static int prefix_fast(const kv_t *kv) { return kv->dtype == DTYPE_BF16 && kv->dim % 32 == 0 && kv->dim <= PREFIX_MAX_DIM; }
+static int prefix_fast(const kv_t *kv) {
+    return kv->dtype == DTYPE_BF16 && kv->kv_dtype == DTYPE_BF16 && kv->dim % 32 == 0 && kv->dim <= PREFIX_MAX_DIM;
+}
 
 typedef struct {
     uint16_t *qa;  /* [32][dim] */
@@ -554,7 +699,7 @@ static void decode_part(void *arg, int tid, int nthreads) {
         }
         attend(&w, rows, kv_indices + b * max_len, lens[b], &kv, block * dim);
         for (int64_t r = 0; r < rows; r++) {
-            const float inv = w.l[r] > 0.f ? 1.f / w.l[r] : 0.f; /* no keys: output 0 */
+            const float inv = w.l[r] > 0.f ? kv.v_scale / w.l[r] : 0.f; /* no keys: output 0 */
             const float *a = w.acc + r * dim;
             const int64_t o = (first + r) * dim;
             for (int64_t d = 0; d < dim; d++) {
@@ -580,7 +725,12 @@ void decode_attention(const decode_attention_args_t *args) {
     const int num_threads = a->num_threads;
     const int64_t *group_offsets = a->group_offsets;
     const int64_t group = heads / kv_heads;
-    const kv_t kv = {a->k, a->v, a->k_stride, a->v_stride, dim, a->dtype, a->scale};
+    /* An fp8 pool: its scales, and e4m3's 2^8 (fp8_raw's values are e4m3 / 2^8), fold into the score
+     * scale and the output's normalisation. */
+    const float unit = a->kv_dtype == KV_FP8_E4M3 ? 256.f : 1.f;
+    const int fp8 = a->kv_dtype == KV_FP8_E5M2 || a->kv_dtype == KV_FP8_E4M3;
+    const kv_t kv = {a->k, a->v, a->k_stride, a->v_stride, dim, a->dtype,
+                     fp8 ? a->scale * a->k_scale * unit : a->scale, a->kv_dtype, fp8 ? a->v_scale * unit : 1.f};
     /* Phase 2: whole requests when they keep every thread busy, else one KV head of a request. */
     const int64_t block = bs >= 2 * num_threads ? kv_heads : 1; /* KV heads per task */
     const int64_t blocks = kv_heads / block;

@@ -44,7 +44,8 @@ void decode_layers(const layer_t *layers, int64_t num_layers, const step_t *step
         const decode_attention_args_t attention = {
             .q = q, .k = L->k_pool, .v = L->v_pool, .kv_indices = S->kv_indices, .lens = S->lens,
             .max_len = S->max_len, .bs = bs, .heads = S->heads, .kv_heads = S->kv_heads, .dim = d,
-            .k_stride = L->k_stride, .v_stride = L->v_stride, .scale = L->scale, .dtype = DTYPE_BF16, .out = S->attn,
+            .k_stride = L->k_stride, .v_stride = L->v_stride, .scale = L->scale, .dtype = DTYPE_BF16,
+            .kv_dtype = DTYPE_BF16, .k_scale = 1.f, .v_scale = 1.f, .out = S->attn, /* a bf16 pool only */
             .num_groups = S->num_groups, .group_offsets = S->group_offsets, .group_members = S->group_members,
             .prefix_indices = S->prefix_indices, .prefix_lens = S->prefix_lens, .max_prefix = S->max_prefix,
             .group_of = S->group_of, .kept = S->kept != NULL ? S->kept + l * S->num_groups : NULL,

@@ -64,6 +64,9 @@ typedef struct {
     int64_t max_len, bs, heads, kv_heads, dim, k_stride, v_stride;
     float scale;
     int dtype;
+    /* the pool's element type: dtype's, or 2 fp8 e5m2, 3 fp8 e4m3 (K/V read as k_scale * stored, v_scale * stored) */
+    int kv_dtype;
+    float k_scale, v_scale;
     void *out; /* like q */
     int64_t num_groups;
     const int64_t *group_offsets; /* [num_groups + 1] into group_members */

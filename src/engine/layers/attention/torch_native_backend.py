@@ -216,12 +216,15 @@ class TorchNativeAttnBackend(AttentionBackend):
             pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         if not layer.is_plain:  # a window, a logit cap or sinks: neither SDPA nor the C kernels have them
             return windowed_extend(q, layer, forward_batch)
+        if k is not None and pool.is_fp8:  # the new tokens' K/V as the pool holds them, as every other key
+            k, v = pool.as_stored(layer.layer_id, k, v)
         meta = forward_batch.attn_metadata
         if isinstance(meta, _PaddedExtend) and k is not None:
             return self._forward_padded_extend(q, k, v, layer, meta)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
-        if isinstance(meta, _NativeExtend) and not layer.is_causal:
-            meta = self._extend_metadata_per_request(forward_batch)  # the native kernels are causal only
+        if isinstance(meta, _NativeExtend) and (not layer.is_causal or q.dtype != torch.bfloat16):
+            # The native kernels are causal only, and bf16 only (a float32 model over a bf16 pool is not).
+            meta = self._extend_metadata_per_request(forward_batch)
         if isinstance(meta, _NativeExtend):
             return self._forward_native_extend(q.view(q.shape[0], -1), k_buf, v_buf, layer, meta)
         num_heads, head_dim = layer.tp_q_head_num, layer.head_dim
@@ -239,8 +242,8 @@ class TorchNativeAttnBackend(AttentionBackend):
                 # Nothing cached: the K/V just computed are the whole sequence; skip the gather.
                 k_seq, v_seq = k[rows].transpose(0, 1), v[rows].transpose(0, 1)
             else:
-                k_seq = k_buf.index_select(0, seq.kv_indices).transpose(0, 1).to(q.dtype)  # [KH, seq, D]
-                v_seq = v_buf.index_select(0, seq.kv_indices).transpose(0, 1).to(q.dtype)
+                k_seq = pool.read_k(layer.layer_id, k_buf.index_select(0, seq.kv_indices), q.dtype).transpose(0, 1)
+                v_seq = pool.read_v(layer.layer_id, v_buf.index_select(0, seq.kv_indices), q.dtype).transpose(0, 1)
             # With no prefix the mask is the plain (square) causal one; a single new token on top
             # of a prefix sees everything, and so does every token of an encoder.
             is_causal = layer.is_causal and seq.mask is None and seq.extend_len > 1
@@ -261,7 +264,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         """With the native kernels, each request's last token attends through the decode kernel (and its
         cascade over shared prefixes): one query row per request instead of all the new tokens."""
         meta = forward_batch.attn_metadata
-        if not isinstance(meta, _NativeExtend) or not layer.is_causal or not layer.is_plain:
+        if (not isinstance(meta, _NativeExtend) or not layer.is_causal or not layer.is_plain
+                or q.dtype != torch.bfloat16):
             return super().forward_extend_last_rows(q, k, v, layer, forward_batch, save_kv_cache)
         pool = forward_batch.token_to_kv_pool
         assert pool is not None  # ForwardBatch.init_new sets it
@@ -327,16 +331,18 @@ class TorchNativeAttnBackend(AttentionBackend):
         q4 = q.view(bs, kv_heads, group, head_dim)
         if attention_kernels.supports(q, k_buf):
             # The native kernel reads each request's K/V where they lie in the pool, and a cascade
-            # group's prefix once for all its members, in one call per layer.
+            # group's prefix once for all its members, in one call per layer (fp8 K/V widened in registers).
             return attention_kernels.decode_attention(q.reshape(bs, -1), k_buf, v_buf, meta.kv_indices, meta.lens,
                                                       num_heads, kv_heads, head_dim, layer.scaling,
-                                                      cascade=meta.cascade, layer_id=layer.layer_id)
+                                                      cascade=meta.cascade, layer_id=layer.layer_id,
+                                                      kv_scales=pool.kv_scales(layer.layer_id))
         # index_select over the flat slot list is several times faster on the CPU than advanced
         # indexing with the 2-D index, and gathering into reused scratch memory is ~5x faster again
         # than into a fresh tensor (a fresh multi-MB tensor is page-faulted in every time).
         flat = meta.kv_indices.view(-1)
-        k4 = self._gather(k_buf, flat, 0).view(bs, -1, kv_heads, head_dim).transpose(1, 2).to(q.dtype)  # [bs, KH, L, D]
-        v4 = self._gather(v_buf, flat, 1).view(bs, -1, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+        k4 = pool.read_k(layer.layer_id, self._gather(k_buf, flat, 0), q.dtype).view(bs, -1, kv_heads, head_dim)
+        v4 = pool.read_v(layer.layer_id, self._gather(v_buf, flat, 1), q.dtype).view(bs, -1, kv_heads, head_dim)
+        k4, v4 = k4.transpose(1, 2), v4.transpose(1, 2)  # [bs, KH, L, D]
         if not meta.shared:
             o = F.scaled_dot_product_attention(q4, k4, v4, attn_mask=meta.mask, scale=layer.scaling)
             return o.reshape(bs, num_heads * head_dim)
@@ -345,8 +351,10 @@ class TorchNativeAttnBackend(AttentionBackend):
             g = prefix.members.numel()
             # The group's queries become one request of g * group query rows per KV head.
             qg = q4.index_select(0, prefix.members).transpose(0, 1).reshape(1, kv_heads, g * group, head_dim)
-            kp = k_buf.index_select(0, prefix.kv_indices).view(1, -1, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
-            vp = v_buf.index_select(0, prefix.kv_indices).view(1, -1, kv_heads, head_dim).transpose(1, 2).to(q.dtype)
+            kp = pool.read_k(layer.layer_id, k_buf.index_select(0, prefix.kv_indices), q.dtype)
+            vp = pool.read_v(layer.layer_id, v_buf.index_select(0, prefix.kv_indices), q.dtype)
+            kp = kp.view(1, -1, kv_heads, head_dim).transpose(1, 2)
+            vp = vp.view(1, -1, kv_heads, head_dim).transpose(1, 2)
             op, lsep = _sdpa_with_lse(qg, kp, vp, None, layer.scaling)
             op = op.view(kv_heads, g, group, head_dim).transpose(0, 1)
             lsep = lsep.view(kv_heads, g, group).transpose(0, 1)

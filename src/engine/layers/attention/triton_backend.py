@@ -137,7 +137,11 @@ class TritonAttnBackend(AttentionBackend):
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
         if k is None:
             # Nothing new was computed (K/V shared from another layer): the new tokens' K/V are in the pool.
-            k, v = k_buf[fb.out_cache_loc], v_buf[fb.out_cache_loc]
+            k = pool.read_k(layer.layer_id, k_buf[fb.out_cache_loc], q.dtype)
+            v = pool.read_v(layer.layer_id, v_buf[fb.out_cache_loc], q.dtype)
+        else:  # an fp8 pool: the new tokens' K/V as stored, as the prefix's (torch_native does the same)
+            k, v = pool.as_stored(layer.layer_id, k, v)
+        k_scale, v_scale = pool.kv_scales(layer.layer_id)
 
         num_heads, head_dim = layer.tp_q_head_num, layer.head_dim
         # Views, not copies: the kernel follows strides and only needs a contiguous last dim.
@@ -167,6 +171,8 @@ class TritonAttnBackend(AttentionBackend):
             logit_cap=layer.logit_cap,
             sinks=layer.sinks,
             slot_map=pool.slot_map(layer.layer_id),
+            k_scale=k_scale,
+            v_scale=v_scale,
         )
         return out.view(-1, num_heads * out.shape[-1])
 
@@ -208,5 +214,7 @@ class TritonAttnBackend(AttentionBackend):
             logit_cap=layer.logit_cap,
             sinks=layer.sinks,
             slot_map=pool.slot_map(layer.layer_id),
+            k_scale=pool.kv_scales(layer.layer_id)[0],
+            v_scale=pool.kv_scales(layer.layer_id)[1],
         )
         return out.view(bs, num_heads * v_head_dim)

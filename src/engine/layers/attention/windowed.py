@@ -48,6 +48,13 @@ def _pool_kv(forward_batch: "ForwardBatch", layer: "RadixAttention"):
     return pool.get_kv_buffer(layer.layer_id)
 
 
+def _read_kv(forward_batch: "ForwardBatch", layer: "RadixAttention", k: torch.Tensor, v: torch.Tensor):
+    """Rows taken from the pool as float32 (an fp8 pool's dequantized by the layer's scales)."""
+    pool = forward_batch.token_to_kv_pool
+    assert pool is not None  # ForwardBatch.init_new sets it
+    return pool.read_k(layer.layer_id, k, torch.float32), pool.read_v(layer.layer_id, v, torch.float32)
+
+
 def _layer_slots(forward_batch: "ForwardBatch", layer: "RadixAttention", slots: torch.Tensor) -> torch.Tensor:
     """The layer's own slots for these full-pool slots (the hybrid pool keeps windowed layers apart)."""
     pool = forward_batch.token_to_kv_pool
@@ -72,8 +79,8 @@ def windowed_decode(q: torch.Tensor, layer: "RadixAttention", forward_batch: "Fo
     slots = torch.where(visible, slots, torch.zeros_like(slots))  # slot 0 is the pool's padding slot
     slots = _layer_slots(forward_batch, layer, slots)
     kv_heads, dim = layer.tp_k_head_num, layer.head_dim
-    k = k_buf.index_select(0, slots.view(-1)).view(bs, span, kv_heads, dim)
-    v = v_buf.index_select(0, slots.view(-1)).view(bs, span, kv_heads, dim)
+    k, v = _read_kv(forward_batch, layer, k_buf.index_select(0, slots.view(-1)), v_buf.index_select(0, slots.view(-1)))
+    k, v = k.view(bs, span, kv_heads, dim), v.view(bs, span, kv_heads, dim)
     qv = q.view(bs, 1, layer.tp_q_head_num, dim)
     return attend(qv, k, v, visible.unsqueeze(1), layer.scaling, layer.logit_cap, layer.sinks).view(bs, -1)
 
@@ -98,8 +105,8 @@ def windowed_extend(q: torch.Tensor, layer: "RadixAttention", forward_batch: "Fo
             continue
         first_key = max(0, prefix_len - window + 1) if window > 0 else 0
         slots = _layer_slots(fb, layer, table[row, first_key:seq_len].long())
-        k = k_buf.index_select(0, slots).view(1, -1, kv_heads, dim)
-        v = v_buf.index_select(0, slots).view(1, -1, kv_heads, dim)
+        k, v = _read_kv(fb, layer, k_buf.index_select(0, slots), v_buf.index_select(0, slots))
+        k, v = k.view(1, -1, kv_heads, dim), v.view(1, -1, kv_heads, dim)
         q_pos = torch.arange(prefix_len, seq_len, device=q.device).unsqueeze(1)
         k_pos = torch.arange(first_key, seq_len, device=q.device).unsqueeze(0)
         visible = k_pos <= q_pos

@@ -75,6 +75,7 @@ def _decode_stage1_kernel(
     K_Buffer,
     V_Buffer,
     sm_scale,
+    v_scale,
     sliding_window,
     logit_cap,
     Slot_map,
@@ -157,7 +158,7 @@ def _decode_stage1_kernel(
             qk = tl.where(mask_n[None, :], qk, float("-inf"))
 
             v_ptrs = V_Buffer + kv_loc[:, None] * stride_v_slot + cur_kv_head * stride_v_head + offs_dv[None, :]
-            v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_dv[None, :], other=0.0)  # [N, DV]
+            v = tl.load(v_ptrs, mask=mask_n[:, None] & mask_dv[None, :], other=0.0).to(q.dtype)  # [N, DV]
 
             new_max = tl.maximum(tl.max(qk, 1), e_max)
             rescale = tl.exp(e_max - new_max)
@@ -173,7 +174,8 @@ def _decode_stage1_kernel(
             + split_id * stride_mid_o_split
             + offs_dv[None, :]
         )
-        tl.store(o_ptrs, acc / e_sum[:, None], mask=mask_h[:, None] & mask_dv[None, :])
+        # v_scale: an fp8 pool's V are v_scale * stored (1.0 otherwise); sm_scale holds its k_scale.
+        tl.store(o_ptrs, acc / e_sum[:, None] * v_scale, mask=mask_h[:, None] & mask_dv[None, :])
         lse_ptrs = Mid_Lse + cur_req * stride_mid_lse_req + offs_h * stride_mid_lse_head + split_id
         tl.store(lse_ptrs, e_max + tl.log(e_sum), mask=mask_h)
 
@@ -265,10 +267,13 @@ def decode_attention_fwd(
     logit_cap: float = 0.0,
     sinks: Optional[torch.Tensor] = None,
     slot_map: Optional[torch.Tensor] = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write into `o` the attention of one query token per request over its paged keys (its last
     `sliding_window` ones with a window > 0; scores soft-capped with logit_cap > 0; sinks [q_heads];
-    slot_map: int64 [full slots], the buffers' slot of each req_to_token slot, as the hybrid pool's).
+    slot_map: int64 [full slots], the buffers' slot of each req_to_token slot, as the hybrid pool's;
+    k_scale / v_scale: an fp8 pool's elements are read as k_scale * stored, v_scale * stored).
 
     q, o: [bs, q_heads, head_dim] / [bs, q_heads, v_head_dim]; k_buffer, v_buffer: [slots, kv_heads, D];
     req_to_token: [rows, context_len]; req_pool_indices, seq_lens, num_kv_splits: [bs];
@@ -296,7 +301,8 @@ def decode_attention_fwd(
         q,
         k_buffer,
         v_buffer,
-        sm_scale,
+        sm_scale * k_scale,
+        v_scale,
         sliding_window,
         logit_cap,
         slot_map if slot_map is not None else seq_lens,  # any pointer: never read without HAS_SLOT_MAP

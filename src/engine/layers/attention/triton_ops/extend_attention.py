@@ -41,6 +41,8 @@ def _extend_kernel(
     Extend_seq_lens,
     Prefix_lens,
     sm_scale,
+    k_scale,
+    v_scale,
     sliding_window,
     logit_cap,
     Sinks,
@@ -118,7 +120,8 @@ def _extend_kernel(
                 mask=mask_n[None, :] & mask_d[:, None],
                 other=0.0,
             )
-            qk = mma(q, k.to(q.dtype), DOT_PRECISION, UPCAST_DOT) * sm_scale
+            # An fp8 pool's K/V are k_scale * stored, v_scale * stored (scale 1.0 otherwise).
+            qk = mma(q, k.to(q.dtype), DOT_PRECISION, UPCAST_DOT) * (sm_scale * k_scale)
             if HAS_CAP:
                 qk = soft_cap(qk, logit_cap)
             visible = mask_n[None, :]
@@ -134,7 +137,7 @@ def _extend_kernel(
             safe_max = tl.where(new_max == float("-inf"), 0.0, new_max)
             rescale = tl.exp(e_max - safe_max)
             p = tl.exp(qk - safe_max[:, None])
-            acc = acc * rescale[:, None] + mma(p.to(v.dtype), v, DOT_PRECISION, UPCAST_DOT)
+            acc = acc * rescale[:, None] + mma(p.to(q.dtype), v.to(q.dtype), DOT_PRECISION, UPCAST_DOT) * v_scale
             e_sum = e_sum * rescale + tl.sum(p, 1)
             e_max = new_max
 
@@ -203,11 +206,14 @@ def extend_attention_fwd(
     logit_cap: float = 0.0,
     sinks: Optional[torch.Tensor] = None,
     slot_map: Optional[torch.Tensor] = None,
+    k_scale: float = 1.0,
+    v_scale: float = 1.0,
 ) -> None:
     """Write into `o` the attention of every new token (prefix keys from the pool, new keys causal,
     or all new keys with is_causal False; with sliding_window > 0 only the keys at (p - window, p];
     scores soft-capped with logit_cap > 0; sinks [q_heads] join each softmax's denominator; slot_map: the
-    buffers' slot of each req_to_token slot, int64, for the prefix reads: the hybrid pool's windowed layers).
+    buffers' slot of each req_to_token slot, int64, for the prefix reads: the hybrid pool's windowed layers;
+    k_scale / v_scale: an fp8 pool's elements are read as k_scale * stored, v_scale * stored).
 
     q, o: [num_tokens, q_heads, D] / [num_tokens, q_heads, DV]; k_extend, v_extend: [num_tokens,
     kv_heads, D]; k_buffer, v_buffer: [slots, kv_heads, D]; the per-request tensors are [bs], and
@@ -239,6 +245,8 @@ def extend_attention_fwd(
         extend_seq_lens,
         prefix_lens,
         sm_scale,
+        k_scale,
+        v_scale,
         sliding_window,
         logit_cap,
         sinks if sinks is not None else q,  # any pointer: never read without HAS_SINKS
