@@ -36,8 +36,8 @@ class ForwardMode(IntEnum):
     EXTEND = auto()  # prefill, possibly on top of a cached prefix
     DECODE = auto()  # one new token per request
     MIXED = auto()  # extend requests followed by decode requests (chunked prefill + decode)
-    # Speculative verify: each request extends by its last token plus its drafts (a chain), and
-    # the logits of every position are kept (engine/speculative/).
+    # Speculative verify: each request extends by its last token plus its drafts (a chain, or a
+    # tree under `spec_tree_mask`), and the logits of every position are kept (engine/speculative/).
     TARGET_VERIFY = auto()
 
     def is_extend(self) -> bool:
@@ -90,6 +90,12 @@ class ModelWorkerBatch:
     dimensions: Optional[List[Optional[int]]] = None
     # With LoRA: per request its adapter's uid (None: the base model); None when no request has one.
     lora_ids: Optional[List[Optional[str]]] = None
+    # Tree drafts (speculative/tree.py): each token's position when not its extend offset (a tree
+    # node's is prefix + depth), and the flat tree mask: each request's [extend, extend] bool block,
+    # row-major in batch order, over its new tokens (True: row attends to column); the prefix is
+    # visible to every row.
+    positions: Optional[torch.Tensor] = None
+    spec_tree_mask: Optional[torch.Tensor] = None
 
     @property
     def batch_size(self) -> int:
@@ -130,6 +136,9 @@ class ForwardBatch:
     lora_ids: Optional[List[Optional[str]]] = None
     # An EAGLE draft forward: the feature each token is read with (speculative/eagle.py), [tokens, hidden].
     spec_hidden_states: Optional[torch.Tensor] = None
+    # Tree drafts: ModelWorkerBatch.spec_tree_mask, and where each request's block starts in it.
+    spec_tree_mask: Optional[torch.Tensor] = None
+    spec_tree_mask_starts: Optional[torch.Tensor] = None
 
     # Memory and attention
     req_to_token_pool: Optional["ReqToTokenPool"] = None
@@ -184,11 +193,27 @@ class ForwardBatch:
             )
             if batch.extend_input_logprob_token_ids is not None:
                 ret.extend_input_logprob_token_ids = batch.extend_input_logprob_token_ids.to(device)
+            if batch.spec_tree_mask is not None:
+                ret.spec_tree_mask = batch.spec_tree_mask.to(device)
+                blocks = ret.extend_seq_lens * ret.extend_seq_lens
+                ret.spec_tree_mask_starts = torch.cumsum(blocks, 0) - blocks
         return ret
+
+    def tree_mask_block(self, i: int) -> Optional[torch.Tensor]:
+        """Request i's [extend, extend] tree mask, None without tree drafts."""
+        if self.spec_tree_mask is None:
+            return None
+        assert self.spec_tree_mask_starts is not None and self.extend_seq_lens_cpu is not None  # set together
+        n = self.extend_seq_lens_cpu[i]
+        start = int(self.spec_tree_mask_starts[i])
+        return self.spec_tree_mask[start:start + n * n].view(n, n)
 
 
 def _positions(batch: ModelWorkerBatch, seq_lens: torch.Tensor, device: str) -> torch.Tensor:
-    """Each token's position: after its request's prefix (extend), the last slot (decode)."""
+    """Each token's position: after its request's prefix (extend), the last slot (decode); tree
+    drafts give theirs."""
+    if batch.positions is not None:
+        return batch.positions.to(device, non_blocking=True)
     if batch.forward_mode.is_extend():
         assert batch.extend_prefix_lens is not None and batch.extend_seq_lens is not None  # set for extends
         return compute_extend_positions(batch.extend_prefix_lens, batch.extend_seq_lens, device)

@@ -167,6 +167,8 @@ class TritonAttnBackend(AttentionBackend):
             logit_cap=layer.logit_cap,
             sinks=layer.sinks,
             slot_map=pool.slot_map(layer.layer_id),
+            tree_mask=fb.spec_tree_mask,
+            tree_mask_starts=fb.spec_tree_mask_starts,
         )
         return out.view(-1, num_heads * out.shape[-1])
 

@@ -13,7 +13,9 @@ Windowed layers (HAS_WINDOW): a query at position p sees the keys at (p - window
 start at the first key the block's first query can see. A row may then meet blocks in which it sees
 nothing (its running max still -inf): the exponentials are taken against a max of 0 there, so such a
 block adds nothing instead of NaN. HAS_CAP soft-caps the scores; HAS_SINKS adds the head's sink logit to
-the denominator.
+the denominator. HAS_TREE_MASK (tree drafts of speculative decoding): the new tokens see each other
+only where the request's [extend, extend] block of Tree_mask says so (a node sees its ancestors and
+itself, all earlier rows, so the causal bound on the keys still holds); the prefix stays visible.
 """
 
 from __future__ import annotations
@@ -45,6 +47,8 @@ def _extend_kernel(
     logit_cap,
     Sinks,
     Slot_map,
+    Tree_mask,
+    Tree_mask_starts,
     stride_req_to_token,
     stride_q_token,
     stride_q_head,
@@ -72,6 +76,7 @@ def _extend_kernel(
     HAS_CAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     HAS_SLOT_MAP: tl.constexpr,
+    HAS_TREE_MASK: tl.constexpr,
 ):
     cur_req = tl.program_id(0)
     cur_head = tl.program_id(1)
@@ -160,6 +165,11 @@ def _extend_kernel(
                 visible = (offs_m[:, None] >= 0) & mask_n[None, :]
             if HAS_WINDOW:
                 visible = visible & (offs_n[None, :] > offs_m[:, None] - sliding_window)
+            if HAS_TREE_MASK:
+                mask_start = tl.load(Tree_mask_starts + cur_req)
+                tree = tl.load(Tree_mask + mask_start + offs_m[:, None] * extend_len + offs_n[None, :],
+                               mask=mask_m[:, None] & mask_n[None, :], other=0)
+                visible = visible & (tree != 0)
             qk = tl.where(visible, qk, float("-inf"))
             v = tl.load(
                 V_Extend + (q_start + offs_n[:, None]) * stride_ve_token + cur_kv_head * stride_ve_head + offs_dv[None, :],
@@ -203,11 +213,15 @@ def extend_attention_fwd(
     logit_cap: float = 0.0,
     sinks: Optional[torch.Tensor] = None,
     slot_map: Optional[torch.Tensor] = None,
+    tree_mask: Optional[torch.Tensor] = None,
+    tree_mask_starts: Optional[torch.Tensor] = None,
 ) -> None:
     """Write into `o` the attention of every new token (prefix keys from the pool, new keys causal,
     or all new keys with is_causal False; with sliding_window > 0 only the keys at (p - window, p];
     scores soft-capped with logit_cap > 0; sinks [q_heads] join each softmax's denominator; slot_map: the
-    buffers' slot of each req_to_token slot, int64, for the prefix reads: the hybrid pool's windowed layers).
+    buffers' slot of each req_to_token slot, int64, for the prefix reads: the hybrid pool's windowed layers;
+    tree_mask / tree_mask_starts: speculative tree drafts, each request's [extend, extend] bool block of
+    which new tokens see which, flat, and where each block starts).
 
     q, o: [num_tokens, q_heads, D] / [num_tokens, q_heads, DV]; k_extend, v_extend: [num_tokens,
     kv_heads, D]; k_buffer, v_buffer: [slots, kv_heads, D]; the per-request tensors are [bs], and
@@ -243,6 +257,8 @@ def extend_attention_fwd(
         logit_cap,
         sinks if sinks is not None else q,  # any pointer: never read without HAS_SINKS
         slot_map if slot_map is not None else q,  # nor this one without HAS_SLOT_MAP
+        tree_mask if tree_mask is not None else q,  # nor these without HAS_TREE_MASK
+        tree_mask_starts if tree_mask_starts is not None else q,
         req_to_token.stride(0),
         q.stride(0),
         q.stride(1),
@@ -270,5 +286,6 @@ def extend_attention_fwd(
         HAS_CAP=logit_cap > 0,
         HAS_SINKS=sinks is not None,
         HAS_SLOT_MAP=slot_map is not None,
+        HAS_TREE_MASK=tree_mask is not None,
     )
 
