@@ -121,3 +121,241 @@ def test_draft_equal_to_target_accepts_the_whole_depth(tiny, topk, name):
         assert state["avg_spec_accept_length"] == pytest.approx(23 / 8)
     else:
         assert state["spec_accepted_tokens"] >= 2 * state["spec_verify_ct"] - 2 * 2 * len(prompts), state
+
+
+@pytest.fixture(scope="module")
+def eagle_exact(tmp_path_factory):
+    """A target whose next token is argmax(lm_head(embed(t))) (its one layer adds nothing) and the
+    identity EAGLE head, which therefore predicts exactly the target's tokens (as in
+    test_speculative_eagle.py)."""
+    import os
+
+    from safetensors.torch import load_file, save_file
+
+    target = str(tmp_path_factory.mktemp("tree_eagle_exact_target"))
+    build_tiny_model(target, seed=2, vocab_size=VOCAB, max_position_embeddings=2048, num_hidden_layers=1)
+    file = os.path.join(target, "model.safetensors")
+    weights = load_file(file)
+    for name in weights:
+        if "o_proj" in name or "down_proj" in name:
+            weights[name] = torch.zeros_like(weights[name])
+    weights["model.norm.weight"] = torch.ones_like(weights["model.norm.weight"])
+    save_file(weights, file, metadata={"format": "pt"})
+    return target, build_eagle_head(str(tmp_path_factory.mktemp("tree_eagle_exact_head")), target, identity=True)
+
+
+@pytest.mark.parametrize("name", list(CONFIGS))
+def test_eagle_random_head_keeps_greedy_outputs(eagle_pair, name):
+    target, head, _ = eagle_pair
+    prompts = _prompts()
+    _, plain, _ = _run(target, None, prompts, **CONFIGS[name])
+    h, spec, _ = _run(target, head, prompts, algo="EAGLE", steps=3, topk=3, tokens=8, **CONFIGS[name])
+    assert spec == plain
+    assert h.scheduler.internal_state()["spec_verify_ct"] > 0
+
+
+@pytest.mark.parametrize("name", ["default", "page16"])
+def test_eagle3_random_head_keeps_greedy_outputs(eagle_pair, name):
+    target, _, head3 = eagle_pair
+    prompts = _prompts()
+    _, plain, _ = _run(target, None, prompts, **CONFIGS[name])
+    h, spec, _ = _run(target, head3, prompts, algo="EAGLE3", steps=4, topk=2, tokens=10, **CONFIGS[name])
+    assert spec == plain
+    assert h.scheduler.internal_state()["spec_verify_ct"] > 0
+
+
+@pytest.mark.parametrize("name", ["default", "page16", "chunked-mixed"])
+def test_eagle_exact_head_accepts_the_whole_depth(eagle_exact, name):
+    """The head predicts the target's tokens and the tree is full (two steps): every verify step
+    accepts 2 drafts, so the head's features and K/V follow the accepted path."""
+    target, head = eagle_exact
+    prompts = _prompts()
+    _, plain, _ = _run(target, None, prompts, **CONFIGS[name])
+    h, spec, _ = _run(target, head, prompts, algo="EAGLE", steps=2, topk=3, tokens=13, **CONFIGS[name])
+    assert spec == plain
+    state = h.scheduler.internal_state()
+    if name != "chunked-mixed":  # 23 tokens after the prefill's: 7 steps of 3, then one cut to 2
+        assert state["spec_verify_ct"] == 8 * len(prompts), state
+        assert state["avg_spec_accept_length"] == pytest.approx(23 / 8)
+
+
+# ---------------------------------------------------------------------------------------- acceptance
+def _tree_logits() -> Tuple[DraftTree, torch.Tensor]:
+    """Root children: node 1 (token 1), node 2 (token 0); node 3 (token 3) under node 1, node 4
+    (token 1) under node 2; one row of target logits per node."""
+    tree = DraftTree(tokens=[1, 0, 3, 1], parents=[0, 0, 1, 2])
+    logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0, 0.3], [0.0, 1.5, -0.5, 1.0, 0.2, 0.8],
+                           [1.0, 0.0, 1.2, -0.3, 0.4, 0.1], [0.3, 0.3, 0.3, 2.0, 0.0, -2.0],
+                           [-1.0, 2.0, 0.0, 0.5, 0.5, 0.5]])
+    return tree, logits
+
+
+def test_greedy_acceptance_follows_the_targets_argmax_through_the_tree():
+    tree, logits = _tree_logits()
+    info = _sampling_info(1, 6, temperature=0.0)
+    # argmax at root is token 0 = node 2; at node 2 token 2, which no child of node 2 holds: bonus 2.
+    out = accept_tree(logits, [tree], info)
+    assert out.paths == [[2]] and out.outcome.tokens == [[0, 2]] and out.outcome.accepted == [1]
+    logits[0, 1] = 5.0  # now node 1 (token 1), then node 3 (token 3: node 1's argmax), then node 3's argmax
+    logits[1, 3] = 3.0
+    out = accept_tree(torch.cat([logits, logits[:1]]), [tree, None], _sampling_info(2, 6, temperature=0.0))
+    assert out.paths[0] == [1, 3] and out.outcome.tokens[0] == [1, 3, 3]
+    assert out.paths[1] == [] and len(out.outcome.tokens[1]) == 1  # no tree: its last token's row only
+    # The accepted path moves to the rows right after the root: node 3 (row 3) to row 2; node 1 stays.
+    assert path_moves([[1, 3], [2]], [0, 10]) == ([3, 12], [2, 11])
+
+
+@pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_k=4),
+                                    dict(temperature=1.3, top_p=0.8)])
+@pytest.mark.slow  # 20000 walks of the tree: ~15 s each on 2 cores
+def test_tree_sampling_keeps_the_target_distribution(params):
+    """20000 requests with the same tree: the first token is distributed as the root's p, the
+    second, after accepting node 1 or node 2, as that node's p (chi-square, p < 1e-6)."""
+    from engine.speculative.verify import target_probs
+
+    torch.manual_seed(0)
+    tree, base = _tree_logits()
+    vocab, n = 6, 20000
+    out = accept_tree(base.repeat(n, 1), [tree] * n, _sampling_info(n, vocab, **params))
+    probs = target_probs(base, _sampling_info(1, vocab, **params), torch.tensor([0]), torch.zeros(5, dtype=torch.long))
+    counts: Dict[Tuple[int, ...], Dict[int, int]] = {(): {}, (1,): {}, (0,): {}}
+    for toks in out.outcome.tokens:
+        counts[()][toks[0]] = counts[()].get(toks[0], 0) + 1
+        if toks[0] in (0, 1):
+            assert len(toks) >= 2  # a child accepted: the walk goes on
+            counts[(toks[0],)][toks[1]] = counts[(toks[0],)].get(toks[1], 0) + 1
+        else:
+            assert len(toks) == 1
+    for prefix, row in (((), 0), ((1,), 1), ((0,), 2)):
+        total = sum(counts[prefix].values())
+        expected = {t: total * float(probs[row, t]) for t in range(vocab) if probs[row, t] > 0}
+        stat, df = _chi2(counts[prefix], expected)
+        assert stat < _chi2_bound(df), (prefix, stat, df, counts[prefix], expected)
+
+
+def test_tree_growth_selects_by_cumulative_score_and_keeps_parents():
+    """A fake draft whose distribution depends only on the depth: the selected nodes are the
+    num_draft_tokens - 1 best candidates by cumulative probability, in candidate order, every
+    parent before its children; fed nodes come with their parents and depths."""
+    vocab = 8
+    root_p = torch.tensor([0.6, 0.3, 0.04, 0.03, 0.01, 0.01, 0.005, 0.005])
+    child_p = torch.tensor([0.01, 0.01, 0.01, 0.01, 0.01, 0.0, 0.25, 0.7])
+    seen: List[Tuple[List[int], List[int], List[int]]] = []
+
+    def root(rows):
+        return root_p.log().expand(len(rows), vocab)
+
+    def fed(rows, tokens, parents, depths):
+        seen.append((list(tokens[0]), list(parents[0]), list(depths[0])))
+        return child_p.log().expand(len(rows), 2, vocab)
+
+    (tree,) = grow_trees(TreeShape(num_steps=3, topk=2, num_draft_tokens=6), [0], root, fed)
+    # Step 1 feeds the root's children (tokens 0, 1); step 2 also the best 2 of their 4 children:
+    # 7|0 (.42) and 7|1 (.21), not 6|0 (.15).
+    assert seen == [([0, 1], [-1, -1], [1, 1]), ([0, 1, 7, 7], [-1, -1, 0, 1], [1, 1, 2, 2])]
+    # Best 5 of 10 candidates: 0 (.6), 7|0 (.42), 1 (.3), 7|7|0 (.294), 7|1 (.21); in candidate order
+    # (depth 1, then the children of step 1's leaves, then step 2's).
+    assert tree.tokens == [0, 1, 7, 7, 7]
+    assert tree.parents == [0, 0, 1, 2, 3]
+    assert tree.depths() == [0, 1, 1, 2, 2, 3]
+
+
+# ---------------------------------------------------------------------------------------- attention
+def tree_batch(lens: List[int], trees: List[List[int]], page_size: int, dtype: torch.dtype, gen: torch.Generator,
+               kv_heads: int = 2, head_dim: int = 64):
+    """A TARGET_VERIFY ForwardBatch: request i has lens[i] cached tokens then a tree of
+    len(trees[i]) + 1 nodes (parents given, the root first) on a paged layout; random cached K/V.
+    Returns the batch and each request's [nodes, prefix + nodes] mask (the dense reference's)."""
+    from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from engine.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    req_pool = ReqToTokenPool(size=8, max_context_len=256)
+    kv = MHATokenToKVPool(size=2048, page_size=page_size, dtype=dtype, head_num=kv_heads, head_dim=head_dim,
+                          layer_num=1)
+    pages = (torch.randperm(2048 // page_size - 1, generator=gen) + 1).tolist()
+    ext = [len(t) + 1 for t in trees]
+    slots = []
+    for i, (n, e) in enumerate(zip(lens, ext)):
+        total = n + e
+        mine = torch.tensor([pages.pop() for _ in range(-(-total // page_size))])
+        pos = torch.arange(total)
+        row = mine[pos // page_size] * page_size + pos % page_size
+        req_pool.req_to_token[i + 1, :total] = row.to(torch.int32)
+        kv.set_kv_buffer(0, row[:n], torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype),
+                         torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype))
+        slots.append(row)
+    masks, dense = [], []
+    for n, parents in zip(lens, trees):
+        tree = DraftTree(tokens=[0] * len(parents), parents=parents).mask()
+        masks.append(tree.reshape(-1))
+        dense.append(torch.cat([torch.ones(tree.shape[0], n, dtype=torch.bool), tree], dim=1))
+    bs = len(lens)
+    seq_lens = [n + e for n, e in zip(lens, ext)]
+    fb = ForwardBatch(
+        forward_mode=ForwardMode.TARGET_VERIFY, batch_size=bs, input_ids=torch.zeros(sum(ext), dtype=torch.int64),
+        positions=torch.zeros(sum(ext), dtype=torch.int64), req_pool_indices=torch.arange(1, bs + 1),
+        seq_lens=torch.tensor(seq_lens), seq_lens_cpu=seq_lens,
+        out_cache_loc=torch.cat([s[n:] for s, n in zip(slots, lens)]), seq_lens_sum=sum(seq_lens),
+        req_to_token_pool=req_pool, token_to_kv_pool=kv)
+    fb.extend_num_tokens = sum(ext)
+    fb.extend_seq_lens_cpu = ext
+    fb.extend_prefix_lens_cpu = list(lens)
+    fb.extend_seq_lens = torch.tensor(ext)
+    fb.extend_prefix_lens = torch.tensor(lens)
+    fb.extend_start_loc = torch.cumsum(fb.extend_seq_lens, 0) - fb.extend_seq_lens
+    fb.spec_tree_mask = torch.cat(masks)
+    blocks = fb.extend_seq_lens * fb.extend_seq_lens
+    fb.spec_tree_mask_starts = torch.cumsum(blocks, 0) - blocks
+    return fb, dense, slots
+
+
+def dense_tree_reference(q, k, v, fb, dense, slots, heads: int, kv_heads: int, head_dim: int) -> torch.Tensor:
+    """Every request's attention over its whole K/V (the pool's prefix, this forward's nodes) under
+    its dense mask, float64."""
+    pool = fb.token_to_kv_pool
+    k_buf, v_buf = pool.get_kv_buffer(0)
+    outs = []
+    start = 0
+    for mask, row, n in zip(dense, slots, fb.extend_prefix_lens_cpu):
+        e = mask.shape[0]
+        keys = torch.cat([k_buf[row[:n]].double(), k[start:start + e].double()]).repeat_interleave(heads // kv_heads, 1)
+        vals = torch.cat([v_buf[row[:n]].double(), v[start:start + e].double()]).repeat_interleave(heads // kv_heads, 1)
+        qs = q[start:start + e].double().view(e, heads, head_dim)
+        scores = torch.einsum("ehd,shd->hes", qs, keys) * head_dim ** -0.5
+        scores = scores.masked_fill(~mask, float("-inf"))
+        outs.append(torch.einsum("hes,shd->ehd", scores.softmax(-1), vals).reshape(e, heads * head_dim))
+        start += e
+    return torch.cat(outs)
+
+
+# Node parents (0: the root); the last tree's 20 nodes span two 16-row blocks of the Triton kernel.
+TREES = [[0, 0, 1, 1, 2], [0, 1, 2], [0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]
+
+
+@pytest.mark.parametrize("page_size,dtype", [(1, torch.float32), (16, torch.bfloat16), (16, torch.float32)])
+def test_torch_native_tree_mask_matches_dense_reference(page_size, dtype):
+    """The per-request masked SDPA (bf16 on the CPU too: the native extend kernels, causal only,
+    are bypassed for tree masks); requests with and without a prefix, one of 40 tokens."""
+    from engine.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from engine.layers.radix_attention import RadixAttention
+
+    gen = torch.Generator().manual_seed(page_size)
+    heads, kv_heads, head_dim = 8, 2, 64
+    fb, dense, slots = tree_batch([17, 0, 40], TREES, page_size, dtype, gen)
+    n = fb.out_cache_loc.shape[0]
+    q = torch.randn(n, heads * head_dim, generator=gen).to(dtype)
+    k = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
+    backend = TorchNativeAttnBackend(SimpleNamespace(device="cpu"))
+    fb.attn_backend = backend
+    backend.init_forward_metadata(fb)
+    layer = RadixAttention(heads, head_dim, scaling=head_dim ** -0.5, num_kv_heads=kv_heads, layer_id=0)
+    out = backend.forward(q, k, v, layer, fb, save_kv_cache=True)
+    ref = dense_tree_reference(q, k, v, fb, dense, slots, heads, kv_heads, head_dim)
+    err = ((out.double() - ref).norm() / ref.norm()).item()
+    assert err < (2e-2 if dtype == torch.bfloat16 else 1e-5), err
+    # Without the mask the same batch is causal: a different answer, so the mask was applied.
+    fb.spec_tree_mask = None
+    backend.init_forward_metadata(fb)
+    causal = backend.forward(q, k, v, layer, fb, save_kv_cache=True)
+    assert ((causal.double() - ref).norm() / ref.norm()).item() > 0.05

@@ -43,7 +43,7 @@ def checkerboard(cases: list) -> list:
 
 
 # The number of cases below; the driver checks that the subprocess ran them all.
-_EXPECTED_CASES = 12 + 1 + 8 + 8 + 1 + 1 + 2 + 1 + 5 + 2
+_EXPECTED_CASES = 12 + 1 + 8 + 8 + 1 + 1 + 2 + 1 + 5 + 2 + 2
 
 
 @pytest.mark.slow  # every Triton kernel under the interpreter: minutes on 2 cores
@@ -320,6 +320,28 @@ def test_backend_matches_torch_native(tk, mode, lens, prefix_lens, page_size, dt
     assert outs["triton"].shape == (n, heads * head_dim)
     assert outs["triton"].dtype == dtype
     assert rel_err(outs["triton"], outs["torch_native"]) < _TOL[dtype]
+
+
+@pytest.mark.parametrize("page_size,dtype", [(1, torch.float32), (16, torch.bfloat16)])
+def test_tree_mask_matches_dense_reference(tk, page_size, dtype):
+    """Speculative tree drafts (HAS_TREE_MASK): each node sees the prefix, its ancestors and itself
+    (test_speculative_tree.py's batches and float64 reference; one tree spans two query blocks)."""
+    from test_speculative_tree import TREES, dense_tree_reference, tree_batch
+
+    gen = torch.Generator().manual_seed(page_size + 5)
+    heads, kv_heads, head_dim = 8, 2, 64
+    fb, dense, slots = tree_batch([17, 0, 40], TREES, page_size, dtype, gen)
+    n = fb.out_cache_loc.shape[0]
+    q = torch.randn(n, heads * head_dim, generator=gen).to(dtype)
+    k = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
+    backend = tk.backend.TritonAttnBackend(SimpleNamespace(device="cpu"), extend_blocks=(16, 16))
+    fb.attn_backend = backend
+    backend.init_forward_metadata(fb)
+    layer = RadixAttention(heads, head_dim, scaling=head_dim**-0.5, num_kv_heads=kv_heads, layer_id=0)
+    out = backend.forward(q, k, v, layer, fb, save_kv_cache=True)
+    ref = dense_tree_reference(q, k, v, fb, dense, slots, heads, kv_heads, head_dim)
+    assert rel_err(out, ref) < _TOL[dtype]
 
 
 @pytest.mark.parametrize(

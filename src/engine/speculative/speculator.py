@@ -274,7 +274,7 @@ class Speculator:
         if step.draft_on_forward_thread:
             trees = tree.drafter.draft_tree(step, step.tree_shape)
         fed = wb.input_ids.tolist()
-        starts = [sum(1 + k for k in step.draft_lens[:i]) for i in range(len(step.draft_lens))]
+        starts = [i + sum(step.draft_lens[:i]) for i in range(len(step.draft_lens))]
         ids, positions, mask = verify_layout(trees, [fed[s] for s in starts], wb.extend_prefix_lens)
         step.trees = trees
         step.drafts = [t.tokens if t is not None else [] for t in trees]
@@ -339,6 +339,8 @@ def _eagle_drafter(worker: TpModelWorker, runner: ModelRunner, path: str, eagle3
     from engine.models.llama import LlamaForCausalLM
     from engine.models.llama_eagle import LlamaForCausalLMEagle
     from engine.models.llama_eagle3 import LlamaForCausalLMEagle3
+    from engine.speculative.eagle import EagleDrafter  # noqa: F811 (the runtime import)
+
     head = runner.model
     target = worker.real_runner.model if worker.real_runner is not None else None
     algo, arch = ("EAGLE3", "LlamaForCausalLMEagle3") if eagle3 else ("EAGLE", "LlamaForCausalLMEagle")

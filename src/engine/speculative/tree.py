@@ -220,7 +220,11 @@ def accept_tree(logits: torch.Tensor, trees: Sequence[Optional[DraftTree]], info
     its last token's row alone); `info` one row of sampling parameters per request."""
     logits = logits[:, : info.vocab_size].float()
     counts = [1 + (len(t.tokens) if t is not None else 0) for t in trees]
-    starts = [sum(counts[:i]) for i in range(len(counts))]
+    starts: List[int] = []
+    pos = 0
+    for c in counts:
+        starts.append(pos)
+        pos += c
     greedy_ids = kernel_ops.greedy(logits).tolist()
     row_greedy = (info.top_ks == 1).tolist()
     sampled = [i for i, g in enumerate(row_greedy) if not g]
