@@ -359,3 +359,97 @@ def test_torch_native_tree_mask_matches_dense_reference(page_size, dtype):
     backend.init_forward_metadata(fb)
     causal = backend.forward(q, k, v, layer, fb, save_kv_cache=True)
     assert ((causal.double() - ref).norm() / ref.norm()).item() > 0.05
+
+
+def test_tree_flags_bounds_and_refusals(tiny):
+    base = dict(device="cpu", speculative_algorithm="EAGLE", speculative_draft_model_path=tiny,
+                speculative_num_steps=3, speculative_eagle_topk=2)
+    # topk + (num_steps - 1) * topk^2 = 10 candidates: at most 11 verified tokens, kept as given.
+    assert ServerArgs(**base, speculative_num_draft_tokens=11).speculative_num_draft_tokens == 11
+    assert ServerArgs(**{**base, "speculative_eagle_topk": 4}, speculative_num_draft_tokens=8).speculative_eagle_topk == 4
+    for bad, match in ((dict(speculative_num_draft_tokens=12), r"must be in \[2, 11\]"),
+                       (dict(speculative_num_draft_tokens=None), "needs --speculative-num-draft-tokens"),
+                       (dict(speculative_eagle_topk=17, speculative_num_draft_tokens=8), r"topk must be in \[1, 16\]"),
+                       (dict(speculative_eagle_topk=0, speculative_num_draft_tokens=8), r"topk must be in \[1, 16\]"),
+                       (dict(speculative_num_steps=40, speculative_eagle_topk=4, speculative_num_draft_tokens=8),
+                        "feeds 156 tree nodes"),
+                       (dict(speculative_num_draft_tokens=8, attention_backend="flashinfer"), "flashinfer")):
+        with pytest.raises(ServerArgsError, match=match):
+            ServerArgs(**{**base, **bad})
+
+
+@pytest.mark.parametrize("max_new", [1, 2, 3, 4, 5, 13])
+def test_max_new_tokens_boundary(tiny, max_new):
+    prompts = _prompts()
+    _, plain, _ = _run(tiny, None, prompts, dict(max_new_tokens=max_new))
+    h, spec, rids = _run(tiny, tiny, prompts, dict(max_new_tokens=max_new), topk=3, tokens=10)
+    assert spec == plain
+    assert all(len(o) == max_new for o in spec)
+    assert all(h.outputs[r].finished_reason["type"] == "length" for r in rids)
+
+
+def test_stop_token_and_stop_string_cut_the_acceptance(tiny, small_draft):
+    prompts = _prompts()
+    _, base, _ = _run(tiny, None, prompts)
+    stop_id = base[3][10]
+    stop_str = _Tok().decode(base[4][7:9])
+    for sampling in (dict(stop_token_ids=[stop_id], ignore_eos=False), dict(stop=[stop_str])):
+        h0, plain, rids0 = _run(tiny, None, prompts, sampling)
+        for draft in (tiny, small_draft):
+            h1, spec, rids1 = _run(tiny, draft, prompts, sampling, topk=2, tokens=7)
+            assert spec == plain
+            assert len(spec[3 if "stop_token_ids" in sampling else 4]) < N_NEW  # the stop really cut it
+            assert [h1.outputs[r].finished_reason for r in rids1] == [h0.outputs[r].finished_reason for r in rids0]
+
+
+def test_abort_mid_request_frees_everything(tiny, small_draft):
+    h = _harness(tiny, small_draft, topk=3, tokens=8)
+    prompt = _prompts()[3]
+    keep = h.submit(prompt, max_new_tokens=N_NEW, ignore_eos=True)
+    victim = h.submit(prompt, max_new_tokens=200, ignore_eos=True, stream=True)
+    for _ in range(4):
+        h.step()
+    assert 0 < len(h.outputs[victim].output_ids) < 200
+    h.abort(victim)
+    h.run_until_idle()  # the strict leak check runs at idle
+    assert h.outputs[victim].finished_reason["type"] == "abort"
+    _, (plain,), _ = _run(tiny, None, [prompt])
+    assert h.outputs[keep].output_ids == plain
+
+
+@pytest.mark.parametrize("page_size,radix", [(1, True), (16, False)])
+def test_kv_is_conserved_at_every_step(tiny, small_draft, page_size, radix):
+    """After every step each running request holds exactly its committed tokens' KV (the tree's
+    rejected nodes and the draft's scratch freed, whole pages when paged)."""
+    from test_scheduler_invariants import kv_conservation
+
+    gen = torch.Generator().manual_seed(4)
+    shared = torch.randint(0, VOCAB, (20,), generator=gen).tolist()
+    h = _harness(tiny, small_draft, page_size=page_size, disable_radix_cache=not radix, max_total_tokens=512,
+                 steps=4, topk=3, tokens=9)
+    for i in range(10):
+        body = torch.randint(0, VOCAB, (int(torch.randint(1, 30, (1,), generator=gen)),), generator=gen).tolist()
+        h.submit((shared if i % 2 else []) + body, max_new_tokens=int(torch.randint(1, 40, (1,), generator=gen)),
+                 ignore_eos=True)
+    steps = 0
+    while h.scheduler.has_work():
+        h.step()
+        kv_conservation(h)
+        for req in h.scheduler.running_batch.reqs:
+            if not req.finished():
+                assert req.kv_allocated_len == len(req.origin_input_ids) + len(req.output_ids) - 1
+        steps += 1
+        assert steps < 2000
+    h.step()  # the strict idle check
+    assert h.scheduler.internal_state()["spec_verify_ct"] > 0
+
+
+def test_greedy_requests_stay_exact_beside_sampled_ones(tiny, small_draft):
+    prompts = _prompts()
+    _, plain, _ = _run(tiny, None, prompts)
+    h = _harness(tiny, small_draft, topk=2, tokens=6)
+    greedy = [h.submit(p, max_new_tokens=N_NEW, ignore_eos=True) for p in prompts]
+    sampled = [h.submit(p, max_new_tokens=N_NEW, ignore_eos=True, temperature=1.0, top_p=0.9) for p in prompts]
+    h.run_until_idle()
+    assert [h.outputs[r].output_ids for r in greedy] == plain
+    assert all(len(h.outputs[r].output_ids) == N_NEW for r in sampled)
