@@ -71,6 +71,12 @@ def _run(target: str, draft: str, prompts: List[List[int]], sampling: Dict = Non
     return h, [h.outputs[r].output_ids for r in rids], rids
 
 
+def _fast_lane(values, fast):
+    """Parameters, all but those in `fast` marked slow (the full suite runs every one)."""
+    return [v if v in fast else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.slow)
+            for v in values]
+
+
 CONFIGS = {
     "default": {},
     "no-radix": dict(disable_radix_cache=True),
@@ -80,7 +86,7 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", _fast_lane(list(CONFIGS), {"default"}))
 def test_standalone_small_draft_keeps_greedy_outputs(tiny, small_draft, name):
     prompts = _prompts()
     _, plain, _ = _run(tiny, None, prompts, **CONFIGS[name])
@@ -102,8 +108,8 @@ def _waves(h: Harness, prompts: List[List[int]], sampling: Dict) -> List[List[in
     return first + [h.outputs[r].output_ids for r in rids2]
 
 
-@pytest.mark.parametrize("topk", [2, 3, 4])
-@pytest.mark.parametrize("name", ["default", "page16", "chunked-mixed"])
+@pytest.mark.parametrize("name,topk", _fast_lane([(n, k) for n in ("default", "page16", "chunked-mixed") for k in (2, 3, 4)],
+                                                 {("default", 3), ("page16", 2)}))
 def test_draft_equal_to_target_accepts_the_whole_depth(tiny, topk, name):
     """The draft is the target, two steps, the full tree (every candidate verified, so the target's
     greedy path is always in it): every verify step accepts 2 drafts plus the bonus, which holds only
@@ -144,7 +150,7 @@ def eagle_exact(tmp_path_factory):
     return target, build_eagle_head(str(tmp_path_factory.mktemp("tree_eagle_exact_head")), target, identity=True)
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", _fast_lane(list(CONFIGS), {"default"}))
 def test_eagle_random_head_keeps_greedy_outputs(eagle_pair, name):
     target, head, _ = eagle_pair
     prompts = _prompts()
@@ -154,7 +160,7 @@ def test_eagle_random_head_keeps_greedy_outputs(eagle_pair, name):
     assert h.scheduler.internal_state()["spec_verify_ct"] > 0
 
 
-@pytest.mark.parametrize("name", ["default", "page16"])
+@pytest.mark.parametrize("name", _fast_lane(["default", "page16"], {"default"}))
 def test_eagle3_random_head_keeps_greedy_outputs(eagle_pair, name):
     target, _, head3 = eagle_pair
     prompts = _prompts()
@@ -164,7 +170,7 @@ def test_eagle3_random_head_keeps_greedy_outputs(eagle_pair, name):
     assert h.scheduler.internal_state()["spec_verify_ct"] > 0
 
 
-@pytest.mark.parametrize("name", ["default", "page16", "chunked-mixed"])
+@pytest.mark.parametrize("name", _fast_lane(["default", "page16", "chunked-mixed"], {"default"}))
 def test_eagle_exact_head_accepts_the_whole_depth(eagle_exact, name):
     """The head predicts the target's tokens and the tree is full (two steps): every verify step
     accepts 2 drafts, so the head's features and K/V follow the accepted path."""
@@ -378,7 +384,7 @@ def test_tree_flags_bounds_and_refusals(tiny):
             ServerArgs(**{**base, **bad})
 
 
-@pytest.mark.parametrize("max_new", [1, 2, 3, 4, 5, 13])
+@pytest.mark.parametrize("max_new", _fast_lane([1, 2, 3, 4, 5, 13], {1, 2, 4}))
 def test_max_new_tokens_boundary(tiny, max_new):
     prompts = _prompts()
     _, plain, _ = _run(tiny, None, prompts, dict(max_new_tokens=max_new))
@@ -388,6 +394,7 @@ def test_max_new_tokens_boundary(tiny, max_new):
     assert all(h.outputs[r].finished_reason["type"] == "length" for r in rids)
 
 
+@pytest.mark.slow  # ~14 s: two stops, two drafts
 def test_stop_token_and_stop_string_cut_the_acceptance(tiny, small_draft):
     prompts = _prompts()
     _, base, _ = _run(tiny, None, prompts)
@@ -417,7 +424,7 @@ def test_abort_mid_request_frees_everything(tiny, small_draft):
     assert h.outputs[keep].output_ids == plain
 
 
-@pytest.mark.parametrize("page_size,radix", [(1, True), (16, False)])
+@pytest.mark.parametrize("page_size,radix", _fast_lane([(1, True), (16, False)], {(16, False)}))
 def test_kv_is_conserved_at_every_step(tiny, small_draft, page_size, radix):
     """After every step each running request holds exactly its committed tokens' KV (the tree's
     rejected nodes and the draft's scratch freed, whole pages when paged)."""
@@ -444,6 +451,7 @@ def test_kv_is_conserved_at_every_step(tiny, small_draft, page_size, radix):
     assert h.scheduler.internal_state()["spec_verify_ct"] > 0
 
 
+@pytest.mark.slow  # ~10 s
 def test_greedy_requests_stay_exact_beside_sampled_ones(tiny, small_draft):
     prompts = _prompts()
     _, plain, _ = _run(tiny, None, prompts)
@@ -453,3 +461,58 @@ def test_greedy_requests_stay_exact_beside_sampled_ones(tiny, small_draft):
     h.run_until_idle()
     assert [h.outputs[r].output_ids for r in greedy] == plain
     assert all(len(h.outputs[r].output_ids) == N_NEW for r in sampled)
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("tree_tiny_vocab"))
+    hf = build_tiny_model(path, seed=5, vocab_size=12)
+    return path, hf
+
+
+@pytest.mark.slow
+def test_sampled_outputs_keep_the_target_distribution_end_to_end(tiny_vocab):
+    """3000 sampled requests, the draft = the target, a full tree of two steps over a 12-token
+    vocabulary (accepted paths land anywhere in the tree, so their K/V are moved): tokens 2 and 3 of
+    each output come from verify steps and follow transformers' distribution given the tokens
+    before them (chi-square, p < 1e-6)."""
+    from engine.scheduler.tp_worker import TpModelWorker
+
+    path, hf = tiny_vocab
+    vocab, n, temperature = 12, 3000, 0.9
+    prompt = [3, 1, 4, 0, 5, 9, 2, 6, 11, 8, 7, 10]
+    worker_args = ServerArgs(model_path=path, device="cpu", max_total_tokens=65536, max_running_requests=256)
+    h = Harness(worker=TpModelWorker(worker_args), tokenizer=_Tok(), max_total_tokens=65536,
+                max_running_requests=256, speculative_algorithm="STANDALONE", speculative_draft_model_path=path,
+                speculative_num_steps=2, speculative_eagle_topk=3, speculative_num_draft_tokens=13,
+                speculative_batch_size_threshold=1024)
+    rids = [h.submit(prompt, max_new_tokens=3, ignore_eos=True, temperature=temperature) for _ in range(n)]
+    h.run_until_idle()
+    outs = [tuple(h.outputs[r].output_ids) for r in rids]
+    assert all(len(o) == 3 for o in outs)
+    state = h.scheduler.internal_state()
+    assert state["spec_verify_ct"] > 0 and state["avg_spec_accept_length"] > 1.5, state
+
+    def dist(prefixes: List[Tuple[int, ...]]) -> Dict[Tuple[int, ...], torch.Tensor]:
+        with torch.inference_mode():
+            ids = torch.tensor([prompt + list(p) for p in prefixes])
+            logits = hf(ids).logits[:, -1, :].float()
+        return dict(zip(prefixes, torch.softmax(logits / temperature, dim=-1)))
+
+    for depth in (1, 2):
+        counts: Dict[Tuple[int, ...], int] = {}
+        observed: Dict[Tuple[int, ...], int] = {}
+        for o in outs:
+            counts[o[:depth]] = counts.get(o[:depth], 0) + 1
+            observed[o[:depth + 1]] = observed.get(o[:depth + 1], 0) + 1
+        p = dist(sorted(counts))
+        total_stat, total_df = 0.0, 0
+        for pre, c in counts.items():
+            if c < 100:
+                continue
+            expected = {pre + (t,): c * float(p[pre][t]) for t in range(vocab)}
+            stat, df = _chi2({k: v for k, v in observed.items() if k[:depth] == pre}, expected)
+            total_stat += stat
+            total_df += df
+        assert total_df >= 10, (depth, total_df)
+        assert total_stat < _chi2_bound(total_df), (depth, total_stat, total_df)

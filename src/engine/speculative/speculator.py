@@ -320,7 +320,7 @@ def build_speculator(server_args: ServerArgs, worker: ModelWorker, tree_cache: B
     if algo in ("EAGLE", "EAGLE3"):
         drafter: Union[EagleDrafter, DraftModelDrafter] = _eagle_drafter(worker, runner, path, algo == "EAGLE3")
     else:
-        from engine.speculative.draft_model import DraftModelDrafter  # noqa: F811 (the runtime import)
+        from engine.speculative.draft_model import DraftModelDrafter
 
         drafter = DraftModelDrafter(runner, worker.output_tokens_buf, server_args.speculative_batch_size_threshold)
     speculator = Speculator(server_args, worker, tree_cache, drafter)
@@ -339,7 +339,7 @@ def _eagle_drafter(worker: TpModelWorker, runner: ModelRunner, path: str, eagle3
     from engine.models.llama import LlamaForCausalLM
     from engine.models.llama_eagle import LlamaForCausalLMEagle
     from engine.models.llama_eagle3 import LlamaForCausalLMEagle3
-    from engine.speculative.eagle import EagleDrafter  # noqa: F811 (the runtime import)
+    from engine.speculative.eagle import EagleDrafter
 
     head = runner.model
     target = worker.real_runner.model if worker.real_runner is not None else None
