@@ -268,10 +268,12 @@ def test_tree_growth_selects_by_cumulative_score_and_keeps_parents():
 
 # ---------------------------------------------------------------------------------------- attention
 def tree_batch(lens: List[int], trees: List[List[int]], page_size: int, dtype: torch.dtype, gen: torch.Generator,
-               kv_heads: int = 2, head_dim: int = 64):
+               kv_heads: int = 2, head_dim: int = 64, covered: List[int] = None):
     """A TARGET_VERIFY ForwardBatch: request i has lens[i] cached tokens then a tree of
     len(trees[i]) + 1 nodes (parents given, the root first) on a paged layout; random cached K/V.
-    Returns the batch and each request's [nodes, prefix + nodes] mask (the dense reference's)."""
+    The mask also covers the last covered[i] cached keys, at random (as a draft's tree step covers
+    the nodes of its earlier steps). Returns the batch and each request's [nodes, prefix + nodes]
+    mask (the dense reference's)."""
     from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from engine.model_executor.forward_batch_info import ForwardBatch, ForwardMode
 
@@ -291,10 +293,12 @@ def tree_batch(lens: List[int], trees: List[List[int]], page_size: int, dtype: t
                          torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype))
         slots.append(row)
     masks, dense = [], []
-    for n, parents in zip(lens, trees):
+    covered = covered or [0] * len(lens)
+    for n, parents, c in zip(lens, trees, covered):
         tree = DraftTree(tokens=[0] * len(parents), parents=parents).mask()
-        masks.append(tree.reshape(-1))
-        dense.append(torch.cat([torch.ones(tree.shape[0], n, dtype=torch.bool), tree], dim=1))
+        block = torch.cat([torch.rand(tree.shape[0], c, generator=gen) < 0.5, tree], dim=1)
+        masks.append(block.reshape(-1))
+        dense.append(torch.cat([torch.ones(tree.shape[0], n - c, dtype=torch.bool), block], dim=1))
     bs = len(lens)
     seq_lens = [n + e for n, e in zip(lens, ext)]
     fb = ForwardBatch(
@@ -309,9 +313,7 @@ def tree_batch(lens: List[int], trees: List[List[int]], page_size: int, dtype: t
     fb.extend_seq_lens = torch.tensor(ext)
     fb.extend_prefix_lens = torch.tensor(lens)
     fb.extend_start_loc = torch.cumsum(fb.extend_seq_lens, 0) - fb.extend_seq_lens
-    fb.spec_tree_mask = torch.cat(masks)
-    blocks = fb.extend_seq_lens * fb.extend_seq_lens
-    fb.spec_tree_mask_starts = torch.cumsum(blocks, 0) - blocks
+    fb.set_tree_mask(torch.cat(masks), [c + e for c, e in zip(covered, ext)])
     return fb, dense, slots
 
 
@@ -338,16 +340,18 @@ def dense_tree_reference(q, k, v, fb, dense, slots, heads: int, kv_heads: int, h
 TREES = [[0, 0, 1, 1, 2], [0, 1, 2], [0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16]]
 
 
-@pytest.mark.parametrize("page_size,dtype", [(1, torch.float32), (16, torch.bfloat16), (16, torch.float32)])
-def test_torch_native_tree_mask_matches_dense_reference(page_size, dtype):
+@pytest.mark.parametrize("page_size,dtype,covered", [(1, torch.float32, None), (16, torch.bfloat16, [5, 0, 20]),
+                                                    (16, torch.float32, [3, 0, 0])])
+def test_torch_native_tree_mask_matches_dense_reference(page_size, dtype, covered):
     """The per-request masked SDPA (bf16 on the CPU too: the native extend kernels, causal only,
-    are bypassed for tree masks); requests with and without a prefix, one of 40 tokens."""
+    are bypassed for tree masks); requests with and without a prefix, one of 40 tokens; with some
+    cached keys under the mask too (a draft's tree step)."""
     from engine.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from engine.layers.radix_attention import RadixAttention
 
     gen = torch.Generator().manual_seed(page_size)
     heads, kv_heads, head_dim = 8, 2, 64
-    fb, dense, slots = tree_batch([17, 0, 40], TREES, page_size, dtype, gen)
+    fb, dense, slots = tree_batch([17, 0, 40], TREES, page_size, dtype, gen, covered=covered)
     n = fb.out_cache_loc.shape[0]
     q = torch.randn(n, heads * head_dim, generator=gen).to(dtype)
     k = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
@@ -516,3 +520,34 @@ def test_sampled_outputs_keep_the_target_distribution_end_to_end(tiny_vocab):
             total_df += df
         assert total_df >= 10, (depth, total_df)
         assert total_stat < _chi2_bound(total_df), (depth, total_stat, total_df)
+
+
+@pytest.mark.parametrize("name", _fast_lane(["default", "page16", "chunked-mixed"], {"default"}))
+def test_draft_equal_to_target_expands_each_node_by_the_targets_topk(tiny, name, monkeypatch):
+    """The draft is the target, four steps: every drafted node's token is among the topk of the
+    target's distribution at its parent (the verify forward's row of the parent), at every depth;
+    so the draft's tree steps saw what the target sees (prefix, ancestors, positions, the K/V of
+    earlier tree steps in their scratch slots)."""
+    import engine.speculative.speculator as speculator_module
+
+    topk, checked = 3, [0]
+    real = speculator_module.accept_tree
+
+    def checking(logits, trees, info):
+        start = 0
+        for tree in trees:
+            if tree is not None:
+                rows = logits[start:start + 1 + len(tree.tokens)].float()
+                kth = rows.topk(topk, dim=-1).values[:, -1]
+                for node, (token, parent) in enumerate(zip(tree.tokens, tree.parents), start=1):
+                    assert rows[parent, token] >= kth[parent] - 1e-3, (node, token, parent)
+                    checked[0] += 1
+            start += 1 + (len(tree.tokens) if tree is not None else 0)
+        return real(logits, trees, info)
+
+    monkeypatch.setattr(speculator_module, "accept_tree", checking)
+    prompts = _prompts()
+    _, plain, _ = _run(tiny, None, prompts, **CONFIGS[name])
+    _, spec, _ = _run(tiny, tiny, prompts, steps=4, topk=topk, tokens=12, **CONFIGS[name])
+    assert spec == plain
+    assert checked[0] > 100

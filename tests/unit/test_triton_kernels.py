@@ -322,15 +322,16 @@ def test_backend_matches_torch_native(tk, mode, lens, prefix_lens, page_size, dt
     assert rel_err(outs["triton"], outs["torch_native"]) < _TOL[dtype]
 
 
-@pytest.mark.parametrize("page_size,dtype", [(1, torch.float32), (16, torch.bfloat16)])
-def test_tree_mask_matches_dense_reference(tk, page_size, dtype):
+@pytest.mark.parametrize("page_size,dtype,covered", [(1, torch.float32, None), (16, torch.bfloat16, [5, 0, 20])])
+def test_tree_mask_matches_dense_reference(tk, page_size, dtype, covered):
     """Speculative tree drafts (HAS_TREE_MASK): each node sees the prefix, its ancestors and itself
-    (test_speculative_tree.py's batches and float64 reference; one tree spans two query blocks)."""
+    (test_speculative_tree.py's batches and float64 reference; one tree spans two query blocks; with
+    `covered`, some cached keys are under the mask too, as in a draft's tree step)."""
     from test_speculative_tree import TREES, dense_tree_reference, tree_batch
 
     gen = torch.Generator().manual_seed(page_size + 5)
     heads, kv_heads, head_dim = 8, 2, 64
-    fb, dense, slots = tree_batch([17, 0, 40], TREES, page_size, dtype, gen)
+    fb, dense, slots = tree_batch([17, 0, 40], TREES, page_size, dtype, gen, covered=covered)
     n = fb.out_cache_loc.shape[0]
     q = torch.randn(n, heads * head_dim, generator=gen).to(dtype)
     k = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)

@@ -139,7 +139,7 @@ class DraftModelDrafter:
         def fed_nodes(rows: List[int], tokens: List[List[int]], parents: List[List[int]],
                       depths: List[List[int]]) -> torch.Tensor:
             batch = fed_nodes_batch([pool_rows[i] for i in rows], self.req_to_token, [prefix[i] for i in rows],
-                                    tokens, parents, depths)
+                                    tokens, parents, depths, shape.topk)
             return newest_rows(self._forward(batch), len(rows), shape.topk)
 
         drafting = [i for i, k in enumerate(lens) if k > 0]

@@ -147,8 +147,8 @@ class EagleDrafter:
     # ------------------------------------------------------------------ tree steps
     def draft_tree(self, step: VerifyStep, shape: TreeShape) -> List[Optional[DraftTree]]:
         """The root forward is the chain's first (at m - 1: the last token, the target's feature
-        there); a fed node reads its token with its parent's output as the feature, at position
-        m - 1 + depth, in the scratch slots at positions m .. (speculative/tree.py)."""
+        there); a leaf is fed with its parent's output as the feature (the root's, or the previous
+        leaves'), at position m - 1 + depth, in the scratch slots at positions m .. (speculative/tree.py)."""
         wb = step.worker_batch
         prefix = wb.extend_prefix_lens
         assert prefix is not None  # a verify batch
@@ -156,9 +156,11 @@ class EagleDrafter:
         starts = _starts(lens)
         fed = wb.input_ids.tolist()
         pool_rows = wb.req_pool_indices.tolist()
-        # Per drafting request: the head's output at its root, then at its fed nodes (latest forward).
+        # Per drafting request: the head's output at its root, and at the leaves of the latest fed
+        # forward (fed nodes fed_offset .. fed_offset + topk - 1), the parents of the next leaves.
         root_hidden: List[torch.Tensor] = []
         fed_hidden: List[torch.Tensor] = []
+        fed_offset = [0]
 
         def root(rows: List[int]) -> torch.Tensor:
             slots = torch.tensor([int(self.req_to_token[pool_rows[i], prefix[i] - 1]) for i in rows])
@@ -173,15 +175,17 @@ class EagleDrafter:
 
         def fed_nodes(rows: List[int], tokens: List[List[int]], parents: List[List[int]],
                       depths: List[List[int]]) -> torch.Tensor:
-            feats = torch.stack([root_hidden[r] if p < 0 else fed_hidden[r][p]
-                                 for r, ps in enumerate(parents) for p in ps])
+            topk = shape.topk
+            feats = torch.stack([root_hidden[r] if p < 0 else fed_hidden[r][p - fed_offset[0]]
+                                 for r, ps in enumerate(parents) for p in ps[-topk:]])
             batch = dataclasses.replace(
                 fed_nodes_batch([pool_rows[i] for i in rows], self.req_to_token, [prefix[i] - 1 for i in rows],
-                                tokens, parents, depths), capture_hidden_states=True)
+                                tokens, parents, depths, topk), capture_hidden_states=True)
             output = self._forward(batch, feats)
             assert output.hidden_states is not None  # captured
-            fed_hidden[:] = list(output.hidden_states.view(len(rows), -1, output.hidden_states.shape[-1]))
-            return newest_rows(output.next_token_logits, len(rows), shape.topk)
+            fed_hidden[:] = list(output.hidden_states.view(len(rows), topk, output.hidden_states.shape[-1]))
+            fed_offset[0] = len(tokens[0]) - topk
+            return newest_rows(output.next_token_logits, len(rows), topk)
 
         drafting = [i for i, k in enumerate(lens) if k > 0]
         trees: List[Optional[DraftTree]] = [None] * len(lens)

@@ -105,33 +105,35 @@ def ancestor_mask(parents: Sequence[int]) -> torch.Tensor:
 
 
 def fed_nodes_batch(pool_rows: List[int], table: torch.Tensor, roots: List[int], tokens: List[List[int]],
-                    parents: List[List[int]], depths: List[List[int]]) -> ModelWorkerBatch:
-    """A draft's forward over each request's fed nodes: an extend after its root (at position
-    roots[r], so the prefix is roots[r] + 1 positions) into the scratch slots the request's row holds
-    there, node j at position root + depth under the ancestor mask; every row's logits kept."""
-    lens = [len(t) for t in tokens]
-    prefix = [root + 1 for root in roots]
-    seq_lens = [p + n for p, n in zip(prefix, lens)]
-    slots = torch.cat([table[row, p:p + n] for row, p, n in zip(pool_rows, prefix, lens)]).to(torch.int64)
+                    parents: List[List[int]], depths: List[List[int]], new: int) -> ModelWorkerBatch:
+    """A draft's forward over each request's `new` newest fed nodes (the current leaves; the
+    earlier ones were written by the previous steps): an extend after the earlier nodes, into the
+    scratch slots the request's row holds after its root (at position roots[r]), node j at position
+    root + depth; each new node sees the prefix up to its root, and among the fed nodes its
+    ancestors and itself (the mask covers every fed node); every row's logits kept."""
+    fed = [len(t) for t in tokens]
+    prefix = [root + 1 + n - new for root, n in zip(roots, fed)]
+    seq_lens = [root + 1 + n for root, n in zip(roots, fed)]
+    slots = torch.cat([table[row, p:p + new] for row, p in zip(pool_rows, prefix)]).to(torch.int64)
     return ModelWorkerBatch(
-        forward_mode=ForwardMode.TARGET_VERIFY, input_ids=torch.tensor([t for ts in tokens for t in ts]),
+        forward_mode=ForwardMode.TARGET_VERIFY, input_ids=torch.tensor([t for ts in tokens for t in ts[-new:]]),
         req_pool_indices=torch.tensor(pool_rows, dtype=torch.int64), seq_lens=torch.tensor(seq_lens),
-        seq_lens_cpu=seq_lens, out_cache_loc=slots.cpu(), extend_num_tokens=sum(lens), extend_seq_lens=lens,
-        extend_prefix_lens=prefix,
-        positions=torch.tensor([root + d for root, ds in zip(roots, depths) for d in ds], dtype=torch.int64),
-        spec_tree_mask=torch.cat([ancestor_mask(p).reshape(-1) for p in parents]))
+        seq_lens_cpu=seq_lens, out_cache_loc=slots.cpu(), extend_num_tokens=new * len(fed),
+        extend_seq_lens=[new] * len(fed), extend_prefix_lens=prefix,
+        positions=torch.tensor([root + d for root, ds in zip(roots, depths) for d in ds[-new:]], dtype=torch.int64),
+        spec_tree_mask=torch.cat([ancestor_mask(p)[-new:].reshape(-1) for p in parents]), spec_tree_widths=fed)
 
 
 def newest_rows(logits: torch.Tensor, n_rows: int, topk: int) -> torch.Tensor:
-    """[R, topk, vocab]: each request's last topk rows of a fed_nodes_batch forward (equal counts)."""
-    return logits.view(n_rows, -1, logits.shape[-1])[:, -topk:]
+    """[R, topk, vocab]: the rows of a fed_nodes_batch forward per request."""
+    return logits.view(n_rows, topk, logits.shape[-1])
 
 
 # The drafter's forwards the growth needs (speculative/eagle.py, draft_model.py implement them):
 # root(rows) -> logits [R, vocab] at each drafting request's root;
-# fed(rows, tokens [R][F], parents [R][F] (index among the fed nodes, -1: the root), depths [R][F],
-#     parent_rows [R][F] (row of the previous forward's output each node's parent was, -1: the root))
-#     -> logits [R, topk, vocab] of the last topk fed nodes of each request.
+# fed(rows, tokens [R][F], parents [R][F] (index among the fed nodes, -1: the root), depths [R][F])
+#     -> logits [R, topk, vocab] of the last topk fed nodes of each request (the current leaves; the
+#     earlier ones were fed by the previous calls: fed_nodes_batch feeds the new ones only).
 RootForward = Callable[[List[int]], torch.Tensor]
 FedForward = Callable[[List[int], List[List[int]], List[List[int]], List[List[int]]], torch.Tensor]
 

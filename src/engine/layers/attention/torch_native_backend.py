@@ -177,8 +177,8 @@ class TorchNativeAttnBackend(AttentionBackend):
             kv_indices = table[row, :seq_len].long()
             mask = None
             tree = fb.tree_mask_block(i)
-            if tree is not None:  # the prefix, then the new tokens' own tree mask
-                visible = torch.ones(ext_len, prefix_len, dtype=torch.bool, device=tree.device)
+            if tree is not None:  # the keys before the tree's, then the tree mask
+                visible = torch.ones(ext_len, seq_len - tree.shape[1], dtype=torch.bool, device=tree.device)
                 mask = torch.cat([visible, tree], dim=1)
             elif prefix_len > 0 and ext_len > 1:
                 # Query i sits at position prefix_len + i and sees keys 0..prefix_len + i.

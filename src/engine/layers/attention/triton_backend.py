@@ -172,6 +172,7 @@ class TritonAttnBackend(AttentionBackend):
             slot_map=pool.slot_map(layer.layer_id),
             tree_mask=fb.attn_metadata.tree_mask,
             tree_mask_starts=fb.spec_tree_mask_starts,
+            tree_widths=fb.spec_tree_widths,
         )
         return out.view(-1, num_heads * out.shape[-1])
 
