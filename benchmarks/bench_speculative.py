@@ -4,6 +4,8 @@ Algorithms (--algorithms, default both):
   NGRAM       drafts from the request's own prompt and output;
   STANDALONE  a draft model made from the target's first --draft-layers layers (its embedding,
               final norm and lm_head too), saved as a model directory of its own.
+  STANDALONE_TREE  the same draft with tree drafts: --speculative-eagle-topk --tree-topk and
+              --speculative-num-draft-tokens --tree-draft-tokens (SGLang's EAGLE default 4 and 8).
 
 Workloads (greedy, ignore_eos):
   copy    each prompt is a random prompt plus the first --copy-len tokens of the target's own
@@ -77,6 +79,10 @@ def spec_args(algo: str, draft_path: str, args: argparse.Namespace) -> Dict[str,
         common["speculative_batch_size_threshold"] = args.spec_threshold
     if algo == "NGRAM":
         return dict(common, speculative_num_draft_tokens=args.num_draft_tokens)
+    if algo == "STANDALONE_TREE":
+        return dict(common, speculative_algorithm="STANDALONE", speculative_draft_model_path=draft_path,
+                    speculative_num_steps=args.num_steps, speculative_eagle_topk=args.tree_topk,
+                    speculative_num_draft_tokens=args.tree_draft_tokens)
     return dict(common, speculative_draft_model_path=draft_path, speculative_num_steps=args.num_steps)
 
 
@@ -276,7 +282,10 @@ def main() -> None:
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--copy-len", type=int, default=64)
     ap.add_argument("--out-len", type=int, default=64)
-    ap.add_argument("--algorithms", nargs="+", default=["NGRAM", "STANDALONE"], choices=["NGRAM", "STANDALONE"])
+    ap.add_argument("--algorithms", nargs="+", default=["NGRAM", "STANDALONE", "STANDALONE_TREE"],
+                    choices=["NGRAM", "STANDALONE", "STANDALONE_TREE"])
+    ap.add_argument("--tree-topk", type=int, default=4, help="STANDALONE_TREE: --speculative-eagle-topk")
+    ap.add_argument("--tree-draft-tokens", type=int, default=8, help="STANDALONE_TREE: --speculative-num-draft-tokens")
     ap.add_argument("--num-draft-tokens", type=int, default=12, help="NGRAM")
     ap.add_argument("--num-steps", type=int, default=3, help="STANDALONE (SGLang's default)")
     ap.add_argument("--draft-layers", type=int, default=1, help="STANDALONE: the target's first layers")
@@ -295,7 +304,8 @@ def main() -> None:
         with scheduling_thread():
             verify_cost(model_path, args)
         return
-    draft_path = layer_draft_dir(model_path, args.draft_layers) if "STANDALONE" in args.algorithms else ""
+    uses_draft = {"STANDALONE", "STANDALONE_TREE"} & set(args.algorithms)
+    draft_path = layer_draft_dir(model_path, args.draft_layers) if uses_draft else ""
     rows = []
     for batch in args.batch_sizes:
         for name, prompts in workloads(model_path, vocab, batch, args).items():
@@ -318,14 +328,14 @@ def main() -> None:
                     "exact": on.outputs == off.outputs,
                 })
                 r = rows[-1]
-                print(f"{algo:<10} {name:<7} bs={batch:<3} off {r['off_tok_s']:8.1f} tok/s  on {r['on_tok_s']:8.1f} "
+                print(f"{algo:<16} {name:<7} bs={batch:<3} off {r['off_tok_s']:8.1f} tok/s  on {r['on_tok_s']:8.1f} "
                       f"tok/s  x{r['speedup']:.2f}  accept {r['accept_length']:.2f}  draft share "
                       f"{100 * r['draft_share']:.1f}%  exact {r['exact']}", flush=True)
     print()
-    print(f"{'algorithm':<11}{'workload':<9}{'batch':>6}{'off tok/s':>11}{'on tok/s':>10}{'on/off':>8}"
+    print(f"{'algorithm':<17}{'workload':<9}{'batch':>6}{'off tok/s':>11}{'on tok/s':>10}{'on/off':>8}"
           f"{'accept':>8}{'draft%':>8}{'ITL off':>9}{'ITL on':>8}{'exact':>7}")
     for r in rows:
-        print(f"{r['algorithm']:<11}{r['workload']:<9}{r['batch']:>6}{r['off_tok_s']:>11.1f}{r['on_tok_s']:>10.1f}"
+        print(f"{r['algorithm']:<17}{r['workload']:<9}{r['batch']:>6}{r['off_tok_s']:>11.1f}{r['on_tok_s']:>10.1f}"
               f"{r['speedup']:>8.2f}{r['accept_length']:>8.2f}{100 * r['draft_share']:>8.1f}"
               f"{r['off_median_itl_ms']:>9.2f}{r['on_median_itl_ms']:>8.2f}{str(r['exact']):>7}")
     with open(args.json, "w") as f:

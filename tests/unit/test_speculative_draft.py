@@ -296,7 +296,7 @@ def test_draft_model_flags_defaults_and_refusals(tiny):
     assert args.speculative_num_draft_tokens == 6  # adjusted as SGLang does for topk 1
     base = dict(device="cpu", speculative_algorithm="STANDALONE", speculative_draft_model_path=tiny)
     for bad, match in ((dict(speculative_draft_model_path=None), "needs --speculative-draft-model-path"),
-                       (dict(speculative_num_steps=2, speculative_eagle_topk=4), "topk 4 is not supported yet"),
+                       (dict(speculative_num_steps=2, speculative_eagle_topk=4), "topk 4 needs --speculative-num-draft-tokens"),
                        (dict(speculative_eagle_topk=1), "need --speculative-num-steps"),
                        (dict(speculative_num_steps=0), "must be in"),
                        (dict(speculative_num_steps=64), "must be in"),

@@ -43,7 +43,7 @@ def checkerboard(cases: list) -> list:
 
 
 # The number of cases below; the driver checks that the subprocess ran them all.
-_EXPECTED_CASES = 12 + 1 + 8 + 8 + 1 + 1 + 2 + 1 + 5 + 2
+_EXPECTED_CASES = 12 + 1 + 8 + 8 + 1 + 1 + 2 + 1 + 5 + 2 + 2 + 1
 
 
 @pytest.mark.slow  # every Triton kernel under the interpreter: minutes on 2 cores
@@ -322,6 +322,29 @@ def test_backend_matches_torch_native(tk, mode, lens, prefix_lens, page_size, dt
     assert rel_err(outs["triton"], outs["torch_native"]) < _TOL[dtype]
 
 
+@pytest.mark.parametrize("page_size,dtype,covered", [(1, torch.float32, None), (16, torch.bfloat16, [5, 0, 20])])
+def test_tree_mask_matches_dense_reference(tk, page_size, dtype, covered):
+    """Speculative tree drafts (HAS_TREE_MASK): each node sees the prefix, its ancestors and itself
+    (test_speculative_tree.py's batches and float64 reference; one tree spans two query blocks; with
+    `covered`, some cached keys are under the mask too, as in a draft's tree step)."""
+    from test_speculative_tree import TREES, dense_tree_reference, tree_batch
+
+    gen = torch.Generator().manual_seed(page_size + 5)
+    heads, kv_heads, head_dim = 8, 2, 64
+    fb, dense, slots = tree_batch([17, 0, 40], TREES, page_size, dtype, gen, covered=covered)
+    n = fb.out_cache_loc.shape[0]
+    q = torch.randn(n, heads * head_dim, generator=gen).to(dtype)
+    k = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
+    v = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
+    backend = tk.backend.TritonAttnBackend(SimpleNamespace(device="cpu"), extend_blocks=(16, 16))
+    fb.attn_backend = backend
+    backend.init_forward_metadata(fb)
+    layer = RadixAttention(heads, head_dim, scaling=head_dim**-0.5, num_kv_heads=kv_heads, layer_id=0)
+    out = backend.forward(q, k, v, layer, fb, save_kv_cache=True)
+    ref = dense_tree_reference(q, k, v, fb, dense, slots, heads, kv_heads, head_dim)
+    assert rel_err(out, ref) < _TOL[dtype]
+
+
 @pytest.mark.parametrize(
     "mode,lens,prefix_lens,window,cap,sinks,page_size,dtype",
     [
@@ -476,3 +499,35 @@ if not _INTERPRETED:
         del globals()[_name]
 else:
     del test_kernels_under_triton_interpreter, test_triton_backend_on_cpu_needs_the_interpreter
+
+
+def test_tree_speculation_with_triton_backend_keeps_greedy_outputs(tk):
+    """STANDALONE tree drafts (draft = target, two steps, the full tree of topk 2) through the
+    scheduler with --attention-backend triton: the drafter's and the target's tree forwards go
+    through the kernel's tree mask; outputs equal those without speculation and every verify step
+    accepts the whole depth."""
+    from sched_utils import Harness
+    from test_speculative_ngram import _prompts, _Tok
+
+    from engine.builtin_model import ensure_builtin_model
+    from engine.scheduler.tp_worker import TpModelWorker
+    from engine.server_args import ServerArgs
+
+    tiny = ensure_builtin_model()
+
+    def run(spec: bool):
+        worker = TpModelWorker(ServerArgs(model_path=tiny, device="cpu", max_total_tokens=2048,
+                                          max_running_requests=16, attention_backend="triton"))
+        extra = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=tiny, speculative_num_steps=2,
+                     speculative_eagle_topk=2, speculative_num_draft_tokens=7,
+                     speculative_batch_size_threshold=1024) if spec else {}
+        h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=2048, attention_backend="triton", **extra)
+        rids = [h.submit(_prompts()[0], max_new_tokens=4, ignore_eos=True)]
+        h.run_until_idle()
+        return [h.outputs[r].output_ids for r in rids], h.scheduler.internal_state()
+
+    plain, _ = run(False)
+    spec, state = run(True)
+    assert spec == plain
+    # 3 tokens after the prefill's: one verify step of 1 + 2.
+    assert state["spec_verify_ct"] == 1 and state["avg_spec_accept_length"] == 3.0, state

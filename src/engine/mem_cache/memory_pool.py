@@ -218,6 +218,13 @@ class MHATokenToKVPool:
         self.k_buffer[layer_id].index_copy_(0, loc, cache_k)
         self.v_buffer[layer_id].index_copy_(0, loc, cache_v)
 
+    def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Every layer's K/V of slots `src` copied to slots `dst` (all read before any is written, so
+        the two may overlap): the accepted path of a speculative tree moved into chain order."""
+        for buffers in (self.k_buffer, self.v_buffer):
+            for layer_buffer in buffers:
+                layer_buffer.index_copy_(0, dst, layer_buffer.index_select(0, src))
+
     def bytes_per_token(self) -> int:
         return 2 * self.layer_num * self.head_num * self.head_dim * torch.tensor([], dtype=self.dtype).element_size()
 

@@ -36,8 +36,8 @@ class ForwardMode(IntEnum):
     EXTEND = auto()  # prefill, possibly on top of a cached prefix
     DECODE = auto()  # one new token per request
     MIXED = auto()  # extend requests followed by decode requests (chunked prefill + decode)
-    # Speculative verify: each request extends by its last token plus its drafts (a chain), and
-    # the logits of every position are kept (engine/speculative/).
+    # Speculative verify: each request extends by its last token plus its drafts (a chain, or a
+    # tree under `spec_tree_mask`), and the logits of every position are kept (engine/speculative/).
     TARGET_VERIFY = auto()
 
     def is_extend(self) -> bool:
@@ -90,6 +90,14 @@ class ModelWorkerBatch:
     dimensions: Optional[List[Optional[int]]] = None
     # With LoRA: per request its adapter's uid (None: the base model); None when no request has one.
     lora_ids: Optional[List[Optional[str]]] = None
+    # Tree drafts (speculative/tree.py): each token's position when not its extend offset (a tree
+    # node's is prefix + depth), and the flat tree mask: each request's [extend, width] bool block,
+    # row-major in batch order, over its last `width` keys (True: row attends to key); the keys
+    # before them are visible to every row. Widths: spec_tree_widths, None: each extend length (the
+    # block covers the new tokens only).
+    positions: Optional[torch.Tensor] = None
+    spec_tree_mask: Optional[torch.Tensor] = None
+    spec_tree_widths: Optional[List[int]] = None
 
     @property
     def batch_size(self) -> int:
@@ -130,6 +138,12 @@ class ForwardBatch:
     lora_ids: Optional[List[Optional[str]]] = None
     # An EAGLE draft forward: the feature each token is read with (speculative/eagle.py), [tokens, hidden].
     spec_hidden_states: Optional[torch.Tensor] = None
+    # Tree drafts: ModelWorkerBatch.spec_tree_mask, each request's block width (the keys it covers,
+    # the last of the request's) and where its block starts in it.
+    spec_tree_mask: Optional[torch.Tensor] = None
+    spec_tree_widths: Optional[torch.Tensor] = None
+    spec_tree_widths_cpu: Optional[List[int]] = None
+    spec_tree_mask_starts: Optional[torch.Tensor] = None
 
     # Memory and attention
     req_to_token_pool: Optional["ReqToTokenPool"] = None
@@ -184,11 +198,37 @@ class ForwardBatch:
             )
             if batch.extend_input_logprob_token_ids is not None:
                 ret.extend_input_logprob_token_ids = batch.extend_input_logprob_token_ids.to(device)
+            if batch.spec_tree_mask is not None:
+                ret.set_tree_mask(batch.spec_tree_mask.to(device), batch.spec_tree_widths)
         return ret
+
+    def set_tree_mask(self, mask: torch.Tensor, widths: Optional[List[int]] = None) -> None:
+        """The tree mask of an extend batch (ModelWorkerBatch.spec_tree_mask; widths None: each
+        request's extend length)."""
+        assert self.extend_seq_lens_cpu is not None and self.extend_seq_lens is not None  # an extend batch
+        self.spec_tree_mask = mask
+        self.spec_tree_widths_cpu = list(widths) if widths is not None else list(self.extend_seq_lens_cpu)
+        self.spec_tree_widths = torch.tensor(self.spec_tree_widths_cpu, dtype=torch.int64, device=mask.device)
+        blocks = self.extend_seq_lens * self.spec_tree_widths
+        self.spec_tree_mask_starts = torch.cumsum(blocks, 0) - blocks
+
+    def tree_mask_block(self, i: int) -> Optional[torch.Tensor]:
+        """Request i's [extend, width] tree mask over its last `width` keys, None without tree drafts."""
+        if self.spec_tree_mask is None:
+            return None
+        # set_tree_mask sets them together.
+        assert self.spec_tree_mask_starts is not None and self.spec_tree_widths_cpu is not None
+        assert self.extend_seq_lens_cpu is not None
+        n, width = self.extend_seq_lens_cpu[i], self.spec_tree_widths_cpu[i]
+        start = int(self.spec_tree_mask_starts[i])
+        return self.spec_tree_mask[start:start + n * width].view(n, width)
 
 
 def _positions(batch: ModelWorkerBatch, seq_lens: torch.Tensor, device: str) -> torch.Tensor:
-    """Each token's position: after its request's prefix (extend), the last slot (decode)."""
+    """Each token's position: after its request's prefix (extend), the last slot (decode); tree
+    drafts give theirs."""
+    if batch.positions is not None:
+        return batch.positions.to(device, non_blocking=True)
     if batch.forward_mode.is_extend():
         assert batch.extend_prefix_lens is not None and batch.extend_seq_lens is not None  # set for extends
         return compute_extend_positions(batch.extend_prefix_lens, batch.extend_seq_lens, device)

@@ -6,5 +6,6 @@ one forward of the target model, accepted so that outputs are exactly the target
 - `step.py`: `VerifyStep` (one step from launch to processing) and the `Drafter` protocol;
 - `ngram.py`: the NGRAM drafter (the request's own tokens propose the continuation);
 - `draft_model.py`: the STANDALONE drafter (a draft model whose K/V follow the target's slots);
-- `verify.py`: which drafts a verify forward accepts (greedy and SGLang's rejection sampling).
+- `verify.py`: which drafts a verify forward accepts (greedy and SGLang's rejection sampling);
+- `tree.py`: tree drafts (--speculative-eagle-topk > 1): growth, selection, mask, tree acceptance.
 """

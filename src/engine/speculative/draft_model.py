@@ -36,6 +36,7 @@ import torch
 
 from engine.model_executor.forward_batch_info import ForwardBatch, ForwardMode, ModelWorkerBatch
 from engine.scheduler.overlap_utils import resolve_relay_input_ids
+from engine.speculative.tree import DraftTree, TreeShape, fed_nodes_batch, grow_trees, newest_rows
 from engine.speculative.verify import target_probs
 
 if TYPE_CHECKING:
@@ -115,6 +116,52 @@ class DraftModelDrafter:
         self._mark(wb.out_cache_loc[_i64([starts[i] + lens[i] for i in rows])], True)
 
     needs_target_hidden = False
+
+    # ------------------------------------------------------------------ tree steps
+    def draft_tree(self, step: VerifyStep, shape: TreeShape) -> List[Optional[DraftTree]]:
+        """The root (the last token, position m) is a decode into its slot, as a chain's first draft;
+        the fed nodes go to the scratch slots at positions m + 1 .. (speculative/tree.py)."""
+        wb = step.worker_batch
+        prefix = wb.extend_prefix_lens
+        assert prefix is not None  # a verify batch
+        self._catch_up(step)
+        lens = step.draft_lens
+        starts = _starts(lens)
+        fed = wb.input_ids.tolist()
+        pool_rows = wb.req_pool_indices.tolist()
+
+        def root(rows: List[int]) -> torch.Tensor:
+            logits = self._decode(wb, rows, [fed[starts[i]] for i in rows], [starts[i] for i in rows],
+                                  [prefix[i] + 1 for i in rows])
+            self._mark(wb.out_cache_loc[_i64([starts[i] for i in rows])], True)
+            return logits
+
+        def fed_nodes(rows: List[int], tokens: List[List[int]], parents: List[List[int]],
+                      depths: List[List[int]]) -> torch.Tensor:
+            batch = fed_nodes_batch([pool_rows[i] for i in rows], self.req_to_token, [prefix[i] for i in rows],
+                                    tokens, parents, depths, shape.topk)
+            return newest_rows(self._forward(batch), len(rows), shape.topk)
+
+        drafting = [i for i, k in enumerate(lens) if k > 0]
+        trees: List[Optional[DraftTree]] = [None] * len(lens)
+        for i, tree in zip(drafting, grow_trees(shape, drafting, root, fed_nodes)):
+            trees[i] = tree
+        return trees
+
+    def after_verify_tree(self, step: VerifyStep) -> None:
+        """The accepted path now lies at positions m + 1 .. of the target; the draft's K/V there are
+        the scratch of the fed nodes: stale, so the request's next verify step writes them first
+        (_catch_up). A request without drafts had its last token written by the target alone."""
+        wb = step.worker_batch
+        assert wb.extend_prefix_lens is not None and step.tree_shape is not None  # a tree verify batch
+        stale: List[torch.Tensor] = []
+        rows = wb.req_pool_indices.tolist()
+        for i, (k, start, m) in enumerate(zip(step.draft_lens, _starts(step.draft_lens), wb.extend_prefix_lens)):
+            if k == 0:
+                stale.append(wb.out_cache_loc[start:start + 1])
+            else:
+                stale.append(self.req_to_token[rows[i], m + 1:m + 1 + step.tree_shape.slots].to(torch.int64))
+        self._mark(torch.cat(stale), False)
 
     def forward_plain(self, worker_batch: ModelWorkerBatch, run_target: Callable[[ModelWorkerBatch], Any]) -> Any:
         threshold = self.batch_size_threshold

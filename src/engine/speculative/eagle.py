@@ -32,6 +32,7 @@ import torch
 from engine.model_executor.forward_batch_info import ForwardBatch, ForwardMode, ModelWorkerBatch
 from engine.scheduler.overlap_utils import resolve_relay_input_ids
 from engine.speculative.draft_model import _i64, _pick, _starts
+from engine.speculative.tree import DraftTree, TreeShape, fed_nodes_batch, grow_trees, newest_rows
 
 if TYPE_CHECKING:
     from engine.layers.logits_processor import LogitsProcessorOutput
@@ -141,6 +142,75 @@ class EagleDrafter:
             first = m if k > 0 else m - 1
             firsts.append(first)
             tokens.append(fed[s + first + 1 - m: s + a + 1])
+        self._extend(wb.req_pool_indices.tolist(), firsts, tokens)
+
+    # ------------------------------------------------------------------ tree steps
+    def draft_tree(self, step: VerifyStep, shape: TreeShape) -> List[Optional[DraftTree]]:
+        """The root forward is the chain's first (at m - 1: the last token, the target's feature
+        there); a leaf is fed with its parent's output as the feature (the root's, or the previous
+        leaves'), at position m - 1 + depth, in the scratch slots at positions m .. (speculative/tree.py)."""
+        wb = step.worker_batch
+        prefix = wb.extend_prefix_lens
+        assert prefix is not None  # a verify batch
+        lens = step.draft_lens
+        starts = _starts(lens)
+        fed = wb.input_ids.tolist()
+        pool_rows = wb.req_pool_indices.tolist()
+        # Per drafting request: the head's output at its root, and at the leaves of the latest fed
+        # forward (fed nodes fed_offset .. fed_offset + topk - 1), the parents of the next leaves.
+        root_hidden: List[torch.Tensor] = []
+        fed_hidden: List[torch.Tensor] = []
+        fed_offset = [0]
+
+        def root(rows: List[int]) -> torch.Tensor:
+            slots = torch.tensor([int(self.req_to_token[pool_rows[i], prefix[i] - 1]) for i in rows])
+            batch = ModelWorkerBatch(
+                forward_mode=ForwardMode.DECODE, input_ids=_i64([fed[starts[i]] for i in rows]),
+                req_pool_indices=wb.req_pool_indices[_i64(rows)], seq_lens=_i64([prefix[i] for i in rows]),
+                seq_lens_cpu=[prefix[i] for i in rows], out_cache_loc=slots, capture_hidden_states=True)
+            output = self._forward(batch, self.features[slots.to(self.features.device)])
+            assert output.hidden_states is not None  # captured
+            root_hidden.extend(output.hidden_states)
+            return output.next_token_logits
+
+        def fed_nodes(rows: List[int], tokens: List[List[int]], parents: List[List[int]],
+                      depths: List[List[int]]) -> torch.Tensor:
+            topk = shape.topk
+            feats = torch.stack([root_hidden[r] if p < 0 else fed_hidden[r][p - fed_offset[0]]
+                                 for r, ps in enumerate(parents) for p in ps[-topk:]])
+            batch = dataclasses.replace(
+                fed_nodes_batch([pool_rows[i] for i in rows], self.req_to_token, [prefix[i] - 1 for i in rows],
+                                tokens, parents, depths, topk), capture_hidden_states=True)
+            output = self._forward(batch, feats)
+            assert output.hidden_states is not None  # captured
+            fed_hidden[:] = list(output.hidden_states.view(len(rows), topk, output.hidden_states.shape[-1]))
+            fed_offset[0] = len(tokens[0]) - topk
+            return newest_rows(output.next_token_logits, len(rows), topk)
+
+        drafting = [i for i, k in enumerate(lens) if k > 0]
+        trees: List[Optional[DraftTree]] = [None] * len(lens)
+        for i, tree in zip(drafting, grow_trees(shape, drafting, root, fed_nodes)):
+            trees[i] = tree
+        return trees
+
+    def after_verify_tree(self, step: VerifyStep) -> None:
+        """As after a chain step, over the accepted path (moved to chain order): the target's
+        features of the root and the path's nodes at their new slots, then the head's extend over
+        the accepted drafts (without drafts: its first read of the last token, at m - 1)."""
+        wb = step.worker_batch
+        paths = step.paths
+        assert paths is not None and wb.extend_prefix_lens is not None and step.target_hidden is not None
+        fed = wb.input_ids.tolist()
+        rows: List[int] = []
+        dst: List[int] = []
+        firsts: List[int] = []
+        tokens: List[List[int]] = []
+        for m, k, path, s in zip(wb.extend_prefix_lens, step.draft_lens, paths, _starts(step.draft_lens)):
+            rows.extend([s] + [s + node for node in path])
+            dst.extend(range(s, s + 1 + len(path)))
+            firsts.append(m if k > 0 else m - 1)
+            tokens.append([fed[s + node] for node in path] if k > 0 else [fed[s]])
+        self._store(wb.out_cache_loc[_i64(dst)], step.target_hidden[_i64(rows).to(step.target_hidden.device)])
         self._extend(wb.req_pool_indices.tolist(), firsts, tokens)
 
     # ------------------------------------------------------------------ helpers

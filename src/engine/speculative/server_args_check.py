@@ -14,8 +14,10 @@ SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
 UNSUPPORTED_SPECULATIVE_ALGORITHMS = ("NEXTN",)
 # The algorithms whose drafts come from a draft model (--speculative-draft-model-path).
 DRAFT_MODEL_ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3")
-# (num_steps, eagle_topk, num_draft_tokens) when none is given: SGLang's STANDALONE default (its
-# EAGLE default for Llama is (5, 4, 8), a tree this engine cannot verify).
+# (num_steps, eagle_topk, num_draft_tokens) when none is given: SGLang's STANDALONE default. Its
+# EAGLE default for Llama is the tree (5, 4, 8); here chains stay the default for every algorithm,
+# since on the CPU a tree's wider draft and verify forwards cost more than its extra acceptance
+# brings (trees are chosen with --speculative-eagle-topk).
 DEFAULT_DRAFT_MODEL_SPEC_PARAMS = (3, 1, 4)
 # --speculative-batch-size-threshold's default on the CPU: past 4 requests a verify forward costs more
 # than the tokens it typically adds (benchmarks/bench_speculative.py --verify-cost, docs/benchmarks.md:
@@ -24,6 +26,8 @@ CPU_SPECULATIVE_BATCH_SIZE_THRESHOLD = 4
 # The most tokens one verify step checks per request, and the longest n-gram window (bounds the
 # verify forward and the drafter's search).
 MAX_SPECULATIVE_TOKENS = 64
+# The widest tree (--speculative-eagle-topk): each drafting step ranks topk^2 candidates per request.
+MAX_SPECULATIVE_TOPK = 16
 
 
 class SpeculativeFlags(Protocol):
@@ -47,6 +51,7 @@ class SpeculativeFlags(Protocol):
     simulated_device_forward_ms: Optional[str]
     is_embedding: bool
     disable_overlap_schedule: bool
+    attention_backend: Optional[str]
 
 
 def check_speculative_server_args(args: SpeculativeFlags, need: Callable[[bool, str], None]) -> None:
@@ -111,11 +116,39 @@ def _check_draft_model_params(args: SpeculativeFlags, need: Callable[[bool, str]
         args.speculative_eagle_topk = 1
     need(1 <= args.speculative_num_steps < MAX_SPECULATIVE_TOKENS,
          f"--speculative-num-steps must be in [1, {MAX_SPECULATIVE_TOKENS - 1}], got {args.speculative_num_steps}")
-    need(args.speculative_eagle_topk == 1,
-         f"--speculative-eagle-topk {args.speculative_eagle_topk} is not supported yet: only 1 (chain drafts); "
-         "tree drafts (topk > 1) need tree verification, which this engine does not have")
+    need(1 <= args.speculative_eagle_topk <= MAX_SPECULATIVE_TOPK,
+         f"--speculative-eagle-topk must be in [1, {MAX_SPECULATIVE_TOPK}], got {args.speculative_eagle_topk}")
+    if args.speculative_eagle_topk > 1:
+        _check_tree_params(args, need)
+        return
     if args.speculative_num_draft_tokens != args.speculative_num_steps + 1:
         if args.speculative_num_draft_tokens is not None:
             logger.warning("--speculative-num-draft-tokens is set to --speculative-num-steps + 1 = %d "
                            "with --speculative-eagle-topk 1", args.speculative_num_steps + 1)
         args.speculative_num_draft_tokens = args.speculative_num_steps + 1
+
+
+def max_tree_drafts(num_steps: int, topk: int) -> int:
+    """The candidates a tree drafting of this shape grows (speculative/tree.py)."""
+    return topk + (num_steps - 1) * topk * topk
+
+
+def _check_tree_params(args: SpeculativeFlags, need: Callable[[bool, str], None]) -> None:
+    """Tree drafts (speculative/tree.py): the verified tree's size is explicit and at most the
+    candidates the drafting grows (topk + (num_steps - 1) * topk^2) plus the root."""
+    steps, topk, tokens = args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens
+    assert steps is not None and topk is not None  # set by the caller
+    need(tokens is not None, f"--speculative-eagle-topk {topk} needs --speculative-num-draft-tokens (the tree's "
+                             "size: the last token plus the drafts verified)")
+    assert tokens is not None  # need() raised otherwise
+    limit = min(max_tree_drafts(steps, topk) + 1, MAX_SPECULATIVE_TOKENS)
+    need(2 <= tokens <= limit,
+         f"--speculative-num-draft-tokens must be in [2, {limit}] with --speculative-num-steps {steps} and "
+         f"--speculative-eagle-topk {topk} (at most topk + (num_steps - 1) * topk^2 drafts plus the last token, "
+         f"and {MAX_SPECULATIVE_TOKENS}), got {tokens}")
+    need((steps - 1) * topk <= MAX_SPECULATIVE_TOKENS,
+         f"--speculative-num-steps {steps} with --speculative-eagle-topk {topk} feeds {(steps - 1) * topk} tree "
+         f"nodes to the draft per step; at most {MAX_SPECULATIVE_TOKENS}")
+    need(args.attention_backend != "flashinfer",
+         "--speculative-eagle-topk > 1 needs the tree attention mask, which --attention-backend flashinfer does "
+         "not apply here: use triton or torch_native")

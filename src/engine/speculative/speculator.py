@@ -33,16 +33,20 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Union
 
 import torch
 
 from engine.scheduler.overlap_utils import write_relay
-from engine.speculative.step import Drafter, VerifyStep
+from engine.speculative.step import Drafter, TreeDrafter, VerifyStep
+from engine.speculative.tree import DraftTree, TreeShape, accept_tree, path_moves, verify_layout
 from engine.speculative.verify import accept_drafts
 
 if TYPE_CHECKING:
     from engine.mem_cache.base_prefix_cache import BasePrefixCache
+    from engine.mem_cache.memory_pool import MHATokenToKVPool
+    from engine.speculative.draft_model import DraftModelDrafter
+    from engine.speculative.eagle import EagleDrafter
     from engine.model_executor.model_runner import ModelRunner
     from engine.scheduler.tp_worker import TpModelWorker
     from engine.model_executor.forward_batch_info import ModelWorkerBatch
@@ -69,6 +73,16 @@ class SpecStats:
         return self.emitted_tokens / self.verify_steps if self.verify_steps else 0.0
 
 
+@dataclass
+class TreeVerify:
+    """What tree steps need beyond a chain's: the tree's shape, the drafter that grows trees, and the
+    target's K/V pool, in which the accepted path is moved to chain order."""
+
+    shape: TreeShape
+    drafter: TreeDrafter
+    target_pool: MHATokenToKVPool
+
+
 class Speculator:
     def __init__(self, server_args: ServerArgs, worker: ModelWorker, tree_cache: BasePrefixCache,
                  drafter: Drafter) -> None:
@@ -79,6 +93,7 @@ class Speculator:
         self.tree_cache = tree_cache
         self.drafter = drafter
         self.stats = SpecStats()
+        self.tree: Optional[TreeVerify] = None  # set by build_speculator with --speculative-eagle-topk > 1
 
     # ------------------------------------------------------------------ scheduling thread
     @staticmethod
@@ -96,6 +111,8 @@ class Speculator:
             return None  # large batches are compute-bound: drafts cost more than they save
         if not all(self.eligible(r) for r in batch.reqs):
             return None
+        if self.tree is not None:
+            return self._prepare_tree(batch, self.tree.shape)
         row_width = batch.req_to_token_pool.req_to_token.shape[1]
         # Never more than the request may still emit (the bonus token included) or its row holds.
         budgets = [max(0, min(self.max_drafts, req.max_new_tokens - len(req.output_ids) - 1, row_width - seq_len))
@@ -178,6 +195,8 @@ class Speculator:
         """Drafting (when the drafter does it here), the verify forward and the acceptance; the
         relay gets each row's newest token, so a plain decode step after this one reads the right
         input."""
+        if step.tree_shape is not None:
+            return self._run_tree(step)
         started = time.perf_counter()
         if step.draft_on_forward_thread:
             self.drafter.draft(step)
@@ -200,12 +219,81 @@ class Speculator:
         verified = time.perf_counter()
         self.drafter.after_verify(step)
         step.draft_seconds = (drafted - started) + (time.perf_counter() - verified)
+        self._relay_last_tokens(step)
+        return step
+
+    def _relay_last_tokens(self, step: VerifyStep) -> None:
+        wb, outcome = step.worker_batch, step.outcome
+        assert outcome is not None and wb.sampling_info is not None  # accepted; a generation batch has one
         last = torch.tensor([t[-1] for t in outcome.tokens], dtype=torch.int64)
         # The penalty/step state is brought to this batch's layout (queued filters and merges); the
         # eligible rows have no per-token sampling state, so one update per step is enough.
         wb.sampling_info.update_after_sample(last.to(wb.sampling_info.device))
         write_relay(self.worker.output_tokens_buf, wb.req_pool_indices.to(self.worker.output_tokens_buf.device),
                     last.to(self.worker.output_tokens_buf.device))
+
+    # ------------------------------------------------------------------ tree steps
+    def _prepare_tree(self, batch: ScheduleBatch, shape: TreeShape) -> VerifyStep:
+        """A tree step: a request drafts the whole tree or nothing. It takes shape.slots slots after
+        its decode slot (the verified drafts' first, the draft's scratch for the fed nodes), when its
+        row holds them and it may still emit two tokens; the tree's depth may pass max_new_tokens,
+        whose check in `process` cuts the accepted tokens."""
+        row_width = batch.req_to_token_pool.req_to_token.shape[1]
+        budgets = [shape.slots if req.max_new_tokens - len(req.output_ids) > 1 and row_width - seq_len >= shape.slots
+                   else 0 for req, seq_len in zip(batch.reqs, batch.seq_lens_cpu)]
+        slots = batch.alloc_draft_slots(budgets)
+        if slots is None:
+            budgets = [0] * len(budgets)  # the pool is short (or nothing drafts): a plain step
+        verify_lens = [shape.num_drafts if b else 0 for b in budgets]
+        picked: List[torch.Tensor] = []
+        offset = 0
+        for b, k in zip(budgets, verify_lens):
+            if k:
+                assert slots is not None  # budgets are zero without slots
+                picked.append(slots[offset:offset + k])
+            offset += b
+        # The drafts are written on the forward thread (_run_tree); 0 holds their place.
+        input_ids = [t for req, k in zip(batch.reqs, verify_lens) for t in [req.output_ids[-1]] + [0] * k]
+        worker_batch = batch.verify_worker_batch(input_ids, verify_lens, torch.cat(picked) if picked else None)
+        if self.drafter.needs_target_hidden:
+            worker_batch = dataclasses.replace(worker_batch, capture_hidden_states=True)
+        return VerifyStep(worker_batch=worker_batch, drafts=[[] for _ in batch.reqs], draft_lens=verify_lens,
+                          draft_on_forward_thread=any(verify_lens), tree_shape=shape,
+                          tokens=[(req.origin_input_ids, req.output_ids) for req in batch.reqs])
+
+    def _run_tree(self, step: VerifyStep) -> VerifyStep:
+        """The drafter grows the trees, the target verifies them in one forward under the tree mask,
+        the accepted path's K/V move to chain order (the rest is freed by keep_verified in `process`,
+        as a chain's rejected drafts), and the drafter follows."""
+        tree = self.tree
+        assert tree is not None and step.tree_shape is not None  # a tree step comes from _prepare_tree
+        started = time.perf_counter()
+        wb = step.worker_batch
+        assert wb.extend_prefix_lens is not None and wb.sampling_info is not None  # a verify batch has both
+        trees: List[Optional[DraftTree]] = [None] * len(step.draft_lens)
+        if step.draft_on_forward_thread:
+            trees = tree.drafter.draft_tree(step, step.tree_shape)
+        fed = wb.input_ids.tolist()
+        starts = [i + sum(step.draft_lens[:i]) for i in range(len(step.draft_lens))]
+        ids, positions, mask = verify_layout(trees, [fed[s] for s in starts], wb.extend_prefix_lens)
+        step.trees = trees
+        step.drafts = [t.tokens if t is not None else [] for t in trees]
+        step.worker_batch = wb = dataclasses.replace(wb, input_ids=torch.tensor(ids, dtype=torch.int64),
+                                                     positions=positions, spec_tree_mask=mask)
+        drafted = time.perf_counter()
+        output = self.worker.forward_batch_verify(wb)
+        step.target_hidden = output.aux_hidden_states if output.aux_hidden_states is not None else output.hidden_states
+        assert wb.sampling_info is not None  # kept by the replace above
+        accepted = accept_tree(output.next_token_logits, trees, wb.sampling_info)
+        step.outcome, step.paths = accepted.outcome, accepted.paths
+        src, dst = path_moves(accepted.paths, starts)
+        if src:
+            loc = wb.out_cache_loc
+            tree.target_pool.move_kv(loc[torch.tensor(src)].to(loc.device), loc[torch.tensor(dst)].to(loc.device))
+        verified = time.perf_counter()
+        tree.drafter.after_verify_tree(step)
+        step.draft_seconds = (drafted - started) + (time.perf_counter() - verified)
+        self._relay_last_tokens(step)
         return step
 
     def forward_plain(self, worker_batch: ModelWorkerBatch, run_target: Callable[[ModelWorkerBatch], Any]) -> Any:
@@ -230,14 +318,22 @@ def build_speculator(server_args: ServerArgs, worker: ModelWorker, tree_cache: B
     assert path is not None  # ServerArgs requires it for the draft-model algorithms
     runner = on_forward_thread(lambda: worker.make_draft_runner(path))
     if algo in ("EAGLE", "EAGLE3"):
-        return Speculator(server_args, worker, tree_cache, _eagle_drafter(worker, runner, path, algo == "EAGLE3"))
-    from engine.speculative.draft_model import DraftModelDrafter
+        drafter: Union[EagleDrafter, DraftModelDrafter] = _eagle_drafter(worker, runner, path, algo == "EAGLE3")
+    else:
+        from engine.speculative.draft_model import DraftModelDrafter
 
-    return Speculator(server_args, worker, tree_cache, DraftModelDrafter(
-        runner, worker.output_tokens_buf, server_args.speculative_batch_size_threshold))
+        drafter = DraftModelDrafter(runner, worker.output_tokens_buf, server_args.speculative_batch_size_threshold)
+    speculator = Speculator(server_args, worker, tree_cache, drafter)
+    steps, topk = server_args.speculative_num_steps, server_args.speculative_eagle_topk
+    if topk is not None and topk > 1:
+        assert steps is not None and server_args.speculative_num_draft_tokens is not None  # ServerArgs checked them
+        assert worker.real_runner is not None  # make_draft_runner needs one
+        speculator.tree = TreeVerify(TreeShape(steps, topk, server_args.speculative_num_draft_tokens), drafter,
+                                     worker.real_runner.token_to_kv_pool)
+    return speculator
 
 
-def _eagle_drafter(worker: TpModelWorker, runner: ModelRunner, path: str, eagle3: bool) -> Drafter:
+def _eagle_drafter(worker: TpModelWorker, runner: ModelRunner, path: str, eagle3: bool) -> EagleDrafter:
     """The EAGLE (or EAGLE3) head of `runner`, sharing the target's embedding (and an EAGLE head the
     lm_head); for EAGLE3 the target is set to capture the head's auxiliary layers."""
     from engine.models.llama import LlamaForCausalLM

@@ -8,6 +8,7 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Protocol, Tuple
 
 import torch
 
+from engine.speculative.tree import DraftTree, TreeShape
 from engine.speculative.verify import VerifyOutcome
 
 if TYPE_CHECKING:
@@ -36,6 +37,12 @@ class VerifyStep:
     target_hidden: Optional[torch.Tensor] = None
     outcome: Optional[VerifyOutcome] = None
     draft_seconds: float = 0.0  # forward-thread time the drafter spent on this step
+    # Tree drafts (--speculative-eagle-topk > 1): the shape; per request its tree (None: no drafts),
+    # and after the acceptance its accepted nodes, whose K/V the step moved to chain order (each
+    # request's verify rows start + 1 .. start + len(path)).
+    tree_shape: Optional[TreeShape] = None
+    trees: Optional[List[Optional[DraftTree]]] = None
+    paths: Optional[List[List[int]]] = None
 
 
 class Drafter(Protocol):
@@ -58,3 +65,16 @@ class Drafter(Protocol):
         """Forward thread: a plain forward of the target (prefill, mixed chunk, plain decode step),
         run by the drafter through `run_target` together with whatever keeps it in step with the
         K/V that forward writes; returns run_target's result."""
+
+
+class TreeDrafter(Protocol):
+    """A drafter that grows trees (--speculative-eagle-topk > 1: eagle.EagleDrafter,
+    draft_model.DraftModelDrafter), beside its Drafter methods (plain forwards, chain steps)."""
+
+    def draft_tree(self, step: VerifyStep, shape: TreeShape) -> List[Optional[DraftTree]]:
+        """Forward thread, before the verify forward: each request's tree (None where it drafts
+        nothing), its scratch K/V written after its last token's slot (the step's slots)."""
+
+    def after_verify_tree(self, step: VerifyStep) -> None:
+        """Forward thread, after the acceptance and the move of the accepted path (step.paths):
+        bring the drafter's state to the accepted tokens, as after a chain step."""

@@ -137,6 +137,8 @@ class FlashInferAttnBackend(AttentionBackend):
             # Its plan is shared by every layer and fixed to causal; encoders need the other two.
             raise NotImplementedError("the flashinfer backend has no encoder (non-causal) attention; use "
                                       "--attention-backend triton or torch_native for encoder models")
+        if forward_batch.spec_tree_mask is not None:  # ServerArgs refuses the combination at start-up
+            raise NotImplementedError("the flashinfer backend has no tree mask (--speculative-eagle-topk > 1)")
         return self._run(q, k, v, layer, forward_batch, save_kv_cache, decode=False)
 
     def forward_decode(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch", save_kv_cache: bool = True):

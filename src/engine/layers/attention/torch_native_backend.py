@@ -156,6 +156,10 @@ class TorchNativeAttnBackend(AttentionBackend):
     def _extend_metadata(self, fb: "ForwardBatch"):
         pool = fb.token_to_kv_pool
         assert pool is not None  # ForwardBatch.init_new sets it
+        if fb.spec_tree_mask is not None:
+            # Tree drafts: the native kernels and the padded batch know the causal mask only, so
+            # each request runs one SDPA under its own mask.
+            return self._extend_metadata_per_request(fb)
         # bf16 prefills on the CPU go through the native kernels (K/V read from the pool).
         if (pool.k_buffer[0].is_cpu and pool.dtype == torch.bfloat16 and pool.head_dim % 2 == 0
                 and attention_kernels.extend_supported()):
@@ -171,12 +175,16 @@ class TorchNativeAttnBackend(AttentionBackend):
         pool_rows = fb.req_pool_indices.tolist()
         seqs: List[_ExtendSeq] = []
         q_start = 0
-        for row, seq_len, ext_len, prefix_len in zip(
+        for i, (row, seq_len, ext_len, prefix_len) in enumerate(zip(
             pool_rows, fb.seq_lens_cpu, fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu
-        ):
+        )):
             kv_indices = table[row, :seq_len].long()
             mask = None
-            if prefix_len > 0 and ext_len > 1:
+            tree = fb.tree_mask_block(i)
+            if tree is not None:  # the keys before the tree's, then the tree mask
+                visible = torch.ones(ext_len, seq_len - tree.shape[1], dtype=torch.bool, device=tree.device)
+                mask = torch.cat([visible, tree], dim=1)
+            elif prefix_len > 0 and ext_len > 1:
                 # Query i sits at position prefix_len + i and sees keys 0..prefix_len + i.
                 q_pos = torch.arange(ext_len, device=table.device).unsqueeze(1) + prefix_len
                 mask = torch.arange(seq_len, device=table.device).unsqueeze(0) <= q_pos
@@ -215,6 +223,9 @@ class TorchNativeAttnBackend(AttentionBackend):
         if save_kv_cache and k is not None:
             pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         if not layer.is_plain:  # a window, a logit cap or sinks: neither SDPA nor the C kernels have them
+            if forward_batch.spec_tree_mask is not None:
+                raise NotImplementedError("tree drafts (--speculative-eagle-topk > 1) need plain attention layers "
+                                          "(no sliding window, logit cap or sinks)")
             return windowed_extend(q, layer, forward_batch)
         if k is not None and pool.is_fp8:  # the new tokens' K/V as the pool holds them, as every other key
             k, v = pool.as_stored(layer.layer_id, k, v)

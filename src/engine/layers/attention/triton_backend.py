@@ -39,6 +39,8 @@ class _DecodeMetadata:
 @dataclass
 class _ExtendMetadata:
     max_extend_len: int
+    # Tree drafts: ForwardBatch.spec_tree_mask as bytes (the kernel loads one per query/key pair).
+    tree_mask: Optional[torch.Tensor] = None
 
 
 def extend_block_sizes(head_dim: int, dtype: torch.dtype) -> Tuple[int, int]:
@@ -95,7 +97,8 @@ class TritonAttnBackend(AttentionBackend):
             fb.attn_metadata = _DecodeMetadata(num_kv_splits=compute_num_kv_splits(fb.seq_lens, self.max_kv_splits))
         elif fb.forward_mode.is_extend():
             assert fb.extend_seq_lens_cpu is not None  # ForwardBatch.init_new sets it for extends
-            fb.attn_metadata = _ExtendMetadata(max_extend_len=max(fb.extend_seq_lens_cpu, default=0))
+            tree = fb.spec_tree_mask.to(torch.uint8) if fb.spec_tree_mask is not None else None
+            fb.attn_metadata = _ExtendMetadata(max_extend_len=max(fb.extend_seq_lens_cpu, default=0), tree_mask=tree)
         else:
             fb.attn_metadata = None
 
@@ -173,6 +176,9 @@ class TritonAttnBackend(AttentionBackend):
             slot_map=pool.slot_map(layer.layer_id),
             k_scale=k_scale,
             v_scale=v_scale,
+            tree_mask=fb.attn_metadata.tree_mask,
+            tree_mask_starts=fb.spec_tree_mask_starts,
+            tree_widths=fb.spec_tree_widths,
         )
         return out.view(-1, num_heads * out.shape[-1])
 

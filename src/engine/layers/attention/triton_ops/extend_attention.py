@@ -13,7 +13,10 @@ Windowed layers (HAS_WINDOW): a query at position p sees the keys at (p - window
 start at the first key the block's first query can see. A row may then meet blocks in which it sees
 nothing (its running max still -inf): the exponentials are taken against a max of 0 there, so such a
 block adds nothing instead of NaN. HAS_CAP soft-caps the scores; HAS_SINKS adds the head's sink logit to
-the denominator.
+the denominator. HAS_TREE_MASK (tree drafts of speculative decoding): the request's last Tree_widths keys
+(its new tokens, and for a draft's tree steps the nodes it wrote before) are seen only where its
+[extend, width] block of Tree_mask says so (a node sees its ancestors and itself, never a later
+row, so the causal bound on the new keys still holds); the keys before them stay visible.
 """
 
 from __future__ import annotations
@@ -47,6 +50,9 @@ def _extend_kernel(
     logit_cap,
     Sinks,
     Slot_map,
+    Tree_mask,
+    Tree_mask_starts,
+    Tree_widths,
     stride_req_to_token,
     stride_q_token,
     stride_q_head,
@@ -74,6 +80,7 @@ def _extend_kernel(
     HAS_CAP: tl.constexpr,
     HAS_SINKS: tl.constexpr,
     HAS_SLOT_MAP: tl.constexpr,
+    HAS_TREE_MASK: tl.constexpr,
 ):
     cur_req = tl.program_id(0)
     cur_head = tl.program_id(1)
@@ -97,12 +104,16 @@ def _extend_kernel(
         q_ptrs = Q + (q_start + offs_m[:, None]) * stride_q_token + cur_head * stride_q_head + offs_d[None, :]
         q = tl.load(q_ptrs, mask=mask_m[:, None] & mask_d[None, :], other=0.0)
 
+        if HAS_TREE_MASK:
+            mask_start = tl.load(Tree_mask_starts + cur_req)
+            tree_width = tl.load(Tree_widths + cur_req)
+            tree_lo = prefix_len + extend_len - tree_width  # the first key the mask covers
         e_max = tl.zeros([BLOCK_M], dtype=tl.float32) - float("inf")
         e_sum = tl.zeros([BLOCK_M], dtype=tl.float32)
         acc = tl.zeros([BLOCK_M, BLOCK_DV], dtype=tl.float32)
 
-        # 1. The cached prefix: no mask beyond its length. Every row has a valid key in every
-        #    block (the block's first key), so the running max stays finite.
+        # 1. The cached prefix: no mask beyond its length (but a tree mask's). Rows that see no key of
+        #    a block (windows, tree masks) are handled by the max of 0 below.
         if HAS_WINDOW:
             prefix_lo = tl.maximum(prefix_len + block_m * BLOCK_M - sliding_window + 1, 0)
             extend_lo = tl.maximum(block_m * BLOCK_M - sliding_window + 1, 0)
@@ -127,6 +138,12 @@ def _extend_kernel(
             visible = mask_n[None, :]
             if HAS_WINDOW:
                 visible = visible & (offs_n[None, :] > prefix_len + offs_m[:, None] - sliding_window)
+            if HAS_TREE_MASK:
+                col = offs_n - tree_lo
+                in_tree = col >= 0
+                tree = tl.load(Tree_mask + mask_start + offs_m[:, None] * tree_width + col[None, :],
+                               mask=mask_m[:, None] & mask_n[None, :] & in_tree[None, :], other=0)
+                visible = visible & ((~in_tree[None, :]) | (tree != 0))
             qk = tl.where(visible, qk, float("-inf"))
             v = tl.load(
                 V_Buffer + kv_loc[:, None] * stride_v_slot + cur_kv_head * stride_v_head + offs_dv[None, :],
@@ -163,6 +180,11 @@ def _extend_kernel(
                 visible = (offs_m[:, None] >= 0) & mask_n[None, :]
             if HAS_WINDOW:
                 visible = visible & (offs_n[None, :] > offs_m[:, None] - sliding_window)
+            if HAS_TREE_MASK:
+                col = prefix_len - tree_lo + offs_n
+                tree = tl.load(Tree_mask + mask_start + offs_m[:, None] * tree_width + col[None, :],
+                               mask=mask_m[:, None] & mask_n[None, :], other=0)
+                visible = visible & (tree != 0)
             qk = tl.where(visible, qk, float("-inf"))
             v = tl.load(
                 V_Extend + (q_start + offs_n[:, None]) * stride_ve_token + cur_kv_head * stride_ve_head + offs_dv[None, :],
@@ -208,12 +230,18 @@ def extend_attention_fwd(
     slot_map: Optional[torch.Tensor] = None,
     k_scale: float = 1.0,
     v_scale: float = 1.0,
+    tree_mask: Optional[torch.Tensor] = None,
+    tree_mask_starts: Optional[torch.Tensor] = None,
+    tree_widths: Optional[torch.Tensor] = None,
 ) -> None:
     """Write into `o` the attention of every new token (prefix keys from the pool, new keys causal,
     or all new keys with is_causal False; with sliding_window > 0 only the keys at (p - window, p];
     scores soft-capped with logit_cap > 0; sinks [q_heads] join each softmax's denominator; slot_map: the
     buffers' slot of each req_to_token slot, int64, for the prefix reads: the hybrid pool's windowed layers;
-    k_scale / v_scale: an fp8 pool's elements are read as k_scale * stored, v_scale * stored).
+    k_scale / v_scale: an fp8 pool's elements are read as k_scale * stored, v_scale * stored;
+    tree_mask / tree_mask_starts / tree_widths: speculative tree drafts, each request's [extend, width]
+    block of which new token sees which of its last `width` keys, flat, where each block starts, and
+    each width).
 
     q, o: [num_tokens, q_heads, D] / [num_tokens, q_heads, DV]; k_extend, v_extend: [num_tokens,
     kv_heads, D]; k_buffer, v_buffer: [slots, kv_heads, D]; the per-request tensors are [bs], and
@@ -251,6 +279,9 @@ def extend_attention_fwd(
         logit_cap,
         sinks if sinks is not None else q,  # any pointer: never read without HAS_SINKS
         slot_map if slot_map is not None else q,  # nor this one without HAS_SLOT_MAP
+        tree_mask if tree_mask is not None else q,  # nor these without HAS_TREE_MASK
+        tree_mask_starts if tree_mask_starts is not None else q,
+        tree_widths if tree_widths is not None else q,
         req_to_token.stride(0),
         q.stride(0),
         q.stride(1),
@@ -278,5 +309,6 @@ def extend_attention_fwd(
         HAS_CAP=logit_cap > 0,
         HAS_SINKS=sinks is not None,
         HAS_SLOT_MAP=slot_map is not None,
+        HAS_TREE_MASK=tree_mask is not None,
     )
 
