@@ -27,6 +27,7 @@ _EXPECTED_CASES = 8 + 2 + 1
 
 
 @pytest.mark.slow  # Triton under the interpreter: about a minute on 2 cores
+@pytest.mark.timeout(660)  # the subprocess's own limit, not the suite's 300 s per test
 def test_fp8_kv_under_triton_interpreter():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")

@@ -24,6 +24,7 @@ CASES = [(1, 37, 64, 32, False, torch.float32), (5, 32, 128, 64, True, torch.flo
 
 
 @pytest.mark.slow  # the interpreter runs each program in Python
+@pytest.mark.timeout(660)  # the subprocess's own limit, not the suite's 300 s per test
 def test_int4_gemm_under_triton_interpreter():
     pytest.importorskip("triton")
     if _INTERPRETED:

@@ -32,6 +32,7 @@ _TOL = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 
 
 @pytest.mark.slow  # the interpreter runs the kernel per program in Python: tens of seconds on 2 cores
+@pytest.mark.timeout(660)  # the subprocess's own limit, not the suite's 300 s per test
 def test_fused_moe_under_triton_interpreter():
     pytest.importorskip("triton")
     if _INTERPRETED:

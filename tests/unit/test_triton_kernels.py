@@ -47,6 +47,7 @@ _EXPECTED_CASES = 12 + 1 + 8 + 8 + 1 + 1 + 2 + 1 + 5 + 2 + 2 + 1
 
 
 @pytest.mark.slow  # every Triton kernel under the interpreter: minutes on 2 cores
+@pytest.mark.timeout(660)  # the subprocess's own limit, not the suite's 300 s per test
 def test_kernels_under_triton_interpreter():
     pytest.importorskip("triton")
     env = dict(os.environ, TRITON_INTERPRET="1")
