@@ -208,13 +208,16 @@ def test_hybrid_pool_bounds_windowed_kv_and_keeps_outputs(swa_model, overlap):
 
 
 def test_hybrid_pool_only_where_nothing_reads_windowed_kv_by_full_slot(swa_model):
-    """The radix cache, paging or --disable-hybrid-swa-memory keep the one pool."""
+    """Paging or --disable-hybrid-swa-memory keep the one pool; the radix cache no longer does (it is
+    the SWA radix cache there, test_swa_radix_scheduler.py)."""
     from engine.mem_cache.swa_pool import SWATokenToKVPoolAllocator
 
     _, path, _, _ = swa_model
-    for extra in (dict(disable_radix_cache=False), dict(page_size=16), dict(disable_hybrid_swa_memory=True)):
+    for extra in (dict(page_size=16), dict(disable_hybrid_swa_memory=True)):
         runner = make_runner(path, **dict(HYBRID, **extra))
         assert not isinstance(runner.token_to_kv_pool_allocator, SWATokenToKVPoolAllocator), extra
+    runner = make_runner(path, **dict(HYBRID, disable_radix_cache=False))
+    assert isinstance(runner.token_to_kv_pool_allocator, SWATokenToKVPoolAllocator)
 
 
 @pytest.mark.parametrize("overlap", [False, True])
