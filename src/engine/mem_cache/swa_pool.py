@@ -13,8 +13,10 @@ the request's cache-protected length belong to the prefix cache (SWARadixCache, 
 which frees their windowed slots itself (tombstones), so a request never releases those.
 
 Used where nothing else reads windowed layers' K/V by full slot: the torch_native backend (its windowed
-path translates slots with `kv_slots`) and the Triton one (its kernels load `slot_map` entries), page
-size 1, no PD transfer, no speculative decoding.
+path translates slots with `kv_slots`) and the Triton one (its kernels load `slot_map` entries), PD
+transfer (kv_io.py gathers and scatters through `kv_slots`: positions without a windowed slot read and
+write the padding slot, and a receiving decode server holds windowed slots for the last window only,
+`alloc_received`), page size 1, no speculative decoding.
 """
 
 from __future__ import annotations
@@ -120,6 +122,22 @@ class SWATokenToKVPoolAllocator(TokenToKVPoolAllocator):
             raise ValueError("move_swa: the source must hold windowed slots and the destination none")
         self.full_to_swa[dst] = self.full_to_swa[src]
         self.full_to_swa[src] = 0
+
+    def alloc_received(self, row: int, num_tokens: int) -> Optional[torch.Tensor]:
+        """Full slots for positions [0, num_tokens) of a request whose KV arrives by transfer (PD decode,
+        or a retraction backup coming back), with windowed slots for its last `window` positions only: the
+        only ones its next query reads. Row `row` starts its release bookkeeping there."""
+        full = super().alloc(num_tokens)
+        if full is None or num_tokens == 0:
+            return full
+        tail = min(num_tokens, self.window)
+        swa = self.swa.alloc(tail)
+        if swa is None:
+            super().free(full)
+            return None
+        self.full_to_swa[full[num_tokens - tail:]] = swa
+        self._read_floor[row] = self._released_upto[row] = num_tokens - tail
+        return full
 
     def alloc(self, need: int) -> Optional[torch.Tensor]:
         full = super().alloc(need)

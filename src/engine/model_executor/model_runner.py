@@ -248,15 +248,15 @@ class ModelRunner:
         args, windows = self.server_args, self.model_config.layer_windows
         if (not self.model_config.is_hybrid_swa or args.disable_hybrid_swa_memory
                 or self.page_size != 1 or args.attention_backend not in ("torch_native", "triton")
-                or args.speculative_algorithm is not None or args.disaggregation_mode != "null"):
+                or args.speculative_algorithm is not None):
             return False
         window = max(windows)
         chunk = args.chunked_prefill_size if args.chunked_prefill_size and args.chunked_prefill_size > 0 else 0
         # The most tokens one batch extends by: a chunk (PrefillAdder charges every admitted request to
         # the chunk budget), else the prefill budget plus one prompt that exceeds it.
         max_extend = chunk if chunk else args.max_prefill_tokens + self.model_config.context_len
-        swa_size = swa_pool_size(total, window, self.max_running_requests, max_extend,
-                                 cached_prefixes=not args.disable_radix_cache)
+        # Rows, not running requests: a PD decode server's rows beyond them hold received KV (a window each).
+        swa_size = swa_pool_size(total, window, rows, max_extend, cached_prefixes=not args.disable_radix_cache)
         if swa_size >= total:
             return False  # the windows would not save anything
         windowed = [i for i, w in enumerate(windows) if w > 0]
