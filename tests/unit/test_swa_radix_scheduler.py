@@ -160,3 +160,25 @@ def test_abort_and_retract_release_both_pools(model):
     h.run_until_idle()
     assert h.outputs[aborted].finished_reason["type"] == "abort"
     assert h.outputs[kept].output_ids == expected["first"], arch
+
+
+def test_ngram_speculation_with_both_pools(model):
+    """NGRAM speculative decoding on the hybrid pool: drafts take slots of both pools, rejected ones free
+    both, and outputs equal transformers' (greedy verification is lossless); prompts that repeat their
+    text make the drafter propose (and some drafts be accepted); the strict idle check covers both pools."""
+    from engine.mem_cache.swa_pool import SWATokenToKVPoolAllocator
+    from engine.scheduler.tp_worker import TpModelWorker
+
+    arch, path, prompts, expected = model
+    spec = dict(RADIX, speculative_algorithm="NGRAM", speculative_batch_size_threshold=1024)
+    worker = TpModelWorker(ServerArgs(model_path=path, device="cpu", max_total_tokens=4096, **spec))
+    assert isinstance(worker.model_runner.token_to_kv_pool_allocator, SWATokenToKVPoolAllocator)
+    h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=4096, **spec)
+    names = ["first", "shares_100", "turn2"]
+    rids = [h.submit(prompts[name], max_new_tokens=N_NEW, ignore_eos=True) for name in names]
+    h.run_until_idle()
+    for name, rid in zip(names, rids):
+        assert h.outputs[rid].output_ids == expected[name], (arch, name)
+    state = h.scheduler.internal_state()
+    # Drafts were proposed and some rejected: their slots of both pools went back (keep_verified).
+    assert state["spec_verify_ct"] > 0 and state["spec_draft_tokens"] > state["spec_accepted_tokens"], state

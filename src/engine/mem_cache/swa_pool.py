@@ -16,7 +16,8 @@ Used where nothing else reads windowed layers' K/V by full slot: the torch_nativ
 path translates slots with `kv_slots`) and the Triton one (its kernels load `slot_map` entries), PD
 transfer (kv_io.py gathers and scatters through `kv_slots`: positions without a windowed slot read and
 write the padding slot, and a receiving decode server holds windowed slots for the last window only,
-`alloc_received`), page size 1, no speculative decoding.
+`alloc_received`), NGRAM speculative decoding (drafts take slots of both pools through `alloc`, rejected
+ones free both), page size 1.
 """
 
 from __future__ import annotations
@@ -183,13 +184,13 @@ class SWATokenToKVPoolAllocator(TokenToKVPoolAllocator):
 
 
 def swa_pool_size(full_size: int, window: int, max_running_requests: int, max_extend_tokens: int,
-                  cached_prefixes: bool = False) -> int:
+                  cached_prefixes: bool = False, draft_tokens: int = 0) -> int:
     """Windowed slots that can never run out before the full pool does: every running request holds at most
-    its window plus the two tokens of the last two steps, and two batches' extends are in flight at most
-    (overlap), each at most `max_extend_tokens` plus a decode token per running request. With the SWA radix
-    cache each request (and the chunked one) also locks the window of its cached prefix; what the cache
-    holds beyond the locks is evictable."""
-    per_request = 2 * window + 3 if cached_prefixes else window + 3
+    its window plus the two tokens of the last two steps (with speculative decoding, each step's drafts
+    too), and two batches' extends are in flight at most (overlap), each at most `max_extend_tokens` plus a
+    decode token per running request. With the SWA radix cache each request (and the chunked one) also
+    locks the window of its cached prefix; what the cache holds beyond the locks is evictable."""
+    per_request = (2 * window + 3 if cached_prefixes else window + 3) + 2 * draft_tokens
     requests = max_running_requests + 1 if cached_prefixes else max_running_requests
     bound = requests * per_request + 2 * (max_extend_tokens + max_running_requests)
     return min(full_size, bound)

@@ -248,7 +248,7 @@ class ModelRunner:
         args, windows = self.server_args, self.model_config.layer_windows
         if (not self.model_config.is_hybrid_swa or args.disable_hybrid_swa_memory
                 or self.page_size != 1 or args.attention_backend not in ("torch_native", "triton")
-                or args.speculative_algorithm is not None):
+                or args.speculative_algorithm not in (None, "NGRAM")):
             return False
         window = max(windows)
         chunk = args.chunked_prefill_size if args.chunked_prefill_size and args.chunked_prefill_size > 0 else 0
@@ -256,7 +256,9 @@ class ModelRunner:
         # the chunk budget), else the prefill budget plus one prompt that exceeds it.
         max_extend = chunk if chunk else args.max_prefill_tokens + self.model_config.context_len
         # Rows, not running requests: a PD decode server's rows beyond them hold received KV (a window each).
-        swa_size = swa_pool_size(total, window, rows, max_extend, cached_prefixes=not args.disable_radix_cache)
+        drafts = (args.speculative_num_draft_tokens or 0) if args.speculative_algorithm == "NGRAM" else 0
+        swa_size = swa_pool_size(total, window, rows, max_extend, cached_prefixes=not args.disable_radix_cache,
+                                 draft_tokens=drafts)
         if swa_size >= total:
             return False  # the windows would not save anything
         windowed = [i for i, w in enumerate(windows) if w > 0]
