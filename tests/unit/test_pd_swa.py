@@ -44,18 +44,20 @@ def model(request, tmp_path_factory):
     return arch, path, [hf_greedy(hf, p, N_NEW) for p in _prompts()]
 
 
-def _worker(path: str, total: int, mode: str):
+def _worker(path: str, total: int, mode: str, **extra):
     from engine.scheduler.tp_worker import TpModelWorker
     from engine.server_args import ServerArgs
 
     return TpModelWorker(ServerArgs(model_path=path, device="cpu", max_total_tokens=total,
-                                    disaggregation_mode=mode, **SIDE))
+                                    disaggregation_mode=mode, **SIDE, **extra))
 
 
 CONFIGS = {
     "default": dict(),
     "overlap": dict(overlap_prefill=True, overlap_decode=True),
     "decode-retracts": dict(decode_total=288, overlap_decode=True),
+    # The prefill keeps its requests' own KV until sent: only their last window on the windowed layers.
+    "prefill-chunk-cache": dict(prefill_kwargs=dict(disable_radix_cache=True)),
 }
 
 
@@ -76,23 +78,33 @@ def test_pd_of_both_pools_equals_transformers(model, name, monkeypatch):
     arch, path, expected = model
     cfg = dict(CONFIGS[name])
     decode_total = cfg.pop("decode_total", 4096)
-    prefill_worker, decode_worker = _worker(path, 4096, "prefill"), _worker(path, decode_total, "decode")
+    prefill_extra = cfg.pop("prefill_kwargs", {})
+    prefill_worker = _worker(path, 4096, "prefill", **prefill_extra)
+    decode_worker = _worker(path, decode_total, "decode")
     for worker in (prefill_worker, decode_worker):
         assert isinstance(worker.model_runner.token_to_kv_pool_allocator, SWATokenToKVPoolAllocator)
     pair = PDPair(prefill_worker=prefill_worker, decode_worker=decode_worker, tokenizer=_Tok(),
-                  prefill_kwargs=dict(max_total_tokens=4096, **SIDE),
+                  prefill_kwargs=dict(max_total_tokens=4096, **SIDE, **prefill_extra),
                   decode_kwargs=dict(max_total_tokens=decode_total, num_reserved_decode_tokens=0, **SIDE), **cfg)
     try:
         prompts = _prompts()
         rids = [pair.submit(p, rid=f"pd{i}", max_new_tokens=N_NEW, ignore_eos=True) for i, p in enumerate(prompts[:2])]
+        prefill_allocator = prefill_worker.model_runner.token_to_kv_pool_allocator
+        table = prefill_worker.model_runner.req_to_token_pool.req_to_token
         while pair.busy():
             pair.step()
+            for sending in pair.prefill.scheduler.disagg.inflight:
+                req = sending.req
+                # Its own positions (the radix cache's, below cache_protected_len, are evictable there).
+                own = table[req.req_pool_idx, req.cache_protected_len:len(req.origin_input_ids)]
+                held = int(prefill_allocator.swa_held(own).sum())
+                assert held <= 16, "a request being sent holds windowed K/V beyond its last window"
         # After the first finished: a prompt sharing 120 tokens with it (reused on the prefill side).
         rids.append(pair.submit(prompts[2], rid="pd2", max_new_tokens=N_NEW, ignore_eos=True))
         pair.run_until_idle()
         for rid, want in zip(rids, expected):
             assert pair.decode.outputs[rid].output_ids == want, (arch, name, rid)
-        assert pair.prefill.outputs["pd2"].cached_tokens == 120
+        assert pair.prefill.outputs["pd2"].cached_tokens == (0 if prefill_extra.get("disable_radix_cache") else 120)
         assert pair.decode.scheduler.num_extend_tokens_computed == 0
         decode_allocator = decode_worker.model_runner.token_to_kv_pool_allocator
         assert decode_allocator.swa_available_size() == decode_allocator.swa.size  # both pools whole at idle

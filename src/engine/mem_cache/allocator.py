@@ -160,6 +160,10 @@ class PagedTokenToKVPoolAllocator:
         """Before a batch allocates: release what its requests' windows left behind. Nothing here (one
         pool keeps every token); the hybrid sliding-window allocator (swa_pool.py) does."""
 
+    def keep_last_window(self, row: int, length: int, owned_from: int, req_to_token: torch.Tensor) -> None:
+        """A request that runs no more batches but keeps its KV (a PD prefill sending it): release what its
+        next query would not read. Nothing here (one pool keeps every token); swa_pool.py does."""
+
     def windowed_shortfall(self, num_tokens: int) -> int:
         """Windowed-layer slots missing for `num_tokens` new tokens: none with one pool (swa_pool.py has
         a second one, which the prefix cache's evict_windowed refills)."""

@@ -102,6 +102,15 @@ class SWATokenToKVPoolAllocator(TokenToKVPoolAllocator):
         flight under overlap may read; everything the row reads later lies above it)."""
         return self._read_floor[row]
 
+    def keep_last_window(self, row: int, length: int, owned_from: int, req_to_token: torch.Tensor) -> None:
+        """The windowed slots of the row's own positions below its last window go (no batch of it runs
+        again, so nothing in flight reads them; a transfer reading them gets the padding row)."""
+        upto = max(length - self.window, 0)
+        lo = max(self._released_upto[row], owned_from)
+        if upto > lo:
+            self._release_swa(req_to_token[row, lo:upto].long())
+        self._released_upto[row] = max(self._released_upto[row], upto)
+
     def windowed_shortfall(self, num_tokens: int) -> int:
         return max(num_tokens - self.swa.available_size(), 0)
 
