@@ -291,3 +291,24 @@ def test_lock_covers_the_window_of_the_prefix_only():
     assert cache.protected_size() == 0 and cache.swa_protected_size() == 0 and cache.swa_evictable_size() == 4
     with pytest.raises(RuntimeError, match="unbalanced"):
         cache.dec_lock_ref(node)
+
+
+def test_strict_idle_check_covers_the_tree_against_the_windowed_pool():
+    """The strict idle check: both pools' counters, and (those balanced) every node against the allocator's
+    map, so a live node whose windowed slots someone else took is a leak, not silently wrong K/V."""
+    from engine.scheduler.kv_manager import KVManager, MemoryLeakError
+
+    pool = SWAKVPool(CAPACITY, SWA_CAPACITY, [0], torch.float32, head_num=1, head_dim=1, layer_num=2)
+    alloc = SWATokenToKVPoolAllocator(CAPACITY, SWA_CAPACITY, 4, 8, torch.float32, "cpu", pool)
+    kv = KVManager(ReqToTokenPool(8, 64), alloc, CAPACITY, 1, 16, "cpu", use_radix_cache=True,
+                   strict_memory_check=True)
+    cache = kv.tree_cache
+    assert isinstance(cache, SWARadixCache)
+    _insert(cache, alloc, list(range(12)), released=4)
+    kv.check_memory()  # 4 tombstoned tokens, 8 live ones: balanced
+    assert kv.state()["swa_evictable_tokens"] == 8
+    live = cache.match_prefix(list(range(12))).device_indices[4:6]
+    alloc.release_swa(live)  # two windowed slots of a live node freed behind the cache's back...
+    assert alloc.swa.alloc(2) is not None  # ...and taken again: the counters still balance
+    with pytest.raises(MemoryLeakError, match="a live node lost windowed slots"):
+        kv.check_memory()

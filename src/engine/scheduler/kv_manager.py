@@ -86,6 +86,20 @@ class KVManager:
             state["swa_evictable_tokens"], state["swa_protected_tokens"] = self._swa_cached()
         return state
 
+    def _swa_tree_error(self) -> str:
+        """Strict mode: the SWA radix cache's nodes against the allocator's map (a node counted live whose
+        windowed slots something else freed balances the counters but reads freed K/V); O(nodes)."""
+        from engine.mem_cache.swa_radix_cache import SWARadixCache
+
+        cache = self.tree_cache
+        if not isinstance(cache, SWARadixCache):
+            return ""
+        try:
+            cache.sanity_check()
+        except AssertionError as exc:
+            return f", SWA radix cache: {exc}"
+        return ""
+
     def _swa_cached(self) -> Tuple[int, int]:
         """(evictable, protected) windowed-layer slots of the prefix cache: only SWARadixCache holds any."""
         from engine.mem_cache.swa_radix_cache import SWARadixCache
@@ -114,6 +128,8 @@ class KVManager:
             if swa_available + swa_evictable + swa_protected != allocator.swa.size:
                 swa_error = (f", windowed-layer pool available={swa_available}, evictable={swa_evictable}, "
                              f"protected={swa_protected}, total={allocator.swa.size}")
+            elif self.strict_memory_check:
+                swa_error = self._swa_tree_error()
         if ok_tokens and ok_rows and not swa_error and extra_error is None:
             self._reported_leak = None
             return
