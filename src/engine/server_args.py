@@ -127,8 +127,8 @@ class ServerArgs:
     disable_radix_cache: bool = arg(False, "No prefix sharing between requests.")
     disable_hybrid_swa_memory: bool = arg(False, (
         "Sliding-window models: keep every token of the windowed layers in the one KV pool. Without it, "
-        "with --disable-radix-cache, page size 1 and the torch_native backend, windowed layers get a "
-        "second pool holding only what their windows still see."))
+        "with page size 1, the torch_native or triton backend and no draft-model speculative decoding, "
+        "windowed layers get a second pool holding only what their windows (and the SWA radix cache) still need."))
     disable_overlap_schedule: bool = arg(False, "Schedule the next batch after the forward instead of during it.")
     # SGLang's SGLANG_DISABLE_CONSECUTIVE_PREFILL_OVERLAP (default off: prefills in a row overlap).
     disable_consecutive_prefill_overlap: bool = arg(False, (

@@ -207,14 +207,20 @@ def test_hybrid_pool_bounds_windowed_kv_and_keeps_outputs(swa_model, overlap):
     assert state["swa_max_total_num_tokens"] == bound and state["swa_available_tokens"] == bound
 
 
-def test_hybrid_pool_only_where_nothing_reads_windowed_kv_by_full_slot(swa_model):
-    """The radix cache, paging or --disable-hybrid-swa-memory keep the one pool."""
+def test_hybrid_pool_only_where_nothing_reads_windowed_kv_by_full_slot(swa_model, caplog):
+    """Paging or --disable-hybrid-swa-memory keep the one pool (paging says why: the paged windowed
+    allocator is not built); the radix cache no longer does (it is the SWA radix cache there,
+    test_swa_radix_scheduler.py)."""
     from engine.mem_cache.swa_pool import SWATokenToKVPoolAllocator
 
     _, path, _, _ = swa_model
-    for extra in (dict(disable_radix_cache=False), dict(page_size=16), dict(disable_hybrid_swa_memory=True)):
-        runner = make_runner(path, **dict(HYBRID, **extra))
+    for extra in (dict(page_size=16), dict(disable_hybrid_swa_memory=True)):
+        with caplog.at_level("INFO"):
+            runner = make_runner(path, **dict(HYBRID, **extra))
         assert not isinstance(runner.token_to_kv_pool_allocator, SWATokenToKVPoolAllocator), extra
+    assert "the hybrid pool does not support --page-size above 1" in caplog.text
+    runner = make_runner(path, **dict(HYBRID, disable_radix_cache=False))
+    assert isinstance(runner.token_to_kv_pool_allocator, SWATokenToKVPoolAllocator)
 
 
 @pytest.mark.parametrize("overlap", [False, True])

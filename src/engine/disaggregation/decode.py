@@ -26,6 +26,7 @@ from engine.disaggregation.base import FailureCause, KVPoll, agreed_failures, po
 from engine.disaggregation.conn_common import KVReceiver, now
 from engine.disaggregation.fake import fake_first_token
 from engine.disaggregation.metadata import MetadataBuffers, ReqToMetadataIdxAllocator
+from engine.mem_cache.swa_pool import SWATokenToKVPoolAllocator
 from engine.disaggregation.metrics import DisaggMetrics
 from engine.disaggregation.recompute import RecomputeReq
 from engine.scheduler.req import CLIP_MAX_NEW_TOKENS_ESTIMATION, FINISH_ABORT, FINISH_LENGTH, Req
@@ -90,7 +91,10 @@ class DecodeMemory:
         rows = self.req_to_token_pool.alloc(1)
         assert rows is not None, "decode pre-allocation: no free request row despite the budget check"
         page = self.allocator.page_size
-        if page == 1:
+        if isinstance(self.allocator, SWATokenToKVPoolAllocator):
+            # The hybrid sliding-window pool: windowed slots for the last window only.
+            slots = self.allocator.alloc_received(rows[0], num_tokens)
+        elif page == 1:
             slots = self.allocator.alloc(num_tokens)
         else:
             slots = self.allocator.alloc_extend(torch.tensor([0]), torch.tensor([num_tokens]), torch.tensor([-1]),

@@ -36,7 +36,7 @@ from engine.disaggregation.conn_common import KVReceiver, TransferConfig
 from engine.disaggregation.decode import AdmissionState, DecodeMemory, DecodeTransferQueue
 from engine.disaggregation.decode_prealloc import DecodePreallocQueue
 from engine.disaggregation.fake import FakeKVReceiver
-from engine.disaggregation.kv_io import gather_kv, scatter_kv
+from engine.disaggregation.kv_io import gather_kv, layer_slots, scatter_kv
 from engine.disaggregation.metadata import MetadataBuffers, ReqToMetadataIdxAllocator, idle_leaks
 from engine.disaggregation.metrics import DisaggMetrics
 from engine.disaggregation.wiring import TransferBackend, build_decode_manager, kv_args_for
@@ -202,7 +202,8 @@ class DecodeDisaggregation:
             return  # nothing to keep (a test worker), or recomputed by the prefill after the pause
         committed = len(req.origin_input_ids) + len(req.output_ids) - 1
         slots = self.memory.req_to_token_pool.req_to_token[req.req_pool_idx, :committed].to(torch.int64).clone()
-        req.kv_backup = self.host.forward_stream.run_in_order(lambda: gather_kv(pool, slots))
+        rows = layer_slots(pool, slots)  # now: the release right after this unmaps windowed slots at once
+        req.kv_backup = self.host.forward_stream.run_in_order(lambda: gather_kv(pool, slots, rows=rows))
 
     def _fence(self) -> Callable[[], bool]:
         """When slots reserved now may be written by others: after the forwards in flight."""
@@ -216,7 +217,8 @@ class DecodeDisaggregation:
         pool = self.memory.allocator.get_kvcache()
         assert pool is not None  # a decode server's allocator owns its KV pool
         # Same stream, later job: the backup's copy has run by then, so result() does not wait.
-        self.host.forward_stream.run_in_order(lambda: scatter_kv(pool, slots, backup.result()))
+        rows = layer_slots(pool, slots)
+        self.host.forward_stream.run_in_order(lambda: scatter_kv(pool, slots, backup.result(), rows=rows))
 
     # ------------------------------------------------------------------ aborts and state
     def abort(self, match: Callable[[Req], bool]) -> List[Req]:

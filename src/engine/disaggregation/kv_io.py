@@ -96,24 +96,36 @@ def frame_token_count(bytes_per_token: int) -> int:
     return max(1, TARGET_FRAME_BYTES // max(bytes_per_token, 1))
 
 
-def gather_kv(pool: MHATokenToKVPool, slots: torch.Tensor, head_start: int = 0,
-              num_heads: Optional[int] = None) -> torch.Tensor:
-    """K and V of `slots` (all layers) as one contiguous CPU tensor [layers, 2, n, heads, dim]."""
-    heads = pool.head_num if num_heads is None else num_heads
+def layer_slots(pool: MHATokenToKVPool, slots: torch.Tensor) -> List[torch.Tensor]:
+    """Per layer, the rows of its buffers that hold `slots`: the slots themselves, except on the windowed
+    layers of the hybrid sliding-window pool (swa_pool.py), whose map sends positions that left the
+    window to the padding row (read: junk no receiver reads back; written: nobody reads it). Taken when
+    the copy is queued, not when it runs: a slot freed meanwhile loses its windowed mapping at once."""
     index = slots.to(device=pool.k_buffer[0].device, dtype=torch.int64)
-    out = torch.empty((pool.layer_num, 2, index.numel(), heads, pool.head_dim), dtype=pool.dtype)
+    return [pool.kv_slots(layer, index) for layer in range(pool.layer_num)]
+
+
+def gather_kv(pool: MHATokenToKVPool, slots: torch.Tensor, head_start: int = 0,
+              num_heads: Optional[int] = None, rows: Optional[List[torch.Tensor]] = None) -> torch.Tensor:
+    """K and V of `slots` (all layers) as one contiguous CPU tensor [layers, 2, n, heads, dim]; `rows`:
+    layer_slots of them, taken earlier."""
+    heads = pool.head_num if num_heads is None else num_heads
+    rows = layer_slots(pool, slots) if rows is None else rows
+    out = torch.empty((pool.layer_num, 2, slots.numel(), heads, pool.head_dim), dtype=pool.dtype)
     for layer in range(pool.layer_num):
+        layer_index = rows[layer]
         for kv, buffers in enumerate((pool.k_buffer, pool.v_buffer)):
             source = buffers[layer]
             if heads != pool.head_num:
                 source = source[:, head_start:head_start + heads]
-            torch.index_select(source, 0, index, out=out[layer, kv])
+            torch.index_select(source, 0, layer_index, out=out[layer, kv])
     return out
 
 
-def scatter_kv(pool: MHATokenToKVPool, slots: torch.Tensor, data: torch.Tensor) -> None:
-    """Write a frame gathered by `gather_kv` into `slots` of this pool."""
-    index = slots.to(device=pool.k_buffer[0].device, dtype=torch.int64)
+def scatter_kv(pool: MHATokenToKVPool, slots: torch.Tensor, data: torch.Tensor,
+               rows: Optional[List[torch.Tensor]] = None) -> None:
+    """Write a frame gathered by `gather_kv` into `slots` of this pool (`rows`: as for gather_kv)."""
+    rows = layer_slots(pool, slots) if rows is None else rows
     data = data.to(pool.k_buffer[0].device)
     if data.dtype != pool.dtype:
         raise ValueError(f"KV frame of {data.dtype} for a pool of {pool.dtype}")
@@ -123,8 +135,8 @@ def scatter_kv(pool: MHATokenToKVPool, slots: torch.Tensor, data: torch.Tensor) 
         k_buf, v_buf = pool.k_buffer[layer], pool.v_buffer[layer]
         if pool.is_fp8:
             k_buf, v_buf = k_buf.view(torch.uint8), v_buf.view(torch.uint8)
-        k_buf.index_copy_(0, index, data[layer, 0])
-        v_buf.index_copy_(0, index, data[layer, 1])
+        k_buf.index_copy_(0, rows[layer], data[layer, 0])
+        v_buf.index_copy_(0, rows[layer], data[layer, 1])
 
 
 def as_bytes(tensor: torch.Tensor) -> memoryview:

@@ -141,6 +141,10 @@ class PrefillDisaggregation:
         # stops at once and the inflight queue's reduced poll fails the request on every rank.
         # Keep the prompt's KV (shareable, locked by this request) until the transfer is done.
         host.kv.tree_cache.cache_unfinished_req(req)
+        # The hybrid sliding-window pool: the decode side reads the windowed K/V of the last window only.
+        assert req.req_pool_idx is not None  # a prefilled request holds its row until the transfer ends
+        host.kv.token_to_kv_pool_allocator.keep_last_window(
+            req.req_pool_idx, len(req.origin_input_ids), req.cache_protected_len, host.kv.req_to_token_pool.req_to_token)
         index = self.metadata_allocator.alloc()
         assert index is not None, "more requests in transfer than request rows"
         preq.metadata_buffer_index = index

@@ -155,10 +155,19 @@ class PagedTokenToKVPoolAllocator:
         page_idx = (torch.cumsum(opens_page.to(torch.int64), 0) - 1).clamp(min=0)
         return torch.where(opens_page, pages[page_idx] * self.page_size, last_loc + 1)
 
-    def release_out_of_window(self, rows: List[int], first_positions: List[int], fresh: List[bool],
-                              req_to_token: torch.Tensor) -> None:
+    def release_out_of_window(self, rows: List[int], first_positions: List[int], owned_from: List[int],
+                              fresh: List[bool], req_to_token: torch.Tensor) -> None:
         """Before a batch allocates: release what its requests' windows left behind. Nothing here (one
         pool keeps every token); the hybrid sliding-window allocator (swa_pool.py) does."""
+
+    def keep_last_window(self, row: int, length: int, owned_from: int, req_to_token: torch.Tensor) -> None:
+        """A request that runs no more batches but keeps its KV (a PD prefill sending it): release what its
+        next query would not read. Nothing here (one pool keeps every token); swa_pool.py does."""
+
+    def windowed_shortfall(self, num_tokens: int) -> int:
+        """Windowed-layer slots missing for `num_tokens` new tokens: none with one pool (swa_pool.py has
+        a second one, which the prefix cache's evict_windowed refills)."""
+        return 0
 
     def free(self, indices: torch.Tensor) -> None:
         """Free the pages holding `indices` (each page once, however many of its slots are given)."""

@@ -22,6 +22,7 @@ class CachedReq(Protocol):
     cache_protected_len: int  # row positions owned by the cache
     kv_allocated_len: int  # row positions holding slots the request allocated or borrowed
     extra_key: Optional[Hashable]  # its cache namespace
+    is_chunked: int  # its prefill chunks whose results are not processed yet (one may be in flight)
 
 
 @dataclass(slots=True)
@@ -61,6 +62,11 @@ class BasePrefixCache(abc.ABC):
     @abc.abstractmethod
     def evict(self, num_tokens: int) -> int:
         """Free at least `num_tokens` evictable slots if possible; returns how many were freed."""
+
+    def evict_windowed(self, num_tokens: int) -> int:
+        """Free at least `num_tokens` windowed-layer slots of the hybrid sliding-window pool if possible
+        (SWARadixCache); returns how many were freed. Caches that hold none have nothing to free."""
+        return 0
 
     @abc.abstractmethod
     def inc_lock_ref(self, node: Any) -> int:

@@ -8,12 +8,16 @@ each pool per token, frees both with the token, and frees the windowed slot alon
 left the window of every windowed layer (`release_out_of_window`, called by ScheduleBatch before each
 allocation). A request's batch B reads positions >= its read start (its first query's position minus
 window - 1); the forward of its previous batch may still run (overlap) and read from that batch's read
-start, so what is released at B is everything below the previous batch's read start.
+start, so what is released at B is everything below the previous batch's read start. Positions below
+the request's cache-protected length belong to the prefix cache (SWARadixCache, swa_radix_cache.py),
+which frees their windowed slots itself (tombstones), so a request never releases those.
 
 Used where nothing else reads windowed layers' K/V by full slot: the torch_native backend (its windowed
-path translates slots with `kv_slots`) and the Triton one (its kernels load `slot_map` entries), page
-size 1, no radix cache (a cached prefix would need its window K/V held: SGLang's SWA radix cache, not
-built), no PD transfer, no speculative decoding.
+path translates slots with `kv_slots`) and the Triton one (its kernels load `slot_map` entries), PD
+transfer (kv_io.py gathers and scatters through `kv_slots`: positions without a windowed slot read and
+write the padding slot, and a receiving decode server holds windowed slots for the last window only,
+`alloc_received`), NGRAM speculative decoding (drafts take slots of both pools through `alloc`, rejected
+ones free both), page size 1.
 """
 
 from __future__ import annotations
@@ -94,6 +98,58 @@ class SWATokenToKVPoolAllocator(TokenToKVPoolAllocator):
     def swa_available_size(self) -> int:
         return self.swa.available_size()
 
+    def read_floor(self, row: int) -> int:
+        """The first position the newest batch prepared for `row` reads (what a forward of it still in
+        flight under overlap may read; everything the row reads later lies above it)."""
+        return self._read_floor[row]
+
+    def keep_last_window(self, row: int, length: int, owned_from: int, req_to_token: torch.Tensor) -> None:
+        """The windowed slots of the row's own positions below its last window go (no batch of it runs
+        again, so nothing in flight reads them; a transfer reading them gets the padding row)."""
+        upto = max(length - self.window, 0)
+        lo = max(self._released_upto[row], owned_from)
+        if upto > lo:
+            self._release_swa(req_to_token[row, lo:upto].long())
+        self._released_upto[row] = max(self._released_upto[row], upto)
+
+    def windowed_shortfall(self, num_tokens: int) -> int:
+        return max(num_tokens - self.swa.available_size(), 0)
+
+    def swa_held(self, full: torch.Tensor) -> torch.Tensor:
+        """Per full slot: whether its windowed slot is still held (bool, same shape)."""
+        return self.full_to_swa[full.long()] != 0
+
+    def release_swa(self, full: torch.Tensor) -> None:
+        """Free the windowed slots of these full slots (the full slots stay allocated): the prefix
+        cache tombstones a node."""
+        if full.numel():
+            self._release_swa(full.reshape(-1).long())
+
+    def move_swa(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """Hand the windowed slots of full slots `src` to full slots `dst` (which hold none): the prefix
+        cache revives a tombstoned node with a request's duplicate of it; `src` is freed afterwards."""
+        src, dst = src.reshape(-1).long(), dst.reshape(-1).long()
+        if bool((self.full_to_swa[dst] != 0).any()) or bool((self.full_to_swa[src] == 0).any()):
+            raise ValueError("move_swa: the source must hold windowed slots and the destination none")
+        self.full_to_swa[dst] = self.full_to_swa[src]
+        self.full_to_swa[src] = 0
+
+    def alloc_received(self, row: int, num_tokens: int) -> Optional[torch.Tensor]:
+        """Full slots for positions [0, num_tokens) of a request whose KV arrives by transfer (PD decode,
+        or a retraction backup coming back), with windowed slots for its last `window` positions only: the
+        only ones its next query reads. Row `row` starts its release bookkeeping there."""
+        full = super().alloc(num_tokens)
+        if full is None or num_tokens == 0:
+            return full
+        tail = min(num_tokens, self.window)
+        swa = self.swa.alloc(tail)
+        if swa is None:
+            super().free(full)
+            return None
+        self.full_to_swa[full[num_tokens - tail:]] = swa
+        self._read_floor[row] = self._released_upto[row] = num_tokens - tail
+        return full
+
     def alloc(self, need: int) -> Optional[torch.Tensor]:
         full = super().alloc(need)
         if full is None or need == 0:
@@ -117,28 +173,34 @@ class SWATokenToKVPoolAllocator(TokenToKVPoolAllocator):
             self.swa.free(swa[held])
             self.full_to_swa[full[held]] = 0
 
-    def release_out_of_window(self, rows: List[int], first_positions: List[int], fresh: List[bool],
-                              req_to_token: torch.Tensor) -> None:
+    def release_out_of_window(self, rows: List[int], first_positions: List[int], owned_from: List[int],
+                              fresh: List[bool], req_to_token: torch.Tensor) -> None:
         """Before a batch allocates: `first_positions[i]` is the first new position of the request in row
-        rows[i] (its prefix length; seq_len - 1 for a decode), `fresh[i]` whether the request starts in
-        that row now. Releases the windowed slots below the row's previous read start, then records this
+        rows[i] (its prefix length; seq_len - 1 for a decode), `owned_from[i]` where its own slots start
+        (below: the prefix cache's), `fresh[i]` whether the request got that row for this batch. Releases
+        the windowed slots of its own positions below the row's previous read start, then records this
         batch's."""
         leaving: List[torch.Tensor] = []
-        for row, first, new in zip(rows, first_positions, fresh):
+        for row, first, own, new in zip(rows, first_positions, owned_from, fresh):
             if new:
                 self._read_floor[row] = self._released_upto[row] = 0
-            upto, lo = self._read_floor[row], self._released_upto[row]
+            upto, lo = self._read_floor[row], max(self._released_upto[row], own)
             if upto > lo:
                 leaving.append(req_to_token[row, lo:upto])
-                self._released_upto[row] = upto
+            self._released_upto[row] = max(self._released_upto[row], upto)
             self._read_floor[row] = max(upto, first - self.window + 1, 0)
         if leaving:  # one release for the batch (one device sync on the GPU, not one per request)
             self._release_swa(torch.cat(leaving).long())
 
 
-def swa_pool_size(full_size: int, window: int, max_running_requests: int, max_extend_tokens: int) -> int:
+def swa_pool_size(full_size: int, window: int, max_running_requests: int, max_extend_tokens: int,
+                  cached_prefixes: bool = False, draft_tokens: int = 0) -> int:
     """Windowed slots that can never run out before the full pool does: every running request holds at most
-    its window plus the two tokens of the last two steps, and two batches' extends are in flight at most
-    (overlap), each at most `max_extend_tokens` plus a decode token per running request."""
-    bound = max_running_requests * (window + 3) + 2 * (max_extend_tokens + max_running_requests)
+    its window plus the two tokens of the last two steps (with speculative decoding, each step's drafts
+    too), and two batches' extends are in flight at most (overlap), each at most `max_extend_tokens` plus a
+    decode token per running request. With the SWA radix cache each request (and the chunked one) also
+    locks the window of its cached prefix; what the cache holds beyond the locks is evictable."""
+    per_request = (2 * window + 3 if cached_prefixes else window + 3) + 2 * draft_tokens
+    requests = max_running_requests + 1 if cached_prefixes else max_running_requests
+    bound = requests * per_request + 2 * (max_extend_tokens + max_running_requests)
     return min(full_size, bound)

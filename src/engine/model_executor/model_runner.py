@@ -278,16 +278,28 @@ class ModelRunner:
         from engine.mem_cache.swa_pool import SWAKVPool, SWATokenToKVPoolAllocator, swa_pool_size
 
         args, windows = self.server_args, self.model_config.layer_windows
-        if (not self.model_config.is_hybrid_swa or args.disable_hybrid_swa_memory or not args.disable_radix_cache
-                or self.page_size != 1 or args.attention_backend not in ("torch_native", "triton")
-                or args.speculative_algorithm is not None or args.disaggregation_mode != "null"):
+        if not self.model_config.is_hybrid_swa or args.disable_hybrid_swa_memory:
+            return False
+        # Not built: the paged windowed allocator, the flashinfer wrapper's slot map, draft models' pools.
+        unsupported = ("--page-size above 1" if self.page_size != 1
+                       else f"--attention-backend {args.attention_backend}"
+                       if args.attention_backend not in ("torch_native", "triton")
+                       else f"--speculative-algorithm {args.speculative_algorithm}"
+                       if args.speculative_algorithm not in (None, "NGRAM") else None)
+        if unsupported is not None:
+            logger.info("Sliding-window model: one KV pool for every layer (the hybrid pool does not support %s)",
+                        unsupported)
             return False
         window = max(windows)
         chunk = args.chunked_prefill_size if args.chunked_prefill_size and args.chunked_prefill_size > 0 else 0
         # The most tokens one batch extends by: a chunk (PrefillAdder charges every admitted request to
         # the chunk budget), else the prefill budget plus one prompt that exceeds it.
         max_extend = chunk if chunk else args.max_prefill_tokens + self.model_config.context_len
-        swa_size = swa_pool_size(total, window, self.max_running_requests, max_extend)
+        # NGRAM's drafts hold slots of both pools for a step. Rows, not running requests: a PD decode
+        # server's rows beyond them hold received KV (a window each).
+        drafts = (args.speculative_num_draft_tokens or 0) if args.speculative_algorithm == "NGRAM" else 0
+        swa_size = swa_pool_size(total, window, rows, max_extend, cached_prefixes=not args.disable_radix_cache,
+                                 draft_tokens=drafts)
         if swa_size >= total:
             return False  # the windows would not save anything
         windowed = [i for i, w in enumerate(windows) if w > 0]

@@ -1,15 +1,16 @@
 """The KV manager: the one owner of a scheduler's KV memory.
 
-It holds the prefix cache (RadixCache, or ChunkCache without radix caching), the request-to-token
-pool (one row per running request) and the paged token allocator, builds the batches that use
-them, flushes them, and runs the idle leak check: at idle every KV slot is free, evictable or
-protected by the cache, and every request row is free.
+It holds the prefix cache (RadixCache, SWARadixCache with the hybrid sliding-window pool, or ChunkCache
+without radix caching), the request-to-token pool (one row per running request) and the paged token
+allocator, builds the batches that use them, flushes them, and runs the idle leak check: at idle every
+KV slot (of both pools of a hybrid model) is free, evictable or protected by the cache, and every
+request row is free.
 """
 
 from __future__ import annotations
 
 import logging
-from typing import TYPE_CHECKING, List, Optional
+from typing import TYPE_CHECKING, List, Optional, Tuple
 
 from engine.mem_cache.swa_pool import SWATokenToKVPoolAllocator
 from engine.scheduler.schedule_batch import ScheduleBatch
@@ -38,7 +39,12 @@ class KVManager:
         self.device = device
         self.strict_memory_check = strict_memory_check
         self.tree_cache: BasePrefixCache
-        if use_radix_cache:
+        if use_radix_cache and isinstance(allocator, SWATokenToKVPoolAllocator):
+            from engine.mem_cache.swa_radix_cache import SWARadixCache
+
+            # The hybrid sliding-window pool: a tree that frees windowed K/V apart from full K/V.
+            self.tree_cache = SWARadixCache(req_to_token_pool, allocator, page_size, allocator.window)
+        elif use_radix_cache:
             from engine.mem_cache.radix_cache import RadixCache
 
             self.tree_cache = RadixCache(req_to_token_pool, allocator, page_size)
@@ -77,7 +83,31 @@ class KVManager:
         if isinstance(allocator, SWATokenToKVPoolAllocator):  # the windowed layers' pool of a hybrid model
             state["swa_max_total_num_tokens"] = allocator.swa.size
             state["swa_available_tokens"] = allocator.swa_available_size()
+            state["swa_evictable_tokens"], state["swa_protected_tokens"] = self._swa_cached()
         return state
+
+    def _swa_tree_error(self) -> str:
+        """Strict mode: the SWA radix cache's nodes against the allocator's map (a node counted live whose
+        windowed slots something else freed balances the counters but reads freed K/V); O(nodes)."""
+        from engine.mem_cache.swa_radix_cache import SWARadixCache
+
+        cache = self.tree_cache
+        if not isinstance(cache, SWARadixCache):
+            return ""
+        try:
+            cache.sanity_check()
+        except AssertionError as exc:
+            return f", SWA radix cache: {exc}"
+        return ""
+
+    def _swa_cached(self) -> Tuple[int, int]:
+        """(evictable, protected) windowed-layer slots of the prefix cache: only SWARadixCache holds any."""
+        from engine.mem_cache.swa_radix_cache import SWARadixCache
+
+        cache = self.tree_cache
+        if isinstance(cache, SWARadixCache):
+            return cache.swa_evictable_size(), cache.swa_protected_size()
+        return 0, 0
 
     def check_memory(self, extra_error: Optional[str] = None) -> None:
         """At idle every KV slot is free, evictable or protected and every request row is free;
@@ -91,9 +121,15 @@ class KVManager:
         ok_rows = free_rows == self.req_to_token_pool.size
         allocator = self.token_to_kv_pool_allocator
         swa_error = ""
-        if isinstance(allocator, SWATokenToKVPoolAllocator) and allocator.swa_available_size() != allocator.swa.size:
-            # The windowed layers' pool holds nothing at idle either (no radix cache with it).
-            swa_error = f", windowed-layer pool available={allocator.swa_available_size()}, total={allocator.swa.size}"
+        if isinstance(allocator, SWATokenToKVPoolAllocator):
+            # The windowed layers' pool: every slot free or held by the prefix cache, as the full pool.
+            swa_evictable, swa_protected = self._swa_cached()
+            swa_available = allocator.swa_available_size()
+            if swa_available + swa_evictable + swa_protected != allocator.swa.size:
+                swa_error = (f", windowed-layer pool available={swa_available}, evictable={swa_evictable}, "
+                             f"protected={swa_protected}, total={allocator.swa.size}")
+            elif self.strict_memory_check:
+                swa_error = self._swa_tree_error()
         if ok_tokens and ok_rows and not swa_error and extra_error is None:
             self._reported_leak = None
             return

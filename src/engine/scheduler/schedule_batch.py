@@ -116,25 +116,33 @@ class ScheduleBatch:
 
     # ------------------------------------------------------------------ memory helpers
     def _evict_for(self, num_tokens: int) -> None:
-        available = self.token_to_kv_pool_allocator.available_size()
+        allocator = self.token_to_kv_pool_allocator
+        available = allocator.available_size()
         if available < num_tokens and self.tree_cache is not None:
             self.tree_cache.evict(num_tokens - available)
+        # The hybrid sliding-window pool: the windowed layers' slots too (0 with one pool).
+        windowed_missing = allocator.windowed_shortfall(num_tokens)
+        if windowed_missing and self.tree_cache is not None:
+            self.tree_cache.evict_windowed(windowed_missing)
 
     def _oom_message(self, what: str, need: int) -> str:
         evictable = self.tree_cache.evictable_size() if self.tree_cache is not None else 0
         return (f"{what} out of memory: need {need} tokens, available "
                 f"{self.token_to_kv_pool_allocator.available_size()}, evictable {evictable}")
 
-    def _alloc_req_slots(self) -> None:
+    def _alloc_req_slots(self) -> List[bool]:
+        """Rows for the requests without one; per request, whether it got its row now."""
         need = [r for r in self.reqs if r.req_pool_idx is None]
+        fresh = [r.req_pool_idx is None for r in self.reqs]
         if not need:
-            return
+            return fresh
         rows = self.req_to_token_pool.alloc(len(need))
         if rows is None:
             raise RuntimeError("alloc_req_slots: no free request slot; max_running_requests is too large "
                                "for the request-to-token pool")
         for req, row in zip(need, rows):
             req.req_pool_idx = row
+        return fresh
 
     def _alloc_extend_slots(self, prefix_lens: List[int], seq_lens: List[int]) -> torch.Tensor:
         allocator = self.token_to_kv_pool_allocator
@@ -165,10 +173,11 @@ class ScheduleBatch:
             input_ids.extend(r.fill_ids[p:])
         self.extend_num_tokens = sum(extend_lens)
 
-        self._alloc_req_slots()
+        fresh = self._alloc_req_slots()
         # The hybrid sliding-window pool releases what left the windows first (a no-op otherwise).
         self.token_to_kv_pool_allocator.release_out_of_window(
-            [_row(r) for r in reqs], prefix_lens, [p == 0 for p in prefix_lens], self.req_to_token_pool.req_to_token)
+            [_row(r) for r in reqs], prefix_lens, [r.cache_protected_len for r in reqs], fresh,
+            self.req_to_token_pool.req_to_token)
         out_cache_loc = self._alloc_extend_slots(prefix_lens, seq_lens)
 
         table = self.req_to_token_pool.req_to_token
@@ -277,7 +286,8 @@ class ScheduleBatch:
         old_lens = self.seq_lens  # the tensor of seq_lens_cpu (every writer sets both)
         assert old_lens is not None  # a decode batch was prepared before
         rows = self.req_pool_indices
-        allocator.release_out_of_window([_row(r) for r in self.reqs], self.seq_lens_cpu, [False] * bs, table)
+        allocator.release_out_of_window([_row(r) for r in self.reqs], self.seq_lens_cpu,
+                                        [r.cache_protected_len for r in self.reqs], [False] * bs, table)
         self._evict_for(self.new_page_count_for_decode())
         if allocator.page_size == 1:
             out = allocator.alloc(bs)
