@@ -22,7 +22,8 @@ from engine.speculative.ngram import propose_ngram_drafts
 N_NEW = 24
 VOCAB = 2560  # the built-in model's
 # Every batch of these tests verifies (the CPU default stops speculating past 4 requests).
-NGRAM = dict(speculative_algorithm="NGRAM", speculative_batch_size_threshold=1024)
+NGRAM = dict(speculative_algorithm="NGRAM", speculative_batch_size_threshold=1024,
+             disable_speculative_adaptive=True)
 
 
 @pytest.fixture(scope="module")

@@ -22,9 +22,11 @@ batch is eligible, this collaborator then:
 Eligible: every request samples without per-token state the verify step does not carry yet
 (grammar, logprobs, hidden states, penalties, min_new_tokens, logit_bias, a seed, a custom logit
 processor), and the batch is not larger than --speculative-batch-size-threshold; otherwise the
-batch takes the plain decode step, which is exact anyway (a draft model still follows it: the
-drafter's `forward_plain`). It runs in the normal (non-overlap) loop only: drafting needs the previous
-step's tokens.
+batch takes the plain decode step, which is exact anyway. Among eligible steps, the speculation
+switch (switch.py) decodes plainly where the measured accept length does not pay for a verify step's
+cost; a draft model runs no forward on plain steps (the drafter's `forward_plain`) and catches up on
+the tokens it skipped at the request's next verify step. It runs in the normal (non-overlap) loop
+only: drafting needs the previous step's tokens.
 """
 
 from __future__ import annotations
@@ -33,12 +35,13 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
 from engine.scheduler.overlap_utils import write_relay
 from engine.speculative.step import Drafter, VerifyStep
+from engine.speculative.switch import SpeculationSwitch
 from engine.speculative.verify import accept_drafts
 
 if TYPE_CHECKING:
@@ -79,6 +82,12 @@ class Speculator:
         self.tree_cache = tree_cache
         self.drafter = drafter
         self.stats = SpecStats()
+        self.switch = SpeculationSwitch(not server_args.disable_speculative_adaptive, _tp_agreement(server_args))
+        # The decode step in flight that the switch chose (batch size, verified), and what its verify
+        # step measured: recorded by decode_step_done.
+        self._chosen: Optional[Tuple[int, bool]] = None
+        self._tokens_per_request = 0.0
+        self._catch_up_seconds = 0.0
 
     # ------------------------------------------------------------------ scheduling thread
     @staticmethod
@@ -96,6 +105,11 @@ class Speculator:
             return None  # large batches are compute-bound: drafts cost more than they save
         if not all(self.eligible(r) for r in batch.reqs):
             return None
+        verify = self.switch.should_verify(batch.batch_size())
+        self._chosen = (batch.batch_size(), verify)
+        self._tokens_per_request, self._catch_up_seconds = 0.0, 0.0
+        if not verify:
+            return None
         row_width = batch.req_to_token_pool.req_to_token.shape[1]
         # Never more than the request may still emit (the bonus token included) or its row holds.
         budgets = [max(0, min(self.max_drafts, req.max_new_tokens - len(req.output_ids) - 1, row_width - seq_len))
@@ -106,6 +120,8 @@ class Speculator:
         if slots is None and any(draft_lens):
             draft_lens = [0] * len(draft_lens)  # the pool is short: a plain step, through the same path
             proposed = None
+        if not any(draft_lens):
+            self._chosen = None  # nothing verified: no measure of speculation
         drafts = proposed if proposed is not None else [[] for _ in batch.reqs]
         input_ids: List[int] = []
         for req, d, k in zip(batch.reqs, drafts, draft_lens):
@@ -129,6 +145,7 @@ class Speculator:
         kept_lens: List[int] = []
         finished: List[Req] = []
         self.stats.draft_seconds += step.draft_seconds
+        self._catch_up_seconds = step.catch_up_seconds
         for req, seq_len, drafts, tokens, accepted in zip(batch.reqs, batch.seq_lens_cpu, step.drafts,
                                                           outcome.tokens, outcome.accepted):
             appended = 0
@@ -149,6 +166,7 @@ class Speculator:
             if req.finished():
                 finished.append(req)
             emit.append(req)
+        self._tokens_per_request = self.emitted_tokens(step) / max(1, len(batch.reqs))
         allocator.free_group_begin()
         try:
             batch.keep_verified(kept_lens)
@@ -157,6 +175,15 @@ class Speculator:
         finally:
             allocator.free_group_end()
         return emit
+
+    def decode_step_done(self, seconds: float) -> None:
+        """The scheduler ran and processed a decode batch in `seconds`: the switch learns from the
+        steps it chose (a plain step's cost, or a verify step's cost without the draft's catch-up)."""
+        chosen, self._chosen = self._chosen, None
+        if chosen is not None:
+            batch_size, verified = chosen
+            self.switch.record(batch_size, verified, max(0.0, seconds - self._catch_up_seconds),
+                               self._tokens_per_request)
 
     def emitted_tokens(self, step: VerifyStep) -> int:
         assert step.outcome is not None
@@ -171,7 +198,7 @@ class Speculator:
         return {"avg_spec_accept_length": self.stats.mean_accept_length(),
                 "spec_verify_ct": self.stats.verify_steps,
                 "spec_accepted_tokens": self.stats.accepted_drafts,
-                "spec_draft_tokens": self.stats.proposed_drafts}
+                "spec_draft_tokens": self.stats.proposed_drafts, **self.switch.state()}
 
     # ------------------------------------------------------------------ forward thread
     def run(self, step: VerifyStep) -> VerifyStep:
@@ -213,6 +240,16 @@ class Speculator:
         return self.drafter.forward_plain(worker_batch, run_target)
 
 
+def _tp_agreement(server_args: ServerArgs) -> Optional[Callable[[bool], bool]]:
+    """Under tensor parallelism, the switch's decision every rank takes: on only where every rank
+    measured that speculation pays (one small gloo all-reduce; wall times differ by rank)."""
+    if server_args.tp_size == 1:
+        return None
+    from engine.distributed.parallel_state import all_reduce_min_small_ints
+
+    return lambda pays: bool(all_reduce_min_small_ints([int(pays)])[0])
+
+
 def build_speculator(server_args: ServerArgs, worker: ModelWorker, tree_cache: BasePrefixCache,
                      on_forward_thread: Callable[[Callable[[], Any]], Any]) -> Speculator:
     """The speculator of --speculative-algorithm; a draft model is built with `on_forward_thread`
@@ -233,8 +270,7 @@ def build_speculator(server_args: ServerArgs, worker: ModelWorker, tree_cache: B
         return Speculator(server_args, worker, tree_cache, _eagle_drafter(worker, runner, path, algo == "EAGLE3"))
     from engine.speculative.draft_model import DraftModelDrafter
 
-    return Speculator(server_args, worker, tree_cache, DraftModelDrafter(
-        runner, worker.output_tokens_buf, server_args.speculative_batch_size_threshold))
+    return Speculator(server_args, worker, tree_cache, DraftModelDrafter(runner))
 
 
 def _eagle_drafter(worker: TpModelWorker, runner: ModelRunner, path: str, eagle3: bool) -> Drafter:
@@ -260,7 +296,7 @@ def _eagle_drafter(worker: TpModelWorker, runner: ModelRunner, path: str, eagle3
         target.model.set_aux_layers_to_capture(eagle3_aux_layers(head.config.raw_config,
                                                                  target.config.num_hidden_layers))
         feature_size *= 3
-    return EagleDrafter(runner, worker.output_tokens_buf, feature_size, runner.dtype)
+    return EagleDrafter(runner, feature_size, runner.dtype)
 
 
 def eagle3_aux_layers(head_config: Dict[str, Any], num_layers: int) -> List[int]:

@@ -36,6 +36,9 @@ class VerifyStep:
     target_hidden: Optional[torch.Tensor] = None
     outcome: Optional[VerifyOutcome] = None
     draft_seconds: float = 0.0  # forward-thread time the drafter spent on this step
+    # Of which: bringing a draft model's K/V up to the committed tokens (positions decoded plainly),
+    # a one-off per token that the speculation switch does not count as the verify step's cost.
+    catch_up_seconds: float = 0.0
 
 
 class Drafter(Protocol):
