@@ -302,10 +302,10 @@ def test_draft_model_flags_defaults_and_refusals(tiny):
                        (dict(speculative_num_steps=0), "must be in"),
                        (dict(speculative_num_steps=64), "must be in"),
                        (dict(speculative_batch_size_threshold=0), "threshold must be >= 1"),
-                       (dict(tp_size=2), "tp-size 1 only"),
                        (dict(enable_lora=True), "not supported yet with LoRA")):
         with pytest.raises(ServerArgsError, match=match):
             ServerArgs(**{**base, **bad})
+    assert ServerArgs(**base, tp_size=2).speculative_num_steps == 3  # the draft is sharded like the target
 
 
 def test_draft_with_another_vocabulary_is_refused(tiny, tmp_path):

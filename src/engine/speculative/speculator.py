@@ -42,7 +42,7 @@ import torch
 from engine.scheduler.overlap_utils import write_relay
 from engine.speculative.step import Drafter, VerifyStep
 from engine.speculative.switch import SpeculationSwitch
-from engine.speculative.verify import accept_drafts
+from engine.speculative.verify import VerifyOutcome, accept_drafts
 
 if TYPE_CHECKING:
     from engine.mem_cache.base_prefix_cache import BasePrefixCache
@@ -223,6 +223,7 @@ class Speculator:
         step.target_hidden = output.aux_hidden_states if output.aux_hidden_states is not None else output.hidden_states
         assert wb.sampling_info is not None  # a generation batch always has one
         outcome = accept_drafts(output.next_token_logits, step.drafts, wb.sampling_info, step.draft_probs)
+        _check_same_across_tp(outcome)
         step.outcome = outcome
         verified = time.perf_counter()
         self.drafter.after_verify(step)
@@ -238,6 +239,18 @@ class Speculator:
     def forward_plain(self, worker_batch: ModelWorkerBatch, run_target: Callable[[ModelWorkerBatch], Any]) -> Any:
         """A plain forward of the target (prefill, mixed or decode step), the drafter kept in step."""
         return self.drafter.forward_plain(worker_batch, run_target)
+
+
+def _check_same_across_tp(outcome: VerifyOutcome) -> None:
+    """The debug check of model_runner.CHECK_TP_SAMPLING for verify steps: every rank accepted the
+    same drafts and drew the same last token (the ranks draw from identical logits with the same
+    random stream, as the normal sampler does)."""
+    from engine.distributed.parallel_state import assert_same_across_tp, get_tp_size
+    from engine.model_executor import model_runner
+
+    if model_runner.CHECK_TP_SAMPLING and get_tp_size() > 1:
+        assert_same_across_tp(torch.tensor(outcome.accepted + [t[-1] for t in outcome.tokens], dtype=torch.int64),
+                              "verified tokens (accepted drafts, last token)")
 
 
 def _tp_agreement(server_args: ServerArgs) -> Optional[Callable[[bool], bool]]:
