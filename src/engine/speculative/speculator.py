@@ -74,7 +74,8 @@ class SpecStats:
 
 class Speculator:
     def __init__(self, server_args: ServerArgs, worker: ModelWorker, tree_cache: BasePrefixCache,
-                 drafter: Drafter) -> None:
+                 drafter: Drafter, memory: Optional[Dict[str, int]] = None) -> None:
+        """memory: the bytes of the target's and the draft's pools (/get_server_info)."""
         assert server_args.speculative_num_draft_tokens is not None  # ServerArgs sets the default
         self.max_drafts = server_args.speculative_num_draft_tokens - 1
         self.batch_size_threshold = server_args.speculative_batch_size_threshold
@@ -82,6 +83,7 @@ class Speculator:
         self.tree_cache = tree_cache
         self.drafter = drafter
         self.stats = SpecStats()
+        self.memory = memory or {}
         self.switch = SpeculationSwitch(not server_args.disable_speculative_adaptive, _tp_agreement(server_args))
         # The decode step in flight that the switch chose (batch size, verified), and what its verify
         # step measured: recorded by decode_step_done.
@@ -198,7 +200,7 @@ class Speculator:
         return {"avg_spec_accept_length": self.stats.mean_accept_length(),
                 "spec_verify_ct": self.stats.verify_steps,
                 "spec_accepted_tokens": self.stats.accepted_drafts,
-                "spec_draft_tokens": self.stats.proposed_drafts, **self.switch.state()}
+                "spec_draft_tokens": self.stats.proposed_drafts, **self.switch.state(), **self.memory}
 
     # ------------------------------------------------------------------ forward thread
     def run(self, step: VerifyStep) -> VerifyStep:
@@ -279,11 +281,25 @@ def build_speculator(server_args: ServerArgs, worker: ModelWorker, tree_cache: B
     path = server_args.speculative_draft_model_path
     assert path is not None  # ServerArgs requires it for the draft-model algorithms
     runner = on_forward_thread(lambda: worker.make_draft_runner(path))
-    if algo in ("EAGLE", "EAGLE3"):
-        return Speculator(server_args, worker, tree_cache, _eagle_drafter(worker, runner, path, algo == "EAGLE3"))
     from engine.speculative.draft_model import DraftModelDrafter
 
-    return Speculator(server_args, worker, tree_cache, DraftModelDrafter(runner))
+    drafter = (_eagle_drafter(worker, runner, path, algo == "EAGLE3") if algo in ("EAGLE", "EAGLE3")
+               else DraftModelDrafter(runner))
+    return Speculator(server_args, worker, tree_cache, drafter, _memory_report(worker, runner, drafter))
+
+
+def _memory_report(worker: TpModelWorker, runner: ModelRunner, drafter: Drafter) -> Dict[str, int]:
+    """The bytes of the target's K/V pool and of the draft's (its K/V, and an EAGLE head's stored
+    features), both sized from one budget (speculative/memory.py)."""
+    from engine.speculative.eagle import EagleDrafter
+    from engine.speculative.memory import pool_bytes
+
+    assert worker.real_runner is not None  # make_draft_runner refused the simulated device
+    target, draft = worker.real_runner.token_to_kv_pool, runner.token_to_kv_pool
+    features = drafter.features if isinstance(drafter, EagleDrafter) else None
+    feature_bytes = 0 if features is None else features.numel() * features.element_size()
+    return {"kv_pool_bytes": pool_bytes(target.k_buffer, target.v_buffer),
+            "draft_kv_pool_bytes": pool_bytes(draft.k_buffer, draft.v_buffer) + feature_bytes}
 
 
 def _eagle_drafter(worker: TpModelWorker, runner: ModelRunner, path: str, eagle3: bool) -> Drafter:
