@@ -6,5 +6,7 @@ one forward of the target model, accepted so that outputs are exactly the target
 - `step.py`: `VerifyStep` (one step from launch to processing) and the `Drafter` protocol;
 - `ngram.py`: the NGRAM drafter (the request's own tokens propose the continuation);
 - `draft_model.py`: the STANDALONE drafter (a draft model whose K/V follow the target's slots);
-- `verify.py`: which drafts a verify forward accepts (greedy and SGLang's rejection sampling).
+- `verify.py`: which drafts a verify forward accepts (greedy and SGLang's rejection sampling);
+- `switch.py`: `SpeculationSwitch`, whether eligible decode steps verify (measured cost vs accept length);
+- `memory.py`: a draft model's bytes per slot and weights, budgeted with the target's KV pool.
 """
