@@ -16,7 +16,8 @@ with speculation off and on; the table reports output tokens/s, the ratio on/off
 length (tokens per request per verify step), the drafter's share of the wall time (NGRAM: drafting
 and KV bookkeeping on the scheduling thread; STANDALONE: that plus the draft model's forwards: its
 drafts, its catch-up over the tokens decoded plainly and its step after verification), ITL, and
-whether every output equals the reference (the run without speculation). --spec-threshold sets
+whether every output equals the reference (the run without speculation), and how many verify steps
+the measured requests took (the speculation switch decodes plainly where drafts do not pay). --spec-threshold sets
 --speculative-batch-size-threshold for the "on" runs (default: the server's default);
 --always-speculate sets --disable-speculative-adaptive (every eligible step verifies). Each run
 starts with a warm-up request of --warmup-len tokens, whose steps are not measured: the speculation
@@ -61,6 +62,7 @@ class Run:
     itl: List[float] = field(default_factory=list)
     accept_length: Optional[float] = None
     draft_share: Optional[float] = None
+    verify_steps: int = 0  # of the measured requests (the speculation switch may decode plainly)
 
 
 def run(model_path: str, prompts: List[List[int]], out_len: int, spec: Optional[Dict[str, Any]],
@@ -178,7 +180,8 @@ def _run(model_path: str, prompts: List[List[int]], out_len: int, spec: Optional
     scheduler.shutdown()
     outs = [outputs[str(i)] for i in range(len(prompts))]
     return Run(outs, duration, sum(map(len, outs)), itl, accept_length=state.get("avg_spec_accept_length"),
-               draft_share=drafting[0] / duration if scheduler.spec is not None else None)
+               draft_share=drafting[0] / duration if scheduler.spec is not None else None,
+               verify_steps=int(state.get("spec_verify_ct", 0)))
 
 
 def workloads(model_path: str, vocab: int, batch: int, args: argparse.Namespace) -> Dict[str, List[List[int]]]:
@@ -294,6 +297,7 @@ def main() -> None:
                     "off_tok_s": off.output_tokens / off.duration, "on_tok_s": on.output_tokens / on.duration,
                     "speedup": (on.output_tokens / on.duration) / (off.output_tokens / off.duration),
                     "accept_length": on.accept_length or 0.0, "draft_share": on.draft_share or 0.0,
+                    "verify_steps": on.verify_steps,
                     "off_median_itl_ms": 1000 * statistics.median(off.itl) if off.itl else None,
                     "on_median_itl_ms": 1000 * statistics.median(on.itl) if on.itl else None,
                     "exact": on.outputs == off.outputs,
@@ -301,7 +305,8 @@ def main() -> None:
                 r = rows[-1]
                 print(f"{algo:<10} {name:<7} bs={batch:<3} off {r['off_tok_s']:8.1f} tok/s  on {r['on_tok_s']:8.1f} "
                       f"tok/s  x{r['speedup']:.2f}  accept {r['accept_length']:.2f}  draft share "
-                      f"{100 * r['draft_share']:.1f}%  exact {r['exact']}", flush=True)
+                      f"{100 * r['draft_share']:.1f}%  verify steps {r['verify_steps']}  exact {r['exact']}",
+                      flush=True)
     print()
     print(f"{'algorithm':<11}{'workload':<9}{'batch':>6}{'off tok/s':>11}{'on tok/s':>10}{'on/off':>8}"
           f"{'accept':>8}{'draft%':>8}{'ITL off':>9}{'ITL on':>8}{'exact':>7}")

@@ -7,7 +7,7 @@ shared machine a step that took long measured the neighbours, and a spike must n
 catch-up of a draft model excluded: it is a one-off per skipped token, not a cost of the step), and
 one server-wide exponential moving average of the tokens a request emits per verify step (the accept
 length; acceptance is a property of the workload, not of the batch size). Speculation pays while
-accept_length / verify_time >= 1 / plain_time. A batch size starts speculating; after WARMUP samples
+accept_length / verify_time >= 1 / plain_time (to turn on again: ON_MARGIN faster). A batch size starts speculating; after WARMUP samples
 of each kind it follows the rule:
 - on: every decode step verifies, except one in PLAIN_REFRESH_INTERVAL that decodes plainly so the
   plain cost stays current (a fraction of a percent of the speed-up);
@@ -34,11 +34,14 @@ logger = logging.getLogger(__name__)
 EMA_ALPHA = 0.25  # weight of the newest accept length
 PROBE_ALPHA = 0.5  # weight of a probe's accept length (the workload may have changed since the last one)
 WARMUP = 2  # samples of each kind before a decision; the first of each kind is discarded (one-time costs)
-PLAIN_WINDOW = 16  # the plain cost: the fastest of this many recent plain steps
+PLAIN_WINDOW = 64  # the plain cost: the fastest of this many recent plain steps
 VERIFY_WINDOW = 4  # the verify cost: the fastest of this many recent verify steps (probes are rare)
 PLAIN_REFRESH_INTERVAL = 64
 MIN_PROBE_INTERVAL = 16
 MAX_PROBE_INTERVAL = 256
+# Off, speculation turns on again only where it is expected to be this much faster: a busy spell of
+# a shared machine during the plain steps must not make one quiet probe look profitable.
+ON_MARGIN = 1.1
 
 
 @dataclass
@@ -107,7 +110,7 @@ class SpeculationSwitch:
         if c.verify_n < WARMUP or c.plain_n < WARMUP:
             return
         plain_s, verify_s = min(c.plain), min(c.verify)
-        pays = self.accept_length * plain_s >= verify_s
+        pays = self.accept_length * plain_s >= verify_s * (1.0 if c.on else ON_MARGIN)
         on = self.agree(pays) if self.agree is not None else pays
         if probe:  # its verdict
             c.interval = MIN_PROBE_INTERVAL if on else min(2 * c.interval, MAX_PROBE_INTERVAL)
