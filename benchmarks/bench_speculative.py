@@ -20,9 +20,13 @@ For each algorithm, workload and batch size (--batch-sizes, default 1 and 16) th
 with speculation off and on; the table reports output tokens/s, the ratio on/off, the mean accept
 length (tokens per request per verify step), the drafter's share of the wall time (NGRAM: drafting
 and KV bookkeeping on the scheduling thread; STANDALONE: that plus the draft model's forwards: its
-drafts, its catch-up after verification and its mirror of every plain forward), ITL, and whether
-every output equals the reference (the run without speculation). --spec-threshold sets
---speculative-batch-size-threshold for the "on" runs (default: the server's default).
+drafts, its catch-up over the tokens decoded plainly and its step after verification), ITL, and
+whether every output equals the reference (the run without speculation), and how many verify steps
+the measured requests took (the speculation switch decodes plainly where drafts do not pay). --spec-threshold sets
+--speculative-batch-size-threshold for the "on" runs (default: the server's default);
+--always-speculate sets --disable-speculative-adaptive (every eligible step verifies). Each run
+starts with a warm-up request of --warmup-len tokens, whose steps are not measured: the speculation
+switch learns its costs there, as a server that has run for a while has.
 
 --verify-cost instead measures what a verify forward costs against a plain decode forward of the
 same batch (the fastest of 9 interleaved runs each, a 96-token context): the accept length a verify
@@ -64,6 +68,7 @@ class Run:
     itl: List[float] = field(default_factory=list)
     accept_length: Optional[float] = None
     draft_share: Optional[float] = None
+    verify_steps: int = 0  # of the measured requests (the speculation switch may decode plainly)
 
 
 def run(model_path: str, prompts: List[List[int]], out_len: int, spec: Optional[Dict[str, Any]],
@@ -77,6 +82,8 @@ def spec_args(algo: str, draft_path: str, args: argparse.Namespace) -> Dict[str,
     common: Dict[str, Any] = {"speculative_algorithm": algo}
     if args.spec_threshold is not None:
         common["speculative_batch_size_threshold"] = args.spec_threshold
+    if args.always_speculate:
+        common["disable_speculative_adaptive"] = True
     if algo == "NGRAM":
         return dict(common, speculative_num_draft_tokens=args.num_draft_tokens)
     if algo == "STANDALONE_TREE":
@@ -147,14 +154,13 @@ def _run(model_path: str, prompts: List[List[int]], out_len: int, spec: Optional
 
         spec_obj.prepare, spec_obj.process = timed_prepare, timed_process  # type: ignore[method-assign]
     greedy = {"max_new_tokens": out_len, "temperature": 0.0, "ignore_eos": True}
-    scheduler.add_request(TokenizedGenerateReqInput(rid="warmup", input_ids=prompts[0][:8],
-                                                    sampling_params=dict(greedy, max_new_tokens=4)))
+    scheduler.add_request(TokenizedGenerateReqInput(rid="warmup", input_ids=prompts[0],
+                                                    sampling_params=dict(greedy, max_new_tokens=args.warmup_len)))
     while scheduler.has_work():
         scheduler.step()
     scheduler.flush_cache()
     scheduler.outbox.clear()
     drafting[0] = 0.0
-    mirror_start = _mirror_seconds(scheduler)
     if scheduler.spec is not None:
         scheduler.spec.reset_stats()  # count the measured requests only
     outputs: Dict[str, List[int]] = {str(i): [] for i in range(len(prompts))}
@@ -179,20 +185,13 @@ def _run(model_path: str, prompts: List[List[int]], out_len: int, spec: Optional
     duration = time.perf_counter() - start
     state = scheduler.internal_state()
     if scheduler.spec is not None:
-        # The draft model's forwards on the forward thread: its drafts and catch-up, and its mirror.
-        drafting[0] += scheduler.spec.stats.draft_seconds + _mirror_seconds(scheduler) - mirror_start
+        # The draft model's forwards on the forward thread: its drafts, catch-up and after-verify step.
+        drafting[0] += scheduler.spec.stats.draft_seconds
     scheduler.shutdown()
     outs = [outputs[str(i)] for i in range(len(prompts))]
     return Run(outs, duration, sum(map(len, outs)), itl, accept_length=state.get("avg_spec_accept_length"),
-               draft_share=drafting[0] / duration if scheduler.spec is not None else None)
-
-
-def _mirror_seconds(scheduler: Scheduler) -> float:
-    from engine.speculative.draft_model import DraftModelDrafter
-    from engine.speculative.eagle import EagleDrafter
-
-    drafter = scheduler.spec.drafter if scheduler.spec is not None else None
-    return drafter.mirror_seconds if isinstance(drafter, (DraftModelDrafter, EagleDrafter)) else 0.0
+               draft_share=drafting[0] / duration if scheduler.spec is not None else None,
+               verify_steps=int(state.get("spec_verify_ct", 0)))
 
 
 def workloads(model_path: str, vocab: int, batch: int, args: argparse.Namespace) -> Dict[str, List[List[int]]]:
@@ -290,6 +289,8 @@ def main() -> None:
     ap.add_argument("--num-steps", type=int, default=3, help="STANDALONE (SGLang's default)")
     ap.add_argument("--draft-layers", type=int, default=1, help="STANDALONE: the target's first layers")
     ap.add_argument("--spec-threshold", type=int, default=None, help="--speculative-batch-size-threshold")
+    ap.add_argument("--always-speculate", action="store_true", help="--disable-speculative-adaptive")
+    ap.add_argument("--warmup-len", type=int, default=32, help="output tokens of each run's warm-up request")
     ap.add_argument("--max-total-tokens", type=int, default=65536)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1, help="runs of each configuration; the fastest is kept")
@@ -323,6 +324,7 @@ def main() -> None:
                     "off_tok_s": off.output_tokens / off.duration, "on_tok_s": on.output_tokens / on.duration,
                     "speedup": (on.output_tokens / on.duration) / (off.output_tokens / off.duration),
                     "accept_length": on.accept_length or 0.0, "draft_share": on.draft_share or 0.0,
+                    "verify_steps": on.verify_steps,
                     "off_median_itl_ms": 1000 * statistics.median(off.itl) if off.itl else None,
                     "on_median_itl_ms": 1000 * statistics.median(on.itl) if on.itl else None,
                     "exact": on.outputs == off.outputs,
@@ -330,7 +332,8 @@ def main() -> None:
                 r = rows[-1]
                 print(f"{algo:<16} {name:<7} bs={batch:<3} off {r['off_tok_s']:8.1f} tok/s  on {r['on_tok_s']:8.1f} "
                       f"tok/s  x{r['speedup']:.2f}  accept {r['accept_length']:.2f}  draft share "
-                      f"{100 * r['draft_share']:.1f}%  exact {r['exact']}", flush=True)
+                      f"{100 * r['draft_share']:.1f}%  verify steps {r['verify_steps']}  exact {r['exact']}",
+                      flush=True)
     print()
     print(f"{'algorithm':<17}{'workload':<9}{'batch':>6}{'off tok/s':>11}{'on tok/s':>10}{'on/off':>8}"
           f"{'accept':>8}{'draft%':>8}{'ITL off':>9}{'ITL on':>8}{'exact':>7}")

@@ -227,6 +227,11 @@ class ServerArgs:
         "a verify step (speculation costs more than it saves once a batch is compute-bound). "
         "Default: 4 on the CPU (measured: benchmarks/bench_speculative.py --verify-cost), no limit on "
         "CUDA (as SGLang)."))
+    disable_speculative_adaptive: bool = arg(False, (
+        "Verify drafts at every eligible decode step. By default the scheduler measures the accept length "
+        "and the cost of a verify step against a plain decode step, per batch size, and decodes plainly "
+        "(probing now and then) where drafts do not pay (engine/speculative/switch.py). SGLang has no such "
+        "default; its opt-in --speculative-adaptive tunes the number of steps instead."))
     speculative_ngram_min_match_window_size: int = arg(1, "NGRAM: the shortest suffix of the request's "
                                                           "tokens that is matched.")
     speculative_ngram_max_match_window_size: int = arg(12, "NGRAM: the longest suffix of the request's "

@@ -14,7 +14,7 @@ from engine.builtin_model import ensure_builtin_model
 pytestmark = pytest.mark.slow  # starts a server (processes)
 
 SERVER_ARGS = ["--speculative-algorithm", "STANDALONE", "--speculative-draft-model-path", ensure_builtin_model(),
-               "--strict-memory-check"]
+               "--strict-memory-check", "--disable-speculative-adaptive"]  # the counts below: every step verifies
 N_NEW = 40
 
 

@@ -12,7 +12,9 @@ import torch
 
 pytestmark = pytest.mark.slow  # starts a server (processes)
 
-SERVER_ARGS = ["--speculative-algorithm", "NGRAM", "--strict-memory-check", "--enable-metrics"]
+# Every eligible step verifies (the counts below assume it; the switch is tested in test_speculative_switch.py).
+SERVER_ARGS = ["--speculative-algorithm", "NGRAM", "--strict-memory-check", "--enable-metrics",
+               "--disable-speculative-adaptive"]
 N_NEW = 40
 
 

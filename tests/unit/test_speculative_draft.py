@@ -45,9 +45,10 @@ def _harness(target: str, draft: str = None, steps: int = STEPS, **kwargs) -> Ha
     page = kwargs.get("page_size", 1)
     worker_args = ServerArgs(model_path=target, device="cpu", max_total_tokens=total, page_size=page,
                              max_running_requests=16)
-    # Every batch verifies (the CPU default stops speculating past 4 requests).
+    # Every batch verifies (the CPU default stops speculating past 4 requests, the switch where drafts do not pay).
     spec = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=draft, speculative_num_steps=steps,
-                speculative_batch_size_threshold=1024) if draft is not None else {}
+                speculative_batch_size_threshold=1024,
+                disable_speculative_adaptive=True) if draft is not None else {}
     return Harness(worker=TpModelWorker(worker_args), tokenizer=_Tok(), max_total_tokens=total, **spec, **kwargs)
 
 
@@ -204,8 +205,8 @@ def test_abort_mid_request_frees_everything(tiny, small_draft):
 
 
 def test_ineligible_batches_decode_plainly_and_the_draft_follows(tiny):
-    """Logprob requests take plain decode steps (the draft mirrors them); a later request that
-    reuses their cached KV still has every draft accepted: the mirrored K/V are right."""
+    """Logprob requests take plain decode steps (the draft skips them); a later request that
+    reuses their cached KV still has every draft accepted: the draft's catch-up K/V are right."""
     prompts = _prompts()
     h = _harness(tiny, tiny)
     rids = [h.submit(p, max_new_tokens=N_NEW, ignore_eos=True, return_logprob=True) for p in prompts]
@@ -244,7 +245,7 @@ def test_batches_above_the_threshold_decode_plainly(tiny, algo):
     plain = _harness(tiny)
     rids = [plain.submit(p, max_new_tokens=n, ignore_eos=True) for p, n in zip(prompts, lengths)]
     plain.run_until_idle()
-    spec = dict(speculative_algorithm=algo, speculative_batch_size_threshold=2)
+    spec = dict(speculative_algorithm=algo, speculative_batch_size_threshold=2, disable_speculative_adaptive=True)
     if algo == "STANDALONE":
         spec.update(speculative_draft_model_path=tiny, speculative_num_steps=STEPS)
     h = Harness(worker=TpModelWorker(ServerArgs(model_path=tiny, device="cpu", max_total_tokens=4096,
@@ -301,10 +302,10 @@ def test_draft_model_flags_defaults_and_refusals(tiny):
                        (dict(speculative_num_steps=0), "must be in"),
                        (dict(speculative_num_steps=64), "must be in"),
                        (dict(speculative_batch_size_threshold=0), "threshold must be >= 1"),
-                       (dict(tp_size=2), "tp-size 1 only"),
                        (dict(enable_lora=True), "not supported yet with LoRA")):
         with pytest.raises(ServerArgsError, match=match):
             ServerArgs(**{**base, **bad})
+    assert ServerArgs(**base, tp_size=2).speculative_num_steps == 3  # the draft is sharded like the target
 
 
 def test_draft_with_another_vocabulary_is_refused(tiny, tmp_path):
@@ -372,7 +373,8 @@ def test_sampled_outputs_keep_the_target_distribution_end_to_end(tiny_vocab):
     worker_args = ServerArgs(model_path=path, device="cpu", max_total_tokens=16384, max_running_requests=256)
     h = Harness(worker=TpModelWorker(worker_args), tokenizer=_Tok(), max_total_tokens=16384,
                 max_running_requests=256, speculative_algorithm="STANDALONE", speculative_draft_model_path=path,
-                speculative_num_steps=2, speculative_batch_size_threshold=1024)
+                speculative_num_steps=2, speculative_batch_size_threshold=1024,
+                disable_speculative_adaptive=True)
     rids = [h.submit(prompt, max_new_tokens=3, ignore_eos=True, temperature=temperature) for _ in range(n)]
     h.run_until_idle()
     outs = [tuple(h.outputs[r].output_ids) for r in rids]

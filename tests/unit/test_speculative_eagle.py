@@ -57,9 +57,10 @@ def _harness(target: str, head: str = None, **kwargs) -> Harness:
     total = kwargs.pop("max_total_tokens", 4096)
     worker_args = ServerArgs(model_path=target, device="cpu", max_total_tokens=total,
                              page_size=kwargs.get("page_size", 1), max_running_requests=16)
-    # Every batch verifies (the CPU default stops speculating past 4 requests).
+    # Every batch verifies (the CPU default stops speculating past 4 requests, the switch where drafts do not pay).
     spec = dict(speculative_algorithm=kwargs.pop("speculative_algorithm", "EAGLE"), speculative_draft_model_path=head,
-                speculative_batch_size_threshold=1024) if head is not None else {}
+                speculative_batch_size_threshold=1024,
+                disable_speculative_adaptive=True) if head is not None else {}
     return Harness(worker=TpModelWorker(worker_args), tokenizer=_Tok(), max_total_tokens=total, **spec, **kwargs)
 
 

@@ -40,9 +40,10 @@ def _harness(target: str, head: str = None, **kwargs) -> Harness:
     worker_args = ServerArgs(model_path=target, device="cpu", max_total_tokens=total,
                              page_size=kwargs.get("page_size", 1), max_running_requests=kwargs.get(
                                  "max_running_requests", 16))
-    # Every batch verifies (the CPU default stops speculating past 4 requests).
+    # Every batch verifies (the CPU default stops speculating past 4 requests, the switch where drafts do not pay).
     spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
-                speculative_batch_size_threshold=1024) if head is not None else {}
+                speculative_batch_size_threshold=1024,
+                disable_speculative_adaptive=True) if head is not None else {}
     return Harness(worker=TpModelWorker(worker_args), tokenizer=_Tok(), max_total_tokens=total, **spec, **kwargs)
 
 
@@ -178,7 +179,8 @@ def test_sampled_outputs_keep_the_target_distribution_end_to_end(tmp_path):
     worker_args = ServerArgs(model_path=path, device="cpu", max_total_tokens=16384, max_running_requests=256)
     h = Harness(worker=TpModelWorker(worker_args), tokenizer=_Tok(), max_total_tokens=16384,
                 max_running_requests=256, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
-                speculative_num_steps=2, speculative_batch_size_threshold=1024)
+                speculative_num_steps=2, speculative_batch_size_threshold=1024,
+                disable_speculative_adaptive=True)
     rids = [h.submit(prompt, max_new_tokens=3, ignore_eos=True, temperature=temperature) for _ in range(n)]
     h.run_until_idle()
     outs = [tuple(h.outputs[r].output_ids) for r in rids]

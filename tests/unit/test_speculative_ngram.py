@@ -22,7 +22,8 @@ from engine.speculative.ngram import propose_ngram_drafts
 N_NEW = 24
 VOCAB = 2560  # the built-in model's
 # Every batch of these tests verifies (the CPU default stops speculating past 4 requests).
-NGRAM = dict(speculative_algorithm="NGRAM", speculative_batch_size_threshold=1024)
+NGRAM = dict(speculative_algorithm="NGRAM", speculative_batch_size_threshold=1024,
+             disable_speculative_adaptive=True)
 
 
 @pytest.fixture(scope="module")
@@ -231,9 +232,10 @@ def test_ngram_flags_defaults_and_bounds():
     assert not ServerArgs(device="cpu").disable_overlap_schedule  # the default path is unchanged
     for bad in (dict(speculative_num_draft_tokens=1), dict(speculative_num_draft_tokens=65),
                 dict(speculative_ngram_min_match_window_size=5, speculative_ngram_max_match_window_size=4),
-                dict(tp_size=2), dict(speculative_algorithm="MEDUSA")):
+                dict(speculative_algorithm="MEDUSA")):
         with pytest.raises(ServerArgsError):
             ServerArgs(device="cpu", **{**NGRAM, **bad})
+    assert ServerArgs(device="cpu", tp_size=2, **NGRAM).speculative_algorithm == "NGRAM"  # every rank drafts alike
 
 
 # ---------------------------------------------------------------------------------------- sampling

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -128,10 +128,15 @@ class MHATokenToKVPool:
         # nothing is kept: another device, or an encoder's pool (size 0: its slots hold no K/V).
         self.slot_generation: Optional[torch.Tensor] = (
             torch.zeros(size + page_size, dtype=torch.int64) if str(device) == "cpu" and size > 0 else None)
+        # Whoever keeps per-slot state derived from these K/V on any device (a speculative drafter's
+        # marks of the slots whose draft K/V it wrote) hears of every release, whatever frees the slot.
+        self.release_listeners: List[Callable[[Optional[torch.Tensor]], None]] = []
         self._create_buffers()
 
     def slots_released(self, slots: Optional[torch.Tensor] = None) -> None:
         """The allocator took `slots` (distinct; None: all) back: what they hold may be overwritten."""
+        for listener in self.release_listeners:
+            listener(slots)
         if self.slot_generation is None:
             return
         if slots is None:

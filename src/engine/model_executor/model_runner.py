@@ -172,19 +172,28 @@ class ModelRunner:
         return 2 * self.model_config.num_hidden_layers * kv_heads * self.model_config.head_dim * element
 
     def profile_max_num_token(self) -> int:
-        """How many tokens of KV fit in the memory budget of this rank."""
+        """How many tokens of KV fit in the memory budget of this rank (a speculative draft
+        model's pool of as many slots, and its weights loaded later, included: speculative/memory.py)."""
+        from engine.speculative.memory import draft_memory
+
         per_token = self.kv_bytes_per_token()
+        draft = draft_memory(self.server_args, self.model_config, self.tp_size)
+        later_weights = 0
+        if draft is not None:
+            per_token += draft.bytes_per_token
+            later_weights = draft.weight_bytes
         fraction = self.server_args.mem_fraction_static
         assert fraction is not None  # ServerArgs.resolve_defaults fills it in
         if self.device.startswith("cuda"):
             # Measured after the weights are loaded; blocks the loader freed count as free.
             torch.cuda.empty_cache()
             free_bytes, _ = torch.cuda.mem_get_info(self.gpu_id)
-            budget = kv_cache_budget_bytes(free_bytes, fraction, self.activation_reserve_bytes())
+            budget = kv_cache_budget_bytes(max(0, free_bytes - later_weights), fraction,
+                                           self.activation_reserve_bytes())
             return int(budget // per_token)
         import psutil
 
-        tokens = int(psutil.virtual_memory().available * fraction // per_token)
+        tokens = int(max(0, psutil.virtual_memory().available - later_weights) * fraction // per_token)
         return min(tokens, CPU_MAX_TOTAL_TOKENS)
 
     def activation_reserve_bytes(self) -> int:

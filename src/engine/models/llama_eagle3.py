@@ -14,8 +14,13 @@ This module returns logits over the target's vocabulary: the draft logits scatte
 ids and -inf elsewhere. Argmax, temperature, top-k / top-p and the softmax then act on the draft
 vocabulary exactly, and a sampled draft's distribution is already over target ids, as rejection
 sampling (speculative/verify.py) needs it.
-The embedding is the target's (EAGLE3 checkpoints hold no copy or an identical one); a head without
-draft_vocab_size uses the target's lm_head over the whole vocabulary (d2t identity).
+The embedding is the target's (EAGLE3 checkpoints hold no copy or an identical one). Where the head
+has no lm_head of its own it predicts over the whole vocabulary (d2t identity), as SGLang loads it:
+- tie_word_embeddings in its config (e.g. heads for Llama 3.2 1B): its lm_head is its embedding,
+  which is the target's; a draft vocabulary smaller than the target's cannot be tied (refused);
+- no draft_vocab_size: the target's lm_head.
+A head with a draft vocabulary and untied embeddings needs lm_head.weight in its checkpoint (refused
+clearly otherwise).
 """
 
 from __future__ import annotations
@@ -76,8 +81,13 @@ class LlamaForCausalLMEagle3(nn.Module):
         if not 1 <= self.draft_vocab_size <= config.vocab_size:
             raise ValueError(f"EAGLE3 head: draft_vocab_size {self.draft_vocab_size} must be within 1.."
                              f"{config.vocab_size} (the target's vocabulary)")
-        # Without draft_vocab_size the head predicts over the target's vocabulary with the target's head.
-        self.own_head = draft_vocab is not None
+        self.tied = config.tie_word_embeddings
+        if self.tied and self.draft_vocab_size != config.vocab_size:
+            raise ValueError(f"EAGLE3 head: tie_word_embeddings with draft_vocab_size {self.draft_vocab_size}: a "
+                             f"tied lm_head is the embedding, over the target's {config.vocab_size} tokens")
+        # Without draft_vocab_size (or tied) the head predicts over the target's vocabulary with the
+        # target's lm_head (or embedding).
+        self.own_head = draft_vocab is not None and not self.tied
         self.lm_head: Optional[ParallelLMHead] = (
             ParallelLMHead(self.draft_vocab_size, hidden) if self.own_head else None)
         # The target id of each draft id (the checkpoint's d2t + arange); identity until loaded.
@@ -92,7 +102,11 @@ class LlamaForCausalLMEagle3(nn.Module):
                              f"{self.target_hidden_size}) must equal the target's {target.config.hidden_size}: "
                              "heads with their own embedding are not supported")
         self.embed_tokens = target.model.embed_tokens
-        if not self.own_head:
+        if self.tied and not target.config.tie_word_embeddings:
+            head = ParallelLMHead(self.config.vocab_size, self.config.hidden_size)
+            head.tie_weights(target.model.embed_tokens)  # the head's embedding, which is the target's
+            self.lm_head = head
+        elif not self.own_head:
             self.lm_head = target.lm_head
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: ForwardBatch,
@@ -121,17 +135,27 @@ class LlamaForCausalLMEagle3(nn.Module):
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]], require_all: bool = True) -> None:
         d2t: List[torch.Tensor] = []
+        names: List[str] = []
 
         def rest() -> Iterator[Tuple[str, torch.Tensor]]:
             for name, tensor in weights:
                 name = name.removeprefix("model.")
+                names.append(name)
                 if name == "d2t":
                     d2t.append(tensor)
                 elif name != "t2d":  # the inverse map: not needed to draft
                     yield name, tensor
 
-        load_weights_into(self, rest(), STACKED_PARAMS, skip_substrings=self.weight_skip_substrings(),
-                          require_all=require_all)
+        try:
+            load_weights_into(self, rest(), STACKED_PARAMS, skip_substrings=self.weight_skip_substrings(),
+                              require_all=require_all)
+        except ValueError as e:
+            if require_all and self.own_head and "lm_head.weight" not in names:
+                raise ValueError(f"EAGLE3 head: config.json sets draft_vocab_size {self.draft_vocab_size} but the "
+                                 "checkpoint has no lm_head.weight; a head that predicts with the target's lm_head "
+                                 "leaves draft_vocab_size out, one whose lm_head is its embedding sets "
+                                 "tie_word_embeddings") from e
+            raise
         if d2t:
             self._set_d2t(d2t[-1])
         elif require_all and self.own_head and self.draft_vocab_size != self.config.vocab_size:

@@ -23,6 +23,7 @@ The loop's own state is the last batch, the results in flight and the outputs of
 from __future__ import annotations
 
 import logging
+import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -514,8 +515,11 @@ class Scheduler:
         if not scheduling:
             return None
         if batch is not None:
+            started = time.perf_counter()
             result = self.run_batch(batch)
             self.process_batch_result(batch, result)
+            if self.spec is not None:  # the speculation switch weighs verify steps against plain ones
+                self.spec.decode_step_done(time.perf_counter() - started)
         else:
             self.on_idle()
         self._end_step(batch)

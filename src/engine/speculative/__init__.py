@@ -8,4 +8,6 @@ one forward of the target model, accepted so that outputs are exactly the target
 - `draft_model.py`: the STANDALONE drafter (a draft model whose K/V follow the target's slots);
 - `verify.py`: which drafts a verify forward accepts (greedy and SGLang's rejection sampling);
 - `tree.py`: tree drafts (--speculative-eagle-topk > 1): growth, selection, mask, tree acceptance.
+- `switch.py`: `SpeculationSwitch`, whether eligible decode steps verify (measured cost vs accept length);
+- `memory.py`: a draft model's bytes per slot and weights, budgeted with the target's KV pool.
 """

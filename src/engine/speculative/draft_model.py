@@ -6,14 +6,15 @@ built with `draft_of=` the target's (model_runner.py), so it shares the request-
 the slot allocator and has a KV pool of the same size. A slot therefore holds the target's K/V in
 the target's pool and the draft's K/V of the same token in the draft's pool, and whoever frees a
 slot (finish, abort, retraction, rejected drafts, eviction from the radix cache) frees both: the
-draft owns no slot and nothing of it can leak. The one rule to keep is that every slot holding the
-target's committed K/V also holds the draft's:
-- every plain forward of the target (prefill, mixed chunk, plain decode step) is run by the draft
-  first on the same batch (`forward_plain`), so the draft's K/V of prompts, cached prefixes and plainly
-  decoded tokens are written where the target's are; except a decode step of a batch above
-  --speculative-batch-size-threshold, where speculation is off: the draft skips it (it would cost a
-  draft forward per step for nothing) and marks those slots stale (`valid`), and the next verify
-  step of each request first writes the draft's K/V from its first stale position on (one extend);
+draft owns no slot and nothing of it can leak. `valid` marks the slots whose draft K/V belong to the
+token whose target K/V the slot holds; a slot released to the allocator is unmarked then, whoever
+freed it (the target pool's release listeners), so a slot handed out again starts stale. The draft
+follows the target lazily:
+- a plain forward of the target (prefill, mixed chunk, plain decode step: speculation is off for
+  the batch) costs the draft nothing (`forward_plain` only unmarks the slots it writes); the next
+  verify step of each request first writes the draft's K/V from its first stale position to its
+  last committed one (one extend over the tokens, `_catch_up`), which covers prompts, prefixes
+  another request decoded plainly, and prompts whose K/V arrived by transfer (PD decode);
 - a verify step drafts with `num_steps` decode forwards of the draft (`draft`): the first feeds the
   last token (its decode slot), each next one the previous draft (the slots alloc_draft_slots gave),
   so the draft writes K/V for the last token and every draft but the last;
@@ -28,14 +29,12 @@ accepts with min(1, p/q) and resamples from max(p - q, 0).
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 import torch
 
 from engine.model_executor.forward_batch_info import ForwardBatch, ForwardMode, ModelWorkerBatch
-from engine.scheduler.overlap_utils import resolve_relay_input_ids
 from engine.speculative.tree import DraftTree, TreeShape, fed_nodes_batch, grow_trees, newest_rows
 from engine.speculative.verify import target_probs
 
@@ -51,17 +50,15 @@ def _i64(values: List[int]) -> torch.Tensor:
 
 
 class DraftModelDrafter:
-    def __init__(self, runner: ModelRunner, relay: torch.Tensor, batch_size_threshold: Optional[int]) -> None:
+    def __init__(self, runner: ModelRunner) -> None:
         self.runner = runner
-        # The target's overlap relay: the input ids of a plain decode step are read from it.
-        self.relay = relay
-        # Decode batches larger than this are not speculated on (Speculator.prepare): no need to follow them.
-        self.batch_size_threshold = batch_size_threshold
         pool = runner.token_to_kv_pool
         # Per slot: whether the draft's K/V there belong to the token whose target K/V the slot holds.
         self.valid = torch.zeros(pool.size + pool.page_size, dtype=torch.bool, device=runner.device)
         self.req_to_token = runner.req_to_token_pool.req_to_token
-        self.mirror_seconds = 0.0  # forward-thread time of the mirrored forwards (benchmarks)
+        target_pool = runner.token_to_kv_pool_allocator.get_kvcache()
+        assert target_pool is not None  # the target's allocator reports to its pool
+        target_pool.release_listeners.append(self._released)
 
     # ------------------------------------------------------------------ scheduling thread
     def propose(self, batch: ScheduleBatch, budgets: List[int]) -> Optional[List[List[int]]]:
@@ -73,7 +70,9 @@ class DraftModelDrafter:
         info = wb.sampling_info
         assert info is not None and wb.extend_prefix_lens is not None  # a verify batch has both
         lens = step.draft_lens
+        started = time.perf_counter()
         self._catch_up(step)
+        step.catch_up_seconds = time.perf_counter() - started
         fed = wb.input_ids.tolist()
         starts = _starts(lens)
         greedy = (info.top_ks == 1).tolist()
@@ -164,28 +163,21 @@ class DraftModelDrafter:
         self._mark(torch.cat(stale), False)
 
     def forward_plain(self, worker_batch: ModelWorkerBatch, run_target: Callable[[ModelWorkerBatch], Any]) -> Any:
-        threshold = self.batch_size_threshold
-        if worker_batch.forward_mode.is_decode() and threshold is not None and worker_batch.batch_size > threshold:
-            self._mark(worker_batch.out_cache_loc, False)  # caught up by the request's next verify step
-        else:
-            # The draft first: it reads the relay, which the target's sampling overwrites.
-            self._mirror(worker_batch)
-            self._mark(worker_batch.out_cache_loc, True)
+        # Caught up by each request's next verify step, if it has one. A slot can hold a rejected
+        # draft's mark when its page was kept (page size > 1): unmarked here.
+        self._mark(worker_batch.out_cache_loc, False)
         return run_target(worker_batch)
-
-    def _mirror(self, worker_batch: ModelWorkerBatch) -> None:
-        started = time.perf_counter()
-        # Only the K/V matter: no logprobs, hidden states or sampling for the draft.
-        batch = dataclasses.replace(worker_batch, return_logprob=False, top_logprobs_nums=None,
-                                    token_ids_logprobs=None, capture_hidden_states=False,
-                                    extend_logprob_start_lens=None, extend_input_logprob_token_ids=None,
-                                    sampling_info=None)
-        self._forward(batch)
-        self.mirror_seconds += time.perf_counter() - started
 
     # ------------------------------------------------------------------ helpers
     def _mark(self, slots: torch.Tensor, valid: bool) -> None:
         self.valid[slots.to(self.valid.device)] = valid
+
+    def _released(self, slots: Optional[torch.Tensor]) -> None:
+        """The target pool's release listener: released slots hold nothing of the draft's."""
+        if slots is None:
+            self.valid.zero_()
+        else:
+            self._mark(slots, False)
 
     def _catch_up(self, step: VerifyStep) -> None:
         """One draft extend over each drafting request's committed positions from its first stale
@@ -234,9 +226,6 @@ class DraftModelDrafter:
 
     def _forward(self, batch: ModelWorkerBatch) -> torch.Tensor:
         forward_batch = ForwardBatch.init_new(batch, self.runner)
-        if batch.relay_rows is not None:
-            forward_batch.input_ids = resolve_relay_input_ids(
-                forward_batch.input_ids, batch.relay_rows.to(self.relay.device), self.relay)
         return self.runner.forward(forward_batch).next_token_logits
 
 

@@ -4,21 +4,25 @@ features (SGLang's EAGLEWorker, chain drafting with topk 1).
 The head at position i reads the token of position i + 1 and the target's feature (final hidden
 state) at i, so it lags the target by one token. Its ModelRunner shares the target's slots as a
 STANDALONE draft's does (draft_model.py), and this drafter keeps the target's feature of every slot
-in `features` (written after every target forward that computes the slot). The rule kept: for a
-request with committed K/V positions 0..n-1, the head's K/V is exact at 0..n-2; position n-1 reads
-the request's newest token, which has no K/V yet, and is written when that token is fed:
-- a plain forward of the target over positions p..q-1 (prefill chunk, mixed, plain decode) is
-  followed by the head's extend over p-1..q-2 (the tokens p..q-1, the features p-1..q-2);
+in `features` (written after every target forward that computes the slot: a copy of what the
+forward returns). The head follows lazily, `valid` marking the slots where its K/V are exact (a
+released slot is unmarked, whoever released it): for a request with committed K/V positions
+0..n-1, the head's K/V must be exact at 0..n-2 when it drafts; position n-1 reads the request's
+newest token, which has no K/V yet, and is written when that token is fed:
+- a plain forward of the target (prefill chunk, mixed, plain decode: speculation off for the
+  batch) only stores the features; the head's K/V of those positions are written by the request's
+  next verify step before it drafts (`_catch_up`: one extend from the first unmarked position to
+  n-2, reading the tokens one position on and the stored features);
 - a verify step (last token at position m, k drafts): the head's first decode forward is at m - 1
   (the last token, the target's feature there), each next one at m, m + 1, ... feeding the previous
   draft with the head's own output as the feature; its K/V there are guesses until:
 - after the acceptance of a drafts, the head's extend over m..m+a-1 (the accepted drafts, the
   target's features of the verify forward) makes them exact (SGLang's draft extend after decode);
   without drafts, position m - 1 is written then.
-A slot reached from the radix cache by another request is written again at the matched prefix's
-last position (p - 1), with that request's next token: when two requests diverge exactly there, the
-other's head K/V at that slot is the newer request's (lower acceptance for it, never an inexact
-output: every token is the target's).
+A slot reached from the radix cache by another request keeps the head's K/V written for the request
+that computed it: at the matched prefix's last position (p - 1) the head read that request's next
+token, which may differ (lower acceptance at that position, never an inexact output: every token is
+the target's; rewriting it would make two running requests that share the prefix undo each other).
 """
 
 from __future__ import annotations
@@ -30,7 +34,6 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional
 import torch
 
 from engine.model_executor.forward_batch_info import ForwardBatch, ForwardMode, ModelWorkerBatch
-from engine.scheduler.overlap_utils import resolve_relay_input_ids
 from engine.speculative.draft_model import _i64, _pick, _starts
 from engine.speculative.tree import DraftTree, TreeShape, fed_nodes_batch, grow_trees, newest_rows
 
@@ -44,15 +47,18 @@ if TYPE_CHECKING:
 class EagleDrafter:
     needs_target_hidden = True
 
-    def __init__(self, runner: ModelRunner, relay: torch.Tensor, feature_size: int, dtype: torch.dtype) -> None:
+    def __init__(self, runner: ModelRunner, feature_size: int, dtype: torch.dtype) -> None:
         """feature_size: the width of the target's feature (hidden; EAGLE3: 3 * hidden)."""
         self.runner = runner
-        self.relay = relay  # the target's overlap relay: a plain decode step's input ids
         pool = runner.token_to_kv_pool
         # The target's feature at every slot (slot numbers are the target's).
         self.features = torch.zeros(pool.size + pool.page_size, feature_size, dtype=dtype, device=runner.device)
+        # Per slot: whether the head's K/V there are exact (see the module doc).
+        self.valid = torch.zeros(pool.size + pool.page_size, dtype=torch.bool, device=runner.device)
         self.req_to_token = runner.req_to_token_pool.req_to_token
-        self.mirror_seconds = 0.0  # forward-thread time of the head's extends after plain forwards
+        target_pool = runner.token_to_kv_pool_allocator.get_kvcache()
+        assert target_pool is not None  # the target's allocator reports to its pool
+        target_pool.release_listeners.append(self._released)
 
     # ------------------------------------------------------------------ scheduling thread
     def propose(self, batch: ScheduleBatch, budgets: List[int]) -> Optional[List[List[int]]]:
@@ -60,34 +66,13 @@ class EagleDrafter:
 
     # ------------------------------------------------------------------ forward thread
     def forward_plain(self, worker_batch: ModelWorkerBatch, run_target: Callable[[ModelWorkerBatch], Any]) -> Any:
-        ids = worker_batch.input_ids
-        if worker_batch.relay_rows is not None:  # read now: the target's sampling overwrites the relay
-            ids = resolve_relay_input_ids(ids.to(self.relay.device), worker_batch.relay_rows.to(self.relay.device),
-                                          self.relay).cpu()
         result = run_target(dataclasses.replace(worker_batch, capture_hidden_states=True))
-        started = time.perf_counter()
         output: LogitsProcessorOutput = result.logits_output
         # An EAGLE3 target's features are its auxiliary hidden states (captured with the final ones).
         features = output.aux_hidden_states if output.aux_hidden_states is not None else output.hidden_states
         assert features is not None  # captured above
         self._store(worker_batch.out_cache_loc, features)
-        if worker_batch.forward_mode.is_decode():
-            prefix = [n - 1 for n in worker_batch.seq_lens_cpu]
-            extend = [1] * len(prefix)
-        else:
-            assert worker_batch.extend_prefix_lens is not None and worker_batch.extend_seq_lens is not None
-            prefix, extend = list(worker_batch.extend_prefix_lens), list(worker_batch.extend_seq_lens)
-        flat = ids.tolist()
-        rows = worker_batch.req_pool_indices.tolist()
-        firsts: List[int] = []
-        tokens: List[List[int]] = []
-        for p, e, s in zip(prefix, extend, _starts([e - 1 for e in extend])):
-            # Head positions max(p - 1, 0) .. p + e - 2 read the tokens of positions +1.
-            first = max(p - 1, 0)
-            firsts.append(first)
-            tokens.append(flat[s + first + 1 - p: s + e])
-        self._extend(rows, firsts, tokens)
-        self.mirror_seconds += time.perf_counter() - started
+        self._mark(worker_batch.out_cache_loc, False)  # the head's K/V there wait for its catch-up
         return result
 
     def draft(self, step: VerifyStep) -> None:
@@ -95,6 +80,9 @@ class EagleDrafter:
         info = wb.sampling_info
         assert info is not None and wb.extend_prefix_lens is not None  # a verify batch has both
         lens = step.draft_lens
+        started = time.perf_counter()
+        self._catch_up(step)
+        step.catch_up_seconds = time.perf_counter() - started
         fed = wb.input_ids.tolist()
         starts = _starts(lens)
         pool_rows = wb.req_pool_indices.tolist()
@@ -143,6 +131,51 @@ class EagleDrafter:
             firsts.append(first)
             tokens.append(fed[s + first + 1 - m: s + a + 1])
         self._extend(wb.req_pool_indices.tolist(), firsts, tokens)
+        self._mark_first_draft_forward(step)
+
+    # ------------------------------------------------------------------ lazy following
+    def _catch_up(self, step: VerifyStep) -> None:
+        """Before drafting: the head's extend over each drafting request's positions from its first
+        unmarked one to m - 2 (m: the last token's position), reading the tokens one position on."""
+        wb = step.worker_batch
+        assert wb.extend_prefix_lens is not None  # a verify batch
+        pool_rows = wb.req_pool_indices.tolist()
+        rows: List[int] = []
+        firsts: List[int] = []
+        tokens: List[List[int]] = []
+        for i, (row, m, k) in enumerate(zip(pool_rows, wb.extend_prefix_lens, step.draft_lens)):
+            if k == 0 or m < 2:
+                continue
+            stale = (~self.valid[self.req_to_token[row, :m - 1].to(torch.int64).to(self.valid.device)]).nonzero()
+            if stale.numel():
+                first = int(stale[0, 0])
+                prompt, output = step.tokens[i]
+                rows.append(row)
+                firsts.append(first)
+                tokens.append((prompt + output)[first + 1:m])
+        if rows:
+            self._extend(rows, firsts, tokens)
+
+    def _mark_first_draft_forward(self, step: VerifyStep) -> None:
+        """The first draft forward of a request with drafts wrote the head's exact K/V at m - 1 (the
+        last token, the target's feature there)."""
+        wb = step.worker_batch
+        assert wb.extend_prefix_lens is not None  # a verify batch
+        rows = [i for i, k in enumerate(step.draft_lens) if k > 0]
+        if rows:
+            pool_rows = wb.req_pool_indices.tolist()
+            self._mark(torch.stack([self.req_to_token[pool_rows[i], wb.extend_prefix_lens[i] - 1] for i in rows]),
+                       True)
+
+    def _mark(self, slots: torch.Tensor, valid: bool) -> None:
+        self.valid[slots.to(torch.int64).to(self.valid.device)] = valid
+
+    def _released(self, slots: Optional[torch.Tensor]) -> None:
+        """The target pool's release listener: the head's K/V of released slots are void."""
+        if slots is None:
+            self.valid.zero_()
+        else:
+            self._mark(slots, False)
 
     # ------------------------------------------------------------------ tree steps
     def draft_tree(self, step: VerifyStep, shape: TreeShape) -> List[Optional[DraftTree]]:
@@ -233,6 +266,7 @@ class EagleDrafter:
             out_cache_loc=slots.cpu(), extend_num_tokens=sum(lens), extend_seq_lens=lens,
             extend_prefix_lens=[firsts[i] for i in keep])
         self._forward(batch, self.features[slots.to(self.features.device)])
+        self._mark(slots, True)
 
     def _forward(self, batch: ModelWorkerBatch, features: torch.Tensor) -> LogitsProcessorOutput:
         forward_batch = ForwardBatch.init_new(batch, self.runner)

@@ -57,6 +57,13 @@ class SpeculativeFlags(Protocol):
 def check_speculative_server_args(args: SpeculativeFlags, need: Callable[[bool, str], None]) -> None:
     algo = args.speculative_algorithm
     assert algo is not None  # ServerArgs calls this only with an algorithm
+    if args.disaggregation_mode == "prefill" and algo in SPECULATIVE_ALGORITHMS:
+        # A prefill server computes prompts and one token each: nothing to draft. The same flags can
+        # be given to both servers of a PD pair; the decode server speculates.
+        logger.warning("--speculative-algorithm %s is ignored on a --disaggregation-mode prefill server: the "
+                       "decode server speculates", algo)
+        args.speculative_algorithm = None
+        return
     if algo in UNSUPPORTED_SPECULATIVE_ALGORITHMS:
         need(False,
              f"--speculative-algorithm {algo} is not supported yet: NEXTN layers are part of the target.\n"
@@ -83,10 +90,10 @@ def check_speculative_server_args(args: SpeculativeFlags, need: Callable[[bool, 
          f"--speculative-num-draft-tokens must be in [2, {MAX_SPECULATIVE_TOKENS}] (the last token plus at least "
          f"one draft), got {args.speculative_num_draft_tokens}")
     # What the verify step does not handle yet: refused, never silently inexact.
-    need(args.tp_size == 1 and args.nnodes == 1, f"--speculative-algorithm {algo} runs with --tp-size 1 only "
-                                                 "(not supported yet with tensor parallelism)")
-    need(args.disaggregation_mode == "null", f"--speculative-algorithm {algo} is not supported yet with "
-                                             "--disaggregation-mode prefill|decode")
+    need(args.disaggregation_mode != "decode" or algo not in ("EAGLE", "EAGLE3"),
+         f"--speculative-algorithm {algo} is not supported yet on a --disaggregation-mode decode server: an EAGLE "
+         "head reads the target's hidden states of the prompt, which the KV transfer does not carry. Use "
+         "STANDALONE (its draft model builds its own KV of the transferred prompt) or NGRAM there.")
     need(not (args.enable_lora or args.lora_paths),
          f"--speculative-algorithm {algo} is not supported yet with LoRA adapters (--enable-lora, "
          "--lora-paths): the verify and draft forwards do not apply them")

@@ -22,9 +22,11 @@ batch is eligible, this collaborator then:
 Eligible: every request samples without per-token state the verify step does not carry yet
 (grammar, logprobs, hidden states, penalties, min_new_tokens, logit_bias, a seed, a custom logit
 processor), and the batch is not larger than --speculative-batch-size-threshold; otherwise the
-batch takes the plain decode step, which is exact anyway (a draft model still follows it: the
-drafter's `forward_plain`). It runs in the normal (non-overlap) loop only: drafting needs the previous
-step's tokens.
+batch takes the plain decode step, which is exact anyway. Among eligible steps, the speculation
+switch (switch.py) decodes plainly where the measured accept length does not pay for a verify step's
+cost; a draft model runs no forward on plain steps (the drafter's `forward_plain`) and catches up on
+the tokens it skipped at the request's next verify step. It runs in the normal (non-overlap) loop
+only: drafting needs the previous step's tokens.
 """
 
 from __future__ import annotations
@@ -33,14 +35,15 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
 
 import torch
 
 from engine.scheduler.overlap_utils import write_relay
 from engine.speculative.step import Drafter, TreeDrafter, VerifyStep
+from engine.speculative.switch import SpeculationSwitch
 from engine.speculative.tree import DraftTree, TreeShape, accept_tree, path_moves, verify_layout
-from engine.speculative.verify import accept_drafts
+from engine.speculative.verify import VerifyOutcome, accept_drafts
 
 if TYPE_CHECKING:
     from engine.mem_cache.base_prefix_cache import BasePrefixCache
@@ -85,7 +88,8 @@ class TreeVerify:
 
 class Speculator:
     def __init__(self, server_args: ServerArgs, worker: ModelWorker, tree_cache: BasePrefixCache,
-                 drafter: Drafter) -> None:
+                 drafter: Drafter, memory: Optional[Dict[str, int]] = None) -> None:
+        """memory: the bytes of the target's and the draft's pools (/get_server_info)."""
         assert server_args.speculative_num_draft_tokens is not None  # ServerArgs sets the default
         self.max_drafts = server_args.speculative_num_draft_tokens - 1
         self.batch_size_threshold = server_args.speculative_batch_size_threshold
@@ -94,6 +98,13 @@ class Speculator:
         self.drafter = drafter
         self.stats = SpecStats()
         self.tree: Optional[TreeVerify] = None  # set by build_speculator with --speculative-eagle-topk > 1
+        self.memory = memory or {}
+        self.switch = SpeculationSwitch(not server_args.disable_speculative_adaptive, _tp_agreement(server_args))
+        # The decode step in flight that the switch chose (batch size, verified), and what its verify
+        # step measured: recorded by decode_step_done.
+        self._chosen: Optional[Tuple[int, bool]] = None
+        self._tokens_per_request = 0.0
+        self._catch_up_seconds = 0.0
 
     # ------------------------------------------------------------------ scheduling thread
     @staticmethod
@@ -111,6 +122,11 @@ class Speculator:
             return None  # large batches are compute-bound: drafts cost more than they save
         if not all(self.eligible(r) for r in batch.reqs):
             return None
+        verify = self.switch.should_verify(batch.batch_size())
+        self._chosen = (batch.batch_size(), verify)
+        self._tokens_per_request, self._catch_up_seconds = 0.0, 0.0
+        if not verify:
+            return None
         if self.tree is not None:
             return self._prepare_tree(batch, self.tree.shape)
         row_width = batch.req_to_token_pool.req_to_token.shape[1]
@@ -123,6 +139,8 @@ class Speculator:
         if slots is None and any(draft_lens):
             draft_lens = [0] * len(draft_lens)  # the pool is short: a plain step, through the same path
             proposed = None
+        if not any(draft_lens):
+            self._chosen = None  # nothing verified: no measure of speculation
         drafts = proposed if proposed is not None else [[] for _ in batch.reqs]
         input_ids: List[int] = []
         for req, d, k in zip(batch.reqs, drafts, draft_lens):
@@ -146,6 +164,7 @@ class Speculator:
         kept_lens: List[int] = []
         finished: List[Req] = []
         self.stats.draft_seconds += step.draft_seconds
+        self._catch_up_seconds = step.catch_up_seconds
         for req, seq_len, drafts, tokens, accepted in zip(batch.reqs, batch.seq_lens_cpu, step.drafts,
                                                           outcome.tokens, outcome.accepted):
             appended = 0
@@ -166,6 +185,7 @@ class Speculator:
             if req.finished():
                 finished.append(req)
             emit.append(req)
+        self._tokens_per_request = self.emitted_tokens(step) / max(1, len(batch.reqs))
         allocator.free_group_begin()
         try:
             batch.keep_verified(kept_lens)
@@ -174,6 +194,15 @@ class Speculator:
         finally:
             allocator.free_group_end()
         return emit
+
+    def decode_step_done(self, seconds: float) -> None:
+        """The scheduler ran and processed a decode batch in `seconds`: the switch learns from the
+        steps it chose (a plain step's cost, or a verify step's cost without the draft's catch-up)."""
+        chosen, self._chosen = self._chosen, None
+        if chosen is not None:
+            batch_size, verified = chosen
+            self.switch.record(batch_size, verified, max(0.0, seconds - self._catch_up_seconds),
+                               self._tokens_per_request)
 
     def emitted_tokens(self, step: VerifyStep) -> int:
         assert step.outcome is not None
@@ -188,7 +217,7 @@ class Speculator:
         return {"avg_spec_accept_length": self.stats.mean_accept_length(),
                 "spec_verify_ct": self.stats.verify_steps,
                 "spec_accepted_tokens": self.stats.accepted_drafts,
-                "spec_draft_tokens": self.stats.proposed_drafts}
+                "spec_draft_tokens": self.stats.proposed_drafts, **self.switch.state(), **self.memory}
 
     # ------------------------------------------------------------------ forward thread
     def run(self, step: VerifyStep) -> VerifyStep:
@@ -215,6 +244,7 @@ class Speculator:
         step.target_hidden = output.aux_hidden_states if output.aux_hidden_states is not None else output.hidden_states
         assert wb.sampling_info is not None  # a generation batch always has one
         outcome = accept_drafts(output.next_token_logits, step.drafts, wb.sampling_info, step.draft_probs)
+        _check_same_across_tp(outcome)
         step.outcome = outcome
         verified = time.perf_counter()
         self.drafter.after_verify(step)
@@ -245,6 +275,8 @@ class Speculator:
         if slots is None:
             budgets = [0] * len(budgets)  # the pool is short (or nothing drafts): a plain step
         verify_lens = [shape.num_drafts if b else 0 for b in budgets]
+        if not any(verify_lens):
+            self._chosen = None  # nothing verified: no measure of speculation
         picked: List[torch.Tensor] = []
         offset = 0
         for b, k in zip(budgets, verify_lens):
@@ -285,6 +317,7 @@ class Speculator:
         step.target_hidden = output.aux_hidden_states if output.aux_hidden_states is not None else output.hidden_states
         assert wb.sampling_info is not None  # kept by the replace above
         accepted = accept_tree(output.next_token_logits, trees, wb.sampling_info)
+        _check_same_across_tp(accepted.outcome)
         step.outcome, step.paths = accepted.outcome, accepted.paths
         src, dst = path_moves(accepted.paths, starts)
         if src:
@@ -299,6 +332,28 @@ class Speculator:
     def forward_plain(self, worker_batch: ModelWorkerBatch, run_target: Callable[[ModelWorkerBatch], Any]) -> Any:
         """A plain forward of the target (prefill, mixed or decode step), the drafter kept in step."""
         return self.drafter.forward_plain(worker_batch, run_target)
+
+
+def _check_same_across_tp(outcome: VerifyOutcome) -> None:
+    """The debug check of model_runner.CHECK_TP_SAMPLING for verify steps: every rank accepted the
+    same drafts and drew the same last token (the ranks draw from identical logits with the same
+    random stream, as the normal sampler does)."""
+    from engine.distributed.parallel_state import assert_same_across_tp, get_tp_size
+    from engine.model_executor import model_runner
+
+    if model_runner.CHECK_TP_SAMPLING and get_tp_size() > 1:
+        assert_same_across_tp(torch.tensor(outcome.accepted + [t[-1] for t in outcome.tokens], dtype=torch.int64),
+                              "verified tokens (accepted drafts, last token)")
+
+
+def _tp_agreement(server_args: ServerArgs) -> Optional[Callable[[bool], bool]]:
+    """Under tensor parallelism, the switch's decision every rank takes: on only where every rank
+    measured that speculation pays (one small gloo all-reduce; wall times differ by rank)."""
+    if server_args.tp_size == 1:
+        return None
+    from engine.distributed.parallel_state import all_reduce_min_small_ints
+
+    return lambda pays: bool(all_reduce_min_small_ints([int(pays)])[0])
 
 
 def build_speculator(server_args: ServerArgs, worker: ModelWorker, tree_cache: BasePrefixCache,
@@ -317,13 +372,11 @@ def build_speculator(server_args: ServerArgs, worker: ModelWorker, tree_cache: B
     path = server_args.speculative_draft_model_path
     assert path is not None  # ServerArgs requires it for the draft-model algorithms
     runner = on_forward_thread(lambda: worker.make_draft_runner(path))
-    if algo in ("EAGLE", "EAGLE3"):
-        drafter: Union[EagleDrafter, DraftModelDrafter] = _eagle_drafter(worker, runner, path, algo == "EAGLE3")
-    else:
-        from engine.speculative.draft_model import DraftModelDrafter
+    from engine.speculative.draft_model import DraftModelDrafter
 
-        drafter = DraftModelDrafter(runner, worker.output_tokens_buf, server_args.speculative_batch_size_threshold)
-    speculator = Speculator(server_args, worker, tree_cache, drafter)
+    drafter: Union[EagleDrafter, DraftModelDrafter] = (
+        _eagle_drafter(worker, runner, path, algo == "EAGLE3") if algo in ("EAGLE", "EAGLE3") else DraftModelDrafter(runner))
+    speculator = Speculator(server_args, worker, tree_cache, drafter, _memory_report(worker, runner, drafter))
     steps, topk = server_args.speculative_num_steps, server_args.speculative_eagle_topk
     if topk is not None and topk > 1:
         assert steps is not None and server_args.speculative_num_draft_tokens is not None  # ServerArgs checked them
@@ -331,6 +384,20 @@ def build_speculator(server_args: ServerArgs, worker: ModelWorker, tree_cache: B
         speculator.tree = TreeVerify(TreeShape(steps, topk, server_args.speculative_num_draft_tokens), drafter,
                                      worker.real_runner.token_to_kv_pool)
     return speculator
+
+
+def _memory_report(worker: TpModelWorker, runner: ModelRunner, drafter: Drafter) -> Dict[str, int]:
+    """The bytes of the target's K/V pool and of the draft's (its K/V, and an EAGLE head's stored
+    features), both sized from one budget (speculative/memory.py)."""
+    from engine.speculative.eagle import EagleDrafter
+    from engine.speculative.memory import pool_bytes
+
+    assert worker.real_runner is not None  # make_draft_runner refused the simulated device
+    target, draft = worker.real_runner.token_to_kv_pool, runner.token_to_kv_pool
+    features = drafter.features if isinstance(drafter, EagleDrafter) else None
+    feature_bytes = 0 if features is None else features.numel() * features.element_size()
+    return {"kv_pool_bytes": pool_bytes(target.k_buffer, target.v_buffer),
+            "draft_kv_pool_bytes": pool_bytes(draft.k_buffer, draft.v_buffer) + feature_bytes}
 
 
 def _eagle_drafter(worker: TpModelWorker, runner: ModelRunner, path: str, eagle3: bool) -> EagleDrafter:
@@ -356,7 +423,7 @@ def _eagle_drafter(worker: TpModelWorker, runner: ModelRunner, path: str, eagle3
         target.model.set_aux_layers_to_capture(eagle3_aux_layers(head.config.raw_config,
                                                                  target.config.num_hidden_layers))
         feature_size *= 3
-    return EagleDrafter(runner, worker.output_tokens_buf, feature_size, runner.dtype)
+    return EagleDrafter(runner, feature_size, runner.dtype)
 
 
 def eagle3_aux_layers(head_config: Dict[str, Any], num_layers: int) -> List[int]:

@@ -43,6 +43,9 @@ class VerifyStep:
     tree_shape: Optional[TreeShape] = None
     trees: Optional[List[Optional[DraftTree]]] = None
     paths: Optional[List[List[int]]] = None
+    # Of which: bringing a draft model's K/V up to the committed tokens (positions decoded plainly),
+    # a one-off per token that the speculation switch does not count as the verify step's cost.
+    catch_up_seconds: float = 0.0
 
 
 class Drafter(Protocol):
