@@ -57,7 +57,7 @@ def _harness(target: str, draft: str = None, algo: str = "STANDALONE", steps: in
                              page_size=kwargs.get("page_size", 1), max_running_requests=16)
     spec = dict(speculative_algorithm=algo, speculative_draft_model_path=draft, speculative_num_steps=steps,
                 speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens,
-                speculative_batch_size_threshold=1024) if draft is not None else {}
+                speculative_batch_size_threshold=1024, disable_speculative_adaptive=True) if draft is not None else {}
     return Harness(worker=TpModelWorker(worker_args), tokenizer=_Tok(), max_total_tokens=total, **spec, **kwargs)
 
 
@@ -489,7 +489,7 @@ def test_sampled_outputs_keep_the_target_distribution_end_to_end(tiny_vocab):
     h = Harness(worker=TpModelWorker(worker_args), tokenizer=_Tok(), max_total_tokens=65536,
                 max_running_requests=256, speculative_algorithm="STANDALONE", speculative_draft_model_path=path,
                 speculative_num_steps=2, speculative_eagle_topk=3, speculative_num_draft_tokens=13,
-                speculative_batch_size_threshold=1024)
+                speculative_batch_size_threshold=1024, disable_speculative_adaptive=True)
     rids = [h.submit(prompt, max_new_tokens=3, ignore_eos=True, temperature=temperature) for _ in range(n)]
     h.run_until_idle()
     outs = [tuple(h.outputs[r].output_ids) for r in rids]

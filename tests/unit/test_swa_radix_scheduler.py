@@ -170,7 +170,8 @@ def test_ngram_speculation_with_both_pools(model):
     from engine.scheduler.tp_worker import TpModelWorker
 
     arch, path, prompts, expected = model
-    spec = dict(RADIX, speculative_algorithm="NGRAM", speculative_batch_size_threshold=1024)
+    spec = dict(RADIX, speculative_algorithm="NGRAM", speculative_batch_size_threshold=1024,
+                disable_speculative_adaptive=True)
     worker = TpModelWorker(ServerArgs(model_path=path, device="cpu", max_total_tokens=4096, **spec))
     assert isinstance(worker.model_runner.token_to_kv_pool_allocator, SWATokenToKVPoolAllocator)
     h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=4096, **spec)

@@ -521,7 +521,7 @@ def test_tree_speculation_with_triton_backend_keeps_greedy_outputs(tk):
                                           max_running_requests=16, attention_backend="triton"))
         extra = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=tiny, speculative_num_steps=2,
                      speculative_eagle_topk=2, speculative_num_draft_tokens=7,
-                     speculative_batch_size_threshold=1024) if spec else {}
+                     speculative_batch_size_threshold=1024, disable_speculative_adaptive=True) if spec else {}
         h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=2048, attention_backend="triton", **extra)
         rids = [h.submit(_prompts()[0], max_new_tokens=4, ignore_eos=True)]
         h.run_until_idle()
