@@ -493,15 +493,6 @@ def test_model_greedy_with_triton_backend_matches_transformers(tk, tmp_path):
             o.append(int(t))
     assert outputs == expected
 
-if not _INTERPRETED:
-    # The cases run in the driver's TRITON_INTERPRET=1 subprocess, not in this process.
-    _OUTER_TESTS = ("test_kernels_under_triton_interpreter", "test_triton_backend_on_cpu_needs_the_interpreter")
-    for _name in [n for n in list(globals()) if n.startswith("test_") and n not in _OUTER_TESTS]:
-        del globals()[_name]
-else:
-    del test_kernels_under_triton_interpreter, test_triton_backend_on_cpu_needs_the_interpreter
-
-
 def test_tree_speculation_with_triton_backend_keeps_greedy_outputs(tk):
     """STANDALONE tree drafts (draft = target, two steps, the full tree of topk 2) through the
     scheduler with --attention-backend triton: the drafter's and the target's tree forwards go
@@ -532,3 +523,12 @@ def test_tree_speculation_with_triton_backend_keeps_greedy_outputs(tk):
     assert spec == plain
     # 3 tokens after the prefill's: one verify step of 1 + 2.
     assert state["spec_verify_ct"] == 1 and state["avg_spec_accept_length"] == 3.0, state
+
+
+if not _INTERPRETED:
+    # The cases run in the driver's TRITON_INTERPRET=1 subprocess, not in this process.
+    _OUTER_TESTS = ("test_kernels_under_triton_interpreter", "test_triton_backend_on_cpu_needs_the_interpreter")
+    for _name in [n for n in list(globals()) if n.startswith("test_") and n not in _OUTER_TESTS]:
+        del globals()[_name]
+else:
+    del test_kernels_under_triton_interpreter, test_triton_backend_on_cpu_needs_the_interpreter
