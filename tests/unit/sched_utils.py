@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional
+from typing import Any, Callable, Collection, Dict, List, Optional, Sequence
 
+import pytest
 import torch
 
 from engine.detokenizer.detokenizer_manager import DetokenizerManager
@@ -238,3 +239,10 @@ class Harness:
 
     def modes(self) -> List[str]:
         return [r.mode for r in self.worker.records]
+
+
+def fast_lane(values: Sequence[Any], fast: Collection[Any]) -> List[Any]:
+    """Parametrize values, all but those in `fast` marked slow (the full suite runs every one; the fast
+    lane keeps one case per idea)."""
+    return [v if v in fast else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.slow)
+            for v in values]

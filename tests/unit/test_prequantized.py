@@ -220,9 +220,11 @@ def float_llama(tmp_path_factory):
     return path
 
 
+# The fast lane keeps one AWQ and one act-order GPTQ case; the full suite runs every one.
 @pytest.mark.parametrize("fmt, group, sym, desc_act", [
-    ("awq", 32, False, False), ("awq", 64, False, False), ("awq", -1, False, False),
-    ("gptq", 32, True, False), ("gptq", 32, False, True),
+    ("awq", 32, False, False), pytest.param("awq", 64, False, False, marks=pytest.mark.slow),
+    pytest.param("awq", -1, False, False, marks=pytest.mark.slow),
+    pytest.param("gptq", 32, True, False, marks=pytest.mark.slow), ("gptq", 32, False, True),
 ])
 def test_int4_checkpoint_equals_its_dequantized_weights(tmp_path, float_llama, fmt: str, group: int,
                                                         sym: bool, desc_act: bool) -> None:
@@ -258,7 +260,8 @@ def test_awq_modules_to_not_convert_stay_float(tmp_path, float_llama) -> None:
     assert tokens == expected_tokens
 
 
-@pytest.mark.parametrize("preset, strategy", [("FP8_DYNAMIC", "channel"), ("FP8_DYNAMIC", "tensor"),
+@pytest.mark.parametrize("preset, strategy", [("FP8_DYNAMIC", "channel"),
+                                              pytest.param("FP8_DYNAMIC", "tensor", marks=pytest.mark.slow),
                                               ("W8A8", "channel")])
 def test_compressed_tensors_checkpoint_equals_its_dequantized_weights(tmp_path, preset: str, strategy: str) -> None:
     pytest.importorskip("compressed_tensors")

@@ -13,7 +13,7 @@ from typing import Dict, List, Tuple
 import pytest
 import torch
 
-from sched_utils import Harness
+from sched_utils import Harness, fast_lane
 from test_speculative_ngram import VOCAB, _chi2, _chi2_bound, _prompts, _sampling_info, _Tok
 from utils_models import build_tiny_model
 
@@ -104,7 +104,7 @@ def test_draft_equal_to_target_accepts_every_draft(tiny, name):
         assert state["avg_spec_accept_length"] == pytest.approx(23 / 6)
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", fast_lane(list(CONFIGS), {"default", "retract"}))
 def test_small_random_draft_keeps_greedy_outputs(tiny, small_draft, name):
     prompts = _prompts()
     _, plain, _ = _run(tiny, None, prompts, **CONFIGS[name])

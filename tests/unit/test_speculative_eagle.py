@@ -13,7 +13,7 @@ from typing import Dict, List, Tuple
 import pytest
 import torch
 
-from sched_utils import Harness
+from sched_utils import Harness, fast_lane
 from test_speculative_ngram import VOCAB, _prompts, _Tok
 from utils_models import build_eagle_head, build_tiny_model
 
@@ -84,7 +84,7 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", fast_lane(list(CONFIGS), {"default"}))
 def test_random_head_keeps_greedy_outputs(random_pair, name):
     target, head, _ = random_pair
     prompts = _prompts()

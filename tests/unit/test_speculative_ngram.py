@@ -13,7 +13,7 @@ from typing import Dict, List, Tuple
 import pytest
 import torch
 
-from sched_utils import Harness
+from sched_utils import Harness, fast_lane
 from utils_models import build_tiny_model
 
 from engine.server_args import ServerArgs, ServerArgsError
@@ -86,7 +86,7 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+@pytest.mark.parametrize("name", fast_lane(list(CONFIGS), {"default", "page16-chunked"}))
 def test_greedy_outputs_equal_without_speculation(tiny, name):
     prompts = _prompts()
     _, plain, _ = _run(tiny, False, prompts, **CONFIGS[name])

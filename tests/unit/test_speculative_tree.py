@@ -13,7 +13,7 @@ from typing import Dict, List, Tuple
 import pytest
 import torch
 
-from sched_utils import Harness
+from sched_utils import Harness, fast_lane
 from test_speculative_ngram import VOCAB, _chi2, _chi2_bound, _prompts, _sampling_info, _Tok
 from utils_models import build_eagle_head, build_eagle3_head, build_tiny_model
 
@@ -71,12 +71,6 @@ def _run(target: str, draft: str, prompts: List[List[int]], sampling: Dict = Non
     return h, [h.outputs[r].output_ids for r in rids], rids
 
 
-def _fast_lane(values, fast):
-    """Parameters, all but those in `fast` marked slow (the full suite runs every one)."""
-    return [v if v in fast else pytest.param(*(v if isinstance(v, tuple) else (v,)), marks=pytest.mark.slow)
-            for v in values]
-
-
 CONFIGS = {
     "default": {},
     "no-radix": dict(disable_radix_cache=True),
@@ -86,7 +80,7 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", _fast_lane(list(CONFIGS), {"default"}))
+@pytest.mark.parametrize("name", fast_lane(list(CONFIGS), {"default"}))
 def test_standalone_small_draft_keeps_greedy_outputs(tiny, small_draft, name):
     prompts = _prompts()
     _, plain, _ = _run(tiny, None, prompts, **CONFIGS[name])
@@ -108,7 +102,7 @@ def _waves(h: Harness, prompts: List[List[int]], sampling: Dict) -> List[List[in
     return first + [h.outputs[r].output_ids for r in rids2]
 
 
-@pytest.mark.parametrize("name,topk", _fast_lane([(n, k) for n in ("default", "page16", "chunked-mixed") for k in (2, 3, 4)],
+@pytest.mark.parametrize("name,topk", fast_lane([(n, k) for n in ("default", "page16", "chunked-mixed") for k in (2, 3, 4)],
                                                  {("default", 3), ("page16", 2)}))
 def test_draft_equal_to_target_accepts_the_whole_depth(tiny, topk, name):
     """The draft is the target, two steps, the full tree (every candidate verified, so the target's
@@ -150,7 +144,7 @@ def eagle_exact(tmp_path_factory):
     return target, build_eagle_head(str(tmp_path_factory.mktemp("tree_eagle_exact_head")), target, identity=True)
 
 
-@pytest.mark.parametrize("name", _fast_lane(list(CONFIGS), {"default"}))
+@pytest.mark.parametrize("name", fast_lane(list(CONFIGS), {"default"}))
 def test_eagle_random_head_keeps_greedy_outputs(eagle_pair, name):
     target, head, _ = eagle_pair
     prompts = _prompts()
@@ -160,7 +154,7 @@ def test_eagle_random_head_keeps_greedy_outputs(eagle_pair, name):
     assert h.scheduler.internal_state()["spec_verify_ct"] > 0
 
 
-@pytest.mark.parametrize("name", _fast_lane(["default", "page16"], {"default"}))
+@pytest.mark.parametrize("name", fast_lane(["default", "page16"], {"default"}))
 def test_eagle3_random_head_keeps_greedy_outputs(eagle_pair, name):
     target, _, head3 = eagle_pair
     prompts = _prompts()
@@ -170,7 +164,7 @@ def test_eagle3_random_head_keeps_greedy_outputs(eagle_pair, name):
     assert h.scheduler.internal_state()["spec_verify_ct"] > 0
 
 
-@pytest.mark.parametrize("name", _fast_lane(["default", "page16", "chunked-mixed"], {"default"}))
+@pytest.mark.parametrize("name", fast_lane(["default", "page16", "chunked-mixed"], {"default"}))
 def test_eagle_exact_head_accepts_the_whole_depth(eagle_exact, name):
     """The head predicts the target's tokens and the tree is full (two steps): every verify step
     accepts 2 drafts, so the head's features and K/V follow the accepted path."""
@@ -388,7 +382,7 @@ def test_tree_flags_bounds_and_refusals(tiny):
             ServerArgs(**{**base, **bad})
 
 
-@pytest.mark.parametrize("max_new", _fast_lane([1, 2, 3, 4, 5, 13], {1, 2, 4}))
+@pytest.mark.parametrize("max_new", fast_lane([1, 2, 3, 4, 5, 13], {1, 2, 4}))
 def test_max_new_tokens_boundary(tiny, max_new):
     prompts = _prompts()
     _, plain, _ = _run(tiny, None, prompts, dict(max_new_tokens=max_new))
@@ -428,7 +422,7 @@ def test_abort_mid_request_frees_everything(tiny, small_draft):
     assert h.outputs[keep].output_ids == plain
 
 
-@pytest.mark.parametrize("page_size,radix", _fast_lane([(1, True), (16, False)], {(16, False)}))
+@pytest.mark.parametrize("page_size,radix", fast_lane([(1, True), (16, False)], {(16, False)}))
 def test_kv_is_conserved_at_every_step(tiny, small_draft, page_size, radix):
     """After every step each running request holds exactly its committed tokens' KV (the tree's
     rejected nodes and the draft's scratch freed, whole pages when paged)."""
@@ -522,7 +516,7 @@ def test_sampled_outputs_keep_the_target_distribution_end_to_end(tiny_vocab):
         assert total_stat < _chi2_bound(total_df), (depth, total_stat, total_df)
 
 
-@pytest.mark.parametrize("name", _fast_lane(["default", "page16", "chunked-mixed"], {"default"}))
+@pytest.mark.parametrize("name", fast_lane(["default", "page16", "chunked-mixed"], {"default"}))
 def test_draft_equal_to_target_expands_each_node_by_the_targets_topk(tiny, name, monkeypatch):
     """The draft is the target, four steps: every drafted node's token is among the topk of the
     target's distribution at its parent (the verify forward's row of the parent), at every depth;
