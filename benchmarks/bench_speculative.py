@@ -358,7 +358,7 @@ def plot(rows: List[Dict[str, Any]], path: str) -> None:
     fig, ax = plt.subplots(figsize=(6, 4))
     for algo, batch in sorted({(r["algorithm"], r["batch"]) for r in rows}):
         pts = sorted((r["accept_length"], r["speedup"]) for r in rows if (r["algorithm"], r["batch"]) == (algo, batch))
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", label=f"{algo}, batch {batch}")
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], marker="o", linestyle="none", label=f"{algo}, batch {batch}")
     ax.axhline(1.0, color="grey", linewidth=0.8, linestyle="--")
     ax.set_xlabel("mean accept length (tokens per request per verify step)")
     ax.set_ylabel("output tokens/s, speculation on / off")
