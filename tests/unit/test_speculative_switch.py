@@ -190,8 +190,10 @@ def _flipping_run(target: str, spec: Dict, prompts: List[List[int]], n_new: int,
     return [h.outputs[r].output_ids for r in rids], h.scheduler.internal_state()
 
 
-@pytest.mark.parametrize("config", [{}, dict(page_size=16), dict(chunked_prefill_size=8)],
-                         ids=["default", "page16", "chunked"])
+# The fast lane keeps the default loop; page 16 and chunking run in the full suite.
+@pytest.mark.parametrize("config", [pytest.param({}, id="default"),
+                                    pytest.param(dict(page_size=16), id="page16", marks=pytest.mark.slow),
+                                    pytest.param(dict(chunked_prefill_size=8), id="chunked", marks=pytest.mark.slow)])
 def test_flipping_switch_keeps_outputs_and_a_target_draft_accepts_everything(tiny, config):
     """STANDALONE with the draft = the target: after each run of plain steps its catch-up writes the
     K/V it skipped, so every draft is still accepted; outputs equal speculation off."""
