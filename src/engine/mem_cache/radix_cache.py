@@ -137,10 +137,17 @@ class RadixCache(BasePrefixCache):
     def match_prefix(self, key: List[int], extra_key: Optional[Hashable] = None) -> MatchResult:
         if self.disable or len(key) < self.page_size:
             return MatchResult(_empty_slots(self.device), self.root)
-        key = list(key[: self._page_floor(len(key))])
+        path = self._match_path(list(key[: self._page_floor(len(key))]), extra_key)
+        indices = torch.cat([n.value for n in path]) if path else _empty_slots(self.device)
+        return MatchResult(indices, path[-1] if path else self.root)
+
+    def _match_path(self, key: List[int], extra_key: Optional[Hashable]) -> List[TreeNode]:
+        """The nodes of the longest cached prefix of `key`, root excluded, access times refreshed; the
+        last one split to end where the match does, so it covers exactly the match and can be locked
+        alone."""
         now = self._tick()
         node = self.root
-        values: List[torch.Tensor] = []
+        path: List[TreeNode] = []
         pos = 0
         while pos < len(key):
             child = node.children.get(self._index(node, self._child_key(key, pos), extra_key))
@@ -149,16 +156,14 @@ class RadixCache(BasePrefixCache):
             matched = self._match_len(child.key, key, pos)
             ends_inside = matched < len(child.key)
             if ends_inside:
-                # Split so the returned node covers exactly the match and can be locked alone.
                 child = self._split(child, matched)
             child.last_access_time = now
-            values.append(child.value)
+            path.append(child)
             node = child
             pos += matched
             if ends_inside:
                 break
-        indices = torch.cat(values) if values else _empty_slots(self.device)
-        return MatchResult(indices, node)
+        return path
 
     def insert(self, key: List[int], value: torch.Tensor, extra_key: Optional[Hashable] = None) -> int:
         if self.disable:

@@ -118,27 +118,8 @@ class SWARadixCache(RadixCache):
         return pieces
 
     def _walk(self, key: List[int], extra_key: Optional[Hashable]) -> List[SWATreeNode]:
-        """The nodes of the longest cached prefix of `key` (the last one split to end where the match
-        does), access times refreshed, tombstones included."""
-        now = self._tick()
-        node = self.root
-        path: List[SWATreeNode] = []
-        pos = 0
-        while pos < len(key):
-            child = node.children.get(self._index(node, self._child_key(key, pos), extra_key))
-            if child is None:
-                break
-            matched = self._match_len(child.key, key, pos)
-            ends_inside = matched < len(child.key)
-            if ends_inside:
-                child = self._split(child, matched)
-            child.last_access_time = now
-            path.append(_swa(child))
-            node = child
-            pos += matched
-            if ends_inside:
-                break
-        return path
+        """The nodes of the longest cached prefix of `key` (RadixCache._match_path), tombstones included."""
+        return [_swa(node) for node in self._match_path(key, extra_key)]
 
     def _usable(self, path: List[SWATreeNode]) -> int:
         """How many nodes of `path` the longest reusable prefix spans: it ends where the tokens since the
