@@ -380,3 +380,11 @@ def test_torch_native_backend_over_fp8(kv_dtype, mode, lens, prefix_lens, path, 
     k_buf, _ = pool.get_kv_buffer(0)
     torch.testing.assert_close(pool.read_k(0, k_buf[new], torch.float64), rounded(k_all[new], scales[0], kv_dtype),
                                rtol=0, atol=0)
+
+
+def test_flag_choices_are_the_pools_dtype_names():
+    # server_args keeps its own list (it does not import torch); the pool's table is the one used.
+    from engine.mem_cache.memory_pool import KV_CACHE_DTYPES
+    from engine.server_args import KV_CACHE_DTYPE_NAMES
+
+    assert KV_CACHE_DTYPE_NAMES == tuple(KV_CACHE_DTYPES)
