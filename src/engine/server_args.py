@@ -373,32 +373,25 @@ class ServerArgs:
             if not cond:
                 raise ServerArgsError(msg)
 
-        need(self.dtype in DTYPES, f"--dtype must be one of {', '.join(DTYPES)}, got {self.dtype!r}")
+        # Flags with a fixed set of values (argparse checks them too; ServerArgs is also built in code).
+        # --device was resolved from auto above.
+        for flag, value, names in (("--dtype", self.dtype, DTYPES),
+                                   ("--kv-cache-dtype", self.kv_cache_dtype, KV_CACHE_DTYPE_NAMES),
+                                   ("--device", self.device, DEVICES[1:]),
+                                   ("--attention-backend", self.attention_backend, ATTENTION_BACKENDS),
+                                   ("--schedule-policy", self.schedule_policy, SCHEDULE_POLICIES),
+                                   ("--load-balance-method", self.load_balance_method, LOAD_BALANCE_METHODS)):
+            need(value in names, f"{flag} must be one of {', '.join(names)}, got {value!r}")
         need(self.quantization is None or self.quantization in QUANTIZATION_METHODS,
              f"--quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {self.quantization!r}")
-        need(self.kv_cache_dtype in KV_CACHE_DTYPE_NAMES,
-             f"--kv-cache-dtype must be one of {', '.join(KV_CACHE_DTYPE_NAMES)}, got {self.kv_cache_dtype!r}")
         need(not (self.kv_cache_dtype.startswith("fp8") and self.attention_backend == "flashinfer"),
              f"--kv-cache-dtype {self.kv_cache_dtype} is not supported by the flashinfer attention backend here "
              "(untested without a GPU); use --attention-backend triton or torch_native")
         need(self.quantization is None or not (self.enable_lora or self.lora_paths),
              "--quantization is not supported yet with LoRA adapters (--enable-lora, --lora-paths)")
-        need(self.device in ("cpu", "cuda"), f"--device must be one of {', '.join(DEVICES)}, got {self.device!r}")
-        need(
-            self.attention_backend in ATTENTION_BACKENDS,
-            f"--attention-backend must be one of {', '.join(ATTENTION_BACKENDS)}, got {self.attention_backend!r}",
-        )
         need(
             not (self.device == "cpu" and self.attention_backend == "flashinfer"),
             "--attention-backend flashinfer needs --device cuda",
-        )
-        need(
-            self.schedule_policy in SCHEDULE_POLICIES,
-            f"--schedule-policy must be one of {', '.join(SCHEDULE_POLICIES)}, got {self.schedule_policy!r}",
-        )
-        need(
-            self.load_balance_method in LOAD_BALANCE_METHODS,
-            f"--load-balance-method must be one of {', '.join(LOAD_BALANCE_METHODS)}",
         )
         need(self.page_size >= 1 and (self.page_size & (self.page_size - 1)) == 0,
              f"--page-size must be a power of two >= 1, got {self.page_size}")
