@@ -545,3 +545,12 @@ def test_draft_equal_to_target_expands_each_node_by_the_targets_topk(tiny, name,
     _, spec, _ = _run(tiny, tiny, prompts, steps=4, topk=topk, tokens=12, **CONFIGS[name])
     assert spec == plain
     assert checked[0] > 100
+
+
+def test_windowed_models_are_refused_at_start_up(tmp_path):
+    """The tree mask has no windowed path: a sliding-window target is refused when the speculator is
+    built, not at its first tree step."""
+    path = str(tmp_path / "mistral")
+    build_tiny_model(path, "mistral")
+    with pytest.raises(ValueError, match="plain attention layers"):
+        _harness(path, path, steps=2, topk=2, tokens=7)

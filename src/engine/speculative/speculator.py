@@ -381,9 +381,20 @@ def build_speculator(server_args: ServerArgs, worker: ModelWorker, tree_cache: B
     if topk is not None and topk > 1:
         assert steps is not None and server_args.speculative_num_draft_tokens is not None  # ServerArgs checked them
         assert worker.real_runner is not None  # make_draft_runner needs one
+        _require_plain_attention(worker.real_runner.model, runner.model)
         speculator.tree = TreeVerify(TreeShape(steps, topk, server_args.speculative_num_draft_tokens), drafter,
                                      worker.real_runner.token_to_kv_pool)
     return speculator
+
+
+def _require_plain_attention(*models: torch.nn.Module) -> None:
+    """Tree verifies and tree drafts attend under a tree mask, which the windowed path (sliding
+    windows, logit caps, sinks) and MLA do not take: refused at start-up, not at the first tree step."""
+    from engine.layers.radix_attention import RadixAttention
+
+    if not all(m.is_plain for model in models for m in model.modules() if isinstance(m, RadixAttention)):
+        raise ValueError("--speculative-eagle-topk > 1 (tree drafts) needs models with plain attention layers "
+                         "(no sliding window, logit cap or sinks); use --speculative-eagle-topk 1")
 
 
 def _memory_report(worker: TpModelWorker, runner: ModelRunner, drafter: Drafter) -> Dict[str, int]:
