@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
-from typing import Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple, Union
+from typing import Dict, Iterable, Iterator, List, Optional, Protocol, Sequence, Set, Tuple, Union, runtime_checkable
 
 import torch
 from torch import nn
@@ -60,9 +60,16 @@ def _checkpoint_names(module_name: str, stacked: Sequence[Tuple[str, str, ShardI
     return [f"{head}.{p}" if head else p for p in pieces] or [module_name]
 
 
+@runtime_checkable
+class FusesCheckpointLinears(Protocol):
+    """A model whose fused linears load from several checkpoint linears (qkv_proj <- q/k/v_proj)."""
+
+    stacked_params: Sequence[Tuple[str, str, ShardId]]
+
+
 def prepare(model: nn.Module, quant: CheckpointQuantization) -> LoadPlan:
     """Give every linear the checkpoint quantized its quantized parameters (step 1 above)."""
-    stacked: Sequence[Tuple[str, str, ShardId]] = getattr(model, "stacked_params", ())
+    stacked = model.stacked_params if isinstance(model, FusesCheckpointLinears) else ()
     plan = LoadPlan(quant)
     for name, module in model.named_modules():
         if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
