@@ -22,6 +22,7 @@ from engine.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from engine.kernels import linear as linear_kernels
+from engine.layers.cpu_matmul import dense_linear
 from engine.layers.int4 import Int4Weight, int4_linear
 from engine.layers.quantization import QuantizedWeight, quantize_weight, quantized_linear
 from engine.model_loader.weight_utils import set_weight_loader
@@ -98,7 +99,7 @@ def linear_forward(
             return linear_kernels.linear_bf16(x, packed, add_bias=bias is not None)
     elif packed is not None and x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS and x.dtype == weight.dtype:
         return torch.ops.mkldnn._linear_pointwise(x.contiguous(), packed, bias, "none", [], "")
-    return F.linear(x, weight, bias)
+    return dense_linear(x, weight, bias)
 
 
 def _new_param(*shape: int) -> nn.Parameter:

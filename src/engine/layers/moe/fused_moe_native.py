@@ -9,9 +9,9 @@ to tokens x experts, and an expert no token chose costs nothing.
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from engine.layers.activation import SiluAndMul
+from engine.layers.cpu_matmul import dense_linear
 
 _silu_and_mul = SiluAndMul()
 
@@ -44,7 +44,7 @@ def fused_moe_native(
             continue
         rows = token_of[start:start + count]
         x = hidden_states.index_select(0, rows)
-        y = F.linear(_silu_and_mul(F.linear(x, w13[expert])), w2[expert])
+        y = dense_linear(_silu_and_mul(dense_linear(x, w13[expert])), w2[expert])
         out.index_add_(0, rows, y.to(torch.float32) * weight_of[start:start + count])
         start += count
     return out.to(hidden_states.dtype)
