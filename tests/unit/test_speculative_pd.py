@@ -231,7 +231,7 @@ def repeat_pair(tmp_path_factory):
     return target, head
 
 
-@pytest.mark.parametrize("total", [4096], ids=["fits"])
+@pytest.mark.parametrize("total", [4096, 128], ids=["fits", "retracts"])
 def test_pd_decode_side_eagle3_accepts_every_draft(repeat_pair, total):
     """Without the prompt's features on the decode side the first draft of each request would be
     drawn from a zero feature (and rejected); with them every draft is accepted. Retracted requests

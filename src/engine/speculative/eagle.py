@@ -261,8 +261,9 @@ class EagleDrafter:
         return self.features[slots.to(device=self.features.device, dtype=torch.int64)].cpu()
 
     def scatter_features(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        """The transfer's listener thread (decode): features received for reserved slots. Nothing is
-        marked: a reserved slot was released (unmarked) before, and only its request touches it."""
+        """Decode: features received for reserved slots (the transfer's listener thread), or restored
+        with a retracted request's KV (the forward thread). Nothing is marked: the slots were released
+        (unmarked) before they were reserved, and only their request touches them."""
         self._store(slots, rows.to(self.features.device))
 
     # ------------------------------------------------------------------ helpers
