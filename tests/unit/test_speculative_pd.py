@@ -290,3 +290,28 @@ def test_pd_speculation_mismatch_refused_at_bootstrap(eagle_models, prefill_algo
         assert reason["type"] == "abort" and "speculative features sent with the KV differ" in reason["message"], reason
     finally:
         pair.close()
+
+
+def test_feature_frames_are_bounded():
+    """A frame carries the KV then [n, width] features; a payload of another size is refused (the
+    room fails as corrupt), and a peer's feature layout is bounded before it sizes anything."""
+    from engine.disaggregation.kv_io import (MAX_FEATURE_SIZE, KVLayout, frame_payload, pair_ranks,
+                                             split_payload)
+
+    layout = KVLayout(num_layers=2, total_kv_heads=2, head_dim=4, dtype="float32", tp_size=1, tp_rank=0,
+                      features="EAGLE final hidden states", feature_size=8, feature_dtype="bfloat16")
+    assert layout.bytes_per_token() == 2 * 2 * 2 * 4 * 4 + 8 * 2
+    kv = torch.randn(2, 2, 3, 2, 4)
+    features = torch.randn(3, 8).to(torch.bfloat16)
+    got_kv, got_features = split_payload(frame_payload(kv, features), layout, 3, 2)
+    assert torch.equal(got_kv, kv) and got_features is not None and torch.equal(got_features, features)
+    with pytest.raises(ValueError, match="expected"):
+        split_payload(frame_payload(kv, None), layout, 3, 2)  # the features are missing
+    assert KVLayout.from_dict(layout.to_dict()) == layout
+    for bad in (dict(feature_size=MAX_FEATURE_SIZE + 1), dict(feature_size=-1), dict(feature_dtype="int8"),
+                dict(features=3)):
+        with pytest.raises(ValueError):
+            KVLayout.from_dict({**layout.to_dict(), **bad})
+    plain = KVLayout(**{**layout.to_dict(), "features": "", "feature_size": 0, "feature_dtype": ""})
+    with pytest.raises(ValueError, match="speculative features sent with the KV differ"):
+        pair_ranks(layout, plain)
