@@ -167,12 +167,14 @@ def _features_oracle(hf, algo: str, tokens: List[int]) -> torch.Tensor:
     return torch.cat([states[1][0], states[2][0], states[2][0]], dim=-1)
 
 
+# name: (algorithm, topk, both servers' extra flags, the decode server's).
 EAGLE_CASES = {
-    "eagle": ("EAGLE", 1, {}),
-    "eagle-no-radix": ("EAGLE", 1, dict(disable_radix_cache=True)),
-    "eagle3": ("EAGLE3", 1, {}),
-    "eagle3-no-radix": ("EAGLE3", 1, dict(disable_radix_cache=True)),
-    "eagle-tree": ("EAGLE", 2, {}),
+    "eagle": ("EAGLE", 1, {}, {}),
+    "eagle-no-radix": ("EAGLE", 1, {}, dict(disable_radix_cache=True)),
+    "eagle3": ("EAGLE3", 1, {}, {}),
+    "eagle3-no-radix": ("EAGLE3", 1, {}, dict(disable_radix_cache=True)),
+    "eagle-tree": ("EAGLE", 2, {}, {}),
+    "eagle3-page16-chunked": ("EAGLE3", 1, dict(page_size=16), {}),
 }
 
 
@@ -180,34 +182,43 @@ EAGLE_CASES = {
 def test_pd_decode_side_eagle_equals_unified(eagle_models, eagle_oracle, case):
     """Greedy outputs on the decode side equal the target's without speculation; the features the
     decode server's head reads at every received prompt slot are the target's (transformers), so
-    they came from the prefill; both sides end idle with nothing leaked. The prefill runs the
-    overlap loop (it keeps the features on its forward thread, never verifies)."""
+    they came from the prefill, prefix-cache hits there included (the second wave shares prefixes
+    with the first); both sides end idle with nothing leaked. The prefill runs the overlap loop (it
+    keeps the features on its forward thread, never verifies) with chunked prefill."""
     from test_speculative_ngram import _prompts, _Tok
 
     target, heads, hf = eagle_models
-    algo, topk, extra = EAGLE_CASES[case]
-    spec = _eagle_spec(algo, heads[algo], topk)
+    algo, topk, both, decode_only = EAGLE_CASES[case]
+    spec = dict(_eagle_spec(algo, heads[algo], topk), **both)
     prompts = _prompts()
-    pair = PDPair(prefill_worker=_worker(target), decode_worker=_worker(target, disaggregation_mode="decode"),
-                  tokenizer=_Tok(), overlap_prefill=True, prefill_kwargs=dict(spec, max_total_tokens=4096),
-                  decode_kwargs=dict(spec, max_total_tokens=4096, **extra))
+    page = both.get("page_size", 1)
+    pair = PDPair(prefill_worker=_worker(target, page_size=page),
+                  decode_worker=_worker(target, disaggregation_mode="decode", page_size=page), tokenizer=_Tok(),
+                  overlap_prefill=True, prefill_kwargs=dict(spec, max_total_tokens=4096, chunked_prefill_size=16),
+                  decode_kwargs=dict(spec, max_total_tokens=4096, **decode_only))
     try:
         drafter = pair.decode.scheduler.spec.drafter
         table = pair.decode.scheduler.req_to_token_pool.req_to_token
         expected = {tuple(p): _features_oracle(hf, algo, p) for p in prompts}
         checked = set()
-        rids = [pair.submit(p, rid=f"pd{i}", **SAMPLING) for i, p in enumerate(prompts)]
-        while pair.busy():
-            pair.step()
-            for req in pair.decode.scheduler.running_batch.reqs:
-                if req.rid in checked or req.finished():
-                    continue
-                slots = table[req.req_pool_idx, :len(req.origin_input_ids)].to(torch.int64)
-                torch.testing.assert_close(drafter.features[slots].float(), expected[tuple(req.origin_input_ids)],
-                                           atol=2e-4, rtol=2e-4)
-                checked.add(req.rid)
-        pair.run_until_idle()  # ends with the strict idle leak check on both sides
+        rids = [f"pd{i}" for i in range(len(prompts))]
+        for wave in (range(3), range(3, len(prompts))):  # prompts 3 and 4 start with prompts 1 and 0
+            for i in wave:
+                pair.submit(prompts[i], rid=rids[i], **SAMPLING)
+            while pair.busy():
+                pair.step()
+                for req in pair.decode.scheduler.running_batch.reqs:
+                    if req.rid in checked or req.finished():
+                        continue
+                    slots = table[req.req_pool_idx, :len(req.origin_input_ids)].to(torch.int64)
+                    torch.testing.assert_close(drafter.features[slots].float(),
+                                               expected[tuple(req.origin_input_ids)], atol=2e-4, rtol=2e-4)
+                    checked.add(req.rid)
+            pair.run_until_idle()  # ends with the strict idle leak check on both sides
         assert checked == set(rids)
+        # Prefill cache hits: prompt 3 starts with prompt 1's 17 tokens, prompt 4 with prompt 0's 5 (less
+        # than a page of 16).
+        assert [pair.decode.outputs[rids[i]].cached_tokens > 0 for i in (3, 4)] == [True, page == 1]
         assert [pair.decode.outputs[r].output_ids for r in rids] == eagle_oracle
         assert pair.decode.scheduler.num_extend_tokens_computed == 0  # the target never prefills there
         assert pair.decode.scheduler.internal_state()["spec_verify_ct"] > 0
