@@ -278,6 +278,43 @@ def test_pd_decode_side_eagle3_accepts_every_draft(repeat_pair, total):
         pair.close()
 
 
+def test_pd_decode_side_eagle3_after_a_rebootstrap(repeat_pair):
+    """pause_generation(retract) on the decode server, then continue: the prefill recomputes the KV
+    of prompt + outputs (but the last) and sends the features with it, so every draft is still
+    accepted and the outputs are the target's."""
+    from engine.io_struct import ContinueGenerationReqInput, PauseGenerationReqInput
+    from test_speculative_ngram import _prompts, _Tok
+
+    target, head = repeat_pair
+    prompts = _prompts()[:3]
+    plain = Harness(worker=_worker(target), tokenizer=_Tok(), max_total_tokens=4096)
+    rids = [plain.submit(p, **SAMPLING) for p in prompts]
+    plain.run_until_idle()
+    oracle = [plain.outputs[r].output_ids for r in rids]
+    plain.scheduler.shutdown()
+    spec = _eagle_spec("EAGLE3", head)
+    pair = PDPair(prefill_worker=_worker(target), decode_worker=_worker(target, disaggregation_mode="decode"),
+                  tokenizer=_Tok(), prefill_kwargs=dict(spec, max_total_tokens=4096),
+                  decode_kwargs=dict(spec, max_total_tokens=4096))
+    try:
+        rids = [pair.submit(p, rid=f"pd{i}", stream=True, **SAMPLING) for i, p in enumerate(prompts)]
+        for _ in range(200):
+            if all(len(pair.decode.outputs[r].output_ids) >= 3 for r in rids):
+                break
+            pair.step()
+        control = pair.decode.scheduler.control
+        assert control.pause_generation(PauseGenerationReqInput(mode="retract")).success
+        assert len(pair.decode.scheduler.disagg.prealloc.held) == len(prompts)
+        assert control.continue_generation(ContinueGenerationReqInput(torch_empty_cache=False)).success
+        pair.run_until_idle()
+        assert pair.net.recomputes == len(prompts)
+        assert [pair.decode.outputs[r].output_ids for r in rids] == oracle
+        state = pair.decode.scheduler.internal_state()
+        assert state["spec_accepted_tokens"] == state["spec_draft_tokens"] > 0, state
+    finally:
+        pair.close()
+
+
 @pytest.mark.parametrize("prefill_algo,decode_algo", [(None, "EAGLE"), ("EAGLE", None), ("EAGLE3", "EAGLE")],
                          ids=["decode-only", "prefill-only", "eagle3-vs-eagle"])
 def test_pd_speculation_mismatch_refused_at_bootstrap(eagle_models, prefill_algo, decode_algo):
