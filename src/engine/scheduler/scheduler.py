@@ -145,8 +145,9 @@ class Scheduler:
         self.result_queue: Deque = deque()
         self._to_stream: List[Req] = []  # requests that may emit at the end of this iteration
 
-        # Speculative decoding: eligible decode steps run as verify steps (engine/speculative/); built
-        # before the PD role, whose transfer carries an EAGLE head's features (a PD prefill server never verifies).
+        # Speculative decoding: eligible decode steps run as verify steps (engine/speculative/). Built
+        # before the PD role, whose transfer carries an EAGLE head's features (a PD prefill server keeps
+        # them for its decode server and never verifies).
         self.spec: Optional[Speculator] = (
             build_speculator(server_args, worker, self.kv.tree_cache, self._on_forward_thread)
             if server_args.speculative_algorithm is not None and self.is_generation else None)
