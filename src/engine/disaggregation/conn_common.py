@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any, Dict, Optional, Tuple
 import torch
 
 from engine.disaggregation.base import FailureCause, KVPoll
-from engine.disaggregation.kv_io import KVLayout
+from engine.disaggregation.kv_io import FeatureStore, KVLayout
 from engine.disaggregation.metadata import METADATA_SCHEMA_VERSION, MetadataBuffers
 from engine.mem_cache.memory_pool import MHATokenToKVPool
 
@@ -26,6 +26,8 @@ class KVArgs:
     metadata: MetadataBuffers
     layout: KVLayout
     page_size: int
+    # The per-slot features sent with the KV (EAGLE / EAGLE3), or None (kv_io.py).
+    features: Optional[FeatureStore] = None
 
 
 @dataclass

@@ -27,7 +27,7 @@ from engine.disaggregation.allowlist import PrefillAllowlist
 from engine.disaggregation.base import FailureCause, KVPoll, StatusTable
 from engine.disaggregation.bootstrap import BootstrapClient, BootstrapUnavailable
 from engine.disaggregation.conn_common import KVArgs, KVReceiver, TransferConfig, TransferTimes, now
-from engine.disaggregation.kv_io import KVLayout, checksum, from_bytes, pair_ranks, scatter_kv
+from engine.disaggregation.kv_io import KVLayout, checksum, pair_ranks, scatter_kv, split_payload
 from engine.disaggregation.metadata import METADATA_SCHEMA_VERSION
 from engine.disaggregation.protocol import AbortMsg, AuxFrame, DstInfo, KVFrame, StatusMsg
 from engine.disaggregation.recompute import RecomputeReq
@@ -326,9 +326,16 @@ class DecodeKVManager:
             if error is None:
                 peer = state.peer
                 assert peer is not None  # KV arrives only after send_dst, which needs the peer
-                data = from_bytes(payload, self.kv_args.layout, frame.num_tokens, peer.num_heads)
-                begin = frame.token_offset
-                scatter_kv(self.kv_args.pool, state.slots[begin:begin + frame.num_tokens], data)
+                try:
+                    data, features = split_payload(payload, self.kv_args.layout, frame.num_tokens, peer.num_heads)
+                except ValueError as e:
+                    error = str(e)
+            if error is None:
+                slots = state.slots[frame.token_offset:frame.token_offset + frame.num_tokens]
+                scatter_kv(self.kv_args.pool, slots, data)
+                if features is not None:
+                    assert self.kv_args.features is not None  # the layouts paired: both send features
+                    self.kv_args.features.scatter_features(slots, features)
                 state.received += frame.num_tokens
                 state.received_bytes += len(payload)
                 return

@@ -36,7 +36,7 @@ from engine.disaggregation.conn_common import (
     now,
     registration_info,
 )
-from engine.disaggregation.kv_io import as_bytes, checksum, frame_token_count, gather_kv
+from engine.disaggregation.kv_io import checksum, frame_payload, frame_token_count, gather_kv
 from engine.disaggregation.metrics import DisaggMetrics
 from engine.disaggregation.protocol import AbortMsg, AuxFrame, DstInfo, KVFrame, StatusMsg
 from engine.disaggregation.transport import JobRunner, Transport, TransportError
@@ -232,8 +232,10 @@ class PrefillKVManager:
             if self.config.frame_delay_s > 0:
                 time.sleep(self.config.frame_delay_s)
             count = min(step, dst.num_tokens - offset)
-            data = gather_kv(pool, slots[start + offset:start + offset + count], dst.head_start, dst.num_heads)
-            payload = as_bytes(data)
+            frame_slots = slots[start + offset:start + offset + count]
+            data = gather_kv(pool, frame_slots, dst.head_start, dst.num_heads)
+            features = self.kv_args.features
+            payload = frame_payload(data, None if features is None else features.gather_features(frame_slots))
             header = KVFrame(room=room, token_offset=offset, num_tokens=count, crc=checksum(payload))
             self.transport.send(dst.endpoint, protocol.encode(header, payload))
             sent += payload.nbytes

@@ -67,7 +67,8 @@ class RetractedReq:
     """A request taken out of the running batch, with its KV backed up until it resumes."""
 
     req: Req
-    kv_backup: Optional[Future]  # of a [layers, 2, committed, heads, dim] CPU tensor
+    # Of (the KV [layers, 2, committed, heads, dim], the features [committed, width] or None) on the CPU.
+    kv_backup: Optional[Future]
     committed_len: int
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import logging
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Literal, Optional
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Literal, Optional, Tuple
 
 import torch
 
@@ -191,7 +191,8 @@ class DecodeDisaggregation:
 
     # ------------------------------------------------------------------ retraction
     def backup_for_retract(self, req: Req) -> None:
-        """Copy the committed KV (prompt + outputs - 1 positions) before the retraction frees it.
+        """Copy the committed KV (prompt + outputs - 1 positions) before the retraction frees it, and
+        the features that travel with the KV (an EAGLE head's: the resumed request's drafts read them).
 
         The copy runs on the forward stream, in order: a restore queued there for this request
         (it may have resumed this very iteration) must land first, and whatever reuses the freed
@@ -203,7 +204,12 @@ class DecodeDisaggregation:
         committed = len(req.origin_input_ids) + len(req.output_ids) - 1
         slots = self.memory.req_to_token_pool.req_to_token[req.req_pool_idx, :committed].to(torch.int64).clone()
         rows = layer_slots(pool, slots)  # now: the release right after this unmaps windowed slots at once
-        req.kv_backup = self.host.forward_stream.run_in_order(lambda: gather_kv(pool, slots, rows=rows))
+        features = self.host.features
+
+        def backup() -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+            return gather_kv(pool, slots, rows=rows), None if features is None else features.gather_features(slots)
+
+        req.kv_backup = self.host.forward_stream.run_in_order(backup)
 
     def _fence(self) -> Callable[[], bool]:
         """When slots reserved now may be written by others: after the forwards in flight."""
@@ -218,7 +224,15 @@ class DecodeDisaggregation:
         assert pool is not None  # a decode server's allocator owns its KV pool
         # Same stream, later job: the backup's copy has run by then, so result() does not wait.
         rows = layer_slots(pool, slots)
-        self.host.forward_stream.run_in_order(lambda: scatter_kv(pool, slots, backup.result(), rows=rows))
+        features = self.host.features
+
+        def restore() -> None:
+            kv, saved_features = backup.result()
+            scatter_kv(pool, slots, kv, rows=rows)
+            if features is not None and saved_features is not None:
+                features.scatter_features(slots, saved_features)
+
+        self.host.forward_stream.run_in_order(restore)
 
     # ------------------------------------------------------------------ aborts and state
     def abort(self, match: Callable[[Req], bool]) -> List[Req]:

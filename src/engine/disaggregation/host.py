@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Callable, List, Optional
 if TYPE_CHECKING:
     import torch
 
+    from engine.disaggregation.kv_io import FeatureStore
     from engine.constrained.grammar_manager import GrammarManager
     from engine.scheduler.kv_manager import KVManager
     from engine.scheduler.overlap_utils import ForwardStream
@@ -51,3 +52,5 @@ class RoleHost:
     has_results_in_flight: Callable[[], bool]
     # pause_generation(mode="retract") is under way: the weights may change before continue.
     paused_by_retract: Callable[[], bool]
+    # The per-slot features that travel with the KV (an EAGLE head's target features), or None.
+    features: Optional[FeatureStore] = None

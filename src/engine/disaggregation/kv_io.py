@@ -8,14 +8,21 @@ arrives after an abort is simply dropped). Every frame carries a CRC32 of its pa
 
 With different TP sizes on the two sides a decode rank receives only the KV heads it holds; the
 prefill rank that holds all of them slices its frames (`head_slice`).
+
+Per-slot rows beside the KV ride in the same frames: with EAGLE / EAGLE3 the target's feature of
+each prompt position (speculative/eagle.py), which the decode server's head reads to build its own
+K/V of the prompt. A frame's payload is then the KV bytes followed by `[n, feature_size]` features
+(replicated over TP ranks: every rank holds the whole feature). Both sides' layouts name the
+features, so servers started with different speculation flags refuse to pair (`pair_ranks`).
 """
 
 from __future__ import annotations
 
 import warnings
 import zlib
+import dataclasses
 from dataclasses import asdict, dataclass
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Protocol, Tuple
 
 import torch
 
@@ -24,6 +31,10 @@ from engine.mem_cache.memory_pool import MHATokenToKVPool
 # Tokens per KV frame are chosen so a frame stays around this size: big enough to amortise the
 # per-message cost, small enough that an abort is noticed between frames.
 TARGET_FRAME_BYTES = 4 << 20
+# Bounds on a peer's feature layout (it sizes every frame): the widest feature (EAGLE3: 3 x hidden)
+# and the element types a feature may have (the model's dtype).
+MAX_FEATURE_SIZE = 3 * 65536
+FEATURE_DTYPES = ("float32", "float16", "bfloat16")
 
 
 def kv_heads_of_rank(total_kv_heads: int, tp_size: int, rank: int) -> List[int]:
@@ -44,11 +55,22 @@ class KVLayout:
     dtype: str
     tp_size: int
     tp_rank: int
+    # The per-slot features sent with the KV (FeatureStore): what they are ("" for none), their
+    # width and element type.
+    features: str = ""
+    feature_size: int = 0
+    feature_dtype: str = ""
 
     @classmethod
-    def of_pool(cls, pool: MHATokenToKVPool, total_kv_heads: int, tp_size: int, tp_rank: int) -> "KVLayout":
-        return cls(num_layers=pool.layer_num, total_kv_heads=total_kv_heads, head_dim=pool.head_dim,
-                   dtype=str(pool.dtype).removeprefix("torch."), tp_size=tp_size, tp_rank=tp_rank)
+    def of_pool(cls, pool: MHATokenToKVPool, total_kv_heads: int, tp_size: int, tp_rank: int,
+                features: Optional["FeatureStore"] = None) -> "KVLayout":
+        layout = cls(num_layers=pool.layer_num, total_kv_heads=total_kv_heads, head_dim=pool.head_dim,
+                     dtype=str(pool.dtype).removeprefix("torch."), tp_size=tp_size, tp_rank=tp_rank)
+        if features is None:
+            return layout
+        name, size, dtype = features.feature_layout()
+        return dataclasses.replace(layout, features=name, feature_size=size,
+                                   feature_dtype=str(dtype).removeprefix("torch."))
 
     def heads(self) -> List[int]:
         return kv_heads_of_rank(self.total_kv_heads, self.tp_size, self.tp_rank)
@@ -56,17 +78,47 @@ class KVLayout:
     def element_size(self) -> int:
         return torch.empty((), dtype=getattr(torch, self.dtype)).element_size()
 
-    def bytes_per_token(self, num_heads: Optional[int] = None) -> int:
+    def kv_bytes_per_token(self, num_heads: Optional[int] = None) -> int:
         heads = len(self.heads()) if num_heads is None else num_heads
         return 2 * self.num_layers * heads * self.head_dim * self.element_size()
+
+    def feature_bytes_per_token(self) -> int:
+        if not self.feature_size:
+            return 0
+        return self.feature_size * torch.empty((), dtype=getattr(torch, self.feature_dtype)).element_size()
+
+    def bytes_per_token(self, num_heads: Optional[int] = None) -> int:
+        """A frame's bytes per token: the KV of `num_heads` heads (default: this rank's) and the features."""
+        return self.kv_bytes_per_token(num_heads) + self.feature_bytes_per_token()
 
     def to_dict(self) -> Dict[str, Any]:
         return asdict(self)
 
     @classmethod
     def from_dict(cls, data: Dict[str, Any]) -> "KVLayout":
-        return cls(**{k: data[k] for k in ("num_layers", "total_kv_heads", "head_dim", "dtype", "tp_size",
-                                            "tp_rank")})
+        layout = cls(**{k: data[k] for k in ("num_layers", "total_kv_heads", "head_dim", "dtype", "tp_size",
+                                              "tp_rank")})
+        features = {k: data[k] for k in ("features", "feature_size", "feature_dtype") if k in data}
+        if not (isinstance(features.get("features", ""), str) and isinstance(features.get("feature_size", 0), int)
+                and features.get("feature_dtype", "") in ("",) + FEATURE_DTYPES):
+            raise ValueError(f"malformed feature layout {features!r}")
+        if not 0 <= features.get("feature_size", 0) <= MAX_FEATURE_SIZE:
+            raise ValueError(f"feature width {features.get('feature_size')} outside [0, {MAX_FEATURE_SIZE}]")
+        return dataclasses.replace(layout, **features)
+
+
+class FeatureStore(Protocol):
+    """Per-slot rows of a server that travel with the KV (an EAGLE head's target features,
+    speculative/eagle.py). The store owns them; the transfer reads and writes through it."""
+
+    def feature_layout(self) -> Tuple[str, int, torch.dtype]:
+        """(what the features are, their width, their element type): both servers must agree."""
+
+    def gather_features(self, slots: torch.Tensor) -> torch.Tensor:
+        """The features of `slots` as one contiguous CPU tensor [n, width]."""
+
+    def scatter_features(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Store received features (`rows`, [n, width]) at `slots` of this server."""
 
 
 def pair_ranks(prefill: KVLayout, decode: KVLayout) -> Tuple[int, int, int]:
@@ -80,6 +132,13 @@ def pair_ranks(prefill: KVLayout, decode: KVLayout) -> Tuple[int, int, int]:
             raise ValueError(f"KV layouts differ in {name}: prefill {getattr(prefill, name)}, "
                              f"decode {getattr(decode, name)} (serve the same model with the same --dtype and "
                              "--kv-cache-dtype)")
+    theirs = (prefill.features, prefill.feature_size, prefill.feature_dtype)
+    ours = (decode.features, decode.feature_size, decode.feature_dtype)
+    if theirs != ours:
+        raise ValueError(f"the speculative features sent with the KV differ: prefill {_describe(theirs)}, decode "
+                         f"{_describe(ours)} (an EAGLE / EAGLE3 decode server's head reads the target's features of "
+                         "the prompt, which the prefill sends: start both servers with the same "
+                         "--speculative-algorithm and --speculative-draft-model-path)")
     wanted = decode.heads()
     for rank in range(prefill.tp_size):
         held = kv_heads_of_rank(prefill.total_kv_heads, prefill.tp_size, rank)
@@ -90,6 +149,11 @@ def pair_ranks(prefill: KVLayout, decode: KVLayout) -> Tuple[int, int, int]:
             return rank, start, len(wanted)
     raise ValueError(f"decode TP rank {decode.tp_rank}/{decode.tp_size} needs KV heads {wanted}, which no single "
                      f"prefill rank of TP size {prefill.tp_size} holds")
+
+
+def _describe(features: Tuple[str, int, str]) -> str:
+    name, size, dtype = features
+    return f"{name} ({size} x {dtype} per token)" if name else "none"
 
 
 def frame_token_count(bytes_per_token: int) -> int:
@@ -147,15 +211,41 @@ def as_bytes(tensor: torch.Tensor) -> memoryview:
 
 def from_bytes(buffer: Any, layout: KVLayout, num_tokens: int, num_heads: int) -> torch.Tensor:
     """The tensor view of a received frame payload (zero-copy when the buffer allows it)."""
-    if not len(buffer):
-        raw = torch.empty(0, dtype=torch.uint8)
-    else:
-        with warnings.catch_warnings():
-            # Received frames are read-only; the tensor is only read (copied into the pool).
-            warnings.simplefilter("ignore", UserWarning)
-            raw = torch.frombuffer(buffer, dtype=torch.uint8)
     dtype = getattr(torch, layout.dtype)
-    return raw.view(dtype).reshape(layout.num_layers, 2, num_tokens, num_heads, layout.head_dim)
+    return _frombuffer(buffer).view(dtype).reshape(layout.num_layers, 2, num_tokens, num_heads, layout.head_dim)
+
+
+def _frombuffer(buffer: Any) -> torch.Tensor:
+    if not len(buffer):
+        return torch.empty(0, dtype=torch.uint8)
+    with warnings.catch_warnings():
+        # Received frames are read-only; the tensor is only read (copied into the pool).
+        warnings.simplefilter("ignore", UserWarning)
+        return torch.frombuffer(buffer, dtype=torch.uint8)
+
+
+def frame_payload(kv: torch.Tensor, features: Optional[torch.Tensor]) -> memoryview:
+    """A frame's payload: the KV bytes, then the features' (when the server sends features)."""
+    if features is None:
+        return as_bytes(kv)
+    parts = [t.contiguous().view(torch.uint8).reshape(-1) for t in (kv, features)]
+    return as_bytes(torch.cat(parts))
+
+
+def split_payload(buffer: Any, layout: KVLayout, num_tokens: int, num_heads: int
+                  ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+    """(the KV, the features or None) of a received frame payload; ValueError when its size is not
+    what the layout says."""
+    view = memoryview(buffer).cast("B")
+    kv_bytes = num_tokens * layout.kv_bytes_per_token(num_heads)
+    expected = kv_bytes + num_tokens * layout.feature_bytes_per_token()
+    if view.nbytes != expected:
+        raise ValueError(f"KV frame of {view.nbytes} bytes for {num_tokens} tokens, expected {expected}")
+    kv = from_bytes(view[:kv_bytes], layout, num_tokens, num_heads)
+    if not layout.feature_size:
+        return kv, None
+    features = _frombuffer(view[kv_bytes:]).view(getattr(torch, layout.feature_dtype))
+    return kv, features.reshape(num_tokens, layout.feature_size)
 
 
 def checksum(buffer: Any) -> int:

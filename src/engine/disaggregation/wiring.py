@@ -46,8 +46,8 @@ def kv_args_for(host: RoleHost, metadata: MetadataBuffers) -> KVArgs:
         raise RuntimeError("PD disaggregation needs the worker's KV pool (the allocator has none)")
     tp_size = host.server_args.tp_size
     total_kv_heads = host.total_kv_heads or pool.head_num * tp_size
-    layout = KVLayout.of_pool(pool, total_kv_heads, tp_size, host.tp_rank)
-    return KVArgs(pool=pool, metadata=metadata, layout=layout, page_size=host.page_size)
+    layout = KVLayout.of_pool(pool, total_kv_heads, tp_size, host.tp_rank, host.features)
+    return KVArgs(pool=pool, metadata=metadata, layout=layout, page_size=host.page_size, features=host.features)
 
 
 def own_bootstrap_addr(args: Any) -> str:

@@ -145,6 +145,12 @@ class Scheduler:
         self.result_queue: Deque = deque()
         self._to_stream: List[Req] = []  # requests that may emit at the end of this iteration
 
+        # Speculative decoding: eligible decode steps run as verify steps (engine/speculative/). Built
+        # before the PD role, whose transfer carries an EAGLE head's features (a PD prefill server keeps
+        # them for its decode server and never verifies).
+        self.spec: Optional[Speculator] = (
+            build_speculator(server_args, worker, self.kv.tree_cache, self._on_forward_thread)
+            if server_args.speculative_algorithm is not None and self.is_generation else None)
         # PD disaggregation: the prefill or decode role, a collaborator that owns the transfer
         # queues (engine/disaggregation/); None in a unified server.
         if server_args.disaggregation_mode != "null" and not self.is_generation:
@@ -166,10 +172,6 @@ class Scheduler:
         handoff = (self.disagg.handoff if self.disagg is not None and self.disagg.mode == DisaggregationMode.PREFILL
                    else None)
         self.results = ResultProcessor(self.kv.tree_cache, prefill_handoff=handoff)
-        # Speculative decoding: eligible decode steps run as verify steps (engine/speculative/).
-        self.spec: Optional[Speculator] = (
-            build_speculator(server_args, worker, self.kv.tree_cache, self._on_forward_thread)
-            if server_args.speculative_algorithm is not None and self.is_generation else None)
         self.streamer = OutputStreamer(server_args.stream_interval,
                                        speculative=server_args.speculative_algorithm is not None)
         # Where outputs go: a ZMQ socket in the server, a list in-process.
@@ -199,7 +201,8 @@ class Scheduler:
             stream=self.stream, enqueue_waiting=self.enqueue_waiting, update_running_batch=self.update_running_batch,
             flush_outputs=self.flush_outputs, write_relay=self.write_relay,
             has_results_in_flight=lambda: bool(self.result_queue),
-            paused_by_retract=lambda: self.control.paused and self.control.pause_mode == "retract")
+            paused_by_retract=lambda: self.control.paused and self.control.pause_mode == "retract",
+            features=self.spec.transfer_features() if self.spec is not None else None)
 
     # ================================================================== the owners' state, read-only
     @property

@@ -19,6 +19,10 @@ newest token, which has no K/V yet, and is written when that token is fed:
 - after the acceptance of a drafts, the head's extend over m..m+a-1 (the accepted drafts, the
   target's features of the verify forward) makes them exact (SGLang's draft extend after decode);
   without drafts, position m - 1 is written then.
+On a PD pair (disaggregation/kv_io.py) the prefill server keeps the features of the prompts it
+computes and sends them with their K/V (this drafter is the transfer's FeatureStore on both sides);
+the decode server stores them at the slots it received the prompt into, which are unmarked, so the
+request's first verify step catches up over the whole prompt as after a local prefill.
 A slot reached from the radix cache by another request keeps the head's K/V written for the request
 that computed it: at the matched prefix's last position (p - 1) the head read that request's next
 token, which may differ (lower acceptance at that position, never an inexact output: every token is
@@ -29,7 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any, Callable, List, Optional
+from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
 
 import torch
 
@@ -47,9 +51,11 @@ if TYPE_CHECKING:
 class EagleDrafter:
     needs_target_hidden = True
 
-    def __init__(self, runner: ModelRunner, feature_size: int, dtype: torch.dtype) -> None:
-        """feature_size: the width of the target's feature (hidden; EAGLE3: 3 * hidden)."""
+    def __init__(self, runner: ModelRunner, feature_size: int, dtype: torch.dtype, feature_name: str = "EAGLE") -> None:
+        """feature_size: the width of the target's feature (hidden; EAGLE3: 3 * hidden); feature_name:
+        what the feature is (a PD pair's two servers must keep the same one)."""
         self.runner = runner
+        self.feature_name = feature_name
         pool = runner.token_to_kv_pool
         # The target's feature at every slot (slot numbers are the target's).
         self.features = torch.zeros(pool.size + pool.page_size, feature_size, dtype=dtype, device=runner.device)
@@ -245,6 +251,20 @@ class EagleDrafter:
             tokens.append([fed[s + node] for node in path] if k > 0 else [fed[s]])
         self._store(wb.out_cache_loc[_i64(dst)], step.target_hidden[_i64(rows).to(step.target_hidden.device)])
         self._extend(wb.req_pool_indices.tolist(), firsts, tokens)
+
+    # ------------------------------------------------------------------ PD transfer (kv_io.FeatureStore)
+    def feature_layout(self) -> Tuple[str, int, torch.dtype]:
+        return self.feature_name, self.features.shape[1], self.features.dtype
+
+    def gather_features(self, slots: torch.Tensor) -> torch.Tensor:
+        """The transfer's IO thread (prefill): the stored features of a prompt's slots."""
+        return self.features[slots.to(device=self.features.device, dtype=torch.int64)].cpu()
+
+    def scatter_features(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
+        """Decode: features received for reserved slots (the transfer's listener thread), or restored
+        with a retracted request's KV (the forward thread). Nothing is marked: the slots were released
+        (unmarked) before they were reserved, and only their request touches them."""
+        self._store(slots, rows.to(self.features.device))
 
     # ------------------------------------------------------------------ helpers
     def _store(self, slots: torch.Tensor, hidden: torch.Tensor) -> None:

@@ -14,6 +14,8 @@ SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
 UNSUPPORTED_SPECULATIVE_ALGORITHMS = ("NEXTN",)
 # The algorithms whose drafts come from a draft model (--speculative-draft-model-path).
 DRAFT_MODEL_ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3")
+# The algorithms whose head reads the target's features (kept on a PD prefill server, which sends them).
+EAGLE_ALGORITHMS = ("EAGLE", "EAGLE3")
 # (num_steps, eagle_topk, num_draft_tokens) when none is given: SGLang's STANDALONE default. Its
 # EAGLE default for Llama is the tree (5, 4, 8); here chains stay the default for every algorithm,
 # since on the CPU a tree's wider draft and verify forwards cost more than its extra acceptance
@@ -57,9 +59,10 @@ class SpeculativeFlags(Protocol):
 def check_speculative_server_args(args: SpeculativeFlags, need: Callable[[bool, str], None]) -> None:
     algo = args.speculative_algorithm
     assert algo is not None  # ServerArgs calls this only with an algorithm
-    if args.disaggregation_mode == "prefill" and algo in SPECULATIVE_ALGORITHMS:
+    if args.disaggregation_mode == "prefill" and algo in SPECULATIVE_ALGORITHMS and algo not in EAGLE_ALGORITHMS:
         # A prefill server computes prompts and one token each: nothing to draft. The same flags can
-        # be given to both servers of a PD pair; the decode server speculates.
+        # be given to both servers of a PD pair; the decode server speculates. (EAGLE's are kept: the
+        # prefill sends its decode server's head the target's features of each prompt.)
         logger.warning("--speculative-algorithm %s is ignored on a --disaggregation-mode prefill server: the "
                        "decode server speculates", algo)
         args.speculative_algorithm = None
@@ -90,16 +93,16 @@ def check_speculative_server_args(args: SpeculativeFlags, need: Callable[[bool, 
          f"--speculative-num-draft-tokens must be in [2, {MAX_SPECULATIVE_TOKENS}] (the last token plus at least "
          f"one draft), got {args.speculative_num_draft_tokens}")
     # What the verify step does not handle yet: refused, never silently inexact.
-    need(args.disaggregation_mode != "decode" or algo not in ("EAGLE", "EAGLE3"),
-         f"--speculative-algorithm {algo} is not supported yet on a --disaggregation-mode decode server: an EAGLE "
-         "head reads the target's hidden states of the prompt, which the KV transfer does not carry. Use "
-         "STANDALONE (its draft model builds its own KV of the transferred prompt) or NGRAM there.")
     need(not (args.enable_lora or args.lora_paths),
          f"--speculative-algorithm {algo} is not supported yet with LoRA adapters (--enable-lora, "
          "--lora-paths): the verify and draft forwards do not apply them")
     need(args.simulated_device_forward_ms is None and not args.is_embedding,
          f"--speculative-algorithm {algo} needs a generative model: not with --simulated-device-forward-ms "
          "or --is-embedding")
+    if args.disaggregation_mode == "prefill":
+        # EAGLE on a prefill server: its forwards keep the target's features of each prompt for the
+        # decode server's head (sent with the KV); it never drafts or verifies, so overlap stays.
+        return
     if not args.disable_overlap_schedule:
         # As SGLang: the verify step needs the previous step's tokens to draft, so it runs in the
         # normal loop.

@@ -46,6 +46,7 @@ from engine.speculative.tree import DraftTree, TreeShape, accept_tree, path_move
 from engine.speculative.verify import VerifyOutcome, accept_drafts
 
 if TYPE_CHECKING:
+    from engine.disaggregation.kv_io import FeatureStore
     from engine.mem_cache.base_prefix_cache import BasePrefixCache
     from engine.mem_cache.memory_pool import MHATokenToKVPool
     from engine.speculative.draft_model import DraftModelDrafter
@@ -333,6 +334,14 @@ class Speculator:
         """A plain forward of the target (prefill, mixed or decode step), the drafter kept in step."""
         return self.drafter.forward_plain(worker_batch, run_target)
 
+    def transfer_features(self) -> Optional[FeatureStore]:
+        """What a PD transfer carries beside the KV for this drafter: an EAGLE head's target features
+        of every prompt position (kept by the prefill server's forwards, read by the decode server's
+        head), or None (a STANDALONE draft or n-gram builds its state from the tokens)."""
+        from engine.speculative.eagle import EagleDrafter
+
+        return self.drafter if isinstance(self.drafter, EagleDrafter) else None
+
 
 def _check_same_across_tp(outcome: VerifyOutcome) -> None:
     """The debug check of model_runner.CHECK_TP_SAMPLING for verify steps: every rank accepted the
@@ -429,12 +438,13 @@ def _eagle_drafter(worker: TpModelWorker, runner: ModelRunner, path: str, eagle3
         raise ValueError(f"the {algo} head {path} needs a Llama-family target of its hidden size "
                          f"({head.config.hidden_size})")
     head.share_embed_and_head(target)
-    feature_size = head.config.hidden_size
+    feature_size, name = head.config.hidden_size, "EAGLE final hidden states"
     if eagle3:
-        target.model.set_aux_layers_to_capture(eagle3_aux_layers(head.config.raw_config,
-                                                                 target.config.num_hidden_layers))
+        layers = eagle3_aux_layers(head.config.raw_config, target.config.num_hidden_layers)
+        target.model.set_aux_layers_to_capture(layers)
         feature_size *= 3
-    return EagleDrafter(runner, feature_size, runner.dtype)
+        name = f"EAGLE3 inputs of layers {', '.join(map(str, layers))}"
+    return EagleDrafter(runner, feature_size, runner.dtype, name)
 
 
 def eagle3_aux_layers(head_config: Dict[str, Any], num_layers: int) -> List[int]:
