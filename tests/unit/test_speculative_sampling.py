@@ -301,3 +301,24 @@ def test_sampled_constrained_outputs_parse(tiny, hf_tok, algo):
         reason = h.outputs[rid].finished_reason["type"]
         # A regex may also end at the length limit, with a prefix of a match.
         assert re.fullmatch(REGEX, text) if reason == "stop" else re.fullmatch(r"(ab|cd|ef)*(a|c|e)?(-[0-9]*)?", text), text
+
+
+def test_what_stays_plain(hf_tok):
+    """Seeds, custom logit processors, hidden states and a grammar that cannot go back (a reasoner
+    grammar) keep the batch on the plain decode step; penalties, bias, logprobs and grammars do not."""
+    from engine.constrained.reasoner_grammar import ReasonerGrammar
+    from engine.sampling.sampling_params import SamplingParams
+    from engine.speculative.sampling import supports
+
+    def req(grammar=None, hidden=False, processor=None, **params):
+        sp = SamplingParams(max_new_tokens=8, **params)
+        sp.normalize(None)
+        return SimpleNamespace(sampling_params=sp, grammar=grammar, return_hidden_states=hidden,
+                               custom_logit_processor=processor)
+
+    regex = _grammar_backend(hf_tok).dispatch_regex(REGEX)
+    assert supports(req(regex, frequency_penalty=0.5, logit_bias={"3": 1.0}, min_new_tokens=2))
+    assert not supports(req(sampling_seed=1))
+    assert not supports(req(hidden=True))
+    assert not supports(req(processor="{}"))
+    assert not supports(req(ReasonerGrammar(regex, [5])))
