@@ -120,6 +120,8 @@ class ReqOutput:
     hidden_states: List = field(default_factory=list)  # return_hidden_states entries
     token_ids_logprobs: List = field(default_factory=list)  # token_ids_logprob, output positions
     input_token_ids_logprobs: List = field(default_factory=list)
+    logprob_ids: List[int] = field(default_factory=list)  # output_token_logprobs_idx
+    top_logprobs: List = field(default_factory=list)  # (values, ids) per output position (top_logprobs_num)
     embedding: Optional[bytes] = None  # an embedding request's float32 vector
 
 
@@ -206,6 +208,10 @@ class Harness:
                 out.completion_tokens = msg.completion_tokens[i]
                 if msg.output_token_logprobs_val and msg.output_token_logprobs_val[i]:
                     out.logprobs.extend(msg.output_token_logprobs_val[i])
+                if msg.output_token_logprobs_idx and msg.output_token_logprobs_idx[i]:
+                    out.logprob_ids.extend(msg.output_token_logprobs_idx[i])
+                if msg.output_top_logprobs_val and msg.output_top_logprobs_val[i]:
+                    out.top_logprobs.extend(zip(msg.output_top_logprobs_val[i], msg.output_top_logprobs_idx[i]))
                 if msg.input_token_logprobs_val and msg.input_token_logprobs_val[i]:
                     out.logprobs.extend(v for v in msg.input_token_logprobs_val[i] if v is not None)
                 if msg.output_hidden_states and msg.output_hidden_states[i]:

@@ -38,7 +38,7 @@ def small_draft(tmp_path_factory):
     return path
 
 
-def _harness(target: str, draft: str = None, steps: int = STEPS, **kwargs) -> Harness:
+def _harness(target: str, draft: str = None, steps: int = STEPS, tokenizer=None, **kwargs) -> Harness:
     from engine.scheduler.tp_worker import TpModelWorker
 
     total = kwargs.pop("max_total_tokens", 4096)
@@ -49,7 +49,8 @@ def _harness(target: str, draft: str = None, steps: int = STEPS, **kwargs) -> Ha
     spec = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=draft, speculative_num_steps=steps,
                 speculative_batch_size_threshold=1024,
                 disable_speculative_adaptive=True) if draft is not None else {}
-    return Harness(worker=TpModelWorker(worker_args), tokenizer=_Tok(), max_total_tokens=total, **spec, **kwargs)
+    return Harness(worker=TpModelWorker(worker_args), tokenizer=tokenizer or _Tok(), max_total_tokens=total, **spec,
+                   **kwargs)
 
 
 def _run(target: str, draft: str, prompts: List[List[int]], sampling: Dict = None, **kwargs
@@ -205,11 +206,11 @@ def test_abort_mid_request_frees_everything(tiny, small_draft):
 
 
 def test_ineligible_batches_decode_plainly_and_the_draft_follows(tiny):
-    """Logprob requests take plain decode steps (the draft skips them); a later request that
+    """Seeded requests take plain decode steps (the draft skips them); a later request that
     reuses their cached KV still has every draft accepted: the draft's catch-up K/V are right."""
     prompts = _prompts()
     h = _harness(tiny, tiny)
-    rids = [h.submit(p, max_new_tokens=N_NEW, ignore_eos=True, return_logprob=True) for p in prompts]
+    rids = [h.submit(p, max_new_tokens=N_NEW, ignore_eos=True, sampling_seed=3) for p in prompts]
     h.run_until_idle()
     assert h.scheduler.internal_state()["spec_verify_ct"] == 0
     outs = [h.outputs[r].output_ids for r in rids]

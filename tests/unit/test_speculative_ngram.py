@@ -34,14 +34,15 @@ def tiny():
     return ensure_builtin_model()
 
 
-def _harness(path: str, spec: bool, **kwargs) -> Harness:
+def _harness(path: str, spec: bool, tokenizer=None, **kwargs) -> Harness:
+    """tokenizer: the letters of _Tok unless given (constrained decoding needs the model's)."""
     from engine.scheduler.tp_worker import TpModelWorker
 
     total = kwargs.pop("max_total_tokens", 4096)
     page = kwargs.get("page_size", 1)
     worker_args = ServerArgs(model_path=path, device="cpu", max_total_tokens=total, page_size=page,
                              max_running_requests=16)
-    return Harness(worker=TpModelWorker(worker_args), tokenizer=_Tok(), max_total_tokens=total,
+    return Harness(worker=TpModelWorker(worker_args), tokenizer=tokenizer or _Tok(), max_total_tokens=total,
                    **(NGRAM if spec else {}), **kwargs)
 
 
@@ -185,10 +186,11 @@ def test_abort_mid_request_frees_everything(tiny):
 
 
 def test_ineligible_requests_decode_plainly_and_stay_exact(tiny):
-    """Logprobs (not carried by the verify step yet) send the batch down the plain decode path."""
+    """A sampling seed (its noise is keyed by the step counter: speculative/sampling.py keeps it
+    plain) sends the batch down the plain decode path."""
     prompts = _prompts()
-    _, plain, _ = _run(tiny, False, prompts, dict(return_logprob=True))
-    h, spec, _ = _run(tiny, True, prompts, dict(return_logprob=True))
+    _, plain, _ = _run(tiny, False, prompts, dict(sampling_seed=3))
+    h, spec, _ = _run(tiny, True, prompts, dict(sampling_seed=3))
     assert spec == plain
     assert h.scheduler.internal_state()["spec_verify_ct"] == 0
 
@@ -278,12 +280,18 @@ def _sampling_info(n: int, vocab: int, **params):
 
 
 @pytest.mark.parametrize("params", [dict(temperature=1.0), dict(temperature=0.7, top_k=4),
-                                    dict(temperature=1.3, top_p=0.8)])
+                                    dict(temperature=1.3, top_p=0.8),
+                                    dict(temperature=1.0, frequency_penalty=1.5, presence_penalty=0.5,
+                                         logit_bias={"2": 1.0})])
 @pytest.mark.slow  # in the full suite; the fast lane keeps the cheaper cases
 def test_rejection_sampling_keeps_the_target_distribution(params):
     """One draft per request, 20000 requests: the first token is distributed as p0 whatever the
     draft (accepted with p0(d), else drawn from p0 without d), the second, after an accepted
-    draft, as p1."""
+    draft, as p1. With penalties and a logit_bias (applied per position by VerifySampling), p1 is
+    the distribution of a request whose output holds the draft: the draft, the most likely token at
+    position 1, is penalised there (a step that applied the penalties of its start to every
+    position, as SGLang's relaxed ones, draws it far too often)."""
+    from engine.speculative.sampling import VerifySampling, chain_trees
     from engine.speculative.verify import accept_drafts, target_probs
 
     torch.manual_seed(0)
@@ -292,8 +300,18 @@ def test_rejection_sampling_keeps_the_target_distribution(params):
     logits = base.repeat(n, 1)
     draft = 1  # a likely token, often accepted
     info = _sampling_info(n, vocab, **params)
+    adjusted = base.clone()
+    if "frequency_penalty" in params:
+        VerifySampling(adjusts_logits=True, grammars=[None] * n, logprobs=[None] * n,
+                       outputs=[[]] * n).apply(logits, info, chain_trees([[draft]] * n))
+        # The oracle: the plain sampler's adjustments of a request with no output, then with the draft.
+        for row, output in enumerate([[], [draft]]):
+            oracle = _sampling_info(1, vocab, **params)
+            for token in output:
+                oracle.update_after_sample(torch.tensor([token]))
+            oracle.apply_logits_bias(adjusted[row:row + 1])
     out = accept_drafts(logits, [[draft]] * n, info)
-    probs = target_probs(base, _sampling_info(1, vocab, **params), torch.tensor([0]), torch.tensor([0, 0]))
+    probs = target_probs(adjusted, _sampling_info(1, vocab, **params), torch.tensor([0]), torch.tensor([0, 0]))
     firsts: Dict[int, int] = {}
     seconds: Dict[int, int] = {}
     for toks in out.tokens:
@@ -319,12 +337,21 @@ def tiny_vocab(tmp_path_factory):
     return path, hf
 
 
+# Sampling adjustments the verify step applies per position (speculative/sampling.py): the expected
+# distribution takes them from the output tokens before each position. Strong penalties: a step
+# that missed an accepted draft's count (SGLang's relaxed penalties) repeats it visibly often.
+ADJUSTS = {"plain": {}, "penalty-bias": dict(frequency_penalty=2.0, presence_penalty=2.0,
+                                             logit_bias={"4": 1.5, "9": -1.0})}
+
+
 @pytest.mark.slow
-def test_sampled_outputs_keep_the_target_distribution_end_to_end(tiny_vocab):
+@pytest.mark.parametrize("adjust", list(ADJUSTS))
+def test_sampled_outputs_keep_the_target_distribution_end_to_end(tiny_vocab, adjust):
     """3000 sampled requests through the scheduler with NGRAM on a 12-token vocabulary: the
     prompt holds every token, so every verify step has drafts. Tokens 2 and 3 of each output
     (drawn by verify steps: accepted drafts, resampled or bonus tokens) follow transformers'
-    distribution given the tokens before them."""
+    distribution given the tokens before them (with a frequency penalty and a logit_bias: those
+    of the plain sampler, the penalty counting the output tokens before the position)."""
     from engine.scheduler.tp_worker import TpModelWorker
 
     path, hf = tiny_vocab
@@ -333,7 +360,8 @@ def test_sampled_outputs_keep_the_target_distribution_end_to_end(tiny_vocab):
     worker_args = ServerArgs(model_path=path, device="cpu", max_total_tokens=16384, max_running_requests=256)
     h = Harness(worker=TpModelWorker(worker_args), tokenizer=_Tok(), max_total_tokens=16384,
                 max_running_requests=256, **NGRAM)
-    rids = [h.submit(prompt, max_new_tokens=3, ignore_eos=True, temperature=temperature) for _ in range(n)]
+    rids = [h.submit(prompt, max_new_tokens=3, ignore_eos=True, temperature=temperature, **ADJUSTS[adjust])
+            for _ in range(n)]
     h.run_until_idle()
     outs = [tuple(h.outputs[r].output_ids) for r in rids]
     assert all(len(o) == 3 for o in outs)
@@ -343,6 +371,15 @@ def test_sampled_outputs_keep_the_target_distribution_end_to_end(tiny_vocab):
         with torch.inference_mode():
             ids = torch.tensor([prompt + list(p) for p in prefixes])
             logits = hf(ids).logits[:, -1, :].float()
+        logits = logits.clone()  # a normal tensor: updated in place below
+        extra = ADJUSTS[adjust]
+        for row, pre in enumerate(prefixes):
+            for token, bias in extra.get("logit_bias", {}).items():
+                logits[row, int(token)] += bias
+            for token in pre:
+                logits[row, token] -= extra.get("frequency_penalty", 0.0)
+            for token in set(pre):
+                logits[row, token] -= extra.get("presence_penalty", 0.0)
         probs = torch.softmax(logits / temperature, dim=-1)
         return dict(zip(prefixes, probs))
 

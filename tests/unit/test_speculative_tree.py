@@ -49,7 +49,7 @@ def eagle_pair(tmp_path_factory):
 
 
 def _harness(target: str, draft: str = None, algo: str = "STANDALONE", steps: int = 3, topk: int = 2,
-             tokens: int = 6, **kwargs) -> Harness:
+             tokens: int = 6, tokenizer=None, **kwargs) -> Harness:
     from engine.scheduler.tp_worker import TpModelWorker
 
     total = kwargs.pop("max_total_tokens", 4096)
@@ -58,7 +58,8 @@ def _harness(target: str, draft: str = None, algo: str = "STANDALONE", steps: in
     spec = dict(speculative_algorithm=algo, speculative_draft_model_path=draft, speculative_num_steps=steps,
                 speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens,
                 speculative_batch_size_threshold=1024, disable_speculative_adaptive=True) if draft is not None else {}
-    return Harness(worker=TpModelWorker(worker_args), tokenizer=_Tok(), max_total_tokens=total, **spec, **kwargs)
+    return Harness(worker=TpModelWorker(worker_args), tokenizer=tokenizer or _Tok(), max_total_tokens=total, **spec,
+                   **kwargs)
 
 
 def _run(target: str, draft: str, prompts: List[List[int]], sampling: Dict = None, **kwargs

@@ -21,7 +21,7 @@ from abc import ABC, abstractmethod
 from collections import OrderedDict
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any, Dict, List, Optional, Sequence, Tuple
+from typing import Any, ClassVar, Dict, List, Optional, Sequence, Tuple
 
 import torch
 
@@ -44,6 +44,10 @@ class BaseGrammarObject(ABC):
     `num_accepted` counts the tokens accepted since the start, so the scheduler can check that the
     matcher state and the request's output ids agree (after a retraction) and repair it.
     """
+
+    # Whether `rollback` undoes a few tokens cheaply: a speculative verify step walks each draft
+    # and goes back; a grammar that cannot would replay the whole output at every step.
+    supports_rollback: ClassVar[bool] = True
 
     def __init__(self) -> None:
         self.num_accepted = 0
@@ -80,6 +84,14 @@ class BaseGrammarObject(ABC):
         if not self._accept(token):
             return False
         self.num_accepted += 1
+        return True
+
+    def rollback(self, num_tokens: int) -> bool:
+        """Undo the last `num_tokens` accepted tokens (speculative decoding walks its drafts and goes
+        back); False, state unchanged, if the backend cannot go that far back."""
+        if num_tokens > self.num_accepted or not self._rollback(num_tokens):
+            return False
+        self.num_accepted -= num_tokens
         return True
 
     def sync_with(self, output_ids: Sequence[int]) -> bool:

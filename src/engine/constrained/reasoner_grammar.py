@@ -19,6 +19,8 @@ from engine.constrained.base_grammar_backend import BaseGrammarObject
 
 
 class ReasonerGrammar(BaseGrammarObject):
+    supports_rollback = False  # see _rollback: speculative decoding keeps such requests plain
+
     def __init__(self, inner: BaseGrammarObject, think_end_ids: Sequence[int]) -> None:
         super().__init__()
         if not think_end_ids:

@@ -274,6 +274,39 @@ class SamplingBatchInfo:
         """Account for the token just sampled for every row (penalty counts, step counters)."""
         self._settle_layout().cumulate(next_token_ids)
 
+    @torch.inference_mode()
+    def update_after_verify(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Account for the tokens a speculative verify step emitted: token_ids[j] for row rows[j],
+        a row as many times as it emitted tokens (engine/speculative/)."""
+        self._settle_layout().cumulate_at(rows, token_ids)
+
+    @torch.inference_mode()
+    def per_position(self, rows: List[int], gen_rows: List[int], gen_tokens: List[int]) -> "SamplingBatchInfo":
+        """The sampling state at each position of a speculative verify step: position p is row
+        rows[p] of this batch, with gen_tokens[j] counted as generated at position gen_rows[j] (the
+        drafts before it, taken as accepted: penalties and min_new_tokens see them). This batch's
+        own state is unchanged; the copy has no vocabulary mask (the caller sets the drafts')."""
+        orchestrator = self._settle_layout()
+        index = torch.tensor(rows, dtype=torch.int64, device=self.device)
+        positions = copy.copy(self)
+        positions.temperatures = self.temperatures[index]
+        positions.top_ps, positions.top_ks, positions.min_ps = self.top_ps[index], self.top_ks[index], self.min_ps[index]
+        positions.row_kinds = self.row_kinds[torch.tensor(rows, dtype=torch.int64)]
+        if self.seeds is not None:
+            assert self.seeded_mask is not None  # seeds and seeded_mask are set together
+            positions.seeds, positions.seeded_mask = self.seeds[index], self.seeded_mask[index]
+        if self.logit_bias is not None:
+            positions.logit_bias = self.logit_bias[index]
+        if self.custom_params is not None:
+            assert self.custom_row_processors is not None  # _set_custom_rows sets both together
+            positions._set_custom_rows([self.custom_row_processors[r] for r in rows],
+                                       [self.custom_params[r] for r in rows])
+        positions.vocab_mask = None
+        positions.pending_layout_ops, positions.replayed_layout_ops, positions.retired_state = [], [], []
+        positions.penalizer_orchestrator = orchestrator.expanded(
+            index, torch.tensor(gen_rows, dtype=torch.int64), torch.tensor(gen_tokens, dtype=torch.int64))
+        return positions
+
 
 def _custom_params(req: SamplingReq) -> Optional[Dict[str, Any]]:
     """What a request's processor sees, as in SGLang: its custom_params plus "__req__"."""

@@ -34,7 +34,7 @@ class ResultProcessor:
         """Returns the requests that may emit output (mid-chunk requests are left out)."""
         assert result.next_token_ids is not None  # a result is processed after its sampling ran
         next_ids = result.next_token_ids.tolist()
-        lp = _LogprobLists(result.logits_output, batch)
+        lp = LogprobLists(result.logits_output, batch)
         hidden = _hidden_states(result)
         decoding = {id(r) for r in batch.decoding_reqs}
         emit: List[Req] = []
@@ -80,7 +80,7 @@ class ResultProcessor:
     def process_decode(self, batch: "ScheduleBatch", result: "GenerationBatchResult") -> List[Req]:
         assert result.next_token_ids is not None  # a result is processed after its sampling ran
         next_ids = result.next_token_ids.tolist()
-        lp = _LogprobLists(result.logits_output, batch)
+        lp = LogprobLists(result.logits_output, batch)
         hidden = _hidden_states(result)
         # An id outside the vocabulary (NaN logits) takes the full check of every request.
         fast = not next_ids or (min(next_ids) >= 0 and max(next_ids) < batch.vocab_size)
@@ -111,7 +111,7 @@ class ResultProcessor:
             allocator.free_group_end()
         return emit
 
-    def _append_token(self, req: Req, token: int, lp: "_LogprobLists", row: int) -> None:
+    def _append_token(self, req: Req, token: int, lp: "LogprobLists", row: int) -> None:
         req.output_ids.append(token)
         if req.return_logprob:
             lp.collect_output(req, row, token)
@@ -129,7 +129,7 @@ def _hidden_states(result: "GenerationBatchResult") -> Optional[Any]:
     return None if out is None else out.hidden_states
 
 
-class _LogprobLists:
+class LogprobLists:
     """Python lists of one batch's logprob tensors, converted once."""
 
     def __init__(self, logits_output: Any, batch: "ScheduleBatch") -> None:

@@ -19,10 +19,11 @@ batch is eligible, this collaborator then:
    request's KV through the cache as a decode step does, so the radix cache only ever holds
    accepted tokens.
 
-Eligible: every request samples without per-token state the verify step does not carry yet
-(grammar, logprobs, hidden states, penalties, min_new_tokens, logit_bias, a seed, a custom logit
-processor), and the batch is not larger than --speculative-batch-size-threshold; otherwise the
-batch takes the plain decode step, which is exact anyway. Among eligible steps, the speculation
+Eligible: every request samples as the verify step can reproduce exactly (sampling.py: penalties,
+min_new_tokens, logit_bias, grammars and logprobs per verified position; not a seed, a custom logit
+processor, hidden states or a grammar that cannot roll back), and the batch is not larger than
+--speculative-batch-size-threshold; otherwise the batch takes the plain decode step, which is exact
+anyway. Among eligible steps, the speculation
 switch (switch.py) decodes plainly where the measured accept length does not pay for a verify step's
 cost; a draft model runs no forward on plain steps (the drafter's `forward_plain`) and catches up on
 the tokens it skipped at the request's next verify step. It runs in the normal (non-overlap) loop
@@ -39,7 +40,10 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Un
 
 import torch
 
+from engine.scheduler.output import LogprobLists
 from engine.scheduler.overlap_utils import write_relay
+from engine.speculative.sampling import VerifySampling, chain_paths, chain_trees
+from engine.speculative.sampling import supports as sampling_supports
 from engine.speculative.step import Drafter, TreeDrafter, VerifyStep
 from engine.speculative.switch import SpeculationSwitch
 from engine.speculative.tree import DraftTree, TreeShape, accept_tree, path_moves, verify_layout
@@ -111,11 +115,7 @@ class Speculator:
     @staticmethod
     def eligible(req: Req) -> bool:
         """Whether the verify step reproduces this request's sampling exactly (see the module doc)."""
-        sp = req.sampling_params
-        return (req.grammar is None and not req.return_logprob and not req.return_hidden_states
-                and req.custom_logit_processor is None and sp.sampling_seed is None and not sp.logit_bias
-                and sp.frequency_penalty == 0.0 and sp.presence_penalty == 0.0 and sp.repetition_penalty == 1.0
-                and sp.min_new_tokens == 0)
+        return sampling_supports(req)
 
     def prepare(self, batch: ScheduleBatch) -> Optional[VerifyStep]:
         """The verify step of a decode-prepared batch, or None when the batch decodes plainly."""
@@ -153,7 +153,8 @@ class Speculator:
             worker_batch = dataclasses.replace(worker_batch, capture_hidden_states=True)
         return VerifyStep(worker_batch=worker_batch, drafts=drafts,
                           draft_lens=draft_lens, draft_on_forward_thread=proposed is None and any(draft_lens),
-                          tokens=[(req.origin_input_ids, req.output_ids) for req in batch.reqs])
+                          tokens=[(req.origin_input_ids, req.output_ids) for req in batch.reqs],
+                          sampling=VerifySampling.of(batch.reqs))
 
     def process(self, batch: ScheduleBatch, step: VerifyStep) -> List[Req]:
         """Append each request's verified tokens (finish checks per token), keep the KV of what was
@@ -166,12 +167,17 @@ class Speculator:
         finished: List[Req] = []
         self.stats.draft_seconds += step.draft_seconds
         self._catch_up_seconds = step.catch_up_seconds
-        for req, seq_len, drafts, tokens, accepted in zip(batch.reqs, batch.seq_lens_cpu, step.drafts,
-                                                          outcome.tokens, outcome.accepted):
+        logprobs = LogprobLists(step.logprobs, batch) if step.logprobs is not None else None
+        for i, (req, seq_len, drafts, tokens, accepted) in enumerate(zip(batch.reqs, batch.seq_lens_cpu, step.drafts,
+                                                                         outcome.tokens, outcome.accepted)):
             appended = 0
             for token in tokens:
                 req.output_ids.append(token)
+                if logprobs is not None and step.logprob_rows[i] >= 0:
+                    logprobs.collect_output(req, step.logprob_rows[i] + appended, token)
                 appended += 1
+                # As a plain decode step: the matcher takes the token, then the finish checks.
+                req.accept_grammar_token(token)
                 req.check_finished()
                 if req.finished():
                     break
@@ -244,9 +250,15 @@ class Speculator:
         # An EAGLE3 target's features are its auxiliary hidden states, an EAGLE target's its final ones.
         step.target_hidden = output.aux_hidden_states if output.aux_hidden_states is not None else output.hidden_states
         assert wb.sampling_info is not None  # a generation batch always has one
+        trees = chain_trees(step.drafts)
+        if step.sampling is not None:  # penalties, logit_bias, grammar masks at every position
+            step.sampling.apply(output.next_token_logits, wb.sampling_info, trees)
         outcome = accept_drafts(output.next_token_logits, step.drafts, wb.sampling_info, step.draft_probs)
         _check_same_across_tp(outcome)
         step.outcome = outcome
+        if step.sampling is not None:
+            step.logprobs, step.logprob_rows = step.sampling.emitted_logprobs(
+                output.next_token_logits, trees, chain_paths(outcome.accepted), outcome.tokens)
         verified = time.perf_counter()
         self.drafter.after_verify(step)
         step.draft_seconds = (drafted - started) + (time.perf_counter() - verified)
@@ -257,9 +269,12 @@ class Speculator:
         wb, outcome = step.worker_batch, step.outcome
         assert outcome is not None and wb.sampling_info is not None  # accepted; a generation batch has one
         last = torch.tensor([t[-1] for t in outcome.tokens], dtype=torch.int64)
-        # The penalty/step state is brought to this batch's layout (queued filters and merges); the
-        # eligible rows have no per-token sampling state, so one update per step is enough.
-        wb.sampling_info.update_after_sample(last.to(wb.sampling_info.device))
+        # The penalty state and step counters take every emitted token (after the queued filters and
+        # merges bring them to this batch's layout); tokens past a finish do not matter: the
+        # request leaves the batch.
+        rows = [i for i, t in enumerate(outcome.tokens) for _ in t]
+        wb.sampling_info.update_after_verify(torch.tensor(rows, dtype=torch.int64),
+                                             torch.tensor([x for t in outcome.tokens for x in t], dtype=torch.int64))
         write_relay(self.worker.output_tokens_buf, wb.req_pool_indices.to(self.worker.output_tokens_buf.device),
                     last.to(self.worker.output_tokens_buf.device))
 
@@ -292,7 +307,8 @@ class Speculator:
             worker_batch = dataclasses.replace(worker_batch, capture_hidden_states=True)
         return VerifyStep(worker_batch=worker_batch, drafts=[[] for _ in batch.reqs], draft_lens=verify_lens,
                           draft_on_forward_thread=any(verify_lens), tree_shape=shape,
-                          tokens=[(req.origin_input_ids, req.output_ids) for req in batch.reqs])
+                          tokens=[(req.origin_input_ids, req.output_ids) for req in batch.reqs],
+                          sampling=VerifySampling.of(batch.reqs))
 
     def _run_tree(self, step: VerifyStep) -> VerifyStep:
         """The drafter grows the trees, the target verifies them in one forward under the tree mask,
@@ -317,9 +333,15 @@ class Speculator:
         output = self.worker.forward_batch_verify(wb)
         step.target_hidden = output.aux_hidden_states if output.aux_hidden_states is not None else output.hidden_states
         assert wb.sampling_info is not None  # kept by the replace above
+        full_trees = [t if t is not None else DraftTree(tokens=[], parents=[]) for t in trees]
+        if step.sampling is not None:  # penalties, logit_bias, grammar masks at every node
+            step.sampling.apply(output.next_token_logits, wb.sampling_info, full_trees)
         accepted = accept_tree(output.next_token_logits, trees, wb.sampling_info)
         _check_same_across_tp(accepted.outcome)
         step.outcome, step.paths = accepted.outcome, accepted.paths
+        if step.sampling is not None:
+            step.logprobs, step.logprob_rows = step.sampling.emitted_logprobs(
+                output.next_token_logits, full_trees, accepted.paths, accepted.outcome.tokens)
         src, dst = path_moves(accepted.paths, starts)
         if src:
             loc = wb.out_cache_loc

@@ -8,10 +8,12 @@ from typing import TYPE_CHECKING, Any, Callable, List, Optional, Protocol, Tuple
 
 import torch
 
+from engine.speculative.sampling import VerifySampling
 from engine.speculative.tree import DraftTree, TreeShape
 from engine.speculative.verify import VerifyOutcome
 
 if TYPE_CHECKING:
+    from engine.layers.logits_processor import LogitsProcessorOutput
     from engine.model_executor.forward_batch_info import ModelWorkerBatch
     from engine.scheduler.schedule_batch import ScheduleBatch
 
@@ -36,6 +38,13 @@ class VerifyStep:
     # needs_target_hidden reads them), [tokens, hidden].
     target_hidden: Optional[torch.Tensor] = None
     outcome: Optional[VerifyOutcome] = None
+    # What the step samples beyond the batch's plain parameters (penalties, logit_bias, grammar masks,
+    # logprobs: speculative/sampling.py); None when nothing.
+    sampling: Optional[VerifySampling] = None
+    # The emitted tokens' logprobs, one row per token of the requests that asked, request after
+    # request; per request the row of its first token (-1: not asked).
+    logprobs: Optional[LogitsProcessorOutput] = None
+    logprob_rows: List[int] = field(default_factory=list)
     draft_seconds: float = 0.0  # forward-thread time the drafter spent on this step
     # Tree drafts (--speculative-eagle-topk > 1): the shape; per request its tree (None: no drafts),
     # and after the acceptance its accepted nodes, whose K/V the step moved to chain order (each

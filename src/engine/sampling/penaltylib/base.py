@@ -53,6 +53,11 @@ class BatchedPenalizer(ABC):
         """Account for one newly sampled token per row ([bs] int64)."""
 
     @abstractmethod
+    def cumulate_at(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """Account for one token at each of `rows` ([n] int64 each); a row may come several times
+        (a verify step's tokens of one request), unlike in `cumulate`."""
+
+    @abstractmethod
     def apply(self, logits: torch.Tensor, output_lens: torch.Tensor) -> None:
         """Penalise `logits` ([bs, vocab] float32) in place."""
 

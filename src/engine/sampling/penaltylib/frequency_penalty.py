@@ -40,6 +40,10 @@ class BatchedFrequencyPenalizer(BatchedPenalizer):
         # One token per row, so no duplicate (row, col) pairs: a plain indexed add is exact.
         self.output_counts[rows, token_ids] += 1.0
 
+    def cumulate_at(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        # Repeated (row, token) pairs each count: an accumulating put.
+        self.output_counts.index_put_((rows, token_ids), torch.ones_like(rows, dtype=torch.float32), accumulate=True)
+
     def apply(self, logits: torch.Tensor, output_lens: torch.Tensor) -> None:
         logits.addcmul_(self.output_counts, self.penalties, value=-1.0)  # one pass, no [bs, vocab] temporary
 

@@ -50,6 +50,9 @@ class BatchedMinNewTokensPenalizer(BatchedPenalizer):
         # The step counter lives in the orchestrator (output_lens), shared with seeded sampling.
         pass
 
+    def cumulate_at(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        pass  # as in cumulate: output_lens counts the tokens
+
     def apply(self, logits: torch.Tensor, output_lens: torch.Tensor) -> None:
         active = (output_lens < self.min_new_tokens).unsqueeze(1)
         logits.masked_fill_(self.stop_mask & active, float("-inf"))

@@ -8,6 +8,7 @@ the batch needs them and dropped when a filter leaves no such request.
 
 from __future__ import annotations
 
+import copy
 import logging
 from typing import Dict, List, Sequence, Type
 
@@ -80,6 +81,30 @@ class BatchedPenalizerOrchestrator:
         self.output_lens += 1
         for penalizer in self.penalizers.values():
             penalizer.cumulate(token_ids)
+
+    def cumulate_at(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        """One token at each of `rows`, a row possibly several times (a verify step's emitted tokens)."""
+        rows = rows.to(device=self.device, dtype=torch.int64)
+        token_ids = token_ids.to(device=self.device, dtype=torch.int64)
+        self.output_lens.index_add_(0, rows, torch.ones_like(rows))
+        for penalizer in self.penalizers.values():
+            penalizer.cumulate_at(rows, token_ids)
+
+    def expanded(self, rows: torch.Tensor, gen_rows: torch.Tensor, gen_tokens: torch.Tensor
+                 ) -> "BatchedPenalizerOrchestrator":
+        """A new orchestrator with one row per entry of `rows` (a copy of that row of this one), then
+        gen_tokens[j] counted as generated at its row gen_rows[j]: the state at each position of a
+        verify step, its earlier drafts taken as accepted. This one is left unchanged."""
+        rows = rows.to(device=self.device, dtype=torch.int64)
+        penalizers: Dict[Type[BatchedPenalizer], BatchedPenalizer] = {}
+        for kind, penalizer in self.penalizers.items():
+            row_copy = copy.copy(penalizer)
+            row_copy.filter(rows)  # indexing: new tensors, the originals untouched
+            penalizers[kind] = row_copy
+        out = BatchedPenalizerOrchestrator(self.vocab_size, self.device, self.output_lens[rows], penalizers)
+        if gen_rows.numel():
+            out.cumulate_at(gen_rows, gen_tokens)
+        return out
 
     def filter(self, keep: torch.Tensor) -> None:
         self.output_lens = self.output_lens[keep]

@@ -39,6 +39,9 @@ class BatchedPresencePenalizer(BatchedPenalizer):
         rows = torch.arange(token_ids.shape[0], device=token_ids.device)
         self.output_seen[rows, token_ids] = True
 
+    def cumulate_at(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        self.output_seen[rows, token_ids] = True
+
     def apply(self, logits: torch.Tensor, output_lens: torch.Tensor) -> None:
         # bool * float builds the temporary on a slow promotion path: convert, then one fused pass.
         logits.addcmul_(self.output_seen.to(logits.dtype), self.penalties, value=-1.0)

@@ -45,6 +45,9 @@ class BatchedRepetitionPenalizer(BatchedPenalizer):
         rows = torch.arange(token_ids.shape[0], device=token_ids.device)
         self.seen[rows, token_ids] = True
 
+    def cumulate_at(self, rows: torch.Tensor, token_ids: torch.Tensor) -> None:
+        self.seen[rows, token_ids] = True
+
     def apply(self, logits: torch.Tensor, output_lens: torch.Tensor) -> None:
         if logits.device.type == "cpu":
             self.apply_sparse(logits)
