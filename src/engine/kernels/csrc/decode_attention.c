@@ -47,6 +47,7 @@ typedef struct {
     float scale;  /* of the scores: the softmax scale times an fp8 pool's k_scale (and e4m3's 2^8) */
     int kv_dtype; /* the pool's: dtype, or KV_FP8_* */
     float v_scale; /* the outputs' factor: an fp8 pool's v_scale (and e4m3's 2^8), else 1 */
+    float cap;     /* the logit soft-cap of the scaled scores (Gemma 2), 0: none */
 } kv_t;
 
 static inline int kv_fp8(const kv_t *kv) { return kv->kv_dtype == KV_FP8_E5M2 || kv->kv_dtype == KV_FP8_E4M3; }
@@ -72,6 +73,25 @@ static inline __attribute__((always_inline)) __m256 fp8_widen8(const uint8_t *p,
     const __m128i half = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7f)), 7),
                                       _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x80)), 8));
     return _mm256_cvtph_ps(half);
+}
+
+/* exp(x) for x <= 0, 8 lanes: Cephes' polynomial after the range reduction by ln 2, as exp512. */
+static inline __m256 exp256_neg(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    /* times 2^k, k in [-126, 0]: k + 127 in the exponent field */
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
 }
 
 static inline float hsum8(__m256 v) {
@@ -243,6 +263,26 @@ static inline float exp_sub_sum(float *x, int64_t n, float sub) {
     return sum;
 }
 
+/* s = cap * tanh(s / cap) over rows x n scores (row stride TILE): Gemma 2's soft-cap of the scaled
+ * scores, before the softmax. tanh(y) = sign(y) (1 - e) / (1 + e) with e = exp(-2 |y|). */
+static void soft_cap(float *scores, int64_t rows, int64_t n, float cap) {
+    const float inv = 1.f / cap;
+    for (int64_t r = 0; r < rows; r++) {
+        float *s = scores + r * TILE;
+        int64_t i = 0;
+#if defined(KV8_AVX2)
+        const __m256 sign = _mm256_set1_ps(-0.f), one = _mm256_set1_ps(1.f);
+        for (; i + 8 <= n; i += 8) {
+            const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(s + i), _mm256_set1_ps(inv));
+            const __m256 e = exp256_neg(_mm256_mul_ps(_mm256_andnot_ps(sign, y), _mm256_set1_ps(-2.f)));
+            const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+            _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_or_ps(t, _mm256_and_ps(sign, y)), _mm256_set1_ps(cap)));
+        }
+#endif
+        for (; i < n; i++) s[i] = cap * tanhf(s[i] * inv);
+    }
+}
+
 /* scores[r * TILE + i] = scale * q_r . k_i (k_i: slot idx[i], the row's KV head) for n <= TILE keys. */
 static void score_tile(work_t *w, int64_t rows, const int64_t *idx, int64_t n, const kv_t *kv, int64_t row_bytes,
                        int prefetch) {
@@ -407,6 +447,7 @@ static void attend(work_t *w, int64_t rows, const int64_t *idx, int64_t n, const
         const int streamed = whole_slots && mostly_consecutive(idx + i0, nt);
         if (streamed) touch_rows(kv, idx + i0, nt, 0, elem, row_bytes);
         score_tile(w, rows, idx + i0, nt, kv, row_bytes, !streamed);
+        if (kv->cap > 0.f) soft_cap(w->scores, rows, nt, kv->cap);
         for (int64_t r = 0; r < rows; r++) {
             float *s = w->scores + r * TILE;
             const float mt = max_of(s, nt);
@@ -575,6 +616,8 @@ typedef struct {
     int64_t max_prefix;
     const int64_t *group_of;
     const int64_t *kept, *kept_tokens;
+    const float *sinks;
+    const int64_t *row_of, *starts;
     kv_t kv;
     int64_t group, block, blocks, max_rows, pf_blocks;
     float *pm, *pl, *pacc;
@@ -616,7 +659,7 @@ static void decode_part(void *arg, int tid, int nthreads) {
     w.qrows = (const void **)malloc(sizeof(void *) * (size_t)max_rows);
     w.koff = (int64_t *)malloc(sizeof(int64_t) * (size_t)max_rows);
 #if defined(__AVX512BF16__)
-    if (num_groups > 0 && prefix_fast(&kv)) {
+    if (num_groups > 0 && prefix_fast(&kv) && kv.cap == 0.f) { /* attend_step has no soft-cap */
         /* Tasks: (group, KV head, block of 32 query rows). */
         pa_work_t pa = {0};
 #if defined(HAVE_AMX)
@@ -697,9 +740,15 @@ static void decode_part(void *arg, int tid, int nthreads) {
         } else {
             reset_state(&w, rows, dim);
         }
-        attend(&w, rows, kv_indices + b * max_len, lens[b], &kv, block * dim);
+        const int64_t *row = kv_indices + (J->row_of != NULL ? J->row_of[b] : b) * max_len;
+        attend(&w, rows, row + (J->starts != NULL ? J->starts[b] : 0), lens[b], &kv, block * dim);
         for (int64_t r = 0; r < rows; r++) {
-            const float inv = w.l[r] > 0.f ? kv.v_scale / w.l[r] : 0.f; /* no keys: output 0 */
+            float inv = w.l[r] > 0.f ? kv.v_scale / w.l[r] : 0.f; /* no keys: output 0 */
+            if (J->sinks != NULL && w.l[r] > 0.f) { /* the head's sink joins the denominator only */
+                const float sink = J->sinks[(first + r) % heads], top = fmaxf(w.m[r], sink);
+                const float kept = expf(w.m[r] - top);
+                inv = kv.v_scale * kept / (w.l[r] * kept + expf(sink - top));
+            }
             const float *a = w.acc + r * dim;
             const int64_t o = (first + r) * dim;
             for (int64_t d = 0; d < dim; d++) {
@@ -730,7 +779,8 @@ void decode_attention(const decode_attention_args_t *args) {
     const float unit = a->kv_dtype == KV_FP8_E4M3 ? 256.f : 1.f;
     const int fp8 = a->kv_dtype == KV_FP8_E5M2 || a->kv_dtype == KV_FP8_E4M3;
     const kv_t kv = {a->k, a->v, a->k_stride, a->v_stride, dim, a->dtype,
-                     fp8 ? a->scale * a->k_scale * unit : a->scale, a->kv_dtype, fp8 ? a->v_scale * unit : 1.f};
+                     fp8 ? a->scale * a->k_scale * unit : a->scale, a->kv_dtype, fp8 ? a->v_scale * unit : 1.f,
+                     a->logit_cap > 0.f ? a->logit_cap : 0.f};
     /* Phase 2: whole requests when they keep every thread busy, else one KV head of a request. */
     const int64_t block = bs >= 2 * num_threads ? kv_heads : 1; /* KV heads per task */
     const int64_t blocks = kv_heads / block;
@@ -750,7 +800,8 @@ void decode_attention(const decode_attention_args_t *args) {
     }
     decode_job_t job = {a->q, a->kv_indices, a->lens, a->max_len, bs, heads, kv_heads, dim, a->dtype, a->out,
                         num_groups, group_offsets, a->group_members, a->prefix_indices, a->prefix_lens,
-                        a->max_prefix, a->group_of, a->kept, a->kept_tokens, kv, group, block, blocks,
+                        a->max_prefix, a->group_of, a->kept, a->kept_tokens, a->sinks, a->row_of, a->starts,
+                        kv, group, block, blocks,
                         max_rows, pf_blocks, pm, pl, pacc, 0, 0};
     pool_run(decode_part, &job, num_threads);
     free(pm);

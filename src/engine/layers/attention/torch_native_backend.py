@@ -12,8 +12,10 @@ K/V gathered into a [bs, max_seq_len] block with a padding mask. Requests whose 
 group, all the group's queries attend to it in one SDPA, each request's own suffix goes through
 the per-request path above, and the two halves are merged by their log-sum-exp. All index tensors are built
 once per batch in `init_forward_metadata` and shared by every layer.
-Layers that are not plain full attention (a sliding window, Gemma 2's logit cap, gpt-oss's sinks) take
-windowed.py's torch path in extend and decode alike: the native kernels compute plain attention only.
+Layers that are not plain full attention (a sliding window, Gemma 2's logit cap, gpt-oss's sinks), and
+tree drafts' verify forwards, run on the native decode kernel with one query row per token where it takes
+the call (kernel_rows.py); otherwise windowed.py's torch path (those layers) or one SDPA per request under
+its tree mask.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 
 from engine.kernels import attention as attention_kernels
 from engine.kernels import library
+from engine.layers.attention.kernel_rows import KernelRows, KernelTables, kernel_takes
 from engine.layers.attention.windowed import windowed_decode, windowed_extend
 from engine.layers.attention.base_attn_backend import AttentionBackend, AttentionRunner
 from engine.layers.attention.prefix_panels import PrefixPanels
@@ -108,6 +111,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         if str(self.device) == "cpu":
             library.load()  # build/load it now, not in the first decode
         self._prefix_panels = PrefixPanels()
+        # The current forward batch's tables for the kernel's masked rows (kernel_rows.py), built at first use.
+        self._kernel_rows: Optional[KernelRows] = None
 
     def _gather(self, buf: torch.Tensor, flat: torch.Tensor, which: int) -> torch.Tensor:
         rows = buf.view(buf.shape[0], -1)
@@ -222,11 +227,15 @@ class TorchNativeAttnBackend(AttentionBackend):
         assert pool is not None  # ForwardBatch.init_new sets it
         if save_kv_cache and k is not None:
             pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
-        if not layer.is_plain:  # a window, a logit cap or sinks: neither SDPA nor the C kernels have them
+        if not layer.is_plain:  # a window, a logit cap or sinks: the decode kernel's masked rows, or torch
             if forward_batch.spec_tree_mask is not None:
                 raise NotImplementedError("tree drafts (--speculative-eagle-topk > 1) need plain attention layers "
                                           "(no sliding window, logit cap or sinks)")
+            if kernel_takes(q, pool.get_key_buffer(layer.layer_id), layer):
+                return self._rows_for(forward_batch).attend(q, layer)
             return windowed_extend(q, layer, forward_batch)
+        if forward_batch.spec_tree_mask is not None and kernel_takes(q, pool.get_key_buffer(layer.layer_id), layer):
+            return self._rows_for(forward_batch).attend(q, layer)  # each row over its tree mask's keys
         if k is not None and pool.is_fp8:  # the new tokens' K/V as the pool holds them, as every other key
             k, v = pool.as_stored(layer.layer_id, k, v)
         meta = forward_batch.attn_metadata
@@ -290,6 +299,11 @@ class TorchNativeAttnBackend(AttentionBackend):
             rows, k_buf, v_buf, meta.last_rows.kv_indices, meta.last_rows.lens, layer.tp_q_head_num,
             layer.tp_k_head_num, layer.head_dim, layer.scaling, cascade=meta.last_rows.cascade, layer_id=layer.layer_id)
 
+    def _rows_for(self, fb: "ForwardBatch") -> KernelRows:
+        if self._kernel_rows is None or self._kernel_rows.batch is not fb:
+            self._kernel_rows = KernelRows(fb)
+        return self._kernel_rows
+
     def _forward_native_extend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                                layer: "RadixAttention", meta: _NativeExtend) -> torch.Tensor:
         heads, kv_heads, dim = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
@@ -330,10 +344,13 @@ class TorchNativeAttnBackend(AttentionBackend):
         assert pool is not None  # ForwardBatch.init_new sets it
         if save_kv_cache and k is not None:
             pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        meta: _DecodeMetadata = forward_batch.attn_metadata
         if not layer.is_plain:
+            if kernel_takes(q, pool.get_key_buffer(layer.layer_id), layer):
+                plain = KernelTables(meta.kv_indices, meta.lens, cascade=meta.cascade)
+                return self._rows_for(forward_batch).attend(q, layer, plain_decode=plain)
             return windowed_decode(q, layer, forward_batch)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
-        meta: _DecodeMetadata = forward_batch.attn_metadata
         bs = q.shape[0]
         num_heads, kv_heads, head_dim = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
         group = num_heads // kv_heads
