@@ -162,8 +162,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         pool = fb.token_to_kv_pool
         assert pool is not None  # ForwardBatch.init_new sets it
         if fb.spec_tree_mask is not None:
-            # Tree drafts: the native kernels and the padded batch know the causal mask only, so
-            # each request runs one SDPA under its own mask.
+            # Tree drafts: each token a row of the decode kernel over the keys its mask shows
+            # (kernel_rows.py, its tables built at the first layer); where the kernel does not take a
+            # layer's call, one SDPA per request under its own mask (its metadata built then).
+            if pool.k_buffer[0].is_cpu and library.attention() is not None:
+                return None
             return self._extend_metadata_per_request(fb)
         # bf16 prefills on the CPU go through the native kernels (K/V read from the pool).
         if (pool.k_buffer[0].is_cpu and pool.dtype == torch.bfloat16 and pool.head_dim % 2 == 0
@@ -251,7 +254,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         q = q.view(-1, num_heads, head_dim)
         out = torch.empty_like(q)
         gqa = num_heads != layer.tp_k_head_num
-        if isinstance(meta, _PaddedExtend):  # no fresh K/V given: fall back to the pool
+        if meta is None or isinstance(meta, _PaddedExtend):  # tree drafts the kernel did not take; no fresh K/V
             meta = self._extend_metadata_per_request(forward_batch)
         for seq in meta:
             if seq.extend_len == 0:
