@@ -9,10 +9,13 @@ decode (the context grew by out-len meanwhile) and their ratio (flat in context:
 tokens/s, and the KV memory: the most KV slots held at once (read from the allocator after every step)
 and the most the windowed layers held, with their bytes. The windowed model runs with the hybrid pool
 (mem_cache/swa_pool.py: --disable-radix-cache, page size 1, torch_native), whose windowed layers keep
-what their windows still see; the full model keeps every token.
+what their windows still see; the full model keeps every token. `windowed-torch` is the windowed model
+again with the native attention kernels switched off: its windowed layers take the torch path
+(layers/attention/windowed.py) instead of the decode kernel's masked rows (kernel_rows.py).
 
   python benchmarks/bench_swa.py                                   # table + bench_swa.json
   python benchmarks/bench_swa.py --prompt-len 512 --out-len 32     # a quick check
+  python benchmarks/bench_swa.py --models windowed,windowed-torch --prompt-len 4096 --out-len 32  # kernel vs torch
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from engine.io_struct import TokenizedGenerateReqInput  # noqa: E402
+from engine.kernels import library  # noqa: E402
 from engine.scheduler.overlap_utils import scheduling_thread  # noqa: E402
 from engine.scheduler.scheduler import Scheduler  # noqa: E402
 from engine.server_args import ServerArgs  # noqa: E402
@@ -157,20 +161,31 @@ def main() -> None:
     ap.add_argument("--dir", default=os.path.join(os.path.expanduser("~"), ".cache", "engine_bench_swa"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="bench_swa.json")
+    ap.add_argument("--models", default="windowed,full", help="of windowed, windowed-torch, full")
     args = ap.parse_args()
+    models = args.models.split(",")
+    if not models or set(models) - {"windowed", "windowed-torch", "full"}:
+        ap.error(f"--models takes windowed, windowed-torch and full, got {args.models!r}")
     paths = checkpoints(args)
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(10, args.vocab - 10) for _ in range(args.prompt_len)] for _ in range(args.batch)]
     results: List[Result] = []
+    switches = library.switches()
     with scheduling_thread():  # as in the scheduler process
-        for path in paths.values():
-            results.append(_run(path, prompts, args))
+        for model in models:
+            kernels = switches[library.Family.ATTENTION]
+            switches[library.Family.ATTENTION] = kernels and model != "windowed-torch"
+            try:
+                results.append(_run(paths[model.split("-")[0]], prompts, args))
+            finally:
+                switches[library.Family.ATTENTION] = kernels
+            results[-1].model = model
     print(f"\nMistral-shaped {args.layers} layers, hidden {args.hidden}, {args.dtype}, window {args.window}; "
           f"batch {args.batch}, prompt {args.prompt_len}, {args.out_len} tokens, chunk {args.chunk}")
-    print(f"{'model':9} {'first ms':>9} {'last ms':>8} {'last/first':>10} {'tok/s':>8} {'peak slots':>10} "
+    print(f"{'model':14} {'first ms':>9} {'last ms':>8} {'last/first':>10} {'tok/s':>8} {'peak slots':>10} "
           f"{'windowed-layer slots':>20} {'their MiB':>9} {'window-bound MiB':>16}")
     for r in results:
-        print(f"{r.model:9} {r.first_steps_ms:9.2f} {r.last_steps_ms:8.2f} {r.last_steps_ms / r.first_steps_ms:10.2f} "
+        print(f"{r.model:14} {r.first_steps_ms:9.2f} {r.last_steps_ms:8.2f} {r.last_steps_ms / r.first_steps_ms:10.2f} "
               f"{r.decode_tok_s:8.1f} {r.peak_kv_slots:10d} {r.peak_window_layer_slots:20d} "
               f"{r.window_layers_kv_bytes / 2**20:9.1f} {r.window_bound_kv_bytes / 2**20:16.1f}")
     with open(args.json, "w") as f:

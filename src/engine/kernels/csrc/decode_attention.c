@@ -27,6 +27,13 @@
  * Zen 1 and up; a portable loop otherwise). The layer's k_scale (and e4m3's 2^8) goes into the score
  * scale, its v_scale into the output's normalisation: no per-element multiply. These pools take the
  * generic paths (the AVX512-BF16 ones read bf16 K/V only).
+ *
+ * Layers that are not plain attention (engine/layers/attention/kernel_rows.py): a logit soft-cap turns a
+ * tile's scaled scores into cap * tanh(score / cap) before its softmax step (every score path; the
+ * bf16 panel phase 1, attend_step.h, has no cap and is not taken with one); a head's sink logit joins
+ * the denominator at the normalisation; row_of / starts let each query row read its own stretch of a
+ * shared table row (the new tokens of an extend, each with its window or causal limit), and a tree
+ * draft's rows list their ancestors after a cascade prefix.
  */
 #include "attend_step.h"
 
