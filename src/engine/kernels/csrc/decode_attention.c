@@ -41,6 +41,13 @@
 #include <immintrin.h>
 #define KV8_AVX2 1
 #endif
+/* With AVX2 every pool dtype takes the register-blocked row products (dot_rows, pv_rows: the rows of a
+ * GQA group share each K/V read); without it fp32 / bf16 keep the plain loops. */
+#if defined(KV8_AVX2)
+#define KV_ROWS_AVX2 1
+#else
+#define KV_ROWS_AVX2 0
+#endif
 
 enum { KV_FP8_E5M2 = 2, KV_FP8_E4M3 = 3 }; /* decode_attention_args_t.kv_dtype, beside DTYPE_F32 / BF16 */
 
@@ -109,10 +116,30 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
+/* Element e of a pool row as float32 (fp8: e4m3 / 2^8), the portable paths' read. */
+static inline float kv_raw(const void *base, int64_t e, int kv_dtype) {
+    if (kv_dtype == DTYPE_F32) return ((const float *)base)[e];
+    if (kv_dtype == DTYPE_BF16) return bf16_to_f32(((const uint16_t *)base)[e]);
+    return fp8_raw(((const uint8_t *)base)[e], kv_dtype);
+}
+
+#if defined(KV8_AVX2)
+/* Elements e .. e + 8 of a pool row as float32 (fp8: e4m3 / 2^8): bf16 and fp8 widened in registers. */
+static inline __attribute__((always_inline)) __m256 kv_widen8(const void *base, int64_t e, int kv_dtype) {
+    if (kv_dtype == DTYPE_F32) return _mm256_loadu_ps((const float *)base + e);
+    if (kv_dtype == DTYPE_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + e))), 16));
+    return fp8_widen8((const uint8_t *)base + e, kv_dtype);
+}
+#endif
+
 /* out[j * out_stride] = q_j . k for the nr query rows q_j = q + j * dim (consecutive in the scratch) that
- * share one fp8 K row k (a GQA group): each 8 elements of k are widened once for all the rows. Unscaled. */
-static void dot_rows_fp8(const float *q, int64_t nr, int64_t dim, const uint8_t *k, int kv_dtype, float *out,
-                         int64_t out_stride) {
+ * share one K row (a GQA group; elements k_off .. of the pool k): each 8 elements of the row are read
+ * (and widened) once for all the rows. Unscaled. Inlined per pool dtype by dot_rows. */
+static inline __attribute__((always_inline)) void dot_rows_as(const float *q, int64_t nr, int64_t dim, const void *k,
+                                                               int64_t k_off, int kv_dtype, float *out,
+                                                               int64_t out_stride) {
     for (int64_t r0 = 0; r0 < nr; r0 += 4) {
         const int64_t n = nr - r0 < 4 ? nr - r0 : 4;
         const float *q0 = q + r0 * dim;
@@ -121,25 +148,38 @@ static void dot_rows_fp8(const float *q, int64_t nr, int64_t dim, const uint8_t 
 #if defined(KV8_AVX2)
         __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
         for (; d + 8 <= dim; d += 8) {
-            const __m256 kv8 = fp8_widen8(k + d, kv_dtype);
+            const __m256 kv8 = kv_widen8(k, k_off + d, kv_dtype);
             for (int64_t j = 0; j < n; j++) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + j * dim + d), kv8, acc[j]);
         }
         for (int64_t j = 0; j < n; j++) sums[j] = hsum8(acc[j]);
 #endif
         for (; d < dim; d++) {
-            const float kd = fp8_raw(k[d], kv_dtype);
+            const float kd = kv_raw(k, k_off + d, kv_dtype);
             for (int64_t j = 0; j < n; j++) sums[j] += q0[j * dim + d] * kd;
         }
         for (int64_t j = 0; j < n; j++) out[(r0 + j) * out_stride] = sums[j];
     }
 }
 
-/* acc_j += sum_i p_j[i] * V_i over a tile's nt keys (fp8 V rows at v + idx[i] * v_stride + koff, unscaled)
- * for the nr accumulator rows acc_j = acc + j * dim that share the KV head, p_j = p + j * p_stride. With
- * AVX2, 4 rows x 16 dimensions of sums stay in registers across the keys, each 16 bytes of a V row widened
- * once for the 4 rows (one pass over a tile's V rows per 16 dimensions: the tile's rows stay in L1). */
-static void pv_rows_fp8(float *acc, int64_t nr, int64_t dim, const float *p, int64_t p_stride, const int64_t *idx,
-                        int64_t nt, const uint8_t *v, int64_t v_stride, int64_t koff, int kv_dtype) {
+static void dot_rows(const float *q, int64_t nr, int64_t dim, const void *k, int64_t k_off, int kv_dtype, float *out,
+                     int64_t out_stride) {
+    switch (kv_dtype) { /* constant kv_dtype in each copy: the widening is chosen once, not per element */
+    case DTYPE_F32: dot_rows_as(q, nr, dim, k, k_off, DTYPE_F32, out, out_stride); break;
+    case DTYPE_BF16: dot_rows_as(q, nr, dim, k, k_off, DTYPE_BF16, out, out_stride); break;
+    case KV_FP8_E5M2: dot_rows_as(q, nr, dim, k, k_off, KV_FP8_E5M2, out, out_stride); break;
+    default: dot_rows_as(q, nr, dim, k, k_off, KV_FP8_E4M3, out, out_stride); break;
+    }
+}
+
+/* acc_j += sum_i p_j[i] * V_i over a tile's nt keys (V rows at element idx[i] * v_stride + koff of the pool
+ * v, unscaled) for the nr accumulator rows acc_j = acc + j * dim that share the KV head, p_j = p + j *
+ * p_stride. With AVX2, 4 rows x 16 dimensions of sums stay in registers across the keys, each 16
+ * elements of a V row read (and widened) once for the 4 rows (one pass over a tile's V rows per 16
+ * dimensions: the tile's rows stay in L1). Inlined per pool dtype by pv_rows. */
+static inline __attribute__((always_inline)) void pv_rows_as(float *acc, int64_t nr, int64_t dim, const float *p,
+                                                              int64_t p_stride, const int64_t *idx, int64_t nt,
+                                                              const void *v, int64_t v_stride, int64_t koff,
+                                                              int kv_dtype) {
     int64_t d0 = 0;
 #if defined(KV8_AVX2)
     for (; d0 + 16 <= dim; d0 += 16)
@@ -151,8 +191,8 @@ static void pv_rows_fp8(float *acc, int64_t nr, int64_t dim, const float *p, int
                 a[j][1] = _mm256_loadu_ps(acc + (r0 + j) * dim + d0 + 8);
             }
             for (int64_t i = 0; i < nt; i++) {
-                const uint8_t *row = v + idx[i] * v_stride + koff + d0;
-                const __m256 w0 = fp8_widen8(row, kv_dtype), w1 = fp8_widen8(row + 8, kv_dtype);
+                const int64_t row = idx[i] * v_stride + koff + d0;
+                const __m256 w0 = kv_widen8(v, row, kv_dtype), w1 = kv_widen8(v, row + 8, kv_dtype);
                 for (int64_t j = 0; j < n; j++) {
                     const __m256 pj = _mm256_broadcast_ss(p + (r0 + j) * p_stride + i);
                     a[j][0] = _mm256_fmadd_ps(pj, w0, a[j][0]);
@@ -167,12 +207,22 @@ static void pv_rows_fp8(float *acc, int64_t nr, int64_t dim, const float *p, int
 #endif
     if (d0 == dim) return;
     for (int64_t i = 0; i < nt; i++) { /* the dimensions past the last 16 (all of them without AVX2) */
-        const uint8_t *row = v + idx[i] * v_stride + koff;
+        const int64_t row = idx[i] * v_stride + koff;
         for (int64_t j = 0; j < nr; j++) {
             const float pj = p[j * p_stride + i];
             float *a = acc + j * dim;
-            for (int64_t d = d0; d < dim; d++) a[d] += pj * fp8_raw(row[d], kv_dtype);
+            for (int64_t d = d0; d < dim; d++) a[d] += pj * kv_raw(v, row + d, kv_dtype);
         }
+    }
+}
+
+static void pv_rows(float *acc, int64_t nr, int64_t dim, const float *p, int64_t p_stride, const int64_t *idx,
+                    int64_t nt, const void *v, int64_t v_stride, int64_t koff, int kv_dtype) {
+    switch (kv_dtype) {
+    case DTYPE_F32: pv_rows_as(acc, nr, dim, p, p_stride, idx, nt, v, v_stride, koff, DTYPE_F32); break;
+    case DTYPE_BF16: pv_rows_as(acc, nr, dim, p, p_stride, idx, nt, v, v_stride, koff, DTYPE_BF16); break;
+    case KV_FP8_E5M2: pv_rows_as(acc, nr, dim, p, p_stride, idx, nt, v, v_stride, koff, KV_FP8_E5M2); break;
+    default: pv_rows_as(acc, nr, dim, p, p_stride, idx, nt, v, v_stride, koff, KV_FP8_E4M3); break;
     }
 }
 
@@ -341,13 +391,15 @@ static void score_tile(work_t *w, int64_t rows, const int64_t *idx, int64_t n, c
         return;
     }
 #endif
-    if (kv_fp8(kv)) {
-        for (int64_t i = 0; i < n; i++)
-            for (int64_t r = 0, run; r < rows; r += run) {
-                run = same_head_run(w->koff, r, rows);
-                dot_rows_fp8(w->qf + r * dim, run, dim, (const uint8_t *)kv->k + idx[i] * kv->k_stride + w->koff[r],
-                             kv->kv_dtype, w->scores + r * TILE + i, TILE);
-            }
+    if (kv_fp8(kv) || KV_ROWS_AVX2) { /* fp8 always; every pool dtype with AVX2 */
+        /* Rows outer: a run's q rows stay in L1 over the tile's K rows, which stay in L2 for the next run
+         * (a cascade's phase 1 has thousands of rows: an extend's new tokens over their prefix). */
+        for (int64_t r = 0, run; r < rows; r += run) {
+            run = same_head_run(w->koff, r, rows);
+            for (int64_t i = 0; i < n; i++)
+                dot_rows(w->qf + r * dim, run, dim, kv->k, idx[i] * kv->k_stride + w->koff[r], kv->kv_dtype,
+                         w->scores + r * TILE + i, TILE);
+        }
         for (int64_t r = 0; r < rows; r++)
             for (int64_t i = 0; i < n; i++) w->scores[r * TILE + i] *= kv->scale;
         return;
@@ -481,11 +533,11 @@ static void attend(work_t *w, int64_t rows, const int64_t *idx, int64_t n, const
             continue;
         }
 #endif
-        if (kv_fp8(kv)) {
+        if (kv_fp8(kv) || KV_ROWS_AVX2) {
             for (int64_t r = 0, run; r < rows; r += run) {
                 run = same_head_run(w->koff, r, rows);
-                pv_rows_fp8(w->acc + r * dim, run, dim, w->scores + r * TILE, TILE, idx + i0, nt,
-                            (const uint8_t *)kv->v, kv->v_stride, w->koff[r], kv->kv_dtype);
+                pv_rows(w->acc + r * dim, run, dim, w->scores + r * TILE, TILE, idx + i0, nt, kv->v, kv->v_stride,
+                        w->koff[r], kv->kv_dtype);
             }
             continue;
         }

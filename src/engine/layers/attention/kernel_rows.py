@@ -141,8 +141,17 @@ def _extend_rows(fb: "ForwardBatch", window: int) -> KernelTables:
     token_starts = torch.cumsum(ext, 0) - ext
     positions = prefix[row_of] + torch.arange(int(ext.sum()), device=device) - token_starts[row_of]
     visible_from = (positions - window + 1).clamp(min=0) if window > 0 else torch.zeros_like(positions)
-    rows = attention_kernels.RowTables(row_of.contiguous(), (visible_from - first[row_of]).contiguous())
-    return KernelTables(kv_indices, (positions + 1 - visible_from).contiguous(), rows)
+    if window > 0 or not any(n > 0 for n in prefix.tolist()):
+        rows = attention_kernels.RowTables(row_of.contiguous(), (visible_from - first[row_of]).contiguous())
+        return KernelTables(kv_indices, (positions + 1 - visible_from).contiguous(), rows)
+    # Unwindowed with a cached prefix: every new token of a request sees its whole prefix, a cascade
+    # group read once per KV head for all of them; each row then reads its new tokens up to itself.
+    groups = [i for i, n in enumerate(prefix.tolist()) if n > 0]
+    members = [torch.arange(int(token_starts[i]), int(token_starts[i] + ext[i])) for i in groups]
+    prefixes = [kv_indices[i, :int(prefix[i])] for i in groups]
+    cascade = _request_groups(members, prefixes, int(ext.sum()))
+    rows = attention_kernels.RowTables(row_of.contiguous(), prefix[row_of].contiguous())
+    return KernelTables(kv_indices, (positions + 1 - prefix[row_of]).contiguous(), rows, cascade)
 
 
 def _tree_rows(fb: "ForwardBatch") -> KernelTables:
