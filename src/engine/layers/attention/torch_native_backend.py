@@ -126,6 +126,7 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ metadata
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
+        self._kernel_rows = None  # a batch's fields may change between forwards of one object (drafting steps)
         if isinstance(forward_batch.token_to_kv_pool, MLATokenToKVPool):  # K and V of different sizes: mla_torch.py
             forward_batch.attn_metadata = mla_metadata(forward_batch)
         elif forward_batch.forward_mode.is_decode():
