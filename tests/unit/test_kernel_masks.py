@@ -16,6 +16,7 @@ import torch
 from engine.kernels import attention as attention_kernels
 from engine.kernels import library
 from engine.layers.attention import windowed
+from engine.layers.attention import kernel_rows
 from engine.layers.attention.kernel_rows import KernelRows, kernel_takes
 from engine.layers.radix_attention import RadixAttention
 from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -121,9 +122,13 @@ def test_decode_rows_match_the_reference(heads, kv_heads, dim, window, cap, sink
     assert (got.double() - torch_path.double()).abs().max().item() < TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("heads,kv_heads,dim,window,cap,sinks,dtype,page", CASES)
-def test_extend_rows_match_the_reference(heads, kv_heads, dim, window, cap, sinks, dtype, page):
-    """A prompt without prefix, a chunk after a prefix, a fully cached prompt's last token, an empty one."""
+@pytest.mark.parametrize("heads,kv_heads,dim,window,cap,sinks,dtype,page", CASES + [
+    pytest.param(4, 2, 64, -1, 10.0, True, torch.bfloat16, 1, id="no-cascade")])
+def test_extend_rows_match_the_reference(heads, kv_heads, dim, window, cap, sinks, dtype, page, request, monkeypatch):
+    """A prompt without prefix, a chunk after a prefix, a fully cached prompt's last token, an empty one;
+    an unwindowed layer's prefix as a cascade group, or (no-cascade: where the cascade would take bf16
+    panels) in each row's stretch."""
+    monkeypatch.setattr(kernel_rows, "_panel_phase", lambda pool: request.node.callspec.id == "no-cascade")
     gen = torch.Generator().manual_seed(heads * dim + page)
     seq_lens, ext_lens = [50, 66, 201, 30], [50, 29, 1, 0]
     pool, reqs = _pool_and_table(seq_lens, kv_heads, dim, dtype, page, gen)
@@ -166,9 +171,12 @@ def _tree_parents(gen: torch.Generator, n: int) -> List[int]:
     return [int(torch.randint(0, i + 1, (1,), generator=gen)) for i in range(n - 1)]
 
 
-@pytest.mark.parametrize("dtype,dim,page", [(torch.float32, 64, 1), (torch.float32, 128, 16), (torch.bfloat16, 64, 1)])
-def test_tree_rows_match_the_reference(dtype, dim, page):
-    """Each draft sees the request's keys before the tree and its ancestors (and itself) in the tree."""
+@pytest.mark.parametrize("dtype,dim,page,cascade", [(torch.float32, 64, 1, True), (torch.float32, 128, 16, True),
+                                                   (torch.bfloat16, 64, 1, True), (torch.float32, 64, 16, False)])
+def test_tree_rows_match_the_reference(dtype, dim, page, cascade, monkeypatch):
+    """Each draft sees the request's keys before the tree and its ancestors (and itself) in the tree:
+    those before it as a cascade group, or (where the cascade would take bf16 panels) in each row's list."""
+    monkeypatch.setattr(kernel_rows, "_panel_phase", lambda pool: not cascade)
     gen = torch.Generator().manual_seed(dim + page)
     heads, kv_heads = 8, 2
     nodes = [6, 1, 8]

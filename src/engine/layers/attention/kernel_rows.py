@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Tuple
 import torch
 
 from engine.kernels import attention as attention_kernels
+from engine.kernels import library
 
 if TYPE_CHECKING:
     from engine.layers.radix_attention import RadixAttention
@@ -82,18 +83,29 @@ class KernelRows:
         key = (kind, window, mapped)
         tables = self._tables.get(key)
         if tables is None:
+            cascade = not _panel_phase(pool)
             if kind == "tree":
-                tables = _tree_rows(fb)
-            elif kind == "decode" and window == 0 and plain_decode is not None:
+                tables = _tree_rows(fb, cascade)
+            elif kind == "decode" and window == 0 and plain_decode is not None and (
+                    cascade or plain_decode.cascade is None):
                 tables = plain_decode
             elif kind == "decode":
                 tables = _decode_rows(fb, window)
             else:
-                tables = _extend_rows(fb, window)
+                tables = _extend_rows(fb, window, cascade)
             if mapped:  # the layer's own slots (the same map for every windowed layer)
                 tables = _translated(tables, pool, layer.layer_id)
             self._tables[key] = tables
         return tables
+
+
+def _panel_phase(pool: "MHATokenToKVPool") -> bool:
+    """Whether the kernel's cascade reads a bf16 pool's prefixes as packed panels (attend_step.h, on
+    AVX512-BF16 CPUs): a path these rows are not tested on (no such CPU where they were written), so
+    they take no cascade there: each row lists its prefix itself."""
+    lib = library.attention()
+    return (pool.dtype == torch.bfloat16 and lib is not None
+            and lib.kept_prefix_elems(1, pool.head_num, pool.head_dim) != 0)
 
 
 def _translated(tables: KernelTables, pool: "MHATokenToKVPool", layer_id: int) -> KernelTables:
@@ -119,7 +131,7 @@ def _decode_rows(fb: "ForwardBatch", window: int) -> KernelTables:
     return KernelTables(torch.where(valid, slots, torch.zeros_like(slots)).contiguous(), spans.contiguous())
 
 
-def _extend_rows(fb: "ForwardBatch", window: int) -> KernelTables:
+def _extend_rows(fb: "ForwardBatch", window: int, cascade: bool = True) -> KernelTables:
     """One row per new token, at position p: the keys (p - window, p] (0..p without a window) of its
     request's table row, which starts at its first new token's first visible key."""
     # ForwardBatch.init_new sets these for an extend batch.
@@ -141,7 +153,7 @@ def _extend_rows(fb: "ForwardBatch", window: int) -> KernelTables:
     token_starts = torch.cumsum(ext, 0) - ext
     positions = prefix[row_of] + torch.arange(int(ext.sum()), device=device) - token_starts[row_of]
     visible_from = (positions - window + 1).clamp(min=0) if window > 0 else torch.zeros_like(positions)
-    if window > 0 or not any(n > 0 for n in prefix.tolist()):
+    if window > 0 or not cascade or not any(n > 0 for n in prefix.tolist()):
         rows = attention_kernels.RowTables(row_of.contiguous(), (visible_from - first[row_of]).contiguous())
         return KernelTables(kv_indices, (positions + 1 - visible_from).contiguous(), rows)
     # Unwindowed with a cached prefix: every new token of a request sees its whole prefix, a cascade
@@ -149,14 +161,15 @@ def _extend_rows(fb: "ForwardBatch", window: int) -> KernelTables:
     groups = [i for i, n in enumerate(prefix.tolist()) if n > 0]
     members = [torch.arange(int(token_starts[i]), int(token_starts[i] + ext[i])) for i in groups]
     prefixes = [kv_indices[i, :int(prefix[i])] for i in groups]
-    cascade = _request_groups(members, prefixes, int(ext.sum()))
+    groups_table = _request_groups(members, prefixes, int(ext.sum()))
     rows = attention_kernels.RowTables(row_of.contiguous(), prefix[row_of].contiguous())
-    return KernelTables(kv_indices, (positions + 1 - prefix[row_of]).contiguous(), rows, cascade)
+    return KernelTables(kv_indices, (positions + 1 - prefix[row_of]).contiguous(), rows, groups_table)
 
 
-def _tree_rows(fb: "ForwardBatch") -> KernelTables:
+def _tree_rows(fb: "ForwardBatch", cascade: bool = True) -> KernelTables:
     """One row per new token: the tree nodes its mask shows, after the request's keys before the tree
-    block, which every row of the request sees: a cascade group per request (read once for its rows)."""
+    block, which every row of the request sees: a cascade group per request (read once for its rows;
+    without `cascade`, listed in each row)."""
     # ForwardBatch.init_new sets these for an extend batch; set_tree_mask the widths.
     assert fb.req_to_token_pool is not None and fb.extend_seq_lens_cpu is not None
     assert fb.spec_tree_widths_cpu is not None
@@ -178,9 +191,14 @@ def _tree_rows(fb: "ForwardBatch") -> KernelTables:
         # Each row's visible nodes first, in order: the positions of hidden ones sort past them.
         order = torch.where(block, positions, width).sort(dim=1).values.clamp(max=width - 1)
         count = block.sum(1)
-        lists.append(torch.where(positions < count.unsqueeze(1), nodes[order], 0))
+        listed = torch.where(positions < count.unsqueeze(1), nodes[order], 0)
+        if not cascade and seq_len > width:
+            before = table[row, :seq_len - width].long()
+            listed = torch.cat([before.expand(ext_len, -1), listed], dim=1)
+            count = count + before.numel()
+        lists.append(listed)
         counts.append(count)
-        if seq_len > width:
+        if cascade and seq_len > width:
             members.append(torch.arange(first_row, first_row + ext_len))
             prefixes.append(table[row, :seq_len - width].long())
         first_row += ext_len
