@@ -9,10 +9,19 @@ decode (the context grew by out-len meanwhile) and their ratio (flat in context:
 tokens/s, and the KV memory: the most KV slots held at once (read from the allocator after every step)
 and the most the windowed layers held, with their bytes. The windowed model runs with the hybrid pool
 (mem_cache/swa_pool.py: --disable-radix-cache, page size 1, torch_native), whose windowed layers keep
-what their windows still see; the full model keeps every token.
+what their windows still see; the full model keeps every token. `windowed-torch` is the windowed model
+again with the native attention kernels switched off: its windowed layers take the torch path
+(layers/attention/windowed.py) instead of the decode kernel's masked rows (kernel_rows.py).
 
   python benchmarks/bench_swa.py                                   # table + bench_swa.json
   python benchmarks/bench_swa.py --prompt-len 512 --out-len 32     # a quick check
+  python benchmarks/bench_swa.py --models windowed,windowed-torch --prompt-len 4096 --out-len 32  # kernel vs torch
+  python benchmarks/bench_swa.py --layer-contexts 1024,4096        # one windowed layer's decode attention
+
+--layer-contexts times one windowed layer's decode attention alone (--batch requests at each context,
+the model's head shape and window, a float32 pool), the kernel's masked rows against the torch path,
+interleaved, fastest of --layer-repeats each: on a shared machine the fastest run is the one least
+disturbed, where whole steps' medians swing with the load.
 """
 
 from __future__ import annotations
@@ -32,6 +41,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from engine.io_struct import TokenizedGenerateReqInput  # noqa: E402
+from engine.kernels import library  # noqa: E402
 from engine.scheduler.overlap_utils import scheduling_thread  # noqa: E402
 from engine.scheduler.scheduler import Scheduler  # noqa: E402
 from engine.server_args import ServerArgs  # noqa: E402
@@ -141,6 +151,43 @@ def _run(path: str, prompts: List[List[int]], args: argparse.Namespace) -> Resul
                   peak_window, peak_window * per_slot, bound)
 
 
+def layer_decode(args: argparse.Namespace, context: int) -> Dict[str, float]:
+    """{"kernel": ms, "torch": ms}: the fastest of --layer-repeats decode attentions of one windowed layer."""
+    from engine.layers.attention import windowed
+    from engine.layers.attention.kernel_rows import KernelRows
+    from engine.layers.radix_attention import RadixAttention
+    from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from engine.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+
+    gen = torch.Generator().manual_seed(0)
+    dim = args.hidden // args.heads
+    slots = args.batch * context
+    pool = MHATokenToKVPool(slots, 1, torch.float32, args.kv_heads, dim, 1)
+    every = torch.arange(1, slots + 1)
+    pool.set_kv_buffer(0, every, torch.randn(slots, args.kv_heads, dim, generator=gen),
+                       torch.randn(slots, args.kv_heads, dim, generator=gen))
+    reqs = ReqToTokenPool(args.batch, context)
+    reqs.req_to_token[1:] = every.view(args.batch, context).to(torch.int32)
+    seq_lens = [context] * args.batch
+    fb = ForwardBatch(forward_mode=ForwardMode.DECODE, batch_size=args.batch,
+                      input_ids=torch.zeros(args.batch, dtype=torch.int64), positions=torch.tensor(seq_lens) - 1,
+                      req_pool_indices=torch.arange(1, args.batch + 1), seq_lens=torch.tensor(seq_lens),
+                      seq_lens_cpu=seq_lens, out_cache_loc=every[:args.batch], seq_lens_sum=sum(seq_lens),
+                      req_to_token_pool=reqs, token_to_kv_pool=pool)
+    layer = RadixAttention(args.heads, dim, dim ** -0.5, args.kv_heads, 0, sliding_window_size=args.window)
+    q = torch.randn(args.batch, args.heads * dim, generator=gen)
+    rows = KernelRows(fb)  # a forward builds the tables once for all its windowed layers
+    paths = {"kernel": lambda: rows.attend(q, layer), "torch": lambda: windowed.windowed_decode(q, layer, fb)}
+    best = {name: float("inf") for name in paths}
+    with torch.inference_mode():
+        for _ in range(args.layer_repeats):
+            for name, run in paths.items():
+                t = time.perf_counter()
+                run()
+                best[name] = min(best[name], (time.perf_counter() - t) * 1e3)
+    return best
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--layers", type=int, default=4)
@@ -157,20 +204,44 @@ def main() -> None:
     ap.add_argument("--dir", default=os.path.join(os.path.expanduser("~"), ".cache", "engine_bench_swa"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--json", default="bench_swa.json")
+    ap.add_argument("--models", default="windowed,full", help="of windowed, windowed-torch, full")
+    ap.add_argument("--layer-contexts", default="", help="comma-separated contexts: time one layer's decode only")
+    ap.add_argument("--layer-repeats", type=int, default=50)
     args = ap.parse_args()
+    if args.layer_contexts:
+        rows = {int(c): layer_decode(args, int(c)) for c in args.layer_contexts.split(",")}
+        print(f"\nOne windowed layer's decode attention: {args.heads} heads / {args.kv_heads} KV heads of "
+              f"{args.hidden // args.heads}, window {args.window}, batch {args.batch}, float32; fastest of "
+              f"{args.layer_repeats}")
+        print(f"{'context':>8} {'kernel ms':>10} {'torch ms':>9} {'torch / kernel':>14}")
+        for context, best in rows.items():
+            print(f"{context:8d} {best['kernel']:10.3f} {best['torch']:9.3f} {best['torch'] / best['kernel']:14.1f}")
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "layer_decode_ms": rows}, f, indent=2)
+        return
+    models = args.models.split(",")
+    if not models or set(models) - {"windowed", "windowed-torch", "full"}:
+        ap.error(f"--models takes windowed, windowed-torch and full, got {args.models!r}")
     paths = checkpoints(args)
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(10, args.vocab - 10) for _ in range(args.prompt_len)] for _ in range(args.batch)]
     results: List[Result] = []
+    switches = library.switches()
     with scheduling_thread():  # as in the scheduler process
-        for path in paths.values():
-            results.append(_run(path, prompts, args))
+        for model in models:
+            kernels = switches[library.Family.ATTENTION]
+            switches[library.Family.ATTENTION] = kernels and model != "windowed-torch"
+            try:
+                results.append(_run(paths[model.split("-")[0]], prompts, args))
+            finally:
+                switches[library.Family.ATTENTION] = kernels
+            results[-1].model = model
     print(f"\nMistral-shaped {args.layers} layers, hidden {args.hidden}, {args.dtype}, window {args.window}; "
           f"batch {args.batch}, prompt {args.prompt_len}, {args.out_len} tokens, chunk {args.chunk}")
-    print(f"{'model':9} {'first ms':>9} {'last ms':>8} {'last/first':>10} {'tok/s':>8} {'peak slots':>10} "
+    print(f"{'model':14} {'first ms':>9} {'last ms':>8} {'last/first':>10} {'tok/s':>8} {'peak slots':>10} "
           f"{'windowed-layer slots':>20} {'their MiB':>9} {'window-bound MiB':>16}")
     for r in results:
-        print(f"{r.model:9} {r.first_steps_ms:9.2f} {r.last_steps_ms:8.2f} {r.last_steps_ms / r.first_steps_ms:10.2f} "
+        print(f"{r.model:14} {r.first_steps_ms:9.2f} {r.last_steps_ms:8.2f} {r.last_steps_ms / r.first_steps_ms:10.2f} "
               f"{r.decode_tok_s:8.1f} {r.peak_kv_slots:10d} {r.peak_window_layer_slots:20d} "
               f"{r.window_layers_kv_bytes / 2**20:9.1f} {r.window_bound_kv_bytes / 2**20:16.1f}")
     with open(args.json, "w") as f:

@@ -23,6 +23,21 @@ from engine.speculative.tree import DraftTree, TreeShape, accept_tree, grow_tree
 N_NEW = 24
 
 
+@pytest.fixture(autouse=True)
+def tree_kernel_only(monkeypatch):
+    """Tree-masked forwards here (float32 and bf16 on the CPU) run on the native decode kernel's rows
+    (layers/attention/kernel_rows.py): the per-request masked SDPA they replace fails if it is built."""
+    from engine.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+    per_request = TorchNativeAttnBackend._extend_metadata_per_request
+
+    def checked(self, fb):
+        assert fb.spec_tree_mask is None, "a tree batch took the per-request SDPA where the kernel takes it"
+        return per_request(self, fb)
+
+    monkeypatch.setattr(TorchNativeAttnBackend, "_extend_metadata_per_request", checked)
+
+
 @pytest.fixture(scope="module")
 def tiny():
     from engine.builtin_model import ensure_builtin_model
@@ -338,9 +353,9 @@ TREES = [[0, 0, 1, 1, 2], [0, 1, 2], [0, 0, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11
 @pytest.mark.parametrize("page_size,dtype,covered", [(1, torch.float32, None), (16, torch.bfloat16, [5, 0, 20]),
                                                     (16, torch.float32, [3, 0, 0])])
 def test_torch_native_tree_mask_matches_dense_reference(page_size, dtype, covered):
-    """The per-request masked SDPA (bf16 on the CPU too: the native extend kernels, causal only,
-    are bypassed for tree masks); requests with and without a prefix, one of 40 tokens; with some
-    cached keys under the mask too (a draft's tree step)."""
+    """The decode kernel's rows under each request's mask (bf16 on the CPU too: the native extend
+    kernel is causal only), the per-request masked SDPA refused by tree_kernel_only; requests with and
+    without a prefix, one of 40 tokens; with some cached keys under the mask too (a draft's tree step)."""
     from engine.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from engine.layers.radix_attention import RadixAttention
 

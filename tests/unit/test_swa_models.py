@@ -38,6 +38,19 @@ class _Tok:
         return [ord(c) - ord("a") for c in text]
 
 
+@pytest.fixture(autouse=True)
+def kernel_path_only(monkeypatch):
+    """Every windowed, soft-capped or sink layer here (float32 or bf16 on the CPU) runs on the native
+    kernel's masked rows (layers/attention/kernel_rows.py): the torch path they replace fails if taken."""
+    from engine.layers.attention import torch_native_backend
+
+    def taken(*args, **kwargs):
+        raise AssertionError("the windowed torch path was taken where the kernel takes the call")
+
+    monkeypatch.setattr(torch_native_backend, "windowed_decode", taken)
+    monkeypatch.setattr(torch_native_backend, "windowed_extend", taken)
+
+
 @pytest.fixture(scope="module", params=ARCHS)
 def swa_model(request, tmp_path_factory):
     arch = request.param
@@ -105,8 +118,8 @@ def test_scheduler_greedy_equals_transformers(swa_model, config):
 
 
 def test_bfloat16_decode_stays_close_to_float32(swa_model):
-    """bf16 on the CPU: the windowed layers leave the native kernels (and the native decode chain) for
-    the windowed torch path; prefill and a decode step past the window stay as close to float32 as
+    """bf16 on the CPU: the windowed layers leave the native decode chain for the kernel's masked rows;
+    prefill and a decode step past the window stay as close to float32 as
     transformers' own bf16 run does (within 2x of its error: Gemma's scaled embeddings and four norms a
     layer put that at a few percent of the largest logit on these random weights)."""
     import copy

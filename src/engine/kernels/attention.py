@@ -51,6 +51,15 @@ class CascadeTables:
 
 
 @dataclass
+class RowTables:
+    """Where each query row of decode_attention reads its slots: row `row_of[b]` of kv_indices from entry
+    `starts[b]` on (int64 [bs] each), so that one request's new tokens share its table row."""
+
+    row_of: torch.Tensor
+    starts: torch.Tensor
+
+
+@dataclass
 class ExtendTables:
     """An extend batch in the prefill kernel's layout (int64 CPU tensors)."""
 
@@ -83,14 +92,18 @@ def extend_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
 def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, kv_indices: torch.Tensor,
                      lens: torch.Tensor, num_heads: int, kv_heads: int, head_dim: int, scale: float,
                      cascade: Optional[CascadeTables] = None, layer_id: int = 0,
-                     kv_scales: Tuple[float, float] = (1.0, 1.0)) -> torch.Tensor:
+                     kv_scales: Tuple[float, float] = (1.0, 1.0), logit_cap: float = 0.0,
+                     sinks: Optional[torch.Tensor] = None, rows: Optional[RowTables] = None) -> torch.Tensor:
     """Attention of one query token per request over pool slots `kv_indices[b, :lens[b]]`, preceded,
     for the members of a cascade group, by the group's shared prefix slots (read once per group;
     `layer_id` picks the layer's row of the cascade's kept panels). An fp8 pool's elements are read as
-    kv_scales[0] * stored (K) and kv_scales[1] * stored (V).
+    kv_scales[0] * stored (K) and kv_scales[1] * stored (V). logit_cap > 0: scores become
+    cap * tanh(score / cap) (Gemma 2); sinks [num_heads]: a logit per query head in the softmax's
+    denominator only (gpt-oss). rows: query row b reads `kv_indices[rows.row_of[b], rows.starts[b]:][:lens[b]]`
+    instead of its own table row (the new tokens of one request share its row, each its own window).
 
     q [bs, num_heads * head_dim]; k_buf, v_buf [num_slots, kv_heads, head_dim]; kv_indices
-    [bs, max_len] int64; lens [bs] int64. Returns the output shaped like q.
+    [rows, max_len] int64; lens [bs] int64. Returns the output shaped like q.
     """
     lib = _kernels()
     q = q.contiguous()
@@ -104,7 +117,17 @@ def decode_attention(q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor, 
         lens=lens.data_ptr(), max_len=kv_indices.shape[1], bs=q.shape[0], heads=num_heads, kv_heads=kv_heads,
         dim=head_dim, k_stride=k_buf.stride(0), v_stride=v_buf.stride(0), scale=scale, dtype=_DTYPES[q.dtype],
         kv_dtype=_KV_DTYPES[k_buf.dtype], k_scale=kv_scales[0], v_scale=kv_scales[1],
-        out=out.data_ptr(), num_threads=torch.get_num_threads())  # the cascade's fields: 0 / NULL, none
+        out=out.data_ptr(), num_threads=torch.get_num_threads(),  # the cascade's fields: 0 / NULL, none
+        logit_cap=logit_cap)
+    if sinks is not None:
+        sinks = sinks.detach().to(torch.float32).contiguous()
+        assert sinks.numel() == num_heads
+        args.sinks = sinks.data_ptr()
+    if rows is not None:
+        assert rows.row_of.numel() == q.shape[0] and rows.starts.numel() == q.shape[0]
+        args.row_of, args.starts = rows.row_of.data_ptr(), rows.starts.data_ptr()
+    else:
+        assert kv_indices.shape[0] == q.shape[0]
     if cascade is not None and cascade.prefix_lens.numel():
         args.num_groups, args.max_prefix = cascade.prefix_lens.numel(), cascade.prefix_indices.shape[1]
         args.group_offsets, args.group_members = cascade.group_offsets.data_ptr(), cascade.members.data_ptr()

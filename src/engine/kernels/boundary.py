@@ -52,7 +52,8 @@ class DecodeAttentionArgs(ctypes.Structure):  # decode_attention_args_t
                 ("scale", _F32), ("dtype", _INT), ("kv_dtype", _INT), ("k_scale", _F32), ("v_scale", _F32),
                 ("out", _P), ("num_groups", _I64), ("group_offsets", _P),
                 ("group_members", _P), ("prefix_indices", _P), ("prefix_lens", _P), ("max_prefix", _I64),
-                ("group_of", _P), ("kept", _P), ("kept_tokens", _P), ("num_threads", _INT)]
+                ("group_of", _P), ("kept", _P), ("kept_tokens", _P), ("logit_cap", _F32), ("sinks", _P),
+                ("row_of", _P), ("starts", _P), ("num_threads", _INT)]
 
 
 class ExtendAttentionArgs(ctypes.Structure):  # extend_attention_args_t

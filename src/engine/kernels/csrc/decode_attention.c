@@ -27,12 +27,26 @@
  * Zen 1 and up; a portable loop otherwise). The layer's k_scale (and e4m3's 2^8) goes into the score
  * scale, its v_scale into the output's normalisation: no per-element multiply. These pools take the
  * generic paths (the AVX512-BF16 ones read bf16 K/V only).
+ *
+ * Layers that are not plain attention (engine/layers/attention/kernel_rows.py): a logit soft-cap turns a
+ * tile's scaled scores into cap * tanh(score / cap) before its softmax step (every score path; the
+ * bf16 panel phase 1, attend_step.h, has no cap and is not taken with one); a head's sink logit joins
+ * the denominator at the normalisation; row_of / starts let each query row read its own stretch of a
+ * shared table row (the new tokens of an extend, each with its window or causal limit), and a tree
+ * draft's rows list their ancestors after a cascade prefix.
  */
 #include "attend_step.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define KV8_AVX2 1
+#endif
+/* With AVX2 every pool dtype takes the register-blocked row products (dot_rows, pv_rows: the rows of a
+ * GQA group share each K/V read); without it fp32 / bf16 keep the plain loops. */
+#if defined(KV8_AVX2)
+#define KV_ROWS_AVX2 1
+#else
+#define KV_ROWS_AVX2 0
 #endif
 
 enum { KV_FP8_E5M2 = 2, KV_FP8_E4M3 = 3 }; /* decode_attention_args_t.kv_dtype, beside DTYPE_F32 / BF16 */
@@ -47,6 +61,7 @@ typedef struct {
     float scale;  /* of the scores: the softmax scale times an fp8 pool's k_scale (and e4m3's 2^8) */
     int kv_dtype; /* the pool's: dtype, or KV_FP8_* */
     float v_scale; /* the outputs' factor: an fp8 pool's v_scale (and e4m3's 2^8), else 1 */
+    float cap;     /* the logit soft-cap of the scaled scores (Gemma 2), 0: none */
 } kv_t;
 
 static inline int kv_fp8(const kv_t *kv) { return kv->kv_dtype == KV_FP8_E5M2 || kv->kv_dtype == KV_FP8_E4M3; }
@@ -74,6 +89,25 @@ static inline __attribute__((always_inline)) __m256 fp8_widen8(const uint8_t *p,
     return _mm256_cvtph_ps(half);
 }
 
+/* exp(x) for x <= 0, 8 lanes: Cephes' polynomial after the range reduction by ln 2, as exp512. */
+static inline __m256 exp256_neg(__m256 x) {
+    x = _mm256_max_ps(x, _mm256_set1_ps(-87.3f));
+    const __m256 k = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(k, _mm256_set1_ps(0.693359375f), x);
+    r = _mm256_fnmadd_ps(k, _mm256_set1_ps(-2.12194440e-4f), r);
+    __m256 p = _mm256_set1_ps(1.9875691500e-4f);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
+    p = _mm256_fmadd_ps(p, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.f)));
+    /* times 2^k, k in [-126, 0]: k + 127 in the exponent field */
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
+}
+
 static inline float hsum8(__m256 v) {
     __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
     s = _mm_add_ps(s, _mm_movehl_ps(s, s));
@@ -82,10 +116,30 @@ static inline float hsum8(__m256 v) {
 }
 #endif
 
+/* Element e of a pool row as float32 (fp8: e4m3 / 2^8), the portable paths' read. */
+static inline float kv_raw(const void *base, int64_t e, int kv_dtype) {
+    if (kv_dtype == DTYPE_F32) return ((const float *)base)[e];
+    if (kv_dtype == DTYPE_BF16) return bf16_to_f32(((const uint16_t *)base)[e]);
+    return fp8_raw(((const uint8_t *)base)[e], kv_dtype);
+}
+
+#if defined(KV8_AVX2)
+/* Elements e .. e + 8 of a pool row as float32 (fp8: e4m3 / 2^8): bf16 and fp8 widened in registers. */
+static inline __attribute__((always_inline)) __m256 kv_widen8(const void *base, int64_t e, int kv_dtype) {
+    if (kv_dtype == DTYPE_F32) return _mm256_loadu_ps((const float *)base + e);
+    if (kv_dtype == DTYPE_BF16)
+        return _mm256_castsi256_ps(_mm256_slli_epi32(
+            _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)((const uint16_t *)base + e))), 16));
+    return fp8_widen8((const uint8_t *)base + e, kv_dtype);
+}
+#endif
+
 /* out[j * out_stride] = q_j . k for the nr query rows q_j = q + j * dim (consecutive in the scratch) that
- * share one fp8 K row k (a GQA group): each 8 elements of k are widened once for all the rows. Unscaled. */
-static void dot_rows_fp8(const float *q, int64_t nr, int64_t dim, const uint8_t *k, int kv_dtype, float *out,
-                         int64_t out_stride) {
+ * share one K row (a GQA group; elements k_off .. of the pool k): each 8 elements of the row are read
+ * (and widened) once for all the rows. Unscaled. Inlined per pool dtype by dot_rows. */
+static inline __attribute__((always_inline)) void dot_rows_as(const float *q, int64_t nr, int64_t dim, const void *k,
+                                                               int64_t k_off, int kv_dtype, float *out,
+                                                               int64_t out_stride) {
     for (int64_t r0 = 0; r0 < nr; r0 += 4) {
         const int64_t n = nr - r0 < 4 ? nr - r0 : 4;
         const float *q0 = q + r0 * dim;
@@ -94,25 +148,38 @@ static void dot_rows_fp8(const float *q, int64_t nr, int64_t dim, const uint8_t 
 #if defined(KV8_AVX2)
         __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
         for (; d + 8 <= dim; d += 8) {
-            const __m256 kv8 = fp8_widen8(k + d, kv_dtype);
+            const __m256 kv8 = kv_widen8(k, k_off + d, kv_dtype);
             for (int64_t j = 0; j < n; j++) acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(q0 + j * dim + d), kv8, acc[j]);
         }
         for (int64_t j = 0; j < n; j++) sums[j] = hsum8(acc[j]);
 #endif
         for (; d < dim; d++) {
-            const float kd = fp8_raw(k[d], kv_dtype);
+            const float kd = kv_raw(k, k_off + d, kv_dtype);
             for (int64_t j = 0; j < n; j++) sums[j] += q0[j * dim + d] * kd;
         }
         for (int64_t j = 0; j < n; j++) out[(r0 + j) * out_stride] = sums[j];
     }
 }
 
-/* acc_j += sum_i p_j[i] * V_i over a tile's nt keys (fp8 V rows at v + idx[i] * v_stride + koff, unscaled)
- * for the nr accumulator rows acc_j = acc + j * dim that share the KV head, p_j = p + j * p_stride. With
- * AVX2, 4 rows x 16 dimensions of sums stay in registers across the keys, each 16 bytes of a V row widened
- * once for the 4 rows (one pass over a tile's V rows per 16 dimensions: the tile's rows stay in L1). */
-static void pv_rows_fp8(float *acc, int64_t nr, int64_t dim, const float *p, int64_t p_stride, const int64_t *idx,
-                        int64_t nt, const uint8_t *v, int64_t v_stride, int64_t koff, int kv_dtype) {
+static void dot_rows(const float *q, int64_t nr, int64_t dim, const void *k, int64_t k_off, int kv_dtype, float *out,
+                     int64_t out_stride) {
+    switch (kv_dtype) { /* constant kv_dtype in each copy: the widening is chosen once, not per element */
+    case DTYPE_F32: dot_rows_as(q, nr, dim, k, k_off, DTYPE_F32, out, out_stride); break;
+    case DTYPE_BF16: dot_rows_as(q, nr, dim, k, k_off, DTYPE_BF16, out, out_stride); break;
+    case KV_FP8_E5M2: dot_rows_as(q, nr, dim, k, k_off, KV_FP8_E5M2, out, out_stride); break;
+    default: dot_rows_as(q, nr, dim, k, k_off, KV_FP8_E4M3, out, out_stride); break;
+    }
+}
+
+/* acc_j += sum_i p_j[i] * V_i over a tile's nt keys (V rows at element idx[i] * v_stride + koff of the pool
+ * v, unscaled) for the nr accumulator rows acc_j = acc + j * dim that share the KV head, p_j = p + j *
+ * p_stride. With AVX2, 4 rows x 16 dimensions of sums stay in registers across the keys, each 16
+ * elements of a V row read (and widened) once for the 4 rows (one pass over a tile's V rows per 16
+ * dimensions: the tile's rows stay in L1). Inlined per pool dtype by pv_rows. */
+static inline __attribute__((always_inline)) void pv_rows_as(float *acc, int64_t nr, int64_t dim, const float *p,
+                                                              int64_t p_stride, const int64_t *idx, int64_t nt,
+                                                              const void *v, int64_t v_stride, int64_t koff,
+                                                              int kv_dtype) {
     int64_t d0 = 0;
 #if defined(KV8_AVX2)
     for (; d0 + 16 <= dim; d0 += 16)
@@ -124,8 +191,8 @@ static void pv_rows_fp8(float *acc, int64_t nr, int64_t dim, const float *p, int
                 a[j][1] = _mm256_loadu_ps(acc + (r0 + j) * dim + d0 + 8);
             }
             for (int64_t i = 0; i < nt; i++) {
-                const uint8_t *row = v + idx[i] * v_stride + koff + d0;
-                const __m256 w0 = fp8_widen8(row, kv_dtype), w1 = fp8_widen8(row + 8, kv_dtype);
+                const int64_t row = idx[i] * v_stride + koff + d0;
+                const __m256 w0 = kv_widen8(v, row, kv_dtype), w1 = kv_widen8(v, row + 8, kv_dtype);
                 for (int64_t j = 0; j < n; j++) {
                     const __m256 pj = _mm256_broadcast_ss(p + (r0 + j) * p_stride + i);
                     a[j][0] = _mm256_fmadd_ps(pj, w0, a[j][0]);
@@ -140,12 +207,22 @@ static void pv_rows_fp8(float *acc, int64_t nr, int64_t dim, const float *p, int
 #endif
     if (d0 == dim) return;
     for (int64_t i = 0; i < nt; i++) { /* the dimensions past the last 16 (all of them without AVX2) */
-        const uint8_t *row = v + idx[i] * v_stride + koff;
+        const int64_t row = idx[i] * v_stride + koff;
         for (int64_t j = 0; j < nr; j++) {
             const float pj = p[j * p_stride + i];
             float *a = acc + j * dim;
-            for (int64_t d = d0; d < dim; d++) a[d] += pj * fp8_raw(row[d], kv_dtype);
+            for (int64_t d = d0; d < dim; d++) a[d] += pj * kv_raw(v, row + d, kv_dtype);
         }
+    }
+}
+
+static void pv_rows(float *acc, int64_t nr, int64_t dim, const float *p, int64_t p_stride, const int64_t *idx,
+                    int64_t nt, const void *v, int64_t v_stride, int64_t koff, int kv_dtype) {
+    switch (kv_dtype) {
+    case DTYPE_F32: pv_rows_as(acc, nr, dim, p, p_stride, idx, nt, v, v_stride, koff, DTYPE_F32); break;
+    case DTYPE_BF16: pv_rows_as(acc, nr, dim, p, p_stride, idx, nt, v, v_stride, koff, DTYPE_BF16); break;
+    case KV_FP8_E5M2: pv_rows_as(acc, nr, dim, p, p_stride, idx, nt, v, v_stride, koff, KV_FP8_E5M2); break;
+    default: pv_rows_as(acc, nr, dim, p, p_stride, idx, nt, v, v_stride, koff, KV_FP8_E4M3); break;
     }
 }
 
@@ -243,6 +320,26 @@ static inline float exp_sub_sum(float *x, int64_t n, float sub) {
     return sum;
 }
 
+/* s = cap * tanh(s / cap) over rows x n scores (row stride TILE): Gemma 2's soft-cap of the scaled
+ * scores, before the softmax. tanh(y) = sign(y) (1 - e) / (1 + e) with e = exp(-2 |y|). */
+static void soft_cap(float *scores, int64_t rows, int64_t n, float cap) {
+    const float inv = 1.f / cap;
+    for (int64_t r = 0; r < rows; r++) {
+        float *s = scores + r * TILE;
+        int64_t i = 0;
+#if defined(KV8_AVX2)
+        const __m256 sign = _mm256_set1_ps(-0.f), one = _mm256_set1_ps(1.f);
+        for (; i + 8 <= n; i += 8) {
+            const __m256 y = _mm256_mul_ps(_mm256_loadu_ps(s + i), _mm256_set1_ps(inv));
+            const __m256 e = exp256_neg(_mm256_mul_ps(_mm256_andnot_ps(sign, y), _mm256_set1_ps(-2.f)));
+            const __m256 t = _mm256_div_ps(_mm256_sub_ps(one, e), _mm256_add_ps(one, e));
+            _mm256_storeu_ps(s + i, _mm256_mul_ps(_mm256_or_ps(t, _mm256_and_ps(sign, y)), _mm256_set1_ps(cap)));
+        }
+#endif
+        for (; i < n; i++) s[i] = cap * tanhf(s[i] * inv);
+    }
+}
+
 /* scores[r * TILE + i] = scale * q_r . k_i (k_i: slot idx[i], the row's KV head) for n <= TILE keys. */
 static void score_tile(work_t *w, int64_t rows, const int64_t *idx, int64_t n, const kv_t *kv, int64_t row_bytes,
                        int prefetch) {
@@ -294,13 +391,15 @@ static void score_tile(work_t *w, int64_t rows, const int64_t *idx, int64_t n, c
         return;
     }
 #endif
-    if (kv_fp8(kv)) {
-        for (int64_t i = 0; i < n; i++)
-            for (int64_t r = 0, run; r < rows; r += run) {
-                run = same_head_run(w->koff, r, rows);
-                dot_rows_fp8(w->qf + r * dim, run, dim, (const uint8_t *)kv->k + idx[i] * kv->k_stride + w->koff[r],
-                             kv->kv_dtype, w->scores + r * TILE + i, TILE);
-            }
+    if (kv_fp8(kv) || KV_ROWS_AVX2) { /* fp8 always; every pool dtype with AVX2 */
+        /* Rows outer: a run's q rows stay in L1 over the tile's K rows, which stay in L2 for the next run
+         * (a cascade's phase 1 has thousands of rows: an extend's new tokens over their prefix). */
+        for (int64_t r = 0, run; r < rows; r += run) {
+            run = same_head_run(w->koff, r, rows);
+            for (int64_t i = 0; i < n; i++)
+                dot_rows(w->qf + r * dim, run, dim, kv->k, idx[i] * kv->k_stride + w->koff[r], kv->kv_dtype,
+                         w->scores + r * TILE + i, TILE);
+        }
         for (int64_t r = 0; r < rows; r++)
             for (int64_t i = 0; i < n; i++) w->scores[r * TILE + i] *= kv->scale;
         return;
@@ -407,6 +506,7 @@ static void attend(work_t *w, int64_t rows, const int64_t *idx, int64_t n, const
         const int streamed = whole_slots && mostly_consecutive(idx + i0, nt);
         if (streamed) touch_rows(kv, idx + i0, nt, 0, elem, row_bytes);
         score_tile(w, rows, idx + i0, nt, kv, row_bytes, !streamed);
+        if (kv->cap > 0.f) soft_cap(w->scores, rows, nt, kv->cap);
         for (int64_t r = 0; r < rows; r++) {
             float *s = w->scores + r * TILE;
             const float mt = max_of(s, nt);
@@ -433,11 +533,11 @@ static void attend(work_t *w, int64_t rows, const int64_t *idx, int64_t n, const
             continue;
         }
 #endif
-        if (kv_fp8(kv)) {
+        if (kv_fp8(kv) || KV_ROWS_AVX2) {
             for (int64_t r = 0, run; r < rows; r += run) {
                 run = same_head_run(w->koff, r, rows);
-                pv_rows_fp8(w->acc + r * dim, run, dim, w->scores + r * TILE, TILE, idx + i0, nt,
-                            (const uint8_t *)kv->v, kv->v_stride, w->koff[r], kv->kv_dtype);
+                pv_rows(w->acc + r * dim, run, dim, w->scores + r * TILE, TILE, idx + i0, nt, kv->v, kv->v_stride,
+                        w->koff[r], kv->kv_dtype);
             }
             continue;
         }
@@ -575,6 +675,8 @@ typedef struct {
     int64_t max_prefix;
     const int64_t *group_of;
     const int64_t *kept, *kept_tokens;
+    const float *sinks;
+    const int64_t *row_of, *starts;
     kv_t kv;
     int64_t group, block, blocks, max_rows, pf_blocks;
     float *pm, *pl, *pacc;
@@ -616,7 +718,7 @@ static void decode_part(void *arg, int tid, int nthreads) {
     w.qrows = (const void **)malloc(sizeof(void *) * (size_t)max_rows);
     w.koff = (int64_t *)malloc(sizeof(int64_t) * (size_t)max_rows);
 #if defined(__AVX512BF16__)
-    if (num_groups > 0 && prefix_fast(&kv)) {
+    if (num_groups > 0 && prefix_fast(&kv) && kv.cap == 0.f) { /* attend_step has no soft-cap */
         /* Tasks: (group, KV head, block of 32 query rows). */
         pa_work_t pa = {0};
 #if defined(HAVE_AMX)
@@ -697,9 +799,15 @@ static void decode_part(void *arg, int tid, int nthreads) {
         } else {
             reset_state(&w, rows, dim);
         }
-        attend(&w, rows, kv_indices + b * max_len, lens[b], &kv, block * dim);
+        const int64_t *row = kv_indices + (J->row_of != NULL ? J->row_of[b] : b) * max_len;
+        attend(&w, rows, row + (J->starts != NULL ? J->starts[b] : 0), lens[b], &kv, block * dim);
         for (int64_t r = 0; r < rows; r++) {
-            const float inv = w.l[r] > 0.f ? kv.v_scale / w.l[r] : 0.f; /* no keys: output 0 */
+            float inv = w.l[r] > 0.f ? kv.v_scale / w.l[r] : 0.f; /* no keys: output 0 */
+            if (J->sinks != NULL && w.l[r] > 0.f) { /* the head's sink joins the denominator only */
+                const float sink = J->sinks[(first + r) % heads], top = fmaxf(w.m[r], sink);
+                const float kept = expf(w.m[r] - top);
+                inv = kv.v_scale * kept / (w.l[r] * kept + expf(sink - top));
+            }
             const float *a = w.acc + r * dim;
             const int64_t o = (first + r) * dim;
             for (int64_t d = 0; d < dim; d++) {
@@ -730,7 +838,8 @@ void decode_attention(const decode_attention_args_t *args) {
     const float unit = a->kv_dtype == KV_FP8_E4M3 ? 256.f : 1.f;
     const int fp8 = a->kv_dtype == KV_FP8_E5M2 || a->kv_dtype == KV_FP8_E4M3;
     const kv_t kv = {a->k, a->v, a->k_stride, a->v_stride, dim, a->dtype,
-                     fp8 ? a->scale * a->k_scale * unit : a->scale, a->kv_dtype, fp8 ? a->v_scale * unit : 1.f};
+                     fp8 ? a->scale * a->k_scale * unit : a->scale, a->kv_dtype, fp8 ? a->v_scale * unit : 1.f,
+                     a->logit_cap > 0.f ? a->logit_cap : 0.f};
     /* Phase 2: whole requests when they keep every thread busy, else one KV head of a request. */
     const int64_t block = bs >= 2 * num_threads ? kv_heads : 1; /* KV heads per task */
     const int64_t blocks = kv_heads / block;
@@ -750,7 +859,8 @@ void decode_attention(const decode_attention_args_t *args) {
     }
     decode_job_t job = {a->q, a->kv_indices, a->lens, a->max_len, bs, heads, kv_heads, dim, a->dtype, a->out,
                         num_groups, group_offsets, a->group_members, a->prefix_indices, a->prefix_lens,
-                        a->max_prefix, a->group_of, a->kept, a->kept_tokens, kv, group, block, blocks,
+                        a->max_prefix, a->group_of, a->kept, a->kept_tokens, a->sinks, a->row_of, a->starts,
+                        kv, group, block, blocks,
                         max_rows, pf_blocks, pm, pl, pacc, 0, 0};
     pool_run(decode_part, &job, num_threads);
     free(pm);

@@ -55,7 +55,9 @@ ENGINE_API void linear_q4(const float *x, int64_t m, int64_t k, const uint8_t *w
 /* Family: attention (decode_attention.c, extend_attention.c). */
 
 /* One decode step of one layer: one query row per request over pool slots kv_indices[b][0 .. lens[b]),
- * preceded for the members of a cascade group by the group's shared prefix (num_groups 0: none). */
+ * preceded for the members of a cascade group by the group's shared prefix (num_groups 0: none). Also
+ * any attention whose rows each see a list of slots: extends and tree verifies with one row per new
+ * token (row_of / starts, or a table row per token). */
 typedef struct {
     const void *q; /* [bs, heads * dim] */
     const void *k, *v; /* the pool: [slots][kv_heads][dim], k_stride / v_stride elements per slot */
@@ -77,6 +79,13 @@ typedef struct {
     const int64_t *group_of; /* [bs]: the row's group, -1 for none */
     /* kept prefix panels: [num_groups] block addresses (0: none) and fill tokens, or NULL */
     const int64_t *kept, *kept_tokens;
+    /* scores become logit_cap * tanh(score / logit_cap) before the softmax (Gemma 2); 0: none */
+    float logit_cap;
+    /* [heads] float32: a logit per query head that joins the softmax's denominator only (gpt-oss), or NULL */
+    const float *sinks;
+    /* [bs] each query row's row of kv_indices (NULL: its own) and the first entry it reads there (NULL:
+     * 0): the rows of one request's new tokens share its table row, each reading its own window of it */
+    const int64_t *row_of, *starts;
     int num_threads;
 } decode_attention_args_t;
 

@@ -12,8 +12,10 @@ K/V gathered into a [bs, max_seq_len] block with a padding mask. Requests whose 
 group, all the group's queries attend to it in one SDPA, each request's own suffix goes through
 the per-request path above, and the two halves are merged by their log-sum-exp. All index tensors are built
 once per batch in `init_forward_metadata` and shared by every layer.
-Layers that are not plain full attention (a sliding window, Gemma 2's logit cap, gpt-oss's sinks) take
-windowed.py's torch path in extend and decode alike: the native kernels compute plain attention only.
+Layers that are not plain full attention (a sliding window, Gemma 2's logit cap, gpt-oss's sinks), and
+tree drafts' verify forwards, run on the native decode kernel with one query row per token where it takes
+the call (kernel_rows.py); otherwise windowed.py's torch path (those layers) or one SDPA per request under
+its tree mask.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ import torch.nn.functional as F
 
 from engine.kernels import attention as attention_kernels
 from engine.kernels import library
+from engine.layers.attention.kernel_rows import KernelRows, KernelTables, kernel_takes
 from engine.layers.attention.windowed import windowed_decode, windowed_extend
 from engine.layers.attention.base_attn_backend import AttentionBackend, AttentionRunner
 from engine.layers.attention.prefix_panels import PrefixPanels
@@ -108,6 +111,8 @@ class TorchNativeAttnBackend(AttentionBackend):
         if str(self.device) == "cpu":
             library.load()  # build/load it now, not in the first decode
         self._prefix_panels = PrefixPanels()
+        # The current forward batch's tables for the kernel's masked rows (kernel_rows.py), built at first use.
+        self._kernel_rows: Optional[KernelRows] = None
 
     def _gather(self, buf: torch.Tensor, flat: torch.Tensor, which: int) -> torch.Tensor:
         rows = buf.view(buf.shape[0], -1)
@@ -121,6 +126,7 @@ class TorchNativeAttnBackend(AttentionBackend):
 
     # ------------------------------------------------------------------ metadata
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:
+        self._kernel_rows = None  # a batch's fields may change between forwards of one object (drafting steps)
         if isinstance(forward_batch.token_to_kv_pool, MLATokenToKVPool):  # K and V of different sizes: mla_torch.py
             forward_batch.attn_metadata = mla_metadata(forward_batch)
         elif forward_batch.forward_mode.is_decode():
@@ -157,8 +163,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         pool = fb.token_to_kv_pool
         assert pool is not None  # ForwardBatch.init_new sets it
         if fb.spec_tree_mask is not None:
-            # Tree drafts: the native kernels and the padded batch know the causal mask only, so
-            # each request runs one SDPA under its own mask.
+            # Tree drafts: each token a row of the decode kernel over the keys its mask shows
+            # (kernel_rows.py, its tables built at the first layer); where the kernel does not take a
+            # layer's call, one SDPA per request under its own mask (its metadata built then).
+            if pool.k_buffer[0].is_cpu and library.attention() is not None:
+                return None
             return self._extend_metadata_per_request(fb)
         # bf16 prefills on the CPU go through the native kernels (K/V read from the pool).
         if (pool.k_buffer[0].is_cpu and pool.dtype == torch.bfloat16 and pool.head_dim % 2 == 0
@@ -222,11 +231,15 @@ class TorchNativeAttnBackend(AttentionBackend):
         assert pool is not None  # ForwardBatch.init_new sets it
         if save_kv_cache and k is not None:
             pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
-        if not layer.is_plain:  # a window, a logit cap or sinks: neither SDPA nor the C kernels have them
+        if not layer.is_plain:  # a window, a logit cap or sinks: the decode kernel's masked rows, or torch
             if forward_batch.spec_tree_mask is not None:
                 raise NotImplementedError("tree drafts (--speculative-eagle-topk > 1) need plain attention layers "
                                           "(no sliding window, logit cap or sinks)")
+            if kernel_takes(q, pool.get_key_buffer(layer.layer_id), layer):
+                return self._rows_for(forward_batch).attend(q, layer)
             return windowed_extend(q, layer, forward_batch)
+        if forward_batch.spec_tree_mask is not None and kernel_takes(q, pool.get_key_buffer(layer.layer_id), layer):
+            return self._rows_for(forward_batch).attend(q, layer)  # each row over its tree mask's keys
         if k is not None and pool.is_fp8:  # the new tokens' K/V as the pool holds them, as every other key
             k, v = pool.as_stored(layer.layer_id, k, v)
         meta = forward_batch.attn_metadata
@@ -242,7 +255,7 @@ class TorchNativeAttnBackend(AttentionBackend):
         q = q.view(-1, num_heads, head_dim)
         out = torch.empty_like(q)
         gqa = num_heads != layer.tp_k_head_num
-        if isinstance(meta, _PaddedExtend):  # no fresh K/V given: fall back to the pool
+        if meta is None or isinstance(meta, _PaddedExtend):  # tree drafts the kernel did not take; no fresh K/V
             meta = self._extend_metadata_per_request(forward_batch)
         for seq in meta:
             if seq.extend_len == 0:
@@ -290,6 +303,11 @@ class TorchNativeAttnBackend(AttentionBackend):
             rows, k_buf, v_buf, meta.last_rows.kv_indices, meta.last_rows.lens, layer.tp_q_head_num,
             layer.tp_k_head_num, layer.head_dim, layer.scaling, cascade=meta.last_rows.cascade, layer_id=layer.layer_id)
 
+    def _rows_for(self, fb: "ForwardBatch") -> KernelRows:
+        if self._kernel_rows is None or self._kernel_rows.batch is not fb:
+            self._kernel_rows = KernelRows(fb)
+        return self._kernel_rows
+
     def _forward_native_extend(self, q: torch.Tensor, k_buf: torch.Tensor, v_buf: torch.Tensor,
                                layer: "RadixAttention", meta: _NativeExtend) -> torch.Tensor:
         heads, kv_heads, dim = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
@@ -330,10 +348,13 @@ class TorchNativeAttnBackend(AttentionBackend):
         assert pool is not None  # ForwardBatch.init_new sets it
         if save_kv_cache and k is not None:
             pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+        meta: _DecodeMetadata = forward_batch.attn_metadata
         if not layer.is_plain:
+            if kernel_takes(q, pool.get_key_buffer(layer.layer_id), layer):
+                plain = KernelTables(meta.kv_indices, meta.lens, cascade=meta.cascade)
+                return self._rows_for(forward_batch).attend(q, layer, plain_decode=plain)
             return windowed_decode(q, layer, forward_batch)
         k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
-        meta: _DecodeMetadata = forward_batch.attn_metadata
         bs = q.shape[0]
         num_heads, kv_heads, head_dim = layer.tp_q_head_num, layer.tp_k_head_num, layer.head_dim
         group = num_heads // kv_heads
