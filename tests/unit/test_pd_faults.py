@@ -215,8 +215,9 @@ def test_too_long_for_decode_is_400_at_once(make_pair, clock):
     p.step()
     reason = p.decode.outputs[rid].finished_reason
     assert reason["status_code"] == 400 and "does not fit" in reason["message"]
-    drain_after_timeout(p, clock)  # the prefill's half ends at its bootstrap timeout
-    assert p.prefill.outputs[rid].finished_reason["status_code"] == 500
+    p.run_until_idle(max_steps=20)  # the prefill is told at once, not at its bootstrap timeout
+    prefill_reason = p.prefill.outputs[rid].finished_reason
+    assert prefill_reason["status_code"] == 500 and "refused by the decode server" in prefill_reason["message"]
 
 
 @pytest.mark.parametrize("overlap", [False, True], ids=["normal", "overlap"])

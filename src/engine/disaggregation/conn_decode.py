@@ -226,6 +226,10 @@ class DecodeKVManager:
         self.status.register(room, KVPoll.Bootstrapping)
         return state
 
+    def has_room(self, room: int) -> bool:
+        with self._lock:
+            return room in self._rooms
+
     def send_dst(self, state: _Room, slots: torch.Tensor, aux_index: int) -> None:
         peer = state.peer
         assert peer is not None, "destination published before the prefill was found"

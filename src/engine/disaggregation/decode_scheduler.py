@@ -35,6 +35,7 @@ from engine.disaggregation.base import (
 from engine.disaggregation.conn_common import KVReceiver, TransferConfig
 from engine.disaggregation.decode import AdmissionState, DecodeMemory, DecodeTransferQueue
 from engine.disaggregation.decode_prealloc import DecodePreallocQueue
+from engine.disaggregation.decode_refusal import RefusalNotices
 from engine.disaggregation.fake import FakeKVReceiver
 from engine.disaggregation.kv_io import gather_kv, layer_slots, scatter_kv
 from engine.disaggregation.metadata import MetadataBuffers, ReqToMetadataIdxAllocator, idle_leaks
@@ -77,6 +78,7 @@ class DecodeDisaggregation:
         self.transfer = DecodeTransferQueue(self.memory, self.metrics, host.vocab_size,
                                             host.grammar_manager)
         self.waiting: List[Req] = []
+        self.refusals = RefusalNotices()
         self.polling_interval = args.disaggregation_decode_polling_interval
         self._iteration = 0
         # Retraction keeps a copy of the committed KV (the scheduler calls this before the free).
@@ -92,6 +94,21 @@ class DecodeDisaggregation:
         if self.manager is None or req.bootstrap_host in (None, FAKE_BOOTSTRAP_HOST) or req.bootstrap_port is None:
             return None
         return self.manager.refusal(req.bootstrap_host, req.bootstrap_port)
+
+    def on_refused(self, req: Req, message: str) -> None:
+        """The scheduler refused `req` before taking it: have its prefill half dropped now, not at
+        its bootstrap timeout (decode_refusal.py). Nothing to tell without a valid, allowed
+        prefill address, and never for a room a live request holds (a duplicate must not abort it).
+        """
+        if self.manager is None or req.bootstrap_host in (None, FAKE_BOOTSTRAP_HOST):
+            return
+        if not self.refusals.can_take():
+            return
+        if validate_pd_request(req, False) is not None or self._prefill_refusal(req) is not None:
+            return
+        if req.bootstrap_room is None or self.manager.has_room(req.bootstrap_room):
+            return
+        self.refusals.add(self._make_receiver(req), message)
 
     def add_request(self, req: Req, is_retracted: bool = False, grammar: Optional[PendingGrammar] = None) -> None:
         if is_retracted and self._paused_by_retract():
@@ -123,6 +140,7 @@ class DecodeDisaggregation:
         """prealloc -> transfer -> waiting, retracted requests first (SGLang's process_decode_queue)."""
         if self.prealloc.held:  # called only while generation runs: it continued since the pause
             self.prealloc.enqueue_held()
+        self.refusals.send_ready()
         resumed = self.prealloc.resume_retracted(self._admission_state())
         self.waiting.extend(resumed)
         self._iteration += 1
@@ -248,7 +266,7 @@ class DecodeDisaggregation:
 
     def is_idle(self) -> bool:
         return not (self.prealloc.queue or self.prealloc.retracted_queue or self.prealloc.held or self.transfer.queue
-                    or self.waiting)
+                    or self.waiting or self.refusals)
 
     def check_memory(self) -> Optional[str]:
         memory = self.memory

@@ -82,6 +82,10 @@ class PrefillDisaggregation:
             error = f"top_logprobs_num must be <= {MAX_TOP_LOGPROBS} with PD disaggregation."
         return error
 
+    def on_refused(self, req: Req, message: str) -> None:
+        """Nothing to tell: the decode half of a request refused here reserves memory, publishes
+        it and then ends at its waiting timeout (SGLang's behaviour too)."""
+
     def add_request(self, req: Req, is_retracted: bool = False) -> None:
         # The prefill computes one token; an exact estimate makes its admission exact too.
         req.sampling_params.max_new_tokens = 1

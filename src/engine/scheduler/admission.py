@@ -191,6 +191,8 @@ class Admission:
         """Finish `req` (holding no KV) with this error; it goes out at the end of the iteration."""
         logger.info("Abort request %s: %s", req.rid, message)
         req.set_finish_with_abort(message, status_code, "BadRequestError" if status_code == 400 else "ServiceUnavailableError")
+        if self.disagg is not None:
+            self.disagg.on_refused(req, message)  # PD: the other server's half ends now too
         self.stream([req])
 
     def enqueue(self, req: Req, is_retracted: bool = False) -> None:
