@@ -50,7 +50,6 @@ class SpeculativeFlags(Protocol):
     lora_paths: Optional[List[str]]
     simulated_device_forward_ms: Optional[str]
     is_embedding: bool
-    disable_overlap_schedule: bool
     attention_backend: Optional[str]
 
 
@@ -100,11 +99,6 @@ def check_speculative_server_args(args: SpeculativeFlags, need: Callable[[bool, 
     need(args.simulated_device_forward_ms is None and not args.is_embedding,
          f"--speculative-algorithm {algo} needs a generative model: not with --simulated-device-forward-ms "
          "or --is-embedding")
-    if not args.disable_overlap_schedule:
-        # As SGLang: the verify step needs the previous step's tokens to draft, so it runs in the
-        # normal loop.
-        logger.warning("--speculative-algorithm %s: the overlap scheduler is disabled.", algo)
-        args.disable_overlap_schedule = True
 
 
 def _check_draft_model_params(args: SpeculativeFlags, need: Callable[[bool, str], None]) -> None:
