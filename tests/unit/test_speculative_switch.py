@@ -53,6 +53,18 @@ def test_low_acceptance_switches_off_and_probes_back_off():
     assert s.state()["spec_on_by_batch_size"] == {1: False}
 
 
+@pytest.mark.parametrize("tokens", [1.2, 3.5])  # switched off (probes), stays on (refreshes)
+def test_would_verify_foretells_should_verify_and_changes_nothing(tokens):
+    """The overlap loop asks would_verify before it builds a batch: it must answer what the next
+    should_verify will, however often it is asked."""
+    s = sw.SpeculationSwitch(True)
+    for _ in range(600):
+        told = [s.would_verify(1) for _ in range(3)]
+        verify = s.should_verify(1)
+        assert told == [verify] * 3
+        s.record(1, verify, 3.0 if verify else 1.0, tokens)
+
+
 def test_high_acceptance_stays_on_refreshing_the_plain_cost():
     s = sw.SpeculationSwitch(True)
     chosen = _drive(s, 1000, plain_s=1.0, verify_s=2.0, tokens=3.5)
