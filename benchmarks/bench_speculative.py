@@ -17,7 +17,9 @@ Workloads (greedy, ignore_eos):
           (the sweep behind the plot of speed-up against accept length).
 
 For each algorithm, workload and batch size (--batch-sizes, default 1 and 16) the same requests run
-with speculation off and on; the table reports output tokens/s, the ratio on/off, the mean accept
+with speculation off (a default server: the overlap loop) and on (the speculating server as users
+start it: overlap on too; --no-overlap runs both in the normal loop, the comparison made before
+speculation ran overlapped); the table reports output tokens/s, the ratio on/off, the mean accept
 length (tokens per request per verify step), the drafter's share of the wall time (NGRAM: drafting
 and KV bookkeeping on the scheduling thread; STANDALONE: that plus the draft model's forwards: its
 drafts, its catch-up over the tokens decoded plainly and its step after verification), ITL, and
@@ -128,20 +130,22 @@ def layer_draft_dir(model_path: str, layers: int) -> str:
 
 def _run(model_path: str, prompts: List[List[int]], out_len: int, spec: Optional[Dict[str, Any]],
          args: argparse.Namespace) -> Run:
+    # Both runs as users start them: overlap on unless --no-overlap (the old normal-loop comparison).
     server_args = ServerArgs(model_path=model_path, device="cpu", log_level="warning", dtype=args.dtype,
                              max_total_tokens=args.max_total_tokens, max_running_requests=len(prompts),
-                             disable_overlap_schedule=True, chunked_prefill_size=-1, **(spec or {}))
+                             disable_overlap_schedule=args.no_overlap, chunked_prefill_size=-1, **(spec or {}))
     scheduler = Scheduler(server_args)
+    step = scheduler.step_overlap if scheduler.enable_overlap else scheduler.step
     drafting = [0.0]
     if scheduler.spec is not None:
         # Time the scheduling-thread side of each verify step (drafting, slots, acceptance bookkeeping).
         spec_obj = scheduler.spec
         prepare, process = spec_obj.prepare, spec_obj.process
 
-        def timed_prepare(batch):
+        def timed_prepare(batch, in_flight=False):
             t = time.perf_counter()
             try:
-                return prepare(batch)
+                return prepare(batch, in_flight)
             finally:
                 drafting[0] += time.perf_counter() - t
 
@@ -157,7 +161,7 @@ def _run(model_path: str, prompts: List[List[int]], out_len: int, spec: Optional
     scheduler.add_request(TokenizedGenerateReqInput(rid="warmup", input_ids=prompts[0],
                                                     sampling_params=dict(greedy, max_new_tokens=args.warmup_len)))
     while scheduler.has_work():
-        scheduler.step()
+        step()
     scheduler.flush_cache()
     scheduler.outbox.clear()
     drafting[0] = 0.0
@@ -170,7 +174,7 @@ def _run(model_path: str, prompts: List[List[int]], out_len: int, spec: Optional
     for i, p in enumerate(prompts):
         scheduler.add_request(TokenizedGenerateReqInput(rid=str(i), input_ids=p, stream=True, sampling_params=greedy))
     while scheduler.has_work():
-        scheduler.step()
+        step()
         now = time.perf_counter()
         for msg in scheduler.outbox:
             if not isinstance(msg, BatchTokenIDOutput):
@@ -294,6 +298,8 @@ def main() -> None:
     ap.add_argument("--max-total-tokens", type=int, default=65536)
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--repeats", type=int, default=1, help="runs of each configuration; the fastest is kept")
+    ap.add_argument("--no-overlap", action="store_true",
+                    help="both runs with --disable-overlap-schedule (the comparison before speculation ran overlapped)")
     ap.add_argument("--verify-cost", action="store_true", help="measure verify vs decode forwards only")
     ap.add_argument("--copy-noise", type=float, nargs="*", default=[],
                     help="percentages: copy workloads with that share of the copied tokens randomised")

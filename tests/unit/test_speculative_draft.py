@@ -85,16 +85,20 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+# Every mode in both loops: with overlap, plain steps are pipelined and a verify step settles first.
+MODES = [(name, overlap) for name in CONFIGS for overlap in (False, True)]
+
+
+@pytest.mark.parametrize("name,overlap", MODES)
 @pytest.mark.slow  # in the full suite; the fast lane keeps the cheaper cases
-def test_draft_equal_to_target_accepts_every_draft(tiny, name):
+def test_draft_equal_to_target_accepts_every_draft(tiny, name, overlap):
     """The draft is the target itself: it proposes the target's own greedy tokens only if its K/V
     are the target's at every position, so every draft of every verify step must be accepted
     (accept length num_steps + 1 whenever the budget allows num_steps drafts)."""
     prompts = _prompts()
     sampling = dict(max_new_tokens=N_NEW, ignore_eos=True)
-    plain = _waves(_harness(tiny, **CONFIGS[name]), prompts, sampling)
-    h = _harness(tiny, tiny, **CONFIGS[name])
+    plain = _waves(_harness(tiny, overlap=overlap, **CONFIGS[name]), prompts, sampling)
+    h = _harness(tiny, tiny, overlap=overlap, **CONFIGS[name])
     assert _waves(h, prompts, sampling) == plain
     state = h.scheduler.internal_state()
     assert state["spec_verify_ct"] > 0
@@ -105,11 +109,12 @@ def test_draft_equal_to_target_accepts_every_draft(tiny, name):
         assert state["avg_spec_accept_length"] == pytest.approx(23 / 6)
 
 
-@pytest.mark.parametrize("name", fast_lane(list(CONFIGS), {"default", "retract"}))
-def test_small_random_draft_keeps_greedy_outputs(tiny, small_draft, name):
+@pytest.mark.parametrize("name,overlap", fast_lane(MODES, {("default", False), ("retract", False),
+                                                           ("default", True), ("retract", True)}))
+def test_small_random_draft_keeps_greedy_outputs(tiny, small_draft, name, overlap):
     prompts = _prompts()
-    _, plain, _ = _run(tiny, None, prompts, **CONFIGS[name])
-    h, spec, _ = _run(tiny, small_draft, prompts, **CONFIGS[name])
+    _, plain, _ = _run(tiny, None, prompts, overlap=overlap, **CONFIGS[name])
+    h, spec, _ = _run(tiny, small_draft, prompts, overlap=overlap, **CONFIGS[name])
     assert spec == plain
     state = h.scheduler.internal_state()
     assert state["spec_verify_ct"] > 0
@@ -291,7 +296,7 @@ def test_draft_model_flags_defaults_and_refusals(tiny):
     args = ServerArgs(device="cpu", speculative_algorithm="STANDALONE", speculative_draft_model_path=tiny)
     # SGLang's STANDALONE defaults; a chain verifies num_steps + 1 tokens.
     assert (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens) == (3, 1, 4)
-    assert args.disable_overlap_schedule
+    assert not args.disable_overlap_schedule  # the overlap loop, as a plain server's
     assert args.speculative_batch_size_threshold == 4  # the CPU default (benchmarks.md)
     args = ServerArgs(device="cpu", speculative_algorithm="STANDALONE", speculative_draft_model_path=tiny,
                       speculative_num_steps=5, speculative_num_draft_tokens=9)

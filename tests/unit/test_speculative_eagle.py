@@ -84,22 +84,29 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", fast_lane(list(CONFIGS), {"default"}))
-def test_random_head_keeps_greedy_outputs(random_pair, name):
+# Every mode in both loops: with overlap, plain steps are pipelined and a verify step settles first.
+MODES = [(name, overlap) for name in CONFIGS for overlap in (False, True)]
+
+
+@pytest.mark.parametrize("name,overlap", fast_lane(MODES, {("default", False), ("default", True)}))
+def test_random_head_keeps_greedy_outputs(random_pair, name, overlap):
     target, head, _ = random_pair
     prompts = _prompts()
-    _, plain = _run(target, None, prompts, **CONFIGS[name])
-    h, spec = _run(target, head, prompts, **CONFIGS[name])
+    _, plain = _run(target, None, prompts, overlap=overlap, **CONFIGS[name])
+    h, spec = _run(target, head, prompts, overlap=overlap, **CONFIGS[name])
     assert spec == plain
     assert h.scheduler.internal_state()["spec_verify_ct"] > 0
 
 
-@pytest.mark.parametrize("name", ["default", "page16", "chunked-mixed"])
-def test_exact_head_has_every_draft_accepted(exact_pair, name):
+@pytest.mark.parametrize("name,overlap", fast_lane([(n, o) for n in ("default", "page16", "chunked-mixed")
+                                                   for o in (False, True)],
+                                                  {("default", False), ("page16", False), ("chunked-mixed", False),
+                                                   ("chunked-mixed", True)}))
+def test_exact_head_has_every_draft_accepted(exact_pair, name, overlap):
     target, head = exact_pair
     prompts = _prompts()
-    _, plain = _run(target, None, prompts, **CONFIGS[name])
-    h, spec = _run(target, head, prompts, **CONFIGS[name])
+    _, plain = _run(target, None, prompts, overlap=overlap, **CONFIGS[name])
+    h, spec = _run(target, head, prompts, overlap=overlap, **CONFIGS[name])
     assert spec == plain
     state = h.scheduler.internal_state()
     assert state["spec_accepted_tokens"] == state["spec_draft_tokens"] > 0, state

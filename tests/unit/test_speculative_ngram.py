@@ -87,11 +87,16 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", fast_lane(list(CONFIGS), {"default", "page16-chunked"}))
-def test_greedy_outputs_equal_without_speculation(tiny, name):
+# Every mode in both loops: with overlap, plain steps are pipelined and a verify step settles first.
+MODES = [(name, overlap) for name in CONFIGS for overlap in (False, True)]
+
+
+@pytest.mark.parametrize("name,overlap", fast_lane(MODES, {("default", False), ("page16-chunked", False),
+                                                           ("default", True), ("retract", True)}))
+def test_greedy_outputs_equal_without_speculation(tiny, name, overlap):
     prompts = _prompts()
-    _, plain, _ = _run(tiny, False, prompts, **CONFIGS[name])
-    h, spec, _ = _run(tiny, True, prompts, **CONFIGS[name])
+    _, plain, _ = _run(tiny, False, prompts, overlap=overlap, **CONFIGS[name])
+    h, spec, _ = _run(tiny, True, prompts, overlap=overlap, **CONFIGS[name])
     assert spec == plain
     assert all(len(o) == N_NEW for o in spec)
     state = h.scheduler.internal_state()
@@ -103,14 +108,15 @@ def test_greedy_outputs_equal_without_speculation(tiny, name):
 
 
 @pytest.mark.slow  # in the full suite; the fast lane keeps the cheaper cases
-def test_retraction_with_speculation_keeps_outputs(tiny, caplog):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_retraction_with_speculation_keeps_outputs(tiny, caplog, overlap):
     """A pool too small for eight requests at once: requests are retracted (their KV, drafts
     included, freed) and re-prefilled later, with the same greedy outputs."""
     gen = torch.Generator().manual_seed(9)
     prompts = [torch.randint(0, VOCAB, (12,), generator=gen).tolist() for _ in range(8)]
-    _, plain, _ = _run(tiny, False, prompts, dict(max_new_tokens=40), max_total_tokens=96)
+    _, plain, _ = _run(tiny, False, prompts, dict(max_new_tokens=40), max_total_tokens=96, overlap=overlap)
     with caplog.at_level("WARNING"):
-        h, spec, _ = _run(tiny, True, prompts, dict(max_new_tokens=40), max_total_tokens=96)
+        h, spec, _ = _run(tiny, True, prompts, dict(max_new_tokens=40), max_total_tokens=96, overlap=overlap)
     assert "Retract requests" in caplog.text
     assert spec == plain
     assert h.scheduler.internal_state()["spec_accepted_tokens"] > 0
@@ -229,7 +235,7 @@ def test_ngram_flags_defaults_and_bounds():
     args = ServerArgs(device="cpu", **NGRAM)
     assert args.speculative_num_draft_tokens == args.speculative_ngram_max_match_window_size == 12
     assert args.speculative_ngram_min_match_window_size == 1
-    assert args.disable_overlap_schedule  # forced: the verify step runs in the normal loop
+    assert not args.disable_overlap_schedule  # plain steps overlap; verify steps settle first (issue 36)
     assert ServerArgs(device="cpu", speculative_algorithm="NGRAM").speculative_batch_size_threshold == 4
     assert not ServerArgs(device="cpu").disable_overlap_schedule  # the default path is unchanged
     for bad in (dict(speculative_num_draft_tokens=1), dict(speculative_num_draft_tokens=65),

@@ -63,9 +63,12 @@ def _spec(algo: str, path: str) -> Dict:
     return spec
 
 
-@pytest.mark.parametrize("algo,total", [("STANDALONE", 4096), ("NGRAM", 4096), ("STANDALONE", 96)],
-                         ids=["standalone", "ngram", "standalone-retracts"])
-def test_pd_decode_side_speculation_equals_unified(model, oracle, algo, total):
+@pytest.mark.parametrize("algo,total,overlap", [("STANDALONE", 4096, False), ("NGRAM", 4096, False),
+                                                ("STANDALONE", 96, False), ("STANDALONE", 4096, True),
+                                                ("NGRAM", 4096, True), ("STANDALONE", 96, True)],
+                         ids=["standalone", "ngram", "standalone-retracts", "standalone-overlap", "ngram-overlap",
+                              "standalone-retracts-overlap"])
+def test_pd_decode_side_speculation_equals_unified(model, oracle, algo, total, overlap):
     path, tok, prompts = model
     spec = _spec(algo, path)
     decode_kwargs = dict(spec, max_total_tokens=total)
@@ -73,7 +76,8 @@ def test_pd_decode_side_speculation_equals_unified(model, oracle, algo, total):
         decode_kwargs["num_reserved_decode_tokens"] = 0  # retract rather than wait
     # The same flags on the prefill server: accepted there and ignored (it never drafts).
     pair = PDPair(prefill_worker=_worker(path), decode_worker=_worker(path, total, disaggregation_mode="decode"),
-                  tokenizer=tok, prefill_kwargs=dict(spec, max_total_tokens=4096), decode_kwargs=decode_kwargs)
+                  tokenizer=tok, prefill_kwargs=dict(spec, max_total_tokens=4096), decode_kwargs=decode_kwargs,
+                  overlap_decode=overlap)
     try:
         assert pair.prefill.scheduler.spec is None
         rids = [pair.submit(p, rid=f"pd{i}", **SAMPLING) for i, p in enumerate(prompts)]

@@ -22,6 +22,7 @@ from utils_models import build_tiny_model
 
 from engine.server_args import ServerArgs
 from engine.speculative import switch as sw
+from engine.speculative.step import VerifyStep
 
 
 def _drive(s: sw.SpeculationSwitch, steps: int, plain_s: float, verify_s: float, tokens: float,
@@ -50,6 +51,18 @@ def test_low_acceptance_switches_off_and_probes_back_off():
     cost = sum(3.0 if v else 1.0 for v in chosen)
     assert 3000 / cost > 0.97
     assert s.state()["spec_on_by_batch_size"] == {1: False}
+
+
+@pytest.mark.parametrize("tokens", [1.2, 3.5])  # switched off (probes), stays on (refreshes)
+def test_would_verify_foretells_should_verify_and_changes_nothing(tokens):
+    """The overlap loop asks would_verify before it builds a batch: it must answer what the next
+    should_verify will, however often it is asked."""
+    s = sw.SpeculationSwitch(True)
+    for _ in range(600):
+        told = [s.would_verify(1) for _ in range(3)]
+        verify = s.should_verify(1)
+        assert told == [verify] * 3
+        s.record(1, verify, 3.0 if verify else 1.0, tokens)
 
 
 def test_high_acceptance_stays_on_refreshing_the_plain_cost():
@@ -117,8 +130,11 @@ class _Scripted:
         self.calls = 0
         self.plain_steps = 0
 
+    def would_verify(self, batch_size: int) -> bool:
+        return self.pattern[self.calls % len(self.pattern)]
+
     def should_verify(self, batch_size: int) -> bool:
-        verify = self.pattern[self.calls % len(self.pattern)]
+        verify = self.would_verify(batch_size)
         self.calls += 1
         self.plain_steps += not verify
         return verify
@@ -190,10 +206,14 @@ def _flipping_run(target: str, spec: Dict, prompts: List[List[int]], n_new: int,
     return [h.outputs[r].output_ids for r in rids], h.scheduler.internal_state()
 
 
-# The fast lane keeps the default loop; page 16 and chunking run in the full suite.
-@pytest.mark.parametrize("config", [pytest.param({}, id="default"),
+# The fast lane keeps the default config in both loops; page 16 and chunking run in the full suite.
+@pytest.mark.parametrize("config", [pytest.param({}, id="default"), pytest.param(dict(overlap=True), id="overlap"),
                                     pytest.param(dict(page_size=16), id="page16", marks=pytest.mark.slow),
-                                    pytest.param(dict(chunked_prefill_size=8), id="chunked", marks=pytest.mark.slow)])
+                                    pytest.param(dict(page_size=16, overlap=True), id="page16-overlap",
+                                                 marks=pytest.mark.slow),
+                                    pytest.param(dict(chunked_prefill_size=8), id="chunked", marks=pytest.mark.slow),
+                                    pytest.param(dict(chunked_prefill_size=8, overlap=True), id="chunked-overlap",
+                                                 marks=pytest.mark.slow)])
 def test_flipping_switch_keeps_outputs_and_a_target_draft_accepts_everything(tiny, config):
     """STANDALONE with the draft = the target: after each run of plain steps its catch-up writes the
     K/V it skipped, so every draft is still accepted; outputs equal speculation off."""
@@ -205,37 +225,70 @@ def test_flipping_switch_keeps_outputs_and_a_target_draft_accepts_everything(tin
     assert state["spec_accepted_tokens"] == state["spec_draft_tokens"] > 0, state
 
 
-@pytest.mark.parametrize("algo", ["NGRAM", "STANDALONE"])
-def test_flipping_switch_keeps_outputs_with_a_poor_drafter(tiny, small_draft, algo):
+@pytest.mark.parametrize("algo,overlap", [("NGRAM", False), ("STANDALONE", False), ("NGRAM", True),
+                                          ("STANDALONE", True)])
+def test_flipping_switch_keeps_outputs_with_a_poor_drafter(tiny, small_draft, algo, overlap):
     prompts = _prompts()
-    plain = _outputs(_harness(tiny, {}), prompts, 30)
+    plain = _outputs(_harness(tiny, {}, overlap=overlap), prompts, 30)
     spec: Dict = dict(speculative_algorithm=algo)
     if algo == "STANDALONE":
         spec.update(speculative_draft_model_path=small_draft, speculative_num_steps=3)
-    outs, state = _flipping_run(tiny, spec, prompts, 30)
+    outs, state = _flipping_run(tiny, spec, prompts, 30, overlap=overlap)
     assert outs == plain
     assert state["spec_verify_ct"] > 0
 
 
-def test_flipping_switch_eagle_head_catches_up_exactly(exact_pair):  # noqa: F811
+@pytest.mark.parametrize("algo", ["NGRAM", "STANDALONE"])
+def test_overlap_pipelines_plain_steps_and_verifies_with_nothing_in_flight(tiny, small_draft, algo):
+    """A speculating server runs the overlap loop (issue 36): its plain decode steps are launched
+    while the previous result is in flight, as a plain server's; a verify step only once every
+    earlier result was processed (it drafts from their tokens); outputs equal speculation off."""
+    prompts = _prompts()
+    plain = _outputs(_harness(tiny, {}, overlap=True), prompts, 30)
+    spec: Dict = dict(speculative_algorithm=algo, speculative_batch_size_threshold=1024)
+    if algo == "STANDALONE":
+        spec.update(speculative_draft_model_path=small_draft, speculative_num_steps=3)
+    h = _harness(tiny, spec, overlap=True)
+    assert h.scheduler.enable_overlap and not h.args.disable_overlap_schedule
+    h.scheduler.spec.switch = _Scripted(3, 4)
+    launcher = h.scheduler.launcher
+    launch = launcher.launch
+    seen: List = []  # (decode, in flight, verified) per launch
+
+    def recorded(batch, overlap, results_in_flight):
+        out = launch(batch, overlap, results_in_flight)
+        seen.append((batch.forward_mode.is_decode(), results_in_flight, isinstance(out, VerifyStep)))
+        return out
+
+    launcher.launch = recorded
+    assert _outputs(h, prompts, 30) == plain
+    assert any(verified for _, _, verified in seen)
+    assert not any(verified and in_flight for _, in_flight, verified in seen)
+    assert any(decode and in_flight and not verified for decode, in_flight, verified in seen)
+
+
+@pytest.mark.parametrize("overlap", [False, True])
+def test_flipping_switch_eagle_head_catches_up_exactly(exact_pair, overlap):  # noqa: F811
     """The identity EAGLE head predicts the target's tokens only if its K/V at every position read
     the right token and feature: after plain runs its catch-up must restore them."""
     target, head = exact_pair
     prompts = _prompts()
-    plain = _outputs(_harness(target, {}), prompts, 30)
+    plain = _outputs(_harness(target, {}, overlap=overlap), prompts, 30)
     outs, state = _flipping_run(target, dict(speculative_algorithm="EAGLE", speculative_draft_model_path=head),
-                                prompts, 30)
+                                prompts, 30, overlap=overlap)
     assert outs == plain
     assert state["spec_accepted_tokens"] == state["spec_draft_tokens"] > 0, state
 
 
-def test_poor_draft_is_switched_off(tiny, small_draft):
+@pytest.mark.parametrize("overlap", [False, True])
+def test_poor_draft_is_switched_off(tiny, small_draft, overlap):
     """A random draft is (nearly) never accepted and a verify step costs more than a plain one:
-    after the warm-up the switch decodes plainly, verifying only its probes."""
+    after the warm-up the switch decodes plainly, verifying only its probes (with overlap: the plain
+    steps' pipelined time against the verify steps' synchronous one)."""
     prompts = [_prompts()[1]]
-    plain = _outputs(_harness(tiny, {}), prompts, 80)
+    plain = _outputs(_harness(tiny, {}, overlap=overlap), prompts, 80)
     h = _harness(tiny, dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=small_draft,
-                            speculative_num_steps=3))
+                            speculative_num_steps=3), overlap=overlap)
     assert _outputs(h, prompts, 80) == plain
     state = h.scheduler.internal_state()
     assert state["spec_on_by_batch_size"] == {1: False}, state

@@ -96,11 +96,15 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", fast_lane(list(CONFIGS), {"default"}))
-def test_standalone_small_draft_keeps_greedy_outputs(tiny, small_draft, name):
+# Every mode in both loops: with overlap, plain steps are pipelined and a verify step settles first.
+MODES = [(name, overlap) for name in CONFIGS for overlap in (False, True)]
+
+
+@pytest.mark.parametrize("name,overlap", fast_lane(MODES, {("default", False), ("default", True), ("retract", True)}))
+def test_standalone_small_draft_keeps_greedy_outputs(tiny, small_draft, name, overlap):
     prompts = _prompts()
-    _, plain, _ = _run(tiny, None, prompts, **CONFIGS[name])
-    h, spec, _ = _run(tiny, small_draft, prompts, **CONFIGS[name])
+    _, plain, _ = _run(tiny, None, prompts, overlap=overlap, **CONFIGS[name])
+    h, spec, _ = _run(tiny, small_draft, prompts, overlap=overlap, **CONFIGS[name])
     assert spec == plain
     state = h.scheduler.internal_state()
     assert state["spec_verify_ct"] > 0
@@ -160,12 +164,12 @@ def eagle_exact(tmp_path_factory):
     return target, build_eagle_head(str(tmp_path_factory.mktemp("tree_eagle_exact_head")), target, identity=True)
 
 
-@pytest.mark.parametrize("name", fast_lane(list(CONFIGS), {"default"}))
-def test_eagle_random_head_keeps_greedy_outputs(eagle_pair, name):
+@pytest.mark.parametrize("name,overlap", fast_lane(MODES, {("default", False), ("chunked-mixed", True)}))
+def test_eagle_random_head_keeps_greedy_outputs(eagle_pair, name, overlap):
     target, head, _ = eagle_pair
     prompts = _prompts()
-    _, plain, _ = _run(target, None, prompts, **CONFIGS[name])
-    h, spec, _ = _run(target, head, prompts, algo="EAGLE", steps=3, topk=3, tokens=8, **CONFIGS[name])
+    _, plain, _ = _run(target, None, prompts, overlap=overlap, **CONFIGS[name])
+    h, spec, _ = _run(target, head, prompts, algo="EAGLE", steps=3, topk=3, tokens=8, overlap=overlap, **CONFIGS[name])
     assert spec == plain
     assert h.scheduler.internal_state()["spec_verify_ct"] > 0
 

@@ -4,8 +4,9 @@ A batch with constrained requests samples under its vocabulary mask, which needs
 token accepted by the matchers. When an earlier result is still unprocessed (overlap), the forward
 is launched at once and its sampling is delayed: the loop calls `sample_if_delayed` after it has
 processed that result. With speculative decoding an eligible decode batch runs as a verify step
-instead (speculative/speculator.py); with a draft model the drafter runs every plain forward with the
-target's (its K/V follow the target's).
+instead (speculative/speculator.py), synchronously and only when no earlier result is in flight (its
+drafts need the tokens; the overlap loop settles first where the switch will verify); with a draft
+model the drafter runs every plain forward with the target's (its K/V follow the target's).
 """
 
 from __future__ import annotations
@@ -48,7 +49,8 @@ class ForwardLauncher:
         self.forward_ct += 1
         assert batch.forward_mode is not None  # the batches to run are prepared (prepare_for_*)
         if self.spec is not None and batch.forward_mode.is_decode():
-            step = self.spec.prepare(batch)
+            # With a forward in flight the step cannot draft from its tokens: it decodes plainly.
+            step = self.spec.prepare(batch, in_flight=overlap and results_in_flight)
             if step is not None:
                 return self._run_verify(self.spec, step)
         if batch.forward_mode.is_extend():
@@ -84,7 +86,8 @@ class ForwardLauncher:
         return pending if overlap else pending.result()
 
     def _run_verify(self, spec: Speculator, step: VerifyStep) -> VerifyStep:
-        """A speculative verify step, run at once (the loop is the normal one with speculation)."""
+        """A speculative verify step, run at once in either loop (nothing is in flight: its result
+        is processed before the next batch is built, since its accepted tokens set that batch's lengths)."""
         sleep_s = self.forward_sleep_s
 
         def verify() -> VerifyStep:

@@ -23,7 +23,6 @@ The loop's own state is the last batch, the results in flight and the outputs of
 from __future__ import annotations
 
 import logging
-import time
 from collections import deque
 from typing import TYPE_CHECKING, Any, Callable, Deque, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -479,6 +478,8 @@ class Scheduler:
             self.stats.on_tokens(batch, len(emit))
         self._to_stream.extend(emit)
         self.forward_done_ct += 1
+        if self.spec is not None:  # the speculation switch weighs verify steps against plain ones
+            self.spec.batch_processed(batch, result if isinstance(result, VerifyStep) else None)
 
     def stream(self, reqs: List[Req]) -> None:
         """Emit these requests' outputs at the end of this iteration (finished ones once)."""
@@ -518,11 +519,7 @@ class Scheduler:
         if not scheduling:
             return None
         if batch is not None:
-            started = time.perf_counter()
-            result = self.run_batch(batch)
-            self.process_batch_result(batch, result)
-            if self.spec is not None:  # the speculation switch weighs verify steps against plain ones
-                self.spec.decode_step_done(time.perf_counter() - started)
+            self.process_batch_result(batch, self.run_batch(batch))
         else:
             self.on_idle()
         self._end_step(batch)
@@ -546,7 +543,11 @@ class Scheduler:
         if disable_overlap:
             self._pop_and_process()
         if batch is not None:
-            self.result_queue.append((batch.copy(), self.run_batch(batch)))
+            launched = self.run_batch(batch)
+            if isinstance(launched, VerifyStep):  # ran with nothing in flight; its tokens set the next batch's lengths
+                self.process_batch_result(batch, launched)
+            else:
+                self.result_queue.append((batch.copy(), launched))
         if not disable_overlap and len(self.result_queue) > (1 if batch is not None else 0):
             self._pop_and_process()
         self.launch_batch_sample_if_needed()
@@ -564,6 +565,9 @@ class Scheduler:
             return False, None
         if self.disagg is not None:
             self.disagg.process_queues()
+        if self.result_queue and self.spec is not None and self.spec.wants_verify(
+                self.running.reqs, self.last_batch, self.prefill.chunked_req):
+            self.settle()  # overlap loop: the verify step drafts from the tokens in flight
         self.cur_batch = self.get_next_batch_to_run()
         return True, self.cur_batch
 

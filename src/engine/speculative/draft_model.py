@@ -55,6 +55,9 @@ class DraftModelDrafter:
         pool = runner.token_to_kv_pool
         # Per slot: whether the draft's K/V there belong to the token whose target K/V the slot holds.
         self.valid = torch.zeros(pool.size + pool.page_size, dtype=torch.bool, device=runner.device)
+        # Pages of one slot are whole slots: a plain forward writes freshly allocated slots only,
+        # which their release already unmarked (forward_plain has nothing to do).
+        self.slots_start_unmarked = pool.page_size == 1
         self.req_to_token = runner.req_to_token_pool.req_to_token
         target_pool = runner.token_to_kv_pool_allocator.get_kvcache()
         assert target_pool is not None  # the target's allocator reports to its pool
@@ -164,8 +167,11 @@ class DraftModelDrafter:
 
     def forward_plain(self, worker_batch: ModelWorkerBatch, run_target: Callable[[ModelWorkerBatch], Any]) -> Any:
         # Caught up by each request's next verify step, if it has one. A slot can hold a rejected
-        # draft's mark when its page was kept (page size > 1): unmarked here.
-        self._mark(worker_batch.out_cache_loc, False)
+        # draft's mark when its page was kept (page size > 1): unmarked here. With page size 1 the
+        # index write is skipped: it was the one cost a plain step of a speculating server added
+        # on the forward thread.
+        if not self.slots_start_unmarked:
+            self._mark(worker_batch.out_cache_loc, False)
         return run_target(worker_batch)
 
     # ------------------------------------------------------------------ helpers

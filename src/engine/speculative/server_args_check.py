@@ -52,7 +52,6 @@ class SpeculativeFlags(Protocol):
     lora_paths: Optional[List[str]]
     simulated_device_forward_ms: Optional[str]
     is_embedding: bool
-    disable_overlap_schedule: bool
     attention_backend: Optional[str]
 
 
@@ -101,13 +100,8 @@ def check_speculative_server_args(args: SpeculativeFlags, need: Callable[[bool, 
          "or --is-embedding")
     if args.disaggregation_mode == "prefill":
         # EAGLE on a prefill server: its forwards keep the target's features of each prompt for the
-        # decode server's head (sent with the KV); it never drafts or verifies, so overlap stays.
+        # decode server's head (sent with the KV); it never drafts or verifies.
         return
-    if not args.disable_overlap_schedule:
-        # As SGLang: the verify step needs the previous step's tokens to draft, so it runs in the
-        # normal loop.
-        logger.warning("--speculative-algorithm %s: the overlap scheduler is disabled.", algo)
-        args.disable_overlap_schedule = True
 
 
 def _check_draft_model_params(args: SpeculativeFlags, need: Callable[[bool, str], None]) -> None:

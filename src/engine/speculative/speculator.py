@@ -36,7 +36,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Union
 
 import torch
 
@@ -105,11 +105,8 @@ class Speculator:
         self.tree: Optional[TreeVerify] = None  # set by build_speculator with --speculative-eagle-topk > 1
         self.memory = memory or {}
         self.switch = SpeculationSwitch(not server_args.disable_speculative_adaptive, _tp_agreement(server_args))
-        # The decode step in flight that the switch chose (batch size, verified), and what its verify
-        # step measured: recorded by decode_step_done.
-        self._chosen: Optional[Tuple[int, bool]] = None
-        self._tokens_per_request = 0.0
-        self._catch_up_seconds = 0.0
+        # Where the wall time of the next decode step processed starts (see batch_processed).
+        self._step_start: Optional[float] = None
 
     # ------------------------------------------------------------------ scheduling thread
     @staticmethod
@@ -117,16 +114,37 @@ class Speculator:
         """Whether the verify step reproduces this request's sampling exactly (see the module doc)."""
         return sampling_supports(req)
 
-    def prepare(self, batch: ScheduleBatch) -> Optional[VerifyStep]:
-        """The verify step of a decode-prepared batch, or None when the batch decodes plainly."""
-        if self.batch_size_threshold is not None and batch.batch_size() > self.batch_size_threshold:
-            return None  # large batches are compute-bound: drafts cost more than they save
-        if not all(self.eligible(r) for r in batch.reqs):
+    def _speculates(self, reqs: Sequence[Req]) -> bool:
+        """Whether the switch decides this decode batch (otherwise it decodes plainly, exactly)."""
+        if self.batch_size_threshold is not None and len(reqs) > self.batch_size_threshold:
+            return False  # large batches are compute-bound: drafts cost more than they save
+        return all(self.eligible(r) for r in reqs)
+
+    def wants_verify(self, running: Sequence[Req], last_batch: Optional[ScheduleBatch],
+                     chunked: Optional[Req]) -> bool:
+        """Whether the next decode step would verify (nothing changes), guessed before it is built:
+        the running requests not known to have finished, and those of the last prefill, which join
+        them. The overlap loop then settles the forward in flight first. A wrong guess costs speed,
+        never exactness: `prepare` verifies only with nothing in flight."""
+        reqs = {id(r): r for r in running if not r.finished()}
+        if last_batch is not None and last_batch.forward_mode is not None and last_batch.forward_mode.is_extend():
+            reqs.update((id(r), r) for r in last_batch.reqs if r is not chunked and not r.finished())
+        batch = list(reqs.values())
+        return bool(batch) and self._speculates(batch) and self.switch.would_verify(len(batch))
+
+    def prepare(self, batch: ScheduleBatch, in_flight: bool = False) -> Optional[VerifyStep]:
+        """The verify step of a decode-prepared batch, or None when the batch decodes plainly.
+        in_flight: an earlier forward's result is not processed yet (overlap loop), so this step
+        cannot draft from its tokens and decodes plainly."""
+        if not in_flight:
+            self._step_start = time.perf_counter()  # nothing before it is left to wait for
+        if not self._speculates(batch.reqs):
             return None
-        verify = self.switch.should_verify(batch.batch_size())
-        self._chosen = (batch.batch_size(), verify)
-        self._tokens_per_request, self._catch_up_seconds = 0.0, 0.0
-        if not verify:
+        if in_flight and self.switch.would_verify(batch.batch_size()):
+            # The loop's guess of this batch missed (Scheduler._begin_step): the switch's turn is left
+            # for the next step, which settles first.
+            return None
+        if not self.switch.should_verify(batch.batch_size()):
             return None
         if self.tree is not None:
             return self._prepare_tree(batch, self.tree.shape)
@@ -140,8 +158,6 @@ class Speculator:
         if slots is None and any(draft_lens):
             draft_lens = [0] * len(draft_lens)  # the pool is short: a plain step, through the same path
             proposed = None
-        if not any(draft_lens):
-            self._chosen = None  # nothing verified: no measure of speculation
         drafts = proposed if proposed is not None else [[] for _ in batch.reqs]
         input_ids: List[int] = []
         for req, d, k in zip(batch.reqs, drafts, draft_lens):
@@ -166,7 +182,6 @@ class Speculator:
         kept_lens: List[int] = []
         finished: List[Req] = []
         self.stats.draft_seconds += step.draft_seconds
-        self._catch_up_seconds = step.catch_up_seconds
         logprobs = LogprobLists(step.logprobs, batch) if step.logprobs is not None else None
         for i, (req, seq_len, drafts, tokens, accepted) in enumerate(zip(batch.reqs, batch.seq_lens_cpu, step.drafts,
                                                                          outcome.tokens, outcome.accepted)):
@@ -192,7 +207,6 @@ class Speculator:
             if req.finished():
                 finished.append(req)
             emit.append(req)
-        self._tokens_per_request = self.emitted_tokens(step) / max(1, len(batch.reqs))
         allocator.free_group_begin()
         try:
             batch.keep_verified(kept_lens)
@@ -202,14 +216,24 @@ class Speculator:
             allocator.free_group_end()
         return emit
 
-    def decode_step_done(self, seconds: float) -> None:
-        """The scheduler ran and processed a decode batch in `seconds`: the switch learns from the
-        steps it chose (a plain step's cost, or a verify step's cost without the draft's catch-up)."""
-        chosen, self._chosen = self._chosen, None
-        if chosen is not None:
-            batch_size, verified = chosen
-            self.switch.record(batch_size, verified, max(0.0, seconds - self._catch_up_seconds),
-                               self._tokens_per_request)
+    def batch_processed(self, batch: ScheduleBatch, step: Optional[VerifyStep]) -> None:
+        """A generation batch's result was processed (`step`: it ran as a verify step). The switch
+        learns from the decode steps it decides: their wall time from the previous result processed
+        (or from their launch, when nothing was in flight then) to their own, which in the overlap
+        loop is a plain step's share of the pipelined time and a verify step's whole synchronous
+        cost (without a draft model's catch-up: a one-off per skipped token, not a cost of the step).
+        After an idle spell the first batch is launched with nothing in flight, so idle time never
+        counts: a decode step starts its own clock (prepare), a prefill's processing restarts it."""
+        now = time.perf_counter()
+        start, self._step_start = self._step_start, now
+        if start is None or batch.forward_mode is None or not batch.forward_mode.is_decode():
+            return
+        if step is None:
+            if self._speculates(batch.reqs):
+                self.switch.record(batch.batch_size(), False, now - start, 0.0)
+        elif any(step.draft_lens):  # a step without drafts (the pool was short) measures nothing
+            self.switch.record(batch.batch_size(), True, max(0.0, now - start - step.catch_up_seconds),
+                               self.emitted_tokens(step) / max(1, len(batch.reqs)))
 
     def emitted_tokens(self, step: VerifyStep) -> int:
         assert step.outcome is not None
@@ -291,8 +315,6 @@ class Speculator:
         if slots is None:
             budgets = [0] * len(budgets)  # the pool is short (or nothing drafts): a plain step
         verify_lens = [shape.num_drafts if b else 0 for b in budgets]
-        if not any(verify_lens):
-            self._chosen = None  # nothing verified: no measure of speculation
         picked: List[torch.Tensor] = []
         offset = 0
         for b, k in zip(budgets, verify_lens):

@@ -71,23 +71,26 @@ class SpeculationSwitch:
     def should_verify(self, batch_size: int) -> bool:
         """Whether the eligible decode step of this batch size verifies drafts (scheduling thread,
         once per step: it advances the refresh and probe counters)."""
+        return self._decide(batch_size, commit=True)
+
+    def would_verify(self, batch_size: int) -> bool:
+        """What should_verify would answer now, changing nothing: the overlap loop asks before it
+        builds the batch, to settle the forward in flight first (a verify step drafts from its tokens)."""
+        return self._decide(batch_size, commit=False)
+
+    def _decide(self, batch_size: int, commit: bool) -> bool:
         if not self.enabled:
             return True
-        c = self.costs.setdefault(batch_size, _Costs())
+        c = self.costs.setdefault(batch_size, _Costs()) if commit else self.costs.get(batch_size, _Costs())
         if c.verify_n < WARMUP:
             return True
         if c.plain_n < WARMUP:
             return False
-        c.since += 1
-        if c.on:
-            if c.since >= PLAIN_REFRESH_INTERVAL:
-                c.since = 0
-                return False
-            return True
-        if c.since >= c.interval:
-            c.since = 0
-            return True  # a probe
-        return False
+        since = c.since + 1
+        due = since >= (PLAIN_REFRESH_INTERVAL if c.on else c.interval)  # a refresh (on) or a probe (off)
+        if commit:
+            c.since = 0 if due else since
+        return c.on != due
 
     def record(self, batch_size: int, verified: bool, seconds: float, tokens_per_request: float) -> None:
         """A decode step this switch chose is done: its wall time and, for a verify step, the mean
