@@ -109,7 +109,7 @@ def test_pd_flags():
     for algo in ("EAGLE", "EAGLE3"):
         decode = ServerArgs(device="cpu", speculative_algorithm=algo, speculative_draft_model_path="/head",
                             **pd_args("decode"))
-        assert decode.speculative_algorithm == algo and decode.disable_overlap_schedule
+        assert decode.speculative_algorithm == algo and not decode.disable_overlap_schedule  # overlap stays on
         # Kept on the prefill (it sends the target's features of each prompt), which never verifies.
         prefill = ServerArgs(device="cpu", speculative_algorithm=algo, speculative_draft_model_path="/head",
                              **pd_args("prefill"))
