@@ -63,8 +63,19 @@ SWEEP_WORKLOADS = ("offline_4", "offline_32", "prefix_0", "prefix_256", "prefix_
 # transformers has no prefix cache (minutes per point), and its batch-64 run takes as long as all the
 # others together; the issue's table has neither.
 HF_SKIPS = ("shared_prefix", "prefix_", "offline_64")
-MODEL_SPEC = dict(hidden=1024, layers=8, heads=16, kv_heads=8, intermediate=2048, vocab=32000)
-KV_BYTES_PER_TOKEN = 2 * MODEL_SPEC["layers"] * MODEL_SPEC["kv_heads"] * (MODEL_SPEC["hidden"] // MODEL_SPEC["heads"]) * 2
+# --model: the small Llama, or a Mixtral-shaped model (bench_moe's default shape: 8 experts of
+# intermediate 3584, top-2, i.e. the active parameters of the small Llama's attention and one MLP of
+# 2 x 3584).
+MODEL_SPECS: Dict[str, Dict[str, int]] = {
+    "small": dict(hidden=1024, layers=8, heads=16, kv_heads=8, intermediate=2048, vocab=32000),
+    "mixtral": dict(hidden=1024, layers=8, heads=16, kv_heads=4, intermediate=3584, experts=8, top_k=2, vocab=32000),
+}
+VOCAB = 32000  # every model above
+
+
+def kv_bytes_per_token(spec: Dict[str, int]) -> int:
+    """K and V of every layer in bf16."""
+    return 2 * spec["layers"] * spec["kv_heads"] * (spec["hidden"] // spec["heads"]) * 2
 SERVED_NAME = "peer-small"
 
 
@@ -94,28 +105,37 @@ def write_word_tokenizer(out_dir: str, vocab_size: int) -> None:
         json.dump(dict(bos_token="<s>", eos_token="</s>", unk_token="<unk>"), f, indent=1)
 
 
-def prepare_model(work_dir: str) -> str:
-    """The small Llama (bench_models' `small`, seed 0) with a tokenizer, in work_dir."""
-    from bench_models import random_llama_dir
-
-    path = os.path.join(work_dir, "llama-small-bf16-tok")
+def prepare_model(work_dir: str, kind: str) -> str:
+    """The model of --model (the small Llama: bench_models' `small`, seed 0; mixtral: bench_moe's
+    checkpoint of MODEL_SPECS' shape) with a tokenizer, in work_dir."""
+    path = os.path.join(work_dir, f"{'llama-small' if kind == 'small' else kind}-bf16-tok")
     if os.path.exists(os.path.join(path, "tokenizer.json")):
         return path
-    source = random_llama_dir("small", "bfloat16")
+    if kind == "small":
+        from bench_models import random_llama_dir
+
+        source = random_llama_dir("small", "bfloat16")
+    else:
+        from bench_moe import Shape, checkpoint
+
+        spec = MODEL_SPECS[kind]
+        shape = Shape(spec["layers"], spec["hidden"], spec["heads"], spec["kv_heads"], spec["experts"],
+                      spec["top_k"], spec["intermediate"], spec["vocab"])
+        source = checkpoint(os.path.join(work_dir, "bench-moe"), shape, moe=True)
     tmp = tempfile.mkdtemp(dir=work_dir)
     for name in os.listdir(source):
         shutil.copy(os.path.join(source, name), tmp)
-    write_word_tokenizer(tmp, MODEL_SPEC["vocab"])
+    write_word_tokenizer(tmp, VOCAB)
     os.replace(tmp, path)
     return path
 
 
-def vllm_env(work_dir: str, system: str) -> Dict[str, str]:
+def vllm_env(work_dir: str, system: str, kv_bytes: int) -> Dict[str, str]:
     cache = os.path.join(work_dir, "cache")
     env = dict(os.environ, VLLM_CACHE_ROOT=os.path.join(cache, "vllm"),
                TORCHINDUCTOR_CACHE_DIR=os.path.join(cache, "inductor"), HF_HOME=os.path.join(cache, "hf"),
                HF_HUB_OFFLINE="1", VLLM_NO_USAGE_STATS="1", DO_NOT_TRACK="1",
-               PEER_KV_BYTES_PER_TOKEN=str(KV_BYTES_PER_TOKEN))
+               PEER_KV_BYTES_PER_TOKEN=str(kv_bytes))
     env.pop("PYTHONPATH", None)  # nothing of ours inside vLLM's interpreter
     if system == "vllm2":
         env["VLLM_CPU_NUM_OF_RESERVED_CPU"] = "0"
@@ -151,7 +171,7 @@ def run_offline(system: str, args: argparse.Namespace, model: str, workloads: Li
         return {}
     kind = "vllm" if system.startswith("vllm") else system
     python = os.path.join(args.vllm_venv, "bin", "python") if kind == "vllm" else sys.executable
-    env = vllm_env(args.work_dir, system) if kind == "vllm" else engine_env()
+    env = vllm_env(args.work_dir, system, kv_bytes_per_token(MODEL_SPECS[args.model])) if kind == "vllm" else engine_env()
     cmd = [python, os.path.join(BENCH_DIR, "peer_offline.py"), "--system", kind, "--model", model,
            "--workloads", ",".join(names), "--reps", str(args.reps), "--kv-tokens", str(args.kv_tokens)]
     if kind == "engine" and args.engine_args:
@@ -182,7 +202,7 @@ def server_command(system: str, args: argparse.Namespace, model: str, port: int)
     return [os.path.join(args.vllm_venv, "bin", "python"), "-m", "vllm.entrypoints.openai.api_server",
             "--model", model, "--served-model-name", SERVED_NAME, "--host", "127.0.0.1", "--port", str(port),
             "--dtype", "bfloat16", "--max-model-len", "2048", "--max-num-seqs", "128",
-            "--kv-cache-memory-bytes", str(args.kv_tokens * KV_BYTES_PER_TOKEN)]
+            "--kv-cache-memory-bytes", str(args.kv_tokens * kv_bytes_per_token(MODEL_SPECS[args.model]))]
 
 
 async def _complete(client: httpx.AsyncClient, url: str, prompt: List[int], output_len: int) -> int:
@@ -219,7 +239,7 @@ def run_streaming(base_url: str, name: str) -> Dict[str, Any]:
     if name == "poisson":
         requests = bench_serving.bench_datasets.sample_random_requests(
             workload.num_prompts, POISSON_INPUT_LEN, POISSON_OUTPUT_LEN, POISSON_RANGE_RATIO,
-            MODEL_SPEC["vocab"], seed=0)
+            VOCAB, seed=0)
     else:
         batch = random_batch(workload.num_prompts)
         requests = [bench_serving.SampledRequest(prompt_len=len(p), output_len=batch.output_len, prompt_ids=p)
@@ -243,7 +263,7 @@ def run_server(system: str, args: argparse.Namespace, model: str, workloads: Lis
     if not names or system == "hf":
         return {}
     port = bench_serving.find_free_port()
-    env = vllm_env(args.work_dir, system) if system.startswith("vllm") else engine_env()
+    env = vllm_env(args.work_dir, system, kv_bytes_per_token(MODEL_SPECS[args.model])) if system.startswith("vllm") else engine_env()
     log_path = os.path.join(args.work_dir, "logs", f"{system}-server.log")
     logger.info("%s server: %s", system, " ".join(names))
     proc = launch(server_command(system, args, model, port), env, log_path)
@@ -303,6 +323,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
                     help="an existing venv with vLLM's CPU build (or $PEERS_VLLM_VENV)")
     ap.add_argument("--work-dir", default=os.path.expanduser("~/.cache/engine/peers"),
                     help="model copy with tokenizer, vLLM caches and logs")
+    ap.add_argument("--model", default="small", choices=sorted(MODEL_SPECS),
+                    help="the small Llama, or a Mixtral-shaped MoE model of the same attention (random weights)")
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
     ap.add_argument("--workloads", default=",".join(DEFAULT_WORKLOADS),
                     help=f"subset of {','.join(DEFAULT_WORKLOADS)}; 'sweep' adds {','.join(SWEEP_WORKLOADS)}; "
@@ -342,7 +364,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
     os.makedirs(os.path.join(args.work_dir, "logs"), exist_ok=True)
     if args.install_vllm and not os.path.exists(os.path.join(args.install_vllm, "bin", "python")):
         install_vllm(args.install_vllm)
-    model = prepare_model(args.work_dir)
+    model = prepare_model(args.work_dir, args.model)
     offline = [w for w in args.workloads if w not in SERVER_WORKLOADS]
     results: Dict[str, Dict[str, Any]] = {s: {} for s in args.systems}
     started = datetime.datetime.now().isoformat(timespec="seconds")
@@ -352,7 +374,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             merge_best(results[system], run_offline(system, args, model, offline))
             merge_best(results[system], run_server(system, args, model, args.workloads))
     report = dict(started=started, finished=datetime.datetime.now().isoformat(timespec="seconds"),
-                  cpu=cpu_description(), torch=_torch_version(), model=dict(path=model, **MODEL_SPEC),
+                  cpu=cpu_description(), torch=_torch_version(), model=dict(path=model, kind=args.model, **MODEL_SPECS[args.model]),
                   kv_tokens=args.kv_tokens, reps=args.reps, rounds=args.rounds, workloads=args.workloads,
                   results=results)
     table = peer_report.format_table(report)

@@ -55,13 +55,18 @@ def _verdict(ratio: Optional[float], target: Optional[float], higher_is_better: 
     return "met" if ok else "not met"
 
 
+def _model_name(report: Dict[str, Any]) -> str:
+    kind = report.get("model", {}).get("kind", "small")
+    return "small Llama" if kind == "small" else "Mixtral-shaped model (8 experts, top-2)"
+
+
 def format_table(report: Dict[str, Any]) -> str:
     results = report["results"]
     cpu = report["cpu"]
     amx = "with AMX" if cpu.get("amx") else "no AMX"
     lines = [
         f"Peer benchmark, {report['started']}: {cpu.get('model')} ({cpu.get('cores')} cores, "
-        f"{' '.join(cpu.get('isa', []))}, {amx}), torch {report['torch']}; small Llama bf16, greedy, EOS "
+        f"{' '.join(cpu.get('isa', []))}, {amx}), torch {report['torch']}; {_model_name(report)} bf16, greedy, EOS "
         f"ignored; KV {report['kv_tokens']} tokens for vLLM and the engine; best of {report['reps']} x "
         f"{report['rounds']} round(s). Output tokens/s.",
         "",
@@ -171,7 +176,7 @@ def plot(report: Dict[str, Any], path: str) -> None:
         ax.grid(alpha=0.3)
         ax.legend()
     cpu = report["cpu"]
-    fig.suptitle(f"small Llama bf16 on {cpu.get('model')}, {cpu.get('cores')} cores "
+    fig.suptitle(f"{_model_name(report)} bf16 on {cpu.get('model')}, {cpu.get('cores')} cores "
                  f"({'AMX' if cpu.get('amx') else 'no AMX'}), {report['started'][:10]}")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
