@@ -24,6 +24,7 @@ from engine.distributed.parallel_state import (
 from engine.kernels import linear as linear_kernels
 from engine.layers.int4 import Int4Weight, int4_linear
 from engine.layers.quantization import QuantizedWeight, quantize_weight, quantized_linear
+from engine.layers.vocab_parallel_embedding import ParallelLMHead
 from engine.model_loader.weight_utils import set_weight_loader
 
 if TYPE_CHECKING:
@@ -51,7 +52,7 @@ PACKED_MAX_ROWS = 512
 
 # With --quantization or a pre-quantized checkpoint the layer's weight lives only here, quantized
 # (layers/quantization.py, layers/int4.py).
-PackedWeight = Union[torch.Tensor, linear_kernels.Bf16Panels, QuantizedWeight, Int4Weight]
+PackedWeight = Union[torch.Tensor, linear_kernels.Bf16Panels, linear_kernels.WidenedBf16, QuantizedWeight, Int4Weight]
 
 
 def prepack_linear_weights(model: nn.Module) -> int:
@@ -74,6 +75,12 @@ def prepack_linear_weights(model: nn.Module) -> int:
             setattr(module, "packed_weight", linear_kernels.pack_linear_bf16(weight, getattr(module, "bias", None)))
             count += 1
             continue
+        if isinstance(module, ParallelLMHead) and linear_kernels.widened_bf16_usable(weight):
+            # Without bf16 instructions torch's bf16 matmul is far from the memory bandwidth, and the LM head
+            # (left in the model dtype by --quantization) is the largest weight a decode step reads.
+            setattr(module, "packed_weight", linear_kernels.WidenedBf16(weight.detach()))
+            count += 1
+            continue
         if not torch.backends.mkldnn.is_available():
             continue
         try:
@@ -93,7 +100,11 @@ def linear_forward(
         return quantized_linear(x, packed, bias)
     if isinstance(packed, Int4Weight):
         return int4_linear(x, packed, bias)
-    if isinstance(packed, linear_kernels.Bf16Panels):
+    if isinstance(packed, linear_kernels.WidenedBf16):
+        out = linear_kernels.linear_widened_bf16(x, packed, bias)
+        if out is not None:
+            return out
+    elif isinstance(packed, linear_kernels.Bf16Panels):
         if x.dtype == torch.bfloat16 and x.numel() <= linear_kernels.LINEAR_BF16_MAX_ROWS * packed.k and linear_kernels.enabled():
             return linear_kernels.linear_bf16(x, packed, add_bias=bias is not None)
     elif packed is not None and x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS and x.dtype == weight.dtype:
