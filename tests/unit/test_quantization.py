@@ -213,7 +213,7 @@ def test_lm_head_takes_the_widening_kernel_without_bf16_instructions() -> None:
     """On a CPU whose bf16 panels do not run (AVX2 only), prepacking gives a bf16 LM head the widening
     kernel; its logits are the float32 product rounded once to bf16."""
     from engine.kernels.linear import WidenedBf16, widened_bf16_usable
-    from engine.layers.linear import linear_forward, prepack_linear_weights
+    from engine.layers.linear import ColumnParallelLinear, linear_forward, prepack_linear_weights
     from engine.layers.vocab_parallel_embedding import ParallelLMHead
 
     lib = library.linear()
@@ -222,8 +222,12 @@ def test_lm_head_takes_the_widening_kernel_without_bf16_instructions() -> None:
     gen = torch.Generator().manual_seed(5)
     head = ParallelLMHead(96, 64)
     head.weight.data = torch.randn(96, 64, generator=gen).to(torch.bfloat16)
-    model = torch.nn.ModuleList([head])
-    assert widened_bf16_usable(head.weight) and prepack_linear_weights(model) == 1
+    # A bf16 linear before it (a bf16 model), which oneDNN cannot pack on such a CPU: the head still gets its kernel.
+    linear = ColumnParallelLinear(64, 32, bias=False)
+    linear.weight.data = torch.randn(32, 64, generator=gen).to(torch.bfloat16)
+    model = torch.nn.ModuleList([linear, head])
+    prepack_linear_weights(model)
+    assert widened_bf16_usable(head.weight)
     assert isinstance(head.packed_weight, WidenedBf16) and head.packed_weight.weight is not None
     x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
     logits = linear_forward(x, head.weight, None, head.packed_weight)

@@ -63,6 +63,7 @@ def prepack_linear_weights(model: nn.Module) -> int:
     the linear weights in memory. Must be redone after weights change (loading clears it).
     """
     count = 0
+    onednn = torch.backends.mkldnn.is_available()
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if (not hasattr(module, "packed_weight") or weight is None
@@ -81,13 +82,15 @@ def prepack_linear_weights(model: nn.Module) -> int:
             setattr(module, "packed_weight", linear_kernels.WidenedBf16(weight.detach()))
             count += 1
             continue
-        if not torch.backends.mkldnn.is_available():
+        if not onednn:
             continue
         try:
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
         except (RuntimeError, AttributeError) as e:  # an old or oneDNN-less build: keep F.linear
+            # Once (not per layer); the loop goes on, as the LM head may still take the widening kernel.
             logger.warning("oneDNN weight packing unavailable (%s); using F.linear", e)
-            return count
+            onednn = False
+            continue
         count += 1
     return count
 
