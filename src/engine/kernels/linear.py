@@ -88,7 +88,7 @@ def linear_bf16_silu_mul(x: torch.Tensor, panels: Bf16Panels) -> torch.Tensor:
 
 # Rows up to which a bf16 weight widened in registers (csrc/linear_q8.c) beats F.linear where the CPU has no
 # bf16 instructions (AVX2 only: torch's bf16 matmul converts element by element). Measured on the 2-core Zen 1
-# with the 32000 x 1024 LM head: 1 row ran at ~11 GB/s of weights per core with the weights in L2 against
+# with the 32000 x 1024 LM head: 1 row ran at ~16 GB/s of weights per core with the weights in L2 against
 # F.linear's ~2; at 64 rows and up the product is compute-bound and MKL's sgemm over a float32 copy would win,
 # but the LM head sees the batch's last rows only.
 WIDENED_BF16_MAX_ROWS = 256
