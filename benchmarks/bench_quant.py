@@ -228,6 +228,8 @@ def main() -> None:
     ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 16])
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--out-len", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=1,
+                    help="decode runs per configuration, the best median step kept (a shared machine)")
     ap.add_argument("--configs", nargs="*", default=list(CONFIGS), choices=list(CONFIGS))
     ap.add_argument("--kv-configs", nargs="*", default=list(KV_CONFIGS), choices=list(KV_CONFIGS),
                     help="--kv-cache-dtype values of the fp8 KV rows (none: no KV rows)")
@@ -241,7 +243,9 @@ def main() -> None:
     shape = Shape(args.layers, args.hidden, args.heads, args.kv_heads, args.inter, args.vocab)
     path = checkpoint(args.dir, shape)
     bandwidth = read_bandwidth("cpu")
-    print(f"streaming read bandwidth: {bandwidth / 1e9:.1f} GB/s ({torch.get_num_threads()} threads)")
+    load_before = os.getloadavg()[0]  # a shared machine: the ratios within one run are what mean anything
+    print(f"streaming read bandwidth: {bandwidth / 1e9:.1f} GB/s ({torch.get_num_threads()} threads), "
+          f"load average {load_before:.1f}")
     results: List[Result] = []
     with scheduling_thread():  # as in the scheduler process
         for batch in args.batch_sizes:
@@ -256,10 +260,10 @@ def main() -> None:
                                          chunked_prefill_size=-1, disable_radix_cache=True)
                 scheduler = Scheduler(server_args)
                 _decode(scheduler, [p[:8] for p in prompts], 4, "warmup")
-                steps = _decode(scheduler, prompts, args.out_len, "run")
+                step = min(statistics.median(_decode(scheduler, prompts, args.out_len, f"run{r}_"))
+                           for r in range(args.repeats))
                 scheduler.shutdown()
                 nbytes = step_bytes(shape, name, batch, args.prompt_len + args.out_len // 2)
-                step = statistics.median(steps)
                 results.append(Result(name, batch, batch / step, step * 1e3, nbytes / bandwidth * 1e3, nbytes))
     print(f"\nLlama {shape.layers} layers, hidden {shape.hidden}, intermediate {shape.inter}, bf16 activations, "
           f"prompt {args.prompt_len}, {args.out_len} tokens")
@@ -287,8 +291,11 @@ def main() -> None:
             ratio = f"{base.step_ms / k.step_ms:7.2f}" if base else " " * 7
             print(f"{k.kv_cache_dtype:9} {k.kv_bytes_per_step / 1e6:10.1f} {k.step_ms:8.1f} {k.floor_ms:8.1f} "
                   f"{k.step_ms / k.floor_ms:10.2f} {ratio}")
+    load_after = os.getloadavg()[0]
+    print(f"load average {load_before:.1f} before, {load_after:.1f} after")
     with open(args.json, "w") as f:
         json.dump({"shape": asdict(shape), "bandwidth_bytes_s": bandwidth, "args": vars(args),
+                   "load_average": [load_before, load_after],
                    "results": [asdict(r) for r in results], "kv_results": [asdict(k) for k in kv_results]},
                   f, indent=2)
     print(f"wrote {args.json}")

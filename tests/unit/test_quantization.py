@@ -1,9 +1,13 @@
 """Quantized linears (--quantization w8a8_int8 / fp8, layers/quantization.py, csrc/linear_q8.c).
 
 Oracle: the float64 product of the activations with the dequantized weight (qweight * scale), so the
-only difference allowed is float32 summation order."""
+only difference allowed is float32 summation order. w8a8_int8 quantizes the activations per row first
+(SGLang's per-token int8): its oracle is the float64 product of those int8 values (computed here with the
+float32 operations the spec names) with the int8 weights, times both scales."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import pytest
 import torch
@@ -15,8 +19,21 @@ from engine.layers.quantization import QuantizedWeight, quantize_weight, quantiz
 METHODS = ["w8a8_int8", "fp8"]
 
 
+def _int8_rows(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-row int8: scale max |x| / 127 (at least 1e-10 / 127), values round(x * (127 / max)) to nearest
+    even, each float32 operation correctly rounded (127 as a tensor: torch's number / tensor is not)."""
+    xf = x.float()
+    amax = xf.abs().amax(dim=-1, keepdim=True).clamp_min(1e-10)
+    qmax = torch.full_like(amax, 127.0)
+    return (xf * (qmax / amax)).round().clamp(-127, 127), amax / qmax
+
+
 def _oracle(x: torch.Tensor, qw: QuantizedWeight, bias: torch.Tensor | None) -> torch.Tensor:
-    out = x.double() @ (qw.qweight.double() * qw.scale.double()[:, None]).T
+    if qw.int8_activations:
+        values, x_scale = _int8_rows(x)
+        out = (values.double() @ qw.qweight.double().T) * x_scale.double() * qw.scale.double()
+    else:
+        out = x.double() @ (qw.qweight.double() * qw.scale.double()[:, None]).T
     return out if bias is None else out + bias.double()
 
 
@@ -56,20 +73,27 @@ def test_quantized_linear_equals_dequantized_product(kernel_build: str, method: 
         assert out.dtype == torch.float32 and out.shape == (rows, 37)
         torch.testing.assert_close(out.double(), _oracle(x, qw, b), rtol=1e-5, atol=1e-5)
     # bf16 activations: the kernel (decode) rounds the float32 product once to bf16; the torch path
-    # (prefill) multiplies by the weight dequantized to bf16, then rounds once.
+    # (prefill) multiplies by the weight dequantized to bf16, then rounds once (int8 activations: float32
+    # sums of the integer products, then the scales, rounded once).
     xb = x.to(torch.bfloat16).reshape(1, rows, 203)
     out = quantized_linear(xb, qw, bias.to(torch.bfloat16))
     assert out.dtype == torch.bfloat16 and out.shape == (1, rows, 37)
-    weight = qw.dequantize(torch.float64) if rows <= 32 else qw.dequantize(torch.bfloat16).double()
-    expected = xb[0].double() @ weight.T + bias.to(torch.bfloat16).double()
+    if qw.int8_activations:
+        expected = _oracle(xb[0], qw, bias.to(torch.bfloat16))
+    else:
+        weight = qw.dequantize(torch.float64) if rows <= 32 else qw.dequantize(torch.bfloat16).double()
+        expected = xb[0].double() @ weight.T + bias.to(torch.bfloat16).double()
     err = (out[0].double() - expected).abs()
     assert bool((err <= expected.abs() * 2.0 ** -8 + 1e-3).all()), float(err.max())
 
 
-def test_kernel_row_blocks(kernel_build: str) -> None:
-    """k = 16384: rows in blocks of 4 (256 KiB of float32 activations), 9 rows are three blocks."""
+@pytest.mark.parametrize("int8_activations", [False, True])
+def test_kernel_row_blocks(kernel_build: str, int8_activations: bool) -> None:
+    """k = 16384: rows in blocks of 4 (256 KiB of float32 activations), 9 rows are three blocks; with int8
+    activations, int32 sums of up to 127 * 127 * 16384 (past float32's exact integers)."""
     gen = torch.Generator().manual_seed(3)
     qw = quantize_weight(torch.randn(5, 16384, generator=gen), "w8a8_int8")
+    qw = dataclasses.replace(qw, int8_activations=int8_activations)
     x = torch.randn(9, 16384, generator=gen)
     # float32 sums of 16384 terms: the error bound scales with the sum of their magnitudes.
     magnitude = x.double().abs() @ qw.dequantize(torch.float64).abs().T
@@ -85,17 +109,23 @@ def test_kernel_runs_where_it_should() -> None:
     real = library.linear()
 
     class Spy:
-        def linear_q8(self, *args: int) -> None:
-            calls.append(args[1])
-            real.linear_q8(*args)
+        def linear_q8(self, *args: int) -> int:
+            calls.append(("q8", args[1]))
+            return real.linear_q8(*args)
+
+        def linear_w8a8(self, *args: int) -> int:
+            calls.append(("w8a8", args[1]))
+            return real.linear_w8a8(*args)
 
     import unittest.mock as mock
 
+    weight_only = dataclasses.replace(qw, int8_activations=False)
     with mock.patch.object(library, "linear", lambda: Spy()):
-        quantized_linear(torch.randn(3, 64), qw, None)
-        quantized_linear(torch.randn(quant.Q8_MAX_ROWS_F32 + 1, 64), qw, None)  # a long prefill: torch
-        quantized_linear(torch.randn(quant.Q8_MAX_ROWS_F32 + 1, 64).to(torch.bfloat16), qw, None)
-    assert calls == [3, quant.Q8_MAX_ROWS_F32 + 1]
+        for w in (qw, weight_only):
+            quantized_linear(torch.randn(3, 64), w, None)
+            quantized_linear(torch.randn(quant.Q8_MAX_ROWS_F32 + 1, 64), w, None)  # a long prefill: torch
+            quantized_linear(torch.randn(quant.Q8_MAX_ROWS_F32 + 1, 64).to(torch.bfloat16), w, None)
+    assert calls == [("w8a8", 3), ("w8a8", quant.Q8_MAX_ROWS_F32 + 1), ("q8", 3), ("q8", quant.Q8_MAX_ROWS_F32 + 1)]
 
 
 def test_fp8_kernel_widens_every_e4m3_value(kernel_build: str) -> None:
@@ -112,6 +142,98 @@ def test_fp8_kernel_widens_every_e4m3_value(kernel_build: str) -> None:
         x[0, col] = 1.0
         out = quantized_linear(x, qw, None)
         assert torch.equal(out[0], q.float()), col
+
+
+def test_int8_activations_are_sglangs_per_token_int8(kernel_build: str, monkeypatch) -> None:
+    """Through an identity weight the output is q_x * x_scale: the kernel's per-row values and scales equal
+    the spec's (_int8_rows), ties rounded to even, an all-zero row all zeros; the torch path (past the
+    kernel's rows) computes the same."""
+    k = 77  # two 32-byte vectors and a tail
+    x = torch.randn(5, k, generator=torch.Generator().manual_seed(4))
+    x[1] = 0.0
+    x[2, :8] = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 126.5, -3.5])  # max 127: x * 127 / max = x
+    x[2, 8:] = 0.25
+    qw = QuantizedWeight("w8a8_int8", torch.eye(k, dtype=torch.int8), torch.ones(k), int8_activations=True)
+    values, x_scale = _int8_rows(x)
+    assert values[2, :8].tolist() == [127.0, 0.0, 2.0, 2.0, 0.0, -2.0, 126.0, -4.0] and values[1].abs().sum() == 0
+    for rows in (quant.Q8_MAX_ROWS_F32, 2):  # the kernel, then the torch path for all 5 rows
+        out = quantized_linear(x, qw, None)
+        assert torch.equal(out, values * x_scale), rows
+        monkeypatch.setattr(quant, "Q8_MAX_ROWS_F32", rows)
+
+
+@pytest.mark.parametrize("sign", [1, -1])
+def test_int8_products_never_saturate(kernel_build: str, sign: int) -> None:
+    """Every product +-127 * 127, pairs of them 32258 in magnitude (vpmaddubsw saturates at 32767): the sums
+    are exact, 127 * 127 * k, for one row and for a tile of two."""
+    k = 1000
+    signs = torch.where(torch.arange(k) % 3 == 0, -1.0, 1.0)
+    x = (signs * 2.0).repeat(3, 1)  # max |x| = 2: every value quantizes to +-127
+    w = (signs * 127 * sign).to(torch.int8).repeat(6, 1)
+    qw = QuantizedWeight("w8a8_int8", w, torch.full((6,), 0.5), int8_activations=True)
+    for rows in (1, 3):
+        out = quantized_linear(x[:rows], qw, None)
+        expected = sign * 127 * 127 * k * (2.0 / 127) * 0.5
+        assert torch.equal(out, torch.full((rows, 6), expected, dtype=torch.float32)), rows
+
+
+@pytest.mark.parametrize("fmt", ["int8", "fp8", "bf16"])
+@pytest.mark.parametrize("n", [37, 38, 39, 40])
+def test_float_kernels_every_channel_group(kernel_build: str, fmt: str, n: int) -> None:
+    """The weights widened to float32 (weight-only int8, e4m3, bf16 for the LM head) against the float64
+    product, for one row (channels in fours, n % 4 = 1, 2, 3, 0 left over) and for row tiles."""
+    from engine.kernels.linear import WidenedBf16, linear_widened_bf16
+
+    gen = torch.Generator().manual_seed(n)
+    w = torch.randn(n, 203, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    for rows in (1, 2, 5):
+        x = torch.randn(rows, 203, generator=gen)
+        if fmt == "bf16":
+            if library.linear() is None:
+                pytest.skip("no kernel library on this machine")
+            weight = w.to(torch.bfloat16)
+            out = linear_widened_bf16(x, WidenedBf16(weight), bias)
+            assert out is not None
+            expected = x.double() @ weight.double().T + bias.double()
+        else:
+            qw = dataclasses.replace(quantize_weight(w, "w8a8_int8" if fmt == "int8" else "fp8"), int8_activations=False)
+            out = quantized_linear(x, qw, bias)
+            expected = _oracle(x, qw, bias)
+        torch.testing.assert_close(out.double(), expected, rtol=1e-5, atol=1e-5)
+        if fmt == "bf16":  # bf16 activations: the float32 sums rounded once
+            xb = x.to(torch.bfloat16)
+            outb = linear_widened_bf16(xb, WidenedBf16(weight), None)
+            assert outb is not None and outb.dtype == torch.bfloat16
+            expected = xb.double() @ weight.double().T
+            assert bool(((outb.double() - expected).abs() <= expected.abs() * 2.0 ** -8 + 1e-4).all())
+
+
+def test_lm_head_takes_the_widening_kernel_without_bf16_instructions() -> None:
+    """On a CPU whose bf16 panels do not run (AVX2 only), prepacking gives a bf16 LM head the widening
+    kernel; its logits are the float32 product rounded once to bf16."""
+    from engine.kernels.linear import WidenedBf16, widened_bf16_usable
+    from engine.layers.linear import ColumnParallelLinear, linear_forward, prepack_linear_weights
+    from engine.layers.vocab_parallel_embedding import ParallelLMHead
+
+    lib = library.linear()
+    if lib is None or lib.linear_bf16_available():
+        pytest.skip("the bf16 panels serve this CPU (or there is no kernel library)")
+    gen = torch.Generator().manual_seed(5)
+    head = ParallelLMHead(96, 64)
+    head.weight.data = torch.randn(96, 64, generator=gen).to(torch.bfloat16)
+    # A bf16 linear before it (a bf16 model), which oneDNN cannot pack on such a CPU: the head still gets its kernel.
+    linear = ColumnParallelLinear(64, 32, bias=False)
+    linear.weight.data = torch.randn(32, 64, generator=gen).to(torch.bfloat16)
+    model = torch.nn.ModuleList([linear, head])
+    prepack_linear_weights(model)
+    assert widened_bf16_usable(head.weight)
+    assert isinstance(head.packed_weight, WidenedBf16) and head.packed_weight.weight is not None
+    x = torch.randn(3, 64, generator=gen).to(torch.bfloat16)
+    logits = linear_forward(x, head.weight, None, head.packed_weight)
+    expected = x.double() @ head.weight.double().T
+    assert logits.dtype == torch.bfloat16 and logits.shape == (3, 96)
+    assert bool(((logits.double() - expected).abs() <= expected.abs() * 2.0 ** -8 + 1e-6).all())
 
 
 def test_quantize_weight_rejects_bad_input() -> None:
@@ -161,8 +283,9 @@ def _compare(model_dir: str, vocab: int, method: str) -> tuple[float, float]:
 
 
 # Measured (Zen 1, float32 activations, 40 positions): the random Llama (weights 1.5 / sqrt(k), sharp
-# logits that magnify any weight error) int8 KL 1.8e-3 / top-1 0.95, fp8 KL 2.4e-2 / 0.75 (e4m3 keeps 3
-# mantissa bits: ~3% per weight); the built-in model int8 KL 1.7e-5 / 0.95, fp8 2.6e-4 / 0.90 (its
+# logits that magnify any weight error) int8 KL 3.4e-3 / top-1 0.925 with int8 activations (1.8e-3 /
+# 0.95 weight-only), fp8 KL 2.4e-2 / 0.75 (e4m3 keeps 3 mantissa bits: ~3% per weight); the built-in model
+# int8 KL 2.7e-5 / 0.95 (weight-only 1.7e-5), fp8 2.6e-4 / 0.90 (its
 # random prompts give near-ties, so top-1 moves while KL stays small). A wrong scale or a misread byte
 # gives KL > 1.
 BOUNDS = {("llama", "w8a8_int8"): (5e-3, 0.9), ("llama", "fp8"): (5e-2, 0.7),

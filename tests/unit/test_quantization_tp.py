@@ -88,7 +88,10 @@ def _oracle_checkpoint(src: str, dst: str, method: str) -> None:
 
 
 @pytest.mark.parametrize("method", ["w8a8_int8", "fp8"])
-def test_tp2_quantized_equals_its_dequantized_checkpoint(tmp_path, method: str) -> None:
+def test_tp2_quantized_equals_its_dequantized_checkpoint(tmp_path, method: str, monkeypatch) -> None:
+    # Weight-only int8 (the ranks inherit the environment): with int8 activations a row-parallel shard
+    # quantizes its own slice of each row with its own scale, which no single-rank checkpoint reproduces.
+    monkeypatch.setenv("ENGINE_W8A8_INT8_ACTIVATIONS", "0")
     path, oracle = str(tmp_path / "model"), str(tmp_path / "oracle")
     build_tiny_model(path, "llama", num_attention_heads=4, num_key_value_heads=2)
     _oracle_checkpoint(path, oracle, method)

@@ -84,3 +84,44 @@ def linear_bf16_silu_mul(x: torch.Tensor, panels: Bf16Panels) -> torch.Tensor:
     _kernels().linear_bf16_silu_mul(rows.data_ptr(), rows.shape[0], panels.k, panels.data.data_ptr(),
                                     panels.n, bias, out.data_ptr(), torch.get_num_threads())
     return out.view(*x.shape[:-1], half)
+
+
+# Rows up to which a bf16 weight widened in registers (csrc/linear_q8.c) beats F.linear where the CPU has no
+# bf16 instructions (AVX2 only: torch's bf16 matmul converts element by element). Measured on the 2-core Zen 1
+# with the 32000 x 1024 LM head: 1 row ran at ~16 GB/s of weights per core with the weights in L2 against
+# F.linear's ~2; at 64 rows and up the product is compute-bound and MKL's sgemm over a float32 copy would win,
+# but the LM head sees the batch's last rows only.
+WIDENED_BF16_MAX_ROWS = 256
+
+
+@dataclass
+class WidenedBf16:
+    """A bf16 weight [n, k] read as stored by csrc/linear_q8.c's widening kernel (CPUs without AVX512-BF16,
+    where linear_bf16_usable is false); the layer's own weight, not a copy."""
+
+    weight: torch.Tensor
+
+
+def widened_bf16_usable(weight: torch.Tensor) -> bool:
+    """Whether a bf16 weight should take the widening kernel: on a CPU the bf16 panels do not serve."""
+    lib = library.linear()
+    return (lib is not None and weight.is_cpu and weight.dtype == torch.bfloat16 and weight.dim() == 2
+            and weight.is_contiguous() and not bool(lib.linear_bf16_available()))
+
+
+def linear_widened_bf16(x: torch.Tensor, packed: WidenedBf16, bias: Optional[torch.Tensor]) -> Optional[torch.Tensor]:
+    """x [..., k] (bf16 or float32) -> [..., n] in x's dtype, float32 sums rounded once; None where the kernel
+    does not take it (too many rows, another dtype, the family switched off): the caller's F.linear does."""
+    lib = library.linear()
+    n, k = packed.weight.shape
+    rows = x.reshape(-1, k)
+    if lib is None or x.dtype not in (torch.float32, torch.bfloat16) or rows.shape[0] > WIDENED_BF16_MAX_ROWS:
+        return None
+    rows = rows.contiguous()
+    out = torch.empty(rows.shape[0], n, dtype=x.dtype)
+    b = None if bias is None else bias.float().contiguous()
+    if lib.linear_q8(rows.data_ptr(), rows.shape[0], k, packed.weight.data_ptr(), 2, None,
+                     None if b is None else b.data_ptr(), n, out.data_ptr(), int(x.dtype == torch.bfloat16),
+                     torch.get_num_threads()) != 0:
+        raise MemoryError("linear_q8: no memory for the bf16 activations' float32 copy")
+    return out.view(*x.shape[:-1], n)

@@ -25,6 +25,7 @@ from engine.kernels import linear as linear_kernels
 from engine.layers.cpu_matmul import dense_linear
 from engine.layers.int4 import Int4Weight, int4_linear
 from engine.layers.quantization import QuantizedWeight, quantize_weight, quantized_linear
+from engine.layers.vocab_parallel_embedding import ParallelLMHead
 from engine.model_loader.weight_utils import set_weight_loader
 
 if TYPE_CHECKING:
@@ -52,7 +53,7 @@ PACKED_MAX_ROWS = 512
 
 # With --quantization or a pre-quantized checkpoint the layer's weight lives only here, quantized
 # (layers/quantization.py, layers/int4.py).
-PackedWeight = Union[torch.Tensor, linear_kernels.Bf16Panels, QuantizedWeight, Int4Weight]
+PackedWeight = Union[torch.Tensor, linear_kernels.Bf16Panels, linear_kernels.WidenedBf16, QuantizedWeight, Int4Weight]
 
 
 def prepack_linear_weights(model: nn.Module) -> int:
@@ -63,6 +64,7 @@ def prepack_linear_weights(model: nn.Module) -> int:
     the linear weights in memory. Must be redone after weights change (loading clears it).
     """
     count = 0
+    onednn = torch.backends.mkldnn.is_available()
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if (not hasattr(module, "packed_weight") or weight is None
@@ -75,13 +77,21 @@ def prepack_linear_weights(model: nn.Module) -> int:
             setattr(module, "packed_weight", linear_kernels.pack_linear_bf16(weight, getattr(module, "bias", None)))
             count += 1
             continue
-        if not torch.backends.mkldnn.is_available():
+        if isinstance(module, ParallelLMHead) and linear_kernels.widened_bf16_usable(weight):
+            # Without bf16 instructions torch's bf16 matmul is far from the memory bandwidth, and the LM head
+            # (left in the model dtype by --quantization) is the largest weight a decode step reads.
+            setattr(module, "packed_weight", linear_kernels.WidenedBf16(weight.detach()))
+            count += 1
+            continue
+        if not onednn:
             continue
         try:
             module.packed_weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 16)
         except (RuntimeError, AttributeError) as e:  # an old or oneDNN-less build: keep F.linear
+            # Once (not per layer); the loop goes on, as the LM head may still take the widening kernel.
             logger.warning("oneDNN weight packing unavailable (%s); using F.linear", e)
-            return count
+            onednn = False
+            continue
         count += 1
     return count
 
@@ -94,7 +104,11 @@ def linear_forward(
         return quantized_linear(x, packed, bias)
     if isinstance(packed, Int4Weight):
         return int4_linear(x, packed, bias)
-    if isinstance(packed, linear_kernels.Bf16Panels):
+    if isinstance(packed, linear_kernels.WidenedBf16):
+        out = linear_kernels.linear_widened_bf16(x, packed, bias)
+        if out is not None:
+            return out
+    elif isinstance(packed, linear_kernels.Bf16Panels):
         if x.dtype == torch.bfloat16 and x.numel() <= linear_kernels.LINEAR_BF16_MAX_ROWS * packed.k and linear_kernels.enabled():
             return linear_kernels.linear_bf16(x, packed, add_bias=bias is not None)
     elif packed is not None and x.dim() == 2 and x.shape[0] <= PACKED_MAX_ROWS and x.dtype == weight.dtype:

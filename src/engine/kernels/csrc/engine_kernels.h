@@ -44,9 +44,16 @@ ENGINE_API void linear_bf16(const uint16_t *x, int64_t m, int64_t k, const uint1
                             const float *bias, uint16_t *out, int num_threads);
 ENGINE_API void linear_bf16_silu_mul(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
                                      const float *bias, uint16_t *out, int num_threads);
-/* linear_q8.c: out [m, n] = (x [m, k] . w [n, k]^T) * scale [n], w int8 (w_fp8 0) or float8 e4m3 (1). */
-ENGINE_API void linear_q8(const float *x, int64_t m, int64_t k, const void *w, int w_fp8, const float *scale,
-                          int64_t n, float *out, int num_threads);
+/* linear_q8.c: out [m, n] = (x [m, k] . w [n, k]^T) * scale [n] + bias [n], w int8 (w_format 0), float8 e4m3
+ * (1) or bfloat16 (2); scale and bias float32 or NULL; x and out float32 (dtype 0) or bfloat16 (1). Returns 0,
+ * or -1 when scratch for bf16 activations could not be allocated (nothing written). */
+ENGINE_API int linear_q8(const void *x, int64_t m, int64_t k, const void *w, int w_format, const float *scale,
+                         const float *bias, int64_t n, void *out, int dtype, int num_threads);
+/* linear_q8.c, SGLang's w8a8_int8: each row of x (float32 or bfloat16, dtype) quantized to int8 per row, its
+ * scale written to x_scale [m]; out [m, n] = (q_x . w^T) * x_scale * scale (+ bias, float32 or NULL), w int8,
+ * summed exactly in int32. Returns 0, or -1 when its scratch could not be allocated (nothing written). */
+ENGINE_API int linear_w8a8(const void *x, int64_t m, int64_t k, const int8_t *w, const float *scale, const float *bias,
+                           int64_t n, void *out, int dtype, float *x_scale, int num_threads);
 /* linear_q4.c: out [m, n] = x [m, k] . W^T with W [n, k] 4-bit codes packed by layers/int4.py, W = code * scale
  * + bias per group of `group` inputs (a multiple of 32 dividing k); scale and bias [n, k / group]. */
 ENGINE_API void linear_q4(const float *x, int64_t m, int64_t k, const uint8_t *w, const float *scale,
