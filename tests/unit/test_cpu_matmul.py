@@ -4,6 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from engine.kernels.linear import WidenedBf16, linear_widened_bf16, widened_bf16_usable
 from engine.layers import cpu_matmul
 from engine.layers.cpu_matmul import BF16_WIDEN_MIN_ROWS, dense_linear
 
@@ -26,6 +27,8 @@ def test_dense_linear_equals_the_float32_product_rounded_once(monkeypatch, lacks
     if lacks and rows >= BF16_WIDEN_MIN_ROWS:
         widened = F.linear(x.float(), w.float(), None if b is None else b.float()).bfloat16()
         assert torch.equal(out, widened)  # the widened path was taken
+    elif lacks and widened_bf16_usable(w):
+        assert torch.equal(out, linear_widened_bf16(x, WidenedBf16(w), b))  # the widening kernel took it
 
 
 def test_dense_linear_leaves_other_dtypes_alone(monkeypatch):

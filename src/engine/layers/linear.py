@@ -25,7 +25,6 @@ from engine.kernels import linear as linear_kernels
 from engine.layers.cpu_matmul import dense_linear
 from engine.layers.int4 import Int4Weight, int4_linear
 from engine.layers.quantization import QuantizedWeight, quantize_weight, quantized_linear
-from engine.layers.vocab_parallel_embedding import ParallelLMHead
 from engine.model_loader.weight_utils import set_weight_loader
 
 if TYPE_CHECKING:
@@ -77,9 +76,9 @@ def prepack_linear_weights(model: nn.Module) -> int:
             setattr(module, "packed_weight", linear_kernels.pack_linear_bf16(weight, getattr(module, "bias", None)))
             count += 1
             continue
-        if isinstance(module, ParallelLMHead) and linear_kernels.widened_bf16_usable(weight):
-            # Without bf16 instructions torch's bf16 matmul is far from the memory bandwidth, and the LM head
-            # (left in the model dtype by --quantization) is the largest weight a decode step reads.
+        if linear_kernels.widened_bf16_usable(weight):
+            # Without bf16 instructions torch's bf16 matmul is far from the memory bandwidth (the LM head,
+            # left in the model dtype by --quantization, is the largest weight a decode step reads).
             setattr(module, "packed_weight", linear_kernels.WidenedBf16(weight.detach()))
             count += 1
             continue
