@@ -27,8 +27,9 @@ product is exact without per-slot ranks. Two implementations, which agree to flo
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
-from typing import List, Optional, Sequence, Tuple, Union
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -158,44 +159,75 @@ def native_b(b: torch.Tensor, sections: Sequence[Tuple[int, int]], rank: int,
     return [(b[:, offset:offset + size, :rank].transpose(1, 2) * scale).contiguous() for offset, size in sections]
 
 
+def _omp_thread_count() -> Tuple[Optional[Callable[[], int]], Optional[Callable[[int], None]]]:
+    """libgomp's getter and setter of the calling thread's OpenMP thread count (None, None without it)."""
+    try:
+        gomp = ctypes.CDLL("libgomp.so.1")
+        return gomp.omp_get_max_threads, gomp.omp_set_num_threads
+    except (OSError, AttributeError):  # torch without libgomp: the products keep the thread count
+        return None, None
+
+
+_GET_OMP_THREADS, _SET_OMP_THREADS = _omp_thread_count()
+# Batches of at most this many rows (decode steps) run their LoRA products on the calling thread
+# alone: each product is a few microseconds of arithmetic, and on a busy CPU a parallel region can
+# wait a scheduler time slice for its second thread, so a team costs more than it saves.
+SERIAL_MAX_ROWS = 256
+
+
 def lora_native(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b_sections: Sequence[torch.Tensor],
                 sections: Sequence[Tuple[int, int]], rank: int, rows: GroupedRows) -> None:
     """out += the LoRA delta of each adapter's rows (a: [slots, subs x R, K]; b_sections: native_b's)."""
-    num_rows, n_out, stacked, k = out.shape[0], out.shape[1], a.shape[1], x.shape[1]
+    if _GET_OMP_THREADS is None or _SET_OMP_THREADS is None or out.shape[0] > SERIAL_MAX_ROWS:
+        _lora_native(x, out, a, b_sections, sections, rank, rows)
+        return
+    threads = _GET_OMP_THREADS()  # this thread's own count (the scheduling thread's may be 1)
+    _SET_OMP_THREADS(1)
+    try:
+        _lora_native(x, out, a, b_sections, sections, rank, rows)
+    finally:
+        _SET_OMP_THREADS(threads)
+
+
+def _lora_native(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b_sections: Sequence[torch.Tensor],
+                 sections: Sequence[Tuple[int, int]], rank: int, rows: GroupedRows) -> None:
+    num_rows, stacked, k = out.shape[0], a.shape[1], x.shape[1]
     positions, groups, group_len = rows.positions, len(rows.slot_ids), rows.group_len
     ws = rows.workspace
-    delta = ws[:(positions + 1) * n_out].view(positions + 1, n_out)
     ordered_at = (positions + 1) * rows.max_out
     shrink_at = ordered_at + num_rows * rows.max_out
     shrink = ws[shrink_at:shrink_at + positions * stacked].view(positions, stacked)
     xs = x if rows.gather is None else x.index_select(0, rows.gather)
     if xs.dtype != a.dtype:  # a bfloat16 model: the small products run in float32 (the pool's dtype)
         xs = xs.to(a.dtype)
-    if rows.padded:  # one product per step for every adapter at once
-        shrink3 = shrink.view(groups, group_len, stacked)
-        torch.bmm(xs.view(groups, group_len, k), a[rows.slot_index].transpose(1, 2), out=shrink3)
-        delta3 = delta[:positions].view(groups, group_len, n_out)
-        for i, (offset, size) in enumerate(sections):
-            b_i = b_sections[i][rows.slot_index]
-            if len(sections) == 1:
-                torch.bmm(shrink3, b_i, out=delta3)
-            else:  # straight into the section's columns (beta 0: the workspace's old values are ignored)
-                delta3[:, :, offset:offset + size].baddbmm_(shrink3[:, :, i * rank:(i + 1) * rank], b_i, beta=0)
+    if rows.padded:  # one product for every adapter at once
+        torch.bmm(xs.view(groups, group_len, k), a[rows.slot_index].transpose(1, 2),
+                  out=shrink.view(groups, group_len, stacked))
     else:
         for slot, start, count in zip(rows.slot_ids, rows.starts, rows.counts):
-            shrunk = shrink[start:start + count]
-            torch.mm(xs[start:start + count], a[slot].t(), out=shrunk)
-            for i, (offset, size) in enumerate(sections):
-                delta[start:start + count, offset:offset + size].addmm_(
-                    shrunk[:, i * rank:(i + 1) * rank], b_sections[i][slot], beta=0)
-    if rows.scatter is None:
-        out.add_(delta[:positions])
-        return
-    if rows.base_rows:
-        delta[positions].zero_()  # what the rows without an adapter add
-    ordered = ws[ordered_at:ordered_at + num_rows * n_out].view(num_rows, n_out)
-    torch.index_select(delta, 0, rows.scatter, out=ordered)
-    out.add_(ordered)
+            torch.mm(xs[start:start + count], a[slot].t(), out=shrink[start:start + count])
+    # Each section's deltas in a contiguous block of the workspace (products written into column
+    # slices of one buffer take a slow strided path), then added to the section's columns of out.
+    delta_at = 0
+    for i, (offset, size) in enumerate(sections):
+        delta = ws[delta_at:delta_at + (positions + 1) * size].view(positions + 1, size)
+        delta_at += (positions + 1) * size
+        shrunk = shrink[:, i * rank:(i + 1) * rank]
+        if rows.padded:
+            torch.bmm(shrunk.view(groups, group_len, rank), b_sections[i][rows.slot_index],
+                      out=delta[:positions].view(groups, group_len, size))
+        else:
+            for slot, start, count in zip(rows.slot_ids, rows.starts, rows.counts):
+                torch.mm(shrunk[start:start + count], b_sections[i][slot], out=delta[start:start + count])
+        target = out if len(sections) == 1 else out[:, offset:offset + size]
+        if rows.scatter is None:
+            target.add_(delta[:positions])
+            continue
+        if rows.base_rows:
+            delta[positions].zero_()  # what the rows without an adapter add
+        ordered = ws[ordered_at:ordered_at + num_rows * size].view(num_rows, size)
+        torch.index_select(delta, 0, rows.scatter, out=ordered)
+        target.add_(ordered)
 
 
 def lora_triton(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
