@@ -191,7 +191,7 @@ def test_server_args_refuse_bad_flags(setup, tmp_path):
 # Run in a subprocess: Triton reads TRITON_INTERPRET when triton is imported (see test_triton_kernels.py).
 _KERNEL_CHECK = """
 import torch
-from engine.lora.backend import build_batch_info, lora_native, lora_triton
+from engine.lora.backend import NativeShape, build_batch_info, lora_native, lora_triton, native_b
 
 torch.manual_seed(0)
 slots, rank, k, sections = 4, 8, 40, [(0, 24), (24, 8), (32, 8)]
@@ -202,11 +202,11 @@ a[0].zero_()
 b[0].zero_()
 scalings = torch.tensor([0.0, 2.0, 0.5, 1.5])
 row_slots = [1] * 5 + [0] * 3 + [3] * 17 + [2] + [1] * 2
-info = build_batch_info(row_slots, scalings, torch.device("cpu"))
+info = build_batch_info(row_slots, scalings, torch.device("cpu"), NativeShape(n, len(sections) * rank, torch.float32))
 x = torch.randn(len(row_slots), k)
 base = torch.randn(len(row_slots), n)
 want, got = base.clone(), base.clone()
-lora_native(x, want, a, b, sections, rank, info)
+lora_native(x, want, a, native_b(b, sections, rank, scalings), sections, rank, info.grouped)
 lora_triton(x, got, a, b, sections, rank, info)
 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 assert not torch.equal(want, base)
@@ -228,28 +228,38 @@ def test_triton_kernel_equals_native():
     assert proc.returncode == 0 and "KERNEL-OK" in proc.stdout, proc.stdout[-3000:] + proc.stderr[-3000:]
 
 
-@pytest.mark.parametrize("dense", [True, False])
-def test_native_paths_equal_a_per_row_reference(monkeypatch, dense):
-    """Both native paths (dense block matrix for few rows, per-adapter row groups, gathered when an
-    adapter's rows are not neighbours) against the delta computed row by row."""
+# Row layouts of the native path: adapters interleaved with base rows (padded groups), one adapter
+# whose rows are already in order (no gather), very unequal groups (looped, not padded), adapters
+# on non-consecutive slots (the pool's slots gathered), and a single row.
+_LAYOUTS = {
+    "interleaved": ([1, 1, 0, 3, 2, 1, 3, 3, 0, 4], True),
+    "in-order": ([2] * 7, True),
+    "unequal": ([1] * 90 + [0, 3, 2] + [1] * 40, False),
+    "sparse-slots": ([4, 2, 4, 0, 2, 4], True),
+    "one-row": ([3], True),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(_LAYOUTS))
+def test_native_path_equals_a_per_row_reference(layout):
+    """The native path (rows grouped by adapter: padded batched products, or a loop over adapters when
+    the groups are very unequal) against the delta computed row by row, in float32 and bfloat16."""
     from engine.lora import backend
 
-    if not dense:
-        monkeypatch.setattr(backend, "DENSE_MAX_ROWS", 0)
+    row_slots, padded = _LAYOUTS[layout]
     torch.manual_seed(1)
     slots, rank, k, sections = 5, 4, 24, [(0, 16), (16, 8), (24, 8)]
     n = sum(s for _, s in sections)
     a = torch.randn(slots, len(sections) * rank, k)
     b = torch.randn(slots, n, rank)
-    dense_b = torch.zeros(slots * len(sections) * rank, n)
-    for s in range(slots):
-        for i, (off, size) in enumerate(sections):
-            row = (s * len(sections) + i) * rank
-            dense_b[row:row + rank, off:off + size] = b[s, off:off + size].t()
+    a[0].zero_()
+    b[0].zero_()
     scalings = torch.tensor([0.0, 2.0, 0.5, 1.5, 3.0])
-    row_slots = [1, 1, 0, 3, 2, 1, 3, 3, 0, 4]
-    info = backend.build_batch_info(row_slots, scalings, torch.device("cpu"))
-    assert (info.row_scales is not None) == dense
+    # The workspace is sized for a wider projection than this one (as for a model's narrower targets).
+    shape = backend.NativeShape(n + 8, len(sections) * rank + 4, torch.float32)
+    info = backend.build_batch_info(row_slots, scalings, torch.device("cpu"), shape)
+    assert info.grouped is not None and info.grouped.padded == padded
+    assert (info.grouped.gather is None) == (layout in ("in-order", "one-row"))
     x, base = torch.randn(len(row_slots), k), torch.randn(len(row_slots), n)
     want = base.clone()
     for t, s in enumerate(row_slots):
@@ -258,13 +268,29 @@ def test_native_paths_equal_a_per_row_reference(monkeypatch, dense):
         shrink = a[s] @ x[t]
         for i, (off, size) in enumerate(sections):
             want[t, off:off + size] += b[s, off:off + size] @ shrink[i * rank:(i + 1) * rank] * scalings[s]
-    got = base.clone()
-    backend.lora_native(x, got, a, b, sections, rank, info, dense_b)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    low = base.to(torch.bfloat16)  # a bfloat16 model: the products run in float32, added in bfloat16
-    backend.lora_native(x.to(torch.bfloat16), low, a, b, sections, rank, info, dense_b)
-    torch.testing.assert_close(low.float(), want, rtol=2e-2, atol=0.2)  # x and out are rounded to bf16
-    if not dense:  # the groups without the block matrix: one expand per section
+    b_sections = backend.native_b(b, sections, rank, scalings)
+    info.grouped.workspace.fill_(float("nan"))  # stale workspace values must never reach the output
+    for _ in range(2):  # a second projection of the same forward reuses the workspace
         got = base.clone()
-        backend.lora_native(x, got, a, b, sections, rank, info)
+        backend.lora_native(x, got, a, b_sections, sections, rank, info.grouped)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    low = base.to(torch.bfloat16)  # a bfloat16 model: the products run in float32, added in bfloat16
+    backend.lora_native(x.to(torch.bfloat16), low, a, b_sections, sections, rank, info.grouped)
+    torch.testing.assert_close(low.float(), want, rtol=2e-2, atol=0.2)  # x and out are rounded to bf16
+    single = [(0, n)]  # an unfused projection (o / down): one section
+    want1 = base.clone()
+    for t, s in enumerate(row_slots):
+        if s:
+            want1[t] += b[s] @ (a[s, :rank] @ x[t]) * scalings[s]
+    got1 = base.clone()
+    backend.lora_native(x, got1, a[:, :rank].contiguous(), backend.native_b(b, single, rank, scalings), single, rank,
+                        info.grouped)
+    torch.testing.assert_close(got1, want1, rtol=1e-5, atol=1e-5)
+
+
+def test_batch_without_adapter_rows_has_no_native_layout():
+    from engine.lora import backend
+
+    shape = backend.NativeShape(8, 4, torch.float32)
+    info = backend.build_batch_info([0, 0, 0], torch.zeros(3), torch.device("cpu"), shape)
+    assert not info.has_lora and info.grouped is None

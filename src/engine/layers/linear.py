@@ -175,7 +175,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         has the same bits), else the two calls."""
         packed = self.packed_weight
         if (isinstance(packed, linear_kernels.Bf16Panels) and len(self.output_sizes) == 2 and not self.gather_output
-                and self.lora is None
+                and (self.lora is None or not self.lora.active(x.numel() // x.shape[-1]))  # a delta goes before silu
                 and self.output_sizes[0] == self.output_sizes[1] and linear_kernels.gate_up_silu_usable(x, packed)):
             return linear_kernels.linear_bf16_silu_mul(x, packed)
         return act_fn(self(x))

@@ -9,28 +9,111 @@ A batch's rows are cut into segments of consecutive rows that use the same adapt
     out[:, section i] += shrink[:, i R:(i+1) R] @ B_i[slot]^T * scaling[slot]
 
 An adapter of rank r < R fills the first r rows of A and columns of B; the rest stay zero, so the
-product is exact without per-slot ranks. Two implementations: `torch_native` (the CPU path: a
-loop over the adapters, each one's rows gathered, so a batch of 64 requests over 8 adapters costs 8
-small products per projection, not 64) and `triton` (one segmented-GEMM kernel launched for the shrink and once
-per section for the expand; triton_ops.py), which agree to float tolerance (tests).
+product is exact without per-slot ranks. Two implementations, which agree to float tolerance (tests):
+
+- `torch_native` (the CPU path): the rows of each adapter are gathered into one buffer, grouped by
+  adapter (`GroupedRows`, built once per forward, not per layer), and each projection runs a fixed
+  handful of ops whatever the number of adapters: one gather of x, one batched shrink over every
+  adapter at once, one batched expand per section (written straight into its columns: the zero
+  blocks of a fused q/k/v or gate/up B are never multiplied), one gather of the deltas back into
+  row order and one add. The groups are padded to the longest one so that the products are single
+  `bmm`s; a batch whose adapters hold very unequal numbers of rows (where padding would multiply
+  mostly filler) loops over the adapters instead. B is stored transposed and pre-scaled
+  (mem_pool.py), so no scaling op runs per layer. On a small model every op's fixed cost counts
+  (a 64-row decode step of a hidden-256 projection is ~0.1 ms of arithmetic), hence few ops.
+- `triton` (one segmented-GEMM kernel launched for the shrink and once per section for the
+  expand; triton_ops.py).
 """
 
 from __future__ import annotations
 
+import ctypes
 from dataclasses import dataclass
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
 
 @dataclass(frozen=True)
-class SlotRows:
-    """The rows of one adapter slot: [start, end) when they are consecutive, else `index`."""
+class GroupedRows:
+    """The native path's layout of one forward's adapter rows (rows of slot 0 take no part).
 
-    slot: int
-    start: int
-    end: int
-    index: Optional[torch.Tensor]  # int64 row numbers, or None for the range
+    Group g (adapter slot `slot_ids[g]`) holds its rows, in row order, at positions
+    [starts[g], starts[g] + counts[g]) of a buffer of `positions` rows. Padded: every group starts
+    at g * group_len (the buffer is [groups, group_len] for one bmm; the filler positions repeat a
+    real row and their results are never read)."""
+
+    slot_ids: List[int]
+    slot_index: Union[slice, torch.Tensor]  # the slots as a slice when consecutive (a view, no copy)
+    starts: List[int]
+    counts: List[int]
+    padded: bool
+    group_len: int
+    positions: int
+    gather: Optional[torch.Tensor]  # [positions] int64: the row of x at each position; None: x itself
+    # [rows] int64: the position of each row's delta, `positions` (a zero row) for rows of slot 0;
+    # None: the buffer is already in row order (gather is None too).
+    scatter: Optional[torch.Tensor]
+    # One forward's scratch memory for every projection (deltas, their row-order copy, the shrunk
+    # rows), so the per-layer products allocate nothing.
+    workspace: torch.Tensor
+    max_out: int  # the workspace's row width
+    base_rows: int  # rows of slot 0
+
+
+# A padded layout is used while it multiplies at most this many times the real rows (plus a small
+# batch's slack); past that the adapters are looped over.
+PAD_MAX_WASTE = 2.0
+PAD_SLACK_ROWS = 64
+
+
+def group_rows(row_slots: Sequence[int], max_out: int, max_stacked: int, dtype: torch.dtype,
+               device: torch.device) -> Optional[GroupedRows]:
+    """The grouped layout of a forward's rows for the native path (None when no row has an adapter).
+    `max_out` / `max_stacked`: the widest projection output and stacked rank (the workspace)."""
+    num_rows = len(row_slots)
+    slots = torch.tensor(list(row_slots), dtype=torch.int64)
+    counts_all = torch.bincount(slots).tolist() if num_rows else []
+    slot_ids = [s for s in range(1, len(counts_all)) if counts_all[s] > 0]
+    if not slot_ids:
+        return None
+    counts = [counts_all[s] for s in slot_ids]
+    lora_rows = sum(counts)
+    base_rows = num_rows - lora_rows
+    group_len = max(counts)
+    padded = len(slot_ids) * group_len <= PAD_MAX_WASTE * lora_rows + PAD_SLACK_ROWS
+    starts = [g * group_len for g in range(len(slot_ids))] if padded else \
+        [sum(counts[:g]) for g in range(len(slot_ids))]
+    positions = len(slot_ids) * group_len if padded else lora_rows
+    order = torch.argsort(slots, stable=True)[base_rows:]  # adapter rows, by slot, in row order within a slot
+    # Each sorted row's position: its group's start plus its rank within the group.
+    shift = torch.tensor([start - sum(counts[:g]) for g, start in enumerate(starts)], dtype=torch.int64)
+    where = torch.arange(lora_rows, dtype=torch.int64) + torch.repeat_interleave(shift, torch.tensor(counts))
+    in_order = base_rows == 0 and positions == num_rows and bool(torch.equal(order, torch.arange(num_rows)))
+    gather: Optional[torch.Tensor] = None
+    scatter: Optional[torch.Tensor] = None
+    if not in_order:
+        gather = torch.zeros(positions, dtype=torch.int64)
+        gather[where] = order
+        scatter = torch.full((num_rows,), positions, dtype=torch.int64)
+        scatter[order] = where
+        gather, scatter = gather.to(device, non_blocking=True), scatter.to(device, non_blocking=True)
+    first, last = slot_ids[0], slot_ids[-1]
+    slot_index: Union[slice, torch.Tensor] = slice(first, last + 1) if last - first + 1 == len(slot_ids) else \
+        torch.tensor(slot_ids, dtype=torch.int64).to(device, non_blocking=True)
+    # deltas (+ the zero row), the deltas in row order, the shrunk rows
+    size = (positions + 1) * max_out + num_rows * max_out + positions * max_stacked
+    workspace = torch.empty(size, dtype=dtype, device=device)
+    return GroupedRows(slot_ids, slot_index, starts, counts, padded, group_len, positions, gather, scatter, workspace,
+                       max_out, base_rows)
+@dataclass(frozen=True)
+class NativeShape:
+    """What the native path's workspace must hold: the widest projection output and stacked rank
+    of the model's targets, in the pool's dtype."""
+
+    max_out: int
+    max_stacked: int
+    dtype: torch.dtype
 
 
 @dataclass(frozen=True)
@@ -43,94 +126,108 @@ class LoRABatchInfo:
     weight_indices: torch.Tensor  # [segments] int32 slot per segment, on the device
     max_len: int  # the longest segment (the kernel's grid)
     scalings: torch.Tensor  # [slots] float32 (the pool's; slot 0 is 0)
-    # The native path: the rows of each adapter slot but 0, gathered (a few matmuls per adapter
-    # instead of a few per segment: requests of one adapter need not be neighbours in a batch).
-    groups: List[SlotRows]
-    scaling_values: List[float]
-    # The native dense path (few rows): per row, each slot's scaling where the row uses that slot,
-    # else 0 ([rows, slots] float32); None for batches too large for it.
-    row_scales: Optional[torch.Tensor] = None
-
-    @property
-    def has_lora(self) -> bool:
-        return bool(self.groups)
+    has_lora: bool  # some row uses an adapter
+    grouped: Optional[GroupedRows] = None  # the native path's layout (None for triton, or no adapter rows)
 
 
 def build_batch_info(row_slots: Sequence[int], scalings: torch.Tensor, device: torch.device,
-                     scaling_values: Optional[List[float]] = None, dense: bool = True) -> LoRABatchInfo:
-    """Segments of consecutive rows with the same slot, and the rows of each slot. `scaling_values`:
-    the host copy of `scalings` (read from the device when not given); `dense`: prepare the native
-    dense path for a small batch."""
-    if scaling_values is None:
-        scaling_values = scalings.tolist()
+                     native: Optional[NativeShape] = None) -> LoRABatchInfo:
+    """Segments of consecutive rows with the same slot; with `native`, the rows grouped by adapter
+    for the native path too."""
     bounds: List[Tuple[int, int, int]] = []
-    rows_of: Dict[int, List[int]] = {}
     for row, slot in enumerate(row_slots):
         if bounds and bounds[-1][2] == slot:
-            start, _, _ = bounds[-1]
-            bounds[-1] = (start, row + 1, slot)
+            bounds[-1] = (bounds[-1][0], row + 1, slot)
         else:
             bounds.append((row, row + 1, slot))
-        if slot != 0:
-            rows_of.setdefault(slot, []).append(row)
-    groups = []
-    for slot, rows in rows_of.items():
-        consecutive = rows[-1] - rows[0] + 1 == len(rows)
-        index = None if consecutive else torch.tensor(rows, dtype=torch.int64).to(device, non_blocking=True)
-        groups.append(SlotRows(slot, rows[0], rows[-1] + 1, index))
     indptr = [0] + [end for _, end, _ in bounds]
-    row_scales = None
-    if dense and len(row_slots) <= DENSE_MAX_ROWS and groups:
-        slots = torch.tensor(list(row_slots), dtype=torch.int64)
-        row_scales = torch.zeros((len(row_slots), len(scaling_values)), dtype=torch.float32)
-        row_scales[torch.arange(len(row_slots)), slots] = torch.tensor(scaling_values, dtype=torch.float32)[slots]
-        row_scales = row_scales.to(device, non_blocking=True)
+    grouped = None
+    if native is not None:
+        grouped = group_rows(row_slots, native.max_out, native.max_stacked, native.dtype, device)
     return LoRABatchInfo(
         num_rows=len(row_slots), bounds=bounds,
         seg_indptr=torch.tensor(indptr, dtype=torch.int32).to(device, non_blocking=True),
         weight_indices=torch.tensor([s for _, _, s in bounds], dtype=torch.int32).to(device, non_blocking=True),
         max_len=max((end - start for start, end, _ in bounds), default=0), scalings=scalings,
-        groups=groups, scaling_values=scaling_values, row_scales=row_scales)
+        has_lora=any(slot != 0 for _, _, slot in bounds), grouped=grouped)
 
 
-# Batches of at most this many rows (decode steps) take the dense native path: two GEMMs over every
-# slot at once instead of a few per adapter. Each small GEMM is a parallel region, and on a busy CPU
-# every region can wait a scheduler time slice for its second thread, so their number matters more
-# than their size; the zero blocks the dense path multiplies cost little at this size.
-DENSE_MAX_ROWS = 256
+def native_b(b: torch.Tensor, sections: Sequence[Tuple[int, int]], rank: int,
+             scalings: torch.Tensor) -> List[torch.Tensor]:
+    """B as the native path reads it: per section, [slots, R, n_i] = B_i^T x the slot's scaling."""
+    scale = scalings.to(b.dtype).view(-1, 1, 1)
+    return [(b[:, offset:offset + size, :rank].transpose(1, 2) * scale).contiguous() for offset, size in sections]
 
 
-def lora_native(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-                sections: Sequence[Tuple[int, int]], rank: int, info: LoRABatchInfo,
-                dense_b: Optional[torch.Tensor] = None) -> None:
-    """out += the LoRA delta of each adapter's rows (a: [slots, subs x R, K], b: [slots, N, R];
-    dense_b: the same B as one block matrix [slots x subs x R, N], for the dense path)."""
-    if dense_b is not None and info.row_scales is not None:
-        slots, stacked = a.shape[0], a.shape[1]
-        shrink = x.to(a.dtype) @ a.view(slots * stacked, -1).t()
-        # Each row keeps its own slot's columns, scaled; the other slots' become 0.
-        shrink.view(-1, slots, stacked).mul_(info.row_scales.to(shrink.dtype).unsqueeze(-1))
-        if out.dtype == shrink.dtype:
-            out.addmm_(shrink, dense_b)  # few ops: on a small model each one's overhead is the cost
-        else:
-            out += (shrink @ dense_b).to(out.dtype)
+def _omp_thread_count() -> Tuple[Optional[Callable[[], int]], Optional[Callable[[int], None]]]:
+    """libgomp's getter and setter of the calling thread's OpenMP thread count (None, None without it)."""
+    try:
+        gomp = ctypes.CDLL("libgomp.so.1")
+        return gomp.omp_get_max_threads, gomp.omp_set_num_threads
+    except (OSError, AttributeError):  # torch without libgomp: the products keep the thread count
+        return None, None
+
+
+_GET_OMP_THREADS, _SET_OMP_THREADS = _omp_thread_count()
+# Batches of at most this many rows (decode steps) run their LoRA products on the calling thread
+# alone: each product is a few microseconds of arithmetic, and on a busy CPU a parallel region can
+# wait a scheduler time slice for its second thread, so a team costs more than it saves.
+SERIAL_MAX_ROWS = 256
+
+
+def lora_native(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b_sections: Sequence[torch.Tensor],
+                sections: Sequence[Tuple[int, int]], rank: int, rows: GroupedRows) -> None:
+    """out += the LoRA delta of each adapter's rows (a: [slots, subs x R, K]; b_sections: native_b's)."""
+    if _GET_OMP_THREADS is None or _SET_OMP_THREADS is None or out.shape[0] > SERIAL_MAX_ROWS:
+        _lora_native(x, out, a, b_sections, sections, rank, rows)
         return
-    stacked = a.shape[1]
-    for group in info.groups:
-        slot, index = group.slot, group.index
-        rows = x[group.start:group.end] if index is None else x.index_select(0, index)
-        shrink = rows.to(a.dtype) @ a[slot].t()
-        if dense_b is not None:  # every section's expand in one GEMM (the block of this slot)
-            delta = shrink @ dense_b[slot * stacked:(slot + 1) * stacked]
+    threads = _GET_OMP_THREADS()  # this thread's own count (the scheduling thread's may be 1)
+    _SET_OMP_THREADS(1)
+    try:
+        _lora_native(x, out, a, b_sections, sections, rank, rows)
+    finally:
+        _SET_OMP_THREADS(threads)
+
+
+def _lora_native(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b_sections: Sequence[torch.Tensor],
+                 sections: Sequence[Tuple[int, int]], rank: int, rows: GroupedRows) -> None:
+    num_rows, stacked, k = out.shape[0], a.shape[1], x.shape[1]
+    positions, groups, group_len = rows.positions, len(rows.slot_ids), rows.group_len
+    ws = rows.workspace
+    ordered_at = (positions + 1) * rows.max_out
+    shrink_at = ordered_at + num_rows * rows.max_out
+    shrink = ws[shrink_at:shrink_at + positions * stacked].view(positions, stacked)
+    xs = x if rows.gather is None else x.index_select(0, rows.gather)
+    if xs.dtype != a.dtype:  # a bfloat16 model: the small products run in float32 (the pool's dtype)
+        xs = xs.to(a.dtype)
+    if rows.padded:  # one product for every adapter at once
+        torch.bmm(xs.view(groups, group_len, k), a[rows.slot_index].transpose(1, 2),
+                  out=shrink.view(groups, group_len, stacked))
+    else:
+        for slot, start, count in zip(rows.slot_ids, rows.starts, rows.counts):
+            torch.mm(xs[start:start + count], a[slot].t(), out=shrink[start:start + count])
+    # Each section's deltas in a contiguous block of the workspace (products written into column
+    # slices of one buffer take a slow strided path), then added to the section's columns of out.
+    delta_at = 0
+    for i, (offset, size) in enumerate(sections):
+        delta = ws[delta_at:delta_at + (positions + 1) * size].view(positions + 1, size)
+        delta_at += (positions + 1) * size
+        shrunk = shrink[:, i * rank:(i + 1) * rank]
+        if rows.padded:
+            torch.bmm(shrunk.view(groups, group_len, rank), b_sections[i][rows.slot_index],
+                      out=delta[:positions].view(groups, group_len, size))
         else:
-            delta = torch.empty((shrink.shape[0], out.shape[1]), dtype=shrink.dtype, device=shrink.device)
-            for i, (offset, size) in enumerate(sections):
-                delta[:, offset:offset + size] = shrink[:, i * rank:(i + 1) * rank] @ b[slot, offset:offset + size].t()
-        delta = (delta * info.scaling_values[slot]).to(out.dtype)
-        if index is None:  # whole rows at once: one add (or scatter) per adapter
-            out[group.start:group.end] += delta
-        else:
-            out.index_add_(0, index, delta)
+            for slot, start, count in zip(rows.slot_ids, rows.starts, rows.counts):
+                torch.mm(shrunk[start:start + count], b_sections[i][slot], out=delta[start:start + count])
+        target = out if len(sections) == 1 else out[:, offset:offset + size]
+        if rows.scatter is None:
+            target.add_(delta[:positions])
+            continue
+        if rows.base_rows:
+            delta[positions].zero_()  # what the rows without an adapter add
+        ordered = ws[ordered_at:ordered_at + num_rows * size].view(num_rows, size)
+        torch.index_select(delta, 0, rows.scatter, out=ordered)
+        target.add_(ordered)
 
 
 def lora_triton(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
@@ -154,11 +251,12 @@ def pick_backend(name: str, device: str) -> str:
 
 
 def run_lora(backend: str, x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
-             sections: Sequence[Tuple[int, int]], rank: int, info: Optional[LoRABatchInfo],
-             dense_b: Optional[torch.Tensor] = None) -> None:
+             b_sections: Sequence[torch.Tensor], sections: Sequence[Tuple[int, int]], rank: int,
+             info: Optional[LoRABatchInfo]) -> None:
     if info is None or not info.has_lora:
         return
     if backend == "triton":
         lora_triton(x, out, a, b, sections, rank, info)
     else:
-        lora_native(x, out, a, b, sections, rank, info, dense_b)
+        assert info.grouped is not None  # the manager builds it for the native backend
+        lora_native(x, out, a, b_sections, sections, rank, info.grouped)

@@ -9,7 +9,7 @@ counts mean one row per request, where both layouts agree).
 
 from __future__ import annotations
 
-from typing import Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple
 
 import torch
 
@@ -41,13 +41,13 @@ class LoRAProjection:
     """Adds x @ A^T @ B^T * scaling of each row's adapter to a base projection's output."""
 
     def __init__(self, a: torch.Tensor, b: torch.Tensor, sections: Sequence[Tuple[int, int]], max_rank: int,
-                 state: LoRABatchState, backend: str, dense_b: Optional[torch.Tensor] = None) -> None:
+                 state: LoRABatchState, backend: str, b_native: Optional[List[torch.Tensor]] = None) -> None:
         self.a, self.b = a, b  # the pool's buffers of this projection: [slots, subs x R, K], [slots, N, R]
         self.sections = list(sections)
         self.max_rank = max_rank
         self.state = state
         self.backend = backend
-        self.dense_b = dense_b  # the pool's block matrix of B (native backend), or None
+        self.b_native = b_native or []  # the pool's B per section for the native backend (backend.native_b)
 
     def apply(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
@@ -55,5 +55,10 @@ class LoRAProjection:
         if info is None or not info.has_lora:
             return out
         flat = out.reshape(-1, out.shape[-1])
-        run_lora(self.backend, rows, flat, self.a, self.b, self.sections, self.max_rank, info, self.dense_b)
+        run_lora(self.backend, rows, flat, self.a, self.b, self.b_native, self.sections, self.max_rank, info)
         return out
+
+    def active(self, rows: int) -> bool:
+        """Whether a projection of `rows` rows adds a delta in this forward (some row has an adapter)."""
+        info = self.state.info_for(rows)
+        return info is not None and info.has_lora

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from engine.lora.adapter import LoRAAdapter, find_targets, read_adapter
-from engine.lora.backend import LoRABatchInfo, build_batch_info, pick_backend
+from engine.lora.backend import LoRABatchInfo, NativeShape, build_batch_info, pick_backend
 from engine.lora.layers import LoRABatchState, LoRAProjection
 from engine.lora.lora_config import (
     DEFAULT_MAX_LORA_RANK,
@@ -51,12 +51,17 @@ class LoRAManager:
         # times slower (no native bf16 GEMM on most CPUs), and the pool is small.
         pool_dtype = torch.float32 if device == "cpu" else dtype
         self.pool = LoRAMemoryPool(self.targets, server_args.max_loras_per_batch, self.max_rank, pool_dtype, device,
-                                   dense=backend == "torch_native")
+                                   native=backend == "torch_native")
+        # The native path's per-forward workspace fits the widest projection (backend.GroupedRows).
+        self.native: Optional[NativeShape] = None
+        if backend == "torch_native" and self.targets:
+            self.native = NativeShape(max(t.local_out for t in self.targets.values()),
+                                      max(len(t.subs) for t in self.targets.values()) * self.max_rank, pool_dtype)
         self.state = LoRABatchState()
         for key, target in self.targets.items():
             sections = [(s.offset, s.size) for s in target.subs]
             projection = LoRAProjection(self.pool.a_buffers[key], self.pool.b_buffers[key], sections, self.max_rank,
-                                        self.state, backend, self.pool.dense_b.get(key))
+                                        self.state, backend, self.pool.b_native.get(key))
             target.module.attach_lora(projection)
         self.adapters: Dict[str, LoRAAdapter] = {}  # by name
         self._by_uid: Dict[str, LoRAAdapter] = {}
@@ -120,13 +125,13 @@ class LoRAManager:
         slots = self.pool.acquire(wanted, self._by_uid.__getitem__)
         per_request = [0 if u is None else slots[u] for u in uids]
         device = torch.device(self.device)
-        pool, dense = self.pool, bool(self.pool.dense_b)
-        last_rows = build_batch_info(per_request, pool.scalings, device, pool.scaling_values, dense)
+        scalings = self.pool.scalings
+        last_rows = build_batch_info(per_request, scalings, device, self.native)
         if forward_batch.forward_mode.is_extend():
             lens = forward_batch.extend_seq_lens_cpu
             assert lens is not None  # set for every extend
             per_token = [slot for slot, n in zip(per_request, lens) for _ in range(n)]
-            tokens: LoRABatchInfo = build_batch_info(per_token, pool.scalings, device, pool.scaling_values, dense)
+            tokens: LoRABatchInfo = build_batch_info(per_token, scalings, device, self.native)
         else:
             tokens = last_rows
         self.state.set(tokens, last_rows)

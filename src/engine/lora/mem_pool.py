@@ -18,9 +18,8 @@ from engine.lora.adapter import LoRAAdapter, LoRATarget
 
 class LoRAMemoryPool:
     def __init__(self, targets: Dict[Tuple[int, str], LoRATarget], num_slots: int, max_rank: int,
-                 dtype: torch.dtype, device: str, dense: bool = False) -> None:
-        """`dense`: also keep B of every slot as one block matrix per projection (the native
-        backend's dense path, backend.lora_native)."""
+                 dtype: torch.dtype, device: str, native: bool = False) -> None:
+        """`native`: also keep B as the native backend reads it (backend.lora_native)."""
         self.max_rank = max_rank
         self.num_slots = num_slots  # adapters; the buffers have one more (slot 0)
         self.a_buffers: Dict[Tuple[int, str], torch.Tensor] = {}
@@ -29,12 +28,12 @@ class LoRAMemoryPool:
             self.a_buffers[key] = torch.zeros((num_slots + 1, len(t.subs) * max_rank, t.local_in), dtype=dtype,
                                               device=device)
             self.b_buffers[key] = torch.zeros((num_slots + 1, t.local_out, max_rank), dtype=dtype, device=device)
-        # [slots x subs x R, N]: row block (slot, sub) holds that sub-projection's B^T in its columns.
-        self.dense_b: Dict[Tuple[int, str], torch.Tensor] = {
-            key: torch.zeros(((num_slots + 1) * len(t.subs) * max_rank, t.local_out), dtype=dtype, device=device)
-            for key, t in targets.items()} if dense else {}
+        # Per sub-projection, [slots, R, n_i] = its B^T times the slot's scaling: each section's expand
+        # is one batched product over contiguous operands, with no scaling op per layer.
+        self.b_native: Dict[Tuple[int, str], List[torch.Tensor]] = {
+            key: [torch.zeros((num_slots + 1, max_rank, sub.size), dtype=dtype, device=device) for sub in t.subs]
+            for key, t in targets.items()} if native else {}
         self.scalings = torch.zeros(num_slots + 1, dtype=torch.float32, device=device)
-        self.scaling_values: List[float] = [0.0] * (num_slots + 1)  # the host copy (no device read per batch)
         self._targets = targets
         self._slot_of: "OrderedDict[str, int]" = OrderedDict()  # uid -> slot, least recently used first
         self._pinned: Set[str] = set()
@@ -75,10 +74,9 @@ class LoRAMemoryPool:
             a_buf, b_buf = self.a_buffers[key][slot], self.b_buffers[key][slot]
             a_buf.zero_()
             b_buf.zero_()
-            stacked = len(target.subs) * max_rank
-            dense = self.dense_b[key][slot * stacked:(slot + 1) * stacked] if self.dense_b else None
-            if dense is not None:
-                dense.zero_()
+            native = [b_i[slot] for b_i in self.b_native[key]] if self.b_native else []
+            for b_i in native:
+                b_i.zero_()
             for i, entry in enumerate(adapter.weights.get(key, [None] * len(target.subs))):
                 if entry is None:
                     continue
@@ -86,10 +84,9 @@ class LoRAMemoryPool:
                 sub = target.subs[i]
                 a_buf[i * max_rank:i * max_rank + rank].copy_(a, non_blocking=True)
                 b_buf[sub.offset:sub.offset + sub.size, :rank].copy_(b, non_blocking=True)
-                if dense is not None:
-                    dense[i * max_rank:i * max_rank + rank, sub.offset:sub.offset + sub.size].copy_(b.t())
+                if native:
+                    native[i][:rank].copy_(b.t() * adapter.config.scaling)
         self.scalings[slot] = adapter.config.scaling
-        self.scaling_values[slot] = adapter.config.scaling
         if adapter.pinned:
             self._pinned.add(adapter.uid)
 
