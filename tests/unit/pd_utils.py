@@ -146,6 +146,17 @@ class PDPair:
         self.step()
         check_idle(self)
 
+    def run_counting_retractions(self, max_steps: int = 2000) -> int:
+        """run_until_idle, returning the most requests the decode side held retracted at once."""
+        retracted = 0
+        for _ in range(max_steps):
+            if not self.busy():
+                break
+            self.step()
+            retracted = max(retracted, len(self.decode.scheduler.disagg.prealloc.retracted_queue))
+        self.run_until_idle()
+        return retracted
+
     def close(self) -> None:
         self.prefill.scheduler.shutdown()
         self.decode.scheduler.shutdown()

@@ -226,11 +226,7 @@ def test_retraction_resumes_from_the_kv_backup(make_pair, clock, overlap):
                   decode_kwargs=dict(num_reserved_decode_tokens=0))
     prompts = [[i + 2] * 6 for i in range(4)]
     rids = [p.submit(pr, max_new_tokens=14) for pr in prompts]
-    retracted = 0
-    while p.busy():
-        p.step()
-        retracted = max(retracted, len(p.decode.scheduler.disagg.prealloc.retracted_queue))
-    p.run_until_idle()
+    retracted = p.run_counting_retractions()
     assert retracted >= 1, "the configuration must make the decode side retract"
     assert [p.decode.outputs[r].output_ids for r in rids] == [expected(pr, max_new_tokens=14) for pr in prompts]
     assert p.decode.scheduler.num_extend_tokens_computed == 0  # resumed from the backup, not recomputed

@@ -77,11 +77,7 @@ def test_pd_equals_unified_on_the_builtin_model(model, oracle, name):
                   prefill_kwargs=prefill_kwargs, decode_kwargs=decode_kwargs, **cfg)
     try:
         rids = [pair.submit(p, rid=f"pd{i}", **SAMPLING) for i, p in enumerate(prompts)]
-        retracted = 0
-        while pair.busy():
-            pair.step()
-            retracted = max(retracted, len(pair.decode.scheduler.disagg.prealloc.retracted_queue))
-        pair.run_until_idle()
+        retracted = pair.run_counting_retractions()
         for rid, expected, prompt in zip(rids, oracle, prompts):
             decoded = pair.decode.outputs[rid]
             assert decoded.output_ids == expected.output_ids

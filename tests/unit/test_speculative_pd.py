@@ -81,11 +81,7 @@ def test_pd_decode_side_speculation_equals_unified(model, oracle, algo, total, o
     try:
         assert pair.prefill.scheduler.spec is None
         rids = [pair.submit(p, rid=f"pd{i}", **SAMPLING) for i, p in enumerate(prompts)]
-        retracted = 0
-        while pair.busy():
-            pair.step()
-            retracted = max(retracted, len(pair.decode.scheduler.disagg.prealloc.retracted_queue))
-        pair.run_until_idle()
+        retracted = pair.run_counting_retractions()
         assert (retracted > 0) == (total < 4096), retracted
         assert [pair.decode.outputs[r].output_ids for r in rids] == oracle
         assert pair.decode.scheduler.num_extend_tokens_computed == 0  # the target never prefills there
@@ -269,11 +265,7 @@ def test_pd_decode_side_eagle3_accepts_every_draft(repeat_pair, total):
                   tokenizer=_Tok(), prefill_kwargs=dict(spec, max_total_tokens=4096), decode_kwargs=decode_kwargs)
     try:
         rids = [pair.submit(p, rid=f"pd{i}", **SAMPLING) for i, p in enumerate(prompts)]
-        retracted = 0
-        while pair.busy():
-            pair.step()
-            retracted = max(retracted, len(pair.decode.scheduler.disagg.prealloc.retracted_queue))
-        pair.run_until_idle()
+        retracted = pair.run_counting_retractions()
         assert (retracted > 0) == (total < 4096), retracted
         assert [pair.decode.outputs[r].output_ids for r in rids] == oracle
         state = pair.decode.scheduler.internal_state()
