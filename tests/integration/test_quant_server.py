@@ -1,6 +1,11 @@
 """A server with --quantization w8a8_int8 on the built-in model (float32): greedy /generate equals
 transformers run on the same model with every decoder linear's weight replaced by its dequantized
-int8 weight (per output channel), token for token, for a single request and a batch of them."""
+int8 weight (per output channel), token for token, for a single request and a batch of them.
+
+The server keeps the activations in float (ENGINE_W8A8_INT8_ACTIVATIONS=0): rounding each token's
+activations to int8 is discontinuous, so float rounding differences between any two implementations
+move some values by a whole step and greedy tokens of a random model part within a few dozen; the
+per-token int8 activations are tested against their specification in tests/unit/test_quantization.py."""
 
 from __future__ import annotations
 
@@ -45,7 +50,8 @@ def quant_server():
     expected = [hf_greedy(hf, p, N_NEW) for p in PROMPTS]
     plain = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     assert sum(hf_greedy(plain, p, N_NEW) != e for p, e in zip(PROMPTS, expected)) >= 2
-    server = start_server_process(["--model-path", path, "--dtype", "float32", "--quantization", "w8a8_int8"])
+    server = start_server_process(["--model-path", path, "--dtype", "float32", "--quantization", "w8a8_int8"],
+                                  env={"ENGINE_W8A8_INT8_ACTIVATIONS": "0"})
     try:
         yield server.url, expected
     finally:
