@@ -64,6 +64,9 @@ INVALID = [
     ({"logit_bias": {"5": 101.0}}, "logit_bias", "[-100, 100]"),
     ({"logit_bias": {5: "big"}}, "logit_bias", "[-100, 100]"),
     ({"logit_bias": [1, 2]}, "logit_bias", "mapping"),
+    # JSON integers are unbounded; the scheduler's msgpack holds 64 bits (a fuzzer found the 500).
+    ({"custom_params": {"x": 1 << 64}}, "custom_params", "fit 64 bits"),
+    ({"custom_params": {"a": [{"b": -(1 << 70)}]}}, "custom_params", "fit 64 bits"),
 ]
 
 
@@ -92,6 +95,7 @@ def test_invalid_values_name_field_and_range(kwargs: dict, field: str, allowed: 
         {"stop": "x", "stop_token_ids": [0, 99]},
         {"logit_bias": {"0": -100, 99: 100.0}},
         {"sampling_seed": -(1 << 63)},
+        {"custom_params": {"x": (1 << 64) - 1, "y": -(1 << 63), "z": [1.5, None, "s", {"w": True}]}},
     ],
 )
 def test_edge_values_are_valid(kwargs: dict) -> None:

@@ -18,6 +18,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Any, Callable, Dict, List, Optional, Sequence, Set, Tuple, Union
 
+import msgspec
+
 from engine.sampling.stop_regex import (
     MAX_STOP_REGEX,
     MAX_STOP_REGEX_LEN,
@@ -99,6 +101,16 @@ def _check_others(others: Dict[str, Any]) -> None:
         if value is not None and value != [] and value != {}:
             raise ValueError(f"sampling_params.{name} is not supported by this server "
                              f"({UNSUPPORTED_PARAMS[name]}); leave it out or send null")
+
+
+def _crosses_processes(value: Any) -> bool:
+    """Whether msgpack (the scheduler's wire format) encodes it: JSON's integers are unbounded, msgpack's
+    fit 64 bits."""
+    try:
+        msgspec.msgpack.encode(value)
+    except (OverflowError, TypeError):
+        return False
+    return True
 
 
 def _range_error(name: str, allowed: str, value: Any) -> ValueError:
@@ -348,8 +360,10 @@ class SamplingParams:
                                                  or not 1 <= self.stream_interval <= _INT32_MAX):
             raise _range_error("stream_interval", "an integer >= 1 or null", self.stream_interval)
         if self.custom_params is not None and (not isinstance(self.custom_params, dict)
-                                               or not all(isinstance(k, str) for k in self.custom_params)):
-            raise _range_error("custom_params", "an object with string keys or null", self.custom_params)
+                                               or not all(isinstance(k, str) for k in self.custom_params)
+                                               or not _crosses_processes(self.custom_params)):
+            raise _range_error("custom_params", "an object with string keys or null, of JSON values whose integers "
+                               "fit 64 bits", self.custom_params)
 
     # ------------------------------------------------------------------ normalisation
 
