@@ -242,6 +242,17 @@ def repeat_pair(tmp_path_factory):
     return target, head
 
 
+def _unified_outputs(target, prompts, tokenizer):
+    """The greedy outputs of a unified server without speculation (the oracle)."""
+    plain = Harness(worker=_worker(target), tokenizer=tokenizer, max_total_tokens=4096)
+    try:
+        rids = [plain.submit(p, **SAMPLING) for p in prompts]
+        plain.run_until_idle()
+        return [plain.outputs[r].output_ids for r in rids]
+    finally:
+        plain.scheduler.shutdown()
+
+
 @pytest.mark.parametrize("total", [4096, 128], ids=["fits", "retracts"])
 def test_pd_decode_side_eagle3_accepts_every_draft(repeat_pair, total):
     """Without the prompt's features on the decode side the first draft of each request would be
@@ -252,11 +263,7 @@ def test_pd_decode_side_eagle3_accepts_every_draft(repeat_pair, total):
 
     target, head = repeat_pair
     prompts = _prompts()
-    plain = Harness(worker=_worker(target), tokenizer=_Tok(), max_total_tokens=4096)
-    rids = [plain.submit(p, **SAMPLING) for p in prompts]
-    plain.run_until_idle()
-    oracle = [plain.outputs[r].output_ids for r in rids]
-    plain.scheduler.shutdown()
+    oracle = _unified_outputs(target, prompts, _Tok())
     spec = _eagle_spec("EAGLE3", head)
     decode_kwargs = dict(spec, max_total_tokens=total)
     if total < 4096:
@@ -283,11 +290,7 @@ def test_pd_decode_side_eagle3_after_a_rebootstrap(repeat_pair):
 
     target, head = repeat_pair
     prompts = _prompts()[:3]
-    plain = Harness(worker=_worker(target), tokenizer=_Tok(), max_total_tokens=4096)
-    rids = [plain.submit(p, **SAMPLING) for p in prompts]
-    plain.run_until_idle()
-    oracle = [plain.outputs[r].output_ids for r in rids]
-    plain.scheduler.shutdown()
+    oracle = _unified_outputs(target, prompts, _Tok())
     spec = _eagle_spec("EAGLE3", head)
     pair = PDPair(prefill_worker=_worker(target), decode_worker=_worker(target, disaggregation_mode="decode"),
                   tokenizer=_Tok(), prefill_kwargs=dict(spec, max_total_tokens=4096),
