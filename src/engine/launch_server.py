@@ -1,8 +1,8 @@
 """`python -m engine.launch_server [flags]`: the HTTP server and its child processes.
 
-Order: parse ServerArgs (bad flags: message, exit 2, nothing started) -> spawn the schedulers and
-the detokenizer and wait for them (a failure: message, exit 1) -> watchdog on the children -> serve
-HTTP with uvicorn. SIGTERM/SIGINT stop uvicorn, kill every child and remove the ipc directory,
+Order: parse ServerArgs (bad flags: message, exit 2, nothing started) -> bind the HTTP port (in
+use: message, exit 1) -> spawn the schedulers and the detokenizer and wait for them (a failure:
+message, exit 1) -> watchdog on the children -> serve HTTP with uvicorn on the bound socket. SIGTERM/SIGINT stop uvicorn, kill every child and remove the ipc directory,
 then exit 0. A child that dies makes the server exit non-zero within seconds.
 """
 
@@ -12,6 +12,7 @@ import argparse
 import logging
 import os
 import signal
+import socket
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Optional, Sequence
 
@@ -71,17 +72,24 @@ def launch_server(server_args: ServerArgs) -> None:
         _run_worker_node(server_args)
         return
 
-    if not is_port_free(server_args.port, server_args.host):
-        print(f"error: port {server_args.port} on {server_args.host} is already in use.", file=sys.stderr)
-        sys.exit(EXIT_LAUNCH_FAILED)
     if server_args.disaggregation_mode == "prefill" and not is_port_free(
             server_args.disaggregation_bootstrap_port, server_args.host):
         print(f"error: the bootstrap port {server_args.disaggregation_bootstrap_port} on {server_args.host} is "
               "already in use.", file=sys.stderr)
         sys.exit(EXIT_LAUNCH_FAILED)
 
+    # The HTTP port is bound (and listening) before anything else starts, so that no port the
+    # children pick for themselves (the ranks' rendezvous, transfer sockets) can take it; until
+    # uvicorn serves, connections wait in the backlog.
+    from engine.launch.http_workers import bind_listen_sockets
+
+    try:
+        sockets = bind_listen_sockets(server_args.host, server_args.port, server_args.tokenizer_worker_num)
+    except OSError as e:
+        print(f"error: port {server_args.port} on {server_args.host} is already in use ({e}).", file=sys.stderr)
+        sys.exit(EXIT_LAUNCH_FAILED)
     if server_args.tokenizer_worker_num > 1:
-        _serve_with_http_workers(server_args)
+        _serve_with_http_workers(server_args, sockets)
         return
 
     from engine.launch.processes import launch_subprocesses
@@ -96,7 +104,7 @@ def launch_server(server_args: ServerArgs) -> None:
     try:
         children.start_watchdog(lambda name, pid, code: _on_child_death(
             children, tokenizer_manager.mark_dead, name, pid, code))
-        _serve_http(server_args, tokenizer_manager)
+        _serve_http(server_args, tokenizer_manager, sockets[0])
     finally:
         logger.info("Shutting down: stopping the child processes.")
         children.shutdown()
@@ -104,17 +112,12 @@ def launch_server(server_args: ServerArgs) -> None:
         _kill_descendants()
 
 
-def _serve_with_http_workers(server_args: ServerArgs) -> None:
+def _serve_with_http_workers(server_args: ServerArgs, sockets: list[socket.socket]) -> None:
     """--tokenizer-worker-num > 1: this process supervises the children and the HTTP workers
-    (launch/http_workers.py) until a signal or a death."""
+    (launch/http_workers.py, one on each of `sockets`) until a signal or a death."""
     from engine.launch.processes import LaunchedChildren, launch_children
-    from engine.launch.http_workers import bind_listen_sockets, start_http_workers, stop_http_workers
+    from engine.launch.http_workers import start_http_workers, stop_http_workers
 
-    try:
-        sockets = bind_listen_sockets(server_args.host, server_args.port, server_args.tokenizer_worker_num)
-    except OSError as e:
-        print(f"error: cannot listen on {server_args.host}:{server_args.port}: {e}", file=sys.stderr)
-        sys.exit(EXIT_LAUNCH_FAILED)
     launched: Optional[LaunchedChildren] = None
     workers: list = []
     # One try for everything after the sockets: a signal at any point (SystemExit) stops whatever
@@ -184,13 +187,13 @@ def _on_worker_rank_death(children: ChildProcesses, name: str, pid: int, exitcod
         os._exit(EXIT_CHILD_DIED)
 
 
-def _serve_http(server_args: ServerArgs, tokenizer_manager: TokenizerManager) -> None:
+def _serve_http(server_args: ServerArgs, tokenizer_manager: TokenizerManager, listen_socket: socket.socket) -> None:
     from engine.entrypoints.http_server import build_http_server
 
     server = build_http_server(server_args, tokenizer_manager)
     freeze_startup_objects()
     logger.info("Serving HTTP on %s", server_args.url())
-    server.run()
+    server.run(sockets=[listen_socket])
 
 
 def _on_child_death(children: ChildProcesses, mark_dead: Callable[[str], None], name: str, pid: int,

@@ -165,8 +165,10 @@ class DataParallelController:
         self.poller.register(self.recv_from_tokenizer, zmq.POLLIN)
         from engine.utils.network_utils import get_free_port
 
+        picked: List[int] = []
         for d in range(self.dp_size):
-            ports = replica_port_args(port_args, d, get_free_port())
+            picked.append(get_free_port(exclude=picked))
+            ports = replica_port_args(port_args, d, picked[-1])
             self.replica_ports.append(ports)
             self.send_to_replica.append(get_zmq_socket(context, zmq.PUSH, ports.scheduler_input_ipc_name, bind=True))
             sock = get_zmq_socket(context, zmq.PULL, ports.tokenizer_ipc_name, bind=True)

@@ -3,14 +3,19 @@
 from __future__ import annotations
 
 import socket
+from typing import Collection
 
 
-def get_free_port(host: str = "127.0.0.1") -> int:
-    """Return a TCP port that is free right now (the OS picks it; a race with others is possible)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.bind((host, 0))
-        return sock.getsockname()[1]
+def get_free_port(host: str = "127.0.0.1", exclude: Collection[int] = ()) -> int:
+    """Return a TCP port that is free right now and not in `exclude` (ports picked earlier but not
+    bound yet: the OS may hand a just-released port out again). A race with others is possible."""
+    while True:
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            sock.bind((host, 0))
+            port = sock.getsockname()[1]
+        if port not in exclude:
+            return port
 
 
 def is_port_free(port: int, host: str = "127.0.0.1") -> bool:
