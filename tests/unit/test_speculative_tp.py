@@ -7,7 +7,8 @@ target as its own draft, which must have every draft accepted: the sharded draft
 and EAGLE (a random head sharing the sharded embedding and lm_head). Sampled requests (no seed)
 keep the ranks in agreement: the debug check CHECK_TP_SAMPLING asserts at every step that both
 ranks sampled and verified the same tokens, and both ranks return the same outputs. The speculation
-switch runs enabled in one configuration (its decisions agree across ranks by an all-reduce).
+switch runs enabled in two configurations (its decisions agree across ranks by an all-reduce), and two
+run in the overlap loop.
 """
 
 from __future__ import annotations
@@ -43,6 +44,11 @@ def _configs(paths: Dict[str, str]) -> Dict[str, Optional[Dict]]:
                                   speculative_num_steps=3, speculative_batch_size_threshold=1024),
         "eagle": dict(speculative_algorithm="EAGLE", speculative_draft_model_path=paths["eagle"],
                       speculative_num_steps=3, **always),
+        # The overlap loop (each rank guesses the switch's next decision before building a batch).
+        "standalone_random_overlap": dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=paths["draft"],
+                                          speculative_num_steps=3, speculative_batch_size_threshold=1024, overlap=True),
+        "eagle_overlap": dict(speculative_algorithm="EAGLE", speculative_draft_model_path=paths["eagle"],
+                              speculative_num_steps=3, overlap=True, **always),
     }
 
 
@@ -54,7 +60,9 @@ def _generate(target: str, spec: Optional[Dict], tp_size: int, tp_rank: int) -> 
 
     worker = TpModelWorker(ServerArgs(model_path=target, device="cpu", max_total_tokens=2048,
                                       max_running_requests=16, tp_size=tp_size), tp_rank=tp_rank)
-    h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=2048, tp_size=tp_size, **(spec or {}))
+    spec = dict(spec or {})
+    overlap = bool(spec.pop("overlap", False))
+    h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=2048, tp_size=tp_size, overlap=overlap, **spec)
     greedy = [h.submit(p, max_new_tokens=N_NEW, ignore_eos=True) for p in PROMPTS]
     sampled = [h.submit(p, max_new_tokens=N_NEW, ignore_eos=True, **SAMPLED) for p in PROMPTS]
     h.run_until_idle()  # ends with the strict idle leak check
