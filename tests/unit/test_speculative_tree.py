@@ -567,10 +567,60 @@ def test_draft_equal_to_target_expands_each_node_by_the_targets_topk(tiny, name,
     assert checked[0] > 100
 
 
-def test_windowed_models_are_refused_at_start_up(tmp_path):
-    """The tree mask has no windowed path: a sliding-window target is refused when the speculator is
-    built, not at its first tree step."""
+WINDOWED_ARCHS = ["mistral", "gemma2", "gpt_oss"]  # windows; windows + soft-caps; windows + sinks
+
+
+@pytest.fixture(scope="module", params=WINDOWED_ARCHS)
+def windowed_pair(request, tmp_path_factory):
+    """A random windowed target (window 16) and a random draft of the same architecture and vocabulary."""
+    from utils_models import TINY_SWA
+
+    arch = request.param
+    paths = []
+    for seed, name in ((11, "target"), (12, "draft")):
+        path = str(tmp_path_factory.mktemp(f"tree_{arch}_{name}"))
+        build_tiny_model(path, arch, seed=seed, tie_word_embeddings=arch.startswith("gemma"), **TINY_SWA[arch])
+        paths.append(path)
+    return arch, paths[0], paths[1]
+
+
+def _windowed_prompts() -> List[List[int]]:
+    gen = torch.Generator().manual_seed(5)
+    return [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (40, 71, 9)]  # past the window of 16
+
+
+@pytest.mark.parametrize("name", fast_lane(["default", "no-radix", "page16", "chunked-mixed"], {"default"}))
+def test_windowed_softcapped_and_sink_models_keep_greedy_outputs(windowed_pair, name, monkeypatch):
+    """Tree drafts on sliding-window (Mistral), soft-capped (Gemma 2) and sink (gpt-oss) layers: the
+    verify and draft rows see the keys of their own window on the native kernel (the windowed torch path
+    raises here), greedy outputs equal speculation off; the target as its own draft accepts the whole
+    depth, which holds only if every node's window is right."""
+    from engine.layers.attention import torch_native_backend
+
+    def taken(*args, **kwargs):
+        raise AssertionError("the windowed torch path was taken where the kernel takes the call")
+
+    monkeypatch.setattr(torch_native_backend, "windowed_extend", taken)
+    _, target, draft = windowed_pair
+    prompts = _windowed_prompts()
+    _, plain, _ = _run(target, None, prompts, **CONFIGS[name])
+    h, spec, _ = _run(target, draft, prompts, steps=3, topk=2, tokens=7, **CONFIGS[name])
+    assert spec == plain
+    assert h.scheduler.internal_state()["spec_verify_ct"] > 0
+    h, spec, _ = _run(target, target, prompts, steps=2, topk=2, tokens=7, **CONFIGS[name])
+    assert spec == plain
+    state = h.scheduler.internal_state()
+    assert state["spec_verify_ct"] > 0
+    if name != "chunked-mixed":
+        assert state["spec_accepted_tokens"] == 2 * state["spec_verify_ct"], state
+    else:  # a mixed step's cut, as in test_draft_equal_to_target_accepts_the_whole_depth
+        assert state["spec_accepted_tokens"] >= 2 * state["spec_verify_ct"] - 2 * len(prompts), state
+
+
+def test_trees_deeper_than_the_window_are_refused_at_start_up(tmp_path):
+    """A tree of num_steps drafts must lie inside every window: refused when the speculator is built,
+    not at its first tree step."""
     path = str(tmp_path / "mistral")
-    build_tiny_model(path, "mistral")
-    with pytest.raises(ValueError, match="plain attention layers"):
-        _harness(path, path, steps=2, topk=2, tokens=7)
+    build_tiny_model(path, "mistral", sliding_window=3, max_position_embeddings=256)
+    with pytest.raises(ValueError, match="deeper than the model's sliding window"):
+        _harness(path, path, steps=3, topk=2, tokens=7)

@@ -434,20 +434,37 @@ def build_speculator(server_args: ServerArgs, worker: ModelWorker, tree_cache: B
     if topk is not None and topk > 1:
         assert steps is not None and server_args.speculative_num_draft_tokens is not None  # ServerArgs checked them
         assert worker.real_runner is not None  # make_draft_runner needs one
-        _require_plain_attention(worker.real_runner.model, runner.model)
+        _require_tree_attention(steps, worker.real_runner, runner)
         speculator.tree = TreeVerify(TreeShape(steps, topk, server_args.speculative_num_draft_tokens), drafter,
                                      worker.real_runner.token_to_kv_pool)
     return speculator
 
 
-def _require_plain_attention(*models: torch.nn.Module) -> None:
-    """Tree verifies and tree drafts attend under a tree mask, which the windowed path (sliding
-    windows, logit caps, sinks) and MLA do not take: refused at start-up, not at the first tree step."""
+def _require_tree_attention(steps: int, *runners: ModelRunner) -> None:
+    """Tree verifies and tree drafts attend under a tree mask. Plain layers take it on every backend
+    ServerArgs lets through; a sliding window, a logit cap or sinks only on the native decode kernel's
+    rows (torch_native on the CPU: layers/attention/kernel_rows.py), a tree of num_steps drafts deep
+    inside every window. Refused at start-up, not at the first tree step."""
+    from engine.layers.attention.kernel_rows import kernel_takes
+    from engine.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from engine.layers.radix_attention import RadixAttention
 
-    if not all(m.is_plain for model in models for m in model.modules() if isinstance(m, RadixAttention)):
-        raise ValueError("--speculative-eagle-topk > 1 (tree drafts) needs models with plain attention layers "
-                         "(no sliding window, logit cap or sinks); use --speculative-eagle-topk 1")
+    for runner in runners:
+        pool = runner.token_to_kv_pool
+        for layer in runner.model.modules():
+            if not isinstance(layer, RadixAttention) or layer.is_plain:
+                continue
+            q = torch.empty(1, layer.tp_q_head_num * layer.head_dim, dtype=runner.dtype, device=runner.device)
+            if not (isinstance(runner.attn_backend, TorchNativeAttnBackend) and pool is not None
+                    and kernel_takes(q, pool.get_key_buffer(layer.layer_id), layer)):
+                raise ValueError("--speculative-eagle-topk > 1 (tree drafts) on a model with sliding-window, "
+                                 "soft-capped or sink attention layers needs --attention-backend torch_native on "
+                                 "the CPU with its native kernels (float32 / bfloat16, MLA excluded); use "
+                                 "--speculative-eagle-topk 1")
+            if 0 < layer.sliding_window_size <= steps:
+                raise ValueError(f"--speculative-num-steps {steps} grows tree drafts deeper than the model's "
+                                 f"sliding window ({layer.sliding_window_size}); use fewer steps or "
+                                 "--speculative-eagle-topk 1")
 
 
 def _memory_report(worker: TpModelWorker, runner: ModelRunner, drafter: Drafter) -> Dict[str, int]:

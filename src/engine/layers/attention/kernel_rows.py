@@ -85,7 +85,7 @@ class KernelRows:
         if tables is None:
             cascade = not _panel_phase(pool)
             if kind == "tree":
-                tables = _tree_rows(fb, cascade)
+                tables = _tree_rows(fb, cascade, window)
             elif kind == "decode" and window == 0 and plain_decode is not None and (
                     cascade or plain_decode.cascade is None):
                 tables = plain_decode
@@ -166,10 +166,12 @@ def _extend_rows(fb: "ForwardBatch", window: int, cascade: bool = True) -> Kerne
     return KernelTables(kv_indices, (positions + 1 - prefix[row_of]).contiguous(), rows, groups_table)
 
 
-def _tree_rows(fb: "ForwardBatch", cascade: bool = True) -> KernelTables:
+def _tree_rows(fb: "ForwardBatch", cascade: bool = True, window: int = 0) -> KernelTables:
     """One row per new token: the tree nodes its mask shows, after the request's keys before the tree
     block, which every row of the request sees: a cascade group per request (read once for its rows;
-    without `cascade`, listed in each row)."""
+    without `cascade`, listed in each row). With a window, a row at position p sees the keys before the
+    block from p - window + 1 on, listed in each row; its visible nodes (its ancestors, less than a
+    window away: the speculator refuses trees deeper than a window) all of them."""
     # ForwardBatch.init_new sets these for an extend batch; set_tree_mask the widths.
     assert fb.req_to_token_pool is not None and fb.extend_seq_lens_cpu is not None
     assert fb.spec_tree_widths_cpu is not None
@@ -192,13 +194,21 @@ def _tree_rows(fb: "ForwardBatch", cascade: bool = True) -> KernelTables:
         order = torch.where(block, positions, width).sort(dim=1).values.clamp(max=width - 1)
         count = block.sum(1)
         listed = torch.where(positions < count.unsqueeze(1), nodes[order], 0)
-        if not cascade and seq_len > width:
+        if window > 0:
+            # Row j (at position p) lists the keys before the block from p - window + 1 on, then its nodes.
+            before_len = seq_len - width
+            before = table[row, :before_len].long()
+            firsts = (fb.positions[first_row:first_row + ext_len] - window + 1).clamp(min=0, max=before_len).tolist()
+            per_row = [torch.cat([before[f:], listed[j, :int(count[j])]]) for j, f in enumerate(firsts)]
+            count = torch.tensor([r.numel() for r in per_row], dtype=torch.long, device=block.device)
+            listed = torch.nn.utils.rnn.pad_sequence(per_row, batch_first=True)
+        elif not cascade and seq_len > width:
             before = table[row, :seq_len - width].long()
             listed = torch.cat([before.expand(ext_len, -1), listed], dim=1)
             count = count + before.numel()
         lists.append(listed)
         counts.append(count)
-        if cascade and seq_len > width:
+        if cascade and window == 0 and seq_len > width:
             members.append(torch.arange(first_row, first_row + ext_len))
             prefixes.append(table[row, :seq_len - width].long())
         first_row += ext_len

@@ -232,11 +232,11 @@ class TorchNativeAttnBackend(AttentionBackend):
         if save_kv_cache and k is not None:
             pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         if not layer.is_plain:  # a window, a logit cap or sinks: the decode kernel's masked rows, or torch
-            if forward_batch.spec_tree_mask is not None:
-                raise NotImplementedError("tree drafts (--speculative-eagle-topk > 1) need plain attention layers "
-                                          "(no sliding window, logit cap or sinks)")
             if kernel_takes(q, pool.get_key_buffer(layer.layer_id), layer):
-                return self._rows_for(forward_batch).attend(q, layer)
+                return self._rows_for(forward_batch).attend(q, layer)  # a tree's rows too
+            if forward_batch.spec_tree_mask is not None:  # the speculator checks this at start-up
+                raise NotImplementedError("tree drafts (--speculative-eagle-topk > 1) on layers with a sliding "
+                                          "window, a logit cap or sinks need the native decode kernel")
             return windowed_extend(q, layer, forward_batch)
         if forward_batch.spec_tree_mask is not None and kernel_takes(q, pool.get_key_buffer(layer.layer_id), layer):
             return self._rows_for(forward_batch).attend(q, layer)  # each row over its tree mask's keys
