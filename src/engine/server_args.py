@@ -20,7 +20,7 @@ ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # SGLang's --quantization names we accept (engine/layers/quant_config.py QUANTIZATION_METHODS): applied at
 # load to a bf16/fp16/fp32 checkpoint, or naming a pre-quantized checkpoint's format.
-QUANTIZATION_METHODS = ("w8a8_int8", "fp8", "compressed-tensors", "awq", "gptq", "awq_marlin", "gptq_marlin")
+QUANTIZATION_METHODS = ("w8a8_int8", "fp8", "compressed-tensors", "awq", "gptq", "awq_marlin", "gptq_marlin", "mxfp4")
 # SGLang's --kv-cache-dtype names (engine/mem_cache/memory_pool.py KV_CACHE_DTYPES).
 KV_CACHE_DTYPE_NAMES = ("auto", "fp8_e5m2", "fp8_e4m3", "bf16", "bfloat16")
 DEVICES = ("auto", "cpu", "cuda")
@@ -60,8 +60,9 @@ class ServerArgs:
     quantization: Optional[str] = arg(None, (
         "Quantize the linear layers' weights at load, per output channel: w8a8_int8 (int8) or fp8 (float8 "
         "e4m3); the LM head and embeddings keep --dtype. A pre-quantized checkpoint (compressed-tensors 8-bit, "
-        "awq or gptq 4-bit) is detected from its config.json; naming its method (awq_marlin / gptq_marlin "
-        "mean awq / gptq) is optional, naming another is refused. Default: none (the checkpoint's)."),
+        "awq or gptq 4-bit, gpt-oss's mxfp4 experts) is detected from its config.json; naming its method "
+        "(awq_marlin / gptq_marlin mean awq / gptq) is optional, naming another is refused. Default: none "
+        "(the checkpoint's)."),
         choices=QUANTIZATION_METHODS)
     kv_cache_dtype: str = arg("auto", (
         "The KV cache's element type: auto (the model's dtype), fp8_e5m2 or fp8_e4m3 (one byte per element, "

@@ -30,7 +30,8 @@ from engine.layers.quantization import ONLINE_METHODS
 CHECKPOINT_METHODS: Tuple[str, ...] = ("compressed-tensors", "awq", "gptq")
 # SGLang's GPU kernels for the same formats: as flags they mean the format.
 ALIASES: Dict[str, str] = {"awq_marlin": "awq", "gptq_marlin": "gptq"}
-QUANTIZATION_METHODS: Tuple[str, ...] = ONLINE_METHODS + CHECKPOINT_METHODS + tuple(ALIASES)
+# "mxfp4": gpt-oss's expert format, dequantized by its model while loading (not a linear method).
+QUANTIZATION_METHODS: Tuple[str, ...] = ONLINE_METHODS + CHECKPOINT_METHODS + tuple(ALIASES) + ("mxfp4",)
 INT4_MIN_GROUP = 32  # the packed layout's block (layers/int4.py)
 
 
@@ -102,6 +103,19 @@ def resolve_quantization(raw_config: Mapping[str, object], flag: Optional[str]) 
     if not isinstance(config, dict):
         raise ValueError("config.json's quantization_config must be an object")
     found = str(config.get("quant_method", "")).lower()
+    if found == "mxfp4":
+        # gpt-oss's MXFP4 experts: its model dequantizes them while loading (models/gpt_oss.py).
+        architectures = raw_config.get("architectures")
+        if not isinstance(architectures, list) or "GptOssForCausalLM" not in architectures:
+            raise ValueError("quant_method 'mxfp4' is supported for gpt-oss (GptOssForCausalLM) checkpoints only")
+        if flag is not None and flag != "mxfp4":
+            raise ValueError(f"Quantization method specified in the model config (mxfp4) does not match the "
+                             f"quantization method specified in the `quantization` argument ({flag}); leave "
+                             "--quantization unset or pass mxfp4")
+        return None
+    if flag == "mxfp4":
+        raise ValueError(f"--quantization mxfp4 loads gpt-oss's MXFP4 checkpoints; this checkpoint's "
+                         f"quantization_config says {found!r}")
     if found not in CHECKPOINT_METHODS:
         raise ValueError(f"the checkpoint is quantized with quant_method {found!r}, which is not supported; "
                          f"supported pre-quantized formats: {', '.join(CHECKPOINT_METHODS)}")

@@ -117,7 +117,7 @@ class ModelRunner:
             from engine.model_loader.kv_scales import read_kv_scales
 
             self.kv_scales = read_kv_scales(model_config.model_path, model_config.num_hidden_layers)
-        if prequantized is None and server_args.quantization is not None:
+        if prequantized is None and server_args.quantization not in (None, "mxfp4"):  # mxfp4: gpt-oss loads it
             # Before packing: a quantized layer's weight is its QuantizedWeight, nothing is packed for it.
             done = quantize_model(self.model, server_args.quantization)
             logger.info("Quantized %d linear weights (%s, per output channel)", done, server_args.quantization)

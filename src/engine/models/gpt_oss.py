@@ -5,14 +5,18 @@ with biases whose gate and up halves are interleaved in one projection (even col
 and a clamped SwiGLU, (up + 1) * gate * sigmoid(alpha * gate).
 
 The experts run as a torch loop over the experts the batch routed to (like transformers), on one TP
-rank: their weights, and the sinks, are not split across ranks yet, so --tp-size > 1 is refused. The
-MXFP4-quantized checkpoints (`*_blocks` / `*_scales` expert tensors) are refused: a bf16 (dequantized)
-checkpoint loads.
+rank: their weights, and the sinks, are not split across ranks yet, so --tp-size > 1 is refused.
+
+The published checkpoints hold the experts in MXFP4 (`quantization_config.quant_method` "mxfp4"): per
+expert projection a `*_blocks` tensor [E, rows, cols / 32, 16] of 4-bit e2m1 codes (two per byte, the
+low nibble first) and a `*_scales` tensor [E, rows, cols / 32] of e8m0 exponents (2^(s - 127)) for each
+block of 32. They are dequantized here while loading, into the model's dtype (the experts then take
+four times their MXFP4 bytes in bf16); every other weight of such a checkpoint is bf16 already.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Iterable, List, Optional, Sequence, Tuple, Union
+from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn.functional as F
@@ -180,12 +184,45 @@ class GptOssForCausalLM(nn.Module):
                           require_all=require_all)
 
 
+# The 16 values of an e2m1 code (sign, 2 exponent bits, 1 mantissa bit).
+FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+MXFP4_BLOCK = 32
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """[E, rows, cols / 32, 16] codes and [E, rows, cols / 32] exponents -> [E, cols, rows] float32 (the
+    bf16 checkpoint's layout: the projection's input dimension first)."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
+        raise ValueError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
+    if blocks.dim() != 4 or blocks.shape[-1] != MXFP4_BLOCK // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match "
+                         f"([E, rows, groups, {MXFP4_BLOCK // 2}] and [E, rows, groups])")
+    lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32)
+    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [E, rows, groups, 32]
+    values = torch.ldexp(lut[codes], scales.to(torch.int32).unsqueeze(-1) - 127)
+    return values.flatten(-2).transpose(1, 2).contiguous()
+
+
 def _renamed(weights: Iterable[Tuple[str, torch.Tensor]]) -> Iterable[Tuple[str, torch.Tensor]]:
-    """The checkpoint's names onto ours: the sinks belong to the attention layer (self_attn.attn.sinks)."""
+    """The checkpoint's names onto ours: the sinks belong to the attention layer (self_attn.attn.sinks);
+    an MXFP4 expert projection's blocks and scales (in either order) become its dequantized weight."""
+    pending: Dict[str, Dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         if name.endswith(("_blocks", "_scales")):
-            raise ValueError(f"gpt-oss checkpoint weight {name} is MXFP4-quantized, which is not supported; "
-                             "use a dequantized (bf16) checkpoint")
+            base, _, part = name.rpartition("_")
+            parts = pending.setdefault(base, {})
+            parts[part] = tensor
+            if len(parts) == 2:
+                del pending[base]
+                try:
+                    yield base, dequantize_mxfp4(parts["blocks"], parts["scales"])
+                except ValueError as e:
+                    raise ValueError(f"gpt-oss checkpoint weight {base}: {e}") from None
+            continue
         if name.endswith(".self_attn.sinks"):
             name = name[: -len("sinks")] + "attn.sinks"
         yield name, tensor
+    if pending:
+        base = next(iter(pending))
+        raise ValueError(f"gpt-oss checkpoint weight {base}: MXFP4 {'blocks' if 'blocks' in pending[base] else 'scales'} "
+                         "without their " + ("scales" if "blocks" in pending[base] else "blocks"))

@@ -1,0 +1,133 @@
+"""gpt-oss checkpoints with MXFP4 experts (the published format: `quant_method` "mxfp4", `*_blocks`
+e2m1 codes and `*_scales` e8m0 exponents per 32 inputs), dequantized while loading
+(models/gpt_oss.py). Oracle: transformers loading the same checkpoint with its own MXFP4
+dequantization (Mxfp4Config(dequantize=True)), token for token past the sliding window; the
+dequantization equals transformers' element for element; malformed checkpoints are refused by name."""
+
+from __future__ import annotations
+
+import json
+import os
+from typing import Dict
+
+import pytest
+import torch
+
+from sched_utils import Harness
+from utils_models import TINY_SWA, build_tiny_model, hf_greedy
+
+from engine.models.gpt_oss import FP4_E2M1_VALUES, dequantize_mxfp4
+
+N_NEW = 20
+
+
+def _quantize(weight: torch.Tensor) -> Dict[str, torch.Tensor]:
+    """Our layout [E, in, out] -> MXFP4 blocks [E, out, in / 32, 16] and scales [E, out, in / 32] (the
+    format's spec: per 32 inputs a power-of-two scale putting the largest magnitude at most 6, each value
+    the nearest e2m1 code, two codes per byte, the low nibble first)."""
+    rows = weight.transpose(1, 2).float()
+    e, out, cols = rows.shape
+    groups = rows.reshape(e, out, cols // 32, 32)
+    amax = groups.abs().amax(-1).clamp(min=1e-30)
+    exponent = torch.ceil(torch.log2(amax / 6.0)).clamp(-127, 127)
+    lut = torch.tensor(FP4_E2M1_VALUES)
+    codes = (groups / torch.exp2(exponent).unsqueeze(-1)).unsqueeze(-1).sub(lut).abs().argmin(-1).to(torch.uint8)
+    blocks = codes[..., 0::2] | (codes[..., 1::2] << 4)
+    return {"blocks": blocks.contiguous(), "scales": (exponent + 127).to(torch.uint8).contiguous()}
+
+
+def _write_mxfp4(path: str) -> None:
+    """Replace the checkpoint's expert projections by their MXFP4 form and say so in config.json."""
+    from safetensors.torch import load_file, save_file
+
+    file = os.path.join(path, "model.safetensors")
+    weights = load_file(file)
+    for name in [n for n in weights if n.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        for part, tensor in _quantize(weights.pop(name)).items():
+            weights[f"{name}_{part}"] = tensor
+    save_file(weights, file, metadata={"format": "pt"})
+    with open(os.path.join(path, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "mxfp4",
+                                     "modules_to_not_convert": ["model.layers.*.self_attn", "model.layers.*.mlp.router",
+                                                                "model.embed_tokens", "lm_head"]}
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(config, f)
+
+
+@pytest.fixture(scope="module")
+def mxfp4_model(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("gpt_oss_mxfp4"))
+    build_tiny_model(path, "gpt_oss", seed=4, **TINY_SWA["gpt_oss"])
+    _write_mxfp4(path)
+    return path
+
+
+def _transformers_model(path: str):
+    from transformers import AutoModelForCausalLM, Mxfp4Config
+
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32,
+                                                quantization_config=Mxfp4Config(dequantize=True)).eval()
+
+
+def test_dequantization_equals_transformers():
+    from transformers.integrations.mxfp4 import convert_moe_packed_tensors
+
+    gen = torch.Generator().manual_seed(0)
+    blocks = torch.randint(0, 256, (3, 64, 4, 16), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(110, 135, (3, 64, 4), dtype=torch.uint8, generator=gen)
+    ours = dequantize_mxfp4(blocks, scales)
+    theirs = convert_moe_packed_tensors(blocks, scales, dtype=torch.float32)
+    assert ours.shape == theirs.shape == (3, 128, 64)
+    assert torch.equal(ours, theirs)
+
+
+def test_greedy_equals_transformers_on_the_mxfp4_checkpoint(mxfp4_model):
+    from engine.scheduler.tp_worker import TpModelWorker
+    from engine.server_args import ServerArgs
+
+    hf = _transformers_model(mxfp4_model)
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (40, 90)]  # past the window of 16
+    expected = [hf_greedy(hf, p, N_NEW) for p in prompts]
+    for flag in (None, "mxfp4"):  # detected from config.json, or named as SGLang users do
+        args = ServerArgs(model_path=mxfp4_model, device="cpu", max_total_tokens=2048, quantization=flag)
+        h = Harness(worker=TpModelWorker(args), max_total_tokens=2048)
+        rids = [h.submit(p, max_new_tokens=N_NEW, ignore_eos=True) for p in prompts]
+        h.run_until_idle()
+        assert [h.outputs[r].output_ids for r in rids] == expected, flag
+
+
+def test_malformed_and_mismatched_checkpoints_are_refused(tmp_path, mxfp4_model):
+    from safetensors.torch import load_file, save_file
+
+    from utils_models import make_runner
+
+    # Blocks without their scales.
+    broken = tmp_path / "unpaired"
+    broken.mkdir()
+    for name in os.listdir(mxfp4_model):
+        data = open(os.path.join(mxfp4_model, name), "rb").read()
+        (broken / name).write_bytes(data)
+    weights = load_file(str(broken / "model.safetensors"))
+    del weights["model.layers.0.mlp.experts.down_proj_scales"]
+    save_file(weights, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="down_proj: MXFP4 blocks without their scales"):
+        make_runner(str(broken))
+    # Scales of the wrong shape.
+    weights["model.layers.0.mlp.experts.down_proj_scales"] = torch.zeros(4, 64, 3, dtype=torch.uint8)
+    save_file(weights, str(broken / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="do not match"):
+        make_runner(str(broken))
+    # mxfp4 on another architecture, and --quantization naming another method.
+    llama = str(tmp_path / "llama")
+    build_tiny_model(llama, seed=1)
+    with open(os.path.join(llama, "config.json")) as f:
+        config = json.load(f)
+    config["quantization_config"] = {"quant_method": "mxfp4"}
+    with open(os.path.join(llama, "config.json"), "w") as f:
+        json.dump(config, f)
+    with pytest.raises(ValueError, match="gpt-oss"):
+        make_runner(llama)
+    with pytest.raises(ValueError, match="does not match"):
+        make_runner(mxfp4_model, quantization="fp8")
