@@ -163,12 +163,22 @@ def _run(path: str, tp_size: int = 1):
         seq_lens = [n + 1 for n in seq_lens]
         for o, t in zip(outputs, tokens):
             o.append(int(t))
-    return logits, outputs
+    layer = runner.model.model.decoder_layers[1]
+    kinds = {"q_a_proj": type(layer.self_attn.q_a_proj.packed_weight).__name__,
+             "o_proj": type(layer.self_attn.o_proj.packed_weight).__name__,
+             "shared_experts.gate_up_proj": type(layer.mlp.shared_experts.gate_up_proj.packed_weight).__name__,
+             "experts.w13": str(layer.mlp.experts.w13.weight.dtype),
+             "kv_b_proj": str(layer.self_attn.kv_b_proj.weight.dtype)}
+    return logits, outputs, kinds
 
 
 def test_greedy_and_logits_match_transformers_on_dequantized_weights(checkpoint):
     path, oracle = checkpoint
-    logits, outputs = _run(path)
+    logits, outputs, kinds = _run(path)
+    # The linears keep their fp8 bytes (the CPU kernel); the experts and kv_b_proj were dequantized at load.
+    assert kinds == {"q_a_proj": "BlockFp8Weight", "o_proj": "BlockFp8Weight",
+                     "shared_experts.gate_up_proj": "BlockFp8Weight", "experts.w13": "torch.float32",
+                     "kv_b_proj": "torch.float32"}
     assert outputs == [hf_greedy(oracle, p, DECODE_STEPS + 1) for p in PROMPTS]
     ref = torch.stack([hf_logits(oracle, p)[-1] for p in PROMPTS])
     assert (logits - ref).abs().max().item() < 1e-4
@@ -196,6 +206,22 @@ def test_missing_scale_is_refused(checkpoint, tmp_path):
     save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
     with pytest.raises(ValueError, match="fp8 weights without their weight_scale_inv: model.layers.0.mlp.down_proj"):
         make_runner(path)
+
+
+def test_ignored_layers_load_as_stored(checkpoint, tmp_path):
+    """A module the config lists in ignored_layers is stored in float: it loads as stored (the same values
+    here, so the oracle's tokens); the same float weight not listed is refused (it would be read as fp8)."""
+    path = _copy(checkpoint[0], str(tmp_path / "ignored"))
+    weights = load_file(os.path.join(path, "model.safetensors"))
+    module = "model.layers.0.mlp.down_proj"
+    weights[f"{module}.weight"] = dequantize_block_fp8(weights[f"{module}.weight"],
+                                                       weights.pop(f"{module}.weight_scale_inv"), BLOCK)
+    save_file(weights, os.path.join(path, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=f"{module}.weight is float32, not fp8, but the config does not list it"):
+        make_runner(path)
+    _edit_config(path, quantization_config={**QUANT_CONFIG, "ignored_layers": [module]})
+    _, outputs, _ = _run(path)
+    assert outputs == [hf_greedy(checkpoint[1], p, DECODE_STEPS + 1) for p in PROMPTS]
 
 
 def test_fused_boundary_inside_a_block_is_refused(checkpoint, tmp_path):
@@ -250,8 +276,39 @@ def test_tp2_matches_tp1(checkpoint, tmp_path):
             if p.is_alive():
                 p.kill()
     assert result[0] == "ok", f"TP rank {result[1]} failed:\n{result[2]}"
-    logits, outputs = result[1]["ok"]
-    ref_logits, ref_outputs = _run(path)
-    assert outputs == ref_outputs
+    logits, outputs, kinds = result[1]["ok"]
+    ref_logits, ref_outputs, ref_kinds = _run(path)
+    assert outputs == ref_outputs and kinds == ref_kinds
     assert (logits - ref_logits).abs().max().item() < 1e-4
     assert "rows per rank is not whole blocks of 256" in str(result[1]["misaligned"])
+
+
+# --------------------------------------------------------------------------------------------- kernel
+@pytest.mark.parametrize("block", [(128, 128), (64, 32)])
+@pytest.mark.parametrize("rows", [1, 3, 6])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_matches_the_dequantized_product(block, rows, dtype):
+    """csrc/linear_q8.c's linear_fp8_block against the float32 product of the dequantized weight: ragged last
+    blocks both ways (300 outputs, 203 inputs: a last block with an 8-lane remainder and a scalar tail)."""
+    from engine.kernels import library
+    from engine.layers.block_fp8_linear import BlockFp8Weight, block_fp8_linear
+
+    if library.linear() is None:
+        pytest.skip("the CPU kernel library is not built here")
+    gen = torch.Generator().manual_seed(rows)
+    w = torch.randn(300, 203, generator=gen)
+    q, scale = quantize_block_fp8(w, block)
+    packed = BlockFp8Weight(q, scale, block)
+    x = torch.randn(rows, 203, generator=gen).to(dtype)
+    bias = torch.randn(300, generator=gen)
+    ref = x.float() @ dequantize_block_fp8(q, scale, block).T + bias
+    out = block_fp8_linear(x, packed, bias)
+    assert out.dtype == dtype and out.shape == (rows, 300)
+    if dtype == torch.float32:
+        assert (out - ref).abs().max().item() < 1e-4 * ref.abs().max().item()
+    else:  # one rounding of the float32 result to bf16
+        assert torch.equal(out, ref.to(torch.bfloat16)) or (out.float() - ref).abs().max().item() <= (
+            ref.abs().max().item() * 2 ** -8)
+    # The torch path (long batches, other devices) gives the same product.
+    torch_path = torch.nn.functional.linear(x.float(), packed.dequantize(), bias)
+    assert (torch_path - ref).abs().max().item() < 1e-4 * ref.abs().max().item()

@@ -5,63 +5,122 @@ float32 [ceil(out / block_n), ceil(in / block_k)]: weight block (i, j) times sca
 weight (a last block along either dimension may be ragged). The MoE router, the embeddings, the LM head and
 the norms stay in bf16, as do the modules the config lists in ignored_layers / modules_to_not_convert.
 
-We dequantize at load: `dequantized_weights` wraps the checkpoint iterator, pairs each fp8 weight with its
-scale (they may arrive in either order, from different shards), and yields the float weight in the model
-dtype under the weight's name. Every model path then loads it as a bf16 checkpoint: dense and fused
-linears, the MLA latent projections and kv_b_proj (read as views by the absorbed attention), and the
-experts (native CPU and Triton alike). The cost is memory: the weights take the model dtype's bytes (2 per
-weight in bf16, twice the fp8 checkpoint) instead of fp8's one, and a bf16 model rounds each dequantized
-weight once to bf16. A block-scaled fp8 kernel (the scale read per 128 x 128 block, in registers) would keep
-the fp8 bytes; the dequantized path is the reference it would be tested against.
+Three steps around the model's own `load_weights` (as layers/prequantized.py):
 
-`check_block_alignment` refuses, before any weight is read, the layouts SGLang refuses: a tensor-parallel
-shard or a fused boundary (gate | up, the experts' w13) that cuts a block. Dequantizing the whole tensor
-would not mind, but a block kernel would, and a checkpoint that starts here must start on SGLang too.
+1. `prepare`: refuses, before any weight is read, the layouts SGLang refuses (`check_block_alignment`: a
+   tensor-parallel shard or a fused boundary, gate | up or the experts' w13, that cuts a block). On the CPU,
+   every column-, row-parallel and replicated linear gets an fp8 `weight` and a `weight_scale_inv`
+   parameter, loaded by the layer's own loader (a column-parallel layer's scale rows are widened to one per
+   weight row while loading, so the layer cuts its shard and fused parts as it cuts the weight).
+2. `checkpoint_tensors` wraps the checkpoint iterator: pairs each fp8 weight with its scale (either order,
+   any shard), checks the scale's shape against the block grid, and passes both on for a layer of step 1;
+   any other fp8 weight (the experts, kv_b_proj which the absorbed attention reads as views, every weight
+   on a GPU) is dequantized there to the model dtype and loads as a bf16 checkpoint's would.
+3. `finish`: each fp8 layer's parameters become its BlockFp8Weight (layers/block_fp8_linear.py: the CPU
+   kernel reads one byte per weight); the parameters are released.
+
+Memory: the linears of step 1 keep fp8's byte per weight (plus a float32 per 128 x 128 block); dequantized
+weights take the model dtype's bytes (2 in bf16), and in a bf16 model each is rounded once to bf16.
 """
 
 from __future__ import annotations
 
-import math
-from typing import Dict, Iterable, Iterator, List, Sequence, Tuple
+from dataclasses import dataclass, field
+from typing import Dict, Iterable, Iterator, List, Sequence, Set, Tuple, Union
 
 import torch
 from torch import nn
 
 from engine.distributed.parallel_state import get_expert_layout, get_tp_size
+from engine.layers.block_fp8_linear import SCALE_SUFFIX, BlockFp8Weight, block_grid, dequantize_block_fp8
 from engine.layers.linear import ColumnParallelLinear, MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
-from engine.layers.mla_linear import LatentExpansion
+from engine.layers.mla_linear import LatentExpansion, ReplicatedLinear
 from engine.layers.moe.layer import FusedMoE
 from engine.layers.prequantized import FusesCheckpointLinears, checkpoint_names
 from engine.layers.quant_config import CheckpointQuantization
-from engine.model_loader.weight_utils import ShardId
+from engine.model_loader.weight_utils import ShardId, set_weight_loader
 
-SCALE_SUFFIX = "weight_scale_inv"
+__all__ = ["block_grid", "dequantize_block_fp8", "prepare", "checkpoint_tensors", "finish", "check_block_alignment"]
+
 FP8_DTYPE = torch.float8_e4m3fn
+Fp8Linear = Union[ColumnParallelLinear, RowParallelLinear, ReplicatedLinear]
 
 
-def block_grid(shape: Sequence[int], block: Tuple[int, int]) -> Tuple[int, int]:
-    """The scale grid of a [out, in] weight: [ceil(out / block_n), ceil(in / block_k)]."""
-    return math.ceil(shape[0] / block[0]), math.ceil(shape[1] / block[1])
+@dataclass
+class Fp8Plan:
+    """The linears that keep their fp8 weights, by our module name and by the checkpoint's names."""
+
+    quant: CheckpointQuantization
+    modules: Dict[str, Fp8Linear] = field(default_factory=dict)
+    checkpoint_modules: Set[str] = field(default_factory=set)
 
 
-def dequantize_block_fp8(weight: torch.Tensor, scale_inv: torch.Tensor, block: Tuple[int, int],
-                         dtype: torch.dtype = torch.float32, name: str = "weight") -> torch.Tensor:
-    """weight [n, k] e4m3 with scale_inv [ceil(n / bn), ceil(k / bk)] -> the [n, k] weight in `dtype`
-    (each block's product computed in float32, then one rounding to dtype)."""
-    if weight.dim() != 2:
-        raise ValueError(f"{name}: a block-quantized weight is 2-D, got shape {tuple(weight.shape)}")
-    grid = block_grid(weight.shape, block)
-    if tuple(scale_inv.shape) != grid:
-        raise ValueError(f"{name}: {SCALE_SUFFIX} has shape {tuple(scale_inv.shape)}, but a weight of shape "
-                         f"{tuple(weight.shape)} in blocks of {list(block)} needs {list(grid)}")
-    n, k = weight.shape
-    scales = scale_inv.float().repeat_interleave(block[0], dim=0)[:n].repeat_interleave(block[1], dim=1)[:, :k]
-    return (weight.float() * scales).to(dtype)
+def prepare(model: nn.Module, quant: CheckpointQuantization, keep_fp8: bool) -> Fp8Plan:
+    """Step 1 above; with keep_fp8 false (a GPU) every weight is dequantized at load instead."""
+    check_block_alignment(model, quant)
+    plan = Fp8Plan(quant)
+    if not keep_fp8:
+        return plan
+    stacked = model.stacked_params if isinstance(model, FusesCheckpointLinears) else ()
+    for name, module in model.named_modules():
+        if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)):
+            continue
+        names = checkpoint_names(name, stacked)
+        if any(quant.ignores(n) for n in names):
+            continue  # loads as stored (any quantized part dequantized by checkpoint_tensors)
+        _add_fp8_params(module, quant.block)
+        plan.modules[name] = module
+        plan.checkpoint_modules.update(names)
+    return plan
 
 
-def dequantized_weights(weights: Iterable[Tuple[str, torch.Tensor]], quant: CheckpointQuantization,
-                        dtype: torch.dtype) -> Iterator[Tuple[str, torch.Tensor]]:
-    """The checkpoint's tensors with every fp8 weight and its scale_inv replaced by the float weight."""
+def _add_fp8_params(module: Fp8Linear, block: Tuple[int, int]) -> None:
+    block_n, block_k = block
+    if isinstance(module, ReplicatedLinear):
+        n, k = module.output_size, module.input_size
+    elif isinstance(module, RowParallelLinear):
+        n, k = module.output_size, module.input_size_per_partition
+    else:
+        n, k = module.output_size_per_partition, module.input_size
+    weight = nn.Parameter(torch.empty(n, k, dtype=FP8_DTYPE), requires_grad=False)
+    module.weight = weight
+    rows, cols = block_grid((n, k), block)
+    if isinstance(module, ReplicatedLinear):  # the default loader copies the whole tensor
+        module.register_parameter(SCALE_SUFFIX, nn.Parameter(torch.empty(rows, cols), requires_grad=False))
+        return
+    set_weight_loader(weight, module.weight_loader)
+    if isinstance(module, RowParallelLinear):
+        row_layer = module
+
+        def load_row_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+            # The rank's input columns are whole blocks (check_block_alignment): so are its scale columns.
+            piece = loaded.narrow(1, row_layer.tp_rank * cols, cols) if row_layer.tp_size > 1 else loaded
+            if piece.shape != param.shape:
+                raise ValueError(f"{SCALE_SUFFIX}: shape mismatch, parameter {tuple(param.shape)} vs checkpoint "
+                                 f"{tuple(loaded.shape)}")
+            param.data.copy_(piece)
+
+        scale = nn.Parameter(torch.empty(rows, cols), requires_grad=False)
+        set_weight_loader(scale, load_row_scale)
+    else:
+        column_layer = module
+
+        def load_column_scale(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+            # One scale row per weight row: the layer's loader then cuts shards and fused parts as the weight's.
+            widened = loaded.repeat_interleave(block_n, dim=0)
+            if shard_id is None:
+                column_layer.weight_loader(param, widened)
+            else:
+                column_layer.weight_loader(param, widened, shard_id)
+
+        scale = nn.Parameter(torch.empty(n, cols), requires_grad=False)
+        set_weight_loader(scale, load_column_scale)
+    module.register_parameter(SCALE_SUFFIX, scale)
+
+
+def checkpoint_tensors(weights: Iterable[Tuple[str, torch.Tensor]], plan: Fp8Plan,
+                       dtype: torch.dtype) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Step 2 above: the checkpoint's tensors, fp8 ones paired with their scales."""
     pending_weights: Dict[str, torch.Tensor] = {}  # module -> fp8 weight waiting for its scale
     pending_scales: Dict[str, torch.Tensor] = {}
     for name, tensor in weights:
@@ -71,19 +130,22 @@ def dequantized_weights(weights: Iterable[Tuple[str, torch.Tensor]], quant: Chec
                              "activation_scheme is dynamic")
         if suffix == SCALE_SUFFIX:
             if module in pending_weights:
-                yield f"{module}.weight", _dequantize(module, pending_weights.pop(module), tensor, quant, dtype)
+                yield from _paired(module, pending_weights.pop(module), tensor, plan, dtype)
             else:
                 pending_scales[module] = tensor
             continue
         if suffix == "weight" and tensor.dtype == FP8_DTYPE:
             if module in pending_scales:
-                yield name, _dequantize(module, tensor, pending_scales.pop(module), quant, dtype)
+                yield from _paired(module, tensor, pending_scales.pop(module), plan, dtype)
             else:
                 pending_weights[module] = tensor
             continue
         if suffix == "weight" and tensor.dtype.is_floating_point and tensor.element_size() == 1:
             raise ValueError(f"checkpoint tensor {name} is {str(tensor.dtype).replace('torch.', '')}; the "
                              "config's fmt is e4m3 (float8_e4m3fn)")
+        if suffix == "weight" and module in plan.checkpoint_modules:
+            raise ValueError(f"checkpoint tensor {name} is {str(tensor.dtype).replace('torch.', '')}, not fp8, but "
+                             "the config does not list it in ignored_layers / modules_to_not_convert")
         yield name, tensor
     if pending_weights:
         raise ValueError(f"fp8 weights without their {SCALE_SUFFIX}: {', '.join(sorted(pending_weights)[:5])}")
@@ -91,12 +153,35 @@ def dequantized_weights(weights: Iterable[Tuple[str, torch.Tensor]], quant: Chec
         raise ValueError(f"{SCALE_SUFFIX} tensors without an fp8 weight: {', '.join(sorted(pending_scales)[:5])}")
 
 
-def _dequantize(module: str, weight: torch.Tensor, scale_inv: torch.Tensor, quant: CheckpointQuantization,
-                dtype: torch.dtype) -> torch.Tensor:
+def _paired(module: str, weight: torch.Tensor, scale_inv: torch.Tensor, plan: Fp8Plan,
+            dtype: torch.dtype) -> Iterator[Tuple[str, torch.Tensor]]:
+    quant = plan.quant
     if quant.ignores(module):
         raise ValueError(f"{module} is stored in fp8 but the config lists it in ignored_layers / "
                          "modules_to_not_convert")
-    return dequantize_block_fp8(weight, scale_inv, quant.block, dtype, name=f"{module}.weight")
+    if module not in plan.checkpoint_modules:
+        yield f"{module}.weight", dequantize_block_fp8(weight, scale_inv, quant.block, dtype, name=f"{module}.weight")
+        return
+    grid = block_grid(weight.shape, quant.block) if weight.dim() == 2 else None
+    if grid is None or tuple(scale_inv.shape) != grid:
+        raise ValueError(f"{module}.weight: {SCALE_SUFFIX} has shape {tuple(scale_inv.shape)}, but a weight of "
+                         f"shape {tuple(weight.shape)} in blocks of {list(quant.block)} needs {list(grid or ())}")
+    yield f"{module}.weight", weight
+    yield f"{module}.{SCALE_SUFFIX}", scale_inv.float()
+
+
+def finish(plan: Fp8Plan, dtype: torch.dtype) -> None:
+    """Step 3 above: each fp8 layer's parameters become its packed BlockFp8Weight."""
+    block_n = plan.quant.block[0]
+    for module in plan.modules.values():
+        scale = getattr(module, SCALE_SUFFIX).data
+        if not isinstance(module, (ReplicatedLinear, RowParallelLinear)):
+            scale = scale[::block_n]  # back to one row per block (a shard starts on a block: aligned)
+        module.packed_weight = BlockFp8Weight(module.weight.data.contiguous(), scale.float().contiguous(),
+                                              plan.quant.block)
+        delattr(module, SCALE_SUFFIX)
+        # As after --quantization: an empty float weight where the layer kept one (nothing reads it).
+        module.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
 
 
 # --------------------------------------------------------------------------------------- alignment
