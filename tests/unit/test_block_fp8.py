@@ -184,6 +184,31 @@ def test_greedy_and_logits_match_transformers_on_dequantized_weights(checkpoint)
     assert (logits - ref).abs().max().item() < 1e-4
 
 
+def test_dequantized_at_load_path_matches_transformers(checkpoint, monkeypatch):
+    """What a GPU loads (every weight dequantized at load, no fp8 layer kept), run here on the CPU."""
+    from engine.layers import block_fp8
+
+    prepare = block_fp8.prepare
+    monkeypatch.setattr(block_fp8, "prepare", lambda model, quant, keep_fp8: prepare(model, quant, False))
+    path, oracle = checkpoint
+    _, outputs, kinds = _run(path)
+    assert kinds["o_proj"] != "BlockFp8Weight" and kinds["q_a_proj"] != "BlockFp8Weight"
+    assert outputs == [hf_greedy(oracle, p, DECODE_STEPS + 1) for p in PROMPTS]
+
+
+def test_bfloat16_activations_track_float32(checkpoint):
+    """--dtype bfloat16: the kernel's bf16 rows (and the experts dequantized to bf16) give logits near the
+    float32 run's (bf16 rounding of every activation: a loose bound; the random model's near-ties may pick
+    another greedy token)."""
+    logits32, _, _ = _run(checkpoint[0])
+    runner = make_runner(checkpoint[0], dtype="bfloat16")
+    driver = BatchDriver(runner)
+    out, _ = driver.run(driver.extend_batch([ExtendReq(driver.new_row(), p) for p in PROMPTS]))
+    logits16 = out.next_token_logits.float()
+    assert (logits16 - logits32).abs().max().item() < 0.05 * logits32.abs().max().item()
+    assert (logits16 - logits32).abs().mean().item() < 0.01 * logits32.abs().max().item()
+
+
 def _copy(path: str, dst: str) -> str:
     shutil.copytree(path, dst)
     return dst
