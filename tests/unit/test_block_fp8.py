@@ -138,7 +138,7 @@ def test_config_accepted():
         resolve_quantization({"quantization_config": QUANT_CONFIG}, "w8a8_int8")
 
 
-def _run(path: str, tp_size: int = 1):
+def _run(path: str, tp_size: int = 1, ep_size: int = 1):
     """Prefill PROMPTS, greedy-decode DECODE_STEPS: (prefill logits of the last positions, tokens per prompt)."""
     from engine.configs.model_config import ModelConfig
     from engine.distributed.parallel_state import get_tp_rank
@@ -149,7 +149,7 @@ def _run(path: str, tp_size: int = 1):
         runner = make_runner(path)
     else:
         args = ServerArgs(model_path=path, dtype="float32", device="cpu", max_total_tokens=2048,
-                          max_running_requests=16, tp_size=tp_size, page_size=16)
+                          max_running_requests=16, tp_size=tp_size, ep_size=ep_size, page_size=16)
         runner = ModelRunner(ModelConfig.from_pretrained(path, dtype="float32", device="cpu"), args,
                              tp_rank=get_tp_rank(), tp_size=tp_size)
     driver = BatchDriver(runner)
@@ -167,7 +167,7 @@ def _run(path: str, tp_size: int = 1):
     kinds = {"q_a_proj": type(layer.self_attn.q_a_proj.packed_weight).__name__,
              "o_proj": type(layer.self_attn.o_proj.packed_weight).__name__,
              "shared_experts.gate_up_proj": type(layer.mlp.shared_experts.gate_up_proj.packed_weight).__name__,
-             "experts.w13": str(layer.mlp.experts.w13.weight.dtype),
+             "experts": "fp8" if layer.mlp.experts.fp8_experts is not None else str(layer.mlp.experts.w13.weight.dtype),
              "kv_b_proj": str(layer.self_attn.kv_b_proj.weight.dtype)}
     return logits, outputs, kinds
 
@@ -175,10 +175,9 @@ def _run(path: str, tp_size: int = 1):
 def test_greedy_and_logits_match_transformers_on_dequantized_weights(checkpoint):
     path, oracle = checkpoint
     logits, outputs, kinds = _run(path)
-    # The linears keep their fp8 bytes (the CPU kernel); the experts and kv_b_proj were dequantized at load.
+    # The linears and the experts keep their fp8 bytes (the CPU kernel); kv_b_proj was dequantized at load.
     assert kinds == {"q_a_proj": "BlockFp8Weight", "o_proj": "BlockFp8Weight",
-                     "shared_experts.gate_up_proj": "BlockFp8Weight", "experts.w13": "torch.float32",
-                     "kv_b_proj": "torch.float32"}
+                     "shared_experts.gate_up_proj": "BlockFp8Weight", "experts": "fp8", "kv_b_proj": "torch.float32"}
     assert outputs == [hf_greedy(oracle, p, DECODE_STEPS + 1) for p in PROMPTS]
     ref = torch.stack([hf_logits(oracle, p)[-1] for p in PROMPTS])
     assert (logits - ref).abs().max().item() < 1e-4
@@ -193,6 +192,7 @@ def test_dequantized_at_load_path_matches_transformers(checkpoint, monkeypatch):
     path, oracle = checkpoint
     _, outputs, kinds = _run(path)
     assert kinds["o_proj"] != "BlockFp8Weight" and kinds["q_a_proj"] != "BlockFp8Weight"
+    assert kinds["experts"] == "torch.float32"
     assert outputs == [hf_greedy(oracle, p, DECODE_STEPS + 1) for p in PROMPTS]
 
 
@@ -265,7 +265,7 @@ def _rank_main(rank: int, port: int, paths: Dict[str, str], queue) -> None:
         from engine.distributed import parallel_state as ps
 
         ps.init_distributed_environment(rank, TP, f"tcp://127.0.0.1:{port}", "cpu")
-        results: Dict[str, object] = {"ok": _run(paths["ok"], TP)}
+        results: Dict[str, object] = {"ok": _run(paths["ok"], TP), "ep2": _run(paths["ok"], TP, ep_size=TP)}
         try:
             _run(paths["misaligned"], TP)
             results["misaligned"] = "loaded"
@@ -281,7 +281,8 @@ def _rank_main(rank: int, port: int, paths: Dict[str, str], queue) -> None:
 @pytest.mark.slow  # two spawned ranks each load the model (about half a minute on 2 cores)
 def test_tp2_matches_tp1(checkpoint, tmp_path):
     """TP 2 (q_b / kv_b / o_proj split by heads, the MLPs and experts by their 256 intermediate rows: whole
-    blocks on each rank) gives TP 1's tokens and logits; blocks of [256, 128] would cut the shards of 128."""
+    blocks on each rank; and with --ep-size 2, whole experts) gives TP 1's tokens and logits; blocks of
+    [256, 128] would cut the shards of 128."""
     path = checkpoint[0]
     misaligned = _copy(path, str(tmp_path / "tp_misaligned"))
     _edit_config(misaligned, quantization_config={**QUANT_CONFIG, "weight_block_size": [256, 128]})
@@ -301,10 +302,11 @@ def test_tp2_matches_tp1(checkpoint, tmp_path):
             if p.is_alive():
                 p.kill()
     assert result[0] == "ok", f"TP rank {result[1]} failed:\n{result[2]}"
-    logits, outputs, kinds = result[1]["ok"]
     ref_logits, ref_outputs, ref_kinds = _run(path)
-    assert outputs == ref_outputs and kinds == ref_kinds
-    assert (logits - ref_logits).abs().max().item() < 1e-4
+    for case in ("ok", "ep2"):  # experts split by their intermediate rows, then whole experts per rank
+        logits, outputs, kinds = result[1][case]
+        assert outputs == ref_outputs and kinds == ref_kinds, case
+        assert (logits - ref_logits).abs().max().item() < 1e-4, case
     assert "rows per rank is not whole blocks of 256" in str(result[1]["misaligned"])
 
 

@@ -11,13 +11,15 @@ Three steps around the model's own `load_weights` (as layers/prequantized.py):
    tensor-parallel shard or a fused boundary, gate | up or the experts' w13, that cuts a block). On the CPU,
    every column-, row-parallel and replicated linear gets an fp8 `weight` and a `weight_scale_inv`
    parameter, loaded by the layer's own loader (a column-parallel layer's scale rows are widened to one per
-   weight row while loading, so the layer cuts its shard and fused parts as it cuts the weight).
+   weight row while loading, so the layer cuts its shard and fused parts as it cuts the weight); the
+   experts' stacks w13 / w2 become fp8, with stacked block scales cut here by expert, role and TP slice.
 2. `checkpoint_tensors` wraps the checkpoint iterator: pairs each fp8 weight with its scale (either order,
    any shard), checks the scale's shape against the block grid, and passes both on for a layer of step 1;
-   any other fp8 weight (the experts, kv_b_proj which the absorbed attention reads as views, every weight
-   on a GPU) is dequantized there to the model dtype and loads as a bf16 checkpoint's would.
+   any other fp8 weight (kv_b_proj, which the absorbed attention reads as per-head views; every weight on
+   a GPU) is dequantized there to the model dtype and loads as a bf16 checkpoint's would.
 3. `finish`: each fp8 layer's parameters become its BlockFp8Weight (layers/block_fp8_linear.py: the CPU
-   kernel reads one byte per weight); the parameters are released.
+   kernel reads one byte per weight), each expert's its pair of them (FusedMoE.use_block_fp8); the
+   parameters are released.
 
 Memory: the linears of step 1 keep fp8's byte per weight (plus a float32 per 128 x 128 block); dequantized
 weights take the model dtype's bytes (2 in bf16), and in a bf16 model each is rounded once to bf16.
@@ -25,6 +27,7 @@ weights take the model dtype's bytes (2 in bf16), and in a bf16 model each is ro
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Dict, Iterable, Iterator, List, Sequence, Set, Tuple, Union
 
@@ -38,7 +41,7 @@ from engine.layers.mla_linear import LatentExpansion, ReplicatedLinear
 from engine.layers.moe.layer import FusedMoE
 from engine.layers.prequantized import FusesCheckpointLinears, checkpoint_names
 from engine.layers.quant_config import CheckpointQuantization
-from engine.model_loader.weight_utils import ShardId, set_weight_loader
+from engine.model_loader.weight_utils import ShardId, WeightLoader, set_weight_loader
 
 __all__ = ["block_grid", "dequantize_block_fp8", "prepare", "checkpoint_tensors", "finish", "check_block_alignment"]
 
@@ -52,6 +55,7 @@ class Fp8Plan:
 
     quant: CheckpointQuantization
     modules: Dict[str, Fp8Linear] = field(default_factory=dict)
+    experts: Dict[str, FusedMoE] = field(default_factory=dict)
     checkpoint_modules: Set[str] = field(default_factory=set)
 
 
@@ -63,6 +67,13 @@ def prepare(model: nn.Module, quant: CheckpointQuantization, keep_fp8: bool) -> 
         return plan
     stacked = model.stacked_params if isinstance(model, FusesCheckpointLinears) else ()
     for name, module in model.named_modules():
+        if isinstance(module, FusedMoE):
+            names = _expert_checkpoint_names(name, stacked)
+            if names and not any(quant.ignores(n) for n in names):
+                _add_expert_params(module, quant.block)
+                plan.experts[name] = module
+                plan.checkpoint_modules.update(names)
+            continue
         if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)):
             continue
         names = checkpoint_names(name, stacked)
@@ -116,6 +127,59 @@ def _add_fp8_params(module: Fp8Linear, block: Tuple[int, int]) -> None:
         scale = nn.Parameter(torch.empty(n, cols), requires_grad=False)
         set_weight_loader(scale, load_column_scale)
     module.register_parameter(SCALE_SUFFIX, scale)
+
+
+def _expert_checkpoint_names(name: str, stacked: Sequence[Tuple[str, str, ShardId]]) -> List[str]:
+    """The checkpoint modules of the experts at `name` (model.layers.1.mlp.experts): the stacked entries
+    whose fused name (mlp.experts.w13) ends where `name` ends, e.g. model.layers.1.mlp.experts.0.gate_proj."""
+    names: List[str] = []
+    for ckpt, fused, _ in stacked:
+        owner = fused.rpartition(".")[0]
+        if owner and (name == owner or name.endswith("." + owner)):
+            names.append(name[:len(name) - len(owner)] + ckpt)
+    return names
+
+
+def _add_expert_params(module: FusedMoE, block: Tuple[int, int]) -> None:
+    """fp8 stacks in place of w13 / w2 (loaded by the layer's own loader) and their block scales, loaded here:
+    an expert's gate and up scale rows (whole blocks: check_block_alignment) go to their halves of w13's,
+    down's scale columns are cut by the rank's intermediate slice."""
+    block_n, block_k = block
+    experts, size, hidden = module.num_local_experts, module.intermediate_per_rank, int(module.w2.weight.shape[1])
+    for stacked, rows, cols in ((module.w13, 2 * size, hidden), (module.w2, hidden, size)):
+        weight = nn.Parameter(torch.empty(experts, rows, cols, dtype=FP8_DTYPE), requires_grad=False)
+        stacked.weight = weight
+        set_weight_loader(weight, module.weight_loader)
+        grid = block_grid((rows, cols), block)
+        scale = nn.Parameter(torch.empty(experts, *grid), requires_grad=False)
+        set_weight_loader(scale, _expert_scale_loader(module, block_n, block_k))
+        stacked.register_parameter(SCALE_SUFFIX, scale)
+
+
+def _expert_scale_loader(module: FusedMoE, block_n: int, block_k: int) -> WeightLoader:
+    def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+        if not isinstance(shard_id, str) or ":" not in shard_id:
+            raise ValueError(f"an expert scale needs a shard id 'N:gate|up|down', got {shard_id!r}")
+        local, role = module.local_expert(shard_id)
+        if local < 0:
+            return  # another EP rank's expert
+        size = module.intermediate_per_rank
+        if role == "down":
+            # Split by the rank's intermediate slice: whole blocks (check_block_alignment); whole, a ragged last one.
+            cols = math.ceil(size / block_k)
+            split = get_expert_layout().moe_tp_size > 1
+            source = loaded.narrow(1, module.moe_tp_rank * cols, cols) if split else loaded
+            target = param.data[local]
+        else:
+            rows = size // block_n
+            source = loaded.narrow(0, module.moe_tp_rank * rows, rows)
+            target = param.data[local].narrow(0, 0 if role == "gate" else rows, rows)
+        if target.shape != source.shape:
+            raise ValueError(f"expert {shard_id} {SCALE_SUFFIX}: shape mismatch, parameter {tuple(target.shape)} vs "
+                             f"checkpoint {tuple(loaded.shape)}")
+        target.copy_(source)
+
+    return load
 
 
 def checkpoint_tensors(weights: Iterable[Tuple[str, torch.Tensor]], plan: Fp8Plan,
@@ -173,6 +237,14 @@ def _paired(module: str, weight: torch.Tensor, scale_inv: torch.Tensor, plan: Fp
 def finish(plan: Fp8Plan, dtype: torch.dtype) -> None:
     """Step 3 above: each fp8 layer's parameters become its packed BlockFp8Weight."""
     block_n = plan.quant.block[0]
+    for experts in plan.experts.values():
+        per_expert: List[List[BlockFp8Weight]] = []
+        for stacked in (experts.w13, experts.w2):
+            weight, scale = stacked.weight.data, getattr(stacked, SCALE_SUFFIX).data.float()
+            per_expert.append([BlockFp8Weight(weight[e], scale[e].contiguous(), plan.quant.block)
+                               for e in range(int(weight.shape[0]))])
+            delattr(stacked, SCALE_SUFFIX)
+        experts.use_block_fp8(per_expert[0], per_expert[1], dtype)
     for module in plan.modules.values():
         scale = getattr(module, SCALE_SUFFIX).data
         if not isinstance(module, (ReplicatedLinear, RowParallelLinear)):
