@@ -209,6 +209,32 @@ def test_bfloat16_activations_track_float32(checkpoint):
     assert (logits16 - logits32).abs().mean().item() < 0.01 * logits32.abs().max().item()
 
 
+def test_qwen3_moe_block_fp8_matches_transformers(tmp_path):
+    """Qwen3-MoE's own FP8 checkpoints use this format too: the fused q/k/v (parts of 256 / 128 / 128 rows),
+    gate_up and the experts keep fp8; greedy tokens equal transformers' on the dequantized weights."""
+    import transformers
+
+    build_tiny_model(str(tmp_path / "float"), "qwen3_moe", seed=2, hidden_size=256, num_attention_heads=2,
+                     num_key_value_heads=1, head_dim=128, intermediate_size=256, moe_intermediate_size=128)
+    write_block_fp8(str(tmp_path / "float"), str(tmp_path / "fp8"), str(tmp_path / "dequantized"))
+    oracle = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "dequantized"), dtype=torch.float32)
+    runner = make_runner(str(tmp_path / "fp8"))
+    layer = runner.model.model.decoder_layers[1]
+    assert type(layer.self_attn.qkv_proj.packed_weight).__name__ == "BlockFp8Weight"
+    assert layer.mlp.experts.fp8_experts is not None
+    driver = BatchDriver(runner)
+    rows = [driver.new_row() for _ in PROMPTS]
+    _, tokens = driver.run(driver.extend_batch([ExtendReq(r, p) for r, p in zip(rows, PROMPTS)]))
+    outputs = [[int(t)] for t in tokens]
+    seq_lens = [len(p) for p in PROMPTS]
+    for _ in range(DECODE_STEPS):
+        _, tokens = driver.run(driver.decode_batch(rows, [o[-1] for o in outputs], seq_lens))
+        seq_lens = [n + 1 for n in seq_lens]
+        for o, t in zip(outputs, tokens):
+            o.append(int(t))
+    assert outputs == [hf_greedy(oracle.eval(), p, DECODE_STEPS + 1) for p in PROMPTS]
+
+
 def _copy(path: str, dst: str) -> str:
     shutil.copytree(path, dst)
     return dst
