@@ -124,6 +124,9 @@ class LinearKernels(Protocol):
     def linear_q8(self, x: int, m: int, k: int, w: int, w_format: int, scale: Optional[int], bias: Optional[int],
                   n: int, out: int, dtype: int, num_threads: int, /) -> int: ...
 
+    def linear_fp8_block(self, x: int, m: int, k: int, w: int, scale: int, block_n: int, block_k: int,
+                         bias: Optional[int], n: int, out: int, dtype: int, num_threads: int, /) -> int: ...
+
     def linear_w8a8(self, x: int, m: int, k: int, w: int, scale: int, bias: Optional[int], n: int, out: int,
                     dtype: int, x_scale: int, num_threads: int, /) -> int: ...
 

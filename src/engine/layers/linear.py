@@ -22,6 +22,7 @@ from engine.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from engine.kernels import linear as linear_kernels
+from engine.layers.block_fp8_linear import BlockFp8Weight, block_fp8_linear
 from engine.layers.cpu_matmul import dense_linear
 from engine.layers.int4 import Int4Weight, int4_linear
 from engine.layers.quantization import QuantizedWeight, quantize_weight, quantized_linear
@@ -51,8 +52,9 @@ def _copy_checked(target: torch.Tensor, source: torch.Tensor, what: str) -> None
 PACKED_MAX_ROWS = 512
 
 # With --quantization or a pre-quantized checkpoint the layer's weight lives only here, quantized
-# (layers/quantization.py, layers/int4.py).
-PackedWeight = Union[torch.Tensor, linear_kernels.Bf16Panels, linear_kernels.WidenedBf16, QuantizedWeight, Int4Weight]
+# (layers/quantization.py, layers/int4.py, layers/block_fp8_linear.py).
+PackedWeight = Union[torch.Tensor, linear_kernels.Bf16Panels, linear_kernels.WidenedBf16, QuantizedWeight, Int4Weight,
+                     BlockFp8Weight]
 
 
 def prepack_linear_weights(model: nn.Module) -> int:
@@ -67,7 +69,7 @@ def prepack_linear_weights(model: nn.Module) -> int:
     for module in model.modules():
         weight = getattr(module, "weight", None)
         if (not hasattr(module, "packed_weight") or weight is None
-                or isinstance(module.packed_weight, (QuantizedWeight, Int4Weight))):
+                or isinstance(module.packed_weight, (QuantizedWeight, Int4Weight, BlockFp8Weight))):
             continue
         if weight.device.type != "cpu" or weight.dtype not in (torch.float32, torch.bfloat16):
             continue
@@ -103,6 +105,8 @@ def linear_forward(
         return quantized_linear(x, packed, bias)
     if isinstance(packed, Int4Weight):
         return int4_linear(x, packed, bias)
+    if isinstance(packed, BlockFp8Weight):
+        return block_fp8_linear(x, packed, bias)
     if isinstance(packed, linear_kernels.WidenedBf16):
         out = linear_kernels.linear_widened_bf16(x, packed, bias)
         if out is not None:
@@ -300,5 +304,5 @@ def quantize_model(model: nn.Module, method: str) -> int:
 def is_quantized(model: nn.Module) -> bool:
     """Whether this model's linears hold quantized weights (quantize_model, or a pre-quantized checkpoint)."""
     return any(isinstance(m, (ColumnParallelLinear, RowParallelLinear))
-               and isinstance(m.packed_weight, (QuantizedWeight, Int4Weight))
+               and isinstance(m.packed_weight, (QuantizedWeight, Int4Weight, BlockFp8Weight))
                for m in model.modules())

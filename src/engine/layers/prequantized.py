@@ -53,7 +53,7 @@ class LoadPlan:
     skipped: List[str] = field(default_factory=list)
 
 
-def _checkpoint_names(module_name: str, stacked: Sequence[Tuple[str, str, ShardId]]) -> List[str]:
+def checkpoint_names(module_name: str, stacked: Sequence[Tuple[str, str, ShardId]]) -> List[str]:
     """The checkpoint's module names a (fused) module of ours loads from: qkv_proj <- q/k/v_proj."""
     head, _, last = module_name.rpartition(".")
     pieces = [ckpt for ckpt, fused, _ in stacked if fused == last]
@@ -74,7 +74,7 @@ def prepare(model: nn.Module, quant: CheckpointQuantization) -> LoadPlan:
     for name, module in model.named_modules():
         if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             continue
-        names = _checkpoint_names(name, stacked)
+        names = checkpoint_names(name, stacked)
         ignored = [quant.ignores(n) for n in names]
         if all(ignored):
             plan.skipped.append(name)

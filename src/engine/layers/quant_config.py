@@ -9,29 +9,34 @@ gptq_marlin names, SGLang's GPU kernels for the same formats, count as awq / gpt
   tensor; or 4-bit int weights (pack-quantized, W4A16), per group or channel, symmetric or not, with
   act-order (weight_g_idx); activations dynamic per token (or none: weight-only). Its `ignore` list (names, or
   "re:" regular expressions) keeps those modules in the model dtype.
+- fp8 with weight_block_size (DeepSeek-V3 / R1's format): float8 e4m3 weights, each [block_n, block_k] block
+  scaled by its `weight_scale_inv`, activations dynamic; dequantized at load (layers/block_fp8.py). Its
+  `ignored_layers` / `modules_to_not_convert` name modules stored in the model dtype.
 - awq (AutoAWQ's GEMM layout) and gptq (AutoGPTQ / GPTQModel, checkpoint format gptq or gptq_v2): 4 bits,
   group size a multiple of 32 or -1 (one group per row), zero points as the checkpoint has them; GPTQ's
   desc_act (act-order) included. AWQ's `modules_to_not_convert` is honoured.
 
 Anything else (other bit widths, static activation scales, group-wise 8-bit, packed compressed-tensors
-formats, a quantized LM head, a KV-cache scheme) is refused before any weight is read.
+formats, a quantized LM head, a KV-cache scheme, fp8 without weight_block_size) is refused before any weight is read.
 """
 
 from __future__ import annotations
 
 import re
 from dataclasses import dataclass
-from typing import Dict, Mapping, Optional, Tuple
+from typing import Dict, List, Mapping, Optional, Tuple
 
 
 from engine.layers.quantization import ONLINE_METHODS
 
 # The checkpoint formats we load, by the name their config.json gives (SGLang's names for --quantization).
-CHECKPOINT_METHODS: Tuple[str, ...] = ("compressed-tensors", "awq", "gptq")
+CHECKPOINT_METHODS: Tuple[str, ...] = ("compressed-tensors", "awq", "gptq", "fp8")
 # SGLang's GPU kernels for the same formats: as flags they mean the format.
 ALIASES: Dict[str, str] = {"awq_marlin": "awq", "gptq_marlin": "gptq"}
-# "mxfp4": gpt-oss's expert format, dequantized by its model while loading (not a linear method).
-QUANTIZATION_METHODS: Tuple[str, ...] = ONLINE_METHODS + CHECKPOINT_METHODS + tuple(ALIASES) + ("mxfp4",)
+# fp8 is both: online on a float checkpoint, the block-wise format on an fp8 one. "mxfp4": gpt-oss's
+# expert format, dequantized by its model while loading (not a linear method).
+QUANTIZATION_METHODS: Tuple[str, ...] = tuple(dict.fromkeys(ONLINE_METHODS + CHECKPOINT_METHODS + tuple(ALIASES)
+                                                            + ("mxfp4",)))
 INT4_MIN_GROUP = 32  # the packed layout's block (layers/int4.py)
 
 
@@ -54,13 +59,14 @@ class CheckpointQuantization:
     """What a pre-quantized checkpoint holds, read from its quantization_config."""
 
     method: str  # one of CHECKPOINT_METHODS
-    weights: str  # "fp8", "w8a8_int8" (8-bit, compressed-tensors) or "int4" (awq, gptq)
+    weights: str  # "fp8", "w8a8_int8" (8-bit, compressed-tensors), "int4" (awq, gptq) or "block_fp8" (fp8)
     per_tensor: bool = False  # 8-bit: one scale per tensor (per fused shard) instead of per output channel
     group_size: int = -1  # int4: inputs per group; -1: the whole row
     desc_act: bool = False  # gptq: inputs assigned to groups by g_idx (act-order)
     zero_offset: int = 0  # gptq format "gptq" stores zero - 1
     ignore: Tuple[str, ...] = ()  # compressed-tensors' ignore entries / awq's modules_to_not_convert
     symmetric: bool = False  # int4 compressed-tensors: no zero-point tensors (the zero is 8)
+    block: Tuple[int, int] = (0, 0)  # block_fp8: weight_block_size [block_n (outputs), block_k (inputs)]
 
     @property
     def int4_names(self) -> Int4Names:
@@ -73,13 +79,15 @@ class CheckpointQuantization:
             return ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
         if self.method == "compressed-tensors":
             return ("weight", "weight_scale")
+        if self.method == "fp8":
+            return ("weight", "weight_scale_inv")
         if self.method == "awq":
             return ("qweight", "qzeros", "scales")
         return ("qweight", "qzeros", "scales", "g_idx")
 
     def ignores(self, module: str) -> bool:
         """Whether the checkpoint keeps this module (its checkpoint name) unquantized."""
-        if self.method == "awq":  # AutoAWQ: a substring of the module name
+        if self.method in ("awq", "fp8"):  # AutoAWQ, SGLang's Fp8Config: a substring of the module name
             return any(entry in module for entry in self.ignore)
         for entry in self.ignore:
             if entry.startswith("re:"):
@@ -125,6 +133,8 @@ def resolve_quantization(raw_config: Mapping[str, object], flag: Optional[str]) 
                          f"--quantization unset or pass {found}")
     if found == "compressed-tensors":
         return _compressed_tensors(config)
+    if found == "fp8":
+        return _block_fp8(config)
     return _int4(found, config)
 
 
@@ -225,3 +235,28 @@ def _int4(method: str, config: Dict[str, object]) -> CheckpointQuantization:
         raise _refuse(f"gptq checkpoint_format {fmt!r} (supported: gptq, gptq_v2)")
     return CheckpointQuantization("gptq", "int4", group_size=group, desc_act=bool(config.get("desc_act", False)),
                                   zero_offset=1 if fmt == "gptq" else 0)
+
+
+def _block_fp8(config: Dict[str, object]) -> CheckpointQuantization:
+    """quant_method fp8 with weight_block_size (DeepSeek-V3's): per-block weight scales, dynamic activations."""
+    block = config.get("weight_block_size")
+    if block is None:
+        raise _refuse("fp8 without weight_block_size (per-tensor fp8 scales); supported: block-wise fp8, "
+                      "e.g. weight_block_size [128, 128] (DeepSeek-V3 / R1)")
+    if (not isinstance(block, list) or len(block) != 2
+            or not all(isinstance(b, int) and not isinstance(b, bool) and b > 0 for b in block)):
+        raise _refuse(f"fp8 weight_block_size must be 2 positive integers [block_n, block_k], got {block!r}")
+    scheme = config.get("activation_scheme", "dynamic")
+    if scheme != "dynamic":
+        raise _refuse(f"fp8 activation_scheme {scheme!r} with weight_block_size (block-wise fp8 needs dynamic "
+                      "activations, as SGLang)")
+    fmt = config.get("fmt", "e4m3")
+    if fmt != "e4m3":
+        raise _refuse(f"fp8 fmt {fmt!r} (supported: e4m3)")
+    ignore: List[str] = []
+    for key in ("ignored_layers", "modules_to_not_convert"):
+        entries = config.get(key) or []
+        if not isinstance(entries, list) or not all(isinstance(e, str) for e in entries):
+            raise _refuse(f"fp8 {key} must be a list of module names")
+        ignore.extend(entries)
+    return CheckpointQuantization("fp8", "block_fp8", block=(block[0], block[1]), ignore=tuple(ignore))

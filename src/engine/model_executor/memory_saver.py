@@ -26,6 +26,7 @@ from typing import Any, Callable, Dict, Iterable, Optional, Set, Union
 import torch
 from torch import nn
 
+from engine.layers.block_fp8_linear import BlockFp8Weight
 from engine.layers.int4 import Int4Weight
 from engine.layers.linear import prepack_linear_weights
 from engine.layers.quantization import QuantizedWeight
@@ -55,7 +56,7 @@ class MemorySaver:
         self.released: Set[str] = set()
         self._weights_backup: Dict[str, torch.Tensor] = {}
         # A quantized layer's packed weight is not a copy of a parameter but the weight itself.
-        self._quantized_backup: Dict[str, Union[QuantizedWeight, Int4Weight]] = {}
+        self._quantized_backup: Dict[str, Union[QuantizedWeight, Int4Weight, BlockFp8Weight]] = {}
         self._graphs_dropped = False
 
     def release(self, tags: Iterable[str]) -> None:
@@ -90,7 +91,7 @@ class MemorySaver:
     def _release_weights(self) -> None:
         for name, module in self.model.named_modules():
             packed = getattr(module, "packed_weight", None)
-            if isinstance(packed, (QuantizedWeight, Int4Weight)):
+            if isinstance(packed, (QuantizedWeight, Int4Weight, BlockFp8Weight)):
                 self._quantized_backup[name] = packed.to("cpu")
         clear_packed_weights(self.model)
         with torch.no_grad():

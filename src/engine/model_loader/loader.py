@@ -38,7 +38,7 @@ def get_model(model_config: ModelConfig, device: str, dtype: torch.dtype,
               quantization: Optional[CheckpointQuantization] = None) -> nn.Module:
     """Construct the registered model class directly on `device` in `dtype` and load its weights;
     with `quantization` (a pre-quantized checkpoint) its linears load the quantized tensors
-    (layers/prequantized.py).
+    (layers/prequantized.py), or a block-wise fp8 one's (layers/block_fp8.py).
 
     The rotary cos/sin cache is created in float32 on purpose and stays float32.
     """
@@ -51,6 +51,17 @@ def get_model(model_config: ModelConfig, device: str, dtype: torch.dtype,
     weights: Iterable[Tuple[str, torch.Tensor]] = safetensors_weights_iterator(model_config.model_path)
     if quantization is None:
         cast(LoadableModel, model).load_weights(weights)
+    elif quantization.weights == "block_fp8":
+        # Imported here, as prequantized below: layers.linear imports this package (its weight loaders).
+        from engine.layers import block_fp8
+
+        with torch.device(device):
+            # The CPU kernel reads fp8 weights; elsewhere (the GPU) every weight is dequantized at load.
+            fp8_plan = block_fp8.prepare(model, quantization, keep_fp8=device == "cpu")
+        cast(LoadableModel, model).load_weights(block_fp8.checkpoint_tensors(weights, fp8_plan, dtype))
+        block_fp8.finish(fp8_plan, dtype)
+        logger.info("Loaded a block-wise fp8 checkpoint (blocks %s): %d linears kept in fp8, the other weights "
+                    "dequantized to %s", list(quantization.block), len(fp8_plan.modules), str(dtype).replace("torch.", ""))
     else:
         # Imported here: layers.linear imports this package (its weight loaders).
         from engine.layers import prequantized

@@ -49,6 +49,13 @@ ENGINE_API void linear_bf16_silu_mul(const uint16_t *x, int64_t m, int64_t k, co
  * or -1 when scratch for bf16 activations could not be allocated (nothing written). */
 ENGINE_API int linear_q8(const void *x, int64_t m, int64_t k, const void *w, int w_format, const float *scale,
                          const float *bias, int64_t n, void *out, int dtype, int num_threads);
+/* linear_q8.c, block-wise fp8 (DeepSeek-V3's checkpoints): out [m, n] = x . W^T (+ bias), W [n, k] e4m3 whose
+ * block (i, j) of [block_n, block_k] weights is scaled by scale[i * ceil(k / block_k) + j]; x and out as
+ * linear_q8's. Returns 0; -1 when scratch for bf16 activations could not be allocated; -2 when block_k is not a
+ * positive multiple of 8 or block_n not positive (nothing written). */
+ENGINE_API int linear_fp8_block(const void *x, int64_t m, int64_t k, const uint8_t *w, const float *scale,
+                                int64_t block_n, int64_t block_k, const float *bias, int64_t n, void *out, int dtype,
+                                int num_threads);
 /* linear_q8.c, SGLang's w8a8_int8: each row of x (float32 or bfloat16, dtype) quantized to int8 per row, its
  * scale written to x_scale [m]; out [m, n] = (q_x . w^T) * x_scale * scale (+ bias, float32 or NULL), w int8,
  * summed exactly in int32. Returns 0, or -1 when its scratch could not be allocated (nothing written). */

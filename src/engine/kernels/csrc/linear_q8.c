@@ -290,6 +290,97 @@ int linear_q8(const void *x, int64_t m, int64_t k, const void *w, int w_format, 
     return 0;
 }
 
+/* ------------------------------------------------------------------------------------ block fp8
+ * linear_fp8_block: block-wise fp8 weights (DeepSeek-V3's checkpoints): W [N, K] e4m3 where block (i, j) of
+ * [block_n, block_k] weights is scaled by scale[i * kb + j], kb = ceil(K / block_k) (the last blocks may be
+ * ragged). Each block's products are summed apart in float32 (two vector sums per channel, as q8_row) and
+ * the block's sum scaled before it joins the channel's total; the 2^8 of the e4m3 widening is undone once
+ * per output. Tiles: one row x 4 channels (the rows of a small batch each take the channel group's
+ * weights from L1). block_k a multiple of 8 keeps the vector loop inside a block. */
+typedef struct {
+    const float *x;
+    int64_t m, k;
+    const uint8_t *w;
+    const float *scale;
+    int64_t block_n, block_k, kb;
+    const float *bias;
+    int64_t n;
+    void *out;
+    int dtype;
+} fp8b_job_t;
+
+/* sums[c] = sum over blocks j of (x[row] . W[c0 + c] over block j) * scale of (c0 + c, j). */
+static inline __attribute__((always_inline)) void fp8b_row(const fp8b_job_t *J, int64_t row, int64_t c0, const int C,
+                                                           float sums[4]) {
+    const int64_t k = J->k;
+    const float *x = J->x + row * k;
+    for (int c = 0; c < C; c++) sums[c] = 0.0f;
+    for (int64_t j = 0; j < J->kb; j++) {
+        const int64_t d0 = j * J->block_k, d1 = d0 + J->block_k < k ? d0 + J->block_k : k;
+        float part[4];
+        int64_t d = d0;
+#if defined(Q8_AVX2)
+        __m256 acc[4][2];
+        for (int c = 0; c < C; c++) acc[c][0] = acc[c][1] = _mm256_setzero_ps();
+        for (; d + 16 <= d1; d += 16) {
+            const __m256 x0 = _mm256_loadu_ps(x + d), x1 = _mm256_loadu_ps(x + d + 8);
+            for (int c = 0; c < C; c++) {
+                acc[c][0] = _mm256_fmadd_ps(x0, widen8(J->w, k, c0 + c, d, W_FP8), acc[c][0]);
+                acc[c][1] = _mm256_fmadd_ps(x1, widen8(J->w, k, c0 + c, d + 8, W_FP8), acc[c][1]);
+            }
+        }
+        for (; d + 8 <= d1; d += 8) {
+            const __m256 x0 = _mm256_loadu_ps(x + d);
+            for (int c = 0; c < C; c++) acc[c][0] = _mm256_fmadd_ps(x0, widen8(J->w, k, c0 + c, d, W_FP8), acc[c][0]);
+        }
+        for (int c = 0; c < C; c++) part[c] = hsum(_mm256_add_ps(acc[c][0], acc[c][1]));
+#else
+        for (int c = 0; c < C; c++) part[c] = 0.0f;
+#endif
+        for (; d < d1; d++)
+            for (int c = 0; c < C; c++) part[c] += x[d] * weight_at(J->w, k, c0 + c, d, W_FP8);
+        for (int c = 0; c < C; c++) sums[c] += part[c] * J->scale[((c0 + c) / J->block_n) * J->kb + j];
+    }
+}
+
+static void fp8b_part(void *arg, int tid, int nt) {
+    const fp8b_job_t *J = (const fp8b_job_t *)arg;
+    int64_t first, last;
+    pool_range((J->n + 3) / 4, tid, nt, &first, &last);
+    for (int64_t g = first; g < last; g++) {
+        const int64_t c0 = 4 * g;
+        const int C = J->n - c0 >= 4 ? 4 : (int)(J->n - c0);
+        for (int64_t row = 0; row < J->m; row++) {
+            float sums[4];
+            switch (C) {
+            case 4: fp8b_row(J, row, c0, 4, sums); break;
+            case 3: fp8b_row(J, row, c0, 3, sums); break;
+            case 2: fp8b_row(J, row, c0, 2, sums); break;
+            default: fp8b_row(J, row, c0, 1, sums); break;
+            }
+            for (int c = 0; c < C; c++) {
+                float y = sums[c] * FP8_SCALE;
+                if (J->bias != NULL) y += J->bias[c0 + c];
+                const int64_t at = row * J->n + c0 + c;
+                if (J->dtype == DTYPE_BF16) ((uint16_t *)J->out)[at] = f32_to_bf16(y);
+                else ((float *)J->out)[at] = y;
+            }
+        }
+    }
+}
+
+int linear_fp8_block(const void *x, int64_t m, int64_t k, const uint8_t *w, const float *scale, int64_t block_n,
+                     int64_t block_k, const float *bias, int64_t n, void *out, int dtype, int num_threads) {
+    if (block_n <= 0 || block_k <= 0 || block_k % 8 != 0) return -2;
+    float *scratch;
+    const float *xf = float_rows(x, m, k, dtype, &scratch);
+    if (xf == NULL) return -1;
+    fp8b_job_t job = {xf, m, k, w, scale, block_n, block_k, (k + block_k - 1) / block_k, bias, n, out, dtype};
+    pool_run(fp8b_part, &job, num_threads);
+    free(scratch);
+    return 0;
+}
+
 /* ---------------------------------------------------------------------------------------- w8a8
  * linear_w8a8: out = (q_x . W^T) * x_scale * scale (+ bias), SGLang's w8a8_int8: each row of x quantized
  * to int8 here, symmetric per row (per token): x_scale = max(max |x|, 1e-10) / 127, q_x = round(x * (127 /

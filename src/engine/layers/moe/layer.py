@@ -23,7 +23,8 @@ from engine.distributed.parallel_state import (
     tensor_model_parallel_all_reduce,
 )
 from engine.layers.moe.expert_distribution import ExpertDistributionRecorder
-from engine.layers.moe.fused_moe_native import fused_moe_native
+from engine.layers.block_fp8_linear import BlockFp8Weight, block_fp8_linear
+from engine.layers.moe.fused_moe_native import fused_moe_grouped, fused_moe_native
 from engine.layers.moe.router import select_experts
 from engine.model_loader.weight_utils import ShardId, set_weight_loader
 
@@ -77,6 +78,22 @@ class FusedMoE(nn.Module):
         self.w2 = StackedExpertWeight(self.num_local_experts, hidden_size, self.intermediate_per_rank)
         set_weight_loader(self.w13.weight, self.weight_loader)
         set_weight_loader(self.w2.weight, self.weight_loader)
+        # Block-wise fp8 experts on the CPU (layers/block_fp8.py): each local expert's gate_up and down.
+        self.fp8_experts: Optional[Tuple[List[BlockFp8Weight], List[BlockFp8Weight]]] = None
+
+    def use_block_fp8(self, w13: List[BlockFp8Weight], w2: List[BlockFp8Weight], dtype: torch.dtype) -> None:
+        """Run the experts from these fp8 weights (one per local expert); the float stacks are released."""
+        if len(w13) != self.num_local_experts or len(w2) != self.num_local_experts:
+            raise ValueError(f"expected {self.num_local_experts} fp8 experts, got {len(w13)} and {len(w2)}")
+        self.fp8_experts = (w13, w2)
+        for stacked in (self.w13, self.w2):
+            stacked.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+
+    def local_expert(self, shard_id: str) -> Tuple[int, str]:
+        """("N:role") -> (this rank's index of expert N, -1 where another EP rank holds it; the role)."""
+        expert_text, role = shard_id.split(":", 1)
+        local = int(expert_text) - self.expert_start
+        return (local if 0 <= local < self.num_local_experts else -1), role
 
     def weight_loader(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
         """Copy this rank's piece of one expert's tensor ("N:gate" / "N:up" / "N:down"); an expert held
@@ -133,7 +150,12 @@ class FusedMoE(nn.Module):
             self.recorder.record(self.layer_id, ids)
         local_ids = self.local_ids(ids)
         w13, w2 = self.w13.weight, self.w2.weight
-        if hidden_states.is_cuda:
+        if self.fp8_experts is not None:
+            gate_up, down = self.fp8_experts
+            out = fused_moe_grouped(hidden_states, self.num_local_experts, down[0].n,
+                                    lambda x, e: block_fp8_linear(x, gate_up[e], None),
+                                    lambda x, e: block_fp8_linear(x, down[e], None), weights, local_ids)
+        elif hidden_states.is_cuda:
             from engine.layers.moe.fused_moe_triton import fused_moe_triton
 
             out = fused_moe_triton(hidden_states, w13, w2, weights, local_ids)
