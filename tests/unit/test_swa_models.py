@@ -105,8 +105,14 @@ def test_scheduler_greedy_equals_transformers(swa_model, config):
     arch, path, _, expected = swa_model
     kwargs = dict(CONFIGS[config])
     page = kwargs.get("page_size", 1)
+    # The pool is sized from the chunk as in a server (one set of arguments): the hybrid pool at page 16.
+    chunk = {"chunked_prefill_size": kwargs["chunked_prefill_size"]} if page > 1 else {}
     worker = TpModelWorker(ServerArgs(model_path=path, device="cpu", max_total_tokens=4096, page_size=page,
-                                      max_running_requests=16))
+                                      max_running_requests=16, **chunk))
+    if page > 1:  # the paged hybrid pool (its windowed pages released a page at a time)
+        from engine.mem_cache.swa_pool import SWATokenToKVPoolAllocator
+
+        assert isinstance(worker.model_runner.token_to_kv_pool_allocator, SWATokenToKVPoolAllocator)
     h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=4096, **kwargs)
     prompts = _prompts()
     rids = [h.submit(p, max_new_tokens=N_NEW, ignore_eos=True) for p in prompts[:3]]
@@ -186,9 +192,10 @@ def test_retracted_requests_continue_exactly(swa_model, overlap, caplog):
 HYBRID = dict(disable_radix_cache=True, chunked_prefill_size=32, max_prefill_tokens=64, max_running_requests=4)
 
 
+@pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.slow  # in the full suite; the fast lane keeps the cheaper cases
-def test_hybrid_pool_bounds_windowed_kv_and_keeps_outputs(swa_model, overlap):
+def test_hybrid_pool_bounds_windowed_kv_and_keeps_outputs(swa_model, overlap, page):
     """Without the radix cache the windowed layers get their own pool (mem_cache/swa_pool.py): tokens that
     left the window are released while the requests run, so that pool never holds more than the
     window bound, while the full pool holds every token; outputs equal transformers' and at idle both
@@ -197,12 +204,13 @@ def test_hybrid_pool_bounds_windowed_kv_and_keeps_outputs(swa_model, overlap):
     from engine.scheduler.tp_worker import TpModelWorker
 
     arch, path, _, expected = swa_model
-    worker = TpModelWorker(ServerArgs(model_path=path, device="cpu", max_total_tokens=4096, **HYBRID))
+    worker = TpModelWorker(ServerArgs(model_path=path, device="cpu", max_total_tokens=4096, page_size=page,
+                                      **HYBRID))
     allocator = worker.model_runner.token_to_kv_pool_allocator
     assert isinstance(allocator, SWATokenToKVPoolAllocator)
-    bound = swa_pool_size(4096, 16, 4, 32)  # 4 requests, window 16, chunks of 32
+    bound = swa_pool_size(4096, 16, 4, 32, page_size=page)  # 4 requests, window 16, chunks of 32
     assert allocator.swa.size == bound < 4096
-    h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=4096, overlap=overlap, **HYBRID)
+    h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=4096, overlap=overlap, page_size=page, **HYBRID)
     prompts = _prompts()
     rids = [h.submit(p, max_new_tokens=N_NEW, ignore_eos=True) for p in prompts]
     peak_full = peak_swa = 0
@@ -221,24 +229,24 @@ def test_hybrid_pool_bounds_windowed_kv_and_keeps_outputs(swa_model, overlap):
 
 
 def test_hybrid_pool_only_where_nothing_reads_windowed_kv_by_full_slot(swa_model, caplog):
-    """Paging or --disable-hybrid-swa-memory keep the one pool (paging says why: the paged windowed
-    allocator is not built); the radix cache no longer does (it is the SWA radix cache there,
-    test_swa_radix_scheduler.py)."""
+    """--disable-hybrid-swa-memory keeps the one pool; neither paging (the paged windowed allocator) nor
+    the radix cache (the SWA radix cache, test_swa_radix_scheduler.py) does any more."""
     from engine.mem_cache.swa_pool import SWATokenToKVPoolAllocator
 
     _, path, _, _ = swa_model
-    for extra in (dict(page_size=16), dict(disable_hybrid_swa_memory=True)):
-        with caplog.at_level("INFO"):
-            runner = make_runner(path, **dict(HYBRID, **extra))
-        assert not isinstance(runner.token_to_kv_pool_allocator, SWATokenToKVPoolAllocator), extra
-    assert "the hybrid pool does not support --page-size above 1" in caplog.text
-    runner = make_runner(path, **dict(HYBRID, disable_radix_cache=False))
-    assert isinstance(runner.token_to_kv_pool_allocator, SWATokenToKVPoolAllocator)
+    runner = make_runner(path, **dict(HYBRID, disable_hybrid_swa_memory=True))
+    assert not isinstance(runner.token_to_kv_pool_allocator, SWATokenToKVPoolAllocator)
+    for extra in (dict(page_size=16), dict(disable_radix_cache=False), dict(disable_radix_cache=False, page_size=16)):
+        runner = make_runner(path, **dict(HYBRID, **extra))
+        allocator = runner.token_to_kv_pool_allocator
+        assert isinstance(allocator, SWATokenToKVPoolAllocator), extra
+        assert allocator.page_size == allocator.swa.page_size == extra.get("page_size", 1)
 
 
+@pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.slow  # in the full suite; the fast lane keeps the cheaper cases
-def test_hybrid_pool_retraction_continues_exactly(swa_model, overlap):
+def test_hybrid_pool_retraction_continues_exactly(swa_model, overlap, page):
     """Retraction with the hybrid pool (every request, mid-prefill and mid-decode, as the control plane
     retracts): their slots go back to both pools through the one release path, they are prefilled again
     past the window and their outputs still equal transformers'; both pools whole at idle."""
@@ -246,10 +254,11 @@ def test_hybrid_pool_retraction_continues_exactly(swa_model, overlap):
     from engine.scheduler.tp_worker import TpModelWorker
 
     arch, path, _, expected = swa_model
-    worker = TpModelWorker(ServerArgs(model_path=path, device="cpu", max_total_tokens=4096, **HYBRID))
+    worker = TpModelWorker(ServerArgs(model_path=path, device="cpu", max_total_tokens=4096, page_size=page,
+                                      **HYBRID))
     allocator = worker.model_runner.token_to_kv_pool_allocator
     assert isinstance(allocator, SWATokenToKVPoolAllocator)
-    h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=4096, overlap=overlap, **HYBRID)
+    h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=4096, overlap=overlap, page_size=page, **HYBRID)
     rids = [h.submit(p, max_new_tokens=N_NEW, ignore_eos=True) for p in _prompts()]
     for _ in range(20):  # some requests decoding past the window, one mid-prefill
         h.step()
