@@ -289,11 +289,11 @@ class ModelRunner:
         args, windows = self.server_args, self.model_config.layer_windows
         if not self.model_config.is_hybrid_swa or args.disable_hybrid_swa_memory:
             return False
-        # Not built: the flashinfer wrapper's slot map, draft models' pools.
+        # Not built: the flashinfer wrapper's slot map. A draft model (STANDALONE, EAGLE) keeps its own
+        # one-pool K/V under the target's full slots (_init_draft_memory_pool): the target's allocator
+        # frees both with a full slot, whatever the draft's layers are.
         unsupported = (f"--attention-backend {args.attention_backend}"
-                       if args.attention_backend not in ("torch_native", "triton")
-                       else f"--speculative-algorithm {args.speculative_algorithm}"
-                       if args.speculative_algorithm not in (None, "NGRAM") else None)
+                       if args.attention_backend not in ("torch_native", "triton") else None)
         if unsupported is not None:
             logger.info("Sliding-window model: one KV pool for every layer (the hybrid pool does not support %s)",
                         unsupported)
@@ -303,9 +303,9 @@ class ModelRunner:
         # The most tokens one batch extends by: a chunk (PrefillAdder charges every admitted request to
         # the chunk budget), else the prefill budget plus one prompt that exceeds it.
         max_extend = chunk if chunk else args.max_prefill_tokens + self.model_config.context_len
-        # NGRAM's drafts hold slots of both pools for a step. Rows, not running requests: a PD decode
-        # server's rows beyond them hold received KV (a window each).
-        drafts = (args.speculative_num_draft_tokens or 0) if args.speculative_algorithm == "NGRAM" else 0
+        # Drafts (any algorithm) hold slots of both pools for a step. Rows, not running requests: a PD
+        # decode server's rows beyond them hold received KV (a window each).
+        drafts = (args.speculative_num_draft_tokens or 0) if args.speculative_algorithm is not None else 0
         swa_size = swa_pool_size(total, window, rows, max_extend, cached_prefixes=not args.disable_radix_cache,
                                  draft_tokens=drafts, page_size=self.page_size)
         if swa_size >= total:
