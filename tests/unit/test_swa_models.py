@@ -267,3 +267,46 @@ def test_hybrid_pool_retraction_continues_exactly(swa_model, overlap, page):
     assert allocator.swa_available_size() == allocator.swa.size and allocator.available_size() == 4096
     h.run_until_idle()
     assert [h.outputs[r].output_ids for r in rids] == expected, (arch, overlap)
+
+
+@pytest.fixture(scope="module", params=["mistral", "gemma3"])
+def window64_model(request, tmp_path_factory):
+    """A window of 64 (four pages of 16) and prompts of 300+ tokens, the second sharing 260 with the first."""
+    arch = request.param
+    path = str(tmp_path_factory.mktemp(f"{arch}_w64"))
+    hf = build_tiny_model(path, arch, seed=17, tie_word_embeddings=arch.startswith("gemma"),
+                          **dict(TINY_SWA[arch], sliding_window=64))
+    gen = torch.Generator().manual_seed(8)
+    first = torch.randint(0, 512, (310,), generator=gen).tolist()
+    prompts = [first, first[:260] + torch.randint(0, 512, (75,), generator=gen).tolist()]
+    return arch, path, prompts, [hf_greedy(hf, p, N_NEW) for p in prompts]
+
+
+@pytest.mark.parametrize("radix,overlap", [(True, True), (False, False)])
+@pytest.mark.slow
+def test_paged_hybrid_pool_window_64_equals_transformers(window64_model, radix, overlap):
+    """Page 16, window 64: the windowed pool's pages leave as the decode passes them (its peak stays at
+    its bound, far below the full pool's); with the radix cache the second prompt reuses 256 tokens (whole
+    pages) whose last window is still held; outputs equal transformers'; both pools whole at idle."""
+    from engine.mem_cache.swa_pool import SWATokenToKVPoolAllocator
+    from engine.scheduler.tp_worker import TpModelWorker
+
+    arch, path, prompts, expected = window64_model
+    args = dict(page_size=16, chunked_prefill_size=64, max_prefill_tokens=128, max_running_requests=4,
+                disable_radix_cache=not radix)
+    worker = TpModelWorker(ServerArgs(model_path=path, device="cpu", max_total_tokens=4096, **args))
+    allocator = worker.model_runner.token_to_kv_pool_allocator
+    assert isinstance(allocator, SWATokenToKVPoolAllocator) and allocator.swa.size < 4096
+    h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=4096, overlap=overlap, **args)
+    first = h.submit(prompts[0], max_new_tokens=N_NEW, ignore_eos=True)
+    h.run_until_idle()
+    second = h.submit(prompts[1], max_new_tokens=N_NEW, ignore_eos=True)
+    peak_swa = 0
+    while h.scheduler.has_work():
+        h.step()
+        peak_swa = max(peak_swa, allocator.swa.size - allocator.swa_available_size())
+    h.step()  # the strict idle leak check, both pools
+    assert [h.outputs[first].output_ids, h.outputs[second].output_ids] == expected, (arch, radix)
+    assert h.outputs[second].cached_tokens == (256 if radix else 0)
+    if not radix:  # one request of 335 + 24 tokens: its window and the pages in flight, not its length
+        assert peak_swa <= 64 + 4 * 16 + 2 * 64 < len(prompts[1])
