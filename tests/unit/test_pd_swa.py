@@ -58,6 +58,9 @@ CONFIGS = {
     "decode-retracts": dict(decode_total=288, overlap_decode=True),
     # The prefill keeps its requests' own KV until sent: only their last window on the windowed layers.
     "prefill-chunk-cache": dict(prefill_kwargs=dict(disable_radix_cache=True)),
+    # The paged hybrid pool on both sides: frames of whole pages, windowed pages for the last window.
+    "page16-overlap": dict(page=16, overlap_prefill=True, overlap_decode=True),
+    "page16-prefill-chunk-cache": dict(page=16, prefill_kwargs=dict(disable_radix_cache=True)),
 }
 
 
@@ -78,14 +81,16 @@ def test_pd_of_both_pools_equals_transformers(model, name, monkeypatch):
     arch, path, expected = model
     cfg = dict(CONFIGS[name])
     decode_total = cfg.pop("decode_total", 4096)
-    prefill_extra = cfg.pop("prefill_kwargs", {})
+    page = cfg.pop("page", 1)
+    prefill_extra = dict(cfg.pop("prefill_kwargs", {}), page_size=page)
     prefill_worker = _worker(path, 4096, "prefill", **prefill_extra)
-    decode_worker = _worker(path, decode_total, "decode")
+    decode_worker = _worker(path, decode_total, "decode", page_size=page)
     for worker in (prefill_worker, decode_worker):
         assert isinstance(worker.model_runner.token_to_kv_pool_allocator, SWATokenToKVPoolAllocator)
     pair = PDPair(prefill_worker=prefill_worker, decode_worker=decode_worker, tokenizer=_Tok(),
                   prefill_kwargs=dict(max_total_tokens=4096, **SIDE, **prefill_extra),
-                  decode_kwargs=dict(max_total_tokens=decode_total, num_reserved_decode_tokens=0, **SIDE), **cfg)
+                  decode_kwargs=dict(max_total_tokens=decode_total, num_reserved_decode_tokens=0, page_size=page, **SIDE),
+                  **cfg)
     try:
         prompts = _prompts()
         rids = [pair.submit(p, rid=f"pd{i}", max_new_tokens=N_NEW, ignore_eos=True) for i, p in enumerate(prompts[:2])]
@@ -98,13 +103,15 @@ def test_pd_of_both_pools_equals_transformers(model, name, monkeypatch):
                 # Its own positions (the radix cache's, below cache_protected_len, are evictable there).
                 own = table[req.req_pool_idx, req.cache_protected_len:len(req.origin_input_ids)]
                 held = int(prefill_allocator.swa_held(own).sum())
-                assert held <= 16, "a request being sent holds windowed K/V beyond its last window"
+                # The window of 16 spans at most two pages of 16 (one slot when unpaged).
+                assert held <= (16 if page == 1 else 32), "a request being sent holds windowed K/V beyond its last window"
         # After the first finished: a prompt sharing 120 tokens with it (reused on the prefill side).
         rids.append(pair.submit(prompts[2], rid="pd2", max_new_tokens=N_NEW, ignore_eos=True))
         pair.run_until_idle()
         for rid, want in zip(rids, expected):
             assert pair.decode.outputs[rid].output_ids == want, (arch, name, rid)
-        assert pair.prefill.outputs["pd2"].cached_tokens == (0 if prefill_extra.get("disable_radix_cache") else 120)
+        assert pair.prefill.outputs["pd2"].cached_tokens == (0 if prefill_extra.get("disable_radix_cache")
+                                                             else 120 - 120 % page)
         assert pair.decode.scheduler.num_extend_tokens_computed == 0
         decode_allocator = decode_worker.model_runner.token_to_kv_pool_allocator
         assert decode_allocator.swa_available_size() == decode_allocator.swa.size  # both pools whole at idle

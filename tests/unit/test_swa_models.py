@@ -105,8 +105,14 @@ def test_scheduler_greedy_equals_transformers(swa_model, config):
     arch, path, _, expected = swa_model
     kwargs = dict(CONFIGS[config])
     page = kwargs.get("page_size", 1)
+    # The pool is sized from the chunk as in a server (one set of arguments): the hybrid pool at page 16.
+    chunk = {"chunked_prefill_size": kwargs["chunked_prefill_size"]} if page > 1 else {}
     worker = TpModelWorker(ServerArgs(model_path=path, device="cpu", max_total_tokens=4096, page_size=page,
-                                      max_running_requests=16))
+                                      max_running_requests=16, **chunk))
+    if page > 1:  # the paged hybrid pool (its windowed pages released a page at a time)
+        from engine.mem_cache.swa_pool import SWATokenToKVPoolAllocator
+
+        assert isinstance(worker.model_runner.token_to_kv_pool_allocator, SWATokenToKVPoolAllocator)
     h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=4096, **kwargs)
     prompts = _prompts()
     rids = [h.submit(p, max_new_tokens=N_NEW, ignore_eos=True) for p in prompts[:3]]
@@ -174,9 +180,10 @@ def test_retracted_requests_continue_exactly(swa_model, overlap, caplog):
 HYBRID = dict(disable_radix_cache=True, chunked_prefill_size=32, max_prefill_tokens=64, max_running_requests=4)
 
 
+@pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.slow  # in the full suite; the fast lane keeps the cheaper cases
-def test_hybrid_pool_bounds_windowed_kv_and_keeps_outputs(swa_model, overlap):
+def test_hybrid_pool_bounds_windowed_kv_and_keeps_outputs(swa_model, overlap, page):
     """Without the radix cache the windowed layers get their own pool (mem_cache/swa_pool.py): tokens that
     left the window are released while the requests run, so that pool never holds more than the
     window bound, while the full pool holds every token; outputs equal transformers' and at idle both
@@ -185,12 +192,13 @@ def test_hybrid_pool_bounds_windowed_kv_and_keeps_outputs(swa_model, overlap):
     from engine.scheduler.tp_worker import TpModelWorker
 
     arch, path, _, expected = swa_model
-    worker = TpModelWorker(ServerArgs(model_path=path, device="cpu", max_total_tokens=4096, **HYBRID))
+    worker = TpModelWorker(ServerArgs(model_path=path, device="cpu", max_total_tokens=4096, page_size=page,
+                                      **HYBRID))
     allocator = worker.model_runner.token_to_kv_pool_allocator
     assert isinstance(allocator, SWATokenToKVPoolAllocator)
-    bound = swa_pool_size(4096, 16, 4, 32)  # 4 requests, window 16, chunks of 32
+    bound = swa_pool_size(4096, 16, 4, 32, page_size=page)  # 4 requests, window 16, chunks of 32
     assert allocator.swa.size == bound < 4096
-    h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=4096, overlap=overlap, **HYBRID)
+    h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=4096, overlap=overlap, page_size=page, **HYBRID)
     prompts = _prompts()
     rids = [h.submit(p, max_new_tokens=N_NEW, ignore_eos=True) for p in prompts]
     peak_full = peak_swa = 0
@@ -209,24 +217,24 @@ def test_hybrid_pool_bounds_windowed_kv_and_keeps_outputs(swa_model, overlap):
 
 
 def test_hybrid_pool_only_where_nothing_reads_windowed_kv_by_full_slot(swa_model, caplog):
-    """Paging or --disable-hybrid-swa-memory keep the one pool (paging says why: the paged windowed
-    allocator is not built); the radix cache no longer does (it is the SWA radix cache there,
-    test_swa_radix_scheduler.py)."""
+    """--disable-hybrid-swa-memory keeps the one pool; neither paging (the paged windowed allocator) nor
+    the radix cache (the SWA radix cache, test_swa_radix_scheduler.py) does any more."""
     from engine.mem_cache.swa_pool import SWATokenToKVPoolAllocator
 
     _, path, _, _ = swa_model
-    for extra in (dict(page_size=16), dict(disable_hybrid_swa_memory=True)):
-        with caplog.at_level("INFO"):
-            runner = make_runner(path, **dict(HYBRID, **extra))
-        assert not isinstance(runner.token_to_kv_pool_allocator, SWATokenToKVPoolAllocator), extra
-    assert "the hybrid pool does not support --page-size above 1" in caplog.text
-    runner = make_runner(path, **dict(HYBRID, disable_radix_cache=False))
-    assert isinstance(runner.token_to_kv_pool_allocator, SWATokenToKVPoolAllocator)
+    runner = make_runner(path, **dict(HYBRID, disable_hybrid_swa_memory=True))
+    assert not isinstance(runner.token_to_kv_pool_allocator, SWATokenToKVPoolAllocator)
+    for extra in (dict(page_size=16), dict(disable_radix_cache=False), dict(disable_radix_cache=False, page_size=16)):
+        runner = make_runner(path, **dict(HYBRID, **extra))
+        allocator = runner.token_to_kv_pool_allocator
+        assert isinstance(allocator, SWATokenToKVPoolAllocator), extra
+        assert allocator.page_size == allocator.swa.page_size == extra.get("page_size", 1)
 
 
+@pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("overlap", [False, True])
 @pytest.mark.slow  # in the full suite; the fast lane keeps the cheaper cases
-def test_hybrid_pool_retraction_continues_exactly(swa_model, overlap):
+def test_hybrid_pool_retraction_continues_exactly(swa_model, overlap, page):
     """Retraction with the hybrid pool (every request, mid-prefill and mid-decode, as the control plane
     retracts): their slots go back to both pools through the one release path, they are prefilled again
     past the window and their outputs still equal transformers'; both pools whole at idle."""
@@ -234,10 +242,11 @@ def test_hybrid_pool_retraction_continues_exactly(swa_model, overlap):
     from engine.scheduler.tp_worker import TpModelWorker
 
     arch, path, _, expected = swa_model
-    worker = TpModelWorker(ServerArgs(model_path=path, device="cpu", max_total_tokens=4096, **HYBRID))
+    worker = TpModelWorker(ServerArgs(model_path=path, device="cpu", max_total_tokens=4096, page_size=page,
+                                      **HYBRID))
     allocator = worker.model_runner.token_to_kv_pool_allocator
     assert isinstance(allocator, SWATokenToKVPoolAllocator)
-    h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=4096, overlap=overlap, **HYBRID)
+    h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=4096, overlap=overlap, page_size=page, **HYBRID)
     rids = [h.submit(p, max_new_tokens=N_NEW, ignore_eos=True) for p in _prompts()]
     for _ in range(20):  # some requests decoding past the window, one mid-prefill
         h.step()
@@ -246,3 +255,46 @@ def test_hybrid_pool_retraction_continues_exactly(swa_model, overlap):
     assert allocator.swa_available_size() == allocator.swa.size and allocator.available_size() == 4096
     h.run_until_idle()
     assert [h.outputs[r].output_ids for r in rids] == expected, (arch, overlap)
+
+
+@pytest.fixture(scope="module", params=["mistral", "gemma3"])
+def window64_model(request, tmp_path_factory):
+    """A window of 64 (four pages of 16) and prompts of 300+ tokens, the second sharing 260 with the first."""
+    arch = request.param
+    path = str(tmp_path_factory.mktemp(f"{arch}_w64"))
+    hf = build_tiny_model(path, arch, seed=17, tie_word_embeddings=arch.startswith("gemma"),
+                          **dict(TINY_SWA[arch], sliding_window=64))
+    gen = torch.Generator().manual_seed(8)
+    first = torch.randint(0, 512, (310,), generator=gen).tolist()
+    prompts = [first, first[:260] + torch.randint(0, 512, (75,), generator=gen).tolist()]
+    return arch, path, prompts, [hf_greedy(hf, p, N_NEW) for p in prompts]
+
+
+@pytest.mark.parametrize("radix,overlap", [(True, True), (False, False)])
+@pytest.mark.slow
+def test_paged_hybrid_pool_window_64_equals_transformers(window64_model, radix, overlap):
+    """Page 16, window 64: the windowed pool's pages leave as the decode passes them (its peak stays at
+    its bound, far below the full pool's); with the radix cache the second prompt reuses 256 tokens (whole
+    pages) whose last window is still held; outputs equal transformers'; both pools whole at idle."""
+    from engine.mem_cache.swa_pool import SWATokenToKVPoolAllocator
+    from engine.scheduler.tp_worker import TpModelWorker
+
+    arch, path, prompts, expected = window64_model
+    args = dict(page_size=16, chunked_prefill_size=64, max_prefill_tokens=128, max_running_requests=4,
+                disable_radix_cache=not radix)
+    worker = TpModelWorker(ServerArgs(model_path=path, device="cpu", max_total_tokens=4096, **args))
+    allocator = worker.model_runner.token_to_kv_pool_allocator
+    assert isinstance(allocator, SWATokenToKVPoolAllocator) and allocator.swa.size < 4096
+    h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=4096, overlap=overlap, **args)
+    first = h.submit(prompts[0], max_new_tokens=N_NEW, ignore_eos=True)
+    h.run_until_idle()
+    second = h.submit(prompts[1], max_new_tokens=N_NEW, ignore_eos=True)
+    peak_swa = 0
+    while h.scheduler.has_work():
+        h.step()
+        peak_swa = max(peak_swa, allocator.swa.size - allocator.swa_available_size())
+    h.step()  # the strict idle leak check, both pools
+    assert [h.outputs[first].output_ids, h.outputs[second].output_ids] == expected, (arch, radix)
+    assert h.outputs[second].cached_tokens == (256 if radix else 0)
+    if not radix:  # one request of 335 + 24 tokens: its window and the pages in flight, not its length
+        assert peak_swa <= 64 + 4 * 16 + 2 * 64 < len(prompts[1])

@@ -312,3 +312,58 @@ def test_strict_idle_check_covers_the_tree_against_the_windowed_pool():
     assert alloc.swa.alloc(2) is not None  # ...and taken again: the counters still balance
     with pytest.raises(MemoryLeakError, match="a live node lost windowed slots"):
         kv.check_memory()
+
+
+# ---------------------------------------------------------------- page size 16: whole pages everywhere
+
+
+def _paged_cache(window: int, page: int = 16):
+    pool = SWAKVPool(CAPACITY, 128, [0], torch.float32, head_num=1, head_dim=1, layer_num=2, page_size=page)
+    alloc = SWATokenToKVPoolAllocator(CAPACITY, 128, window, 8, torch.float32, "cpu", pool, page_size=page)
+    return SWARadixCache(ReqToTokenPool(8, 128), alloc, page, window), alloc
+
+
+def test_paged_tree_keeps_whole_pages_tombstones_them_and_locks_from_a_page_start():
+    cache, alloc = _paged_cache(window=20)
+    key = list(range(70))
+    slots = alloc.alloc(80)  # five pages; the tree takes the 4 whole pages of the 70 tokens
+    assert slots is not None
+    alloc.release_swa(slots[:16])  # the first page left the request's window
+    assert cache.insert(key, slots.clone()) == 0
+    alloc.free(slots[64:])  # the request's own last page
+    assert cache.total_size() == 64 and cache.swa_evictable_size() == 48
+    # A match ends on a page; 30 tokens with a tombstone above and < 20 live tokens: nothing.
+    assert cache.match_prefix(key[:30]).device_indices.numel() == 0
+    assert cache.match_prefix(key[:47]).device_indices.numel() == 0  # 32 tokens: 16 live ones end it
+    assert cache.match_prefix(key[:50]).device_indices.tolist() == slots[:48].tolist()
+    assert cache.match_prefix(key).device_indices.tolist() == slots[:64].tolist()
+    # Locking 64 tokens: the window (44..63) starts on the page at 32, so 32 tokens are under the lock.
+    node = cache.match_prefix(key).last_device_node
+    cache.inc_lock_ref(node)
+    assert cache.swa_protected_size() == 32 and cache.protected_size() == 64
+    assert cache.evict_windowed(1) == 16  # the unlocked live page (16..31), a tombstone now, whole
+    assert not bool(alloc.swa_held(slots[:32]).any()) and bool(alloc.swa_held(slots[32:64]).all())
+    cache.sanity_check()
+    cache.dec_lock_ref(node)
+    assert cache.evict(CAPACITY) == 64
+    assert alloc.available_size() == CAPACITY and alloc.swa_available_size() == 128
+
+
+def test_paged_tombstone_revived_by_a_duplicate_page():
+    cache, alloc = _paged_cache(window=8)
+    key = list(range(32))
+    slots = alloc.alloc(32)
+    assert slots is not None
+    cache.insert(key, slots.clone())
+    cache.match_prefix(key[:16])  # split after the first page
+    cache.match_prefix(key)  # same access time: the upper page (nearer the root) goes first
+    assert cache.evict_windowed(1) == 16  # the upper page: a tombstone
+    assert cache.match_prefix(key[:16]).device_indices.numel() == 0
+    dup = alloc.alloc(16)
+    assert dup is not None
+    assert cache.insert(key[:16], dup.clone()) == 16
+    alloc.free(dup)  # its windowed page went to the tree's page
+    assert cache.match_prefix(key[:16]).device_indices.tolist() == slots[:16].tolist()
+    assert bool(alloc.swa_held(slots).all())
+    cache.sanity_check()
+    assert cache.evict(CAPACITY) == 32 and alloc.swa_available_size() == 128

@@ -74,10 +74,15 @@ def _tombstones(h: Harness) -> int:
     return sum(len(n.key) for n in cache._nodes() if isinstance(n, SWATreeNode) and n.swa_tombstone)
 
 
-@pytest.mark.parametrize("overlap", [False, True])
-def test_prefixes_longer_than_the_window_are_reused_exactly(model, overlap):
+def _floor(n: int, page: int) -> int:
+    return n - n % page
+
+
+@pytest.mark.parametrize("overlap,page", [(False, 1), (True, 1), (False, 16), (True, 16)])
+def test_prefixes_longer_than_the_window_are_reused_exactly(model, overlap, page):
+    """Page 16: the tree holds whole pages, so reuse stops at the last whole page of each match."""
     arch, path, prompts, expected = model
-    h = _harness(path, 4096, overlap)
+    h = _harness(path, 4096, overlap, page_size=page)
     allocator = h.scheduler.kv.token_to_kv_pool_allocator
     first = h.submit(prompts["first"], max_new_tokens=N_NEW, ignore_eos=True)
     shares = h.submit(prompts["shares_100"], max_new_tokens=N_NEW, ignore_eos=True)
@@ -85,7 +90,7 @@ def test_prefixes_longer_than_the_window_are_reused_exactly(model, overlap):
     assert h.outputs[first].output_ids == expected["first"], arch
     assert h.outputs[shares].output_ids == expected["shares_100"], arch
     # The second waited for the first's prompt (same head, being computed) and reused 100 tokens of it.
-    assert h.outputs[shares].cached_tokens == 100
+    assert h.outputs[shares].cached_tokens == _floor(100, page)
     # After both finished: a second turn of the first, and the first's prompt again.
     turn2 = h.submit(prompts["turn2"], max_new_tokens=N_NEW, ignore_eos=True)
     again = h.submit(prompts["first"], max_new_tokens=N_NEW, ignore_eos=True)
@@ -93,18 +98,19 @@ def test_prefixes_longer_than_the_window_are_reused_exactly(model, overlap):
     assert h.outputs[turn2].output_ids == expected["turn2"], arch
     assert h.outputs[again].output_ids == expected["first"], arch
     # The whole first turn (its answer's windowed K/V is gone except the last window: tombstones).
-    assert h.outputs[turn2].cached_tokens == len(prompts["first"]) + N_NEW - 1
-    assert h.outputs[again].cached_tokens == len(prompts["first"]) - 1
-    assert _tombstones(h) > 0
+    assert h.outputs[turn2].cached_tokens == _floor(len(prompts["first"]) + N_NEW - 1, page)
+    assert h.outputs[again].cached_tokens == _floor(len(prompts["first"]) - 1, page)
+    # Page 16: the answer's 20 tokens leave no whole page behind the window, so no tombstone here.
+    assert _tombstones(h) > 0 if page == 1 else _tombstones(h) == 0
     assert allocator.swa.size < 4096  # the windowed layers' pool is the smaller one
     state = h.scheduler.kv.state()
     assert state["swa_available_tokens"] + state["swa_evictable_tokens"] == allocator.swa.size
     assert state["swa_protected_tokens"] == 0
 
 
-@pytest.mark.parametrize("overlap", [False, True])
+@pytest.mark.parametrize("overlap,page", [(False, 1), (True, 1), (True, 16)])
 @pytest.mark.slow  # seven requests through a pool that keeps evicting
-def test_pool_pressure_evicts_both_pools_and_keeps_outputs(model, overlap, caplog, monkeypatch):
+def test_pool_pressure_evicts_both_pools_and_keeps_outputs(model, overlap, page, caplog, monkeypatch):
     """A full pool of 350 tokens and a windowed one of a few hundred: cached prompts lose their windowed
     K/V (tombstones) and their full K/V while new ones arrive, a request is retracted and prefilled
     again; every output still equals transformers'; both pools whole at idle (the strict check)."""
@@ -126,8 +132,11 @@ def test_pool_pressure_evicts_both_pools_and_keeps_outputs(model, overlap, caplo
 
     monkeypatch.setattr(SWARadixCache, "evict", count_full)
     monkeypatch.setattr(SWARadixCache, "evict_windowed", count_windowed)
-    total = 350
-    h = _harness(path, total, overlap, schedule_conservativeness=0.3)
+    # Page 16: two running requests and a larger full pool, or the windowed bound (two more pages per
+    # request) would not be smaller than the full pool and there would be one pool.
+    total = 350 if page == 1 else 384
+    extra = {} if page == 1 else dict(max_running_requests=2)
+    h = _harness(path, total, overlap, schedule_conservativeness=0.3, page_size=page, **extra)
     allocator = h.scheduler.kv.token_to_kv_pool_allocator
     names = ["first", "other", "shares_100", "turn2", "first", "other", "shares_100"]
     rids = []
@@ -139,16 +148,19 @@ def test_pool_pressure_evicts_both_pools_and_keeps_outputs(model, overlap, caplo
         h.run_until_idle()
     for name, rid in rids:
         assert h.outputs[rid].output_ids == expected[name], (arch, name)
-    assert "Retract requests" in caplog.text
-    assert freed["full"] > 0 and freed["windowed"] > 0
+    # At page 16 two requests run and the windowed pool's bound has room for them: no retraction and no
+    # windowed eviction here (test_swa_radix_cache.py tombstones whole pages by hand).
+    assert ("Retract requests" in caplog.text) == (page == 1)
+    assert freed["full"] > 0 and (freed["windowed"] > 0) == (page == 1)
     assert allocator.available_size() + h.scheduler.kv.tree_cache.evictable_size() == total
 
 
-def test_abort_and_retract_release_both_pools(model):
+@pytest.mark.parametrize("page", [1, 16])
+def test_abort_and_retract_release_both_pools(model, page):
     """An abort mid-prefill and a retraction of everything mid-decode: both pools and the cache balance
     (the strict idle check), and the retracted request still ends as transformers' does."""
     arch, path, prompts, expected = model
-    h = _harness(path, 4096, False)
+    h = _harness(path, 4096, False, page_size=page)
     aborted = h.submit(prompts["other"], max_new_tokens=N_NEW, ignore_eos=True)
     kept = h.submit(prompts["first"], max_new_tokens=N_NEW, ignore_eos=True)
     h.step()
@@ -162,7 +174,8 @@ def test_abort_and_retract_release_both_pools(model):
     assert h.outputs[kept].output_ids == expected["first"], arch
 
 
-def test_ngram_speculation_with_both_pools(model):
+@pytest.mark.parametrize("page", [1, 16])
+def test_ngram_speculation_with_both_pools(model, page):
     """NGRAM speculative decoding on the hybrid pool: drafts take slots of both pools, rejected ones free
     both, and outputs equal transformers' (greedy verification is lossless); prompts that repeat their
     text make the drafter propose (and some drafts be accepted); the strict idle check covers both pools."""
@@ -171,7 +184,7 @@ def test_ngram_speculation_with_both_pools(model):
 
     arch, path, prompts, expected = model
     spec = dict(RADIX, speculative_algorithm="NGRAM", speculative_batch_size_threshold=1024,
-                disable_speculative_adaptive=True)
+                disable_speculative_adaptive=True, page_size=page)
     worker = TpModelWorker(ServerArgs(model_path=path, device="cpu", max_total_tokens=4096, **spec))
     assert isinstance(worker.model_runner.token_to_kv_pool_allocator, SWATokenToKVPoolAllocator)
     h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=4096, **spec)

@@ -392,14 +392,16 @@ def test_windowed_layers_match_torch_native(tk, mode, lens, prefix_lens, window,
     assert rel_err(outs["triton"], outs["torch_native"]) < _TOL[dtype]
 
 
+@pytest.mark.parametrize("page", [1, 16])
 @pytest.mark.parametrize("mode,lens,prefix_lens", [
     (ForwardMode.MIXED, [30, 25, 41], [10, 24, 40]),
     (ForwardMode.DECODE, [1, 70, 33, 200], None),
 ])
-def test_hybrid_pool_slot_map_matches_torch_native(tk, mode, lens, prefix_lens):
+def test_hybrid_pool_slot_map_matches_torch_native(tk, mode, lens, prefix_lens, page):
     """A windowed layer whose K/V live in the hybrid pool's own buffers (mem_cache/swa_pool.py): the
     kernels read req_to_token's full slots through the pool's slot map, as torch_native's windowed path
-    does; a scrambled map makes a missed translation read the wrong rows."""
+    does; a scrambled map makes a missed translation read the wrong rows. Page 16: the paged pool's map
+    (whole pages scrambled, offsets kept) over a paged layout."""
     from engine.mem_cache.swa_pool import SWAKVPool
 
     gen = torch.Generator().manual_seed(5)
@@ -407,12 +409,13 @@ def test_hybrid_pool_slot_map_matches_torch_native(tk, mode, lens, prefix_lens):
     if prefix_lens is None:
         prefix_lens = [l - 1 for l in lens]
     kv = SWAKVPool(size=1024, swa_size=1024, windowed_layers=[0], dtype=torch.float32, head_num=kv_heads,
-                   head_dim=head_dim, layer_num=1)
-    slot_map = torch.zeros(1025, dtype=torch.int64)
-    slot_map[1:] = torch.randperm(1024, generator=gen) + 1
+                   head_dim=head_dim, layer_num=1, page_size=page)
+    slot_map = torch.zeros(1024 + page, dtype=torch.int64)
+    pages = torch.randperm(1024 // page, generator=gen) + 1
+    slot_map[page:] = (pages[:, None] * page + torch.arange(page)).reshape(-1)
     kv.use_slot_map(slot_map)
     pool = {"req": ReqToTokenPool(size=8, max_context_len=256), "kv": kv}
-    fb = _make_batch(mode, lens, prefix_lens, 1, pool, gen, kv_heads, head_dim, torch.float32)
+    fb = _make_batch(mode, lens, prefix_lens, page, pool, gen, kv_heads, head_dim, torch.float32)
     layer = RadixAttention(heads, head_dim, scaling=head_dim**-0.5, num_kv_heads=kv_heads, layer_id=0,
                            sliding_window_size=window)
     n = fb.out_cache_loc.shape[0]

@@ -19,7 +19,9 @@ unlocked leaves (their windowed K/V with them); eviction of windowed K/V (`evict
 nodes without a windowed lock, least recently used first and nearer the root first on ties, deleting an
 unlocked leaf outright (a tombstone leaf is never reusable) and tombstoning any other.
 
-Page size 1 only (the hybrid pool's).
+Paged (page size P > 1) as RadixCache: keys, matches and inserts are whole pages, and so is every node
+(the allocator maps and releases windowed K/V a page at a time, so a node is still uniform); the windowed
+lock starts at the page holding position depth - window.
 """
 
 from __future__ import annotations
@@ -72,8 +74,9 @@ def _runs(mask: torch.Tensor) -> List[Tuple[int, int, bool]]:
 class SWARadixCache(RadixCache):
     def __init__(self, req_to_token_pool: ReqToTokenPool, token_to_kv_pool_allocator: SWATokenToKVPoolAllocator,
                  page_size: int, window: int) -> None:
-        if page_size != 1:
-            raise ValueError(f"SWARadixCache: the hybrid sliding-window pool has page size 1, got {page_size}")
+        if page_size != token_to_kv_pool_allocator.page_size:
+            raise ValueError(f"SWARadixCache: page size {page_size} differs from the pool's "
+                             f"{token_to_kv_pool_allocator.page_size}")
         if window < 1:
             raise ValueError(f"SWARadixCache: window must be >= 1, got {window}")
         self.window = window
@@ -140,19 +143,20 @@ class SWARadixCache(RadixCache):
     # ------------------------------------------------------------------ public tree API
 
     def match_prefix(self, key: List[int], extra_key: Optional[Hashable] = None) -> MatchResult:
-        if len(key) == 0:
+        if len(key) < self.page_size:
             return MatchResult(_empty_slots(self.device), self.root)
-        path = self._walk(list(key), extra_key)
+        path = self._walk(list(key[: self._page_floor(len(key))]), extra_key)
         usable = self._usable(path)
         if usable == 0:
             return MatchResult(_empty_slots(self.device), self.root)
         return MatchResult(torch.cat([n.value for n in path[:usable]]), path[usable - 1])
 
     def insert(self, key: List[int], value: torch.Tensor, extra_key: Optional[Hashable] = None) -> int:
-        if value.numel() < len(key):
-            raise ValueError(f"insert: value has {value.numel()} slots for a key of {len(key)} tokens")
-        key = list(key)
-        value = value[: len(key)].to(torch.int64)
+        aligned = self._page_floor(len(key))
+        if value.numel() < aligned:
+            raise ValueError(f"insert: value has {value.numel()} slots for a key of {aligned} tokens")
+        key = list(key[:aligned])
+        value = value[:aligned].to(torch.int64)
         held = self.swa_allocator.swa_held(value)
         now = self._tick()
         node = self.root
@@ -276,7 +280,7 @@ class SWARadixCache(RadixCache):
         """Where the windowed lock of a prefix of `depth` tokens starts: its last window, or from `floor`
         (a request's in-flight read start) when that is lower."""
         start = depth - self.window if floor is None else min(depth - self.window, floor)
-        return max(start, 0)
+        return self._page_floor(max(start, 0))  # nodes are whole pages
 
     def _lock(self, node: Optional[TreeNode], floor: Optional[int]) -> int:
         if node is None or node is self.root:
@@ -409,8 +413,9 @@ class SWARadixCache(RadixCache):
             if is_insert:
                 token_ids = list(req.origin_input_ids) + list(req.output_ids)
                 # The last sampled token was never fed to the model, so it has no KV.
-                committed = max(min(len(token_ids) - 1, req.kv_allocated_len), 0)
+                committed = self._page_floor(max(min(len(token_ids) - 1, req.kv_allocated_len), 0))
                 new_prefix_len = self.insert(token_ids[:committed], kv[:committed].clone(), req.extra_key)
+                # Duplicates and the tail past the last whole page in one call: no page freed twice.
                 to_free = torch.cat((kv[protected:new_prefix_len], kv[max(committed, protected):]))
             else:
                 to_free = kv[protected:]
@@ -455,11 +460,12 @@ class SWARadixCache(RadixCache):
             raise RuntimeError(f"cache_unfinished_req: fill length {fill_len} is below the request's "
                                f"cached prefix {protected}")
         kv = self.req_to_token_pool.req_to_token[row, :fill_len].to(torch.int64)
-        key = list(req.fill_ids[:fill_len])
-        if fill_len == protected or self._cached_len(key, req.extra_key) > protected:
+        aligned = self._page_floor(fill_len)  # the tree takes whole pages; the request keeps its last part
+        key = list(req.fill_ids[:aligned])
+        if aligned <= protected or self._cached_len(key, req.extra_key) > protected:
             req.prefix_indices = kv
             return
-        assert self.insert(key, kv.clone(), req.extra_key) == protected
+        assert self.insert(key, kv[:aligned].clone(), req.extra_key) == protected
         path = self._walk(key, req.extra_key)
         last = path[-1]
         # A chunk whose result is not processed yet may be in flight (overlap): hold what it reads.
@@ -470,4 +476,4 @@ class SWARadixCache(RadixCache):
         self._req_locks[id(req)] = (req, last, floor)
         req.prefix_indices = kv
         req.last_node = last
-        req.cache_protected_len = fill_len
+        req.cache_protected_len = aligned

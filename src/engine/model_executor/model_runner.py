@@ -289,12 +289,11 @@ class ModelRunner:
         args, windows = self.server_args, self.model_config.layer_windows
         if not self.model_config.is_hybrid_swa or args.disable_hybrid_swa_memory:
             return False
-        # Not built: the paged windowed allocator, the flashinfer wrapper's slot map, draft models' pools.
-        unsupported = ("--page-size above 1" if self.page_size != 1
-                       else f"--attention-backend {args.attention_backend}"
-                       if args.attention_backend not in ("torch_native", "triton")
-                       else f"--speculative-algorithm {args.speculative_algorithm}"
-                       if args.speculative_algorithm not in (None, "NGRAM") else None)
+        # Not built: the flashinfer wrapper's slot map. A draft model (STANDALONE, EAGLE) keeps its own
+        # one-pool K/V under the target's full slots (_init_draft_memory_pool): the target's allocator
+        # frees both with a full slot, whatever the draft's layers are.
+        unsupported = (f"--attention-backend {args.attention_backend}"
+                       if args.attention_backend not in ("torch_native", "triton") else None)
         if unsupported is not None:
             logger.info("Sliding-window model: one KV pool for every layer (the hybrid pool does not support %s)",
                         unsupported)
@@ -304,22 +303,23 @@ class ModelRunner:
         # The most tokens one batch extends by: a chunk (PrefillAdder charges every admitted request to
         # the chunk budget), else the prefill budget plus one prompt that exceeds it.
         max_extend = chunk if chunk else args.max_prefill_tokens + self.model_config.context_len
-        # NGRAM's drafts hold slots of both pools for a step. Rows, not running requests: a PD decode
-        # server's rows beyond them hold received KV (a window each).
-        drafts = (args.speculative_num_draft_tokens or 0) if args.speculative_algorithm == "NGRAM" else 0
+        # Drafts (any algorithm) hold slots of both pools for a step. Rows, not running requests: a PD
+        # decode server's rows beyond them hold received KV (a window each).
+        drafts = (args.speculative_num_draft_tokens or 0) if args.speculative_algorithm is not None else 0
         swa_size = swa_pool_size(total, window, rows, max_extend, cached_prefixes=not args.disable_radix_cache,
-                                 draft_tokens=drafts)
+                                 draft_tokens=drafts, page_size=self.page_size)
         if swa_size >= total:
             return False  # the windows would not save anything
         windowed = [i for i, w in enumerate(windows) if w > 0]
         pool = SWAKVPool(total, swa_size, windowed, self.kv_cache_dtype, self.model_config.get_num_kv_heads(self.tp_size),
                          self.model_config.head_dim, self.model_config.num_hidden_layers, self.device,
-                         k_scales=self.kv_scales[0], v_scales=self.kv_scales[1])
+                         k_scales=self.kv_scales[0], v_scales=self.kv_scales[1], page_size=self.page_size)
         self.token_to_kv_pool = pool
         self.token_to_kv_pool_allocator = SWATokenToKVPoolAllocator(total, swa_size, window, rows, self.dtype,
-                                                                    self.device, pool)
+                                                                    self.device, pool, page_size=self.page_size)
         logger.info("Hybrid sliding-window KV pools: %d tokens for %d full layers, %d for %d windowed layers "
-                    "(window %d)", total, len(windows) - len(windowed), swa_size, len(windowed), window)
+                    "(window %d, page size %d)", total, len(windows) - len(windowed), swa_size, len(windowed), window,
+                    self.page_size)
         return True
 
     def _init_draft_memory_pool(self, target: "ModelRunner") -> None:
