@@ -53,13 +53,16 @@ def target(tmp_path_factory):
     return path, expected, draft, head
 
 
-def _run(target: str, draft: str, algo: str, page: int, radix: bool, overlap: bool = False) -> Harness:
+def _run(target: str, draft: str, algo: str, page: int, radix: bool, overlap: bool = False, topk: int = 1,
+         tree_tokens: int = 7) -> Harness:
     from engine.mem_cache.swa_pool import SWATokenToKVPoolAllocator
     from engine.scheduler.tp_worker import TpModelWorker
 
     # As one server's arguments: the worker's pool sees the speculation too.
     spec = dict(speculative_algorithm=algo, speculative_draft_model_path=draft, speculative_num_steps=3,
                 speculative_batch_size_threshold=1024, disable_speculative_adaptive=True)
+    if topk > 1:  # a tree: the accepted path's K/V are moved in both pools
+        spec.update(speculative_eagle_topk=topk, speculative_num_draft_tokens=tree_tokens)
     common = dict(page_size=page, disable_radix_cache=not radix, chunked_prefill_size=64, max_running_requests=4)
     worker = TpModelWorker(ServerArgs(model_path=target, device="cpu", max_total_tokens=4096, **common, **spec))
     allocator = worker.model_runner.token_to_kv_pool_allocator
@@ -105,3 +108,20 @@ def test_target_as_its_own_draft_accepts_drafts_past_the_window(target, page):
     assert [h.outputs[r].output_ids for r in rids] == expected, page
     state = h.scheduler.internal_state()
     assert state["spec_accepted_tokens"] * 10 >= state["spec_draft_tokens"] * 9, state
+
+
+@pytest.mark.parametrize("page,radix", [(1, True), (16, False)])
+@pytest.mark.slow
+def test_tree_drafts_on_the_hybrid_pool_keep_greedy_outputs(target, page, radix):
+    """Tree drafts (topk 2) on the windowed target with the hybrid pool: each draft's kernel row sees its
+    own window, and the accepted path's K/V move in the windowed pool as in the full one."""
+    path, expected, draft, _ = target
+    _check(_run(path, draft, "STANDALONE", page, radix, topk=2), expected, ("tree", page, radix))
+    # The target as its own draft, the whole tree verified (2 + 2 * 4 drafts): its greedy path is always
+    # in it, so nearly every step accepts the full depth of 3 (a request's last step may be cut).
+    h = _run(path, path, "STANDALONE", page, radix, topk=2, overlap=True, tree_tokens=11)
+    rids = [h.submit(p, max_new_tokens=N_NEW, ignore_eos=True) for p in _prompts()]
+    h.run_until_idle()
+    assert [h.outputs[r].output_ids for r in rids] == expected, page
+    state = h.scheduler.internal_state()
+    assert state["spec_accepted_tokens"] * 10 >= 3 * state["spec_verify_ct"] * 9, state
