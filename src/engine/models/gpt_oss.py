@@ -4,8 +4,12 @@ and a mixture-of-experts MLP of its own kind: a biased router whose top-k logits
 with biases whose gate and up halves are interleaved in one projection (even columns gate, odd ones up)
 and a clamped SwiGLU, (up + 1) * gate * sigmoid(alpha * gate).
 
-The experts run as a torch loop over the experts the batch routed to (like transformers), on one TP
-rank: their weights, and the sinks, are not split across ranks yet, so --tp-size > 1 is refused.
+The experts run as a torch loop over the experts the batch routed to (like transformers). Under tensor
+parallelism they follow --ep-size as FusedMoE does (distributed/parallel_state.py ExpertLayout): each
+block of tp_size / ep_size ranks holds E / ep_size experts, each with its intermediate dimension split over
+the block's ranks (whole gate/up pairs: the interleaved columns 2i, 2i + 1 stay together); the down bias is
+added by the block's first rank; the ranks' partial outputs are summed by one all-reduce. The attention's
+sinks are split with its heads.
 
 The published checkpoints hold the experts in MXFP4 (`quantization_config.quant_method` "mxfp4"): per
 expert projection a `*_blocks` tensor [E, rows, cols / 32, 16] of 4-bit e2m1 codes (two per byte, the
@@ -22,7 +26,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.distributed.parallel_state import get_tp_size
+from engine.distributed.parallel_state import get_expert_layout, get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import QKVParallelLinear, RowParallelLinear
 from engine.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
@@ -30,7 +34,7 @@ from engine.layers.pooler import EmbeddingPoolerOutput
 from engine.layers.radix_attention import RadixAttention
 from engine.layers.rotary_embedding import get_rope
 from engine.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
-from engine.model_loader.weight_utils import ShardId, load_weights_into
+from engine.model_loader.weight_utils import ShardId, WeightLoader, load_weights_into, set_weight_loader
 from engine.models.llama import STACKED_PARAMS
 
 if TYPE_CHECKING:
@@ -41,23 +45,58 @@ MAX_EXPERTS = 1024
 
 
 class GptOssExperts(nn.Module):
-    """Stacked experts in the checkpoint's layout: gate_up_proj [E, H, 2I] (gate at even columns),
-    down_proj [E, I, H], each with a bias."""
+    """This rank's stacked experts in the checkpoint's layout: gate_up_proj [E, H, 2I] (gate at even
+    columns), down_proj [E, I, H], each with a bias (E and I this rank's parts; see the module doc)."""
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, alpha: float, limit: float) -> None:
         super().__init__()
+        layout = get_expert_layout()
+        if num_experts % layout.ep_size or intermediate % layout.moe_tp_size:
+            raise ValueError(f"gpt-oss: {num_experts} experts of intermediate size {intermediate} cannot be split "
+                             f"over --ep-size {layout.ep_size} and --tp-size / --ep-size {layout.moe_tp_size}")
         self.num_experts = num_experts
+        self.num_local = num_experts // layout.ep_size
+        self.expert_start = layout.ep_rank * self.num_local
+        self.inter = intermediate // layout.moe_tp_size
+        self.inter_start = layout.moe_tp_rank * self.inter
+        self.adds_down_bias = layout.moe_tp_rank == 0
         self.alpha = alpha
         self.limit = limit
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, hidden, 2 * intermediate), requires_grad=False)
-        self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * intermediate), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, intermediate, hidden), requires_grad=False)
-        self.down_proj_bias = nn.Parameter(torch.empty(num_experts, hidden), requires_grad=False)
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_local, hidden, 2 * self.inter), requires_grad=False)
+        self.gate_up_proj_bias = nn.Parameter(torch.empty(self.num_local, 2 * self.inter), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(self.num_local, self.inter, hidden), requires_grad=False)
+        self.down_proj_bias = nn.Parameter(torch.empty(self.num_local, hidden), requires_grad=False)
+        # The checkpoint's [E, ...] tensors: this rank's experts, then its intermediate columns / rows.
+        for param, dim, width in ((self.gate_up_proj, 2, 2), (self.gate_up_proj_bias, 1, 2), (self.down_proj, 1, 1),
+                                  (self.down_proj_bias, None, 0)):
+            set_weight_loader(param, self._loader(dim, width))
+
+    def _loader(self, dim: Optional[int], width: int) -> WeightLoader:
+        def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+            if loaded.shape[0] != self.num_experts:
+                raise ValueError(f"gpt-oss experts: the checkpoint holds {loaded.shape[0]} experts, the config "
+                                 f"{self.num_experts}")
+            part = loaded.narrow(0, self.expert_start, self.num_local)
+            if dim is not None:
+                part = part.narrow(dim, width * self.inter_start, width * self.inter)
+            elif not self.adds_down_bias:  # the down bias: once per expert, by its block's first rank
+                part = torch.zeros_like(part)
+            if part.shape != param.shape:
+                raise ValueError(f"gpt-oss experts: shape mismatch, parameter {tuple(param.shape)} vs checkpoint "
+                                 f"part {tuple(part.shape)}")
+            param.data.copy_(part)
+
+        return load
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        """x [T, H], expert_ids / weights [T, k] -> [T, H]; summed in float32."""
+        """x [T, H], expert_ids / weights [T, k] -> [T, H] (this rank's part of the sum); summed in float32."""
         out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        if self.num_local != self.num_experts:  # other ranks' experts: -1, skipped
+            local = expert_ids - self.expert_start
+            expert_ids = torch.where((local >= 0) & (local < self.num_local), local, -1)
         for expert in torch.unique(expert_ids).tolist():
+            if expert < 0:
+                continue
             tokens, slot = torch.where(expert_ids == expert)
             gate_up = x[tokens] @ self.gate_up_proj[expert] + self.gate_up_proj_bias[expert]
             gate = gate_up[:, ::2].clamp(max=self.limit)
@@ -86,7 +125,8 @@ class GptOssMoE(nn.Module):
         top_logits, expert_ids = torch.topk(self.router(x), self.top_k, dim=-1)
         # The softmax is over the chosen experts' logits only (renormalised by construction).
         weights = torch.softmax(top_logits, dim=-1, dtype=top_logits.dtype)
-        return self.experts(x, expert_ids, weights)
+        out = self.experts(x, expert_ids, weights)
+        return tensor_model_parallel_all_reduce(out) if get_tp_size() > 1 else out
 
 
 class GptOssAttention(nn.Module):
@@ -102,6 +142,15 @@ class GptOssAttention(nn.Module):
         self.attn = RadixAttention(self.qkv_proj.num_heads, self.head_dim, self.head_dim**-0.5,
                                    self.qkv_proj.num_kv_heads, layer_id,
                                    sliding_window_size=config.layer_windows[layer_id], with_sinks=True)
+        assert self.attn.sinks is not None  # with_sinks
+        heads, first = self.qkv_proj.num_heads, get_tp_rank() * self.qkv_proj.num_heads
+
+        def load_sinks(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
+            if loaded.shape != (heads * get_tp_size(),):
+                raise ValueError(f"gpt-oss sinks: expected {heads * get_tp_size()} values, got {tuple(loaded.shape)}")
+            param.data.copy_(loaded.narrow(0, first, heads))
+
+        set_weight_loader(self.attn.sinks, load_sinks)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: "ForwardBatch") -> torch.Tensor:
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
@@ -152,9 +201,6 @@ class GptOssModel(nn.Module):
 class GptOssForCausalLM(nn.Module):
     def __init__(self, config: "ModelConfig") -> None:
         super().__init__()
-        if get_tp_size() > 1:
-            raise ValueError("gpt-oss runs on one TP rank for now (its experts and sinks are not split): "
-                             "use --tp-size 1 (or --dp-size for replicas)")
         if not config.layer_windows:
             raise ValueError("a gpt-oss config needs its layers' windows (ModelConfig.layer_windows)")
         self.config = config
