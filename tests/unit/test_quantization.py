@@ -203,6 +203,31 @@ def test_int8_one_row_exact(kernel_build: str, threads: int, n: int) -> None:
         torch.set_num_threads(before)
 
 
+def test_w8a8_kernel_keeps_x_scale_when_not_asked(kernel_build: str) -> None:
+    """linear_w8a8 with x_scale NULL (what quantized_linear passes) computes what it does with a buffer for
+    them, and the buffer, where given, holds each row's scale."""
+    lib = library.linear()
+    if lib is None:
+        pytest.skip("no kernel library on this machine")
+    gen = torch.Generator().manual_seed(5)
+    qw = quantize_weight(torch.randn(7, 96, generator=gen), "w8a8_int8")
+    x = torch.randn(3, 96, generator=gen)
+    outs = [torch.full((3, 7), float("nan")) for _ in range(2)]
+    x_scale = torch.zeros(3)
+    for out, scales in zip(outs, (x_scale.data_ptr(), None)):
+        status = lib.linear_w8a8(x.data_ptr(), 3, 96, qw.qweight.data_ptr(), qw.scale.data_ptr(), None, 7,
+                                 out.data_ptr(), 0, scales, 1)
+        assert status == 0
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(x_scale, _int8_rows(x)[1][:, 0])
+
+
+def test_quantized_linear_refuses_rows_of_another_width() -> None:
+    qw = quantize_weight(torch.randn(4, 32), "w8a8_int8")
+    with pytest.raises(ValueError, match="32 inputs"):
+        quantized_linear(torch.randn(1, 64), qw, None)  # not two rows of 32
+
+
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "bf16"])
 @pytest.mark.parametrize("n", [37, 38, 39, 40])
 def test_float_kernels_every_channel_group(kernel_build: str, fmt: str, n: int) -> None:

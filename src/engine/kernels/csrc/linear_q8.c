@@ -477,13 +477,15 @@ static void w8a8_part(void *arg, int tid, int nt) {
 int linear_w8a8(const void *x, int64_t m, int64_t k, const int8_t *w, const float *scale, const float *bias,
                 int64_t n, void *out, int dtype, float *x_scale, int num_threads) {
     const int64_t kp = (k + 31) / 32 * 32;
-    float *row = (float *)malloc(sizeof(float) * (size_t)k);
+    /* the float32 row, then x's scales where the caller wants none back (x_scale NULL) */
+    float *row = (float *)malloc(sizeof(float) * (size_t)(k + m));
     uint8_t *xa = (uint8_t *)malloc((size_t)(2 * m * kp));
     if (row == NULL || xa == NULL) {
         free(row);
         free(xa);
         return -1;
     }
+    if (x_scale == NULL) x_scale = row + k;
     int8_t *xq = (int8_t *)(xa + m * kp);
     for (int64_t r = 0; r < m; r++) {
         const float *src = (const float *)x + r * k;
