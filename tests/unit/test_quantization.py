@@ -177,6 +177,57 @@ def test_int8_products_never_saturate(kernel_build: str, sign: int) -> None:
         assert torch.equal(out, torch.full((rows, 6), expected, dtype=torch.float32)), rows
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("n", [3, 9, 37, 40, 1536])
+def test_int8_one_row_exact(kernel_build: str, threads: int, n: int) -> None:
+    """One row with k a multiple of 32 (the decode path with its prefetch; whole groups of 4 channels, the
+    last partial group in the generic tile, the threads' ranges meeting anywhere): every output is the
+    float32 of (the exact int32 sum * x_scale) * w_scale + bias, bit for bit."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)  # the kernel splits the channel groups between torch's threads
+    try:
+        for k in (32, 1024, 2816):
+            gen = torch.Generator().manual_seed(n * k)
+            qw = quantize_weight(torch.randn(n, k, generator=gen), "w8a8_int8")
+            qw = dataclasses.replace(qw, int8_activations=True)
+            x, bias = torch.randn(1, k, generator=gen), torch.randn(n, generator=gen)
+            values, x_scale = _int8_rows(x)
+            # exact in float64, then rounded to float32 once, as the kernel converts its int32 sum
+            sums = (values.double() @ qw.qweight.double().T).float()
+            for b in (None, bias):
+                expected = sums * x_scale * qw.scale
+                if b is not None:
+                    expected = expected + b
+                assert torch.equal(quantized_linear(x, qw, b), expected), (k, b is None)
+    finally:
+        torch.set_num_threads(before)
+
+
+def test_w8a8_kernel_keeps_x_scale_when_not_asked(kernel_build: str) -> None:
+    """linear_w8a8 with x_scale NULL (what quantized_linear passes) computes what it does with a buffer for
+    them, and the buffer, where given, holds each row's scale."""
+    lib = library.linear()
+    if lib is None:
+        pytest.skip("no kernel library on this machine")
+    gen = torch.Generator().manual_seed(5)
+    qw = quantize_weight(torch.randn(7, 96, generator=gen), "w8a8_int8")
+    x = torch.randn(3, 96, generator=gen)
+    outs = [torch.full((3, 7), float("nan")) for _ in range(2)]
+    x_scale = torch.zeros(3)
+    for out, scales in zip(outs, (x_scale.data_ptr(), None)):
+        status = lib.linear_w8a8(x.data_ptr(), 3, 96, qw.qweight.data_ptr(), qw.scale.data_ptr(), None, 7,
+                                 out.data_ptr(), 0, scales, 1)
+        assert status == 0
+    assert torch.equal(outs[0], outs[1])
+    assert torch.equal(x_scale, _int8_rows(x)[1][:, 0])
+
+
+def test_quantized_linear_refuses_rows_of_another_width() -> None:
+    qw = quantize_weight(torch.randn(4, 32), "w8a8_int8")
+    with pytest.raises(ValueError, match="32 inputs"):
+        quantized_linear(torch.randn(1, 64), qw, None)  # not two rows of 32
+
+
 @pytest.mark.parametrize("fmt", ["int8", "fp8", "bf16"])
 @pytest.mark.parametrize("n", [37, 38, 39, 40])
 def test_float_kernels_every_channel_group(kernel_build: str, fmt: str, n: int) -> None:

@@ -57,7 +57,7 @@ ENGINE_API int linear_fp8_block(const void *x, int64_t m, int64_t k, const uint8
                                 int64_t block_n, int64_t block_k, const float *bias, int64_t n, void *out, int dtype,
                                 int num_threads);
 /* linear_q8.c, SGLang's w8a8_int8: each row of x (float32 or bfloat16, dtype) quantized to int8 per row, its
- * scale written to x_scale [m]; out [m, n] = (q_x . w^T) * x_scale * scale (+ bias, float32 or NULL), w int8,
+ * scale written to x_scale [m] (or kept in scratch: NULL); out [m, n] = (q_x . w^T) * x_scale * scale (+ bias, float32 or NULL), w int8,
  * summed exactly in int32. Returns 0, or -1 when its scratch could not be allocated (nothing written). */
 ENGINE_API int linear_w8a8(const void *x, int64_t m, int64_t k, const int8_t *w, const float *scale, const float *bias,
                            int64_t n, void *out, int dtype, float *x_scale, int num_threads);

@@ -502,12 +502,53 @@ static inline __attribute__((always_inline)) void w8a8_tile(const w8a8_job_t *J,
         }
 }
 
-/* One row: channels in groups of 4; several rows: 2 rows x 4 channels per tile (the weights' vectors
- * loaded once per two rows), an odd last row alone. */
+#if defined(Q8_AVX2)
+/* One row (a batch-1 decode step), channel groups [first, last) of 4 whole channels, k a multiple of 32: the
+ * same sums as w8a8_tile(R = 1, C = 4), with a software prefetch. A group's 4 channels are 4 KiB-ish of
+ * contiguous bytes read as 4 short interleaved streams (k bytes each), too short for the hardware prefetcher
+ * to ramp up on: measured on the 2-core Zen 1, one thread, a model's worth of weights (90 MB) from memory,
+ * 0.17 ns per weight without, 0.10 with (the bytes of the next group fetched while this one is summed, two
+ * cache lines per 32 inputs: exactly the next group by the end of this one); 2 or 4 groups ahead were no
+ * better. The prefetch stops at the weight's end. */
+static void w8a8_one_row(const w8a8_job_t *J, int64_t first, int64_t last) {
+    const int64_t k = J->k;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int8_t *end = J->w + J->n * k;
+    for (int64_t g = first; g < last; g++) {
+        const int8_t *w = J->w + 4 * g * k, *next = w + 4 * k;
+        __m256i acc[4] = {_mm256_setzero_si256(), _mm256_setzero_si256(), _mm256_setzero_si256(),
+                          _mm256_setzero_si256()};
+        for (int64_t d = 0; d < k; d += 32) {
+            if (next + 4 * d + 128 <= end) {
+                _mm_prefetch((const char *)(next + 4 * d), _MM_HINT_T0);
+                _mm_prefetch((const char *)(next + 4 * d + 64), _MM_HINT_T0);
+            }
+            const __m256i a = _mm256_loadu_si256((const __m256i *)(J->xa + d));
+            const __m256i q = _mm256_loadu_si256((const __m256i *)(J->xq + d));
+            for (int c = 0; c < 4; c++) {
+                const __m256i wv = _mm256_loadu_si256((const __m256i *)(w + c * k + d));
+                acc[c] = _mm256_add_epi32(acc[c], _mm256_madd_epi16(_mm256_maddubs_epi16(a, _mm256_sign_epi8(wv, q)), ones));
+            }
+        }
+        for (int c = 0; c < 4; c++) w8a8_emit(J, 0, 4 * g + c, hsum_epi32(acc[c]));
+    }
+}
+#endif
+
+/* One row: channels in groups of 4 (w8a8_one_row where the shapes allow); several rows: 2 rows x 4 channels
+ * per tile (the weights' vectors loaded once per two rows), an odd last row alone. */
 static void w8a8_part(void *arg, int tid, int nt) {
     const w8a8_job_t *J = (const w8a8_job_t *)arg;
     int64_t first, last;
     pool_range((J->n + 3) / 4, tid, nt, &first, &last);
+#if defined(Q8_AVX2)
+    if (J->m == 1 && J->k % 32 == 0) {
+        const int64_t whole = J->n / 4; /* groups of 4 channels; a partial last one goes below */
+        w8a8_one_row(J, first, last < whole ? last : whole);
+        if (last <= whole) return;
+        first = first > whole ? first : whole;
+    }
+#endif
     for (int64_t g = first; g < last; g++) {
         const int64_t c0 = 4 * g;
         const int C = J->n - c0 >= 4 ? 4 : (int)(J->n - c0);
@@ -527,13 +568,15 @@ static void w8a8_part(void *arg, int tid, int nt) {
 int linear_w8a8(const void *x, int64_t m, int64_t k, const int8_t *w, const float *scale, const float *bias,
                 int64_t n, void *out, int dtype, float *x_scale, int num_threads) {
     const int64_t kp = (k + 31) / 32 * 32;
-    float *row = (float *)malloc(sizeof(float) * (size_t)k);
+    /* the float32 row, then x's scales where the caller wants none back (x_scale NULL) */
+    float *row = (float *)malloc(sizeof(float) * (size_t)(k + m));
     uint8_t *xa = (uint8_t *)malloc((size_t)(2 * m * kp));
     if (row == NULL || xa == NULL) {
         free(row);
         free(xa);
         return -1;
     }
+    if (x_scale == NULL) x_scale = row + k;
     int8_t *xq = (int8_t *)(xa + m * kp);
     for (int64_t r = 0; r < m; r++) {
         const float *src = (const float *)x + r * k;
