@@ -95,9 +95,12 @@ static inline __attribute__((always_inline)) float hsum(__m256 v) {
 }
 #endif
 
-/* sums[c] = x[m0] . W[c0 + c] for one row and C (1-4) channels, unscaled. */
+/* sums[c] = x[m0] . W[c0 + c] for one row and C (1-4) channels, unscaled. `next`: the bytes of the next group
+ * of 4 channels (q8_one_row), fetched while these are summed, NULL for none: a batch-1 step reads each group
+ * as 4 short interleaved streams, too short for the hardware prefetcher (as w8a8_one_row; bf16 weights of a
+ * model from memory on one Zen 1 thread: 0.245 -> 0.19-0.20 ns per weight). */
 static inline __attribute__((always_inline)) void q8_row(const q8_job_t *J, int64_t m0, int64_t c0, const int C,
-                                                         const int fmt, float sums[4]) {
+                                                         const int fmt, float sums[4], const uint8_t *next) {
     const int64_t k = J->k;
     const float *x = J->x + m0 * k;
     int64_t d = 0;
@@ -106,6 +109,10 @@ static inline __attribute__((always_inline)) void q8_row(const q8_job_t *J, int6
     for (int c = 0; c < C; c++) acc[c][0] = acc[c][1] = _mm256_setzero_ps();
     if (fmt == W_BF16)
         for (; d + 16 <= k; d += 16) {
+            if (next != NULL) {  /* 16 inputs x 4 channels x 2 bytes: two lines of the next group */
+                _mm_prefetch((const char *)(next + 8 * d), _MM_HINT_T0);
+                _mm_prefetch((const char *)(next + 8 * d + 64), _MM_HINT_T0);
+            }
             const __m256 xe = _mm256_loadu_ps(J->xp + m0 * k + d), xo = _mm256_loadu_ps(J->xp + m0 * k + d + 8);
             for (int c = 0; c < C; c++) {
                 __m256 we, wo;
@@ -115,6 +122,7 @@ static inline __attribute__((always_inline)) void q8_row(const q8_job_t *J, int6
             }
         }
     for (; d + 16 <= k; d += 16) {
+        if (next != NULL) _mm_prefetch((const char *)(next + 4 * d), _MM_HINT_T0);  /* one-byte weights: one line */
         const __m256 x0 = _mm256_loadu_ps(x + d), x1 = _mm256_loadu_ps(x + d + 8);
         for (int c = 0; c < C; c++) {
             acc[c][0] = _mm256_fmadd_ps(x0, widen8(J->w, k, c0 + c, d, fmt), acc[c][0]);
@@ -127,6 +135,7 @@ static inline __attribute__((always_inline)) void q8_row(const q8_job_t *J, int6
     }
     for (int c = 0; c < C; c++) sums[c] = hsum(_mm256_add_ps(acc[c][0], acc[c][1]));
 #else
+    (void)next;
     for (int c = 0; c < C; c++) sums[c] = 0.0f;
 #endif
     for (; d < k; d++)
@@ -190,14 +199,17 @@ static inline __attribute__((always_inline)) void q8_one_row(const q8_job_t *J, 
     const float unit = fmt == W_FP8 ? FP8_SCALE : 1.0f;
     int64_t first, last;
     pool_range((J->n + 3) / 4, tid, nt, &first, &last);
+    const int64_t bytes = fmt == W_BF16 ? 2 : 1;
     for (int64_t g = first; g < last; g++) {
         const int64_t c0 = 4 * g;
         float sums[4];
+        /* The next group's bytes while this one is summed; none for the last whole group. */
+        const uint8_t *next = c0 + 8 <= J->n ? J->w + (c0 + 4) * J->k * bytes : NULL;
         switch (J->n - c0 >= 4 ? 4 : (int)(J->n - c0)) {
-        case 4: q8_row(J, 0, c0, 4, fmt, sums); q8_emit(J, 0, c0, 4, sums, unit); break;
-        case 3: q8_row(J, 0, c0, 3, fmt, sums); q8_emit(J, 0, c0, 3, sums, unit); break;
-        case 2: q8_row(J, 0, c0, 2, fmt, sums); q8_emit(J, 0, c0, 2, sums, unit); break;
-        default: q8_row(J, 0, c0, 1, fmt, sums); q8_emit(J, 0, c0, 1, sums, unit); break;
+        case 4: q8_row(J, 0, c0, 4, fmt, sums, next); q8_emit(J, 0, c0, 4, sums, unit); break;
+        case 3: q8_row(J, 0, c0, 3, fmt, sums, NULL); q8_emit(J, 0, c0, 3, sums, unit); break;
+        case 2: q8_row(J, 0, c0, 2, fmt, sums, NULL); q8_emit(J, 0, c0, 2, sums, unit); break;
+        default: q8_row(J, 0, c0, 1, fmt, sums, NULL); q8_emit(J, 0, c0, 1, sums, unit); break;
         }
     }
 }
