@@ -167,7 +167,7 @@ def _run(path: str, tp_size: int = 1, ep_size: int = 1):
     kinds = {"q_a_proj": type(layer.self_attn.q_a_proj.packed_weight).__name__,
              "o_proj": type(layer.self_attn.o_proj.packed_weight).__name__,
              "shared_experts.gate_up_proj": type(layer.mlp.shared_experts.gate_up_proj.packed_weight).__name__,
-             "experts": "fp8" if layer.mlp.experts.fp8_experts is not None else str(layer.mlp.experts.w13.weight.dtype),
+             "experts": "fp8" if layer.mlp.experts.packed_experts is not None else str(layer.mlp.experts.w13.weight.dtype),
              "kv_b_proj": str(layer.self_attn.kv_b_proj.weight.dtype)}
     return logits, outputs, kinds
 
@@ -221,7 +221,7 @@ def test_qwen3_moe_block_fp8_matches_transformers(tmp_path):
     runner = make_runner(str(tmp_path / "fp8"))
     layer = runner.model.model.decoder_layers[1]
     assert type(layer.self_attn.qkv_proj.packed_weight).__name__ == "BlockFp8Weight"
-    assert layer.mlp.experts.fp8_experts is not None
+    assert layer.mlp.experts.packed_experts is not None
     driver = BatchDriver(runner)
     rows = [driver.new_row() for _ in PROMPTS]
     _, tokens = driver.run(driver.extend_batch([ExtendReq(r, p) for r, p in zip(rows, PROMPTS)]))

@@ -18,7 +18,7 @@ Three steps around the model's own `load_weights` (as layers/prequantized.py):
    any other fp8 weight (kv_b_proj, which the absorbed attention reads as per-head views; every weight on
    a GPU) is dequantized there to the model dtype and loads as a bf16 checkpoint's would.
 3. `finish`: each fp8 layer's parameters become its BlockFp8Weight (layers/block_fp8_linear.py: the CPU
-   kernel reads one byte per weight), each expert's its pair of them (FusedMoE.use_block_fp8); the
+   kernel reads one byte per weight), each expert's its pair of them (FusedMoE.use_packed_experts); the
    parameters are released.
 
 Memory: the linears of step 1 keep fp8's byte per weight (plus a float32 per 128 x 128 block); dequantized
@@ -244,7 +244,7 @@ def finish(plan: Fp8Plan, dtype: torch.dtype) -> None:
             per_expert.append([BlockFp8Weight(weight[e], scale[e].contiguous(), plan.quant.block)
                                for e in range(int(weight.shape[0]))])
             delattr(stacked, SCALE_SUFFIX)
-        experts.use_block_fp8(per_expert[0], per_expert[1], dtype)
+        experts.use_packed_experts(per_expert[0], per_expert[1], dtype)
     for module in plan.modules.values():
         scale = getattr(module, SCALE_SUFFIX).data
         if not isinstance(module, (ReplicatedLinear, RowParallelLinear)):

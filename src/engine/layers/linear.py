@@ -25,6 +25,7 @@ from engine.kernels import linear as linear_kernels
 from engine.layers.block_fp8_linear import BlockFp8Weight, block_fp8_linear
 from engine.layers.cpu_matmul import dense_linear
 from engine.layers.int4 import Int4Weight, int4_linear
+from engine.layers.moe.layer import FusedMoE
 from engine.layers.quantization import QuantizedWeight, quantize_weight, quantized_linear
 from engine.model_loader.weight_utils import set_weight_loader
 
@@ -287,12 +288,16 @@ class RowParallelLinear(nn.Module):
 
 
 def quantize_model(model: nn.Module, method: str) -> int:
-    """Quantize every column- and row-parallel linear of a loaded model in place; the number done.
+    """Quantize every column- and row-parallel linear of a loaded model in place, and on the CPU each
+    expert of its FusedMoE layers (FusedMoE.quantize_experts); the number of weights done (an expert's
+    gate_up and down count as two).
 
     Each layer's full-precision weight is released (its parameter keeps shape [0]): the quantized
     copy is the only one, so the model's weights take about half the memory of bf16's."""
     count = 0
     for module in model.modules():
+        if isinstance(module, FusedMoE) and module.quantize_experts(method):
+            count += 2 * module.num_local_experts
         if not isinstance(module, (ColumnParallelLinear, RowParallelLinear)):
             continue
         module.packed_weight = quantize_weight(module.weight.data, method)

@@ -11,7 +11,7 @@ TP group completes it: SGLang's non-DeepEP expert parallelism.
 
 from __future__ import annotations
 
-from typing import List, Optional, Sequence, Tuple
+from typing import List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -24,6 +24,7 @@ from engine.distributed.parallel_state import (
 )
 from engine.layers.moe.expert_distribution import ExpertDistributionRecorder
 from engine.layers.block_fp8_linear import BlockFp8Weight, block_fp8_linear
+from engine.layers.quantization import QuantizedWeight, quantize_weight, quantized_linear
 from engine.layers.moe.fused_moe_native import fused_moe_grouped, fused_moe_native
 from engine.layers.moe.router import select_experts
 from engine.model_loader.weight_utils import ShardId, set_weight_loader
@@ -32,6 +33,16 @@ from engine.model_loader.weight_utils import ShardId, set_weight_loader
 MIXTRAL_EXPERT_NAMES = (("w1", "w13", "gate"), ("w3", "w13", "up"), ("w2", "w2", "down"))
 QWEN_EXPERT_NAMES = (("gate_proj", "w13", "gate"), ("up_proj", "w13", "up"), ("down_proj", "w2", "down"))
 
+
+
+PackedExpert = Union[BlockFp8Weight, QuantizedWeight]
+
+
+def packed_expert_linear(x: torch.Tensor, weight: PackedExpert) -> torch.Tensor:
+    """One packed expert projection of rows x (no bias)."""
+    if isinstance(weight, BlockFp8Weight):
+        return block_fp8_linear(x, weight, None)
+    return quantized_linear(x, weight, None)
 
 def expert_params_mapping(num_experts: int, names: Sequence[Tuple[str, str, str]] = MIXTRAL_EXPERT_NAMES,
                           ) -> List[Tuple[str, str, ShardId]]:
@@ -78,16 +89,29 @@ class FusedMoE(nn.Module):
         self.w2 = StackedExpertWeight(self.num_local_experts, hidden_size, self.intermediate_per_rank)
         set_weight_loader(self.w13.weight, self.weight_loader)
         set_weight_loader(self.w2.weight, self.weight_loader)
-        # Block-wise fp8 experts on the CPU (layers/block_fp8.py): each local expert's gate_up and down.
-        self.fp8_experts: Optional[Tuple[List[BlockFp8Weight], List[BlockFp8Weight]]] = None
+        # Packed experts on the CPU: each local expert's gate_up and down as block-wise fp8 weights
+        # (layers/block_fp8.py) or as --quantization's per-channel ones (quantize_experts).
+        self.packed_experts: Optional[Tuple[List[PackedExpert], List[PackedExpert]]] = None
 
-    def use_block_fp8(self, w13: List[BlockFp8Weight], w2: List[BlockFp8Weight], dtype: torch.dtype) -> None:
-        """Run the experts from these fp8 weights (one per local expert); the float stacks are released."""
+    def use_packed_experts(self, w13: Sequence[PackedExpert], w2: Sequence[PackedExpert], dtype: torch.dtype) -> None:
+        """Run the experts from these weights (one per local expert); the float stacks are released."""
         if len(w13) != self.num_local_experts or len(w2) != self.num_local_experts:
-            raise ValueError(f"expected {self.num_local_experts} fp8 experts, got {len(w13)} and {len(w2)}")
-        self.fp8_experts = (w13, w2)
+            raise ValueError(f"expected {self.num_local_experts} packed experts, got {len(w13)} and {len(w2)}")
+        self.packed_experts = (list(w13), list(w2))
         for stacked in (self.w13, self.w2):
             stacked.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
+
+    def quantize_experts(self, method: str) -> bool:
+        """--quantization on the CPU: each local expert's gate_up and down quantized per output channel, as
+        the linears are (SGLang's fp8 / w8a8_int8 MoE methods quantize the experts too). False where the
+        experts stay in the model dtype: on a GPU (the Triton fused-MoE kernel reads the float stacks) or
+        already packed."""
+        w13, w2 = self.w13.weight, self.w2.weight
+        if self.packed_experts is not None or w13.device.type != "cpu" or w13.numel() == 0:
+            return False
+        self.use_packed_experts([quantize_weight(w13.data[e], method) for e in range(self.num_local_experts)],
+                                [quantize_weight(w2.data[e], method) for e in range(self.num_local_experts)], w13.dtype)
+        return True
 
     def local_expert(self, shard_id: str) -> Tuple[int, str]:
         """("N:role") -> (this rank's index of expert N, -1 where another EP rank holds it; the role)."""
@@ -150,11 +174,11 @@ class FusedMoE(nn.Module):
             self.recorder.record(self.layer_id, ids)
         local_ids = self.local_ids(ids)
         w13, w2 = self.w13.weight, self.w2.weight
-        if self.fp8_experts is not None:
-            gate_up, down = self.fp8_experts
+        if self.packed_experts is not None:
+            gate_up, down = self.packed_experts
             out = fused_moe_grouped(hidden_states, self.num_local_experts, down[0].n,
-                                    lambda x, e: block_fp8_linear(x, gate_up[e], None),
-                                    lambda x, e: block_fp8_linear(x, down[e], None), weights, local_ids)
+                                    lambda x, e: packed_expert_linear(x, gate_up[e]),
+                                    lambda x, e: packed_expert_linear(x, down[e]), weights, local_ids)
         elif hidden_states.is_cuda:
             from engine.layers.moe.fused_moe_triton import fused_moe_triton
 
