@@ -43,13 +43,15 @@ def test_low_acceptance_switches_off_and_probes_back_off():
     assert not any(chosen[4:sw.MIN_PROBE_INTERVAL + 3])
     probes = [i for i, v in enumerate(chosen) if v][2:]
     gaps = [b - a for a, b in zip(probes, probes[1:])]
-    # Each probe finds drafts still do not pay: the interval doubles up to its maximum.
-    assert gaps[:4] == [2 * sw.MIN_PROBE_INTERVAL, 4 * sw.MIN_PROBE_INTERVAL, 8 * sw.MIN_PROBE_INTERVAL,
-                        16 * sw.MIN_PROBE_INTERVAL]
-    assert set(gaps[4:]) == {sw.MAX_PROBE_INTERVAL}
-    # The cost of exploring: time of these steps against all-plain steps stays within the floor.
-    cost = sum(3.0 if v else 1.0 for v in chosen)
-    assert 3000 / cost > 0.97
+    # A probe costs 3.0 - 1.2 plain steps: the first comes 1.8 / PROBE_BUDGET = 90 steps after the switch
+    # turned off, and each probe that finds drafts still do not pay doubles the interval up to its maximum.
+    budget = round(1.8 / sw.PROBE_BUDGET)
+    assert probes[0] - 3 == budget
+    assert gaps[:1] == [2 * budget]
+    assert set(gaps[1:]) == {sw.MAX_PROBE_INTERVAL}
+    # The cost of exploring: time of these steps, less what the probes emitted, within the budget.
+    cost = sum(3.0 - 1.2 + 1.0 if v else 1.0 for v in chosen[4:])
+    assert len(chosen[4:]) / cost > 1 - sw.PROBE_BUDGET
     assert s.state()["spec_on_by_batch_size"] == {1: False}
 
 

@@ -13,7 +13,11 @@ of each kind it follows the rule:
   plain cost stays current (a fraction of a percent of the speed-up);
 - off: decode steps are plain, except a probe (one verify step) every `interval` steps, which
   doubles from MIN_PROBE_INTERVAL to MAX_PROBE_INTERVAL while the probes keep finding speculation
-  unprofitable, so probing costs at most (verify/plain - 1) / interval of the plain speed.
+  unprofitable. A probe costs its verify step less the tokens it emits, (verify - accept x plain), so
+  the interval is never below that over PROBE_BUDGET plain steps (capped at MAX_PROBE_INTERVAL):
+  probing costs at most PROBE_BUDGET of the plain speed (a draft model's catch-up aside) from the first
+  probe on, not only once the doubling has run (a young server, or a slow verify step, probed every
+  16 steps: ~5% of the speed at batch 1 with a draft model beside a small target).
 Outputs never depend on it: a plain step and a verify step are both exact.
 
 Under tensor parallelism every rank schedules the same batches, so each rank must take the same
@@ -25,6 +29,7 @@ measured that it pays).
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable, Deque, Dict, Optional
@@ -42,6 +47,8 @@ MAX_PROBE_INTERVAL = 256
 # Off, speculation turns on again only where it is expected to be this much faster: a busy spell of
 # a shared machine during the plain steps must not make one quiet probe look profitable.
 ON_MARGIN = 1.1
+# Off, the share of the plain speed the probes may cost (their verify steps less what they emit).
+PROBE_BUDGET = 0.02
 
 
 @dataclass
@@ -117,6 +124,9 @@ class SpeculationSwitch:
         on = self.agree(pays) if self.agree is not None else pays
         if probe:  # its verdict
             c.interval = MIN_PROBE_INTERVAL if on else min(2 * c.interval, MAX_PROBE_INTERVAL)
+        if not on:  # within the probing budget
+            excess = (verify_s - self.accept_length * plain_s) / plain_s
+            c.interval = max(c.interval, min(MAX_PROBE_INTERVAL, math.ceil(excess / PROBE_BUDGET)))
         if on != c.on:
             self.switches += 1
             c.since = 0
