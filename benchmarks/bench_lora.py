@@ -6,7 +6,9 @@
               projection, the requests spread round-robin over the adapters;
   lora-base   the LoRA server with every request on the base model (the cost of the machinery alone).
 The table reports SGLang's metric set (request and token throughput, TTFT, ITL, TPOT, end-to-end
-latency: mean, median, p99) and each configuration's output throughput relative to `base`.
+latency: mean, median, p99) and each configuration's output throughput relative to `base`; beside
+the wall time, the CPU time of the process over the timed run and of the forwards by mode (prefill:
+EXTEND and MIXED, decode), which move much less than wall time on a machine shared with other work.
 
   python benchmarks/bench_lora.py                          # builtin model, table + JSON
   python benchmarks/bench_lora.py --model 100m --num-requests 64 --out-len 64 --repeats 2 --json lora.json
@@ -31,9 +33,13 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 from bench_models import resolve_model  # noqa: E402
 from engine.io_struct import BatchTokenIDOutput, TokenizedGenerateReqInput  # noqa: E402
+from engine.layers.logits_processor import LogitsProcessorOutput  # noqa: E402
+from engine.model_executor.forward_batch_info import ForwardBatch  # noqa: E402
+from engine.model_executor.model_runner import ModelRunner  # noqa: E402
 from engine.request_options import RequestOptions  # noqa: E402
 from engine.scheduler.overlap_utils import scheduling_thread  # noqa: E402
 from engine.scheduler.scheduler import Scheduler  # noqa: E402
+from engine.scheduler.tp_worker import TpModelWorker  # noqa: E402
 from engine.server_args import ServerArgs  # noqa: E402
 
 MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
@@ -71,6 +77,9 @@ class Run:
     duration: float
     output_tokens: int
     input_tokens: int
+    cpu_s: float = 0.0  # CPU time of the process (every thread) over the timed run
+    # CPU time of the process during the forwards, by mode ("prefill": EXTEND and MIXED; "decode")
+    forward_cpu_s: Dict[str, float] = field(default_factory=dict)
     ttft: List[float] = field(default_factory=list)
     itl: List[float] = field(default_factory=list)
     tpot: List[float] = field(default_factory=list)
@@ -89,6 +98,9 @@ def _run(model_path: str, prompts: List[List[int]], out_len: int, loras: List[Op
                              max_total_tokens=args.max_total_tokens, max_running_requests=len(prompts),
                              lora_paths=lora_paths, max_loras_per_batch=args.max_loras_per_batch)
     scheduler = Scheduler(server_args)
+    forward_cpu: Dict[str, float] = {}
+    if isinstance(scheduler.worker, TpModelWorker) and scheduler.worker.real_runner is not None:
+        _time_forwards(scheduler.worker.real_runner, forward_cpu)
     greedy = {"max_new_tokens": out_len, "temperature": 0.0, "ignore_eos": True}
     for i, name in enumerate(sorted({n for n in loras if n is not None}) or [None]):  # warm-up, each adapter
         scheduler.add_request(TokenizedGenerateReqInput(rid=f"warmup{i}", input_ids=prompts[0][:8],
@@ -98,11 +110,13 @@ def _run(model_path: str, prompts: List[List[int]], out_len: int, loras: List[Op
         scheduler.step()
     scheduler.flush_cache()
     scheduler.outbox.clear()
+    forward_cpu.clear()  # the warm-up's forwards are not part of the run
     n = len(prompts)
     first: Dict[str, float] = {}
     last: Dict[str, float] = {}
     counts: Dict[str, int] = {str(i): 0 for i in range(n)}
     result = Run(0.0, 0, sum(map(len, prompts)))
+    cpu_start = time.process_time()
     start = time.perf_counter()
     for i, (p, name) in enumerate(zip(prompts, loras)):
         scheduler.add_request(TokenizedGenerateReqInput(rid=str(i), input_ids=p, stream=True, sampling_params=greedy,
@@ -127,6 +141,8 @@ def _run(model_path: str, prompts: List[List[int]], out_len: int, loras: List[Op
                 counts[rid] += len(ids)
         scheduler.outbox.clear()
     result.duration = time.perf_counter() - start
+    result.cpu_s = time.process_time() - cpu_start
+    result.forward_cpu_s = dict(forward_cpu)
     scheduler.shutdown()
     result.output_tokens = sum(counts.values())
     for rid in counts:
@@ -134,6 +150,21 @@ def _run(model_path: str, prompts: List[List[int]], out_len: int, loras: List[Op
         if counts[rid] > 1:
             result.tpot.append((last[rid] - first[rid]) / (counts[rid] - 1))
     return result
+
+
+def _time_forwards(runner: ModelRunner, totals: Dict[str, float]) -> None:
+    """Add each forward's CPU time (the whole process's: the OpenMP team included) to totals[mode]."""
+    forward = runner.forward
+
+    def timed(forward_batch: ForwardBatch) -> LogitsProcessorOutput:
+        begin = time.process_time()
+        try:
+            return forward(forward_batch)
+        finally:
+            mode = "decode" if forward_batch.forward_mode.is_decode() else "prefill"
+            totals[mode] = totals.get(mode, 0.0) + time.process_time() - begin
+
+    runner.forward = timed  # type: ignore[method-assign]  # a benchmark's probe on its own runner
 
 
 def _stats(values: List[float]) -> Dict[str, float]:
@@ -150,7 +181,9 @@ def summarize(run_: Run) -> Dict[str, object]:
             "output_token_throughput": run_.output_tokens / run_.duration,
             "total_token_throughput": (run_.input_tokens + run_.output_tokens) / run_.duration,
             "ttft_ms": _stats(run_.ttft), "itl_ms": _stats(run_.itl), "tpot_ms": _stats(run_.tpot),
-            "e2e_latency_ms": _stats(run_.e2e)}
+            "e2e_latency_ms": _stats(run_.e2e), "cpu_s": run_.cpu_s,
+            "forward_cpu_s": {"prefill": run_.forward_cpu_s.get("prefill", 0.0),
+                              "decode": run_.forward_cpu_s.get("decode", 0.0)}}
 
 
 def main() -> None:
@@ -167,9 +200,12 @@ def main() -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--repeats", type=int, default=1,
                         help="run the configurations in turn this many times, keep each one's fastest")
+    parser.add_argument("--warmup-runs", type=int, default=1,
+                        help="untimed runs of the `lora` workload before the timed ones (the process's warm-up)")
     parser.add_argument("--json", default=None, help="write the results here")
     args = parser.parse_args()
     model_path, vocab = resolve_model(args.model, args.dtype)
+    load_start = os.getloadavg()[0]
     rng = random.Random(args.seed)
     prompts = [[rng.randrange(vocab) for _ in range(args.in_len)] for _ in range(args.num_requests)]
     with tempfile.TemporaryDirectory() as root:
@@ -181,8 +217,17 @@ def main() -> None:
         spread: List[Optional[str]] = [names[i % len(names)] for i in range(len(prompts))]
         configs = {"base": (base_only, None), "lora": (spread, lora_paths), "lora-base": (base_only, lora_paths)}
         runs: Dict[str, Run] = {}
-        for _ in range(args.repeats):  # alternating: a machine that slows down hurts every configuration
-            for name, (loras, paths) in configs.items():
+        # The first full-size run in a process pays one-time costs that the per-server warm-up (short
+        # prompts) does not (it took 4.6x as long as every later run of either server, in bfloat16):
+        # an untimed run of the whole workload first, or the configuration that runs first loses.
+        for _ in range(args.warmup_runs):
+            run(model_path, prompts, args.out_len, spread, lora_paths, args)
+        names_in_order = list(configs)
+        for repeat in range(args.repeats):  # alternating: a machine that slows down hurts every configuration
+            # each round starts with another configuration, so none always follows the same neighbour
+            shift = repeat % len(names_in_order)
+            for name in names_in_order[shift:] + names_in_order[:shift]:
+                loras, paths = configs[name]
                 result = run(model_path, prompts, args.out_len, loras, paths, args)
                 if name not in runs or result.duration < runs[name].duration:
                     runs[name] = result
@@ -190,16 +235,19 @@ def main() -> None:
     base_tput = float(results["base"]["output_token_throughput"])  # type: ignore[arg-type]
     print(f"model={args.model} dtype={args.dtype} requests={args.num_requests} adapters={args.num_adapters} "
           f"rank={args.rank} in={args.in_len} out={args.out_len}")
+    print(f"load average {load_start:.1f} at the start, {os.getloadavg()[0]:.1f} at the end, {os.cpu_count()} CPUs")
     print(f"{'config':<10} {'req/s':>7} {'out tok/s':>10} {'vs base':>8} {'TTFT med':>9} {'ITL med':>8} "
-          f"{'TPOT med':>9} {'E2E p99':>8}  (ms)")
+          f"{'TPOT med':>9} {'E2E p99':>8}  (ms) {'wall s':>7} {'CPU s':>6} {'fwd CPU s: prefill':>18} {'decode':>7}")
     for name, r in results.items():
         out_tput = float(r["output_token_throughput"])  # type: ignore[arg-type]
+        fwd = r["forward_cpu_s"]
         print(f"{name:<10} {r['request_throughput']:>7.2f} {out_tput:>10.1f} {out_tput / base_tput:>8.2f} "
               f"{r['ttft_ms']['median']:>9.1f} {r['itl_ms']['median']:>8.1f} "  # type: ignore[index]
-              f"{r['tpot_ms']['median']:>9.1f} {r['e2e_latency_ms']['p99']:>8.1f}")  # type: ignore[index]
+              f"{r['tpot_ms']['median']:>9.1f} {r['e2e_latency_ms']['p99']:>8.1f}      "  # type: ignore[index]
+              f"{r['duration_s']:>7.2f} {r['cpu_s']:>6.2f} {fwd['prefill']:>18.2f} {fwd['decode']:>7.2f}")  # type: ignore[index]
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=2)
+            json.dump({"args": vars(args), "load_average": [load_start, os.getloadavg()[0]], "results": results}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ pytestmark = [
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_triton_lora_equals_native_on_cuda(dtype):
-    from engine.lora.backend import build_batch_info, lora_native, lora_triton
+    from engine.lora.backend import NativeShape, build_batch_info, lora_native, lora_triton, native_b
 
     torch.manual_seed(0)
     device = torch.device("cuda")
@@ -28,11 +28,12 @@ def test_triton_lora_equals_native_on_cuda(dtype):
     scalings = torch.rand(slots, device=device) * 2
     scalings[0] = 0
     row_slots = [(i // 7) % slots for i in range(301)]  # segments of 7 rows, slot 0 among them
-    info = build_batch_info(row_slots, scalings, device, dense=False)
+    info = build_batch_info(row_slots, scalings, device, NativeShape(n, len(sections) * rank, dtype))
     x = torch.randn(len(row_slots), k, device=device, dtype=dtype)
     base = torch.randn(len(row_slots), n, device=device, dtype=dtype)
     want, got = base.clone(), base.clone()
-    lora_native(x, want, a, b, sections, rank, info)
+    assert info.native is not None
+    lora_native(x, want, a, native_b(b, sections, rank, scalings), sections, rank, info.native)
     lora_triton(x, got, a, b, sections, rank, info)
     tol = 1e-3 if dtype == torch.float32 else 3e-2
     torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)

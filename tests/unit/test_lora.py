@@ -73,6 +73,37 @@ CONFIGS = {
 }
 
 
+# Prompts long enough that each request's rows form a segment the native path multiplies in place
+# (backend.IN_PLACE_MIN_ROWS); chunks of 48 cut them mid-request, and mixed chunks put decode rows
+# (grouped) after a prefill's segments in one forward.
+LONG_PROMPTS = [[(7 * i + j) % 500 + 3 for j in range(n)] for i, n in enumerate((40, 75, 33))]
+LONG_CONFIGS = {
+    "plain": {},
+    "chunked-mixed-overlap": dict(chunked_prefill_size=48, enable_mixed_chunk=True, overlap=True),
+}
+
+
+@pytest.mark.parametrize("name", list(LONG_CONFIGS))
+def test_long_prompts_equal_peft(setup, name, monkeypatch):
+    from engine.lora import backend
+
+    _, paths, _, hf, _ = setup
+    in_place = []  # the segments the native path multiplied in place
+    real = backend._lora_in_place
+    monkeypatch.setattr(backend, "_lora_in_place", lambda *args: in_place.append(1) or real(*args))
+    expected = {adapter: peft_greedy(hf, path, LONG_PROMPTS, STEPS) for adapter, path in paths.items()}
+    expected[None] = [hf_greedy(hf, p, STEPS) for p in LONG_PROMPTS]
+    h = harness(setup, **dict(LONG_CONFIGS[name]))
+    rids = {}
+    for adapter in ALL_NAMES:
+        for i, p in enumerate(LONG_PROMPTS):
+            rids[(adapter, i)] = h.submit(p, max_new_tokens=STEPS, ignore_eos=True, lora_path=adapter)
+    h.run_until_idle()
+    for (adapter, i), rid in rids.items():
+        assert h.outputs[rid].output_ids == expected[adapter][i], (adapter, i)
+    assert in_place
+
+
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_mixed_batches_equal_peft(setup, name):
     h = harness(setup, **dict(CONFIGS[name]))
@@ -206,7 +237,7 @@ info = build_batch_info(row_slots, scalings, torch.device("cpu"), NativeShape(n,
 x = torch.randn(len(row_slots), k)
 base = torch.randn(len(row_slots), n)
 want, got = base.clone(), base.clone()
-lora_native(x, want, a, native_b(b, sections, rank, scalings), sections, rank, info.grouped)
+lora_native(x, want, a, native_b(b, sections, rank, scalings), sections, rank, info.native)
 lora_triton(x, got, a, b, sections, rank, info)
 torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
 assert not torch.equal(want, base)
@@ -229,14 +260,20 @@ def test_triton_kernel_equals_native():
 
 
 # Row layouts of the native path: adapters interleaved with base rows (padded groups), one adapter
-# whose rows are already in order (no gather), very unequal groups (looped, not padded), adapters
-# on non-consecutive slots (the pool's slots gathered), and a single row.
+# whose rows are already in order (no gather), very unequal groups (the long ones in place, the
+# short ones looped, not padded), adapters on non-consecutive slots (the pool's slots gathered), a
+# single row; a prefill (requests' rows consecutive: every segment in place), and a mixed batch
+# (a prefill's segments in place, then decode rows grouped). Each: (row slots, padded grouped
+# layout or None without one, segments in place).
+_LONG = 40  # rows of a prefill's request: >= backend.IN_PLACE_MIN_ROWS
 _LAYOUTS = {
-    "interleaved": ([1, 1, 0, 3, 2, 1, 3, 3, 0, 4], True),
-    "in-order": ([2] * 7, True),
-    "unequal": ([1] * 90 + [0, 3, 2] + [1] * 40, False),
-    "sparse-slots": ([4, 2, 4, 0, 2, 4], True),
-    "one-row": ([3], True),
+    "interleaved": ([1, 1, 0, 3, 2, 1, 3, 3, 0, 4], True, 0),
+    "in-order": ([2] * 7, True, 0),
+    "unequal": ([1] * 90 + [0, 3, 2] + ([1] * 31 + [0]) * 10 + [2, 2, 3] + [1] * _LONG, False, 2),
+    "sparse-slots": ([4, 2, 4, 0, 2, 4], True, 0),
+    "one-row": ([3], True, 0),
+    "prefill": ([2] * _LONG + [0] * _LONG + [4] * _LONG + [2] * (_LONG + 3) + [1] * _LONG, None, 4),
+    "prefill-and-decode": ([3] * _LONG + [1] * (_LONG + 5) + [0] * _LONG + [1, 0, 2, 3, 2, 4], True, 2),
 }
 
 
@@ -246,7 +283,7 @@ def test_native_path_equals_a_per_row_reference(layout):
     the groups are very unequal) against the delta computed row by row, in float32 and bfloat16."""
     from engine.lora import backend
 
-    row_slots, padded = _LAYOUTS[layout]
+    row_slots, padded, in_place = _LAYOUTS[layout]
     torch.manual_seed(1)
     slots, rank, k, sections = 5, 4, 24, [(0, 16), (16, 8), (24, 8)]
     n = sum(s for _, s in sections)
@@ -258,8 +295,14 @@ def test_native_path_equals_a_per_row_reference(layout):
     # The workspace is sized for a wider projection than this one (as for a model's narrower targets).
     shape = backend.NativeShape(n + 8, len(sections) * rank + 4, torch.float32)
     info = backend.build_batch_info(row_slots, scalings, torch.device("cpu"), shape)
-    assert info.grouped is not None and info.grouped.padded == padded
-    assert (info.grouped.gather is None) == (layout in ("in-order", "one-row"))
+    plan = info.native
+    assert plan is not None and len(plan.segments) == in_place
+    assert (plan.grouped is None) == (padded is None)
+    if plan.grouped is not None:
+        assert plan.grouped.padded == padded
+        assert (plan.grouped.gather is None) == (layout in ("in-order", "one-row"))
+        plan.grouped.workspace.fill_(float("nan"))  # stale workspace values must never reach the output
+    plan.shrink.fill_(float("nan"))
     x, base = torch.randn(len(row_slots), k), torch.randn(len(row_slots), n)
     want = base.clone()
     for t, s in enumerate(row_slots):
@@ -269,13 +312,13 @@ def test_native_path_equals_a_per_row_reference(layout):
         for i, (off, size) in enumerate(sections):
             want[t, off:off + size] += b[s, off:off + size] @ shrink[i * rank:(i + 1) * rank] * scalings[s]
     b_sections = backend.native_b(b, sections, rank, scalings)
-    info.grouped.workspace.fill_(float("nan"))  # stale workspace values must never reach the output
     for _ in range(2):  # a second projection of the same forward reuses the workspace
         got = base.clone()
-        backend.lora_native(x, got, a, b_sections, sections, rank, info.grouped)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+        backend.lora_native(x, got, a, b_sections, sections, rank, plan)
+        # float32, summed in another order (the in-place products accumulate into out)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=5e-5)
     low = base.to(torch.bfloat16)  # a bfloat16 model: the products run in float32, added in bfloat16
-    backend.lora_native(x.to(torch.bfloat16), low, a, b_sections, sections, rank, info.grouped)
+    backend.lora_native(x.to(torch.bfloat16), low, a, b_sections, sections, rank, plan)
     torch.testing.assert_close(low.float(), want, rtol=2e-2, atol=0.2)  # x and out are rounded to bf16
     single = [(0, n)]  # an unfused projection (o / down): one section
     want1 = base.clone()
@@ -284,8 +327,8 @@ def test_native_path_equals_a_per_row_reference(layout):
             want1[t] += b[s] @ (a[s, :rank] @ x[t]) * scalings[s]
     got1 = base.clone()
     backend.lora_native(x, got1, a[:, :rank].contiguous(), backend.native_b(b, single, rank, scalings), single, rank,
-                        info.grouped)
-    torch.testing.assert_close(got1, want1, rtol=1e-5, atol=1e-5)
+                        plan)
+    torch.testing.assert_close(got1, want1, rtol=1e-5, atol=5e-5)
 
 
 def test_batch_without_adapter_rows_has_no_native_layout():
@@ -293,4 +336,4 @@ def test_batch_without_adapter_rows_has_no_native_layout():
 
     shape = backend.NativeShape(8, 4, torch.float32)
     info = backend.build_batch_info([0, 0, 0], torch.zeros(3), torch.device("cpu"), shape)
-    assert not info.has_lora and info.grouped is None
+    assert not info.has_lora and info.native is None

@@ -21,6 +21,11 @@ product is exact without per-slot ranks. Two implementations, which agree to flo
   mostly filler) loops over the adapters instead. B is stored transposed and pre-scaled
   (mem_pool.py), so no scaling op runs per layer. On a small model every op's fixed cost counts
   (a 64-row decode step of a hidden-256 projection is ~0.1 ms of arithmetic), hence few ops.
+  Long segments (a prefill's requests: one adapter per request, so each request's rows are
+  consecutive) are read in place instead (`NativeRows.segments`): per segment one shrink into a
+  scratch block and one product per section accumulated straight into its columns of `out`, with no
+  gather of x, no delta buffer, no scatter and no separate add. Only the short segments (the
+  decode rows of a mixed batch) go through the grouped layout, over the span of rows that holds them.
 - `triton` (one segmented-GEMM kernel launched for the shrink and once per section for the
   expand; triton_ops.py).
 """
@@ -106,6 +111,46 @@ def group_rows(row_slots: Sequence[int], max_out: int, max_stacked: int, dtype: 
     workspace = torch.empty(size, dtype=dtype, device=device)
     return GroupedRows(slot_ids, slot_index, starts, counts, padded, group_len, positions, gather, scatter, workspace,
                        max_out, base_rows)
+# A segment of at least this many rows is multiplied in place (NativeRows.segments): its products
+# are large enough that the per-segment ops cost less than moving its rows to a grouped buffer and
+# back (the gather, the delta buffer, the scatter and the add each move the rows' bytes once).
+IN_PLACE_MIN_ROWS = 32
+
+
+@dataclass(frozen=True)
+class NativeRows:
+    """The native path's plan for one forward's rows: `segments` (start, end, slot) multiplied in
+    place, and the remaining adapter rows grouped (`grouped`, over rows [span[0], span[1]), where the
+    in-place rows count as rows without an adapter)."""
+
+    segments: List[Tuple[int, int, int]]
+    grouped: Optional[GroupedRows]
+    span: Tuple[int, int]
+    longest: int  # rows of the longest in-place segment
+    shrink: torch.Tensor  # flat, longest x the widest stacked rank: each in-place segment's shrunk rows
+
+
+def plan_native_rows(row_slots: Sequence[int], bounds: Sequence[Tuple[int, int, int]], max_out: int,
+                     max_stacked: int, dtype: torch.dtype, device: torch.device) -> Optional[NativeRows]:
+    """The native path's plan (None when no row has an adapter)."""
+    segments = [(start, end, slot) for start, end, slot in bounds if slot != 0 and end - start >= IN_PLACE_MIN_ROWS]
+    short = [(start, end) for start, end, slot in bounds if slot != 0 and end - start < IN_PLACE_MIN_ROWS]
+    if not segments and not short:
+        return None
+    grouped: Optional[GroupedRows] = None
+    span = (0, 0)
+    if short:
+        span = (short[0][0], short[-1][1])
+        part = list(row_slots[span[0]:span[1]])
+        for start, end, _ in segments:  # in-place rows inside the span take no part in the grouped products
+            for row in range(max(start, span[0]), min(end, span[1])):
+                part[row - span[0]] = 0
+        grouped = group_rows(part, max_out, max_stacked, dtype, device)
+    longest = max((end - start for start, end, _ in segments), default=0)
+    shrink = torch.empty(longest * max_stacked, dtype=dtype, device=device)
+    return NativeRows(segments, grouped, span, longest, shrink)
+
+
 @dataclass(frozen=True)
 class NativeShape:
     """What the native path's workspace must hold: the widest projection output and stacked rank
@@ -127,7 +172,7 @@ class LoRABatchInfo:
     max_len: int  # the longest segment (the kernel's grid)
     scalings: torch.Tensor  # [slots] float32 (the pool's; slot 0 is 0)
     has_lora: bool  # some row uses an adapter
-    grouped: Optional[GroupedRows] = None  # the native path's layout (None for triton, or no adapter rows)
+    native: Optional[NativeRows] = None  # the native path's plan (None for triton, or no adapter rows)
 
 
 def build_batch_info(row_slots: Sequence[int], scalings: torch.Tensor, device: torch.device,
@@ -141,15 +186,15 @@ def build_batch_info(row_slots: Sequence[int], scalings: torch.Tensor, device: t
         else:
             bounds.append((row, row + 1, slot))
     indptr = [0] + [end for _, end, _ in bounds]
-    grouped = None
+    plan = None
     if native is not None:
-        grouped = group_rows(row_slots, native.max_out, native.max_stacked, native.dtype, device)
+        plan = plan_native_rows(row_slots, bounds, native.max_out, native.max_stacked, native.dtype, device)
     return LoRABatchInfo(
         num_rows=len(row_slots), bounds=bounds,
         seg_indptr=torch.tensor(indptr, dtype=torch.int32).to(device, non_blocking=True),
         weight_indices=torch.tensor([s for _, _, s in bounds], dtype=torch.int32).to(device, non_blocking=True),
         max_len=max((end - start for start, end, _ in bounds), default=0), scalings=scalings,
-        has_lora=any(slot != 0 for _, _, slot in bounds), grouped=grouped)
+        has_lora=any(slot != 0 for _, _, slot in bounds), native=plan)
 
 
 def native_b(b: torch.Tensor, sections: Sequence[Tuple[int, int]], rank: int,
@@ -176,17 +221,45 @@ SERIAL_MAX_ROWS = 256
 
 
 def lora_native(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b_sections: Sequence[torch.Tensor],
-                sections: Sequence[Tuple[int, int]], rank: int, rows: GroupedRows) -> None:
+                sections: Sequence[Tuple[int, int]], rank: int, rows: NativeRows) -> None:
     """out += the LoRA delta of each adapter's rows (a: [slots, subs x R, K]; b_sections: native_b's)."""
-    if _GET_OMP_THREADS is None or _SET_OMP_THREADS is None or out.shape[0] > SERIAL_MAX_ROWS:
-        _lora_native(x, out, a, b_sections, sections, rank, rows)
+    if rows.segments:
+        _serial(rows.longest <= SERIAL_MAX_ROWS, _lora_in_place, x, out, a, b_sections, sections, rank, rows)
+    if rows.grouped is not None:
+        start, end = rows.span
+        _serial(end - start <= SERIAL_MAX_ROWS, _lora_native, x[start:end], out[start:end], a, b_sections,
+                sections, rank, rows.grouped)
+
+
+def _serial(serial: bool, fn: Callable[..., None], *args: object) -> None:
+    """fn(*args), on the calling thread alone when `serial` (see SERIAL_MAX_ROWS)."""
+    if not serial or _GET_OMP_THREADS is None or _SET_OMP_THREADS is None:
+        fn(*args)
         return
     threads = _GET_OMP_THREADS()  # this thread's own count (the scheduling thread's may be 1)
     _SET_OMP_THREADS(1)
     try:
-        _lora_native(x, out, a, b_sections, sections, rank, rows)
+        fn(*args)
     finally:
         _SET_OMP_THREADS(threads)
+
+
+def _lora_in_place(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b_sections: Sequence[torch.Tensor],
+                   sections: Sequence[Tuple[int, int]], rank: int, rows: NativeRows) -> None:
+    stacked = a.shape[1]
+    for start, end, slot in rows.segments:
+        xs = x[start:end]
+        if xs.dtype != a.dtype:  # a bfloat16 model: the small products run in float32 (the pool's dtype)
+            xs = xs.to(a.dtype)
+        shrunk = rows.shrink[:(end - start) * stacked].view(end - start, stacked)
+        torch.mm(xs, a[slot].t(), out=shrunk)
+        for i, (offset, size) in enumerate(sections):
+            target = out[start:end, offset:offset + size]
+            product = shrunk[:, i * rank:(i + 1) * rank]
+            if target.dtype == product.dtype:
+                target.addmm_(product, b_sections[i][slot])  # one product, accumulated in its columns
+            else:
+                target.add_(torch.mm(product, b_sections[i][slot]))
 
 
 def _lora_native(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b_sections: Sequence[torch.Tensor],
@@ -258,5 +331,5 @@ def run_lora(backend: str, x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, 
     if backend == "triton":
         lora_triton(x, out, a, b, sections, rank, info)
     else:
-        assert info.grouped is not None  # the manager builds it for the native backend
-        lora_native(x, out, a, b_sections, sections, rank, info.grouped)
+        assert info.native is not None  # the manager builds it for the native backend
+        lora_native(x, out, a, b_sections, sections, rank, info.native)

@@ -52,7 +52,7 @@ class LoRAManager:
         pool_dtype = torch.float32 if device == "cpu" else dtype
         self.pool = LoRAMemoryPool(self.targets, server_args.max_loras_per_batch, self.max_rank, pool_dtype, device,
                                    native=backend == "torch_native")
-        # The native path's per-forward workspace fits the widest projection (backend.GroupedRows).
+        # The native path's per-forward workspace fits the widest projection (backend.NativeRows).
         self.native: Optional[NativeShape] = None
         if backend == "torch_native" and self.targets:
             self.native = NativeShape(max(t.local_out for t in self.targets.values()),
