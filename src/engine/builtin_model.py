@@ -30,9 +30,8 @@ from importlib import resources
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Iterator, Optional
 
-import torch
-
 if TYPE_CHECKING:
+    import torch
     from tokenizers import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -324,6 +323,10 @@ def build_state_dict(spec: BuiltinModelSpec = SPEC) -> dict[str, torch.Tensor]:
         ]
     shapes += [("model.norm.weight", (hidden,)), ("lm_head.weight", (spec.vocab_size, hidden))]
 
+    # Imported here: the launcher calls ensure_builtin_model before it starts the schedulers, and
+    # a built model needs no torch (seconds of import that would delay every child's start).
+    import torch
+
     generator = torch.Generator(device="cpu").manual_seed(spec.seed)
     state: dict[str, torch.Tensor] = {}
     for name, shape in shapes:  # a fixed order, so each tensor gets the same draws every time
@@ -342,6 +345,8 @@ _UNIFORM_TERMS = 12
 
 
 def _seeded_normal(shape: tuple[int, ...], std: float, generator: torch.Generator) -> torch.Tensor:
+    import torch
+
     count = math.prod(shape)
     draws = torch.randint(
         0, 1 << _UNIFORM_BITS, (count, _UNIFORM_TERMS), generator=generator, dtype=torch.int64

@@ -280,3 +280,23 @@ def test_frequent_words_are_single_tokens(tokenizer) -> None:
     assert len(tokenizer.encode(" the", add_special_tokens=False)) == 1
     assert len(tokenizer.encode("的", add_special_tokens=False)) == 1
     assert len(tokenizer.encode(" request", add_special_tokens=False)) == 1
+
+
+def test_the_launcher_resolves_the_model_and_ports_without_importing_torch(model_dir: str) -> None:
+    """Everything the launcher does before it spawns the schedulers (flags, the built-in model's
+    path, ports) runs without torch: its import would delay every child's start by seconds."""
+    script = (
+        "import sys\n"
+        "from engine.launch_server import parse_server_args\n"
+        "from engine.launch.processes import resolve_model_path\n"
+        "from engine.port_args import PortArgs\n"
+        "args = resolve_model_path(parse_server_args(['--device', 'cpu']))\n"
+        "PortArgs.init_new(args)\n"
+        "print(args.model_path, 'torch' in sys.modules)\n"
+    )
+    env = {**os.environ, "ENGINE_CACHE_DIR": str(Path(model_dir).parent)}
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120, env=env)
+    assert out.returncode == 0, out.stderr
+    path, torch_imported = out.stdout.split()
+    assert path == model_dir and bm.is_complete_model_dir(path)
+    assert torch_imported == "False"

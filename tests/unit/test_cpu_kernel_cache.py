@@ -13,15 +13,31 @@ import pytest
 
 from engine.kernels import library
 
-pytestmark = [pytest.mark.skipif(not (os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")),
-                                 reason="no C compiler: the kernel is never built"),
-              pytest.mark.slow]  # each test compiles the library afresh
+# The compiler of this machine, fixed before any test points CC elsewhere.
+REAL_COMPILER = os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+
+pytestmark = [pytest.mark.skipif(not REAL_COMPILER, reason="no C compiler: the kernel is never built"),
+              pytest.mark.slow]  # the module builds the library once (~11 s)
 
 PLANTED_SRC = "int planted_by_someone_else = 1;\nvoid decode_attention(void) {}\n"
 
+# A stand-in compiler for the tests of where the library goes (not of how it is compiled): it
+# answers --version as the real one (so the library keeps its name) and "builds" by copying the
+# library the module built once. library._compile runs as ever around it (temporary name, chmod,
+# rename), so every check of the cache and of the file loaded sees what a real build leaves.
+COPYING_COMPILER = """#!/bin/sh
+if [ "$1" = "--version" ]; then exec {real} --version; fi
+while [ $# -gt 0 ]; do
+    if [ "$1" = "-o" ]; then exec cp {built} "$2"; fi
+    shift
+done
+exit 1
+"""
+
 
 def _compiler() -> str:
-    return os.environ.get("CC") or shutil.which("gcc") or shutil.which("cc")
+    assert REAL_COMPILER is not None  # the module is skipped without one
+    return REAL_COMPILER
 
 
 def _load_fresh(monkeypatch, cache_root: Path):
@@ -40,15 +56,29 @@ def _is_planted(lib: library.Kernels) -> bool:
 
 
 @pytest.fixture(scope="module")
-def library_name(tmp_path_factory) -> str:
-    """The file name a build gets (keyed by source, flags, compiler and CPU)."""
+def reference_library(tmp_path_factory) -> Path:
+    """The library built once by the real compiler; its file name is keyed by source, flags,
+    compiler and CPU."""
     root = tmp_path_factory.mktemp("reference-cache")
     with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("CC", _compiler())
         lib = _load_fresh(mp, root)
     assert lib is not None
-    names = [p.name for p in (root / "kernels").iterdir()]
-    assert len(names) == 1 and names[0].endswith(".so"), names
-    return names[0]
+    paths = list((root / "kernels").iterdir())
+    assert len(paths) == 1 and paths[0].name.endswith(".so"), paths
+    return paths[0]
+
+
+@pytest.fixture
+def library_name(monkeypatch, tmp_path_factory, reference_library) -> str:
+    """The reference library's file name; this test's builds copy it (COPYING_COMPILER)."""
+    import shlex
+
+    script = tmp_path_factory.mktemp("copying-cc") / "cc"
+    script.write_text(COPYING_COMPILER.format(real=shlex.quote(_compiler()), built=shlex.quote(str(reference_library))))
+    script.chmod(0o700)
+    monkeypatch.setenv("CC", str(script))
+    return reference_library.name
 
 
 def _plant(path: Path, tmp_path: Path) -> None:

@@ -205,7 +205,7 @@ def test_detokenizer_process_over_zmq(tokenizer, tmp_path):
     port_args = PortArgs.init_new(server_args)
     ctx = multiprocessing.get_context("spawn")
     reader, writer = ctx.Pipe(duplex=False)
-    proc = ctx.Process(target=run_detokenizer_process, args=(server_args, port_args, writer))
+    proc = ctx.Process(target=run_detokenizer_process, args=(server_args, port_args, None, writer))
     zctx = zmq.Context()
     recv = get_zmq_socket(zctx, zmq.PULL, port_args.tokenizer_ipc_name, bind=True)
     send = get_zmq_socket(zctx, zmq.PUSH, port_args.detokenizer_ipc_name, bind=False)
@@ -288,3 +288,55 @@ def test_batch_decoder_keeps_an_overridden_decode(tokenizer):
     custom = Custom(tokenizer_object=tokenizer.backend_tokenizer)
     assert make_batch_decoder(custom)([[5, 6], [7]], True, True) == custom.batch_decode([[5, 6], [7]],
                                                                                        skip_special_tokens=True)
+
+
+def test_the_launchers_tokenizer_travels_to_the_detokenizer_without_torch(tmp_path):
+    """launch_children hands the detokenizer its loaded tokenizer as bytes: the copy encodes and
+    decodes as the one loaded from disk does, and loading it imports neither torch nor
+    AutoTokenizer's config path (the seconds it saves at every start)."""
+    import subprocess
+    import sys
+
+    from engine.builtin_model import ensure_builtin_model
+    from engine.utils.tokenizer_utils import load_tokenizer, tokenizer_to_bytes
+
+    path = ensure_builtin_model()
+    original = load_tokenizer(path)
+    data = tokenizer_to_bytes(original)
+    assert data is not None
+    (tmp_path / "tok.bin").write_bytes(data)
+    text = "Hello <|eot|> wörld"
+    ids = original(text).input_ids
+    script = (
+        "import sys, json\n"
+        "from engine.utils.tokenizer_utils import tokenizer_from_bytes\n"
+        f"t = tokenizer_from_bytes(open({str(tmp_path / 'tok.bin')!r}, 'rb').read(), '/nonexistent')\n"
+        f"print(json.dumps([t({text!r}).input_ids, t.decode({ids!r}), t.decode({ids!r}, skip_special_tokens=True),"
+        " 'torch' in sys.modules]))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    import json
+
+    got_ids, text_all, text_skip, torch_imported = json.loads(out.stdout.strip().splitlines()[-1])
+    assert got_ids == ids
+    assert text_all == original.decode(ids)
+    assert text_skip == original.decode(ids, skip_special_tokens=True)
+    assert torch_imported is False
+
+
+def test_a_tokenizer_that_cannot_travel_is_loaded_from_disk(tokenizer, tmp_path):
+    """Bytes that do not unpickle (or none) mean: load from the directory; a class of remote code
+    (outside transformers) is never pickled, the child loads it itself."""
+    from engine.utils.tokenizer_utils import tokenizer_from_bytes, tokenizer_to_bytes
+
+    tokenizer.save_pretrained(tmp_path)
+    for data in (None, b"not a pickle"):
+        loaded = tokenizer_from_bytes(data, str(tmp_path))
+        assert loaded.encode("Hello world") == tokenizer.encode("Hello world")
+
+    class RemoteCodeTokenizer:
+        pass
+
+    RemoteCodeTokenizer.__module__ = "transformers_modules.some_model.tokenization"
+    assert tokenizer_to_bytes(RemoteCodeTokenizer()) is None

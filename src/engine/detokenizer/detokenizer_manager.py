@@ -26,9 +26,9 @@ from engine.utils.process_utils import freeze_startup_objects, set_process_title
 from engine.utils.tokenizer_utils import (
     REPLACEMENT_CHAR,
     BatchDecode,
-    load_tokenizer,
     make_batch_decoder,
     settled_text_len,
+    tokenizer_from_bytes,
 )
 from engine.utils.zmq_utils import get_zmq_socket
 
@@ -268,8 +268,12 @@ class DetokenizerManager:
                 logger.warning("Detokenizer ignores unexpected message %s", type(msg).__name__)
 
 
-def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs, pipe_writer) -> None:
-    """Entry point of the detokenizer process (multiprocessing 'spawn' target)."""
+def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs, tokenizer_bytes: Optional[bytes],
+                            pipe_writer) -> None:
+    """Entry point of the detokenizer process (multiprocessing 'spawn' target).
+
+    `tokenizer_bytes`: the launcher's tokenizer (tokenizer_to_bytes), so that this process does not
+    load it again (and import torch for it); None: load it from the model directory."""
     set_process_title("engine::detokenizer")
     configure_logging(server_args.log_level, prefix="DETOKENIZER")
     start_parent_death_watcher()
@@ -279,7 +283,7 @@ def run_detokenizer_process(server_args: ServerArgs, port_args: PortArgs, pipe_w
         if not server_args.skip_tokenizer_init:
             path = server_args.tokenizer_path or server_args.model_path
             assert path is not None  # children get the resolved model path (resolve_model_path)
-            tokenizer = load_tokenizer(path, server_args.trust_remote_code)
+            tokenizer = tokenizer_from_bytes(tokenizer_bytes, path, server_args.trust_remote_code)
         manager = DetokenizerManager(tokenizer)
         context = zmq.Context(2)
         recv_socket = get_zmq_socket(context, zmq.PULL, port_args.detokenizer_ipc_name, bind=True)

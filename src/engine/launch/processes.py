@@ -19,7 +19,7 @@ from engine.server_args import ServerArgs
 from engine.tokenizer.request_normalizer import load_chat_template
 from engine.tokenizer.tokenizer_manager import TokenizerManager
 from engine.utils.network_utils import get_free_port
-from engine.utils.tokenizer_utils import load_tokenizer
+from engine.utils.tokenizer_utils import load_tokenizer, tokenizer_to_bytes
 
 if TYPE_CHECKING:
     from engine.disaggregation.bootstrap import BootstrapServer
@@ -77,10 +77,12 @@ def launch_children(server_args: ServerArgs, load_tokenizer_too: bool = True) ->
     try:
         # Schedulers of this node (dp_size 1) or the data-parallel controller that starts them.
         info_child = start_scheduler_processes(children, server_args, port_args)
-        if server_args.node_rank == 0:
-            children.start("detokenizer", run_detokenizer_process, (server_args, port_args))
-        # Load the tokenizer while the children load the model, not after.
+        # Load the tokenizer while the schedulers import torch and load the model, not after; the
+        # detokenizer starts once it is loaded and gets a copy (it does not load it again).
         tokenizer = load_server_tokenizer(server_args) if load_tokenizer_too else None
+        if server_args.node_rank == 0:
+            tokenizer_bytes = tokenizer_to_bytes(tokenizer) if tokenizer is not None else None
+            children.start("detokenizer", run_detokenizer_process, (server_args, port_args, tokenizer_bytes))
         infos = children.wait_ready(server_args.startup_timeout)
         scheduler_info = infos[info_child]
         logger.info("All child processes are ready: max_total_num_tokens=%s, context_len=%s, "

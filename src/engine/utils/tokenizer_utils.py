@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import logging
+import pickle
 import re
 from typing import Any, Callable, Dict, List, Optional, Set
 
@@ -27,6 +28,35 @@ def load_tokenizer(path: str, trust_remote_code: bool = False) -> Any:
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
     logger.debug("Loaded tokenizer %s from %s", type(tokenizer).__name__, path)
     return tokenizer
+
+
+def tokenizer_to_bytes(tokenizer: Any) -> Optional[bytes]:
+    """`tokenizer` pickled for a child process that needs the same tokenizer (the detokenizer), or
+    None when it cannot travel that way (the child then loads it from disk).
+
+    Why: loading through AutoTokenizer reads the model's config, which imports torch and most of
+    transformers (several CPU seconds per process, while the schedulers import the same); an
+    unpickled tokenizer imports only its own class's module. A class of remote code
+    (transformers_modules) stays home: the child could not import it before loading it itself.
+    """
+    if not type(tokenizer).__module__.startswith(("transformers.", "tokenizers.")):
+        return None
+    try:
+        return pickle.dumps(tokenizer, protocol=pickle.HIGHEST_PROTOCOL)
+    except Exception as e:  # any object of a future release that pickle refuses: load it instead
+        logger.debug("Tokenizer %s does not pickle (%s); the children load it", type(tokenizer).__name__, e)
+        return None
+
+
+def tokenizer_from_bytes(data: Optional[bytes], path: str, trust_remote_code: bool = False) -> Any:
+    """The tokenizer pickled by `tokenizer_to_bytes`, else (None, or bytes that do not load) the one
+    stored in `path`."""
+    if data is not None:
+        try:
+            return pickle.loads(data)
+        except Exception as e:  # a parent with another transformers, say: the files are the truth
+            logger.warning("Could not unpickle the launcher's tokenizer (%s); loading it from %s", e, path)
+    return load_tokenizer(path, trust_remote_code)
 
 
 BatchDecode = Callable[[List[List[int]], bool, bool], List[str]]
