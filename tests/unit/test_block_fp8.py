@@ -13,19 +13,17 @@ import json
 import math
 import os
 import shutil
-import traceback
-from typing import Dict, List, Tuple
+from typing import Dict, Tuple
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
+from tp_utils import TP, prefill_and_decode, run_tp_ranks, tp_runner
 from utils_models import BatchDriver, ExtendReq, build_tiny_model, hf_greedy, hf_logits, make_runner
 
 from engine.layers.block_fp8 import dequantize_block_fp8
 from engine.layers.quant_config import resolve_quantization
-from engine.utils.network_utils import get_free_port
 
 BLOCK = (128, 128)
 FP8_MAX = 448.0
@@ -35,7 +33,6 @@ SHAPE = dict(hidden_size=256, num_attention_heads=16, num_key_value_heads=16, q_
 QUANT_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 PROMPTS = [[3, 17, 250, 9, 44], [100, 7, 7, 7, 31, 480, 2, 65, 11, 300, 12, 5], [401]]
 DECODE_STEPS = 6
-TP = 2
 
 
 def quantize_block_fp8(weight: torch.Tensor, block: Tuple[int, int] = BLOCK) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -140,29 +137,8 @@ def test_config_accepted():
 
 def _run(path: str, tp_size: int = 1, ep_size: int = 1):
     """Prefill PROMPTS, greedy-decode DECODE_STEPS: (prefill logits of the last positions, tokens per prompt)."""
-    from engine.configs.model_config import ModelConfig
-    from engine.distributed.parallel_state import get_tp_rank
-    from engine.model_executor.model_runner import ModelRunner
-    from engine.server_args import ServerArgs
-
-    if tp_size == 1:
-        runner = make_runner(path)
-    else:
-        args = ServerArgs(model_path=path, dtype="float32", device="cpu", max_total_tokens=2048,
-                          max_running_requests=16, tp_size=tp_size, ep_size=ep_size, page_size=16)
-        runner = ModelRunner(ModelConfig.from_pretrained(path, dtype="float32", device="cpu"), args,
-                             tp_rank=get_tp_rank(), tp_size=tp_size)
-    driver = BatchDriver(runner)
-    rows = [driver.new_row() for _ in PROMPTS]
-    out, tokens = driver.run(driver.extend_batch([ExtendReq(r, p) for r, p in zip(rows, PROMPTS)]))
-    logits = out.next_token_logits.clone()
-    outputs = [[int(t)] for t in tokens]
-    seq_lens = [len(p) for p in PROMPTS]
-    for _ in range(DECODE_STEPS):
-        _, tokens = driver.run(driver.decode_batch(rows, [o[-1] for o in outputs], seq_lens))
-        seq_lens = [n + 1 for n in seq_lens]
-        for o, t in zip(outputs, tokens):
-            o.append(int(t))
+    runner = tp_runner(path, tp_size, ep_size, page_size=16)
+    logits, outputs = prefill_and_decode(runner, PROMPTS, DECODE_STEPS)
     layer = runner.model.model.decoder_layers[1]
     kinds = {"q_a_proj": type(layer.self_attn.q_a_proj.packed_weight).__name__,
              "o_proj": type(layer.self_attn.o_proj.packed_weight).__name__,
@@ -285,23 +261,14 @@ def test_fused_boundary_inside_a_block_is_refused(checkpoint, tmp_path):
 
 
 # ----------------------------------------------------------------------------------------------- TP 2
-def _rank_main(rank: int, port: int, paths: Dict[str, str], queue) -> None:
+def _tp2_work(paths: Dict[str, str]) -> Dict[str, object]:
+    results: Dict[str, object] = {"ok": _run(paths["ok"], TP), "ep2": _run(paths["ok"], TP, ep_size=TP)}
     try:
-        torch.set_num_threads(1)
-        from engine.distributed import parallel_state as ps
-
-        ps.init_distributed_environment(rank, TP, f"tcp://127.0.0.1:{port}", "cpu")
-        results: Dict[str, object] = {"ok": _run(paths["ok"], TP), "ep2": _run(paths["ok"], TP, ep_size=TP)}
-        try:
-            _run(paths["misaligned"], TP)
-            results["misaligned"] = "loaded"
-        except ValueError as e:
-            results["misaligned"] = str(e)
-        if rank == 0:
-            queue.put(("ok", results))
-        ps.destroy_distributed_environment()
-    except BaseException:
-        queue.put(("error", rank, traceback.format_exc()))
+        _run(paths["misaligned"], TP)
+        results["misaligned"] = "loaded"
+    except ValueError as e:
+        results["misaligned"] = str(e)
+    return results
 
 
 @pytest.mark.slow  # two spawned ranks each load the model (about half a minute on 2 cores)
@@ -312,28 +279,13 @@ def test_tp2_matches_tp1(checkpoint, tmp_path):
     path = checkpoint[0]
     misaligned = _copy(path, str(tmp_path / "tp_misaligned"))
     _edit_config(misaligned, quantization_config={**QUANT_CONFIG, "weight_block_size": [256, 128]})
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = get_free_port()
-    paths = {"ok": path, "misaligned": misaligned}
-    procs = [ctx.Process(target=_rank_main, args=(r, port, paths, queue)) for r in range(TP)]
-    for p in procs:
-        p.start()
-    try:
-        result = queue.get()
-        for p in procs:
-            p.join(timeout=60)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-    assert result[0] == "ok", f"TP rank {result[1]} failed:\n{result[2]}"
+    results = run_tp_ranks(_tp2_work, {"ok": path, "misaligned": misaligned})
     ref_logits, ref_outputs, ref_kinds = _run(path)
     for case in ("ok", "ep2"):  # experts split by their intermediate rows, then whole experts per rank
-        logits, outputs, kinds = result[1][case]
+        logits, outputs, kinds = results[case]
         assert outputs == ref_outputs and kinds == ref_kinds, case
         assert (logits - ref_logits).abs().max().item() < 1e-4, case
-    assert "rows per rank is not whole blocks of 256" in str(result[1]["misaligned"])
+    assert "rows per rank is not whole blocks of 256" in str(results["misaligned"])
 
 
 # --------------------------------------------------------------------------------------------- kernel

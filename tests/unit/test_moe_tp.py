@@ -5,17 +5,12 @@ logits of one rank (float tolerance) and transformers' greedy tokens."""
 
 from __future__ import annotations
 
-import traceback
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from utils_models import BatchDriver, ExtendReq, build_tiny_model, hf_greedy, make_runner
+from tp_utils import TP, prefill_and_decode, run_tp_ranks, tp_runner
+from utils_models import build_tiny_model, hf_greedy
 
-from engine.utils.network_utils import get_free_port
-
-TP = 2
 DECODE_STEPS = 8
 PROMPTS = [[3, 17, 250, 9, 44], [100, 7, 7, 7, 31, 480, 2, 65, 11], [401]]
 ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe"]
@@ -23,29 +18,8 @@ ARCHS = ["mixtral", "qwen2_moe", "qwen3_moe"]
 
 def _run(path: str, tp_size: int, ep_size: int):
     """Prefill PROMPTS, greedy-decode; (prefill logits, tokens per prompt, the first MoE layer's w13 shape)."""
-    from engine.configs.model_config import ModelConfig
-    from engine.distributed.parallel_state import get_tp_rank
-    from engine.model_executor.model_runner import ModelRunner
-    from engine.server_args import ServerArgs
-
-    if tp_size == 1:
-        runner = make_runner(path)
-    else:
-        args = ServerArgs(model_path=path, dtype="float32", device="cpu", max_total_tokens=4096,
-                          max_running_requests=16, tp_size=tp_size, ep_size=ep_size)
-        config = ModelConfig.from_pretrained(path, dtype="float32", device="cpu")
-        runner = ModelRunner(config, args, tp_rank=get_tp_rank(), tp_size=tp_size)
-    driver = BatchDriver(runner)
-    rows = [driver.new_row() for _ in PROMPTS]
-    out, tokens = driver.run(driver.extend_batch([ExtendReq(r, p) for r, p in zip(rows, PROMPTS)]))
-    logits = out.next_token_logits.clone()
-    outputs = [[int(t)] for t in tokens]
-    seq_lens = [len(p) for p in PROMPTS]
-    for _ in range(DECODE_STEPS):
-        _, tokens = driver.run(driver.decode_batch(rows, [o[-1] for o in outputs], seq_lens))
-        seq_lens = [n + 1 for n in seq_lens]
-        for o, t in zip(outputs, tokens):
-            o.append(int(t))
+    runner = tp_runner(path, tp_size, ep_size, max_total_tokens=4096)
+    logits, outputs = prefill_and_decode(runner, PROMPTS, DECODE_STEPS)
     w13 = runner.model.model.decoder_layers[-1].mlp.experts.w13.weight
     # get_weights_by_name reassembles an expert's tensors from the ranks' parts (a collective).
     by_name = {name: runner.weight_updater.full_weight(name, 1000)[0] for name in _expert_names(runner)}
@@ -60,18 +34,8 @@ def _expert_names(runner) -> list:
     return [f"model.layers.{layer}.{name}.weight" for name in names if int(name.split(".")[2]) == last]
 
 
-def _rank_main(rank: int, port: int, paths: dict, queue) -> None:
-    try:
-        torch.set_num_threads(1)
-        from engine.distributed import parallel_state as ps
-
-        ps.init_distributed_environment(rank, TP, f"tcp://127.0.0.1:{port}", "cpu")
-        results = {(name, ep): _run(path, TP, ep) for name, path in paths.items() for ep in (1, 2)}
-        if rank == 0:
-            queue.put(("ok", results))
-        ps.destroy_distributed_environment()
-    except BaseException:
-        queue.put(("error", rank, traceback.format_exc()))
+def _tp2_work(paths: dict) -> dict:
+    return {(name, ep): _run(path, TP, ep) for name, path in paths.items() for ep in (1, 2)}
 
 
 @pytest.fixture(scope="module")
@@ -87,23 +51,7 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tp2_results(models):
-    paths, _ = models
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = get_free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, paths, queue)) for r in range(TP)]
-    for p in procs:
-        p.start()
-    try:
-        result = queue.get()  # rank 0's results, or the first error of any rank
-        for p in procs:
-            p.join(timeout=60)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-    assert result[0] == "ok", f"TP rank {result[1]} failed:\n{result[2]}"
-    return result[1]
+    return run_tp_ranks(_tp2_work, models[0])
 
 
 @pytest.mark.slow  # two spawned ranks build six models (about a minute on 2 cores)
