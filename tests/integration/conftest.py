@@ -111,6 +111,20 @@ def post_greedy(url: str, input_ids, max_new_tokens: int, **extra):
     return httpx.post(f"{url}/generate", json=body, timeout=120)
 
 
+# Every server's log file, removed when the session ends (a failure has quoted it by then).
+_SERVER_LOGS: list[str] = []
+
+
+@pytest.fixture(scope="session", autouse=True)
+def remove_server_logs() -> Iterator[None]:
+    yield
+    for path in _SERVER_LOGS:
+        try:
+            os.unlink(path)
+        except OSError:
+            pass
+
+
 def start_server_process(extra_args: Sequence[str] = (), wait: bool = True,
                          own_process_group: bool = False, port: Optional[int] = None,
                          env: Optional[dict] = None) -> ServerProcess:
@@ -119,6 +133,7 @@ def start_server_process(extra_args: Sequence[str] = (), wait: bool = True,
     `port`: a given port (a restart at the same address); `env`: extra environment variables."""
     port = port or get_free_port()
     fd, log_path = tempfile.mkstemp(prefix="engine-server-", suffix=".log")
+    _SERVER_LOGS.append(log_path)
     args = [sys.executable, "-m", "engine.launch_server", "--port", str(port), *BASE_ARGS, *extra_args]
     with os.fdopen(fd, "w") as log_file:
         proc = subprocess.Popen(args, stdout=log_file, stderr=subprocess.STDOUT,
