@@ -43,7 +43,7 @@ def checkerboard(cases: list) -> list:
 
 
 # The number of cases below; the driver checks that the subprocess ran them all.
-_EXPECTED_CASES = 12 + 1 + 8 + 8 + 1 + 1 + 2 + 1 + 5 + 2 + 2 + 1
+_EXPECTED_CASES = 12 + 1 + 8 + 8 + 1 + 1 + 2 + 1 + 5 + 4 + 2 + 1  # the hybrid pool test at pages 1 and 16
 
 
 @pytest.mark.slow  # every Triton kernel under the interpreter: minutes on 2 cores
