@@ -111,6 +111,8 @@ def group_rows(row_slots: Sequence[int], max_out: int, max_stacked: int, dtype: 
     workspace = torch.empty(size, dtype=dtype, device=device)
     return GroupedRows(slot_ids, slot_index, starts, counts, padded, group_len, positions, gather, scatter, workspace,
                        max_out, base_rows)
+
+
 # A segment of at least this many rows is multiplied in place (NativeRows.segments): its products
 # are large enough that the per-segment ops cost less than moving its rows to a grouped buffer and
 # back (the gather, the delta buffer, the scatter and the add each move the rows' bytes once).
