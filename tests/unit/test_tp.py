@@ -8,17 +8,12 @@ the per-iteration message broadcast and the KV pool min-reduction, which need no
 
 from __future__ import annotations
 
-import traceback
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from utils_models import BatchDriver, ExtendReq, build_tiny_bert, build_tiny_model, hf_greedy, hf_hidden_states, make_runner
+from tp_utils import TP, prefill_and_decode, run_tp_ranks, tp_runner
+from utils_models import BatchDriver, ExtendReq, build_tiny_bert, build_tiny_model, hf_greedy, hf_hidden_states
 
-from engine.utils.network_utils import get_free_port
-
-TP = 2
 DECODE_STEPS = 12
 PROMPTS = [[3, 17, 250, 9, 44], [100, 7, 7, 7, 31, 480, 2, 65, 11], [401]]
 CONFIGS = {
@@ -31,17 +26,7 @@ CONFIGS = {
 
 
 def _runner(path: str, tp_size: int):
-    from engine.configs.model_config import ModelConfig
-    from engine.distributed.parallel_state import get_tp_rank
-    from engine.model_executor.model_runner import ModelRunner
-    from engine.server_args import ServerArgs
-
-    if tp_size == 1:
-        return make_runner(path)
-    args = ServerArgs(model_path=path, dtype="float32", device="cpu", max_total_tokens=4096,
-                      max_running_requests=16, tp_size=tp_size)
-    config = ModelConfig.from_pretrained(path, dtype="float32", device="cpu")
-    return ModelRunner(config, args, tp_rank=get_tp_rank(), tp_size=tp_size)
+    return tp_runner(path, tp_size, max_total_tokens=4096)
 
 
 def _embed(path: str, tp_size: int) -> torch.Tensor:
@@ -53,43 +38,25 @@ def _embed(path: str, tp_size: int) -> torch.Tensor:
 
 
 def _run_model(path: str, tp_size: int):
-    """Prefill PROMPTS then greedy-decode; returns (prefill logits, per-prompt tokens)."""
+    """Prefill PROMPTS then greedy-decode; returns (prefill logits, per-prompt tokens, the pool's tokens)."""
     runner = _runner(path, tp_size)
-    driver = BatchDriver(runner)
-    rows = [driver.new_row() for _ in PROMPTS]
-    out, tokens = driver.run(driver.extend_batch([ExtendReq(r, p) for r, p in zip(rows, PROMPTS)]))
-    prefill_logits = out.next_token_logits.clone()
-    outputs = [[int(t)] for t in tokens]
-    seq_lens = [len(p) for p in PROMPTS]
-    for _ in range(DECODE_STEPS):
-        _, tokens = driver.run(driver.decode_batch(rows, [o[-1] for o in outputs], seq_lens))
-        seq_lens = [n + 1 for n in seq_lens]
-        for o, t in zip(outputs, tokens):
-            o.append(int(t))
+    prefill_logits, outputs = prefill_and_decode(runner, PROMPTS, DECODE_STEPS)
     return prefill_logits, outputs, runner.max_total_num_tokens
 
 
-def _rank_main(rank: int, port: int, paths: dict, queue) -> None:
-    """One TP rank: join the group, run every model, rank 0 reports (errors from any rank)."""
-    try:
-        torch.set_num_threads(1)
-        from engine.distributed import parallel_state as ps
-        from engine.model_executor import model_runner
+def _tp2_work(paths: dict):
+    """On each rank: every model, then the scheduler process's collective helpers."""
+    from engine.distributed import parallel_state as ps
+    from engine.model_executor import model_runner
 
-        model_runner.CHECK_TP_SAMPLING = True  # the debug assertion: sampled ids equal on all ranks
-        ps.init_distributed_environment(rank, TP, f"tcp://127.0.0.1:{port}", "cpu")
-        results = {name: (_embed if name == EMBEDDING_MODEL else _run_model)(path, TP)
-                   for name, path in paths.items()}
-        # Collective helpers of the scheduler process.
-        msgs = ps.broadcast_bytes_list([b"abc", b"", b"\x00\xff" * 10] if rank == 0 else None)
-        empty = ps.broadcast_bytes_list([] if rank == 0 else None)
-        pool_min = ps.all_reduce_min_int(1000 + rank)
-        states = ps.gather_objects_to_rank0({"rank": rank})
-        if rank == 0:
-            queue.put(("ok", results, msgs, empty, pool_min, states, ps.comm_stats.calls))
-        ps.destroy_distributed_environment()
-    except BaseException:
-        queue.put(("error", rank, traceback.format_exc()))
+    model_runner.CHECK_TP_SAMPLING = True  # the debug assertion: sampled ids equal on all ranks
+    rank = ps.get_tp_rank()
+    results = {name: (_embed if name == EMBEDDING_MODEL else _run_model)(path, TP) for name, path in paths.items()}
+    msgs = ps.broadcast_bytes_list([b"abc", b"", b"\x00\xff" * 10] if rank == 0 else None)
+    empty = ps.broadcast_bytes_list([] if rank == 0 else None)
+    pool_min = ps.all_reduce_min_int(1000 + rank)
+    states = ps.gather_objects_to_rank0({"rank": rank})
+    return results, msgs, empty, pool_min, states, ps.comm_stats.calls
 
 
 # A BERT encoder (mean pooling): 4 heads and the MLP split over the ranks.
@@ -114,24 +81,7 @@ def models(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def tp2_results(models):
-    paths, _ = models
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = get_free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, paths, queue)) for r in range(TP)]
-    for p in procs:
-        p.start()
-    try:
-        result = queue.get()  # rank 0's results, or the first error of any rank
-        for p in procs:
-            p.join(timeout=60)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-    assert result[0] == "ok", f"TP rank {result[1]} failed:\n{result[2]}"
-    assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
-    return result
+    return run_tp_ranks(_tp2_work, models[0], check_exit=True)
 
 
 # The tests on tp2_results share two spawned ranks that build every model (about a minute).
@@ -140,7 +90,7 @@ def tp2_results(models):
 def test_tp2_matches_tp1_and_transformers(models, tp2_results, name):
     paths, expected = models
     logits1, tokens1, _ = _run_model(paths[name], 1)
-    logits2, tokens2, pool2 = tp2_results[1][name]
+    logits2, tokens2, pool2 = tp2_results[0][name]
     vocab = CONFIGS[name][1].get("vocab_size", 512)
     assert logits2.shape == (len(PROMPTS), vocab)  # padding rows of the sharded head are sliced off
     torch.testing.assert_close(logits2, logits1, rtol=1e-4, atol=1e-4)
@@ -153,14 +103,14 @@ def test_tp2_matches_tp1_and_transformers(models, tp2_results, name):
 def test_tp2_encoder_embeddings_match_tp1_and_transformers(models, tp2_results):
     paths, expected = models
     tp1 = _embed(paths[EMBEDDING_MODEL], 1)
-    tp2 = tp2_results[1][EMBEDDING_MODEL]
+    tp2 = tp2_results[0][EMBEDDING_MODEL]
     torch.testing.assert_close(tp2, tp1, rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(tp2, expected[EMBEDDING_MODEL], rtol=2e-5, atol=2e-5)
 
 
 @pytest.mark.slow
 def test_tp_collective_helpers(tp2_results):
-    _, _, msgs, empty, pool_min, states, comm_calls = tp2_results
+    _, msgs, empty, pool_min, states, comm_calls = tp2_results
     assert msgs == [b"abc", b"", b"\x00\xff" * 10]
     assert empty == []
     assert pool_min == 1000  # the smallest pool of all ranks wins

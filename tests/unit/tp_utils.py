@@ -62,9 +62,10 @@ def _rank_main(rank: int, tp: int, port: int, work: Callable[[Any], Any], payloa
         queue.put(("error", rank, traceback.format_exc()))
 
 
-def run_tp_ranks(work: Callable[[Any], Any], payload: Any, tp: int = TP) -> Any:
+def run_tp_ranks(work: Callable[[Any], Any], payload: Any, tp: int = TP, check_exit: bool = False) -> Any:
     """`work(payload)` on each of `tp` spawned ranks (a module-level function: spawn pickles it by name);
-    rank 0's result, or the assertion error of the first rank that failed."""
+    rank 0's result, or the assertion error of the first rank that failed. `check_exit`: every rank must
+    also have left the group and exited 0."""
     ctx = mp.get_context("spawn")
     queue = ctx.SimpleQueue()
     port = get_free_port()
@@ -80,4 +81,6 @@ def run_tp_ranks(work: Callable[[Any], Any], payload: Any, tp: int = TP) -> Any:
             if p.is_alive():
                 p.kill()
     assert result[0] == "ok", f"TP rank {result[1]} failed:\n{result[2]}"
+    if check_exit:
+        assert all(p.exitcode == 0 for p in procs), [p.exitcode for p in procs]
     return result[1]
