@@ -9,81 +9,34 @@ are the same. GPTQ act-order cannot be cut by input columns: refused with its re
 
 from __future__ import annotations
 
-import traceback
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from utils_models import BatchDriver, ExtendReq, build_tiny_model, make_runner
+from tp_utils import TP, prefill_and_decode, run_tp_ranks, tp_runner
+from utils_models import build_tiny_model, make_runner
 from utils_quant import write_dequantized_checkpoint, write_int4_checkpoint
-
-from engine.utils.network_utils import get_free_port
 
 pytestmark = pytest.mark.slow  # spawns two ranks per case
 
-TP = 2
 STEPS = 6
 PROMPTS = [[3, 17, 250, 9, 44], [100, 7, 7, 7, 31, 480, 2, 65, 11], [401]]
 
 
 def _run(runner) -> tuple[torch.Tensor, list[list[int]]]:
-    driver = BatchDriver(runner)
-    rows = [driver.new_row() for _ in PROMPTS]
-    out, tokens = driver.run(driver.extend_batch([ExtendReq(r, p) for r, p in zip(rows, PROMPTS)]))
-    logits = out.next_token_logits.clone()
-    outputs = [[int(t)] for t in tokens]
-    lens = [len(p) for p in PROMPTS]
-    for _ in range(STEPS):
-        _, tokens = driver.run(driver.decode_batch(rows, [o[-1] for o in outputs], lens))
-        lens = [n + 1 for n in lens]
-        for o, t in zip(outputs, tokens):
-            o.append(int(t))
-    return logits, outputs
+    return prefill_and_decode(runner, PROMPTS, STEPS)
 
 
-def _rank_main(rank: int, port: int, path: str, queue) -> None:
+def _tp2_work(path: str):
+    """("ok", (logits, tokens)), or ("refused", the start-up error, the same on both ranks)."""
     try:
-        torch.set_num_threads(1)
-        from engine.configs.model_config import ModelConfig
-        from engine.distributed import parallel_state as ps
-        from engine.model_executor.model_runner import ModelRunner
-        from engine.server_args import ServerArgs
-
-        ps.init_distributed_environment(rank, TP, f"tcp://127.0.0.1:{port}", "cpu")
-        args = ServerArgs(model_path=path, dtype="float32", device="cpu", max_total_tokens=4096,
-                          max_running_requests=16, tp_size=TP)
-        config = ModelConfig.from_pretrained(path, dtype="float32", device="cpu")
-        try:
-            result = _run(ModelRunner(config, args, tp_rank=rank, tp_size=TP))
-        except ValueError as e:  # a start-up refusal, the same on both ranks
-            result = None
-            if rank == 0:
-                queue.put(("refused", str(e)))
-        if rank == 0 and result is not None:
-            queue.put(("ok", result))
-        ps.destroy_distributed_environment()
-    except BaseException:
-        queue.put(("error", f"rank {rank}:\n{traceback.format_exc()}"))
+        runner = tp_runner(path, TP, max_total_tokens=4096)
+    except ValueError as e:
+        return "refused", str(e)
+    return "ok", _run(runner)
 
 
 def _run_tp2(path: str):
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = get_free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, path, queue)) for r in range(TP)]
-    for p in procs:
-        p.start()
-    try:
-        result = queue.get()
-        for p in procs:
-            p.join(timeout=60)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-    assert result[0] != "error", result[1]
-    return result
+    return run_tp_ranks(_tp2_work, path)
 
 
 CASES = ["compressed-tensors-fp8-channel", "compressed-tensors-int8-tensor", "compressed-tensors-w4a16asym-group",
