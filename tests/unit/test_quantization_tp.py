@@ -11,58 +11,28 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import traceback
-
 import pytest
 import torch
-import torch.multiprocessing as mp
 
-from utils_models import BatchDriver, ExtendReq, build_tiny_model, make_runner
+from tp_utils import TP, prefill_and_decode, run_tp_ranks, tp_runner
+from utils_models import build_tiny_model, make_runner
 
 from engine.layers.quantization import quantize_weight
-from engine.utils.network_utils import get_free_port
 
 pytestmark = pytest.mark.slow  # spawns two ranks
 
-TP = 2
 STEPS = 8
 PROMPTS = [[3, 17, 250, 9, 44], [100, 7, 7, 7, 31, 480, 2, 65, 11], [401]]
 ROW_PARALLEL = ("o_proj", "down_proj")
 
 
 def _run(runner) -> tuple[torch.Tensor, list[list[int]]]:
-    driver = BatchDriver(runner)
-    rows = [driver.new_row() for _ in PROMPTS]
-    out, tokens = driver.run(driver.extend_batch([ExtendReq(r, p) for r, p in zip(rows, PROMPTS)]))
-    logits = out.next_token_logits.clone()
-    outputs = [[int(t)] for t in tokens]
-    lens = [len(p) for p in PROMPTS]
-    for _ in range(STEPS):
-        _, tokens = driver.run(driver.decode_batch(rows, [o[-1] for o in outputs], lens))
-        lens = [n + 1 for n in lens]
-        for o, t in zip(outputs, tokens):
-            o.append(int(t))
-    return logits, outputs
+    return prefill_and_decode(runner, PROMPTS, STEPS)
 
 
-def _rank_main(rank: int, port: int, path: str, method: str, queue) -> None:
-    try:
-        torch.set_num_threads(1)
-        from engine.configs.model_config import ModelConfig
-        from engine.distributed import parallel_state as ps
-        from engine.model_executor.model_runner import ModelRunner
-        from engine.server_args import ServerArgs
-
-        ps.init_distributed_environment(rank, TP, f"tcp://127.0.0.1:{port}", "cpu")
-        args = ServerArgs(model_path=path, dtype="float32", device="cpu", max_total_tokens=4096,
-                          max_running_requests=16, tp_size=TP, quantization=method)
-        config = ModelConfig.from_pretrained(path, dtype="float32", device="cpu")
-        result = _run(ModelRunner(config, args, tp_rank=rank, tp_size=TP))
-        if rank == 0:
-            queue.put(("ok", result))
-        ps.destroy_distributed_environment()
-    except BaseException:
-        queue.put(("error", rank, traceback.format_exc()))
+def _tp2_work(job: tuple[str, str]) -> tuple[torch.Tensor, list[list[int]]]:
+    path, method = job
+    return _run(tp_runner(path, TP, max_total_tokens=4096, quantization=method))
 
 
 def _oracle_checkpoint(src: str, dst: str, method: str) -> None:
@@ -98,21 +68,6 @@ def test_tp2_quantized_equals_its_dequantized_checkpoint(tmp_path, method: str, 
     assert json.load(open(os.path.join(oracle, "config.json")))["num_key_value_heads"] == 2
     expected_logits, expected_tokens = _run(make_runner(oracle))
 
-    ctx = mp.get_context("spawn")
-    queue = ctx.SimpleQueue()
-    port = get_free_port()
-    procs = [ctx.Process(target=_rank_main, args=(r, port, path, method, queue)) for r in range(TP)]
-    for p in procs:
-        p.start()
-    try:
-        result = queue.get()
-        for p in procs:
-            p.join(timeout=60)
-    finally:
-        for p in procs:
-            if p.is_alive():
-                p.kill()
-    assert result[0] == "ok", f"TP rank {result[1]} failed:\n{result[2]}"
-    logits, tokens = result[1]
+    logits, tokens = run_tp_ranks(_tp2_work, (path, method))
     torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
     assert tokens == expected_tokens
