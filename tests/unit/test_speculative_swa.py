@@ -14,22 +14,13 @@ import pytest
 import torch
 
 from sched_utils import Harness
+from test_speculative_ngram import _Tok
 from utils_models import TINY_SWA, build_eagle_head, build_tiny_model, hf_greedy
 
 from engine.server_args import ServerArgs
 
 N_NEW = 24
 VOCAB = 512
-
-
-class _Tok:
-    eos_token_id = None
-
-    def decode(self, ids, **kwargs) -> str:
-        return "".join(chr(ord("a") + i % 26) for i in ids)
-
-    def encode(self, text, add_special_tokens=False):
-        return [ord(c) - ord("a") for c in text]
 
 
 def _prompts() -> List[List[int]]:
