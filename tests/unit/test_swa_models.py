@@ -298,3 +298,32 @@ def test_paged_hybrid_pool_window_64_equals_transformers(window64_model, radix, 
     assert h.outputs[second].cached_tokens == (256 if radix else 0)
     if not radix:  # one request of 335 + 24 tokens: its window and the pages in flight, not its length
         assert peak_swa <= 64 + 4 * 16 + 2 * 64 < len(prompts[1])
+
+
+@pytest.mark.parametrize("page", [1, 16])
+def test_last_rows_of_windowed_layers_attend_alone(swa_model, page, monkeypatch):
+    """An extend's last layer needs each request's last row only (LogitsProcessor.last_rows_suffice):
+    a windowed layer of a Llama-family model (Mistral, Qwen2) attends from those rows alone on the decode
+    kernel, over each last row's window; greedy outputs stay transformers'."""
+    from engine.layers.attention.kernel_rows import KernelRows
+    from engine.scheduler.tp_worker import TpModelWorker
+
+    arch, path, _, expected = swa_model
+    if arch not in ("mistral", "qwen2"):
+        pytest.skip("only the Llama-family models prune the last layer to its last rows")
+    calls = []
+    attend_last_rows = KernelRows.attend_last_rows
+
+    def counted(self, q_rows, layer):
+        calls.append(q_rows.shape[0])
+        return attend_last_rows(self, q_rows, layer)
+
+    monkeypatch.setattr(KernelRows, "attend_last_rows", counted)
+    chunk = {"chunked_prefill_size": 64} if page > 1 else {}
+    worker = TpModelWorker(ServerArgs(model_path=path, device="cpu", max_total_tokens=4096, page_size=page,
+                                      max_running_requests=16, **chunk))
+    h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=4096, page_size=page, **chunk)
+    rids = [h.submit(p, max_new_tokens=N_NEW, ignore_eos=True) for p in _prompts()[:3]]
+    h.run_until_idle()
+    assert [h.outputs[r].output_ids for r in rids] == expected[:3]
+    assert calls and all(n <= 3 for n in calls)  # one row per request, never every new token

@@ -70,11 +70,28 @@ class KernelRows:
             kv_scales=pool.kv_scales(layer.layer_id), logit_cap=layer.logit_cap, sinks=layer.sinks,
             rows=tables.rows)
 
-    def _tables_for(self, layer: "RadixAttention", pool: "MHATokenToKVPool", plain_decode: Optional[KernelTables]) -> KernelTables:
+    def attend_last_rows(self, q_rows: torch.Tensor, layer: "RadixAttention") -> torch.Tensor:
+        """The layer's attention for each request's last new token of an extend batch alone (q_rows
+        [requests, heads * head_dim]), over the keys it sees: as a decode step of the whole sequence
+        (forward_extend_last_rows; the batch's K/V are in the pool already)."""
+        fb = self.batch
+        pool = fb.token_to_kv_pool
+        assert pool is not None  # ForwardBatch.init_new sets it
+        tables = self._tables_for(layer, pool, None, last_rows=True)
+        k_buf, v_buf = pool.get_kv_buffer(layer.layer_id)
+        return attention_kernels.decode_attention(
+            q_rows, k_buf, v_buf, tables.kv_indices, tables.lens, layer.tp_q_head_num, layer.tp_k_head_num,
+            layer.head_dim, layer.scaling, layer_id=layer.layer_id, kv_scales=pool.kv_scales(layer.layer_id),
+            logit_cap=layer.logit_cap, sinks=layer.sinks)
+
+    def _tables_for(self, layer: "RadixAttention", pool: "MHATokenToKVPool", plain_decode: Optional[KernelTables],
+                    last_rows: bool = False) -> KernelTables:
         fb = self.batch
         window = max(layer.sliding_window_size, 0)  # 0: none
         mapped = pool.slot_map(layer.layer_id) is not None
-        if fb.spec_tree_mask is not None:
+        if last_rows:
+            kind = "last"  # each request's last token over its sequence's visible keys, as a decode row
+        elif fb.spec_tree_mask is not None:
             kind = "tree"
         elif fb.forward_mode.is_decode():
             kind = "decode"
@@ -89,7 +106,7 @@ class KernelRows:
             elif kind == "decode" and window == 0 and plain_decode is not None and (
                     cascade or plain_decode.cascade is None):
                 tables = plain_decode
-            elif kind == "decode":
+            elif kind in ("decode", "last"):
                 tables = _decode_rows(fb, window)
             else:
                 tables = _extend_rows(fb, window, cascade)

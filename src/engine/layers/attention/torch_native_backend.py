@@ -286,13 +286,20 @@ class TorchNativeAttnBackend(AttentionBackend):
     def forward_extend_last_rows(self, q, k, v, layer: "RadixAttention", forward_batch: "ForwardBatch",
                                  save_kv_cache: bool = True):
         """With the native kernels, each request's last token attends through the decode kernel (and its
-        cascade over shared prefixes): one query row per request instead of all the new tokens."""
+        cascade over shared prefixes): one query row per request instead of all the new tokens. A
+        windowed, soft-capped or sink layer the kernel takes: the same, over its last row's window."""
+        pool = forward_batch.token_to_kv_pool
+        assert pool is not None  # ForwardBatch.init_new sets it
+        if (not layer.is_plain and forward_batch.spec_tree_mask is None and not isinstance(
+                forward_batch.attn_metadata, MLAExtendMetadata) and kernel_takes(q, pool.get_key_buffer(layer.layer_id), layer)):
+            if save_kv_cache and k is not None:
+                pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
+            rows = q.reshape(q.shape[0], -1).index_select(0, forward_batch.last_positions())
+            return self._rows_for(forward_batch).attend_last_rows(rows, layer)
         meta = forward_batch.attn_metadata
         if (not isinstance(meta, _NativeExtend) or not layer.is_causal or not layer.is_plain
                 or q.dtype != torch.bfloat16):
             return super().forward_extend_last_rows(q, k, v, layer, forward_batch, save_kv_cache)
-        pool = forward_batch.token_to_kv_pool
-        assert pool is not None  # ForwardBatch.init_new sets it
         if save_kv_cache and k is not None:
             pool.set_kv_buffer(layer.layer_id, forward_batch.out_cache_loc, k, v)
         if meta.last_rows is None:
