@@ -303,14 +303,15 @@ def test_paged_hybrid_pool_window_64_equals_transformers(window64_model, radix, 
 @pytest.mark.parametrize("page", [1, 16])
 def test_last_rows_of_windowed_layers_attend_alone(swa_model, page, monkeypatch):
     """An extend's last layer needs each request's last row only (LogitsProcessor.last_rows_suffice):
-    a windowed layer of a Llama-family model (Mistral, Qwen2) attends from those rows alone on the decode
-    kernel, over each last row's window; greedy outputs stay transformers'."""
+    a windowed or soft-capped layer (Mistral, Qwen2, Gemma 2 and 3: the last layer of each is windowed)
+    attends from those rows alone on the decode kernel, over each last row's window; greedy outputs stay
+    transformers'."""
     from engine.layers.attention.kernel_rows import KernelRows
     from engine.scheduler.tp_worker import TpModelWorker
 
     arch, path, _, expected = swa_model
-    if arch not in ("mistral", "qwen2"):
-        pytest.skip("only the Llama-family models prune the last layer to its last rows")
+    if arch == "gpt_oss":
+        pytest.skip("gpt-oss does not prune its last layer to the last rows")
     calls = []
     attend_last_rows = KernelRows.attend_last_rows
 

@@ -87,13 +87,15 @@ class GemmaAttention(nn.Module):
                                    self.qkv_proj.num_kv_heads, layer_id, sliding_window_size=window,
                                    logit_cap=_float_field(config, "attn_logit_softcapping"))
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: "ForwardBatch") -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: "ForwardBatch",
+                last_rows_only: bool = False) -> torch.Tensor:
+        """last_rows_only: as LlamaAttention.forward (each request's last row of an extend alone)."""
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         if self.q_norm is not None and self.k_norm is not None:
             q = self.q_norm(q.reshape(-1, self.head_dim)).view(-1, self.q_size)
             k = self.k_norm(k.reshape(-1, self.head_dim)).view(-1, self.kv_size)
         q, k = self.rotary_emb(positions, q.contiguous(), k.contiguous(), inplace=True)
-        return self.o_proj(self.attn(q, k, v, forward_batch))
+        return self.o_proj(self.attn(q, k, v, forward_batch, last_rows_only=last_rows_only))
 
 
 class GemmaDecoderLayer(nn.Module):
@@ -109,8 +111,13 @@ class GemmaDecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
         self.post_feedforward_layernorm = GemmaRMSNorm(config.hidden_size, eps)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: "ForwardBatch") -> torch.Tensor:
-        attn = self.self_attn(positions, self.input_layernorm(hidden_states), forward_batch)
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: "ForwardBatch",
+                last_rows_only: bool = False) -> torch.Tensor:
+        """last_rows_only: as LlamaDecoderLayer.forward (the last layer of an extend whose other rows
+        feed nothing: every row's K/V stored, the rest on each request's last row)."""
+        attn = self.self_attn(positions, self.input_layernorm(hidden_states), forward_batch, last_rows_only)
+        if last_rows_only:
+            hidden_states = hidden_states.index_select(0, forward_batch.last_positions())
         hidden_states = hidden_states + self.post_attention_layernorm(attn)
         mlp = self.mlp(self.pre_feedforward_layernorm(hidden_states))
         return hidden_states + self.post_feedforward_layernorm(mlp)
@@ -126,12 +133,17 @@ class GemmaModel(nn.Module):
         self.decoder_layers: List[GemmaDecoderLayer] = layers
         self.norm = GemmaRMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: "ForwardBatch") -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: "ForwardBatch",
+                last_rows_only: bool = False) -> torch.Tensor:
+        """last_rows_only: of an extend batch, return each request's last row only."""
         hidden_states = self.embed_tokens(input_ids)
         # The scale is rounded to the model's dtype first, as Hugging Face does.
         hidden_states = hidden_states * torch.tensor(self.hidden_size**0.5, dtype=hidden_states.dtype)
-        for layer in self.decoder_layers:
-            hidden_states = layer(positions, hidden_states, forward_batch)
+        last = len(self.decoder_layers) - 1
+        for i, layer in enumerate(self.decoder_layers):
+            hidden_states = layer(positions, hidden_states, forward_batch, last_rows_only and i == last)
+        if last_rows_only and last < 0:  # no layers
+            hidden_states = hidden_states.index_select(0, forward_batch.last_positions())
         return self.norm(hidden_states)
 
 
@@ -157,8 +169,9 @@ class Gemma2ForCausalLM(nn.Module):
                 get_embedding: bool = False) -> Union[LogitsProcessorOutput, EmbeddingPoolerOutput]:
         if get_embedding:
             raise ValueError("Gemma models are served for generation only")
-        hidden_states = self.model(input_ids, positions, forward_batch)
-        return self.logits_processor(input_ids, hidden_states, self.lm_head, forward_batch)
+        last_rows_only = self.logits_processor.last_rows_suffice(forward_batch)
+        hidden_states = self.model(input_ids, positions, forward_batch, last_rows_only)
+        return self.logits_processor(input_ids, hidden_states, self.lm_head, forward_batch, pruned=last_rows_only)
 
     stacked_params: Sequence[Tuple[str, str, ShardId]] = STACKED_PARAMS
 
