@@ -242,13 +242,6 @@ def test_unsupported_features_are_refused(tmp_path, args, match):
         make_runner(str(tmp_path), **args)
 
 
-def test_pd_disaggregation_is_refused():
-    from engine.configs.mla_config import check_mla_server_args
-
-    with pytest.raises(ValueError, match="disaggregation-mode prefill"):
-        check_mla_server_args(None, "prefill", False, "auto")
-
-
 def test_heads_that_do_not_split_over_tp_are_refused(tmp_path, monkeypatch):
     import engine.layers.mla_linear as mla_linear
 

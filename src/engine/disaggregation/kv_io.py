@@ -1,7 +1,8 @@
 """The KV data path: what both sides must agree on, gathering KV into a frame and scattering it.
 
-A KV frame carries tokens [offset, offset + n) of one request, all layers, K then V:
-`[num_layers, 2, n, heads, head_dim]` in the pool's dtype, contiguous. The prefill gathers it from
+A KV frame carries tokens [offset, offset + n) of one request, all layers, each layer's planes (K then
+V; an MLA pool's one latent row per token: MHATokenToKVPool.layer_planes):
+`[num_layers, planes, n, heads, head_dim]` in the pool's dtype, contiguous. The prefill gathers it from
 its pool slots; the decode side's listener thread copies it into the destination slots it
 reserved (receiver-side scatter: nobody writes into another process's memory, so a frame that
 arrives after an abort is simply dropped). Every frame carries a CRC32 of its payload.
@@ -60,12 +61,15 @@ class KVLayout:
     features: str = ""
     feature_size: int = 0
     feature_dtype: str = ""
+    # The buffers per layer and token (pool.kv_planes): 2 (K and V), or 1 (an MLA pool's latent row).
+    planes: int = 2
 
     @classmethod
     def of_pool(cls, pool: MHATokenToKVPool, total_kv_heads: int, tp_size: int, tp_rank: int,
                 features: Optional["FeatureStore"] = None) -> "KVLayout":
         layout = cls(num_layers=pool.layer_num, total_kv_heads=total_kv_heads, head_dim=pool.head_dim,
-                     dtype=str(pool.dtype).removeprefix("torch."), tp_size=tp_size, tp_rank=tp_rank)
+                     dtype=str(pool.dtype).removeprefix("torch."), tp_size=tp_size, tp_rank=tp_rank,
+                     planes=pool.kv_planes)
         if features is None:
             return layout
         name, size, dtype = features.feature_layout()
@@ -80,7 +84,7 @@ class KVLayout:
 
     def kv_bytes_per_token(self, num_heads: Optional[int] = None) -> int:
         heads = len(self.heads()) if num_heads is None else num_heads
-        return 2 * self.num_layers * heads * self.head_dim * self.element_size()
+        return self.planes * self.num_layers * heads * self.head_dim * self.element_size()
 
     def feature_bytes_per_token(self) -> int:
         if not self.feature_size:
@@ -98,6 +102,10 @@ class KVLayout:
     def from_dict(cls, data: Dict[str, Any]) -> "KVLayout":
         layout = cls(**{k: data[k] for k in ("num_layers", "total_kv_heads", "head_dim", "dtype", "tp_size",
                                               "tp_rank")})
+        planes = data.get("planes", 2)
+        if planes not in (1, 2):
+            raise ValueError(f"malformed KV layout: {planes!r} planes per layer (1 or 2)")
+        layout = dataclasses.replace(layout, planes=planes)
         features = {k: data[k] for k in ("features", "feature_size", "feature_dtype") if k in data}
         if not (isinstance(features.get("features", ""), str) and isinstance(features.get("feature_size", 0), int)
                 and features.get("feature_dtype", "") in ("",) + FEATURE_DTYPES):
@@ -127,7 +135,7 @@ def pair_ranks(prefill: KVLayout, decode: KVLayout) -> Tuple[int, int, int]:
     Raises ValueError when the layouts cannot be paired (different model shapes, or a decode
     rank whose heads are not all held by one prefill rank).
     """
-    for name in ("num_layers", "total_kv_heads", "head_dim", "dtype"):
+    for name in ("num_layers", "total_kv_heads", "head_dim", "dtype", "planes"):
         if getattr(prefill, name) != getattr(decode, name):
             raise ValueError(f"KV layouts differ in {name}: prefill {getattr(prefill, name)}, "
                              f"decode {getattr(decode, name)} (serve the same model with the same --dtype and "
@@ -171,18 +179,17 @@ def layer_slots(pool: MHATokenToKVPool, slots: torch.Tensor) -> List[torch.Tenso
 
 def gather_kv(pool: MHATokenToKVPool, slots: torch.Tensor, head_start: int = 0,
               num_heads: Optional[int] = None, rows: Optional[List[torch.Tensor]] = None) -> torch.Tensor:
-    """K and V of `slots` (all layers) as one contiguous CPU tensor [layers, 2, n, heads, dim]; `rows`:
-    layer_slots of them, taken earlier."""
+    """The KV planes of `slots` (all layers) as one contiguous CPU tensor [layers, planes, n, heads, dim];
+    `rows`: layer_slots of them, taken earlier."""
     heads = pool.head_num if num_heads is None else num_heads
     rows = layer_slots(pool, slots) if rows is None else rows
-    out = torch.empty((pool.layer_num, 2, slots.numel(), heads, pool.head_dim), dtype=pool.dtype)
+    out = torch.empty((pool.layer_num, pool.kv_planes, slots.numel(), heads, pool.head_dim), dtype=pool.dtype)
     for layer in range(pool.layer_num):
         layer_index = rows[layer]
-        for kv, buffers in enumerate((pool.k_buffer, pool.v_buffer)):
-            source = buffers[layer]
+        for plane, source in enumerate(pool.layer_planes(layer)):
             if heads != pool.head_num:
                 source = source[:, head_start:head_start + heads]
-            torch.index_select(source, 0, layer_index, out=out[layer, kv])
+            torch.index_select(source, 0, layer_index, out=out[layer, plane])
     return out
 
 
@@ -196,11 +203,8 @@ def scatter_kv(pool: MHATokenToKVPool, slots: torch.Tensor, data: torch.Tensor,
     # As bytes: the elements are copied as they are (CPU index_copy_ has no fp8 kernel).
     data = data.view(torch.uint8) if pool.is_fp8 else data
     for layer in range(pool.layer_num):
-        k_buf, v_buf = pool.k_buffer[layer], pool.v_buffer[layer]
-        if pool.is_fp8:
-            k_buf, v_buf = k_buf.view(torch.uint8), v_buf.view(torch.uint8)
-        k_buf.index_copy_(0, rows[layer], data[layer, 0])
-        v_buf.index_copy_(0, rows[layer], data[layer, 1])
+        for plane, buf in enumerate(pool.layer_planes(layer)):
+            (buf.view(torch.uint8) if pool.is_fp8 else buf).index_copy_(0, rows[layer], data[layer, plane])
 
 
 def as_bytes(tensor: torch.Tensor) -> memoryview:
@@ -212,7 +216,8 @@ def as_bytes(tensor: torch.Tensor) -> memoryview:
 def from_bytes(buffer: Any, layout: KVLayout, num_tokens: int, num_heads: int) -> torch.Tensor:
     """The tensor view of a received frame payload (zero-copy when the buffer allows it)."""
     dtype = getattr(torch, layout.dtype)
-    return _frombuffer(buffer).view(dtype).reshape(layout.num_layers, 2, num_tokens, num_heads, layout.head_dim)
+    return _frombuffer(buffer).view(dtype).reshape(layout.num_layers, layout.planes, num_tokens, num_heads,
+                                                   layout.head_dim)
 
 
 def _frombuffer(buffer: Any) -> torch.Tensor:

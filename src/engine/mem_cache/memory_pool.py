@@ -169,6 +169,14 @@ class MHATokenToKVPool:
     def get_kv_buffer(self, layer_id: int):
         return self.k_buffer[layer_id], self.v_buffer[layer_id]
 
+    # The buffers per layer that hold distinct data (layer_planes): K and V here; an MLA pool's one row.
+    kv_planes = 2
+
+    def layer_planes(self, layer_id: int) -> Tuple[torch.Tensor, ...]:
+        """The buffers of a layer whose contents are what the pool stores (what a PD transfer or a backup
+        copies): K and V."""
+        return self.k_buffer[layer_id], self.v_buffer[layer_id]
+
     @property
     def is_fp8(self) -> bool:
         return is_fp8(self.dtype)

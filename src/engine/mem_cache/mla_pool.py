@@ -9,6 +9,8 @@ of the MHA pool: only what a slot holds differs.
 
 from __future__ import annotations
 
+from typing import Tuple
+
 import torch
 
 from engine.mem_cache.memory_pool import MHATokenToKVPool
@@ -36,6 +38,11 @@ class MLATokenToKVPool(MHATokenToKVPool):
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
         """cache_k [n, 1, kv_lora_rank + rope] is the whole row; cache_v (its latent part) is already in it."""
         self.k_buffer[layer_id].index_copy_(0, loc, cache_k.reshape(-1, 1, self.head_dim).to(self.dtype))
+
+    kv_planes = 1  # v_buffer is a view into k_buffer
+
+    def layer_planes(self, layer_id: int) -> Tuple[torch.Tensor, ...]:
+        return (self.k_buffer[layer_id],)
 
     def bytes_per_token(self) -> int:
         return self.layer_num * self.head_dim * torch.tensor([], dtype=self.dtype).element_size()

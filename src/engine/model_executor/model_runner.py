@@ -89,8 +89,8 @@ class ModelRunner:
         attention_backend = server_args.attention_backend
         assert attention_backend is not None  # ServerArgs.resolve_defaults picks one
         if self.mla_dims is not None:
-            check_mla_server_args(server_args.speculative_algorithm, server_args.disaggregation_mode,
-                                  server_args.enable_lora, server_args.kv_cache_dtype)
+            check_mla_server_args(server_args.speculative_algorithm, server_args.enable_lora,
+                                  server_args.kv_cache_dtype)
             if attention_backend != "torch_native":
                 logger.warning("MLA model: attention runs on the torch_native backend instead of --attention-backend "
                                "%s (no other backend attends with K and V of different sizes)", attention_backend)

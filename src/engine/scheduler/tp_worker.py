@@ -9,6 +9,7 @@ from typing import TYPE_CHECKING, Any, Dict, Iterable, List, Optional, Sequence,
 
 import torch
 
+from engine.configs.mla_config import mla_dims_of
 from engine.configs.pooling_config import PoolingType
 from engine.distributed.weight_update_group import WeightUpdateGroups, tensor_specs
 from engine.scheduler.overlap_utils import resolve_relay_input_ids, write_relay
@@ -152,7 +153,8 @@ class TpModelWorker:
             vocab_size=self.model_config.vocab_size,
             page_size=self.server_args.page_size,
             device=str(self.device),
-            total_kv_heads=self.model_config.num_key_value_heads,
+            # An MLA model's one latent "head" is replicated on every rank, not split.
+            total_kv_heads=1 if mla_dims_of(self.model_config.raw_config) is not None else self.model_config.num_key_value_heads,
         )
         info.update(embedding_info(self.model_config, mr.max_total_num_tokens))
         # What /get_server_info reports of the KV pool (--kv-cache-dtype): its element type and size.
