@@ -58,7 +58,8 @@ CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", list(CONFIGS))
+# The fast lane keeps the default configuration; the others run in the full suite.
+@pytest.mark.parametrize("name", [n if n == "default" else pytest.param(n, marks=pytest.mark.slow) for n in CONFIGS])
 def test_pd_of_the_latent_pool_equals_transformers(model, name, monkeypatch):
     from engine.disaggregation.decode_prealloc import DecodePreallocQueue
     from engine.mem_cache.mla_pool import MLATokenToKVPool
