@@ -234,7 +234,6 @@ def test_routing_matches_transformers_routers():
 @pytest.mark.parametrize("args, match", [
     (dict(speculative_algorithm="NGRAM"), "speculative"),
     (dict(enable_lora=True, max_loras_per_batch=1, max_lora_rank=8, lora_target_modules=["q_proj"]), "LoRA"),
-    (dict(kv_cache_dtype="fp8_e4m3"), "kv-cache-dtype"),
 ])
 def test_unsupported_features_are_refused(tmp_path, args, match):
     build_tiny_model(str(tmp_path), "deepseek_v3", seed=1)

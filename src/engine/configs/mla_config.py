@@ -59,14 +59,11 @@ def mla_dims_of(raw: Dict[str, Any]) -> Optional[MLADims]:
                    q_lora_rank=None if q_lora is None else int(q_lora))
 
 
-def check_mla_server_args(speculative_algorithm: Optional[str], enable_lora: bool, kv_cache_dtype: str) -> None:
+def check_mla_server_args(speculative_algorithm: Optional[str], enable_lora: bool) -> None:
     """Refuse, at start-up, what an MLA model cannot be served with yet (ValueError saying so).
 
     Speculative decoding keeps a draft's K/V in an MHA pool beside the target's and LoRA adapts the fused
-    qkv projection: neither knows the latent pool or MLA's projections; the latent pool stores the model's dtype only (no fp8 scales)."""
-    if kv_cache_dtype.startswith("fp8"):
-        raise ValueError(f"--kv-cache-dtype {kv_cache_dtype} is not supported for DeepSeek-V2/V3 (MLA) models yet: "
-                         "the latent KV pool stores the model's dtype (use --kv-cache-dtype auto)")
+    qkv projection: neither knows the latent pool or MLA's projections."""
     if speculative_algorithm is not None:
         raise ValueError(f"--speculative-algorithm {speculative_algorithm} is not supported for DeepSeek-V2/V3 "
                          "(MLA) models yet")

@@ -89,8 +89,7 @@ class ModelRunner:
         attention_backend = server_args.attention_backend
         assert attention_backend is not None  # ServerArgs.resolve_defaults picks one
         if self.mla_dims is not None:
-            check_mla_server_args(server_args.speculative_algorithm, server_args.enable_lora,
-                                  server_args.kv_cache_dtype)
+            check_mla_server_args(server_args.speculative_algorithm, server_args.enable_lora)
             if attention_backend != "torch_native":
                 logger.warning("MLA model: attention runs on the torch_native backend instead of --attention-backend "
                                "%s (no other backend attends with K and V of different sizes)", attention_backend)
@@ -279,8 +278,9 @@ class ModelRunner:
 
     def _mla_pool(self, total: int) -> MHATokenToKVPool:
         assert self.mla_dims is not None  # only asked for an MLA model
-        return MLATokenToKVPool(total, self.page_size, self.dtype, self.mla_dims.kv_lora_rank,
-                                self.mla_dims.qk_rope_head_dim, self.model_config.num_hidden_layers, self.device)
+        return MLATokenToKVPool(total, self.page_size, self.kv_cache_dtype, self.mla_dims.kv_lora_rank,
+                                self.mla_dims.qk_rope_head_dim, self.model_config.num_hidden_layers, self.device,
+                                k_scales=self.kv_scales[0])
 
     def _init_hybrid_swa_pool(self, total: int, rows: int) -> bool:
         """The hybrid sliding-window pool (mem_cache/swa_pool.py) where it applies; False: one pool."""

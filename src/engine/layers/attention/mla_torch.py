@@ -84,7 +84,8 @@ def mla_forward(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Te
     meta = fb.attn_metadata
     if isinstance(meta, MLADecodeMetadata):
         bs, max_len = meta.kv_indices.shape
-        rows = k_buf.index_select(0, meta.kv_indices.view(-1)).view(bs, 1, max_len, dim).to(q.dtype)
+        rows = pool.read_k(layer.layer_id, k_buf.index_select(0, meta.kv_indices.view(-1)), q.dtype)
+        rows = rows.view(bs, 1, max_len, dim)
         # One decode token per request needs no causal mask: its heads are query rows of the one K/V head.
         o = F.scaled_dot_product_attention(q.view(bs, 1, heads, dim), rows, rows[..., :v_dim],
                                            attn_mask=meta.mask, scale=layer.scaling)
@@ -96,7 +97,8 @@ def mla_forward(q: torch.Tensor, k: Optional[torch.Tensor], v: Optional[torch.Te
         if seq.extend_len == 0:
             continue
         span = slice(seq.q_start, seq.q_start + seq.extend_len)
-        kv = k_buf.index_select(0, seq.kv_indices).transpose(0, 1).unsqueeze(0).to(q.dtype)  # [1, 1, S, D]
+        kv = pool.read_k(layer.layer_id, k_buf.index_select(0, seq.kv_indices), q.dtype)
+        kv = kv.transpose(0, 1).unsqueeze(0)  # [1, 1, S, D]
         o = F.scaled_dot_product_attention(
             q3[span].transpose(0, 1).unsqueeze(0), kv, kv[..., :v_dim], attn_mask=seq.mask,
             # No prefix: the plain causal square; one new token after a prefix sees every key.
