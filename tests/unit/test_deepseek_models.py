@@ -232,7 +232,6 @@ def test_routing_matches_transformers_routers():
 
 
 @pytest.mark.parametrize("args, match", [
-    (dict(speculative_algorithm="NGRAM"), "speculative"),
     (dict(enable_lora=True, max_loras_per_batch=1, max_lora_rank=8, lora_target_modules=["q_proj"]), "LoRA"),
     (dict(kv_cache_dtype="fp8_e4m3"), "kv-cache-dtype"),
 ])
@@ -246,7 +245,7 @@ def test_pd_disaggregation_is_refused():
     from engine.configs.mla_config import check_mla_server_args
 
     with pytest.raises(ValueError, match="disaggregation-mode prefill"):
-        check_mla_server_args(None, "prefill", False, "auto")
+        check_mla_server_args("prefill", False, "auto")
 
 
 def test_heads_that_do_not_split_over_tp_are_refused(tmp_path, monkeypatch):

@@ -37,5 +37,11 @@ class MLATokenToKVPool(MHATokenToKVPool):
         """cache_k [n, 1, kv_lora_rank + rope] is the whole row; cache_v (its latent part) is already in it."""
         self.k_buffer[layer_id].index_copy_(0, loc, cache_k.reshape(-1, 1, self.head_dim).to(self.dtype))
 
+    def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
+        """As MHATokenToKVPool.move_kv over the one buffer per layer: moving `v_buffer` too would read
+        the latent of a source slot another move already overwrote (src and dst may overlap)."""
+        for layer_buffer in self.k_buffer:
+            layer_buffer.index_copy_(0, dst, layer_buffer.index_select(0, src))
+
     def bytes_per_token(self) -> int:
         return self.layer_num * self.head_dim * torch.tensor([], dtype=self.dtype).element_size()
