@@ -198,3 +198,23 @@ def test_nextn_on_a_llama_target_is_refused(tmp_path):
     build_tiny_model(path, seed=1, vocab_size=VOCAB)
     with pytest.raises(ValueError, match="nor a DeepSeek-V3 checkpoint with its MTP layer"):
         _harness(path, dict(speculative_algorithm="NEXTN"))
+
+
+def test_the_draft_reads_and_counts_only_its_layer(mtp_model):
+    """The draft's loader reads the MTP layer's tensors alone, and the memory budget counts its share of
+    the checkpoint's bytes (the target's 2 layers, then its own: a third), not the whole directory."""
+    from engine.configs.mla_config import nextn_weight_prefix
+    from engine.configs.model_config import ModelConfig
+    from engine.model_loader.weight_utils import safetensors_weights_iterator
+    from engine.speculative.memory import draft_memory
+
+    path, _, mtp = mtp_model
+    config = ModelConfig.from_pretrained(path, dtype="float32", device="cpu", eagle_draft=True)
+    names = [name for name, _ in safetensors_weights_iterator(path, nextn_weight_prefix(config.raw_config))]
+    assert sorted(names) == sorted(f"model.layers.2.{name}" for name in mtp)
+    args = ServerArgs(model_path=path, device="cpu", max_total_tokens=256, speculative_algorithm="NEXTN")
+    target = ModelConfig.from_pretrained(path, dtype="float32", device="cpu")
+    memory = draft_memory(args, target, 1)
+    assert memory is not None
+    assert memory.weight_bytes == os.path.getsize(os.path.join(path, "model.safetensors")) // 3
+    assert memory.kv_bytes_per_token == (32 + 8) * 4 and memory.feature_bytes_per_token == 64 * 4

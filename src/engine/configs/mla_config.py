@@ -98,3 +98,10 @@ def nextn_draft_config(raw: Dict[str, Any], path: str) -> Dict[str, Any]:
 def is_nextn_checkpoint(raw: Dict[str, Any]) -> bool:
     """A DeepSeek-V3 checkpoint given as an EAGLE draft: its MTP layer is the draft (SGLang's rule)."""
     return "DeepseekV3ForCausalLM" in (raw.get("architectures") or [])
+
+
+def nextn_weight_prefix(raw: Dict[str, Any]) -> Optional[str]:
+    """Where an MTP draft's weights sit in its checkpoint (None: any other model reads the whole of it)."""
+    if NEXTN_ARCHITECTURE not in (raw.get("architectures") or []):
+        return None
+    return f"model.layers.{int(raw['nextn_layer_index'])}."

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, List, Optional
 
 import torch
 
-from engine.configs.mla_config import mla_dims_of
+from engine.configs.mla_config import mla_dims_of, nextn_weight_prefix
 
 if TYPE_CHECKING:
     from engine.configs.model_config import ModelConfig
@@ -60,8 +60,13 @@ def draft_memory(server_args: ServerArgs, target: ModelConfig, tp_size: int) -> 
     features = 0
     if algo != "STANDALONE":  # the target's final hidden state (EAGLE3: three layer inputs) per slot
         features = config.hidden_size * (3 if algo == "EAGLE3" else 1) * element
+    weights = _checkpoint_bytes(path)
+    if nextn_weight_prefix(config.raw_config) is not None:
+        # An MTP draft reads one layer of its target's checkpoint (the target's layers, then its own):
+        # its share of the bytes, not the whole directory.
+        weights //= int(config.raw_config["nextn_layer_index"]) + 1
     return DraftMemory(kv_bytes_per_token=kv, feature_bytes_per_token=features,
-                       weight_bytes=_checkpoint_bytes(path) // max(1, tp_size))
+                       weight_bytes=weights // max(1, tp_size))
 
 
 def _checkpoint_bytes(path: str) -> int:
