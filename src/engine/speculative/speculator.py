@@ -462,7 +462,7 @@ def _require_tree_attention(steps: int, *runners: ModelRunner) -> None:
                     and kernel_takes(q, pool.get_key_buffer(layer.layer_id), layer)):
                 raise ValueError("--speculative-eagle-topk > 1 (tree drafts) on a model with sliding-window, "
                                  "soft-capped or sink attention layers needs --attention-backend torch_native on "
-                                 "the CPU with its native kernels (float32 / bfloat16, MLA excluded); use "
+                                 "the CPU with its native kernels (float32 / bfloat16); use "
                                  "--speculative-eagle-topk 1")
             if 0 < layer.sliding_window_size <= steps:
                 raise ValueError(f"--speculative-num-steps {steps} grows tree drafts deeper than the model's "
