@@ -209,10 +209,13 @@ class ServerArgs:
         "(--speculative-draft-model-path, same tokenizer) proposes them. EAGLE: an EAGLE head "
         "(LlamaForCausalLMEagle) proposes them from the target's hidden states; EAGLE3: an EAGLE3 head "
         "(LlamaForCausalLMEagle3) from three of the target's layers. Exact in every case: "
-        "greedy output is unchanged, sampling keeps the target distribution. NEXTN is "
-        "refused (not supported yet)."))
+        "greedy output is unchanged, sampling keeps the target distribution. NEXTN: DeepSeek-V3's "
+        "multi-token prediction layer as an EAGLE head (run as EAGLE, as SGLang; the draft path defaults "
+        "to --model-path, whose checkpoint keeps the layer)."))
     speculative_draft_model_path: Optional[str] = arg(None, "STANDALONE, EAGLE, EAGLE3: the draft model's (or "
-                                                            "EAGLE / EAGLE3 head's) directory.")
+                                                            "EAGLE / EAGLE3 head's) directory. NEXTN: the "
+                                                            "DeepSeek-V3 checkpoint holding the MTP layer "
+                                                            "(default: --model-path).")
     speculative_num_steps: Optional[int] = arg(None, (
         "STANDALONE, EAGLE: draft forwards per verify step (the drafts of a chain). Default 3 (SGLang's "
         "default for STANDALONE), with --speculative-eagle-topk 1 and --speculative-num-draft-tokens 4."))

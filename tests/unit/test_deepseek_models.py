@@ -232,7 +232,6 @@ def test_routing_matches_transformers_routers():
 
 
 @pytest.mark.parametrize("args, match", [
-    (dict(speculative_algorithm="NGRAM"), "speculative"),
     (dict(enable_lora=True, max_loras_per_batch=1, max_lora_rank=8, lora_target_modules=["q_proj"]), "LoRA"),
 ])
 def test_unsupported_features_are_refused(tmp_path, args, match):

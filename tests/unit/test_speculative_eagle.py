@@ -175,8 +175,6 @@ def test_refusals(random_pair, tmp_path):
     assert (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens) == (3, 1, 4)
     with pytest.raises(ServerArgsError, match="needs --speculative-draft-model-path"):
         ServerArgs(device="cpu", speculative_algorithm="EAGLE")
-    with pytest.raises(ServerArgsError, match="NEXTN is not supported yet"):
-        ServerArgs(device="cpu", speculative_algorithm="NEXTN", speculative_draft_model_path=head)
     # An EAGLE-1 head given to EAGLE3: refused when the scheduler builds the drafter.
     with pytest.raises(ValueError, match="is not an EAGLE3 head"):
         _harness(target, head, speculative_algorithm="EAGLE3")

@@ -225,12 +225,6 @@ def test_drafter_proposes_the_continuation_of_the_longest_latest_match():
 
 
 # ---------------------------------------------------------------------------------------- server args
-@pytest.mark.parametrize("algo", ["NEXTN"])
-def test_draft_model_algorithms_are_refused_at_start_up(algo):
-    with pytest.raises(ServerArgsError, match="not supported yet"):
-        ServerArgs(device="cpu", speculative_algorithm=algo)
-
-
 def test_ngram_flags_defaults_and_bounds():
     args = ServerArgs(device="cpu", **NGRAM)
     assert args.speculative_num_draft_tokens == args.speculative_ngram_max_match_window_size == 12

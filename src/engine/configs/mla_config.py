@@ -11,8 +11,10 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any, Dict, Optional
 
+# DeepSeek-V3's multi-token prediction (MTP) layer served as a speculative draft (models/deepseek_nextn.py).
+NEXTN_ARCHITECTURE = "DeepseekV3ForCausalLMNextN"
 # The architectures whose attention is MLA (models/deepseek_v2.py).
-MLA_ARCHITECTURES = frozenset({"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM"})
+MLA_ARCHITECTURES = frozenset({"DeepseekV2ForCausalLM", "DeepseekV3ForCausalLM", NEXTN_ARCHITECTURE})
 
 # Bounds on what a config may ask (a bad config.json fails at load with a clear message).
 MAX_LATENT_DIM = 1 << 14
@@ -59,13 +61,40 @@ def mla_dims_of(raw: Dict[str, Any]) -> Optional[MLADims]:
                    q_lora_rank=None if q_lora is None else int(q_lora))
 
 
-def check_mla_server_args(speculative_algorithm: Optional[str], enable_lora: bool) -> None:
+def check_mla_server_args(enable_lora: bool) -> None:
     """Refuse, at start-up, what an MLA model cannot be served with yet (ValueError saying so).
 
-    Speculative decoding keeps a draft's K/V in an MHA pool beside the target's and LoRA adapts the fused
-    qkv projection: neither knows the latent pool or MLA's projections."""
-    if speculative_algorithm is not None:
-        raise ValueError(f"--speculative-algorithm {speculative_algorithm} is not supported for DeepSeek-V2/V3 "
-                         "(MLA) models yet")
+    LoRA adapts the fused qkv projection, which MLA's projections are not. Speculative decoding runs (its
+    verify and draft forwards attend over the latent pool like any extend, tree masks included), PD moves
+    the latent pool's one plane per layer, and the latent pool stores fp8 with a k_scale per layer."""
     if enable_lora:
         raise ValueError("LoRA adapters are not supported for DeepSeek-V2/V3 (MLA) models yet")
+
+
+def nextn_draft_config(raw: Dict[str, Any], path: str) -> Dict[str, Any]:
+    """The config.json of a DeepSeek-V3 checkpoint read as its MTP layer's (SGLang's NEXTN draft: what a
+    draft directory of architecture DeepseekV3ForCausalLM means to --speculative-algorithm NEXTN / EAGLE).
+
+    The checkpoint stores the layer after the last decoder layer, as model.layers.{num_hidden_layers};
+    the draft is one decoder layer (always a mixture-of-experts one, as DeepSeek trained it) and keeps
+    that index in `nextn_layer_index` for its weight names. Only the first MTP layer is used (SGLang
+    serves one too), every drafting step reusing it."""
+    layers = raw.get("num_nextn_predict_layers") or 0
+    if not isinstance(layers, int) or layers < 1:
+        raise ValueError(f"{path} has no multi-token prediction layer (config.json num_nextn_predict_layers is "
+                         f"{raw.get('num_nextn_predict_layers')!r}): --speculative-algorithm NEXTN needs a "
+                         "DeepSeek-V3 checkpoint that keeps its MTP weights")
+    return {**raw, "architectures": [NEXTN_ARCHITECTURE], "num_hidden_layers": 1,
+            "nextn_layer_index": int(raw["num_hidden_layers"]), "first_k_dense_replace": 0, "moe_layer_freq": 1}
+
+
+def is_nextn_checkpoint(raw: Dict[str, Any]) -> bool:
+    """A DeepSeek-V3 checkpoint given as an EAGLE draft: its MTP layer is the draft (SGLang's rule)."""
+    return "DeepseekV3ForCausalLM" in (raw.get("architectures") or [])
+
+
+def nextn_weight_prefix(raw: Dict[str, Any]) -> Optional[str]:
+    """Where an MTP draft's weights sit in its checkpoint (None: any other model reads the whole of it)."""
+    if NEXTN_ARCHITECTURE not in (raw.get("architectures") or []):
+        return None
+    return f"model.layers.{int(raw['nextn_layer_index'])}."

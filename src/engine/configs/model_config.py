@@ -15,6 +15,7 @@ from typing import Any, Dict, List, Optional, Set
 
 import torch
 
+from engine.configs.mla_config import is_nextn_checkpoint, nextn_draft_config
 from engine.configs.pooling_config import PoolingConfig, read_sentence_transformers_config, resolve_pooling
 
 logger = logging.getLogger(__name__)
@@ -74,16 +75,20 @@ class ModelConfig:
         context_length: Optional[int] = None,
         device: Optional[str] = None,
         is_embedding: bool = False,
+        eagle_draft: bool = False,
     ) -> "ModelConfig":
         """Parse `model_path/config.json` (+ `generation_config.json`).
 
         `device` only matters for dtype resolution (float16 is turned into bfloat16 on the CPU);
         None means "cuda if available else cpu". `is_embedding` (--is-embedding) serves any
-        architecture as an embedding model (see `embedding_mode`).
+        architecture as an embedding model (see `embedding_mode`). `eagle_draft`: the directory is an
+        EAGLE draft, so a DeepSeek-V3 checkpoint stands for its MTP layer (mla_config.nextn_draft_config).
         """
         raw = _read_json(os.path.join(model_path, "config.json"))
         if raw is None:
             raise FileNotFoundError(f"no config.json in model directory {model_path!r}")
+        if eagle_draft and is_nextn_checkpoint(raw):
+            raw = nextn_draft_config(raw, model_path)
         # Checked here so that a bad model directory fails before any weight is read.
         from engine.models.registry import resolve_model_class
 

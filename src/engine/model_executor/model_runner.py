@@ -89,7 +89,7 @@ class ModelRunner:
         attention_backend = server_args.attention_backend
         assert attention_backend is not None  # ServerArgs.resolve_defaults picks one
         if self.mla_dims is not None:
-            check_mla_server_args(server_args.speculative_algorithm, server_args.enable_lora)
+            check_mla_server_args(server_args.enable_lora)
             if attention_backend != "torch_native":
                 logger.warning("MLA model: attention runs on the torch_native backend instead of --attention-backend "
                                "%s (no other backend attends with K and V of different sizes)", attention_backend)
@@ -328,7 +328,8 @@ class ModelRunner:
         self.max_total_num_tokens = target.max_total_num_tokens
         self.max_running_requests = target.max_running_requests
         self.req_to_token_pool = target.req_to_token_pool
-        self.token_to_kv_pool = MHATokenToKVPool(
+        # A DeepSeek-shaped draft (or an MTP layer) stores latents, whatever the target's pool holds.
+        self.token_to_kv_pool = self._mla_pool(self.max_total_num_tokens) if self.mla_dims is not None else MHATokenToKVPool(
             size=self.max_total_num_tokens,
             page_size=self.page_size,
             dtype=self.kv_cache_dtype,

@@ -10,6 +10,7 @@ from typing import Iterable, Iterator, Optional, Protocol, Tuple, cast
 import torch
 from torch import nn
 
+from engine.configs.mla_config import nextn_weight_prefix
 from engine.configs.model_config import ModelConfig
 from engine.layers.quant_config import CheckpointQuantization
 from engine.model_loader.weight_utils import safetensors_weights_iterator
@@ -48,7 +49,8 @@ def get_model(model_config: ModelConfig, device: str, dtype: torch.dtype,
         model = model_class(model_config)
     # Buffers built with an explicit float32 dtype are left as they are. (The cast: torch types an
     # nn.Module's other attributes as Tensor | Module, so it cannot say the model has load_weights.)
-    weights: Iterable[Tuple[str, torch.Tensor]] = safetensors_weights_iterator(model_config.model_path)
+    weights: Iterable[Tuple[str, torch.Tensor]] = safetensors_weights_iterator(
+        model_config.model_path, nextn_weight_prefix(model_config.raw_config))
     if quantization is None:
         cast(LoadableModel, model).load_weights(weights)
     elif quantization.weights == "block_fp8":

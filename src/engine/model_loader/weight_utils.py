@@ -6,7 +6,7 @@ import glob
 import json
 import logging
 import os
-from typing import Callable, Dict, Iterable, Iterator, List, Sequence, Set, Tuple, Union
+from typing import Callable, Dict, Iterable, Iterator, List, Optional, Sequence, Set, Tuple, Union
 
 import torch
 from torch import nn
@@ -18,15 +18,18 @@ ShardId = Union[str, int, None]
 WeightLoader = Callable[..., None]
 
 
-def safetensors_weights_iterator(model_path: str) -> Iterator[Tuple[str, torch.Tensor]]:
-    """Yield (name, tensor) from `model.safetensors` or the shards named by its index file."""
+def safetensors_weights_iterator(model_path: str, prefix: Optional[str] = None) -> Iterator[Tuple[str, torch.Tensor]]:
+    """Yield (name, tensor) from `model.safetensors` or the shards named by its index file; with `prefix`
+    only the tensors whose names start with it (the others are not read: a draft that is one layer of
+    its target's checkpoint, models/deepseek_nextn.py)."""
     from safetensors import safe_open
 
     index_path = os.path.join(model_path, "model.safetensors.index.json")
     if os.path.exists(index_path):
         with open(index_path, encoding="utf-8") as f:
             weight_map: Dict[str, str] = json.load(f)["weight_map"]
-        files = [os.path.join(model_path, name) for name in sorted(set(weight_map.values()))]
+        files = [os.path.join(model_path, name) for name in sorted({shard for name, shard in weight_map.items()
+                                                                    if prefix is None or name.startswith(prefix)})]
     else:
         files = sorted(glob.glob(os.path.join(model_path, "*.safetensors")))
     if not files:
@@ -39,7 +42,7 @@ def safetensors_weights_iterator(model_path: str) -> Iterator[Tuple[str, torch.T
     with tqdm(desc="Loading weights", unit="tensor", disable=get_tp_rank() != 0) as bar:
         for path in files:
             with safe_open(path, framework="pt", device="cpu") as f:
-                names = list(f.keys())
+                names = [name for name in f.keys() if prefix is None or name.startswith(prefix)]
                 bar.total = (bar.total or 0) + len(names)
                 bar.refresh()
                 for name in names:

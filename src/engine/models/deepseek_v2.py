@@ -22,8 +22,10 @@ n_group groups); V3 with a sigmoid, choosing on score + e_score_correction_bias 
 norm_topk_prob renormalises the kept weights, routed_scaling_factor scales them.
 
 TP splits the heads and replicates the latents (layers/mla_linear.py); the experts split as FusedMoE does.
-Limits: the torch_native attention backend (ModelRunner falls back to it); no speculative decoding or
-LoRA (configs/mla_config.check_mla_server_args). PD moves the latent pool's one plane per layer.
+Limits: the torch_native attention backend (ModelRunner falls back to it); no LoRA
+(configs/mla_config.check_mla_server_args). PD moves the latent pool's one plane per layer. Speculative
+decoding runs with every algorithm (the latent pool takes tree masks and moves, a DeepSeek-shaped draft
+gets a latent pool); V3's MTP layer is the NEXTN draft (models/deepseek_nextn.py).
 """
 
 from __future__ import annotations

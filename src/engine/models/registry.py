@@ -27,6 +27,8 @@ _MODELS: Dict[str, Tuple[str, str]] = {
     # Multi-head latent attention and DeepSeek's experts (models/deepseek_v2.py).
     "DeepseekV2ForCausalLM": ("engine.models.deepseek_v2", "DeepseekV2ForCausalLM"),
     "DeepseekV3ForCausalLM": ("engine.models.deepseek_v2", "DeepseekV3ForCausalLM"),
+    # DeepSeek-V3's MTP layer as a speculative draft (--speculative-algorithm NEXTN).
+    "DeepseekV3ForCausalLMNextN": ("engine.models.deepseek_nextn", "DeepseekV3ForCausalLMNextN"),
     # Embedding models: a BERT-style encoder, and decoders saved without their LM head.
     "BertModel": ("engine.models.bert", "BertModel"),
     "Contriever": ("engine.models.bert", "BertModel"),

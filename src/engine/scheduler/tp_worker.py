@@ -125,9 +125,10 @@ class TpModelWorker:
         self.output_tokens_buf = torch.zeros(self.req_to_token_pool.size + 1, dtype=torch.int64,
                                              device=self.device)
 
-    def make_draft_runner(self, model_path: str) -> ModelRunner:
+    def make_draft_runner(self, model_path: str, eagle_draft: bool = False) -> ModelRunner:
         """The speculative draft model beside this worker's model (speculative/draft_model.py): the
-        same device and dtype, the target's context length, its slots shared."""
+        same device and dtype, the target's context length, its slots shared. `eagle_draft`: an EAGLE
+        head, where a DeepSeek-V3 checkpoint stands for its MTP layer (ModelConfig.from_pretrained)."""
         from engine.configs.model_config import ModelConfig
         from engine.model_executor.model_runner import ModelRunner
 
@@ -136,7 +137,7 @@ class TpModelWorker:
         target = self.model_config
         config = ModelConfig.from_pretrained(
             model_path, dtype=str(target.dtype).removeprefix("torch."), context_length=target.context_len,
-            device=self.server_args.device)
+            device=self.server_args.device, eagle_draft=eagle_draft)
         if config.vocab_size != target.vocab_size:
             raise ValueError(f"--speculative-draft-model-path {model_path}: its vocabulary has {config.vocab_size} "
                              f"tokens, the target's {target.vocab_size}; the draft must share the target's tokenizer")

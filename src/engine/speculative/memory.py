@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, List, Optional
 
 import torch
 
+from engine.configs.mla_config import mla_dims_of, nextn_weight_prefix
+
 if TYPE_CHECKING:
     from engine.configs.model_config import ModelConfig
     from engine.server_args import ServerArgs
@@ -47,14 +49,24 @@ def draft_memory(server_args: ServerArgs, target: ModelConfig, tp_size: int) -> 
 
     # As TpModelWorker.make_draft_runner builds it: the target's dtype.
     config = ModelConfig.from_pretrained(path, dtype=str(target.dtype).removeprefix("torch."),
-                                         context_length=target.context_len, device=server_args.device)
+                                         context_length=target.context_len, device=server_args.device,
+                                         eagle_draft=algo == "EAGLE")
     element = torch.tensor([], dtype=target.dtype).element_size()
-    kv = 2 * config.num_hidden_layers * config.get_num_kv_heads(tp_size) * config.head_dim * element
+    dims = mla_dims_of(config.raw_config)
+    if dims is not None:  # a DeepSeek-shaped draft: one latent + rope key per layer (mem_cache/mla_pool.py)
+        kv = config.num_hidden_layers * dims.cache_dim * element
+    else:
+        kv = 2 * config.num_hidden_layers * config.get_num_kv_heads(tp_size) * config.head_dim * element
     features = 0
     if algo != "STANDALONE":  # the target's final hidden state (EAGLE3: three layer inputs) per slot
         features = config.hidden_size * (3 if algo == "EAGLE3" else 1) * element
+    weights = _checkpoint_bytes(path)
+    if nextn_weight_prefix(config.raw_config) is not None:
+        # An MTP draft reads one layer of its target's checkpoint (the target's layers, then its own):
+        # its share of the bytes, not the whole directory.
+        weights //= int(config.raw_config["nextn_layer_index"]) + 1
     return DraftMemory(kv_bytes_per_token=kv, feature_bytes_per_token=features,
-                       weight_bytes=_checkpoint_bytes(path) // max(1, tp_size))
+                       weight_bytes=weights // max(1, tp_size))
 
 
 def _checkpoint_bytes(path: str) -> int:
@@ -65,5 +77,8 @@ def _checkpoint_bytes(path: str) -> int:
 
 
 def pool_bytes(k_buffers: List[torch.Tensor], v_buffers: List[torch.Tensor]) -> int:
-    """The bytes of a K/V pool's buffers (what /get_server_info reports)."""
-    return sum(t.numel() * t.element_size() for t in (*k_buffers, *v_buffers))
+    """The bytes of a K/V pool's buffers (what /get_server_info reports). An MLA pool's V buffers are
+    views of its K buffers (mem_cache/mla_pool.py): memory counted once."""
+    keys = {t.untyped_storage().data_ptr() for t in k_buffers}
+    own_v = [t for t in v_buffers if t.untyped_storage().data_ptr() not in keys]
+    return sum(t.numel() * t.element_size() for t in (*k_buffers, *own_v))

@@ -5,13 +5,16 @@ configure)."""
 from __future__ import annotations
 
 import logging
-from typing import Callable, List, Optional, Protocol
+from typing import Callable, List, Optional, Protocol, Tuple
 
 logger = logging.getLogger(__name__)
 
 # --speculative-algorithm: what runs, and SGLang's names that are refused at start-up.
 SPECULATIVE_ALGORITHMS = ("NGRAM", "STANDALONE", "EAGLE", "EAGLE3")
-UNSUPPORTED_SPECULATIVE_ALGORITHMS = ("NEXTN",)
+UNSUPPORTED_SPECULATIVE_ALGORITHMS: Tuple[str, ...] = ()
+# SGLang's NEXTN (DeepSeek-V3's multi-token prediction layer) is EAGLE with that layer as the head; the
+# draft path defaults to the target's checkpoint, which keeps the layer (models/deepseek_nextn.py).
+NEXTN = "NEXTN"
 # The algorithms whose drafts come from a draft model (--speculative-draft-model-path).
 DRAFT_MODEL_ALGORITHMS = ("STANDALONE", "EAGLE", "EAGLE3")
 # The algorithms whose head reads the target's features (kept on a PD prefill server, which sends them).
@@ -36,6 +39,7 @@ class SpeculativeFlags(Protocol):
     """The ServerArgs fields the check reads and completes (a protocol: server_args.py imports
     this module, not the other way round)."""
 
+    model_path: Optional[str]
     speculative_algorithm: Optional[str]
     speculative_draft_model_path: Optional[str]
     speculative_num_steps: Optional[int]
@@ -58,6 +62,11 @@ class SpeculativeFlags(Protocol):
 def check_speculative_server_args(args: SpeculativeFlags, need: Callable[[bool, str], None]) -> None:
     algo = args.speculative_algorithm
     assert algo is not None  # ServerArgs calls this only with an algorithm
+    if algo == NEXTN:
+        # As SGLang: NEXTN runs as EAGLE, its head the MTP layer of the checkpoint (the target's unless given).
+        algo = args.speculative_algorithm = "EAGLE"
+        if args.speculative_draft_model_path is None:
+            args.speculative_draft_model_path = args.model_path
     if args.disaggregation_mode == "prefill" and algo in SPECULATIVE_ALGORITHMS and algo not in EAGLE_ALGORITHMS:
         # A prefill server computes prompts and one token each: nothing to draft. The same flags can
         # be given to both servers of a PD pair; the decode server speculates. (EAGLE's are kept: the
@@ -66,14 +75,9 @@ def check_speculative_server_args(args: SpeculativeFlags, need: Callable[[bool, 
                        "decode server speculates", algo)
         args.speculative_algorithm = None
         return
-    if algo in UNSUPPORTED_SPECULATIVE_ALGORITHMS:
-        need(False,
-             f"--speculative-algorithm {algo} is not supported yet: NEXTN layers are part of the target.\n"
-             "Use --speculative-algorithm EAGLE or EAGLE3 (an EAGLE head), STANDALONE with a small draft model of "
-             "the same tokenizer (--speculative-draft-model-path), NGRAM (drafts from the request's own tokens), "
-             "or leave it unset.")
+    need(algo not in UNSUPPORTED_SPECULATIVE_ALGORITHMS, f"--speculative-algorithm {algo} is not supported yet")
     need(algo in SPECULATIVE_ALGORITHMS,
-         f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS)}, got {algo!r}")
+         f"--speculative-algorithm must be one of {', '.join(SPECULATIVE_ALGORITHMS + (NEXTN,))}, got {algo!r}")
     need(args.speculative_batch_size_threshold is None or args.speculative_batch_size_threshold >= 1,
          f"--speculative-batch-size-threshold must be >= 1, got {args.speculative_batch_size_threshold}")
     if args.speculative_batch_size_threshold is None and args.device == "cpu":

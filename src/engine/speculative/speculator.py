@@ -424,7 +424,7 @@ def build_speculator(server_args: ServerArgs, worker: ModelWorker, tree_cache: B
         raise ValueError(f"--speculative-algorithm {algo} needs the model worker (a draft model runs beside it)")
     path = server_args.speculative_draft_model_path
     assert path is not None  # ServerArgs requires it for the draft-model algorithms
-    runner = on_forward_thread(lambda: worker.make_draft_runner(path))
+    runner = on_forward_thread(lambda: worker.make_draft_runner(path, eagle_draft=algo == "EAGLE"))
     from engine.speculative.draft_model import DraftModelDrafter
 
     drafter: Union[EagleDrafter, DraftModelDrafter] = (
@@ -448,9 +448,12 @@ def _require_tree_attention(steps: int, *runners: ModelRunner) -> None:
     from engine.layers.attention.kernel_rows import kernel_takes
     from engine.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from engine.layers.radix_attention import RadixAttention
+    from engine.mem_cache.mla_pool import MLATokenToKVPool
 
     for runner in runners:
         pool = runner.token_to_kv_pool
+        if isinstance(pool, MLATokenToKVPool):
+            continue  # MLA layers (full attention, no cap or sinks) take the tree mask in mla_torch.py
         for layer in runner.model.modules():
             if not isinstance(layer, RadixAttention) or layer.is_plain:
                 continue
@@ -459,7 +462,7 @@ def _require_tree_attention(steps: int, *runners: ModelRunner) -> None:
                     and kernel_takes(q, pool.get_key_buffer(layer.layer_id), layer)):
                 raise ValueError("--speculative-eagle-topk > 1 (tree drafts) on a model with sliding-window, "
                                  "soft-capped or sink attention layers needs --attention-backend torch_native on "
-                                 "the CPU with its native kernels (float32 / bfloat16, MLA excluded); use "
+                                 "the CPU with its native kernels (float32 / bfloat16); use "
                                  "--speculative-eagle-topk 1")
             if 0 < layer.sliding_window_size <= steps:
                 raise ValueError(f"--speculative-num-steps {steps} grows tree drafts deeper than the model's "
@@ -489,12 +492,22 @@ def _eagle_drafter(worker: TpModelWorker, runner: ModelRunner, path: str, eagle3
     from engine.models.llama_eagle3 import LlamaForCausalLMEagle3
     from engine.speculative.eagle import EagleDrafter
 
+    from engine.models.deepseek_nextn import DeepseekV3ForCausalLMNextN
+    from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
+
     head = runner.model
     target = worker.real_runner.model if worker.real_runner is not None else None
+    if isinstance(head, DeepseekV3ForCausalLMNextN):  # NEXTN: the MTP layer reads the target's final hidden state
+        if not isinstance(target, DeepseekV2ForCausalLM) or head.config.hidden_size != target.config.hidden_size:
+            raise ValueError(f"the MTP layer of {path} needs the DeepSeek-V2/V3 target it was trained with (hidden "
+                             f"size {head.config.hidden_size})")
+        head.share_embed_and_head(target)
+        return EagleDrafter(runner, head.config.hidden_size, runner.dtype, "NEXTN final hidden states")
     algo, arch = ("EAGLE3", "LlamaForCausalLMEagle3") if eagle3 else ("EAGLE", "LlamaForCausalLMEagle")
     if not isinstance(head, LlamaForCausalLMEagle3 if eagle3 else LlamaForCausalLMEagle):
         raise ValueError(f"--speculative-draft-model-path {path} is not an {algo} head (config.json architectures "
-                         f"{arch}), which --speculative-algorithm {algo} needs")
+                         f"{arch}), which --speculative-algorithm {algo} needs"
+                         + ("" if eagle3 else ", nor a DeepSeek-V3 checkpoint with its MTP layer (NEXTN)"))
     if not isinstance(target, LlamaForCausalLM) or head.config.hidden_size != target.config.hidden_size:
         raise ValueError(f"the {algo} head {path} needs a Llama-family target of its hidden size "
                          f"({head.config.hidden_size})")

@@ -59,10 +59,16 @@ def mla_metadata(fb: "ForwardBatch") -> Union[MLAExtendMetadata, MLADecodeMetada
     assert fb.extend_seq_lens_cpu is not None and fb.extend_prefix_lens_cpu is not None  # set for extends
     seqs: List[_MLAExtendSeq] = []
     q_start = 0
-    for row, seq_len, ext_len, prefix_len in zip(fb.req_pool_indices.tolist(), fb.seq_lens_cpu,
-                                                 fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu):
+    for i, (row, seq_len, ext_len, prefix_len) in enumerate(zip(fb.req_pool_indices.tolist(), fb.seq_lens_cpu,
+                                                                fb.extend_seq_lens_cpu, fb.extend_prefix_lens_cpu)):
         mask = None
-        if prefix_len > 0 and ext_len > 1:
+        tree = fb.tree_mask_block(i)
+        if tree is not None:
+            # Speculative tree drafts (a verify forward, a draft's fed nodes): every key before the
+            # tree's block is visible, inside it the tree mask says which ancestors each node sees.
+            visible = torch.ones(ext_len, seq_len - tree.shape[1], dtype=torch.bool, device=tree.device)
+            mask = torch.cat([visible, tree], dim=1)
+        elif prefix_len > 0 and ext_len > 1:
             # New token i sits at position prefix_len + i and sees keys 0..prefix_len + i.
             q_pos = torch.arange(ext_len, device=table.device).unsqueeze(1) + prefix_len
             mask = torch.arange(seq_len, device=table.device).unsqueeze(0) <= q_pos
