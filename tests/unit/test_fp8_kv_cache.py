@@ -74,6 +74,25 @@ def test_pool_stores_one_byte_per_element_with_layer_scales(dtype: torch.dtype) 
     assert pool.k_buffer[0][0].float().abs().max() == 0
 
 
+@pytest.mark.parametrize("mla", [False, True])
+def test_move_kv_moves_fp8_bytes(mla: bool) -> None:
+    """A speculative tree's accepted path moved into chain order in an fp8 pool (MHA's K and V, or the
+    latent pool's one row): the bytes move as they are, overlapping sources read before any write."""
+    from engine.mem_cache.memory_pool import MHATokenToKVPool
+    from engine.mem_cache.mla_pool import MLATokenToKVPool
+
+    pool = (MLATokenToKVPool(8, 1, torch.float8_e4m3fn, kv_lora_rank=4, qk_rope_head_dim=2, layer_num=2) if mla
+            else MHATokenToKVPool(8, 1, torch.float8_e4m3fn, head_num=2, head_dim=4, layer_num=2))
+    planes = [p for layer in range(pool.layer_num) for p in pool.layer_planes(layer)]
+    for plane in planes:
+        plane.view(torch.uint8).copy_(torch.randint(0, 120, plane.shape, dtype=torch.uint8))
+    before = [p.view(torch.uint8).clone() for p in planes]
+    pool.move_kv(torch.tensor([2, 4]), torch.tensor([1, 2]))
+    for plane, old in zip(planes, before):
+        now = plane.view(torch.uint8)
+        assert torch.equal(now[1], old[2]) and torch.equal(now[2], old[4]) and torch.equal(now[3:], old[3:])
+
+
 def test_pool_refuses_bad_scales() -> None:
     args = dict(size=8, page_size=1, head_num=1, head_dim=8, layer_num=2)
     with pytest.raises(ValueError, match="2 layers"):

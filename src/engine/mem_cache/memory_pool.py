@@ -233,10 +233,15 @@ class MHATokenToKVPool:
 
     def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
         """Every layer's K/V of slots `src` copied to slots `dst` (all read before any is written, so
-        the two may overlap): the accepted path of a speculative tree moved into chain order."""
-        for buffers in (self.k_buffer, self.v_buffer):
-            for layer_buffer in buffers:
-                layer_buffer.index_copy_(0, dst, layer_buffer.index_select(0, src))
+        the two may overlap): the accepted path of a speculative tree moved into chain order. Over
+        layer_planes (an MLA pool's V is a view of its K: moving it too would read latents another move
+        already overwrote), through uint8 views in an fp8 pool (CPU index_copy_ has no fp8 kernel)."""
+        for layer in range(self.layer_num):
+            # kv_slots: the hybrid sliding-window pool's windowed layers move through their own slots.
+            from_slots, to_slots = self.kv_slots(layer, src), self.kv_slots(layer, dst)
+            for plane in self.layer_planes(layer):
+                buf = plane.view(torch.uint8) if self.is_fp8 else plane
+                buf.index_copy_(0, to_slots, buf.index_select(0, from_slots))
 
     def bytes_per_token(self) -> int:
         return 2 * self.layer_num * self.head_num * self.head_dim * torch.tensor([], dtype=self.dtype).element_size()

@@ -52,11 +52,5 @@ class MLATokenToKVPool(MHATokenToKVPool):
     def layer_planes(self, layer_id: int) -> Tuple[torch.Tensor, ...]:
         return (self.k_buffer[layer_id],)
 
-    def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """As MHATokenToKVPool.move_kv over the one buffer per layer: moving `v_buffer` too would read
-        the latent of a source slot another move already overwrote (src and dst may overlap)."""
-        for layer_buffer in self.k_buffer:
-            layer_buffer.index_copy_(0, dst, layer_buffer.index_select(0, src))
-
     def bytes_per_token(self) -> int:
         return self.layer_num * self.head_dim * torch.tensor([], dtype=self.dtype).element_size()

@@ -68,14 +68,6 @@ class SWAKVPool(MHATokenToKVPool):
     def set_kv_buffer(self, layer_id: int, loc: torch.Tensor, cache_k: torch.Tensor, cache_v: torch.Tensor) -> None:
         super().set_kv_buffer(layer_id, self.kv_slots(layer_id, loc), cache_k, cache_v)
 
-    def move_kv(self, src: torch.Tensor, dst: torch.Tensor) -> None:
-        """As the one pool's (a tree's accepted path into chain order), each windowed layer through its own
-        slots of the full slots given (the drafts hold a slot of each pool)."""
-        for layer in range(self.layer_num):
-            from_slots, to_slots = self.kv_slots(layer, src), self.kv_slots(layer, dst)
-            for buffer in (self.k_buffer[layer], self.v_buffer[layer]):
-                buffer.index_copy_(0, to_slots, buffer.index_select(0, from_slots))
-
     def bytes_per_token(self) -> int:
         """Of the full pool's layers (what a full slot costs); the windowed layers' pool is apart."""
         full_layers = self.layer_num - len(self.windowed_layers)
