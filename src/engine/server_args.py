@@ -220,8 +220,8 @@ class ServerArgs:
         "STANDALONE, EAGLE: draft forwards per verify step (the drafts of a chain). Default 3 (SGLang's "
         "default for STANDALONE), with --speculative-eagle-topk 1 and --speculative-num-draft-tokens 4."))
     speculative_eagle_topk: Optional[int] = arg(None, (
-        "STANDALONE, EAGLE: draft tokens kept per step; only 1 (a chain) is supported (tree verification "
-        "is not implemented)."))
+        "STANDALONE, EAGLE, EAGLE3, NEXTN: draft tokens kept per step: 1 drafts a chain, more a tree of "
+        "--speculative-num-draft-tokens nodes verified under a tree mask."))
     speculative_num_draft_tokens: Optional[int] = arg(None, (
         "Tokens one verify step checks per request: the last token plus up to N-1 drafts. "
         "Default for NGRAM: --speculative-ngram-max-match-window-size; for a chain draft model it is "
