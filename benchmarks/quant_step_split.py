@@ -36,13 +36,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_quant import CONFIGS, Shape, awq_checkpoint, checkpoint  # noqa: E402
+from bench_quant import CONFIGS, Shape, checkpoint, model_path  # noqa: E402
 
 from engine.configs.model_config import ModelConfig  # noqa: E402
 from engine.kernels import library  # noqa: E402
 from engine.kernels.linear import WidenedBf16  # noqa: E402
 from engine.layers import linear as linear_module  # noqa: E402
 from engine.layers.activation import SiluAndMul  # noqa: E402
+from engine.layers.block_fp8_linear import BlockFp8Weight  # noqa: E402
 from engine.layers.layernorm import RMSNorm  # noqa: E402
 from engine.layers.quantization import QuantizedWeight  # noqa: E402
 from engine.layers.radix_attention import RadixAttention  # noqa: E402
@@ -182,6 +183,16 @@ def kernel_rates(runner: ModelRunner, repeats: int) -> Dict[str, float]:
                                                   int(packed.is_fp8), packed.scale.data_ptr(), None, n,
                                                   out.data_ptr(), 1, 1))
             weights[name] += n * k
+        elif isinstance(packed, BlockFp8Weight):
+            n, k = packed.n, packed.k
+            x = torch.randn(1, k).to(torch.bfloat16)
+            out = torch.empty(1, n, dtype=torch.bfloat16)
+            keep += [x, out]
+            groups["fp8 block"].append(functools.partial(lib.linear_fp8_block, x.data_ptr(), 1, k,
+                                                         packed.qweight.data_ptr(), packed.scale.data_ptr(),
+                                                         packed.block[0], packed.block[1], None, n, out.data_ptr(),
+                                                         1, 1))
+            weights["fp8 block"] += n * k
         elif isinstance(packed, WidenedBf16):
             n, k = packed.weight.shape
             name = "bf16 lm_head" if n == vocab else "bf16"
@@ -228,8 +239,7 @@ def main() -> None:
         # (memory traffic from other work raises CPU time too) falls on all of them alike.
         steppers: Dict[str, Stepper] = {}
         for name in args.configs:
-            runner, rows = make_runner(awq_checkpoint(path) if name == "int4" else path,
-                                       HEAD_CONFIGS.get(name, CONFIGS.get(name)), args.context, args.steps,
+            runner, rows = make_runner(model_path(path, name), HEAD_CONFIGS.get(name, CONFIGS.get(name)), args.context, args.steps,
                                        quantize_lm_head=name in HEAD_CONFIGS)
             steppers[name] = Stepper(runner, rows, args.context)
             steppers[name].step(None)  # warm-up

@@ -312,10 +312,11 @@ int linear_q8(const void *x, int64_t m, int64_t k, const void *w, int w_format, 
  * the block's sum scaled before it joins the channel's total; the 2^8 of the e4m3 widening is undone once
  * per output. One row (decode): 4 channels at a time, the next group's bytes prefetched while this one is
  * summed (as q8_one_row: 4 interleaved streams of k bytes are too short for the hardware prefetcher).
- * Several rows: tiles of up to 4 rows x 2 channels, each block's 8 weights widened and scaled once and used
- * by every row of the tile (widening e4m3 costs more than the FMA), over rows in L2-sized blocks as
- * q8_rows; there each block's scale multiplies the widened weights instead of the block's sum (the same
- * product, rounded at another place). block_k a multiple of 8 keeps the vector loop inside a block. */
+ * Several rows: tiles of up to 4 rows x 1 channel over rows in L2-sized blocks (as q8_rows), each block's 8
+ * weights widened once for the 4 rows (widening e4m3 costs more than the FMA; every row re-widened them
+ * before: 2.5-3x slower at 16 and 256 rows). 4 x 2 tiles that scaled the widened weights (no per-block
+ * totals: 4 x 2 of those and of the sums would not fit the 16 registers) were ~15% slower at 16 rows. block_k
+ * a multiple of 8 keeps the vector loop inside a block. */
 typedef struct {
     const float *x;
     int64_t m, k;
@@ -377,17 +378,17 @@ static inline __attribute__((always_inline)) void fp8b_row(const fp8b_job_t *J, 
 #endif
 }
 
-/* sums[r][c] = x[m0 + r] . W[c0 + c] for R rows and C (1 or 2) channels, each block's weights times its scale
- * (and the 2^8 of the widening) as they are widened. */
+/* sums[r][c] = x[m0 + r] . W[c0 + c] for R rows and C channels (fp8b_part: 1): each block's 8 weights widened
+ * once for the R rows, the block's vector sums times its scale added into vector totals (one FMA a block). */
 static inline __attribute__((always_inline)) void fp8b_tile(const fp8b_job_t *J, int64_t m0, const int R, int64_t c0,
                                                             const int C, float sums[Q8_ROWS][2]) {
     const int64_t k = J->k;
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) sums[r][c] = 0.0f;
 #if defined(Q8_AVX2)
-    __m256 acc[Q8_ROWS][2];
+    __m256 total[Q8_ROWS][2];
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+        for (int c = 0; c < C; c++) total[r][c] = _mm256_setzero_ps();
 #endif
     for (int64_t j = 0; j < J->kb; j++) {
         const int64_t d0 = j * J->block_k, d1 = d0 + J->block_k < k ? d0 + J->block_k : k;
@@ -395,15 +396,20 @@ static inline __attribute__((always_inline)) void fp8b_tile(const fp8b_job_t *J,
         for (int c = 0; c < C; c++) sf[c] = J->scale[((c0 + c) / J->block_n) * J->kb + j] * FP8_SCALE;
         int64_t d = d0;
 #if defined(Q8_AVX2)
-        __m256 sv[2];
-        for (int c = 0; c < C; c++) sv[c] = _mm256_set1_ps(sf[c]);
+        __m256 acc[Q8_ROWS][2];
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
         for (; d + 8 <= d1; d += 8) {
             __m256 wv[2];
-            for (int c = 0; c < C; c++) wv[c] = _mm256_mul_ps(widen8(J->w, k, c0 + c, d, W_FP8), sv[c]);
+            for (int c = 0; c < C; c++) wv[c] = widen8(J->w, k, c0 + c, d, W_FP8);
             for (int r = 0; r < R; r++) {
                 const __m256 xv = _mm256_loadu_ps(J->x + (m0 + r) * k + d);
                 for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
             }
+        }
+        for (int c = 0; c < C; c++) {
+            const __m256 sv = _mm256_set1_ps(sf[c]);
+            for (int r = 0; r < R; r++) total[r][c] = _mm256_fmadd_ps(acc[r][c], sv, total[r][c]);
         }
 #endif
         for (; d < d1; d++)
@@ -414,7 +420,7 @@ static inline __attribute__((always_inline)) void fp8b_tile(const fp8b_job_t *J,
     }
 #if defined(Q8_AVX2)
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) sums[r][c] += hsum(acc[r][c]);
+        for (int c = 0; c < C; c++) sums[r][c] += hsum(total[r][c]);
 #endif
 }
 
@@ -455,26 +461,24 @@ static void fp8b_part(void *arg, int tid, int nt) {
         return;
     }
     int64_t first, last;
-    pool_range((J->n + 1) / 2, tid, nt, &first, &last);
-    /* As q8_rows: the rows in blocks whose float32 activations stay in L2 while this thread's channel pairs
-     * pass over them, so each weight is read (and widened) once per block of rows, not once per row. */
+    pool_range(J->n, tid, nt, &first, &last);
+    /* As q8_rows: the rows in blocks whose float32 activations stay in L2 while this thread's channels pass
+     * over them, so each weight is read (and widened) once per block of rows, not once per row. */
     int64_t block = (Q8_L2_BYTES / (J->k * (int64_t)sizeof(float))) / Q8_ROWS * Q8_ROWS;
     if (block < Q8_ROWS) block = Q8_ROWS;
     for (int64_t b0 = 0; b0 < J->m; b0 += block)
-    for (int64_t p = first; p < last; p++) {
-        const int64_t c0 = 2 * p;
-        const int C = c0 + 1 < J->n ? 2 : 1;
+    for (int64_t c0 = first; c0 < last; c0++) {
         const int64_t b1 = b0 + block < J->m ? b0 + block : J->m;
         for (int64_t m0 = b0; m0 < b1; m0 += Q8_ROWS) {
             const int64_t left = b1 - m0;
             float sums[Q8_ROWS][2];
-            /* Constant R and C: each call unrolls into its own register tile. */
-            if (left >= 4) { if (C == 2) fp8b_tile(J, m0, 4, c0, 2, sums); else fp8b_tile(J, m0, 4, c0, 1, sums); }
-            else if (left == 3) { if (C == 2) fp8b_tile(J, m0, 3, c0, 2, sums); else fp8b_tile(J, m0, 3, c0, 1, sums); }
-            else if (left == 2) { if (C == 2) fp8b_tile(J, m0, 2, c0, 2, sums); else fp8b_tile(J, m0, 2, c0, 1, sums); }
-            else { if (C == 2) fp8b_tile(J, m0, 1, c0, 2, sums); else fp8b_tile(J, m0, 1, c0, 1, sums); }
+            /* Constant R: each call unrolls into its own register tile. */
+            if (left >= 4) fp8b_tile(J, m0, 4, c0, 1, sums);
+            else if (left == 3) fp8b_tile(J, m0, 3, c0, 1, sums);
+            else if (left == 2) fp8b_tile(J, m0, 2, c0, 1, sums);
+            else fp8b_tile(J, m0, 1, c0, 1, sums);
             const int R = left >= Q8_ROWS ? Q8_ROWS : (int)left;
-            for (int r = 0; r < R; r++) fp8b_emit(J, m0 + r, c0, C, sums[r]);
+            for (int r = 0; r < R; r++) fp8b_emit(J, m0 + r, c0, 1, sums[r]);
         }
     }
 }
