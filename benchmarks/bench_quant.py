@@ -307,12 +307,12 @@ def main() -> None:
                 results.append(Result(name, batch, batch / step, step * 1e3, nbytes / bandwidth * 1e3, nbytes))
     print(f"\nLlama {shape.layers} layers, hidden {shape.hidden}, intermediate {shape.inter}, bf16 activations, "
           f"prompt {args.prompt_len}, {args.out_len} tokens")
-    print(f"{'config':6} {'batch':>5} {'tok/s':>8} {'step ms':>8} {'floor ms':>8} {'step/floor':>10} {'vs bf16':>7}")
+    print(f"{'config':9} {'batch':>5} {'tok/s':>8} {'step ms':>8} {'floor ms':>8} {'step/floor':>10} {'vs bf16':>7}")
     by = {(r.config, r.batch): r for r in results}
     for r in results:
         base = by.get(("bf16", r.batch))
         ratio = f"{r.decode_tok_s / base.decode_tok_s:7.2f}" if base else " " * 7
-        print(f"{r.config:6} {r.batch:5d} {r.decode_tok_s:8.1f} {r.step_ms:8.1f} {r.floor_ms:8.1f} "
+        print(f"{r.config:9} {r.batch:5d} {r.decode_tok_s:8.1f} {r.step_ms:8.1f} {r.floor_ms:8.1f} "
               f"{r.step_ms / r.floor_ms:10.2f} {ratio}")
     kv_results: List[KVResult] = []
     for name in args.kv_configs:
