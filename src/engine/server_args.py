@@ -62,9 +62,9 @@ class ServerArgs:
     quantization: Optional[str] = arg(None, (
         "Quantize the linear layers' weights at load, per output channel: w8a8_int8 (int8) or fp8 (float8 "
         "e4m3); the LM head (unless --quantize-lm-head) and embeddings keep --dtype. A pre-quantized "
-        "checkpoint (compressed-tensors 8-bit, awq or gptq 4-bit, gpt-oss's mxfp4 experts) is detected from its "
-        "config.json; naming its method (awq_marlin / gptq_marlin mean awq / gptq) is optional, naming another is refused. Default: none "
-        "(the checkpoint's)."),
+        "checkpoint (compressed-tensors 8-bit, awq or gptq 4-bit, gpt-oss's mxfp4 experts) is detected from "
+        "its config.json; naming its method (awq_marlin / gptq_marlin mean awq / gptq) is optional, naming "
+        "another is refused. Default: none (the checkpoint's)."),
         choices=QUANTIZATION_METHODS)
     quantize_lm_head: bool = arg(False, (
         "Not an SGLang flag: with --quantization w8a8_int8 or fp8, quantize the LM head too, per vocabulary row "
