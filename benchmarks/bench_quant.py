@@ -1,6 +1,7 @@
 """Quantized weights (issue 40): decode tokens/s of one random Llama-shaped model with bf16, int8
-(--quantization w8a8_int8), fp8 (--quantization fp8) and int4 (an AWQ checkpoint of the same weights, groups
-of 128, round-to-nearest) linears, side by side in one run, in-process (the Scheduler, no HTTP), each
+(--quantization w8a8_int8), fp8 (--quantization fp8), int4 (an AWQ checkpoint of the same weights, groups
+of 128, round-to-nearest) and fp8-block (a block-wise fp8 checkpoint of them, DeepSeek-V3's format, blocks of
+128 x 128) linears, side by side in one run, in-process (the Scheduler, no HTTP), each
 against its memory floor.
 
 The model (default 8 layers, hidden 1024, intermediate 2816, 16 heads / 4 KV heads, vocab 32000) is
@@ -8,7 +9,7 @@ written once as a bf16 safetensors checkpoint (random weights) under --dir. For 
 (--batch-sizes, default 1 and 16) every configuration decodes --out-len greedy tokens (ignore_eos) for
 the same random prompts; the table gives decode tokens/s, the median decode step, the ratio to bf16,
 and the step against its floor: the bytes a decode step must read (the linears at 2 bytes per weight
-for bf16, 1 plus a float32 scale per channel for int8 / fp8, 1/2 plus a float32 scale and offset per
+for bf16, 1 plus a float32 scale per channel for int8 / fp8 (per block for fp8-block), 1/2 plus a float32 scale and offset per
 group of 128 for int4; the LM head, the batch's embedding rows and the KV cache in bf16) at the bandwidth
 of a streaming read on the same cores.
 
@@ -45,9 +46,11 @@ from engine.scheduler.overlap_utils import scheduling_thread  # noqa: E402
 from engine.scheduler.scheduler import Scheduler  # noqa: E402
 from engine.server_args import ServerArgs  # noqa: E402
 
-# --quantization per configuration; int4 loads an AWQ checkpoint instead (detected, no flag).
-CONFIGS: Dict[str, Optional[str]] = {"bf16": None, "int8": "w8a8_int8", "fp8": "fp8", "int4": None}
+# --quantization per configuration; int4 loads an AWQ checkpoint instead (detected, no flag), fp8-block a
+# block-wise fp8 one (DeepSeek-V3's format, blocks of FP8_BLOCK; csrc/linear_q8.c's linear_fp8_block).
+CONFIGS: Dict[str, Optional[str]] = {"bf16": None, "int8": "w8a8_int8", "fp8": "fp8", "int4": None, "fp8-block": None}
 INT4_GROUP = 128
+FP8_BLOCK = 128
 
 
 @dataclass
@@ -124,8 +127,46 @@ def awq_checkpoint(path: str) -> str:
     return dst
 
 
-def step_bytes(shape: Shape, config: str, batch: int, context: int) -> float:
+def block_fp8_checkpoint(path: str) -> str:
+    """The block-wise fp8 checkpoint of the bf16 one (e4m3 weights, a float32 weight_scale_inv = amax / 448
+    per FP8_BLOCK x FP8_BLOCK block of each projection), written once beside it."""
+    from safetensors.torch import load_file, save_file
+
+    dst = path + f"_fp8block{FP8_BLOCK}"
+    config_path = os.path.join(dst, "config.json")
+    if os.path.exists(config_path) and "quantization_config" in json.load(open(config_path)):
+        return dst
+    os.makedirs(dst, exist_ok=True)
+    out: Dict[str, torch.Tensor] = {}
+    for name, w in load_file(os.path.join(path, "model.safetensors")).items():
+        if ".layers." not in name or w.dim() != 2:
+            out[name] = w
+            continue
+        n, k = w.shape
+        grid = w.float().reshape(n // FP8_BLOCK, FP8_BLOCK, k // FP8_BLOCK, FP8_BLOCK)
+        scale = grid.abs().amax(dim=(1, 3)).clamp_min(1e-12) / 448.0
+        out[name] = (grid / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(n, k).contiguous()
+        out[name + "_scale_inv"] = scale.contiguous()
+    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    config = json.load(open(os.path.join(path, "config.json")))
+    config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                     "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}
+    with open(config_path, "w") as f:  # last: a half-written checkpoint is written again
+        json.dump(config, f)
+    return dst
+
+
+def model_path(path: str, config: str) -> str:
+    """The checkpoint a configuration loads: the bf16 one, or its AWQ / block-fp8 copy."""
     if config == "int4":
+        return awq_checkpoint(path)
+    return block_fp8_checkpoint(path) if config == "fp8-block" else path
+
+
+def step_bytes(shape: Shape, config: str, batch: int, context: int) -> float:
+    if config == "fp8-block":
+        linears = shape.linear_weights() + 4 * shape.linear_weights() // (FP8_BLOCK * FP8_BLOCK)
+    elif config == "int4":
         linears = shape.linear_weights() // 2 + 8 * shape.linear_weights() // INT4_GROUP
     elif config in ("int8", "fp8"):
         linears = shape.linear_weights() + 4 * shape.linear_channels()
@@ -252,9 +293,8 @@ def main() -> None:
             rng = random.Random(args.seed + batch)
             prompts = [[rng.randrange(10, args.vocab - 10) for _ in range(args.prompt_len)] for _ in range(batch)]
             for name in args.configs:
-                model_path = awq_checkpoint(path) if name == "int4" else path
-                server_args = ServerArgs(model_path=model_path, device="cpu", log_level="warning", dtype="bfloat16",
-                                         quantization=CONFIGS[name],
+                server_args = ServerArgs(model_path=model_path(path, name), device="cpu", log_level="warning",
+                                         dtype="bfloat16", quantization=CONFIGS[name],
                                          max_total_tokens=batch * (args.prompt_len + args.out_len + 16) + 256,
                                          max_running_requests=batch, disable_overlap_schedule=True,
                                          chunked_prefill_size=-1, disable_radix_cache=True)
@@ -267,12 +307,12 @@ def main() -> None:
                 results.append(Result(name, batch, batch / step, step * 1e3, nbytes / bandwidth * 1e3, nbytes))
     print(f"\nLlama {shape.layers} layers, hidden {shape.hidden}, intermediate {shape.inter}, bf16 activations, "
           f"prompt {args.prompt_len}, {args.out_len} tokens")
-    print(f"{'config':6} {'batch':>5} {'tok/s':>8} {'step ms':>8} {'floor ms':>8} {'step/floor':>10} {'vs bf16':>7}")
+    print(f"{'config':9} {'batch':>5} {'tok/s':>8} {'step ms':>8} {'floor ms':>8} {'step/floor':>10} {'vs bf16':>7}")
     by = {(r.config, r.batch): r for r in results}
     for r in results:
         base = by.get(("bf16", r.batch))
         ratio = f"{r.decode_tok_s / base.decode_tok_s:7.2f}" if base else " " * 7
-        print(f"{r.config:6} {r.batch:5d} {r.decode_tok_s:8.1f} {r.step_ms:8.1f} {r.floor_ms:8.1f} "
+        print(f"{r.config:9} {r.batch:5d} {r.decode_tok_s:8.1f} {r.step_ms:8.1f} {r.floor_ms:8.1f} "
               f"{r.step_ms / r.floor_ms:10.2f} {ratio}")
     kv_results: List[KVResult] = []
     for name in args.kv_configs:

@@ -16,6 +16,7 @@ as bench_quant's KV rows do), and the table gives:
 
   python benchmarks/quant_step_split.py                  # bf16 and int8, 12 steps each
   python benchmarks/quant_step_split.py --configs int8 fp8 --steps 20
+  python benchmarks/quant_step_split.py --configs bf16 int8 int8+head   # +head: --quantize-lm-head
 """
 
 from __future__ import annotations
@@ -35,13 +36,14 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from bench_quant import CONFIGS, Shape, awq_checkpoint, checkpoint  # noqa: E402
+from bench_quant import CONFIGS, Shape, checkpoint, model_path  # noqa: E402
 
 from engine.configs.model_config import ModelConfig  # noqa: E402
 from engine.kernels import library  # noqa: E402
 from engine.kernels.linear import WidenedBf16  # noqa: E402
 from engine.layers import linear as linear_module  # noqa: E402
 from engine.layers.activation import SiluAndMul  # noqa: E402
+from engine.layers.block_fp8_linear import BlockFp8Weight  # noqa: E402
 from engine.layers.layernorm import RMSNorm  # noqa: E402
 from engine.layers.quantization import QuantizedWeight  # noqa: E402
 from engine.layers.radix_attention import RadixAttention  # noqa: E402
@@ -52,6 +54,8 @@ from engine.model_executor.model_runner import ModelRunner  # noqa: E402
 from engine.scheduler.schedule_batch import ModelWorkerBatch  # noqa: E402
 from engine.server_args import ServerArgs  # noqa: E402
 
+# --quantize-lm-head with the method of the config named before the "+".
+HEAD_CONFIGS = {"int8+head": "w8a8_int8", "fp8+head": "fp8"}
 OPS = ("linears", "lm_head", "attention", "norms", "silu_mul", "rotary", "embedding", "sampling")
 
 
@@ -92,9 +96,11 @@ def timed_ops(timer: OpTimer, vocab: int) -> Iterator[None]:
             setattr(owner, attr, fn)
 
 
-def make_runner(path: str, quantization: object, context: int, steps: int) -> Tuple[ModelRunner, List[int]]:
+def make_runner(path: str, quantization: Optional[str], context: int, steps: int,
+                quantize_lm_head: bool = False) -> Tuple[ModelRunner, List[int]]:
     server_args = ServerArgs(model_path=path, device="cpu", log_level="warning", dtype="bfloat16",
-                             quantization=quantization, max_total_tokens=context + 3 * steps + 256,
+                             quantization=quantization, quantize_lm_head=quantize_lm_head,
+                             max_total_tokens=context + 3 * steps + 256,
                              max_running_requests=1, disable_radix_cache=True)
     config = ModelConfig.from_pretrained(path, dtype="bfloat16", device="cpu")
     runner = ModelRunner(config, server_args)
@@ -155,6 +161,7 @@ def kernel_rates(runner: ModelRunner, repeats: int) -> Dict[str, float]:
     weights: Dict[str, int] = defaultdict(int)
     for module in runner.model.modules():
         packed = getattr(module, "packed_weight", None)
+        head = " lm_head" if isinstance(packed, QuantizedWeight) and packed.n == vocab else ""
         if isinstance(packed, QuantizedWeight) and packed.int8_activations:
             n, k = packed.n, packed.k
             x = torch.randn(1, k).to(torch.bfloat16)
@@ -162,13 +169,13 @@ def kernel_rates(runner: ModelRunner, repeats: int) -> Dict[str, float]:
             args = (x.data_ptr(), 1, k, packed.qweight.data_ptr(), packed.scale.data_ptr(), None)
             tail = (out.data_ptr(), 1, xs.data_ptr(), 1)
             keep += [x, out, xs]
-            groups["int8 w8a8"].append(functools.partial(lib.linear_w8a8, *args, n, *tail))
-            # 4 channels: the activation quantization, the call and 4 channels' dot products
-            groups["int8 quantize (4 ch)"].append(functools.partial(lib.linear_w8a8, *args, 4, *tail))
-            weights["int8 w8a8"] += n * k
-            weights["int8 quantize (4 ch)"] += 4 * k
+            groups["int8 w8a8" + head].append(functools.partial(lib.linear_w8a8, *args, n, *tail))
+            weights["int8 w8a8" + head] += n * k
+            if not head:  # 4 channels: the activation quantization, the call and 4 channels' dot products
+                groups["int8 quantize (4 ch)"].append(functools.partial(lib.linear_w8a8, *args, 4, *tail))
+                weights["int8 quantize (4 ch)"] += 4 * k
         elif isinstance(packed, QuantizedWeight):
-            n, k, name = packed.n, packed.k, "fp8" if packed.is_fp8 else "int8 weight-only"
+            n, k, name = packed.n, packed.k, ("fp8" if packed.is_fp8 else "int8 weight-only") + head
             x = torch.randn(1, k).to(torch.bfloat16)
             out = torch.empty(1, n, dtype=torch.bfloat16)
             keep += [x, out]
@@ -176,6 +183,16 @@ def kernel_rates(runner: ModelRunner, repeats: int) -> Dict[str, float]:
                                                   int(packed.is_fp8), packed.scale.data_ptr(), None, n,
                                                   out.data_ptr(), 1, 1))
             weights[name] += n * k
+        elif isinstance(packed, BlockFp8Weight):
+            n, k = packed.n, packed.k
+            x = torch.randn(1, k).to(torch.bfloat16)
+            out = torch.empty(1, n, dtype=torch.bfloat16)
+            keep += [x, out]
+            groups["fp8 block"].append(functools.partial(lib.linear_fp8_block, x.data_ptr(), 1, k,
+                                                         packed.qweight.data_ptr(), packed.scale.data_ptr(),
+                                                         packed.block[0], packed.block[1], None, n, out.data_ptr(),
+                                                         1, 1))
+            weights["fp8 block"] += n * k
         elif isinstance(packed, WidenedBf16):
             n, k = packed.weight.shape
             name = "bf16 lm_head" if n == vocab else "bf16"
@@ -208,7 +225,7 @@ def main() -> None:
     ap.add_argument("--vocab", type=int, default=32000)
     ap.add_argument("--context", type=int, default=40, help="tokens before the first timed step (bench_quant: 32 + 8)")
     ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--configs", nargs="+", default=["bf16", "int8"], choices=list(CONFIGS))
+    ap.add_argument("--configs", nargs="+", default=["bf16", "int8"], choices=list(CONFIGS) + list(HEAD_CONFIGS))
     ap.add_argument("--dir", default=os.path.join(os.path.expanduser("~"), ".cache", "engine_bench_quant"))
     ap.add_argument("--json", default="quant_step_split.json")
     args = ap.parse_args()
@@ -222,8 +239,8 @@ def main() -> None:
         # (memory traffic from other work raises CPU time too) falls on all of them alike.
         steppers: Dict[str, Stepper] = {}
         for name in args.configs:
-            runner, rows = make_runner(awq_checkpoint(path) if name == "int4" else path, CONFIGS[name],
-                                       args.context, args.steps)
+            runner, rows = make_runner(model_path(path, name), HEAD_CONFIGS.get(name, CONFIGS.get(name)), args.context, args.steps,
+                                       quantize_lm_head=name in HEAD_CONFIGS)
             steppers[name] = Stepper(runner, rows, args.context)
             steppers[name].step(None)  # warm-up
         plain: Dict[str, List[float]] = {name: [] for name in args.configs}

@@ -86,10 +86,12 @@ def gptq_pack_cols(values: torch.Tensor) -> torch.Tensor:
 
 
 def write_int4_checkpoint(src: str, dst: str, fmt: str, group: int = 32, sym: bool = False, desc_act: bool = False,
-                          seed: int = 0, skip: Tuple[str, ...] = ()) -> Dict[str, torch.Tensor]:
+                          seed: int = 0, skip: Tuple[str, ...] = (), lm_head: bool = False) -> Dict[str, torch.Tensor]:
     """Quantize the float checkpoint in `src` into an AWQ (fmt "awq") or GPTQ ("gptq") one in `dst`; the
     dequantized weight of each quantized projection by its `.weight` name. `group` -1: one group per row.
-    Modules whose names contain an entry of `skip` stay float (AWQ's modules_to_not_convert)."""
+    Modules whose names contain an entry of `skip` stay float (AWQ's modules_to_not_convert). `lm_head`
+    (GPTQ): the LM head is quantized too (quantization_config lm_head true); a checkpoint with tied
+    embeddings gets lm_head.* from the embedding matrix, which stays float itself."""
     from safetensors.torch import load_file, save_file
 
     os.makedirs(dst, exist_ok=True)
@@ -104,10 +106,13 @@ def write_int4_checkpoint(src: str, dst: str, fmt: str, group: int = 32, sym: bo
         if not file.endswith(".safetensors"):
             continue
         tensors = load_file(os.path.join(src, file))
+        if lm_head and "lm_head.weight" not in tensors and "model.embed_tokens.weight" in tensors:
+            tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"]  # tied: the head is this matrix
         out: Dict[str, torch.Tensor] = {}
         for key, w in tensors.items():
             module = key[: -len(".weight")]
-            if not (key.endswith(".weight") and module.rsplit(".", 1)[-1] in PROJECTIONS) or any(s in module for s in skip):
+            quantized = module.rsplit(".", 1)[-1] in PROJECTIONS or (lm_head and module == "lm_head")
+            if not (key.endswith(".weight") and quantized) or any(s in module for s in skip):
                 out[key] = w
                 continue
             in_f = w.shape[1]
@@ -132,24 +137,31 @@ def write_int4_checkpoint(src: str, dst: str, fmt: str, group: int = 32, sym: bo
                                          "version": "gemm", "modules_to_not_convert": list(skip) or None}
     else:
         config["quantization_config"] = {"quant_method": "gptq", "bits": 4, "group_size": group, "desc_act": desc_act,
-                                         "sym": sym, "lm_head": False, "checkpoint_format": "gptq"}
+                                         "sym": sym, "lm_head": lm_head, "checkpoint_format": "gptq"}
     json.dump(config, open(os.path.join(dst, "config.json"), "w"))
     return dequantized
 
 
 def write_dequantized_checkpoint(src: str, dst: str, weights: Dict[str, torch.Tensor]) -> str:
-    """A float32 copy of the (unquantized) checkpoint `src` in `dst`, with `weights` replaced: the oracle."""
+    """A float32 copy of the (unquantized) checkpoint `src` in `dst`, with `weights` replaced: the oracle.
+    A weight `src` lacks (the quantized head of a tied checkpoint) is added, and the embeddings untied."""
     from safetensors.torch import load_file, save_file
 
     os.makedirs(dst, exist_ok=True)
     for name in os.listdir(src):
         if not name.endswith(".safetensors") and os.path.isfile(os.path.join(src, name)):
             shutil.copy(os.path.join(src, name), dst)
-    for file in os.listdir(src):
+    extra = dict(weights)
+    for file in sorted(os.listdir(src)):
         if file.endswith(".safetensors"):
-            tensors = {k: weights.get(k, v).float().contiguous() for k, v in load_file(os.path.join(src, file)).items()}
+            tensors = {k: extra.pop(k, v).float().contiguous() for k, v in load_file(os.path.join(src, file)).items()}
             save_file(tensors, os.path.join(dst, file), metadata={"format": "pt"})
+    if extra:
+        save_file({k: v.float().contiguous() for k, v in extra.items()}, os.path.join(dst, "extra.safetensors"),
+                  metadata={"format": "pt"})
     config = json.load(open(os.path.join(dst, "config.json")))
+    if "lm_head.weight" in extra:
+        config["tie_word_embeddings"] = False
     config.pop("quantization_config", None)
     json.dump(config, open(os.path.join(dst, "config.json"), "w"))
     return dst

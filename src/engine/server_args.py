@@ -20,6 +20,8 @@ ATTENTION_BACKENDS = ("torch_native", "triton", "flashinfer")
 DTYPES = ("auto", "float32", "bfloat16", "float16")
 # SGLang's --quantization names we accept (engine/layers/quant_config.py QUANTIZATION_METHODS): applied at
 # load to a bf16/fp16/fp32 checkpoint, or naming a pre-quantized checkpoint's format.
+# The ones applied at load (--quantize-lm-head takes their method for the head).
+ONLINE_QUANTIZATION = ("w8a8_int8", "fp8")
 QUANTIZATION_METHODS = ("w8a8_int8", "fp8", "compressed-tensors", "awq", "gptq", "awq_marlin", "gptq_marlin", "mxfp4")
 # SGLang's --kv-cache-dtype names (engine/mem_cache/memory_pool.py KV_CACHE_DTYPES).
 KV_CACHE_DTYPE_NAMES = ("auto", "fp8_e5m2", "fp8_e4m3", "bf16", "bfloat16")
@@ -59,11 +61,15 @@ class ServerArgs:
                              "on CUDA), float32, bfloat16 or float16 (bfloat16 on the CPU).", choices=DTYPES)
     quantization: Optional[str] = arg(None, (
         "Quantize the linear layers' weights at load, per output channel: w8a8_int8 (int8) or fp8 (float8 "
-        "e4m3); the LM head and embeddings keep --dtype. A pre-quantized checkpoint (compressed-tensors 8-bit, "
-        "awq or gptq 4-bit, gpt-oss's mxfp4 experts) is detected from its config.json; naming its method "
-        "(awq_marlin / gptq_marlin mean awq / gptq) is optional, naming another is refused. Default: none "
-        "(the checkpoint's)."),
+        "e4m3); the LM head (unless --quantize-lm-head) and embeddings keep --dtype. A pre-quantized "
+        "checkpoint (compressed-tensors 8-bit, awq or gptq 4-bit, gpt-oss's mxfp4 experts) is detected from "
+        "its config.json; naming its method (awq_marlin / gptq_marlin mean awq / gptq) is optional, naming "
+        "another is refused. Default: none (the checkpoint's)."),
         choices=QUANTIZATION_METHODS)
+    quantize_lm_head: bool = arg(False, (
+        "Not an SGLang flag: with --quantization w8a8_int8 or fp8, quantize the LM head too, per vocabulary row "
+        "(the largest weight a small decode step reads); tied embeddings keep --dtype. Off by default, as "
+        "SGLang keeps the head in --dtype for these methods."))
     kv_cache_dtype: str = arg("auto", (
         "The KV cache's element type: auto (the model's dtype), fp8_e5m2 or fp8_e4m3 (one byte per element, "
         "scaled by the checkpoint's per-layer k_scale / v_scale, 1.0 without them: about twice the tokens "
@@ -391,6 +397,9 @@ class ServerArgs:
         need(not (self.kv_cache_dtype.startswith("fp8") and self.attention_backend == "flashinfer"),
              f"--kv-cache-dtype {self.kv_cache_dtype} is not supported by the flashinfer attention backend here "
              "(untested without a GPU); use --attention-backend triton or torch_native")
+        need(not self.quantize_lm_head or self.quantization in ONLINE_QUANTIZATION,
+             f"--quantize-lm-head quantizes the head with --quantization {' or '.join(ONLINE_QUANTIZATION)}, got "
+             f"--quantization {self.quantization}")
         need(self.quantization is None or not (self.enable_lora or self.lora_paths),
              "--quantization is not supported yet with LoRA adapters (--enable-lora, --lora-paths)")
         need(

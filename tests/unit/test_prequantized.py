@@ -143,7 +143,7 @@ def test_flag_and_checkpoint_method() -> None:
     (_awq_config(group_size=48)["quantization_config"], "group_size 48"),
     (_awq_config(version="gemv")["quantization_config"], "awq version 'gemv'"),
     ({"quant_method": "gptq", "bits": 3, "group_size": 128}, "gptq with 3 bits"),
-    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": True}, "quantized LM head"),
+    ({"quant_method": "gptq", "bits": 4, "group_size": 128, "lm_head": "yes"}, "lm_head must be true or false"),
     ({"quant_method": "gptq", "bits": 4, "group_size": 128, "checkpoint_format": "marlin"}, "checkpoint_format"),
     ({"quant_method": "compressed-tensors", "format": "nvfp4-pack-quantized", "config_groups": {}},
      "format 'nvfp4-pack-quantized'"),
@@ -245,6 +245,51 @@ def test_int4_checkpoint_equals_its_dequantized_weights(tmp_path, float_llama, f
     # weight; int8's is 0.4%, KL 2e-3); the built-in model's figures are in test_builtin_model_awq.
     print(f"\n{fmt} group {group} sym {sym} desc_act {desc_act}: mean KL {kl:.2e}, top-1 {top1:.3f} vs float32")
     assert kl < 0.5 and top1 >= 0.3
+
+
+@pytest.mark.parametrize("tied, desc_act", [(False, False), (True, True)])
+def test_gptq_quantized_lm_head(tmp_path, tied: bool, desc_act: bool) -> None:
+    """GPTQ's lm_head true: the head loads its 4-bit tensors (vocabulary 504: 8 padding rows at tp 1) and its
+    logits are the float product with the dequantized head; a tied embedding stays the float matrix."""
+    src, qpath, oracle = str(tmp_path / "src"), str(tmp_path / "q"), str(tmp_path / "oracle")
+    build_tiny_model(src, "llama", vocab_size=504, tie_word_embeddings=tied)
+    weights = write_int4_checkpoint(src, qpath, "gptq", group=32, desc_act=desc_act, lm_head=True)
+    assert "lm_head.weight" in weights
+    assert resolve_quantization(json.load(open(os.path.join(qpath, "config.json"))), None).lm_head
+    write_dequantized_checkpoint(src, oracle, weights)
+    runner = make_runner(qpath)
+    model = runner.model
+    head = model.lm_head.packed_weight
+    assert isinstance(head, Int4Weight) and (head.n, head.k) == (512, 64) and (head.perm is not None) == desc_act
+    dequantized = head.dequantize()
+    torch.testing.assert_close(dequantized[:504], weights["lm_head.weight"], rtol=0, atol=1e-6)
+    assert not dequantized[504:].any()  # the padding rows
+    embed = model.model.embed_tokens.weight
+    assert embed.dtype == torch.float32 and embed.shape == (512, 64)
+    if tied:  # the embedding is still the checkpoint's float matrix, not the quantized head
+        from safetensors.torch import load_file
+
+        torch.testing.assert_close(embed[:504], load_file(os.path.join(src, "model.safetensors"))["model.embed_tokens.weight"])
+    # The head's product, on the kernel's decode path and the torch path, against the float64 oracle.
+    hidden = torch.randn(20, 64, generator=torch.Generator().manual_seed(3))
+    for rows in (hidden[:1], hidden):
+        got = model.logits_processor.compute_logits(rows, model.lm_head)
+        expected = (rows.double() @ weights["lm_head.weight"].double().T).float()
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-4)
+    logits, tokens = _run(runner)
+    expected_logits, expected_tokens = _run(make_runner(oracle))
+    torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
+    assert tokens == expected_tokens
+
+
+def test_quantized_lm_head_tensors_refused_without_the_flag(tmp_path, float_llama) -> None:
+    qpath = str(tmp_path / "q")
+    write_int4_checkpoint(float_llama, qpath, "gptq", group=32, lm_head=True)
+    config = json.load(open(os.path.join(qpath, "config.json")))
+    config["quantization_config"]["lm_head"] = False
+    json.dump(config, open(os.path.join(qpath, "config.json"), "w"))
+    with pytest.raises(ValueError, match=r"lm_head\.\w+ is quantized, but lm_head is not"):
+        make_runner(qpath)
 
 
 def test_awq_modules_to_not_convert_stay_float(tmp_path, float_llama) -> None:

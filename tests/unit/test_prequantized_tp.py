@@ -1,7 +1,7 @@
 """Pre-quantized checkpoints with tensor parallelism: 2 spawned ranks over gloo, each loading its shards of
 the quantized tensors (column-parallel: output rows with their scales and zeros; row-parallel: input
 columns with the groups they hold, or the whole-row scale replicated): compressed-tensors 8-bit and 4-bit,
-AWQ, GPTQ.
+AWQ, GPTQ (also with its LM head quantized: vocabulary rows).
 
 Oracle: the unquantized engine at tp=1 on the checkpoint of the dequantized weights the test computed
 from what it wrote; the tp=2 prefill logits equal its logits to float32 tolerance and the greedy tokens
@@ -40,13 +40,15 @@ def _run_tp2(path: str):
 
 
 CASES = ["compressed-tensors-fp8-channel", "compressed-tensors-int8-tensor", "compressed-tensors-w4a16asym-group",
-         "awq-32", "awq-per-row", "gptq-sym-32"]
+         "awq-32", "awq-per-row", "gptq-sym-32", "gptq-32-lm-head"]
 
 
 @pytest.mark.parametrize("case", CASES)
 def test_tp2_prequantized_equals_its_dequantized_checkpoint(tmp_path, case: str) -> None:
     src, qpath, oracle = str(tmp_path / "src"), str(tmp_path / "q"), str(tmp_path / "oracle")
-    model = build_tiny_model(src, "llama", num_attention_heads=4, num_key_value_heads=2)
+    # gptq-32-lm-head: vocabulary 504, so rank 1's slice of the quantized head ends in 8 padding rows.
+    model = build_tiny_model(src, "llama", num_attention_heads=4, num_key_value_heads=2,
+                             vocab_size=504 if case.endswith("lm-head") else 512)
     if case.startswith("compressed-tensors"):
         pytest.importorskip("compressed_tensors")
         from utils_quant import write_compressed_tensors_checkpoint
@@ -58,6 +60,8 @@ def test_tp2_prequantized_equals_its_dequantized_checkpoint(tmp_path, case: str)
             weights = write_compressed_tensors_checkpoint(model, qpath, preset, case.rsplit("-", 1)[1])
     elif case.startswith("awq"):
         weights = write_int4_checkpoint(src, qpath, "awq", group=-1 if case == "awq-per-row" else 32)
+    elif case.endswith("lm-head"):
+        weights = write_int4_checkpoint(src, qpath, "gptq", group=32, lm_head=True)
     else:
         weights = write_int4_checkpoint(src, qpath, "gptq", group=32, sym=True)
     write_dequantized_checkpoint(src, oracle, weights)

@@ -10,11 +10,13 @@ Three steps around the model's own `load_weights`:
    weight_g_idx) for its 4-bit pack-quantized format.
    Each is output-major like a float weight, so the layer's own weight_loader cuts this rank's piece
    (column-parallel: output rows; row-parallel: input columns, and the groups of those columns for
-   scales and zeros, which is why a row-parallel shard must hold whole groups).
+   scales and zeros, which is why a row-parallel shard must hold whole groups). A GPTQ checkpoint with
+   `lm_head: true` gives the LM head the same 4-bit parameters, cut by vocabulary rows as its float weight.
 2. `canonical_weights(...)` wraps the checkpoint iterator: it brings each format's tensors to that
    output-major form (AWQ's and GPTQ's int32 words unpacked in their own nibble orders, scales and
    zeros transposed, GPTQ's stored zero - 1 undone, a [out, 1] scale made [out]), and refuses a
-   quantized tensor of a module we do not quantize (mixture-of-experts weights, a quantized LM head).
+   quantized tensor of a module we do not quantize (mixture-of-experts weights, an LM head the config
+   does not say is quantized).
 3. `finish(model, plan)`, after loading: each layer's parameters become its `packed_weight`, a
    QuantizedWeight (8-bit: the --quantization path's kernels) or an Int4Weight (layers/int4.py), and
    the parameters are released.
@@ -33,11 +35,13 @@ from engine.layers.int4 import Int4Weight, pack_int4
 from engine.layers.linear import ColumnParallelLinear, RowParallelLinear
 from engine.layers.quant_config import CheckpointQuantization
 from engine.layers.quantization import QuantizedWeight
+from engine.layers.vocab_parallel_embedding import ParallelLMHead
 from engine.model_loader.weight_utils import ShardId, WeightLoader, set_weight_loader
 
 logger = logging.getLogger(__name__)
 
 Linear = Union[ColumnParallelLinear, RowParallelLinear]
+QuantizedModule = Union[ColumnParallelLinear, RowParallelLinear, ParallelLMHead]
 # AutoAWQ packs the 8 outputs of an int32 word in this order: nibble i holds output AWQ_ORDER[i].
 AWQ_ORDER = (0, 2, 4, 6, 1, 3, 5, 7)
 QUANTIZED_DTYPES = (torch.float8_e4m3fn, torch.int8, torch.int32)
@@ -48,7 +52,7 @@ class LoadPlan:
     """Which linears hold quantized parameters, by our module name and by the checkpoint's names."""
 
     quant: CheckpointQuantization
-    modules: Dict[str, Linear] = field(default_factory=dict)
+    modules: Dict[str, QuantizedModule] = field(default_factory=dict)
     checkpoint_modules: Set[str] = field(default_factory=set)
     skipped: List[str] = field(default_factory=list)
 
@@ -88,9 +92,38 @@ def prepare(model: nn.Module, quant: CheckpointQuantization) -> LoadPlan:
             _add_8bit_params(module, quant)
         plan.modules[name] = module
         plan.checkpoint_modules.update(names)
+    if quant.lm_head:
+        _add_lm_head(model, plan)
     if not plan.modules:
         raise ValueError(f"the checkpoint is {quant.method}-quantized but no linear layer of the model is")
     return plan
+
+
+def _add_lm_head(model: nn.Module, plan: LoadPlan) -> None:
+    """GPTQ's lm_head: the head loads 4-bit codes, zeros and scales (one row each per token, so the head's
+    own vocabulary-row loader cuts them) instead of its float weight. A head tied to the embedding is untied
+    here: the embedding keeps the float matrix, the head the checkpoint's quantized one (what the config says
+    the model was quantized with)."""
+    heads = [(name, m) for name, m in model.named_modules() if isinstance(m, ParallelLMHead)]
+    if len(heads) != 1:
+        raise ValueError(f"the checkpoint's quantization_config quantizes the LM head (lm_head), but the model has "
+                         f"{len(heads)} LM heads")
+    name, head = heads[0]
+    quant = plan.quant
+    k = head.embedding_dim
+    if quant.group_size != -1 and k % quant.group_size != 0:
+        raise ValueError(f"{name}: its {k} inputs are not whole groups of {quant.group_size}")
+    groups = 1 if quant.group_size == -1 else k // quant.group_size
+    n = head.num_embeddings_per_partition
+    head.register_parameter("weight", None)  # a tied head lets go of the embedding's matrix, which stays float
+    names = quant.int4_names
+    set_weight_loader(_param(head, names.codes, (n, k), torch.uint8), head.load_vocab_rows)
+    for pname in (names.zeros, names.scales):
+        set_weight_loader(_param(head, pname, (n, groups), torch.float32), head.load_vocab_rows)
+    if quant.desc_act:
+        set_weight_loader(_param(head, names.g_idx, (k,), torch.int64), _copy_whole)
+    plan.modules[name] = head
+    plan.checkpoint_modules.add(name)
 
 
 def _shape(module: Linear) -> Tuple[int, int]:
@@ -100,7 +133,7 @@ def _shape(module: Linear) -> Tuple[int, int]:
     return module.output_size_per_partition, module.input_size
 
 
-def _param(module: Linear, name: str, shape: Tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
+def _param(module: QuantizedModule, name: str, shape: Tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
     param = nn.Parameter(torch.empty(*shape, dtype=dtype), requires_grad=False)
     module.register_parameter(name, param)
     return param
@@ -296,8 +329,8 @@ def canonical_weights(weights: Iterable[Tuple[str, torch.Tensor]], plan: LoadPla
             continue
         if suffix in quantized_suffixes or (suffix == "weight" and tensor.dtype in QUANTIZED_DTYPES):
             raise ValueError(f"checkpoint tensor {name} is quantized, but {module or name} is not a linear layer we "
-                             f"load quantized (only the attention and MLP projections of dense models are; "
-                             f"mixture-of-experts and LM-head quantization are not supported)")
+                             f"load quantized (the attention and MLP projections of dense models are, and the LM head "
+                             f"where a GPTQ config says lm_head true; mixture-of-experts weights are not)")
         yield name, tensor
 
 

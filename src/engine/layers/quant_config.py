@@ -14,10 +14,12 @@ gptq_marlin names, SGLang's GPU kernels for the same formats, count as awq / gpt
   `ignored_layers` / `modules_to_not_convert` name modules stored in the model dtype.
 - awq (AutoAWQ's GEMM layout) and gptq (AutoGPTQ / GPTQModel, checkpoint format gptq or gptq_v2): 4 bits,
   group size a multiple of 32 or -1 (one group per row), zero points as the checkpoint has them; GPTQ's
-  desc_act (act-order) included. AWQ's `modules_to_not_convert` is honoured.
+  desc_act (act-order) included. AWQ's `modules_to_not_convert` is honoured. GPTQ's `lm_head: true` (as
+  SGLang's `lm_head_quantized`): the LM head's qweight / qzeros / scales / g_idx load as a 4-bit head, cut
+  by vocabulary rows across TP ranks like the float one; a tied embedding stays float.
 
 Anything else (other bit widths, static activation scales, group-wise 8-bit, packed compressed-tensors
-formats, a quantized LM head, a KV-cache scheme, fp8 without weight_block_size) is refused before any weight is read.
+formats, a quantized LM head outside GPTQ's lm_head, a KV-cache scheme, fp8 without weight_block_size) is refused before any weight is read.
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ class CheckpointQuantization:
     ignore: Tuple[str, ...] = ()  # compressed-tensors' ignore entries / awq's modules_to_not_convert
     symmetric: bool = False  # int4 compressed-tensors: no zero-point tensors (the zero is 8)
     block: Tuple[int, int] = (0, 0)  # block_fp8: weight_block_size [block_n (outputs), block_k (inputs)]
+    lm_head: bool = False  # gptq's lm_head: the LM head is quantized too (its tensors under lm_head.*)
 
     @property
     def int4_names(self) -> Int4Names:
@@ -224,8 +227,9 @@ def _int4(method: str, config: Dict[str, object]) -> CheckpointQuantization:
         if not isinstance(skip, list) or not all(isinstance(e, str) for e in skip):
             raise _refuse("awq modules_to_not_convert must be a list of names")
         return CheckpointQuantization("awq", "int4", group_size=group, ignore=tuple(skip))
-    if config.get("lm_head"):
-        raise _refuse("gptq with a quantized LM head (lm_head true)")
+    lm_head = config.get("lm_head", False)
+    if not isinstance(lm_head, bool):
+        raise _refuse(f"gptq lm_head must be true or false, got {lm_head!r}")
     if config.get("dynamic"):
         raise _refuse("gptq per-module overrides (dynamic)")
     if config.get("is_marlin_format"):
@@ -234,7 +238,7 @@ def _int4(method: str, config: Dict[str, object]) -> CheckpointQuantization:
     if fmt not in ("gptq", "gptq_v2"):
         raise _refuse(f"gptq checkpoint_format {fmt!r} (supported: gptq, gptq_v2)")
     return CheckpointQuantization("gptq", "int4", group_size=group, desc_act=bool(config.get("desc_act", False)),
-                                  zero_offset=1 if fmt == "gptq" else 0)
+                                  zero_offset=1 if fmt == "gptq" else 0, lm_head=lm_head)
 
 
 def _block_fp8(config: Dict[str, object]) -> CheckpointQuantization:

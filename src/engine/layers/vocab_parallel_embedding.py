@@ -7,14 +7,17 @@ sliced away by the LogitsProcessor.
 
 from __future__ import annotations
 
-from typing import Optional
+from typing import TYPE_CHECKING, Optional
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
-from engine.model_loader.weight_utils import set_weight_loader
+from engine.model_loader.weight_utils import ShardId, set_weight_loader
+
+if TYPE_CHECKING:  # layers.linear imports the loader package, which must not import the model's layers back
+    from engine.layers.linear import PackedWeight
 
 DEFAULT_VOCAB_PADDING_SIZE = 64
 
@@ -43,6 +46,14 @@ class VocabParallelEmbedding(nn.Module):
                 f"embedding shape mismatch: checkpoint {tuple(loaded_weight.shape)}, "
                 f"expected ({self.num_embeddings}, {self.embedding_dim})"
             )
+        self.load_vocab_rows(param, loaded_weight)
+
+    def load_vocab_rows(self, param: nn.Parameter, loaded_weight: torch.Tensor, shard_id: ShardId = None) -> None:
+        """This rank's vocabulary rows of a tensor with one row per token (the weight, or a quantized head's
+        codes, scales and zeros), the padding rows zero."""
+        if loaded_weight.shape[0] != self.num_embeddings or loaded_weight.shape[1:] != param.shape[1:]:
+            raise ValueError(f"shape mismatch: checkpoint {tuple(loaded_weight.shape)}, expected "
+                             f"({self.num_embeddings}, {', '.join(str(d) for d in param.shape[1:])})")
         start = self.vocab_start_index
         end = min(self.vocab_end_index, self.num_embeddings)
         rows = max(0, end - start)
@@ -67,7 +78,9 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def __init__(self, num_embeddings: int, embedding_dim: int, padding_size: int = DEFAULT_VOCAB_PADDING_SIZE) -> None:
         super().__init__(num_embeddings, embedding_dim, padding_size)
-        self.packed_weight: Optional[torch.Tensor] = None  # see engine.layers.linear.prepack_linear_weights
+        # engine.layers.linear.prepack_linear_weights's copy, or the quantized head (a GPTQ checkpoint's
+        # lm_head, --quantize-lm-head): then the only one, `weight` empty unless tied to the embedding.
+        self.packed_weight: Optional[PackedWeight] = None
 
     def tie_weights(self, embed_tokens: VocabParallelEmbedding) -> None:
         """Share the embedding matrix (tie_word_embeddings)."""

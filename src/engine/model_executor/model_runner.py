@@ -19,7 +19,7 @@ from engine.distributed.parallel_state import (
 )
 from engine.kernels import ops as kernel_ops
 from engine.layers.attention import create_attention_backend
-from engine.layers.linear import quantize_model
+from engine.layers.linear import quantize_lm_head, quantize_model
 from engine.layers.quant_config import resolve_quantization
 from engine.layers.logits_processor import LogitsProcessorOutput
 from engine.layers.pooler import EmbeddingPoolerOutput
@@ -108,6 +108,9 @@ class ModelRunner:
         prequantized = resolve_quantization(model_config.raw_config, server_args.quantization)
         if prequantized is not None and (server_args.enable_lora or server_args.lora_paths):
             raise ValueError(f"LoRA adapters are not supported yet with a {prequantized.method}-quantized checkpoint")
+        if prequantized is not None and server_args.quantize_lm_head:  # --quantization fp8 on a block-fp8 one
+            raise ValueError(f"--quantize-lm-head quantizes a float checkpoint's head; this checkpoint is pre-quantized "
+                             f"({prequantized.method}) and its config says how its head is stored")
         self.model = get_model(model_config, self.device, self.dtype, prequantized)
         # --kv-cache-dtype: the pool's element type, and for fp8 the checkpoint's per-layer scales.
         self.kv_cache_dtype = kv_cache_dtype(server_args.kv_cache_dtype, self.dtype)
@@ -120,6 +123,9 @@ class ModelRunner:
             # Before packing: a quantized layer's weight is its QuantizedWeight, nothing is packed for it.
             done = quantize_model(self.model, server_args.quantization)
             logger.info("Quantized %d linear weights (%s, per output channel)", done, server_args.quantization)
+            if server_args.quantize_lm_head:
+                heads = quantize_lm_head(self.model, server_args.quantization)
+                logger.info("Quantized the LM head (%s, per vocabulary row): %d", server_args.quantization, heads)
         if self.device == "cpu":
             from engine.layers.linear import prepack_linear_weights
 

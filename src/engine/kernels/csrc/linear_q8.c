@@ -71,9 +71,12 @@ static inline __attribute__((always_inline)) __m256 widen8(const uint8_t *w, int
     }
     const __m128i bytes = _mm_loadl_epi64((const __m128i *)(w + c * k + d));
     if (fmt == W_INT8) return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-    const __m128i h = _mm_cvtepu8_epi16(bytes);
-    const __m128i half = _mm_or_si128(_mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7f)), 7),
-                                      _mm_slli_epi16(_mm_and_si128(h, _mm_set1_epi16(0x80)), 8));
+    /* e4m3 s.eeee.mmm as the float16 s.0eeee.mmm0000000 (2^-8 of its value): each byte into the high half of
+     * a 16-bit lane, an arithmetic shift right by one (the sign lands on bits 15 and 14), bit 14 cleared.
+     * Three integer operations where masking and shifting sign and magnitude apart took six: the fp8
+     * kernels widen every weight and are compute-bound on this, not memory-bound. */
+    const __m128i h = _mm_unpacklo_epi8(_mm_setzero_si128(), bytes);
+    const __m128i half = _mm_and_si128(_mm_srai_epi16(h, 1), _mm_set1_epi16((short)0xbfff));
     return _mm256_cvtph_ps(half);
 }
 
@@ -307,8 +310,13 @@ int linear_q8(const void *x, int64_t m, int64_t k, const void *w, int w_format, 
  * [block_n, block_k] weights is scaled by scale[i * kb + j], kb = ceil(K / block_k) (the last blocks may be
  * ragged). Each block's products are summed apart in float32 (two vector sums per channel, as q8_row) and
  * the block's sum scaled before it joins the channel's total; the 2^8 of the e4m3 widening is undone once
- * per output. Tiles: one row x 4 channels (the rows of a small batch each take the channel group's
- * weights from L1). block_k a multiple of 8 keeps the vector loop inside a block. */
+ * per output. One row (decode): 4 channels at a time, the next group's bytes prefetched while this one is
+ * summed (as q8_one_row: 4 interleaved streams of k bytes are too short for the hardware prefetcher).
+ * Several rows: tiles of up to 4 rows x 1 channel over rows in L2-sized blocks (as q8_rows), each block's 8
+ * weights widened once for the 4 rows (widening e4m3 costs more than the FMA; every row re-widened them
+ * before: 2.5-3x slower at 16 and 256 rows). 4 x 2 tiles that scaled the widened weights (no per-block
+ * totals: 4 x 2 of those and of the sums would not fit the 16 registers) were ~15% slower at 16 rows. block_k
+ * a multiple of 8 keeps the vector loop inside a block. */
 typedef struct {
     const float *x;
     int64_t m, k;
@@ -321,20 +329,30 @@ typedef struct {
     int dtype;
 } fp8b_job_t;
 
-/* sums[c] = sum over blocks j of (x[row] . W[c0 + c] over block j) * scale of (c0 + c, j). */
+/* sums[c] = sum over blocks j of (x[row] . W[c0 + c] over block j) * scale of (c0 + c, j). `next`: the bytes
+ * of the next group of 4 channels, fetched while these are summed (NULL: none). A block's vector sums meet
+ * its scale in one FMA into the channel's vector total (a horizontal sum per block cost ~10% here). */
 static inline __attribute__((always_inline)) void fp8b_row(const fp8b_job_t *J, int64_t row, int64_t c0, const int C,
-                                                           float sums[4]) {
+                                                           float sums[4], const uint8_t *next) {
     const int64_t k = J->k;
     const float *x = J->x + row * k;
     for (int c = 0; c < C; c++) sums[c] = 0.0f;
+#if defined(Q8_AVX2)
+    __m256 total[4];
+    for (int c = 0; c < C; c++) total[c] = _mm256_setzero_ps();
+#else
+    (void)next;
+#endif
     for (int64_t j = 0; j < J->kb; j++) {
         const int64_t d0 = j * J->block_k, d1 = d0 + J->block_k < k ? d0 + J->block_k : k;
-        float part[4];
+        float sf[4];
+        for (int c = 0; c < C; c++) sf[c] = J->scale[((c0 + c) / J->block_n) * J->kb + j];
         int64_t d = d0;
 #if defined(Q8_AVX2)
         __m256 acc[4][2];
         for (int c = 0; c < C; c++) acc[c][0] = acc[c][1] = _mm256_setzero_ps();
         for (; d + 16 <= d1; d += 16) {
+            if (next != NULL) _mm_prefetch((const char *)(next + 4 * d), _MM_HINT_T0);  /* 4 x 16 bytes: a line */
             const __m256 x0 = _mm256_loadu_ps(x + d), x1 = _mm256_loadu_ps(x + d + 8);
             for (int c = 0; c < C; c++) {
                 acc[c][0] = _mm256_fmadd_ps(x0, widen8(J->w, k, c0 + c, d, W_FP8), acc[c][0]);
@@ -345,38 +363,122 @@ static inline __attribute__((always_inline)) void fp8b_row(const fp8b_job_t *J, 
             const __m256 x0 = _mm256_loadu_ps(x + d);
             for (int c = 0; c < C; c++) acc[c][0] = _mm256_fmadd_ps(x0, widen8(J->w, k, c0 + c, d, W_FP8), acc[c][0]);
         }
-        for (int c = 0; c < C; c++) part[c] = hsum(_mm256_add_ps(acc[c][0], acc[c][1]));
-#else
-        for (int c = 0; c < C; c++) part[c] = 0.0f;
+        for (int c = 0; c < C; c++)
+            total[c] = _mm256_fmadd_ps(_mm256_add_ps(acc[c][0], acc[c][1]), _mm256_set1_ps(sf[c]), total[c]);
+#endif
+        if (d < d1) {  /* a scalar tail (k not a multiple of 8) */
+            float part[4] = {0.0f, 0.0f, 0.0f, 0.0f};
+            for (; d < d1; d++)
+                for (int c = 0; c < C; c++) part[c] += x[d] * weight_at(J->w, k, c0 + c, d, W_FP8);
+            for (int c = 0; c < C; c++) sums[c] += part[c] * sf[c];
+        }
+    }
+#if defined(Q8_AVX2)
+    for (int c = 0; c < C; c++) sums[c] += hsum(total[c]);
+#endif
+}
+
+/* sums[r][c] = x[m0 + r] . W[c0 + c] for R rows and C channels (fp8b_part: 1): each block's 8 weights widened
+ * once for the R rows, the block's vector sums times its scale added into vector totals (one FMA a block). */
+static inline __attribute__((always_inline)) void fp8b_tile(const fp8b_job_t *J, int64_t m0, const int R, int64_t c0,
+                                                            const int C, float sums[Q8_ROWS][2]) {
+    const int64_t k = J->k;
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) sums[r][c] = 0.0f;
+#if defined(Q8_AVX2)
+    __m256 total[Q8_ROWS][2];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) total[r][c] = _mm256_setzero_ps();
+#endif
+    for (int64_t j = 0; j < J->kb; j++) {
+        const int64_t d0 = j * J->block_k, d1 = d0 + J->block_k < k ? d0 + J->block_k : k;
+        float sf[2];
+        for (int c = 0; c < C; c++) sf[c] = J->scale[((c0 + c) / J->block_n) * J->kb + j] * FP8_SCALE;
+        int64_t d = d0;
+#if defined(Q8_AVX2)
+        __m256 acc[Q8_ROWS][2];
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+        for (; d + 8 <= d1; d += 8) {
+            __m256 wv[2];
+            for (int c = 0; c < C; c++) wv[c] = widen8(J->w, k, c0 + c, d, W_FP8);
+            for (int r = 0; r < R; r++) {
+                const __m256 xv = _mm256_loadu_ps(J->x + (m0 + r) * k + d);
+                for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+            }
+        }
+        for (int c = 0; c < C; c++) {
+            const __m256 sv = _mm256_set1_ps(sf[c]);
+            for (int r = 0; r < R; r++) total[r][c] = _mm256_fmadd_ps(acc[r][c], sv, total[r][c]);
+        }
 #endif
         for (; d < d1; d++)
-            for (int c = 0; c < C; c++) part[c] += x[d] * weight_at(J->w, k, c0 + c, d, W_FP8);
-        for (int c = 0; c < C; c++) sums[c] += part[c] * J->scale[((c0 + c) / J->block_n) * J->kb + j];
+            for (int c = 0; c < C; c++) {
+                const float wf = weight_at(J->w, k, c0 + c, d, W_FP8) * sf[c];
+                for (int r = 0; r < R; r++) sums[r][c] += J->x[(m0 + r) * k + d] * wf;
+            }
+    }
+#if defined(Q8_AVX2)
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) sums[r][c] += hsum(total[r][c]);
+#endif
+}
+
+static inline void fp8b_emit(const fp8b_job_t *J, int64_t row, int64_t c0, int C, const float *sums) {
+    for (int c = 0; c < C; c++) {
+        float y = sums[c];
+        if (J->bias != NULL) y += J->bias[c0 + c];
+        const int64_t at = row * J->n + c0 + c;
+        if (J->dtype == DTYPE_BF16) ((uint16_t *)J->out)[at] = f32_to_bf16(y);
+        else ((float *)J->out)[at] = y;
     }
 }
 
-static void fp8b_part(void *arg, int tid, int nt) {
-    const fp8b_job_t *J = (const fp8b_job_t *)arg;
+static void fp8b_one_row(const fp8b_job_t *J, int tid, int nt) {
     int64_t first, last;
     pool_range((J->n + 3) / 4, tid, nt, &first, &last);
     for (int64_t g = first; g < last; g++) {
         const int64_t c0 = 4 * g;
         const int C = J->n - c0 >= 4 ? 4 : (int)(J->n - c0);
-        for (int64_t row = 0; row < J->m; row++) {
-            float sums[4];
-            switch (C) {
-            case 4: fp8b_row(J, row, c0, 4, sums); break;
-            case 3: fp8b_row(J, row, c0, 3, sums); break;
-            case 2: fp8b_row(J, row, c0, 2, sums); break;
-            default: fp8b_row(J, row, c0, 1, sums); break;
-            }
-            for (int c = 0; c < C; c++) {
-                float y = sums[c] * FP8_SCALE;
-                if (J->bias != NULL) y += J->bias[c0 + c];
-                const int64_t at = row * J->n + c0 + c;
-                if (J->dtype == DTYPE_BF16) ((uint16_t *)J->out)[at] = f32_to_bf16(y);
-                else ((float *)J->out)[at] = y;
-            }
+        /* The next group's bytes while this one is summed; none for the last whole group. */
+        const uint8_t *next = c0 + 8 <= J->n ? J->w + (c0 + 4) * J->k : NULL;
+        float sums[4];
+        switch (C) {
+        case 4: fp8b_row(J, 0, c0, 4, sums, next); break;
+        case 3: fp8b_row(J, 0, c0, 3, sums, NULL); break;
+        case 2: fp8b_row(J, 0, c0, 2, sums, NULL); break;
+        default: fp8b_row(J, 0, c0, 1, sums, NULL); break;
+        }
+        for (int c = 0; c < C; c++) sums[c] *= FP8_SCALE;
+        fp8b_emit(J, 0, c0, C, sums);
+    }
+}
+
+static void fp8b_part(void *arg, int tid, int nt) {
+    const fp8b_job_t *J = (const fp8b_job_t *)arg;
+    if (J->m == 1) {
+        fp8b_one_row(J, tid, nt);
+        return;
+    }
+    int64_t first, last;
+    pool_range(J->n, tid, nt, &first, &last);
+    /* As q8_rows: the rows in blocks whose float32 activations stay in L2 while this thread's channels pass
+     * over them, so each weight is read (and widened) once per block of rows, not once per row. */
+    int64_t block = (Q8_L2_BYTES / (J->k * (int64_t)sizeof(float))) / Q8_ROWS * Q8_ROWS;
+    if (block < Q8_ROWS) block = Q8_ROWS;
+    for (int64_t b0 = 0; b0 < J->m; b0 += block)
+    for (int64_t c0 = first; c0 < last; c0++) {
+        const int64_t b1 = b0 + block < J->m ? b0 + block : J->m;
+        for (int64_t m0 = b0; m0 < b1; m0 += Q8_ROWS) {
+            const int64_t left = b1 - m0;
+            float sums[Q8_ROWS][2];
+            /* Constant R: each call unrolls into its own register tile. */
+            if (left >= 4) fp8b_tile(J, m0, 4, c0, 1, sums);
+            else if (left == 3) fp8b_tile(J, m0, 3, c0, 1, sums);
+            else if (left == 2) fp8b_tile(J, m0, 2, c0, 1, sums);
+            else fp8b_tile(J, m0, 1, c0, 1, sums);
+            const int R = left >= Q8_ROWS ? Q8_ROWS : (int)left;
+            for (int r = 0; r < R; r++) fp8b_emit(J, m0 + r, c0, 1, sums[r]);
         }
     }
 }
