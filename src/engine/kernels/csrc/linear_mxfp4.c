@@ -1,0 +1,148 @@
+/* Linear layers over MXFP4 weights (gpt-oss's experts), read as the checkpoint holds them.
+ *
+ * x [M, K] float32, y [M, N] float32 (+ bias [N] float32 where given). A weight row (one output channel)
+ * is K / 32 blocks of 32 inputs: 16 bytes of 4-bit e2m1 codes (input 2j in the low nibble of byte j,
+ * input 2j + 1 in its high one) and one e8m0 byte s, the block's scale 2^(s - 127). A code's low three
+ * bits index the magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}, its high bit is the sign, so with AVX2 one
+ * permutevar8x32 over an 8-float table gives eight magnitudes at once and the sign bit, shifted to bit
+ * 31, is xor-ed in; the eight weights are then multiplied by the block's scale (a power of two: exact),
+ * in registers, never stored. Each weight equals models' dequantize_mxfp4 exactly; only the order of
+ * the float32 sums differs from a dequantized float matmul. A decode step streams 4.25 bits per weight.
+ *
+ * Tiles, row blocks and threads as linear_q4.c: 4 rows x 2 output channels of float32 sums, each
+ * channel's block decoded once per 4 rows; rows in blocks whose activations stay in L2; threads take
+ * contiguous ranges of channel pairs. AVX2 + FMA where the compiler has them (Zen 1 and up), else a
+ * portable loop computing the same products.
+ */
+#include <string.h>
+
+#include "cpu_common.h"
+
+#if defined(__AVX2__) && defined(__FMA__)
+#include <immintrin.h>
+#define MXFP4_AVX2 1
+#endif
+
+#define MXFP4_ROWS 4
+#define MXFP4_BLOCK 32 /* inputs per block: 16 bytes of codes and one scale byte */
+#define MXFP4_L2_BYTES (256 * 1024)
+
+static const float mxfp4_magnitudes[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
+
+typedef struct {
+    const float *x;
+    int64_t m, k;
+    const uint8_t *blocks, *scales;
+    const float *bias;
+    int64_t n;
+    float *out;
+} mxfp4_job_t;
+
+/* 2^(s - 127), as ldexp computes it: s in the float's exponent field; s = 0 is the subnormal 2^-127 (only
+ * the mantissa's top bit), s = 255 the exponent of infinity. */
+static inline float mxfp4_scale(uint8_t s) {
+    const uint32_t bits = s != 0 ? (uint32_t)s << 23 : 0x00400000u;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* sums[r][c] = x[m0 + r] . W[c0 + c] for R rows and C (1 or 2) channels. */
+static inline __attribute__((always_inline)) void mxfp4_tile(const mxfp4_job_t *J, int64_t m0, const int R, int64_t c0,
+                                                             const int C, float sums[MXFP4_ROWS][2]) {
+    const int64_t k = J->k, groups = k / MXFP4_BLOCK;
+#if defined(MXFP4_AVX2)
+    __m256 acc[MXFP4_ROWS][2];
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+    const __m128i low4 = _mm_set1_epi8(0xf);
+    const __m256 table = _mm256_loadu_ps(mxfp4_magnitudes);
+    const __m256i sign_bit = _mm256_set1_epi32((int)0x80000000u);
+    for (int64_t g = 0; g < groups; g++) {
+        __m128i codes[2][2]; /* [channel][inputs 0-15, inputs 16-31], one code a byte, in input order */
+        __m256 scale[2];
+        for (int c = 0; c < C; c++) {
+            const int64_t block = (c0 + c) * groups + g;
+            const __m128i bytes = _mm_loadu_si128((const __m128i *)(J->blocks + block * (MXFP4_BLOCK / 2)));
+            const __m128i lo = _mm_and_si128(bytes, low4);
+            const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
+            codes[c][0] = _mm_unpacklo_epi8(lo, hi);
+            codes[c][1] = _mm_unpackhi_epi8(lo, hi);
+            scale[c] = _mm256_set1_ps(mxfp4_scale(J->scales[block]));
+        }
+        for (int part = 0; part < 4; part++) { /* inputs 8 * part ... + 7 of the block */
+            __m256 wv[2];
+            for (int c = 0; c < C; c++) {
+                const __m128i half = codes[c][part / 2];
+                const __m256i idx = _mm256_cvtepu8_epi32((part % 2) ? _mm_srli_si128(half, 8) : half);
+                const __m256 magnitude = _mm256_permutevar8x32_ps(table, idx); /* the low 3 bits index */
+                const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(idx, 28), sign_bit);
+                wv[c] = _mm256_mul_ps(_mm256_xor_ps(magnitude, _mm256_castsi256_ps(sign)), scale[c]);
+            }
+            for (int r = 0; r < R; r++) {
+                const __m256 xv = _mm256_loadu_ps(J->x + (m0 + r) * k + g * MXFP4_BLOCK + 8 * part);
+                for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+            }
+        }
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[r][c]), _mm256_extractf128_ps(acc[r][c], 1));
+            v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+            v = _mm_add_ss(v, _mm_movehdup_ps(v));
+            sums[r][c] = _mm_cvtss_f32(v);
+        }
+#else
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            float sum = 0.0f;
+            for (int64_t g = 0; g < groups; g++) {
+                const int64_t block = (c0 + c) * groups + g;
+                const uint8_t *bytes = J->blocks + block * (MXFP4_BLOCK / 2);
+                const float scale = mxfp4_scale(J->scales[block]);
+                for (int i = 0; i < MXFP4_BLOCK; i++) {
+                    const uint8_t code = (i % 2) ? (bytes[i / 2] >> 4) : (bytes[i / 2] & 0xf);
+                    const float w = (code & 8 ? -mxfp4_magnitudes[code & 7] : mxfp4_magnitudes[code & 7]) * scale;
+                    sum += J->x[(m0 + r) * k + g * MXFP4_BLOCK + i] * w;
+                }
+            }
+            sums[r][c] = sum;
+        }
+#endif
+}
+
+static void mxfp4_part(void *arg, int tid, int nt) {
+    const mxfp4_job_t *J = (const mxfp4_job_t *)arg;
+    const int64_t pairs = (J->n + 1) / 2;
+    int64_t first, last;
+    pool_range(pairs, tid, nt, &first, &last);
+    int64_t block = (MXFP4_L2_BYTES / (J->k * (int64_t)sizeof(float))) / MXFP4_ROWS * MXFP4_ROWS;
+    if (block < MXFP4_ROWS) block = MXFP4_ROWS;
+    for (int64_t b0 = 0; b0 < J->m; b0 += block)
+    for (int64_t p = first; p < last; p++) {
+        const int64_t c0 = 2 * p;
+        const int C = c0 + 1 < J->n ? 2 : 1;
+        const int64_t b1 = b0 + block < J->m ? b0 + block : J->m;
+        for (int64_t m0 = b0; m0 < b1; m0 += MXFP4_ROWS) {
+            const int64_t left = b1 - m0;
+            float sums[MXFP4_ROWS][2];
+            /* Constant R and C: each call unrolls into its own register tile. */
+            if (left >= 4) { if (C == 2) mxfp4_tile(J, m0, 4, c0, 2, sums); else mxfp4_tile(J, m0, 4, c0, 1, sums); }
+            else if (left == 3) { if (C == 2) mxfp4_tile(J, m0, 3, c0, 2, sums); else mxfp4_tile(J, m0, 3, c0, 1, sums); }
+            else if (left == 2) { if (C == 2) mxfp4_tile(J, m0, 2, c0, 2, sums); else mxfp4_tile(J, m0, 2, c0, 1, sums); }
+            else { if (C == 2) mxfp4_tile(J, m0, 1, c0, 2, sums); else mxfp4_tile(J, m0, 1, c0, 1, sums); }
+            const int R = left >= MXFP4_ROWS ? MXFP4_ROWS : (int)left;
+            for (int r = 0; r < R; r++)
+                for (int c = 0; c < C; c++)
+                    J->out[(m0 + r) * J->n + c0 + c] = sums[r][c] + (J->bias != NULL ? J->bias[c0 + c] : 0.0f);
+        }
+    }
+}
+
+int linear_mxfp4(const float *x, int64_t m, int64_t k, const uint8_t *blocks, const uint8_t *scales,
+                 const float *bias, int64_t n, float *out, int num_threads) {
+    if (k <= 0 || k % MXFP4_BLOCK != 0 || n <= 0 || m < 0) return -2;
+    mxfp4_job_t job = {x, m, k, blocks, scales, bias, n, out};
+    pool_run(mxfp4_part, &job, num_threads);
+    return 0;
+}

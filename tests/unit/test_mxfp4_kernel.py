@@ -1,0 +1,72 @@
+"""The MXFP4 linear kernel (csrc/linear_mxfp4.c via layers/mxfp4.py) against dequantize_mxfp4 and a float
+matmul: each weight decoded exactly (one-hot rows read the weight back bit for bit), products at decode and
+prefill sizes within float32 rounding, the bias, ragged tiles (rows not a multiple of 4, an odd number of
+channels), the e8m0 extremes (s = 0: 2^-127, a subnormal) and the refusals."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from engine.kernels import library
+from engine.layers.mxfp4 import dequantize_rows, mxfp4_kernel_available, mxfp4_linear
+
+
+def _weight(n: int, k: int, seed: int, low: int = 115, high: int = 135):
+    gen = torch.Generator().manual_seed(seed)
+    blocks = torch.randint(0, 256, (n, k // 32, 16), dtype=torch.uint8, generator=gen)
+    scales = torch.randint(low, high, (n, k // 32), dtype=torch.uint8, generator=gen)
+    return blocks, scales
+
+
+@pytest.fixture(autouse=True)
+def _kernel():
+    if not mxfp4_kernel_available():
+        pytest.skip("no native kernel library here (no C compiler)")
+
+
+@pytest.mark.parametrize("n,k", [(7, 32), (64, 96), (33, 2880)])
+def test_one_hot_rows_read_every_weight_exactly(n, k):
+    blocks, scales = _weight(n, k, seed=n + k)
+    scales[0, 0] = 0  # 2^-127: a subnormal scale
+    scales[-1, -1] = 252  # 2^125: 6 * 2^125 still finite
+    eye = torch.eye(k)
+    assert torch.equal(mxfp4_linear(eye, blocks, scales), dequantize_rows(blocks, scales).T)
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16, 37, 130])
+@pytest.mark.parametrize("n,k", [(1, 64), (45, 320), (96, 2880)])
+def test_products_equal_dequantize_and_matmul(m, n, k):
+    blocks, scales = _weight(n, k, seed=m * 7 + n)
+    gen = torch.Generator().manual_seed(m)
+    x = torch.randn(m, k, generator=gen)
+    bias = torch.randn(n, generator=gen)
+    weight = dequantize_rows(blocks, scales).double()
+    ref = x.double() @ weight.T + bias.double()
+    ours = mxfp4_linear(x, blocks, scales, bias)
+    assert ours.dtype == torch.float32 and ours.shape == (m, n)
+    # float32 sums in another order: bounded by the sum of the products' magnitudes.
+    bound = 1e-6 * (x.double().abs() @ weight.abs().T) + 1e-30
+    assert bool(((ours.double() - ref).abs() <= 4 * bound + 1e-6 * bound.max()).all())
+    no_bias = mxfp4_linear(x, blocks, scales)
+    assert torch.allclose(no_bias + bias, ours, rtol=0, atol=1e-5 * float(ref.abs().max()))
+
+
+def test_bf16_rows_give_bf16_and_empty_batches_work():
+    blocks, scales = _weight(16, 64, seed=3)
+    x = torch.randn(5, 64).to(torch.bfloat16)
+    out = mxfp4_linear(x, blocks, scales)
+    assert out.dtype == torch.bfloat16
+    assert torch.equal(out, mxfp4_linear(x.float(), blocks, scales).to(torch.bfloat16))
+    assert mxfp4_linear(torch.empty(0, 64), blocks, scales).shape == (0, 16)
+
+
+def test_refusals():
+    blocks, scales = _weight(8, 64, seed=5)
+    with pytest.raises(ValueError, match="64 inputs got rows"):
+        mxfp4_linear(torch.zeros(2, 32), blocks, scales)
+    lib = library.linear()
+    assert lib is not None
+    out = torch.zeros(1, 8)
+    x = torch.zeros(1, 40)
+    assert lib.linear_mxfp4(x.data_ptr(), 1, 40, blocks.data_ptr(), scales.data_ptr(), None, 8, out.data_ptr(), 1) == -2
