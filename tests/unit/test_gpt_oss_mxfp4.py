@@ -131,6 +131,20 @@ def test_packed_experts_equal_the_dequantized_ones(mxfp4_model, monkeypatch):
     monkeypatch.setattr(gpt_oss, "mxfp4_kernel_available", lambda: False)
     dense = make_runner(mxfp4_model).model.model.decoder_layers[1].mlp.experts
     assert packed.mxfp4 and not dense.mxfp4
+    # Which path each takes: the MXFP4 kernel's linears, the fused MoE's native path.
+    calls = {"mxfp4_linear": 0, "fused_moe_native": 0}
+
+    def counted(name):
+        inner = getattr(gpt_oss, name)
+
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return inner(*args, **kwargs)
+
+        return call
+
+    for name in calls:
+        monkeypatch.setattr(gpt_oss, name, counted(name))
     gen = torch.Generator().manual_seed(9)
     for tokens in (1, 16, 70):
         x = torch.randn(tokens, dense.w13_weight.shape[2], generator=gen)
@@ -138,6 +152,7 @@ def test_packed_experts_equal_the_dequantized_ones(mxfp4_model, monkeypatch):
         weights = torch.softmax(torch.randn(tokens, 2, generator=gen), dim=-1)
         ours, ref = packed(x, ids, weights), dense(x, ids, weights)
         assert (ours - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
+    assert calls["fused_moe_native"] == 3 and calls["mxfp4_linear"] > 0
 
 
 def test_malformed_and_mismatched_checkpoints_are_refused(tmp_path, mxfp4_model):
