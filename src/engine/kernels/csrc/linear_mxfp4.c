@@ -2,23 +2,24 @@
  *
  * x [M, K] float32, y [M, N] float32 (+ bias [N] float32 where given). A weight row (one output channel)
  * is K / 32 blocks of 32 inputs: 16 bytes of 4-bit e2m1 codes (input 2j in the low nibble of byte j,
- * input 2j + 1 in its high one) and one e8m0 byte s, the block's scale 2^(s - 127). A code's low three
- * bits index the magnitudes {0, 0.5, 1, 1.5, 2, 3, 4, 6}, its high bit is the sign, so with AVX2 one
- * permutevar8x32 over an 8-float table gives eight magnitudes at once and the sign bit, shifted to bit
- * 31, is xor-ed in; the eight weights are then multiplied by the block's scale (a power of two: exact),
- * in registers, never stored. Each weight equals models' dequantize_mxfp4 exactly; only the order of
- * the float32 sums differs from a dequantized float matmul. A decode step streams 4.25 bits per weight.
+ * input 2j + 1 in its high one) and one e8m0 byte s, the block's scale 2^(s - 127). Every e2m1 value is
+ * a float16 whose low byte is zero, so with AVX2 one byte shuffle (pshufb) over a 16-entry table gives 16
+ * codes' high bytes at once, an interleave with zeros makes them float16 and F16C widens 8 of them to
+ * float32, in registers, never stored; the block's scale (a power of two: exact) multiplies the decoded
+ * weights (several rows) or the block's sum (one row). Each weight equals dequantize_mxfp4's exactly;
+ * only the order of the float32 sums differs from a dequantized float matmul. A decode step streams
+ * 4.25 bits per weight.
  *
  * Tiles, row blocks and threads as linear_q4.c: 4 rows x 2 output channels of float32 sums, each
  * channel's block decoded once per 4 rows; rows in blocks whose activations stay in L2; threads take
- * contiguous ranges of channel pairs. AVX2 + FMA where the compiler has them (Zen 1 and up), else a
+ * contiguous ranges of channel pairs. AVX2 + FMA + F16C where the compiler has them (Zen 1 and up), else a
  * portable loop computing the same products.
  */
 #include <string.h>
 
 #include "cpu_common.h"
 
-#if defined(__AVX2__) && defined(__FMA__)
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define MXFP4_AVX2 1
 #endif
@@ -52,38 +53,49 @@ static inline __attribute__((always_inline)) void mxfp4_tile(const mxfp4_job_t *
                                                              const int C, float sums[MXFP4_ROWS][2]) {
     const int64_t k = J->k, groups = k / MXFP4_BLOCK;
 #if defined(MXFP4_AVX2)
-    __m256 acc[MXFP4_ROWS][2];
+    /* A single row (decode) sums each block unscaled (gacc) and applies the scale once per block; several
+     * rows share each decoded weight, scaled once, and keep one sum per (row, channel): the registers hold
+     * either, not both. */
+    __m256 acc[MXFP4_ROWS][2], gacc[2];
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
     const __m128i low4 = _mm_set1_epi8(0xf);
-    const __m256 table = _mm256_loadu_ps(mxfp4_magnitudes);
-    const __m256i sign_bit = _mm256_set1_epi32((int)0x80000000u);
+    const __m128i zero = _mm_setzero_si128();
+    const __m128i high_bytes = _mm_setr_epi8(0x00, 0x38, 0x3c, 0x3e, 0x40, 0x42, 0x44, 0x46, (char)0x80, (char)0xb8,
+                                             (char)0xbc, (char)0xbe, (char)0xc0, (char)0xc2, (char)0xc4, (char)0xc6);
     for (int64_t g = 0; g < groups; g++) {
-        __m128i codes[2][2]; /* [channel][inputs 0-15, inputs 16-31], one code a byte, in input order */
+        __m128i halves[2][4]; /* [channel][inputs 8 * part ... + 7]: float16 weights, in input order */
         __m256 scale[2];
         for (int c = 0; c < C; c++) {
             const int64_t block = (c0 + c) * groups + g;
             const __m128i bytes = _mm_loadu_si128((const __m128i *)(J->blocks + block * (MXFP4_BLOCK / 2)));
             const __m128i lo = _mm_and_si128(bytes, low4);
             const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
-            codes[c][0] = _mm_unpacklo_epi8(lo, hi);
-            codes[c][1] = _mm_unpackhi_epi8(lo, hi);
+            const __m128i first = _mm_shuffle_epi8(high_bytes, _mm_unpacklo_epi8(lo, hi));  /* inputs 0-15 */
+            const __m128i second = _mm_shuffle_epi8(high_bytes, _mm_unpackhi_epi8(lo, hi)); /* inputs 16-31 */
+            halves[c][0] = _mm_unpacklo_epi8(zero, first);
+            halves[c][1] = _mm_unpackhi_epi8(zero, first);
+            halves[c][2] = _mm_unpacklo_epi8(zero, second);
+            halves[c][3] = _mm_unpackhi_epi8(zero, second);
             scale[c] = _mm256_set1_ps(mxfp4_scale(J->scales[block]));
+            if (R == 1) gacc[c] = _mm256_setzero_ps();
         }
         for (int part = 0; part < 4; part++) { /* inputs 8 * part ... + 7 of the block */
             __m256 wv[2];
             for (int c = 0; c < C; c++) {
-                const __m128i half = codes[c][part / 2];
-                const __m256i idx = _mm256_cvtepu8_epi32((part % 2) ? _mm_srli_si128(half, 8) : half);
-                const __m256 magnitude = _mm256_permutevar8x32_ps(table, idx); /* the low 3 bits index */
-                const __m256i sign = _mm256_and_si256(_mm256_slli_epi32(idx, 28), sign_bit);
-                wv[c] = _mm256_mul_ps(_mm256_xor_ps(magnitude, _mm256_castsi256_ps(sign)), scale[c]);
+                wv[c] = _mm256_cvtph_ps(halves[c][part]);
+                if (R > 1) wv[c] = _mm256_mul_ps(wv[c], scale[c]);
             }
             for (int r = 0; r < R; r++) {
                 const __m256 xv = _mm256_loadu_ps(J->x + (m0 + r) * k + g * MXFP4_BLOCK + 8 * part);
-                for (int c = 0; c < C; c++) acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+                for (int c = 0; c < C; c++) {
+                    if (R == 1) gacc[c] = _mm256_fmadd_ps(xv, wv[c], gacc[c]);
+                    else acc[r][c] = _mm256_fmadd_ps(xv, wv[c], acc[r][c]);
+                }
             }
         }
+        if (R == 1)
+            for (int c = 0; c < C; c++) acc[0][c] = _mm256_fmadd_ps(gacc[c], scale[c], acc[0][c]);
     }
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) {
