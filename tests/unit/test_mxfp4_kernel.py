@@ -70,3 +70,38 @@ def test_refusals():
     out = torch.zeros(1, 8)
     x = torch.zeros(1, 40)
     assert lib.linear_mxfp4(x.data_ptr(), 1, 40, blocks.data_ptr(), scales.data_ptr(), None, 8, out.data_ptr(), 1) == -2
+
+
+def test_portable_loop_equals_the_avx2_path(tmp_path):
+    """The kernel's portable loop (a CPU without AVX2 + FMA + F16C), built here alone with those switched off,
+    gives the AVX2 path's products (float32 sums in another order)."""
+    import ctypes
+    import shutil
+    import subprocess
+    from pathlib import Path
+
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        pytest.skip("no C compiler")
+    csrc = Path(library.__file__).with_name("csrc")
+    out = tmp_path / "mxfp4_portable.so"
+    subprocess.run([compiler, "-O2", "-fPIC", "-shared", "-std=c11", "-pthread", "-mno-avx2", "-mno-fma",
+                    "-mno-f16c", "-mno-avx512f", str(csrc / "linear_mxfp4.c"), str(csrc / "thread_pool.c"),
+                    "-o", str(out)], check=True, timeout=120)
+    lib = ctypes.CDLL(str(out))
+    lib.linear_mxfp4.restype = ctypes.c_int
+    lib.linear_mxfp4.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_void_p,
+                                 ctypes.c_void_p, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int]
+    blocks, scales = _weight(9, 96, seed=11)
+    bias = torch.randn(9)
+    for m in (1, 6):
+        x = torch.randn(m, 96)
+        ours = torch.empty(m, 9)
+        assert lib.linear_mxfp4(x.data_ptr(), m, 96, blocks.data_ptr(), scales.data_ptr(), bias.data_ptr(), 9,
+                                ours.data_ptr(), 1) == 0
+        ref = mxfp4_linear(x, blocks, scales, bias)
+        assert torch.allclose(ours, ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    eye = torch.eye(96)
+    ours = torch.empty(96, 9)
+    lib.linear_mxfp4(eye.data_ptr(), 96, 96, blocks.data_ptr(), scales.data_ptr(), None, 9, ours.data_ptr(), 1)
+    assert torch.equal(ours, dequantize_rows(blocks, scales).T)

@@ -28,7 +28,6 @@
 #define MXFP4_BLOCK 32 /* inputs per block: 16 bytes of codes and one scale byte */
 #define MXFP4_L2_BYTES (256 * 1024)
 
-static const float mxfp4_magnitudes[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
 
 typedef struct {
     const float *x;
@@ -105,6 +104,8 @@ static inline __attribute__((always_inline)) void mxfp4_tile(const mxfp4_job_t *
             sums[r][c] = _mm_cvtss_f32(v);
         }
 #else
+    /* The e2m1 magnitudes by a code's low three bits (its high bit is the sign). */
+    static const float mxfp4_magnitudes[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) {
             float sum = 0.0f;
