@@ -35,7 +35,7 @@ def test_one_hot_rows_read_every_weight_exactly(n, k):
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 16, 37, 130])
-@pytest.mark.parametrize("n,k", [(1, 64), (45, 320), (96, 2880)])
+@pytest.mark.parametrize("n,k", [(1, 64), (45, 320), (46, 32), (47, 64), (96, 2880)])
 def test_products_equal_dequantize_and_matmul(m, n, k):
     blocks, scales = _weight(n, k, seed=m * 7 + n)
     gen = torch.Generator().manual_seed(m)
@@ -45,8 +45,8 @@ def test_products_equal_dequantize_and_matmul(m, n, k):
     ref = x.double() @ weight.T + bias.double()
     ours = mxfp4_linear(x, blocks, scales, bias)
     assert ours.dtype == torch.float32 and ours.shape == (m, n)
-    # float32 sums in another order: bounded by the sum of the products' magnitudes.
-    bound = 1e-6 * (x.double().abs() @ weight.abs().T) + 1e-30
+    # float32 sums in another order: bounded by the sum of the products' (and the bias's) magnitudes.
+    bound = 1e-6 * (x.double().abs() @ weight.abs().T + bias.double().abs()) + 1e-30
     assert bool(((ours.double() - ref).abs() <= 4 * bound + 1e-6 * bound.max()).all())
     no_bias = mxfp4_linear(x, blocks, scales)
     assert torch.allclose(no_bias + bias, ours, rtol=0, atol=1e-5 * float(ref.abs().max()))
