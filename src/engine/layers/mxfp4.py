@@ -71,6 +71,8 @@ def mxfp4_linear(x: torch.Tensor, blocks: torch.Tensor, scales: torch.Tensor,
         status = lib.linear_mxfp4(rows.data_ptr(), rows.shape[0], k, blocks.data_ptr(), scales.data_ptr(),
                                   None if bias_f is None else bias_f.data_ptr(), n, out.data_ptr(),
                                   torch.get_num_threads())
+        if status == -1:
+            raise MemoryError(f"linear_mxfp4: no scratch for {rows.shape[0]} rows of {k} activations")
         if status != 0:
             raise ValueError(f"linear_mxfp4 refused k {k}, n {n} (status {status})")
         return out.to(x.dtype)

@@ -67,7 +67,8 @@ ENGINE_API void linear_q4(const float *x, int64_t m, int64_t k, const uint8_t *w
                           const float *bias, int64_t group, int64_t n, float *out, int num_threads);
 /* linear_mxfp4.c: out [m, n] = x [m, k] . W^T (+ bias [n], float32 or NULL) with W [n, k] in MXFP4 as gpt-oss's
  * checkpoints hold it: blocks [n, k / 32, 16] e2m1 codes, scales [n, k / 32] e8m0; x and out float32. Returns 0,
- * or -2 when k is not a positive multiple of 32 or n not positive (nothing written). */
+ * -1 when scratch for the reordered activations could not be allocated, or -2 when k is not a positive multiple
+ * of 32 or n not positive (nothing written). */
 ENGINE_API int linear_mxfp4(const float *x, int64_t m, int64_t k, const uint8_t *blocks, const uint8_t *scales,
                             const float *bias, int64_t n, float *out, int num_threads);
 

@@ -4,7 +4,8 @@
  * is K / 32 blocks of 32 inputs: 16 bytes of 4-bit e2m1 codes (input 2j in the low nibble of byte j,
  * input 2j + 1 in its high one) and one e8m0 byte s, the block's scale 2^(s - 127). Every e2m1 value is
  * a float16 whose low byte is zero, so with AVX2 one byte shuffle (pshufb) over a 16-entry table gives 16
- * codes' high bytes at once, an interleave with zeros makes them float16 and F16C widens 8 of them to
+ * codes' high bytes at once (the low nibbles of a block, then its high ones, against a copy of the
+ * activations reordered alike), an interleave with zeros makes them float16 and F16C widens 8 of them to
  * float32, in registers, never stored; the block's scale (a power of two: exact) multiplies the decoded
  * weights (several rows) or the block's sum (one row). Each weight equals dequantize_mxfp4's exactly;
  * only the order of the float32 sums differs from a dequantized float matmul. A decode step streams
@@ -70,8 +71,9 @@ static inline __attribute__((always_inline)) void mxfp4_tile(const mxfp4_job_t *
             const __m128i bytes = _mm_loadu_si128((const __m128i *)(J->blocks + block * (MXFP4_BLOCK / 2)));
             const __m128i lo = _mm_and_si128(bytes, low4);
             const __m128i hi = _mm_and_si128(_mm_srli_epi16(bytes, 4), low4);
-            const __m128i first = _mm_shuffle_epi8(high_bytes, _mm_unpacklo_epi8(lo, hi));  /* inputs 0-15 */
-            const __m128i second = _mm_shuffle_epi8(high_bytes, _mm_unpackhi_epi8(lo, hi)); /* inputs 16-31 */
+            /* The activations were reordered (linear_mxfp4): the low nibbles meet the even inputs. */
+            const __m128i first = _mm_shuffle_epi8(high_bytes, lo);  /* inputs 0, 2, ..., 30 */
+            const __m128i second = _mm_shuffle_epi8(high_bytes, hi); /* inputs 1, 3, ..., 31 */
             halves[c][0] = _mm_unpacklo_epi8(zero, first);
             halves[c][1] = _mm_unpackhi_epi8(zero, first);
             halves[c][2] = _mm_unpacklo_epi8(zero, second);
@@ -155,7 +157,21 @@ static void mxfp4_part(void *arg, int tid, int nt) {
 int linear_mxfp4(const float *x, int64_t m, int64_t k, const uint8_t *blocks, const uint8_t *scales,
                  const float *bias, int64_t n, float *out, int num_threads) {
     if (k <= 0 || k % MXFP4_BLOCK != 0 || n <= 0 || m < 0) return -2;
+#if defined(MXFP4_AVX2)
+    /* Each block's activations reordered, even inputs then odd ones, as the nibbles are (a copy of x). */
+    float *split = (float *)malloc((size_t)(m * k) * sizeof(float) + 1);
+    if (split == NULL) return -1;
+    for (int64_t i = 0; i < m * k; i += MXFP4_BLOCK)
+        for (int j = 0; j < MXFP4_BLOCK / 2; j++) {
+            split[i + j] = x[i + 2 * j];
+            split[i + MXFP4_BLOCK / 2 + j] = x[i + 2 * j + 1];
+        }
+    mxfp4_job_t job = {split, m, k, blocks, scales, bias, n, out};
+    pool_run(mxfp4_part, &job, num_threads);
+    free(split);
+#else
     mxfp4_job_t job = {x, m, k, blocks, scales, bias, n, out};
     pool_run(mxfp4_part, &job, num_threads);
+#endif
     return 0;
 }
