@@ -17,6 +17,17 @@ a streaming read of a large tensor on the same cores.
   python benchmarks/bench_moe.py                           # table + bench_moe.json
   python benchmarks/bench_moe.py --layers 2 --out-len 8    # a quick check
   python benchmarks/bench_moe.py --device cuda --batch-sizes 1 16 64   # the Triton kernel on a GPU
+
+--gpt-oss runs another case instead: one gpt-oss-shaped MoE layer's experts (models/gpt_oss.py
+GptOssExperts: --oss-experts experts of hidden = intermediate --oss-hidden, top --oss-top-k, biases, the
+clamped SwiGLU; default gpt-oss-20b's 32 x 2880, top-4) from random MXFP4 blocks and scales, kept packed
+(the CPU kernel, csrc/linear_mxfp4.c) and dequantized to bf16 (the fused MoE's native path), side by
+side: the bytes the experts hold, and the median time of the experts' forward for a decode step of
+each batch size (the same routing for both; wall time, and the process's CPU time, which a shared
+machine's other work inflates less at one thread), with the bytes of the distinct experts it reads. The
+load average is printed with the table: the machine is shared.
+
+  OMP_NUM_THREADS=1 python benchmarks/bench_moe.py --gpt-oss --json bench_moe_gpt_oss.json
 """
 
 from __future__ import annotations
@@ -224,7 +235,15 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     ap.add_argument("--json", default="bench_moe.json")
+    ap.add_argument("--gpt-oss", action="store_true", help="the gpt-oss MXFP4 experts case (module doc)")
+    ap.add_argument("--oss-experts", type=int, default=32)
+    ap.add_argument("--oss-hidden", type=int, default=2880)
+    ap.add_argument("--oss-top-k", type=int, default=4)
+    ap.add_argument("--oss-reps", type=int, default=20)
     args = ap.parse_args()
+    if args.gpt_oss:
+        gpt_oss_experts(args)
+        return
     shape = Shape(args.layers, args.hidden, args.heads, args.kv_heads, args.experts, args.top_k, args.expert_inter,
                   args.vocab)
     paths = {"mixtral": checkpoint(args.dir, shape, True), "dense": checkpoint(args.dir, shape, False)}
@@ -265,6 +284,89 @@ def _report(results: List[Result], shape: Shape, bandwidth: float, args: argpars
     with open(args.json, "w") as f:
         json.dump({"shape": asdict(shape), "bandwidth_bytes_s": bandwidth, "args": vars(args),
                    "results": [asdict(r) for r in results]}, f, indent=2)
+    print(f"wrote {args.json}")
+
+
+def _oss_layer(args: argparse.Namespace, mxfp4: bool, ckpt: Dict[str, torch.Tensor]):
+    """A GptOssExperts loaded through its own weight loaders from checkpoint-shaped tensors: the packed
+    blocks and scales, or (mxfp4 False) the bf16 weights they dequantize to, one expert at a time."""
+    from engine.layers.mxfp4 import dequantize_mxfp4
+    from engine.model_loader.weight_utils import weight_loader_of
+    from engine.models.gpt_oss import GptOssExperts
+
+    e, h = args.oss_experts, args.oss_hidden
+    with torch.device("cpu"):
+        torch.set_default_dtype(torch.bfloat16)
+        try:
+            layer = GptOssExperts(e, h, h, 1.702, 7.0, mxfp4=mxfp4)
+        finally:
+            torch.set_default_dtype(torch.float32)
+    params = dict(layer.named_parameters())
+    tensors: Dict[str, torch.Tensor] = {"w13_weight_bias": ckpt["gate_up_proj_bias"], "w2_weight_bias": ckpt["down_proj_bias"]}
+    for ours, theirs in (("w13", "gate_up_proj"), ("w2", "down_proj")):
+        blocks, scales = ckpt[f"{theirs}_blocks"], ckpt[f"{theirs}_scales"]
+        if mxfp4:
+            tensors[f"{ours}_blocks"], tensors[f"{ours}_scales"] = blocks, scales
+        else:  # [E, in, out] in bf16, built per expert: the float32 whole would take 8 bytes a weight
+            rows, groups = scales.shape[1], scales.shape[2]
+            dense = torch.empty(e, groups * 32, rows, dtype=torch.bfloat16)
+            for i in range(e):
+                dense[i] = dequantize_mxfp4(blocks[i:i + 1], scales[i:i + 1])[0]
+            tensors[f"{ours}_weight"] = dense
+    for name, tensor in tensors.items():
+        weight_loader_of(params[name])(params[name], tensor)
+    return layer
+
+
+def gpt_oss_experts(args: argparse.Namespace) -> None:
+    e, h, k = args.oss_experts, args.oss_hidden, args.oss_top_k
+    gen = torch.Generator().manual_seed(args.seed)
+    # Random codes; exponents around 2^-6 as trained gpt-oss weights have (|w| mostly below 0.1).
+    ckpt = {"gate_up_proj_blocks": torch.randint(0, 256, (e, 2 * h, h // 32, 16), dtype=torch.uint8, generator=gen),
+            "gate_up_proj_scales": torch.randint(118, 124, (e, 2 * h, h // 32), dtype=torch.uint8, generator=gen),
+            "down_proj_blocks": torch.randint(0, 256, (e, h, h // 32, 16), dtype=torch.uint8, generator=gen),
+            "down_proj_scales": torch.randint(118, 124, (e, h, h // 32), dtype=torch.uint8, generator=gen),
+            "gate_up_proj_bias": torch.randn(e, 2 * h, generator=gen).to(torch.bfloat16) * 0.1,
+            "down_proj_bias": torch.randn(e, h, generator=gen).to(torch.bfloat16) * 0.1}
+    rows: List[Dict] = []
+    layers = {"bf16": _oss_layer(args, False, ckpt), "mxfp4": _oss_layer(args, True, ckpt)}
+    per_expert = {name: layer.expert_bytes() / e for name, layer in layers.items()}
+    with torch.inference_mode():
+        for batch in args.batch_sizes:
+            x = torch.randn(batch, h, generator=gen).to(torch.bfloat16)
+            weights, ids = torch.softmax(torch.randn(batch, k, generator=gen), -1), torch.stack(
+                [torch.randperm(e, generator=gen)[:k] for _ in range(batch)])
+            distinct = int(torch.unique(ids).numel())
+            outs = {}
+            for name, layer in layers.items():
+                outs[name] = layer(x, ids, weights)  # warm-up (and the kernel library's build)
+                times, cpu_times = [], []
+                for _ in range(args.oss_reps):
+                    t, c = time.perf_counter(), time.process_time()
+                    layer(x, ids, weights)
+                    times.append(time.perf_counter() - t)
+                    cpu_times.append(time.process_time() - c)
+                step = statistics.median(times)
+                read = distinct * per_expert[name]
+                rows.append({"weights": name, "batch": batch, "step_ms": step * 1e3,
+                             "cpu_ms": statistics.median(cpu_times) * 1e3, "experts_read": distinct,
+                             "bytes_read": read, "read_gb_s": read / step / 1e9,
+                             "expert_bytes": layers[name].expert_bytes()})
+            diff = (outs["mxfp4"].float() - outs["bf16"].float()).abs().max().item()
+            rows[-1]["max_abs_diff_vs_bf16"] = diff
+    load = os.getloadavg()
+    print(f"\ngpt-oss experts, one layer: {e} experts, hidden = intermediate {h}, top-{k}, bf16 activations, "
+          f"{torch.get_num_threads()} threads, load average {load[0]:.1f} / {load[1]:.1f} / {load[2]:.1f}")
+    print(f"{'weights':8} {'batch':>5} {'expert GB':>9} {'step ms':>8} {'CPU ms':>8} {'experts read':>12} "
+          f"{'GB/s read':>9} {'bf16/mxfp4':>10}")
+    by = {(r["weights"], r["batch"]): r for r in rows}
+    for r in rows:
+        base = by[("bf16", r["batch"])]
+        ratio = f"{base['step_ms'] / r['step_ms']:10.2f}" if r["weights"] == "mxfp4" else " " * 10
+        print(f"{r['weights']:8} {r['batch']:5d} {r['expert_bytes'] / 1e9:9.3f} {r['step_ms']:8.2f} {r['cpu_ms']:8.2f} "
+              f"{r['experts_read']:12d} {r['read_gb_s']:9.1f} {ratio}")
+    with open(args.json, "w") as f:
+        json.dump({"case": "gpt-oss experts", "args": vars(args), "load_average": load, "results": rows}, f, indent=2)
     print(f"wrote {args.json}")
 
 

@@ -1,7 +1,8 @@
 """gpt-oss checkpoints with MXFP4 experts (the published format: `quant_method` "mxfp4", `*_blocks`
-e2m1 codes and `*_scales` e8m0 exponents per 32 inputs), dequantized while loading
+e2m1 codes and `*_scales` e8m0 exponents per 32 inputs): kept packed on the CPU and run by the MXFP4
+kernel (4.25 bits per expert weight), or dequantized while loading where the kernel is missing
 (models/gpt_oss.py). Oracle: transformers loading the same checkpoint with its own MXFP4
-dequantization (Mxfp4Config(dequantize=True)), token for token past the sliding window; the
+dequantization (Mxfp4Config(dequantize=True)), token for token past the sliding window, both ways; the
 dequantization equals transformers' element for element; malformed checkpoints are refused by name."""
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import torch
 from sched_utils import Harness
 from utils_models import TINY_SWA, build_tiny_model, hf_greedy
 
-from engine.models.gpt_oss import FP4_E2M1_VALUES, dequantize_mxfp4
+from engine.layers.mxfp4 import BITS_PER_WEIGHT, FP4_E2M1_VALUES, dequantize_mxfp4, mxfp4_kernel_available
 
 N_NEW = 20
 
@@ -82,20 +83,76 @@ def test_dequantization_equals_transformers():
     assert torch.equal(ours, theirs)
 
 
-def test_greedy_equals_transformers_on_the_mxfp4_checkpoint(mxfp4_model):
+def _experts(worker):
+    return [layer.mlp.experts for layer in worker.model_runner.model.model.decoder_layers]
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "dequantized"])
+def test_greedy_equals_transformers_on_the_mxfp4_checkpoint(mxfp4_model, packed, monkeypatch):
+    import engine.models.gpt_oss as gpt_oss
     from engine.scheduler.tp_worker import TpModelWorker
     from engine.server_args import ServerArgs
 
+    if packed and not mxfp4_kernel_available():
+        pytest.skip("no native kernel library here (no C compiler)")
+    if not packed:  # as on a GPU, or a CPU without the library: dequantized while loading
+        monkeypatch.setattr(gpt_oss, "mxfp4_kernel_available", lambda: False)
     hf = _transformers_model(mxfp4_model)
     gen = torch.Generator().manual_seed(3)
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (40, 90)]  # past the window of 16
     expected = [hf_greedy(hf, p, N_NEW) for p in prompts]
     for flag in (None, "mxfp4"):  # detected from config.json, or named as SGLang users do
         args = ServerArgs(model_path=mxfp4_model, device="cpu", max_total_tokens=2048, quantization=flag)
-        h = Harness(worker=TpModelWorker(args), max_total_tokens=2048)
+        worker = TpModelWorker(args)
+        for experts in _experts(worker):
+            assert experts.mxfp4 == packed
+            num_weights = 3 * experts.num_local * experts.inter * experts.w2_weight_bias.shape[1]  # gate, up, down
+            bits = 32.0 if not packed else BITS_PER_WEIGHT  # float32 dequantized; 4 + 8 / 32 packed
+            assert experts.expert_bytes() * 8 == bits * num_weights
+            if packed:
+                assert {experts.w13_blocks.dtype, experts.w2_scales.dtype} == {torch.uint8}
+                assert not hasattr(experts, "w13_weight")
+        h = Harness(worker=worker, max_total_tokens=2048)
         rids = [h.submit(p, max_new_tokens=N_NEW, ignore_eos=True) for p in prompts]
         h.run_until_idle()
         assert [h.outputs[r].output_ids for r in rids] == expected, flag
+
+
+def test_packed_experts_equal_the_dequantized_ones(mxfp4_model, monkeypatch):
+    """One layer's experts, packed and dequantized, on the same rows: the products differ only by float32
+    summation order."""
+    import engine.models.gpt_oss as gpt_oss
+
+    from utils_models import make_runner
+
+    if not mxfp4_kernel_available():
+        pytest.skip("no native kernel library here (no C compiler)")
+    packed = make_runner(mxfp4_model).model.model.decoder_layers[1].mlp.experts
+    monkeypatch.setattr(gpt_oss, "mxfp4_kernel_available", lambda: False)
+    dense = make_runner(mxfp4_model).model.model.decoder_layers[1].mlp.experts
+    assert packed.mxfp4 and not dense.mxfp4
+    # Which path each takes: the MXFP4 kernel's linears, the fused MoE's native path.
+    calls = {"mxfp4_linear": 0, "fused_moe_native": 0}
+
+    def counted(name):
+        inner = getattr(gpt_oss, name)
+
+        def call(*args, **kwargs):
+            calls[name] += 1
+            return inner(*args, **kwargs)
+
+        return call
+
+    for name in calls:
+        monkeypatch.setattr(gpt_oss, name, counted(name))
+    gen = torch.Generator().manual_seed(9)
+    for tokens in (1, 16, 70):
+        x = torch.randn(tokens, dense.w13_weight.shape[2], generator=gen)
+        ids = torch.stack([torch.randperm(dense.num_local, generator=gen)[:2] for _ in range(tokens)])
+        weights = torch.softmax(torch.randn(tokens, 2, generator=gen), dim=-1)
+        ours, ref = packed(x, ids, weights), dense(x, ids, weights)
+        assert (ours - ref).abs().max().item() <= 1e-5 * max(1.0, ref.abs().max().item())
+    assert calls["fused_moe_native"] == 3 and calls["mxfp4_linear"] > 0
 
 
 def test_malformed_and_mismatched_checkpoints_are_refused(tmp_path, mxfp4_model):

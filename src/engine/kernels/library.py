@@ -52,12 +52,13 @@ _CSRC = Path(__file__).with_name("csrc")
 # the decode kernel; extend_attention.c: prefill attention (bf16); cpu_ops.c: the fused element-wise
 # ops of a decoder layer (ops.py); linear_bf16.c: bf16 linears (linear.py);
 # linear_q8.c: linears over int8 / fp8 weights (layers/quantization.py); linear_q4.c: over 4-bit AWQ / GPTQ
-# weights (layers/int4.py); decoder_layers.c: a decode
+# weights (layers/int4.py); linear_mxfp4.c: over gpt-oss's MXFP4 experts (layers/mxfp4.py); decoder_layers.c: a decode
 # step's layers in one call (decoder_layers.py); thread_pool.c: the threads they run on; library.c:
 # what the build holds; cpu_common.h: what they share; amx.h: the AMX tiles; attend_step.h: the
 # attention step of prefills and cascade prefixes. One library holds them all.
 _SOURCES = [_CSRC / "decode_attention.c", _CSRC / "extend_attention.c", _CSRC / "cpu_ops.c", _CSRC / "linear_bf16.c",
-            _CSRC / "linear_q8.c", _CSRC / "linear_q4.c", _CSRC / "decoder_layers.c", _CSRC / "thread_pool.c", _CSRC / "library.c"]
+            _CSRC / "linear_q8.c", _CSRC / "linear_q4.c", _CSRC / "linear_mxfp4.c",
+            _CSRC / "decoder_layers.c", _CSRC / "thread_pool.c", _CSRC / "library.c"]
 _HEADERS = [_CSRC / "engine_kernels.h", _CSRC / "cpu_common.h", _CSRC / "amx.h", _CSRC / "attend_step.h"]
 # -fopenmp-simd: the `omp simd` hints only; the threads are the library's own (csrc/thread_pool.c).
 # -fvisibility=hidden: only engine_kernels.h's ENGINE_API functions are exported.

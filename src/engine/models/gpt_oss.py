@@ -4,8 +4,10 @@ and a mixture-of-experts MLP of its own kind: a biased router whose top-k logits
 with biases whose gate and up halves are interleaved in one projection (even columns gate, odd ones up)
 and a clamped SwiGLU, (up + 1) * gate * sigmoid(alpha * gate).
 
-The experts run as a torch loop over the experts the batch routed to (like transformers). Under tensor
-parallelism they follow --ep-size as FusedMoE does (distributed/parallel_state.py ExpertLayout): each
+The experts run through the fused MoE machinery (layers/moe/: fused_moe_native on the CPU, the Triton
+kernel on a GPU) with their biases and their own activation (ClampedSwiGLU), in FusedMoE's layout: the
+checkpoint's gate_up [E, H, 2I] and down [E, I, H] are held transposed, [E, 2I, H] and [E, H, I]. Under
+tensor parallelism they follow --ep-size as FusedMoE does (distributed/parallel_state.py ExpertLayout): each
 block of tp_size / ep_size ranks holds E / ep_size experts, each with its intermediate dimension split over
 the block's ranks (whole gate/up pairs: the interleaved columns 2i, 2i + 1 stay together); the down bias is
 added by the block's first rank; the ranks' partial outputs are summed by one all-reduce. The attention's
@@ -14,8 +16,12 @@ sinks are split with its heads.
 The published checkpoints hold the experts in MXFP4 (`quantization_config.quant_method` "mxfp4"): per
 expert projection a `*_blocks` tensor [E, rows, cols / 32, 16] of 4-bit e2m1 codes (two per byte, the
 low nibble first) and a `*_scales` tensor [E, rows, cols / 32] of e8m0 exponents (2^(s - 127)) for each
-block of 32. They are dequantized here while loading, into the model's dtype (the experts then take
-four times their MXFP4 bytes in bf16); every other weight of such a checkpoint is bf16 already.
+block of 32 (layers/mxfp4.py). On the CPU they stay packed as loaded, 4.25 bits per weight, and every
+expert product runs the native MXFP4 kernel (csrc/linear_mxfp4.c), which decodes the codes in registers
+(`keeps_mxfp4` says when: the kernel library built, this rank's sizes in whole blocks of 32). On a GPU,
+and where the CPU kernel is missing, they are dequantized while loading into the model's dtype (the
+experts then take four times their MXFP4 bytes in bf16); every other weight of such a checkpoint is bf16
+already.
 """
 
 from __future__ import annotations
@@ -23,13 +29,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed.parallel_state import get_expert_layout, get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import QKVParallelLinear, RowParallelLinear
 from engine.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from engine.layers.moe.fused_moe_native import ClampedSwiGLU, fused_moe_grouped, fused_moe_native
+from engine.layers.mxfp4 import MXFP4_BLOCK, check_mxfp4, dequantize_mxfp4, mxfp4_kernel_available, mxfp4_linear
 from engine.layers.pooler import EmbeddingPoolerOutput
 from engine.layers.radix_attention import RadixAttention
 from engine.layers.rotary_embedding import get_rope
@@ -45,10 +52,15 @@ MAX_EXPERTS = 1024
 
 
 class GptOssExperts(nn.Module):
-    """This rank's stacked experts in the checkpoint's layout: gate_up_proj [E, H, 2I] (gate at even
-    columns), down_proj [E, I, H], each with a bias (E and I this rank's parts; see the module doc)."""
+    """This rank's stacked experts in FusedMoE's layout (layers/moe/): w13_weight [E, 2I, H] (gate_up, its
+    rows interleaved as the checkpoint's columns: gate at even rows, up at odd ones), w2_weight [E, H, I],
+    each with a bias (E and I this rank's parts; see the module doc); the checkpoint's [E, H, 2I] and
+    [E, I, H] are transposed while loading. With `mxfp4` (an MXFP4 checkpoint served on the CPU by the
+    native kernel) the experts stay packed instead: w13_blocks / w13_scales and w2_blocks / w2_scales as
+    the checkpoint holds them (layers/mxfp4.py)."""
 
-    def __init__(self, num_experts: int, hidden: int, intermediate: int, alpha: float, limit: float) -> None:
+    def __init__(self, num_experts: int, hidden: int, intermediate: int, alpha: float, limit: float,
+                 mxfp4: bool = False) -> None:
         super().__init__()
         layout = get_expert_layout()
         if num_experts % layout.ep_size or intermediate % layout.moe_tp_size:
@@ -60,27 +72,46 @@ class GptOssExperts(nn.Module):
         self.inter = intermediate // layout.moe_tp_size
         self.inter_start = layout.moe_tp_rank * self.inter
         self.adds_down_bias = layout.moe_tp_rank == 0
-        self.alpha = alpha
-        self.limit = limit
-        self.gate_up_proj = nn.Parameter(torch.empty(self.num_local, hidden, 2 * self.inter), requires_grad=False)
-        self.gate_up_proj_bias = nn.Parameter(torch.empty(self.num_local, 2 * self.inter), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(self.num_local, self.inter, hidden), requires_grad=False)
-        self.down_proj_bias = nn.Parameter(torch.empty(self.num_local, hidden), requires_grad=False)
-        # The checkpoint's [E, ...] tensors: this rank's experts, then its intermediate columns / rows.
-        for param, dim, width in ((self.gate_up_proj, 2, 2), (self.gate_up_proj_bias, 1, 2), (self.down_proj, 1, 1),
-                                  (self.down_proj_bias, None, 0)):
-            set_weight_loader(param, self._loader(dim, width))
+        self.activation = ClampedSwiGLU(alpha, limit)
+        self.mxfp4 = mxfp4
+        self.w13_weight_bias = nn.Parameter(torch.empty(self.num_local, 2 * self.inter), requires_grad=False)
+        self.w2_weight_bias = nn.Parameter(torch.empty(self.num_local, hidden), requires_grad=False)
+        set_weight_loader(self.w13_weight_bias, self._loader(1, 2, transpose=False))
+        set_weight_loader(self.w2_weight_bias, self._loader(None, 0, transpose=False))
+        if mxfp4:
+            groups, inter_groups = hidden // MXFP4_BLOCK, self.inter // MXFP4_BLOCK
+            half = MXFP4_BLOCK // 2
+            self.w13_blocks = _uint8_param(self.num_local, 2 * self.inter, groups, half)
+            self.w13_scales = _uint8_param(self.num_local, 2 * self.inter, groups)
+            self.w2_blocks = _uint8_param(self.num_local, hidden, inter_groups, half)
+            self.w2_scales = _uint8_param(self.num_local, hidden, inter_groups)
+            # The checkpoint's rows are outputs, its groups inputs: gate_up split by rows (whole pairs),
+            # down by groups of 32 inputs (this rank's intermediate slice).
+            for param in (self.w13_blocks, self.w13_scales):
+                set_weight_loader(param, self._loader(1, 2, transpose=False))
+            for param in (self.w2_blocks, self.w2_scales):
+                set_weight_loader(param, self._loader(2, 1, transpose=False, unit=MXFP4_BLOCK))
+        else:
+            self.w13_weight = nn.Parameter(torch.empty(self.num_local, 2 * self.inter, hidden), requires_grad=False)
+            self.w2_weight = nn.Parameter(torch.empty(self.num_local, hidden, self.inter), requires_grad=False)
+            set_weight_loader(self.w13_weight, self._loader(2, 2, transpose=True))
+            set_weight_loader(self.w2_weight, self._loader(1, 1, transpose=True))
 
-    def _loader(self, dim: Optional[int], width: int) -> WeightLoader:
+    def _loader(self, dim: Optional[int], width: int, transpose: bool, unit: int = 1) -> WeightLoader:
+        """The checkpoint's [E, ...] tensor: this rank's experts, then along `dim` its intermediate part
+        (`width` entries per intermediate unit, `unit` units per entry), transposed into our layout."""
+
         def load(param: nn.Parameter, loaded: torch.Tensor, shard_id: ShardId = None) -> None:
             if loaded.shape[0] != self.num_experts:
                 raise ValueError(f"gpt-oss experts: the checkpoint holds {loaded.shape[0]} experts, the config "
                                  f"{self.num_experts}")
             part = loaded.narrow(0, self.expert_start, self.num_local)
             if dim is not None:
-                part = part.narrow(dim, width * self.inter_start, width * self.inter)
+                part = part.narrow(dim, width * self.inter_start // unit, width * self.inter // unit)
             elif not self.adds_down_bias:  # the down bias: once per expert, by its block's first rank
                 part = torch.zeros_like(part)
+            if transpose:
+                part = part.transpose(1, 2)
             if part.shape != param.shape:
                 raise ValueError(f"gpt-oss experts: shape mismatch, parameter {tuple(param.shape)} vs checkpoint "
                                  f"part {tuple(part.shape)}")
@@ -90,25 +121,38 @@ class GptOssExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, expert_ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [T, H], expert_ids / weights [T, k] -> [T, H] (this rank's part of the sum); summed in float32."""
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
         if self.num_local != self.num_experts:  # other ranks' experts: -1, skipped
             local = expert_ids - self.expert_start
             expert_ids = torch.where((local >= 0) & (local < self.num_local), local, -1)
-        for expert in torch.unique(expert_ids).tolist():
-            if expert < 0:
-                continue
-            tokens, slot = torch.where(expert_ids == expert)
-            gate_up = x[tokens] @ self.gate_up_proj[expert] + self.gate_up_proj_bias[expert]
-            gate = gate_up[:, ::2].clamp(max=self.limit)
-            up = gate_up[:, 1::2].clamp(min=-self.limit, max=self.limit)
-            hidden = (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
-            y = hidden @ self.down_proj[expert] + self.down_proj_bias[expert]
-            out.index_add_(0, tokens, (y * weights[tokens, slot, None]).float())
-        return out.to(x.dtype)
+        if self.mxfp4:
+            w13_blocks, w13_scales, w13_bias = self.w13_blocks, self.w13_scales, self.w13_weight_bias
+            w2_blocks, w2_scales, w2_bias = self.w2_blocks, self.w2_scales, self.w2_weight_bias
+            return fused_moe_grouped(x, self.num_local, w2_bias.shape[1],
+                                     lambda rows, e: mxfp4_linear(rows, w13_blocks[e], w13_scales[e], w13_bias[e]),
+                                     lambda rows, e: mxfp4_linear(rows, w2_blocks[e], w2_scales[e], w2_bias[e]),
+                                     weights, expert_ids, self.activation)
+        if x.is_cuda:
+            from engine.layers.moe.fused_moe_triton import fused_moe_triton
+
+            return fused_moe_triton(x, self.w13_weight, self.w2_weight, weights, expert_ids,
+                                    w13_bias=self.w13_weight_bias, w2_bias=self.w2_weight_bias,
+                                    activation=self.activation)
+        return fused_moe_native(x, self.w13_weight, self.w2_weight, weights, expert_ids, self.w13_weight_bias,
+                                self.w2_weight_bias, self.activation)
+
+    def expert_bytes(self) -> int:
+        """Bytes held by this rank's expert weights (biases excluded)."""
+        if self.mxfp4:
+            return sum(t.nbytes for t in (self.w13_blocks, self.w13_scales, self.w2_blocks, self.w2_scales))
+        return self.w13_weight.nbytes + self.w2_weight.nbytes
+
+
+def _uint8_param(*shape: int) -> nn.Parameter:
+    return nn.Parameter(torch.empty(*shape, dtype=torch.uint8), requires_grad=False)
 
 
 class GptOssMoE(nn.Module):
-    def __init__(self, config: "ModelConfig") -> None:
+    def __init__(self, config: "ModelConfig", mxfp4: bool = False) -> None:
         super().__init__()
         raw = config.raw_config
         num_experts = int(raw["num_local_experts"])
@@ -119,7 +163,7 @@ class GptOssMoE(nn.Module):
         self.router = nn.Linear(config.hidden_size, num_experts, bias=True)
         self.router.requires_grad_(False)
         self.experts = GptOssExperts(num_experts, config.hidden_size, config.intermediate_size,
-                                     float(raw.get("swiglu_alpha", 1.702)), float(raw.get("swiglu_limit", 7.0)))
+                                     float(raw.get("swiglu_alpha", 1.702)), float(raw.get("swiglu_limit", 7.0)), mxfp4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         top_logits, expert_ids = torch.topk(self.router(x), self.top_k, dim=-1)
@@ -159,10 +203,10 @@ class GptOssAttention(nn.Module):
 
 
 class GptOssDecoderLayer(nn.Module):
-    def __init__(self, config: "ModelConfig", layer_id: int) -> None:
+    def __init__(self, config: "ModelConfig", layer_id: int, mxfp4: bool = False) -> None:
         super().__init__()
         self.self_attn = GptOssAttention(config, layer_id)
-        self.mlp = GptOssMoE(config)
+        self.mlp = GptOssMoE(config, mxfp4)
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -179,10 +223,10 @@ class GptOssDecoderLayer(nn.Module):
 
 
 class GptOssModel(nn.Module):
-    def __init__(self, config: "ModelConfig") -> None:
+    def __init__(self, config: "ModelConfig", mxfp4: bool = False) -> None:
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
-        layers = [GptOssDecoderLayer(config, i) for i in range(config.num_hidden_layers)]
+        layers = [GptOssDecoderLayer(config, i, mxfp4) for i in range(config.num_hidden_layers)]
         self.layers = nn.ModuleList(layers)
         self.decoder_layers: List[GptOssDecoderLayer] = layers
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
@@ -204,7 +248,8 @@ class GptOssForCausalLM(nn.Module):
         if not config.layer_windows:
             raise ValueError("a gpt-oss config needs its layers' windows (ModelConfig.layer_windows)")
         self.config = config
-        self.model = GptOssModel(config)
+        self.keeps_mxfp4 = keeps_mxfp4(config)
+        self.model = GptOssModel(config, self.keeps_mxfp4)
         self.lm_head = ParallelLMHead(config.vocab_size, config.hidden_size)
         if config.tie_word_embeddings:
             self.lm_head.tie_weights(self.model.embed_tokens)
@@ -226,32 +271,40 @@ class GptOssForCausalLM(nn.Module):
         return skip
 
     def load_weights(self, weights: Iterable[Tuple[str, torch.Tensor]], require_all: bool = True) -> None:
-        load_weights_into(self, _renamed(weights), self.stacked_params, skip_substrings=self.weight_skip_substrings(),
+        load_weights_into(self, _renamed(weights, self.keeps_mxfp4), self.stacked_params, skip_substrings=self.weight_skip_substrings(),
                           require_all=require_all)
 
 
-# The 16 values of an e2m1 code (sign, 2 exponent bits, 1 mantissa bit).
-FP4_E2M1_VALUES = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
-MXFP4_BLOCK = 32
+def keeps_mxfp4(config: "ModelConfig") -> bool:
+    """Whether this model keeps an MXFP4 checkpoint's experts packed: on the CPU where the native kernel is
+    built, with this rank's hidden and intermediate sizes in whole blocks of 32 (the down projection's
+    blocks run along the intermediate dimension). Elsewhere (a GPU: no MXFP4 kernel of ours there) they
+    are dequantized while loading."""
+    quantization = config.raw_config.get("quantization_config")
+    if not isinstance(quantization, dict) or str(quantization.get("quant_method", "")).lower() != "mxfp4":
+        return False
+    inter = config.intermediate_size // get_expert_layout().moe_tp_size
+    return (torch.get_default_device().type == "cpu" and mxfp4_kernel_available()
+            and config.hidden_size % MXFP4_BLOCK == 0 and inter % MXFP4_BLOCK == 0)
 
 
-def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
-    """[E, rows, cols / 32, 16] codes and [E, rows, cols / 32] exponents -> [E, cols, rows] float32 (the
-    bf16 checkpoint's layout: the projection's input dimension first)."""
-    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8:
-        raise ValueError(f"MXFP4 blocks and scales must be uint8, got {blocks.dtype} and {scales.dtype}")
-    if blocks.dim() != 4 or blocks.shape[-1] != MXFP4_BLOCK // 2 or tuple(blocks.shape[:-1]) != tuple(scales.shape):
-        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} and scales {tuple(scales.shape)} do not match "
-                         f"([E, rows, groups, {MXFP4_BLOCK // 2}] and [E, rows, groups])")
-    lut = torch.tensor(FP4_E2M1_VALUES, dtype=torch.float32)
-    codes = torch.stack([blocks & 0x0F, blocks >> 4], dim=-1).flatten(-2).long()  # [E, rows, groups, 32]
-    values = torch.ldexp(lut[codes], scales.to(torch.int32).unsqueeze(-1) - 127)
-    return values.flatten(-2).transpose(1, 2).contiguous()
+# The checkpoint's expert tensors -> ours (FusedMoE's names: w13 gate_up, w2 down).
+_EXPERT_NAMES = {"gate_up_proj": "w13_weight", "gate_up_proj_bias": "w13_weight_bias", "down_proj": "w2_weight",
+                 "down_proj_bias": "w2_weight_bias"}
+_PACKED_NAMES = {"gate_up_proj": "w13", "down_proj": "w2"}
 
 
-def _renamed(weights: Iterable[Tuple[str, torch.Tensor]]) -> Iterable[Tuple[str, torch.Tensor]]:
-    """The checkpoint's names onto ours: the sinks belong to the attention layer (self_attn.attn.sinks);
-    an MXFP4 expert projection's blocks and scales (in either order) become its dequantized weight."""
+def _expert_name(name: str, names: Dict[str, str], suffix: str = "") -> str:
+    module, _, leaf = name.rpartition(".")
+    if module.endswith(".experts") and leaf in names:
+        return f"{module}.{names[leaf]}{suffix}"
+    return name
+
+
+def _renamed(weights: Iterable[Tuple[str, torch.Tensor]], keep_mxfp4: bool) -> Iterable[Tuple[str, torch.Tensor]]:
+    """The checkpoint's names onto ours: the sinks belong to the attention layer (self_attn.attn.sinks), the
+    experts' tensors take FusedMoE's names; an MXFP4 expert projection's blocks and scales (in either order)
+    become its dequantized weight, or with keep_mxfp4 its packed pair (w13_blocks, w13_scales, ...)."""
     pending: Dict[str, Dict[str, torch.Tensor]] = {}
     for name, tensor in weights:
         if name.endswith(("_blocks", "_scales")):
@@ -261,13 +314,18 @@ def _renamed(weights: Iterable[Tuple[str, torch.Tensor]]) -> Iterable[Tuple[str,
             if len(parts) == 2:
                 del pending[base]
                 try:
-                    yield base, dequantize_mxfp4(parts["blocks"], parts["scales"])
+                    if keep_mxfp4:
+                        check_mxfp4(parts["blocks"], parts["scales"])
+                        for kind in ("blocks", "scales"):
+                            yield _expert_name(base, _PACKED_NAMES, "_" + kind), parts[kind]
+                    else:
+                        yield _expert_name(base, _EXPERT_NAMES), dequantize_mxfp4(parts["blocks"], parts["scales"])
                 except ValueError as e:
                     raise ValueError(f"gpt-oss checkpoint weight {base}: {e}") from None
             continue
         if name.endswith(".self_attn.sinks"):
             name = name[: -len("sinks")] + "attn.sinks"
-        yield name, tensor
+        yield _expert_name(name, _EXPERT_NAMES), tensor
     if pending:
         base = next(iter(pending))
         raise ValueError(f"gpt-oss checkpoint weight {base}: MXFP4 {'blocks' if 'blocks' in pending[base] else 'scales'} "

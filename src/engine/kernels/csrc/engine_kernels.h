@@ -35,7 +35,7 @@ ENGINE_API void store_kv(const void *k, int64_t k_stride, const void *v, int64_t
                          int64_t elem_size, int num_threads);
 ENGINE_API void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t stride, int64_t *out, int num_threads);
 
-/* Family: linear (linear_bf16.c, linear_q8.c, linear_q4.c). */
+/* Family: linear (linear_bf16.c, linear_q8.c, linear_q4.c, linear_mxfp4.c). */
 
 /* 0 where the CPU lacks AVX512-BF16: the other three are then never called. */
 ENGINE_API int linear_bf16_available(void);
@@ -65,6 +65,12 @@ ENGINE_API int linear_w8a8(const void *x, int64_t m, int64_t k, const int8_t *w,
  * + bias per group of `group` inputs (a multiple of 32 dividing k); scale and bias [n, k / group]. */
 ENGINE_API void linear_q4(const float *x, int64_t m, int64_t k, const uint8_t *w, const float *scale,
                           const float *bias, int64_t group, int64_t n, float *out, int num_threads);
+/* linear_mxfp4.c: out [m, n] = x [m, k] . W^T (+ bias [n], float32 or NULL) with W [n, k] in MXFP4 as gpt-oss's
+ * checkpoints hold it: blocks [n, k / 32, 16] e2m1 codes, scales [n, k / 32] e8m0; x and out float32. Returns 0,
+ * -1 when scratch for the reordered activations could not be allocated, or -2 when k is not a positive multiple
+ * of 32 or n not positive (nothing written). */
+ENGINE_API int linear_mxfp4(const float *x, int64_t m, int64_t k, const uint8_t *blocks, const uint8_t *scales,
+                            const float *bias, int64_t n, float *out, int num_threads);
 
 /* Family: attention (decode_attention.c, extend_attention.c). */
 

@@ -3,7 +3,8 @@
 `moe_align_block_size` sorts the (token, slot) pairs of the top-k by expert and pads each expert's run
 to a multiple of BLOCK_M, so that every block of BLOCK_M sorted rows belongs to one expert. One
 grouped-GEMM kernel (`_fused_moe_kernel`) then multiplies each block's gathered rows by its expert's
-weight; it runs twice: gate_up ([T * k, 2I] from the hidden states) and, after SiLU-and-mul, down
+weight (plus the expert's bias, where the model has biases); it runs twice: gate_up ([T * k, 2I] from the
+hidden states) and, after the activation (SiLU-and-mul, or the model's own: gpt-oss's ClampedSwiGLU), down
 ([T * k, H], each row scaled by its routing weight). The k rows of a token are summed at the end.
 
 Everything stays on the device (no host synchronisation): the sorted list has its worst-case length
@@ -14,13 +15,14 @@ sort; their rows stay zero.
 
 from __future__ import annotations
 
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import triton
 import triton.language as tl
 
 from engine.layers.attention.triton_ops.decode_attention import dot_precision, mma, upcast_dot
+from engine.layers.moe.fused_moe_native import Activation
 
 
 def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
@@ -63,14 +65,14 @@ def moe_align_block_size(topk_ids: torch.Tensor, num_experts: int, block_m: int
 
 @triton.jit
 def _fused_moe_kernel(
-    a_ptr, b_ptr, c_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr, num_tokens_post_padded_ptr,
-    N, K, num_valid_tokens,
-    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn,
+    a_ptr, b_ptr, c_ptr, bias_ptr, topk_weights_ptr, sorted_token_ids_ptr, expert_ids_ptr,
+    num_tokens_post_padded_ptr, N, K, num_valid_tokens,
+    stride_am, stride_ak, stride_be, stride_bn, stride_bk, stride_cm, stride_cn, stride_bias_e,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, TOP_K: tl.constexpr,
-    MUL_ROUTED_WEIGHT: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
+    MUL_ROUTED_WEIGHT: tl.constexpr, HAS_BIAS: tl.constexpr, DOT_PRECISION: tl.constexpr, UPCAST_DOT: tl.constexpr,
 ):
-    """C[row] = A[row // TOP_K] @ B[expert]^T (times the row's routing weight) for the BLOCK_M sorted
-    rows of program m and the BLOCK_N output columns of program n."""
+    """C[row] = (A[row // TOP_K] @ B[expert]^T + bias[expert]) (times the row's routing weight) for the
+    BLOCK_M sorted rows of program m and the BLOCK_N output columns of program n."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     num_post_padded = tl.load(num_tokens_post_padded_ptr)
@@ -93,6 +95,9 @@ def _fused_moe_kernel(
         acc += mma(a, b, DOT_PRECISION, UPCAST_DOT)
         a_ptrs += BLOCK_K * stride_ak
         b_ptrs += BLOCK_K * stride_bk
+    if HAS_BIAS:  # before the routing weight: the weight scales the expert's whole output
+        bias = tl.load(bias_ptr + expert * stride_bias_e + offs_n, mask=n_mask, other=0.0)
+        acc += bias.to(tl.float32)[None, :]
     if MUL_ROUTED_WEIGHT:
         weight = tl.load(topk_weights_ptr + rows, mask=row_mask, other=0.0)
         acc = acc * weight[:, None]
@@ -107,24 +112,31 @@ def default_config(num_tokens: int) -> Dict[str, int]:
     return {"BLOCK_M": 64, "BLOCK_N": 64, "BLOCK_K": 32}
 
 
-def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, topk_weights: torch.Tensor,
-                  aligned: Tuple[torch.Tensor, torch.Tensor, torch.Tensor], top_k: int, mul_routed_weight: bool,
-                  config: Dict[str, int]) -> None:
+def _grouped_gemm(a: torch.Tensor, b: torch.Tensor, c: torch.Tensor, bias: Optional[torch.Tensor],
+                  topk_weights: torch.Tensor, aligned: Tuple[torch.Tensor, torch.Tensor, torch.Tensor], top_k: int,
+                  mul_routed_weight: bool, config: Dict[str, int]) -> None:
     sorted_token_ids, expert_ids, num_post_padded = aligned
     n, k = b.shape[1], b.shape[2]
+    if bias is not None and (bias.shape != (b.shape[0], n) or bias.stride(1) != 1):
+        raise ValueError(f"expert biases {tuple(bias.shape)} (unit stride) expected for weights {tuple(b.shape)}")
     grid = (expert_ids.shape[0], triton.cdiv(n, config["BLOCK_N"]))
     _fused_moe_kernel[grid](
-        a, b, c, topk_weights, sorted_token_ids, expert_ids, num_post_padded,
+        a, b, c, c if bias is None else bias, topk_weights, sorted_token_ids, expert_ids, num_post_padded,
         n, k, c.shape[0],
         a.stride(0), a.stride(1), b.stride(0), b.stride(1), b.stride(2), c.stride(0), c.stride(1),
+        0 if bias is None else bias.stride(0),
         BLOCK_M=config["BLOCK_M"], BLOCK_N=config["BLOCK_N"], BLOCK_K=config["BLOCK_K"], TOP_K=top_k,
-        MUL_ROUTED_WEIGHT=mul_routed_weight, DOT_PRECISION=dot_precision(a.dtype), UPCAST_DOT=upcast_dot(a.device),
+        MUL_ROUTED_WEIGHT=mul_routed_weight, HAS_BIAS=bias is not None, DOT_PRECISION=dot_precision(a.dtype),
+        UPCAST_DOT=upcast_dot(a.device),
     )
 
 
 def fused_moe_triton(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor, topk_weights: torch.Tensor,
-                     topk_ids: torch.Tensor, config: Dict[str, int] | None = None) -> torch.Tensor:
-    """What fused_moe_native computes (same arguments), with the two grouped GEMMs in Triton."""
+                     topk_ids: torch.Tensor, config: Dict[str, int] | None = None,
+                     w13_bias: Optional[torch.Tensor] = None, w2_bias: Optional[torch.Tensor] = None,
+                     activation: Optional[Activation] = None) -> torch.Tensor:
+    """What fused_moe_native computes (same arguments), with the two grouped GEMMs in Triton; the
+    activation runs in torch between them, in float32."""
     num_tokens, top_k = topk_ids.shape
     hidden = w2.shape[1]
     if num_tokens == 0:
@@ -134,10 +146,13 @@ def fused_moe_triton(hidden_states: torch.Tensor, w13: torch.Tensor, w2: torch.T
     weights = topk_weights.reshape(-1).to(torch.float32).contiguous()
     x = hidden_states.contiguous()
     gate_up = torch.empty(num_tokens * top_k, w13.shape[1], dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, w13, gate_up, weights, aligned, top_k, False, config)
-    inter = w13.shape[1] // 2
-    activated = (torch.nn.functional.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()).to(x.dtype)
+    _grouped_gemm(x, w13, gate_up, w13_bias, weights, aligned, top_k, False, config)
+    if activation is not None:
+        activated = activation(gate_up.float()).to(x.dtype)
+    else:
+        inter = w13.shape[1] // 2
+        activated = (torch.nn.functional.silu(gate_up[:, :inter].float()) * gate_up[:, inter:].float()).to(x.dtype)
     # Rows of slots held by other ranks are never written: zeros keep them out of the sum.
     down = torch.zeros(num_tokens * top_k, hidden, dtype=torch.float32, device=x.device)
-    _grouped_gemm(activated, w2, down, weights, aligned, 1, True, config)
+    _grouped_gemm(activated, w2, down, w2_bias, weights, aligned, 1, True, config)
     return down.view(num_tokens, top_k, hidden).sum(dim=1).to(x.dtype)
