@@ -9,7 +9,8 @@ vocab 32000, bfloat16, seed 0). llama.cpp serves it as GGUF files converted from
 named "default" because prompts go as token ids: peer_gguf_convert.py), in bf16, Q8_0 (every matrix,
 the LM head and the embedding included, in blocks of 32 with an fp16 scale) and Q4_K_M (`llama-quantize`).
 The engine serves the bf16 checkpoint as it is, with `--quantization w8a8_int8` (int8 weights, one
-scale per output channel; --int8-args adds flags to that system only), and an AWQ checkpoint of the same
+scale per output channel; the LM head stays bf16 as in SGLang, or, as `engine-int8-head`, is quantized
+too with --quantize-lm-head, as llama.cpp's Q8_0 file quantizes it), and an AWQ checkpoint of the same
 weights (4-bit, groups of 128, round to nearest: bench_quant.awq_checkpoint).
 
 Each system is one OpenAI server on 127.0.0.1 at a time (llama.cpp: 16 slots, 512 tokens each, 2 threads
@@ -43,13 +44,15 @@ logger = logging.getLogger("peer_llamacpp")
 SYSTEMS: Dict[str, Tuple[str, str]] = {
     "engine-bf16": ("engine", "bf16"),
     "engine-int8": ("engine", "int8"),
+    "engine-int8-head": ("engine", "int8-head"),
     "engine-int4": ("engine", "int4"),
     "llamacpp-bf16": ("llamacpp", "bf16"),
     "llamacpp-q8_0": ("llamacpp", "q8_0"),
     "llamacpp-q4_k_m": ("llamacpp", "q4_k_m"),
 }
 # The pairs the table compares: (engine system, llama.cpp system).
-PAIRS = (("engine-bf16", "llamacpp-bf16"), ("engine-int8", "llamacpp-q8_0"), ("engine-int4", "llamacpp-q4_k_m"))
+PAIRS = (("engine-bf16", "llamacpp-bf16"), ("engine-int8", "llamacpp-q8_0"), ("engine-int8-head", "llamacpp-q8_0"),
+         ("engine-int4", "llamacpp-q4_k_m"))
 WORKLOADS = ("server_1", "server_16")
 SLOTS, SLOT_CONTEXT = 16, 512
 
@@ -83,8 +86,8 @@ def server_command(system: str, args: argparse.Namespace, model: str, port: int)
         from bench_quant import awq_checkpoint
 
         path = awq_checkpoint(model)
-    elif weights == "int8":
-        extra = ["--quantization", "w8a8_int8", *args.int8_args.split()]
+    elif weights in ("int8", "int8-head"):
+        extra = ["--quantization", "w8a8_int8", *(["--quantize-lm-head"] if weights == "int8-head" else [])]
     return [sys.executable, "-m", "engine.launch_server", "--model-path", path, "--dtype", "bfloat16",
             "--host", "127.0.0.1", "--port", str(port), "--served-model-name", bench_peers.SERVED_NAME,
             "--log-level", "warning", *extra]
@@ -128,7 +131,7 @@ def format_table(report: Dict[str, Any]) -> str:
         rss = results.get(system, {}).get("memory_server", {}).get("peak_rss_gb", "-")
         lines.append(f"| {system} | " + " | ".join(cells) + f" | {rss} |")
     lines += ["", "| ratio | " + " | ".join(report["workloads"]) + " |", "|---|" + "---|" * len(report["workloads"])]
-    ratios = [*PAIRS, ("engine-int8", "engine-bf16"), ("engine-int4", "engine-bf16"),
+    ratios = [*PAIRS, ("engine-int8", "engine-bf16"), ("engine-int8-head", "engine-bf16"), ("engine-int4", "engine-bf16"),
               ("llamacpp-q8_0", "llamacpp-bf16")]
     for a, b in ratios:
         if a not in report["systems"] or b not in report["systems"]:
@@ -150,7 +153,6 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--work-dir", default=os.path.expanduser("~/.cache/engine/peers-llamacpp"))
     ap.add_argument("--systems", default=",".join(SYSTEMS), help=f"subset of {','.join(SYSTEMS)}")
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"subset of {','.join(WORKLOADS)}")
-    ap.add_argument("--int8-args", default="", help="extra flags for engine-int8 only")
     ap.add_argument("--reps", type=int, default=2, help="timed runs per workload (best kept)")
     ap.add_argument("--rounds", type=int, default=1, help="repeat everything, alternating system order")
     ap.add_argument("--server-timeout", type=float, default=600.0)
@@ -178,7 +180,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             bench_peers.merge_best(results[system], run_system(system, args, model))
     report = dict(started=started, finished=datetime.datetime.now().isoformat(timespec="seconds"),
                   cpu=bench_peers.cpu_description(), load_average=os.getloadavg(), systems=args.systems,
-                  workloads=args.workloads, reps=args.reps, rounds=args.rounds, int8_args=args.int8_args,
+                  workloads=args.workloads, reps=args.reps, rounds=args.rounds,
                   results=results)
     table = format_table(report)
     print(table)

@@ -303,15 +303,14 @@ def test_paged_hybrid_pool_window_64_equals_transformers(window64_model, radix, 
 @pytest.mark.parametrize("page", [1, 16])
 def test_last_rows_of_windowed_layers_attend_alone(swa_model, page, monkeypatch):
     """An extend's last layer needs each request's last row only (LogitsProcessor.last_rows_suffice):
-    a windowed or soft-capped layer (Mistral, Qwen2, Gemma 2 and 3: the last layer of each is windowed)
+    a windowed, soft-capped or sink layer (Mistral, Qwen2, Gemma 2 and 3, gpt-oss: the last layer of each is
+    windowed)
     attends from those rows alone on the decode kernel, over each last row's window; greedy outputs stay
     transformers'."""
     from engine.layers.attention.kernel_rows import KernelRows
     from engine.scheduler.tp_worker import TpModelWorker
 
     arch, path, _, expected = swa_model
-    if arch == "gpt_oss":
-        pytest.skip("gpt-oss does not prune its last layer to the last rows")
     calls = []
     attend_last_rows = KernelRows.attend_last_rows
 

@@ -196,10 +196,12 @@ class GptOssAttention(nn.Module):
 
         set_weight_loader(self.attn.sinks, load_sinks)
 
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: "ForwardBatch") -> torch.Tensor:
+    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: "ForwardBatch",
+                last_rows_only: bool = False) -> torch.Tensor:
+        """last_rows_only: as LlamaAttention.forward (each request's last row of an extend alone)."""
         q, k, v = self.qkv_proj(hidden_states).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
         q, k = self.rotary_emb(positions, q, k, inplace=True)  # slices of the qkv output, ours to change
-        return self.o_proj(self.attn(q, k, v, forward_batch))
+        return self.o_proj(self.attn(q, k, v, forward_batch, last_rows_only=last_rows_only))
 
 
 class GptOssDecoderLayer(nn.Module):
@@ -211,13 +213,17 @@ class GptOssDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: "ForwardBatch",
-                residual: Optional[torch.Tensor]) -> Tuple[torch.Tensor, torch.Tensor]:
+                residual: Optional[torch.Tensor], last_rows_only: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
+        """last_rows_only: as LlamaDecoderLayer.forward (every row's K/V stored, the rest of the layer, its
+        experts included, on each request's last row)."""
         if residual is None:
             residual = hidden_states
             hidden_states = self.input_layernorm(hidden_states)
         else:
             hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, forward_batch)
+        hidden_states = self.self_attn(positions, hidden_states, forward_batch, last_rows_only)
+        if last_rows_only:
+            residual = residual.index_select(0, forward_batch.last_positions())
         hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
         return self.mlp(hidden_states), residual
 
@@ -231,12 +237,18 @@ class GptOssModel(nn.Module):
         self.decoder_layers: List[GptOssDecoderLayer] = layers
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: "ForwardBatch") -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, forward_batch: "ForwardBatch",
+                last_rows_only: bool = False) -> torch.Tensor:
+        """last_rows_only: of an extend batch, return each request's last row only."""
         hidden_states = self.embed_tokens(input_ids)
         residual: Optional[torch.Tensor] = None
-        for layer in self.decoder_layers:
-            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual)
-        if residual is None:
+        last = len(self.decoder_layers) - 1
+        for i, layer in enumerate(self.decoder_layers):
+            hidden_states, residual = layer(positions, hidden_states, forward_batch, residual,
+                                            last_rows_only and i == last)
+        if residual is None:  # no layers
+            if last_rows_only:
+                hidden_states = hidden_states.index_select(0, forward_batch.last_positions())
             return self.norm(hidden_states)
         hidden_states, _ = self.norm(hidden_states, residual)
         return hidden_states
@@ -259,8 +271,9 @@ class GptOssForCausalLM(nn.Module):
                 get_embedding: bool = False) -> Union[LogitsProcessorOutput, EmbeddingPoolerOutput]:
         if get_embedding:
             raise ValueError("gpt-oss is served for generation only")
-        hidden_states = self.model(input_ids, positions, forward_batch)
-        return self.logits_processor(input_ids, hidden_states, self.lm_head, forward_batch)
+        last_rows_only = self.logits_processor.last_rows_suffice(forward_batch)
+        hidden_states = self.model(input_ids, positions, forward_batch, last_rows_only)
+        return self.logits_processor(input_ids, hidden_states, self.lm_head, forward_batch, pruned=last_rows_only)
 
     stacked_params: Sequence[Tuple[str, str, ShardId]] = STACKED_PARAMS
 
