@@ -74,6 +74,12 @@ def fused_moe_grouped(hidden_states: torch.Tensor, num_experts: int, hidden_out:
     out = torch.zeros(num_tokens, hidden_out, dtype=torch.float32, device=hidden_states.device)
     if num_tokens == 0:
         return out.to(hidden_states.dtype)
+    if num_tokens == 1:  # one token (a one-request decode step): nothing to group, only its experts to run
+        chosen = sorted(zip(topk_ids[0].tolist(), topk_weights[0].to(torch.float32).tolist()))
+        for expert, weight in chosen:  # in expert order, as below: the same float32 sum
+            if expert >= 0:
+                out += down(activation(gate_up(hidden_states, expert)), expert).to(torch.float32) * weight
+        return out.to(hidden_states.dtype)
     flat_ids = topk_ids.reshape(-1).to(torch.int64)
     order = torch.argsort(flat_ids, stable=True)
     token_of = order // top_k
