@@ -442,9 +442,9 @@ def build_speculator(server_args: ServerArgs, worker: ModelWorker, tree_cache: B
 
 def _require_tree_attention(steps: int, *runners: ModelRunner) -> None:
     """Tree verifies and tree drafts attend under a tree mask. Plain layers take it on every backend
-    ServerArgs lets through; a sliding window, a logit cap or sinks only on the native decode kernel's
-    rows (torch_native on the CPU: layers/attention/kernel_rows.py), a tree of num_steps drafts deep
-    inside every window. Refused at start-up, not at the first tree step."""
+    ServerArgs lets through; a sliding window, a logit cap or sinks on the Triton kernel and on the native
+    decode kernel's rows (torch_native on the CPU: layers/attention/kernel_rows.py), a tree of num_steps
+    drafts deep inside every window. Refused at start-up, not at the first tree step."""
     from engine.layers.attention.kernel_rows import kernel_takes
     from engine.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from engine.layers.radix_attention import RadixAttention
@@ -458,11 +458,13 @@ def _require_tree_attention(steps: int, *runners: ModelRunner) -> None:
             if not isinstance(layer, RadixAttention) or layer.is_plain:
                 continue
             q = torch.empty(1, layer.tp_q_head_num * layer.head_dim, dtype=runner.dtype, device=runner.device)
-            if not (isinstance(runner.attn_backend, TorchNativeAttnBackend) and pool is not None
-                    and kernel_takes(q, pool.get_key_buffer(layer.layer_id), layer)):
+            backend = runner.attn_backend
+            if not (backend.tree_mask_on_every_layer or (
+                    isinstance(backend, TorchNativeAttnBackend) and pool is not None
+                    and kernel_takes(q, pool.get_key_buffer(layer.layer_id), layer))):
                 raise ValueError("--speculative-eagle-topk > 1 (tree drafts) on a model with sliding-window, "
-                                 "soft-capped or sink attention layers needs --attention-backend torch_native on "
-                                 "the CPU with its native kernels (float32 / bfloat16); use "
+                                 "soft-capped or sink attention layers needs --attention-backend triton, or "
+                                 "torch_native on the CPU with its native kernels (float32 / bfloat16); use "
                                  "--speculative-eagle-topk 1")
             if 0 < layer.sliding_window_size <= steps:
                 raise ValueError(f"--speculative-num-steps {steps} grows tree drafts deeper than the model's "
