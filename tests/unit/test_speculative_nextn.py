@@ -218,3 +218,56 @@ def test_the_draft_reads_and_counts_only_its_layer(mtp_model):
     assert memory is not None
     assert memory.weight_bytes == os.path.getsize(os.path.join(path, "model.safetensors")) // 3
     assert memory.kv_bytes_per_token == (32 + 8) * 4 and memory.feature_bytes_per_token == 64 * 4
+
+
+# ------------------------------------------------------------------------------------------ TP 2
+NEXTN_SPEC = dict(speculative_algorithm="NEXTN", speculative_batch_size_threshold=1024,
+                  disable_speculative_adaptive=True, speculative_num_steps=3)
+# name: (--ep-size, --speculative-eagle-topk): the MTP layer's and the target's experts split by TP, then by
+# expert; chains, and trees (the draft's tree steps and the target's verify under the latent tree mask).
+TP_CASES = {"ep1": (1, 1), "ep2": (2, 1), "ep2-tree": (2, 2)}
+
+
+def _tp_spec(topk: int) -> Dict:
+    return dict(NEXTN_SPEC, speculative_eagle_topk=topk, speculative_num_draft_tokens=8) if topk > 1 else NEXTN_SPEC
+
+
+def _tp_generate(path: str, spec: Dict, tp_size: int, ep_size: int, tp_rank: int = 0) -> Dict:
+    """Greedy outputs of _prompts() on this rank's scheduler (a TP group's ranks run the same requests),
+    and its speculative counts."""
+    from engine.scheduler.tp_worker import TpModelWorker
+
+    worker = TpModelWorker(ServerArgs(model_path=path, device="cpu", max_total_tokens=2048, max_running_requests=16,
+                                      tp_size=tp_size, ep_size=ep_size, **spec), tp_rank=tp_rank)
+    h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=2048, model_path=path, tp_size=tp_size,
+                ep_size=ep_size, **spec)
+    rids = [h.submit(p, max_new_tokens=N_NEW, ignore_eos=True) for p in _prompts()]
+    h.run_until_idle()  # ends with the strict idle leak check
+    state = h.scheduler.internal_state()
+    h.scheduler.shutdown()
+    return {"greedy": [h.outputs[r].output_ids for r in rids], "verify_ct": state.get("spec_verify_ct", 0),
+            "drafted": state.get("spec_draft_tokens", 0)}
+
+
+def _nextn_tp2_work(path: str) -> Dict[str, Dict]:
+    """On each of 2 ranks: NEXTN in each case; every sampled and verified token checked equal on both."""
+    from engine.distributed.parallel_state import get_tp_rank
+    from engine.model_executor import model_runner
+
+    model_runner.CHECK_TP_SAMPLING = True
+    return {name: _tp_generate(path, _tp_spec(topk), 2, ep, get_tp_rank()) for name, (ep, topk) in TP_CASES.items()}
+
+
+@pytest.mark.slow  # two spawned ranks build the DeepSeek-V3 target and its MTP draft twice
+def test_nextn_at_tp2_equals_tp1_without_speculation(mtp_model):
+    """NEXTN over 2 TP ranks (the MTP layer's attention heads split as the target's, its experts split by TP
+    with --ep-size 1 and by expert with --ep-size 2; chains, and trees at --ep-size 2): greedy outputs equal
+    TP 1 without speculation."""
+    from tp_utils import run_tp_ranks
+
+    path, _, _ = mtp_model
+    plain = _tp_generate(path, {}, 1, 1)["greedy"]
+    results = run_tp_ranks(_nextn_tp2_work, path, check_exit=True)
+    for name in TP_CASES:
+        assert results[name]["greedy"] == plain, name
+        assert results[name]["verify_ct"] > 0 and results[name]["drafted"] > 0, (name, results[name])

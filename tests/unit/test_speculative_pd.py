@@ -14,7 +14,7 @@ from typing import Dict, List
 import pytest
 import torch
 
-from pd_utils import PDPair
+from pd_utils import PDPair, pd_args
 from sched_utils import Harness, fast_lane
 
 N_NEW = 16
@@ -178,13 +178,42 @@ EAGLE_CASES = {
 }
 
 
+def _check_prefill_holds_no_head(pair: PDPair, target: str, head: str, algo: str) -> None:
+    """The prefill server only sends the target's features: it keeps them (a FeatureKeeper) but built no
+    draft runner (the decode server built one: the check can see one), and its memory budget counts
+    the features alone."""
+    import gc
+
+    from engine.model_executor.model_runner import ModelRunner
+    from engine.server_args import ServerArgs
+    from engine.speculative.features import FeatureKeeper
+    from engine.speculative.memory import draft_memory
+
+    prefill_runner = pair.prefill.scheduler.spec.worker.real_runner
+    decode_runner = pair.decode.scheduler.spec.worker.real_runner
+    assert isinstance(pair.prefill.scheduler.spec.drafter, FeatureKeeper)
+    drafts_of = [r.draft_of for r in gc.get_objects() if type(r) is ModelRunner and r.draft_of is not None]
+    assert any(d is decode_runner for d in drafts_of) and not any(d is prefill_runner for d in drafts_of)
+    state = pair.prefill.scheduler.internal_state()
+    features = pair.prefill.scheduler.spec.drafter.features
+    assert state["draft_kv_pool_bytes"] == features.numel() * features.element_size() > 0
+    args = dict(model_path=target, device="cpu", **_eagle_spec(algo, head))
+    config = prefill_runner.model_config
+    prefill = draft_memory(ServerArgs(**args, **pd_args("prefill")), config, 1)
+    decode = draft_memory(ServerArgs(**args, **pd_args("decode")), config, 1)
+    assert prefill is not None and decode is not None
+    assert (prefill.kv_bytes_per_token, prefill.weight_bytes) == (0, 0)
+    assert prefill.feature_bytes_per_token == decode.feature_bytes_per_token > 0
+    assert decode.kv_bytes_per_token > 0 and decode.weight_bytes > 0
+
+
 @pytest.mark.parametrize("case", fast_lane(list(EAGLE_CASES), {"eagle", "eagle3-no-radix"}))
 def test_pd_decode_side_eagle_equals_unified(eagle_models, eagle_oracle, case):
     """Greedy outputs on the decode side equal the target's without speculation; the features the
     decode server's head reads at every received prompt slot are the target's (transformers), so
     they came from the prefill, prefix-cache hits there included (the second wave shares prefixes
     with the first); both sides end idle with nothing leaked. The prefill runs the overlap loop (it
-    keeps the features on its forward thread, never verifies) with chunked prefill."""
+    keeps the features on its forward thread, never verifies) with chunked prefill, and holds no head."""
     from test_speculative_ngram import _prompts, _Tok
 
     target, heads, hf = eagle_models
@@ -197,6 +226,7 @@ def test_pd_decode_side_eagle_equals_unified(eagle_models, eagle_oracle, case):
                   overlap_prefill=True, prefill_kwargs=dict(spec, max_total_tokens=4096, chunked_prefill_size=16),
                   decode_kwargs=dict(spec, max_total_tokens=4096, **decode_only))
     try:
+        _check_prefill_holds_no_head(pair, target, heads[algo], algo)
         drafter = pair.decode.scheduler.spec.drafter
         table = pair.decode.scheduler.req_to_token_pool.req_to_token
         expected = {tuple(p): _features_oracle(hf, algo, p) for p in prompts}

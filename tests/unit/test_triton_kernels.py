@@ -43,7 +43,7 @@ def checkerboard(cases: list) -> list:
 
 
 # The number of cases below; the driver checks that the subprocess ran them all.
-_EXPECTED_CASES = 12 + 1 + 8 + 8 + 1 + 1 + 2 + 1 + 5 + 4 + 2 + 1  # the hybrid pool test at pages 1 and 16
+_EXPECTED_CASES = 12 + 1 + 8 + 8 + 1 + 1 + 2 + 2 + 1 + 5 + 4 + 2 + 1 + 1  # the hybrid pool test at pages 1 and 16
 
 
 @pytest.mark.slow  # every Triton kernel under the interpreter: minutes on 2 cores
@@ -346,6 +346,85 @@ def test_tree_mask_matches_dense_reference(tk, page_size, dtype, covered):
     assert rel_err(out, ref) < _TOL[dtype]
 
 
+# Trees of depth 3, 3 and 4 (the last one's 21 rows span two 16-row blocks, its deepest rows in the second).
+_SHALLOW_TREES = [[0, 0, 1, 1, 2], [0, 1, 2], [0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7, 8, 8, 9, 9]]
+
+
+def _dense_windowed_tree(q, k, v, fb, dense, slots, layer, covered: List[int]) -> torch.Tensor:
+    """float64: each node sees the keys before its request's mask block from its position - window + 1 on,
+    then what the block shows; scores soft-capped, the head's sink in each denominator."""
+    k_buf, v_buf = fb.token_to_kv_pool.get_kv_buffer(0)
+    heads, head_dim = layer.tp_q_head_num, layer.head_dim
+    group = heads // layer.tp_k_head_num
+    outs, start = [], 0
+    for mask, row, n, c in zip(dense, slots, fb.extend_prefix_lens_cpu, covered):
+        e = mask.shape[0]
+        pos = fb.positions[start:start + e]
+        before = torch.arange(n - c)
+        mask = mask.clone()
+        mask[:, :n - c] &= before[None, :] > pos[:, None] - layer.sliding_window_size
+        keys = torch.cat([k_buf[row[:n]].double(), k[start:start + e].double()]).repeat_interleave(group, 1)
+        vals = torch.cat([v_buf[row[:n]].double(), v[start:start + e].double()]).repeat_interleave(group, 1)
+        scores = torch.einsum("ehd,shd->hes", q[start:start + e].double().view(e, heads, head_dim), keys) * layer.scaling
+        if layer.logit_cap > 0:
+            scores = layer.logit_cap * torch.tanh(scores / layer.logit_cap)
+        scores = scores.masked_fill(~mask, float("-inf"))
+        if layer.sinks is not None:
+            sink = layer.sinks.double().view(heads, 1, 1).expand(heads, e, 1)
+            probs = torch.cat([scores, sink], dim=-1).softmax(-1)[..., :-1]
+        else:
+            probs = scores.softmax(-1)
+        outs.append(torch.einsum("hes,shd->ehd", probs, vals).reshape(e, heads * head_dim))
+        start += e
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("window,cap,sinks,page_size,dtype,covered", [
+    (6, 0.0, False, 1, torch.float32, None),
+    (5, 3.0, True, 16, torch.bfloat16, [2, 0, 3]),
+])
+def test_windowed_tree_rows_match_torch_native(tk, window, cap, sinks, page_size, dtype, covered):
+    """Tree verifies / tree drafts on windowed (soft-capped, sink) layers: a node's window ends at its
+    position (the length before the tree plus its depth), not at its index in the extend, so with a window
+    smaller than the prefix and trees up to 4 deep (a deep node in the second query block, whose ancestors
+    sit in the first) the kernel equals torch_native's tree rows and a float64 reference; with `covered`,
+    some cached keys are a draft's earlier nodes, under the mask, outside the window's reach."""
+    from test_speculative_tree import tree_batch
+
+    from engine.speculative.tree import DraftTree
+
+    gen = torch.Generator().manual_seed(window + page_size)
+    heads, kv_heads, head_dim = 8, 2, 64
+    lens = [17, 0, 40]
+    covered = covered or [0] * len(lens)
+    fb, dense, slots = tree_batch(lens, _SHALLOW_TREES, page_size, dtype, gen, covered=covered)
+    # Each node's position: the keys before its tree (a draft's covered nodes are tree nodes), plus its
+    # depth, plus one level above the new rows where earlier nodes are covered (a draft's later step).
+    fb.positions = torch.cat([
+        torch.tensor(DraftTree(tokens=[0] * len(t), parents=t).depths()) + n - c + (1 if c else 0)
+        for t, n, c in zip(_SHALLOW_TREES, lens, covered)])
+    layer = RadixAttention(heads, head_dim, scaling=head_dim**-0.5, num_kv_heads=kv_heads, layer_id=0,
+                           sliding_window_size=window, logit_cap=cap, with_sinks=sinks)
+    if layer.sinks is not None:
+        layer.sinks.data = torch.randn(heads, generator=gen).to(dtype)
+    n = fb.out_cache_loc.shape[0]
+    q = (torch.randn(n, heads * head_dim, generator=gen) * 2).to(dtype)
+    k = (torch.randn(n, kv_heads, head_dim, generator=gen) * 2).to(dtype)
+    v = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
+    runner = SimpleNamespace(device="cpu")
+    outs: Dict[str, torch.Tensor] = {}
+    for name, backend in (("triton", tk.backend.TritonAttnBackend(runner, extend_blocks=(16, 16))),
+                          ("torch_native", TorchNativeAttnBackend(runner))):
+        fb.attn_backend = backend
+        backend.init_forward_metadata(fb)
+        with torch.no_grad():
+            outs[name] = backend.forward(q, k, v, layer, fb, save_kv_cache=True)
+    ref = _dense_windowed_tree(q, k, v, fb, dense, slots, layer, covered)
+    assert rel_err(outs["torch_native"], ref) < _TOL[dtype]
+    assert rel_err(outs["triton"], outs["torch_native"]) < _TOL[dtype]
+    assert rel_err(outs["triton"], ref) < _TOL[dtype]
+
+
 @pytest.mark.parametrize(
     "mode,lens,prefix_lens,window,cap,sinks,page_size,dtype",
     [
@@ -526,6 +605,42 @@ def test_tree_speculation_with_triton_backend_keeps_greedy_outputs(tk):
     assert spec == plain
     # 3 tokens after the prefill's: one verify step of 1 + 2.
     assert state["spec_verify_ct"] == 1 and state["avg_spec_accept_length"] == 3.0, state
+
+
+def test_windowed_tree_speculation_with_triton_backend_keeps_greedy_outputs(tk, tmp_path):
+    """Tree drafts on windowed and sink layers (gpt-oss; soft caps: test_windowed_tree_rows_match_torch_native)
+    with --attention-backend triton (refused at start-up before): the windowed target as its own
+    STANDALONE draft, prompts past its window of 16;
+    outputs equal those without speculation and every verify step accepts the whole depth, which holds
+    only if each draft and verify row was windowed at its node's position."""
+    from sched_utils import Harness
+    from test_speculative_ngram import _Tok
+    from utils_models import TINY_SWA, build_tiny_model
+
+    from engine.scheduler.tp_worker import TpModelWorker
+    from engine.server_args import ServerArgs
+
+    path = str(tmp_path / "gpt_oss")
+    build_tiny_model(path, "gpt_oss", seed=11, **TINY_SWA["gpt_oss"])
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (30, 21)]
+
+    def run(spec: bool):
+        worker = TpModelWorker(ServerArgs(model_path=path, device="cpu", max_total_tokens=1024,
+                                          max_running_requests=4, attention_backend="triton"))
+        extra = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=path, speculative_num_steps=2,
+                     speculative_eagle_topk=2, speculative_num_draft_tokens=5,
+                     speculative_batch_size_threshold=1024, disable_speculative_adaptive=True) if spec else {}
+        h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=1024, attention_backend="triton", **extra)
+        rids = [h.submit(p, max_new_tokens=7, ignore_eos=True) for p in prompts]
+        h.run_until_idle()
+        return [h.outputs[r].output_ids for r in rids], h.scheduler.internal_state()
+
+    plain, _ = run(False)
+    spec, state = run(True)
+    assert spec == plain
+    # 6 tokens after the prefill's: two verify steps of 1 + 2 per request.
+    assert state["spec_verify_ct"] == 4 and state["spec_accepted_tokens"] == 8, state
 
 
 if not _INTERPRETED:

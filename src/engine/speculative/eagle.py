@@ -20,8 +20,8 @@ newest token, which has no K/V yet, and is written when that token is fed:
   target's features of the verify forward) makes them exact (SGLang's draft extend after decode);
   without drafts, position m - 1 is written then.
 On a PD pair (disaggregation/kv_io.py) the prefill server keeps the features of the prompts it
-computes and sends them with their K/V (this drafter is the transfer's FeatureStore on both sides);
-the decode server stores them at the slots it received the prompt into, which are unmarked, so the
+computes and sends them with their K/V (its FeatureKeeper, features.py: no head loaded there; this
+drafter is the transfer's FeatureStore on the decode side); the decode server stores them at the slots it received the prompt into, which are unmarked, so the
 request's first verify step catches up over the whole prompt as after a local prefill.
 A slot reached from the radix cache by another request keeps the head's K/V written for the request
 that computed it: at the matched prefix's last position (p - 1) the head read that request's next
@@ -33,12 +33,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from typing import TYPE_CHECKING, Any, Callable, List, Optional, Tuple
+from typing import TYPE_CHECKING, Any, Callable, List, Optional
 
 import torch
 
 from engine.model_executor.forward_batch_info import ForwardBatch, ForwardMode, ModelWorkerBatch
 from engine.speculative.draft_model import _i64, _pick, _starts
+from engine.speculative.features import TargetFeatures, captured_features
 from engine.speculative.tree import DraftTree, TreeShape, fed_nodes_batch, grow_trees, newest_rows
 
 if TYPE_CHECKING:
@@ -48,17 +49,16 @@ if TYPE_CHECKING:
     from engine.speculative.step import VerifyStep
 
 
-class EagleDrafter:
+class EagleDrafter(TargetFeatures):
     needs_target_hidden = True
 
     def __init__(self, runner: ModelRunner, feature_size: int, dtype: torch.dtype, feature_name: str = "EAGLE") -> None:
         """feature_size: the width of the target's feature (hidden; EAGLE3: 3 * hidden); feature_name:
         what the feature is (a PD pair's two servers must keep the same one)."""
-        self.runner = runner
-        self.feature_name = feature_name
         pool = runner.token_to_kv_pool
-        # The target's feature at every slot (slot numbers are the target's).
-        self.features = torch.zeros(pool.size + pool.page_size, feature_size, dtype=dtype, device=runner.device)
+        # The target's feature at every slot (slot numbers are the target's; this draft shares them).
+        super().__init__(pool.size + pool.page_size, feature_size, dtype, runner.device, feature_name)
+        self.runner = runner
         # Per slot: whether the head's K/V there are exact (see the module doc).
         self.valid = torch.zeros(pool.size + pool.page_size, dtype=torch.bool, device=runner.device)
         self.req_to_token = runner.req_to_token_pool.req_to_token
@@ -73,11 +73,7 @@ class EagleDrafter:
     # ------------------------------------------------------------------ forward thread
     def forward_plain(self, worker_batch: ModelWorkerBatch, run_target: Callable[[ModelWorkerBatch], Any]) -> Any:
         result = run_target(dataclasses.replace(worker_batch, capture_hidden_states=True))
-        output: LogitsProcessorOutput = result.logits_output
-        # An EAGLE3 target's features are its auxiliary hidden states (captured with the final ones).
-        features = output.aux_hidden_states if output.aux_hidden_states is not None else output.hidden_states
-        assert features is not None  # captured above
-        self._store(worker_batch.out_cache_loc, features)
+        self.store_features(worker_batch.out_cache_loc, captured_features(result.logits_output))
         self._mark(worker_batch.out_cache_loc, False)  # the head's K/V there wait for its catch-up
         return result
 
@@ -127,7 +123,7 @@ class EagleDrafter:
         wb = step.worker_batch
         outcome = step.outcome
         assert outcome is not None and wb.extend_prefix_lens is not None and step.target_hidden is not None
-        self._store(wb.out_cache_loc, step.target_hidden)
+        self.store_features(wb.out_cache_loc, step.target_hidden)
         fed = wb.input_ids.tolist()
         firsts: List[int] = []
         tokens: List[List[int]] = []
@@ -249,27 +245,13 @@ class EagleDrafter:
             dst.extend(range(s, s + 1 + len(path)))
             firsts.append(m if k > 0 else m - 1)
             tokens.append([fed[s + node] for node in path] if k > 0 else [fed[s]])
-        self._store(wb.out_cache_loc[_i64(dst)], step.target_hidden[_i64(rows).to(step.target_hidden.device)])
+        self.store_features(wb.out_cache_loc[_i64(dst)], step.target_hidden[_i64(rows).to(step.target_hidden.device)])
         self._extend(wb.req_pool_indices.tolist(), firsts, tokens)
 
-    # ------------------------------------------------------------------ PD transfer (kv_io.FeatureStore)
-    def feature_layout(self) -> Tuple[str, int, torch.dtype]:
-        return self.feature_name, self.features.shape[1], self.features.dtype
-
-    def gather_features(self, slots: torch.Tensor) -> torch.Tensor:
-        """The transfer's IO thread (prefill): the stored features of a prompt's slots."""
-        return self.features[slots.to(device=self.features.device, dtype=torch.int64)].cpu()
-
-    def scatter_features(self, slots: torch.Tensor, rows: torch.Tensor) -> None:
-        """Decode: features received for reserved slots (the transfer's listener thread), or restored
-        with a retracted request's KV (the forward thread). Nothing is marked: the slots were released
-        (unmarked) before they were reserved, and only their request touches them."""
-        self._store(slots, rows.to(self.features.device))
+    # PD transfer (kv_io.FeatureStore): TargetFeatures's. Received features mark nothing: their slots were
+    # released (unmarked) before they were reserved, and only their request touches them.
 
     # ------------------------------------------------------------------ helpers
-    def _store(self, slots: torch.Tensor, hidden: torch.Tensor) -> None:
-        self.features[slots.to(self.features.device)] = hidden.to(self.features.dtype)
-
     def _extend(self, pool_rows: List[int], firsts: List[int], tokens: List[List[int]]) -> None:
         """The head's extend of each request over positions firsts[i] .. firsts[i] + len(tokens[i]) - 1,
         reading tokens[i] and the target's features at those positions."""

@@ -1,7 +1,8 @@
 """What a speculative draft model costs in memory, so the target's KV pool is sized together with it.
 
 The draft's K/V pool has as many slots as the target's (draft_model.py: one slot numbering), an
-EAGLE head also keeps the target's feature of every slot (eagle.py), and the draft's weights are
+EAGLE head also keeps the target's feature of every slot (eagle.py; a PD prefill server keeps only
+those, features.py), and the draft's weights are
 loaded after the target's pool is allocated. As SGLang does (its pool configurator scales the
 target's bytes per token by 1 + draft layers / target layers), the target's pool size is computed
 from one memory budget with the draft's bytes per slot added to the target's, and the draft's
@@ -60,6 +61,9 @@ def draft_memory(server_args: ServerArgs, target: ModelConfig, tp_size: int) -> 
     features = 0
     if algo != "STANDALONE":  # the target's final hidden state (EAGLE3: three layer inputs) per slot
         features = config.hidden_size * (3 if algo == "EAGLE3" else 1) * element
+    if server_args.disaggregation_mode == "prefill":
+        # A PD prefill server keeps the features only (speculative/features.py): no head, no head K/V.
+        return DraftMemory(kv_bytes_per_token=0, feature_bytes_per_token=features, weight_bytes=0)
     weights = _checkpoint_bytes(path)
     if nextn_weight_prefix(config.raw_config) is not None:
         # An MTP draft reads one layer of its target's checkpoint (the target's layers, then its own):

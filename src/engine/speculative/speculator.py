@@ -36,7 +36,7 @@ import dataclasses
 import logging
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 
@@ -53,8 +53,10 @@ if TYPE_CHECKING:
     from engine.disaggregation.kv_io import FeatureStore
     from engine.mem_cache.base_prefix_cache import BasePrefixCache
     from engine.mem_cache.memory_pool import MHATokenToKVPool
+    from engine.configs.model_config import ModelConfig
     from engine.speculative.draft_model import DraftModelDrafter
     from engine.speculative.eagle import EagleDrafter
+    from engine.speculative.features import FeatureKeeper
     from engine.model_executor.model_runner import ModelRunner
     from engine.scheduler.tp_worker import TpModelWorker
     from engine.model_executor.forward_batch_info import ModelWorkerBatch
@@ -382,9 +384,9 @@ class Speculator:
         """What a PD transfer carries beside the KV for this drafter: an EAGLE head's target features
         of every prompt position (kept by the prefill server's forwards, read by the decode server's
         head), or None (a STANDALONE draft or n-gram builds its state from the tokens)."""
-        from engine.speculative.eagle import EagleDrafter
+        from engine.speculative.features import TargetFeatures
 
-        return self.drafter if isinstance(self.drafter, EagleDrafter) else None
+        return self.drafter if isinstance(self.drafter, TargetFeatures) else None
 
 
 def _check_same_across_tp(outcome: VerifyOutcome) -> None:
@@ -424,6 +426,11 @@ def build_speculator(server_args: ServerArgs, worker: ModelWorker, tree_cache: B
         raise ValueError(f"--speculative-algorithm {algo} needs the model worker (a draft model runs beside it)")
     path = server_args.speculative_draft_model_path
     assert path is not None  # ServerArgs requires it for the draft-model algorithms
+    if server_args.disaggregation_mode == "prefill":
+        # Only EAGLE-family algorithms stay on a prefill server (server_args_check.py): it keeps and sends
+        # the target's features for its decode server's head, and never drafts, so no head is loaded.
+        keeper = _feature_keeper(worker, path, algo == "EAGLE3")
+        return Speculator(server_args, worker, tree_cache, keeper, _memory_report(worker, None, keeper))
     runner = on_forward_thread(lambda: worker.make_draft_runner(path, eagle_draft=algo == "EAGLE"))
     from engine.speculative.draft_model import DraftModelDrafter
 
@@ -442,9 +449,9 @@ def build_speculator(server_args: ServerArgs, worker: ModelWorker, tree_cache: B
 
 def _require_tree_attention(steps: int, *runners: ModelRunner) -> None:
     """Tree verifies and tree drafts attend under a tree mask. Plain layers take it on every backend
-    ServerArgs lets through; a sliding window, a logit cap or sinks only on the native decode kernel's
-    rows (torch_native on the CPU: layers/attention/kernel_rows.py), a tree of num_steps drafts deep
-    inside every window. Refused at start-up, not at the first tree step."""
+    ServerArgs lets through; a sliding window, a logit cap or sinks on the Triton kernel and on the native
+    decode kernel's rows (torch_native on the CPU: layers/attention/kernel_rows.py), a tree of num_steps
+    drafts deep inside every window. Refused at start-up, not at the first tree step."""
     from engine.layers.attention.kernel_rows import kernel_takes
     from engine.layers.attention.torch_native_backend import TorchNativeAttnBackend
     from engine.layers.radix_attention import RadixAttention
@@ -458,11 +465,13 @@ def _require_tree_attention(steps: int, *runners: ModelRunner) -> None:
             if not isinstance(layer, RadixAttention) or layer.is_plain:
                 continue
             q = torch.empty(1, layer.tp_q_head_num * layer.head_dim, dtype=runner.dtype, device=runner.device)
-            if not (isinstance(runner.attn_backend, TorchNativeAttnBackend) and pool is not None
-                    and kernel_takes(q, pool.get_key_buffer(layer.layer_id), layer)):
+            backend = runner.attn_backend
+            if not (backend.tree_mask_on_every_layer or (
+                    isinstance(backend, TorchNativeAttnBackend) and pool is not None
+                    and kernel_takes(q, pool.get_key_buffer(layer.layer_id), layer))):
                 raise ValueError("--speculative-eagle-topk > 1 (tree drafts) on a model with sliding-window, "
-                                 "soft-capped or sink attention layers needs --attention-backend torch_native on "
-                                 "the CPU with its native kernels (float32 / bfloat16); use "
+                                 "soft-capped or sink attention layers needs --attention-backend triton, or "
+                                 "torch_native on the CPU with its native kernels (float32 / bfloat16); use "
                                  "--speculative-eagle-topk 1")
             if 0 < layer.sliding_window_size <= steps:
                 raise ValueError(f"--speculative-num-steps {steps} grows tree drafts deeper than the model's "
@@ -470,55 +479,94 @@ def _require_tree_attention(steps: int, *runners: ModelRunner) -> None:
                                  "--speculative-eagle-topk 1")
 
 
-def _memory_report(worker: TpModelWorker, runner: ModelRunner, drafter: Drafter) -> Dict[str, int]:
+def _memory_report(worker: TpModelWorker, runner: Optional[ModelRunner], drafter: Drafter) -> Dict[str, int]:
     """The bytes of the target's K/V pool and of the draft's (its K/V, and an EAGLE head's stored
-    features), both sized from one budget (speculative/memory.py)."""
-    from engine.speculative.eagle import EagleDrafter
+    features; a PD prefill server's features only, `runner` None), both sized from one budget
+    (speculative/memory.py)."""
+    from engine.speculative.features import TargetFeatures
     from engine.speculative.memory import pool_bytes
 
-    assert worker.real_runner is not None  # make_draft_runner refused the simulated device
-    target, draft = worker.real_runner.token_to_kv_pool, runner.token_to_kv_pool
-    features = drafter.features if isinstance(drafter, EagleDrafter) else None
+    assert worker.real_runner is not None  # make_draft_runner and _feature_keeper refused the simulated device
+    target = worker.real_runner.token_to_kv_pool
+    draft = runner.token_to_kv_pool if runner is not None else None
+    features = drafter.features if isinstance(drafter, TargetFeatures) else None
     feature_bytes = 0 if features is None else features.numel() * features.element_size()
     return {"kv_pool_bytes": pool_bytes(target.k_buffer, target.v_buffer),
-            "draft_kv_pool_bytes": pool_bytes(draft.k_buffer, draft.v_buffer) + feature_bytes}
+            "draft_kv_pool_bytes": (pool_bytes(draft.k_buffer, draft.v_buffer) if draft is not None else 0)
+            + feature_bytes}
 
 
 def _eagle_drafter(worker: TpModelWorker, runner: ModelRunner, path: str, eagle3: bool) -> EagleDrafter:
-    """The EAGLE (or EAGLE3) head of `runner`, sharing the target's embedding (and an EAGLE head the
-    lm_head); for EAGLE3 the target is set to capture the head's auxiliary layers."""
+    """The EAGLE (or EAGLE3, or NEXTN's MTP) head of `runner`, sharing the target's embedding (and, but
+    for EAGLE3's own, its lm_head); for EAGLE3 the target is set to capture the head's auxiliary layers."""
+    from engine.models.deepseek_nextn import DeepseekV3ForCausalLMNextN
+    from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
     from engine.models.llama import LlamaForCausalLM
     from engine.models.llama_eagle import LlamaForCausalLMEagle
     from engine.models.llama_eagle3 import LlamaForCausalLMEagle3
     from engine.speculative.eagle import EagleDrafter
 
-    from engine.models.deepseek_nextn import DeepseekV3ForCausalLMNextN
-    from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
-
+    feature_size, name = _eagle_features(worker, runner.model_config, path, eagle3)
     head = runner.model
     target = worker.real_runner.model if worker.real_runner is not None else None
-    if isinstance(head, DeepseekV3ForCausalLMNextN):  # NEXTN: the MTP layer reads the target's final hidden state
-        if not isinstance(target, DeepseekV2ForCausalLM) or head.config.hidden_size != target.config.hidden_size:
-            raise ValueError(f"the MTP layer of {path} needs the DeepSeek-V2/V3 target it was trained with (hidden "
-                             f"size {head.config.hidden_size})")
+    # _eagle_features checked the head's architecture and its target's.
+    if isinstance(head, DeepseekV3ForCausalLMNextN):
+        assert isinstance(target, DeepseekV2ForCausalLM)
         head.share_embed_and_head(target)
-        return EagleDrafter(runner, head.config.hidden_size, runner.dtype, "NEXTN final hidden states")
+    else:
+        assert isinstance(head, (LlamaForCausalLMEagle, LlamaForCausalLMEagle3)) and isinstance(target, LlamaForCausalLM)
+        head.share_embed_and_head(target)
+    return EagleDrafter(runner, feature_size, runner.dtype, name)
+
+
+def _feature_keeper(worker: TpModelWorker, path: str, eagle3: bool) -> FeatureKeeper:
+    """A PD prefill server's store of the target's features that the head at `path` reads (its config
+    only: the head is not loaded), sized as the target's pool."""
+    from engine.configs.model_config import ModelConfig
+    from engine.speculative.features import FeatureKeeper
+
+    target = worker.real_runner
+    if target is None:
+        raise ValueError("an EAGLE head needs a real target model (not --simulated-device-forward-ms)")
+    config = ModelConfig.from_pretrained(path, dtype=str(target.dtype).removeprefix("torch."),
+                                         context_length=target.model_config.context_len,
+                                         device=worker.server_args.device, eagle_draft=not eagle3)
+    feature_size, name = _eagle_features(worker, config, path, eagle3)
+    pool = target.token_to_kv_pool
+    assert pool is not None  # a real runner of a generative model has one
+    return FeatureKeeper(pool.size + pool.page_size, feature_size, target.dtype, target.device, name)
+
+
+def _eagle_features(worker: TpModelWorker, head: ModelConfig, path: str, eagle3: bool) -> Tuple[int, str]:
+    """(feature width, feature name) of the head configured by `head` over the worker's target, which
+    is checked to be the head's kind of target; for EAGLE3 the target is set to capture the head's
+    auxiliary layers. The name travels in a PD pair's KV layout: both servers must agree on it."""
+    from engine.models.deepseek_nextn import DeepseekV3ForCausalLMNextN
+    from engine.models.deepseek_v2 import DeepseekV2ForCausalLM
+    from engine.models.llama import LlamaForCausalLM
+    from engine.models.llama_eagle import LlamaForCausalLMEagle
+    from engine.models.llama_eagle3 import LlamaForCausalLMEagle3
+    from engine.models.registry import resolve_model_class
+
+    head_class = resolve_model_class(head.architectures)
+    target = worker.real_runner.model if worker.real_runner is not None else None
+    if issubclass(head_class, DeepseekV3ForCausalLMNextN):  # NEXTN: the MTP layer reads the final hidden state
+        if not isinstance(target, DeepseekV2ForCausalLM) or head.hidden_size != target.config.hidden_size:
+            raise ValueError(f"the MTP layer of {path} needs the DeepSeek-V2/V3 target it was trained with (hidden "
+                             f"size {head.hidden_size})")
+        return head.hidden_size, "NEXTN final hidden states"
     algo, arch = ("EAGLE3", "LlamaForCausalLMEagle3") if eagle3 else ("EAGLE", "LlamaForCausalLMEagle")
-    if not isinstance(head, LlamaForCausalLMEagle3 if eagle3 else LlamaForCausalLMEagle):
+    if not issubclass(head_class, LlamaForCausalLMEagle3 if eagle3 else LlamaForCausalLMEagle):
         raise ValueError(f"--speculative-draft-model-path {path} is not an {algo} head (config.json architectures "
                          f"{arch}), which --speculative-algorithm {algo} needs"
                          + ("" if eagle3 else ", nor a DeepSeek-V3 checkpoint with its MTP layer (NEXTN)"))
-    if not isinstance(target, LlamaForCausalLM) or head.config.hidden_size != target.config.hidden_size:
-        raise ValueError(f"the {algo} head {path} needs a Llama-family target of its hidden size "
-                         f"({head.config.hidden_size})")
-    head.share_embed_and_head(target)
-    feature_size, name = head.config.hidden_size, "EAGLE final hidden states"
-    if eagle3:
-        layers = eagle3_aux_layers(head.config.raw_config, target.config.num_hidden_layers)
-        target.model.set_aux_layers_to_capture(layers)
-        feature_size *= 3
-        name = f"EAGLE3 inputs of layers {', '.join(map(str, layers))}"
-    return EagleDrafter(runner, feature_size, runner.dtype, name)
+    if not isinstance(target, LlamaForCausalLM) or head.hidden_size != target.config.hidden_size:
+        raise ValueError(f"the {algo} head {path} needs a Llama-family target of its hidden size ({head.hidden_size})")
+    if not eagle3:
+        return head.hidden_size, "EAGLE final hidden states"
+    layers = eagle3_aux_layers(head.raw_config, target.config.num_hidden_layers)
+    target.model.set_aux_layers_to_capture(layers)
+    return 3 * head.hidden_size, f"EAGLE3 inputs of layers {', '.join(map(str, layers))}"
 
 
 def eagle3_aux_layers(head_config: Dict[str, Any], num_layers: int) -> List[int]:

@@ -27,6 +27,9 @@ class AttentionBackend(ABC):
     # A backend that sets this implements the three CUDA-graph methods below
     # (model_executor/cuda_graph_runner.py); the others are never captured.
     supports_cuda_graph: bool = False
+    # Whether a tree mask (speculative tree drafts) is applied on every layer, windowed, soft-capped or
+    # with sinks included; where it is not, speculative/speculator.py asks the backend's own rules.
+    tree_mask_on_every_layer: bool = False
 
     @abstractmethod
     def init_forward_metadata(self, forward_batch: "ForwardBatch") -> None:

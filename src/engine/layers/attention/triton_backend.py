@@ -61,6 +61,8 @@ class TritonAttnBackend(AttentionBackend):
     # Decode needs no host-side data: the grid depends on the batch size only, and the per-request
     # split counts are computed on the device from seq_lens (cuda_graph_runner.py).
     supports_cuda_graph = True
+    # The extend kernel takes a window (bounded by each tree row's position), a cap and sinks with a tree mask.
+    tree_mask_on_every_layer = True
 
     def __init__(
         self,
@@ -179,6 +181,7 @@ class TritonAttnBackend(AttentionBackend):
             tree_mask=fb.attn_metadata.tree_mask,
             tree_mask_starts=fb.spec_tree_mask_starts,
             tree_widths=fb.spec_tree_widths,
+            tree_positions=fb.positions if fb.spec_tree_mask is not None else None,
         )
         return out.view(-1, num_heads * out.shape[-1])
 

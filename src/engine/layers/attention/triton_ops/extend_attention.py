@@ -16,7 +16,11 @@ block adds nothing instead of NaN. HAS_CAP soft-caps the scores; HAS_SINKS adds 
 the denominator. HAS_TREE_MASK (tree drafts of speculative decoding): the request's last Tree_widths keys
 (its new tokens, and for a draft's tree steps the nodes it wrote before) are seen only where its
 [extend, width] block of Tree_mask says so (a node sees its ancestors and itself, never a later
-row, so the causal bound on the new keys still holds); the keys before them stay visible.
+row, so the causal bound on the new keys still holds); the keys before them stay visible. A tree row's
+position is its node's (the request's length before the tree plus its depth), not its index in the extend,
+so with a window as well (Tree_positions, each row's position) the keys before the tree are windowed by
+that position and the tree's own keys by the mask alone: a node's ancestors lie within its window, as the
+speculator refuses trees deeper than a window.
 """
 
 from __future__ import annotations
@@ -53,6 +57,7 @@ def _extend_kernel(
     Tree_mask,
     Tree_mask_starts,
     Tree_widths,
+    Tree_positions,
     stride_req_to_token,
     stride_q_token,
     stride_q_head,
@@ -114,7 +119,14 @@ def _extend_kernel(
 
         # 1. The cached prefix: no mask beyond its length (but a tree mask's). Rows that see no key of
         #    a block (windows, tree masks) are handled by the max of 0 below.
-        if HAS_WINDOW:
+        if HAS_WINDOW and HAS_TREE_MASK:
+            # Rows past the extend read a huge position: they never lower the block's first key.
+            row_pos = tl.load(Tree_positions + q_start + offs_m, mask=mask_m, other=1 << 40)
+            first_key = tl.min(row_pos, 0) - sliding_window + 1
+            # The covered keys (a draft's earlier nodes) are all read: the mask, not the window, picks.
+            prefix_lo = tl.maximum(tl.minimum(first_key, tree_lo), 0)
+            extend_lo = prefix_len * 0
+        elif HAS_WINDOW:
             prefix_lo = tl.maximum(prefix_len + block_m * BLOCK_M - sliding_window + 1, 0)
             extend_lo = tl.maximum(block_m * BLOCK_M - sliding_window + 1, 0)
         else:
@@ -136,7 +148,10 @@ def _extend_kernel(
             if HAS_CAP:
                 qk = soft_cap(qk, logit_cap)
             visible = mask_n[None, :]
-            if HAS_WINDOW:
+            if HAS_WINDOW and HAS_TREE_MASK:
+                before_tree = offs_n < tree_lo
+                visible = visible & ((~before_tree[None, :]) | (offs_n[None, :] > row_pos[:, None] - sliding_window))
+            elif HAS_WINDOW:
                 visible = visible & (offs_n[None, :] > prefix_len + offs_m[:, None] - sliding_window)
             if HAS_TREE_MASK:
                 col = offs_n - tree_lo
@@ -178,7 +193,7 @@ def _extend_kernel(
                 visible = (offs_m[:, None] >= offs_n[None, :]) & mask_n[None, :]
             else:
                 visible = (offs_m[:, None] >= 0) & mask_n[None, :]
-            if HAS_WINDOW:
+            if HAS_WINDOW and not HAS_TREE_MASK:  # every new key of a tree is under its mask
                 visible = visible & (offs_n[None, :] > offs_m[:, None] - sliding_window)
             if HAS_TREE_MASK:
                 col = prefix_len - tree_lo + offs_n
@@ -233,6 +248,7 @@ def extend_attention_fwd(
     tree_mask: Optional[torch.Tensor] = None,
     tree_mask_starts: Optional[torch.Tensor] = None,
     tree_widths: Optional[torch.Tensor] = None,
+    tree_positions: Optional[torch.Tensor] = None,
 ) -> None:
     """Write into `o` the attention of every new token (prefix keys from the pool, new keys causal,
     or all new keys with is_causal False; with sliding_window > 0 only the keys at (p - window, p];
@@ -241,7 +257,8 @@ def extend_attention_fwd(
     k_scale / v_scale: an fp8 pool's elements are read as k_scale * stored, v_scale * stored;
     tree_mask / tree_mask_starts / tree_widths: speculative tree drafts, each request's [extend, width]
     block of which new token sees which of its last `width` keys, flat, where each block starts, and
-    each width).
+    each width; tree_positions [num_tokens]: each new token's position, needed with a window, which
+    bounds a tree node's keys by its position rather than its index in the extend).
 
     q, o: [num_tokens, q_heads, D] / [num_tokens, q_heads, DV]; k_extend, v_extend: [num_tokens,
     kv_heads, D]; k_buffer, v_buffer: [slots, kv_heads, D]; the per-request tensors are [bs], and
@@ -259,6 +276,8 @@ def extend_attention_fwd(
         if t.stride(-1) != 1:
             raise ValueError(f"extend_attention_fwd needs {name} contiguous in its last dim")
 
+    if tree_mask is not None and sliding_window > 0 and tree_positions is None:
+        raise ValueError("a windowed layer's tree rows need tree_positions (a node's position is not its index)")
     grid = (bs, q_head_num, triton.cdiv(max_extend_len, block_m))
     _extend_kernel[grid](
         q,
@@ -282,6 +301,7 @@ def extend_attention_fwd(
         tree_mask if tree_mask is not None else q,  # nor these without HAS_TREE_MASK
         tree_mask_starts if tree_mask_starts is not None else q,
         tree_widths if tree_widths is not None else q,
+        tree_positions if tree_positions is not None else q,
         req_to_token.stride(0),
         q.stride(0),
         q.stride(1),
