@@ -47,6 +47,21 @@ def test_native_matches_token_by_token_reference(dtype, tol, tokens):
     assert (out.double() - ref).abs().max().item() < tol * max(1.0, ref.abs().max().item())
 
 
+def test_one_token_runs_its_experts_without_grouping(monkeypatch):
+    """A one-token batch (a one-request decode step) runs its chosen experts directly, no argsort / gather
+    / scatter: top-4 with a slot on another rank, against the reference."""
+    x, w13, w2, weights, ids = random_case(1, 8, 4, 32, 24, torch.float32, seed=3)
+    ids = ids.clone()
+    ids[0, 1] = -1
+
+    def grouped(*args, **kwargs):
+        raise AssertionError("a one-token batch was grouped by expert")
+
+    monkeypatch.setattr(torch, "argsort", grouped)
+    out = fused_moe_native(x, w13, w2, weights, ids)
+    assert torch.allclose(out.double(), reference_moe(x, w13, w2, weights, ids), atol=1e-5)
+
+
 def test_native_skips_slots_of_other_ranks():
     """EP: ids -1 (experts another rank holds) add nothing; the rest is as if alone."""
     x, w13, w2, weights, ids = random_case(9, 4, 2, 16, 8, torch.float32, seed=5)
