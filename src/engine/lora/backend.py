@@ -263,12 +263,16 @@ def kernel_usable(dtype: torch.dtype, pool_dtype: torch.dtype, device: str) -> b
             and library.lora() is not None)
 
 
-# The kernel's rows up to which it runs on the calling thread alone (see kernel_threads).
+# The kernel's rows up to which it runs on the calling thread alone. Measured on the 2-core machine at load
+# 5-8 (bench_lora_op.py, docs/benchmarks.md): a 64-row decode forward's deltas took 2.4 ms of wall time on
+# one thread, 3.3 on two, for the same CPU (each tile is microseconds; the partner thread waits for a core).
+# Larger batches take the pool, which falls back to its caller alone where it sees contention: a prefill's
+# products are what would idle the second core of a quiet machine.
 KERNEL_SERIAL_MAX_ROWS = 256
 
 
 def kernel_threads(rows: int) -> int:
-    """The kernel's thread count for a batch of `rows` rows."""
+    """The kernel's thread count for a batch of `rows` rows (KERNEL_SERIAL_MAX_ROWS)."""
     return 1 if rows <= KERNEL_SERIAL_MAX_ROWS else torch.get_num_threads()
 
 
