@@ -54,7 +54,8 @@ def test_every_family_off_builds_nothing(monkeypatch):
 
     monkeypatch.setattr(library, "_build", no_build)
     assert library.load() is False
-    assert (library.ops(), library.linear(), library.attention(), library.decoder_layers()) == (None,) * 4
+    assert (library.ops(), library.linear(), library.attention(), library.lora(), library.decoder_layers()) == \
+        (None,) * 5
 
 
 @pytest.mark.skipif(not HAS_CC, reason="no C compiler: every accessor is None anyway")
@@ -63,9 +64,10 @@ def test_a_family_off_leaves_the_others_on(monkeypatch, family):
     assert library.load(), "a C compiler is present but the kernels did not build (see the log)"
     monkeypatch.setitem(library.switches(), family, False)
     accessors = {Family.OPS: library.ops, Family.LINEAR: library.linear, Family.ATTENTION: library.attention,
-                 Family.DECODER_LAYERS: library.decoder_layers}
+                 Family.LORA: library.lora, Family.DECODER_LAYERS: library.decoder_layers}
     for other, accessor in accessors.items():
-        if other is family or other is Family.DECODER_LAYERS:  # the one call needs every family on
+        # the one call needs every family whose work it does on (not LoRA's: its batches have no adapter rows)
+        if other is family or (other is Family.DECODER_LAYERS and family is not Family.LORA):
             assert accessor() is None, other
         else:
             assert accessor() is not None, other

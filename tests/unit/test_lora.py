@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 
 import pytest
 import torch
@@ -20,6 +21,7 @@ from engine.io_struct import LoadLoRAAdapterReqInput, UnloadLoRAAdapterReqInput 
 from engine.server_args import ServerArgs, ServerArgsError  # noqa: E402
 
 STEPS = 8
+HAS_CC = bool(shutil.which("gcc") or shutil.which("cc"))  # the native kernels build
 ADAPTERS = {
     "r4-qv": dict(rank=4, targets=["q_proj", "v_proj"], seed=1),
     "r8-all": dict(rank=8, targets=ALL_MODULES, seed=2),
@@ -83,14 +85,31 @@ LONG_CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("name", list(LONG_CONFIGS))
-def test_long_prompts_equal_peft(setup, name, monkeypatch):
+def _use_path(monkeypatch, path):
+    """The CPU path the LoRA products take: the native kernel (its family on: the default where it builds)
+    or the torch ops (the family off); the calls of that path, recorded."""
+    from engine.kernels import library
     from engine.lora import backend
 
+    taken = []
+    if path == "kernel":
+        if not HAS_CC:
+            pytest.skip("no C compiler: no native kernel")
+        assert library.lora() is not None, "a C compiler is present but the kernels did not build"
+        real_kernel = backend.lora_kernel
+        monkeypatch.setattr(backend, "lora_kernel", lambda *args: taken.append(1) or real_kernel(*args))
+    else:
+        monkeypatch.setitem(library.switches(), library.Family.LORA, False)
+        real = backend._lora_in_place
+        monkeypatch.setattr(backend, "_lora_in_place", lambda *args: taken.append(1) or real(*args))
+    return taken
+
+
+@pytest.mark.parametrize("path", ["kernel", "torch"])
+@pytest.mark.parametrize("name", list(LONG_CONFIGS))
+def test_long_prompts_equal_peft(setup, name, path, monkeypatch):
     _, paths, _, hf, _ = setup
-    in_place = []  # the segments the native path multiplied in place
-    real = backend._lora_in_place
-    monkeypatch.setattr(backend, "_lora_in_place", lambda *args: in_place.append(1) or real(*args))
+    taken = _use_path(monkeypatch, path)  # torch: the segments the native path multiplied in place
     expected = {adapter: peft_greedy(hf, path, LONG_PROMPTS, STEPS) for adapter, path in paths.items()}
     expected[None] = [hf_greedy(hf, p, STEPS) for p in LONG_PROMPTS]
     h = harness(setup, **dict(LONG_CONFIGS[name]))
@@ -101,12 +120,24 @@ def test_long_prompts_equal_peft(setup, name, monkeypatch):
     h.run_until_idle()
     for (adapter, i), rid in rids.items():
         assert h.outputs[rid].output_ids == expected[adapter][i], (adapter, i)
-    assert in_place
+    assert taken
 
 
 @pytest.mark.parametrize("name", list(CONFIGS))
-def test_mixed_batches_equal_peft(setup, name):
+def test_mixed_batches_equal_peft(setup, name, monkeypatch):
+    # the native kernel (one config on the torch path too: test_mixed_batches_on_the_torch_path_equal_peft)
+    taken = _use_path(monkeypatch, "kernel") if HAS_CC else [1]
     h = harness(setup, **dict(CONFIGS[name]))
+    got = run_mixed(h, ALL_NAMES)
+    expected = setup[2]
+    for (adapter, i), ids in got.items():
+        assert ids == expected[adapter][i], (adapter, i)
+    assert taken
+
+
+def test_mixed_batches_on_the_torch_path_equal_peft(setup, monkeypatch):
+    _use_path(monkeypatch, "torch")
+    h = harness(setup, **dict(CONFIGS["chunked-mixed-overlap"]))
     got = run_mixed(h, ALL_NAMES)
     expected = setup[2]
     for (adapter, i), ids in got.items():

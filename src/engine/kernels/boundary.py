@@ -137,6 +137,12 @@ class LinearKernels(Protocol):
                      num_threads: int, /) -> int: ...
 
 
+class LoRAKernels(Protocol):
+    def lora_delta(self, x: int, x_stride: int, out: int, out_stride: int, m: int, k: int, row_slots: int,
+                   num_slots: int, a: int, b: int, w_dtype: int, rank: int, sections: int, num_sections: int, n: int,
+                   dtype: int, num_threads: int, /) -> int: ...
+
+
 class AttentionKernels(Protocol):
     def decode_attention(self, args: DecodeAttentionArgs, /) -> None: ...
     def extend_attention_available(self) -> int: ...
@@ -151,7 +157,8 @@ class DecoderLayersKernels(Protocol):
 
 # The header's `Family:` names and the protocol each binds to.
 FAMILIES: Dict[str, type] = {"library": LibraryKernels, "ops": OpsKernels, "linear": LinearKernels,
-                             "attention": AttentionKernels, "decoder_layers": DecoderLayersKernels}
+                             "lora": LoRAKernels, "attention": AttentionKernels,
+                             "decoder_layers": DecoderLayersKernels}
 
 
 # ------------------------------------------------------------------------------------- the header

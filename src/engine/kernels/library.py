@@ -2,11 +2,11 @@
 with ctypes.
 
 One library holds every kernel family: attention (engine/kernels/attention.py), the fused
-element-wise ops (ops.py), the bf16 linears (linear.py) and a decode step's decoder layers in one
-call (decoder_layers.py). It is built once per machine into
+element-wise ops (ops.py), the bf16 linears (linear.py), a batch's LoRA deltas (engine/lora/backend.py)
+and a decode step's decoder layers in one call (decoder_layers.py). It is built once per machine into
 `$ENGINE_CACHE_DIR/kernels` (default `~/.cache/engine/kernels`), keyed by the source, the flags,
 the compiler and the CPU's instruction set. Each family has an accessor here (`ops()`, `linear()`,
-`attention()`, `decoder_layers()`) typed by its protocol (boundary.py), and a switch
+`lora()`, `attention()`, `decoder_layers()`) typed by its protocol (boundary.py), and a switch
 (`ENGINE_CPU_KERNEL_<FAMILY>=0`, Family); an accessor returns None where its family is off or there
 is no library (no C compiler, a failed build), and the callers keep their pure-torch paths, which
 give the same results.
@@ -43,7 +43,7 @@ from pathlib import Path
 from typing import Dict, List, Optional, Union, cast
 
 from engine.kernels.boundary import (AttentionKernels, DecoderLayersKernels, LibraryKernels, LinearKernels,
-                                     OpsKernels, bind)
+                                     LoRAKernels, OpsKernels, bind)
 
 logger = logging.getLogger(__name__)
 
@@ -52,12 +52,13 @@ _CSRC = Path(__file__).with_name("csrc")
 # the decode kernel; extend_attention.c: prefill attention (bf16); cpu_ops.c: the fused element-wise
 # ops of a decoder layer (ops.py); linear_bf16.c: bf16 linears (linear.py);
 # linear_q8.c: linears over int8 / fp8 weights (layers/quantization.py); linear_q4.c: over 4-bit AWQ / GPTQ
-# weights (layers/int4.py); linear_mxfp4.c: over gpt-oss's MXFP4 experts (layers/mxfp4.py); decoder_layers.c: a decode
+# weights (layers/int4.py); linear_mxfp4.c: over gpt-oss's MXFP4 experts (layers/mxfp4.py); lora_delta.c: a
+# batch's LoRA deltas of one projection (engine/lora/backend.py); decoder_layers.c: a decode
 # step's layers in one call (decoder_layers.py); thread_pool.c: the threads they run on; library.c:
 # what the build holds; cpu_common.h: what they share; amx.h: the AMX tiles; attend_step.h: the
 # attention step of prefills and cascade prefixes. One library holds them all.
 _SOURCES = [_CSRC / "decode_attention.c", _CSRC / "extend_attention.c", _CSRC / "cpu_ops.c", _CSRC / "linear_bf16.c",
-            _CSRC / "linear_q8.c", _CSRC / "linear_q4.c", _CSRC / "linear_mxfp4.c",
+            _CSRC / "linear_q8.c", _CSRC / "linear_q4.c", _CSRC / "linear_mxfp4.c", _CSRC / "lora_delta.c",
             _CSRC / "decoder_layers.c", _CSRC / "thread_pool.c", _CSRC / "library.c"]
 _HEADERS = [_CSRC / "engine_kernels.h", _CSRC / "cpu_common.h", _CSRC / "amx.h", _CSRC / "attend_step.h"]
 # -fopenmp-simd: the `omp simd` hints only; the threads are the library's own (csrc/thread_pool.c).
@@ -85,6 +86,7 @@ class Kernels:
     library: LibraryKernels
     ops: OpsKernels
     linear: LinearKernels
+    lora: LoRAKernels
     attention: AttentionKernels
     decoder_layers: DecoderLayersKernels
 
@@ -299,7 +301,7 @@ def _declare(lib: ctypes.CDLL) -> Kernels:
     # The protocols type what bind() builds from the header after checking them against it.
     families = bind(lib)
     kernels = Kernels(cdll=lib, library=cast(LibraryKernels, families["library"]), ops=cast(OpsKernels, families["ops"]),
-                      linear=cast(LinearKernels, families["linear"]),
+                      linear=cast(LinearKernels, families["linear"]), lora=cast(LoRAKernels, families["lora"]),
                       attention=cast(AttentionKernels, families["attention"]),
                       decoder_layers=cast(DecoderLayersKernels, families["decoder_layers"]))
     kernels.library.amx_set(int(os.environ.get("ENGINE_CPU_AMX", "1") != "0"))
@@ -313,10 +315,17 @@ class Family(enum.Enum):
     LINEAR = "LINEAR"  # the bf16 linears (linear.py)
     OPS = "OPS"  # the fused element-wise ops and the greedy argmax (ops.py)
     DECODER_LAYERS = "DECODER_LAYERS"  # a bf16 decode step's layers in one call (decoder_layers.py)
+    LORA = "LORA"  # a batch's LoRA deltas, one call per projection (engine/lora/backend.py)
+
+
+# The families whose work the one decode-step call (decoder_layers) does itself: it runs only with all
+# of them on. Not LORA: a batch with adapter rows never takes that call (the modules add the deltas).
+_CHAINED = (Family.ATTENTION, Family.LINEAR, Family.OPS, Family.DECODER_LAYERS)
 
 
 # The names of before the families, still honoured: ENGINE_CPU_DECODE_KERNEL=0 turns every family
-# off (nothing is built); ENGINE_CPU_FUSED_OPS=0 turns off all but attention.
+# off (nothing is built); ENGINE_CPU_FUSED_OPS=0 turns off ops, linear and decoder_layers (all there was
+# but attention).
 _LEGACY_OFF = {"ENGINE_CPU_DECODE_KERNEL": tuple(Family),
                "ENGINE_CPU_FUSED_OPS": (Family.OPS, Family.LINEAR, Family.DECODER_LAYERS)}
 _switches: Optional[Dict[Family, bool]] = None
@@ -375,6 +384,11 @@ def linear() -> Optional[LinearKernels]:
     return None if k is None or not switches()[Family.LINEAR] else k.linear
 
 
+def lora() -> Optional[LoRAKernels]:
+    k = _kernels()
+    return None if k is None or not switches()[Family.LORA] else k.lora
+
+
 def attention() -> Optional[AttentionKernels]:
     k = _kernels()
     return None if k is None or not switches()[Family.ATTENTION] else k.attention
@@ -384,7 +398,7 @@ def decoder_layers() -> Optional[DecoderLayersKernels]:
     """Only with the families it chains on too: the one call computes what the modules compute
     with those kernels, so with any of them off the modules (and their torch paths) must run."""
     k = _kernels()
-    return None if k is None or not all(switches().values()) else k.decoder_layers
+    return None if k is None or not all(switches()[f] for f in _CHAINED) else k.decoder_layers
 
 
 def load() -> bool:

@@ -9,9 +9,16 @@ A batch's rows are cut into segments of consecutive rows that use the same adapt
     out[:, section i] += shrink[:, i R:(i+1) R] @ B_i[slot]^T * scaling[slot]
 
 An adapter of rank r < R fills the first r rows of A and columns of B; the rest stay zero, so the
-product is exact without per-slot ranks. Two implementations, which agree to float tolerance (tests):
+product is exact without per-slot ranks. Implementations, which agree to float tolerance (tests):
 
-- `torch_native` (the CPU path): the rows of each adapter are gathered into one buffer, grouped by
+- `torch_native` on a CPU model of float32 or bfloat16 with the native kernels built (the `lora` family,
+  ENGINE_CPU_KERNEL_LORA): one call of csrc/lora_delta.c per projection (`lora_kernel`), whatever the
+  rows (decode steps, prefills, mixed batches). It sorts the rows by slot itself and adds each row's delta
+  straight into `out`, bf16 converted in registers; at a decode step the torch ops below cost several
+  times their arithmetic in dispatch, and a bf16 model's rows were widened to float32 and back. Measured
+  with benchmarks/bench_lora_op.py (docs/benchmarks.md): less CPU than the torch ops at decode and
+  prefill sizes alike, so the torch ops are only the fallback.
+- `torch_native` otherwise (no C compiler, the family off, float16): the rows of each adapter are gathered into one buffer, grouped by
   adapter (`GroupedRows`, built once per forward, not per layer), and each projection runs a fixed
   handful of ops whatever the number of adapters: one gather of x, one batched shrink over every
   adapter at once, one batched expand per section (written straight into its columns: the zero
@@ -38,6 +45,8 @@ from typing import Callable, List, Optional, Sequence, Tuple, Union
 
 import torch
 
+from engine.kernels import library
+from engine.kernels.boundary import LoRAKernels
 
 @dataclass(frozen=True)
 class GroupedRows:
@@ -175,12 +184,14 @@ class LoRABatchInfo:
     scalings: torch.Tensor  # [slots] float32 (the pool's; slot 0 is 0)
     has_lora: bool  # some row uses an adapter
     native: Optional[NativeRows] = None  # the native path's plan (None for triton, or no adapter rows)
+    # int64 [rows] on the host, each row's slot, where the native kernel runs (lora_kernel; no plan then)
+    kernel_slots: Optional[torch.Tensor] = None
 
 
 def build_batch_info(row_slots: Sequence[int], scalings: torch.Tensor, device: torch.device,
-                     native: Optional[NativeShape] = None) -> LoRABatchInfo:
-    """Segments of consecutive rows with the same slot; with `native`, the rows grouped by adapter
-    for the native path too."""
+                     native: Optional[NativeShape] = None, kernel: bool = False) -> LoRABatchInfo:
+    """Segments of consecutive rows with the same slot; with `kernel`, each row's slot for the native
+    kernel; else with `native`, the rows grouped by adapter for the torch path."""
     bounds: List[Tuple[int, int, int]] = []
     for row, slot in enumerate(row_slots):
         if bounds and bounds[-1][2] == slot:
@@ -188,15 +199,18 @@ def build_batch_info(row_slots: Sequence[int], scalings: torch.Tensor, device: t
         else:
             bounds.append((row, row + 1, slot))
     indptr = [0] + [end for _, end, _ in bounds]
-    plan = None
-    if native is not None:
+    has_lora = any(slot != 0 for _, _, slot in bounds)
+    plan, kernel_slots = None, None
+    if kernel and has_lora:
+        kernel_slots = torch.tensor(list(row_slots), dtype=torch.int64)
+    elif native is not None:
         plan = plan_native_rows(row_slots, bounds, native.max_out, native.max_stacked, native.dtype, device)
     return LoRABatchInfo(
         num_rows=len(row_slots), bounds=bounds,
         seg_indptr=torch.tensor(indptr, dtype=torch.int32).to(device, non_blocking=True),
         weight_indices=torch.tensor([s for _, _, s in bounds], dtype=torch.int32).to(device, non_blocking=True),
         max_len=max((end - start for start, end, _ in bounds), default=0), scalings=scalings,
-        has_lora=any(slot != 0 for _, _, slot in bounds), native=plan)
+        has_lora=has_lora, native=plan, kernel_slots=kernel_slots)
 
 
 def native_b(b: torch.Tensor, sections: Sequence[Tuple[int, int]], rank: int,
@@ -204,6 +218,62 @@ def native_b(b: torch.Tensor, sections: Sequence[Tuple[int, int]], rank: int,
     """B as the native path reads it: per section, [slots, R, n_i] = B_i^T x the slot's scaling."""
     scale = scalings.to(b.dtype).view(-1, 1, 1)
     return [(b[:, offset:offset + size, :rank].transpose(1, 2) * scale).contiguous() for offset, size in sections]
+
+
+def kernel_b(b: torch.Tensor, rank: int, scalings: torch.Tensor) -> torch.Tensor:
+    """B as the native kernel reads it (csrc/lora_delta.c): [slots, R, N] = B^T x the slot's scaling, every
+    section's columns in one row (section i's are native_b's i-th)."""
+    return (b[:, :, :rank].transpose(1, 2) * scalings.to(b.dtype).view(-1, 1, 1)).contiguous()
+
+
+def sections_tensor(sections: Sequence[Tuple[int, int]]) -> torch.Tensor:
+    """The sections as the native kernel takes them: int64 [sections, 2] of (column offset, width)."""
+    return torch.tensor([list(sec) for sec in sections], dtype=torch.int64).view(-1, 2)
+
+
+_KERNEL_DTYPES = (torch.float32, torch.bfloat16)
+
+
+def kernel_takes(x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b_full: torch.Tensor) -> bool:
+    """Whether csrc/lora_delta.c takes these operands as they are (rows of unit stride, x and out of one
+    kernel dtype, A and B of one, on the CPU)."""
+    return (x.device.type == "cpu" and x.dtype == out.dtype and x.dtype in _KERNEL_DTYPES
+            and a.dtype == b_full.dtype and a.dtype in _KERNEL_DTYPES and x.stride(-1) == 1 and out.stride(-1) == 1
+            and a.is_contiguous() and b_full.is_contiguous() and out.shape[1] == b_full.shape[2])
+
+
+def lora_kernel(lib: LoRAKernels, x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b_full: torch.Tensor,
+                sections: torch.Tensor, rank: int, row_slots: torch.Tensor, num_threads: int) -> None:
+    """out += the LoRA delta of each row's adapter in one native call (rows of slot 0 untouched); the
+    operands as kernel_takes() accepts them, row_slots int64 [rows] on the host."""
+    status = lib.lora_delta(x.data_ptr(), x.stride(0), out.data_ptr(), out.stride(0), x.shape[0], x.shape[1],
+                            row_slots.data_ptr(), a.shape[0], a.data_ptr(), b_full.data_ptr(),
+                            int(a.dtype == torch.bfloat16), rank, sections.data_ptr(), sections.shape[0],
+                            b_full.shape[2], int(x.dtype == torch.bfloat16), num_threads)
+    if status == -1:
+        raise MemoryError("lora_delta: no memory for its scratch")
+    if status != 0:
+        raise ValueError("lora_delta: a row's slot or a section lies outside the LoRA buffers")
+
+
+def kernel_usable(dtype: torch.dtype, pool_dtype: torch.dtype, device: str) -> bool:
+    """Whether the native kernel serves a CPU model of `dtype` over a pool of `pool_dtype` (the kernel
+    family on and built)."""
+    return (device == "cpu" and dtype in _KERNEL_DTYPES and pool_dtype in _KERNEL_DTYPES
+            and library.lora() is not None)
+
+
+# The kernel's rows up to which it runs on the calling thread alone. Measured on the 2-core machine at load
+# 5-8 (bench_lora_op.py, docs/benchmarks.md): a 64-row decode forward's deltas took 2.4 ms of wall time on
+# one thread, 3.3 on two, for the same CPU (each tile is microseconds; the partner thread waits for a core).
+# Larger batches take the pool, which falls back to its caller alone where it sees contention: a prefill's
+# products are what would idle the second core of a quiet machine.
+KERNEL_SERIAL_MAX_ROWS = 256
+
+
+def kernel_threads(rows: int) -> int:
+    """The kernel's thread count for a batch of `rows` rows (KERNEL_SERIAL_MAX_ROWS)."""
+    return 1 if rows <= KERNEL_SERIAL_MAX_ROWS else torch.get_num_threads()
 
 
 def _omp_thread_count() -> Tuple[Optional[Callable[[], int]], Optional[Callable[[int], None]]]:
@@ -327,11 +397,18 @@ def pick_backend(name: str, device: str) -> str:
 
 def run_lora(backend: str, x: torch.Tensor, out: torch.Tensor, a: torch.Tensor, b: torch.Tensor,
              b_sections: Sequence[torch.Tensor], sections: Sequence[Tuple[int, int]], rank: int,
-             info: Optional[LoRABatchInfo]) -> None:
+             info: Optional[LoRABatchInfo], b_kernel: Optional[torch.Tensor] = None,
+             sections_t: Optional[torch.Tensor] = None) -> None:
     if info is None or not info.has_lora:
         return
     if backend == "triton":
         lora_triton(x, out, a, b, sections, rank, info)
+    elif info.kernel_slots is not None:
+        # the manager asks for kernel_slots only where the kernel is loaded and takes the model's dtype
+        lib = library.lora()
+        assert lib is not None and b_kernel is not None and sections_t is not None
+        x = x if x.stride(-1) == 1 else x.contiguous()
+        lora_kernel(lib, x, out, a, b_kernel, sections_t, rank, info.kernel_slots, kernel_threads(x.shape[0]))
     else:
         assert info.native is not None  # the manager builds it for the native backend
         lora_native(x, out, a, b_sections, sections, rank, info.native)

@@ -13,7 +13,7 @@ from typing import List, Optional, Sequence, Tuple
 
 import torch
 
-from engine.lora.backend import LoRABatchInfo, run_lora
+from engine.lora.backend import LoRABatchInfo, run_lora, sections_tensor
 
 
 class LoRABatchState:
@@ -41,13 +41,16 @@ class LoRAProjection:
     """Adds x @ A^T @ B^T * scaling of each row's adapter to a base projection's output."""
 
     def __init__(self, a: torch.Tensor, b: torch.Tensor, sections: Sequence[Tuple[int, int]], max_rank: int,
-                 state: LoRABatchState, backend: str, b_native: Optional[List[torch.Tensor]] = None) -> None:
+                 state: LoRABatchState, backend: str, b_native: Optional[List[torch.Tensor]] = None,
+                 b_kernel: Optional[torch.Tensor] = None) -> None:
         self.a, self.b = a, b  # the pool's buffers of this projection: [slots, subs x R, K], [slots, N, R]
         self.sections = list(sections)
         self.max_rank = max_rank
         self.state = state
         self.backend = backend
         self.b_native = b_native or []  # the pool's B per section for the native backend (backend.native_b)
+        self.b_kernel = b_kernel  # the pool's B for the native kernel (backend.kernel_b)
+        self.sections_t = sections_tensor(self.sections)
 
     def apply(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])
@@ -55,7 +58,8 @@ class LoRAProjection:
         if info is None or not info.has_lora:
             return out
         flat = out.reshape(-1, out.shape[-1])
-        run_lora(self.backend, rows, flat, self.a, self.b, self.b_native, self.sections, self.max_rank, info)
+        run_lora(self.backend, rows, flat, self.a, self.b, self.b_native, self.sections, self.max_rank, info,
+                 self.b_kernel, self.sections_t)
         return out
 
     def active(self, rows: int) -> bool:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 
 from engine.lora.adapter import LoRAAdapter, find_targets, read_adapter
-from engine.lora.backend import LoRABatchInfo, NativeShape, build_batch_info, pick_backend
+from engine.lora.backend import LoRABatchInfo, NativeShape, build_batch_info, kernel_usable, pick_backend
 from engine.lora.layers import LoRABatchState, LoRAProjection
 from engine.lora.lora_config import (
     DEFAULT_MAX_LORA_RANK,
@@ -61,7 +61,7 @@ class LoRAManager:
         for key, target in self.targets.items():
             sections = [(s.offset, s.size) for s in target.subs]
             projection = LoRAProjection(self.pool.a_buffers[key], self.pool.b_buffers[key], sections, self.max_rank,
-                                        self.state, backend, self.pool.b_native.get(key))
+                                        self.state, backend, self.pool.b_native.get(key), self.pool.b_kernel.get(key))
             target.module.attach_lora(projection)
         self.adapters: Dict[str, LoRAAdapter] = {}  # by name
         self._by_uid: Dict[str, LoRAAdapter] = {}
@@ -126,12 +126,14 @@ class LoRAManager:
         per_request = [0 if u is None else slots[u] for u in uids]
         device = torch.device(self.device)
         scalings = self.pool.scalings
-        last_rows = build_batch_info(per_request, scalings, device, self.native)
+        # The native kernel where it serves (decided per forward: its family's switch may change).
+        kernel = self.native is not None and kernel_usable(self.dtype, self.native.dtype, self.device)
+        last_rows = build_batch_info(per_request, scalings, device, self.native, kernel)
         if forward_batch.forward_mode.is_extend():
             lens = forward_batch.extend_seq_lens_cpu
             assert lens is not None  # set for every extend
             per_token = [slot for slot, n in zip(per_request, lens) for _ in range(n)]
-            tokens: LoRABatchInfo = build_batch_info(per_token, scalings, device, self.native)
+            tokens: LoRABatchInfo = build_batch_info(per_token, scalings, device, self.native, kernel)
         else:
             tokens = last_rows
         self.state.set(tokens, last_rows)

@@ -19,7 +19,8 @@ from engine.lora.adapter import LoRAAdapter, LoRATarget
 class LoRAMemoryPool:
     def __init__(self, targets: Dict[Tuple[int, str], LoRATarget], num_slots: int, max_rank: int,
                  dtype: torch.dtype, device: str, native: bool = False) -> None:
-        """`native`: also keep B as the native backend reads it (backend.lora_native)."""
+        """`native`: also keep B as the native backend reads it (backend.kernel_b, and its sections as
+        backend.native_b's)."""
         self.max_rank = max_rank
         self.num_slots = num_slots  # adapters; the buffers have one more (slot 0)
         self.a_buffers: Dict[Tuple[int, str], torch.Tensor] = {}
@@ -28,11 +29,15 @@ class LoRAMemoryPool:
             self.a_buffers[key] = torch.zeros((num_slots + 1, len(t.subs) * max_rank, t.local_in), dtype=dtype,
                                               device=device)
             self.b_buffers[key] = torch.zeros((num_slots + 1, t.local_out, max_rank), dtype=dtype, device=device)
-        # Per sub-projection, [slots, R, n_i] = its B^T times the slot's scaling: each section's expand
-        # is one batched product over contiguous operands, with no scaling op per layer.
-        self.b_native: Dict[Tuple[int, str], List[torch.Tensor]] = {
-            key: [torch.zeros((num_slots + 1, max_rank, sub.size), dtype=dtype, device=device) for sub in t.subs]
+        # [slots, R, N] = B^T times the slot's scaling (no scaling op per layer), each row every section's
+        # columns: what the native kernel reads (csrc/lora_delta.c); the torch path's expand of section i
+        # multiplies its columns ([slots, R, n_i] views, b_native), one product per section.
+        self.b_kernel: Dict[Tuple[int, str], torch.Tensor] = {
+            key: torch.zeros((num_slots + 1, max_rank, t.local_out), dtype=dtype, device=device)
             for key, t in targets.items()} if native else {}
+        self.b_native: Dict[Tuple[int, str], List[torch.Tensor]] = {
+            key: [full[:, :, sub.offset:sub.offset + sub.size] for sub in targets[key].subs]
+            for key, full in self.b_kernel.items()}
         self.scalings = torch.zeros(num_slots + 1, dtype=torch.float32, device=device)
         self._targets = targets
         self._slot_of: "OrderedDict[str, int]" = OrderedDict()  # uid -> slot, least recently used first
@@ -75,8 +80,8 @@ class LoRAMemoryPool:
             a_buf.zero_()
             b_buf.zero_()
             native = [b_i[slot] for b_i in self.b_native[key]] if self.b_native else []
-            for b_i in native:
-                b_i.zero_()
+            if self.b_kernel:
+                self.b_kernel[key][slot].zero_()
             for i, entry in enumerate(adapter.weights.get(key, [None] * len(target.subs))):
                 if entry is None:
                     continue

@@ -72,6 +72,19 @@ ENGINE_API void linear_q4(const float *x, int64_t m, int64_t k, const uint8_t *w
 ENGINE_API int linear_mxfp4(const float *x, int64_t m, int64_t k, const uint8_t *blocks, const uint8_t *scales,
                             const float *bias, int64_t n, float *out, int num_threads);
 
+/* Family: lora (lora_delta.c). */
+
+/* out [m, n] (rows out_stride elements apart) += each row's LoRA delta: (x[r] . A[s]^T) over each section's R
+ * columns of the shrunk row, times that section's columns of Bt[s], s = row_slots[r] (rows of slot 0 left
+ * alone); x [m, k] (rows x_stride apart) and out float32 (dtype 0) or bfloat16 (1), A [num_slots, sections x
+ * rank, k] and Bt [num_slots, rank, n] float32 (w_dtype 0) or bfloat16 (1), sections [num_sections][2] (column
+ * offset, width). Returns 0; -1 when its scratch could not be allocated, -2 for a slot or section out of range
+ * (nothing written either way). */
+ENGINE_API int lora_delta(const void *x, int64_t x_stride, void *out, int64_t out_stride, int64_t m, int64_t k,
+                          const int64_t *row_slots, int64_t num_slots, const void *a, const void *b, int w_dtype,
+                          int64_t rank, const int64_t *sections, int64_t num_sections, int64_t n, int dtype,
+                          int num_threads);
+
 /* Family: attention (decode_attention.c, extend_attention.c). */
 
 /* One decode step of one layer: one query row per request over pool slots kv_indices[b][0 .. lens[b]),
