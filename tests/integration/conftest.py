@@ -24,6 +24,16 @@ import pytest
 
 from engine.utils.network_utils import get_free_port
 
+def pytest_ignore_collect(collection_path, config: pytest.Config) -> Optional[bool]:
+    """The fast lane (`-m "not slow"`) does not import these modules at all: every one of them is
+    marked slow (tests/unit/test_fast_lane.py checks that), so the lane would deselect all their
+    tests after paying for their imports (openai, schemathesis, sentence-transformers: about a
+    quarter of the lane's collection CPU). Any other marker expression collects them as usual."""
+    if " ".join(str(config.getoption("markexpr") or "").split()) == "not slow":
+        return True
+    return None
+
+
 STARTUP_TIMEOUT_S = float(os.environ.get("ENGINE_TEST_STARTUP_TIMEOUT", "240"))
 # Every test server runs the idle memory self-check strictly: a leak kills it (non-zero exit).
 BASE_ARGS = ["--device", "cpu", "--max-total-tokens", "8192", "--log-level", "warning", "--strict-memory-check"]

@@ -214,18 +214,6 @@ def test_sigterm_ends_streams_and_stops_every_process(launch_server):
     assert "died with exit code" not in server.log()
 
 
-def test_a_dead_worker_stops_the_server(launch_server):
-    server = launch_server(SERVER_ARGS)
-    victim = worker_processes(server)[1]
-    others = [c for c in server.descendants() if c.pid != victim.pid]
-    os.kill(victim.pid, signal.SIGKILL)
-    assert server.proc.wait(timeout=60) == 1
-    # /health answers once one worker serves: the other may still be starting (its death is then
-    # reported as a failed start, also exit 1).
-    assert re.search(r"Child process http_worker_1 \(\d+\) died (during startup )?with exit code", server.log())
-    assert wait_until(lambda: not any(running(c) for c in others), 30)
-
-
 @pytest.mark.parametrize("flags, needle", [
     (["--tokenizer-worker-num", "0"], "--tokenizer-worker-num must be >= 1"),
     (["--tokenizer-worker-num", "2", "--enable-metrics"], "--enable-metrics"),
@@ -238,3 +226,16 @@ def test_bad_worker_flags_exit_2(flags, needle):
                             capture_output=True, text=True, timeout=120)
     assert result.returncode == 2
     assert needle in result.stderr
+
+
+def test_a_dead_worker_stops_the_server(server):
+    """On the module's server, which it ends: it must stay the module's last test that uses
+    `server` (one server start fewer than a server of its own)."""
+    victim = worker_processes(server)[1]
+    others = [c for c in server.descendants() if c.pid != victim.pid]
+    os.kill(victim.pid, signal.SIGKILL)
+    assert server.proc.wait(timeout=60) == 1
+    # /health answers once one worker serves: the other may still be starting (its death is then
+    # reported as a failed start, also exit 1).
+    assert re.search(r"Child process http_worker_1 \(\d+\) died (during startup )?with exit code", server.log())
+    assert wait_until(lambda: not any(running(c) for c in others), 30)
