@@ -177,14 +177,16 @@ def experts_read(scheduler: Scheduler, prompts: List[List[int]], out_len: int) -
     distinct: List[int] = []
 
     def mode_hook(module, args, kwargs):
-        decoding[0] = args[2].forward_mode.is_decode()
+        forward_batch = args[2] if len(args) > 2 else kwargs["forward_batch"]
+        decoding[0] = forward_batch.forward_mode.is_decode()
 
     def moe_hook(module, args):
         if decoding[0]:
             _, ids = select_experts(args[1], module.top_k, module.renormalize)
             distinct.append(int(torch.unique(ids).numel()))
 
-    handles = [model.model.register_forward_pre_hook(mode_hook, with_kwargs=True)]
+    # On the whole model: its decoder stack may be run through another method than forward.
+    handles = [model.register_forward_pre_hook(mode_hook, with_kwargs=True)]
     handles += [m.register_forward_pre_hook(moe_hook) for m in layers]
     try:
         _decode(scheduler, prompts, out_len, "count")

@@ -87,6 +87,19 @@ TINY = dict(
 )
 
 
+class LetterTokenizer:
+    """A tokenizer for random models in scheduler tests: token i decodes to one letter (a + i mod 26), so
+    stop strings and detokenized text have something to match; a letter encodes back to its id."""
+
+    eos_token_id = None
+
+    def decode(self, ids, **kwargs) -> str:
+        return "".join(chr(ord("a") + i % 26) for i in ids)
+
+    def encode(self, text, add_special_tokens=False):
+        return [ord(c) - ord("a") for c in text]
+
+
 def build_tiny_model(
     path: str,
     arch: str = "llama",

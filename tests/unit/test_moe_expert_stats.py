@@ -7,22 +7,12 @@ from __future__ import annotations
 import pytest
 
 from sched_utils import Harness
-from utils_models import build_tiny_model
+from utils_models import LetterTokenizer, build_tiny_model
 
 from engine.io_struct import ExpertDistributionReq
 from engine.server_args import ServerArgs
 
 LAYERS, EXPERTS, TOP_K = 2, 4, 2
-
-
-class _Tok:
-    eos_token_id = None
-
-    def decode(self, ids, **kwargs) -> str:
-        return "".join(chr(ord("a") + i % 26) for i in ids)
-
-    def encode(self, text, add_special_tokens=False):
-        return [ord(c) - ord("a") for c in text]
 
 
 @pytest.fixture(scope="module")
@@ -36,7 +26,7 @@ def _harness(path: str) -> Harness:
     from engine.scheduler.tp_worker import TpModelWorker
 
     worker = TpModelWorker(ServerArgs(model_path=path, device="cpu", max_total_tokens=1024, max_running_requests=8))
-    return Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=1024, disable_radix_cache=True)
+    return Harness(worker=worker, tokenizer=LetterTokenizer(), max_total_tokens=1024, disable_radix_cache=True)
 
 
 def test_layout_and_routed_tokens_in_internal_state(mixtral):

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from sched_utils import Harness
-from utils_models import BatchDriver, ExtendReq, build_tiny_model, hf_greedy, hf_logits, make_runner
+from utils_models import BatchDriver, ExtendReq, LetterTokenizer, build_tiny_model, hf_greedy, hf_logits, make_runner
 
 from engine.server_args import ServerArgs
 
@@ -24,16 +24,6 @@ def _prompts() -> List[List[int]]:
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (5, 23, 40)]
     prompts.append(prompts[2][:30] + [7, 8, 9])  # shares a cached prefix with the third
     return prompts
-
-
-class _Tok:
-    eos_token_id = None
-
-    def decode(self, ids, **kwargs) -> str:
-        return "".join(chr(ord("a") + i % 26) for i in ids)
-
-    def encode(self, text, add_special_tokens=False):
-        return [ord(c) - ord("a") for c in text]
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -110,7 +100,7 @@ def test_scheduler_greedy_equals_transformers(moe_model, config):
     page = kwargs.get("page_size", 1)
     worker = TpModelWorker(ServerArgs(model_path=path, device="cpu", max_total_tokens=2048, page_size=page,
                                       max_running_requests=16))
-    h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=2048, **kwargs)
+    h = Harness(worker=worker, tokenizer=LetterTokenizer(), max_total_tokens=2048, **kwargs)
     rids = [h.submit(p, max_new_tokens=N_NEW, ignore_eos=True) for p in _prompts()]
     h.run_until_idle()
     assert [h.outputs[r].output_ids for r in rids] == expected, (arch, config)

@@ -13,20 +13,10 @@ import pytest
 import torch
 
 from pd_utils import PDPair
-from utils_models import TINY_SWA, build_tiny_model, hf_greedy
+from utils_models import LetterTokenizer, TINY_SWA, build_tiny_model, hf_greedy
 
 N_NEW = 20
 SIDE = dict(chunked_prefill_size=32, max_prefill_tokens=64, max_running_requests=4)
-
-
-class _Tok:
-    eos_token_id = None
-
-    def decode(self, ids, **kwargs) -> str:
-        return "".join(chr(ord("a") + i % 26) for i in ids)
-
-    def encode(self, text, add_special_tokens=False):
-        return [ord(c) - ord("a") for c in text]
 
 
 def _prompts() -> List[List[int]]:
@@ -87,7 +77,7 @@ def test_pd_of_both_pools_equals_transformers(model, name, monkeypatch):
     decode_worker = _worker(path, decode_total, "decode", page_size=page)
     for worker in (prefill_worker, decode_worker):
         assert isinstance(worker.model_runner.token_to_kv_pool_allocator, SWATokenToKVPoolAllocator)
-    pair = PDPair(prefill_worker=prefill_worker, decode_worker=decode_worker, tokenizer=_Tok(),
+    pair = PDPair(prefill_worker=prefill_worker, decode_worker=decode_worker, tokenizer=LetterTokenizer(),
                   prefill_kwargs=dict(max_total_tokens=4096, **SIDE, **prefill_extra),
                   decode_kwargs=dict(max_total_tokens=decode_total, num_reserved_decode_tokens=0, page_size=page, **SIDE),
                   **cfg)

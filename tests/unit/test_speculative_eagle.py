@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from sched_utils import Harness, fast_lane
-from test_speculative_ngram import VOCAB, _prompts, _Tok
+from test_speculative_ngram import VOCAB, _prompts
+from utils_models import LetterTokenizer
 from utils_models import build_eagle_head, build_tiny_model
 
 from engine.server_args import ServerArgs, ServerArgsError
@@ -61,7 +62,7 @@ def _harness(target: str, head: str = None, **kwargs) -> Harness:
     spec = dict(speculative_algorithm=kwargs.pop("speculative_algorithm", "EAGLE"), speculative_draft_model_path=head,
                 speculative_batch_size_threshold=1024,
                 disable_speculative_adaptive=True) if head is not None else {}
-    return Harness(worker=TpModelWorker(worker_args), tokenizer=_Tok(), max_total_tokens=total, **spec, **kwargs)
+    return Harness(worker=TpModelWorker(worker_args), tokenizer=LetterTokenizer(), max_total_tokens=total, **spec, **kwargs)
 
 
 def _run(target: str, head: str, prompts: List[List[int]], sampling: Dict = None, **kwargs

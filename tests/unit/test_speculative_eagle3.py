@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from sched_utils import Harness
-from test_speculative_ngram import VOCAB, _chi2, _chi2_bound, _prompts, _Tok
+from test_speculative_ngram import VOCAB, _chi2, _chi2_bound, _prompts
+from utils_models import LetterTokenizer
 from utils_models import build_eagle3_head, build_tiny_model, repeat_target
 
 from engine.server_args import ServerArgs
@@ -44,7 +45,7 @@ def _harness(target: str, head: str = None, **kwargs) -> Harness:
     spec = dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
                 speculative_batch_size_threshold=1024,
                 disable_speculative_adaptive=True) if head is not None else {}
-    return Harness(worker=TpModelWorker(worker_args), tokenizer=_Tok(), max_total_tokens=total, **spec, **kwargs)
+    return Harness(worker=TpModelWorker(worker_args), tokenizer=LetterTokenizer(), max_total_tokens=total, **spec, **kwargs)
 
 
 def _run(target: str, head: str, prompts: List[List[int]], sampling: Dict = None, **kwargs
@@ -177,7 +178,7 @@ def test_sampled_outputs_keep_the_target_distribution_end_to_end(tmp_path):
     vocab, n, temperature = 12, 2000, 0.9
     prompt = [3, 1, 4, 0, 5, 9, 2, 6, 11, 8, 7, 10]
     worker_args = ServerArgs(model_path=path, device="cpu", max_total_tokens=16384, max_running_requests=256)
-    h = Harness(worker=TpModelWorker(worker_args), tokenizer=_Tok(), max_total_tokens=16384,
+    h = Harness(worker=TpModelWorker(worker_args), tokenizer=LetterTokenizer(), max_total_tokens=16384,
                 max_running_requests=256, speculative_algorithm="EAGLE3", speculative_draft_model_path=head,
                 speculative_num_steps=2, speculative_batch_size_threshold=1024,
                 disable_speculative_adaptive=True)

@@ -11,7 +11,8 @@ from types import SimpleNamespace
 import pytest
 
 from sched_utils import Harness
-from test_speculative_ngram import VOCAB, _Tok
+from test_speculative_ngram import VOCAB
+from utils_models import LetterTokenizer
 from utils_models import build_eagle_head, build_tiny_model
 
 from engine.server_args import ServerArgs
@@ -46,7 +47,7 @@ def test_target_and_draft_pools_share_one_budget(models, monkeypatch, algo, draf
     # The server passes the same arguments to the worker and the scheduler.
     args = dict(model_path=models["target"], device="cpu", mem_fraction_static=FRACTION, max_running_requests=16)
     worker = TpModelWorker(ServerArgs(**args, **spec))
-    h = Harness(worker=worker, tokenizer=_Tok(), **spec, mem_fraction_static=FRACTION, max_running_requests=16)
+    h = Harness(worker=worker, tokenizer=LetterTokenizer(), **spec, mem_fraction_static=FRACTION, max_running_requests=16)
     state = h.scheduler.internal_state()
     target, drafted = state["kv_pool_bytes"], state["draft_kv_pool_bytes"]
     budget = FRACTION * (FREE - _checkpoint_bytes(models[draft]))

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sched_utils import Harness, fast_lane
-from test_speculative_ngram import _Tok
+from utils_models import LetterTokenizer
 from utils_models import build_tiny_model
 
 from engine.server_args import ServerArgs
@@ -76,7 +76,7 @@ def _harness(target: str, spec: Dict, **kwargs) -> Harness:
     # As one server's arguments: the worker's pool is sized with the draft's.
     worker = TpModelWorker(ServerArgs(model_path=target, device="cpu", max_total_tokens=total, page_size=page,
                                       max_running_requests=16, **spec))
-    return Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=total, **spec, **kwargs)
+    return Harness(worker=worker, tokenizer=LetterTokenizer(), max_total_tokens=total, **spec, **kwargs)
 
 
 def _waves(h: Harness) -> List[List[int]]:

@@ -16,7 +16,7 @@ import torch
 
 from sched_utils import Harness, fast_lane
 from test_speculative_mla import VOCAB, _prompts
-from test_speculative_ngram import _Tok
+from utils_models import LetterTokenizer
 from utils_models import BatchDriver, ExtendReq, build_tiny_model, hf_hidden_states, make_runner
 
 from engine.server_args import ServerArgs, ServerArgsError
@@ -127,7 +127,7 @@ def _harness(path: str, spec: Dict, **kwargs) -> Harness:
     page = kwargs.get("page_size", 1)
     worker = TpModelWorker(ServerArgs(model_path=path, device="cpu", max_total_tokens=4096, page_size=page,
                                       max_running_requests=16, **spec))
-    return Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=4096, model_path=path, **spec, **kwargs)
+    return Harness(worker=worker, tokenizer=LetterTokenizer(), max_total_tokens=4096, model_path=path, **spec, **kwargs)
 
 
 def _waves(h: Harness) -> List[List[int]]:
@@ -239,7 +239,7 @@ def _tp_generate(path: str, spec: Dict, tp_size: int, ep_size: int, tp_rank: int
 
     worker = TpModelWorker(ServerArgs(model_path=path, device="cpu", max_total_tokens=2048, max_running_requests=16,
                                       tp_size=tp_size, ep_size=ep_size, **spec), tp_rank=tp_rank)
-    h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=2048, model_path=path, tp_size=tp_size,
+    h = Harness(worker=worker, tokenizer=LetterTokenizer(), max_total_tokens=2048, model_path=path, tp_size=tp_size,
                 ep_size=ep_size, **spec)
     rids = [h.submit(p, max_new_tokens=N_NEW, ignore_eos=True) for p in _prompts()]
     h.run_until_idle()  # ends with the strict idle leak check

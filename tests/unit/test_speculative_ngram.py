@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sched_utils import Harness, fast_lane
-from utils_models import build_tiny_model
+from utils_models import LetterTokenizer, build_tiny_model
 
 from engine.server_args import ServerArgs, ServerArgsError
 from engine.speculative.ngram import propose_ngram_drafts
@@ -35,27 +35,15 @@ def tiny():
 
 
 def _harness(path: str, spec: bool, tokenizer=None, **kwargs) -> Harness:
-    """tokenizer: the letters of _Tok unless given (constrained decoding needs the model's)."""
+    """tokenizer: the letters of LetterTokenizer unless given (constrained decoding needs the model's)."""
     from engine.scheduler.tp_worker import TpModelWorker
 
     total = kwargs.pop("max_total_tokens", 4096)
     page = kwargs.get("page_size", 1)
     worker_args = ServerArgs(model_path=path, device="cpu", max_total_tokens=total, page_size=page,
                              max_running_requests=16)
-    return Harness(worker=TpModelWorker(worker_args), tokenizer=tokenizer or _Tok(), max_total_tokens=total,
+    return Harness(worker=TpModelWorker(worker_args), tokenizer=tokenizer or LetterTokenizer(), max_total_tokens=total,
                    **(NGRAM if spec else {}), **kwargs)
-
-
-class _Tok:
-    """Token i decodes to one letter (stop strings are matched on this text)."""
-
-    eos_token_id = None
-
-    def decode(self, ids, **kwargs) -> str:
-        return "".join(chr(ord("a") + i % 26) for i in ids)
-
-    def encode(self, text, add_special_tokens=False):
-        return [ord(c) - ord("a") for c in text]
 
 
 def _prompts() -> List[List[int]]:
@@ -166,7 +154,7 @@ def test_stop_token_and_stop_string_cut_the_acceptance(tiny):
     _, base, _ = _run(tiny, False, prompts)
     # Stop on a token and on a string that appear in the middle of the greedy outputs.
     stop_id = base[3][10]
-    stop_str = _Tok().decode(base[4][7:9])
+    stop_str = LetterTokenizer().decode(base[4][7:9])
     for sampling in (dict(stop_token_ids=[stop_id], ignore_eos=False), dict(stop=[stop_str])):
         h0, plain, rids0 = _run(tiny, False, prompts, sampling)
         h1, spec, rids1 = _run(tiny, True, prompts, sampling)
@@ -358,7 +346,7 @@ def test_sampled_outputs_keep_the_target_distribution_end_to_end(tiny_vocab, adj
     vocab, n, temperature = 12, 3000, 0.9
     prompt = [3, 1, 4, 0, 5, 9, 2, 6, 11, 8, 7, 10] * 2
     worker_args = ServerArgs(model_path=path, device="cpu", max_total_tokens=16384, max_running_requests=256)
-    h = Harness(worker=TpModelWorker(worker_args), tokenizer=_Tok(), max_total_tokens=16384,
+    h = Harness(worker=TpModelWorker(worker_args), tokenizer=LetterTokenizer(), max_total_tokens=16384,
                 max_running_requests=256, **NGRAM)
     rids = [h.submit(prompt, max_new_tokens=3, ignore_eos=True, temperature=temperature, **ADJUSTS[adjust])
             for _ in range(n)]

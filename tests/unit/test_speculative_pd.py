@@ -137,10 +137,11 @@ def eagle_models(tmp_path_factory):
 @pytest.fixture(scope="module")
 def eagle_oracle(eagle_models):
     """The target's greedy outputs on a unified server without speculation."""
-    from test_speculative_ngram import _prompts, _Tok
+    from test_speculative_ngram import _prompts
+    from utils_models import LetterTokenizer
 
     target, _, _ = eagle_models
-    h = Harness(worker=_worker(target), tokenizer=_Tok(), max_total_tokens=4096)
+    h = Harness(worker=_worker(target), tokenizer=LetterTokenizer(), max_total_tokens=4096)
     rids = [h.submit(p, **SAMPLING) for p in _prompts()]
     h.run_until_idle()
     out = [h.outputs[r].output_ids for r in rids]
@@ -214,7 +215,8 @@ def test_pd_decode_side_eagle_equals_unified(eagle_models, eagle_oracle, case):
     they came from the prefill, prefix-cache hits there included (the second wave shares prefixes
     with the first); both sides end idle with nothing leaked. The prefill runs the overlap loop (it
     keeps the features on its forward thread, never verifies) with chunked prefill, and holds no head."""
-    from test_speculative_ngram import _prompts, _Tok
+    from test_speculative_ngram import _prompts
+    from utils_models import LetterTokenizer
 
     target, heads, hf = eagle_models
     algo, topk, both, decode_only = EAGLE_CASES[case]
@@ -222,7 +224,7 @@ def test_pd_decode_side_eagle_equals_unified(eagle_models, eagle_oracle, case):
     prompts = _prompts()
     page = both.get("page_size", 1)
     pair = PDPair(prefill_worker=_worker(target, page_size=page),
-                  decode_worker=_worker(target, disaggregation_mode="decode", page_size=page), tokenizer=_Tok(),
+                  decode_worker=_worker(target, disaggregation_mode="decode", page_size=page), tokenizer=LetterTokenizer(),
                   overlap_prefill=True, prefill_kwargs=dict(spec, max_total_tokens=4096, chunked_prefill_size=16),
                   decode_kwargs=dict(spec, max_total_tokens=4096, **decode_only))
     try:
@@ -289,17 +291,18 @@ def test_pd_decode_side_eagle3_accepts_every_draft(repeat_pair, total):
     drawn from a zero feature (and rejected); with them every draft is accepted. Retracted requests
     keep their features with their KV backup (the first draft after the resume reads the feature of
     the last committed position)."""
-    from test_speculative_ngram import _prompts, _Tok
+    from test_speculative_ngram import _prompts
+    from utils_models import LetterTokenizer
 
     target, head = repeat_pair
     prompts = _prompts()
-    oracle = _unified_outputs(target, prompts, _Tok())
+    oracle = _unified_outputs(target, prompts, LetterTokenizer())
     spec = _eagle_spec("EAGLE3", head)
     decode_kwargs = dict(spec, max_total_tokens=total)
     if total < 4096:
         decode_kwargs["num_reserved_decode_tokens"] = 0  # retract rather than wait
     pair = PDPair(prefill_worker=_worker(target), decode_worker=_worker(target, total, disaggregation_mode="decode"),
-                  tokenizer=_Tok(), prefill_kwargs=dict(spec, max_total_tokens=4096), decode_kwargs=decode_kwargs)
+                  tokenizer=LetterTokenizer(), prefill_kwargs=dict(spec, max_total_tokens=4096), decode_kwargs=decode_kwargs)
     try:
         rids = [pair.submit(p, rid=f"pd{i}", **SAMPLING) for i, p in enumerate(prompts)]
         retracted = pair.run_counting_retractions()
@@ -316,14 +319,15 @@ def test_pd_decode_side_eagle3_after_a_rebootstrap(repeat_pair):
     of prompt + outputs (but the last) and sends the features with it, so every draft is still
     accepted and the outputs are the target's."""
     from engine.io_struct import ContinueGenerationReqInput, PauseGenerationReqInput
-    from test_speculative_ngram import _prompts, _Tok
+    from test_speculative_ngram import _prompts
+    from utils_models import LetterTokenizer
 
     target, head = repeat_pair
     prompts = _prompts()[:3]
-    oracle = _unified_outputs(target, prompts, _Tok())
+    oracle = _unified_outputs(target, prompts, LetterTokenizer())
     spec = _eagle_spec("EAGLE3", head)
     pair = PDPair(prefill_worker=_worker(target), decode_worker=_worker(target, disaggregation_mode="decode"),
-                  tokenizer=_Tok(), prefill_kwargs=dict(spec, max_total_tokens=4096),
+                  tokenizer=LetterTokenizer(), prefill_kwargs=dict(spec, max_total_tokens=4096),
                   decode_kwargs=dict(spec, max_total_tokens=4096))
     try:
         rids = [pair.submit(p, rid=f"pd{i}", stream=True, **SAMPLING) for i, p in enumerate(prompts)]
@@ -349,7 +353,8 @@ def test_pd_decode_side_eagle3_after_a_rebootstrap(repeat_pair):
 def test_pd_speculation_mismatch_refused_at_bootstrap(eagle_models, prefill_algo, decode_algo):
     """Servers whose EAGLE flags differ cannot pair: the request fails with the reason (as a KV dtype
     mismatch does), and both sides end idle."""
-    from test_speculative_ngram import _prompts, _Tok
+    from test_speculative_ngram import _prompts
+    from utils_models import LetterTokenizer
 
     target, heads, _ = eagle_models
 
@@ -357,7 +362,7 @@ def test_pd_speculation_mismatch_refused_at_bootstrap(eagle_models, prefill_algo
         return dict(_eagle_spec(algo, heads[algo]) if algo else {}, max_total_tokens=4096)
 
     pair = PDPair(prefill_worker=_worker(target), decode_worker=_worker(target, disaggregation_mode="decode"),
-                  tokenizer=_Tok(), prefill_kwargs=kwargs(prefill_algo), decode_kwargs=kwargs(decode_algo))
+                  tokenizer=LetterTokenizer(), prefill_kwargs=kwargs(prefill_algo), decode_kwargs=kwargs(decode_algo))
     try:
         rid = pair.submit(_prompts()[0], rid="mismatch", **SAMPLING)
         # The prefill side waits for a destination that never comes: it is aborted there.

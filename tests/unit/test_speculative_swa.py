@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from sched_utils import Harness
-from test_speculative_ngram import _Tok
+from utils_models import LetterTokenizer
 from utils_models import TINY_SWA, build_eagle_head, build_tiny_model, hf_greedy
 
 from engine.server_args import ServerArgs
@@ -58,7 +58,7 @@ def _run(target: str, draft: str, algo: str, page: int, radix: bool, overlap: bo
     worker = TpModelWorker(ServerArgs(model_path=target, device="cpu", max_total_tokens=4096, **common, **spec))
     allocator = worker.model_runner.token_to_kv_pool_allocator
     assert isinstance(allocator, SWATokenToKVPoolAllocator) and allocator.swa.size < 4096
-    h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=4096, overlap=overlap, **common, **spec)
+    h = Harness(worker=worker, tokenizer=LetterTokenizer(), max_total_tokens=4096, overlap=overlap, **common, **spec)
     return h
 
 

@@ -17,7 +17,8 @@ import torch
 
 from sched_utils import Harness
 from test_speculative_eagle import exact_pair  # noqa: F401  (a module fixture)
-from test_speculative_ngram import VOCAB, _prompts, _Tok
+from test_speculative_ngram import VOCAB, _prompts
+from utils_models import LetterTokenizer
 from utils_models import build_tiny_model
 
 from engine.server_args import ServerArgs
@@ -167,7 +168,7 @@ def _harness(target: str, spec: Dict, **kwargs) -> Harness:
 
     worker_args = ServerArgs(model_path=target, device="cpu", max_total_tokens=4096,
                              page_size=kwargs.get("page_size", 1), max_running_requests=16)
-    return Harness(worker=TpModelWorker(worker_args), tokenizer=_Tok(), max_total_tokens=4096, **spec, **kwargs)
+    return Harness(worker=TpModelWorker(worker_args), tokenizer=LetterTokenizer(), max_total_tokens=4096, **spec, **kwargs)
 
 
 def _outputs(h: Harness, prompts: List[List[int]], n_new: int) -> List[List[int]]:

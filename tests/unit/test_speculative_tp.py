@@ -20,7 +20,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from test_speculative_ngram import _Tok
+from utils_models import LetterTokenizer
 from utils_models import build_eagle_head, build_tiny_model
 
 from engine.utils.network_utils import get_free_port
@@ -62,7 +62,7 @@ def _generate(target: str, spec: Optional[Dict], tp_size: int, tp_rank: int) -> 
                                       max_running_requests=16, tp_size=tp_size), tp_rank=tp_rank)
     spec = dict(spec or {})
     overlap = bool(spec.pop("overlap", False))
-    h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=2048, tp_size=tp_size, overlap=overlap, **spec)
+    h = Harness(worker=worker, tokenizer=LetterTokenizer(), max_total_tokens=2048, tp_size=tp_size, overlap=overlap, **spec)
     greedy = [h.submit(p, max_new_tokens=N_NEW, ignore_eos=True) for p in PROMPTS]
     sampled = [h.submit(p, max_new_tokens=N_NEW, ignore_eos=True, **SAMPLED) for p in PROMPTS]
     h.run_until_idle()  # ends with the strict idle leak check

@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from sched_utils import Harness, fast_lane
-from test_speculative_ngram import VOCAB, _chi2, _chi2_bound, _prompts, _sampling_info, _Tok
+from test_speculative_ngram import VOCAB, _chi2, _chi2_bound, _prompts, _sampling_info
+from utils_models import LetterTokenizer
 from utils_models import build_eagle_head, build_eagle3_head, build_tiny_model
 
 from engine.server_args import ServerArgs, ServerArgsError
@@ -73,7 +74,7 @@ def _harness(target: str, draft: str = None, algo: str = "STANDALONE", steps: in
     spec = dict(speculative_algorithm=algo, speculative_draft_model_path=draft, speculative_num_steps=steps,
                 speculative_eagle_topk=topk, speculative_num_draft_tokens=tokens,
                 speculative_batch_size_threshold=1024, disable_speculative_adaptive=True) if draft is not None else {}
-    return Harness(worker=TpModelWorker(worker_args), tokenizer=tokenizer or _Tok(), max_total_tokens=total, **spec,
+    return Harness(worker=TpModelWorker(worker_args), tokenizer=tokenizer or LetterTokenizer(), max_total_tokens=total, **spec,
                    **kwargs)
 
 
@@ -417,7 +418,7 @@ def test_stop_token_and_stop_string_cut_the_acceptance(tiny, small_draft):
     prompts = _prompts()
     _, base, _ = _run(tiny, None, prompts)
     stop_id = base[3][10]
-    stop_str = _Tok().decode(base[4][7:9])
+    stop_str = LetterTokenizer().decode(base[4][7:9])
     for sampling in (dict(stop_token_ids=[stop_id], ignore_eos=False), dict(stop=[stop_str])):
         h0, plain, rids0 = _run(tiny, None, prompts, sampling)
         for draft in (tiny, small_draft):
@@ -500,7 +501,7 @@ def test_sampled_outputs_keep_the_target_distribution_end_to_end(tiny_vocab):
     vocab, n, temperature = 12, 3000, 0.9
     prompt = [3, 1, 4, 0, 5, 9, 2, 6, 11, 8, 7, 10]
     worker_args = ServerArgs(model_path=path, device="cpu", max_total_tokens=65536, max_running_requests=256)
-    h = Harness(worker=TpModelWorker(worker_args), tokenizer=_Tok(), max_total_tokens=65536,
+    h = Harness(worker=TpModelWorker(worker_args), tokenizer=LetterTokenizer(), max_total_tokens=65536,
                 max_running_requests=256, speculative_algorithm="STANDALONE", speculative_draft_model_path=path,
                 speculative_num_steps=2, speculative_eagle_topk=3, speculative_num_draft_tokens=13,
                 speculative_batch_size_threshold=1024, disable_speculative_adaptive=True)

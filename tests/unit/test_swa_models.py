@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from sched_utils import Harness
-from utils_models import TINY_SWA, BatchDriver, ExtendReq, build_tiny_model, hf_greedy, hf_logits, make_runner
+from utils_models import BatchDriver, ExtendReq, LetterTokenizer, TINY_SWA, build_tiny_model, hf_greedy, hf_logits, make_runner
 
 from engine.server_args import ServerArgs
 
@@ -26,16 +26,6 @@ def _prompts() -> List[List[int]]:
     prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in (100, 173, 260)]
     prompts.append(prompts[2][:200] + [7, 8, 9, 10, 11])  # shares a cached prefix with the third
     return prompts
-
-
-class _Tok:
-    eos_token_id = None
-
-    def decode(self, ids, **kwargs) -> str:
-        return "".join(chr(ord("a") + i % 26) for i in ids)
-
-    def encode(self, text, add_special_tokens=False):
-        return [ord(c) - ord("a") for c in text]
 
 
 @pytest.fixture(autouse=True)
@@ -113,7 +103,7 @@ def test_scheduler_greedy_equals_transformers(swa_model, config):
         from engine.mem_cache.swa_pool import SWATokenToKVPoolAllocator
 
         assert isinstance(worker.model_runner.token_to_kv_pool_allocator, SWATokenToKVPoolAllocator)
-    h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=4096, **kwargs)
+    h = Harness(worker=worker, tokenizer=LetterTokenizer(), max_total_tokens=4096, **kwargs)
     prompts = _prompts()
     rids = [h.submit(p, max_new_tokens=N_NEW, ignore_eos=True) for p in prompts[:3]]
     h.run_until_idle()
@@ -168,7 +158,7 @@ def test_retracted_requests_continue_exactly(swa_model, overlap, caplog):
     arch, path, _, expected = swa_model
     total = 600  # the three prompts take 533 slots, their decodes 72 more
     worker = TpModelWorker(ServerArgs(model_path=path, device="cpu", max_total_tokens=total, max_running_requests=16))
-    h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=total, overlap=overlap,
+    h = Harness(worker=worker, tokenizer=LetterTokenizer(), max_total_tokens=total, overlap=overlap,
                 schedule_conservativeness=0.3)
     with caplog.at_level("WARNING"):
         rids = [h.submit(p, max_new_tokens=N_NEW) for p in _prompts()[:3]]
@@ -198,7 +188,7 @@ def test_hybrid_pool_bounds_windowed_kv_and_keeps_outputs(swa_model, overlap, pa
     assert isinstance(allocator, SWATokenToKVPoolAllocator)
     bound = swa_pool_size(4096, 16, 4, 32, page_size=page)  # 4 requests, window 16, chunks of 32
     assert allocator.swa.size == bound < 4096
-    h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=4096, overlap=overlap, page_size=page, **HYBRID)
+    h = Harness(worker=worker, tokenizer=LetterTokenizer(), max_total_tokens=4096, overlap=overlap, page_size=page, **HYBRID)
     prompts = _prompts()
     rids = [h.submit(p, max_new_tokens=N_NEW, ignore_eos=True) for p in prompts]
     peak_full = peak_swa = 0
@@ -246,7 +236,7 @@ def test_hybrid_pool_retraction_continues_exactly(swa_model, overlap, page):
                                       **HYBRID))
     allocator = worker.model_runner.token_to_kv_pool_allocator
     assert isinstance(allocator, SWATokenToKVPoolAllocator)
-    h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=4096, overlap=overlap, page_size=page, **HYBRID)
+    h = Harness(worker=worker, tokenizer=LetterTokenizer(), max_total_tokens=4096, overlap=overlap, page_size=page, **HYBRID)
     rids = [h.submit(p, max_new_tokens=N_NEW, ignore_eos=True) for p in _prompts()]
     for _ in range(20):  # some requests decoding past the window, one mid-prefill
         h.step()
@@ -285,7 +275,7 @@ def test_paged_hybrid_pool_window_64_equals_transformers(window64_model, radix, 
     worker = TpModelWorker(ServerArgs(model_path=path, device="cpu", max_total_tokens=4096, **args))
     allocator = worker.model_runner.token_to_kv_pool_allocator
     assert isinstance(allocator, SWATokenToKVPoolAllocator) and allocator.swa.size < 4096
-    h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=4096, overlap=overlap, **args)
+    h = Harness(worker=worker, tokenizer=LetterTokenizer(), max_total_tokens=4096, overlap=overlap, **args)
     first = h.submit(prompts[0], max_new_tokens=N_NEW, ignore_eos=True)
     h.run_until_idle()
     second = h.submit(prompts[1], max_new_tokens=N_NEW, ignore_eos=True)
@@ -322,7 +312,7 @@ def test_last_rows_of_windowed_layers_attend_alone(swa_model, page, monkeypatch)
     chunk = {"chunked_prefill_size": 64} if page > 1 else {}
     worker = TpModelWorker(ServerArgs(model_path=path, device="cpu", max_total_tokens=4096, page_size=page,
                                       max_running_requests=16, **chunk))
-    h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=4096, page_size=page, **chunk)
+    h = Harness(worker=worker, tokenizer=LetterTokenizer(), max_total_tokens=4096, page_size=page, **chunk)
     rids = [h.submit(p, max_new_tokens=N_NEW, ignore_eos=True) for p in _prompts()[:3]]
     h.run_until_idle()
     assert [h.outputs[r].output_ids for r in rids] == expected[:3]

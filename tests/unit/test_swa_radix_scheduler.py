@@ -13,22 +13,12 @@ import pytest
 import torch
 
 from sched_utils import Harness
-from utils_models import TINY_SWA, build_tiny_model, hf_greedy
+from utils_models import LetterTokenizer, TINY_SWA, build_tiny_model, hf_greedy
 
 from engine.server_args import ServerArgs
 
 N_NEW = 20
 RADIX = dict(chunked_prefill_size=32, max_prefill_tokens=64, max_running_requests=4)
-
-
-class _Tok:
-    eos_token_id = None
-
-    def decode(self, ids, **kwargs) -> str:
-        return "".join(chr(ord("a") + i % 26) for i in ids)
-
-    def encode(self, text, add_special_tokens=False):
-        return [ord(c) - ord("a") for c in text]
 
 
 def _prompts() -> Dict[str, List[int]]:
@@ -61,7 +51,7 @@ def _harness(path: str, total: int, overlap: bool, **extra) -> Harness:
 
     args = dict(RADIX, **extra)
     worker = TpModelWorker(ServerArgs(model_path=path, device="cpu", max_total_tokens=total, **args))
-    h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=total, overlap=overlap, **args)
+    h = Harness(worker=worker, tokenizer=LetterTokenizer(), max_total_tokens=total, overlap=overlap, **args)
     assert isinstance(worker.model_runner.token_to_kv_pool_allocator, SWATokenToKVPoolAllocator)
     assert isinstance(h.scheduler.kv.tree_cache, SWARadixCache)
     return h
@@ -187,7 +177,7 @@ def test_ngram_speculation_with_both_pools(model, page):
                 disable_speculative_adaptive=True, page_size=page)
     worker = TpModelWorker(ServerArgs(model_path=path, device="cpu", max_total_tokens=4096, **spec))
     assert isinstance(worker.model_runner.token_to_kv_pool_allocator, SWATokenToKVPoolAllocator)
-    h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=4096, **spec)
+    h = Harness(worker=worker, tokenizer=LetterTokenizer(), max_total_tokens=4096, **spec)
     names = ["first", "shares_100", "turn2"]
     rids = [h.submit(prompts[name], max_new_tokens=N_NEW, ignore_eos=True) for name in names]
     h.run_until_idle()

@@ -581,7 +581,8 @@ def test_tree_speculation_with_triton_backend_keeps_greedy_outputs(tk):
     through the kernel's tree mask; outputs equal those without speculation and every verify step
     accepts the whole depth."""
     from sched_utils import Harness
-    from test_speculative_ngram import _prompts, _Tok
+    from test_speculative_ngram import _prompts
+    from utils_models import LetterTokenizer
 
     from engine.builtin_model import ensure_builtin_model
     from engine.scheduler.tp_worker import TpModelWorker
@@ -595,7 +596,7 @@ def test_tree_speculation_with_triton_backend_keeps_greedy_outputs(tk):
         extra = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=tiny, speculative_num_steps=2,
                      speculative_eagle_topk=2, speculative_num_draft_tokens=7,
                      speculative_batch_size_threshold=1024, disable_speculative_adaptive=True) if spec else {}
-        h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=2048, attention_backend="triton", **extra)
+        h = Harness(worker=worker, tokenizer=LetterTokenizer(), max_total_tokens=2048, attention_backend="triton", **extra)
         rids = [h.submit(_prompts()[0], max_new_tokens=4, ignore_eos=True)]
         h.run_until_idle()
         return [h.outputs[r].output_ids for r in rids], h.scheduler.internal_state()
@@ -614,7 +615,7 @@ def test_windowed_tree_speculation_with_triton_backend_keeps_greedy_outputs(tk, 
     outputs equal those without speculation and every verify step accepts the whole depth, which holds
     only if each draft and verify row was windowed at its node's position."""
     from sched_utils import Harness
-    from test_speculative_ngram import _Tok
+    from utils_models import LetterTokenizer
     from utils_models import TINY_SWA, build_tiny_model
 
     from engine.scheduler.tp_worker import TpModelWorker
@@ -631,7 +632,7 @@ def test_windowed_tree_speculation_with_triton_backend_keeps_greedy_outputs(tk, 
         extra = dict(speculative_algorithm="STANDALONE", speculative_draft_model_path=path, speculative_num_steps=2,
                      speculative_eagle_topk=2, speculative_num_draft_tokens=5,
                      speculative_batch_size_threshold=1024, disable_speculative_adaptive=True) if spec else {}
-        h = Harness(worker=worker, tokenizer=_Tok(), max_total_tokens=1024, attention_backend="triton", **extra)
+        h = Harness(worker=worker, tokenizer=LetterTokenizer(), max_total_tokens=1024, attention_backend="triton", **extra)
         rids = [h.submit(p, max_new_tokens=7, ignore_eos=True) for p in prompts]
         h.run_until_idle()
         return [h.outputs[r].output_ids for r in rids], h.scheduler.internal_state()
