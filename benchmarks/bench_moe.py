@@ -185,8 +185,9 @@ def experts_read(scheduler: Scheduler, prompts: List[List[int]], out_len: int) -
             _, ids = select_experts(args[1], module.top_k, module.renormalize)
             distinct.append(int(torch.unique(ids).numel()))
 
-    # On the whole model: its decoder stack may be run through another method than forward.
-    handles = [model.register_forward_pre_hook(mode_hook, with_kwargs=True)]
+    # On the first decoder layer (called as a module, with the batch third): the model itself is run through
+    # its forward method, which hooks do not see.
+    handles = [model.model.layers[0].register_forward_pre_hook(mode_hook, with_kwargs=True)]
     handles += [m.register_forward_pre_hook(moe_hook) for m in layers]
     try:
         _decode(scheduler, prompts, out_len, "count")

@@ -27,7 +27,6 @@ from engine.layers.cpu_matmul import dense_linear
 from engine.layers.int4 import Int4Weight, int4_linear
 from engine.layers.moe.layer import FusedMoE
 from engine.layers.quantization import QuantizedWeight, quantize_weight, quantized_linear
-from engine.layers.vocab_parallel_embedding import ParallelLMHead, VocabParallelEmbedding
 from engine.model_loader.weight_utils import set_weight_loader
 
 if TYPE_CHECKING:
@@ -303,24 +302,6 @@ def quantize_model(model: nn.Module, method: str) -> int:
             continue
         module.packed_weight = quantize_weight(module.weight.data, method)
         module.weight.data = torch.empty(0, dtype=module.weight.dtype, device=module.weight.device)
-        count += 1
-    return count
-
-
-def quantize_lm_head(model: nn.Module, method: str) -> int:
-    """--quantize-lm-head: each LM head's rows (this rank's vocabulary slice) quantized per row as the linears
-    are; the number of heads done. An untied head's float rows are released; a head tied to the embedding keeps
-    them, since the embedding reads the same matrix and stays float (the int8 copy adds one byte a weight)."""
-    embeddings = {id(m.weight) for m in model.modules()
-                  if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)}
-    count = 0
-    for module in model.modules():
-        if not isinstance(module, ParallelLMHead) or module.weight.numel() == 0:
-            continue
-        module.packed_weight = quantize_weight(module.weight.data, method)
-        if id(module.weight) not in embeddings:
-            module.weight = nn.Parameter(torch.empty(0, dtype=module.weight.dtype, device=module.weight.device),
-                                         requires_grad=False)
         count += 1
     return count
 

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.distributed.parallel_state import get_tp_rank, get_tp_size, tensor_model_parallel_all_reduce
+from engine.layers.quantization import quantize_weight
 from engine.model_loader.weight_utils import ShardId, set_weight_loader
 
 if TYPE_CHECKING:  # layers.linear imports the loader package, which must not import the model's layers back
@@ -88,3 +89,21 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:  # pragma: no cover - misuse guard
         raise RuntimeError("ParallelLMHead is applied by LogitsProcessor, not called directly")
+
+
+def quantize_lm_head(model: nn.Module, method: str) -> int:
+    """--quantize-lm-head: each LM head's rows (this rank's vocabulary slice) quantized per row as the linears
+    are; the number of heads done. An untied head's float rows are released; a head tied to the embedding keeps
+    them, since the embedding reads the same matrix and stays float (the int8 copy adds one byte a weight)."""
+    embeddings = {id(m.weight) for m in model.modules()
+                  if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)}
+    count = 0
+    for module in model.modules():
+        if not isinstance(module, ParallelLMHead) or module.weight.numel() == 0:
+            continue
+        module.packed_weight = quantize_weight(module.weight.data, method)
+        if id(module.weight) not in embeddings:
+            module.weight = nn.Parameter(torch.empty(0, dtype=module.weight.dtype, device=module.weight.device),
+                                         requires_grad=False)
+        count += 1
+    return count

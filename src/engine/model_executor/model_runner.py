@@ -19,10 +19,11 @@ from engine.distributed.parallel_state import (
 )
 from engine.kernels import ops as kernel_ops
 from engine.layers.attention import create_attention_backend
-from engine.layers.linear import quantize_lm_head, quantize_model
+from engine.layers.linear import quantize_model
 from engine.layers.quant_config import resolve_quantization
 from engine.layers.logits_processor import LogitsProcessorOutput
 from engine.layers.pooler import EmbeddingPoolerOutput
+from engine.layers.vocab_parallel_embedding import quantize_lm_head
 from engine.layers.radix_attention import RadixAttention
 from engine.mem_cache.allocator import PagedTokenToKVPoolAllocator, TokenToKVPoolAllocator
 from engine.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool, is_fp8, kv_cache_dtype
