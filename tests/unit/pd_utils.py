@@ -84,6 +84,22 @@ def pd_args(mode: str, **kwargs) -> dict:
     return args
 
 
+def record_decode_backups(monkeypatch) -> List[str]:
+    """The rids the decode side backs up when it retracts (DecodePreallocQueue.add_retracted), in order:
+    tests that size the decode pool to force retraction check it happened."""
+    from engine.disaggregation.decode_prealloc import DecodePreallocQueue
+
+    backups: List[str] = []
+    add_retracted = DecodePreallocQueue.add_retracted
+
+    def counted(self, req):
+        backups.append(req.rid)
+        add_retracted(self, req)
+
+    monkeypatch.setattr(DecodePreallocQueue, "add_retracted", counted)
+    return backups
+
+
 class PDPair:
     def __init__(self, prefill_worker=None, decode_worker=None, overlap_prefill: bool = False,
                  overlap_decode: bool = False, prefill_kwargs: Optional[dict] = None,

@@ -11,7 +11,7 @@ from typing import List
 import pytest
 import torch
 
-from pd_utils import PDPair
+from pd_utils import PDPair, record_decode_backups
 from utils_models import LetterTokenizer, build_tiny_model, hf_greedy
 
 N_NEW = 12
@@ -51,17 +51,9 @@ CONFIGS = {
 # The fast lane keeps the default configuration; the others run in the full suite.
 @pytest.mark.parametrize("name", [n if n == "default" else pytest.param(n, marks=pytest.mark.slow) for n in CONFIGS])
 def test_pd_of_the_latent_pool_equals_transformers(model, name, monkeypatch):
-    from engine.disaggregation.decode_prealloc import DecodePreallocQueue
     from engine.mem_cache.mla_pool import MLATokenToKVPool
 
-    backups = []
-    add_retracted = DecodePreallocQueue.add_retracted
-
-    def counted(self, req):
-        backups.append(req.rid)
-        add_retracted(self, req)
-
-    monkeypatch.setattr(DecodePreallocQueue, "add_retracted", counted)
+    backups = record_decode_backups(monkeypatch)
     arch, path, expected = model
     cfg = dict(CONFIGS[name])
     decode_total = cfg.pop("decode_total", 4096)

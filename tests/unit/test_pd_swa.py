@@ -12,7 +12,7 @@ from typing import List
 import pytest
 import torch
 
-from pd_utils import PDPair
+from pd_utils import PDPair, record_decode_backups
 from utils_models import LetterTokenizer, TINY_SWA, build_tiny_model, hf_greedy
 
 N_NEW = 20
@@ -56,17 +56,9 @@ CONFIGS = {
 
 @pytest.mark.parametrize("name", list(CONFIGS))
 def test_pd_of_both_pools_equals_transformers(model, name, monkeypatch):
-    from engine.disaggregation.decode_prealloc import DecodePreallocQueue
     from engine.mem_cache.swa_pool import SWATokenToKVPoolAllocator
 
-    backups = []
-    add_retracted = DecodePreallocQueue.add_retracted
-
-    def counted(self, req):
-        backups.append(req.rid)
-        add_retracted(self, req)
-
-    monkeypatch.setattr(DecodePreallocQueue, "add_retracted", counted)
+    backups = record_decode_backups(monkeypatch)
 
     arch, path, expected = model
     cfg = dict(CONFIGS[name])
