@@ -288,7 +288,9 @@ def test_sampled_constrained_outputs_parse(tiny, hf_tok, algo):
     sampling = dict(json_schema=SMALL_SCHEMA, max_new_tokens=64, ignore_eos=False, temperature=1.0)
     h, outs, rids = _spec_run(algo, tiny, _copy_prompts(hf_tok, texts) * 3, sampling, tokenizer=hf_tok,
                               constrained_json_disable_any_whitespace=True)
-    _assert_spoke(h)
+    # Verify steps ran; whether any draft was accepted is the sampler's draw (the drafts ignore the
+    # grammar), so it is not asserted here: the greedy constrained tests cover accepted drafts.
+    _assert_spoke(h, accepted=False)
     for rid, out in zip(rids, outs):
         assert h.outputs[rid].finished_reason["type"] == "stop", h.outputs[rid].finished_reason
         value = json.loads(hf_tok.decode(out, skip_special_tokens=True))
