@@ -15,8 +15,7 @@ import torch
 
 from sched_utils import Harness, fast_lane
 from test_speculative_ngram import VOCAB, _chi2, _chi2_bound, _prompts, _sampling_info
-from utils_models import LetterTokenizer
-from utils_models import build_tiny_model
+from utils_models import LetterTokenizer, build_tiny_model
 
 from engine.server_args import ServerArgs, ServerArgsError
 

@@ -15,8 +15,7 @@ import torch
 
 from sched_utils import Harness, fast_lane
 from test_speculative_ngram import VOCAB, _prompts
-from utils_models import LetterTokenizer
-from utils_models import build_eagle_head, build_tiny_model
+from utils_models import LetterTokenizer, build_eagle_head, build_tiny_model
 
 from engine.server_args import ServerArgs, ServerArgsError
 

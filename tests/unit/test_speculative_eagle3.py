@@ -15,8 +15,7 @@ import torch
 
 from sched_utils import Harness
 from test_speculative_ngram import VOCAB, _chi2, _chi2_bound, _prompts
-from utils_models import LetterTokenizer
-from utils_models import build_eagle3_head, build_tiny_model, repeat_target
+from utils_models import LetterTokenizer, build_eagle3_head, build_tiny_model, repeat_target
 
 from engine.server_args import ServerArgs
 

@@ -12,8 +12,7 @@ import pytest
 
 from sched_utils import Harness
 from test_speculative_ngram import VOCAB
-from utils_models import LetterTokenizer
-from utils_models import build_eagle_head, build_tiny_model
+from utils_models import LetterTokenizer, build_eagle_head, build_tiny_model
 
 from engine.server_args import ServerArgs
 

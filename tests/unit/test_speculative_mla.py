@@ -14,8 +14,8 @@ import pytest
 import torch
 
 from sched_utils import Harness, fast_lane
-from utils_models import LetterTokenizer
-from utils_models import build_tiny_model
+from test_speculative_draft import _waves as draft_waves
+from utils_models import LetterTokenizer, build_tiny_model
 
 from engine.server_args import ServerArgs
 
@@ -80,16 +80,8 @@ def _harness(target: str, spec: Dict, **kwargs) -> Harness:
 
 
 def _waves(h: Harness) -> List[List[int]]:
-    """The prompts, then each prompt plus the first half of its output (with the radix cache, prefixes
-    that include verified tokens come from the cache)."""
-    sampling = dict(max_new_tokens=N_NEW, ignore_eos=True)
-    prompts = _prompts()
-    rids = [h.submit(p, **sampling) for p in prompts]
-    h.run_until_idle()  # ends with the strict idle leak check
-    first = [h.outputs[r].output_ids for r in rids]
-    rids2 = [h.submit(p + o[: len(o) // 2], **sampling) for p, o in zip(prompts, first)]
-    h.run_until_idle()
-    return first + [h.outputs[r].output_ids for r in rids2]
+    """test_speculative_draft's two waves over this module's prompts (the second from the radix cache)."""
+    return draft_waves(h, _prompts(), dict(max_new_tokens=N_NEW, ignore_eos=True))
 
 
 _plain_cache: Dict[Tuple[str, str, bool], List[List[int]]] = {}

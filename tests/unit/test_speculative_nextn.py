@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from sched_utils import Harness, fast_lane
+from test_speculative_draft import _waves as draft_waves
 from test_speculative_mla import VOCAB, _prompts
-from utils_models import LetterTokenizer
-from utils_models import BatchDriver, ExtendReq, build_tiny_model, hf_hidden_states, make_runner
+from utils_models import BatchDriver, ExtendReq, LetterTokenizer, build_tiny_model, hf_hidden_states, make_runner
 
 from engine.server_args import ServerArgs, ServerArgsError
 
@@ -131,14 +131,8 @@ def _harness(path: str, spec: Dict, **kwargs) -> Harness:
 
 
 def _waves(h: Harness) -> List[List[int]]:
-    sampling = dict(max_new_tokens=N_NEW, ignore_eos=True)
-    prompts = _prompts()
-    rids = [h.submit(p, **sampling) for p in prompts]
-    h.run_until_idle()  # ends with the strict idle leak check
-    first = [h.outputs[r].output_ids for r in rids]
-    rids2 = [h.submit(p + o[: len(o) // 2], **sampling) for p, o in zip(prompts, first)]
-    h.run_until_idle()
-    return first + [h.outputs[r].output_ids for r in rids2]
+    """test_speculative_draft's two waves over this module's prompts (the second from the radix cache)."""
+    return draft_waves(h, _prompts(), dict(max_new_tokens=N_NEW, ignore_eos=True))
 
 
 CONFIGS = {"default": {}, "no-radix": dict(disable_radix_cache=True), "page16": dict(page_size=16)}

@@ -14,8 +14,7 @@ import pytest
 import torch
 
 from sched_utils import Harness
-from utils_models import LetterTokenizer
-from utils_models import TINY_SWA, build_eagle_head, build_tiny_model, hf_greedy
+from utils_models import LetterTokenizer, TINY_SWA, build_eagle_head, build_tiny_model, hf_greedy
 
 from engine.server_args import ServerArgs
 

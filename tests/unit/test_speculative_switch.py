@@ -18,8 +18,7 @@ import torch
 from sched_utils import Harness
 from test_speculative_eagle import exact_pair  # noqa: F401  (a module fixture)
 from test_speculative_ngram import VOCAB, _prompts
-from utils_models import LetterTokenizer
-from utils_models import build_tiny_model
+from utils_models import LetterTokenizer, build_tiny_model
 
 from engine.server_args import ServerArgs
 from engine.speculative import switch as sw

@@ -20,8 +20,7 @@ import pytest
 import torch
 import torch.multiprocessing as mp
 
-from utils_models import LetterTokenizer
-from utils_models import build_eagle_head, build_tiny_model
+from utils_models import LetterTokenizer, build_eagle_head, build_tiny_model
 
 from engine.utils.network_utils import get_free_port
 
