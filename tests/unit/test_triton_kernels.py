@@ -379,6 +379,19 @@ def _dense_windowed_tree(q, k, v, fb, dense, slots, layer, covered: List[int]) -
     return torch.cat(outs)
 
 
+def _masked_layer_and_qkv(n: int, heads: int, kv_heads: int, head_dim: int, window: int, cap: float, sinks: bool,
+                          dtype: torch.dtype, gen: torch.Generator):
+    """A windowed / soft-capped / sink layer (random sinks) and n rows of random q, k, v for it."""
+    layer = RadixAttention(heads, head_dim, scaling=head_dim**-0.5, num_kv_heads=kv_heads, layer_id=0,
+                           sliding_window_size=window, logit_cap=cap, with_sinks=sinks)
+    if layer.sinks is not None:
+        layer.sinks.data = torch.randn(heads, generator=gen).to(dtype)
+    q = (torch.randn(n, heads * head_dim, generator=gen) * 2).to(dtype)
+    k = (torch.randn(n, kv_heads, head_dim, generator=gen) * 2).to(dtype)
+    v = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
+    return layer, q, k, v
+
+
 @pytest.mark.parametrize("window,cap,sinks,page_size,dtype,covered", [
     (6, 0.0, False, 1, torch.float32, None),
     (5, 3.0, True, 16, torch.bfloat16, [2, 0, 3]),
@@ -403,14 +416,8 @@ def test_windowed_tree_rows_match_torch_native(tk, window, cap, sinks, page_size
     fb.positions = torch.cat([
         torch.tensor(DraftTree(tokens=[0] * len(t), parents=t).depths()) + n - c + (1 if c else 0)
         for t, n, c in zip(_SHALLOW_TREES, lens, covered)])
-    layer = RadixAttention(heads, head_dim, scaling=head_dim**-0.5, num_kv_heads=kv_heads, layer_id=0,
-                           sliding_window_size=window, logit_cap=cap, with_sinks=sinks)
-    if layer.sinks is not None:
-        layer.sinks.data = torch.randn(heads, generator=gen).to(dtype)
     n = fb.out_cache_loc.shape[0]
-    q = (torch.randn(n, heads * head_dim, generator=gen) * 2).to(dtype)
-    k = (torch.randn(n, kv_heads, head_dim, generator=gen) * 2).to(dtype)
-    v = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
+    layer, q, k, v = _masked_layer_and_qkv(n, heads, kv_heads, head_dim, window, cap, sinks, dtype, gen)
     runner = SimpleNamespace(device="cpu")
     outs: Dict[str, torch.Tensor] = {}
     for name, backend in (("triton", tk.backend.TritonAttnBackend(runner, extend_blocks=(16, 16))),
@@ -449,14 +456,8 @@ def test_windowed_layers_match_torch_native(tk, mode, lens, prefix_lens, window,
                                head_dim=head_dim, layer_num=1),
     }
     fb = _make_batch(mode, lens, prefix_lens, page_size, pool, gen, kv_heads, head_dim, dtype)
-    layer = RadixAttention(heads, head_dim, scaling=head_dim**-0.5, num_kv_heads=kv_heads, layer_id=0,
-                           sliding_window_size=window, logit_cap=cap, with_sinks=sinks)
-    if layer.sinks is not None:
-        layer.sinks.data = torch.randn(heads, generator=gen).to(dtype)
     n = fb.out_cache_loc.shape[0]
-    q = (torch.randn(n, heads * head_dim, generator=gen) * 2).to(dtype)
-    k = (torch.randn(n, kv_heads, head_dim, generator=gen) * 2).to(dtype)
-    v = torch.randn(n, kv_heads, head_dim, generator=gen).to(dtype)
+    layer, q, k, v = _masked_layer_and_qkv(n, heads, kv_heads, head_dim, window, cap, sinks, dtype, gen)
     runner = SimpleNamespace(device="cpu")
     outs: Dict[str, torch.Tensor] = {}
     backends = {
