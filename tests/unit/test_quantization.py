@@ -8,6 +8,7 @@ float32 operations the spec names) with the int8 weights, times both scales."""
 from __future__ import annotations
 
 import dataclasses
+from typing import Iterator
 
 import pytest
 import torch
@@ -201,6 +202,45 @@ def test_int8_one_row_exact(kernel_build: str, threads: int, n: int) -> None:
                 assert torch.equal(quantized_linear(x, qw, b), expected), (k, b is None)
     finally:
         torch.set_num_threads(before)
+
+
+@pytest.fixture(params=["amx", "vector"])
+def int8_isa(request) -> Iterator[str]:
+    """Runs an int8 x int8 kernel test on AMX-INT8 tiles (where the CPU has them) and on the vector paths
+    (AVX512-VNNI or AVX2)."""
+    lib = library.library_info()
+    if lib is None:
+        pytest.skip("no kernel library on this machine")
+    if request.param == "amx" and not (lib.engine_kernels_isa() & 16 and lib.amx_active()):
+        pytest.skip("no AMX-INT8 on this CPU (or Linux refused the process its tiles): the vector paths run")
+    before = lib.amx_active()
+    lib.amx_set(int(request.param == "amx"))
+    yield request.param
+    lib.amx_set(before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_int8_rows_exact_on_every_path(int8_isa: str, dtype: torch.dtype, monkeypatch) -> None:
+    """Every row count, channel count and input width the paths split on: AMX from 2 rows where k is a multiple
+    of 64 (16-row blocks, a partial last one; 4-block channel groups, a short last group, channels past the last
+    whole block of 16 on the vector paths), VNNI's 64-input steps with a 32-input and a scalar tail: every output
+    is the float32 of (the exact int32 sum * x_scale) * w_scale + bias, bit for bit, rounded once to bf16."""
+    monkeypatch.setattr(quant, "Q8_MAX_ROWS_F32", 64)  # 40 float32 rows on the kernel
+    for k in (64, 200, 1024, 2816):
+        for n in (9, 16, 37, 100, 128):
+            for rows in (1, 2, 5, 16, 17, 40):
+                gen = torch.Generator().manual_seed(k * 1000 + n * 100 + rows)
+                qw = dataclasses.replace(quantize_weight(torch.randn(n, k, generator=gen), "w8a8_int8"),
+                                         int8_activations=True)
+                x, bias = torch.randn(rows, k, generator=gen).to(dtype), torch.randn(n, generator=gen)
+                values, x_scale = _int8_rows(x.float())
+                sums = (values.double() @ qw.qweight.double().T).float()
+                for b in (None, bias):
+                    expected = sums * x_scale * qw.scale
+                    if b is not None:
+                        expected = expected + b
+                    out = quantized_linear(x, qw, b)
+                    assert torch.equal(out, expected.to(dtype)), (k, n, rows, b is None)
 
 
 def test_w8a8_kernel_keeps_x_scale_when_not_asked(kernel_build: str) -> None:

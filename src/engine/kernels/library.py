@@ -51,15 +51,16 @@ _CSRC = Path(__file__).with_name("csrc")
 # engine_kernels.h: everything the library exports (the boundary, boundary.py); decode_attention.c:
 # the decode kernel; extend_attention.c: prefill attention (bf16); cpu_ops.c: the fused element-wise
 # ops of a decoder layer (ops.py); linear_bf16.c: bf16 linears (linear.py);
-# linear_q8.c: linears over int8 / fp8 weights (layers/quantization.py); linear_q4.c: over 4-bit AWQ / GPTQ
+# linear_q8.c: linears over int8 / fp8 weights (layers/quantization.py); linear_w8a8.c: int8 weights by int8
+# activations (the same); linear_q4.c: over 4-bit AWQ / GPTQ
 # weights (layers/int4.py); linear_mxfp4.c: over gpt-oss's MXFP4 experts (layers/mxfp4.py); lora_delta.c: a
 # batch's LoRA deltas of one projection (engine/lora/backend.py); decoder_layers.c: a decode
 # step's layers in one call (decoder_layers.py); thread_pool.c: the threads they run on; library.c:
 # what the build holds; cpu_common.h: what they share; amx.h: the AMX tiles; attend_step.h: the
 # attention step of prefills and cascade prefixes. One library holds them all.
 _SOURCES = [_CSRC / "decode_attention.c", _CSRC / "extend_attention.c", _CSRC / "cpu_ops.c", _CSRC / "linear_bf16.c",
-            _CSRC / "linear_q8.c", _CSRC / "linear_q4.c", _CSRC / "linear_mxfp4.c", _CSRC / "lora_delta.c",
-            _CSRC / "decoder_layers.c", _CSRC / "thread_pool.c", _CSRC / "library.c"]
+            _CSRC / "linear_q8.c", _CSRC / "linear_w8a8.c", _CSRC / "linear_q4.c", _CSRC / "linear_mxfp4.c",
+            _CSRC / "lora_delta.c", _CSRC / "decoder_layers.c", _CSRC / "thread_pool.c", _CSRC / "library.c"]
 _HEADERS = [_CSRC / "engine_kernels.h", _CSRC / "cpu_common.h", _CSRC / "amx.h", _CSRC / "attend_step.h"]
 # -fopenmp-simd: the `omp simd` hints only; the threads are the library's own (csrc/thread_pool.c).
 # -fvisibility=hidden: only engine_kernels.h's ENGINE_API functions are exported.
@@ -67,9 +68,10 @@ _FLAGS = ["-O3", "-march=native", "-fopenmp-simd", "-fPIC", "-shared", "-std=c11
 # The portable build (ENGINE_CPU_KERNEL_PORTABLE=1, build(portable=True)): the generic C paths only,
 # whatever the CPU. The kernels' ISA-specific code is all behind __AVX512F__, __AVX512BF16__ and the
 # AMX macros (engine_kernels_isa() reports which were compiled), and these flags leave them undefined
-# (-mno-avx512f takes every AVX-512 extension with it; HAVE_AMX needs the AMX tile and bf16 macros); other
+# (-mno-avx512f takes every AVX-512 extension with it, VNNI included; HAVE_AMX needs the AMX tile and bf16
+# macros, the int8 tiles __AMX_INT8__ too); other
 # architectures have none of them.
-_PORTABLE_FLAGS = ["-mno-avx512f", "-mno-amx-tile", "-mno-amx-bf16"] if platform.machine() in ("x86_64", "AMD64") else []
+_PORTABLE_FLAGS = ["-mno-avx512f", "-mno-amx-tile", "-mno-amx-bf16", "-mno-amx-int8"] if platform.machine() in ("x86_64", "AMD64") else []
 # A build takes about a second; a compiler stuck for this long costs the kernel, not the server.
 COMPILE_TIMEOUT_S = 120.0
 

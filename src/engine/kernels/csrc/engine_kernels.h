@@ -15,10 +15,10 @@
 
 /* Family: library (not switchable: what this build holds). */
 
-/* Bits of what this build was compiled with: 1 AVX-512F, 2 AVX512-BF16, 4 AMX tiles (0: the portable
- * paths only). */
+/* Bits of what this build was compiled with: 1 AVX-512F, 2 AVX512-BF16, 4 AMX tiles (bf16), 8 AVX512-VNNI,
+ * 16 AMX-INT8 (0: the portable paths only). */
 ENGINE_API int engine_kernels_isa(void);
-/* Whether the bf16 kernels may use the AMX tiles (ENGINE_CPU_AMX), and whether they do. */
+/* Whether the bf16 and int8 kernels may use the AMX tiles (ENGINE_CPU_AMX), and whether they do. */
 ENGINE_API void amx_set(int on);
 ENGINE_API int amx_active(void);
 
@@ -56,7 +56,7 @@ ENGINE_API int linear_q8(const void *x, int64_t m, int64_t k, const void *w, int
 ENGINE_API int linear_fp8_block(const void *x, int64_t m, int64_t k, const uint8_t *w, const float *scale,
                                 int64_t block_n, int64_t block_k, const float *bias, int64_t n, void *out, int dtype,
                                 int num_threads);
-/* linear_q8.c, SGLang's w8a8_int8: each row of x (float32 or bfloat16, dtype) quantized to int8 per row, its
+/* linear_w8a8.c, SGLang's w8a8_int8: each row of x (float32 or bfloat16, dtype) quantized to int8 per row, its
  * scale written to x_scale [m] (or kept in scratch: NULL); out [m, n] = (q_x . w^T) * x_scale * scale (+ bias, float32 or NULL), w int8,
  * summed exactly in int32. Returns 0, or -1 when its scratch could not be allocated (nothing written). */
 ENGINE_API int linear_w8a8(const void *x, int64_t m, int64_t k, const int8_t *w, const float *scale, const float *bias,

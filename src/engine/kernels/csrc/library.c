@@ -13,5 +13,11 @@ int engine_kernels_isa(void) {
 #if defined(HAVE_AMX)
     isa |= 4;
 #endif
+#if defined(__AVX512VNNI__)
+    isa |= 8;
+#endif
+#if defined(HAVE_AMX) && defined(__AMX_INT8__)
+    isa |= 16;
+#endif
     return isa;
 }
