@@ -82,6 +82,36 @@ def test_int4_linear_equals_dequantized_product(kernel_build: str, group: int, r
         assert bool(((out[0].double() - expected).abs() <= expected.abs() * 2.0 ** -8 + 1e-2).all())
 
 
+@pytest.mark.parametrize("group", [32, 64, 128])
+def test_int4_int8_activations_exact_integer_sums(kernel_build: str, group: int, monkeypatch) -> None:
+    """ENGINE_INT4_INT8_ACTIVATIONS: the kernel (VNNI's 64-input steps where the group allows, AVX2's 32, the
+    portable loop) and the torch path (35 rows) equal the float64 of sum_g s_g * xs_g * (q_x . codes)_g + b_g *
+    (sum of x over g), the activations quantized per row and group as quantize_activations does, up to float32
+    summation order; act-order weights see their permuted inputs."""
+    monkeypatch.setattr(quant, "Q8_MAX_ROWS_F32", 32)
+    monkeypatch.setenv("ENGINE_INT4_INT8_ACTIVATIONS", "1")
+    for rows in (1, 2, 3, 16, 35):
+        for act_order in (False, True):
+            w, codes, scale, zero, perm = _random_int4(37, 256, group, rows + group, act_order)
+            assert w.int8_activations
+            gen = torch.Generator().manual_seed(rows)
+            x, bias = torch.randn(rows, 256, generator=gen), torch.randn(37, generator=gen)
+            stored = x if perm is None else x[:, perm]
+            values, xs = quant.quantize_activations(stored.reshape(-1, group))
+            values, xs = values.double().view(rows, -1, group), xs.double().view(rows, -1)
+            c = codes.double().view(37, -1, group)
+            integer = torch.einsum("mgd,ngd->mng", values, c)  # exact
+            s, b = scale.double(), -zero.double() * scale.double()
+            xsum = stored.double().view(rows, -1, group).sum(-1)
+            terms = integer * s[None] * xs[:, None] + b[None] * xsum[:, None]
+            expected = terms.sum(-1) + bias.double()
+            magnitude = terms.abs().sum(-1) + bias.double().abs()
+            out = int4_linear(x, w, bias)
+            assert out.dtype == torch.float32 and out.shape == (rows, 37)
+            err = (out.double() - expected).abs()
+            assert bool((err <= magnitude * 1e-5).all()), (rows, act_order, float((err / magnitude).max()))
+
+
 def test_int4_kernel_runs_for_decode_batches() -> None:
     from engine.kernels import library
 

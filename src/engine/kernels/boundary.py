@@ -133,6 +133,9 @@ class LinearKernels(Protocol):
     def linear_q4(self, x: int, m: int, k: int, w: int, scale: int, bias: int, group: int, n: int, out: int,
                   num_threads: int, /) -> None: ...
 
+    def linear_w4a8(self, x: int, m: int, k: int, w: int, scale: int, bias: int, group: int, n: int, out: int,
+                    num_threads: int, /) -> int: ...
+
     def linear_mxfp4(self, x: int, m: int, k: int, blocks: int, scales: int, bias: Optional[int], n: int, out: int,
                      num_threads: int, /) -> int: ...
 

@@ -13,10 +13,17 @@ inputs by group, so every group is again `group_size` consecutive columns, and k
 `int4_linear` takes the native kernel on the CPU for batches up to `kernel_max_rows` (decode), the Triton
 GEMM on a GPU (layers/int4_triton.py), else (longer CPU batches, no library, no triton) the torch
 reference: the weight dequantized to the activation dtype, then `F.linear`.
+
+ENGINE_INT4_INT8_ACTIVATIONS=1 (off by default; ours, not SGLang's, whose CPU AWQ keeps float activations)
+quantizes the activations to int8 as well, per row and weight group (`q = round(x * 127 / max |x|)` over the
+group), the scheme of torchao's da8w4 and llama.cpp's Q4 x Q8 products: the codes times q_x are summed exactly
+in integers (csrc/linear_q4.c's linear_w4a8: AVX512-VNNI or AVX2 byte products instead of widening every code
+to float), then scaled per group; the offsets' term keeps the float activations.
 """
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 from typing import Optional
 
@@ -24,7 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.kernels import library
-from engine.layers.quantization import kernel_max_rows
+from engine.layers.quantization import kernel_max_rows, quantize_activations
 
 BLOCK = 32  # inputs per 16-byte block of the packed layout
 HALF = BLOCK // 2
@@ -39,6 +46,7 @@ class Int4Weight:
     bias: torch.Tensor  # [n, k // group_size] float32: -zero * scale
     group_size: int
     perm: Optional[torch.Tensor]  # [k] int64: stored column j is input perm[j] (act-order); None: identity
+    int8_activations: bool = False  # ENGINE_INT4_INT8_ACTIVATIONS (the module's docstring)
 
     @property
     def n(self) -> int:
@@ -70,7 +78,7 @@ class Int4Weight:
 
     def to(self, device: str) -> "Int4Weight":
         return Int4Weight(self.packed.to(device), self.scale.to(device), self.bias.to(device), self.group_size,
-                          None if self.perm is None else self.perm.to(device))
+                          None if self.perm is None else self.perm.to(device), self.int8_activations)
 
 
 def pack_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
@@ -95,7 +103,20 @@ def pack_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, grou
     packed = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
     scale32 = scale.float().contiguous()
     return Int4Weight(packed, scale32, (-zero.float() * scale32).contiguous(), group_size,
-                      None if perm is None else perm.to(torch.int64).contiguous())
+                      None if perm is None else perm.to(torch.int64).contiguous(), int4_int8_activations_enabled())
+
+
+def int4_int8_activations_enabled() -> bool:
+    """Whether 4-bit linears quantize their activations to int8 (ENGINE_INT4_INT8_ACTIVATIONS, default off)."""
+    return os.environ.get("ENGINE_INT4_INT8_ACTIVATIONS", "0") == "1"
+
+
+def int8_group_activations(rows: torch.Tensor, group_size: int) -> torch.Tensor:
+    """rows [m, k] as linear_w4a8 sees them: each group of `group_size` inputs quantized to int8 with its own
+    scale (quantization.quantize_activations' float32 operations), dequantized back to float32."""
+    m, k = rows.shape
+    values, scales = quantize_activations(rows.reshape(m * (k // group_size), group_size))
+    return (values * scales).view(m, k)
 
 
 def _kernel_usable(rows: torch.Tensor, w: Int4Weight) -> bool:
@@ -111,8 +132,12 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor]) ->
     if lib is not None and _kernel_usable(rows, w):
         xf = rows.float().contiguous()
         out = torch.empty(rows.shape[0], w.n, dtype=torch.float32)
-        lib.linear_q4(xf.data_ptr(), rows.shape[0], w.k, w.packed.data_ptr(), w.scale.data_ptr(), w.bias.data_ptr(),
-                      w.group_size, w.n, out.data_ptr(), torch.get_num_threads())
+        args = (xf.data_ptr(), rows.shape[0], w.k, w.packed.data_ptr(), w.scale.data_ptr(), w.bias.data_ptr(),
+                w.group_size, w.n, out.data_ptr(), torch.get_num_threads())
+        if not w.int8_activations:
+            lib.linear_q4(*args)
+        elif lib.linear_w4a8(*args) != 0:
+            raise MemoryError("linear kernel: no memory for its int8 copy of the activations")
         if bias is not None:
             out += bias.float()  # before the one rounding to x's dtype, as F.linear's
         return out.to(x.dtype).view(*x.shape[:-1], w.n)
@@ -124,6 +149,14 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor]) ->
         if bias is not None:
             out = out + bias.to(out.dtype)
         return out.view(*x.shape[:-1], w.n)
+    if w.int8_activations:  # the kernel's arithmetic: int8 activations times the codes' term, float ones the offsets'
+        codes_term = (w.codes().float() * w.scale.repeat_interleave(w.group_size, dim=1))
+        offsets = w.bias.repeat_interleave(w.group_size, dim=1)
+        xf = rows.float()
+        out = F.linear(int8_group_activations(xf, w.group_size), codes_term) + F.linear(xf, offsets)
+        if bias is not None:
+            out += bias.float()
+        return out.to(x.dtype).view(*x.shape[:-1], w.n)
     out = F.linear(rows, w._stored(x.dtype), None if bias is None else bias.to(x.dtype))
     return out.view(*x.shape[:-1], w.n)
 

@@ -65,6 +65,11 @@ ENGINE_API int linear_w8a8(const void *x, int64_t m, int64_t k, const int8_t *w,
  * + bias per group of `group` inputs (a multiple of 32 dividing k); scale and bias [n, k / group]. */
 ENGINE_API void linear_q4(const float *x, int64_t m, int64_t k, const uint8_t *w, const float *scale,
                           const float *bias, int64_t group, int64_t n, float *out, int num_threads);
+/* linear_q4.c: linear_q4's product with x quantized to int8 per row and weight group (q_x = round(x * 127 / max
+ * |x| over the group)), the integer sums exact. Returns 0, or -1 when its scratch could not be allocated (nothing
+ * written). */
+ENGINE_API int linear_w4a8(const float *x, int64_t m, int64_t k, const uint8_t *w, const float *scale,
+                           const float *bias, int64_t group, int64_t n, float *out, int num_threads);
 /* linear_mxfp4.c: out [m, n] = x [m, k] . W^T (+ bias [n], float32 or NULL) with W [n, k] in MXFP4 as gpt-oss's
  * checkpoints hold it: blocks [n, k / 32, 16] e2m1 codes, scales [n, k / 32] e8m0; x and out float32. Returns 0,
  * -1 when scratch for the reordered activations could not be allocated, or -2 when k is not a positive multiple

@@ -145,3 +145,172 @@ void linear_q4(const float *x, int64_t m, int64_t k, const uint8_t *w, const flo
     pool_run(q4_part, &job, num_threads);
     free(xsum);
 }
+
+/* ---------------------------------------------------------------------------------------- w4a8
+ * linear_w4a8: the same weights against int8 activations (ENGINE_INT4_INT8_ACTIVATIONS, layers/int4.py), the
+ * dynamic-int8-activation int4 scheme of torchao's da8w4 and llama.cpp's Q4 x Q8 products, with one activation
+ * scale per row and weight group: q_x = round(x * 127 / max |x over the group|). Then
+ *   x . W ~= sum over groups g of s_g * xs_g * (q_x . q)_g + b_g * (sum of x over g),
+ * the integer sums exact in int32 (|sum| <= 15 * 127 * group), the offsets' term from the float activations as in
+ * linear_q4. The codes are unsigned and q_x signed: the byte products take them as they are, no sign trick.
+ * AVX512-VNNI: vpdpbusd on 64 inputs (two packed blocks: the low and high nibbles of 32 bytes, put in input
+ * order by one lane shuffle) for groups that are a multiple of 64; AVX2: vpmaddubsw (pairs at most 2 * 15 *
+ * 127, never saturated) and vpmaddwd on one block of 32 in input order; else a portable loop. Each group's
+ * integer sum is scaled into float32 lanes, summed across lanes at the end: paths differ only in that order. */
+typedef struct {
+    const int8_t *xq; /* [m][k] q_x */
+    const float *xs, *xsum; /* [m][groups] each group's activation scale, and its sum of x */
+    int64_t m, k;
+    const uint8_t *w;
+    const float *scale, *bias;
+    int64_t group, n;
+    float *out;
+} w4a8_job_t;
+
+#if defined(__AVX512VNNI__) && defined(__AVX512BW__)
+#define W4A8_VNNI 1
+#endif
+
+/* sums[r][c] = x[m0 + r] . W[c0 + c] (the approximation above) for R rows and C channels (R * C <= 8). */
+static inline __attribute__((always_inline)) void w4a8_tile(const w4a8_job_t *J, int64_t m0, const int R, int64_t c0,
+                                                            const int C, float sums[2][4]) {
+    const int64_t k = J->k, group = J->group, groups = k / group;
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) sums[r][c] = 0.0f;
+#if defined(W4A8_VNNI)
+    if (group % 64 == 0) {
+        const __m256i low4 = _mm256_set1_epi8(0xf);
+        __m512 acc[2][4];
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            __m512i isum[2][4];
+            for (int r = 0; r < R; r++)
+                for (int c = 0; c < C; c++) isum[r][c] = _mm512_setzero_si512();
+            for (int64_t d = g * group; d < (g + 1) * group; d += 64) {
+                __m512i codes[4];
+                for (int c = 0; c < C; c++) {
+                    const __m256i bytes = _mm256_loadu_si256((const __m256i *)(J->w + (c0 + c) * (k / 2) + d / 2));
+                    const __m256i lo = _mm256_and_si256(bytes, low4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+                    /* [inputs 0-15, 32-47, 16-31, 48-63] -> input order */
+                    codes[c] = _mm512_shuffle_i64x2(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1),
+                                                    _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), 0xd8);
+                }
+                for (int r = 0; r < R; r++) {
+                    const __m512i a = _mm512_loadu_si512((const void *)(J->xq + (m0 + r) * k + d));
+                    for (int c = 0; c < C; c++) isum[r][c] = _mm512_dpbusd_epi32(isum[r][c], codes[c], a);
+                }
+            }
+            for (int r = 0; r < R; r++)
+                for (int c = 0; c < C; c++)
+                    acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][c]),
+                                                _mm512_set1_ps(J->scale[(c0 + c) * groups + g] * J->xs[(m0 + r) * groups + g]),
+                                                acc[r][c]);
+        }
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++) sums[r][c] = _mm512_reduce_add_ps(acc[r][c]);
+    } else
+#endif
+    {
+#if defined(__AVX2__)
+        const __m128i low4 = _mm_set1_epi8(0xf);
+        const __m256i ones = _mm256_set1_epi16(1);
+        __m256 acc[2][4];
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++) acc[r][c] = _mm256_setzero_ps();
+        for (int64_t g = 0; g < groups; g++) {
+            __m256i isum[2][4];
+            for (int r = 0; r < R; r++)
+                for (int c = 0; c < C; c++) isum[r][c] = _mm256_setzero_si256();
+            for (int64_t d = g * group; d < (g + 1) * group; d += Q4_BLOCK) {
+                __m256i codes[4];
+                for (int c = 0; c < C; c++) {
+                    const __m128i bytes = _mm_loadu_si128((const __m128i *)(J->w + (c0 + c) * (k / 2) + d / 2));
+                    codes[c] = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(bytes, 4), low4), _mm_and_si128(bytes, low4));
+                }
+                for (int r = 0; r < R; r++) {
+                    const __m256i a = _mm256_loadu_si256((const __m256i *)(J->xq + (m0 + r) * k + d));
+                    for (int c = 0; c < C; c++)
+                        isum[r][c] = _mm256_add_epi32(isum[r][c], _mm256_madd_epi16(_mm256_maddubs_epi16(codes[c], a), ones));
+                }
+            }
+            for (int r = 0; r < R; r++)
+                for (int c = 0; c < C; c++)
+                    acc[r][c] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(isum[r][c]),
+                                                _mm256_set1_ps(J->scale[(c0 + c) * groups + g] * J->xs[(m0 + r) * groups + g]),
+                                                acc[r][c]);
+        }
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++) {
+                __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[r][c]), _mm256_extractf128_ps(acc[r][c], 1));
+                v = _mm_add_ps(v, _mm_movehl_ps(v, v));
+                v = _mm_add_ss(v, _mm_movehdup_ps(v));
+                sums[r][c] = _mm_cvtss_f32(v);
+            }
+#else
+        for (int r = 0; r < R; r++)
+            for (int c = 0; c < C; c++) {
+                const uint8_t *row = J->w + (c0 + c) * (k / 2);
+                for (int64_t g = 0; g < groups; g++) {
+                    int32_t isum = 0;
+                    for (int64_t d = g * group; d < (g + 1) * group; d++)
+                        isum += (int32_t)q4_code(row, d) * J->xq[(m0 + r) * k + d];
+                    sums[r][c] += (float)isum * (J->scale[(c0 + c) * groups + g] * J->xs[(m0 + r) * groups + g]);
+                }
+            }
+#endif
+    }
+    for (int r = 0; r < R; r++)
+        for (int c = 0; c < C; c++) {
+            float offsets = 0.0f;
+            for (int64_t g = 0; g < groups; g++) offsets += J->bias[(c0 + c) * groups + g] * J->xsum[(m0 + r) * groups + g];
+            sums[r][c] += offsets;
+        }
+}
+
+/* Each thread a range of groups of 4 channels, rows 2 at a time (the codes widened once per two rows). */
+static void w4a8_part(void *arg, int tid, int nt) {
+    const w4a8_job_t *J = (const w4a8_job_t *)arg;
+    int64_t first, last;
+    pool_range((J->n + 3) / 4, tid, nt, &first, &last);
+    for (int64_t p = first; p < last; p++) {
+        const int64_t c0 = 4 * p;
+        const int C = J->n - c0 >= 4 ? 4 : (int)(J->n - c0);
+        for (int64_t m0 = 0; m0 < J->m; m0 += 2) {
+            const int R = J->m - m0 >= 2 ? 2 : 1;
+            float sums[2][4];
+#define W4A8_TILE(rows, cols) w4a8_tile(J, m0, rows, c0, cols, sums)
+            if (R == 2) { switch (C) { case 4: W4A8_TILE(2, 4); break; case 3: W4A8_TILE(2, 3); break; case 2: W4A8_TILE(2, 2); break; default: W4A8_TILE(2, 1); } }
+            else { switch (C) { case 4: W4A8_TILE(1, 4); break; case 3: W4A8_TILE(1, 3); break; case 2: W4A8_TILE(1, 2); break; default: W4A8_TILE(1, 1); } }
+#undef W4A8_TILE
+            for (int r = 0; r < R; r++)
+                for (int c = 0; c < C; c++) J->out[(m0 + r) * J->n + c0 + c] = sums[r][c];
+        }
+    }
+}
+
+int linear_w4a8(const float *x, int64_t m, int64_t k, const uint8_t *w, const float *scale, const float *bias,
+                int64_t group, int64_t n, float *out, int num_threads) {
+    const int64_t groups = k / group;
+    float *xs = (float *)malloc((size_t)(2 * m * groups) * sizeof(float));
+    int8_t *xq = (int8_t *)malloc((size_t)(m * k));
+    if (xs == NULL || xq == NULL) {
+        free(xs);
+        free(xq);
+        return -1;
+    }
+    float *xsum = xs + m * groups;
+    for (int64_t r = 0; r < m; r++)
+        for (int64_t g = 0; g < groups; g++) {
+            const float *from = x + r * k + g * group;
+            xs[r * groups + g] = quantize_int8_row(from, group, group, xq + r * k + g * group, NULL);
+            float sum = 0.0f;
+            for (int64_t d = 0; d < group; d++) sum += from[d];
+            xsum[r * groups + g] = sum;
+        }
+    w4a8_job_t job = {xq, xs, xsum, m, k, w, scale, bias, group, n, out};
+    pool_run(w4a8_part, &job, num_threads);
+    free(xs);
+    free(xq);
+    return 0;
+}

@@ -54,50 +54,6 @@ typedef struct {
     const int8_t *xt; /* AMX: q_x packed into B tiles (pack_tiles), or NULL: the vector paths */
 } w8a8_job_t;
 
-/* Quantize row x (float32) into q (int8) and a (|q|), zero from k to kp; returns x_scale. The vector and
- * scalar loops compute the same float32 product and round it the same way (to nearest even). */
-static float quantize_row(const float *x, int64_t k, int64_t kp, int8_t *q, uint8_t *a) {
-    float amax = 0.0f;
-    int64_t d = 0;
-#if defined(W8A8_AVX2)
-    const __m256 magnitude = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
-    __m256 vmax = _mm256_setzero_ps();
-    for (; d + 8 <= k; d += 8) vmax = _mm256_max_ps(vmax, _mm256_and_ps(_mm256_loadu_ps(x + d), magnitude));
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(vmax), _mm256_extractf128_ps(vmax, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
-    amax = _mm_cvtss_f32(m4);
-#endif
-    for (; d < k; d++) amax = fmaxf(amax, fabsf(x[d]));
-    amax = fmaxf(amax, 1e-10f);
-    const float inv = 127.0f / amax;
-    d = 0;
-#if defined(W8A8_AVX2)
-    const __m256 vinv = _mm256_set1_ps(inv), hi = _mm256_set1_ps(127.0f), lo = _mm256_set1_ps(-127.0f);
-    for (; d + 32 <= k; d += 32) {
-        __m256i v[4];
-        for (int j = 0; j < 4; j++) {
-            __m256 f = _mm256_round_ps(_mm256_mul_ps(_mm256_loadu_ps(x + d + 8 * j), vinv),
-                                       _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-            v[j] = _mm256_cvtps_epi32(_mm256_min_ps(_mm256_max_ps(f, lo), hi));
-        }
-        /* packs interleave the 128-bit lanes: the permute puts the 32 bytes back in order */
-        const __m256i b = _mm256_permutevar8x32_epi32(
-            _mm256_packs_epi16(_mm256_packs_epi32(v[0], v[1]), _mm256_packs_epi32(v[2], v[3])),
-            _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
-        _mm256_storeu_si256((__m256i *)(q + d), b);
-        _mm256_storeu_si256((__m256i *)(a + d), _mm256_abs_epi8(b));
-    }
-#endif
-    for (; d < k; d++) {
-        const float v = fminf(fmaxf(nearbyintf(x[d] * inv), -127.0f), 127.0f);
-        q[d] = (int8_t)v;
-        a[d] = (uint8_t)(v < 0 ? -v : v);
-    }
-    for (d = k; d < kp; d++) q[d] = 0, a[d] = 0;
-    return amax / 127.0f;
-}
-
 static inline void w8a8_emit(const w8a8_job_t *J, int64_t row, int64_t c, int32_t sum) {
     float y = (float)sum * J->xs[row] * J->scale[c];
     if (J->bias != NULL) y += J->bias[c];
@@ -443,7 +399,7 @@ int linear_w8a8(const void *x, int64_t m, int64_t k, const int8_t *w, const floa
     if (x_scale == NULL) x_scale = row + k;
     int8_t *xq = (int8_t *)(xa + m * kp);
     for (int64_t r = 0; r < m; r++)
-        x_scale[r] = quantize_row(load_row(x, r * k, k, dtype, row), k, kp, xq + r * kp, xa + r * kp);
+        x_scale[r] = quantize_int8_row(load_row(x, r * k, k, dtype, row), k, kp, xq + r * kp, xa + r * kp);
     w8a8_job_t job = {xa, xq, x_scale, m, k, kp, w, scale, bias, n, out, dtype, NULL};
     pool_fn part = w8a8_part;
 #if defined(W8A8_AMX)
