@@ -46,9 +46,11 @@ from engine.scheduler.overlap_utils import scheduling_thread  # noqa: E402
 from engine.scheduler.scheduler import Scheduler  # noqa: E402
 from engine.server_args import ServerArgs  # noqa: E402
 
-# --quantization per configuration; int4 loads an AWQ checkpoint instead (detected, no flag), fp8-block a
-# block-wise fp8 one (DeepSeek-V3's format, blocks of FP8_BLOCK; csrc/linear_q8.c's linear_fp8_block).
-CONFIGS: Dict[str, Optional[str]] = {"bf16": None, "int8": "w8a8_int8", "fp8": "fp8", "int4": None, "fp8-block": None}
+# --quantization per configuration; int4 loads an AWQ checkpoint instead (detected, no flag), int4-a8 the same
+# with ENGINE_INT4_INT8_ACTIVATIONS=1 (layers/int4.py), fp8-block a block-wise fp8 one (DeepSeek-V3's format,
+# blocks of FP8_BLOCK; csrc/linear_q8.c's linear_fp8_block).
+CONFIGS: Dict[str, Optional[str]] = {"bf16": None, "int8": "w8a8_int8", "fp8": "fp8", "int4": None, "int4-a8": None,
+                                     "fp8-block": None}
 INT4_GROUP = 128
 FP8_BLOCK = 128
 
@@ -158,7 +160,7 @@ def block_fp8_checkpoint(path: str) -> str:
 
 def model_path(path: str, config: str) -> str:
     """The checkpoint a configuration loads: the bf16 one, or its AWQ / block-fp8 copy."""
-    if config == "int4":
+    if config in ("int4", "int4-a8"):
         return awq_checkpoint(path)
     return block_fp8_checkpoint(path) if config == "fp8-block" else path
 
@@ -166,7 +168,7 @@ def model_path(path: str, config: str) -> str:
 def step_bytes(shape: Shape, config: str, batch: int, context: int) -> float:
     if config == "fp8-block":
         linears = shape.linear_weights() + 4 * shape.linear_weights() // (FP8_BLOCK * FP8_BLOCK)
-    elif config == "int4":
+    elif config in ("int4", "int4-a8"):
         linears = shape.linear_weights() // 2 + 8 * shape.linear_weights() // INT4_GROUP
     elif config in ("int8", "fp8"):
         linears = shape.linear_weights() + 4 * shape.linear_channels()
@@ -293,6 +295,7 @@ def main() -> None:
             rng = random.Random(args.seed + batch)
             prompts = [[rng.randrange(10, args.vocab - 10) for _ in range(args.prompt_len)] for _ in range(batch)]
             for name in args.configs:
+                os.environ["ENGINE_INT4_INT8_ACTIVATIONS"] = str(int(name == "int4-a8"))  # read at load
                 server_args = ServerArgs(model_path=model_path(path, name), device="cpu", log_level="warning",
                                          dtype="bfloat16", quantization=CONFIGS[name],
                                          max_total_tokens=batch * (args.prompt_len + args.out_len + 16) + 256,
