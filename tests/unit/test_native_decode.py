@@ -1,6 +1,6 @@
 """engine.kernels.decoder_layers: a bf16 decode step's layers in one native call compute the bits the
 modules compute, with cascade groups over a shared prefix, biases (Qwen2), per-head q/k norms (Qwen3),
-and after the weights are packed again (the cached table is rebuilt)."""
+and after the weights are packed again (the cached table is rebuilt); with --quantization w8a8_int8 too."""
 
 from __future__ import annotations
 
@@ -29,10 +29,10 @@ def model_dir(request, tmp_path_factory):
     return str(path)
 
 
-def _decode_logits(model_dir: str):
+def _decode_logits(model_dir: str, **server_args):
     """Per decode step, the logits of 4 requests: one alone, three of which two share the first's
     PREFIX slots (as the radix cache would hand them out); the weights are packed again midway."""
-    runner = make_runner(model_dir, dtype="bfloat16")
+    runner = make_runner(model_dir, dtype="bfloat16", **server_args)
     driver = BatchDriver(runner, seed=1)
     gen = torch.Generator().manual_seed(11)
     prompts = [[int(t) for t in torch.randint(0, 512, (n,), generator=gen)] for n in (90, 100, 95, 7)]
@@ -76,6 +76,27 @@ def test_native_decode_layers_equal_the_modules(model_dir, monkeypatch):
     assert len(builds) == 2  # once, and again after the repack
     monkeypatch.setattr(decoder_layers.DecoderLayersCache, "forward", lambda *args, **kwargs: None)
     modules = _decode_logits(model_dir)
+    for a, b in zip(native, modules):
+        assert torch.equal(a, b)
+
+
+def test_native_decode_int8_layers_equal_the_modules(model_dir, monkeypatch):
+    """w8a8_int8 layers (linear_w8a8 in the chain, gate_up then SiLU-and-mul as two calls) compute the modules'
+    bits; Qwen2's biases keep the module path (the chain takes int8 linears without a bias)."""
+    if library.linear() is None or library.decoder_layers() is None:
+        pytest.skip("no kernel library on this machine")
+    runs = []
+    real_run = decoder_layers.DecoderLayers.run
+
+    def counting_run(self, *args, **kwargs):
+        runs.append(1)
+        return real_run(self, *args, **kwargs)
+
+    monkeypatch.setattr(decoder_layers.DecoderLayers, "run", counting_run)
+    native = _decode_logits(model_dir, quantization="w8a8_int8")
+    assert len(runs) == (0 if "qwen2" in model_dir else STEPS)
+    monkeypatch.setattr(decoder_layers.DecoderLayersCache, "forward", lambda *args, **kwargs: None)
+    modules = _decode_logits(model_dir, quantization="w8a8_int8")
     for a, b in zip(native, modules):
         assert torch.equal(a, b)
 

@@ -69,7 +69,8 @@ class Layer(ctypes.Structure):  # layer_t
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _P), ("o", _P), ("gate_up", _P), ("down", _P),
                 ("qkv_bias", _P), ("o_bias", _P), ("gate_up_bias", _P), ("down_bias", _P), ("cos_sin", _P),
                 ("k_pool", _P), ("v_pool", _P), ("k_stride", _I64), ("v_stride", _I64), ("eps", _F32),
-                ("scale", _F32), ("q_norm", _P), ("k_norm", _P), ("qk_eps", _F32)]
+                ("scale", _F32), ("q_norm", _P), ("k_norm", _P), ("qk_eps", _F32), ("qkv_scale", _P), ("o_scale", _P),
+                ("gate_up_scale", _P), ("down_scale", _P)]
 
 
 class Step(ctypes.Structure):  # step_t
@@ -79,7 +80,7 @@ class Step(ctypes.Structure):  # step_t
                 ("lens", _P), ("max_len", _I64), ("num_groups", _I64), ("group_offsets", _P), ("group_members", _P),
                 ("prefix_indices", _P), ("prefix_lens", _P), ("max_prefix", _I64), ("group_of", _P), ("kept", _P),
                 ("kept_tokens", _P), ("normed", _P), ("qkv", _P), ("q", _P), ("attn", _P), ("o", _P), ("mlp", _P),
-                ("num_threads", _INT)]
+                ("num_threads", _INT), ("gate_up", _P)]
 
 
 MIRRORS: Dict[str, Type[ctypes.Structure]] = {

@@ -4,15 +4,17 @@ in bfloat16 on the CPU.
 LlamaModel.forward runs its layers through `DecoderLayers.run` when everything the native chain
 assumes holds, and through the modules otherwise; both compute the same bits (the chain calls the
 kernels the modules call, with the same arguments). What it assumes: one TP rank; every linear packed
-for the bf16 kernel (engine/kernels/linear.py), a gate_up of two equal halves of whole 128-column
-panel pairs; Qwen3's per-head q/k norms, where present, in bf16; the GPT-NeoX rotary of
+for the bf16 kernel (engine/kernels/linear.py; a gate_up of two equal halves of whole 128-column
+panel pairs) or quantized by `--quantization w8a8_int8` without a bias (layers/quantization.py: the chain
+calls linear_w8a8, and for gate_up linear_w8a8 then SiLU-and-mul, as the modules do); Qwen3's per-head q/k norms, where present, in bf16; the GPT-NeoX rotary of
 engine/layers/rotary_embedding.py; the torch_native backend's native decode kernel over a bf16 pool;
 a decode batch; every kernel family on (ENGINE_CPU_KERNEL_*: with one off, its torch path runs in the
 modules). Measured on the 2-core
 AMD EPYC (Zen 4), small Llama (8 layers), ModelRunner with every kernel replaced by an empty one: the
 Python of a decode step 1.8-2.2 ms through the modules, 0.3-0.8 ms with this call; the real step,
 alternating the two in one process: batch 1 10.1 -> 8.3 ms, batch 16 18.3 -> 16.0 ms, batch 64 x 1k
-context 104.8 -> 94.7 ms.
+context 104.8 -> 94.7 ms. With w8a8_int8 on the 2-core Xeon with AMX (bench_quant's 8-layer model, one
+thread, CPU time): batch-1 step 15.0 -> 13.0 ms (bf16 23.1), 1.77x bf16 where the modules gave 1.48x.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ from engine.kernels import library, ops
 from engine.kernels.boundary import Layer, Step
 from engine.kernels.attention import CascadeTables
 from engine.kernels.linear import LINEAR_BF16_MAX_ROWS, Bf16Panels
+from engine.layers.quantization import QuantizedWeight
 from engine.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
 if TYPE_CHECKING:
@@ -50,15 +53,29 @@ class _LayerRefs:
         kernel). A table is valid exactly while these stay the same."""
         data: List[int] = []
         biases: List[Optional[int]] = []
+        scales: List[Optional[int]] = []
         for linear in self.linears:
             p = linear.packed_weight
-            if not isinstance(p, Bf16Panels):
+            if isinstance(p, Bf16Panels):
+                data.append(p.data.data_ptr())
+                biases.append(None if p.bias is None else p.bias.data_ptr())
+                scales.append(None)
+            elif _chained_int8(p) and linear.bias is None:
+                assert isinstance(p, QuantizedWeight)
+                data.append(p.qweight.data_ptr())
+                biases.append(None)
+                scales.append(p.scale.data_ptr())
+            else:
                 return None
-            data.append(p.data.data_ptr())
-            biases.append(None if p.bias is None else p.bias.data_ptr())
         norms = [None if d is None else _address(d["weight"]) for d in self.norm_params]
         return (norms[0], norms[1], *data, *biases, _address(self.rope_buffers["cos_sin_cache"]), k_pool.data_ptr(),
-                v_pool.data_ptr(), norms[2], norms[3])
+                v_pool.data_ptr(), norms[2], norms[3], *scales)
+
+
+def _chained_int8(p: object) -> bool:
+    """Whether a packed weight is one the chain runs through linear_w8a8: w8a8_int8, int8 activations, on the CPU."""
+    return (isinstance(p, QuantizedWeight) and p.int8_activations and not p.is_fp8 and p.qweight.is_cpu
+            and p.qweight.is_contiguous() and p.scale.dtype == torch.float32 and p.scale.is_contiguous())
 
 
 def _address(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -81,7 +98,7 @@ class DecoderLayers:
         for entry, layer, k_pool, v_pool, ptrs in zip(self.table, layers, k_pools, v_pools, pointers):
             (entry.input_norm, entry.post_norm, entry.qkv, entry.o, entry.gate_up, entry.down, entry.qkv_bias,
              entry.o_bias, entry.gate_up_bias, entry.down_bias, entry.cos_sin, entry.k_pool, entry.v_pool, entry.q_norm,
-             entry.k_norm) = ptrs
+             entry.k_norm, entry.qkv_scale, entry.o_scale, entry.gate_up_scale, entry.down_scale) = ptrs
             entry.k_stride, entry.v_stride = k_pool.stride(0), v_pool.stride(0)
             entry.eps = layer.input_layernorm.variance_epsilon  # supported(): both norms' eps agree
             entry.scale = layer.self_attn.attn.scaling
@@ -92,8 +109,7 @@ class DecoderLayers:
     def supported(layers: List["LlamaDecoderLayer"], k_pools: List[torch.Tensor], v_pools: List[torch.Tensor]) -> bool:
         """Whether the native chain computes these layers (the conditions of the module docstring)."""
         lib, linears = library.decoder_layers(), library.linear()
-        if not (layers and lib is not None and linears is not None and linears.linear_bf16_available()
-                and get_tp_size() == 1):
+        if not (layers and lib is not None and linears is not None and get_tp_size() == 1):
             return False
         first = layers[0].self_attn
         hidden, heads, kv_heads, dim = first.qkv_proj.input_size, first.num_heads, first.num_kv_heads, first.head_dim
@@ -103,8 +119,13 @@ class DecoderLayers:
             gate_up, down = mlp.gate_up_proj.packed_weight, mlp.down_proj.packed_weight
             rope = attn.rotary_emb
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if not (isinstance(qkv, Bf16Panels) and isinstance(o, Bf16Panels)
-                    and isinstance(gate_up, Bf16Panels) and isinstance(down, Bf16Panels)):
+            chained = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if not all(isinstance(m.packed_weight, Bf16Panels)
+                       or (_chained_int8(m.packed_weight) and m.bias is None) for m in chained):
+                return False
+            assert isinstance(qkv, (Bf16Panels, QuantizedWeight)) and isinstance(o, (Bf16Panels, QuantizedWeight))
+            assert isinstance(gate_up, (Bf16Panels, QuantizedWeight)) and isinstance(down, (Bf16Panels, QuantizedWeight))
+            if isinstance(gate_up, Bf16Panels) and gate_up.n % 128:  # linear_bf16_silu_mul's panel pairs
                 return False
             q_norm, k_norm = attn.q_norm, attn.k_norm
             if q_norm is not None or k_norm is not None:
@@ -115,7 +136,7 @@ class DecoderLayers:
                     return False
             if ((attn.num_heads, attn.num_kv_heads, attn.head_dim) != (heads, kv_heads, dim)
                     or qkv.k != hidden or qkv.n != (heads + 2 * kv_heads) * dim or o.k != heads * dim or o.n != hidden
-                    or gate_up.k != hidden or down.n != hidden or gate_up.n != 2 * down.k or gate_up.n % 128
+                    or gate_up.k != hidden or down.n != hidden or gate_up.n != 2 * down.k
                     or mlp.gate_up_proj.gather_output or mlp.gate_up_proj.output_sizes != [down.k, down.k]):
                 return False
             if any(n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() or n.hidden_size != hidden
@@ -143,7 +164,7 @@ class DecoderLayers:
         lens = lens.to(torch.int64).contiguous()
         q_width = self.heads * self.head_dim
         widths = [self.hidden, q_width + 2 * self.kv_heads * self.head_dim, q_width, q_width, self.hidden,
-                  self.intermediate]
+                  self.intermediate, 2 * self.intermediate]
         scratch = torch.empty(bs * sum(widths), dtype=torch.bfloat16)
         views, start = [], 0
         for w in widths:
@@ -164,7 +185,7 @@ class DecoderLayers:
             if cascade.kept is not None and cascade.kept_tokens is not None:
                 kept = cascade.kept.index_select(0, self.layer_ids)  # alive until the call returns
                 s.kept, s.kept_tokens = kept.data_ptr(), cascade.kept_tokens.data_ptr()
-        s.normed, s.qkv, s.q, s.attn, s.o, s.mlp = views
+        s.normed, s.qkv, s.q, s.attn, s.o, s.mlp, s.gate_up = views
         s.num_threads = torch.get_num_threads()
         lib = library.decoder_layers()
         assert lib is not None, "the decoder layers kernel is not loaded: supported() said it was"

@@ -6,9 +6,18 @@
  * ms of Python per step on the 2-core AMD EPYC (Zen 4) for the 8-layer small Llama, whatever the
  * batch (0.3-0.8 ms with this call). This file chains the same kernels with the same arguments, so
  * the result is bit for bit the Python path's; only the Python between them is gone.
- * engine/kernels/decoder_layers.py decides when it applies.
+ * engine/kernels/decoder_layers.py decides when it applies. Layers quantized with w8a8_int8 take linear_w8a8
+ * (bf16 activations quantized per row inside it) and, for gate_up, linear_w8a8 then silu_and_mul: the module
+ * path's two calls.
  */
 #include "cpu_common.h"
+
+/* out [bs, n] (bf16) = x [bs, k] (bf16) W^T + bias: bf16 panels, or int8 weights with their scales. */
+static void layer_linear(const void *x, int64_t bs, int64_t k, const void *w, const float *scale, int64_t n,
+                         const float *bias, void *out, int nt) {
+    if (scale != NULL) linear_w8a8(x, bs, k, (const int8_t *)w, scale, bias, n, out, DTYPE_BF16, NULL, nt);
+    else linear_bf16((const uint16_t *)x, bs, k, (const uint16_t *)w, n, bias, (uint16_t *)out, nt);
+}
 
 /* layer_t and step_t: engine_kernels.h. */
 void decode_layers(const layer_t *layers, int64_t num_layers, const step_t *step, const void *hidden_in,
@@ -26,8 +35,7 @@ void decode_layers(const layer_t *layers, int64_t num_layers, const step_t *step
             rms_norm(hidden_out, residual_out, L->input_norm, S->normed, residual_out, bs, hidden, L->eps, DTYPE_BF16,
                      (int)nt);
         }
-        linear_bf16((const uint16_t *)S->normed, bs, hidden, (const uint16_t *)L->qkv, qkv_width, L->qkv_bias, qkv,
-                    (int)nt);
+        layer_linear(S->normed, bs, hidden, L->qkv, L->qkv_scale, qkv_width, L->qkv_bias, qkv, (int)nt);
         if (L->q_norm != NULL) /* each head's q and k rows normalised in place (small: on this thread) */
             for (int64_t b = 0; b < bs; b++) {
                 uint16_t *row = qkv + b * qkv_width;
@@ -51,12 +59,16 @@ void decode_layers(const layer_t *layers, int64_t num_layers, const step_t *step
             .group_of = S->group_of, .kept = S->kept != NULL ? S->kept + l * S->num_groups : NULL,
             .kept_tokens = S->kept_tokens, .num_threads = (int)nt};
         decode_attention(&attention);
-        linear_bf16((const uint16_t *)S->attn, bs, q_width, (const uint16_t *)L->o, hidden, L->o_bias,
-                    (uint16_t *)S->o, (int)nt);
+        layer_linear(S->attn, bs, q_width, L->o, L->o_scale, hidden, L->o_bias, S->o, (int)nt);
         rms_norm(S->o, residual_out, L->post_norm, S->normed, residual_out, bs, hidden, L->eps, DTYPE_BF16, (int)nt);
-        linear_bf16_silu_mul((const uint16_t *)S->normed, bs, hidden, (const uint16_t *)L->gate_up,
-                             2 * S->intermediate, L->gate_up_bias, (uint16_t *)S->mlp, (int)nt);
-        linear_bf16((const uint16_t *)S->mlp, bs, S->intermediate, (const uint16_t *)L->down, hidden, L->down_bias,
-                    (uint16_t *)hidden_out, (int)nt);
+        if (L->gate_up_scale != NULL) {
+            linear_w8a8(S->normed, bs, hidden, (const int8_t *)L->gate_up, L->gate_up_scale, L->gate_up_bias,
+                        2 * S->intermediate, S->gate_up, DTYPE_BF16, NULL, (int)nt);
+            silu_and_mul(S->gate_up, S->mlp, bs, S->intermediate, DTYPE_BF16, (int)nt);
+        } else {
+            linear_bf16_silu_mul((const uint16_t *)S->normed, bs, hidden, (const uint16_t *)L->gate_up,
+                                 2 * S->intermediate, L->gate_up_bias, (uint16_t *)S->mlp, (int)nt);
+        }
+        layer_linear(S->mlp, bs, S->intermediate, L->down, L->down_scale, hidden, L->down_bias, hidden_out, (int)nt);
     }
 }

@@ -35,7 +35,7 @@ ENGINE_API void store_kv(const void *k, int64_t k_stride, const void *v, int64_t
                          int64_t elem_size, int num_threads);
 ENGINE_API void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t stride, int64_t *out, int num_threads);
 
-/* Family: linear (linear_bf16.c, linear_q8.c, linear_q4.c, linear_mxfp4.c). */
+/* Family: linear (linear_bf16.c, linear_q8.c, linear_w8a8.c, linear_q4.c, linear_mxfp4.c). */
 
 /* 0 where the CPU lacks AVX512-BF16: the other three are then never called. */
 ENGINE_API int linear_bf16_available(void);
@@ -166,6 +166,9 @@ typedef struct {
     float eps, scale;
     const void *q_norm, *k_norm; /* bf16 [head_dim]: Qwen3's per-head RMSNorm before rotary, or NULL */
     float qk_eps;
+    /* --quantization w8a8_int8: the four weights are int8 [n, k] with these per-channel scales (linear_w8a8);
+     * NULL: bf16 panels */
+    const float *qkv_scale, *o_scale, *gate_up_scale, *down_scale;
 } layer_t;
 
 /* The model's shape and one step's batch: positions, new slots, the decode kernel's tables, scratch. */
@@ -185,6 +188,7 @@ typedef struct {
     /* scratch: [bs, hidden], [bs, qkv width], [bs, q width] x 2, [bs, hidden], [bs, intermediate] */
     void *normed, *qkv, *q, *attn, *o, *mlp;
     int num_threads;
+    void *gate_up; /* scratch [bs, 2 x intermediate] for int8 layers (their gate_up and SiLU-and-mul are two calls) */
 } step_t;
 
 /* hidden_in [bs, hidden]: the embedded tokens; hidden_out: the last layer's output; residual_out: the
