@@ -46,13 +46,14 @@ SYSTEMS: Dict[str, Tuple[str, str]] = {
     "engine-int8": ("engine", "int8"),
     "engine-int8-head": ("engine", "int8-head"),
     "engine-int4": ("engine", "int4"),
+    "engine-int4-a8": ("engine", "int4-a8"),  # ENGINE_INT4_INT8_ACTIVATIONS=1 (layers/int4.py)
     "llamacpp-bf16": ("llamacpp", "bf16"),
     "llamacpp-q8_0": ("llamacpp", "q8_0"),
     "llamacpp-q4_k_m": ("llamacpp", "q4_k_m"),
 }
 # The pairs the table compares: (engine system, llama.cpp system).
 PAIRS = (("engine-bf16", "llamacpp-bf16"), ("engine-int8", "llamacpp-q8_0"), ("engine-int8-head", "llamacpp-q8_0"),
-         ("engine-int4", "llamacpp-q4_k_m"))
+         ("engine-int4", "llamacpp-q4_k_m"), ("engine-int4-a8", "llamacpp-q4_k_m"))
 WORKLOADS = ("server_1", "server_16")
 SLOTS, SLOT_CONTEXT = 16, 512
 
@@ -79,10 +80,10 @@ def server_command(system: str, args: argparse.Namespace, model: str, port: int)
     if server == "llamacpp":
         return [os.path.join(args.llama_bin, "llama-server"), "-m", gguf_file(args, model, weights),
                 "--host", "127.0.0.1", "--port", str(port), "-np", str(SLOTS), "-c", str(SLOTS * SLOT_CONTEXT),
-                "--cont-batching", "-t", "2", "-tb", "2", "--alias", bench_peers.SERVED_NAME]
+                "--cont-batching", "-t", "2", "-tb", "2", "--alias", bench_peers.SERVED_NAME, *args.llama_args.split()]
     path = model
     extra: List[str] = []
-    if weights == "int4":
+    if weights in ("int4", "int4-a8"):
         from bench_quant import awq_checkpoint
 
         path = awq_checkpoint(model)
@@ -97,6 +98,7 @@ def run_system(system: str, args: argparse.Namespace, model: str) -> Dict[str, A
     port = bench_serving.find_free_port()
     cmd = server_command(system, args, model, port)
     env = bench_peers.engine_env() if SYSTEMS[system][0] == "engine" else dict(os.environ)
+    env["ENGINE_INT4_INT8_ACTIVATIONS"] = str(int(SYSTEMS[system][1] == "int4-a8"))
     log_path = os.path.join(args.work_dir, "logs", f"{system}-server.log")
     logger.info("%s: %s", system, " ".join(cmd))
     proc = launch(cmd, env, log_path)
@@ -155,6 +157,9 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     ap.add_argument("--workloads", default=",".join(WORKLOADS), help=f"subset of {','.join(WORKLOADS)}")
     ap.add_argument("--reps", type=int, default=2, help="timed runs per workload (best kept)")
     ap.add_argument("--rounds", type=int, default=1, help="repeat everything, alternating system order")
+    ap.add_argument("--llama-args", default="",
+                    help="more llama-server arguments, e.g. --no-repack: b11434's AMX kernels stop on an illegal "
+                         "instruction on the 2-core Xeon with AMX; without repacking its AVX512-VNNI ones run")
     ap.add_argument("--server-timeout", type=float, default=600.0)
     ap.add_argument("--result-file", default=None, help="JSON results (the table goes next to it as .md)")
     args = ap.parse_args(argv)
@@ -180,7 +185,7 @@ def main(argv: Optional[List[str]] = None) -> Dict[str, Any]:
             bench_peers.merge_best(results[system], run_system(system, args, model))
     report = dict(started=started, finished=datetime.datetime.now().isoformat(timespec="seconds"),
                   cpu=bench_peers.cpu_description(), load_average=os.getloadavg(), systems=args.systems,
-                  workloads=args.workloads, reps=args.reps, rounds=args.rounds,
+                  workloads=args.workloads, reps=args.reps, rounds=args.rounds, llama_args=args.llama_args,
                   results=results)
     table = format_table(report)
     print(table)

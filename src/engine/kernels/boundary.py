@@ -69,8 +69,10 @@ class Layer(ctypes.Structure):  # layer_t
     _fields_ = [("input_norm", _P), ("post_norm", _P), ("qkv", _P), ("o", _P), ("gate_up", _P), ("down", _P),
                 ("qkv_bias", _P), ("o_bias", _P), ("gate_up_bias", _P), ("down_bias", _P), ("cos_sin", _P),
                 ("k_pool", _P), ("v_pool", _P), ("k_stride", _I64), ("v_stride", _I64), ("eps", _F32),
-                ("scale", _F32), ("q_norm", _P), ("k_norm", _P), ("qk_eps", _F32), ("qkv_scale", _P), ("o_scale", _P),
-                ("gate_up_scale", _P), ("down_scale", _P)]
+                ("scale", _F32), ("q_norm", _P), ("k_norm", _P), ("qk_eps", _F32), ("qkv_format", _INT),
+                ("o_format", _INT), ("gate_up_format", _INT), ("down_format", _INT), ("qkv_scale", _P), ("o_scale", _P),
+                ("gate_up_scale", _P), ("down_scale", _P), ("qkv_offset", _P), ("o_offset", _P), ("gate_up_offset", _P),
+                ("down_offset", _P), ("qkv_group", _I64), ("o_group", _I64), ("gate_up_group", _I64), ("down_group", _I64)]
 
 
 class Step(ctypes.Structure):  # step_t
@@ -80,7 +82,7 @@ class Step(ctypes.Structure):  # step_t
                 ("lens", _P), ("max_len", _I64), ("num_groups", _I64), ("group_offsets", _P), ("group_members", _P),
                 ("prefix_indices", _P), ("prefix_lens", _P), ("max_prefix", _I64), ("group_of", _P), ("kept", _P),
                 ("kept_tokens", _P), ("normed", _P), ("qkv", _P), ("q", _P), ("attn", _P), ("o", _P), ("mlp", _P),
-                ("num_threads", _INT), ("gate_up", _P)]
+                ("gate_up", _P), ("num_threads", _INT)]
 
 
 MIRRORS: Dict[str, Type[ctypes.Structure]] = {

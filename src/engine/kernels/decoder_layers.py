@@ -22,12 +22,14 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, List, Optional, Tuple
 
 import torch
+from torch import nn
 
 from engine.distributed.parallel_state import get_tp_size
 from engine.kernels import library, ops
 from engine.kernels.boundary import Layer, Step
 from engine.kernels.attention import CascadeTables
 from engine.kernels.linear import LINEAR_BF16_MAX_ROWS, Bf16Panels
+from engine.layers.int4 import Int4Weight
 from engine.layers.quantization import QuantizedWeight
 from engine.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
@@ -48,34 +50,43 @@ class _LayerRefs:
         self.rope_buffers = attn.rotary_emb._buffers
         self.layer_id = attn.attn.layer_id
 
-    def pointers(self, k_pool: torch.Tensor, v_pool: torch.Tensor) -> Optional[tuple]:
-        """Every address a layer_t holds, in its field order (None: a linear is not packed for the
-        kernel). A table is valid exactly while these stay the same."""
-        data: List[int] = []
-        biases: List[Optional[int]] = []
-        scales: List[Optional[int]] = []
-        for linear in self.linears:
-            p = linear.packed_weight
-            if isinstance(p, Bf16Panels):
-                data.append(p.data.data_ptr())
-                biases.append(None if p.bias is None else p.bias.data_ptr())
-                scales.append(None)
-            elif _chained_int8(p) and linear.bias is None:
-                assert isinstance(p, QuantizedWeight)
-                data.append(p.qweight.data_ptr())
-                biases.append(None)
-                scales.append(p.scale.data_ptr())
-            else:
+    def pointers(self, k_pool: torch.Tensor, v_pool: torch.Tensor) -> Optional[Tuple[Tuple[str, object], ...]]:
+        """Every field of the layer_t this layer fills, as (name, value) pairs: addresses, formats, groups (None:
+        a linear the chain cannot run). A table is valid exactly while these stay the same."""
+        fields: List[Tuple[str, object]] = []
+        for name, linear in zip(("qkv", "o", "gate_up", "down"), self.linears):
+            chained = _chained_linear(linear)
+            if chained is None:
                 return None
+            fields += [(f"{name}{suffix}", value) for suffix, value in zip(_LINEAR_FIELDS, chained)]
         norms = [None if d is None else _address(d["weight"]) for d in self.norm_params]
-        return (norms[0], norms[1], *data, *biases, _address(self.rope_buffers["cos_sin_cache"]), k_pool.data_ptr(),
-                v_pool.data_ptr(), norms[2], norms[3], *scales)
+        fields += [("input_norm", norms[0]), ("post_norm", norms[1]), ("q_norm", norms[2]), ("k_norm", norms[3]),
+                   ("cos_sin", _address(self.rope_buffers["cos_sin_cache"])), ("k_pool", k_pool.data_ptr()),
+                   ("v_pool", v_pool.data_ptr())]
+        return tuple(fields)
 
 
-def _chained_int8(p: object) -> bool:
-    """Whether a packed weight is one the chain runs through linear_w8a8: w8a8_int8, int8 activations, on the CPU."""
-    return (isinstance(p, QuantizedWeight) and p.int8_activations and not p.is_fp8 and p.qweight.is_cpu
-            and p.qweight.is_contiguous() and p.scale.dtype == torch.float32 and p.scale.is_contiguous())
+# A chained linear's layer_t fields: its name + each suffix (decoder_layers.c's CHAIN_* formats).
+_LINEAR_FIELDS = ("", "_bias", "_format", "_scale", "_offset", "_group")
+CHAIN_BF16, CHAIN_W8A8, CHAIN_Q4, CHAIN_W4A8 = 0, 1, 2, 3
+
+
+def _chained_linear(linear: nn.Module) -> Optional[Tuple[int, Optional[int], int, Optional[int], Optional[int], int]]:
+    """(weight, bias, format, scale, offset, group) of a linear the chain runs as the module does (None: it
+    cannot): bf16 panels; w8a8_int8 (int8 activations) without a bias; 4-bit without a bias or act-order."""
+    p = linear.packed_weight
+    if isinstance(p, Bf16Panels):
+        return p.data.data_ptr(), _address(p.bias), CHAIN_BF16, None, None, 0
+    if linear.bias is not None:
+        return None
+    if (isinstance(p, QuantizedWeight) and p.int8_activations and not p.is_fp8 and p.qweight.is_cpu
+            and p.qweight.is_contiguous() and p.scale.dtype == torch.float32 and p.scale.is_contiguous()):
+        return p.qweight.data_ptr(), None, CHAIN_W8A8, p.scale.data_ptr(), None, 0
+    if (isinstance(p, Int4Weight) and p.perm is None and p.packed.is_cpu
+            and all(t.dtype == torch.float32 and t.is_contiguous() for t in (p.scale, p.bias))):
+        return (p.packed.data_ptr(), None, CHAIN_W4A8 if p.int8_activations else CHAIN_Q4, p.scale.data_ptr(),
+                p.bias.data_ptr(), p.group_size)
+    return None
 
 
 def _address(t: Optional[torch.Tensor]) -> Optional[int]:
@@ -86,7 +97,7 @@ class DecoderLayers:
     """The layers' weights and pools in decoder_layers.c's layout, and the shapes they imply."""
 
     def __init__(self, layers: List["LlamaDecoderLayer"], k_pools: List[torch.Tensor], v_pools: List[torch.Tensor],
-                 pointers: List[tuple]) -> None:
+                 pointers: List[Tuple[Tuple[str, object], ...]]) -> None:
         first = layers[0].self_attn
         self.hidden = first.qkv_proj.input_size
         self.heads, self.kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
@@ -95,10 +106,9 @@ class DecoderLayers:
         self.table = (Layer * len(layers))()
         # Each table entry's layer: its row of a cascade's kept panels (CascadeTables.kept).
         self.layer_ids = torch.tensor([layer.self_attn.attn.layer_id for layer in layers], dtype=torch.int64)
-        for entry, layer, k_pool, v_pool, ptrs in zip(self.table, layers, k_pools, v_pools, pointers):
-            (entry.input_norm, entry.post_norm, entry.qkv, entry.o, entry.gate_up, entry.down, entry.qkv_bias,
-             entry.o_bias, entry.gate_up_bias, entry.down_bias, entry.cos_sin, entry.k_pool, entry.v_pool, entry.q_norm,
-             entry.k_norm, entry.qkv_scale, entry.o_scale, entry.gate_up_scale, entry.down_scale) = ptrs
+        for entry, layer, k_pool, v_pool, fields in zip(self.table, layers, k_pools, v_pools, pointers):
+            for name, value in fields:
+                setattr(entry, name, value)
             entry.k_stride, entry.v_stride = k_pool.stride(0), v_pool.stride(0)
             entry.eps = layer.input_layernorm.variance_epsilon  # supported(): both norms' eps agree
             entry.scale = layer.self_attn.attn.scaling
@@ -120,11 +130,11 @@ class DecoderLayers:
             rope = attn.rotary_emb
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
             chained = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if not all(isinstance(m.packed_weight, Bf16Panels)
-                       or (_chained_int8(m.packed_weight) and m.bias is None) for m in chained):
+            if any(_chained_linear(m) is None for m in chained):
                 return False
-            assert isinstance(qkv, (Bf16Panels, QuantizedWeight)) and isinstance(o, (Bf16Panels, QuantizedWeight))
-            assert isinstance(gate_up, (Bf16Panels, QuantizedWeight)) and isinstance(down, (Bf16Panels, QuantizedWeight))
+            kinds = (Bf16Panels, QuantizedWeight, Int4Weight)
+            assert (isinstance(qkv, kinds) and isinstance(o, kinds) and isinstance(gate_up, kinds)
+                    and isinstance(down, kinds))
             if isinstance(gate_up, Bf16Panels) and gate_up.n % 128:  # linear_bf16_silu_mul's panel pairs
                 return False
             q_norm, k_norm = attn.q_norm, attn.k_norm

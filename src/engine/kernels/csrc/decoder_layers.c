@@ -6,17 +6,34 @@
  * ms of Python per step on the 2-core AMD EPYC (Zen 4) for the 8-layer small Llama, whatever the
  * batch (0.3-0.8 ms with this call). This file chains the same kernels with the same arguments, so
  * the result is bit for bit the Python path's; only the Python between them is gone.
- * engine/kernels/decoder_layers.py decides when it applies. Layers quantized with w8a8_int8 take linear_w8a8
- * (bf16 activations quantized per row inside it) and, for gate_up, linear_w8a8 then silu_and_mul: the module
- * path's two calls.
+ * engine/kernels/decoder_layers.py decides when it applies. Quantized linears take their kernels as the modules
+ * call them: w8a8_int8 linear_w8a8 (bf16 in and out), 4-bit linear_q4 or linear_w4a8 (float32 in and out: the rows
+ * widened from bf16 and the outputs rounded back, as layers/int4.py does); a quantized gate_up is its linear, then
+ * silu_and_mul.
  */
 #include "cpu_common.h"
 
-/* out [bs, n] (bf16) = x [bs, k] (bf16) W^T + bias: bf16 panels, or int8 weights with their scales. */
-static void layer_linear(const void *x, int64_t bs, int64_t k, const void *w, const float *scale, int64_t n,
-                         const float *bias, void *out, int nt) {
-    if (scale != NULL) linear_w8a8(x, bs, k, (const int8_t *)w, scale, bias, n, out, DTYPE_BF16, NULL, nt);
-    else linear_bf16((const uint16_t *)x, bs, k, (const uint16_t *)w, n, bias, (uint16_t *)out, nt);
+enum { CHAIN_BF16 = 0, CHAIN_W8A8 = 1, CHAIN_Q4 = 2, CHAIN_W4A8 = 3 }; /* layer_t's formats */
+
+/* out [bs, n] (bf16) = x [bs, k] (bf16) W^T (+ bias: bf16 panels only) in the linear's format. */
+static void layer_linear(const void *x, int64_t bs, int64_t k, int format, const void *w, const float *scale,
+                         const float *offset, int64_t group, int64_t n, const float *bias, void *out, int nt) {
+    if (format == CHAIN_BF16) {
+        linear_bf16((const uint16_t *)x, bs, k, (const uint16_t *)w, n, bias, (uint16_t *)out, nt);
+        return;
+    }
+    if (format == CHAIN_W8A8) {
+        if (linear_w8a8(x, bs, k, (const int8_t *)w, scale, bias, n, out, DTYPE_BF16, NULL, nt) != 0) abort();
+        return;
+    }
+    float *xf = (float *)malloc(sizeof(float) * (size_t)(bs * (k + n)));
+    if (xf == NULL) abort(); /* a few KiB a step: out of memory is not recoverable here */
+    float *yf = xf + bs * k;
+    for (int64_t r = 0; r < bs; r++) load_row(x, r * k, k, DTYPE_BF16, xf + r * k);
+    if (format == CHAIN_Q4) linear_q4(xf, bs, k, (const uint8_t *)w, scale, offset, group, n, yf, nt);
+    else if (linear_w4a8(xf, bs, k, (const uint8_t *)w, scale, offset, group, n, yf, nt) != 0) abort();
+    for (int64_t r = 0; r < bs; r++) store_row(out, r * n, yf + r * n, n, DTYPE_BF16);
+    free(xf);
 }
 
 /* layer_t and step_t: engine_kernels.h. */
@@ -35,7 +52,8 @@ void decode_layers(const layer_t *layers, int64_t num_layers, const step_t *step
             rms_norm(hidden_out, residual_out, L->input_norm, S->normed, residual_out, bs, hidden, L->eps, DTYPE_BF16,
                      (int)nt);
         }
-        layer_linear(S->normed, bs, hidden, L->qkv, L->qkv_scale, qkv_width, L->qkv_bias, qkv, (int)nt);
+        layer_linear(S->normed, bs, hidden, L->qkv_format, L->qkv, L->qkv_scale, L->qkv_offset, L->qkv_group, qkv_width,
+                     L->qkv_bias, qkv, (int)nt);
         if (L->q_norm != NULL) /* each head's q and k rows normalised in place (small: on this thread) */
             for (int64_t b = 0; b < bs; b++) {
                 uint16_t *row = qkv + b * qkv_width;
@@ -59,16 +77,18 @@ void decode_layers(const layer_t *layers, int64_t num_layers, const step_t *step
             .group_of = S->group_of, .kept = S->kept != NULL ? S->kept + l * S->num_groups : NULL,
             .kept_tokens = S->kept_tokens, .num_threads = (int)nt};
         decode_attention(&attention);
-        layer_linear(S->attn, bs, q_width, L->o, L->o_scale, hidden, L->o_bias, S->o, (int)nt);
+        layer_linear(S->attn, bs, q_width, L->o_format, L->o, L->o_scale, L->o_offset, L->o_group, hidden, L->o_bias,
+                     S->o, (int)nt);
         rms_norm(S->o, residual_out, L->post_norm, S->normed, residual_out, bs, hidden, L->eps, DTYPE_BF16, (int)nt);
-        if (L->gate_up_scale != NULL) {
-            linear_w8a8(S->normed, bs, hidden, (const int8_t *)L->gate_up, L->gate_up_scale, L->gate_up_bias,
-                        2 * S->intermediate, S->gate_up, DTYPE_BF16, NULL, (int)nt);
+        if (L->gate_up_format != CHAIN_BF16) {
+            layer_linear(S->normed, bs, hidden, L->gate_up_format, L->gate_up, L->gate_up_scale, L->gate_up_offset,
+                         L->gate_up_group, 2 * S->intermediate, L->gate_up_bias, S->gate_up, (int)nt);
             silu_and_mul(S->gate_up, S->mlp, bs, S->intermediate, DTYPE_BF16, (int)nt);
         } else {
             linear_bf16_silu_mul((const uint16_t *)S->normed, bs, hidden, (const uint16_t *)L->gate_up,
                                  2 * S->intermediate, L->gate_up_bias, (uint16_t *)S->mlp, (int)nt);
         }
-        layer_linear(S->mlp, bs, S->intermediate, L->down, L->down_scale, hidden, L->down_bias, hidden_out, (int)nt);
+        layer_linear(S->mlp, bs, S->intermediate, L->down_format, L->down, L->down_scale, L->down_offset, L->down_group,
+                     hidden, L->down_bias, hidden_out, (int)nt);
     }
 }

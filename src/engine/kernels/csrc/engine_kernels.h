@@ -158,7 +158,7 @@ ENGINE_API int64_t kept_prefix_elems(int64_t n, int64_t kv_heads, int64_t dim);
 /* One layer's weights and KV pool, set once (decoder_layers.py rebuilds them when either changes). */
 typedef struct {
     const void *input_norm, *post_norm; /* bf16 [hidden] */
-    const void *qkv, *o, *gate_up, *down; /* linear_bf16.c panels */
+    const void *qkv, *o, *gate_up, *down; /* linear_bf16.c panels, or the formats below */
     const float *qkv_bias, *o_bias, *gate_up_bias, *down_bias; /* float32 or NULL */
     const float *cos_sin; /* float32 [max_pos, rotary_dim] */
     void *k_pool, *v_pool; /* [slots, kv_heads, head_dim] */
@@ -166,9 +166,14 @@ typedef struct {
     float eps, scale;
     const void *q_norm, *k_norm; /* bf16 [head_dim]: Qwen3's per-head RMSNorm before rotary, or NULL */
     float qk_eps;
-    /* --quantization w8a8_int8: the four weights are int8 [n, k] with these per-channel scales (linear_w8a8);
-     * NULL: bf16 panels */
+    /* Each linear's format (decoder_layers.c: CHAIN_*): bf16 panels (above), int8 [n, k] with per-channel scales
+     * (--quantization w8a8_int8, linear_w8a8), or 4-bit codes (linear_q4's layout) with per-group scales and
+     * offsets, against float or int8 activations (linear_q4, linear_w4a8); the scales and offsets NULL for bf16,
+     * the offsets and groups unused but for 4-bit. */
+    int qkv_format, o_format, gate_up_format, down_format;
     const float *qkv_scale, *o_scale, *gate_up_scale, *down_scale;
+    const float *qkv_offset, *o_offset, *gate_up_offset, *down_offset;
+    int64_t qkv_group, o_group, gate_up_group, down_group;
 } layer_t;
 
 /* The model's shape and one step's batch: positions, new slots, the decode kernel's tables, scratch. */
@@ -185,10 +190,10 @@ typedef struct {
     /* kept prefix panels (decode_attention.c): [num_layers][num_groups] block addresses (0: none) and
      * [num_groups] fill tokens, or NULL */
     const int64_t *kept, *kept_tokens;
-    /* scratch: [bs, hidden], [bs, qkv width], [bs, q width] x 2, [bs, hidden], [bs, intermediate] */
-    void *normed, *qkv, *q, *attn, *o, *mlp;
+    /* scratch: [bs, hidden], [bs, qkv width], [bs, q width] x 2, [bs, hidden], [bs, intermediate], and
+     * [bs, 2 x intermediate] for a quantized gate_up (its linear and SiLU-and-mul are two calls) */
+    void *normed, *qkv, *q, *attn, *o, *mlp, *gate_up;
     int num_threads;
-    void *gate_up; /* scratch [bs, 2 x intermediate] for int8 layers (their gate_up and SiLU-and-mul are two calls) */
 } step_t;
 
 /* hidden_in [bs, hidden]: the embedded tokens; hidden_out: the last layer's output; residual_out: the
