@@ -156,7 +156,10 @@ void linear_q4(const float *x, int64_t m, int64_t k, const uint8_t *w, const flo
  * AVX512-VNNI: vpdpbusd on 64 inputs (two packed blocks: the low and high nibbles of 32 bytes, put in input
  * order by one lane shuffle) for groups that are a multiple of 64; AVX2: vpmaddubsw (pairs at most 2 * 15 *
  * 127, never saturated) and vpmaddwd on one block of 32 in input order; else a portable loop. Each group's
- * integer sum is scaled into float32 lanes, summed across lanes at the end: paths differ only in that order. */
+ * integer sum is scaled into float32 lanes, summed across lanes at the end: paths differ only in that order.
+ * One row prefetches the next group of 4 channels' codes as it sums these (linear_w8a8's one-row pattern): on
+ * the 2-core Xeon, one thread, 24 weights of 2816 x 1024 streamed from memory, 0.41 -> 0.23 ms a weight
+ * (linear_w8a8: 0.28). */
 typedef struct {
     const int8_t *xq; /* [m][k] q_x */
     const float *xs, *xsum; /* [m][groups] each group's activation scale, and its sum of x */
@@ -188,6 +191,13 @@ static inline __attribute__((always_inline)) void w4a8_tile(const w4a8_job_t *J,
             for (int r = 0; r < R; r++)
                 for (int c = 0; c < C; c++) isum[r][c] = _mm512_setzero_si512();
             for (int64_t d = g * group; d < (g + 1) * group; d += 64) {
+                if (R == 1 && C == 4) { /* one row streams the codes: the next group's, 2 lines a step (w8a8's) */
+                    const uint8_t *next = J->w + (c0 + 4) * (k / 2) + 2 * d;
+                    if (next + 128 <= J->w + J->n * (k / 2)) {
+                        _mm_prefetch((const char *)next, _MM_HINT_T0);
+                        _mm_prefetch((const char *)next + 64, _MM_HINT_T0);
+                    }
+                }
                 __m512i codes[4];
                 for (int c = 0; c < C; c++) {
                     const __m256i bytes = _mm256_loadu_si256((const __m256i *)(J->w + (c0 + c) * (k / 2) + d / 2));
@@ -223,6 +233,10 @@ static inline __attribute__((always_inline)) void w4a8_tile(const w4a8_job_t *J,
             for (int r = 0; r < R; r++)
                 for (int c = 0; c < C; c++) isum[r][c] = _mm256_setzero_si256();
             for (int64_t d = g * group; d < (g + 1) * group; d += Q4_BLOCK) {
+                if (R == 1 && C == 4) { /* the next group's codes, one line a step */
+                    const uint8_t *next = J->w + (c0 + 4) * (k / 2) + 2 * d;
+                    if (next + 64 <= J->w + J->n * (k / 2)) _mm_prefetch((const char *)next, _MM_HINT_T0);
+                }
                 __m256i codes[4];
                 for (int c = 0; c < C; c++) {
                     const __m128i bytes = _mm_loadu_si128((const __m128i *)(J->w + (c0 + c) * (k / 2) + d / 2));
