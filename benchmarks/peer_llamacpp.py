@@ -47,13 +47,15 @@ SYSTEMS: Dict[str, Tuple[str, str]] = {
     "engine-int8-head": ("engine", "int8-head"),
     "engine-int4": ("engine", "int4"),
     "engine-int4-a8": ("engine", "int4-a8"),  # ENGINE_INT4_INT8_ACTIVATIONS=1 (layers/int4.py)
+    "engine-int4-a8-head": ("engine", "int4-a8-head"),  # and --quantize-lm-head (an int8 head)
     "llamacpp-bf16": ("llamacpp", "bf16"),
     "llamacpp-q8_0": ("llamacpp", "q8_0"),
     "llamacpp-q4_k_m": ("llamacpp", "q4_k_m"),
 }
 # The pairs the table compares: (engine system, llama.cpp system).
 PAIRS = (("engine-bf16", "llamacpp-bf16"), ("engine-int8", "llamacpp-q8_0"), ("engine-int8-head", "llamacpp-q8_0"),
-         ("engine-int4", "llamacpp-q4_k_m"), ("engine-int4-a8", "llamacpp-q4_k_m"))
+         ("engine-int4", "llamacpp-q4_k_m"), ("engine-int4-a8", "llamacpp-q4_k_m"),
+         ("engine-int4-a8-head", "llamacpp-q4_k_m"))
 WORKLOADS = ("server_1", "server_16")
 SLOTS, SLOT_CONTEXT = 16, 512
 
@@ -83,10 +85,11 @@ def server_command(system: str, args: argparse.Namespace, model: str, port: int)
                 "--cont-batching", "-t", "2", "-tb", "2", "--alias", bench_peers.SERVED_NAME, *args.llama_args.split()]
     path = model
     extra: List[str] = []
-    if weights in ("int4", "int4-a8"):
+    if weights.startswith("int4"):
         from bench_quant import awq_checkpoint
 
         path = awq_checkpoint(model)
+        extra = ["--quantize-lm-head"] if weights.endswith("-head") else []
     elif weights in ("int8", "int8-head"):
         extra = ["--quantization", "w8a8_int8", *(["--quantize-lm-head"] if weights == "int8-head" else [])]
     return [sys.executable, "-m", "engine.launch_server", "--model-path", path, "--dtype", "bfloat16",
@@ -98,7 +101,7 @@ def run_system(system: str, args: argparse.Namespace, model: str) -> Dict[str, A
     port = bench_serving.find_free_port()
     cmd = server_command(system, args, model, port)
     env = bench_peers.engine_env() if SYSTEMS[system][0] == "engine" else dict(os.environ)
-    env["ENGINE_INT4_INT8_ACTIVATIONS"] = str(int(SYSTEMS[system][1] == "int4-a8"))
+    env["ENGINE_INT4_INT8_ACTIVATIONS"] = str(int(SYSTEMS[system][1].startswith("int4-a8")))
     log_path = os.path.join(args.work_dir, "logs", f"{system}-server.log")
     logger.info("%s: %s", system, " ".join(cmd))
     proc = launch(cmd, env, log_path)

@@ -22,6 +22,8 @@ DTYPES = ("auto", "float32", "bfloat16", "float16")
 # load to a bf16/fp16/fp32 checkpoint, or naming a pre-quantized checkpoint's format.
 # The ones applied at load (--quantize-lm-head takes their method for the head).
 ONLINE_QUANTIZATION = ("w8a8_int8", "fp8")
+# Methods whose checkpoints may hold 4-bit linears with a float head (--quantize-lm-head applies: model_runner.py).
+PREQUANTIZED_4BIT = ("compressed-tensors", "awq", "gptq", "awq_marlin", "gptq_marlin")
 QUANTIZATION_METHODS = ("w8a8_int8", "fp8", "compressed-tensors", "awq", "gptq", "awq_marlin", "gptq_marlin", "mxfp4")
 # SGLang's --kv-cache-dtype names (engine/mem_cache/memory_pool.py KV_CACHE_DTYPES).
 KV_CACHE_DTYPE_NAMES = ("auto", "fp8_e5m2", "fp8_e4m3", "bf16", "bfloat16")
@@ -68,8 +70,9 @@ class ServerArgs:
         choices=QUANTIZATION_METHODS)
     quantize_lm_head: bool = arg(False, (
         "Not an SGLang flag: with --quantization w8a8_int8 or fp8, quantize the LM head too, per vocabulary row "
-        "(the largest weight a small decode step reads); tied embeddings keep --dtype. Off by default, as "
-        "SGLang keeps the head in --dtype for these methods."))
+        "(the largest weight a small decode step reads); on a 4-bit checkpoint (AWQ, GPTQ, compressed-tensors "
+        "W4A16) whose head is float, quantize the head to int8 as w8a8_int8 does (llama.cpp's Q4_K_M files "
+        "keep a 6-bit head); tied embeddings keep --dtype. Off by default, as SGLang keeps the head in --dtype."))
     kv_cache_dtype: str = arg("auto", (
         "The KV cache's element type: auto (the model's dtype), fp8_e5m2 or fp8_e4m3 (one byte per element, "
         "scaled by the checkpoint's per-layer k_scale / v_scale, 1.0 without them: about twice the tokens "
@@ -397,9 +400,9 @@ class ServerArgs:
         need(not (self.kv_cache_dtype.startswith("fp8") and self.attention_backend == "flashinfer"),
              f"--kv-cache-dtype {self.kv_cache_dtype} is not supported by the flashinfer attention backend here "
              "(untested without a GPU); use --attention-backend triton or torch_native")
-        need(not self.quantize_lm_head or self.quantization in ONLINE_QUANTIZATION,
-             f"--quantize-lm-head quantizes the head with --quantization {' or '.join(ONLINE_QUANTIZATION)}, got "
-             f"--quantization {self.quantization}")
+        need(not self.quantize_lm_head or self.quantization in (*ONLINE_QUANTIZATION, None, *PREQUANTIZED_4BIT),
+             f"--quantize-lm-head quantizes the head with --quantization {' or '.join(ONLINE_QUANTIZATION)} or on a "
+             f"4-bit checkpoint, got --quantization {self.quantization}")
         need(self.quantization is None or not (self.enable_lora or self.lora_paths),
              "--quantization is not supported yet with LoRA adapters (--enable-lora, --lora-paths)")
         need(

@@ -312,6 +312,27 @@ def test_gptq_quantized_lm_head(tmp_path, tied: bool, desc_act: bool) -> None:
     assert tokens == expected_tokens
 
 
+def test_quantize_lm_head_on_a_4bit_checkpoint(tmp_path, float_llama) -> None:
+    """--quantize-lm-head on an AWQ checkpoint: its float head quantized per vocabulary row as w8a8_int8 does (int8
+    activations); the logits equal the same checkpoint's with that head computed by quantized_linear; a GPTQ
+    checkpoint whose head is 4-bit already is refused."""
+    qpath = str(tmp_path / "q")
+    write_int4_checkpoint(float_llama, qpath, "awq", group=32)
+    plain, runner = make_runner(qpath), make_runner(qpath, quantize_lm_head=True)
+    head = runner.model.lm_head.packed_weight
+    assert isinstance(head, quant.QuantizedWeight) and head.qweight.dtype == torch.int8 and head.int8_activations
+    assert not isinstance(plain.model.lm_head.packed_weight, quant.QuantizedWeight)
+    hidden = torch.randn(3, plain.model.lm_head.weight.shape[1])
+    expected = quant.quantized_linear(hidden, quant.quantize_weight(plain.model.lm_head.weight.data, "w8a8_int8"), None)
+    assert torch.equal(quant.quantized_linear(hidden, head, None), expected)
+    logits, tokens = _run(runner)
+    assert logits.isfinite().all() and len(tokens) > 0
+    gptq = str(tmp_path / "gptq")
+    write_int4_checkpoint(float_llama, gptq, "gptq", group=32, lm_head=True)
+    with pytest.raises(ValueError, match="its head quantized too"):
+        make_runner(gptq, quantize_lm_head=True)
+
+
 def test_quantized_lm_head_tensors_refused_without_the_flag(tmp_path, float_llama) -> None:
     qpath = str(tmp_path / "q")
     write_int4_checkpoint(float_llama, qpath, "gptq", group=32, lm_head=True)

@@ -453,17 +453,19 @@ def test_quantized_lm_head_refused_where_it_does_not_apply(tmp_path) -> None:
 
     from engine.server_args import ServerArgs, ServerArgsError
 
-    for flag in (None, "awq"):
-        with pytest.raises(ServerArgsError, match="--quantize-lm-head quantizes the head with --quantization"):
-            ServerArgs(quantize_lm_head=True, quantization=flag, device="cpu")
-    # fp8 also names the block-fp8 checkpoint format: refused there before any weight is read.
+    with pytest.raises(ServerArgsError, match="--quantize-lm-head quantizes the head with --quantization"):
+        ServerArgs(quantize_lm_head=True, quantization="mxfp4", device="cpu")
     build_tiny_model(str(tmp_path), "llama")
+    # No --quantization: only a 4-bit checkpoint's float head (test_prequantized.py); a float one is refused.
+    with pytest.raises(ValueError, match="this checkpoint is float and --quantization is unset"):
+        make_runner(str(tmp_path), quantize_lm_head=True)
+    # fp8 also names the block-fp8 checkpoint format: refused there before any weight is read.
     config = json.loads((tmp_path / "config.json").read_text())
     config["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                      "weight_block_size": [128, 128]}
     (tmp_path / "config.json").write_text(json.dumps(config))
-    with pytest.raises(ValueError, match="--quantize-lm-head quantizes a float checkpoint's head; this checkpoint is "
-                                         r"pre-quantized \(fp8\)"):
+    with pytest.raises(ValueError, match="--quantize-lm-head quantizes a float head of a float or 4-bit checkpoint; "
+                                         r"this checkpoint is pre-quantized \(fp8, block_fp8 weights\)"):
         make_runner(str(tmp_path), quantization="fp8", quantize_lm_head=True)
 
 

@@ -32,7 +32,7 @@ from engine.model_executor.forward_batch_info import ForwardBatch
 from engine.model_executor.memory_saver import MemorySaver
 from engine.model_executor.weight_update import WeightUpdater
 from engine.model_loader.loader import get_model
-from engine.server_args import ServerArgs
+from engine.server_args import ONLINE_QUANTIZATION, ServerArgs
 
 if TYPE_CHECKING:
     from engine.layers.sampler import Sampler
@@ -109,9 +109,15 @@ class ModelRunner:
         prequantized = resolve_quantization(model_config.raw_config, server_args.quantization)
         if prequantized is not None and (server_args.enable_lora or server_args.lora_paths):
             raise ValueError(f"LoRA adapters are not supported yet with a {prequantized.method}-quantized checkpoint")
-        if prequantized is not None and server_args.quantize_lm_head:  # --quantization fp8 on a block-fp8 one
-            raise ValueError(f"--quantize-lm-head quantizes a float checkpoint's head; this checkpoint is pre-quantized "
-                             f"({prequantized.method}) and its config says how its head is stored")
+        if server_args.quantize_lm_head and prequantized is None and server_args.quantization not in ONLINE_QUANTIZATION:
+            raise ValueError("--quantize-lm-head quantizes the head with --quantization w8a8_int8 or fp8, or on a 4-bit "
+                             "checkpoint; this checkpoint is float and --quantization is unset")
+        if prequantized is not None and server_args.quantize_lm_head and (prequantized.weights != "int4"
+                                                                          or prequantized.lm_head):
+            raise ValueError(f"--quantize-lm-head quantizes a float head of a float or 4-bit checkpoint; this checkpoint "
+                             f"is pre-quantized ({prequantized.method}, {prequantized.weights} weights"
+                             f"{', its head quantized too' if prequantized.lm_head else ''}) and its config says how "
+                             f"its head is stored")
         self.model = get_model(model_config, self.device, self.dtype, prequantized)
         # --kv-cache-dtype: the pool's element type, and for fp8 the checkpoint's per-layer scales.
         self.kv_cache_dtype = kv_cache_dtype(server_args.kv_cache_dtype, self.dtype)
@@ -127,6 +133,9 @@ class ModelRunner:
             if server_args.quantize_lm_head:
                 heads = quantize_lm_head(self.model, server_args.quantization)
                 logger.info("Quantized the LM head (%s, per vocabulary row): %d", server_args.quantization, heads)
+        if prequantized is not None and server_args.quantize_lm_head:  # a 4-bit checkpoint's float head
+            heads = quantize_lm_head(self.model, "w8a8_int8")
+            logger.info("Quantized the LM head (w8a8_int8, per vocabulary row) of a 4-bit checkpoint: %d", heads)
         if self.device == "cpu":
             from engine.layers.linear import prepack_linear_weights
 
