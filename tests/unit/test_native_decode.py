@@ -80,9 +80,8 @@ def test_native_decode_layers_equal_the_modules(model_dir, monkeypatch):
         assert torch.equal(a, b)
 
 
-def test_native_decode_int8_layers_equal_the_modules(model_dir, monkeypatch):
-    """w8a8_int8 layers (linear_w8a8 in the chain, gate_up then SiLU-and-mul as two calls) compute the modules'
-    bits; Qwen2's biases keep the module path (the chain takes int8 linears without a bias)."""
+def _chain_equals_modules(model_dir: str, chained: bool, monkeypatch, **server_args) -> None:
+    """The chain's logits equal the modules'; it runs every step where `chained`, none otherwise."""
     if library.linear() is None or library.decoder_layers() is None:
         pytest.skip("no kernel library on this machine")
     runs = []
@@ -93,39 +92,30 @@ def test_native_decode_int8_layers_equal_the_modules(model_dir, monkeypatch):
         return real_run(self, *args, **kwargs)
 
     monkeypatch.setattr(decoder_layers.DecoderLayers, "run", counting_run)
-    native = _decode_logits(model_dir, quantization="w8a8_int8")
-    assert len(runs) == (0 if "qwen2" in model_dir else STEPS)
+    native = _decode_logits(model_dir, **server_args)
+    assert len(runs) == (STEPS if chained else 0)
     monkeypatch.setattr(decoder_layers.DecoderLayersCache, "forward", lambda *args, **kwargs: None)
-    modules = _decode_logits(model_dir, quantization="w8a8_int8")
+    modules = _decode_logits(model_dir, **server_args)
     for a, b in zip(native, modules):
         assert torch.equal(a, b)
+
+
+def test_native_decode_int8_layers_equal_the_modules(model_dir, monkeypatch):
+    """w8a8_int8 layers: linear_w8a8 in the chain, gate_up then SiLU-and-mul as two calls; Qwen2's biases keep the
+    module path (the chain takes quantized linears without a bias)."""
+    _chain_equals_modules(model_dir, "qwen2" not in model_dir, monkeypatch, quantization="w8a8_int8")
 
 
 @pytest.mark.parametrize("int8_activations", [False, True])
 def test_native_decode_int4_layers_equal_the_modules(model_dir, tmp_path, monkeypatch, int8_activations: bool):
-    """AWQ layers (linear_q4, or linear_w4a8 with ENGINE_INT4_INT8_ACTIVATIONS) in the chain compute the modules'
-    bits (their float32 rows widened from bf16 and rounded back); Qwen2's biases keep the module path."""
+    """AWQ layers: linear_q4, or linear_w4a8 with ENGINE_INT4_INT8_ACTIVATIONS (their float32 rows widened from
+    bf16 and rounded back); Qwen2's biases keep the module path."""
     from utils_quant import write_int4_checkpoint
 
-    if library.linear() is None or library.decoder_layers() is None:
-        pytest.skip("no kernel library on this machine")
     monkeypatch.setenv("ENGINE_INT4_INT8_ACTIVATIONS", str(int(int8_activations)))
     quantized = str(tmp_path / "awq")
     write_int4_checkpoint(model_dir, quantized, "awq", group=32)
-    runs = []
-    real_run = decoder_layers.DecoderLayers.run
-
-    def counting_run(self, *args, **kwargs):
-        runs.append(1)
-        return real_run(self, *args, **kwargs)
-
-    monkeypatch.setattr(decoder_layers.DecoderLayers, "run", counting_run)
-    native = _decode_logits(quantized)
-    assert len(runs) == (0 if "qwen2" in model_dir else STEPS)
-    monkeypatch.setattr(decoder_layers.DecoderLayersCache, "forward", lambda *args, **kwargs: None)
-    modules = _decode_logits(quantized)
-    for a, b in zip(native, modules):
-        assert torch.equal(a, b)
+    _chain_equals_modules(quantized, "qwen2" not in model_dir, monkeypatch)
 
 
 def test_native_decode_is_skipped_where_it_does_not_apply(model_dir, monkeypatch):

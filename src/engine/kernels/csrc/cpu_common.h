@@ -258,6 +258,16 @@ static inline void pack_v_panels(const uint16_t *v, int64_t v_stride, const int6
     }
 }
 #endif
+#if defined(__AVX2__)
+/* The sum of a vector's 8 float32 lanes, in one fixed order (every kernel's horizontal sum). */
+static inline __attribute__((always_inline)) float hsum8(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+#endif
+
 /* Quantize row x (float32) into q (int8) and a (|q|, or NULL: not wanted), zero from k to kp; returns x_scale
  * (linear_w8a8.c's per-row scale, linear_q4.c's per group). The vector and
  * scalar loops compute the same float32 product and round it the same way (to nearest even). */

@@ -99,12 +99,7 @@ static inline __attribute__((always_inline)) void mxfp4_tile(const mxfp4_job_t *
             for (int c = 0; c < C; c++) acc[0][c] = _mm256_fmadd_ps(gacc[c], scale[c], acc[0][c]);
     }
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) {
-            __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[r][c]), _mm256_extractf128_ps(acc[r][c], 1));
-            v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-            v = _mm_add_ss(v, _mm_movehdup_ps(v));
-            sums[r][c] = _mm_cvtss_f32(v);
-        }
+        for (int c = 0; c < C; c++) sums[r][c] = hsum8(acc[r][c]);
 #else
     /* The e2m1 magnitudes by a code's low three bits (its high bit is the sign). */
     static const float mxfp4_magnitudes[8] = {0.0f, 0.5f, 1.0f, 1.5f, 2.0f, 3.0f, 4.0f, 6.0f};

@@ -81,12 +81,10 @@ static inline __attribute__((always_inline)) void q4_tile(const q4_job_t *J, int
     }
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) {
-            __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[r][c]), _mm256_extractf128_ps(acc[r][c], 1));
-            v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-            v = _mm_add_ss(v, _mm_movehdup_ps(v));
+            const float v = hsum8(acc[r][c]);
             float offsets = 0.0f;
             for (int64_t g = 0; g < groups; g++) offsets += J->bias[(c0 + c) * groups + g] * J->xsum[(m0 + r) * groups + g];
-            sums[r][c] = _mm_cvtss_f32(v) + offsets;
+            sums[r][c] = v + offsets;
         }
 #else
     for (int r = 0; r < R; r++)
@@ -255,12 +253,7 @@ static inline __attribute__((always_inline)) void w4a8_tile(const w4a8_job_t *J,
                                                 acc[r][c]);
         }
         for (int r = 0; r < R; r++)
-            for (int c = 0; c < C; c++) {
-                __m128 v = _mm_add_ps(_mm256_castps256_ps128(acc[r][c]), _mm256_extractf128_ps(acc[r][c], 1));
-                v = _mm_add_ps(v, _mm_movehl_ps(v, v));
-                v = _mm_add_ss(v, _mm_movehdup_ps(v));
-                sums[r][c] = _mm_cvtss_f32(v);
-            }
+            for (int c = 0; c < C; c++) sums[r][c] = hsum8(acc[r][c]);
 #else
         for (int r = 0; r < R; r++)
             for (int c = 0; c < C; c++) {

@@ -90,12 +90,6 @@ static inline __attribute__((always_inline)) void bf16_pairs(const uint8_t *w, i
     *odd = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xffff0000u)));
 }
 
-static inline __attribute__((always_inline)) float hsum(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 #endif
 
 /* sums[c] = x[m0] . W[c0 + c] for one row and C (1-4) channels, unscaled. `next`: the bytes of the next group
@@ -136,7 +130,7 @@ static inline __attribute__((always_inline)) void q8_row(const q8_job_t *J, int6
         const __m256 x0 = _mm256_loadu_ps(x + d);
         for (int c = 0; c < C; c++) acc[c][0] = _mm256_fmadd_ps(x0, widen8(J->w, k, c0 + c, d, fmt), acc[c][0]);
     }
-    for (int c = 0; c < C; c++) sums[c] = hsum(_mm256_add_ps(acc[c][0], acc[c][1]));
+    for (int c = 0; c < C; c++) sums[c] = hsum8(_mm256_add_ps(acc[c][0], acc[c][1]));
 #else
     (void)next;
     for (int c = 0; c < C; c++) sums[c] = 0.0f;
@@ -173,7 +167,7 @@ static inline __attribute__((always_inline)) void q8_tile(const q8_job_t *J, int
         }
     }
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) sums[r][c] = hsum(acc[r][c]);
+        for (int c = 0; c < C; c++) sums[r][c] = hsum8(acc[r][c]);
 #else
     for (int r = 0; r < R; r++)
         for (int c = 0; c < C; c++) sums[r][c] = 0.0f;
@@ -374,7 +368,7 @@ static inline __attribute__((always_inline)) void fp8b_row(const fp8b_job_t *J, 
         }
     }
 #if defined(Q8_AVX2)
-    for (int c = 0; c < C; c++) sums[c] += hsum(total[c]);
+    for (int c = 0; c < C; c++) sums[c] += hsum8(total[c]);
 #endif
 }
 
@@ -420,7 +414,7 @@ static inline __attribute__((always_inline)) void fp8b_tile(const fp8b_job_t *J,
     }
 #if defined(Q8_AVX2)
     for (int r = 0; r < R; r++)
-        for (int c = 0; c < C; c++) sums[r][c] += hsum(total[r][c]);
+        for (int c = 0; c < C; c++) sums[r][c] += hsum8(total[r][c]);
 #endif
 }
 

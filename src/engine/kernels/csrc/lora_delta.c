@@ -60,12 +60,6 @@ static inline __attribute__((always_inline)) __m256 load8(const void *p, int64_t
     return _mm256_loadu_ps((const float *)p + i);
 }
 
-static inline __attribute__((always_inline)) float hsum8(__m256 v) {
-    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    s = _mm_add_ss(s, _mm_movehdup_ps(s));
-    return _mm_cvtss_f32(s);
-}
 
 /* 8 float32 as bfloat16, rounded to nearest even (f32_to_bf16's rule, NaN kept quiet). */
 static inline __attribute__((always_inline)) __m128i to_bf16x8(__m256 v) {
