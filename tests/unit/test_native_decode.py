@@ -100,10 +100,11 @@ def _chain_equals_modules(model_dir: str, chained: bool, monkeypatch, **server_a
         assert torch.equal(a, b)
 
 
-def test_native_decode_int8_layers_equal_the_modules(model_dir, monkeypatch):
-    """w8a8_int8 layers: linear_w8a8 in the chain, gate_up then SiLU-and-mul as two calls; Qwen2's biases keep the
-    module path (the chain takes quantized linears without a bias)."""
-    _chain_equals_modules(model_dir, "qwen2" not in model_dir, monkeypatch, quantization="w8a8_int8")
+@pytest.mark.parametrize("method", ["w8a8_int8", "fp8"])
+def test_native_decode_8bit_layers_equal_the_modules(model_dir, monkeypatch, method: str):
+    """w8a8_int8 (linear_w8a8) and fp8 (linear_q8) layers in the chain, gate_up then SiLU-and-mul as two calls;
+    Qwen2's biases keep the module path (the chain takes quantized linears without a bias)."""
+    _chain_equals_modules(model_dir, "qwen2" not in model_dir, monkeypatch, quantization=method)
 
 
 @pytest.mark.parametrize("int8_activations", [False, True])

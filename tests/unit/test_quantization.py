@@ -243,6 +243,33 @@ def test_int8_rows_exact_on_every_path(int8_isa: str, dtype: torch.dtype, monkey
                     assert torch.equal(out, expected.to(dtype)), (k, n, rows, b is None)
 
 
+@pytest.mark.parametrize("method", ["fp8", "w8a8_int8"])
+def test_8bit_weights_against_bf16_rows_on_amx_and_vector_paths(method: str) -> None:
+    """e4m3 and weight-only int8 weights against bf16 rows: AMX (from 4 rows, k a multiple of 32: the weights
+    widened to bf16, tdpbf16ps) and the vector path equal the float64 product up to float32 summation order and
+    the one rounding to bf16; whole 16-channel blocks, a short last group and channels past the last block."""
+    lib = library.library_info()
+    if lib is None:
+        pytest.skip("no kernel library on this machine")
+    before = lib.amx_active()
+    try:
+        for n in (16, 37, 64, 100, 200):
+            for k in (32, 96, 1024):
+                for rows in (2, 4, 5, 16, 17, 40):
+                    gen = torch.Generator().manual_seed(n * k + rows)
+                    qw = dataclasses.replace(quantize_weight(torch.randn(n, k, generator=gen), method),
+                                             int8_activations=False)
+                    x = torch.randn(rows, k, generator=gen).to(torch.bfloat16)
+                    bias = torch.randn(n, generator=gen)
+                    expected = x.double() @ qw.dequantize(torch.float64).T + bias.double()
+                    for amx in (1, 0):
+                        lib.amx_set(amx)
+                        err = (quantized_linear(x, qw, bias).double() - expected).abs()
+                        assert bool((err <= expected.abs() * 2.0 ** -8 + 1e-3).all()), (n, k, rows, amx)
+    finally:
+        lib.amx_set(before)
+
+
 def test_w8a8_kernel_keeps_x_scale_when_not_asked(kernel_build: str) -> None:
     """linear_w8a8 with x_scale NULL (what quantized_linear passes) computes what it does with a buffer for
     them, and the buffer, where given, holds each row's scale."""

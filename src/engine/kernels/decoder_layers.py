@@ -5,8 +5,9 @@ LlamaModel.forward runs its layers through `DecoderLayers.run` when everything t
 assumes holds, and through the modules otherwise; both compute the same bits (the chain calls the
 kernels the modules call, with the same arguments). What it assumes: one TP rank; every linear packed
 for the bf16 kernel (engine/kernels/linear.py; a gate_up of two equal halves of whole 128-column
-panel pairs) or quantized by `--quantization w8a8_int8` without a bias (layers/quantization.py: the chain
-calls linear_w8a8, and for gate_up linear_w8a8 then SiLU-and-mul, as the modules do); Qwen3's per-head q/k norms, where present, in bf16; the GPT-NeoX rotary of
+panel pairs) or quantized by `--quantization w8a8_int8` or `fp8`, or 4-bit, without a bias
+(layers/quantization.py, layers/int4.py: the chain calls their kernels, and for gate_up the kernel then
+SiLU-and-mul, as the modules do); Qwen3's per-head q/k norms, where present, in bf16; the GPT-NeoX rotary of
 engine/layers/rotary_embedding.py; the torch_native backend's native decode kernel over a bf16 pool;
 a decode batch; every kernel family on (ENGINE_CPU_KERNEL_*: with one off, its torch path runs in the
 modules). Measured on the 2-core
@@ -68,20 +69,20 @@ class _LayerRefs:
 
 # A chained linear's layer_t fields: its name + each suffix (decoder_layers.c's CHAIN_* formats).
 _LINEAR_FIELDS = ("", "_bias", "_format", "_scale", "_offset", "_group")
-CHAIN_BF16, CHAIN_W8A8, CHAIN_Q4, CHAIN_W4A8 = 0, 1, 2, 3
+CHAIN_BF16, CHAIN_W8A8, CHAIN_Q4, CHAIN_W4A8, CHAIN_FP8 = 0, 1, 2, 3, 4
 
 
 def _chained_linear(linear: nn.Module) -> Optional[Tuple[int, Optional[int], int, Optional[int], Optional[int], int]]:
     """(weight, bias, format, scale, offset, group) of a linear the chain runs as the module does (None: it
-    cannot): bf16 panels; w8a8_int8 (int8 activations) without a bias; 4-bit without a bias or act-order."""
+    cannot): bf16 panels; w8a8_int8 (int8 activations) or fp8 without a bias; 4-bit without a bias or act-order."""
     p = linear.packed_weight
     if isinstance(p, Bf16Panels):
         return p.data.data_ptr(), _address(p.bias), CHAIN_BF16, None, None, 0
     if linear.bias is not None:
         return None
-    if (isinstance(p, QuantizedWeight) and p.int8_activations and not p.is_fp8 and p.qweight.is_cpu
+    if (isinstance(p, QuantizedWeight) and (p.int8_activations or p.is_fp8) and p.qweight.is_cpu
             and p.qweight.is_contiguous() and p.scale.dtype == torch.float32 and p.scale.is_contiguous()):
-        return p.qweight.data_ptr(), None, CHAIN_W8A8, p.scale.data_ptr(), None, 0
+        return p.qweight.data_ptr(), None, CHAIN_FP8 if p.is_fp8 else CHAIN_W8A8, p.scale.data_ptr(), None, 0
     if (isinstance(p, Int4Weight) and p.perm is None and p.packed.is_cpu
             and all(t.dtype == torch.float32 and t.is_contiguous() for t in (p.scale, p.bias))):
         return (p.packed.data_ptr(), None, CHAIN_W4A8 if p.int8_activations else CHAIN_Q4, p.scale.data_ptr(),

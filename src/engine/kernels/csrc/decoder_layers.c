@@ -13,7 +13,7 @@
  */
 #include "cpu_common.h"
 
-enum { CHAIN_BF16 = 0, CHAIN_W8A8 = 1, CHAIN_Q4 = 2, CHAIN_W4A8 = 3 }; /* layer_t's formats */
+enum { CHAIN_BF16 = 0, CHAIN_W8A8 = 1, CHAIN_Q4 = 2, CHAIN_W4A8 = 3, CHAIN_FP8 = 4 }; /* layer_t's formats */
 
 /* out [bs, n] (bf16) = x [bs, k] (bf16) W^T (+ bias: bf16 panels only) in the linear's format. */
 static void layer_linear(const void *x, int64_t bs, int64_t k, int format, const void *w, const float *scale,
@@ -24,6 +24,10 @@ static void layer_linear(const void *x, int64_t bs, int64_t k, int format, const
     }
     if (format == CHAIN_W8A8) {
         if (linear_w8a8(x, bs, k, (const int8_t *)w, scale, bias, n, out, DTYPE_BF16, NULL, nt) != 0) abort();
+        return;
+    }
+    if (format == CHAIN_FP8) { /* e4m3 weights (--quantization fp8), bf16 rows: linear_q8's format 1 */
+        if (linear_q8(x, bs, k, w, 1, scale, bias, n, out, DTYPE_BF16, nt) != 0) abort();
         return;
     }
     float *xf = (float *)malloc(sizeof(float) * (size_t)(bs * (k + n)));

@@ -23,7 +23,7 @@
  *
  * linear_w8a8.c: int8 weights times int8 activations.
  */
-#include "cpu_common.h"
+#include "amx.h"
 
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
@@ -52,6 +52,8 @@ typedef struct {
     int64_t n;
     void *out;
     int dtype;
+    const uint16_t *xb; /* AMX: the bf16 rows packed as B tiles (q8_pack_tiles), or NULL */
+    uint16_t *wb; /* AMX: 64 channels' widened weights per thread */
 } q8_job_t;
 
 /* Weight d of channel c as float32 (e4m3: / 2^8). */
@@ -211,12 +213,10 @@ static inline __attribute__((always_inline)) void q8_one_row(const q8_job_t *J, 
     }
 }
 
-static inline __attribute__((always_inline)) void q8_rows(const q8_job_t *J, int tid, int nt, const int fmt) {
-    const int64_t pairs = (J->n + 1) / 2;
+/* Channel pairs [first, last) for every row. */
+static inline __attribute__((always_inline)) void q8_pairs(const q8_job_t *J, int64_t first, int64_t last, const int fmt) {
     /* e4m3 sums are 2^-8 of the value, in the vector loop and (to match it) the scalar tail alike. */
     const float unit = fmt == W_FP8 ? FP8_SCALE : 1.0f;
-    int64_t first, last;
-    pool_range(pairs, tid, nt, &first, &last);
     /* Rows in blocks whose float32 activations stay in L2 while the thread's channels pass over them
      * (a channel pair's weights stay in L1 over a block): the weights are read once per block. */
     int64_t block = (Q8_L2_BYTES / (J->k * (int64_t)sizeof(float))) / Q8_ROWS * Q8_ROWS;
@@ -240,6 +240,12 @@ static inline __attribute__((always_inline)) void q8_rows(const q8_job_t *J, int
     }
 }
 
+static inline __attribute__((always_inline)) void q8_rows(const q8_job_t *J, int tid, int nt, const int fmt) {
+    int64_t first, last;
+    pool_range((J->n + 1) / 2, tid, nt, &first, &last);
+    q8_pairs(J, first, last, fmt);
+}
+
 /* One specialisation per weight format and row count (constant fmt: the widening is inlined). */
 static void q8_part(void *arg, int tid, int nt) {
     const q8_job_t *J = (const q8_job_t *)arg;
@@ -257,6 +263,124 @@ static void q8_part(void *arg, int tid, int nt) {
     default: q8_rows(J, tid, nt, W_BF16); break;
     }
 }
+
+
+#if defined(HAVE_AMX) && defined(__AVX512BF16__)
+/* AMX for int8 / e4m3 weights against bf16 rows (2 rows and up, k a multiple of 32): each thread widens a group of
+ * 64 channels' weights to bf16 once (e4m3 through float16 as widen8 does, then float32, then bf16; int8 through
+ * float32: exact either way, e4m3 as 2^-8 of its value), then tdpbf16ps takes them as A tiles against the rows
+ * packed as B tiles (pairs of inputs as 32-bit words, linear_w8a8.c's layout), 4 blocks of 16 channels by a block
+ * of 16 rows into float32 C tiles: out^T = W . x^T. bf16 x bf16 products are exact in float32, so only the order
+ * of the sums differs from the vector paths. Channels past the last whole block of 16 take those. On the 2-core
+ * Xeon, one thread, a 2816 x 1024 e4m3 weight: 16 rows 0.48 ms against 2.24 on the vector path, 256 rows 3.2
+ * against 41.8; 2 rows 0.45 against 0.40 (the widening costs what one row's vector pass does): from 4 rows. */
+#define Q8_AMX 1
+#define Q8_AMX_MIN_ROWS 4
+
+/* The rows as B tiles: word j (inputs 2j, 2j + 1) of row 16b + i at word (b * k / 2 + j) * 16 + i. */
+static void q8_pack_tiles(const uint16_t *x, int64_t m, int64_t k, uint32_t *xt) {
+    const int64_t words = k / 2;
+    for (int64_t b = 0; b < (m + AMX_ROWS - 1) / AMX_ROWS; b++)
+        for (int i = 0; i < AMX_ROWS; i++) {
+            const int64_t row = b * AMX_ROWS + i;
+            uint32_t *to = xt + b * words * AMX_ROWS + i;
+            for (int64_t j = 0; j < words; j++) {
+                uint32_t word = 0;
+                if (row < m) memcpy(&word, x + row * k + 2 * j, 4);
+                to[j * AMX_ROWS] = word;
+            }
+        }
+}
+
+/* Channel c's k weights as bf16 into to[0..k). */
+static void q8_widen_row(const uint8_t *w, int64_t k, const int fmt, uint16_t *to) {
+    for (int64_t d = 0; d < k; d += 16) {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(w + d));
+        __m512 f;
+        if (fmt == W_FP8) {
+            const __m256i high = _mm256_slli_epi16(_mm256_cvtepu8_epi16(bytes), 8);
+            f = _mm512_cvtph_ps(_mm256_and_si256(_mm256_srai_epi16(high, 1), _mm256_set1_epi16((short)0xbfff)));
+        } else {
+            f = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+        }
+        _mm256_storeu_si256((__m256i *)(to + d), (__m256i)_mm512_cvtneps_pbh(f));
+    }
+}
+
+/* sums[i] (16 channels x 16 rows, channel-major) = channel block i of the `count` (1 or 4) from w (bf16 rows of k)
+ * . the rows of B tile block b. */
+static inline void q8_amx_block(const uint16_t *w, int64_t k, const uint16_t *b, int count, float sums[4][256]) {
+    _tile_zero(0);
+    if (count == 4) {
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+    }
+    for (int64_t d = 0; d < k; d += 32) {
+        _tile_loadd(6, b + d * AMX_ROWS, 64);
+        _tile_loadd(4, w + d, k * 2);
+        _tile_dpbf16ps(0, 4, 6);
+        if (count == 1) continue;
+        _tile_loadd(5, w + 16 * k + d, k * 2);
+        _tile_dpbf16ps(1, 5, 6);
+        _tile_loadd(4, w + 32 * k + d, k * 2);
+        _tile_dpbf16ps(2, 4, 6);
+        _tile_loadd(5, w + 48 * k + d, k * 2);
+        _tile_dpbf16ps(3, 5, 6);
+    }
+    _tile_stored(0, sums[0], 64);
+    if (count == 1) return;
+    _tile_stored(1, sums[1], 64);
+    _tile_stored(2, sums[2], 64);
+    _tile_stored(3, sums[3], 64);
+}
+
+/* One C tile's outputs: channels c0 .. c0 + 15 of rows r0 .. r0 + 15 below m, q8_emit's operations in its order. */
+static void q8_amx_emit(const q8_job_t *J, const float *sums, int64_t c0, int64_t r0, float unit) {
+    const int64_t rows = J->m - r0 < AMX_ROWS ? J->m - r0 : AMX_ROWS;
+    const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(AMX_ROWS));
+    const __m512 scale = _mm512_loadu_ps(J->scale + c0);
+    const __m512 bias = J->bias != NULL ? _mm512_loadu_ps(J->bias + c0) : _mm512_setzero_ps();
+    for (int64_t t = 0; t < rows; t++) {
+        __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_i32gather_ps(column, sums + t, 4), _mm512_set1_ps(unit)), scale);
+        if (J->bias != NULL) y = _mm512_add_ps(y, bias);
+        const int64_t at = (r0 + t) * J->n + c0;
+        if (J->dtype == DTYPE_F32) _mm512_storeu_ps((float *)J->out + at, y);
+        else _mm256_storeu_si256((__m256i *)((uint16_t *)J->out + at), (__m256i)_mm512_cvtneps_pbh(y));
+    }
+}
+
+static void q8_amx_part(void *arg, int tid, int nt) {
+    const q8_job_t *J = (const q8_job_t *)arg;
+    const int64_t k = J->k, blocks = J->n / 16, row_blocks = (J->m + AMX_ROWS - 1) / AMX_ROWS;
+    const float unit = J->fmt == W_FP8 ? FP8_SCALE : 1.0f;
+    float sums[4][256] __attribute__((aligned(64)));
+    int64_t first, last;
+    pool_range((blocks + 3) / 4, tid, nt, &first, &last);
+    uint16_t *wb = J->wb + tid * 64 * k; /* this thread's 64 channels as bf16 */
+    if (first < last) {
+        amx_configure(AMX_ROWS);
+        for (int64_t g = first; g < last; g++) {
+            const int64_t cb = 4 * g, count = blocks - cb < 4 ? blocks - cb : 4;
+            for (int64_t c = 0; c < 16 * count; c++) q8_widen_row(J->w + (cb * 16 + c) * k, k, J->fmt, wb + c * k);
+            for (int64_t rb = 0; rb < row_blocks; rb++) {
+                const uint16_t *b = J->xb + rb * AMX_ROWS * k;
+                if (count == 4) q8_amx_block(wb, k, b, 4, sums);
+                for (int64_t i = 0; i < count; i++) {
+                    if (count != 4) q8_amx_block(wb + i * 16 * k, k, b, 1, sums + i);
+                    q8_amx_emit(J, sums[i], (cb + i) * 16, rb * AMX_ROWS, unit);
+                }
+            }
+        }
+        _tile_release();
+    }
+    if (tid == nt - 1 && blocks * 16 < J->n) {
+        if (J->fmt == W_FP8) q8_pairs(J, blocks * 8, (J->n + 1) / 2, W_FP8);
+        else q8_pairs(J, blocks * 8, (J->n + 1) / 2, W_INT8);
+    }
+}
+#endif
 
 /* x as float32 rows: x itself, or bf16 widened into *scratch (freed by the caller). */
 static const float *float_rows(const void *x, int64_t m, int64_t k, int dtype, float **scratch) {
@@ -284,6 +408,27 @@ static float *pair_order(const float *x, int64_t m, int64_t k) {
 
 int linear_q8(const void *x, int64_t m, int64_t k, const void *w, int w_format, const float *scale,
               const float *bias, int64_t n, void *out, int dtype, int num_threads) {
+#if defined(Q8_AMX)
+    if (amx_active() && dtype == DTYPE_BF16 && w_format != W_BF16 && m >= Q8_AMX_MIN_ROWS && k % 32 == 0 && n >= 16) {
+        /* the packed rows, each thread's widened channels, and float32 rows for the channels past the last whole
+         * block of 16 (the vector path's) */
+        uint32_t *xt = (uint32_t *)aligned_alloc(64, (size_t)((m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS * k * 2));
+        uint16_t *wb = (uint16_t *)aligned_alloc(64, (size_t)(num_threads * 64 * k * 2));
+        float *rest = NULL;
+        const float *xf = n % 16 ? float_rows(x, m, k, dtype, &rest) : NULL;
+        if (xt != NULL && wb != NULL && (n % 16 == 0 || xf != NULL)) {
+            q8_pack_tiles((const uint16_t *)x, m, k, xt);
+            q8_job_t job = {xf, NULL, m, k, (const uint8_t *)w, w_format, scale, bias, n, out, dtype,
+                            (const uint16_t *)xt, wb};
+            pool_run(q8_amx_part, &job, num_threads);
+        }
+        const int ran = xt != NULL && wb != NULL && (n % 16 == 0 || xf != NULL);
+        free(xt);
+        free(wb);
+        free(rest);
+        if (ran) return 0;
+    }
+#endif
     float *scratch;
     const float *xf = float_rows(x, m, k, dtype, &scratch);
     if (xf == NULL) return -1;
@@ -292,7 +437,7 @@ int linear_q8(const void *x, int64_t m, int64_t k, const void *w, int w_format, 
         free(scratch);
         return -1;
     }
-    q8_job_t job = {xf, xp, m, k, (const uint8_t *)w, w_format, scale, bias, n, out, dtype};
+    q8_job_t job = {xf, xp, m, k, (const uint8_t *)w, w_format, scale, bias, n, out, dtype, NULL, NULL};
     pool_run(q8_part, &job, num_threads);
     free(xp);
     free(scratch);
