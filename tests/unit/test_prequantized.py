@@ -83,33 +83,54 @@ def test_int4_linear_equals_dequantized_product(kernel_build: str, group: int, r
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])
-def test_int4_int8_activations_exact_integer_sums(kernel_build: str, group: int, monkeypatch) -> None:
-    """ENGINE_INT4_INT8_ACTIVATIONS: the kernel (VNNI's 64-input steps where the group allows, AVX2's 32, the
-    portable loop) and the torch path (35 rows) equal the float64 of sum_g s_g * xs_g * (q_x . codes)_g + b_g *
-    (sum of x over g), the activations quantized per row and group as quantize_activations does, up to float32
-    summation order; act-order weights see their permuted inputs."""
+@pytest.mark.parametrize("amx", [True, False])
+def test_int4_int8_activations_exact_integer_sums(kernel_build: str, group: int, amx: bool, monkeypatch) -> None:
+    """ENGINE_INT4_INT8_ACTIVATIONS: the kernel (AMX-INT8 from 4 rows where the group is a multiple of 64: blocks of
+    16 rows and of 4 x 16 channels, a short group of blocks, channels past the last block; VNNI's 64-input steps;
+    AVX2's 32; the portable loop) and the torch path (35 rows) equal the float64 of sum_g s_g * xs_g * (q_x .
+    codes)_g + b_g * (sum of x over g), the activations quantized per row and group as quantize_activations does,
+    up to float32 summation order; act-order weights see their permuted inputs."""
+    from engine.kernels import library
+
+    lib = library.library_info()
+    if amx and (lib is None or not lib.engine_kernels_isa() & 16 or not lib.amx_active()):
+        pytest.skip("no AMX-INT8 on this CPU (or Linux refused the process its tiles)")
+    if lib is not None:
+        before = lib.amx_active()
+        lib.amx_set(int(amx))
     monkeypatch.setattr(quant, "Q8_MAX_ROWS_F32", 32)
     monkeypatch.setenv("ENGINE_INT4_INT8_ACTIVATIONS", "1")
-    for rows in (1, 2, 3, 16, 35):
+    try:
+        _int4_int8_cases(group)
+    finally:
+        if lib is not None:
+            lib.amx_set(before)
+
+
+def _int4_int8_cases(group: int) -> None:
+    for n, rows in ((37, 1), (37, 2), (37, 3), (37, 16), (100, 20), (64, 4), (37, 35)):
         for act_order in (False, True):
-            w, codes, scale, zero, perm = _random_int4(37, 256, group, rows + group, act_order)
+            w, codes, scale, zero, perm = _random_int4(n, 256, group, rows + group, act_order)
             assert w.int8_activations
             gen = torch.Generator().manual_seed(rows)
-            x, bias = torch.randn(rows, 256, generator=gen), torch.randn(37, generator=gen)
+            x, bias = torch.randn(rows, 256, generator=gen), torch.randn(n, generator=gen)
             stored = x if perm is None else x[:, perm]
             values, xs = quant.quantize_activations(stored.reshape(-1, group))
             values, xs = values.double().view(rows, -1, group), xs.double().view(rows, -1)
-            c = codes.double().view(37, -1, group)
+            c = codes.double().view(n, -1, group)
             integer = torch.einsum("mgd,ngd->mng", values, c)  # exact
             s, b = scale.double(), -zero.double() * scale.double()
             xsum = stored.double().view(rows, -1, group).sum(-1)
             terms = integer * s[None] * xs[:, None] + b[None] * xsum[:, None]
             expected = terms.sum(-1) + bias.double()
-            magnitude = terms.abs().sum(-1) + bias.double().abs()
+            # float32 sums of the group's x err by ~eps * sum |x|, not * |sum x|: the bound takes the former.
+            xabs = stored.double().abs().view(rows, -1, group).sum(-1)
+            magnitude = ((integer * s[None] * xs[:, None]).abs() + b.abs()[None] * xabs[:, None]).sum(-1)
+            magnitude += bias.double().abs()
             out = int4_linear(x, w, bias)
-            assert out.dtype == torch.float32 and out.shape == (rows, 37)
+            assert out.dtype == torch.float32 and out.shape == (rows, n)
             err = (out.double() - expected).abs()
-            assert bool((err <= magnitude * 1e-5).all()), (rows, act_order, float((err / magnitude).max()))
+            assert bool((err <= magnitude * 1e-5).all()), (n, rows, act_order, float((err / magnitude).max()))
 
 
 def test_int4_kernel_runs_for_decode_batches() -> None:

@@ -110,5 +110,22 @@ static inline void amx_block2(const uint16_t *a0, const uint16_t *a1, int64_t a_
     }
 }
 
+
+/* Rows as B tiles for the products taken transposed (out^T = W . x^T: linear_w8a8.c, linear_q8.c, linear_q4.c):
+ * row 16b + i's 4-byte words (4 int8 inputs or 2 bf16 ones each), word j at word (b * words + j) * 16 + i of xt,
+ * rows past m zero; `stride`: bytes from one row to the next. A B tile of block b is then 16 consecutive words of
+ * each of its 16 rows: the 1 KiB at xt + (b * words + j0) * 16 words. */
+static inline void amx_pack_rows(const void *x, int64_t stride, int64_t m, int64_t words, uint32_t *xt) {
+    for (int64_t b = 0; b < (m + AMX_ROWS - 1) / AMX_ROWS; b++)
+        for (int i = 0; i < AMX_ROWS; i++) {
+            const int64_t row = b * AMX_ROWS + i;
+            uint32_t *to = xt + b * words * AMX_ROWS + i;
+            for (int64_t j = 0; j < words; j++) {
+                uint32_t word = 0;
+                if (row < m) memcpy(&word, (const uint8_t *)x + row * stride + 4 * j, 4);
+                to[j * AMX_ROWS] = word;
+            }
+        }
+}
 #endif
 #endif

@@ -14,7 +14,7 @@
  * contiguous ranges of channel pairs. AVX2 + FMA where the compiler has them (Zen 1 and up), else a
  * portable loop computing the same products.
  */
-#include "cpu_common.h"
+#include "amx.h"
 
 #if defined(__AVX2__) && defined(__FMA__)
 #include <immintrin.h>
@@ -166,6 +166,11 @@ typedef struct {
     const float *scale, *bias;
     int64_t group, n;
     float *out;
+    /* AMX: q_x packed as B tiles (amx_pack_rows), the activation scales and sums transposed ([groups][rows padded to
+     * 16]), and per thread 64 channels' codes unpacked to bytes; NULL: the vector paths */
+    const uint32_t *xt;
+    const float *xs_t, *xsum_t;
+    uint8_t *codes;
 } w4a8_job_t;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
@@ -275,11 +280,8 @@ static inline __attribute__((always_inline)) void w4a8_tile(const w4a8_job_t *J,
         }
 }
 
-/* Each thread a range of groups of 4 channels, rows 2 at a time (the codes widened once per two rows). */
-static void w4a8_part(void *arg, int tid, int nt) {
-    const w4a8_job_t *J = (const w4a8_job_t *)arg;
-    int64_t first, last;
-    pool_range((J->n + 3) / 4, tid, nt, &first, &last);
+/* Groups [first, last) of 4 channels for every row, rows 2 at a time (the codes widened once per two rows). */
+static void w4a8_groups(const w4a8_job_t *J, int64_t first, int64_t last) {
     for (int64_t p = first; p < last; p++) {
         const int64_t c0 = 4 * p;
         const int C = J->n - c0 >= 4 ? 4 : (int)(J->n - c0);
@@ -295,6 +297,106 @@ static void w4a8_part(void *arg, int tid, int nt) {
         }
     }
 }
+
+/* Each thread a range of groups of 4 channels. */
+static void w4a8_part(void *arg, int tid, int nt) {
+    const w4a8_job_t *J = (const w4a8_job_t *)arg;
+    int64_t first, last;
+    pool_range((J->n + 3) / 4, tid, nt, &first, &last);
+    w4a8_groups(J, first, last);
+}
+
+#if defined(HAVE_AMX) && defined(__AMX_INT8__)
+/* AMX for 4 rows and more (groups and k multiples of 64): each thread unpacks a group of 64 channels' codes to bytes
+ * in input order once, then tdpbusd multiplies them (unsigned, A tiles as they lie) by q_x (signed, B tiles) into
+ * int32 C tiles, one weight group at a time: after each group the 4 C tiles (4 blocks of 16 channels by one block of
+ * 16 rows) are scaled by the channels' scale and the rows' activation scale into float32 sums, as the vector paths
+ * do lane by lane; the offsets' term is added at the end. out^T = W . q_x^T as in linear_w8a8.c. */
+#define W4A8_AMX 1
+#define W4A8_AMX_MIN_ROWS 4
+
+/* Channel c's k codes (linear_q4's packed layout) as bytes in input order. */
+static void w4a8_unpack_row(const uint8_t *packed, int64_t k, uint8_t *to) {
+    const __m128i low4 = _mm_set1_epi8(0xf);
+    for (int64_t d = 0; d < k; d += Q4_BLOCK) {
+        const __m128i bytes = _mm_loadu_si128((const __m128i *)(packed + d / 2));
+        _mm_storeu_si128((__m128i *)(to + d), _mm_and_si128(bytes, low4));
+        _mm_storeu_si128((__m128i *)(to + d + 16), _mm_and_si128(_mm_srli_epi16(bytes, 4), low4));
+    }
+}
+
+static void w4a8_amx_part(void *arg, int tid, int nt) {
+    const w4a8_job_t *J = (const w4a8_job_t *)arg;
+    const int64_t k = J->k, group = J->group, groups = k / group, blocks = J->n / 16;
+    const int64_t row_blocks = (J->m + AMX_ROWS - 1) / AMX_ROWS, padded = row_blocks * AMX_ROWS;
+    int32_t sums[4][256] __attribute__((aligned(64)));
+    float acc[4][256] __attribute__((aligned(64))); /* [block][channel * 16 + row] */
+    const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                              _mm512_set1_epi32(AMX_ROWS));
+    int64_t first, last;
+    pool_range((blocks + 3) / 4, tid, nt, &first, &last);
+    uint8_t *codes = J->codes + tid * 64 * k;
+    if (first < last) {
+        amx_configure(AMX_ROWS);
+        for (int64_t g4 = first; g4 < last; g4++) {
+            const int64_t cb = 4 * g4, count = blocks - cb < 4 ? blocks - cb : 4;
+            for (int64_t c = 0; c < 16 * count; c++) w4a8_unpack_row(J->w + (cb * 16 + c) * (k / 2), k, codes + c * k);
+            for (int64_t rb = 0; rb < row_blocks; rb++) {
+                memset(acc, 0, sizeof acc);
+                const uint32_t *b = J->xt + rb * AMX_ROWS * (k / 4);
+                for (int64_t g = 0; g < groups; g++) {
+                    _tile_zero(0);
+                    _tile_zero(1);
+                    _tile_zero(2);
+                    _tile_zero(3);
+                    for (int64_t d = g * group; d < (g + 1) * group; d += 64) {
+                        _tile_loadd(6, b + d / 4 * AMX_ROWS, 64);
+                        _tile_loadd(4, codes + d, k);
+                        _tile_dpbusd(0, 4, 6);
+                        if (count < 2) continue;
+                        _tile_loadd(5, codes + 16 * k + d, k);
+                        _tile_dpbusd(1, 5, 6);
+                        if (count < 3) continue;
+                        _tile_loadd(4, codes + 32 * k + d, k);
+                        _tile_dpbusd(2, 4, 6);
+                        if (count < 4) continue;
+                        _tile_loadd(5, codes + 48 * k + d, k);
+                        _tile_dpbusd(3, 5, 6);
+                    }
+                    _tile_stored(0, sums[0], 64);
+                    _tile_stored(1, sums[1], 64);
+                    _tile_stored(2, sums[2], 64);
+                    _tile_stored(3, sums[3], 64);
+                    const __m512 xs = _mm512_loadu_ps(J->xs_t + g * padded + rb * AMX_ROWS);
+                    for (int64_t i = 0; i < count; i++)
+                        for (int ch = 0; ch < 16; ch++) {
+                            const float s = J->scale[(cb * 16 + i * 16 + ch) * groups + g];
+                            const __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)(sums[i] + ch * 16)));
+                            _mm512_store_ps(acc[i] + ch * 16, _mm512_fmadd_ps(v, _mm512_mul_ps(xs, _mm512_set1_ps(s)),
+                                                                               _mm512_load_ps(acc[i] + ch * 16)));
+                        }
+                }
+                const int64_t rows = J->m - rb * AMX_ROWS < AMX_ROWS ? J->m - rb * AMX_ROWS : AMX_ROWS;
+                for (int64_t i = 0; i < count; i++) {
+                    for (int ch = 0; ch < 16; ch++) { /* + the offsets' term, row by row in the lanes */
+                        const int64_t c = cb * 16 + i * 16 + ch;
+                        __m512 offsets = _mm512_setzero_ps();
+                        for (int64_t g = 0; g < groups; g++)
+                            offsets = _mm512_fmadd_ps(_mm512_set1_ps(J->bias[c * groups + g]),
+                                                      _mm512_loadu_ps(J->xsum_t + g * padded + rb * AMX_ROWS), offsets);
+                        _mm512_store_ps(acc[i] + ch * 16, _mm512_add_ps(_mm512_load_ps(acc[i] + ch * 16), offsets));
+                    }
+                    for (int64_t t = 0; t < rows; t++)
+                        _mm512_storeu_ps(J->out + (rb * AMX_ROWS + t) * J->n + (cb + i) * 16,
+                                         _mm512_i32gather_ps(column, acc[i] + t, 4));
+                }
+            }
+        }
+        _tile_release();
+    }
+    if (tid == nt - 1 && blocks * 16 < J->n) w4a8_groups(J, blocks * 4, (J->n + 3) / 4);
+}
+#endif
 
 int linear_w4a8(const float *x, int64_t m, int64_t k, const uint8_t *w, const float *scale, const float *bias,
                 int64_t group, int64_t n, float *out, int num_threads) {
@@ -315,8 +417,33 @@ int linear_w4a8(const float *x, int64_t m, int64_t k, const uint8_t *w, const fl
             for (int64_t d = 0; d < group; d++) sum += from[d];
             xsum[r * groups + g] = sum;
         }
-    w4a8_job_t job = {xq, xs, xsum, m, k, w, scale, bias, group, n, out};
-    pool_run(w4a8_part, &job, num_threads);
+    w4a8_job_t job = {xq, xs, xsum, m, k, w, scale, bias, group, n, out, NULL, NULL, NULL, NULL};
+#if defined(W4A8_AMX)
+    if (amx_active() && m >= W4A8_AMX_MIN_ROWS && group % 64 == 0 && n >= 16) {
+        const int64_t padded = (m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+        uint32_t *xt = (uint32_t *)aligned_alloc(64, (size_t)(padded * k));
+        float *t = (float *)calloc((size_t)(2 * groups * padded), sizeof(float));
+        uint8_t *codes = (uint8_t *)aligned_alloc(64, (size_t)(num_threads * 64 * k));
+        if (xt != NULL && t != NULL && codes != NULL) {
+            amx_pack_rows(xq, k, m, k / 4, xt);
+            for (int64_t r = 0; r < m; r++)
+                for (int64_t g = 0; g < groups; g++) {
+                    t[g * padded + r] = xs[r * groups + g];
+                    t[(groups + g) * padded + r] = xsum[r * groups + g];
+                }
+            job.xt = xt;
+            job.xs_t = t;
+            job.xsum_t = t + groups * padded;
+            job.codes = codes;
+            pool_run(w4a8_amx_part, &job, num_threads);
+        }
+        free(xt);
+        free(t);
+        free(codes);
+    }
+    if (job.xt == NULL)
+#endif
+        pool_run(w4a8_part, &job, num_threads);
     free(xs);
     free(xq);
     return 0;

@@ -52,7 +52,7 @@ typedef struct {
     int64_t n;
     void *out;
     int dtype;
-    const uint16_t *xb; /* AMX: the bf16 rows packed as B tiles (q8_pack_tiles), or NULL */
+    const uint16_t *xb; /* AMX: the bf16 rows packed as B tiles (amx_pack_rows), or NULL */
     uint16_t *wb; /* AMX: 64 channels' widened weights per thread */
 } q8_job_t;
 
@@ -277,21 +277,6 @@ static void q8_part(void *arg, int tid, int nt) {
 #define Q8_AMX 1
 #define Q8_AMX_MIN_ROWS 4
 
-/* The rows as B tiles: word j (inputs 2j, 2j + 1) of row 16b + i at word (b * k / 2 + j) * 16 + i. */
-static void q8_pack_tiles(const uint16_t *x, int64_t m, int64_t k, uint32_t *xt) {
-    const int64_t words = k / 2;
-    for (int64_t b = 0; b < (m + AMX_ROWS - 1) / AMX_ROWS; b++)
-        for (int i = 0; i < AMX_ROWS; i++) {
-            const int64_t row = b * AMX_ROWS + i;
-            uint32_t *to = xt + b * words * AMX_ROWS + i;
-            for (int64_t j = 0; j < words; j++) {
-                uint32_t word = 0;
-                if (row < m) memcpy(&word, x + row * k + 2 * j, 4);
-                to[j * AMX_ROWS] = word;
-            }
-        }
-}
-
 /* Channel c's k weights as bf16 into to[0..k). */
 static void q8_widen_row(const uint8_t *w, int64_t k, const int fmt, uint16_t *to) {
     for (int64_t d = 0; d < k; d += 16) {
@@ -417,7 +402,7 @@ int linear_q8(const void *x, int64_t m, int64_t k, const void *w, int w_format, 
         float *rest = NULL;
         const float *xf = n % 16 ? float_rows(x, m, k, dtype, &rest) : NULL;
         if (xt != NULL && wb != NULL && (n % 16 == 0 || xf != NULL)) {
-            q8_pack_tiles((const uint16_t *)x, m, k, xt);
+            amx_pack_rows(x, k * 2, m, k / 2, xt);
             q8_job_t job = {xf, NULL, m, k, (const uint8_t *)w, w_format, scale, bias, n, out, dtype,
                             (const uint16_t *)xt, wb};
             pool_run(q8_amx_part, &job, num_threads);

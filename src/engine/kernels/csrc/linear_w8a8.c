@@ -51,7 +51,7 @@ typedef struct {
     int64_t n;
     void *out;
     int dtype;
-    const int8_t *xt; /* AMX: q_x packed into B tiles (pack_tiles), or NULL: the vector paths */
+    const int8_t *xt; /* AMX: q_x packed into B tiles (amx_pack_rows), or NULL: the vector paths */
 } w8a8_job_t;
 
 static inline void w8a8_emit(const w8a8_job_t *J, int64_t row, int64_t c, int32_t sum) {
@@ -234,28 +234,6 @@ static void w8a8_part(void *arg, int tid, int nt) {
 }
 
 #if defined(W8A8_AMX)
-/* q_x's rows as B tiles (the file's comment): the 4-byte words of row 16b + i, word j (inputs 4j .. 4j + 3), at
- * word (b * k / 4 + j) * 16 + i, so that inputs 64s .. 64s + 63 of block b are the 1 KiB at xt + (b * k / 64 +
- * s) * 1024. */
-static void pack_tiles(const w8a8_job_t *J, int8_t *xt) {
-    const int64_t blocks = (J->m + AMX_ROWS - 1) / AMX_ROWS, words = J->k / 4;
-    int32_t *dst = (int32_t *)xt;
-    for (int64_t b = 0; b < blocks; b++)
-        for (int i = 0; i < AMX_ROWS; i++) {
-            const int64_t row = b * AMX_ROWS + i;
-            int32_t *to = dst + b * words * AMX_ROWS + i;
-            if (row >= J->m) {
-                for (int64_t j = 0; j < words; j++) to[j * AMX_ROWS] = 0;
-                continue;
-            }
-            int32_t word;
-            for (int64_t j = 0; j < words; j++) {
-                memcpy(&word, J->xq + row * J->kp + 4 * j, 4);
-                to[j * AMX_ROWS] = word;
-            }
-        }
-}
-
 /* sums[i] (16 channels x 16 rows, int32, channel-major) = channel block i of the 4 from w (rows k bytes apart) .
  * the rows of B tile block b, over k inputs. One block of rows streams the weights once: the next group's 64
  * rows of k bytes (ahead, or NULL) are prefetched into L2 as this group's are summed, 64 lines a step (the
@@ -407,7 +385,7 @@ int linear_w8a8(const void *x, int64_t m, int64_t k, const int8_t *w, const floa
     if (amx_active() && m >= W8A8_AMX_MIN_ROWS && k % 64 == 0 && n >= 16) {
         xt = (int8_t *)aligned_alloc(64, (size_t)((m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS * k));
         if (xt != NULL) {
-            pack_tiles(&job, xt);
+            amx_pack_rows(xq, kp, m, k / 4, (uint32_t *)xt);
             job.xt = xt;
             part = amx_i8_part;
         }
