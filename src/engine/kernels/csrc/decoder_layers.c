@@ -7,9 +7,9 @@
  * batch (0.3-0.8 ms with this call). This file chains the same kernels with the same arguments, so
  * the result is bit for bit the Python path's; only the Python between them is gone.
  * engine/kernels/decoder_layers.py decides when it applies. Quantized linears take their kernels as the modules
- * call them: w8a8_int8 linear_w8a8 (bf16 in and out), 4-bit linear_q4 or linear_w4a8 (float32 in and out: the rows
- * widened from bf16 and the outputs rounded back, as layers/int4.py does); a quantized gate_up is its linear, then
- * silu_and_mul.
+ * call them: w8a8_int8 linear_w8a8 and fp8 linear_q8 (bf16 in and out), 4-bit linear_q4 or linear_w4a8 (float32
+ * in and out: the rows widened from bf16 and the outputs rounded back, as layers/int4.py does); a quantized
+ * gate_up is its linear, then silu_and_mul.
  */
 #include "cpu_common.h"
 
@@ -31,7 +31,7 @@ static void layer_linear(const void *x, int64_t bs, int64_t k, int format, const
         return;
     }
     float *xf = (float *)malloc(sizeof(float) * (size_t)(bs * (k + n)));
-    if (xf == NULL) abort(); /* a few KiB a step: out of memory is not recoverable here */
+    if (xf == NULL) abort(); /* the batch's rows in float32: out of memory is not recoverable here */
     float *yf = xf + bs * k;
     for (int64_t r = 0; r < bs; r++) load_row(x, r * k, k, DTYPE_BF16, xf + r * k);
     if (format == CHAIN_Q4) linear_q4(xf, bs, k, (const uint8_t *)w, scale, offset, group, n, yf, nt);
