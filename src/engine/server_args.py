@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 from typing import Any, List, Optional, Sequence, Union, get_args, get_origin, get_type_hints
 
 from engine.parsers.reasoning import REASONING_PARSER_NAMES, reasoning_parser_error
-from engine.disaggregation.allowlist import PrefillAllowlist
-from engine.disaggregation.auth import SECRET_ENV, is_loopback, resolve_secret
+from engine.disaggregation.server_args_check import (DISAGGREGATION_MODES, DISAGGREGATION_TRANSFER_BACKENDS,
+                                                    check_disaggregation_server_args)
 
 logger = logging.getLogger(__name__)
 
@@ -32,9 +32,6 @@ LOAD_BALANCE_METHODS = ("round_robin", "shortest_queue")
 GRAMMAR_BACKENDS = ("xgrammar", "none")
 # Output formats of tool calls (parsers/tool_calls.py); reasoning formats: REASONING_PARSER_NAMES.
 TOOL_CALL_PARSERS = ("llama3", "qwen25", "qwen", "hermes", "mistral", "pythonic")
-DISAGGREGATION_MODES = ("null", "prefill", "decode")
-# tcp: ZMQ between processes and machines; loopback: in-process (tests); fake: no prefill at all.
-DISAGGREGATION_TRANSFER_BACKENDS = ("tcp", "loopback", "fake")
 # --max-queued-requests when not given (docs/security.md).
 DEFAULT_MAX_QUEUED_REQUESTS = 4096
 
@@ -475,56 +472,13 @@ class ServerArgs:
              "--enable-mixed-chunk needs chunked prefill (--chunked-prefill-size > 0)")
         need(not (self.enable_mixed_chunk and self.disable_mixed_chunk),
              "--enable-mixed-chunk and --disable-mixed-chunk contradict each other")
-        self._check_disaggregation(need)
+        check_disaggregation_server_args(self, need)
         self._check_simulated_device(need)
         if self.speculative_algorithm is not None:
             from engine.speculative.server_args_check import check_speculative_server_args
 
             check_speculative_server_args(self, need)
         self._check_lora(need)
-
-    def _warn_open_pd_planes(self) -> None:
-        """Without a secret the PD planes are open: fine on loopback, loud beyond it (docs/security.md)."""
-        if resolve_secret(self.disaggregation_secret) is not None or self.disaggregation_transfer_backend != "tcp":
-            return
-        exposed = [h for h in (self.host, self.disaggregation_host) if h is not None and not is_loopback(h)]
-        if exposed:
-            logger.warning("SECURITY: --disaggregation-mode %s listens on %s without --disaggregation-secret (or %s): "
-                           "anyone who reaches its bootstrap and KV transfer ports can redirect, fail or forge KV "
-                           "transfers. Set the same secret on every PD server (docs/security.md).",
-                           self.disaggregation_mode, ", ".join(exposed), SECRET_ENV)
-
-    def _check_disaggregation(self, need) -> None:
-        need(self.disaggregation_mode in DISAGGREGATION_MODES,
-             f"--disaggregation-mode must be one of {', '.join(DISAGGREGATION_MODES)}, "
-             f"got {self.disaggregation_mode!r}")
-        need(self.disaggregation_transfer_backend in DISAGGREGATION_TRANSFER_BACKENDS,
-             f"--disaggregation-transfer-backend must be one of {', '.join(DISAGGREGATION_TRANSFER_BACKENDS)}, "
-             f"got {self.disaggregation_transfer_backend!r}")
-        need(1 <= self.disaggregation_bootstrap_port <= 65535,
-             f"--disaggregation-bootstrap-port must be in [1, 65535], got {self.disaggregation_bootstrap_port}")
-        need(self.disaggregation_decode_polling_interval >= 1,
-             f"--disaggregation-decode-polling-interval must be >= 1, got {self.disaggregation_decode_polling_interval}")
-        need(self.num_reserved_decode_tokens >= 0,
-             f"--num-reserved-decode-tokens must be >= 0, got {self.num_reserved_decode_tokens}")
-        need(self.disaggregation_prealloc_reqs is None or self.disaggregation_prealloc_reqs >= 1,
-             f"--disaggregation-prealloc-reqs must be >= 1, got {self.disaggregation_prealloc_reqs}")
-        for name in ("bootstrap_timeout", "waiting_timeout", "heartbeat_interval"):
-            value = getattr(self, "disaggregation_" + name)
-            need(value > 0, f"--disaggregation-{name.replace('_', '-')} must be > 0, got {value}")
-        need(self.disaggregation_heartbeat_max_failures >= 1,
-             f"--disaggregation-heartbeat-max-failures must be >= 1, got {self.disaggregation_heartbeat_max_failures}")
-        try:
-            PrefillAllowlist.parse(self.disaggregation_prefill_allowlist)
-        except ValueError as e:
-            need(False, str(e))
-        if self.disaggregation_mode != "null":
-            self._warn_open_pd_planes()
-            need(self.dp_size == 1, "--disaggregation-mode prefill|decode supports --dp-size 1 only")
-            need(not self.is_embedding, "--disaggregation-mode prefill|decode serves generative models only, "
-                                        "not --is-embedding")
-            need(not (self.disaggregation_mode == "prefill" and self.port == self.disaggregation_bootstrap_port),
-                 "--disaggregation-bootstrap-port must differ from --port")
 
     def _check_custom_labels(self, need: Any) -> None:
         from engine.tokenizer.metrics import custom_label_names_error

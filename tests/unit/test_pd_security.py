@@ -347,7 +347,7 @@ def test_pd_server_beyond_loopback_without_a_secret_warns(monkeypatch, caplog):
     from engine.server_args import ServerArgs
 
     monkeypatch.delenv(auth.SECRET_ENV, raising=False)
-    with caplog.at_level(logging.WARNING, logger="engine.server_args"):
+    with caplog.at_level(logging.WARNING, logger="engine.disaggregation.server_args_check"):
         ServerArgs(device="cpu", disaggregation_mode="prefill", host="127.0.0.1")
         assert "SECURITY" not in caplog.text
         ServerArgs(device="cpu", disaggregation_mode="prefill", host="0.0.0.0")
