@@ -111,6 +111,34 @@ static inline void amx_block2(const uint16_t *a0, const uint16_t *a1, int64_t a_
 }
 
 
+/* Row t of a 16 x 16 C tile stored channel-major (tile[channel * 16 + row]): the 16 channels' sums of that row,
+ * gathered from the tile's column; the products taken transposed (below) emit their outputs row by row this way. */
+static inline __m512 amx_row_ps(const float *tile, int64_t t) {
+    return _mm512_i32gather_ps(_mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240),
+                               tile + t, 4);
+}
+
+/* amx_row_ps of an int32 tile, converted to float32. */
+static inline __m512 amx_row_epi32(const int32_t *tile, int64_t t) {
+    return _mm512_cvtepi32_ps(_mm512_i32gather_epi32(
+        _mm512_setr_epi32(0, 16, 32, 48, 64, 80, 96, 112, 128, 144, 160, 176, 192, 208, 224, 240), tile + t, 4));
+}
+
+/* 16 float32 outputs written at out[at ..] as dtype (bf16: rounded to nearest even). */
+static inline void amx_store16(void *out, int64_t at, __m512 y, int dtype) {
+    if (dtype == DTYPE_F32) {
+        _mm512_storeu_ps((float *)out + at, y);
+        return;
+    }
+#if defined(__AVX512BF16__)
+    _mm256_storeu_si256((__m256i *)((uint16_t *)out + at), (__m256i)_mm512_cvtneps_pbh(y));
+#else
+    float lanes[16];
+    _mm512_storeu_ps(lanes, y);
+    for (int c = 0; c < 16; c++) ((uint16_t *)out)[at + c] = f32_to_bf16(lanes[c]);
+#endif
+}
+
 /* Rows as B tiles for the products taken transposed (out^T = W . x^T: linear_w8a8.c, linear_q8.c, linear_q4.c):
  * row 16b + i's 4-byte words (4 int8 inputs or 2 bf16 ones each), word j at word (b * words + j) * 16 + i of xt,
  * rows past m zero; `stride`: bytes from one row to the next. A B tile of block b is then 16 consecutive words of

@@ -331,8 +331,6 @@ static void w4a8_amx_part(void *arg, int tid, int nt) {
     const int64_t row_blocks = (J->m + AMX_ROWS - 1) / AMX_ROWS, padded = row_blocks * AMX_ROWS;
     int32_t sums[4][256] __attribute__((aligned(64)));
     float acc[4][256] __attribute__((aligned(64))); /* [block][channel * 16 + row] */
-    const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                              _mm512_set1_epi32(AMX_ROWS));
     int64_t first, last;
     pool_range((blocks + 3) / 4, tid, nt, &first, &last);
     uint8_t *codes = J->codes + tid * 64 * k;
@@ -387,8 +385,7 @@ static void w4a8_amx_part(void *arg, int tid, int nt) {
                         _mm512_store_ps(acc[i] + ch * 16, _mm512_add_ps(_mm512_load_ps(acc[i] + ch * 16), offsets));
                     }
                     for (int64_t t = 0; t < rows; t++)
-                        _mm512_storeu_ps(J->out + (rb * AMX_ROWS + t) * J->n + (cb + i) * 16,
-                                         _mm512_i32gather_ps(column, acc[i] + t, 4));
+                        _mm512_storeu_ps(J->out + (rb * AMX_ROWS + t) * J->n + (cb + i) * 16, amx_row_ps(acc[i], t));
                 }
             }
         }

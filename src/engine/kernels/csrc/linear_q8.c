@@ -359,16 +359,12 @@ static inline void q8_amx_block(const uint16_t *w, int64_t k, const uint16_t *b,
 /* One C tile's outputs: channels c0 .. c0 + 15 of rows r0 .. r0 + 15 below m, q8_emit's operations in its order. */
 static void q8_amx_emit(const q8_job_t *J, const float *sums, int64_t c0, int64_t r0, float unit) {
     const int64_t rows = J->m - r0 < AMX_ROWS ? J->m - r0 : AMX_ROWS;
-    const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                              _mm512_set1_epi32(AMX_ROWS));
     const __m512 scale = _mm512_loadu_ps(J->scale + c0);
     const __m512 bias = J->bias != NULL ? _mm512_loadu_ps(J->bias + c0) : _mm512_setzero_ps();
     for (int64_t t = 0; t < rows; t++) {
-        __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_i32gather_ps(column, sums + t, 4), _mm512_set1_ps(unit)), scale);
+        __m512 y = _mm512_mul_ps(_mm512_mul_ps(amx_row_ps(sums, t), _mm512_set1_ps(unit)), scale);
         if (J->bias != NULL) y = _mm512_add_ps(y, bias);
-        const int64_t at = (r0 + t) * J->n + c0;
-        if (J->dtype == DTYPE_F32) _mm512_storeu_ps((float *)J->out + at, y);
-        else _mm256_storeu_si256((__m256i *)((uint16_t *)J->out + at), (__m256i)_mm512_cvtneps_pbh(y));
+        amx_store16(J->out, (r0 + t) * J->n + c0, y, J->dtype);
     }
 }
 

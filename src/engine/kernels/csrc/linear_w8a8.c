@@ -296,30 +296,16 @@ static inline void amx_i8_one(const int8_t *w, int64_t k, const int8_t *b, int32
     _tile_stored(0, sums, 64);
 }
 
-/* The outputs of one C tile: channels c0 .. c0 + 15 of rows r0 .. r0 + 15 (those below m), each row's 16 sums
- * gathered from the tile's column (the tile is channel-major), then w8a8_emit's operations in its order. */
+/* The outputs of one C tile: channels c0 .. c0 + 15 of rows r0 .. r0 + 15 (those below m), w8a8_emit's
+ * operations in its order. */
 static void amx_i8_emit(const w8a8_job_t *J, const int32_t *sums, int64_t c0, int64_t r0) {
     const int64_t rows = J->m - r0 < AMX_ROWS ? J->m - r0 : AMX_ROWS;
-    const __m512i column = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                              _mm512_set1_epi32(AMX_ROWS));
     const __m512 scale = _mm512_loadu_ps(J->scale + c0);
     const __m512 bias = J->bias != NULL ? _mm512_loadu_ps(J->bias + c0) : _mm512_setzero_ps();
     for (int64_t t = 0; t < rows; t++) {
-        const __m512 sum = _mm512_cvtepi32_ps(_mm512_i32gather_epi32(column, sums + t, 4));
-        __m512 y = _mm512_mul_ps(_mm512_mul_ps(sum, _mm512_set1_ps(J->xs[r0 + t])), scale);
+        __m512 y = _mm512_mul_ps(_mm512_mul_ps(amx_row_epi32(sums, t), _mm512_set1_ps(J->xs[r0 + t])), scale);
         if (J->bias != NULL) y = _mm512_add_ps(y, bias);
-        const int64_t at = (r0 + t) * J->n + c0;
-        if (J->dtype == DTYPE_F32) {
-            _mm512_storeu_ps((float *)J->out + at, y);
-            continue;
-        }
-#if defined(__AVX512BF16__)
-        _mm256_storeu_si256((__m256i *)((uint16_t *)J->out + at), (__m256i)_mm512_cvtneps_pbh(y));
-#else
-        float lanes[16];
-        _mm512_storeu_ps(lanes, y);
-        for (int c = 0; c < 16; c++) ((uint16_t *)J->out)[at + c] = f32_to_bf16(lanes[c]);
-#endif
+        amx_store16(J->out, (r0 + t) * J->n + c0, y, J->dtype);
     }
 }
 
