@@ -65,3 +65,20 @@ def cpu_isa(request) -> Iterator[str]:
     lib.amx_set(int(request.param == "amx"))
     yield request.param
     lib.amx_set(before)
+
+
+@pytest.fixture(params=["amx", "vector"])
+def int8_isa(request) -> Iterator[str]:
+    """Runs an int8 kernel test on AMX-INT8 tiles (where the CPU has them) and on the vector paths (AVX512-VNNI or
+    AVX2); after kernel_build where both are used, so that the portable build is the one switched."""
+    from engine.kernels import library
+
+    lib = library.library_info()
+    if lib is None:
+        pytest.skip("no kernel library on this machine")
+    if request.param == "amx" and not (lib.engine_kernels_isa() & 16 and lib.amx_active()):
+        pytest.skip("no AMX-INT8 on this CPU (or Linux refused the process its tiles): the vector paths run")
+    before = lib.amx_active()
+    lib.amx_set(int(request.param == "amx"))
+    yield request.param
+    lib.amx_set(before)

@@ -83,28 +83,15 @@ def test_int4_linear_equals_dequantized_product(kernel_build: str, group: int, r
 
 
 @pytest.mark.parametrize("group", [32, 64, 128])
-@pytest.mark.parametrize("amx", [True, False])
-def test_int4_int8_activations_exact_integer_sums(kernel_build: str, group: int, amx: bool, monkeypatch) -> None:
+def test_int4_int8_activations_exact_integer_sums(kernel_build: str, int8_isa: str, group: int, monkeypatch) -> None:
     """ENGINE_INT4_INT8_ACTIVATIONS: the kernel (AMX-INT8 from 4 rows where the group is a multiple of 64: blocks of
     16 rows and of 4 x 16 channels, a short group of blocks, channels past the last block; VNNI's 64-input steps;
     AVX2's 32; the portable loop) and the torch path (35 rows) equal the float64 of sum_g s_g * xs_g * (q_x .
     codes)_g + b_g * (sum of x over g), the activations quantized per row and group as quantize_activations does,
     up to float32 summation order; act-order weights see their permuted inputs."""
-    from engine.kernels import library
-
-    lib = library.library_info()
-    if amx and (lib is None or not lib.engine_kernels_isa() & 16 or not lib.amx_active()):
-        pytest.skip("no AMX-INT8 on this CPU (or Linux refused the process its tiles)")
-    if lib is not None:
-        before = lib.amx_active()
-        lib.amx_set(int(amx))
     monkeypatch.setattr(quant, "Q8_MAX_ROWS_F32", 32)
     monkeypatch.setenv("ENGINE_INT4_INT8_ACTIVATIONS", "1")
-    try:
-        _int4_int8_cases(group)
-    finally:
-        if lib is not None:
-            lib.amx_set(before)
+    _int4_int8_cases(group)
 
 
 def _int4_int8_cases(group: int) -> None:

@@ -8,7 +8,6 @@ float32 operations the spec names) with the int8 weights, times both scales."""
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterator
 
 import pytest
 import torch
@@ -202,21 +201,6 @@ def test_int8_one_row_exact(kernel_build: str, threads: int, n: int) -> None:
                 assert torch.equal(quantized_linear(x, qw, b), expected), (k, b is None)
     finally:
         torch.set_num_threads(before)
-
-
-@pytest.fixture(params=["amx", "vector"])
-def int8_isa(request) -> Iterator[str]:
-    """Runs an int8 x int8 kernel test on AMX-INT8 tiles (where the CPU has them) and on the vector paths
-    (AVX512-VNNI or AVX2)."""
-    lib = library.library_info()
-    if lib is None:
-        pytest.skip("no kernel library on this machine")
-    if request.param == "amx" and not (lib.engine_kernels_isa() & 16 and lib.amx_active()):
-        pytest.skip("no AMX-INT8 on this CPU (or Linux refused the process its tiles): the vector paths run")
-    before = lib.amx_active()
-    lib.amx_set(int(request.param == "amx"))
-    yield request.param
-    lib.amx_set(before)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
