@@ -24,8 +24,9 @@
  * transposed, out^T = W . q_x^T, so that the A tiles are the weight as it lies (16 channels' 64 consecutive
  * inputs, rows k bytes apart: no repacking of W at load) and the B tiles are q_x, packed here as tdpbssd
  * reads them (line j of a tile: inputs 4j .. 4j + 3 of row 0, then of row 1, ... of row 15; rows past m are
- * zeros). Four C tiles hold 4 blocks of 16 channels against one block of 16 rows, the B tile loaded once per
- * four products. Channels past the last whole block of 16 take the vector paths.
+ * zeros; amx.h's amx_pack_rows). With one block of 16 rows (decode), four C tiles hold 4 blocks of 16 channels
+ * against it, the B tile loaded once per four products; with more rows, 2 channel blocks by 2 row blocks (each
+ * tile loaded feeds two products). Channels past the last whole block of 16 take the vector paths.
  */
 #include "amx.h"
 
