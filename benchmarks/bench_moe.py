@@ -189,9 +189,12 @@ def experts_read(scheduler: Scheduler, prompts: List[List[int]], out_len: int) -
     # its forward method, which hooks do not see.
     handles = [model.model.layers[0].register_forward_pre_hook(mode_hook, with_kwargs=True)]
     handles += [m.register_forward_pre_hook(moe_hook) for m in layers]
+    # The native decode chain runs no modules: this pass takes the modules' path (the same routing).
+    chain_layers, model.model.chain_layers = model.model.chain_layers, None
     try:
         _decode(scheduler, prompts, out_len, "count")
     finally:
+        model.model.chain_layers = chain_layers
         for h in handles:
             h.remove()
     return statistics.fmean(distinct)

@@ -9,7 +9,9 @@ import torch
 import torch.nn.functional as F
 
 from engine.layers.moe.expert_distribution import ExpertDistributionRecorder
-from engine.layers.moe.fused_moe_native import fused_moe_native
+from engine.kernels import library, ops
+from engine.kernels import linear as linear_kernels
+from engine.layers.moe.fused_moe_native import fused_moe_grouped, fused_moe_native
 from engine.layers.moe.router import select_experts
 
 
@@ -71,6 +73,60 @@ def test_native_skips_slots_of_other_ranks():
     assert torch.allclose(out.double(), reference_moe(x, w13, w2, weights, ids), atol=1e-5)
     all_elsewhere = fused_moe_native(x, w13, w2, weights, torch.full_like(ids, -1))
     assert torch.equal(all_elsewhere, torch.zeros_like(all_elsewhere))
+
+
+def _require_bf16_linear() -> None:
+    lib = library.linear()
+    if lib is None or not lib.linear_bf16_available():
+        pytest.skip("the native bf16 linear kernels need a C compiler and a CPU with AVX512-BF16")
+
+
+# inter 64: gate_up is whole panel pairs (linear_bf16_silu_mul); 40: the linear, then silu_and_mul.
+@pytest.mark.parametrize("inter", [64, 40])
+@pytest.mark.parametrize("tokens", [1, 5, 37])
+def test_native_experts_in_one_call_match_the_grouped_loop(inter, tokens):
+    """csrc/moe.c's experts (the bf16 panels FusedMoE packs, one call) against the grouped loop and the
+    float64 reference, with slots of another rank; bits equal to the loop run on the same kernels."""
+    _require_bf16_linear()
+    x, w13, w2, weights, ids = random_case(tokens, 8, 2, 64, inter, torch.bfloat16, seed=tokens + inter)
+    ids = ids.clone()
+    ids[::3, 1] = -1
+    panels = linear_kernels.Bf16ExpertPanels.pack(w13, w2)
+    out = linear_kernels.moe_experts_bf16(x, weights, ids, panels)
+    ref = reference_moe(x, w13, w2, weights, ids)
+    assert out.dtype == torch.bfloat16
+    assert (out.double() - ref).abs().max().item() < 3e-2 * max(1.0, ref.abs().max().item())
+
+    def gate_up(rows, e):
+        if inter % 64 == 0:
+            return linear_kernels.linear_bf16_silu_mul(rows, panels.gate_up[e])
+        return ops.silu_and_mul(linear_kernels.linear_bf16(rows, panels.gate_up[e], add_bias=False))
+
+    loop = fused_moe_grouped(x, 8, 64, gate_up,
+                             lambda rows, e: linear_kernels.linear_bf16(rows, panels.down[e], add_bias=False),
+                             weights, ids, lambda h: h)
+    assert torch.equal(out, loop)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("renormalize", [True, False])
+def test_native_routing_matches_torch(dtype, renormalize):
+    """csrc/moe.c's moe_route (what select_experts calls on the CPU) against softmax + topk in torch; bf16
+    logits tie (their top-k may list tied experts in another order, or keep the other of two tied at the
+    edge): the chosen experts' probabilities are the same."""
+    if library.ops() is None:
+        pytest.skip("no kernel library on this machine")
+    logits = torch.randn(33, 60, generator=torch.Generator().manual_seed(4)).to(dtype)
+    weights, ids = ops.moe_route(logits, 6, renormalize)
+    probs = torch.softmax(logits.float(), dim=-1)
+    ref_weights, ref_ids = torch.topk(probs, 6, dim=-1)
+    if renormalize:
+        ref_weights = ref_weights / ref_weights.sum(-1, keepdim=True)
+    assert ids.dtype == torch.int32 and all(len(set(row)) == 6 for row in ids.tolist())
+    if dtype == torch.float32:
+        assert torch.equal(ids.long(), ref_ids)
+    assert torch.equal(probs.gather(1, ids.long()), probs.gather(1, ref_ids))
+    assert torch.allclose(weights, ref_weights, rtol=1e-6, atol=1e-7)
 
 
 @pytest.mark.parametrize("renormalize", [True, False])

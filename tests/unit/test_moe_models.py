@@ -70,7 +70,7 @@ def test_mixtral_with_a_sliding_window_matches_transformers(tmp_path):
 def test_layers_are_sparse_as_the_config_says(moe_model):
     from engine.layers.moe.layer import FusedMoE
     from engine.models.llama import LlamaMLP
-    from engine.models.sparse_moe import SparseMoeBlock
+    from engine.layers.moe.sparse_block import SparseMoeBlock
 
     arch, path, hf, _ = moe_model
     model = make_runner(path).model

@@ -30,9 +30,12 @@ def model_dir(request, tmp_path_factory):
 
 
 def _decode_logits(model_dir: str, **server_args):
+    return _decode_steps(make_runner(model_dir, dtype="bfloat16", **server_args))
+
+
+def _decode_steps(runner):
     """Per decode step, the logits of 4 requests: one alone, three of which two share the first's
     PREFIX slots (as the radix cache would hand them out); the weights are packed again midway."""
-    runner = make_runner(model_dir, dtype="bfloat16", **server_args)
     driver = BatchDriver(runner, seed=1)
     gen = torch.Generator().manual_seed(11)
     prompts = [[int(t) for t in torch.randint(0, 512, (n,), generator=gen)] for n in (90, 100, 95, 7)]
@@ -130,3 +133,32 @@ def test_native_decode_is_skipped_where_it_does_not_apply(model_dir, monkeypatch
     _, tok = driver.run(driver.extend_batch([ExtendReq(row, [1, 2, 3, 4, 5])]))
     driver.run(driver.decode_batch([row], [int(tok[0])], [5]))
     assert calls == []
+
+
+@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "qwen2_moe"])
+def test_native_decode_moe_layers_equal_the_modules(arch, tmp_path, monkeypatch):
+    """Mixture-of-experts layers in the chain (router panels, moe_route, moe_experts_bf16: what SparseMoeBlock
+    calls), the experts repacked midway; the recorder counts the same experts. Qwen2-MoE's gated shared expert
+    keeps the module path."""
+    _require_bf16_kernels()
+    build_tiny_model(str(tmp_path), arch, dtype=torch.bfloat16)
+    counts = {}
+    for chained in (True, False):
+        runs = []
+        real_run = decoder_layers.DecoderLayers.run
+
+        def counting_run(self, *args, **kwargs):
+            runs.append(1)
+            return real_run(self, *args, **kwargs)
+
+        with monkeypatch.context() as patch:
+            patch.setattr(decoder_layers.DecoderLayers, "run", counting_run)
+            if not chained:
+                patch.setattr(decoder_layers.DecoderLayersCache, "forward", lambda *args, **kwargs: None)
+            runner = make_runner(str(tmp_path), dtype="bfloat16")
+            counts[chained] = (_decode_steps(runner), runner.model.expert_recorder.counts.clone())
+            assert len(runs) == (STEPS if chained and arch != "qwen2_moe" else 0)
+    (native, native_counts), (modules, module_counts) = counts[True], counts[False]
+    for a, b in zip(native, modules):
+        assert torch.equal(a, b)
+    assert torch.equal(native_counts, module_counts) and int(native_counts.sum()) > 0

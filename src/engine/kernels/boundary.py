@@ -72,7 +72,8 @@ class Layer(ctypes.Structure):  # layer_t
                 ("scale", _F32), ("q_norm", _P), ("k_norm", _P), ("qk_eps", _F32), ("qkv_format", _INT),
                 ("o_format", _INT), ("gate_up_format", _INT), ("down_format", _INT), ("qkv_scale", _P), ("o_scale", _P),
                 ("gate_up_scale", _P), ("down_scale", _P), ("qkv_offset", _P), ("o_offset", _P), ("gate_up_offset", _P),
-                ("down_offset", _P), ("qkv_group", _I64), ("o_group", _I64), ("gate_up_group", _I64), ("down_group", _I64)]
+                ("down_offset", _P), ("qkv_group", _I64), ("o_group", _I64), ("gate_up_group", _I64), ("down_group", _I64),
+                ("router", _P), ("experts_gate_up", _P), ("experts_down", _P), ("moe_intermediate", _I64)]
 
 
 class Step(ctypes.Structure):  # step_t
@@ -82,7 +83,8 @@ class Step(ctypes.Structure):  # step_t
                 ("lens", _P), ("max_len", _I64), ("num_groups", _I64), ("group_offsets", _P), ("group_members", _P),
                 ("prefix_indices", _P), ("prefix_lens", _P), ("max_prefix", _I64), ("group_of", _P), ("kept", _P),
                 ("kept_tokens", _P), ("normed", _P), ("qkv", _P), ("q", _P), ("attn", _P), ("o", _P), ("mlp", _P),
-                ("gate_up", _P), ("num_threads", _INT)]
+                ("gate_up", _P), ("num_experts", _I64), ("top_k", _I64), ("renormalize", _INT), ("router_logits", _P),
+                ("moe_weights", _P), ("moe_ids", _P), ("num_threads", _INT)]
 
 
 MIRRORS: Dict[str, Type[ctypes.Structure]] = {
@@ -113,6 +115,9 @@ class OpsKernels(Protocol):
 
     def argmax_rows(self, x: int, rows: int, n: int, stride: int, out: int, num_threads: int, /) -> None: ...
 
+    def moe_route(self, logits: int, tokens: int, num_experts: int, top_k: int, renormalize: int, dtype: int,
+                  weights: int, ids: int, /) -> None: ...
+
 
 class LinearKernels(Protocol):
     def linear_bf16_available(self) -> int: ...
@@ -123,6 +128,9 @@ class LinearKernels(Protocol):
 
     def linear_bf16_silu_mul(self, x: int, m: int, k: int, packed: int, n: int, bias: Optional[int], out: int,
                              num_threads: int, /) -> None: ...
+
+    def moe_experts_bf16(self, x: int, tokens: int, hidden: int, inter: int, num_experts: int, top_k: int,
+                         weights: int, ids: int, gate_up: int, down: int, out: int, num_threads: int, /) -> int: ...
 
     def linear_q8(self, x: int, m: int, k: int, w: int, w_format: int, scale: Optional[int], bias: Optional[int],
                   n: int, out: int, dtype: int, num_threads: int, /) -> int: ...

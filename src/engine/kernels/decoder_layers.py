@@ -29,14 +29,15 @@ from engine.distributed.parallel_state import get_tp_size
 from engine.kernels import library, ops
 from engine.kernels.boundary import Layer, Step
 from engine.kernels.attention import CascadeTables
-from engine.kernels.linear import LINEAR_BF16_MAX_ROWS, Bf16Panels
+from engine.kernels.linear import LINEAR_BF16_MAX_ROWS, Bf16ExpertPanels, Bf16Panels
 from engine.layers.int4 import Int4Weight
+from engine.layers.moe.sparse_block import SparseMoeBlock
 from engine.layers.quantization import QuantizedWeight
 from engine.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
 if TYPE_CHECKING:
     from engine.model_executor.forward_batch_info import ForwardBatch
-    from engine.models.llama import LlamaDecoderLayer
+    from engine.models.llama import LlamaDecoderLayer, LlamaMLP
 
 class _LayerRefs:
     """The modules and tensors a layer's table entry points into, looked up once: reaching them through
@@ -45,7 +46,12 @@ class _LayerRefs:
 
     def __init__(self, layer: "LlamaDecoderLayer") -> None:
         attn, mlp = layer.self_attn, layer.mlp
-        self.linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        self.linears: Tuple[nn.Module, ...] = (attn.qkv_proj, attn.o_proj)
+        self.moe: Optional[SparseMoeBlock] = None
+        if isinstance(mlp, SparseMoeBlock):
+            self.moe = mlp
+        else:
+            self.linears += (mlp.gate_up_proj, mlp.down_proj)
         norms = (layer.input_layernorm, layer.post_attention_layernorm, attn.q_norm, attn.k_norm)
         self.norm_params = tuple(None if n is None else n._parameters for n in norms)
         self.rope_buffers = attn.rotary_emb._buffers
@@ -60,6 +66,13 @@ class _LayerRefs:
             if chained is None:
                 return None
             fields += [(f"{name}{suffix}", value) for suffix, value in zip(_LINEAR_FIELDS, chained)]
+        if self.moe is not None:
+            router, experts = self.moe.gate.packed_weight, self.moe.experts.packed_weight
+            if not isinstance(router, Bf16Panels) or not isinstance(experts, Bf16ExpertPanels):
+                return None
+            fields += [("router", router.data.data_ptr()), ("experts_gate_up", experts.gate_up_addresses.data_ptr()),
+                       ("experts_down", experts.down_addresses.data_ptr()),
+                       ("moe_intermediate", experts.intermediate)]
         norms = [None if d is None else _address(d["weight"]) for d in self.norm_params]
         fields += [("input_norm", norms[0]), ("post_norm", norms[1]), ("q_norm", norms[2]), ("k_norm", norms[3]),
                    ("cos_sin", _address(self.rope_buffers["cos_sin_cache"])), ("k_pool", k_pool.data_ptr()),
@@ -90,6 +103,29 @@ def _chained_linear(linear: nn.Module) -> Optional[Tuple[int, Optional[int], int
     return None
 
 
+def _mlp_chained(mlp: "LlamaMLP", hidden: int) -> bool:
+    """Whether the chain runs a Llama MLP: its linears chained, gate_up of two equal halves."""
+    if _chained_linear(mlp.gate_up_proj) is None or _chained_linear(mlp.down_proj) is None:
+        return False
+    gate_up, down = mlp.gate_up_proj.packed_weight, mlp.down_proj.packed_weight
+    assert isinstance(gate_up, (Bf16Panels, QuantizedWeight, Int4Weight))
+    assert isinstance(down, (Bf16Panels, QuantizedWeight, Int4Weight))
+    if isinstance(gate_up, Bf16Panels) and gate_up.n % 128:  # linear_bf16_silu_mul's panel pairs
+        return False
+    return (gate_up.k == hidden and down.n == hidden and gate_up.n == 2 * down.k and not mlp.gate_up_proj.gather_output
+            and mlp.gate_up_proj.output_sizes == [down.k, down.k])
+
+
+def _moe_chained(block: SparseMoeBlock, hidden: int) -> bool:
+    """Whether the chain runs a sparse MoE block as the modules do: a bf16-panel router without a bias, every
+    expert local and packed in bf16 panels (FusedMoE.pack_panels), no shared expert."""
+    router, experts = block.gate.packed_weight, block.experts.packed_weight
+    return (block.shared_expert is None and block.gate.bias is None and isinstance(router, Bf16Panels)
+            and isinstance(experts, Bf16ExpertPanels) and router.n == block.experts.num_experts and router.k == hidden
+            and block.experts.num_local_experts == block.experts.num_experts and experts.hidden == hidden
+            and experts.gate_up[0].k == hidden and library.ops() is not None)
+
+
 def _address(t: Optional[torch.Tensor]) -> Optional[int]:
     return None if t is None else t.data_ptr()
 
@@ -103,7 +139,15 @@ class DecoderLayers:
         self.hidden = first.qkv_proj.input_size
         self.heads, self.kv_heads, self.head_dim = first.num_heads, first.num_kv_heads, first.head_dim
         self.rotary_dim = first.rotary_emb.rotary_dim
-        self.intermediate = layers[0].mlp.down_proj.input_size
+        dense = [layer.mlp for layer in layers if not isinstance(layer.mlp, SparseMoeBlock)]
+        self.intermediate = dense[0].down_proj.input_size if dense else 0  # supported(): one size
+        moe = [layer.mlp for layer in layers if isinstance(layer.mlp, SparseMoeBlock)]
+        # supported(): every MoE layer routes alike
+        self.num_experts, self.top_k = (moe[0].experts.num_experts, moe[0].experts.top_k) if moe else (0, 0)
+        self.renormalize = bool(moe) and moe[0].experts.renormalize
+        # The layers whose chosen experts the recorder counts: (index in the table, the layer's id, recorder).
+        self.recorded = [(i, layer.mlp.experts.layer_id, layer.mlp.experts.recorder) for i, layer in enumerate(layers)
+                         if isinstance(layer.mlp, SparseMoeBlock) and layer.mlp.experts.recorder is not None]
         self.table = (Layer * len(layers))()
         # Each table entry's layer: its row of a cascade's kept panels (CascadeTables.kept).
         self.layer_ids = torch.tensor([layer.self_attn.attn.layer_id for layer in layers], dtype=torch.int64)
@@ -124,19 +168,25 @@ class DecoderLayers:
             return False
         first = layers[0].self_attn
         hidden, heads, kv_heads, dim = first.qkv_proj.input_size, first.num_heads, first.num_kv_heads, first.head_dim
+        routing = {(m.experts.num_experts, m.experts.top_k, m.experts.renormalize)
+                   for m in (layer.mlp for layer in layers) if isinstance(m, SparseMoeBlock)}
+        intermediates = {m.down_proj.input_size for m in (layer.mlp for layer in layers)
+                         if not isinstance(m, SparseMoeBlock)}
+        if len(routing) > 1 or len(intermediates) > 1:
+            return False
         for layer, k_pool, v_pool in zip(layers, k_pools, v_pools):
             attn, mlp = layer.self_attn, layer.mlp
             qkv, o = attn.qkv_proj.packed_weight, attn.o_proj.packed_weight
-            gate_up, down = mlp.gate_up_proj.packed_weight, mlp.down_proj.packed_weight
             rope = attn.rotary_emb
             norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            chained = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(_chained_linear(m) is None for m in chained):
+            if _chained_linear(attn.qkv_proj) is None or _chained_linear(attn.o_proj) is None:
                 return False
             kinds = (Bf16Panels, QuantizedWeight, Int4Weight)
-            assert (isinstance(qkv, kinds) and isinstance(o, kinds) and isinstance(gate_up, kinds)
-                    and isinstance(down, kinds))
-            if isinstance(gate_up, Bf16Panels) and gate_up.n % 128:  # linear_bf16_silu_mul's panel pairs
+            assert isinstance(qkv, kinds) and isinstance(o, kinds)
+            if isinstance(mlp, SparseMoeBlock):
+                if not _moe_chained(mlp, hidden):
+                    return False
+            elif not _mlp_chained(mlp, hidden):
                 return False
             q_norm, k_norm = attn.q_norm, attn.k_norm
             if q_norm is not None or k_norm is not None:
@@ -146,9 +196,7 @@ class DecoderLayers:
                        for n in (q_norm, k_norm)):
                     return False
             if ((attn.num_heads, attn.num_kv_heads, attn.head_dim) != (heads, kv_heads, dim)
-                    or qkv.k != hidden or qkv.n != (heads + 2 * kv_heads) * dim or o.k != heads * dim or o.n != hidden
-                    or gate_up.k != hidden or down.n != hidden or gate_up.n != 2 * down.k
-                    or mlp.gate_up_proj.gather_output or mlp.gate_up_proj.output_sizes != [down.k, down.k]):
+                    or qkv.k != hidden or qkv.n != (heads + 2 * kv_heads) * dim or o.k != heads * dim or o.n != hidden):
                 return False
             if any(n.weight.dtype != torch.bfloat16 or not n.weight.is_contiguous() or n.hidden_size != hidden
                    or n.variance_epsilon != layer.input_layernorm.variance_epsilon for n in norms):
@@ -175,12 +223,14 @@ class DecoderLayers:
         lens = lens.to(torch.int64).contiguous()
         q_width = self.heads * self.head_dim
         widths = [self.hidden, q_width + 2 * self.kv_heads * self.head_dim, q_width, q_width, self.hidden,
-                  self.intermediate, 2 * self.intermediate]
+                  self.intermediate, 2 * self.intermediate, self.num_experts]
         scratch = torch.empty(bs * sum(widths), dtype=torch.bfloat16)
         views, start = [], 0
         for w in widths:
             views.append(scratch[start:start + bs * w].data_ptr())
             start += bs * w
+        moe_weights = torch.empty(bs * self.top_k, dtype=torch.float32)
+        moe_ids = torch.empty(len(self.table), bs, self.top_k, dtype=torch.int32)
         out = torch.empty_like(hidden_in)
         residual = torch.empty_like(hidden_in)
         s = Step()
@@ -196,11 +246,15 @@ class DecoderLayers:
             if cascade.kept is not None and cascade.kept_tokens is not None:
                 kept = cascade.kept.index_select(0, self.layer_ids)  # alive until the call returns
                 s.kept, s.kept_tokens = kept.data_ptr(), cascade.kept_tokens.data_ptr()
-        s.normed, s.qkv, s.q, s.attn, s.o, s.mlp, s.gate_up = views
+        s.normed, s.qkv, s.q, s.attn, s.o, s.mlp, s.gate_up, s.router_logits = views
+        s.num_experts, s.top_k, s.renormalize = self.num_experts, self.top_k, int(self.renormalize)
+        s.moe_weights, s.moe_ids = moe_weights.data_ptr(), moe_ids.data_ptr()
         s.num_threads = torch.get_num_threads()
         lib = library.decoder_layers()
         assert lib is not None, "the decoder layers kernel is not loaded: supported() said it was"
         lib.decode_layers(self.table, len(self.table), s, hidden_in.data_ptr(), out.data_ptr(), residual.data_ptr())
+        for index, layer_id, recorder in self.recorded:  # as FusedMoE.forward records
+            recorder.record(layer_id, moe_ids[index])
         return out, residual
 
 

@@ -60,7 +60,7 @@ _CSRC = Path(__file__).with_name("csrc")
 # attention step of prefills and cascade prefixes. One library holds them all.
 _SOURCES = [_CSRC / "decode_attention.c", _CSRC / "extend_attention.c", _CSRC / "cpu_ops.c", _CSRC / "linear_bf16.c",
             _CSRC / "linear_q8.c", _CSRC / "linear_w8a8.c", _CSRC / "linear_q4.c", _CSRC / "linear_mxfp4.c",
-            _CSRC / "lora_delta.c", _CSRC / "decoder_layers.c", _CSRC / "thread_pool.c", _CSRC / "library.c"]
+            _CSRC / "lora_delta.c", _CSRC / "moe.c", _CSRC / "decoder_layers.c", _CSRC / "thread_pool.c", _CSRC / "library.c"]
 _HEADERS = [_CSRC / "engine_kernels.h", _CSRC / "cpu_common.h", _CSRC / "amx.h", _CSRC / "attend_step.h"]
 # -fopenmp-simd: the `omp simd` hints only; the threads are the library's own (csrc/thread_pool.c).
 # -fvisibility=hidden: only engine_kernels.h's ENGINE_API functions are exported.

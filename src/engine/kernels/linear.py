@@ -6,7 +6,7 @@ engine/layers/linear.py calls them where `linear_bf16_usable(weight)` held at pa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Optional
+from typing import List, Optional
 
 import torch
 
@@ -84,6 +84,54 @@ def linear_bf16_silu_mul(x: torch.Tensor, panels: Bf16Panels) -> torch.Tensor:
     _kernels().linear_bf16_silu_mul(rows.data_ptr(), rows.shape[0], panels.k, panels.data.data_ptr(),
                                     panels.n, bias, out.data_ptr(), torch.get_num_threads())
     return out.view(*x.shape[:-1], half)
+
+
+@dataclass
+class Bf16ExpertPanels:
+    """A MoE layer's local experts packed for linear_bf16 (layers/moe/layer.py FusedMoE.pack_panels): each
+    expert's gate_up [2 inter, hidden] and down [hidden, inter] panels, and their addresses as csrc/moe.c
+    reads them."""
+
+    gate_up: List[Bf16Panels]
+    down: List[Bf16Panels]
+    gate_up_addresses: torch.Tensor  # int64 [experts]
+    down_addresses: torch.Tensor
+
+    @classmethod
+    def pack(cls, w13: torch.Tensor, w2: torch.Tensor) -> "Bf16ExpertPanels":
+        """From the stacked weights w13 [E, 2 inter, hidden] and w2 [E, hidden, inter]."""
+        gate_up = [pack_linear_bf16(w13[e], None) for e in range(w13.shape[0])]
+        down = [pack_linear_bf16(w2[e], None) for e in range(w2.shape[0])]
+        return cls(gate_up, down, torch.tensor([p.data.data_ptr() for p in gate_up], dtype=torch.int64),
+                   torch.tensor([p.data.data_ptr() for p in down], dtype=torch.int64))
+
+    @property
+    def hidden(self) -> int:
+        return self.down[0].n
+
+    @property
+    def intermediate(self) -> int:
+        return self.down[0].k
+
+
+def moe_experts_usable(x: torch.Tensor) -> bool:
+    return x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= LINEAR_BF16_MAX_ROWS and enabled()
+
+
+def moe_experts_bf16(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+                     experts: Bf16ExpertPanels) -> torch.Tensor:
+    """sum over k of weights[t, k] * expert_{ids[t, k]}(x[t]) for x [T, hidden] bf16 (moe_experts_usable), weights
+    [T, k] float32 and ids [T, k] int32 (-1: an expert of another rank), in one call (csrc/moe.c)."""
+    x = x.contiguous()
+    weights = weights.to(torch.float32).contiguous()
+    ids = ids.to(torch.int32).contiguous()
+    out = torch.empty(x.shape[0], experts.hidden, dtype=torch.bfloat16)
+    if _kernels().moe_experts_bf16(x.data_ptr(), x.shape[0], experts.hidden, experts.intermediate,
+                                   len(experts.gate_up), ids.shape[1], weights.data_ptr(), ids.data_ptr(),
+                                   experts.gate_up_addresses.data_ptr(), experts.down_addresses.data_ptr(),
+                                   out.data_ptr(), torch.get_num_threads()) != 0:
+        raise MemoryError("moe_experts_bf16: no memory for its scratch")
+    return out
 
 
 # Rows up to which a bf16 weight widened in registers (csrc/linear_q8.c) beats F.linear where the CPU has no

@@ -111,3 +111,15 @@ def store_kv_usable(k_pool: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> b
         return t.dim() == 3 and t.stride(2) == 1 and t.stride(1) == t.shape[2]
 
     return usable(k_pool, k, v) and k_pool.is_contiguous() and rows_ok(k) and rows_ok(v)
+
+
+def moe_route(logits: torch.Tensor, top_k: int, renormalize: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+    """layers/moe/router.py select_experts (weights [T, top_k] float32, ids [T, top_k] int32) in one call:
+    the softmax in float32, the top_k largest first (usable(logits) must hold; logits [T, E])."""
+    logits = logits.contiguous()
+    tokens, num_experts = logits.shape
+    weights = torch.empty(tokens, top_k, dtype=torch.float32)
+    ids = torch.empty(tokens, top_k, dtype=torch.int32)
+    _kernels().moe_route(logits.data_ptr(), tokens, num_experts, top_k, int(renormalize), _DTYPES[logits.dtype],
+                         weights.data_ptr(), ids.data_ptr())
+    return weights, ids

@@ -76,6 +76,8 @@ def prepare(model: nn.Module, quant: CheckpointQuantization, keep_fp8: bool) -> 
             continue
         if not isinstance(module, (ColumnParallelLinear, RowParallelLinear, ReplicatedLinear)):
             continue
+        if isinstance(module, ReplicatedLinear) and not module.quantizable:
+            continue
         names = checkpoint_names(name, stacked)
         if any(quant.ignores(n) for n in names):
             continue  # loads as stored (any quantized part dequantized by checkpoint_tensors)

@@ -26,9 +26,12 @@ from engine.model_loader.weight_utils import ShardId, set_weight_loader
 class ReplicatedLinear(nn.Module):
     """y = x W^T + b with the whole W on every rank."""
 
-    def __init__(self, input_size: int, output_size: int, bias: bool = False) -> None:
+    def __init__(self, input_size: int, output_size: int, bias: bool = False, quantizable: bool = True) -> None:
+        """quantizable: False for a layer a quantized checkpoint keeps in float (a MoE router, as SGLang builds
+        it without a quant config): loading never expects it quantized."""
         super().__init__()
         self.input_size, self.output_size = input_size, output_size
+        self.quantizable = quantizable
         self.packed_weight: Optional[PackedWeight] = None
         # Values come from the weight loader (default: the checkpoint tensor as is).
         self.weight = nn.Parameter(torch.empty(output_size, input_size), requires_grad=False)

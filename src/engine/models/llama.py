@@ -18,6 +18,7 @@ from engine.layers.activation import SiluAndMul
 from engine.layers.layernorm import RMSNorm
 from engine.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from engine.layers.logits_processor import LogitsProcessor, LogitsProcessorOutput
+from engine.layers.moe.sparse_block import SparseMoeBlock
 from engine.layers.pooler import EmbeddingPoolerOutput, Pooler
 from engine.layers.radix_attention import RadixAttention
 from engine.layers.rotary_embedding import get_rope
@@ -101,11 +102,16 @@ class LlamaAttention(nn.Module):
 
 
 class LlamaDecoderLayer(nn.Module):
-    def __init__(self, config: "ModelConfig", layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool) -> None:
+    def __init__(self, config: "ModelConfig", layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool,
+                 mlp: Optional[Union[LlamaMLP, SparseMoeBlock]] = None) -> None:
+        """mlp: the layer's MLP where it is not the config's Llama MLP (a mixture-of-experts layer's sparse
+        block: models/sparse_moe.py)."""
         super().__init__()
         self.self_attn = LlamaAttention(config, layer_id, qkv_bias, o_bias, qk_norm)
-        mlp_bias = bool(config.raw_config.get("mlp_bias", False))
-        self.mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=mlp_bias)
+        if mlp is None:
+            mlp_bias = bool(config.raw_config.get("mlp_bias", False))
+            mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act, bias=mlp_bias)
+        self.mlp: Union[LlamaMLP, SparseMoeBlock] = mlp
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
@@ -136,20 +142,23 @@ class LlamaDecoderLayer(nn.Module):
 class LlamaModel(nn.Module):
     def __init__(self, config: "ModelConfig", qkv_bias: bool, o_bias: bool, qk_norm: bool,
                  make_layer: Optional[Callable[[int], nn.Module]] = None) -> None:
-        """make_layer: builds layer i where it is not a LlamaDecoderLayer (the MoE models' layers)."""
+        """make_layer: builds layer i where it is not the config's LlamaDecoderLayer (the MoE models' layers)."""
         super().__init__()
         self.embed_tokens = VocabParallelEmbedding(config.vocab_size, config.hidden_size)
         decoder_layers: List[nn.Module]
         if make_layer is None:
-            dense = [LlamaDecoderLayer(config, i, qkv_bias, o_bias, qk_norm) for i in range(config.num_hidden_layers)]
-            decoder_layers = list(dense)
+            decoder_layers = [LlamaDecoderLayer(config, i, qkv_bias, o_bias, qk_norm)
+                              for i in range(config.num_hidden_layers)]
         else:
-            dense, decoder_layers = None, [make_layer(i) for i in range(config.num_hidden_layers)]
+            decoder_layers = [make_layer(i) for i in range(config.num_hidden_layers)]
         self.layers = nn.ModuleList(decoder_layers)
         self.decoder_layers = decoder_layers  # the same modules as a list (ModuleList's items are untyped)
-        # The native decode chain knows Llama's dense layers only (what DecoderLayersCache reads).
-        # Nor does it know sliding windows: windowed layers attend through the backend's windowed path.
-        self.dense_layers: Optional[List[LlamaDecoderLayer]] = None if config.is_hybrid_swa else dense
+        # The native decode chain knows LlamaDecoderLayers only (with a Llama MLP or a sparse MoE block: what
+        # DecoderLayersCache reads), and no sliding windows: windowed layers attend through the backend's
+        # windowed path.
+        llama_layers = [layer for layer in decoder_layers if isinstance(layer, LlamaDecoderLayer)]
+        self.chain_layers: Optional[List[LlamaDecoderLayer]] = (
+            llama_layers if len(llama_layers) == len(decoder_layers) and not config.is_hybrid_swa else None)
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.native_decode = DecoderLayersCache()
         # EAGLE3 (set_aux_layers_to_capture): the layers whose input a forward that captures hidden
@@ -176,8 +185,8 @@ class LlamaModel(nn.Module):
         capture = self.aux_layer_ids if forward_batch.capture_hidden_states else ()
         hidden_states = self.embed_tokens(input_ids)
         # The native chain runs every layer in one call: no layer's input to capture.
-        native = (None if self.dense_layers is None or capture
-                  else self.native_decode.forward(self.dense_layers, hidden_states, positions, forward_batch))
+        native = (None if self.chain_layers is None or capture
+                  else self.native_decode.forward(self.chain_layers, hidden_states, positions, forward_batch))
         if native is not None:  # a CPU bf16 decode step: every layer in one native call, the same bits
             hidden_states, residual_stream = native
             hidden_states, _ = self.norm(hidden_states, residual_stream)

@@ -16,15 +16,14 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Sequence,
 import torch
 from torch import nn
 
-from engine.layers.layernorm import RMSNorm
 from engine.layers.moe.expert_distribution import ExpertDistributionRecorder
-from engine.layers.moe.layer import QWEN_EXPERT_NAMES, FusedMoE, expert_params_mapping
+from engine.layers.moe.layer import QWEN_EXPERT_NAMES, expert_params_mapping
+from engine.layers.moe.sparse_block import SparseMoeBlock
 from engine.model_loader.weight_utils import ShardId
-from engine.models.llama import STACKED_PARAMS, LlamaAttention, LlamaForCausalLM, LlamaMLP
+from engine.models.llama import STACKED_PARAMS, LlamaDecoderLayer, LlamaForCausalLM, LlamaMLP
 
 if TYPE_CHECKING:
     from engine.configs.model_config import ModelConfig
-    from engine.model_executor.forward_batch_info import ForwardBatch
 
 # Bounds on what a config may ask (a bad config.json fails at load with a clear message).
 MAX_EXPERTS = 1024
@@ -69,57 +68,6 @@ class MoeSpec:
                    mlp_only_layers=tuple(int(i) for i in raw.get("mlp_only_layers") or ()))
 
 
-class SparseMoeBlock(nn.Module):
-    def __init__(self, config: "ModelConfig", spec: MoeSpec, layer_id: int,
-                 recorder: Optional[ExpertDistributionRecorder]) -> None:
-        super().__init__()
-        # The router is small and replicated: every rank routes every token the same way.
-        self.gate = nn.Linear(config.hidden_size, spec.num_experts, bias=False)
-        self.experts = FusedMoE(spec.num_experts, spec.top_k, config.hidden_size, spec.moe_intermediate_size,
-                                spec.renormalize, layer_id=layer_id, recorder=recorder)
-        self.shared_expert: Optional[LlamaMLP] = None
-        self.shared_expert_gate: Optional[nn.Linear] = None
-        if spec.shared_expert_intermediate_size:
-            self.shared_expert = LlamaMLP(config.hidden_size, spec.shared_expert_intermediate_size, config.hidden_act)
-            self.shared_expert_gate = nn.Linear(config.hidden_size, 1, bias=False)
-
-    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
-        out = self.experts(hidden_states, self.gate(hidden_states))
-        if self.shared_expert is not None:
-            assert self.shared_expert_gate is not None  # built together
-            shared = self.shared_expert(hidden_states)
-            out = out + torch.sigmoid(self.shared_expert_gate(hidden_states)) * shared
-        return out
-
-
-class MoeDecoderLayer(nn.Module):
-    """LlamaDecoderLayer's structure with the sparse block (or, on a dense layer, a Llama MLP)."""
-
-    def __init__(self, config: "ModelConfig", layer_id: int, qkv_bias: bool, o_bias: bool, qk_norm: bool,
-                 spec: MoeSpec, recorder: Optional[ExpertDistributionRecorder]) -> None:
-        super().__init__()
-        self.self_attn = LlamaAttention(config, layer_id, qkv_bias, o_bias, qk_norm)
-        self.mlp: Union[SparseMoeBlock, LlamaMLP] = (
-            SparseMoeBlock(config, spec, layer_id, recorder) if spec.is_sparse(layer_id)
-            else LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act))
-        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-
-    def forward(self, positions: torch.Tensor, hidden_states: torch.Tensor, forward_batch: "ForwardBatch",
-                residual: Optional[torch.Tensor], last_rows_only: bool = False) -> Tuple[torch.Tensor, torch.Tensor]:
-        """As LlamaDecoderLayer.forward (the residual stream carried beside, last_rows_only pruning)."""
-        if residual is None:
-            residual = hidden_states
-            hidden_states = self.input_layernorm(hidden_states)
-        else:
-            hidden_states, residual = self.input_layernorm(hidden_states, residual)
-        hidden_states = self.self_attn(positions, hidden_states, forward_batch, last_rows_only)
-        if last_rows_only:
-            residual = residual.index_select(0, forward_batch.last_positions())
-        hidden_states, residual = self.post_attention_layernorm(hidden_states, residual)
-        return self.mlp(hidden_states), residual
-
-
 class MoeForCausalLM(LlamaForCausalLM):
     """The causal LM of a mixture-of-experts family; subclasses say how to read the config and what
     the checkpoint calls the sparse block and its experts' projections."""
@@ -147,7 +95,15 @@ class MoeForCausalLM(LlamaForCausalLM):
         recorder = self.expert_recorder
 
         def make_layer(layer_id: int) -> nn.Module:
-            return MoeDecoderLayer(config, layer_id, qkv_bias, o_bias, qk_norm, spec, recorder)
+            mlp: Union[SparseMoeBlock, LlamaMLP]
+            if spec.is_sparse(layer_id):
+                shared = (LlamaMLP(config.hidden_size, spec.shared_expert_intermediate_size, config.hidden_act)
+                          if spec.shared_expert_intermediate_size else None)
+                mlp = SparseMoeBlock(config.hidden_size, spec.num_experts, spec.top_k, spec.moe_intermediate_size,
+                                     spec.renormalize, layer_id, recorder, shared)
+            else:
+                mlp = LlamaMLP(config.hidden_size, config.intermediate_size, config.hidden_act)
+            return LlamaDecoderLayer(config, layer_id, qkv_bias, o_bias, qk_norm, mlp)
 
         # The checkpoint's per-expert tensors (and Mixtral's block name) route to the stacked weights.
         experts = [(f"{self.block_name}.{ckpt}", f"mlp.{ours}", shard)

@@ -9,7 +9,8 @@
  * engine/kernels/decoder_layers.py decides when it applies. Quantized linears take their kernels as the modules
  * call them: w8a8_int8 linear_w8a8 and fp8 linear_q8 (bf16 in and out), 4-bit linear_q4 or linear_w4a8 (float32
  * in and out: the rows widened from bf16 and the outputs rounded back, as layers/int4.py does); a quantized
- * gate_up is its linear, then silu_and_mul.
+ * gate_up is its linear, then silu_and_mul. A mixture-of-experts layer's MLP is its router (bf16 panels), moe_route
+ * and moe_experts_bf16 (moe.c), the calls layers/moe makes.
  */
 #include "cpu_common.h"
 
@@ -84,6 +85,17 @@ void decode_layers(const layer_t *layers, int64_t num_layers, const step_t *step
         layer_linear(S->attn, bs, q_width, L->o_format, L->o, L->o_scale, L->o_offset, L->o_group, hidden, L->o_bias,
                      S->o, (int)nt);
         rms_norm(S->o, residual_out, L->post_norm, S->normed, residual_out, bs, hidden, L->eps, DTYPE_BF16, (int)nt);
+        if (L->moe_intermediate > 0) { /* router, top-k, experts: as layers/moe's SparseMoeBlock calls them */
+            int *ids = S->moe_ids + l * bs * S->top_k;
+            linear_bf16((const uint16_t *)S->normed, bs, hidden, (const uint16_t *)L->router, S->num_experts, NULL,
+                        (uint16_t *)S->router_logits, (int)nt);
+            moe_route(S->router_logits, bs, S->num_experts, S->top_k, S->renormalize, DTYPE_BF16, S->moe_weights, ids);
+            if (moe_experts_bf16((const uint16_t *)S->normed, bs, hidden, L->moe_intermediate, S->num_experts, S->top_k,
+                                 S->moe_weights, ids, L->experts_gate_up, L->experts_down, (uint16_t *)hidden_out,
+                                 (int)nt) != 0)
+                abort(); /* out of memory for its scratch is not recoverable here */
+            continue;
+        }
         if (L->gate_up_format != CHAIN_BF16) {
             layer_linear(S->normed, bs, hidden, L->gate_up_format, L->gate_up, L->gate_up_scale, L->gate_up_offset,
                          L->gate_up_group, 2 * S->intermediate, L->gate_up_bias, S->gate_up, (int)nt);

@@ -22,7 +22,7 @@ ENGINE_API int engine_kernels_isa(void);
 ENGINE_API void amx_set(int on);
 ENGINE_API int amx_active(void);
 
-/* Family: ops (cpu_ops.c; dtype 0 float32, 1 bfloat16). */
+/* Family: ops (cpu_ops.c, moe.c; dtype 0 float32, 1 bfloat16). */
 
 ENGINE_API void rms_norm(const void *x, const void *residual, const void *weight, void *out, void *res_out,
                          int64_t rows, int64_t n, float eps, int dtype, int num_threads);
@@ -34,8 +34,13 @@ ENGINE_API void store_kv(const void *k, int64_t k_stride, const void *v, int64_t
                          void *v_pool, int64_t slot_stride, const int64_t *loc, int64_t tokens, int64_t width,
                          int64_t elem_size, int num_threads);
 ENGINE_API void argmax_rows(const float *x, int64_t rows, int64_t n, int64_t stride, int64_t *out, int num_threads);
+/* moe.c: each token's top_k experts of the softmax (float32) over its router logits [tokens, num_experts]
+ * (float32 or bfloat16, dtype): weights [tokens, top_k] float32, rescaled to sum to one with renormalize, and
+ * ids [tokens, top_k] int32, the largest weight first (the lower index on a tie). */
+ENGINE_API void moe_route(const void *logits, int64_t tokens, int64_t num_experts, int64_t top_k, int renormalize,
+                          int dtype, float *weights, int *ids);
 
-/* Family: linear (linear_bf16.c, linear_q8.c, linear_w8a8.c, linear_q4.c, linear_mxfp4.c). */
+/* Family: linear (linear_bf16.c, linear_q8.c, linear_w8a8.c, linear_q4.c, linear_mxfp4.c, moe.c). */
 
 /* 0 where the CPU lacks AVX512-BF16: the other three are then never called. */
 ENGINE_API int linear_bf16_available(void);
@@ -44,6 +49,14 @@ ENGINE_API void linear_bf16(const uint16_t *x, int64_t m, int64_t k, const uint1
                             const float *bias, uint16_t *out, int num_threads);
 ENGINE_API void linear_bf16_silu_mul(const uint16_t *x, int64_t m, int64_t k, const uint16_t *packed, int64_t n,
                                      const float *bias, uint16_t *out, int num_threads);
+/* moe.c: out [tokens, hidden] (bf16) = sum over the slots of weights [tokens, top_k] x the expert ids
+ * [tokens, top_k] names (int32; one outside [0, num_experts) is skipped) of x's row through that expert:
+ * gate_up[e] (linear_bf16 panels of [2 inter, hidden]: gate rows, then up), SiLU-and-mul, down[e] (panels of
+ * [hidden, inter]); gate_up and down hold the panels' addresses. Returns 0, or -1 when its scratch could not
+ * be allocated (nothing written). */
+ENGINE_API int moe_experts_bf16(const uint16_t *x, int64_t tokens, int64_t hidden, int64_t inter, int64_t num_experts,
+                                int64_t top_k, const float *weights, const int *ids, const int64_t *gate_up,
+                                const int64_t *down, uint16_t *out, int num_threads);
 /* linear_q8.c: out [m, n] = (x [m, k] . w [n, k]^T) * scale [n] + bias [n], w int8 (w_format 0), float8 e4m3
  * (1) or bfloat16 (2); scale and bias float32 or NULL; x and out float32 (dtype 0) or bfloat16 (1). Returns 0,
  * or -1 when scratch for bf16 activations could not be allocated (nothing written). */
@@ -174,6 +187,11 @@ typedef struct {
     const float *qkv_scale, *o_scale, *gate_up_scale, *down_scale;
     const float *qkv_offset, *o_offset, *gate_up_offset, *down_offset;
     int64_t qkv_group, o_group, gate_up_group, down_group;
+    /* A mixture-of-experts layer (moe_intermediate > 0; gate_up and down unused): the router's bf16 panels
+     * [num_experts, hidden] (no bias) and each expert's gate_up and down panel addresses (moe.c). */
+    const void *router;
+    const int64_t *experts_gate_up, *experts_down;
+    int64_t moe_intermediate;
 } layer_t;
 
 /* The model's shape and one step's batch: positions, new slots, the decode kernel's tables, scratch. */
@@ -193,6 +211,14 @@ typedef struct {
     /* scratch: [bs, hidden], [bs, qkv width], [bs, q width] x 2, [bs, hidden], [bs, intermediate], and
      * [bs, 2 x intermediate] for a quantized gate_up (its linear and SiLU-and-mul are two calls) */
     void *normed, *qkv, *q, *attn, *o, *mlp, *gate_up;
+    /* The MoE layers' routing (moe_route: top_k of num_experts, renormalized or not), its scratch (router
+     * logits [bs, num_experts] bf16, weights [bs, top_k] float32) and the chosen experts of every layer
+     * [num_layers, bs, top_k] int32 (what the expert distribution recorder counts); unused without MoE layers. */
+    int64_t num_experts, top_k;
+    int renormalize;
+    void *router_logits;
+    float *moe_weights;
+    int *moe_ids;
     int num_threads;
 } step_t;
 

@@ -22,6 +22,7 @@ from engine.distributed.parallel_state import (
     get_tp_size,
     tensor_model_parallel_all_reduce,
 )
+from engine.kernels import linear as linear_kernels
 from engine.layers.moe.expert_distribution import ExpertDistributionRecorder
 from engine.layers.block_fp8_linear import BlockFp8Weight, block_fp8_linear
 from engine.layers.quantization import QuantizedWeight, quantize_weight, quantized_linear
@@ -92,12 +93,27 @@ class FusedMoE(nn.Module):
         # Packed experts on the CPU: each local expert's gate_up and down as block-wise fp8 weights
         # (layers/block_fp8.py) or as --quantization's per-channel ones (quantize_experts).
         self.packed_experts: Optional[Tuple[List[PackedExpert], List[PackedExpert]]] = None
+        # bf16 experts on a CPU with the bf16 linear kernel: their panels (pack_panels), a copy of the
+        # stacks that loading weights drops (weight_utils.clear_packed_weights) and packing redoes.
+        self.packed_weight: Optional[linear_kernels.Bf16ExpertPanels] = None
+
+    def pack_panels(self) -> int:
+        """Pack each local bf16 expert for the bf16 linear kernel (layers/linear.py prepack_linear_weights
+        calls it with the linears); the number of weights packed (two an expert), 0 where the experts
+        are quantized, not bf16, not on the CPU, or the kernel does not run here."""
+        w13, w2 = self.w13.weight, self.w2.weight
+        if (self.packed_experts is not None or w13.numel() == 0
+                or not (linear_kernels.linear_bf16_usable(w13[0]) and linear_kernels.linear_bf16_usable(w2[0]))):
+            return 0
+        self.packed_weight = linear_kernels.Bf16ExpertPanels.pack(w13.data, w2.data)
+        return 2 * self.num_local_experts
 
     def use_packed_experts(self, w13: Sequence[PackedExpert], w2: Sequence[PackedExpert], dtype: torch.dtype) -> None:
         """Run the experts from these weights (one per local expert); the float stacks are released."""
         if len(w13) != self.num_local_experts or len(w2) != self.num_local_experts:
             raise ValueError(f"expected {self.num_local_experts} packed experts, got {len(w13)} and {len(w2)}")
         self.packed_experts = (list(w13), list(w2))
+        self.packed_weight = None
         for stacked in (self.w13, self.w2):
             stacked.weight = nn.Parameter(torch.empty(0, dtype=dtype), requires_grad=False)
 
@@ -174,7 +190,10 @@ class FusedMoE(nn.Module):
             self.recorder.record(self.layer_id, ids)
         local_ids = self.local_ids(ids)
         w13, w2 = self.w13.weight, self.w2.weight
-        if self.packed_experts is not None:
+        panels = self.packed_weight
+        if panels is not None and linear_kernels.moe_experts_usable(hidden_states):
+            out = linear_kernels.moe_experts_bf16(hidden_states, weights, local_ids, panels)
+        elif self.packed_experts is not None:
             gate_up, down = self.packed_experts
             out = fused_moe_grouped(hidden_states, self.num_local_experts, down[0].n,
                                     lambda x, e: packed_expert_linear(x, gate_up[e]),

@@ -6,6 +6,8 @@ from typing import Optional, Tuple
 
 import torch
 
+from engine.kernels import ops
+
 
 def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -> Tuple[torch.Tensor, torch.Tensor]:
     """(weights [T, top_k] float32, expert ids [T, top_k] int32) of the softmax's top_k experts.
@@ -13,6 +15,8 @@ def select_experts(router_logits: torch.Tensor, top_k: int, renormalize: bool) -
     The softmax runs in float32 over all experts before the top-k (Mixtral, Qwen-MoE); `renormalize`
     (Mixtral always, Qwen's norm_topk_prob) rescales the kept weights to sum to one.
     """
+    if ops.usable(router_logits) and router_logits.dim() == 2:  # the one the native decode chain calls
+        return ops.moe_route(router_logits, top_k, renormalize)
     probs = torch.softmax(router_logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, top_k, dim=-1)
     if renormalize:
