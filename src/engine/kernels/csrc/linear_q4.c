@@ -152,7 +152,9 @@ void linear_q4(const float *x, int64_t m, int64_t k, const uint8_t *w, const flo
  * the integer sums exact in int32 (|sum| <= 15 * 127 * group), the offsets' term from the float activations as in
  * linear_q4. The codes are unsigned and q_x signed: the byte products take them as they are, no sign trick.
  * AVX512-VNNI: vpdpbusd on 64 inputs (two packed blocks: the low and high nibbles of 32 bytes, put in input
- * order by one lane shuffle) for groups that are a multiple of 64; AVX2: vpmaddubsw (pairs at most 2 * 15 *
+ * order by one lane shuffle) for groups that are a multiple of 64; for one row and multiples of 128 (AWQ's and GPTQ's
+ * usual group), q_x is reordered once per call into the order the nibbles of 64 bytes hold (w4a8_nibble_order), and
+ * each 64-byte load of codes feeds two vpdpbusd without a shuffle; AVX2: vpmaddubsw (pairs at most 2 * 15 *
  * 127, never saturated) and vpmaddwd on one block of 32 in input order; else a portable loop. Each group's
  * integer sum is scaled into float32 lanes, summed across lanes at the end: paths differ only in that order.
  * One row prefetches the next group of 4 channels' codes as it sums these (linear_w8a8's one-row pattern): on
@@ -171,10 +173,68 @@ typedef struct {
     const uint32_t *xt;
     const float *xs_t, *xsum_t;
     uint8_t *codes;
+    int nibble_order; /* xq reordered by w4a8_nibble_order (VNNI, one row, groups of 128 and more) */
 } w4a8_job_t;
 
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
 #define W4A8_VNNI 1
+#endif
+
+#if defined(W4A8_VNNI)
+/* isum[r][c] += the byte products of group g's inputs, q_x in nibble order (w4a8_nibble_order): 128 inputs a
+ * 64-byte load of codes, its low and high nibbles against two 64-input runs of q_x. */
+static inline __attribute__((always_inline)) void w4a8_sums_128(const w4a8_job_t *J, int64_t m0, const int R,
+                                                                int64_t c0, const int C, int64_t g, __m512i isum[2][4]) {
+    const int64_t k = J->k;
+    const __m512i low4 = _mm512_set1_epi8(0xf);
+    for (int64_t d = g * J->group; d < (g + 1) * J->group; d += 128) {
+        if (R == 1 && C == 4) { /* one row streams the codes: the next 4 channels', 4 lines a step */
+            const uint8_t *next = J->w + (c0 + 4) * (k / 2) + 2 * d;
+            if (next + 256 <= J->w + J->n * (k / 2))
+                for (int line = 0; line < 4; line++) _mm_prefetch((const char *)next + 64 * line, _MM_HINT_T0);
+        }
+        __m512i lo[4], hi[4];
+        for (int c = 0; c < C; c++) {
+            const __m512i bytes = _mm512_loadu_si512((const void *)(J->w + (c0 + c) * (k / 2) + d / 2));
+            lo[c] = _mm512_and_si512(bytes, low4);
+            hi[c] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low4);
+        }
+        for (int r = 0; r < R; r++) {
+            const __m512i a_lo = _mm512_loadu_si512((const void *)(J->xq + (m0 + r) * k + d));
+            const __m512i a_hi = _mm512_loadu_si512((const void *)(J->xq + (m0 + r) * k + d + 64));
+            for (int c = 0; c < C; c++)
+                isum[r][c] = _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(isum[r][c], lo[c], a_lo), hi[c], a_hi);
+        }
+    }
+}
+
+/* The same with q_x in input order: 64 inputs a step, the codes of 32 bytes put in input order by a lane shuffle. */
+static inline __attribute__((always_inline)) void w4a8_sums_64(const w4a8_job_t *J, int64_t m0, const int R,
+                                                               int64_t c0, const int C, int64_t g, __m512i isum[2][4]) {
+    const int64_t k = J->k;
+    const __m256i low4 = _mm256_set1_epi8(0xf);
+    for (int64_t d = g * J->group; d < (g + 1) * J->group; d += 64) {
+        if (R == 1 && C == 4) { /* one row streams the codes: the next group's, 2 lines a step (w8a8's) */
+            const uint8_t *next = J->w + (c0 + 4) * (k / 2) + 2 * d;
+            if (next + 128 <= J->w + J->n * (k / 2)) {
+                _mm_prefetch((const char *)next, _MM_HINT_T0);
+                _mm_prefetch((const char *)next + 64, _MM_HINT_T0);
+            }
+        }
+        __m512i codes[4];
+        for (int c = 0; c < C; c++) {
+            const __m256i bytes = _mm256_loadu_si256((const __m256i *)(J->w + (c0 + c) * (k / 2) + d / 2));
+            const __m256i lo = _mm256_and_si256(bytes, low4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
+            /* [inputs 0-15, 32-47, 16-31, 48-63] -> input order */
+            codes[c] = _mm512_shuffle_i64x2(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1),
+                                            _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), 0xd8);
+        }
+        for (int r = 0; r < R; r++) {
+            const __m512i a = _mm512_loadu_si512((const void *)(J->xq + (m0 + r) * k + d));
+            for (int c = 0; c < C; c++) isum[r][c] = _mm512_dpbusd_epi32(isum[r][c], codes[c], a);
+        }
+    }
+}
 #endif
 
 /* sums[r][c] = x[m0 + r] . W[c0 + c] (the approximation above) for R rows and C channels (R * C <= 8). */
@@ -185,7 +245,6 @@ static inline __attribute__((always_inline)) void w4a8_tile(const w4a8_job_t *J,
         for (int c = 0; c < C; c++) sums[r][c] = 0.0f;
 #if defined(W4A8_VNNI)
     if (group % 64 == 0) {
-        const __m256i low4 = _mm256_set1_epi8(0xf);
         __m512 acc[2][4];
         for (int r = 0; r < R; r++)
             for (int c = 0; c < C; c++) acc[r][c] = _mm512_setzero_ps();
@@ -193,27 +252,8 @@ static inline __attribute__((always_inline)) void w4a8_tile(const w4a8_job_t *J,
             __m512i isum[2][4];
             for (int r = 0; r < R; r++)
                 for (int c = 0; c < C; c++) isum[r][c] = _mm512_setzero_si512();
-            for (int64_t d = g * group; d < (g + 1) * group; d += 64) {
-                if (R == 1 && C == 4) { /* one row streams the codes: the next group's, 2 lines a step (w8a8's) */
-                    const uint8_t *next = J->w + (c0 + 4) * (k / 2) + 2 * d;
-                    if (next + 128 <= J->w + J->n * (k / 2)) {
-                        _mm_prefetch((const char *)next, _MM_HINT_T0);
-                        _mm_prefetch((const char *)next + 64, _MM_HINT_T0);
-                    }
-                }
-                __m512i codes[4];
-                for (int c = 0; c < C; c++) {
-                    const __m256i bytes = _mm256_loadu_si256((const __m256i *)(J->w + (c0 + c) * (k / 2) + d / 2));
-                    const __m256i lo = _mm256_and_si256(bytes, low4), hi = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low4);
-                    /* [inputs 0-15, 32-47, 16-31, 48-63] -> input order */
-                    codes[c] = _mm512_shuffle_i64x2(_mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1),
-                                                    _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1), 0xd8);
-                }
-                for (int r = 0; r < R; r++) {
-                    const __m512i a = _mm512_loadu_si512((const void *)(J->xq + (m0 + r) * k + d));
-                    for (int c = 0; c < C; c++) isum[r][c] = _mm512_dpbusd_epi32(isum[r][c], codes[c], a);
-                }
-            }
+            if (J->nibble_order) w4a8_sums_128(J, m0, R, c0, C, g, isum);
+            else w4a8_sums_64(J, m0, R, c0, C, g, isum);
             for (int r = 0; r < R; r++)
                 for (int c = 0; c < C; c++)
                     acc[r][c] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(isum[r][c]),
@@ -279,6 +319,21 @@ static inline __attribute__((always_inline)) void w4a8_tile(const w4a8_job_t *J,
             sums[r][c] += offsets;
         }
 }
+
+#if defined(W4A8_VNNI)
+/* q_x of each row reordered, every 128 inputs, as a 64-byte load of codes holds them: the low nibbles' inputs
+ * (byte j: input 32 (j / 16) + j % 16), then the high nibbles' (32 (j / 16) + 16 + j % 16). */
+static void w4a8_nibble_order(int8_t *xq, int64_t m, int64_t k) {
+    int8_t chunk[128];
+    for (int64_t at = 0; at < m * k; at += 128) {
+        for (int j = 0; j < 64; j++) {
+            chunk[j] = xq[at + (j / 16) * 32 + j % 16];
+            chunk[64 + j] = xq[at + (j / 16) * 32 + 16 + j % 16];
+        }
+        memcpy(xq + at, chunk, sizeof(chunk));
+    }
+}
+#endif
 
 /* Groups [first, last) of 4 channels for every row, rows 2 at a time (the codes widened once per two rows). */
 static void w4a8_groups(const w4a8_job_t *J, int64_t first, int64_t last) {
@@ -414,7 +469,7 @@ int linear_w4a8(const float *x, int64_t m, int64_t k, const uint8_t *w, const fl
             for (int64_t d = 0; d < group; d++) sum += from[d];
             xsum[r * groups + g] = sum;
         }
-    w4a8_job_t job = {xq, xs, xsum, m, k, w, scale, bias, group, n, out, NULL, NULL, NULL, NULL};
+    w4a8_job_t job = {xq, xs, xsum, m, k, w, scale, bias, group, n, out, NULL, NULL, NULL, NULL, 0};
 #if defined(W4A8_AMX)
     if (amx_active() && m >= W4A8_AMX_MIN_ROWS && group % 64 == 0 && n >= 16) {
         const int64_t padded = (m + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
@@ -440,7 +495,15 @@ int linear_w4a8(const float *x, int64_t m, int64_t k, const uint8_t *w, const fl
     }
     if (job.xt == NULL)
 #endif
+    {
+#if defined(W4A8_VNNI)
+        if (group % 128 == 0 && m == 1) { /* two rows keep the shuffle: 8 nibble registers spill there (0.91x) */
+            w4a8_nibble_order(xq, m, k);
+            job.nibble_order = 1;
+        }
+#endif
         pool_run(w4a8_part, &job, num_threads);
+    }
     free(xs);
     free(xq);
     return 0;
