@@ -46,9 +46,9 @@ from engine.scheduler.overlap_utils import scheduling_thread  # noqa: E402
 from engine.scheduler.scheduler import Scheduler  # noqa: E402
 from engine.server_args import ServerArgs  # noqa: E402
 
-# --quantization per configuration; int4 loads an AWQ checkpoint instead (detected, no flag), int4-a8 the same
-# with ENGINE_INT4_INT8_ACTIVATIONS=1 (layers/int4.py), fp8-block a block-wise fp8 one (DeepSeek-V3's format,
-# blocks of FP8_BLOCK; csrc/linear_q8.c's linear_fp8_block).
+# --quantization per configuration; int4 loads an AWQ checkpoint instead (detected, no flag) with float
+# activations (ENGINE_INT4_INT8_ACTIVATIONS=0), int4-a8 the same with int8 ones (the CPU default, layers/int4.py),
+# fp8-block a block-wise fp8 one (DeepSeek-V3's format, blocks of FP8_BLOCK; csrc/linear_q8.c's linear_fp8_block).
 CONFIGS: Dict[str, Optional[str]] = {"bf16": None, "int8": "w8a8_int8", "fp8": "fp8", "int4": None, "int4-a8": None,
                                      "fp8-block": None}
 INT4_GROUP = 128

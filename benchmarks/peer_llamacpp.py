@@ -45,8 +45,8 @@ SYSTEMS: Dict[str, Tuple[str, str]] = {
     "engine-bf16": ("engine", "bf16"),
     "engine-int8": ("engine", "int8"),
     "engine-int8-head": ("engine", "int8-head"),
-    "engine-int4": ("engine", "int4"),
-    "engine-int4-a8": ("engine", "int4-a8"),  # ENGINE_INT4_INT8_ACTIVATIONS=1 (layers/int4.py)
+    "engine-int4": ("engine", "int4"),  # float activations: ENGINE_INT4_INT8_ACTIVATIONS=0 (layers/int4.py)
+    "engine-int4-a8": ("engine", "int4-a8"),  # int8 activations (the CPU default)
     "engine-int4-a8-head": ("engine", "int4-a8-head"),  # and --quantize-lm-head (an int8 head)
     "llamacpp-bf16": ("llamacpp", "bf16"),
     "llamacpp-q8_0": ("llamacpp", "q8_0"),

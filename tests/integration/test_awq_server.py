@@ -2,7 +2,7 @@
 128, down_proj kept float since its 688 inputs are no whole groups), float32, no --quantization (detected
 from config.json): greedy /generate equals transformers run on the built-in model with each quantized
 projection's weight replaced by the weight the checkpoint stands for, token for token, for a single
-request and a batch."""
+request and a batch, with float activations (ENGINE_INT4_INT8_ACTIVATIONS=0)."""
 
 from __future__ import annotations
 
@@ -39,7 +39,10 @@ def awq_server(tmp_path_factory):
     # Every prompt continues differently on the unquantized model (within 2 tokens, measured), so the test
     # tells a server that loaded the 4-bit weights from one that did not.
     assert all(p != e for p, e in zip(plain, expected))
-    server = start_server_process(["--model-path", path, "--dtype", "float32"])
+    # Float activations: the oracle is the dequantized weights' float product (the default int8 activations of
+    # the CPU's 4-bit kernel are tested against their own oracle in tests/unit/test_prequantized.py).
+    server = start_server_process(["--model-path", path, "--dtype", "float32"],
+                                  env={"ENGINE_INT4_INT8_ACTIVATIONS": "0"})
     try:
         yield server.url, expected
     finally:

@@ -26,6 +26,22 @@ PROMPTS = [[3, 17, 250, 9, 44], [100, 7, 7, 7, 31, 480, 2, 65, 11], [401]]
 STEPS = 6
 
 
+@pytest.fixture(autouse=True)
+def float_activations(monkeypatch) -> None:
+    """The oracles here are the dequantized weights' float products: 4-bit layers keep float activations
+    (linear_q4); the tests of the default int8 activations (linear_w4a8) set ENGINE_INT4_INT8_ACTIVATIONS=1."""
+    monkeypatch.setenv("ENGINE_INT4_INT8_ACTIVATIONS", "0")
+
+
+def test_int8_activations_are_the_cpu_default(monkeypatch) -> None:
+    """As SGLang's CPU AWQ / GPTQ kernel (W4A8), 4-bit layers quantize their activations unless told not to."""
+    monkeypatch.delenv("ENGINE_INT4_INT8_ACTIVATIONS")
+    codes, scale, zero = torch.zeros(8, 64, dtype=torch.uint8), torch.ones(8, 2), torch.zeros(8, 2)
+    assert pack_int4(codes, scale, zero, 32).int8_activations
+    monkeypatch.setenv("ENGINE_INT4_INT8_ACTIVATIONS", "0")
+    assert not pack_int4(codes, scale, zero, 32).int8_activations
+
+
 # ------------------------------------------------------------------------------------ the formats
 def test_word_orders_follow_the_specs() -> None:
     """One int32 word each, values 0..7 for 8 consecutive positions: AutoAWQ puts position AWQ_PACK_ORDER[i]

@@ -18,6 +18,13 @@ from utils_quant import write_dequantized_checkpoint, write_int4_checkpoint
 
 pytestmark = pytest.mark.slow  # spawns two ranks per case
 
+
+@pytest.fixture(autouse=True)
+def float_activations(monkeypatch) -> None:
+    """The oracle is the dequantized weights' float product: 4-bit layers keep float activations (the ranks
+    inherit the environment)."""
+    monkeypatch.setenv("ENGINE_INT4_INT8_ACTIVATIONS", "0")
+
 STEPS = 6
 PROMPTS = [[3, 17, 250, 9, 44], [100, 7, 7, 7, 31, 480, 2, 65, 11], [401]]
 

@@ -14,11 +14,12 @@ inputs by group, so every group is again `group_size` consecutive columns, and k
 GEMM on a GPU (layers/int4_triton.py), else (longer CPU batches, no library, no triton) the torch
 reference: the weight dequantized to the activation dtype, then `F.linear`.
 
-ENGINE_INT4_INT8_ACTIVATIONS=1 (off by default; ours, not SGLang's, whose CPU AWQ keeps float activations)
-quantizes the activations to int8 as well, per row and weight group (`q = round(x * 127 / max |x|)` over the
-group), the scheme of torchao's da8w4 and llama.cpp's Q4 x Q8 products: the codes times q_x are summed exactly
-in integers (csrc/linear_q4.c's linear_w4a8: AVX512-VNNI or AVX2 byte products instead of widening every code
-to float), then scaled per group; the offsets' term keeps the float activations.
+On the CPU the activations are quantized to int8 as well, per row and weight group (`q = round(x * 127 /
+max |x|)` over the group), as SGLang's CPU AWQ / GPTQ kernel (sgl-kernel's int4_scaled_mm_cpu, W4A8) and
+torchao's da8w4 quantize them (per row there) and llama.cpp's Q4 x Q8 products do: the codes times q_x are
+summed exactly in integers (csrc/linear_q4.c's linear_w4a8: AVX512-VNNI, AVX2 or AMX-INT8 byte products instead
+of widening every code to float), then scaled per group; the offsets' term keeps the float activations.
+ENGINE_INT4_INT8_ACTIVATIONS=0 keeps float activations (linear_q4). The GPU's Triton GEMM takes float activations.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ class Int4Weight:
     bias: torch.Tensor  # [n, k // group_size] float32: -zero * scale
     group_size: int
     perm: Optional[torch.Tensor]  # [k] int64: stored column j is input perm[j] (act-order); None: identity
-    int8_activations: bool = False  # ENGINE_INT4_INT8_ACTIVATIONS (the module's docstring)
+    int8_activations: bool = False  # on the CPU unless ENGINE_INT4_INT8_ACTIVATIONS=0 (the module's docstring)
 
     @property
     def n(self) -> int:
@@ -107,8 +108,9 @@ def pack_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, grou
 
 
 def int4_int8_activations_enabled() -> bool:
-    """Whether 4-bit linears quantize their activations to int8 (ENGINE_INT4_INT8_ACTIVATIONS, default off)."""
-    return os.environ.get("ENGINE_INT4_INT8_ACTIVATIONS", "0") == "1"
+    """Whether 4-bit linears quantize their activations to int8 on the CPU (ENGINE_INT4_INT8_ACTIVATIONS, default
+    on, as SGLang's CPU W4A8 kernel)."""
+    return os.environ.get("ENGINE_INT4_INT8_ACTIVATIONS", "1") != "0"
 
 
 def int8_group_activations(rows: torch.Tensor, group_size: int) -> torch.Tensor:
