@@ -172,8 +172,8 @@ def write_compressed_tensors_checkpoint(model: torch.nn.Module, dst: str, preset
                                         group_size: Optional[int] = None) -> Dict[str, torch.Tensor]:
     """What llm-compressor writes for a transformers `model` (quantized in place): compressed-tensors'
     own scheme, compressor and config writer, with min/max scales (and zero points) per channel, tensor
-    or group set here (the observer's job in llm-compressor). `preset` is compressed-tensors' scheme name
-    (FP8_DYNAMIC, W8A8, W4A16, W4A16_ASYM); `group_size` with strategy "group". Returns the dequantized
+    or group set here (the observer's job in llm-compressor), and a static scheme's activation scale. `preset` is
+    compressed-tensors' scheme name (FP8_DYNAMIC, FP8 (static activation scales), W8A8, W4A16, W4A16_ASYM); `group_size` with strategy "group". Returns the dequantized
     weight of each quantized linear by its `.weight` name, unpacked by compressed-tensors itself."""
     from compressed_tensors.compressors import ModelCompressor
     from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
@@ -204,6 +204,9 @@ def write_compressed_tensors_checkpoint(model: torch.nn.Module, dst: str, preset
         zero = getattr(module, "weight_zero_point", None)
         if zero is not None:
             zero.data.copy_(zp.reshape(zero.shape))
+        input_scale = getattr(module, "input_scale", None)  # a static scheme's (FP8): a calibration's value
+        if input_scale is not None:
+            input_scale.data.fill_(0.05)
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
     model.save_pretrained(dst)

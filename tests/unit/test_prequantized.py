@@ -206,8 +206,12 @@ def test_flag_and_checkpoint_method() -> None:
      "group_size 16"),
     ({"quant_method": "compressed-tensors", "config_groups": {"g": {
         "targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True},
-        "input_activations": {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False}}}},
-     "static activation scales"),
+        "input_activations": {"num_bits": 8, "type": "int", "strategy": "tensor", "dynamic": False}}}},
+     "static activation scales for 8-bit weights, activations 8-bit 'int'"),
+    ({"quant_method": "compressed-tensors", "format": "pack-quantized", "config_groups": {"g": {
+        "targets": ["Linear"], "weights": {"num_bits": 4, "type": "int", "strategy": "group", "group_size": 32},
+        "input_activations": {"num_bits": 8, "type": "int", "strategy": "tensor", "dynamic": False}}}},
+     "static activation scales for 4-bit weights"),
     ({"quant_method": "compressed-tensors", "config_groups": {"g": {
         "targets": ["Linear"], "weights": {"num_bits": 8, "type": "int", "strategy": "group", "group_size": 128}}}},
      "weight strategy 'group'"),
@@ -380,9 +384,10 @@ def test_awq_modules_to_not_convert_stay_float(tmp_path, float_llama) -> None:
     assert tokens == expected_tokens
 
 
+# FP8: llm-compressor's static preset (per-tensor input_scale tensors, loaded and not applied: quant_config.py).
 @pytest.mark.parametrize("preset, strategy", [("FP8_DYNAMIC", "channel"),
                                               pytest.param("FP8_DYNAMIC", "tensor", marks=pytest.mark.slow),
-                                              ("W8A8", "channel")])
+                                              ("W8A8", "channel"), ("FP8", "tensor")])
 def test_compressed_tensors_checkpoint_equals_its_dequantized_weights(tmp_path, preset: str, strategy: str) -> None:
     pytest.importorskip("compressed_tensors")
     from utils_quant import write_compressed_tensors_checkpoint
@@ -407,6 +412,20 @@ def test_compressed_tensors_checkpoint_equals_its_dequantized_weights(tmp_path, 
     expected_logits, expected_tokens = _run(make_runner(oracle))
     torch.testing.assert_close(logits, expected_logits, rtol=1e-4, atol=1e-4)
     assert tokens == expected_tokens
+
+
+def test_compressed_tensors_static_activation_scale_must_be_one_positive_value(tmp_path) -> None:
+    pytest.importorskip("compressed_tensors")
+    from safetensors.torch import load_file, save_file
+    from utils_quant import write_compressed_tensors_checkpoint
+
+    qpath = str(tmp_path / "q")
+    write_compressed_tensors_checkpoint(build_tiny_model(str(tmp_path / "src"), "llama"), qpath, "FP8", "tensor")
+    tensors = load_file(os.path.join(qpath, "model.safetensors"))
+    tensors["model.layers.0.mlp.up_proj.input_scale"] = torch.tensor([-1.0])
+    save_file(tensors, os.path.join(qpath, "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(ValueError, match="up_proj.input_scale: a static per-tensor activation scale is one positive"):
+        make_runner(qpath)
 
 
 @pytest.mark.slow  # the built-in model, twice

@@ -290,6 +290,11 @@ def _convert(name: str, suffix: str, tensor: torch.Tensor, quant: CheckpointQuan
             if tensor.dim() == 1:
                 return tensor.float()
             raise ValueError(f"{name}: a per-channel scale is [out, 1] or [out], got shape {tuple(tensor.shape)}")
+        if suffix == "input_scale":  # a static activation scale: checked, not applied (quant_config.py)
+            if tensor.numel() != 1 or not bool(torch.isfinite(tensor).all()) or float(tensor.float().reshape(())) <= 0:
+                raise ValueError(f"{name}: a static per-tensor activation scale is one positive finite value, got "
+                                 f"shape {tuple(tensor.shape)}")
+            return None
         if suffix == "weight_zero_point":  # some writers store the zeros of a symmetric scheme
             if bool((tensor != 0).any()):
                 raise ValueError(f"{name} has non-zero zero points, but the scheme is symmetric")

@@ -7,7 +7,10 @@ gptq_marlin names, SGLang's GPU kernels for the same formats, count as awq / gpt
 - compressed-tensors (what llm-compressor writes) with one scheme targeting the linears: 8-bit weights,
   float (e4m3, our fp8 weight path) or int (our w8a8_int8 path), symmetric, per output channel or per
   tensor; or 4-bit int weights (pack-quantized, W4A16), per group or channel, symmetric or not, with
-  act-order (weight_g_idx); activations dynamic per token (or none: weight-only). Its `ignore` list (names, or
+  act-order (weight_g_idx); activations dynamic per token (or none: weight-only). 8-bit schemes with static
+  per-tensor activation scales (llm-compressor's FP8 and static INT8 presets) load too: their `input_scale`
+  tensors are checked (one positive finite value each) and not applied, as SGLang's CPU kernels (int8 with
+  per-token activation scales of their own, fp8 weight-only against bf16 activations) do not apply them. Its `ignore` list (names, or
   "re:" regular expressions) keeps those modules in the model dtype.
 - fp8 with weight_block_size (DeepSeek-V3 / R1's format): float8 e4m3 weights, each [block_n, block_k] block
   scaled by its `weight_scale_inv`, activations dynamic; dequantized at load (layers/block_fp8.py). Its
@@ -18,7 +21,7 @@ gptq_marlin names, SGLang's GPU kernels for the same formats, count as awq / gpt
   SGLang's `lm_head_quantized`): the LM head's qweight / qzeros / scales / g_idx load as a 4-bit head, cut
   by vocabulary rows across TP ranks like the float one; a tied embedding stays float.
 
-Anything else (other bit widths, static activation scales, group-wise 8-bit, packed compressed-tensors
+Anything else (other bit widths, static activation scales of 4-bit schemes, group-wise 8-bit, packed compressed-tensors
 formats, a quantized LM head outside GPTQ's lm_head, a KV-cache scheme, fp8 without weight_block_size) is refused before any weight is read.
 """
 
@@ -70,6 +73,9 @@ class CheckpointQuantization:
     symmetric: bool = False  # int4 compressed-tensors: no zero-point tensors (the zero is 8)
     block: Tuple[int, int] = (0, 0)  # block_fp8: weight_block_size [block_n (outputs), block_k (inputs)]
     lm_head: bool = False  # gptq's lm_head: the LM head is quantized too (its tensors under lm_head.*)
+    # 8-bit compressed-tensors with static per-tensor activation scales (`input_scale`): read, checked and not
+    # applied, as SGLang's CPU kernels do (int8: per-token scales of their own; fp8: bf16 activations).
+    static_inputs: bool = False
 
     @property
     def int4_names(self) -> Int4Names:
@@ -81,7 +87,7 @@ class CheckpointQuantization:
         if self.method == "compressed-tensors" and self.weights == "int4":
             return ("weight_packed", "weight_scale", "weight_zero_point", "weight_shape", "weight_g_idx")
         if self.method == "compressed-tensors":
-            return ("weight", "weight_scale")
+            return ("weight", "weight_scale", "input_scale") if self.static_inputs else ("weight", "weight_scale")
         if self.method == "fp8":
             return ("weight", "weight_scale_inv")
         if self.method == "awq":
@@ -167,9 +173,14 @@ def _compressed_tensors(config: Dict[str, object]) -> CheckpointQuantization:
         raise _refuse("a compressed-tensors scheme without weight quantization")
     kind, bits, strategy = weights.get("type"), weights.get("num_bits"), weights.get("strategy")
     inputs = scheme.get("input_activations")
-    if inputs is not None and (not isinstance(inputs, dict) or not inputs.get("dynamic")):
-        raise _refuse("compressed-tensors static activation scales (input_scale); supported: dynamic "
-                      "per-token activations or weight-only")
+    if inputs is not None and not isinstance(inputs, dict):
+        raise _refuse("compressed-tensors input_activations must be an object")
+    static_inputs = inputs is not None and not inputs.get("dynamic")
+    if inputs is not None and static_inputs and (bits != 8 or inputs.get("num_bits") != 8
+                                                 or inputs.get("type") != kind or inputs.get("strategy") != "tensor"):
+        raise _refuse(f"compressed-tensors static activation scales for {bits}-bit weights, activations "
+                      f"{inputs.get('num_bits')}-bit {inputs.get('type')!r} per {inputs.get('strategy')!r} "
+                      "(supported: per-tensor scales of 8-bit activations of the weights' type)")
     if scheme.get("output_activations") is not None:
         raise _refuse("compressed-tensors output activation quantization")
     ignore = config.get("ignore") or []
@@ -184,7 +195,7 @@ def _compressed_tensors(config: Dict[str, object]) -> CheckpointQuantization:
     if weights.get("symmetric") is False or weights.get("dynamic"):
         raise _refuse("compressed-tensors asymmetric or dynamic weight quantization (supported: symmetric, static)")
     return CheckpointQuantization("compressed-tensors", "fp8" if kind == "float" else "w8a8_int8",
-                                  per_tensor=strategy == "tensor", ignore=tuple(ignore))
+                                  per_tensor=strategy == "tensor", ignore=tuple(ignore), static_inputs=static_inputs)
 
 
 def _compressed_tensors_int4(weights: Dict[str, object], ignore: Tuple[str, ...]) -> CheckpointQuantization:
