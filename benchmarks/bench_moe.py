@@ -16,6 +16,7 @@ a streaming read of a large tensor on the same cores.
 
   python benchmarks/bench_moe.py                           # table + bench_moe.json
   python benchmarks/bench_moe.py --layers 2 --out-len 8    # a quick check
+  python benchmarks/bench_moe.py --quantization w8a8_int8  # linears and experts int8 (the floor at a byte a weight)
   python benchmarks/bench_moe.py --device cuda --batch-sizes 1 16 64   # the Triton kernel on a GPU
 
 --gpt-oss runs another case instead: one gpt-oss-shaped MoE layer's experts (models/gpt_oss.py
@@ -142,6 +143,7 @@ class Result:
 
 def _scheduler(path: str, batch: int, args: argparse.Namespace) -> Scheduler:
     server_args = ServerArgs(model_path=path, device=args.device, log_level="warning", dtype="bfloat16",
+                             quantization=args.quantization,
                              max_total_tokens=batch * (args.prompt_len + args.out_len + 16) + 256,
                              max_running_requests=batch, disable_overlap_schedule=True, chunked_prefill_size=-1,
                              disable_radix_cache=True)
@@ -213,15 +215,17 @@ def read_bandwidth(device: str, gib: float = 1.0) -> float:
     return x.numel() * 4 / best
 
 
-def step_bytes(shape: Shape, moe: bool, batch: int, experts: float, context: int) -> float:
-    """What one decode step must read: the weights it uses (bf16), the KV cache of `batch` requests."""
+def step_bytes(shape: Shape, moe: bool, batch: int, experts: float, context: int, linear_bytes: int = 2) -> float:
+    """What one decode step must read: the weights it uses (the linears and experts at `linear_bytes` a weight,
+    the router, head and embedding rows in bf16), the KV cache of `batch` requests (bf16)."""
     h, d, L = shape.hidden, shape.head_dim, shape.layers
     attention = (shape.heads * d * h * 2 + shape.kv_heads * d * h * 2) * L
     per_expert = 3 * h * shape.expert_inter
-    ffn = (experts * per_expert + shape.experts * h) * L if moe else 3 * h * shape.top_k * shape.expert_inter * L
+    ffn = experts * per_expert * L if moe else 3 * h * shape.top_k * shape.expert_inter * L
+    router = shape.experts * h * L if moe else 0
     head = shape.vocab * h + batch * h  # the LM head, and the embedding rows of the batch
     kv = batch * context * L * 2 * shape.kv_heads * d
-    return 2.0 * (attention + ffn + head + kv)
+    return linear_bytes * (attention + ffn) + 2.0 * (router + head + kv)
 
 
 def main() -> None:
@@ -240,6 +244,8 @@ def main() -> None:
     ap.add_argument("--dir", default=os.path.join(os.path.expanduser("~"), ".cache", "engine_bench_moe"))
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    ap.add_argument("--quantization", choices=["w8a8_int8", "fp8"], default=None,
+                    help="both models' linears and experts quantized at load (one byte a weight in the floor)")
     ap.add_argument("--json", default="bench_moe.json")
     ap.add_argument("--gpt-oss", action="store_true", help="the gpt-oss MXFP4 experts case (module doc)")
     ap.add_argument("--oss-experts", type=int, default=32)
@@ -268,7 +274,8 @@ def main() -> None:
                 steps = _decode(scheduler, prompts, args.out_len, "run")
                 scheduler.shutdown()
                 context = args.prompt_len + args.out_len // 2
-                nbytes = step_bytes(shape, name == "mixtral", batch, experts, context)
+                nbytes = step_bytes(shape, name == "mixtral", batch, experts, context,
+                                    1 if args.quantization else 2)
                 step = statistics.median(steps)
                 results.append(Result(name, batch, batch / step, step * 1e3, nbytes / bandwidth * 1e3, nbytes,
                                       experts))
@@ -278,7 +285,8 @@ def main() -> None:
 def _report(results: List[Result], shape: Shape, bandwidth: float, args: argparse.Namespace) -> None:
     print(f"\nMoE {shape.layers} layers x {shape.experts} experts (top-{shape.top_k}, hidden {shape.hidden}, "
           f"expert intermediate {shape.expert_inter}) vs dense (intermediate {shape.top_k * shape.expert_inter}), "
-          f"bf16, prompt {args.prompt_len}, {args.out_len} tokens")
+          f"bf16{', ' + args.quantization if args.quantization else ''}, prompt {args.prompt_len}, "
+          f"{args.out_len} tokens")
     print(f"{'model':8} {'batch':>5} {'tok/s':>8} {'step ms':>8} {'floor ms':>8} {'step/floor':>10} "
           f"{'experts/layer':>13} {'MoE/dense':>9}")
     by: Dict[Tuple[str, int], Result] = {(r.model, r.batch): r for r in results}

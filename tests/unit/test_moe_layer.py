@@ -91,21 +91,48 @@ def test_native_experts_in_one_call_match_the_grouped_loop(inter, tokens):
     x, w13, w2, weights, ids = random_case(tokens, 8, 2, 64, inter, torch.bfloat16, seed=tokens + inter)
     ids = ids.clone()
     ids[::3, 1] = -1
-    panels = linear_kernels.Bf16ExpertPanels.pack(w13, w2)
-    out = linear_kernels.moe_experts_bf16(x, weights, ids, panels)
+    native = linear_kernels.NativeExperts.bf16_panels(w13, w2)
+    out = linear_kernels.moe_experts(x, weights, ids, native)
     ref = reference_moe(x, w13, w2, weights, ids)
     assert out.dtype == torch.bfloat16
     assert (out.double() - ref).abs().max().item() < 3e-2 * max(1.0, ref.abs().max().item())
 
+    gate_ups = [linear_kernels.pack_linear_bf16(w, None) for w in w13]
+    downs = [linear_kernels.pack_linear_bf16(w, None) for w in w2]
+
     def gate_up(rows, e):
         if inter % 64 == 0:
-            return linear_kernels.linear_bf16_silu_mul(rows, panels.gate_up[e])
-        return ops.silu_and_mul(linear_kernels.linear_bf16(rows, panels.gate_up[e], add_bias=False))
+            return linear_kernels.linear_bf16_silu_mul(rows, gate_ups[e])
+        return ops.silu_and_mul(linear_kernels.linear_bf16(rows, gate_ups[e], add_bias=False))
 
     loop = fused_moe_grouped(x, 8, 64, gate_up,
-                             lambda rows, e: linear_kernels.linear_bf16(rows, panels.down[e], add_bias=False),
+                             lambda rows, e: linear_kernels.linear_bf16(rows, downs[e], add_bias=False),
                              weights, ids, lambda h: h)
     assert torch.equal(out, loop)
+
+
+@pytest.mark.parametrize("method", ["w8a8_int8", "fp8"])
+@pytest.mark.parametrize("tokens", [1, 6])
+def test_native_quantized_experts_equal_the_grouped_loop(method, tokens):
+    """--quantization's experts (int8 with int8 activations, e4m3) in csrc/moe.c: the bits of the grouped loop
+    over quantized_linear (the same kernels), close to the float64 reference on the dequantized weights."""
+    from engine.layers.quantization import quantize_weight, quantized_linear
+
+    if library.linear() is None:
+        pytest.skip("no kernel library on this machine")
+    x, w13, w2, weights, ids = random_case(tokens, 8, 2, 64, 48, torch.bfloat16, seed=7 + tokens)
+    gate_ups = [quantize_weight(w, method) for w in w13]
+    downs = [quantize_weight(w, method) for w in w2]
+    fmt = linear_kernels.CHAIN_FP8 if method == "fp8" else linear_kernels.CHAIN_W8A8
+    native = linear_kernels.NativeExperts.quantized(fmt, [(q.qweight, q.scale) for q in gate_ups],
+                                                    [(q.qweight, q.scale) for q in downs])
+    out = linear_kernels.moe_experts(x, weights, ids, native)
+    loop = fused_moe_grouped(x, 8, 64, lambda rows, e: quantized_linear(rows, gate_ups[e], None),
+                             lambda rows, e: quantized_linear(rows, downs[e], None), weights, ids)
+    assert torch.equal(out, loop)
+    ref = reference_moe(x, torch.stack([q.dequantize() for q in gate_ups]),
+                        torch.stack([q.dequantize() for q in downs]), weights, ids)
+    assert (out.double() - ref).abs().max().item() < 5e-2 * max(1.0, ref.abs().max().item())
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])

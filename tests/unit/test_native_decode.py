@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from engine.kernels import library
+from engine.layers.moe.layer import FusedMoE
 from engine.layers.linear import prepack_linear_weights
 from engine.kernels import decoder_layers
 from utils_models import BatchDriver, ExtendReq, build_tiny_model, make_runner
@@ -135,11 +136,12 @@ def test_native_decode_is_skipped_where_it_does_not_apply(model_dir, monkeypatch
     assert calls == []
 
 
-@pytest.mark.parametrize("arch", ["mixtral", "qwen3_moe", "qwen2_moe"])
-def test_native_decode_moe_layers_equal_the_modules(arch, tmp_path, monkeypatch):
-    """Mixture-of-experts layers in the chain (router panels, moe_route, moe_experts_bf16: what SparseMoeBlock
-    calls), the experts repacked midway; the recorder counts the same experts. Qwen2-MoE's gated shared expert
-    keeps the module path."""
+@pytest.mark.parametrize("arch, quantization", [("mixtral", None), ("qwen3_moe", None), ("qwen2_moe", None),
+                                                ("mixtral", "w8a8_int8"), ("qwen3_moe", "fp8")])
+def test_native_decode_moe_layers_equal_the_modules(arch, quantization, tmp_path, monkeypatch):
+    """Mixture-of-experts layers in the chain (router panels, moe_route, moe_experts: what SparseMoeBlock
+    calls), bf16 experts (repacked midway) or --quantization's; the recorder counts the same experts. Qwen2-MoE's
+    gated shared expert keeps the module path."""
     _require_bf16_kernels()
     build_tiny_model(str(tmp_path), arch, dtype=torch.bfloat16)
     counts = {}
@@ -155,7 +157,10 @@ def test_native_decode_moe_layers_equal_the_modules(arch, tmp_path, monkeypatch)
             patch.setattr(decoder_layers.DecoderLayers, "run", counting_run)
             if not chained:
                 patch.setattr(decoder_layers.DecoderLayersCache, "forward", lambda *args, **kwargs: None)
-            runner = make_runner(str(tmp_path), dtype="bfloat16")
+            runner = make_runner(str(tmp_path), dtype="bfloat16", quantization=quantization)
+            if quantization is not None:  # the experts are quantized and run natively
+                experts = [m for m in runner.model.modules() if isinstance(m, FusedMoE)]
+                assert experts and all(m.packed_experts is not None and m.packed_weight is not None for m in experts)
             counts[chained] = (_decode_steps(runner), runner.model.expert_recorder.counts.clone())
             assert len(runs) == (STEPS if chained and arch != "qwen2_moe" else 0)
     (native, native_counts), (modules, module_counts) = counts[True], counts[False]

@@ -73,7 +73,8 @@ class Layer(ctypes.Structure):  # layer_t
                 ("o_format", _INT), ("gate_up_format", _INT), ("down_format", _INT), ("qkv_scale", _P), ("o_scale", _P),
                 ("gate_up_scale", _P), ("down_scale", _P), ("qkv_offset", _P), ("o_offset", _P), ("gate_up_offset", _P),
                 ("down_offset", _P), ("qkv_group", _I64), ("o_group", _I64), ("gate_up_group", _I64), ("down_group", _I64),
-                ("router", _P), ("experts_gate_up", _P), ("experts_down", _P), ("moe_intermediate", _I64)]
+                ("router", _P), ("experts_format", _INT), ("experts_gate_up", _P), ("experts_gate_up_scale", _P),
+                ("experts_down", _P), ("experts_down_scale", _P), ("moe_intermediate", _I64)]
 
 
 class Step(ctypes.Structure):  # step_t
@@ -129,8 +130,9 @@ class LinearKernels(Protocol):
     def linear_bf16_silu_mul(self, x: int, m: int, k: int, packed: int, n: int, bias: Optional[int], out: int,
                              num_threads: int, /) -> None: ...
 
-    def moe_experts_bf16(self, x: int, tokens: int, hidden: int, inter: int, num_experts: int, top_k: int,
-                         weights: int, ids: int, gate_up: int, down: int, out: int, num_threads: int, /) -> int: ...
+    def moe_experts(self, x: int, tokens: int, hidden: int, inter: int, num_experts: int, top_k: int, weights: int,
+                    ids: int, format: int, gate_up: int, gate_up_scale: Optional[int], down: int,
+                    down_scale: Optional[int], out: int, num_threads: int, /) -> int: ...
 
     def linear_q8(self, x: int, m: int, k: int, w: int, w_format: int, scale: Optional[int], bias: Optional[int],
                   n: int, out: int, dtype: int, num_threads: int, /) -> int: ...

@@ -29,7 +29,8 @@ from engine.distributed.parallel_state import get_tp_size
 from engine.kernels import library, ops
 from engine.kernels.boundary import Layer, Step
 from engine.kernels.attention import CascadeTables
-from engine.kernels.linear import LINEAR_BF16_MAX_ROWS, Bf16ExpertPanels, Bf16Panels
+from engine.kernels.linear import (CHAIN_BF16, CHAIN_FP8, CHAIN_Q4, CHAIN_W4A8, CHAIN_W8A8, LINEAR_BF16_MAX_ROWS,
+                                   Bf16Panels)
 from engine.layers.int4 import Int4Weight
 from engine.layers.moe.sparse_block import SparseMoeBlock
 from engine.layers.quantization import QuantizedWeight
@@ -68,10 +69,13 @@ class _LayerRefs:
             fields += [(f"{name}{suffix}", value) for suffix, value in zip(_LINEAR_FIELDS, chained)]
         if self.moe is not None:
             router, experts = self.moe.gate.packed_weight, self.moe.experts.packed_weight
-            if not isinstance(router, Bf16Panels) or not isinstance(experts, Bf16ExpertPanels):
+            if not isinstance(router, Bf16Panels) or experts is None:
                 return None
-            fields += [("router", router.data.data_ptr()), ("experts_gate_up", experts.gate_up_addresses.data_ptr()),
+            fields += [("router", router.data.data_ptr()), ("experts_format", experts.format),
+                       ("experts_gate_up", experts.gate_up_addresses.data_ptr()),
+                       ("experts_gate_up_scale", _address(experts.gate_up_scale_addresses)),
                        ("experts_down", experts.down_addresses.data_ptr()),
+                       ("experts_down_scale", _address(experts.down_scale_addresses)),
                        ("moe_intermediate", experts.intermediate)]
         norms = [None if d is None else _address(d["weight"]) for d in self.norm_params]
         fields += [("input_norm", norms[0]), ("post_norm", norms[1]), ("q_norm", norms[2]), ("k_norm", norms[3]),
@@ -80,9 +84,8 @@ class _LayerRefs:
         return tuple(fields)
 
 
-# A chained linear's layer_t fields: its name + each suffix (decoder_layers.c's CHAIN_* formats).
+# A chained linear's layer_t fields: its name + each suffix (the CHAIN_* formats of kernels/linear.py).
 _LINEAR_FIELDS = ("", "_bias", "_format", "_scale", "_offset", "_group")
-CHAIN_BF16, CHAIN_W8A8, CHAIN_Q4, CHAIN_W4A8, CHAIN_FP8 = 0, 1, 2, 3, 4
 
 
 def _chained_linear(linear: nn.Module) -> Optional[Tuple[int, Optional[int], int, Optional[int], Optional[int], int]]:
@@ -118,12 +121,12 @@ def _mlp_chained(mlp: "LlamaMLP", hidden: int) -> bool:
 
 def _moe_chained(block: SparseMoeBlock, hidden: int) -> bool:
     """Whether the chain runs a sparse MoE block as the modules do: a bf16-panel router without a bias, every
-    expert local and packed in bf16 panels (FusedMoE.pack_panels), no shared expert."""
+    expert local and native (FusedMoE.pack_native: bf16 panels, int8 or fp8), no shared expert."""
     router, experts = block.gate.packed_weight, block.experts.packed_weight
     return (block.shared_expert is None and block.gate.bias is None and isinstance(router, Bf16Panels)
-            and isinstance(experts, Bf16ExpertPanels) and router.n == block.experts.num_experts and router.k == hidden
+            and experts is not None and router.n == block.experts.num_experts and router.k == hidden
             and block.experts.num_local_experts == block.experts.num_experts and experts.hidden == hidden
-            and experts.gate_up[0].k == hidden and library.ops() is not None)
+            and library.ops() is not None)
 
 
 def _address(t: Optional[torch.Tensor]) -> Optional[int]:

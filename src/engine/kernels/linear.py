@@ -6,7 +6,7 @@ engine/layers/linear.py calls them where `linear_bf16_usable(weight)` held at pa
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional
+from typing import Optional, Sequence, Tuple
 
 import torch
 
@@ -86,51 +86,75 @@ def linear_bf16_silu_mul(x: torch.Tensor, panels: Bf16Panels) -> torch.Tensor:
     return out.view(*x.shape[:-1], half)
 
 
-@dataclass
-class Bf16ExpertPanels:
-    """A MoE layer's local experts packed for linear_bf16 (layers/moe/layer.py FusedMoE.pack_panels): each
-    expert's gate_up [2 inter, hidden] and down [hidden, inter] panels, and their addresses as csrc/moe.c
-    reads them."""
+# A linear's weight format in the native decode chain and the MoE experts (csrc/cpu_common.h's CHAIN_*).
+CHAIN_BF16, CHAIN_W8A8, CHAIN_Q4, CHAIN_W4A8, CHAIN_FP8 = 0, 1, 2, 3, 4
 
-    gate_up: List[Bf16Panels]
-    down: List[Bf16Panels]
+
+def _addresses(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    return torch.tensor([t.data_ptr() for t in tensors], dtype=torch.int64)
+
+
+@dataclass
+class NativeExperts:
+    """A MoE layer's local experts as csrc/moe.c reads them (layers/moe/layer.py FusedMoE.pack_native): each
+    expert's gate_up [2 inter, hidden] and down [hidden, inter] in one format (bf16 panels packed here, or the
+    int8 / e4m3 weights --quantization made, with their per-channel scales), and their addresses."""
+
+    format: int  # CHAIN_BF16, CHAIN_W8A8 or CHAIN_FP8
+    hidden: int
+    intermediate: int
+    weights: Tuple[torch.Tensor, ...]  # what the addresses point into (each expert's gate_up, then down)
+    scales: Tuple[torch.Tensor, ...]  # likewise, 8-bit only
     gate_up_addresses: torch.Tensor  # int64 [experts]
     down_addresses: torch.Tensor
+    gate_up_scale_addresses: Optional[torch.Tensor]  # int64 [experts], None for bf16
+    down_scale_addresses: Optional[torch.Tensor]
 
     @classmethod
-    def pack(cls, w13: torch.Tensor, w2: torch.Tensor) -> "Bf16ExpertPanels":
-        """From the stacked weights w13 [E, 2 inter, hidden] and w2 [E, hidden, inter]."""
-        gate_up = [pack_linear_bf16(w13[e], None) for e in range(w13.shape[0])]
-        down = [pack_linear_bf16(w2[e], None) for e in range(w2.shape[0])]
-        return cls(gate_up, down, torch.tensor([p.data.data_ptr() for p in gate_up], dtype=torch.int64),
-                   torch.tensor([p.data.data_ptr() for p in down], dtype=torch.int64))
+    def bf16_panels(cls, w13: torch.Tensor, w2: torch.Tensor) -> "NativeExperts":
+        """Packed from the stacked bf16 weights w13 [E, 2 inter, hidden] and w2 [E, hidden, inter]."""
+        gate_up = [pack_linear_bf16(w13[e], None).data for e in range(w13.shape[0])]
+        down = [pack_linear_bf16(w2[e], None).data for e in range(w2.shape[0])]
+        return cls(CHAIN_BF16, int(w2.shape[1]), int(w2.shape[2]), (*gate_up, *down), (), _addresses(gate_up),
+                   _addresses(down), None, None)
+
+    @classmethod
+    def quantized(cls, format: int, gate_up: Sequence[Tuple[torch.Tensor, torch.Tensor]],
+                  down: Sequence[Tuple[torch.Tensor, torch.Tensor]]) -> "NativeExperts":
+        """Each expert's (weight [n, k] contiguous, per-channel float32 scale [n]) for gate_up and for down."""
+        hidden, intermediate = down[0][0].shape
+        weights = (*(w for w, _ in gate_up), *(w for w, _ in down))
+        scales = (*(s for _, s in gate_up), *(s for _, s in down))
+        return cls(format, int(hidden), int(intermediate), weights, scales, _addresses([w for w, _ in gate_up]),
+                   _addresses([w for w, _ in down]), _addresses([s for _, s in gate_up]),
+                   _addresses([s for _, s in down]))
 
     @property
-    def hidden(self) -> int:
-        return self.down[0].n
+    def num_experts(self) -> int:
+        return int(self.gate_up_addresses.numel())
 
-    @property
-    def intermediate(self) -> int:
-        return self.down[0].k
+
+def _address_of(t: Optional[torch.Tensor]) -> Optional[int]:
+    return None if t is None else t.data_ptr()
 
 
 def moe_experts_usable(x: torch.Tensor) -> bool:
     return x.dtype == torch.bfloat16 and x.dim() == 2 and x.shape[0] <= LINEAR_BF16_MAX_ROWS and enabled()
 
 
-def moe_experts_bf16(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-                     experts: Bf16ExpertPanels) -> torch.Tensor:
+def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, experts: NativeExperts) -> torch.Tensor:
     """sum over k of weights[t, k] * expert_{ids[t, k]}(x[t]) for x [T, hidden] bf16 (moe_experts_usable), weights
     [T, k] float32 and ids [T, k] int32 (-1: an expert of another rank), in one call (csrc/moe.c)."""
     x = x.contiguous()
     weights = weights.to(torch.float32).contiguous()
     ids = ids.to(torch.int32).contiguous()
     out = torch.empty(x.shape[0], experts.hidden, dtype=torch.bfloat16)
-    if _kernels().moe_experts_bf16(x.data_ptr(), x.shape[0], experts.hidden, experts.intermediate,
-                                   len(experts.gate_up), ids.shape[1], weights.data_ptr(), ids.data_ptr(),
-                                   experts.gate_up_addresses.data_ptr(), experts.down_addresses.data_ptr(),
-                                   out.data_ptr(), torch.get_num_threads()) != 0:
-        raise MemoryError("moe_experts_bf16: no memory for its scratch")
+    if _kernels().moe_experts(x.data_ptr(), x.shape[0], experts.hidden, experts.intermediate, experts.num_experts,
+                              ids.shape[1], weights.data_ptr(), ids.data_ptr(), experts.format,
+                              experts.gate_up_addresses.data_ptr(), _address_of(experts.gate_up_scale_addresses),
+                              experts.down_addresses.data_ptr(), _address_of(experts.down_scale_addresses),
+                              out.data_ptr(), torch.get_num_threads()) != 0:
+        raise MemoryError("moe_experts: no memory for its scratch")
     return out
 
 

@@ -61,7 +61,8 @@ PackedWeight = Union[torch.Tensor, linear_kernels.Bf16Panels, linear_kernels.Wid
 def prepack_linear_weights(model: nn.Module) -> int:
     """Attach a packed copy of the weight to every linear layer and LM head of a CPU model: bf16
     panels for the native kernel (engine.kernels.linear) where it runs, else oneDNN's layout; the bf16
-    experts of a FusedMoE layer into the same panels (FusedMoE.pack_panels).
+    experts of a FusedMoE layer into the same panels (FusedMoE.pack_native, which also takes quantized experts
+    by address for the native MoE kernel).
 
     Returns the number of packed weights (0 when neither is available). Costs one extra copy of
     the linear weights in memory. Must be redone after weights change (loading clears it).
@@ -70,7 +71,7 @@ def prepack_linear_weights(model: nn.Module) -> int:
     onednn = torch.backends.mkldnn.is_available()
     for module in model.modules():
         if isinstance(module, FusedMoE):
-            count += module.pack_panels()
+            count += module.pack_native()
             continue
         weight = getattr(module, "weight", None)
         if (not hasattr(module, "packed_weight") or weight is None

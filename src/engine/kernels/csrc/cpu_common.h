@@ -14,6 +14,16 @@
 
 enum { DTYPE_F32 = 0, DTYPE_BF16 = 1 };
 
+/* A linear's weight format in the decode chain and the MoE experts (layer_t's *_format, moe_experts' format):
+ * bf16 panels (linear_bf16.c), int8 with int8 activations (linear_w8a8), 4-bit codes against float or int8
+ * activations (linear_q4, linear_w4a8), e4m3 against bf16 rows (linear_q8). */
+enum { CHAIN_BF16 = 0, CHAIN_W8A8 = 1, CHAIN_Q4 = 2, CHAIN_W4A8 = 3, CHAIN_FP8 = 4 };
+/* decoder_layers.c: out [bs, n] (bf16) = x [bs, k] (bf16) W^T (+ bias: bf16 panels only) in `format`; scale and
+ * offset per channel (8-bit) or per group (4-bit, `group` inputs), NULL for bf16. Aborts where it cannot allocate
+ * scratch (inside a decode step there is no way back). */
+void format_linear(const void *x, int64_t bs, int64_t k, int format, const void *w, const float *scale,
+                   const float *offset, int64_t group, int64_t n, const float *bias, void *out, int nt);
+
 /* thread_pool.c: run fn(ctx, tid, nthreads) on nthreads threads (the caller is tid 0). */
 typedef void (*pool_fn)(void *ctx, int tid, int nthreads);
 void pool_run(pool_fn fn, void *ctx, int nthreads);

@@ -10,15 +10,13 @@
  * call them: w8a8_int8 linear_w8a8 and fp8 linear_q8 (bf16 in and out), 4-bit linear_q4 or linear_w4a8 (float32
  * in and out: the rows widened from bf16 and the outputs rounded back, as layers/int4.py does); a quantized
  * gate_up is its linear, then silu_and_mul. A mixture-of-experts layer's MLP is its router (bf16 panels), moe_route
- * and moe_experts_bf16 (moe.c), the calls layers/moe makes.
+ * and moe_experts (moe.c), the calls layers/moe makes.
  */
 #include "cpu_common.h"
 
-enum { CHAIN_BF16 = 0, CHAIN_W8A8 = 1, CHAIN_Q4 = 2, CHAIN_W4A8 = 3, CHAIN_FP8 = 4 }; /* layer_t's formats */
-
-/* out [bs, n] (bf16) = x [bs, k] (bf16) W^T (+ bias: bf16 panels only) in the linear's format. */
-static void layer_linear(const void *x, int64_t bs, int64_t k, int format, const void *w, const float *scale,
-                         const float *offset, int64_t group, int64_t n, const float *bias, void *out, int nt) {
+/* out [bs, n] (bf16) = x [bs, k] (bf16) W^T (+ bias: bf16 panels only) in the linear's format (cpu_common.h). */
+void format_linear(const void *x, int64_t bs, int64_t k, int format, const void *w, const float *scale,
+                   const float *offset, int64_t group, int64_t n, const float *bias, void *out, int nt) {
     if (format == CHAIN_BF16) {
         linear_bf16((const uint16_t *)x, bs, k, (const uint16_t *)w, n, bias, (uint16_t *)out, nt);
         return;
@@ -57,7 +55,7 @@ void decode_layers(const layer_t *layers, int64_t num_layers, const step_t *step
             rms_norm(hidden_out, residual_out, L->input_norm, S->normed, residual_out, bs, hidden, L->eps, DTYPE_BF16,
                      (int)nt);
         }
-        layer_linear(S->normed, bs, hidden, L->qkv_format, L->qkv, L->qkv_scale, L->qkv_offset, L->qkv_group, qkv_width,
+        format_linear(S->normed, bs, hidden, L->qkv_format, L->qkv, L->qkv_scale, L->qkv_offset, L->qkv_group, qkv_width,
                      L->qkv_bias, qkv, (int)nt);
         if (L->q_norm != NULL) /* each head's q and k rows normalised in place (small: on this thread) */
             for (int64_t b = 0; b < bs; b++) {
@@ -82,7 +80,7 @@ void decode_layers(const layer_t *layers, int64_t num_layers, const step_t *step
             .group_of = S->group_of, .kept = S->kept != NULL ? S->kept + l * S->num_groups : NULL,
             .kept_tokens = S->kept_tokens, .num_threads = (int)nt};
         decode_attention(&attention);
-        layer_linear(S->attn, bs, q_width, L->o_format, L->o, L->o_scale, L->o_offset, L->o_group, hidden, L->o_bias,
+        format_linear(S->attn, bs, q_width, L->o_format, L->o, L->o_scale, L->o_offset, L->o_group, hidden, L->o_bias,
                      S->o, (int)nt);
         rms_norm(S->o, residual_out, L->post_norm, S->normed, residual_out, bs, hidden, L->eps, DTYPE_BF16, (int)nt);
         if (L->moe_intermediate > 0) { /* router, top-k, experts: as layers/moe's SparseMoeBlock calls them */
@@ -90,21 +88,21 @@ void decode_layers(const layer_t *layers, int64_t num_layers, const step_t *step
             linear_bf16((const uint16_t *)S->normed, bs, hidden, (const uint16_t *)L->router, S->num_experts, NULL,
                         (uint16_t *)S->router_logits, (int)nt);
             moe_route(S->router_logits, bs, S->num_experts, S->top_k, S->renormalize, DTYPE_BF16, S->moe_weights, ids);
-            if (moe_experts_bf16((const uint16_t *)S->normed, bs, hidden, L->moe_intermediate, S->num_experts, S->top_k,
-                                 S->moe_weights, ids, L->experts_gate_up, L->experts_down, (uint16_t *)hidden_out,
-                                 (int)nt) != 0)
+            if (moe_experts((const uint16_t *)S->normed, bs, hidden, L->moe_intermediate, S->num_experts, S->top_k,
+                            S->moe_weights, ids, L->experts_format, L->experts_gate_up, L->experts_gate_up_scale,
+                            L->experts_down, L->experts_down_scale, (uint16_t *)hidden_out, (int)nt) != 0)
                 abort(); /* out of memory for its scratch is not recoverable here */
             continue;
         }
         if (L->gate_up_format != CHAIN_BF16) {
-            layer_linear(S->normed, bs, hidden, L->gate_up_format, L->gate_up, L->gate_up_scale, L->gate_up_offset,
+            format_linear(S->normed, bs, hidden, L->gate_up_format, L->gate_up, L->gate_up_scale, L->gate_up_offset,
                          L->gate_up_group, 2 * S->intermediate, L->gate_up_bias, S->gate_up, (int)nt);
             silu_and_mul(S->gate_up, S->mlp, bs, S->intermediate, DTYPE_BF16, (int)nt);
         } else {
             linear_bf16_silu_mul((const uint16_t *)S->normed, bs, hidden, (const uint16_t *)L->gate_up,
                                  2 * S->intermediate, L->gate_up_bias, (uint16_t *)S->mlp, (int)nt);
         }
-        layer_linear(S->mlp, bs, S->intermediate, L->down_format, L->down, L->down_scale, L->down_offset, L->down_group,
+        format_linear(S->mlp, bs, S->intermediate, L->down_format, L->down, L->down_scale, L->down_offset, L->down_group,
                      hidden, L->down_bias, hidden_out, (int)nt);
     }
 }

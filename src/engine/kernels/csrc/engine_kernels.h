@@ -51,12 +51,14 @@ ENGINE_API void linear_bf16_silu_mul(const uint16_t *x, int64_t m, int64_t k, co
                                      const float *bias, uint16_t *out, int num_threads);
 /* moe.c: out [tokens, hidden] (bf16) = sum over the slots of weights [tokens, top_k] x the expert ids
  * [tokens, top_k] names (int32; one outside [0, num_experts) is skipped) of x's row through that expert:
- * gate_up[e] (linear_bf16 panels of [2 inter, hidden]: gate rows, then up), SiLU-and-mul, down[e] (panels of
- * [hidden, inter]); gate_up and down hold the panels' addresses. Returns 0, or -1 when its scratch could not
- * be allocated (nothing written). */
-ENGINE_API int moe_experts_bf16(const uint16_t *x, int64_t tokens, int64_t hidden, int64_t inter, int64_t num_experts,
-                                int64_t top_k, const float *weights, const int *ids, const int64_t *gate_up,
-                                const int64_t *down, uint16_t *out, int num_threads);
+ * gate_up[e] ([2 inter, hidden]: gate rows, then up), SiLU-and-mul, down[e] ([hidden, inter]), in `format`
+ * (cpu_common.h's CHAIN_*: bf16 panels, int8 with int8 activations, e4m3); gate_up / down hold the weights'
+ * addresses and gate_up_scale / down_scale their per-channel float32 scales' (NULL for bf16). Returns 0, or -1
+ * when its scratch could not be allocated (nothing written). */
+ENGINE_API int moe_experts(const uint16_t *x, int64_t tokens, int64_t hidden, int64_t inter, int64_t num_experts,
+                           int64_t top_k, const float *weights, const int *ids, int format, const int64_t *gate_up,
+                           const int64_t *gate_up_scale, const int64_t *down, const int64_t *down_scale, uint16_t *out,
+                           int num_threads);
 /* linear_q8.c: out [m, n] = (x [m, k] . w [n, k]^T) * scale [n] + bias [n], w int8 (w_format 0), float8 e4m3
  * (1) or bfloat16 (2); scale and bias float32 or NULL; x and out float32 (dtype 0) or bfloat16 (1). Returns 0,
  * or -1 when scratch for bf16 activations could not be allocated (nothing written). */
@@ -188,9 +190,11 @@ typedef struct {
     const float *qkv_offset, *o_offset, *gate_up_offset, *down_offset;
     int64_t qkv_group, o_group, gate_up_group, down_group;
     /* A mixture-of-experts layer (moe_intermediate > 0; gate_up and down unused): the router's bf16 panels
-     * [num_experts, hidden] (no bias) and each expert's gate_up and down panel addresses (moe.c). */
+     * [num_experts, hidden] (no bias), and its experts as moe_experts takes them: their format, each expert's
+     * gate_up and down weight addresses and (8-bit) their scales' addresses. */
     const void *router;
-    const int64_t *experts_gate_up, *experts_down;
+    int experts_format;
+    const int64_t *experts_gate_up, *experts_gate_up_scale, *experts_down, *experts_down_scale;
     int64_t moe_intermediate;
 } layer_t;
 

@@ -1,11 +1,11 @@
-/* A mixture-of-experts layer on the CPU: the router's top-k (moe_route) and the bf16 experts of the chosen
- * (token, slot) pairs (moe_experts_bf16). layers/moe calls both from Python and decoder_layers.c calls them in
- * its one-call decode step, so the two paths compute the same bits.
+/* A mixture-of-experts layer on the CPU: the router's top-k (moe_route) and the experts of the chosen (token,
+ * slot) pairs (moe_experts: bf16 panels, int8 or fp8 weights). layers/moe calls both from Python and
+ * decoder_layers.c calls them in its one-call decode step, so the two paths compute the same bits.
  *
  * The experts run as layers/moe/fused_moe_native.py's grouped loop does: the (token, slot) pairs sorted by
  * expert (tokens in order within an expert), each expert that received tokens once on its rows gathered
- * (linear_bf16_silu_mul for gate_up and SiLU-and-mul where both halves are whole panel pairs, else the linear
- * then silu_and_mul; then linear_bf16 for down), and each row's bf16 output widened, scaled by its routing
+ * (bf16 panels: linear_bf16_silu_mul for gate_up and SiLU-and-mul where both halves are whole panel pairs; else,
+ * and for int8 (linear_w8a8) and fp8 (linear_q8) experts, the linear then silu_and_mul; then the down linear), and each row's bf16 output widened, scaled by its routing
  * weight (a float32 product) and added to its token's float32 sum, experts in ascending order; the sums are
  * rounded to bf16 once. Only the Python between those kernels is gone (~0.3 ms a layer at one token on the
  * 2-core Xeon: the gathers, the scatter-adds and a dozen tensor ops an expert).
@@ -46,11 +46,11 @@ void moe_route(const void *logits, int64_t tokens, int64_t num_experts, int64_t 
     free(p);
 }
 
-int moe_experts_bf16(const uint16_t *x, int64_t tokens, int64_t hidden, int64_t inter, int64_t num_experts,
-                     int64_t top_k, const float *weights, const int *ids, const int64_t *gate_up, const int64_t *down,
-                     uint16_t *out, int num_threads) {
+int moe_experts(const uint16_t *x, int64_t tokens, int64_t hidden, int64_t inter, int64_t num_experts, int64_t top_k,
+                const float *weights, const int *ids, int format, const int64_t *gate_up, const int64_t *gate_up_scale,
+                const int64_t *down, const int64_t *down_scale, uint16_t *out, int num_threads) {
     const int64_t pairs = tokens * top_k;
-    const int fused = (2 * inter) % 128 == 0; /* linear_bf16_silu_mul's panel pairs */
+    const int fused = format == CHAIN_BF16 && (2 * inter) % 128 == 0; /* linear_bf16_silu_mul's panel pairs */
     /* float32 sums [tokens, hidden]; gathered rows [tokens, hidden]; gate_up [tokens, 2 inter] (the unfused path)
      * or [tokens, inter]; the experts' output [tokens, hidden] (at most `tokens` rows an expert) */
     const size_t bytes = sizeof(int64_t) * (size_t)(num_experts + 1 + pairs) + sizeof(float) * (size_t)(tokens * hidden) +
@@ -85,14 +85,18 @@ int moe_experts_bf16(const uint16_t *x, int64_t tokens, int64_t hidden, int64_t 
                 memcpy(rows + r * hidden, x + (pair[r] / top_k) * hidden, sizeof(uint16_t) * (size_t)hidden);
             in = rows;
         }
-        const uint16_t *w13 = (const uint16_t *)(intptr_t)gate_up[e];
         if (fused) {
-            linear_bf16_silu_mul(in, count, hidden, w13, 2 * inter, NULL, h, num_threads);
+            linear_bf16_silu_mul(in, count, hidden, (const uint16_t *)(intptr_t)gate_up[e], 2 * inter, NULL, h,
+                                 num_threads);
         } else {
-            linear_bf16(in, count, hidden, w13, 2 * inter, NULL, gu, num_threads);
+            format_linear(in, count, hidden, format, (const void *)(intptr_t)gate_up[e],
+                          gate_up_scale == NULL ? NULL : (const float *)(intptr_t)gate_up_scale[e], NULL, 0, 2 * inter,
+                          NULL, gu, num_threads);
             silu_and_mul(gu, h, count, inter, DTYPE_BF16, num_threads);
         }
-        linear_bf16(h, count, inter, (const uint16_t *)(intptr_t)down[e], hidden, NULL, y, num_threads);
+        format_linear(h, count, inter, format, (const void *)(intptr_t)down[e],
+                      down_scale == NULL ? NULL : (const float *)(intptr_t)down_scale[e], NULL, 0, hidden, NULL, y,
+                      num_threads);
         for (int64_t r = 0; r < count; r++) {
             const float w = weights[pair[r]];
             float *sum = acc + (pair[r] / top_k) * hidden;

@@ -22,6 +22,7 @@ from engine.distributed.parallel_state import (
     get_tp_size,
     tensor_model_parallel_all_reduce,
 )
+from engine.kernels import library
 from engine.kernels import linear as linear_kernels
 from engine.layers.moe.expert_distribution import ExpertDistributionRecorder
 from engine.layers.block_fp8_linear import BlockFp8Weight, block_fp8_linear
@@ -93,20 +94,36 @@ class FusedMoE(nn.Module):
         # Packed experts on the CPU: each local expert's gate_up and down as block-wise fp8 weights
         # (layers/block_fp8.py) or as --quantization's per-channel ones (quantize_experts).
         self.packed_experts: Optional[Tuple[List[PackedExpert], List[PackedExpert]]] = None
-        # bf16 experts on a CPU with the bf16 linear kernel: their panels (pack_panels), a copy of the
-        # stacks that loading weights drops (weight_utils.clear_packed_weights) and packing redoes.
-        self.packed_weight: Optional[linear_kernels.Bf16ExpertPanels] = None
+        # The experts as csrc/moe.c reads them (pack_native): the bf16 stacks packed into panels (a copy that
+        # loading weights drops, weight_utils.clear_packed_weights, and packing redoes) or --quantization's
+        # int8 / fp8 experts by address.
+        self.packed_weight: Optional[linear_kernels.NativeExperts] = None
 
-    def pack_panels(self) -> int:
-        """Pack each local bf16 expert for the bf16 linear kernel (layers/linear.py prepack_linear_weights
-        calls it with the linears); the number of weights packed (two an expert), 0 where the experts
-        are quantized, not bf16, not on the CPU, or the kernel does not run here."""
+    def pack_native(self) -> int:
+        """The experts for the native kernel (layers/linear.py prepack_linear_weights calls it with the linears):
+        the number of bf16 weights packed (two an expert; 0 for quantized experts, taken as they are). None are
+        on a GPU, without the kernel library, or for experts it has no format for (block-wise fp8, weight-only
+        int8)."""
+        self.packed_weight = None
         w13, w2 = self.w13.weight, self.w2.weight
-        if (self.packed_experts is not None or w13.numel() == 0
-                or not (linear_kernels.linear_bf16_usable(w13[0]) and linear_kernels.linear_bf16_usable(w2[0]))):
+        if self.packed_experts is None:
+            if (w13.numel() and linear_kernels.linear_bf16_usable(w13[0])
+                    and linear_kernels.linear_bf16_usable(w2[0])):
+                self.packed_weight = linear_kernels.NativeExperts.bf16_panels(w13.data, w2.data)
+                return 2 * self.num_local_experts
             return 0
-        self.packed_weight = linear_kernels.Bf16ExpertPanels.pack(w13.data, w2.data)
-        return 2 * self.num_local_experts
+        gate_up, down = self.packed_experts
+        quantized = [w for w in (*gate_up, *down) if isinstance(w, QuantizedWeight)]
+        if (len(quantized) == 2 * self.num_local_experts and library.linear() is not None
+                and all(w.qweight.is_cpu and w.qweight.is_contiguous() and w.scale.dtype == torch.float32
+                        and w.scale.is_contiguous() and (w.int8_activations or w.is_fp8) for w in quantized)):
+            fmt = linear_kernels.CHAIN_FP8 if quantized[0].is_fp8 else linear_kernels.CHAIN_W8A8
+            if all(w.is_fp8 == quantized[0].is_fp8 for w in quantized):
+                half = self.num_local_experts
+                self.packed_weight = linear_kernels.NativeExperts.quantized(
+                    fmt, [(w.qweight, w.scale) for w in quantized[:half]],
+                    [(w.qweight, w.scale) for w in quantized[half:]])
+        return 0
 
     def use_packed_experts(self, w13: Sequence[PackedExpert], w2: Sequence[PackedExpert], dtype: torch.dtype) -> None:
         """Run the experts from these weights (one per local expert); the float stacks are released."""
@@ -190,9 +207,9 @@ class FusedMoE(nn.Module):
             self.recorder.record(self.layer_id, ids)
         local_ids = self.local_ids(ids)
         w13, w2 = self.w13.weight, self.w2.weight
-        panels = self.packed_weight
-        if panels is not None and linear_kernels.moe_experts_usable(hidden_states):
-            out = linear_kernels.moe_experts_bf16(hidden_states, weights, local_ids, panels)
+        native = self.packed_weight
+        if native is not None and linear_kernels.moe_experts_usable(hidden_states):
+            out = linear_kernels.moe_experts(hidden_states, weights, local_ids, native)
         elif self.packed_experts is not None:
             gate_up, down = self.packed_experts
             out = fused_moe_grouped(hidden_states, self.num_local_experts, down[0].n,
