@@ -45,7 +45,7 @@ class _LayerRefs:
     nn.Module attributes every step cost ~15 us a layer. The addresses are still read every step
     (`pointers`), from the parameter and buffer dicts, so a swapped `param.data` or a repack is seen; a linear's
     fields are worked out again only when its packed weight is another object (a repack makes a new one), which
-    took a decode step's check of 8 layers from ~120-210 us to ~30."""
+    took a decode step's check of 8 layers from 124-212 us to 46 (2-core Xeon)."""
 
     def __init__(self, layer: "LlamaDecoderLayer") -> None:
         attn, mlp = layer.self_attn, layer.mlp

@@ -55,8 +55,8 @@ void decode_layers(const layer_t *layers, int64_t num_layers, const step_t *step
             rms_norm(hidden_out, residual_out, L->input_norm, S->normed, residual_out, bs, hidden, L->eps, DTYPE_BF16,
                      (int)nt);
         }
-        format_linear(S->normed, bs, hidden, L->qkv_format, L->qkv, L->qkv_scale, L->qkv_offset, L->qkv_group, qkv_width,
-                     L->qkv_bias, qkv, (int)nt);
+        format_linear(S->normed, bs, hidden, L->qkv_format, L->qkv, L->qkv_scale, L->qkv_offset, L->qkv_group,
+                      qkv_width, L->qkv_bias, qkv, (int)nt);
         if (L->q_norm != NULL) /* each head's q and k rows normalised in place (small: on this thread) */
             for (int64_t b = 0; b < bs; b++) {
                 uint16_t *row = qkv + b * qkv_width;
@@ -81,7 +81,7 @@ void decode_layers(const layer_t *layers, int64_t num_layers, const step_t *step
             .kept_tokens = S->kept_tokens, .num_threads = (int)nt};
         decode_attention(&attention);
         format_linear(S->attn, bs, q_width, L->o_format, L->o, L->o_scale, L->o_offset, L->o_group, hidden, L->o_bias,
-                     S->o, (int)nt);
+                      S->o, (int)nt);
         rms_norm(S->o, residual_out, L->post_norm, S->normed, residual_out, bs, hidden, L->eps, DTYPE_BF16, (int)nt);
         if (L->moe_intermediate > 0) { /* router, top-k, experts: as layers/moe's SparseMoeBlock calls them */
             int *ids = S->moe_ids + l * bs * S->top_k;
@@ -96,13 +96,13 @@ void decode_layers(const layer_t *layers, int64_t num_layers, const step_t *step
         }
         if (L->gate_up_format != CHAIN_BF16) {
             format_linear(S->normed, bs, hidden, L->gate_up_format, L->gate_up, L->gate_up_scale, L->gate_up_offset,
-                         L->gate_up_group, 2 * S->intermediate, L->gate_up_bias, S->gate_up, (int)nt);
+                          L->gate_up_group, 2 * S->intermediate, L->gate_up_bias, S->gate_up, (int)nt);
             silu_and_mul(S->gate_up, S->mlp, bs, S->intermediate, DTYPE_BF16, (int)nt);
         } else {
             linear_bf16_silu_mul((const uint16_t *)S->normed, bs, hidden, (const uint16_t *)L->gate_up,
                                  2 * S->intermediate, L->gate_up_bias, (uint16_t *)S->mlp, (int)nt);
         }
-        format_linear(S->mlp, bs, S->intermediate, L->down_format, L->down, L->down_scale, L->down_offset, L->down_group,
-                     hidden, L->down_bias, hidden_out, (int)nt);
+        format_linear(S->mlp, bs, S->intermediate, L->down_format, L->down, L->down_scale, L->down_offset,
+                      L->down_group, hidden, L->down_bias, hidden_out, (int)nt);
     }
 }

@@ -4,11 +4,13 @@
  *
  * The experts run as layers/moe/fused_moe_native.py's grouped loop does: the (token, slot) pairs sorted by
  * expert (tokens in order within an expert), each expert that received tokens once on its rows gathered
- * (bf16 panels: linear_bf16_silu_mul for gate_up and SiLU-and-mul where both halves are whole panel pairs; else,
- * and for int8 (linear_w8a8) and fp8 (linear_q8) experts, the linear then silu_and_mul; then the down linear), and each row's bf16 output widened, scaled by its routing
- * weight (a float32 product) and added to its token's float32 sum, experts in ascending order; the sums are
- * rounded to bf16 once. Only the Python between those kernels is gone (~0.3 ms a layer at one token on the
- * 2-core Xeon: the gathers, the scatter-adds and a dozen tensor ops an expert).
+ * (bf16 panels: linear_bf16_silu_mul for gate_up and SiLU-and-mul where both halves are whole panel pairs;
+ * else, and for int8 (linear_w8a8) and fp8 (linear_q8) experts, the linear then silu_and_mul; then the down
+ * linear), and each row's bf16 output widened, scaled by its routing weight (a float32 product) and added to
+ * its token's float32 sum, experts in ascending order; the sums are rounded to bf16 once. Only the Python
+ * between those kernels is gone (~0.3 ms a layer at one token on the 2-core Xeon: the gathers, the
+ * scatter-adds and a dozen tensor ops an expert). A quantized linear that cannot allocate its scratch aborts,
+ * as in decoder_layers.c (format_linear).
  */
 #include "cpu_common.h"
 
@@ -51,9 +53,8 @@ int moe_experts(const uint16_t *x, int64_t tokens, int64_t hidden, int64_t inter
                 const int64_t *down, const int64_t *down_scale, uint16_t *out, int num_threads) {
     const int64_t pairs = tokens * top_k;
     const int fused = format == CHAIN_BF16 && (2 * inter) % 128 == 0; /* linear_bf16_silu_mul's panel pairs */
-    /* float32 sums [tokens, hidden]; gathered rows [tokens, hidden]; gate_up [tokens, 2 inter] (the unfused path)
-     * or [tokens, inter]; the experts' output [tokens, hidden] (at most `tokens` rows an expert) */
-    const size_t bytes = sizeof(int64_t) * (size_t)(num_experts + 1 + pairs) + sizeof(float) * (size_t)(tokens * hidden) +
+    const size_t bytes = sizeof(int64_t) * (size_t)(num_experts + 1 + pairs) +
+                         sizeof(float) * (size_t)(tokens * hidden) +
                          sizeof(uint16_t) * (size_t)(tokens * (2 * hidden + 3 * inter));
     char *scratch = (char *)malloc(bytes);
     if (scratch == NULL) return -1;

@@ -25,7 +25,8 @@ class SparseMoeBlock(nn.Module):
         self.experts = FusedMoE(num_experts, top_k, hidden_size, moe_intermediate_size, renormalize,
                                 layer_id=layer_id, recorder=recorder)
         self.shared_expert = shared_expert
-        self.shared_expert_gate = ReplicatedLinear(hidden_size, 1, bias=False, quantizable=False) if shared_expert is not None else None
+        self.shared_expert_gate = (ReplicatedLinear(hidden_size, 1, bias=False, quantizable=False)
+                                   if shared_expert is not None else None)
 
     def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
         out = self.experts(hidden_states, self.gate(hidden_states))
