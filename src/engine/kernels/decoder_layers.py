@@ -30,7 +30,7 @@ from engine.kernels import library, ops
 from engine.kernels.boundary import Layer, Step
 from engine.kernels.attention import CascadeTables
 from engine.kernels.linear import (CHAIN_BF16, CHAIN_FP8, CHAIN_Q4, CHAIN_W4A8, CHAIN_W8A8, LINEAR_BF16_MAX_ROWS,
-                                   Bf16Panels)
+                                   Bf16Panels, address_or_none)
 from engine.layers.int4 import Int4Weight
 from engine.layers.moe.sparse_block import SparseMoeBlock
 from engine.layers.quantization import QuantizedWeight
@@ -86,13 +86,13 @@ class _LayerRefs:
                 return None
             fields += [("router", router.data.data_ptr()), ("experts_format", experts.format),
                        ("experts_gate_up", experts.gate_up_addresses.data_ptr()),
-                       ("experts_gate_up_scale", _address(experts.gate_up_scale_addresses)),
+                       ("experts_gate_up_scale", address_or_none(experts.gate_up_scale_addresses)),
                        ("experts_down", experts.down_addresses.data_ptr()),
-                       ("experts_down_scale", _address(experts.down_scale_addresses)),
+                       ("experts_down_scale", address_or_none(experts.down_scale_addresses)),
                        ("moe_intermediate", experts.intermediate)]
-        norms = [None if d is None else _address(d["weight"]) for d in self.norm_params]
+        norms = [None if d is None else address_or_none(d["weight"]) for d in self.norm_params]
         fields += [("input_norm", norms[0]), ("post_norm", norms[1]), ("q_norm", norms[2]), ("k_norm", norms[3]),
-                   ("cos_sin", _address(self.rope_buffers["cos_sin_cache"])), ("k_pool", k_pool.data_ptr()),
+                   ("cos_sin", address_or_none(self.rope_buffers["cos_sin_cache"])), ("k_pool", k_pool.data_ptr()),
                    ("v_pool", v_pool.data_ptr())]
         return tuple(fields)
 
@@ -106,7 +106,7 @@ def _chained_linear(linear: nn.Module) -> Optional[Tuple[int, Optional[int], int
     cannot): bf16 panels; w8a8_int8 (int8 activations) or fp8 without a bias; 4-bit without a bias or act-order."""
     p = linear.packed_weight
     if isinstance(p, Bf16Panels):
-        return p.data.data_ptr(), _address(p.bias), CHAIN_BF16, None, None, 0
+        return p.data.data_ptr(), address_or_none(p.bias), CHAIN_BF16, None, None, 0
     if linear.bias is not None:
         return None
     if (isinstance(p, QuantizedWeight) and (p.int8_activations or p.is_fp8) and p.qweight.is_cpu
@@ -140,10 +140,6 @@ def _moe_chained(block: SparseMoeBlock, hidden: int) -> bool:
             and experts is not None and router.n == block.experts.num_experts and router.k == hidden
             and block.experts.num_local_experts == block.experts.num_experts and experts.hidden == hidden
             and library.ops() is not None)
-
-
-def _address(t: Optional[torch.Tensor]) -> Optional[int]:
-    return None if t is None else t.data_ptr()
 
 
 class DecoderLayers:

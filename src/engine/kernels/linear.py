@@ -134,7 +134,8 @@ class NativeExperts:
         return int(self.gate_up_addresses.numel())
 
 
-def _address_of(t: Optional[torch.Tensor]) -> Optional[int]:
+def address_or_none(t: Optional[torch.Tensor]) -> Optional[int]:
+    """A tensor's data pointer, None (C's NULL) for no tensor."""
     return None if t is None else t.data_ptr()
 
 
@@ -151,8 +152,8 @@ def moe_experts(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, exper
     out = torch.empty(x.shape[0], experts.hidden, dtype=torch.bfloat16)
     if _kernels().moe_experts(x.data_ptr(), x.shape[0], experts.hidden, experts.intermediate, experts.num_experts,
                               ids.shape[1], weights.data_ptr(), ids.data_ptr(), experts.format,
-                              experts.gate_up_addresses.data_ptr(), _address_of(experts.gate_up_scale_addresses),
-                              experts.down_addresses.data_ptr(), _address_of(experts.down_scale_addresses),
+                              experts.gate_up_addresses.data_ptr(), address_or_none(experts.gate_up_scale_addresses),
+                              experts.down_addresses.data_ptr(), address_or_none(experts.down_scale_addresses),
                               out.data_ptr(), torch.get_num_threads()) != 0:
         raise MemoryError("moe_experts: no memory for its scratch")
     return out
