@@ -117,12 +117,11 @@ class FusedMoE(nn.Module):
         if (len(quantized) == 2 * self.num_local_experts and library.linear() is not None
                 and all(w.qweight.is_cpu and w.qweight.is_contiguous() and w.scale.dtype == torch.float32
                         and w.scale.is_contiguous() and (w.int8_activations or w.is_fp8) for w in quantized)):
+            # One method made them all (quantize_experts): the first one's format is every expert's.
             fmt = linear_kernels.CHAIN_FP8 if quantized[0].is_fp8 else linear_kernels.CHAIN_W8A8
-            if all(w.is_fp8 == quantized[0].is_fp8 for w in quantized):
-                half = self.num_local_experts
-                self.packed_weight = linear_kernels.NativeExperts.quantized(
-                    fmt, [(w.qweight, w.scale) for w in quantized[:half]],
-                    [(w.qweight, w.scale) for w in quantized[half:]])
+            half = self.num_local_experts
+            self.packed_weight = linear_kernels.NativeExperts.quantized(
+                fmt, [(w.qweight, w.scale) for w in quantized[:half]], [(w.qweight, w.scale) for w in quantized[half:]])
         return 0
 
     def use_packed_experts(self, w13: Sequence[PackedExpert], w2: Sequence[PackedExpert], dtype: torch.dtype) -> None:
