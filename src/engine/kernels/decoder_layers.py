@@ -241,8 +241,9 @@ class DecoderLayers:
         for w in widths:
             views.append(scratch[start:start + bs * w].data_ptr())
             start += bs * w
-        moe_weights = torch.empty(bs * self.top_k, dtype=torch.float32)
-        moe_ids = torch.empty(len(self.table), bs, self.top_k, dtype=torch.int32)
+        # A model with MoE layers: the top-k weights (scratch) and every layer's chosen experts (for the recorder).
+        moe_weights = torch.empty(bs * self.top_k, dtype=torch.float32) if self.top_k else None
+        moe_ids = torch.empty(len(self.table), bs, self.top_k, dtype=torch.int32) if self.top_k else None
         out = torch.empty_like(hidden_in)
         residual = torch.empty_like(hidden_in)
         s = Step()
@@ -260,13 +261,14 @@ class DecoderLayers:
                 s.kept, s.kept_tokens = kept.data_ptr(), cascade.kept_tokens.data_ptr()
         s.normed, s.qkv, s.q, s.attn, s.o, s.mlp, s.gate_up, s.router_logits = views
         s.num_experts, s.top_k, s.renormalize = self.num_experts, self.top_k, int(self.renormalize)
-        s.moe_weights, s.moe_ids = moe_weights.data_ptr(), moe_ids.data_ptr()
+        s.moe_weights, s.moe_ids = address_or_none(moe_weights), address_or_none(moe_ids)
         s.num_threads = torch.get_num_threads()
         lib = library.decoder_layers()
         assert lib is not None, "the decoder layers kernel is not loaded: supported() said it was"
         lib.decode_layers(self.table, len(self.table), s, hidden_in.data_ptr(), out.data_ptr(), residual.data_ptr())
-        for index, layer_id, recorder in self.recorded:  # as FusedMoE.forward records
-            recorder.record(layer_id, moe_ids[index])
+        if moe_ids is not None:
+            for index, layer_id, recorder in self.recorded:  # as FusedMoE.forward records
+                recorder.record(layer_id, moe_ids[index])
         return out, residual
 
 
