@@ -52,7 +52,7 @@ def test_triton_int4_gemm_matches_dequantized_product(case):
     scale = torch.rand(n, k // group, generator=gen) * 0.1 + 0.01
     zero = torch.randint(0, 16, (n, k // group), generator=gen).float()
     perm = torch.randperm(k, generator=gen) if act_order else None
-    w = pack_int4(codes, scale, zero, group, perm)
+    w = pack_int4(codes, scale, zero, group, perm, int8_activations=False)
     x = torch.randn(m, k, generator=gen).to(dtype)
     rows = x if perm is None else x.index_select(1, perm)
     out = int4_gemm(rows, w, HALF)

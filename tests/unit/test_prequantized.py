@@ -100,9 +100,10 @@ def test_int4_linear_equals_dequantized_product(kernel_build: str, group: int, r
 
 @pytest.mark.parametrize("group", [32, 64, 128])
 def test_int4_int8_activations_exact_integer_sums(kernel_build: str, int8_isa: str, group: int, monkeypatch) -> None:
-    """ENGINE_INT4_INT8_ACTIVATIONS: the kernel (AMX-INT8 from 4 rows where the group is a multiple of 64: blocks of
-    16 rows and of 4 x 16 channels, a short group of blocks, channels past the last block; VNNI's 64-input steps;
-    AVX2's 32; the portable loop) and the torch path (35 rows) equal the float64 of sum_g s_g * xs_g * (q_x .
+    """ENGINE_INT4_INT8_ACTIVATIONS: the kernel (AMX-INT8 from 8 rows where the group is a multiple of 64: blocks of
+    16 rows and of 4 x 16 channels, a short group of blocks, channels past the last block; VNNI's tiles of 1 row x
+    4 blocks of 16 channels, 2 x 2 and up to 4 x 1; AVX2's 2 x 1; the portable loop; n = 37 leaves 11 channels of
+    a padded block) and the torch path (35 rows) equal the float64 of sum_g s_g * xs_g * (q_x .
     codes)_g + b_g * (sum of x over g), the activations quantized per row and group as quantize_activations does,
     up to float32 summation order; act-order weights see their permuted inputs."""
     monkeypatch.setattr(quant, "Q8_MAX_ROWS_F32", 32)
@@ -111,12 +112,15 @@ def test_int4_int8_activations_exact_integer_sums(kernel_build: str, int8_isa: s
 
 
 def _int4_int8_cases(group: int) -> None:
-    for n, rows in ((37, 1), (37, 2), (37, 3), (37, 16), (100, 20), (64, 4), (37, 35)):
+    # k = 320: 40 steps of 8 inputs, AMX's unpacking 16 steps at a time leaves 8 (groups of 32 and 64 only)
+    cases = [(37, 1, 256), (37, 2, 256), (37, 3, 256), (37, 16, 256), (100, 20, 256), (64, 4, 256), (37, 35, 256),
+             (64, 8, 256), (150, 6, 256)]
+    for n, rows, k in cases + ([(37, 1, 320), (37, 9, 320)] if 320 % group == 0 else []):
         for act_order in (False, True):
-            w, codes, scale, zero, perm = _random_int4(n, 256, group, rows + group, act_order)
+            w, codes, scale, zero, perm = _random_int4(n, k, group, rows + group, act_order)
             assert w.int8_activations
             gen = torch.Generator().manual_seed(rows)
-            x, bias = torch.randn(rows, 256, generator=gen), torch.randn(n, generator=gen)
+            x, bias = torch.randn(rows, k, generator=gen), torch.randn(n, generator=gen)
             stored = x if perm is None else x[:, perm]
             values, xs = quant.quantize_activations(stored.reshape(-1, group))
             values, xs = values.double().view(rows, -1, group), xs.double().view(rows, -1)
@@ -134,6 +138,24 @@ def _int4_int8_cases(group: int) -> None:
             assert out.dtype == torch.float32 and out.shape == (rows, n)
             err = (out.double() - expected).abs()
             assert bool((err <= magnitude * 1e-5).all()), (n, rows, act_order, float((err / magnitude).max()))
+
+
+def test_int4_layouts_hold_the_same_weight() -> None:
+    """The int8 activations' layout (rows in padded blocks of 16) and the float activations' one give back the same
+    codes, scales and offsets; off the CPU a weight takes the float activations' layout (the Triton GEMM's)."""
+    gen = torch.Generator().manual_seed(0)
+    codes = torch.randint(0, 16, (37, 96), generator=gen)
+    scale, zero = torch.rand(37, 3, generator=gen), torch.randint(0, 16, (37, 3), generator=gen).float()
+    lanes = pack_int4(codes, scale, zero, 32, int8_activations=True)
+    rows = pack_int4(codes, scale, zero, 32, int8_activations=False)
+    assert tuple(lanes.packed.shape) == (3, 12, 64) and tuple(lanes.scale.shape) == (3, 3, 16)
+    assert tuple(rows.packed.shape) == (37, 48) and (lanes.n, lanes.k) == (rows.n, rows.k) == (37, 96)
+    for w in (lanes, rows):
+        assert torch.equal(w.codes(), codes.to(torch.uint8))
+        assert torch.equal(w.scales(), scale) and torch.equal(w.offsets(), -zero * scale)
+    assert bool((lanes.scale.transpose(1, 2).reshape(48, 3)[37:] == 0).all())  # the padding rows: zero
+    moved = lanes.to("meta")
+    assert not moved.int8_activations and tuple(moved.packed.shape) == (37, 48) and moved.packed.is_meta
 
 
 def test_int4_kernel_runs_for_decode_batches() -> None:

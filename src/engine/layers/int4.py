@@ -2,9 +2,15 @@
 
 A weight [n, k] is held as unsigned 4-bit codes q in groups of `group_size` consecutive inputs of each
 output row, with a float32 scale s and offset b = -zero * s per (row, group): W = q * s + b, the
-checkpoint's (q - zero) * s. Codes are packed two per byte in blocks of 32 inputs: byte j of a block holds
-input j in its low nibble and input j + 16 in its high one, the order in which csrc/linear_q4.c widens a
-16-byte load into 32 weights with two masks. The scale and offset are float32 [n, k / group_size].
+checkpoint's (q - zero) * s. Two layouts, one per kernel (csrc/linear_q4.c):
+- float activations (linear_q4, the Triton GEMM): codes packed two per byte in blocks of 32 inputs of a row,
+  byte j of a block holding input j in its low nibble and input j + 16 in its high one (a 16-byte load and
+  two masks give 32 weights in input order); scale and offset [n, k / group_size].
+- int8 activations (linear_w4a8, the CPU's default): the rows in blocks of 16 (padded with zero codes,
+  scales and offsets), a block's codes as k / 8 steps of 64 bytes whose lane c (4 bytes) holds row c's
+  inputs 8j + i (low nibble of byte i) and 8j + 4 + i (high nibble): one 64-byte load is 16 rows x 8 inputs
+  for the byte products of 4 broadcast activations; scale and offset [blocks, k / group_size, 16].
+`scales()`, `offsets()` and `codes()` give either layout as [n, ...] in row order.
 
 GPTQ's act-order (desc_act) assigns inputs to groups in a permuted order (g_idx): the loader sorts the
 inputs by group, so every group is again `group_size` consecutive columns, and keeps the permutation
@@ -34,37 +40,44 @@ import torch.nn.functional as F
 from engine.kernels import library
 from engine.layers.quantization import kernel_max_rows, quantize_activations
 
-BLOCK = 32  # inputs per 16-byte block of the packed layout
+BLOCK = 32  # inputs per 16-byte block of the float activations' layout
 HALF = BLOCK // 2
+LANES = 16  # rows per block of the int8 activations' layout
+STEP = 8  # inputs per 64-byte step of a block there
 
 
 @dataclass
 class Int4Weight:
-    """A linear weight [n, k] of 4-bit codes with per-group scales and offsets (the layout above)."""
+    """A linear weight [n, k] of 4-bit codes with per-group scales and offsets (the layouts above)."""
 
-    packed: torch.Tensor  # [n, k // 2] uint8
-    scale: torch.Tensor  # [n, k // group_size] float32
-    bias: torch.Tensor  # [n, k // group_size] float32: -zero * scale
+    packed: torch.Tensor  # float activations: [n, k // 2] uint8; int8 activations: [blocks, k // 8, 64]
+    scale: torch.Tensor  # float32 [n, k // group_size]; int8 activations: [blocks, k // group_size, LANES]
+    bias: torch.Tensor  # -zero * scale, as scale
     group_size: int
     perm: Optional[torch.Tensor]  # [k] int64: stored column j is input perm[j] (act-order); None: identity
-    int8_activations: bool = False  # on the CPU unless ENGINE_INT4_INT8_ACTIVATIONS=0 (the module's docstring)
-
-    @property
-    def n(self) -> int:
-        return int(self.packed.shape[0])
-
-    @property
-    def k(self) -> int:
-        return int(self.packed.shape[1]) * 2
+    int8_activations: bool  # on the CPU unless ENGINE_INT4_INT8_ACTIVATIONS=0 (the module's docstring): the layout
+    n: int
+    k: int
 
     def codes(self) -> torch.Tensor:
         """The codes [n, k] uint8 in stored (group-sorted) input order."""
+        if self.int8_activations:
+            lanes = self.packed.view(-1, self.k // STEP, LANES, 4).transpose(1, 2)  # [blocks, lane, step, byte]
+            return torch.cat([lanes & 0xF, lanes >> 4], dim=3).reshape(-1, self.k)[:self.n]
         blocks = self.packed.view(self.n, self.k // BLOCK, HALF)
         return torch.cat([blocks & 0xF, blocks >> 4], dim=2).view(self.n, self.k)
 
+    def scales(self) -> torch.Tensor:
+        """The scales [n, k / group_size] float32."""
+        return _rows(self.scale, self.n) if self.int8_activations else self.scale
+
+    def offsets(self) -> torch.Tensor:
+        """The offsets (-zero * scale) [n, k / group_size] float32."""
+        return _rows(self.bias, self.n) if self.int8_activations else self.bias
+
     def _stored(self, dtype: torch.dtype) -> torch.Tensor:
-        scale = self.scale.repeat_interleave(self.group_size, dim=1)
-        bias = self.bias.repeat_interleave(self.group_size, dim=1)
+        scale = self.scales().repeat_interleave(self.group_size, dim=1)
+        bias = self.offsets().repeat_interleave(self.group_size, dim=1)
         return (self.codes().float() * scale + bias).to(dtype)
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -75,16 +88,50 @@ class Int4Weight:
         return stored[:, torch.argsort(self.perm)]
 
     def nbytes(self) -> int:
-        return self.packed.numel() + 8 * self.scale.numel() + (0 if self.perm is None else 8 * self.perm.numel())
+        return (self.packed.numel() + 4 * (self.scale.numel() + self.bias.numel())
+                + (0 if self.perm is None else 8 * self.perm.numel()))
 
     def to(self, device: str) -> "Int4Weight":
+        """On `device`; off the CPU in the float activations' layout (int8 activations are a CPU kernel's)."""
+        if self.int8_activations and torch.device(device).type != "cpu":
+            return _packed(self.codes(), self.scales(), self.offsets(), self.group_size, self.perm, False).to(device)
         return Int4Weight(self.packed.to(device), self.scale.to(device), self.bias.to(device), self.group_size,
-                          None if self.perm is None else self.perm.to(device), self.int8_activations)
+                          None if self.perm is None else self.perm.to(device), self.int8_activations, self.n, self.k)
+
+
+def _rows(lanes: torch.Tensor, n: int) -> torch.Tensor:
+    """[blocks, groups, LANES] -> [n, groups]."""
+    return lanes.transpose(1, 2).reshape(-1, lanes.shape[1])[:n]
+
+
+def _lanes(rows: torch.Tensor) -> torch.Tensor:
+    """[n, groups] -> [blocks, groups, LANES], the rows past n zero."""
+    n, groups = rows.shape
+    padded = torch.zeros(-(-n // LANES) * LANES, groups, dtype=rows.dtype, device=rows.device)
+    padded[:n] = rows
+    return padded.view(-1, LANES, groups).transpose(1, 2).contiguous()
+
+
+def _packed(codes: torch.Tensor, scale: torch.Tensor, bias: torch.Tensor, group_size: int,
+            perm: Optional[torch.Tensor], int8_activations: bool) -> Int4Weight:
+    """Int4Weight in the layout of its activations from codes [n, k] (0..15), scale and bias [n, groups]."""
+    n, k = codes.shape
+    codes = codes.to(torch.uint8)
+    if int8_activations:
+        padded = torch.zeros(-(-n // LANES) * LANES, k, dtype=torch.uint8, device=codes.device)
+        padded[:n] = codes
+        steps = padded.view(-1, LANES, k // STEP, 2, 4)  # [block, lane, step, low / high nibble, byte]
+        packed = (steps[:, :, :, 0] | (steps[:, :, :, 1] << 4)).transpose(1, 2).reshape(-1, k // STEP, 64)
+        return Int4Weight(packed.contiguous(), _lanes(scale), _lanes(bias), group_size, perm, True, n, k)
+    blocks = codes.reshape(n, k // BLOCK, 2, HALF)
+    packed = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
+    return Int4Weight(packed, scale.contiguous(), bias.contiguous(), group_size, perm, False, n, k)
 
 
 def pack_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, group_size: int,
-              perm: Optional[torch.Tensor] = None) -> Int4Weight:
-    """Int4Weight from codes [n, k] (0..15, stored order), scale and zero [n, k / group_size]."""
+              perm: Optional[torch.Tensor] = None, int8_activations: Optional[bool] = None) -> Int4Weight:
+    """Int4Weight from codes [n, k] (0..15, stored order), scale and zero [n, k / group_size]; int8_activations
+    None: on CPU tensors as ENGINE_INT4_INT8_ACTIVATIONS says, never elsewhere."""
     if codes.dim() != 2:
         raise ValueError(f"4-bit codes are 2-D [out, in], got shape {tuple(codes.shape)}")
     n, k = codes.shape
@@ -100,11 +147,11 @@ def pack_int4(codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor, grou
         raise ValueError("4-bit codes must lie in 0..15")
     if perm is not None and tuple(perm.shape) != (k,):
         raise ValueError(f"an input permutation of a [{n}, {k}] weight has {k} entries, got {tuple(perm.shape)}")
-    blocks = codes.to(torch.uint8).reshape(n, k // BLOCK, 2, HALF)
-    packed = (blocks[:, :, 0] | (blocks[:, :, 1] << 4)).reshape(n, k // 2).contiguous()
-    scale32 = scale.float().contiguous()
-    return Int4Weight(packed, scale32, (-zero.float() * scale32).contiguous(), group_size,
-                      None if perm is None else perm.to(torch.int64).contiguous(), int4_int8_activations_enabled())
+    if int8_activations is None:
+        int8_activations = codes.is_cpu and int4_int8_activations_enabled()
+    scale32 = scale.float()
+    return _packed(codes, scale32, -zero.float() * scale32, group_size,
+                   None if perm is None else perm.to(torch.int64).contiguous(), int8_activations)
 
 
 def int4_int8_activations_enabled() -> bool:
@@ -152,8 +199,8 @@ def int4_linear(x: torch.Tensor, w: Int4Weight, bias: Optional[torch.Tensor]) ->
             out = out + bias.to(out.dtype)
         return out.view(*x.shape[:-1], w.n)
     if w.int8_activations:  # the kernel's arithmetic: int8 activations times the codes' term, float ones the offsets'
-        codes_term = (w.codes().float() * w.scale.repeat_interleave(w.group_size, dim=1))
-        offsets = w.bias.repeat_interleave(w.group_size, dim=1)
+        codes_term = (w.codes().float() * w.scales().repeat_interleave(w.group_size, dim=1))
+        offsets = w.offsets().repeat_interleave(w.group_size, dim=1)
         xf = rows.float()
         out = F.linear(int8_group_activations(xf, w.group_size), codes_term) + F.linear(xf, offsets)
         if bias is not None:

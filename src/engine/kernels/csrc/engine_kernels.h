@@ -81,7 +81,8 @@ ENGINE_API int linear_w8a8(const void *x, int64_t m, int64_t k, const int8_t *w,
 ENGINE_API void linear_q4(const float *x, int64_t m, int64_t k, const uint8_t *w, const float *scale,
                           const float *bias, int64_t group, int64_t n, float *out, int num_threads);
 /* linear_q4.c: linear_q4's product with x quantized to int8 per row and weight group (q_x = round(x * 127 / max
- * |x| over the group)), the integer sums exact. Returns 0, or -1 when its scratch could not be allocated (nothing
+ * |x| over the group)), the integer sums exact; w, scale and bias in linear_w4a8's layout (the rows in blocks of 16:
+ * linear_q4.c, layers/int4.py). Returns 0, or -1 when its scratch could not be allocated (nothing
  * written). */
 ENGINE_API int linear_w4a8(const float *x, int64_t m, int64_t k, const uint8_t *w, const float *scale,
                            const float *bias, int64_t group, int64_t n, float *out, int num_threads);
@@ -182,8 +183,8 @@ typedef struct {
     const void *q_norm, *k_norm; /* bf16 [head_dim]: Qwen3's per-head RMSNorm before rotary, or NULL */
     float qk_eps;
     /* Each linear's format (decoder_layers.c: CHAIN_*): bf16 panels (above), int8 [n, k] with per-channel scales
-     * (--quantization w8a8_int8, linear_w8a8), e4m3 [n, k] with per-channel scales (fp8, linear_q8), or 4-bit codes (linear_q4's layout) with per-group scales and
-     * offsets, against float or int8 activations (linear_q4, linear_w4a8); the scales and offsets NULL for bf16,
+     * (--quantization w8a8_int8, linear_w8a8), e4m3 [n, k] with per-channel scales (fp8, linear_q8), or 4-bit codes with per-group scales and
+     * offsets, against float or int8 activations (linear_q4, linear_w4a8, each in its own layout: layers/int4.py); the scales and offsets NULL for bf16,
      * the offsets and groups unused but for 4-bit. */
     int qkv_format, o_format, gate_up_format, down_format;
     const float *qkv_scale, *o_scale, *gate_up_scale, *down_scale;
