@@ -183,9 +183,10 @@ typedef struct {
     const void *q_norm, *k_norm; /* bf16 [head_dim]: Qwen3's per-head RMSNorm before rotary, or NULL */
     float qk_eps;
     /* Each linear's format (decoder_layers.c: CHAIN_*): bf16 panels (above), int8 [n, k] with per-channel scales
-     * (--quantization w8a8_int8, linear_w8a8), e4m3 [n, k] with per-channel scales (fp8, linear_q8), or 4-bit codes with per-group scales and
-     * offsets, against float or int8 activations (linear_q4, linear_w4a8, each in its own layout: layers/int4.py); the scales and offsets NULL for bf16,
-     * the offsets and groups unused but for 4-bit. */
+     * (--quantization w8a8_int8, linear_w8a8), e4m3 [n, k] with per-channel scales (fp8, linear_q8), or 4-bit
+     * codes with per-group scales and offsets, against float or int8 activations (linear_q4, linear_w4a8, each in
+     * its own layout: layers/int4.py); the scales and offsets NULL for bf16, the offsets and groups unused but for
+     * 4-bit. */
     int qkv_format, o_format, gate_up_format, down_format;
     const float *qkv_scale, *o_scale, *gate_up_scale, *down_scale;
     const float *qkv_offset, *o_offset, *gate_up_offset, *down_offset;
