@@ -66,7 +66,8 @@ def int4_gemm(rows: torch.Tensor, w: PackedInt4, half: int) -> torch.Tensor:
     """rows [M, K] (inputs already in the weight's stored order) -> [M, N] in rows' dtype; `half`: the
     layout's bytes per block of inputs (int4.HALF)."""
     if w.int8_activations:
-        raise ValueError("the Triton 4-bit GEMM reads the float activations' layout (pack_int4(int8_activations=False))")
+        raise ValueError("the Triton 4-bit GEMM reads the float activations' layout "
+                         "(pack_int4(int8_activations=False))")
     m = rows.shape[0]
     rows = rows.contiguous()
     out = torch.empty(m, w.n, dtype=rows.dtype, device=rows.device)

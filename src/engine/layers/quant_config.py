@@ -10,8 +10,8 @@ gptq_marlin names, SGLang's GPU kernels for the same formats, count as awq / gpt
   act-order (weight_g_idx); activations dynamic per token (or none: weight-only). 8-bit schemes with static
   per-tensor activation scales (llm-compressor's FP8 and static INT8 presets) load too: their `input_scale`
   tensors are checked (one positive finite value each) and not applied, as SGLang's CPU kernels (int8 with
-  per-token activation scales of their own, fp8 weight-only against bf16 activations) do not apply them. Its `ignore` list (names, or
-  "re:" regular expressions) keeps those modules in the model dtype.
+  per-token activation scales of their own, fp8 weight-only against bf16 activations) do not apply them. Its
+  `ignore` list (names, or "re:" regular expressions) keeps those modules in the model dtype.
 - fp8 with weight_block_size (DeepSeek-V3 / R1's format): float8 e4m3 weights, each [block_n, block_k] block
   scaled by its `weight_scale_inv`, activations dynamic; dequantized at load (layers/block_fp8.py). Its
   `ignored_layers` / `modules_to_not_convert` name modules stored in the model dtype.
@@ -21,8 +21,9 @@ gptq_marlin names, SGLang's GPU kernels for the same formats, count as awq / gpt
   SGLang's `lm_head_quantized`): the LM head's qweight / qzeros / scales / g_idx load as a 4-bit head, cut
   by vocabulary rows across TP ranks like the float one; a tied embedding stays float.
 
-Anything else (other bit widths, static activation scales of 4-bit schemes, group-wise 8-bit, packed compressed-tensors
-formats, a quantized LM head outside GPTQ's lm_head, a KV-cache scheme, fp8 without weight_block_size) is refused before any weight is read.
+Anything else (other bit widths, static activation scales of 4-bit schemes, group-wise 8-bit, packed
+compressed-tensors formats, a quantized LM head outside GPTQ's lm_head, a KV-cache scheme, fp8 without
+weight_block_size) is refused before any weight is read.
 """
 
 from __future__ import annotations

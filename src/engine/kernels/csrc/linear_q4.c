@@ -242,10 +242,16 @@ static inline __attribute__((always_inline)) void w4a8_tile(const w4a8_job_t *J,
 
 /* Tiles of blocks [first, last) of width NB: one row 4 blocks a tile, two rows 2, more 1 block by up to 4 rows. */
 static void w4a8_blocks(const w4a8_job_t *J, int64_t first, int64_t last, int width) {
+    const int64_t blocks = (J->n + W4A8_LANES - 1) / W4A8_LANES;
     for (int64_t b0 = first * width; b0 < last * width; b0 += width) {
-        const int64_t blocks = (J->n + W4A8_LANES - 1) / W4A8_LANES;
         const int nb = blocks - b0 < width ? (int)(blocks - b0) : width;
-        if (width == 4) { switch (nb) { case 4: w4a8_tile(J, 0, 1, b0, 4); break; case 3: w4a8_tile(J, 0, 1, b0, 3); break; case 2: w4a8_tile(J, 0, 1, b0, 2); break; default: w4a8_tile(J, 0, 1, b0, 1); } }
+        if (width == 4)
+            switch (nb) {
+            case 4: w4a8_tile(J, 0, 1, b0, 4); break;
+            case 3: w4a8_tile(J, 0, 1, b0, 3); break;
+            case 2: w4a8_tile(J, 0, 1, b0, 2); break;
+            default: w4a8_tile(J, 0, 1, b0, 1);
+            }
         else if (width == 2) { if (nb == 2) w4a8_tile(J, 0, 2, b0, 2); else w4a8_tile(J, 0, 2, b0, 1); }
         else
             for (int64_t m0 = 0; m0 < J->m; m0 += 4)
@@ -288,7 +294,8 @@ static inline __attribute__((always_inline)) void w4a8_tile2(const w4a8_job_t *J
                 const __m256i a_lo = _mm256_set1_epi32(w4a8_load4(J->xq + (m0 + r) * k + d));
                 const __m256i a_hi = _mm256_set1_epi32(w4a8_load4(J->xq + (m0 + r) * k + d + 4));
                 for (int h = 0; h < 2; h++) {
-                    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(cl[h], a_lo), _mm256_maddubs_epi16(ch[h], a_hi));
+                    const __m256i pairs = _mm256_add_epi16(_mm256_maddubs_epi16(cl[h], a_lo),
+                                                           _mm256_maddubs_epi16(ch[h], a_hi));
                     sums[r][h] = _mm256_add_epi32(sums[r][h], _mm256_madd_epi16(pairs, ones));
                 }
             }
@@ -297,9 +304,10 @@ static inline __attribute__((always_inline)) void w4a8_tile2(const w4a8_job_t *J
             const __m256 xs = _mm256_set1_ps(J->xs[(m0 + r) * groups + g]);
             const __m256 xsum = _mm256_set1_ps(J->xsum[(m0 + r) * groups + g]);
             for (int h = 0; h < 2; h++) {
-                const float *at = J->scale + (b * groups + g) * W4A8_LANES + 8 * h;
-                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][h]), _mm256_mul_ps(_mm256_loadu_ps(at), xs), acc[r][h]);
-                acc[r][h] = _mm256_fmadd_ps(_mm256_loadu_ps(J->bias + (b * groups + g) * W4A8_LANES + 8 * h), xsum, acc[r][h]);
+                const int64_t at = (b * groups + g) * W4A8_LANES + 8 * h;
+                const __m256 scaled = _mm256_mul_ps(_mm256_loadu_ps(J->scale + at), xs);
+                acc[r][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sums[r][h]), scaled, acc[r][h]);
+                acc[r][h] = _mm256_fmadd_ps(_mm256_loadu_ps(J->bias + at), xsum, acc[r][h]);
             }
         }
     }
@@ -429,8 +437,8 @@ static void w4a8_amx_part(void *arg, int tid, int nt) {
                     const float *scales = J->scale + ((cb + i) * groups + g) * W4A8_LANES;
                     for (int ch = 0; ch < 16; ch++) {
                         const __m512 v = _mm512_cvtepi32_ps(_mm512_load_si512((const void *)(sums[i] + ch * 16)));
-                        _mm512_store_ps(acc[i] + ch * 16, _mm512_fmadd_ps(v, _mm512_mul_ps(xs, _mm512_set1_ps(scales[ch])),
-                                                                           _mm512_load_ps(acc[i] + ch * 16)));
+                        const __m512 scaled = _mm512_mul_ps(xs, _mm512_set1_ps(scales[ch]));
+                        _mm512_store_ps(acc[i] + ch * 16, _mm512_fmadd_ps(v, scaled, _mm512_load_ps(acc[i] + ch * 16)));
                     }
                 }
             }
